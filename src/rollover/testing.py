@@ -1,0 +1,87 @@
+"""Tiny random-initialised models and a character tokenizer, for tests and examples.
+
+Nothing here touches a hub: the tokenizer is built from a fixed alphabet and the model from a
+small config, so tests run offline in seconds.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>"]
+ALPHABET = list(string.ascii_letters + string.digits + string.punctuation + " \n")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer with a ChatML-style chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + ALPHABET)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<eos>", "<|im_start|>"],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_config(arch: str = "llama", vocab_size: int | None = None, **overrides):
+    """A 2-layer config of the Llama, Qwen2 or Qwen3 family with GQA."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    vocab_size = vocab_size or len(SPECIALS) + len(ALPHABET)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=SPECIALS.index("<|im_end|>"),
+        pad_token_id=0,
+    )
+    common.update(overrides)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    return cls(**common)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A random-initialised causal LM (fp32, eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
+    # Larger-than-default init so that random models produce peaked, varied distributions.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def save_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write a tiny model and the character tokenizer to `path` (a from_pretrained dir)."""
+    path = Path(path)
+    tiny_model(arch, seed, **overrides).save_pretrained(path, safe_serialization=True)
+    char_tokenizer().save_pretrained(path)
+    return path

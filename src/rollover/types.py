@@ -1,0 +1,97 @@
+"""Typed messages that cross rollover's seams.
+
+scheduler -> engine: `Request` (token ids, never text) with `SamplingParams`.
+engine -> scheduler/reward: `Completion` (token ids, per-token logprobs and policy versions,
+finish reason).
+
+A token's provenance (behaviour logprob, policy version) travels with it from the engine to
+the loss through any number of abort/resume cycles: a `Completion` turns back into a `Request`
+with `Completion.resume()`, which carries the tokens generated so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence is sampled.
+
+    `temperature == 0` is greedy decoding. `max_new_tokens` bounds the *whole* response,
+    including tokens carried in by a resumed request. `seed` makes sampling reproducible and
+    independent of batching: the noise for the token at response position `i` depends only on
+    `(seed, i)`, so a sequence aborted and resumed samples exactly what it would have sampled
+    uninterrupted.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_new_tokens: int = 256
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+    ignore_eos: bool = False  # keep generating through EOS (benchmarks); stop_token_ids still stop
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field."""
+        if not self.temperature >= 0.0:  # also catches NaN
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+
+
+@dataclass
+class Request:
+    """One sequence to generate, possibly resuming an earlier partial response."""
+
+    id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Tokens generated earlier (resume). Their logprobs and versions are kept as they were.
+    response_ids: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
+    response_versions: list[int] = field(default_factory=list)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.sampling.max_new_tokens - len(self.response_ids)
+
+
+@dataclass
+class Completion:
+    """What the engine returns for a request: finished, truncated or aborted."""
+
+    id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # [T] behaviour logprob of each response token (see engine docs)
+    versions: list[int]  # [T] weight version that produced each response token
+    finish: FinishReason
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.response_ids)
+
+    def resume(self, sampling: SamplingParams | None = None) -> Request:
+        """A request that continues this completion from its tokens."""
+        return Request(
+            id=self.id,
+            prompt_ids=list(self.prompt_ids),
+            sampling=sampling or self.sampling,
+            response_ids=list(self.response_ids),
+            response_logprobs=list(self.logprobs),
+            response_versions=list(self.versions),
+        )
+
+
+def with_seed(sampling: SamplingParams, seed: int | None) -> SamplingParams:
+    return replace(sampling, seed=seed)
