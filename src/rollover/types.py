@@ -95,3 +95,20 @@ class Completion:
 
 def with_seed(sampling: SamplingParams, seed: int | None) -> SamplingParams:
     return replace(sampling, seed=seed)
+
+
+@dataclass
+class Prompt:
+    """One task instance from a dataset or generator.
+
+    Exactly one of `messages` (chat form: [{"role", "content"}]) and `text` (a plain string,
+    still rendered through the chat template as a single user turn unless the data config says
+    otherwise) is set. `answer` is the ground truth handed to reward functions; `fields` holds
+    every other column (they reach reward functions as keyword arguments).
+    """
+
+    id: str
+    messages: list[dict] | None = None
+    text: str | None = None
+    answer: object = None
+    fields: dict = field(default_factory=dict)

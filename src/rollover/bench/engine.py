@@ -1,0 +1,152 @@
+"""`rollover bench engine`: TorchEngine vs HF `generate` vs the machine's FLOP-bound limit.
+
+Workload: N chat prompts, M new tokens each with EOS ignored, sampling at temperature 1
+(top-k and top-p off), fp32 by default. Both engines run on the same model in the same
+process. Tokens/s counts generated tokens only (HF's padding slots are not counted).
+
+FLOP-bound decode limit: a decoder spends about 2 x parameters FLOP per generated token
+(embedding lookup excluded, LM head included); the limit is the best measured matmul rate
+divided by that. Attention FLOPs are ignored, which makes the limit slightly optimistic.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+QUESTIONS = [
+    "What is {a} + {b}? Explain your steps.",
+    "Write a short story about a robot named {a}.",
+    "List {a} facts about the number {b}.",
+    "Why is the sky blue? Answer in {a} sentences.",
+]
+
+
+def bench_prompts(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        q = QUESTIONS[i % len(QUESTIONS)].format(a=i % 10 + 2, b=(i * 7) % 97)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def matmul_rate(dtype=torch.float32, device="cpu", seconds: float = 1.0) -> dict:
+    """Best sustained GEMM rate (FLOP/s) over a few shapes."""
+    shapes = {"1024^3": (1024, 1024, 1024), "decode 64x576x1536": (64, 576, 1536), "prefill 512x576x1536": (512, 576, 1536)}
+    rates = {}
+    for name, (m, k, n) in shapes.items():
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        for _ in range(3):
+            a @ b
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / len(shapes):
+            a @ b
+            reps += 1
+        if device != "cpu":
+            torch.cuda.synchronize()
+        rates[name] = 2 * m * k * n * reps / (time.perf_counter() - t0)
+    return rates
+
+
+def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows) -> dict:
+    from rollover.engine.torch_engine import TorchEngine
+    from rollover.types import Request, SamplingParams
+
+    max_len = max(map(len, prompts)) + new_tokens + 1
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    with TorchEngine(model, max_rows=max_rows, max_len=max_len, dtype=dtype, device=device) as eng:
+        eng.generate([Request(id="warm", prompt_ids=prompts[0], sampling=SamplingParams(max_new_tokens=4))])
+        eng.reset_stats()
+        t0 = time.perf_counter()
+        outs = eng.generate([Request(id=str(i), prompt_ids=p, sampling=sp) for i, p in enumerate(prompts)])
+        dt = time.perf_counter() - t0
+        st = eng.stats()
+    n = sum(len(o.response_ids) for o in outs)
+    return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
+            "occupancy": st.occupancy}
+
+
+def run_hf_generate(model, tokenizer, prompts, new_tokens, *, batch: int) -> dict:
+    tokenizer.padding_side = "left"
+    n_tok, t0 = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        enc = tokenizer.pad({"input_ids": chunk}, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(
+                **enc.to(model.device), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
+            )
+        n_tok += (out.shape[1] - enc["input_ids"].shape[1]) * len(chunk)
+    dt = time.perf_counter() - t0
+    return {"tokens": n_tok, "seconds": dt, "tokens_per_s": n_tok / dt, "batch": batch}
+
+
+def main(args) -> dict:
+    from rollover.models import load_hf_model, load_tokenizer
+
+    dtype = getattr(torch, args.dtype)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_hf_model(args.model, dtype=dtype, device=device).eval()
+    tokenizer = load_tokenizer(args.model)
+    prompts = bench_prompts(tokenizer, args.prompts)
+    n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    if getattr(model.config, "tie_word_embeddings", False):
+        n_params += model.get_input_embeddings().weight.numel()  # the LM head reuses it
+    rates = matmul_rate(dtype, device)
+    best = max(rates.values())
+    limit = best / (2 * n_params)
+    result = {
+        "model": args.model, "device": device, "dtype": args.dtype, "prompts": args.prompts,
+        "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
+        "matmul_flops": rates, "flops_per_token": 2 * n_params, "flop_limit_tokens_per_s": limit,
+    }
+    if args.engine == "vllm":
+        from rollover.engine.vllm_engine import bench_vllm  # optional extra
+
+        eng = bench_vllm(args, prompts)
+    else:
+        eng = run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device, max_rows=args.max_rows)
+    result[f"{args.engine}_engine"] = eng
+    result[f"{args.engine}_tokens_per_s"] = eng["tokens_per_s"]
+    result["fraction_of_limit"] = eng["tokens_per_s"] / limit
+    if not args.skip_hf:
+        hf = run_hf_generate(model, tokenizer, prompts, args.new_tokens, batch=args.hf_batch or args.prompts)
+        result["hf_generate"] = hf
+        result["hf_tokens_per_s"] = hf["tokens_per_s"]
+        result["speedup_vs_hf"] = eng["tokens_per_s"] / hf["tokens_per_s"]
+    print_table(result, args.engine)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def print_table(r: dict, engine: str) -> None:
+    print(f"\nrollover bench engine  model={r['model']} device={r['device']} dtype={r['dtype']} "
+          f"prompts={r['prompts']} new_tokens={r['new_tokens']} threads={r['threads']}")
+    print(f"  {'':28s} {'tokens/s':>10s}")
+    print(f"  {engine + ' engine':28s} {r[f'{engine}_tokens_per_s']:10.1f}")
+    if "hf_tokens_per_s" in r:
+        print(f"  {'HF generate (batch %d)' % r['hf_generate']['batch']:28s} {r['hf_tokens_per_s']:10.1f}")
+        print(f"  speedup vs HF: {r['speedup_vs_hf']:.2f}x")
+    print(f"  FLOP-bound limit: {r['flop_limit_tokens_per_s']:.1f} tokens/s "
+          f"(best matmul {max(r['matmul_flops'].values()) / 1e9:.0f} GFLOP/s, {r['flops_per_token'] / 1e6:.0f} MFLOP/token)")
+    print(f"  fraction of limit: {r['fraction_of_limit']:.1%}")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--engine", choices=["torch", "vllm"], default="torch")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--max-rows", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default=None)
+    p.add_argument("--hf-batch", type=int, default=None, help="HF generate batch (default: all prompts)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--json", default=None, help="write the results here")

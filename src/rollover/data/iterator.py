@@ -1,0 +1,91 @@
+"""A deterministic, resumable stream of prompt batches over epochs.
+
+Epoch `e` visits every prompt once, in an order that depends only on (seed, e). A batch that
+reaches the end of an epoch is completed from the start of the next one, so every batch has
+exactly `k` prompts (a batch may then hold the same prompt twice, as may any batch with `k`
+larger than the dataset). The state is (epoch, position), normalised so that a finished epoch
+reads as (e + 1, 0): resuming at an epoch boundary starts the next epoch instead of skipping
+it or ending the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Sequence
+
+from rollover.types import Prompt
+
+
+class PromptIterator:
+    def __init__(self, prompts: Sequence[Prompt], seed: int = 0, shuffle: bool = True):
+        if not prompts:
+            raise ValueError("PromptIterator needs at least one prompt")
+        self.prompts = list(prompts)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0  # index into the current epoch's order
+        self.prompts_served = 0
+        self._fingerprint = _fingerprint(self.prompts)
+        self._order = self._epoch_order(0)
+
+    def next_batch(self, k: int) -> list[Prompt]:
+        """The next `k` prompts, crossing into the next epoch when this one runs out."""
+        if k < 1:
+            raise ValueError(f"batch size must be >= 1, got {k}")
+        batch = []
+        while len(batch) < k:
+            take = min(k - len(batch), len(self.prompts) - self.position)
+            batch += [self.prompts[i] for i in self._order[self.position : self.position + take]]
+            self.position += take
+            if self.position == len(self.prompts):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._epoch_order(self.epoch)
+        self.prompts_served += k
+        return batch
+
+    def state_dict(self) -> dict:
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "position": self.position,
+            "prompts_served": self.prompts_served,
+            "num_prompts": len(self.prompts),
+            "fingerprint": self._fingerprint,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`; refuses a state saved over other data or another seed."""
+        if state["fingerprint"] != self._fingerprint or state["num_prompts"] != len(self.prompts):
+            raise ValueError(
+                f"iterator state was saved over different prompts ({state['num_prompts']} "
+                f"prompts, fingerprint {state['fingerprint'][:12]}); this iterator has "
+                f"{len(self.prompts)} prompts, fingerprint {self._fingerprint[:12]}"
+            )
+        if (state["seed"], state["shuffle"]) != (self.seed, self.shuffle):
+            raise ValueError(
+                f"iterator state has seed={state['seed']} shuffle={state['shuffle']}, this "
+                f"iterator seed={self.seed} shuffle={self.shuffle}"
+            )
+        if not 0 <= state["position"] < len(self.prompts):
+            raise ValueError(f"iterator state position {state['position']} out of range")
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+        self.prompts_served = state["prompts_served"]
+        self._order = self._epoch_order(self.epoch)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(f"prompt-order:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+
+def _fingerprint(prompts: list[Prompt]) -> str:
+    digest = hashlib.sha256()
+    for p in prompts:
+        digest.update(repr((p.id, p.text, p.messages, p.answer)).encode())
+    return digest.hexdigest()

@@ -1,0 +1,262 @@
+"""Turn rows from jsonl, parquet or HF `datasets` into `Prompt`s.
+
+A source is one string:
+
+- `path/to/file.jsonl` or `path/to/file.parquet`;
+- a directory written by `datasets.Dataset.save_to_disk` (or `DatasetDict.save_to_disk`, then
+  `split` picks the split);
+- `hf:owner/name` or `hf:owner/name?name=config`: `datasets.load_dataset` (needs a reachable
+  hub; `split` picks the split);
+- `gen:NAME?n=...&opt=...`: a procedural generator (see `rollover.data.generators`).
+
+Row conventions (both TRL-style and verl-style rows work without options):
+
+- the prompt is in column `prompt_key` (default "prompt"): a non-empty string, or a non-empty
+  list of {"role": str, "content": str} messages;
+- the answer is in column `answer_key`; the default `None` looks, in order, for "answer",
+  "solution" (TRL) and "reward_model.ground_truth" (verl). A dotted key reads into a nested
+  dict or parquet struct;
+- every other column goes to `Prompt.fields`, except the top-level column the answer came from
+  (verl's `reward_model` would otherwise hand the answer to rewards a second time).
+
+A malformed row raises `DataError` naming the source and row; with `on_bad_row="skip"` it is
+left out and recorded in `PromptSet.skipped` instead. A source in which every row is bad is an
+error either way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Literal
+
+from rollover.types import Prompt
+
+OnBadRow = Literal["raise", "skip"]
+DEFAULT_ANSWER_KEYS = ("answer", "solution", "reward_model.ground_truth")
+_MISSING = object()
+
+
+class DataError(ValueError):
+    """A dataset that cannot be read as prompts: names the source and, for a bad row, the row."""
+
+
+@dataclass(frozen=True)
+class BadRow:
+    where: str  # "data.jsonl line 3" or "data.parquet row 2"
+    reason: str
+
+
+@dataclass
+class PromptSet:
+    """The prompts read from one source, and the rows that were skipped (`on_bad_row="skip"`)."""
+
+    source: str
+    prompts: list[Prompt]
+    skipped: list[BadRow] = field(default_factory=list)
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def load_prompts(
+    source: str | Path,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str | None = None,
+    require_answer: bool = True,
+    split: str = "train",
+    on_bad_row: OnBadRow = "raise",
+) -> PromptSet:
+    """Read every row of `source` (see the module docstring) as a `Prompt`."""
+    if on_bad_row not in ("raise", "skip"):
+        raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
+    source = str(source)
+    if source.startswith("gen:"):
+        from rollover.data.generators import generate_from_spec
+
+        return PromptSet(source, generate_from_spec(source))
+
+    rows, label, where = _open_rows(source, split)
+    prompts: list[Prompt] = []
+    skipped: list[BadRow] = []
+    for index, row in rows:
+        try:
+            if isinstance(row, Exception):  # a jsonl line that is not valid JSON
+                raise BadRowError(str(row))
+            prompts.append(
+                row_to_prompt(
+                    row,
+                    id=f"{label}:{index}",
+                    prompt_key=prompt_key,
+                    answer_key=answer_key,
+                    require_answer=require_answer,
+                )
+            )
+        except BadRowError as exc:
+            if on_bad_row == "raise":
+                raise DataError(f"{where(index)}: {exc}") from None
+            skipped.append(BadRow(where(index), str(exc)))
+    if not prompts:
+        detail = f" (all {len(skipped)} rows bad; first: {skipped[0].reason})" if skipped else ""
+        raise DataError(f"{source}: no usable rows{detail}")
+    return PromptSet(source, prompts, skipped)
+
+
+class BadRowError(ValueError):
+    """Raised by `row_to_prompt`; the loader adds the file and row."""
+
+
+def row_to_prompt(
+    row: dict,
+    *,
+    id: str,
+    prompt_key: str = "prompt",
+    answer_key: str | None = None,
+    require_answer: bool = True,
+) -> Prompt:
+    """One row as a `Prompt`; raises BadRowError saying what is wrong with it."""
+    if not isinstance(row, dict):
+        raise BadRowError(f"expected an object with columns, got {type(row).__name__}")
+    prompt = _get(row, prompt_key)
+    if prompt is _MISSING or prompt is None:
+        raise BadRowError(f"missing prompt column {prompt_key!r} (columns: {sorted(row)})")
+    text, messages = _check_prompt(prompt, prompt_key)
+
+    answer, used_key = _find_answer(row, answer_key)
+    if require_answer and (answer is None or answer == ""):
+        looked = [answer_key] if answer_key else list(DEFAULT_ANSWER_KEYS)
+        raise BadRowError(f"missing answer (looked for {looked}; columns: {sorted(row)})")
+
+    excluded = {prompt_key.split(".")[0]}
+    if used_key is not None:
+        excluded.add(used_key.split(".")[0])
+    fields = {k: v for k, v in row.items() if k not in excluded}
+    return Prompt(id=id, messages=messages, text=text, answer=answer, fields=fields)
+
+
+def _check_prompt(prompt: object, key: str) -> tuple[str | None, list[dict] | None]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise BadRowError(f"prompt column {key!r} is an empty string")
+        return prompt, None
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRowError(
+            f"prompt column {key!r} must be a string or a non-empty list of messages, "
+            f"got {type(prompt).__name__}"
+        )
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise BadRowError(f"prompt message {i} is a {type(message).__name__}, not a dict")
+        for part in ("role", "content"):
+            if not isinstance(message.get(part), str):
+                raise BadRowError(f"prompt message {i} needs a string {part!r}, got {message!r}")
+    # Keep only role/content: parquet structs add null columns for keys other rows have.
+    return None, [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+
+def _find_answer(row: dict, answer_key: str | None) -> tuple[object, str | None]:
+    keys = [answer_key] if answer_key else DEFAULT_ANSWER_KEYS
+    for key in keys:
+        value = _get(row, key)
+        if value is not _MISSING and value is not None:
+            return value, key
+    return None, None
+
+
+def _get(row: dict, dotted: str) -> object:
+    value: object = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+# --- sources -----------------------------------------------------------------------------------
+
+Rows = Iterator[tuple[int, "dict | Exception"]]
+
+
+def _open_rows(source: str, split: str):
+    """(rows, id label, where(index) -> location text) for a file, directory or hub id."""
+    if source.startswith("hf:"):
+        name = source[3:].partition("?")[0]
+        return _hub_rows(source[3:], split), name, lambda i: f"{source} row {i}"
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset not found: {path}")
+    if path.is_dir():
+        return _disk_rows(path, split), path.name, lambda i: f"{path} row {i}"
+    if path.suffix == ".jsonl":
+        return _jsonl_rows(path), path.stem, lambda i: f"{path} line {i + 1}"
+    if path.suffix == ".parquet":
+        return _parquet_rows(path), path.stem, lambda i: f"{path} row {i}"
+    raise DataError(
+        f"{path}: unknown dataset extension {path.suffix!r}; expected .jsonl, .parquet, a "
+        "directory saved with datasets' save_to_disk, 'hf:owner/name' or 'gen:NAME?...'"
+    )
+
+
+def _jsonl_rows(path: Path) -> Rows:
+    with path.open(encoding="utf-8") as f:
+        for index, line in enumerate(f):
+            if not line.strip():
+                continue  # blank lines (a trailing newline, say) are not rows
+            try:
+                yield index, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield index, BadRowError(f"not valid JSON ({exc.msg} at column {exc.colno})")
+
+
+def _parquet_rows(path: Path) -> Rows:
+    import pyarrow.parquet as pq
+
+    yield from enumerate(pq.read_table(path).to_pylist())
+
+
+def _disk_rows(path: Path, split: str) -> Rows:
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    yield from enumerate(_pick_split(ds, split, str(path)))
+
+
+def _hub_rows(spec: str, split: str) -> Rows:
+    import datasets
+
+    name, _, query = spec.partition("?")
+    options = _parse_query(query, spec)
+    unknown = set(options) - {"name"}
+    if unknown:
+        raise DataError(f"hf:{spec}: unknown options {sorted(unknown)} (known: ['name'])")
+    ds = datasets.load_dataset(name, options.get("name"), split=split)
+    yield from enumerate(ds)
+
+
+def _pick_split(ds, split: str, where: str):
+    import datasets
+
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"{where}: no split {split!r} (splits: {sorted(ds)})")
+        return ds[split]
+    return ds
+
+
+def _parse_query(query: str, where: str) -> dict[str, str]:
+    """'a=1&b=x' -> {'a': '1', 'b': 'x'}. No URL decoding: '+' stays a plus sign."""
+    options: dict[str, str] = {}
+    for part in filter(None, query.split("&")):
+        key, eq, value = part.partition("=")
+        if not eq or not key:
+            raise DataError(f"{where}: option {part!r} is not key=value")
+        if key in options:
+            raise DataError(f"{where}: option {key!r} given twice")
+        options[key] = value
+    return options

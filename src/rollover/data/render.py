@@ -1,0 +1,68 @@
+"""A `Prompt` as chat messages, and as the token ids the engine is given.
+
+Rollouts are token-in/token-out: the prompt is templated and tokenized once, here, and never
+re-templated later.
+"""
+
+from __future__ import annotations
+
+from rollover.types import Prompt
+
+BOXED_INSTRUCTION = "Put the final answer in \\boxed{}."
+
+
+def render_messages(
+    prompt: Prompt, system_prompt: str | None = None, instruction: str | None = None
+) -> list[dict]:
+    """The chat messages for `prompt`.
+
+    A text prompt becomes a single user message. `instruction` (for example
+    `BOXED_INSTRUCTION`) is appended to the last user message after a blank line;
+    `system_prompt` becomes a leading system message, and is refused for a prompt that already
+    has one rather than silently replacing or duplicating it.
+    """
+    if (prompt.text is None) == (prompt.messages is None):
+        raise ValueError(f"prompt {prompt.id}: exactly one of text and messages must be set")
+    if prompt.text is not None:
+        messages = [{"role": "user", "content": prompt.text}]
+    else:
+        messages = [dict(m) for m in prompt.messages]
+    if instruction:
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if last_user is None:
+            raise ValueError(f"prompt {prompt.id}: no user message to append the instruction to")
+        messages[last_user]["content"] += "\n\n" + instruction
+    if system_prompt is not None:
+        if any(m["role"] == "system" for m in messages):
+            raise ValueError(
+                f"prompt {prompt.id} already has a system message; drop system_prompt or the "
+                "system message in the data"
+            )
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def render_prompt(
+    tokenizer,
+    prompt: Prompt,
+    system_prompt: str | None = None,
+    instruction: str | None = None,
+    use_chat_template: bool = True,
+) -> list[int]:
+    """Token ids of `prompt` ready for generation (the assistant turn is opened).
+
+    With `use_chat_template=False` (base models without a template) a text prompt plus
+    instruction is encoded as is, with the tokenizer's usual special tokens; chat-form prompts
+    need a template and are refused.
+    """
+    if not use_chat_template:
+        if prompt.text is None:
+            raise ValueError(f"prompt {prompt.id} is in chat form and needs use_chat_template")
+        if system_prompt is not None:
+            raise ValueError("system_prompt needs use_chat_template")
+        text = prompt.text + ("\n\n" + instruction if instruction else "")
+        return list(tokenizer.encode(text))
+    messages = render_messages(prompt, system_prompt, instruction)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template already wrote any BOS it wants; encoding must not add a second one.
+    return list(tokenizer.encode(text, add_special_tokens=False))

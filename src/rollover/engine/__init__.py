@@ -1,0 +1,48 @@
+"""Rollout engines behind one contract (see `Engine`)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import AsyncIterator, Iterable, Protocol
+
+import torch
+
+from rollover.engine.core import EngineStats
+from rollover.types import Completion, Request
+
+
+class Engine(Protocol):
+    """What schedulers and loops may call. Token ids in, token ids out.
+
+    - `submit`/`submit_many` validate in the caller's thread (ValueError naming the request)
+      and return futures of `Completion`s; `generate` blocks, `agenerate`/`stream` are asyncio.
+    - `abort(ids | None)` returns promptly with partial completions (finish 'abort').
+    - a `Request` carrying response tokens resumes from them; `max_new_tokens` bounds the
+      whole response.
+    - `update_weights(named tensors, version, inflight)` swaps weights between steps; every
+      generated token carries the version of the weights that produced it.
+    """
+
+    version: int
+    eos_token_ids: tuple[int, ...]
+
+    def submit(self, request: Request) -> Future: ...
+    def submit_many(self, requests: Iterable[Request]) -> list[Future]: ...
+    def generate(self, requests: Iterable[Request]) -> list[Completion]: ...
+    async def agenerate(self, request: Request) -> Completion: ...
+    def stream(self, request: Request) -> AsyncIterator: ...
+    def abort(self, ids: Iterable[str] | None = None) -> list[Completion]: ...
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, inflight: str = "continue"
+    ) -> list[Completion]: ...
+    def stats(self) -> EngineStats: ...
+    def reset_stats(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+def __getattr__(name):  # lazy: importing rollover.engine does not build anything
+    if name == "TorchEngine":
+        from rollover.engine.torch_engine import TorchEngine
+
+        return TorchEngine
+    raise AttributeError(name)

@@ -1,0 +1,275 @@
+"""The synchronous engine core: sequence state, admission, one step at a time.
+
+`EngineCore.step()` runs one decode step for every running sequence, then admits waiting
+sequences into the free cache rows (one batched prefill, with sequences that share all their
+tokens — the n samples of a prompt — prefilled once). Sequences join and leave the running batch at
+every step. It is single-threaded by design; `TorchEngine` drives it from a background
+thread and is the public API.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from rollover.engine.model_runner import ModelRunner
+from rollover.engine.sampler import Sampler
+from rollover.types import Completion, Request, SamplingParams
+
+
+@dataclass
+class Sequence:
+    request: Request
+    response_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    row: int = -1
+    cached: int = 0  # tokens whose K/V are in the cache row
+    stop_ids: frozenset[int] = frozenset()
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    def tokens(self) -> list[int]:
+        return self.request.prompt_ids + self.response_ids
+
+    def completion(self, finish) -> Completion:
+        return Completion(
+            id=self.id,
+            prompt_ids=list(self.request.prompt_ids),
+            response_ids=list(self.response_ids),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            finish=finish,
+            sampling=self.sampling,
+        )
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started (or since `reset`)."""
+
+    decode_steps: int = 0
+    busy_row_steps: int = 0  # sum over decode steps of running sequences
+    total_row_steps: int = 0  # sum over decode steps of max_rows
+    generated_tokens: int = 0
+    prefill_tokens: int = 0  # computed: sequences sharing all their tokens count once
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    recomputed_tokens: int = 0  # K/V recomputed after update_weights
+    finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+
+    @property
+    def occupancy(self) -> float:
+        return self.busy_row_steps / self.total_row_steps if self.total_row_steps else 0.0
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        eos_token_ids: tuple[int, ...],
+        seed: int = 0,
+        version: int = 0,
+        max_prefill_tokens: int = 8192,
+    ):
+        self.runner = runner
+        self.sampler = Sampler(runner.device, seed)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.version = version
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # running[i].row == i
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------ requests
+    def validate(self, req: Request) -> None:
+        """Raise ValueError naming the request and the problem."""
+        where = f"request {req.id!r}"
+        try:
+            req.sampling.validate()
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if not req.prompt_ids:
+            raise ValueError(f"{where}: empty prompt")
+        n_resp = len(req.response_ids)
+        if not (n_resp == len(req.response_logprobs) == len(req.response_versions)):
+            raise ValueError(
+                f"{where}: response_ids, response_logprobs and response_versions must have equal "
+                f"lengths, got {n_resp}, {len(req.response_logprobs)}, {len(req.response_versions)}"
+            )
+        if n_resp > req.sampling.max_new_tokens:
+            raise ValueError(
+                f"{where}: carries {n_resp} response tokens, more than max_new_tokens="
+                f"{req.sampling.max_new_tokens}"
+            )
+        total = len(req.prompt_ids) + n_resp
+        if total >= self.runner.max_len:
+            raise ValueError(
+                f"{where}: prompt{' + response' if n_resp else ''} of {total} tokens does not fit "
+                f"the context of {self.runner.max_len} tokens (need room for one new token)"
+            )
+        V = self.runner.vocab_size
+        bad = [t for t in (*req.prompt_ids, *req.response_ids) if not (isinstance(t, int) and 0 <= t < V)]
+        if bad:
+            raise ValueError(f"{where}: unknown token ids {bad[:5]} (vocabulary size {V})")
+        if any(not isinstance(t, int) or t < 0 for t in req.sampling.stop_token_ids):
+            raise ValueError(f"{where}: stop_token_ids must be non-negative ints")
+
+    def add(self, req: Request) -> Completion | None:
+        """Queue a validated request. A resumed request with no budget left finishes at once."""
+        seq = Sequence(
+            request=req,
+            response_ids=list(req.response_ids),
+            logprobs=list(req.response_logprobs),
+            versions=list(req.response_versions),
+            stop_ids=frozenset(req.sampling.stop_token_ids)
+            | (frozenset() if req.sampling.ignore_eos else frozenset(self.eos_token_ids)),
+        )
+        if req.remaining_tokens <= 0:
+            self.stats.finished["length"] += 1
+            return seq.completion("length")
+        self.waiting.append(seq)
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, ids: set[str] | None) -> list[Completion]:
+        """Abort waiting and running sequences (all when ids is None); their partial output."""
+        out = []
+        keep = deque()
+        for seq in self.waiting:
+            if ids is None or seq.id in ids:
+                out.append(seq.completion("abort"))
+            else:
+                keep.append(seq)
+        self.waiting = keep
+        for seq in [s for s in self.running if ids is None or s.id in ids]:
+            self._free(seq)
+            out.append(seq.completion("abort"))
+        self.stats.finished["abort"] += len(out)
+        return out
+
+    def update_weights(self, named_tensors, version: int, inflight: str) -> list[Completion]:
+        """Load new weights between steps. inflight: 'continue' recomputes the running
+        sequences' K/V under the new weights (their later tokens carry the new version);
+        'abort' aborts them and returns their partial output."""
+        if inflight not in ("continue", "abort"):
+            raise ValueError(f"inflight must be 'continue' or 'abort', got {inflight!r}")
+        self.runner.load_weights(named_tensors)
+        self.version = version
+        if inflight == "abort":
+            return self.abort({s.id for s in self.running})
+        if self.running:
+            t0 = time.perf_counter()
+            rows = [s.row for s in self.running]
+            toks = [s.tokens()[: s.cached] for s in self.running]
+            _, computed = self._prefill_rows(rows, toks)
+            self.stats.recomputed_tokens += computed
+            self.stats.prefill_s += time.perf_counter() - t0
+        return []
+
+    # ------------------------------------------------------------ stepping
+    def step(self) -> tuple[list[Completion], list[Sequence]]:
+        """Decode one token for every running sequence, then admit waiting ones into the free
+        rows (their prefill samples their first token). Every sequence gains exactly one token
+        per step. Returns (finished completions, sequences that got a token)."""
+        finished: list[Completion] = []
+        touched: list[Sequence] = []
+        if self.running:
+            t0 = time.perf_counter()
+            seqs = list(self.running)
+            tokens = torch.tensor([s.response_ids[-1] for s in seqs], device=self.runner.device)
+            positions = torch.tensor([s.cached for s in seqs], device=self.runner.device)
+            logits = self.runner.decode(tokens, positions)
+            for s in seqs:
+                s.cached += 1
+            self.stats.decode_steps += 1
+            self.stats.busy_row_steps += len(seqs)
+            self.stats.total_row_steps += self.runner.max_rows
+            self._append(seqs, logits, finished, touched)
+            self.stats.decode_s += time.perf_counter() - t0
+        admitted = self._admit()
+        if admitted:
+            t0 = time.perf_counter()
+            logits, computed = self._prefill_rows([s.row for s in admitted], [s.tokens() for s in admitted])
+            self.stats.prefill_tokens += computed
+            self._append(admitted, logits, finished, touched)
+            self.stats.prefill_s += time.perf_counter() - t0
+        return finished, touched
+
+    def _admit(self) -> list[Sequence]:
+        admitted, budget = [], self.max_prefill_tokens
+        while self.waiting and len(self.running) < self.runner.max_rows:
+            n = len(self.waiting[0].tokens())
+            if admitted and n > budget:
+                break
+            seq = self.waiting.popleft()
+            seq.row = len(self.running)
+            self.running.append(seq)
+            admitted.append(seq)
+            budget -= n
+        return admitted
+
+    def _prefill_rows(self, rows: list[int], token_lists: list[list[int]]) -> tuple[torch.Tensor, int]:
+        """Prefill rows; identical token lists are computed once and their cache copied.
+        Returns the last-token logits of every row and the number of tokens computed."""
+        first: dict[tuple, int] = {}
+        uniq_rows, uniq_toks, src = [], [], []
+        for row, toks in zip(rows, token_lists):
+            key = tuple(toks)
+            if key not in first:
+                first[key] = len(uniq_rows)
+                uniq_rows.append(row)
+                uniq_toks.append(toks)
+            src.append(first[key])
+        logits = self.runner.prefill(uniq_rows, uniq_toks)
+        for row, toks, j in zip(rows, token_lists, src):
+            if uniq_rows[j] != row:
+                self.runner.copy_prefix(uniq_rows[j], row, len(toks))
+        for seqrow, toks in zip(rows, token_lists):
+            self.running[seqrow].cached = len(toks)
+        return logits[torch.tensor(src, device=logits.device)], sum(map(len, uniq_toks))
+
+    def _append(self, seqs, logits, finished, touched) -> None:
+        positions = [len(s.response_ids) for s in seqs]
+        tokens, logprobs = self.sampler.sample(logits, [s.sampling for s in seqs], positions)
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        done = []
+        for s, tok, lp in zip(seqs, tokens, logprobs):
+            s.response_ids.append(tok)
+            s.logprobs.append(lp)
+            s.versions.append(self.version)
+            touched.append(s)
+            self.stats.generated_tokens += 1
+            if tok in s.stop_ids:
+                done.append((s, "stop"))
+            elif len(s.response_ids) >= s.sampling.max_new_tokens:
+                done.append((s, "length"))
+            elif s.cached >= self.runner.max_len:  # the cache has no room to feed this token
+                done.append((s, "length"))
+        for s, reason in done:
+            self._free(s)
+            self.stats.finished[reason] += 1
+            finished.append(s.completion(reason))
+
+    def _free(self, seq: Sequence) -> None:
+        """Release a sequence's row, moving the last running row into it."""
+        row = seq.row
+        last = self.running[-1]
+        if last is not seq:
+            self.runner.move_row(last.row, row, last.cached)
+            last.row = row
+            self.running[row] = last
+        self.running.pop()
+        seq.row = -1

@@ -1,0 +1,280 @@
+"""The decoder forward pass used for generation, over a row-indexed KV cache.
+
+Supports the Llama / Qwen2 / Qwen3 family (RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU MLP; Qwen2 adds q/k/v biases, Qwen3 adds per-head q/k RMSNorm). Weights are
+taken by their Hugging Face names, so `load_weights` accepts a trainer's `named_parameters()`
+directly.
+
+Layout. The cache holds one row per running sequence: `k_cache[layer]` is
+`[max_rows, kv_heads, max_len, head_dim]`. The engine keeps running sequences in rows
+`0..B-1` (it moves the last row into a freed one), so a decode step reads `cache[:B]` as a view
+with no gather. q/k/v and gate/up projections are fused into single matmuls; the per-name
+parameters are views into the fused tensors, so loading a named tensor updates the fused one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def architecture_of(config) -> str:
+    archs = getattr(config, "architectures", None) or []
+    for a in archs:
+        if a in SUPPORTED:
+            return SUPPORTED[a]
+    mt = getattr(config, "model_type", None)
+    if mt in ("llama", "mistral", "qwen2", "qwen3"):
+        return "llama" if mt == "mistral" else mt
+    raise ValueError(
+        f"TorchEngine does not support architecture {archs or mt!r}; supported: "
+        f"{', '.join(sorted(SUPPORTED))} (use engine: vllm for others)"
+    )
+
+
+def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv.float(), float(scale)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config,
+        state_dict: dict[str, torch.Tensor],
+        *,
+        max_rows: int,
+        max_len: int,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.arch = architecture_of(config)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_rows, self.max_len = max_rows, max_len
+        self.n_layers = config.num_hidden_layers
+        self.n_heads = config.num_attention_heads
+        self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_heads
+        self.hidden = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.n_heads
+        self.eps = config.rms_norm_eps
+        self.vocab_size = config.vocab_size
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self._build_params(state_dict)
+        inv_freq, scale = _rope_inv_freq(config, self.head_dim)
+        pos = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = (emb.cos() * scale).to(self.device, dtype)  # [max_len, D]
+        self.sin = (emb.sin() * scale).to(self.device, dtype)
+        shape = (max_rows, self.n_kv, max_len, self.head_dim)
+        self.k_cache = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(self.n_layers)]
+        self.v_cache = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(self.n_layers)]
+
+    # ---------------------------------------------------------------- weights
+    def _build_params(self, sd: dict[str, torch.Tensor]) -> None:
+        sd = {k.removeprefix("_orig_mod."): v for k, v in sd.items()}
+        dev, dt = self.device, self.dtype
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ValueError(f"weight {name!r} missing from the model's state dict")
+            return sd[name].detach().to(dev, dt)
+
+        self.views: dict[str, torch.Tensor] = {}  # HF name -> tensor (view) to copy into
+        self.embed = take("model.embed_tokens.weight").clone()
+        self.views["model.embed_tokens.weight"] = self.embed
+        self.final_norm = take("model.norm.weight").clone()
+        self.views["model.norm.weight"] = self.final_norm
+        if self.tied or "lm_head.weight" not in sd:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight").clone()
+            self.views["lm_head.weight"] = self.lm_head
+        self.layers = []
+        qd, kd = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        for i in range(self.n_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"], 0).contiguous()
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0).contiguous()
+            L = {
+                "in_norm": take(p + "input_layernorm.weight").clone(),
+                "post_norm": take(p + "post_attention_layernorm.weight").clone(),
+                "qkv": qkv,
+                "o": take(a + "o_proj.weight").clone(),
+                "gate_up": gate_up,
+                "down": take(p + "mlp.down_proj.weight").clone(),
+                "qkv_bias": None,
+                "q_norm": None,
+                "k_norm": None,
+            }
+            self.views[p + "input_layernorm.weight"] = L["in_norm"]
+            self.views[p + "post_attention_layernorm.weight"] = L["post_norm"]
+            self.views[a + "q_proj.weight"] = qkv[:qd]
+            self.views[a + "k_proj.weight"] = qkv[qd : qd + kd]
+            self.views[a + "v_proj.weight"] = qkv[qd + kd :]
+            self.views[a + "o_proj.weight"] = L["o"]
+            inter = gate_up.shape[0] // 2
+            self.views[p + "mlp.gate_proj.weight"] = gate_up[:inter]
+            self.views[p + "mlp.up_proj.weight"] = gate_up[inter:]
+            self.views[p + "mlp.down_proj.weight"] = L["down"]
+            if a + "q_proj.bias" in sd:
+                bias = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"], 0).contiguous()
+                L["qkv_bias"] = bias
+                self.views[a + "q_proj.bias"] = bias[:qd]
+                self.views[a + "k_proj.bias"] = bias[qd : qd + kd]
+                self.views[a + "v_proj.bias"] = bias[qd + kd :]
+            if a + "q_norm.weight" in sd:
+                L["q_norm"] = take(a + "q_norm.weight").clone()
+                L["k_norm"] = take(a + "k_norm.weight").clone()
+                self.views[a + "q_norm.weight"] = L["q_norm"]
+                self.views[a + "k_norm.weight"] = L["k_norm"]
+            self.layers.append(L)
+
+    def load_weights(self, named_tensors) -> int:
+        """Copy named tensors (HF names) into the running weights; returns how many.
+
+        Unknown names and shape mismatches raise ValueError before anything is modified.
+        """
+        items = [(k.removeprefix("_orig_mod.").removeprefix("module."), v) for k, v in named_tensors]
+        for name, t in items:
+            if name == "lm_head.weight" and self.lm_head is self.embed:
+                continue
+            if name not in self.views:
+                raise ValueError(f"update_weights: unknown weight {name!r}")
+            if tuple(t.shape) != tuple(self.views[name].shape):
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(t.shape)}, "
+                    f"expected {tuple(self.views[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, t in items:
+                if name in self.views:
+                    self.views[name].copy_(t.detach())
+        return len(items)
+
+    # ---------------------------------------------------------------- forward
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rot * sin
+
+    def _qkv(self, L: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h [..., hidden] -> q [..., H, D], k, v [..., KV, D] with rope applied."""
+        qkv = F.linear(h, L["qkv"], L["qkv_bias"])
+        qd, kd = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        q = qkv[..., :qd].unflatten(-1, (self.n_heads, self.head_dim))
+        k = qkv[..., qd : qd + kd].unflatten(-1, (self.n_kv, self.head_dim))
+        v = qkv[..., qd + kd :].unflatten(-1, (self.n_kv, self.head_dim))
+        if L["q_norm"] is not None:
+            q = self._norm(q, L["q_norm"])
+            k = self._norm(k, L["k_norm"])
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def _mlp(self, L: dict, x: torch.Tensor) -> torch.Tensor:
+        h = self._norm(x, L["post_norm"])
+        gu = F.linear(h, L["gate_up"])
+        g, u = gu.chunk(2, dim=-1)
+        return x + F.linear(F.silu(g) * u, L["down"])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._norm(h, self.final_norm), self.lm_head).float()
+
+    @torch.inference_mode()
+    def prefill(self, rows: list[int], token_ids: list[list[int]]) -> torch.Tensor:
+        """Run full sequences into cache rows (positions 0..len-1); logits of each last token [N, V]."""
+        n = len(rows)
+        lens = torch.tensor([len(t) for t in token_ids], device=self.device)
+        T = int(lens.max())
+        ids = torch.zeros((n, T), dtype=torch.long, device=self.device)
+        for i, t in enumerate(token_ids):
+            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        pos = torch.arange(T, device=self.device)
+        valid = pos[None, :] < lens[:, None]  # [N, T]
+        # mask[b, 1, q, k]: causal and key not padding
+        mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]
+        mask = mask[:, None]
+        rows_t = torch.tensor(rows, device=self.device)
+        contiguous = rows == list(range(rows[0], rows[0] + n))
+        x = F.embedding(ids, self.embed)
+        cos, sin = self.cos[:T], self.sin[:T]
+        g = self.n_heads // self.n_kv
+        for li, L in enumerate(self.layers):
+            h = self._norm(x, L["in_norm"])
+            q, k, v = self._qkv(L, h, cos, sin)  # [N, T, H|KV, D]
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [N, KV, T, D]
+            if contiguous:
+                self.k_cache[li][rows[0] : rows[0] + n, :, :T] = k
+                self.v_cache[li][rows[0] : rows[0] + n, :, :T] = v
+            else:
+                self.k_cache[li][rows_t, :, :T] = k
+                self.v_cache[li][rows_t, :, :T] = v
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=g > 1
+            )  # [N, H, T, D]
+            o = o.transpose(1, 2).flatten(-2)
+            x = x + F.linear(o, L["o"])
+            x = self._mlp(L, x)
+        last = x[torch.arange(n, device=self.device), lens - 1]
+        return self.logits(last)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token for each of rows 0..B-1 at the given positions; logits [B, V]."""
+        B = tokens.shape[0]
+        Lk = int(positions.max()) + 1
+        x = F.embedding(tokens, self.embed)  # [B, hidden]
+        cos, sin = self.cos[positions], self.sin[positions]
+        ar = torch.arange(B, device=self.device)
+        keymask = torch.arange(Lk, device=self.device)[None, :] <= positions[:, None]  # [B, Lk]
+        bias = torch.zeros((B, 1, 1, Lk), dtype=self.dtype, device=self.device)
+        bias.masked_fill_(~keymask[:, None, None, :], float("-inf"))
+        g = self.n_heads // self.n_kv
+        scale = 1.0 / math.sqrt(self.head_dim)
+        for li, L in enumerate(self.layers):
+            h = self._norm(x, L["in_norm"])
+            q, k, v = self._qkv(L, h, cos, sin)  # q [B, H, D]; k, v [B, KV, D]
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc[ar, :, positions] = k
+            vc[ar, :, positions] = v
+            K, V = kc[:B, :, :Lk], vc[:B, :, :Lk]  # views [B, KV, Lk, D]
+            qg = q.view(B, self.n_kv, g, self.head_dim)
+            s = torch.matmul(qg, K.transpose(-1, -2)) * scale + bias  # [B, KV, g, Lk]
+            o = torch.matmul(torch.softmax(s, dim=-1), V)  # [B, KV, g, D]
+            x = x + F.linear(o.reshape(B, -1), L["o"])
+            x = self._mlp(L, x)
+        return self.logits(x)
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy a sequence's cache from row src to row dst (compaction after a row frees)."""
+        for li in range(self.n_layers):
+            self.k_cache[li][dst, :, :length] = self.k_cache[li][src, :, :length]
+            self.v_cache[li][dst, :, :length] = self.v_cache[li][src, :, :length]
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        self.move_row(src, dst, length)

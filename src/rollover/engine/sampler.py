@@ -1,0 +1,90 @@
+"""Token sampling and the logprob each token is reported with.
+
+The reported logprob is the log-probability of the token under the distribution it was
+actually drawn from:
+
+- temperature T > 0: `log_softmax(logits / T)`, restricted to the top-k / top-p set and
+  renormalised over it when either is active. With `top_k=0, top_p=1` (the RL default) this is
+  exactly `log_softmax(logits / T)[token]`, which is what a trainer computes when it divides its
+  logits by the same temperature.
+- greedy (T = 0): the distribution is a point mass, so its logprob would be 0 for every token
+  and useless as a behaviour logprob; greedy tokens report `log_softmax(logits)[token]`
+  (temperature 1) instead.
+
+Sampling is inverse-CDF with one uniform number per token. For a seeded request that number
+comes from a generator seeded by `(seed, response position)`, so a sequence's tokens do not
+depend on which other sequences share its batch, nor on how often it was aborted and resumed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollover.types import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for the noise of the token at `position` of a seeded sequence."""
+    x = (seed * _MIX + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 31
+    x = (x * 0xD6E8FEEB86659FD9) & (2**64 - 1)
+    x ^= x >> 29
+    return x & (2**63 - 1)
+
+
+def _truncate(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus set of one row [V] to -inf."""
+    if top_k and top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z, descending=True)
+        probs = torch.softmax(sorted_z, -1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        z = z.clone()
+        z[order[drop]] = float("-inf")
+    return z
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.gen = torch.Generator(device=device)
+        self.gen.manual_seed(seed)
+        self.row_gen = torch.Generator(device=device)
+
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, V] float32 -> (tokens [B], logprobs [B]).
+
+        `positions[b]` is the response index of the token being sampled (for seeded noise).
+        """
+        B, V = logits.shape
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        greedy = temps == 0
+        z = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+        for b, p in enumerate(params):
+            if p.temperature > 0 and (p.top_k or p.top_p < 1.0):
+                z[b] = _truncate(z[b], p.top_k, p.top_p)
+        logp = torch.log_softmax(z, dim=-1)  # [B, V]
+        tokens = logp.argmax(-1)
+        if not bool(greedy.all()):
+            # Inverse-CDF sampling: one uniform per row (cheap, and seedable per row).
+            u = torch.empty(B, dtype=torch.float64, device=logits.device)
+            unseeded = [b for b, p in enumerate(params) if p.temperature > 0 and p.seed is None]
+            if unseeded:
+                u[unseeded] = torch.rand(len(unseeded), generator=self.gen, dtype=torch.float64, device=logits.device)
+            for b, p in enumerate(params):
+                if p.temperature > 0 and p.seed is not None:
+                    self.row_gen.manual_seed(position_seed(p.seed, positions[b]))
+                    u[b] = torch.rand(1, generator=self.row_gen, dtype=torch.float64, device=logits.device)[0]
+            cdf = logp.double().exp().cumsum(-1)  # [B, V]
+            # right=True: the first index whose cdf exceeds u*total, never a zero-probability token
+            sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+            sampled = sampled.clamp_(max=V - 1)
+            tokens = torch.where(greedy, tokens, sampled)
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)

@@ -1,0 +1,266 @@
+"""TorchEngine: the built-in engine, a background thread stepping an `EngineCore`.
+
+Every public method is thread-safe. Commands (submit, abort, update_weights) are applied
+between steps in the order they were issued; a step in progress is never interrupted, so
+`abort` returns within one decode step. Completions resolve `concurrent.futures.Future`s from
+the engine thread, so a done-callback that calls `abort` or `submit` runs before the next
+step; `agenerate` and `stream` wrap the same futures for asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Iterable
+
+import torch
+
+from rollover.engine.core import EngineCore, EngineStats
+from rollover.engine.model_runner import ModelRunner
+from rollover.types import Completion, Request
+
+
+@dataclass
+class TokenEvent:
+    """One streamed token; the last event of a stream also carries the completion."""
+
+    token: int | None
+    logprob: float | None
+    version: int | None
+    completion: Completion | None = None
+
+
+def _eos_ids(config, generation_config) -> tuple[int, ...]:
+    ids: list[int] = []
+    for src in (generation_config, config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if e is None:
+            continue
+        ids.extend(e if isinstance(e, (list, tuple)) else [e])
+    return tuple(dict.fromkeys(ids))
+
+
+class TorchEngine:
+    """Continuous-batching generation on CPU or CUDA.
+
+    model: an HF causal LM module, or a name for `rollover.models.resolve_model`.
+    max_rows: sequences decoded together (the slot limit).
+    max_len: cache length per sequence (prompt + response).
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        device: str | None = None,
+        dtype: torch.dtype | str = torch.float32,
+        max_rows: int = 64,
+        max_len: int | None = None,
+        seed: int = 0,
+        version: int = 0,
+        eos_token_ids: Iterable[int] | None = None,
+        max_prefill_tokens: int = 8192,
+    ):
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if isinstance(model, str):
+            from rollover.models import load_hf_model
+
+            model = load_hf_model(model)
+        config = model.config
+        gen_config = getattr(model, "generation_config", None)
+        max_len = max_len or min(getattr(config, "max_position_embeddings", 2048), 2048)
+        runner = ModelRunner(
+            config, model.state_dict(), max_rows=max_rows, max_len=max_len, device=device, dtype=dtype
+        )
+        eos = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(config, gen_config)
+        self.core = EngineCore(
+            runner, eos_token_ids=eos, seed=seed, version=version, max_prefill_tokens=max_prefill_tokens
+        )
+        self.max_rows, self.max_len, self.device = max_rows, max_len, runner.device
+        self._cond = threading.Condition()
+        self._commands: list[tuple[Callable, Future]] = []
+        self._futures: dict[str, Future] = {}
+        self._listeners: dict[str, Callable] = {}
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="rollover-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API
+    @property
+    def version(self) -> int:
+        return self.core.version
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.core.eos_token_ids
+
+    def submit(self, request: Request) -> Future:
+        """Queue one request; returns a Future of its Completion. Bad input raises ValueError
+        here, in the caller's thread, and leaves every other request untouched."""
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Iterable[Request]) -> list[Future]:
+        """Queue requests atomically (they are admitted in this order, none before the rest)."""
+        requests = list(requests)
+        with self._cond:
+            self._check_alive()
+            seen = set()
+            for r in requests:
+                if r.id in self._futures or r.id in seen:
+                    raise ValueError(f"request {r.id!r}: an unfinished request has this id")
+                seen.add(r.id)
+                self.core.validate(r)
+            futures = [Future() for _ in requests]
+            for r, f in zip(requests, futures):
+                self._futures[r.id] = f
+
+            def add() -> None:
+                for r in requests:
+                    done = self.core.add(r)
+                    if done is not None:
+                        self._resolve([done])
+
+            self._run_or_queue(add, wait=False)
+        return futures
+
+    def generate(self, requests: Iterable[Request]) -> list[Completion]:
+        """Blocking: submit and wait for all."""
+        return [f.result() for f in self.submit_many(requests)]
+
+    async def agenerate(self, request: Request) -> Completion:
+        return await asyncio.wrap_future(self.submit(request))
+
+    async def stream(self, request: Request) -> AsyncIterator[TokenEvent]:
+        """Yield each new token as it is generated; the last event carries the completion."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_token(tok, lp, ver):
+            loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(tok, lp, ver))
+
+        with self._cond:
+            self._listeners[request.id] = on_token
+        fut = self.submit(request)
+        fut.add_done_callback(
+            lambda f: loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(None, None, None, f.result()))
+        )
+        while True:
+            ev = await queue.get()
+            yield ev
+            if ev.completion is not None:
+                return
+
+    def abort(self, ids: Iterable[str] | None = None) -> list[Completion]:
+        """Abort requests (all when ids is None). Returns their partial completions (tokens,
+        logprobs and versions so far, finish 'abort'); their futures resolve with the same."""
+        idset = None if ids is None else set(ids)
+        return self._run_or_queue(lambda: self._resolve(self.core.abort(idset)), wait=True)
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, inflight: str = "continue"
+    ) -> list[Completion]:
+        """Load new weights between decode steps, without a restart.
+
+        inflight='continue': running sequences keep going; their K/V is recomputed under the new
+        weights and their later tokens carry `version`. inflight='abort': they are aborted and
+        returned. Tensors are copied before this returns, so the caller may modify them after.
+        """
+        items = [(k, v.detach()) for k, v in named_tensors]
+        return self._run_or_queue(
+            lambda: self._resolve(self.core.update_weights(items, version, inflight)), wait=True
+        )
+
+    def stats(self) -> EngineStats:
+        return self._run_or_queue(lambda: EngineStats(**{
+            **self.core.stats.__dict__, "finished": dict(self.core.stats.finished)
+        }), wait=True)
+
+    def reset_stats(self) -> None:
+        self._run_or_queue(lambda: setattr(self.core, "stats", EngineStats()), wait=True)
+
+    def num_unfinished(self) -> int:
+        with self._cond:
+            return len(self._futures)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ------------------------------------------------------------ internals
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine stopped after an error: {self._error!r}") from self._error
+        if self._stopped:
+            raise RuntimeError("engine is shut down")
+
+    def _run_or_queue(self, fn: Callable, wait: bool):
+        """Run fn in the engine thread at the next step boundary (now, if we are that thread)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        box: Future = Future()
+        with self._cond:
+            self._check_alive()
+            self._commands.append((fn, box))
+            self._cond.notify_all()
+        return box.result() if wait else None
+
+    def _resolve(self, completions: list[Completion]) -> list[Completion]:
+        for c in completions:
+            with self._cond:
+                fut = self._futures.pop(c.id, None)
+                self._listeners.pop(c.id, None)
+            if fut is not None:
+                fut.set_result(c)
+        return completions
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopped and not self._commands and not self.core.has_work():
+                        self._cond.wait()
+                    if self._stopped:
+                        break
+                    commands, self._commands = self._commands, []
+                for fn, box in commands:
+                    try:
+                        box.set_result(fn())
+                    except Exception as e:  # reported to the caller; the engine keeps running
+                        box.set_exception(e)
+                if self.core.has_work():
+                    finished, touched = self.core.step()
+                    if self._listeners:
+                        for s in touched:
+                            cb = self._listeners.get(s.id)
+                            if cb is not None:
+                                cb(s.response_ids[-1], s.logprobs[-1], s.versions[-1])
+                    self._resolve(finished)
+        except BaseException as e:  # a broken step fails every pending request loudly
+            with self._cond:
+                self._error = e
+            raise
+        finally:
+            with self._cond:
+                self._stopped = True
+                commands, self._commands = self._commands, []
+                pending, self._futures = self._futures, {}
+            why = f"engine step failed: {self._error!r}" if self._error else "engine shut down"
+            for _, box in commands:
+                box.set_exception(RuntimeError(why))
+            for f in pending.values():
+                if not f.done():
+                    f.set_exception(RuntimeError(f"{why} before the request finished"))

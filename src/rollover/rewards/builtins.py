@@ -1,0 +1,117 @@
+"""Built-in reward functions: `(completion, answer, **fields) -> float | None`.
+
+`None` means the function does not apply to this sample (see `rollover.rewards.runner`).
+None of these has a timeout of its own; `RewardRunner` enforces one around every call.
+
+`numeric` and `exact` look for the final answer with `rollover.rewards.extract.final_answer`:
+the last `\\boxed{...}`, else the last `<answer>...</answer>`, else the whole completion.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from functools import lru_cache
+
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+from rollover.rewards.countdown import countdown_reward
+from rollover.rewards.extract import final_answer
+
+
+# --- math ---------------------------------------------------------------------------------------
+
+
+_COMPLETION_EXTRACTION = [
+    LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False),
+    ExprExtractionConfig(),
+]
+
+
+def math_reward(completion: str, answer, **_) -> float | None:
+    """1.0 if math-verify finds the completion equal to the gold answer, else 0.0.
+
+    Follows TRL's `accuracy_reward`: the completion is parsed with `\\boxed{}` taking priority
+    and no anchor-less LaTeX, then plain expressions. A bare gold answer ("8", "x^2+1") is
+    wrapped in `\\boxed{}` before parsing, as verl does, so it is read as LaTeX. A gold answer
+    that does not parse gives None (the sample is not scored by this function), not 0.
+
+    math-verify's own timeouts use `signal.alarm`, which fails off the main thread; they are
+    turned off here, and the runner's thread-based timeout stands in for them.
+    """
+    gold_text = str(answer)
+    if "\\boxed" not in gold_text and "$" not in gold_text:
+        gold_text = f"\\boxed{{{gold_text}}}"
+    gold = parse(gold_text, parsing_timeout=None)
+    if not gold:
+        return None
+    pred = parse(completion, extraction_config=_COMPLETION_EXTRACTION, parsing_timeout=None)
+    return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+# --- numeric ------------------------------------------------------------------------------------
+
+# A number with optional thousands separators and decimals. A minus sign counts only when it
+# does not follow a word character or ")", so "5-3" reads as 5 and 3, not 5 and -3.
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def parse_number(text: str) -> float:
+    """'1,234.50' -> 1234.5; raises ValueError if `text` is not one number."""
+    cleaned = str(text).strip().strip("$").replace(",", "")
+    return float(cleaned)
+
+
+def numeric_reward(completion: str, answer, **_) -> float:
+    """1.0 if the last number in the completion's final answer equals `answer` (8 == 8.0 ==
+    "8"; commas are thousands separators), else 0.0. A non-numeric gold answer raises."""
+    gold = parse_number(answer)
+    numbers = _NUMBER.findall(final_answer(completion))
+    if not numbers:
+        return 0.0
+    value = parse_number(numbers[-1])
+    return 1.0 if math.isclose(value, gold, rel_tol=1e-9, abs_tol=1e-9) else 0.0
+
+
+# --- exact --------------------------------------------------------------------------------------
+
+
+def normalize_text(text: str) -> str:
+    """Casefolded, whitespace collapsed, surrounding `$` and a trailing period removed."""
+    text = " ".join(str(text).split()).casefold()
+    return text.strip("$ ").removesuffix(".").strip()
+
+
+def exact_reward(completion: str, answer, **_) -> float:
+    """1.0 if the completion's final answer equals `answer` after `normalize_text`, else 0.0."""
+    return 1.0 if normalize_text(final_answer(completion)) == normalize_text(answer) else 0.0
+
+
+# --- format -------------------------------------------------------------------------------------
+
+DEFAULT_FORMAT_PATTERN = r"\\boxed\{.+\}"
+
+
+@lru_cache(maxsize=64)
+def _compiled(pattern: str) -> re.Pattern:
+    return re.compile(pattern, re.DOTALL)
+
+
+def format_reward(
+    completion: str, answer=None, *, pattern: str = DEFAULT_FORMAT_PATTERN, **_
+) -> float:
+    """1.0 if `pattern` is found in the completion (`re.search`, DOTALL), else 0.0.
+
+    Anchor the pattern with ^...$ to require the whole completion to match, e.g.
+    r"^<think>.*?</think>\\s*<answer>.*?</answer>$".
+    """
+    return 1.0 if _compiled(pattern).search(completion) else 0.0
+
+
+BUILTINS = {
+    "math": math_reward,
+    "numeric": numeric_reward,
+    "exact": exact_reward,
+    "format": format_reward,
+    "countdown": countdown_reward,
+}

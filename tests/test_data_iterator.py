@@ -1,0 +1,114 @@
+"""The resumable prompt iterator and held-out splits."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollover.data import PromptIterator, arithmetic, split_holdout
+from rollover.types import Prompt
+
+
+def prompts(n):
+    return [Prompt(id=f"p{i}", text=f"q{i}", answer=str(i)) for i in range(n)]
+
+
+def ids(batch):
+    return [p.id for p in batch]
+
+
+def test_each_epoch_visits_every_prompt_once_in_a_seeded_order():
+    it = PromptIterator(prompts(6), seed=1)
+    epoch0 = ids(it.next_batch(3) + it.next_batch(3))
+    epoch1 = ids(it.next_batch(6))
+    assert sorted(epoch0) == sorted(epoch1) == [f"p{i}" for i in range(6)]
+    assert epoch0 != epoch1  # reshuffled per epoch
+    assert it.epoch == 2 and it.position == 0
+    assert ids(PromptIterator(prompts(6), seed=1).next_batch(6)) == epoch0
+
+
+def test_unshuffled_order_and_batches_that_cross_an_epoch():
+    it = PromptIterator(prompts(5), shuffle=False)
+    assert ids(it.next_batch(3)) == ["p0", "p1", "p2"]
+    assert ids(it.next_batch(3)) == ["p3", "p4", "p0"]  # completed from epoch 1
+    assert (it.epoch, it.position, it.prompts_served) == (1, 1, 6)
+    assert ids(it.next_batch(7)) == ["p1", "p2", "p3", "p4", "p0", "p1", "p2"]
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 3, 4, 5])
+def test_resume_gives_the_same_prompts_as_an_uninterrupted_run(stop_after):
+    # 7 prompts, batches of 3: batch boundaries fall mid-epoch and, after batch 7, exactly on
+    # an epoch boundary (21 = 3 * 7). Stops at batches 1..5 cover crossing into epoch 1 and 2.
+    data = prompts(7)
+    reference = PromptIterator(data, seed=11)
+    expected = [ids(reference.next_batch(3)) for _ in range(12)]
+
+    first = PromptIterator(data, seed=11)
+    got = [ids(first.next_batch(3)) for _ in range(stop_after)]
+    state = first.state_dict()
+    del first  # the run is killed
+    resumed = PromptIterator(data, seed=11)
+    resumed.load_state_dict(state)
+    got += [ids(resumed.next_batch(3)) for _ in range(12 - stop_after)]
+    assert got == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 9),
+    sizes=st.lists(st.integers(1, 12), min_size=1, max_size=8),
+    stop=st.integers(0, 8),
+    seed=st.integers(0, 3),
+)
+def test_resume_anywhere_matches_an_uninterrupted_run(n, sizes, stop, seed):
+    data = prompts(n)
+    reference = PromptIterator(data, seed=seed)
+    expected = [ids(reference.next_batch(k)) for k in sizes]
+    run = PromptIterator(data, seed=seed)
+    got = [ids(run.next_batch(k)) for k in sizes[:stop]]
+    resumed = PromptIterator(data, seed=seed)
+    resumed.load_state_dict(run.state_dict())
+    got += [ids(resumed.next_batch(k)) for k in sizes[stop:]]
+    assert got == expected
+    assert resumed.prompts_served == sum(sizes) and resumed.state_dict() == reference.state_dict()
+
+
+def test_resume_exactly_at_an_epoch_boundary_starts_the_next_epoch():
+    data = prompts(4)
+    it = PromptIterator(data, seed=0)
+    it.next_batch(2)
+    it.next_batch(2)  # epoch 0 is done
+    state = it.state_dict()
+    assert (state["epoch"], state["position"]) == (1, 0)
+    expected_epoch1 = ids(it.next_batch(4))
+
+    resumed = PromptIterator(data, seed=0)
+    resumed.load_state_dict(state)
+    assert ids(resumed.next_batch(4)) == expected_epoch1
+    assert resumed.epoch == 2
+
+
+def test_state_from_other_data_or_seed_is_refused():
+    state = PromptIterator(prompts(4), seed=0).state_dict()
+    with pytest.raises(ValueError, match="different prompts"):
+        PromptIterator(prompts(5), seed=0).load_state_dict(state)
+    changed = prompts(4)
+    changed[2].answer = "changed"
+    with pytest.raises(ValueError, match="different prompts"):
+        PromptIterator(changed, seed=0).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed=0"):
+        PromptIterator(prompts(4), seed=1).load_state_dict(state)
+
+
+def test_holdout_split_is_deterministic_and_disjoint_by_content():
+    data = arithmetic(300, seed=0)  # 1-digit sums: many questions repeat
+    train, held = split_holdout(data, fraction=0.1, seed=0)
+    assert len(train) + len(held) == 300
+    train_questions = {p.text for p in train}
+    held_questions = {p.text for p in held}
+    assert not train_questions & held_questions
+    distinct = len(train_questions | held_questions)
+    assert len(held_questions) == -(-distinct // 10)  # ceil(0.1 * distinct)
+    assert split_holdout(data, fraction=0.1, seed=0) == (train, held)
+    assert split_holdout(data, fraction=0.1, seed=1)[1] != held
+    with pytest.raises(ValueError, match="fraction"):
+        split_holdout(data, fraction=1.0)

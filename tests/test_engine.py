@@ -1,0 +1,320 @@
+"""TorchEngine contract tests on tiny random models (CPU, fp32)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from rollover.engine.torch_engine import TorchEngine
+from rollover.testing import tiny_model
+from rollover.types import Request, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+
+
+def hf_logprobs(model, prompt_ids, response_ids, temperature=1.0):
+    """log_softmax of the HF forward at each response position, for the tokens taken."""
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float() / temperature
+    lp = torch.log_softmax(logits, -1)[len(prompt_ids) - 1 : -1]
+    return lp.gather(1, torch.tensor(response_ids)[:, None]).squeeze(1)
+
+
+def hf_greedy(model, prompt_ids, n):
+    ids = list(prompt_ids)
+    for _ in range(n):
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids) :]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=1)
+
+
+@pytest.fixture()
+def engine(model):
+    eng = TorchEngine(model, max_rows=8, max_len=160, eos_token_ids=[])
+    yield eng
+    eng.shutdown()
+
+
+def abort_after(engine, k, target_ids, **update):
+    """Submit a 'timer' request that finishes after k tokens, at the same step as the targets
+    reach k tokens (they are admitted together); its done-callback runs in the engine thread
+    between steps, so the abort (or weight update) lands exactly after token k."""
+    timer = Request(id=f"timer-{k}", prompt_ids=[3], sampling=SamplingParams(temperature=0.0, max_new_tokens=k, ignore_eos=True))
+    box = {}
+
+    def fire(_):
+        if update:
+            box["aborted"] = engine.update_weights(**update)
+        else:
+            box["aborted"] = engine.abort(target_ids)
+
+    return timer, fire, box
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_logprobs_match_hf_forward(arch):
+    model = tiny_model(arch, seed=2)
+    if arch == "qwen2":  # biases are zero-initialised; make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.2)
+    with TorchEngine(model, max_rows=4, max_len=128, eos_token_ids=[]) as eng:
+        reqs = [
+            Request(id=f"r{i}", prompt_ids=list(range(5, 5 + 3 + 2 * i)),
+                    sampling=SamplingParams(temperature=1.0, max_new_tokens=16, seed=i))
+            for i in range(6)
+        ]
+        outs = eng.generate(reqs)
+    for out in outs:
+        ref = hf_logprobs(model, out.prompt_ids, out.response_ids)
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4), (arch, out.id)
+
+
+def test_logprobs_follow_temperature(model):
+    with TorchEngine(model, max_rows=4, max_len=64, eos_token_ids=[]) as eng:
+        out = eng.generate([Request(id="t", prompt_ids=[7, 8, 9], sampling=SamplingParams(temperature=0.7, max_new_tokens=12, seed=3))])[0]
+    ref = hf_logprobs(model, out.prompt_ids, out.response_ids, temperature=0.7)
+    assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4)
+
+
+def test_greedy_matches_hf_greedy(model, engine):
+    out = engine.generate([Request(id="g", prompt_ids=[10, 11, 12, 13], sampling=GREEDY)])[0]
+    assert out.response_ids == hf_greedy(model, [10, 11, 12, 13], GREEDY.max_new_tokens)
+    assert out.finish == "length" and out.versions == [0] * GREEDY.max_new_tokens
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 11, 23])
+def test_abort_at_token_k_then_resume_equals_uninterrupted(engine, k):
+    prompt = [20, 21, 22]
+    full = engine.generate([Request(id="full", prompt_ids=prompt, sampling=GREEDY)])[0]
+    target = Request(id="t", prompt_ids=prompt, sampling=GREEDY)
+    timer, fire, box = abort_after(engine, k, ["t"])
+    ft, fx = engine.submit_many([timer, target])
+    ft.add_done_callback(fire)
+    part = fx.result()
+    assert part.finish == "abort"
+    assert part.response_ids == full.response_ids[:k]  # exactly the tokens so far
+    assert part.logprobs == pytest.approx(full.logprobs[:k], abs=1e-5)
+    resumed = engine.generate([part.resume()])[0]
+    assert resumed.response_ids == full.response_ids
+    assert resumed.finish == "length"
+    assert resumed.logprobs == pytest.approx(full.logprobs, abs=1e-4)
+
+
+def test_two_resumes_equal_uninterrupted_and_keep_budget(engine):
+    prompt = [30, 31]
+    full = engine.generate([Request(id="full", prompt_ids=prompt, sampling=GREEDY)])[0]
+    req = Request(id="t", prompt_ids=prompt, sampling=GREEDY)
+    for k in (4, 9):
+        remaining = req.sampling.max_new_tokens - len(req.response_ids)
+        timer, fire, _ = abort_after(engine, k, ["t"])
+        ft, fx = engine.submit_many([timer, req])
+        ft.add_done_callback(fire)
+        part = fx.result()
+        assert part.finish == "abort"
+        assert len(part.response_ids) == len(req.response_ids) + min(k, remaining)
+        req = part.resume()
+    final = engine.generate([req])[0]
+    assert final.response_ids == full.response_ids
+    assert len(final.response_ids) == GREEDY.max_new_tokens
+
+
+def test_seeded_sampling_survives_abort_and_batching(engine):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=20, seed=1234, ignore_eos=True)
+    alone = engine.generate([Request(id="a", prompt_ids=[40, 41], sampling=sp)])[0]
+    # same request in a crowded batch, aborted after 7 tokens and resumed
+    others = [Request(id=f"o{i}", prompt_ids=[50 + i] * (1 + i), sampling=SamplingParams(max_new_tokens=30)) for i in range(5)]
+    timer, fire, _ = abort_after(engine, 7, ["a"])
+    futs = engine.submit_many([timer, Request(id="a", prompt_ids=[40, 41], sampling=sp), *others])
+    futs[0].add_done_callback(fire)
+    part = futs[1].result()
+    assert part.finish == "abort" and len(part.response_ids) == 7
+    resumed = engine.generate([part.resume()])[0]
+    assert resumed.response_ids == alone.response_ids
+    for f in futs[2:]:
+        assert f.result().finish == "length"
+
+
+def test_budget_is_whole_response(engine):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=0)
+    first = engine.generate([Request(id="b", prompt_ids=[9], sampling=sp)])[0]
+    assert len(first.response_ids) == 10
+    # a resume that already holds the whole budget finishes at once, with no new token
+    again = engine.generate([first.resume()])[0]
+    assert again.response_ids == first.response_ids and again.finish == "length"
+    # a resume with 6 tokens gets exactly 4 more
+    partial = first.resume()
+    partial.response_ids, partial.response_logprobs, partial.response_versions = (
+        partial.response_ids[:6], partial.response_logprobs[:6], partial.response_versions[:6])
+    out = engine.generate([partial])[0]
+    assert len(out.response_ids) == 10 and out.finish == "length"
+    with pytest.raises(ValueError, match="more than max_new_tokens"):
+        bad = first.resume(SamplingParams(max_new_tokens=5))
+        engine.submit(bad)
+
+
+def test_update_weights_continue_tags_new_version(model):
+    new_model = tiny_model("llama", seed=99)
+    with TorchEngine(model, max_rows=4, max_len=96, eos_token_ids=[]) as eng:
+        k = 6
+        update = dict(named_tensors=list(new_model.state_dict().items()), version=1, inflight="continue")
+        timer, fire, box = abort_after(eng, k, None, **update)
+        ft, fx = eng.submit_many([timer, Request(id="w", prompt_ids=[60, 61, 62], sampling=GREEDY)])
+        ft.add_done_callback(fire)
+        out = fx.result()
+        assert box["aborted"] == []
+        assert eng.version == 1
+    n = GREEDY.max_new_tokens
+    assert out.versions == [0] * k + [1] * (n - k)
+    # tokens before the update are the old model's, after it the new model's continuation
+    assert out.response_ids[:k] == hf_greedy(model, out.prompt_ids, k)
+    assert out.response_ids[k:] == hf_greedy(new_model, out.prompt_ids + out.response_ids[:k], n - k)
+    ref_old = hf_logprobs(model, out.prompt_ids, out.response_ids)
+    ref_new = hf_logprobs(new_model, out.prompt_ids, out.response_ids)
+    got = torch.tensor(out.logprobs)
+    assert torch.allclose(got[:k], ref_old[:k], atol=1e-4)
+    assert torch.allclose(got[k:], ref_new[k:], atol=1e-4)
+
+
+def test_update_weights_abort_returns_partials(model):
+    new_model = tiny_model("llama", seed=98)
+    with TorchEngine(model, max_rows=4, max_len=96, eos_token_ids=[]) as eng:
+        update = dict(named_tensors=new_model.named_parameters(), version=5, inflight="abort")
+        timer, fire, box = abort_after(eng, 4, None, **update)
+        ft, fx = eng.submit_many([timer, Request(id="w", prompt_ids=[60, 61], sampling=GREEDY)])
+        ft.add_done_callback(fire)
+        out = fx.result()
+        assert out.finish == "abort" and len(out.response_ids) == 4
+        assert [c.id for c in box["aborted"]] == ["w"]
+        resumed = eng.generate([out.resume()])[0]
+    assert resumed.versions == [0] * 4 + [5] * (GREEDY.max_new_tokens - 4)
+
+
+def test_update_weights_rejects_unknown_names(engine):
+    with pytest.raises(ValueError, match="unknown weight"):
+        engine.update_weights([("model.nope.weight", torch.zeros(2))], version=1)
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))], version=1)
+    assert engine.version == 0
+
+
+def test_many_concurrent_requests_of_different_lengths(model):
+    with TorchEngine(model, max_rows=4, max_len=128, eos_token_ids=[]) as eng:
+        reqs = [
+            Request(id=f"c{i}", prompt_ids=[5 + (i % 7)] * (1 + i % 5),
+                    sampling=SamplingParams(temperature=1.0, max_new_tokens=3 + (i * 7) % 23, seed=i, ignore_eos=True))
+            for i in range(19)
+        ]
+        outs = eng.generate(reqs)
+        stats = eng.stats()
+    for req, out in zip(reqs, outs):
+        assert out.id == req.id and out.prompt_ids == req.prompt_ids
+        assert len(out.response_ids) == req.sampling.max_new_tokens and out.finish == "length"
+        ref = hf_logprobs(model, out.prompt_ids, out.response_ids)
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4), out.id
+    assert stats.busy_row_steps <= stats.total_row_steps
+    assert stats.generated_tokens == sum(r.sampling.max_new_tokens for r in reqs)
+
+
+def test_stop_tokens_finish_with_stop(model, engine):
+    full = engine.generate([Request(id="s0", prompt_ids=[70, 71], sampling=GREEDY)])[0]
+    stop_tok = full.response_ids[5]
+    first = full.response_ids.index(stop_tok)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(stop_tok,))
+    out = engine.generate([Request(id="s1", prompt_ids=[70, 71], sampling=sp)])[0]
+    assert out.finish == "stop" and out.response_ids == full.response_ids[: first + 1]
+
+
+def test_n_samples_share_the_prompt_prefill(engine):
+    prompt = list(range(10, 40))
+    reqs = [Request(id=f"n{i}", prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=4, seed=i)) for i in range(4)]
+    engine.reset_stats()
+    outs = engine.generate(reqs)
+    assert engine.stats().prefill_tokens == len(prompt)
+    assert len({tuple(o.response_ids) for o in outs}) > 1  # different seeds, different samples
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (Request(id="e", prompt_ids=[]), "empty prompt"),
+        (Request(id="long", prompt_ids=[5] * 160), "does not fit the context"),
+        (Request(id="m", prompt_ids=[5], sampling=SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+        (Request(id="t", prompt_ids=[5], sampling=SamplingParams(temperature=-1.0)), "temperature"),
+        (Request(id="u", prompt_ids=[5, 10_000]), "unknown token ids"),
+        (Request(id="n", prompt_ids=[5, -1]), "unknown token ids"),
+        (Request(id="p", prompt_ids=[5], sampling=SamplingParams(top_p=0.0)), "top_p"),
+    ],
+)
+def test_bad_input_rejected_without_disturbing_others(engine, model, bad, match):
+    running = engine.submit(Request(id="ok", prompt_ids=[80, 81], sampling=GREEDY))
+    with pytest.raises(ValueError, match=match) as err:
+        engine.submit(bad)
+    assert repr(bad.id) in str(err.value)  # names the request
+    out = running.result()
+    assert out.finish == "length" and out.response_ids == hf_greedy(model, [80, 81], GREEDY.max_new_tokens)
+
+
+def test_duplicate_inflight_id_rejected(engine):
+    f = engine.submit(Request(id="dup", prompt_ids=[5], sampling=GREEDY))
+    with pytest.raises(ValueError, match="unfinished request"):
+        engine.submit(Request(id="dup", prompt_ids=[6], sampling=GREEDY))
+    assert f.result().finish == "length"
+
+
+def test_abort_all_and_unknown(engine):
+    futs = engine.submit_many([Request(id=f"a{i}", prompt_ids=[5 + i], sampling=SamplingParams(max_new_tokens=100, ignore_eos=True)) for i in range(12)])
+    aborted = engine.abort()
+    assert {c.id for c in aborted} == {f"a{i}" for i in range(12)}
+    for f, c in zip(futs, sorted(aborted, key=lambda c: int(c.id[1:]))):
+        assert f.result().finish == "abort"
+        assert len(f.result().response_ids) < 100
+    assert engine.abort(["never-submitted"]) == []
+    assert engine.num_unfinished() == 0
+
+
+def test_asyncio_api_and_threads(model, engine):
+    async def main():
+        sp = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        events = [ev async for ev in engine.stream(Request(id="st", prompt_ids=[90, 91], sampling=sp))]
+        outs = await asyncio.gather(*(engine.agenerate(Request(id=f"ag{i}", prompt_ids=[90, 91], sampling=sp)) for i in range(3)))
+        return events, outs
+
+    events, outs = asyncio.run(main())
+    final = events[-1].completion
+    assert [e.token for e in events[:-1]] == final.response_ids == outs[0].response_ids
+    assert all(o.response_ids == final.response_ids for o in outs)
+
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            results[i] = engine.generate([Request(id=f"th{i}", prompt_ids=[90, 91], sampling=GREEDY)])[0]
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len({tuple(r.response_ids) for r in results.values()}) == 1
+
+
+def test_unsupported_architecture_is_named():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="supported: .*LlamaForCausalLM"):
+        TorchEngine(model, max_rows=2, max_len=32)
