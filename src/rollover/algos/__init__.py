@@ -1,0 +1,80 @@
+"""Policy-optimisation algorithms as small pure functions over tensors.
+
+No engine, trainer or config object in here: tensors in, tensors (and a metrics dict) out.
+Shapes are in the names: `_B` per sequence, `_BT` per response token, `_BTV` per vocabulary
+entry. Every loss is to be *minimised*.
+
+    adv_B, info = compute_advantages("grpo", rewards_B, group_ids_B)
+    out = policy_loss("ppo", logp_BT, old_logp_BT, adv_B, mask_BT, behav_logp_BT, eps_high=0.28)
+    loss = aggregate(out.loss_BT, out.mask_BT, "token-mean", num_tokens=step_tokens)
+
+- `advantages`: grpo, drgrpo, rloo, reinforce_pp_baseline, gapo (`ADVANTAGES`).
+- `policy`: ppo, gspo, gspo_token, cispo, decoupled_ppo, bapo (`POLICY_LOSSES`).
+- `offpolicy`: truncated / masked importance sampling and the M2PO mask, as options of every
+  policy loss (`is_level`, `is_mode`, `is_cap`, `is_floor`, `is_seq_ratio`, `m2po_tau`).
+- `regularizers`: KL estimators k1/k2/k3, chunked entropy from logits, entropy bonus.
+- `aggregate`: token-mean, seq-mean-token-mean, seq-mean-token-sum, drgrpo, exact under
+  micro-batching when given the step's global counts.
+- `shaping`: DAPO soft overlong penalty, masking of truncated responses.
+
+docs/algorithms.md lists papers, defaults and differences from verl and TRL.
+"""
+
+from rollover.algos.advantages import (
+    ADVANTAGES,
+    compute_advantages,
+    drgrpo,
+    gapo,
+    grpo,
+    reinforce_pp_baseline,
+    rloo,
+)
+from rollover.algos.aggregate import AGGREGATIONS, aggregate, masked_max, masked_mean
+from rollover.algos.offpolicy import importance_weights, m2po_mask, off_policy_correction
+from rollover.algos.policy import (
+    POLICY_LOSSES,
+    PolicyLossOutput,
+    bapo,
+    bapo_bounds,
+    cispo,
+    decoupled_ppo,
+    gspo,
+    gspo_token,
+    policy_loss,
+    ppo,
+)
+from rollover.algos.regularizers import KL_ESTIMATORS, entropy_bonus, entropy_from_logits, kl_penalty
+from rollover.algos.shaping import overlong_penalty, truncated_mask
+
+__all__ = [
+    "ADVANTAGES",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "PolicyLossOutput",
+    "aggregate",
+    "bapo",
+    "bapo_bounds",
+    "cispo",
+    "compute_advantages",
+    "decoupled_ppo",
+    "drgrpo",
+    "entropy_bonus",
+    "entropy_from_logits",
+    "gapo",
+    "grpo",
+    "gspo",
+    "gspo_token",
+    "importance_weights",
+    "kl_penalty",
+    "m2po_mask",
+    "masked_max",
+    "masked_mean",
+    "off_policy_correction",
+    "overlong_penalty",
+    "policy_loss",
+    "ppo",
+    "reinforce_pp_baseline",
+    "rloo",
+    "truncated_mask",
+]

@@ -1,0 +1,156 @@
+"""Outcome advantages from one scalar reward per sample, computed per group (one prompt's samples).
+
+Every estimator takes `rewards_B` (float) and `group_ids_B` (LongTensor, any ids: equal id = same
+prompt) and returns `(adv_B, info)`. `info` counts the groups that carry no learning signal:
+
+- `singleton_groups`: groups of one sample;
+- `zero_std_groups`: groups of two or more samples whose rewards are all equal;
+- `num_groups`.
+
+Both kinds get advantage exactly 0 under every estimator. This departs from verl, where a
+singleton GRPO group gets mean 0 and std 1 (so `A = r`) and where REINFORCE++-baseline's batch
+whitening shifts all-equal groups away from 0; and from floating point, where `r - mean(r)` of
+equal rewards need not be exactly 0.
+
+Rewards must be finite: a NaN reward is a reward function's failure to report, not a 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+AdvantageFn = Callable[..., tuple[Tensor, dict]]
+
+
+class _Groups(NamedTuple):
+    idx_B: Tensor  # [B] group index 0..G-1 of each sample
+    count_G: Tensor  # [G]
+    mean_G: Tensor  # [G]
+    std_G: Tensor  # [G] unbiased (Bessel), 0 for singletons
+    degenerate_B: Tensor  # [B] bool: sample is in a singleton or all-equal group
+    info: dict
+
+
+def _groups(rewards_B: Tensor, group_ids_B: Tensor) -> _Groups:
+    if rewards_B.dim() != 1 or group_ids_B.shape != rewards_B.shape:
+        raise ValueError(
+            f"rewards_B {tuple(rewards_B.shape)} and group_ids_B {tuple(group_ids_B.shape)} must be the same [B]"
+        )
+    if not rewards_B.is_floating_point():
+        raise TypeError(f"rewards_B must be a floating-point tensor, got {rewards_B.dtype}")
+    if not bool(torch.isfinite(rewards_B).all()):
+        bad = torch.nonzero(~torch.isfinite(rewards_B)).flatten().tolist()
+        raise ValueError(f"rewards_B has non-finite values at positions {bad}")
+    _, idx_B, count_G = torch.unique(group_ids_B, return_inverse=True, return_counts=True)
+    num_groups = count_G.numel()
+    zeros_G = rewards_B.new_zeros(num_groups)
+    mean_G = zeros_G.index_add(0, idx_B, rewards_B) / count_G
+    centered_B = rewards_B - mean_G[idx_B]
+    var_G = zeros_G.index_add(0, idx_B, centered_B.square()) / (count_G - 1).clamp(min=1)
+    max_G = zeros_G.scatter_reduce(0, idx_B, rewards_B, "amax", include_self=False)
+    min_G = zeros_G.scatter_reduce(0, idx_B, rewards_B, "amin", include_self=False)
+    singleton_G = count_G == 1
+    flat_G = (max_G == min_G) & ~singleton_G
+    info = {
+        "num_groups": num_groups,
+        "singleton_groups": int(singleton_G.sum()),
+        "zero_std_groups": int(flat_G.sum()),
+    }
+    return _Groups(idx_B, count_G, mean_G, var_G.sqrt(), (singleton_G | flat_G)[idx_B], info)
+
+
+def _zero_degenerate(adv_B: Tensor, groups: _Groups) -> Tensor:
+    return torch.where(groups.degenerate_B, torch.zeros_like(adv_B), adv_B)
+
+
+def grpo(rewards_B: Tensor, group_ids_B: Tensor, *, eps: float = 1e-6) -> tuple[Tensor, dict]:
+    """GRPO (DeepSeekMath, arXiv 2402.03300): `A = (r - mean_g) / (std_g + eps)`.
+
+    `std_g` is the unbiased group std. `eps` differs across libraries: verl 1e-6 (default here),
+    TRL 1e-4, AReaL 1e-5, OpenRLHF 1e-9; it only matters for groups with tiny spread.
+    """
+    g = _groups(rewards_B, group_ids_B)
+    adv_B = (rewards_B - g.mean_G[g.idx_B]) / (g.std_G[g.idx_B] + eps)
+    return _zero_degenerate(adv_B, g), g.info
+
+
+def drgrpo(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, dict]:
+    """Dr.GRPO (Liu et al., arXiv 2503.20783): `A = r - mean_g`, no std normalisation.
+
+    Pair it with the `drgrpo` aggregation (constant normaliser) for the paper's objective;
+    verl's `norm_adv_by_std_in_grpo=False`, TRL's `scale_rewards="none"`.
+    """
+    g = _groups(rewards_B, group_ids_B)
+    return _zero_degenerate(rewards_B - g.mean_G[g.idx_B], g), g.info
+
+
+def rloo(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, dict]:
+    """RLOO (Ahmadian et al., arXiv 2402.14740): baseline = mean of the *other* samples.
+
+    `A = r - (Σ_g r - r)/(n - 1) = n/(n-1) · (r - mean_g)`, as in verl and TRL.
+    """
+    g = _groups(rewards_B, group_ids_B)
+    n_B = g.count_G[g.idx_B].to(rewards_B.dtype)
+    adv_B = n_B / (n_B - 1).clamp(min=1) * (rewards_B - g.mean_G[g.idx_B])
+    return _zero_degenerate(adv_B, g), g.info
+
+
+def reinforce_pp_baseline(rewards_B: Tensor, group_ids_B: Tensor, *, eps: float = 1e-8) -> tuple[Tensor, dict]:
+    """REINFORCE++ with baseline (Hu, arXiv 2501.03262): subtract the group mean, then whiten
+    over the batch: `x = r - mean_g`, `A = (x - mean(x)) / sqrt(var(x) + eps)`, unbiased var.
+
+    Departure: statistics are over sequences; verl whitens the `[B, T]` token-broadcast
+    advantages, so its batch mean and variance weight long responses more.
+    """
+    g = _groups(rewards_B, group_ids_B)
+    x_B = rewards_B - g.mean_G[g.idx_B]
+    if x_B.numel() < 2:
+        return torch.zeros_like(x_B), g.info
+    adv_B = (x_B - x_B.mean()) * torch.rsqrt(x_B.var(unbiased=True) + eps)
+    return _zero_degenerate(adv_B, g), g.info
+
+
+def gapo(rewards_B: Tensor, group_ids_B: Tensor, *, coverage: float = 0.5, eps: float = 1e-6) -> tuple[Tensor, dict]:
+    """GAPO (arXiv 2510.21830): a robust group baseline for noisy or skewed rewards.
+
+    Sort the group's rewards, take the shortest window of `k = ceil(coverage · n)` consecutive
+    sorted rewards (the first one on ties) and let `Q` be its median (mean of the two middle
+    values for even `k`). Then `A = (r - Q) / (sqrt(Σ_g (r - Q)² / (n - 1)) + eps)`.
+
+    As in the authors' verl fork, the window is the highest-density one; the paper speaks of
+    the highest signal-to-noise interval.
+    """
+    if not 0.0 < coverage <= 1.0:
+        raise ValueError(f"coverage must be in (0, 1], got {coverage}")
+    g = _groups(rewards_B, group_ids_B)
+    q_G = torch.empty_like(g.mean_G)
+    for gi in range(q_G.numel()):  # groups are small; a loop reads better than a padded sort
+        sorted_n = torch.sort(rewards_B[g.idx_B == gi]).values
+        k = math.ceil(coverage * sorted_n.numel())
+        widths = sorted_n[k - 1 :] - sorted_n[: sorted_n.numel() - k + 1]
+        start = int(torch.argmin(widths))  # argmin returns the first minimum
+        q_G[gi] = torch.quantile(sorted_n[start : start + k], 0.5)  # midpoint median
+    dev_B = rewards_B - q_G[g.idx_B]
+    n_G = g.count_G.to(rewards_B.dtype)
+    scale_G = (dev_B.new_zeros(n_G.numel()).index_add(0, g.idx_B, dev_B.square()) / (n_G - 1).clamp(min=1)).sqrt()
+    return _zero_degenerate(dev_B / (scale_G[g.idx_B] + eps), g), g.info
+
+
+ADVANTAGES: dict[str, AdvantageFn] = {
+    "grpo": grpo,
+    "drgrpo": drgrpo,
+    "rloo": rloo,
+    "reinforce_pp_baseline": reinforce_pp_baseline,
+    "gapo": gapo,
+}
+
+
+def compute_advantages(name: str, rewards_B: Tensor, group_ids_B: Tensor, **opts) -> tuple[Tensor, dict]:
+    """Run the advantage estimator registered as `name` (see `ADVANTAGES`)."""
+    if name not in ADVANTAGES:
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(ADVANTAGES)}")
+    return ADVANTAGES[name](rewards_B, group_ids_B, **opts)

@@ -1,0 +1,410 @@
+"""Policy-gradient losses over per-token log-probabilities.
+
+Every loss has the signature
+
+    fn(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT=None, *, <its own options>,
+       **correction) -> PolicyLossOutput
+
+- `logp_BT`: current policy, with gradient. `old_logp_BT`: the policy before this update
+  (PPO's old / AReaL's proximal policy), detached here. `behav_logp_BT`: the engine's sampling
+  log-probs, needed only by the off-policy options.
+- `adv`: `[B]` (broadcast over tokens) or `[B, T]`.
+- `**correction`: `is_level`, `is_mode`, `is_cap`, `is_floor`, `is_seq_ratio` (truncated or
+  masked importance sampling against the engine) and `m2po_tau` (M2PO mask); every loss takes
+  them (see `offpolicy.off_policy_correction`). M2PO and TIS are options, not loss names.
+- Returns `loss_BT` (to be *minimised*, i.e. the negated objective, 0 outside `mask_BT`),
+  `mask_BT` (the tokens that count, after M2PO / IS masking) and detached scalar `metrics`.
+
+Reduce `loss_BT` with `aggregate(out.loss_BT, out.mask_BT, ...)`. Masked positions may hold
+any value, `-inf` and NaN included: they are replaced before any arithmetic, so neither the
+loss nor its gradient sees them.
+
+Common departures:
+- `log(π/π_old)` is clamped to ±20 before `exp` (verl, OpenRLHF; TRL does not clamp). Tokens
+  beyond the clamp get no gradient.
+- Clip fractions count the tokens whose gradient the clip zeroes: `clip_frac_low` is
+  `A < 0, r < low`, `clip_frac_high` is `A > 0, r > high` (TRL's definition; verl's
+  `pg_clipfrac` is their sum and its `pg_clipfrac_lower` is our `dual_clip_frac`).
+- `approx_kl` is the k3 estimate `mean(r - 1 - log r)` of KL(π_old ‖ π) over loss tokens;
+  verl's `ppo_kl` is the k1 estimate `mean(-log r)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from rollover.algos.aggregate import masked_max, masked_mean
+from rollover.algos.offpolicy import MAX_LOG_RATIO, off_policy_correction
+
+
+@dataclass(frozen=True)
+class PolicyLossOutput:
+    loss_BT: Tensor  # [B, T] per-token loss to minimise, 0 where mask_BT is False
+    mask_BT: Tensor  # [B, T] bool: loss tokens after M2PO / importance-sampling masking
+    metrics: dict[str, Tensor]  # detached 0-dim tensors
+
+
+class _Inputs(NamedTuple):
+    logp_BT: Tensor  # 0 outside mask_BT
+    log_ratio_BT: Tensor  # log(π/π_old), clamped, 0 outside mask_BT
+    adv_BT: Tensor
+    mask_BT: Tensor  # bool, after corrections
+    weight_BT: Tensor | None  # detached importance weights
+    metrics: dict[str, Tensor]
+
+
+def _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction) -> _Inputs:
+    if logp_BT.dim() != 2:
+        raise ValueError(f"logp_BT must be [B, T], got {tuple(logp_BT.shape)}")
+    for name, t in (("old_logp_BT", old_logp_BT), ("mask_BT", mask_BT), ("behav_logp_BT", behav_logp_BT)):
+        if t is not None and t.shape != logp_BT.shape:
+            raise ValueError(f"{name} {tuple(t.shape)} must match logp_BT {tuple(logp_BT.shape)}")
+    if adv.shape == logp_BT.shape[:1]:
+        adv_BT = adv[:, None].expand_as(logp_BT)
+    elif adv.shape == logp_BT.shape:
+        adv_BT = adv
+    else:
+        raise ValueError(f"adv must be [B] or [B, T] = {tuple(logp_BT.shape)}, got {tuple(adv.shape)}")
+    given_BT = mask_BT.bool()
+    weight_BT, mask_BT, metrics = off_policy_correction(old_logp_BT.detach(), behav_logp_BT, given_BT, **correction)
+    given = given_BT.sum()
+    metrics["masked_frac"] = ((given - mask_BT.sum()) / given.clamp(min=1)).to(logp_BT.dtype)
+    zeros_BT = torch.zeros_like(logp_BT)
+    logp_BT = torch.where(mask_BT, logp_BT, zeros_BT)
+    old_logp_BT = torch.where(mask_BT, old_logp_BT.detach(), zeros_BT)
+    log_ratio_BT = (logp_BT - old_logp_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    adv_BT = torch.where(mask_BT, adv_BT.detach().to(logp_BT.dtype), zeros_BT)
+    return _Inputs(logp_BT, log_ratio_BT, adv_BT, mask_BT, weight_BT, metrics)
+
+
+def _finish(loss_BT: Tensor, x: _Inputs, metrics: dict[str, Tensor]) -> PolicyLossOutput:
+    if x.weight_BT is not None:
+        loss_BT = loss_BT * x.weight_BT
+    loss_BT = torch.where(x.mask_BT, loss_BT, torch.zeros_like(loss_BT))
+    return PolicyLossOutput(loss_BT, x.mask_BT, {**x.metrics, **metrics})
+
+
+def _ratio_metrics(ratio_BT: Tensor, x: _Inputs) -> dict[str, Tensor]:
+    """Statistics of the ratio being clipped, and k3 KL(π_old ‖ π) over loss tokens."""
+    ratio_BT, log_ratio_BT = ratio_BT.detach(), x.log_ratio_BT.detach()
+    return {
+        "ratio_mean": masked_mean(ratio_BT, x.mask_BT),
+        "ratio_max": masked_max(ratio_BT, x.mask_BT),
+        "approx_kl": masked_mean(log_ratio_BT.exp() - 1 - log_ratio_BT, x.mask_BT),
+    }
+
+
+def _check_bounds(low: float, high: float) -> None:
+    if not 0.0 <= low <= 1.0 <= high:
+        raise ValueError(f"clip bounds must satisfy 0 <= low <= 1 <= high, got low={low}, high={high}")
+
+
+def _clipped_surrogate(
+    ratio_BT: Tensor, x: _Inputs, low: float, high: float, dual_clip: float | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's pessimistic surrogate `max(-A·r, -A·clip(r, low, high))`, optionally dual-clipped
+    (`min(·, -c·A)` for `A < 0`, Ye et al. arXiv 1912.09729)."""
+    adv_BT, mask_BT = x.adv_BT, x.mask_BT
+    loss_BT = torch.maximum(-adv_BT * ratio_BT, -adv_BT * ratio_BT.clamp(low, high))
+    with torch.no_grad():
+        r = ratio_BT.detach()
+        metrics = {
+            "clip_frac_low": masked_mean(((adv_BT < 0) & (r < low)).to(r.dtype), mask_BT),
+            "clip_frac_high": masked_mean(((adv_BT > 0) & (r > high)).to(r.dtype), mask_BT),
+        }
+    if dual_clip is not None:
+        if not dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        floor_BT = -adv_BT * dual_clip  # a constant: the capped tokens carry no gradient
+        capped_BT = (adv_BT < 0) & (loss_BT > floor_BT)
+        loss_BT = torch.where(capped_BT, floor_BT, loss_BT)
+        metrics["dual_clip_frac"] = masked_mean(capped_BT.to(loss_BT.dtype), mask_BT).detach()
+    return loss_BT, metrics
+
+
+def ppo(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    behav_logp_BT: Tensor | None = None,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    **correction,
+) -> PolicyLossOutput:
+    """PPO-clip (Schulman et al., arXiv 1707.06347) with DAPO's asymmetric clip-higher bounds
+    (arXiv 2503.14476) and optional dual clip.
+
+    `r = exp(logp - old_logp)`, `ℓ = max(-A·r, -A·clip(r, 1 - eps_low, 1 + eps_high))`, then
+    `ℓ = min(ℓ, -dual_clip·A)` where `A < 0`.
+
+    Defaults 0.2/0.2 as in verl and TRL; DAPO uses `eps_high=0.28`. Dual clip is off by default
+    (TRL has none); verl applies `clip_ratio_c=3.0` unconditionally.
+    """
+    _check_bounds(1.0 - eps_low, 1.0 + eps_high)
+    x = _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction)
+    ratio_BT = x.log_ratio_BT.exp()
+    loss_BT, metrics = _clipped_surrogate(ratio_BT, x, 1.0 - eps_low, 1.0 + eps_high, dual_clip)
+    return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
+
+
+def decoupled_ppo(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    behav_logp_BT: Tensor | None = None,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    is_level: str = "token",
+    is_mode: str = "mask",
+    is_cap: float = 5.0,
+    is_floor: float | None = None,
+    is_seq_ratio: str = "geo_mean",
+    m2po_tau: float | None = None,
+) -> PolicyLossOutput:
+    """Decoupled PPO (AReaL, arXiv 2505.24298, Eq. 5): PPO clipped around the *proximal* policy
+    `old_logp_BT`, times the detached behaviour weight `w = π_prox / π_behav`:
+
+    `ℓ = w · max(-A·r, -A·clip(r, 1 - eps_low, 1 + eps_high))`, `r = π / π_prox`.
+
+    The weight is exactly the truncated-IS weight of `ppo(..., is_level=...)`, so this is `ppo`
+    with AReaL's defaults: token level, tokens with `w > 5` dropped from the loss (`is_mode=
+    "mask"`; `"truncate"` caps them at 5 instead), geometric mean at sequence level.
+    With `behav == old` every weight is 1 and the loss equals `ppo`.
+    AReaL divides by the token count before masking; here that is the caller's `num_tokens`.
+    """
+    if behav_logp_BT is None:
+        raise ValueError("decoupled_ppo needs behav_logp_BT (the engine's sampling log-probs)")
+    return ppo(
+        logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT,
+        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
+        is_level=is_level, is_mode=is_mode, is_cap=is_cap, is_floor=is_floor,
+        is_seq_ratio=is_seq_ratio, m2po_tau=m2po_tau,
+    )
+
+
+def _seq_log_ratio_B(x: _Inputs) -> Tensor:
+    """Length-normalised sequence log-ratio `Σ_t m·log r_t / Σ_t m`, clamped like the token one."""
+    len_B = x.mask_BT.sum(dim=1).clamp(min=1)
+    return (x.log_ratio_BT.sum(dim=1) / len_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def gspo(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    behav_logp_BT: Tensor | None = None,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    **correction,
+) -> PolicyLossOutput:
+    """GSPO (Zheng et al., arXiv 2507.18071): one clipped ratio per sequence.
+
+    `s_i = exp(mean_t log(π/π_old))` (geometric mean of token ratios),
+    `ℓ_i = max(-A_i·s_i, -A_i·clip(s_i, 1 - eps_low, 1 + eps_high))`, written to every loss
+    token of sequence i. Aggregate with `seq-mean-token-mean` for the paper's `(1/G) Σ_i ℓ_i`
+    (verl forces that mode); `token-mean` weights sequences by length instead.
+
+    Needs `adv` as `[B]`; for per-token advantages use `gspo_token`. Defaults are the paper's
+    (3e-4, 4e-4). No dual clip, as in verl. verl clamps the sequence log-ratio at +10; we clamp
+    at ±20 like every other ratio here.
+    """
+    if adv.dim() != 1:
+        raise ValueError(f"gspo clips one ratio per sequence and needs adv [B], got {tuple(adv.shape)}; use gspo_token")
+    _check_bounds(1.0 - eps_low, 1.0 + eps_high)
+    x = _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction)
+    ratio_BT = _seq_log_ratio_B(x).exp()[:, None].expand_as(logp_BT)
+    loss_BT, metrics = _clipped_surrogate(ratio_BT, x, 1.0 - eps_low, 1.0 + eps_high, None)
+    return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
+
+
+def gspo_token(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    behav_logp_BT: Tensor | None = None,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    **correction,
+) -> PolicyLossOutput:
+    """GSPO-token (arXiv 2507.18071, Eq. 13): per-token advantages with the sequence ratio.
+
+    `s_it = sg(s_i) · π_t / sg(π_t)`: its value is `s_i` and its gradient that of `log π_t`
+    scaled by `s_i`. `ℓ_it = max(-A_it·s_it, -A_it·clip(s_it, 1 - eps_low, 1 + eps_high))`.
+    With one advantage per sequence and `seq-mean-token-mean` it equals `gspo` in value and
+    gradient. This is verl's `gspo` loss; TRL's sequence level has no token form.
+    """
+    _check_bounds(1.0 - eps_low, 1.0 + eps_high)
+    x = _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction)
+    seq_B = _seq_log_ratio_B(x).detach()
+    ratio_BT = (seq_B[:, None] + x.logp_BT - x.logp_BT.detach()).exp()
+    loss_BT, metrics = _clipped_surrogate(ratio_BT, x, 1.0 - eps_low, 1.0 + eps_high, None)
+    return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
+
+
+def cispo(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    behav_logp_BT: Tensor | None = None,
+    *,
+    eps_low: float = 1.0,
+    eps_high: float = 0.28,
+    **correction,
+) -> PolicyLossOutput:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update.
+
+    `ℓ = -sg(clip(r, 1 - eps_low, 1 + eps_high)) · A · logp`: every token keeps a gradient,
+    scaled by its truncated ratio. The loss *value* is not comparable to PPO's.
+
+    Defaults: no lower bound (`eps_low=1`, as the paper) and `eps_high=0.28`. verl clips with
+    its PPO `clip_ratio_low/high` (0.2/0.2); TRL caps at `epsilon_high` alone. The clip
+    fractions count truncated weights (any advantage sign), which here do not zero gradients.
+    """
+    _check_bounds(1.0 - eps_low, 1.0 + eps_high)
+    x = _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction)
+    ratio_BT = x.log_ratio_BT.exp()
+    low, high = 1.0 - eps_low, 1.0 + eps_high
+    loss_BT = -ratio_BT.clamp(low, high).detach() * x.adv_BT * x.logp_BT
+    with torch.no_grad():
+        r = ratio_BT.detach()
+        metrics = {
+            "clip_frac_low": masked_mean((r < low).to(r.dtype), x.mask_BT),
+            "clip_frac_high": masked_mean((r > high).to(r.dtype), x.mask_BT),
+        }
+    return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
+
+
+def bapo_bounds(
+    ratio_BT: Tensor,
+    adv_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    low_start: float = 0.6,
+    low_max: float = 0.9,
+    high_start: float = 1.2,
+    high_max: float = 3.0,
+    step: float = 0.05,
+    target_pos_share: float = 0.5,
+) -> tuple[float, float, float]:
+    """BAPO's adaptive ratio bounds: `(c_low, c_high, positive_share)`.
+
+    The positive share is `P / (P + N)` over tokens whose gradient survives the clip:
+    `P = Σ r·A` over `A > 0, r <= c_high`, `N = Σ r·|A|` over `A < 0, r >= c_low`.
+    Raise `c_low` by `step` up to `low_max` until the share reaches `target_pos_share`, then
+    `c_high` up to `high_max`. With `P + N = 0` the share counts as 1 (nothing to rebalance).
+
+    Departure: the authors' verl recipe measures `min(r, c_high)·A` and `max(r, c_low)·|A|`
+    over all tokens, under which raising `c_low` can only lower the share; we count gradient-
+    carrying tokens, which is what raising `c_low` is meant to change. The recipe's
+    `adv_ratio_target` is on `P/N` (1.0 there is our share 0.5).
+    """
+    ordered = 0.0 < low_start <= low_max <= 1.0 <= high_start <= high_max
+    if not (ordered and step > 0 and 0.0 <= target_pos_share <= 1.0):
+        raise ValueError(
+            "BAPO needs 0 < low_start <= low_max <= 1 <= high_start <= high_max, step > 0, "
+            f"0 <= target_pos_share <= 1; got {low_start=}, {low_max=}, {high_start=}, {high_max=}, "
+            f"{step=}, {target_pos_share=}"
+        )
+    with torch.no_grad():
+        mask_BT = mask_BT.bool()
+        r_BT = ratio_BT.detach()
+        pos_BT = torch.where(mask_BT & (adv_BT > 0), r_BT * adv_BT, torch.zeros_like(r_BT))
+        neg_BT = torch.where(mask_BT & (adv_BT < 0), -r_BT * adv_BT, torch.zeros_like(r_BT))
+
+        def share(c_low: float, c_high: float) -> float:
+            p = float(torch.where(r_BT <= c_high, pos_BT, 0.0).sum())
+            n = float(torch.where(r_BT >= c_low, neg_BT, 0.0).sum())
+            return 1.0 if p + n == 0 else p / (p + n)
+
+        # Bounds as start + i·step (clamped), not repeated addition, so they hit the max exactly.
+        c_low, c_high = low_start, high_start
+        s, i = share(c_low, c_high), 0
+        while s < target_pos_share and c_low < low_max:
+            i += 1
+            c_low = min(low_start + i * step, low_max)
+            s = share(c_low, c_high)
+        i = 0
+        while s < target_pos_share and c_high < high_max:
+            i += 1
+            c_high = min(high_start + i * step, high_max)
+            s = share(c_low, c_high)
+    return c_low, c_high, s
+
+
+def bapo(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    behav_logp_BT: Tensor | None = None,
+    *,
+    low_start: float = 0.6,
+    low_max: float = 0.9,
+    high_start: float = 1.2,
+    high_max: float = 3.0,
+    step: float = 0.05,
+    target_pos_share: float = 0.5,
+    dual_clip: float | None = 3.0,
+    **correction,
+) -> PolicyLossOutput:
+    """BAPO (Xi et al., arXiv 2510.18927): PPO whose ratio bounds `[c_low, c_high]` are chosen
+    per call by `bapo_bounds`, then `max(-A·r, -A·clamp(r, c_low, c_high))` with dual clip 3.
+
+    Bounds are explicit ratios (not epsilons). Defaults are the paper's: ranges [0.6, 0.9] and
+    [1.2, 3.0], target share 0.5, step 0.05 (the recipe yaml uses [0.6, 0.8], [1.2, 2.0]).
+    The bounds depend on the whole batch given: call once per mini-batch, or accept that
+    micro-batches pick their own bounds (the recipe shares them across data-parallel ranks
+    but not across gradient-accumulation steps).
+    """
+    x = _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction)
+    ratio_BT = x.log_ratio_BT.exp()
+    c_low, c_high, pos_share = bapo_bounds(
+        ratio_BT, x.adv_BT, x.mask_BT, low_start=low_start, low_max=low_max, high_start=high_start,
+        high_max=high_max, step=step, target_pos_share=target_pos_share,
+    )
+    loss_BT, metrics = _clipped_surrogate(ratio_BT, x, c_low, c_high, dual_clip)
+    new = logp_BT.new_tensor
+    metrics.update(bapo_c_low=new(c_low), bapo_c_high=new(c_high), bapo_pos_share=new(pos_share))
+    return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
+
+
+PolicyLossFn = Callable[..., PolicyLossOutput]
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    "ppo": ppo,
+    "gspo": gspo,
+    "gspo_token": gspo_token,
+    "cispo": cispo,
+    "decoupled_ppo": decoupled_ppo,
+    "bapo": bapo,
+}
+
+
+def policy_loss(
+    name: str,
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    behav_logp_BT: Tensor | None = None,
+    **opts,
+) -> PolicyLossOutput:
+    """Run the policy loss registered as `name` (see `POLICY_LOSSES`); unknown options raise."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; known: {', '.join(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name](logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, **opts)

@@ -1,0 +1,116 @@
+"""Per-token regularisers to add to a policy loss before aggregation.
+
+    loss_BT = out.loss_BT + kl_coef * kl_penalty(logp_BT, ref_logp_BT, "k3")
+              + entropy_bonus(entropy_from_logits(logits_BTV), ent_coef)
+    loss = aggregate(loss_BT, out.mask_BT, ...)
+
+Adding per token and aggregating once is the same as aggregating each term with the same mode
+and adding (every mode is linear), which is what verl and TRL do.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollover.algos.offpolicy import MAX_LOG_RATIO
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_penalty(logp_BT: Tensor, ref_logp_BT: Tensor, estimator: str = "k3", *, k2_grad: bool = False) -> Tensor:
+    """Per-token estimate of KL(π ‖ π_ref) from tokens sampled from π (Schulman,
+    joschu.net/blog/kl-approx.html), with `x = ref_logp - logp`:
+
+    - `k1 = -x` (unbiased, can be negative)
+    - `k2 = x² / 2` (biased, low variance; its gradient is the true KL gradient's estimate)
+    - `k3 = exp(x) - x - 1` (unbiased, >= 0; verl `low_var_kl`, TRL's only estimator)
+
+    `k2_grad=True` returns the chosen estimator's value with k2's gradient (verl's `k3+`).
+    Departures: `x` is clamped to ±20 for k3, as verl does; verl also clamps k3 to [-10, 10],
+    which silences the gradient of tokens far from the reference — we do not.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+    if logp_BT.shape != ref_logp_BT.shape:
+        raise ValueError(f"logp_BT {tuple(logp_BT.shape)} and ref_logp_BT {tuple(ref_logp_BT.shape)} differ")
+    x_BT = ref_logp_BT.detach() - logp_BT
+    if estimator == "k1":
+        kl_BT = -x_BT
+    elif estimator == "k2":
+        kl_BT = 0.5 * x_BT.square()
+    else:
+        x_BT = x_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        kl_BT = x_BT.exp() - x_BT - 1
+    if k2_grad:
+        k2_BT = 0.5 * (ref_logp_BT.detach() - logp_BT).square()
+        kl_BT = k2_BT + (kl_BT - k2_BT).detach()
+    return kl_BT
+
+
+class _ChunkedEntropy(torch.autograd.Function):
+    """Entropy of softmax rows, computed and differentiated one block of positions at a time.
+
+    Blocks are `logits[b, t0:t1]`, views of the input whatever its strides, so a sliced
+    `[B, T, V]` (response positions cut out of the full sequence) is never copied. Forward
+    keeps only the logits (alive anyway) and the `[B, T]` entropies; backward recomputes the
+    softmax per block: `dH/dz = -p · (log p + H)`. Extra memory is a few `[chunk, V]` float32
+    temporaries, where autograd through `log_softmax` would keep `[B, T, V]` ones.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_BTV: Tensor, chunk_size: int) -> Tensor:
+        dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
+        ent_BT = torch.empty(logits_BTV.shape[:2], dtype=dtype, device=logits_BTV.device)
+        for b, t0, t1 in _blocks(logits_BTV, chunk_size):
+            logp_CV = torch.log_softmax(logits_BTV[b, t0:t1].to(dtype), dim=-1)
+            ent_BT[b, t0:t1] = -_p_log_p(logp_CV).sum(dim=-1)
+        ctx.save_for_backward(logits_BTV, ent_BT)
+        ctx.chunk_size = chunk_size
+        return ent_BT
+
+    @staticmethod
+    def backward(ctx, grad_BT: Tensor) -> tuple[Tensor, None]:
+        logits_BTV, ent_BT = ctx.saved_tensors
+        grad_BTV = torch.empty(logits_BTV.shape, dtype=logits_BTV.dtype, device=logits_BTV.device)
+        for b, t0, t1 in _blocks(logits_BTV, ctx.chunk_size):
+            logp_CV = torch.log_softmax(logits_BTV[b, t0:t1].to(ent_BT.dtype), dim=-1)
+            # -p·(log p + H) = -(p log p) - p·H; p log p is 0 where p is 0 (masked vocab).
+            d_CV = -_p_log_p(logp_CV) - logp_CV.exp() * ent_BT[b, t0:t1, None]
+            grad_BTV[b, t0:t1] = (d_CV * grad_BT[b, t0:t1, None]).to(logits_BTV.dtype)
+        return grad_BTV, None
+
+
+def _blocks(logits_BTV: Tensor, chunk_size: int):
+    B, T, _ = logits_BTV.shape
+    for b in range(B):
+        for t0 in range(0, T, chunk_size):
+            yield b, t0, min(t0 + chunk_size, T)
+
+
+def _p_log_p(logp: Tensor) -> Tensor:
+    p = logp.exp()
+    return torch.where(p > 0, p * logp, torch.zeros_like(p))
+
+
+def entropy_from_logits(logits_BTV: Tensor, *, chunk_size: int = 1024) -> Tensor:
+    """Entropy `H = -Σ_v p_v log p_v` of each position's next-token distribution, `[B, T, V]
+    -> [B, T]`, differentiable, in float32 at least (bf16 logits are upcast a block at a time).
+
+    Pass the logits the tokens were sampled from, already divided by the sampling temperature.
+    `-inf` logits (masked vocabulary) are fine. Memory: see `_ChunkedEntropy`; `chunk_size`
+    is the number of positions per block.
+    """
+    if logits_BTV.dim() != 3:
+        raise ValueError(f"logits_BTV must be [B, T, V], got {tuple(logits_BTV.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _ChunkedEntropy.apply(logits_BTV, chunk_size)
+
+
+def entropy_bonus(entropy_BT: Tensor, coef: float) -> Tensor:
+    """Per-token loss term that *rewards* entropy: `-coef · H` (to be minimised with the rest).
+
+    verl subtracts `entropy_coeff · agg(H)` from the loss (default 0 in recent versions).
+    """
+    return -coef * entropy_BT

@@ -1,0 +1,102 @@
+import math
+
+import pytest
+import torch
+
+from rollover.algos import ADVANTAGES, compute_advantages
+
+R3 = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+G3 = torch.tensor([0, 0, 0])
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), rtol=1e-6, atol=1e-9)
+
+
+def test_grpo_by_hand():
+    # mean 2/3; unbiased var ((1/3)² + (2/3)² + (1/3)²) / 2 = 1/3
+    std = math.sqrt(1 / 3)
+    adv, info = compute_advantages("grpo", R3, G3)
+    close(adv, [(1 / 3) / (std + 1e-6), (-2 / 3) / (std + 1e-6), (1 / 3) / (std + 1e-6)])
+    assert info == {"num_groups": 1, "singleton_groups": 0, "zero_std_groups": 0}
+
+
+def test_grpo_eps_is_an_option():
+    adv, _ = compute_advantages("grpo", R3, G3, eps=1e-4)  # TRL's epsilon
+    close(adv[1], (-2 / 3) / (math.sqrt(1 / 3) + 1e-4))
+
+
+def test_drgrpo_by_hand():
+    adv, _ = compute_advantages("drgrpo", R3, G3)
+    close(adv, [1 / 3, -2 / 3, 1 / 3])
+
+
+def test_rloo_is_reward_minus_mean_of_the_others():
+    adv, _ = compute_advantages("rloo", R3, G3)
+    close(adv, [1 - 0.5, 0 - 1.0, 1 - 0.5])
+
+
+def test_reinforce_pp_baseline_whitens_over_the_batch():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 1.0], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 1, 1])
+    # group-centred: [0.5, -0.5, 1, -1]; batch mean 0; unbiased var (0.25+0.25+1+1)/3
+    adv, _ = compute_advantages("reinforce_pp_baseline", rewards, groups)
+    close(adv, torch.tensor([0.5, -0.5, 1.0, -1.0], dtype=torch.float64) / math.sqrt(2.5 / 3 + 1e-8))
+
+
+def test_gapo_even_window_uses_the_midpoint_median():
+    rewards = torch.tensor([1.0, 0.0, 0.2, 0.1], dtype=torch.float64)
+    # sorted [0, .1, .2, 1], k = 2, widths .1, .1, .8 -> first window [0, .1], Q = .05
+    dev = torch.tensor([0.95, -0.05, 0.15, 0.05], dtype=torch.float64)
+    adv, _ = compute_advantages("gapo", rewards, torch.zeros(4, dtype=torch.long))
+    close(adv, dev / (math.sqrt(0.93 / 3) + 1e-6))
+
+
+def test_gapo_odd_window_ignores_the_outlier():
+    rewards = torch.tensor([5.0, 1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    # sorted [0, 1, 1, 1, 5], k = 3, tightest window [1, 1, 1], Q = 1; Σ dev² = 16 + 1 = 17
+    adv, _ = compute_advantages("gapo", rewards, torch.zeros(5, dtype=torch.long))
+    close(adv, torch.tensor([4.0, 0.0, -1.0, 0.0, 0.0], dtype=torch.float64) / (math.sqrt(17 / 4) + 1e-6))
+
+
+def test_gapo_takes_the_first_of_equally_short_windows():
+    rewards = torch.tensor([3.0, 2.0, 1.0, 0.0], dtype=torch.float64)
+    # every window of 2 has width 1; the first, [0, 1], gives Q = 0.5
+    adv, _ = compute_advantages("gapo", rewards, torch.zeros(4, dtype=torch.long), eps=0.0)
+    dev = torch.tensor([2.5, 1.5, 0.5, -0.5], dtype=torch.float64)
+    close(adv, dev / math.sqrt((dev**2).sum() / 3))
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_singleton_and_flat_groups_get_zero_and_are_counted(name):
+    # group 7: informative; group 3: all equal (0.1 is not exact in binary); group 9: one sample
+    rewards = torch.tensor([0.1, 1.0, 0.1, 0.0, 0.1, 0.4, 2.0])
+    groups = torch.tensor([3, 7, 3, 7, 3, 7, 9])
+    adv, info = compute_advantages(name, rewards, groups)
+    assert info == {"num_groups": 3, "singleton_groups": 1, "zero_std_groups": 1}
+    assert torch.equal(adv[[0, 2, 4, 6]], torch.zeros(4))
+    assert (adv[[1, 3, 5]] != 0).all()
+    assert adv[1] > adv[5] > adv[3]  # ordering within the informative group survives
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_group_order_and_ids_do_not_matter(name):
+    rewards = torch.tensor([0.0, 1.0, 0.5, 2.0, 1.0, 0.0])
+    groups = torch.tensor([42, 5, 42, 5, 42, 5])
+    perm = torch.tensor([3, 0, 5, 2, 1, 4])
+    adv, _ = compute_advantages(name, rewards, groups)
+    adv_perm, _ = compute_advantages(name, rewards[perm], groups[perm] * 100 + 1)
+    torch.testing.assert_close(adv_perm, adv[perm])
+
+
+def test_bad_inputs_fail_loudly():
+    with pytest.raises(ValueError, match="non-finite"):
+        compute_advantages("grpo", torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]))
+    with pytest.raises(TypeError, match="floating-point"):
+        compute_advantages("grpo", torch.tensor([1, 0]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="same \\[B\\]"):
+        compute_advantages("grpo", torch.tensor([1.0, 0.0]), torch.tensor([0, 0, 0]))
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        compute_advantages("ppo", R3, G3)
+    with pytest.raises(TypeError):
+        compute_advantages("drgrpo", R3, G3, eps=1e-6)  # drgrpo has no std, hence no eps

@@ -1,0 +1,158 @@
+import math
+
+import pytest
+import torch
+
+from rollover.algos import importance_weights, m2po_mask, policy_loss
+
+F64 = torch.float64
+
+
+def t(values):
+    return torch.tensor(values, dtype=F64)
+
+
+# old (trainer) log-probs 0; behaviour log-probs give ρ = π_old/π_behav = [0.5, 1.5, 4.0]
+OLD = torch.zeros(1, 3, dtype=F64)
+BEHAV = t([[math.log(2.0), -math.log(1.5), -math.log(4.0)]])
+MASK = torch.ones(1, 3, dtype=torch.bool)
+
+
+def test_token_truncate_caps_weights():
+    w, mask, metrics = importance_weights(OLD, BEHAV, MASK, level="token", mode="truncate", cap=2.0)
+    torch.testing.assert_close(w, t([[0.5, 1.5, 2.0]]))
+    assert mask.all()
+    torch.testing.assert_close(metrics["is_ratio_max"], t(4.0))
+    torch.testing.assert_close(metrics["is_ratio_mean"], t(2.0))
+    torch.testing.assert_close(metrics["is_clip_frac"], t(1 / 3))
+
+
+def test_token_mask_drops_tokens_outside_bounds_and_keeps_rho_inside():
+    w, mask, metrics = importance_weights(OLD, BEHAV, MASK, level="token", mode="mask", cap=2.0, floor=0.6)
+    torch.testing.assert_close(w, t([[0.0, 1.5, 0.0]]))
+    assert mask.tolist() == [[False, True, False]]
+    torch.testing.assert_close(metrics["is_clip_frac"], t(2 / 3))
+
+
+def test_sequence_level_product_and_geometric_mean():
+    old = torch.zeros(2, 3, dtype=F64)
+    behav = t([[-0.1, -0.2, 5.0], [0.3, 0.0, -0.9]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    w, _, _ = importance_weights(old, behav, mask, level="sequence", cap=10.0)
+    prod = [math.exp(0.3), math.exp(0.6)]
+    torch.testing.assert_close(w, t([[prod[0], prod[0], 0.0], [prod[1]] * 3]))
+    w, _, _ = importance_weights(old, behav, mask, level="sequence", cap=10.0, seq_ratio="geo_mean")
+    geo = [math.exp(0.15), math.exp(0.2)]
+    torch.testing.assert_close(w, t([[geo[0], geo[0], 0.0], [geo[1]] * 3]))
+    # sequence mask drops the whole response
+    w, new_mask, _ = importance_weights(old, behav, mask, level="sequence", mode="mask", cap=1.5)
+    assert new_mask.tolist() == [[True, True, False], [False, False, False]]
+
+
+def test_tis_multiplies_the_clipped_policy_loss():
+    logp = torch.full((1, 3), 0.1, dtype=F64, requires_grad=True)
+    out = policy_loss("ppo", logp, OLD, t([1.0]), MASK, BEHAV, is_level="token", is_cap=2.0)
+    out.loss_BT.sum().backward()
+    r = math.exp(0.1)
+    torch.testing.assert_close(out.loss_BT, -r * t([[0.5, 1.5, 2.0]]))
+    torch.testing.assert_close(logp.grad, -r * t([[0.5, 1.5, 2.0]]))
+    # the same options on GSPO: weights multiply the sequence loss written to each token
+    out = policy_loss("gspo", logp.detach(), OLD, t([1.0]), MASK, BEHAV, is_level="token", eps_low=0.2, eps_high=0.2)
+    torch.testing.assert_close(out.loss_BT, -r * t([[0.5, 1.5, 2.0]]))
+
+
+def test_invalid_options_raise():
+    with pytest.raises(ValueError, match="is_level"):
+        importance_weights(OLD, BEHAV, MASK, level="tok")
+    with pytest.raises(ValueError, match="is_mode"):
+        importance_weights(OLD, BEHAV, MASK, mode="clip")
+    with pytest.raises(ValueError, match="is_floor < is_cap"):
+        importance_weights(OLD, BEHAV, MASK, cap=1.0, floor=2.0)
+    with pytest.raises(ValueError, match="m2po_tau"):
+        m2po_mask(OLD, BEHAV, MASK, tau=-1.0)
+
+
+# ---- M2PO ------------------------------------------------------------------------------------
+
+
+def m2po(deltas, tau, mask=None):
+    old = t([deltas])
+    mask = torch.ones_like(old, dtype=torch.bool) if mask is None else mask
+    return m2po_mask(old, torch.zeros_like(old), mask, tau=tau)
+
+
+def test_m2po_masks_nothing_when_second_moment_is_below_tau():
+    mask, metrics = m2po([0.1, -0.2, 0.15, 0.0], tau=0.04)  # mean Δ² = .0725 / 4 = .018125
+    assert mask.all()
+    torch.testing.assert_close(metrics["m2po_m2_before"], t(0.018125))
+    torch.testing.assert_close(metrics["m2po_m2_after"], t(0.018125))
+    assert metrics["m2po_masked_frac"] == 0
+
+
+def test_m2po_masks_the_fewest_largest_tokens():
+    # Δ² = [.01, .25, .01, 0]: mean .0675 > .04; without .25: .02/3 <= .04
+    mask, metrics = m2po([0.1, 0.5, -0.1, 0.0], tau=0.04)
+    assert mask.tolist() == [[True, False, True, True]]
+    torch.testing.assert_close(metrics["m2po_m2_after"], t(0.02 / 3))
+    # Δ² = [.09, .09, .01, .01]: mean .05; dropping one tie (the first) leaves .11/3 = .0367
+    mask, _ = m2po([0.3, -0.3, 0.1, 0.1], tau=0.04)
+    assert mask.tolist() == [[False, True, True, True]]
+
+
+def test_m2po_masks_everything_when_every_token_exceeds_tau():
+    mask, metrics = m2po([0.5, -0.5], tau=0.04)
+    assert not mask.any()
+    assert metrics["m2po_masked_frac"] == 1
+
+
+def test_m2po_ignores_tokens_outside_the_mask():
+    mask, _ = m2po([0.1, 5.0, -0.1], tau=0.04, mask=torch.tensor([[True, False, True]]))
+    assert mask.tolist() == [[True, False, True]]
+
+
+def test_m2po_is_minimal_on_random_batches():
+    g = torch.Generator().manual_seed(0)
+    batches_with_drops = 0
+    for _ in range(50):
+        old = 0.3 * torch.randn(4, 9, generator=g, dtype=F64)
+        given = torch.rand(4, 9, generator=g) < 0.8
+        tau = float(torch.rand((), generator=g, dtype=F64)) * 0.1
+        mask, _ = m2po_mask(old, torch.zeros_like(old), given, tau=tau)
+        m2 = old.square()
+        assert not (mask & ~given).any()
+        kept, dropped = m2[mask], m2[given & ~mask]
+        assert kept.numel() == 0 or kept.mean() <= tau
+        if dropped.numel():
+            batches_with_drops += 1
+            if kept.numel():
+                assert dropped.min() >= kept.max()  # the largest ones went
+            # putting back the smallest dropped token breaks the bound: the mask is minimal
+            assert torch.cat([kept, dropped.min()[None]]).mean() > tau
+    assert batches_with_drops > 25
+
+
+def test_m2po_through_a_policy_loss():
+    logp = torch.zeros(1, 4, dtype=F64, requires_grad=True)
+    behav = -t([[0.1, 0.5, -0.1, 0.0]])  # old - behav = Δ of the test above
+    out = policy_loss("ppo", logp, torch.zeros(1, 4, dtype=F64), t([1.0]), torch.ones(1, 4, dtype=torch.bool), behav,
+                      m2po_tau=0.04)
+    out.loss_BT.sum().backward()
+    assert out.mask_BT.tolist() == [[True, False, True, True]]
+    torch.testing.assert_close(out.loss_BT, t([[-1.0, 0.0, -1.0, -1.0]]))
+    torch.testing.assert_close(logp.grad, t([[-1.0, 0.0, -1.0, -1.0]]))
+    torch.testing.assert_close(out.metrics["masked_frac"], t(0.25))
+
+
+def test_m2po_paper_objective_is_unclipped_ppo_with_the_mask():
+    # documented recipe: J = Σ M·r·A, i.e. ppo without clipping plus m2po_tau
+    logp = t([[0.5, 0.1, -0.7, 0.0]]).requires_grad_()
+    behav = -t([[0.1, 0.5, -0.1, 0.0]])
+    adv = t([[1.0, 1.0, -1.0, 2.0]])
+    out = policy_loss("ppo", logp, torch.zeros(1, 4, dtype=F64), adv, torch.ones(1, 4, dtype=torch.bool), behav,
+                      m2po_tau=0.04, eps_low=1.0, eps_high=float("inf"))
+    out.loss_BT.sum().backward()
+    r = logp.detach().exp()
+    keep = t([[1.0, 0.0, 1.0, 1.0]])
+    torch.testing.assert_close(out.loss_BT, -adv * r * keep)
+    torch.testing.assert_close(logp.grad, -adv * r * keep)
+    assert out.metrics["clip_frac_low"] == 0 and out.metrics["clip_frac_high"] == 0

@@ -1,0 +1,320 @@
+import math
+
+import pytest
+import torch
+
+from rollover.algos import POLICY_LOSSES, aggregate, bapo_bounds, policy_loss
+
+F64 = torch.float64
+
+
+def t(values):
+    return torch.tensor(values, dtype=F64)
+
+
+def leaf(values):
+    return torch.tensor(values, dtype=F64, requires_grad=True)
+
+
+def ones_mask(B, T):
+    return torch.ones(B, T, dtype=torch.bool)
+
+
+def loss_and_grad(name, log_ratio, adv, mask=None, behav=None, mode="token-mean", **opts):
+    """Per-token loss and d(sum of loss)/d(logp) with old_logp = 0, so logp = log r."""
+    logp = leaf(log_ratio)
+    mask = ones_mask(*logp.shape) if mask is None else mask
+    out = policy_loss(name, logp, torch.zeros_like(logp), adv, mask, behav, **opts)
+    aggregate(out.loss_BT, out.mask_BT, mode, num_seqs=logp.shape[0]).backward()
+    return out, logp.grad
+
+
+# ---- PPO -------------------------------------------------------------------------------------
+
+
+def test_ppo_clip_higher_by_hand():
+    r = [1.1, 1.5, 0.5, 0.9]
+    out, grad = loss_and_grad(
+        "ppo", [[math.log(v) for v in r]], t([[1.0, 1.0, -1.0, -1.0]]),
+        eps_low=0.2, eps_high=0.28, mode="seq-mean-token-sum",
+    )
+    # t0 in range: -A·r; t1 clipped at 1.28; t2 clipped at 0.8; t3 in range
+    torch.testing.assert_close(out.loss_BT, t([[-1.1, -1.28, 0.8, 0.9]]))
+    # d(-A·r)/d(log r) = -A·r in range, 0 on the clipped branch
+    torch.testing.assert_close(grad, t([[-1.1, 0.0, 0.0, 0.9]]))
+    assert out.metrics["clip_frac_low"] == 0.25 and out.metrics["clip_frac_high"] == 0.25
+    torch.testing.assert_close(out.metrics["ratio_max"], t(1.5))
+    expected_kl = sum(v - 1 - math.log(v) for v in r) / 4
+    torch.testing.assert_close(out.metrics["approx_kl"], t(expected_kl))
+
+
+def test_ppo_clip_is_one_sided():
+    # A > 0 below the lower bound and A < 0 above the upper bound stay unclipped (pessimism)
+    out, grad = loss_and_grad("ppo", [[math.log(0.5), math.log(1.5)]], t([[1.0, -1.0]]), mode="seq-mean-token-sum")
+    torch.testing.assert_close(out.loss_BT, t([[-0.5, 1.5]]))
+    torch.testing.assert_close(grad, t([[-0.5, 1.5]]))
+    assert out.metrics["clip_frac_low"] == 0 and out.metrics["clip_frac_high"] == 0
+
+
+def test_ppo_dual_clip_caps_negative_advantages_with_zero_gradient():
+    out, grad = loss_and_grad(
+        "ppo", [[math.log(4.0), math.log(2.0)]], t([[-1.0, -1.0]]), dual_clip=3.0, mode="seq-mean-token-sum"
+    )
+    torch.testing.assert_close(out.loss_BT, t([[3.0, 2.0]]))
+    torch.testing.assert_close(grad, t([[0.0, 2.0]]))
+    assert out.metrics["dual_clip_frac"] == 0.5
+    with pytest.raises(ValueError, match="dual_clip"):
+        loss_and_grad("ppo", [[0.0]], t([1.0]), dual_clip=1.0)
+
+
+def test_ppo_zero_gradient_exactly_where_clipped():
+    g = torch.Generator().manual_seed(0)
+    log_ratio = (torch.rand(6, 50, generator=g, dtype=F64) - 0.5)  # r in [0.61, 1.65]
+    adv = torch.randn(6, 50, generator=g, dtype=F64)
+    out, grad = loss_and_grad("ppo", log_ratio.tolist(), adv, eps_low=0.2, eps_high=0.28)
+    r = log_ratio.exp()
+    clipped = ((adv > 0) & (r > 1.28)) | ((adv < 0) & (r < 0.8))
+    assert clipped.any() and (~clipped).any()
+    assert torch.equal(grad[clipped], torch.zeros_like(grad[clipped]))
+    assert (grad[~clipped] != 0).all()
+    torch.testing.assert_close(out.metrics["clip_frac_low"] + out.metrics["clip_frac_high"], clipped.double().mean())
+
+
+def test_ppo_gradcheck():
+    old = t([[0.1, -0.3, 0.2], [0.0, 0.5, -1.0]])
+    adv = t([[1.0, -2.0, 0.5], [-1.0, 1.5, -0.5]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+
+    def f(logp):
+        out = policy_loss("ppo", logp, old, adv, mask, eps_low=0.2, eps_high=0.28, dual_clip=3.0)
+        return aggregate(out.loss_BT, out.mask_BT)
+
+    # log-ratios .3, -.5, .2, -1.7 (dual-clip region), .1: none near a kink
+    logp = (old + t([[0.3, -0.5, 0.2], [1.7, 0.1, 0.0]])).requires_grad_()
+    assert torch.autograd.gradcheck(f, (logp,))
+
+
+# ---- GSPO ------------------------------------------------------------------------------------
+
+
+def test_gspo_by_hand():
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    # seq 0: mean log-ratio 0.1 -> s = e^0.1 = 1.105 > 1.05, A > 0: clipped to 1.05
+    # seq 1: mean log-ratio (-.3 + .1 + .05)/3 = -0.05 -> s = e^-0.05, A < 0, within [0.9, 1.05]
+    out, grad = loss_and_grad(
+        "gspo", [[0.2, 0.0, 9.0], [-0.3, 0.1, 0.05]], t([2.0, -1.0]), mask, eps_low=0.1, eps_high=0.05,
+        mode="seq-mean-token-mean",
+    )
+    s1 = math.exp(-0.05)
+    torch.testing.assert_close(out.loss_BT, t([[-2.1, -2.1, 0.0], [s1, s1, s1]]))
+    # seq 0 clipped: no gradient; seq 1: d(s·1)/d logp_t = s/3, times 1/num_seqs = 1/2
+    torch.testing.assert_close(grad, t([[0.0, 0.0, 0.0], [s1 / 6, s1 / 6, s1 / 6]]))
+    assert out.metrics["clip_frac_high"] == 0.4  # 2 of 5 loss tokens
+
+
+def test_gspo_single_token_equals_token_level_ppo():
+    log_ratio = torch.linspace(-0.5, 0.5, 16, dtype=F64)[:, None].tolist()  # r from 0.61 to 1.65
+    adv = t([1.0, -1.0] * 8) * torch.linspace(0.5, 2.0, 16, dtype=F64)
+    opts = dict(eps_low=0.2, eps_high=0.28)
+    ppo_out, ppo_grad = loss_and_grad("ppo", log_ratio, adv, **opts)
+    gspo_out, gspo_grad = loss_and_grad("gspo", log_ratio, adv, **opts)
+    assert ppo_out.metrics["clip_frac_low"] > 0 and ppo_out.metrics["clip_frac_high"] > 0
+    torch.testing.assert_close(gspo_out.loss_BT, ppo_out.loss_BT)
+    torch.testing.assert_close(gspo_grad, ppo_grad)
+
+
+def test_gspo_token_matches_gspo_with_sequence_advantages():
+    g = torch.Generator().manual_seed(2)
+    log_ratio = (0.2 * torch.randn(8, 6, generator=g, dtype=F64)).tolist()
+    adv = torch.randn(8, generator=g, dtype=F64)
+    mask = torch.rand(8, 6, generator=g) < 0.8
+    opts = dict(eps_low=0.05, eps_high=0.05, mode="seq-mean-token-mean", mask=mask)
+    seq_out, seq_grad = loss_and_grad("gspo", log_ratio, adv, **opts)
+    tok_out, tok_grad = loss_and_grad("gspo_token", log_ratio, adv, **opts)
+    assert 0 < seq_out.metrics["clip_frac_low"] + seq_out.metrics["clip_frac_high"] < 1
+    torch.testing.assert_close(tok_out.loss_BT, seq_out.loss_BT)
+    torch.testing.assert_close(tok_grad, seq_grad)
+
+
+def test_gspo_token_gradient_is_sequence_ratio_times_token_score():
+    # one sequence, per-token advantages, nothing clipped: d ℓ_t / d logp_t = -A_t · s
+    out, grad = loss_and_grad(
+        "gspo_token", [[0.1, -0.2, 0.4]], t([[1.0, -2.0, 0.5]]), eps_low=0.5, eps_high=0.5, mode="seq-mean-token-sum"
+    )
+    s = math.exp(0.1)
+    torch.testing.assert_close(out.loss_BT, t([[-s, 2 * s, -0.5 * s]]))
+    torch.testing.assert_close(grad, t([[-s, 2 * s, -0.5 * s]]))
+
+
+def test_gspo_rejects_token_advantages():
+    with pytest.raises(ValueError, match="gspo_token"):
+        loss_and_grad("gspo", [[0.0, 0.0]], t([[1.0, 1.0]]))
+
+
+def test_gspo_gradcheck():
+    # gspo_token and cispo are left out on purpose: their stop-gradients make the gradient
+    # differ from the derivative of the loss value, so finite differences cannot check them.
+    old = t([[0.1, -0.3, 0.2], [0.0, 0.5, -1.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+
+    def f(logp):
+        out = policy_loss("gspo", logp, old, t([1.0, -2.0]), mask, eps_low=0.2, eps_high=0.2)
+        return aggregate(out.loss_BT, out.mask_BT, "seq-mean-token-mean")
+
+    logp = (old + t([[0.3, -0.2, 0.1], [0.05, -0.1, 0.0]])).requires_grad_()
+    assert torch.autograd.gradcheck(f, (logp,))
+
+
+# ---- CISPO -----------------------------------------------------------------------------------
+
+
+def test_cispo_keeps_gradient_of_clipped_tokens():
+    logp = leaf([[math.log(1.5), math.log(0.5), math.log(1.1)]])
+    adv = t([1.0])
+    out = policy_loss("cispo", logp, torch.zeros_like(logp), adv, ones_mask(1, 3), eps_low=0.2, eps_high=0.28)
+    out.loss_BT.sum().backward()
+    # weights sg(clip(r)) = [1.28, 0.8, 1.1]; loss -w·A·logp, gradient -w·A
+    torch.testing.assert_close(out.loss_BT, t([[-1.28 * math.log(1.5), -0.8 * math.log(0.5), -1.1 * math.log(1.1)]]))
+    torch.testing.assert_close(logp.grad, t([[-1.28, -0.8, -1.1]]))
+    assert out.metrics["clip_frac_high"] == pytest.approx(1 / 3)
+    assert out.metrics["clip_frac_low"] == pytest.approx(1 / 3)
+
+
+def test_cispo_default_has_no_lower_bound():
+    logp = leaf([[math.log(0.1)]])
+    out = policy_loss("cispo", logp, torch.zeros_like(logp), t([-1.0]), ones_mask(1, 1))
+    out.loss_BT.sum().backward()
+    torch.testing.assert_close(logp.grad, t([[0.1]]))
+
+
+def test_cispo_gradcheck_where_every_weight_is_clipped():
+    # With every weight clipped to a constant, the loss is -c·A·logp: smooth, gradcheck applies.
+    old = t([[0.1, -0.3, 0.2]])
+
+    def f(logp):
+        out = policy_loss("cispo", logp, old, t([[1.0, -2.0, 0.5]]), ones_mask(1, 3), eps_low=0.2, eps_high=0.2)
+        return out.loss_BT.sum()
+
+    logp = (old + t([[0.5, -0.4, 0.3]])).requires_grad_()  # every r outside [0.8, 1.2]
+    assert torch.autograd.gradcheck(f, (logp,))
+
+
+# ---- decoupled PPO ---------------------------------------------------------------------------
+
+
+def test_decoupled_ppo_with_behaviour_equal_to_proximal_is_ppo():
+    g = torch.Generator().manual_seed(3)
+    log_ratio = (torch.rand(4, 7, generator=g, dtype=F64) - 0.5).tolist()
+    adv = torch.randn(4, generator=g, dtype=F64)
+    mask = torch.rand(4, 7, generator=g) < 0.7
+    opts = dict(eps_low=0.2, eps_high=0.28, dual_clip=3.0, mask=mask)
+    ppo_out, ppo_grad = loss_and_grad("ppo", log_ratio, adv, **opts)
+    dec_out, dec_grad = loss_and_grad("decoupled_ppo", log_ratio, adv, behav=torch.zeros(4, 7, dtype=F64), **opts)
+    assert torch.equal(dec_out.loss_BT, ppo_out.loss_BT)
+    assert torch.equal(dec_grad, ppo_grad)
+    assert torch.equal(dec_out.mask_BT, ppo_out.mask_BT)
+    assert dec_out.metrics["is_weight_mean"] == 1.0
+
+
+def test_decoupled_ppo_weights_and_masks_by_behaviour_ratio():
+    # proximal (old) = 0; behaviour log-probs make w = π_prox/π_behav = [2, 0.5, 8]
+    behav = t([[-math.log(2.0), math.log(2.0), -math.log(8.0)]])
+    out, grad = loss_and_grad("decoupled_ppo", [[0.1, 0.1, 0.1]], t([1.0]), behav=behav, mode="seq-mean-token-sum")
+    r = math.exp(0.1)
+    torch.testing.assert_close(out.loss_BT, t([[-2 * r, -0.5 * r, 0.0]]))
+    torch.testing.assert_close(grad, t([[-2 * r, -0.5 * r, 0.0]]))
+    assert out.mask_BT.tolist() == [[True, True, False]]
+    torch.testing.assert_close(out.metrics["masked_frac"], t(1 / 3))
+    # truncate mode keeps the token with weight capped at 5
+    out, _ = loss_and_grad("decoupled_ppo", [[0.1, 0.1, 0.1]], t([1.0]), behav=behav, is_mode="truncate")
+    torch.testing.assert_close(out.loss_BT, t([[-2 * r, -0.5 * r, -5 * r]]))
+
+
+def test_decoupled_ppo_needs_behaviour_logprobs():
+    with pytest.raises(ValueError, match="behav_logp_BT"):
+        loss_and_grad("decoupled_ppo", [[0.0]], t([1.0]))
+
+
+# ---- BAPO ------------------------------------------------------------------------------------
+
+
+def test_bapo_raises_the_lower_bound_first():
+    # P = 1·1.0; N = 0.72 + 0.95 -> share 0.375. c_low 0.65, 0.70 keep r = .72; 0.75 drops it:
+    # share 1/1.95 = 0.513 >= 0.5.
+    ratio = t([[1.0, 0.72, 0.95]])
+    adv = t([[1.0, -1.0, -1.0]])
+    c_low, c_high, share = bapo_bounds(ratio, adv, ones_mask(1, 3))
+    assert (c_low, c_high) == (pytest.approx(0.75), 1.2)
+    assert share == pytest.approx(1 / 1.95)
+    out, grad = loss_and_grad("bapo", ratio.log().tolist(), adv, mode="seq-mean-token-sum")
+    # r = .72 < c_low with A < 0: clipped to 0.75, no gradient
+    torch.testing.assert_close(out.loss_BT, t([[-1.0, 0.75, 0.95]]))
+    torch.testing.assert_close(grad, t([[-1.0, 0.0, 0.95]]))
+    torch.testing.assert_close(out.metrics["bapo_c_low"], t(0.75))
+
+
+def test_bapo_then_raises_the_upper_bound():
+    # negatives at .95 survive any c_low <= .9; P grows once c_high reaches 1.42
+    ratio = t([[1.42, 1.0, 0.95, 0.95]])
+    adv = t([[1.0, 1.0, -1.0, -1.0]])
+    c_low, c_high, share = bapo_bounds(ratio, adv, ones_mask(1, 4))
+    assert c_low == 0.9 and c_high == pytest.approx(1.45)
+    assert share == pytest.approx(2.42 / (2.42 + 1.9))
+
+
+def test_bapo_keeps_start_bounds_when_balanced():
+    assert bapo_bounds(t([[1.0, 1.0]]), t([[1.0, -0.5]]), ones_mask(1, 2)) == (0.6, 1.2, pytest.approx(2 / 3))
+
+
+def test_bapo_gradcheck():
+    old = t([[0.1, -0.3, 0.2, 0.0]])
+    adv = t([[1.0, -2.0, 0.5, -1.0]])
+
+    def f(logp):
+        return policy_loss("bapo", logp, old, adv, ones_mask(1, 4)).loss_BT.sum()
+
+    logp = (old + t([[0.1, -0.05, 0.3, 0.02]])).requires_grad_()
+    assert torch.autograd.gradcheck(f, (logp,))
+
+
+# ---- shared behaviour ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_padding_values_never_reach_loss_or_gradient(name):
+    logp = leaf([[-0.5, -1.0, float("-inf")], [-0.2, float("nan"), float("nan")]])
+    old = t([[-0.6, -0.9, float("nan")], [-0.25, float("-inf"), 0.0]])
+    behav = t([[-0.6, -0.9, float("inf")], [-0.25, float("nan"), 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    out = policy_loss(name, logp, old, t([1.0, -1.0]), mask, behav)
+    aggregate(out.loss_BT, out.mask_BT).backward()
+    assert torch.isfinite(out.loss_BT).all() and torch.isfinite(logp.grad).all()
+    assert (out.loss_BT[~mask] == 0).all() and (logp.grad[~mask] == 0).all()
+    assert (logp.grad[mask] != 0).all()
+    assert all(torch.isfinite(v) for v in out.metrics.values())
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_metrics_are_detached_scalars(name):
+    logp = leaf([[-0.5, -1.0]])
+    out = policy_loss(name, logp, logp.detach() + 0.1, t([1.0]), ones_mask(1, 2), logp.detach(), m2po_tau=1.0)
+    for key, value in out.metrics.items():
+        assert value.dim() == 0 and not value.requires_grad, key
+    expected = {"ratio_mean", "ratio_max", "approx_kl", "clip_frac_low", "clip_frac_high", "masked_frac"}
+    assert expected <= out.metrics.keys()
+
+
+def test_bad_calls_fail_loudly():
+    logp, adv, mask = leaf([[0.0, 0.0]]), t([1.0]), ones_mask(1, 2)
+    with pytest.raises(ValueError, match="unknown policy loss 'grpo'"):
+        policy_loss("grpo", logp, logp.detach(), adv, mask)
+    with pytest.raises(TypeError, match="clip_ratio"):
+        policy_loss("ppo", logp, logp.detach(), adv, mask, clip_ratio=0.2)
+    with pytest.raises(ValueError, match="adv must be"):
+        policy_loss("ppo", logp, logp.detach(), t([1.0, 2.0]), mask)
+    with pytest.raises(ValueError, match="old_logp_BT"):
+        policy_loss("ppo", logp, t([[0.0]]), adv, mask)
+    with pytest.raises(ValueError, match="clip bounds"):
+        policy_loss("ppo", logp, logp.detach(), adv, mask, eps_low=1.5)
+    with pytest.raises(ValueError, match="behav_logp_BT"):
+        policy_loss("ppo", logp, logp.detach(), adv, mask, is_level="token")
