@@ -112,3 +112,40 @@ class Prompt:
     text: str | None = None
     answer: object = None
     fields: dict = field(default_factory=dict)
+
+
+@dataclass
+class Rollout:
+    """One finished sample with everything the data manager and trainer need.
+
+    `logprobs` and `versions` are per response token, exactly as the engine produced them
+    across any number of resumes; `loss_mask` (per response token, 1 = trained) may switch
+    off tokens (stale prefixes, truncated completions).
+    """
+
+    group_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    loss_mask: list[int]
+    finish: FinishReason
+    reward: float | None = None  # weighted total; None = unscored (skipped)
+    scores: dict = field(default_factory=dict)  # per reward function
+    advantage: float = 0.0
+    text: str = ""
+
+
+@dataclass
+class Group:
+    """The n samples of one prompt; it trains only when all of them are complete."""
+
+    id: str
+    prompt: Prompt
+    prompt_ids: list[int]
+    rollouts: list[Rollout]
+    start_version: int = 0  # policy version when the group was first submitted
+
+    @property
+    def rewards(self) -> list[float | None]:
+        return [r.reward for r in self.rollouts]

@@ -46,3 +46,22 @@ def __getattr__(name):  # lazy: importing rollover.engine does not build anythin
 
         return TorchEngine
     raise AttributeError(name)
+
+
+def make_engine(cfg, trainer, *, device, max_len: int, eos_token_ids):
+    """The engine a run's config asks for, holding the trainer's current weights (version 0)."""
+    r = cfg.rollout
+    dtype = r.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    base = trainer.model.get_base_model() if trainer.is_peft else trainer.model
+    if r.engine == "vllm":
+        from rollover.engine.vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_trainer(cfg, trainer, max_len=max_len, dtype=dtype, eos_token_ids=eos_token_ids,
+                                       **r.engine_options)
+    from rollover.engine.torch_engine import TorchEngine
+
+    return TorchEngine(base, state_dict=dict(trainer.named_weights()), device=str(device), dtype=dtype,
+                       max_rows=r.max_rows, max_len=max_len, seed=cfg.seed, eos_token_ids=eos_token_ids,
+                       **r.engine_options)

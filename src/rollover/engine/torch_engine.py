@@ -46,6 +46,7 @@ class TorchEngine:
     """Continuous-batching generation on CPU or CUDA.
 
     model: an HF causal LM module, or a name for `rollover.models.resolve_model`.
+    state_dict: weights to use instead of the module's own (e.g. a trainer's LoRA-merged ones).
     max_rows: sequences decoded together (the slot limit).
     max_len: cache length per sequence (prompt + response).
     """
@@ -54,6 +55,7 @@ class TorchEngine:
         self,
         model,
         *,
+        state_dict: dict[str, torch.Tensor] | None = None,
         device: str | None = None,
         dtype: torch.dtype | str = torch.float32,
         max_rows: int = 64,
@@ -74,7 +76,7 @@ class TorchEngine:
         gen_config = getattr(model, "generation_config", None)
         max_len = max_len or min(getattr(config, "max_position_embeddings", 2048), 2048)
         runner = ModelRunner(
-            config, model.state_dict(), max_rows=max_rows, max_len=max_len, device=device, dtype=dtype
+            config, state_dict if state_dict is not None else model.state_dict(), max_rows=max_rows, max_len=max_len, device=device, dtype=dtype
         )
         eos = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(config, gen_config)
         self.core = EngineCore(

@@ -1,0 +1,243 @@
+"""Building a run from its config, and the pieces every loop shares (eval, checkpoints).
+
+`build_run(cfg)` loads the tokenizer and model, renders and length-checks every prompt at
+start-up, builds the engine, trainer, reward runner and metrics logger, and restores the
+latest checkpoint when `resume` says so. The loops (`sync.py`, `async_.py`) only drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rollover.config import Config, ConfigError, dump_config
+from rollover.data import PromptIterator, load_prompts, render_prompt, split_holdout
+from rollover.rewards import RewardRunner, build_rewards
+from rollover.rollout.groups import (
+    PendingGroup, assign_advantages, sampling_from, score_groups, to_rollouts,
+)
+from rollover.train import checkpoint
+from rollover.types import Prompt
+
+log = logging.getLogger("rollover")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda requested but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Run:
+    cfg: Config
+    device: torch.device
+    tokenizer: object
+    model: object  # the trainer's policy (HF module, maybe peft-wrapped)
+    engine: object
+    trainer: object
+    train_iter: PromptIterator
+    eval_prompts: list[Prompt]
+    rewards: RewardRunner
+    prompt_ids: dict[str, list[int]]  # rendered prompts by Prompt.id
+    logger: object
+    start_step: int = 0
+    serial: int = 0  # prompts drawn so far (seeds sampling; survives resume)
+    resumed_extra: dict = field(default_factory=dict)
+    data_skipped: int = 0
+
+    # ------------------------------------------------------------ prompts
+    def next_groups(self, k: int, version: int) -> list[PendingGroup]:
+        """The next k prompts as pending groups of `samples_per_prompt` samples."""
+        out = []
+        for p in self.train_iter.next_batch(k):
+            gid = f"g{self.serial}"
+            out.append(PendingGroup(id=gid, prompt=p, prompt_ids=self.prompt_ids[p.id], serial=self.serial,
+                                    n=self.cfg.rollout.samples_per_prompt, start_version=version))
+            self.serial += 1
+        return out
+
+    # ------------------------------------------------------------ eval
+    def evaluate(self, step: int) -> dict:
+        """Sample the held-out prompts with the current weights; reward and accuracy."""
+        from dataclasses import replace
+
+        from rollover.rollout.groups import accuracy
+
+        cfg = self.cfg
+        if not self.eval_prompts:
+            return {}
+        sp = replace(sampling_from(cfg), temperature=cfg.eval.temperature)
+        n = cfg.eval.samples_per_prompt
+        pending = [PendingGroup(id=f"eval{i}", prompt=p, prompt_ids=self.prompt_ids[p.id], serial=10**9 + i, n=n,
+                                start_version=self.engine.version) for i, p in enumerate(self.eval_prompts)]
+        reqs = [g.request(j, sp, cfg.seed) for g in pending for j in range(n)]
+        reqs = [replace(r, id=f"eval-{step}-{r.id}") for r in reqs]
+        outs = self.engine.generate(reqs)
+        for k, c in enumerate(outs):
+            pending[k // n].done[k % n] = c
+        groups = [to_rollouts(g, cfg, self.tokenizer) for g in pending]
+        score_groups(groups, self.rewards, cfg)
+        flat = [r for g in groups for r in g.rollouts if r.reward is not None]
+        rewards = [r.reward for r in flat]
+        metrics = {
+            "eval/accuracy": accuracy(flat, cfg, self.primary_reward),
+            "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
+            "eval/response_length": sum(len(r.response_ids) for r in flat) / max(len(flat), 1),
+            "eval/samples": len(flat),
+        }
+        self.logger.log(step, metrics, kind="eval")
+        return metrics
+
+    @property
+    def primary_reward(self) -> str:
+        return self.rewards.rewards[0].name
+
+    # ------------------------------------------------------------ checkpoints
+    def save(self, step: int, extra: dict | None = None) -> Path:
+        state = {"data": self.train_iter.state_dict(), "serial": self.serial, "version": self.engine.version,
+                 **(extra or {})}
+        return checkpoint.save(self.cfg.run_dir, step, model=self.model, tokenizer=self.tokenizer,
+                               trainer_state=self.trainer.state_dict(), extra=state, keep=self.cfg.checkpoint.keep)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.logger.close()
+
+
+def _load_model(cfg: Config, ckpt: Path | None):
+    from transformers import AutoModelForCausalLM
+
+    from rollover.models import resolve_model
+    from rollover.train.trainer import apply_lora
+
+    src = resolve_model(cfg.model)
+    if ckpt is not None and (ckpt / "model").exists():
+        src = str(ckpt / "model")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    if cfg.train.lora is not None:
+        if ckpt is not None and (ckpt / "adapter").exists():
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(ckpt / "adapter"), is_trainable=True)
+        else:
+            model = apply_lora(model, cfg.train.lora)
+    return model
+
+
+def _prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt], int]:
+    d = cfg.data
+    kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, on_bad_row=d.on_bad_row)
+    train = load_prompts(d.train, **kw)
+    skipped = train.num_skipped
+    if d.eval is not None:
+        held = load_prompts(d.eval, **kw)
+        skipped += held.num_skipped
+        return list(train.prompts), list(held.prompts)[: d.eval_size], skipped
+    if d.eval_size == 0:
+        return list(train.prompts), [], skipped
+    frac = d.eval_size / len(train.prompts)
+    if frac >= 0.5:
+        raise ConfigError(f"data.eval_size={d.eval_size} would take half or more of the {len(train.prompts)} training prompts")
+    tr, held = split_holdout(train.prompts, frac, seed=cfg.seed)
+    return tr, held[: d.eval_size], skipped
+
+
+def _render_all(cfg: Config, tokenizer, prompts: list[Prompt]) -> dict[str, list[int]]:
+    d = cfg.data
+    out = {}
+    for p in prompts:
+        ids = render_prompt(tokenizer, p, system_prompt=d.system_prompt, instruction=d.instruction,
+                            use_chat_template=d.chat_template)
+        if len(ids) > d.max_prompt_tokens:
+            raise ConfigError(f"prompt {p.id!r} renders to {len(ids)} tokens, more than data.max_prompt_tokens="
+                              f"{d.max_prompt_tokens}; raise the limit or drop the row")
+        out[p.id] = ids
+    return out
+
+
+def build_run(cfg: Config, *, engine_factory=None) -> Run:
+    from rollover.metrics import MetricsLogger
+    from rollover.models import load_tokenizer
+    from rollover.train.trainer import Trainer
+
+    device = pick_device(cfg.device)
+    run_dir = Path(cfg.run_dir)
+    ckpt = None
+    if cfg.resume == "auto":
+        ckpt = checkpoint.latest(run_dir)
+    elif cfg.resume != "never":
+        ckpt = Path(cfg.resume)
+        if not (ckpt / "DONE").exists():
+            raise ConfigError(f"resume: {cfg.resume!r} is not a complete checkpoint directory")
+    seed_everything(cfg.seed)
+    tokenizer = load_tokenizer(cfg.model)
+    train_prompts, eval_prompts, skipped = _prompts(cfg)
+    if skipped:
+        log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
+    prompt_ids = _render_all(cfg, tokenizer, train_prompts + eval_prompts)
+    model = _load_model(cfg, ckpt)
+    ctx = getattr(model.config, "max_position_embeddings", None)
+    longest = max(map(len, prompt_ids.values())) + cfg.rollout.max_new_tokens
+    if ctx is not None and longest > ctx:
+        raise ConfigError(f"the longest prompt plus rollout.max_new_tokens is {longest} tokens, more than the model's "
+                          f"context of {ctx}")
+    trainer = Trainer(model, cfg, device=device, pad_id=tokenizer.pad_token_id or 0)
+    if engine_factory is None:
+        from rollover.engine import make_engine
+
+        engine_factory = make_engine
+    engine = engine_factory(cfg, trainer, device=device, max_len=longest + 1,
+                            eos_token_ids=_eos_ids(tokenizer, model))
+    rewards = RewardRunner(build_rewards(cfg.reward.functions), timeout_s=cfg.reward.timeout_s,
+                           on_error=cfg.reward.on_error)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    state = checkpoint.load_state(ckpt) if ckpt is not None else None
+    # resuming at step s drops the killed run's rows after s; a restart from scratch under
+    # resume=auto drops them all; resume=never refuses a run_dir that already has metrics
+    resume_step = state["step"] if state else (-1 if cfg.resume == "auto" else None)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb, resume=resume_step)
+    run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
+              train_iter=PromptIterator(train_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
+              eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=logger, data_skipped=skipped)
+    if state is not None:
+        trainer.load_state_dict(state["trainer"])
+        run.train_iter.load_state_dict(state["data"])
+        run.serial = state["serial"]
+        run.start_step = state["step"]
+        engine.update_weights(trainer.named_weights(), version=state["version"])
+        checkpoint.set_rng_state(state["rng"])
+        run.resumed_extra = state
+        log.info("resumed from %s at step %d", ckpt, run.start_step)
+    return run
+
+
+def _eos_ids(tokenizer, model) -> list[int]:
+    ids = []
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if e is not None:
+            ids.extend(e if isinstance(e, (list, tuple)) else [e])
+    return list(dict.fromkeys(ids))
+
+
+def train_batch_from(groups, cfg: Config):
+    """Advantages, then the typed tensor batch the trainer takes."""
+    from rollover.train.batch import TrainBatch
+
+    info = assign_advantages(groups, cfg)
+    return TrainBatch.from_rollouts([r for g in groups for r in g.rollouts]), info

@@ -1,0 +1,127 @@
+"""The synchronous RL loop, readable top to bottom.
+
+    generate -> rewards -> advantages -> train -> push weights -> evaluate -> checkpoint
+
+Generation is plain (every group waits for its longest sample; DAPO dynamic sampling tops up
+zero-variance groups) or, with `partial_rollout.enabled`, APRIL: over-provisioned, stopped at
+the target number of complete groups, the rest aborted and resumed next step from its tokens.
+
+Where this departs from the papers:
+- GRPO's KL term is off by default (kl_coef: 0), as in DAPO and most recent recipes; when on,
+  it is a per-token loss term (k3 by default), not a reward penalty.
+- With one update per step the old policy is the current forward (ratio = 1), so clipping only
+  matters with several PPO epochs / mini-batches or off-policy data; DAPO's clip-higher is
+  still the default bound (eps_high 0.28).
+- The loss is normalised by the step's global token count (token-mean), which DAPO proposes
+  and which stays exact under micro-batching; GRPO's original per-sequence mean is
+  `aggregation: seq-mean-token-mean`.
+- A step whose loss or gradient is not finite is skipped with a warning; `train.max_bad_steps`
+  in a row stop the run after a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from rollover.config import Config
+from rollover.loops.common import Run, build_run, train_batch_from
+from rollover.rollout.groups import rollout_metrics
+
+log = logging.getLogger("rollover")
+
+
+class TooManyBadSteps(RuntimeError):
+    pass
+
+
+def make_collector(run: Run):
+    if run.cfg.partial_rollout.enabled:
+        from rollover.rollout.april import AprilCollector
+
+        return AprilCollector(run)
+    from rollover.rollout.sync_collect import SyncCollector
+
+    return SyncCollector(run)
+
+
+def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
+    """Run `cfg.steps` synchronous steps (continuing from a checkpoint when there is one)."""
+    from rollover.metrics import Progress
+
+    run = run or build_run(cfg)
+    collector = make_collector(run)
+    if "collector" in run.resumed_extra:
+        collector.load_state_dict(run.resumed_extra["collector"])
+    step = run.start_step
+    last_eval: dict = {}
+    progress = Progress(cfg.steps, initial=step, desc="train") if cfg.logging.progress else None
+    try:
+        if step == 0 and cfg.eval.at_start:
+            last_eval = run.evaluate(0)
+        samples_consumed = run.resumed_extra.get("samples_consumed", 0)
+        while step < cfg.steps:
+            t_step = time.perf_counter()
+
+            # 1. generate and score (sync or APRIL)
+            groups, gen = collector.collect(step)
+            if not groups:
+                raise RuntimeError(f"step {step + 1}: no trainable group was produced "
+                                   "(all samples skipped or, with dynamic sampling, all groups had equal rewards)")
+
+            # 2. advantages and the typed batch
+            t0 = time.perf_counter()
+            batch, adv_info = train_batch_from(groups, cfg)
+            t_adv = time.perf_counter() - t0
+
+            # 3. policy update
+            t0 = time.perf_counter()
+            train_metrics = run.trainer.train_step(batch)
+            t_train = time.perf_counter() - t0
+            step += 1
+
+            # 4. new weights to the engine (tokens generated from now on carry version `step`)
+            t0 = time.perf_counter()
+            run.engine.update_weights(run.trainer.named_weights(), version=step)
+            t_sync = time.perf_counter() - t0
+
+            # 5. metrics
+            samples_consumed += len(batch)
+            dt = time.perf_counter() - t_step
+            metrics = {
+                **rollout_metrics(groups, cfg, run.primary_reward),
+                **train_metrics,
+                **{f"rollout/{k}": v for k, v in gen.items() if not k.endswith("_s")},
+                "adv/zero_std_groups": adv_info.get("zero_std_groups", 0),
+                "samples_consumed": samples_consumed,
+                "timing_s/generate": gen["generate_s"],
+                "timing_s/reward": gen["reward_s"],
+                "timing_s/advantage": t_adv,
+                "timing_s/train": t_train,
+                "timing_s/weight_sync": t_sync,
+                "timing_s/step": dt,
+                "perf/tokens_per_s": gen["generated_tokens"] / max(gen["generate_s"], 1e-9),
+                "perf/samples_per_s": len(batch) / dt,
+            }
+            run.logger.log(step, metrics)
+            if progress:
+                progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
+                                tokens_per_s=metrics["perf/tokens_per_s"])
+
+            # 6. stop on repeated non-finite losses, with a checkpoint
+            if run.trainer.bad_steps >= cfg.train.max_bad_steps:
+                run.save(step, {"collector": collector.state_dict(), "samples_consumed": samples_consumed})
+                raise TooManyBadSteps(f"{run.trainer.bad_steps} steps in a row had a non-finite loss or gradient "
+                                      f"(train.max_bad_steps={cfg.train.max_bad_steps}); stopped at step {step} "
+                                      f"with a checkpoint in {cfg.run_dir}/checkpoints")
+
+            # 7. evaluation and checkpoints
+            if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
+                last_eval = run.evaluate(step)
+            if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                run.save(step, {"collector": collector.state_dict(), "samples_consumed": samples_consumed})
+        return {"step": step, **last_eval}
+    finally:
+        if progress:
+            progress.close()
+        run.close()

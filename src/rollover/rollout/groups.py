@@ -1,0 +1,149 @@
+"""From prompts to scored groups: requests, rewards, shaping, advantages, filters.
+
+These are the data-manager steps shared by every loop (sync, APRIL, async): they take typed
+messages (`Completion`, `Group`, `Rollout`) and return typed messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rollover.algos import compute_advantages, overlong_penalty
+from rollover.config import Config
+from rollover.rewards import BatchRewards, RewardRunner
+from rollover.types import Completion, Group, Prompt, Request, Rollout, SamplingParams
+
+
+def sample_seed(run_seed: int, serial: int, j: int) -> int:
+    """Seed of sample j of the serial-th prompt drawn in a run (reproducible across resume)."""
+    return ((run_seed * 1_000_003 + serial) * 1_009 + j) % (2**62)
+
+
+@dataclass
+class PendingGroup:
+    """A prompt's n samples while they are being generated (possibly over several steps)."""
+
+    id: str
+    prompt: Prompt
+    prompt_ids: list[int]
+    serial: int  # order in which the run drew this prompt
+    n: int
+    start_version: int
+    done: dict[int, Completion] = field(default_factory=dict)  # finished samples
+    partial: dict[int, Completion] = field(default_factory=dict)  # aborted, to be resumed
+
+    def request_id(self, j: int) -> str:
+        return f"{self.id}/{j}"
+
+    def request(self, j: int, sampling: SamplingParams, run_seed: int) -> Request:
+        from dataclasses import replace
+
+        sp = replace(sampling, seed=sample_seed(run_seed, self.serial, j))
+        if j in self.partial:
+            return self.partial[j].resume(sp)
+        return Request(id=self.request_id(j), prompt_ids=list(self.prompt_ids), sampling=sp)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == self.n
+
+
+def sampling_from(cfg: Config) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+
+
+def to_rollouts(group: PendingGroup, cfg: Config, tokenizer) -> Group:
+    """A complete pending group as a `Group` of unscored rollouts (loss mask all ones, or off
+    for truncated completions when `algorithm.mask_truncated`)."""
+    rollouts = []
+    for j in range(group.n):
+        c = group.done[j]
+        mask = [1] * len(c.response_ids)
+        if cfg.algorithm.mask_truncated and c.finish == "length":
+            mask = [0] * len(c.response_ids)
+        rollouts.append(Rollout(
+            group_id=group.id, prompt_ids=list(group.prompt_ids), response_ids=list(c.response_ids),
+            logprobs=list(c.logprobs), versions=list(c.versions), loss_mask=mask, finish=c.finish,
+            text=tokenizer.decode(c.response_ids, skip_special_tokens=True),
+        ))
+    return Group(id=group.id, prompt=group.prompt, prompt_ids=list(group.prompt_ids), rollouts=rollouts,
+                 start_version=group.start_version)
+
+
+def score_groups(groups: list[Group], runner: RewardRunner, cfg: Config) -> BatchRewards:
+    """Fill in each rollout's reward and per-function scores (with overlong shaping)."""
+    prompts = [g.prompt for g in groups for _ in g.rollouts]
+    texts = [r.text for g in groups for r in g.rollouts]
+    ids = [f"{g.id}/{j}" for g in groups for j in range(len(g.rollouts))]
+    tokens = [r.response_ids for g in groups for r in g.rollouts]
+    result = runner.score(prompts, texts, sample_ids=ids, completion_ids=tokens)
+    flat = [r for g in groups for r in g.rollouts]
+    a = cfg.algorithm
+    for r, s in zip(flat, result.samples):
+        r.scores = {k: v for k, v in s.scores.items() if v is not None}
+        r.reward = s.total
+        if r.reward is not None and a.overlong_buffer:
+            r.reward += float(overlong_penalty(torch.tensor([len(r.response_ids)]), max_len=cfg.rollout.max_new_tokens,
+                                               buffer_len=a.overlong_buffer, penalty=a.overlong_penalty)[0])
+    return result
+
+
+def trainable(group: Group) -> bool:
+    """Skipped samples (unscored) leave the group out of training: its baseline would be wrong."""
+    return all(r.reward is not None for r in group.rollouts)
+
+
+def has_variance(group: Group) -> bool:
+    """DAPO dynamic sampling keeps groups whose rewards are not all equal."""
+    rewards = [r.reward for r in group.rollouts]
+    return len(set(rewards)) > 1
+
+
+def assign_advantages(groups: list[Group], cfg: Config) -> dict:
+    """Set each rollout's advantage from its group's rewards; returns the estimator's info."""
+    flat = [r for g in groups for r in g.rollouts]
+    if not flat:
+        return {}
+    rewards = torch.tensor([r.reward for r in flat], dtype=torch.float32)
+    gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts], dtype=torch.long)
+    adv, info = compute_advantages(cfg.algorithm.advantage, rewards, gid)
+    for r, v in zip(flat, adv.tolist()):
+        r.advantage = v
+    return info
+
+
+def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
+    """Reward, accuracy and length statistics of the groups that will train."""
+    flat = [r for g in groups for r in g.rollouts]
+    if not flat:
+        return {}
+    lengths = torch.tensor([len(r.response_ids) for r in flat], dtype=torch.float32)
+    rewards = torch.tensor([r.reward for r in flat], dtype=torch.float32)
+    out = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": sum(r.finish == "length" for r in flat) / len(flat),
+        "samples": len(flat),
+        "groups": len(groups),
+    }
+    fns = sorted({k for r in flat for k in r.scores})
+    for fn in fns:
+        vals = [r.scores[fn] for r in flat if fn in r.scores]
+        t = torch.tensor(vals, dtype=torch.float32)
+        out[f"rewards/{fn}/mean"] = float(t.mean())
+        out[f"rewards/{fn}/std"] = float(t.std(unbiased=False))
+    out["accuracy"] = accuracy(flat, cfg, primary)
+    return out
+
+
+def accuracy(rollouts: list[Rollout], cfg: Config, primary: str) -> float:
+    """Fraction of samples whose primary (first configured) reward function scores at least
+    `reward.correct_threshold`; a sample where it abstained or failed counts as wrong."""
+    if not rollouts:
+        return 0.0
+    return sum((r.scores.get(primary) or 0.0) >= cfg.reward.correct_threshold for r in rollouts) / len(rollouts)

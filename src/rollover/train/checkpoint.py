@@ -1,0 +1,79 @@
+"""Checkpoints for exact resume.
+
+`RUN_DIR/checkpoints/step_000012/` holds:
+- `model/` — the policy, `save_pretrained` safetensors (loadable with `from_pretrained`); with
+  LoRA, the peft adapter (`adapter/`) instead;
+- `state.pt` — optimizer, scheduler, RNG states (python, numpy, torch), the data iterator's
+  position, the prompt serial counter, the rollout scheduler's buffers (APRIL partial groups)
+  and anything else the loop puts in `extra`;
+- `DONE` — written last: a directory without it was interrupted mid-save and is ignored.
+
+A checkpoint is written to a temporary directory and renamed into place, so a kill during a
+save never leaves a half checkpoint that `latest` would pick.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    root = checkpoint_dir(run_dir)
+    if not root.exists():
+        return None
+    done = sorted(p for p in root.glob("step_*") if (p / "DONE").exists())
+    return done[-1] if done else None
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dict, extra: dict, keep: int) -> Path:
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}-", dir=root))
+    try:
+        sub = "adapter" if hasattr(model, "get_base_model") else "model"
+        model.save_pretrained(tmp / sub, safe_serialization=True)
+        if tokenizer is not None and sub == "model":
+            tokenizer.save_pretrained(tmp / sub)
+        torch.save({"step": step, "trainer": trainer_state, "rng": rng_state(), **extra}, tmp / "state.pt")
+        (tmp / "DONE").write_text(str(step))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    done = sorted(p for p in root.glob("step_*") if (p / "DONE").exists())
+    for old in done[: max(0, len(done) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_state(path: str | Path) -> dict:
+    path = Path(path)
+    if not (path / "DONE").exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no DONE marker)")
+    return torch.load(path / "state.pt", weights_only=False)

@@ -1,0 +1,272 @@
+"""The policy trainer: an HF causal LM, AdamW, micro-batched policy-gradient steps.
+
+One `train_step(batch)` runs `ppo_epochs x mini_batches` optimizer updates. Each update packs
+its sequences into micro-batches, accumulates gradients, and normalises by the update's
+*global* token (or sequence) count, so the result does not depend on the micro-batch split.
+
+Old (proximal) logprobs: with a single update per step, the current forward's detached
+logprobs serve as the old policy (ratio = 1, no extra forward). With several updates, one
+no-grad pass over the batch records them first. Behaviour logprobs always come from the
+engine; they enter only the off-policy options (TIS, M2PO, decoupled PPO).
+
+Logits are computed only at the positions that predict response tokens (the LM head on the
+selected hidden states), and divided by the rollout temperature so they match the engine's
+sampling distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+import torch
+
+from rollover.algos import aggregate, kl_penalty, policy_loss
+from rollover.config import Config
+from rollover.train.batch import MicroBatch, TrainBatch, pack
+
+
+def _lr_lambda(schedule: str, warmup: int, total: int):
+    def f(update: int) -> float:
+        if warmup and update < warmup:
+            return (update + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (update - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+class Trainer:
+    def __init__(self, model, cfg: Config, *, device: torch.device, pad_id: int = 0):
+        self.cfg = cfg
+        self.device = device
+        self.pad_id = pad_id
+        self.model = model.to(device)
+        self.is_peft = hasattr(self.model, "get_base_model")
+        if cfg.train.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        self.ref_model = None
+        if cfg.algorithm.kl_coef > 0 and not self.is_peft:
+            import copy
+
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        updates_per_step = t.ppo_epochs * t.mini_batches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_lambda(t.schedule, t.warmup_steps * updates_per_step, cfg.steps * updates_per_step)
+        )
+        self.bad_steps = 0  # consecutive steps skipped for a non-finite loss
+        self.pack_length = t.pack_length or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and t.dtype == "auto"
+            else contextlib.nullcontext()
+        )
+
+    # ------------------------------------------------------------ forward
+    def _base(self, model):
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def _forward(self, model, mb: MicroBatch, need_entropy: bool):
+        """logp [N] of the response tokens (and their entropy [N] when asked)."""
+        base = self._base(model)
+        with self.autocast:
+            hidden = base.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).last_hidden_state
+            logits = base.lm_head(hidden[mb.sel_row, mb.sel_col]).float()  # [N, V]
+        logits = logits / self.cfg.rollout.temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(1, mb.targets[:, None]).squeeze(1)
+        entropy = None
+        if need_entropy:
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
+
+    @staticmethod
+    def _to_BT(values_N: torch.Tensor, mb: MicroBatch, T: int) -> torch.Tensor:
+        out = values_N.new_zeros((len(mb.seq_index), T))
+        return out.index_put((mb.tok_seq, mb.tok_pos), values_N)
+
+    def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
+        return [
+            mb.to(self.device)
+            for mb in pack(batch, pack_length=self.pack_length, micro_batch_tokens=self.cfg.train.micro_batch_tokens,
+                           pad_id=self.pad_id)
+        ]
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, model=None) -> torch.Tensor:
+        """Per-token logprobs [B, T] of the batch's responses under `model` (default: policy)."""
+        model = model or self.model
+        T = batch.mask_BT.shape[1]
+        out = torch.zeros(len(batch), T, device=self.device)
+        for mb in self._micro_batches(batch):
+            logp, _ = self._forward(model, mb, need_entropy=False)
+            out[torch.tensor(mb.seq_index, device=self.device)] = self._to_BT(logp, mb, T)
+        return out
+
+    # ------------------------------------------------------------ training
+    def train_step(self, batch: TrainBatch) -> dict:
+        """All the updates of one step; returns metrics (means over updates)."""
+        cfg, t = self.cfg, self.cfg.train
+        multi = t.ppo_epochs * t.mini_batches > 1
+        old_BT = self.logprobs(batch) if multi else None
+        ref_BT = None
+        if cfg.algorithm.kl_coef > 0:
+            if self.is_peft:
+                with self.model.disable_adapter():
+                    ref_BT = self.logprobs(batch)
+            else:
+                ref_BT = self.logprobs(batch, self.ref_model)
+        groups = batch.group_index_B.unique().tolist()
+        history: list[dict] = []
+        skipped = False
+        for epoch in range(t.ppo_epochs):
+            for k in range(t.mini_batches):
+                chosen = set(groups[k :: t.mini_batches])
+                idx = [i for i, g in enumerate(batch.group_index_B.tolist()) if g in chosen]
+                metrics = self._update(batch.select(idx), None if old_BT is None else old_BT[idx],
+                                       None if ref_BT is None else ref_BT[idx])
+                history.append(metrics)
+                skipped |= metrics.pop("skipped")
+        out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+        out["skipped_step"] = float(skipped)
+        if skipped:
+            self.bad_steps += 1
+        else:
+            self.bad_steps = 0
+        return out
+
+    def _update(self, batch: TrainBatch, old_BT, ref_BT) -> dict:
+        cfg, a = self.cfg, self.cfg.algorithm
+        T = batch.mask_BT.shape[1]
+        mask_BT = batch.mask_BT.to(self.device)
+        num_tokens = int(mask_BT.sum())
+        num_seqs = len(batch)
+        behav_BT = batch.behav_logp_BT.to(self.device)
+        adv_B = batch.adv_B.to(self.device)
+        opts = dict(a.loss_options)
+        if a.loss != "bapo":
+            opts.setdefault("eps_low", a.eps_low)
+            opts.setdefault("eps_high", a.eps_high)
+        if a.dual_clip is not None:
+            opts.setdefault("dual_clip", a.dual_clip)
+        if a.tis_cap is not None:
+            opts.setdefault("is_level", "token")
+            opts.setdefault("is_mode", "truncate")
+            opts.setdefault("is_cap", a.tis_cap)
+        if a.m2po_tau is not None:
+            opts.setdefault("m2po_tau", a.m2po_tau)
+        need_entropy = True  # logged every step; cheap next to the forward
+        sums: dict[str, float] = {}
+        entropy_sum, kl_sum, loss_total = 0.0, 0.0, 0.0
+        finite = True
+        self.optimizer.zero_grad(set_to_none=True)
+        micro = self._micro_batches(batch)
+        for mb in micro:
+            sel = torch.tensor(mb.seq_index, device=self.device)
+            logp, entropy = self._forward(self.model, mb, need_entropy)
+            logp_BT = self._to_BT(logp, mb, T)
+            old = logp_BT.detach() if old_BT is None else old_BT[sel.cpu()].to(self.device)
+            m_BT = mask_BT[sel]
+            out = policy_loss(a.loss, logp_BT, old, adv_B[sel], m_BT, behav_BT[sel], **opts)
+            loss_BT = out.loss_BT
+            if ref_BT is not None:
+                kl_BT = kl_penalty(logp_BT, ref_BT[sel.cpu()].to(self.device), a.kl_estimator)
+                loss_BT = loss_BT + a.kl_coef * kl_BT
+                kl_sum += float((kl_BT.detach() * m_BT).sum())
+            ent_BT = self._to_BT(entropy, mb, T)
+            if a.entropy_coef:
+                loss_BT = loss_BT - a.entropy_coef * ent_BT
+            entropy_sum += float((ent_BT.detach() * m_BT).sum())
+            loss = aggregate(loss_BT, out.mask_BT, a.aggregation, num_tokens=max(num_tokens, 1),
+                             num_seqs=num_seqs, max_len=cfg.rollout.max_new_tokens)
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            loss.backward()
+            loss_total += float(loss.detach())
+            w = float(m_BT.sum()) / max(num_tokens, 1)  # token-weighted mean of the loss metrics
+            for k, v in out.metrics.items():
+                sums[k] = sums.get(k, 0.0) + w * float(v)
+        grad_norm = float("nan")
+        if finite:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            if self.cfg.train.grad_clip > 0:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip))
+            else:
+                grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+            finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            warnings.warn("non-finite loss or gradient: this update is skipped", RuntimeWarning, stacklevel=2)
+        self.optimizer.zero_grad(set_to_none=True)
+        pad = sum(mb.pad_tokens for mb in micro)
+        slots = sum(mb.slots for mb in micro)
+        metrics = {f"actor/{k}": v for k, v in sums.items()}
+        metrics.update({
+            "actor/pg_loss": loss_total,
+            "actor/entropy": entropy_sum / max(num_tokens, 1),
+            "actor/grad_norm": grad_norm,
+            "actor/lr": self.scheduler.get_last_lr()[0],
+            "actor/micro_batches": len(micro),
+            "actor/padding_fraction": pad / max(slots, 1),
+            "actor/loss_tokens": num_tokens,
+            "skipped": not finite,
+        })
+        if ref_BT is not None:
+            metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
+        return metrics
+
+    # ------------------------------------------------------------ weights & state
+    def named_weights(self):
+        """(HF name, tensor) pairs of the full policy, LoRA merged in, for the engine."""
+        if not self.is_peft:
+            return [(n, p.detach()) for n, p in self.model.named_parameters()]
+        self.model.merge_adapter()
+        try:
+            out = []
+            for n, p in self.model.named_parameters():
+                if "lora_" in n:
+                    continue
+                n = n.removeprefix("base_model.model.").replace(".base_layer", "")
+                out.append((n, p.detach().clone()))
+            return out
+        finally:
+            self.model.unmerge_adapter()
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "bad_steps": self.bad_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.bad_steps = state["bad_steps"]
+
+
+def apply_lora(model, lora: dict):
+    """Wrap a model with peft LoRA adapters from the config mapping."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError("train.lora needs peft: pip install 'rollover[lora]'") from e
+    known = {"r", "alpha", "dropout", "target_modules"}
+    unknown = set(lora) - known
+    if unknown:
+        raise ValueError(f"train.lora: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    cfg = LoraConfig(
+        r=int(lora.get("r", 16)),
+        lora_alpha=int(lora.get("alpha", 32)),
+        lora_dropout=float(lora.get("dropout", 0.0)),
+        target_modules=lora.get("target_modules", "all-linear"),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, cfg)

@@ -1,0 +1,220 @@
+"""The trainer, packing, the synchronous loop, checkpoints and exact resume (tiny models, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollover.config import load_config
+from rollover.loops.common import build_run
+from rollover.loops.sync import TooManyBadSteps, train_sync
+from rollover.testing import save_tiny_model, tiny_model
+from rollover.train.batch import TrainBatch, pack
+from rollover.types import Rollout
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
+
+
+def tiny_cfg(model_dir, run_dir, **over):
+    base = {
+        "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 7, "resume": "auto",
+        "data.train": "gen:arithmetic?n=120", "data.eval_size": 6, "data.max_prompt_tokens": 64,
+        "rollout.prompts_per_step": 3, "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 6,
+        "rollout.max_rows": 8, "reward.functions": ["numeric", {"fn": "format", "weight": 0.5, "kwargs": {"pattern": "[0-9]"}}],
+        "train.lr": 1e-3, "eval.every": 2, "eval.samples_per_prompt": 1, "checkpoint.every": 2,
+        "logging.progress": False, "logging.tensorboard": False,
+    }
+    base.update(over)
+    return load_config(**base)
+
+
+def rollout(gid, prompt, resp, adv, mask=None):
+    return Rollout(group_id=gid, prompt_ids=prompt, response_ids=resp, logprobs=[-1.0] * len(resp),
+                   versions=[0] * len(resp), loss_mask=mask or [1] * len(resp), finish="stop", reward=0.0, advantage=adv)
+
+
+def test_packing_keeps_sequences_apart():
+    model = tiny_model("llama", seed=4)
+    rolls = [rollout("a", [5, 6, 7], [8, 9], 1.0), rollout("a", [5, 6], [10, 11, 12], -1.0),
+             rollout("b", [20], [21], 0.5), rollout("b", [22, 23, 24, 25], [26, 27, 28, 29], 0.0)]
+    batch = TrainBatch.from_rollouts(rolls)
+    packed = pack(batch, pack_length=24, micro_batch_tokens=24)
+    assert len(packed) == 1 and packed[0].input_ids.shape[0] == 1  # all four in one row
+    mb = packed[0]
+    with torch.no_grad():
+        hidden = model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).last_hidden_state
+        lp = torch.log_softmax(model.lm_head(hidden[mb.sel_row, mb.sel_col]), -1).gather(1, mb.targets[:, None]).squeeze(1)
+    for k, r in enumerate(rolls):  # each sequence alone, unpacked
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            ref = torch.log_softmax(model(ids).logits[0], -1)[len(r.prompt_ids) - 1 : -1]
+        ref = ref.gather(1, torch.tensor(r.response_ids)[:, None]).squeeze(1)
+        s = mb.seq_index.index(k)
+        got = lp[mb.tok_seq == s]
+        assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_padding_fraction_reported():
+    rolls = [rollout("a", [1] * 5, [2] * 5, 1.0), rollout("a", [1] * 2, [2] * 2, 1.0)]
+    mbs = pack(TrainBatch.from_rollouts(rolls), pack_length=10, micro_batch_tokens=20)
+    assert sum(m.slots for m in mbs) == 20 and sum(m.pad_tokens for m in mbs) == 6
+
+
+def test_micro_batch_split_does_not_change_the_update(model_dir, tmp_path):
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float(i % 3) - 1.0) for i in range(9)]
+    weights = []
+    for mbt in (64, 16):
+        cfg = tiny_cfg(model_dir, tmp_path / f"r{mbt}", **{"train.micro_batch_tokens": mbt, "train.pack_length": 16,
+                                                             "data.max_prompt_tokens": 10})
+        torch.manual_seed(0)
+        model = tiny_model("llama", seed=5)
+        tr = Trainer(model, cfg, device=torch.device("cpu"))
+        m = tr.train_step(TrainBatch.from_rollouts(rolls))
+        weights.append({k: v.clone() for k, v in model.state_dict().items()})
+        assert (m["actor/micro_batches"] == 1) == (mbt == 64)
+    for k in weights[0]:
+        assert torch.allclose(weights[0][k], weights[1][k], atol=1e-6), k
+
+
+def test_sync_run_end_to_end_and_engine_matches_trainer(model_dir, tmp_path):
+    cfg = tiny_cfg(model_dir, tmp_path / "run", steps=2)
+    run = build_run(cfg)
+    from rollover.loops.sync import make_collector
+    from rollover.loops.common import train_batch_from
+
+    collector = make_collector(run)
+    groups, _ = collector.collect(0)
+    batch, _ = train_batch_from(groups, cfg)
+    # behaviour logprobs from the engine equal the trainer's forward on the same tokens
+    assert torch.allclose(run.trainer.logprobs(batch)[batch.mask_BT], batch.behav_logp_BT[batch.mask_BT], atol=1e-4)
+    run.trainer.train_step(batch)
+    run.engine.update_weights(run.trainer.named_weights(), version=1)
+    groups, _ = collector.collect(1)
+    batch, _ = train_batch_from(groups, cfg)
+    assert (batch.versions_BT[batch.mask_BT] == 1).all()
+    assert torch.allclose(run.trainer.logprobs(batch)[batch.mask_BT], batch.behav_logp_BT[batch.mask_BT], atol=1e-4)
+    run.close()
+
+    result = train_sync(tiny_cfg(model_dir, tmp_path / "full", steps=3))
+    rows = [json.loads(line) for line in open(tmp_path / "full" / "metrics.jsonl")]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    for key in ("reward/mean", "accuracy", "actor/grad_norm", "actor/entropy", "timing_s/generate", "timing_s/train",
+                "timing_s/weight_sync", "response_length/clip_ratio", "rewards/numeric/mean", "actor/lr"):
+        assert key in train_rows[0], key
+    assert {r["step"] for r in rows if r["kind"] == "eval"} == {0, 2, 3}
+    assert "eval/accuracy" in result
+    # the final checkpoint is loadable with from_pretrained
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "checkpoints" / "step_000003" / "model")
+
+
+def _final_weights(run_dir, step):
+    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "model" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("extra", [{}, {"algorithm.dynamic_sampling": True}])
+def test_resume_is_exact(model_dir, tmp_path, extra):
+    straight = tmp_path / "straight"
+    train_sync(tiny_cfg(model_dir, straight, steps=4, **extra))
+    split = tmp_path / "split"
+    train_sync(tiny_cfg(model_dir, split, steps=2, **extra))  # "killed" after its step-2 checkpoint
+    train_sync(tiny_cfg(model_dir, split, steps=4, **extra))  # resume: auto
+    a, b = _final_weights(straight, 4), _final_weights(split, 4)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    rows = lambda d: [json.loads(x) for x in open(d / "metrics.jsonl")]  # noqa: E731
+    ra, rb = rows(straight), rows(split)
+    assert [(r["step"], r["kind"]) for r in ra] == [(r["step"], r["kind"]) for r in rb]  # no duplicate steps
+    assert [r.get("reward/mean") for r in ra] == [r.get("reward/mean") for r in rb]
+
+
+def test_reward_errors_raise_zero_skip(model_dir, tmp_path, monkeypatch):
+    import rollover.rewards.builtins as builtins
+
+    calls = {"n": 0}
+
+    def flaky(completion, answer, **kw):
+        calls["n"] += 1
+        if calls["n"] % 4 == 0:
+            raise RuntimeError("judge unavailable")
+        return 1.0
+
+    monkeypatch.setattr(builtins, "flaky_test_reward", flaky, raising=False)
+    fn = [{"fn": "rollover.rewards.builtins:flaky_test_reward", "name": "flaky"}]
+    with pytest.raises(Exception, match="flaky"):
+        train_sync(tiny_cfg(model_dir, tmp_path / "raise", steps=1, **{"reward.functions": fn, "eval.at_start": False}))
+    calls["n"] = 0
+    train_sync(tiny_cfg(model_dir, tmp_path / "zero", steps=1, **{"reward.functions": fn, "reward.on_error": "zero",
+                                                                   "eval.at_start": False, "eval.every": 0}))
+    row = next(json.loads(x) for x in open(tmp_path / "zero" / "metrics.jsonl") if '"train"' in x)
+    assert row["rollout/rewards/flaky/errors"] >= 1 and row["rollout/reward_errors"] >= 1
+    calls["n"] = 0
+    train_sync(tiny_cfg(model_dir, tmp_path / "skip", steps=1, **{"reward.functions": fn, "reward.on_error": "skip",
+                                                                   "eval.at_start": False, "eval.every": 0}))
+    row = next(json.loads(x) for x in open(tmp_path / "skip" / "metrics.jsonl") if '"train"' in x)
+    assert row["rollout/skipped_groups"] >= 1 and row["groups"] == 3 - row["rollout/skipped_groups"]
+
+
+def test_nan_loss_skips_then_stops_with_checkpoint(model_dir, tmp_path, monkeypatch):
+    import rollover.train.trainer as trainer_mod
+
+    real = trainer_mod.aggregate
+    monkeypatch.setattr(trainer_mod, "aggregate", lambda *a, **k: real(*a, **k) * float("nan"))
+    cfg = tiny_cfg(model_dir, tmp_path / "nan", steps=5, **{"train.max_bad_steps": 2, "eval.at_start": False})
+    before = tiny_model("llama", seed=3).state_dict()
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        with pytest.raises(TooManyBadSteps, match="2 steps in a row"):
+            train_sync(cfg)
+    saved = _final_weights(tmp_path / "nan", 2)
+    for k, v in saved.items():  # nothing was applied
+        assert torch.equal(v, before[k]), k
+
+
+def test_lora_run_syncs_merged_weights(model_dir, tmp_path):
+    pytest.importorskip("peft")
+    cfg = tiny_cfg(model_dir, tmp_path / "lora", steps=2, **{"train.lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+                                                            "train.lr": 5e-2})
+    run = build_run(cfg)
+    from rollover.loops.sync import make_collector
+    from rollover.loops.common import train_batch_from
+
+    collector = make_collector(run)
+    groups, _ = collector.collect(0)
+    batch, _ = train_batch_from(groups, cfg)
+    run.trainer.train_step(batch)
+    run.engine.update_weights(run.trainer.named_weights(), version=1)
+    groups, _ = collector.collect(1)
+    batch, _ = train_batch_from(groups, cfg)
+    got = run.trainer.logprobs(batch)[batch.mask_BT]
+    assert torch.allclose(got, batch.behav_logp_BT[batch.mask_BT], atol=1e-4)
+    trainable = [n for n, p in run.trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    run.close()
+
+
+def test_bad_rows_skip_and_long_prompts_rejected(model_dir, tmp_path):
+    from rollover.config import ConfigError
+
+    data = tmp_path / "d.jsonl"
+    rows = [{"prompt": "What is 1 + 1?", "answer": "2"}, {"prompt": 5, "answer": "x"}, {"answer": "3"}] + [
+        {"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(20)]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match="d.jsonl line 2"):
+        build_run(tiny_cfg(model_dir, tmp_path / "r1", **{"data.train": str(data)}))
+    run = build_run(tiny_cfg(model_dir, tmp_path / "r2", **{"data.train": str(data), "data.on_bad_row": "skip"}))
+    assert run.data_skipped == 2
+    run.close()
+    with pytest.raises(ConfigError, match="data.max_prompt_tokens"):
+        build_run(tiny_cfg(model_dir, tmp_path / "r3", **{"data.train": str(data), "data.on_bad_row": "skip",
+                                                          "data.max_prompt_tokens": 10}))
