@@ -19,6 +19,9 @@ step > s (logged by the killed run after its last checkpoint) are removed from m
 before anything is appended, so an exact resume never leaves a step logged twice; TensorBoard
 hides the same steps through `SummaryWriter(purge_step=s + 1)`. W&B's server-side history is
 not rewound: configure W&B's own resume options in the `wandb` dict if you need that.
+
+W&B writes through a separate service process: `close()` finishes the run, but the last records
+may reach `RUN_DIR/wandb` only when the process exits or `wandb.teardown()` is called.
 """
 
 from __future__ import annotations
@@ -130,8 +133,8 @@ class MetricsLogger:
     `tensorboard`: True writes `RUN_DIR/tb`; None does so when the tensorboard package is
     installed; False never. `wandb`: keyword arguments for `wandb.init` (e.g.
     `{"project": "gsm8k", "mode": "offline"}`); W&B files go under RUN_DIR. `resume`: the step
-    of the checkpoint being resumed (see the module docstring); None starts a fresh run and
-    refuses a run dir that already holds metrics.
+    of the checkpoint being resumed (see the module docstring), -1 to start over in the same
+    run dir; None starts a fresh run and refuses a run dir that already holds metrics.
     """
 
     def __init__(
