@@ -79,6 +79,8 @@ class RolloutConfig(Section):
     """Top-k sampling (0 = off)."""
     max_rows: int = 64
     """Sequences the engine decodes together (its slot limit)."""
+    ignore_eos: bool = False
+    """Generate through EOS up to max_new_tokens (benchmark workloads only)."""
     dtype: str = "auto"
     """Engine dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
     inflight_weight_update: Literal["continue", "abort"] = "continue"
@@ -95,9 +97,10 @@ class PartialRolloutConfig(Section):
     """alpha: keep up to alpha x prompts_per_step groups in flight."""
     max_carry_steps: int = 2
     """A carried-over prefix may lag the current policy by at most this many versions."""
-    on_stale: Literal["mask", "regenerate", "is"] = "is"
+    on_stale: Literal["mask", "regenerate", "is"] = "mask"
     """Past `max_carry_steps`: mask the stale tokens in the loss, regenerate the sample from
-    scratch, or keep them and correct with importance weights (decoupled PPO / TIS)."""
+    scratch (its old tokens are dropped and reported), or keep them and correct with importance
+    weights (needs algorithm.loss=decoupled_ppo or algorithm.tis_cap)."""
     adaptive: bool = False
     """Adjust alpha each step from the observed completion rate."""
     min_oversample: float = 1.0
@@ -285,6 +288,9 @@ class Config(Section):
             problems.append("partial_rollout.oversample must be >= 1")
         if p.enabled and p.adaptive and not p.min_oversample <= p.oversample <= p.max_oversample:
             problems.append("partial_rollout.oversample must lie in [min_oversample, max_oversample]")
+        if p.enabled and p.on_stale == "is" and a.loss != "decoupled_ppo" and a.tis_cap is None:
+            problems.append("partial_rollout.on_stale=is weights stale tokens by importance sampling: set "
+                            "algorithm.loss=decoupled_ppo or algorithm.tis_cap")
         if p.max_carry_steps < 0:
             problems.append("partial_rollout.max_carry_steps must be >= 0")
         if self.mode == "sync" and self.async_.max_staleness != AsyncConfig().max_staleness:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import AsyncIterator, Iterable, Protocol
+from typing import AsyncIterator, Callable, Iterable, Protocol
 
 import torch
 
@@ -15,7 +15,8 @@ class Engine(Protocol):
     """What schedulers and loops may call. Token ids in, token ids out.
 
     - `submit`/`submit_many` validate in the caller's thread (ValueError naming the request)
-      and return futures of `Completion`s; `generate` blocks, `agenerate`/`stream` are asyncio.
+      and return futures of `Completion`s; `on_done` is called as each one finishes (from the
+      engine's thread); `generate` blocks, `agenerate`/`stream` are asyncio.
     - `abort(ids | None)` returns promptly with partial completions (finish 'abort').
     - a `Request` carrying response tokens resumes from them; `max_new_tokens` bounds the
       whole response.
@@ -26,8 +27,10 @@ class Engine(Protocol):
     version: int
     eos_token_ids: tuple[int, ...]
 
-    def submit(self, request: Request) -> Future: ...
-    def submit_many(self, requests: Iterable[Request]) -> list[Future]: ...
+    def submit(self, request: Request, on_done: Callable[[Completion], None] | None = None) -> Future: ...
+    def submit_many(
+        self, requests: Iterable[Request], on_done: Callable[[Completion], None] | None = None
+    ) -> list[Future]: ...
     def generate(self, requests: Iterable[Request]) -> list[Completion]: ...
     async def agenerate(self, request: Request) -> Completion: ...
     def stream(self, request: Request) -> AsyncIterator: ...

@@ -101,13 +101,20 @@ class TorchEngine:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.core.eos_token_ids
 
-    def submit(self, request: Request) -> Future:
+    def submit(self, request: Request, on_done: Callable[[Completion], None] | None = None) -> Future:
         """Queue one request; returns a Future of its Completion. Bad input raises ValueError
         here, in the caller's thread, and leaves every other request untouched."""
-        return self.submit_many([request])[0]
+        return self.submit_many([request], on_done)[0]
 
-    def submit_many(self, requests: Iterable[Request]) -> list[Future]:
-        """Queue requests atomically (they are admitted in this order, none before the rest)."""
+    def submit_many(
+        self, requests: Iterable[Request], on_done: Callable[[Completion], None] | None = None
+    ) -> list[Future]:
+        """Queue requests atomically (they are admitted in this order, none before the rest).
+
+        `on_done(completion)` is called from the engine thread between steps as each request
+        finishes (or is aborted); calls it makes to `submit`/`abort` take effect before the next
+        step, which makes schedulers built on it deterministic.
+        """
         requests = list(requests)
         with self._cond:
             self._check_alive()
@@ -119,6 +126,8 @@ class TorchEngine:
                 self.core.validate(r)
             futures = [Future() for _ in requests]
             for r, f in zip(requests, futures):
+                if on_done is not None:
+                    f.add_done_callback(lambda fut, cb=on_done: cb(fut.result()))
                 self._futures[r.id] = f
 
             def add() -> None:

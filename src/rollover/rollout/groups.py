@@ -33,6 +33,7 @@ class PendingGroup:
     start_version: int
     done: dict[int, Completion] = field(default_factory=dict)  # finished samples
     partial: dict[int, Completion] = field(default_factory=dict)  # aborted, to be resumed
+    budgets: list[int] | None = None  # per-sample max_new_tokens (benchmark workloads); None: config's
 
     def request_id(self, j: int) -> str:
         return f"{self.id}/{j}"
@@ -41,6 +42,8 @@ class PendingGroup:
         from dataclasses import replace
 
         sp = replace(sampling, seed=sample_seed(run_seed, self.serial, j))
+        if self.budgets is not None:
+            sp = replace(sp, max_new_tokens=self.budgets[j])
         if j in self.partial:
             return self.partial[j].resume(sp)
         return Request(id=self.request_id(j), prompt_ids=list(self.prompt_ids), sampling=sp)
@@ -52,7 +55,8 @@ class PendingGroup:
 
 def sampling_from(cfg: Config) -> SamplingParams:
     r = cfg.rollout
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                          ignore_eos=r.ignore_eos)
 
 
 def to_rollouts(group: PendingGroup, cfg: Config, tokenizer) -> Group:
