@@ -9,12 +9,16 @@ import sys
 def _bench(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollover bench", description="benchmarks (see docs/benchmarks.md)")
     sub = p.add_subparsers(dest="which", required=True)
+    from rollover.bench import april as bench_april
     from rollover.bench import engine as bench_engine
+    from rollover.bench import train as bench_train
 
+    benches = {"engine": bench_engine, "april": bench_april, "train": bench_train}
     bench_engine.add_arguments(sub.add_parser("engine", help="TorchEngine vs HF generate vs FLOP limit"))
+    bench_april.add_arguments(sub.add_parser("april", help="synchronous rollouts vs APRIL (longtail, natural)"))
+    bench_train.add_arguments(sub.add_parser("train", help="seconds per synchronous training step, by phase"))
     args = p.parse_args(argv)
-    if args.which == "engine":
-        bench_engine.main(args)
+    benches[args.which].main(args)
     return 0
 
 

@@ -124,8 +124,9 @@ class RewardConfig(Section):
 class AlgorithmConfig(Section):
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "gapo"] = "grpo"
     """Advantage estimator over each prompt's group."""
-    loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo"] = "ppo"
-    """Policy loss. ppo with eps_high > eps_low is DAPO's clip-higher."""
+    loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo"] | None = None
+    """Policy loss; unset: ppo in sync mode, decoupled_ppo in async mode. ppo with
+    eps_high > eps_low is DAPO's clip-higher."""
     eps_low: float = 0.2
     """Lower clip range (ratio >= 1 - eps_low)."""
     eps_high: float = 0.28
@@ -219,12 +220,12 @@ class AsyncConfig(Section):
     max_staleness: int = 1
     """eta: no sample is trained more than this many policy versions after the version that
     started it (0 = synchronous)."""
-    queue_size: int = 4
-    """Finished groups the data manager may hold beyond one batch."""
     experience_pool: bool = False
     """DART: replace an all-fail group's worst sample with the prompt's latest success."""
     dynamic_samples: bool = False
-    """DART: fewer samples for prompts the policy already solves."""
+    """DART: fewer samples for prompts the policy solved every time last round."""
+    min_samples: int = 2
+    """DART dynamic samples: the fewest samples a prompt gets."""
     top_entropy_fraction: float = 1.0
     """Train only on this fraction of highest-entropy steps (1 = all)."""
 
@@ -260,6 +261,13 @@ class Config(Section):
         if isinstance(data, dict) and "async" in data:
             data = dict(data)
             data["async_"] = data.pop("async")
+        if isinstance(data, dict):
+            algo = data.get("algorithm")
+            if not isinstance(algo, dict) or algo.get("loss") is None:
+                data = dict(data)
+                algo = dict(algo) if isinstance(algo, dict) else {}
+                algo["loss"] = "decoupled_ppo" if data.get("mode") == "async" else "ppo"
+                data["algorithm"] = algo
         return data
 
     @model_validator(mode="after")
@@ -293,8 +301,16 @@ class Config(Section):
                             "algorithm.loss=decoupled_ppo or algorithm.tis_cap")
         if p.max_carry_steps < 0:
             problems.append("partial_rollout.max_carry_steps must be >= 0")
-        if self.mode == "sync" and self.async_.max_staleness != AsyncConfig().max_staleness:
-            problems.append("async.max_staleness is set but mode is sync; set mode: async")
+        if self.mode == "async" and p.enabled:
+            problems.append("partial_rollout.enabled applies to sync mode; async mode already overlaps generation "
+                            "with training and carries in-flight requests across weight updates "
+                            "(rollout.inflight_weight_update)")
+        if self.mode == "sync" and self.async_ != AsyncConfig():
+            problems.append("the async section is set but mode is sync; set mode: async")
+        if self.async_.min_samples < 2 and self.async_.dynamic_samples:
+            problems.append("async.min_samples must be >= 2 (a group of 1 has no baseline)")
+        if not 0 < self.async_.top_entropy_fraction <= 1:
+            problems.append("async.top_entropy_fraction must be in (0, 1]")
         if self.async_.max_staleness < 0:
             problems.append("async.max_staleness must be >= 0")
         longest = self.data.max_prompt_tokens + r.max_new_tokens

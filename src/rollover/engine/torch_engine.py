@@ -10,6 +10,7 @@ step; `agenerate` and `stream` wrap the same futures for asyncio.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -263,7 +264,7 @@ class TorchEngine:
         except BaseException as e:  # a broken step fails every pending request loudly
             with self._cond:
                 self._error = e
-            raise
+            logging.getLogger("rollover").error("engine step failed: %r", e, exc_info=e)
         finally:
             with self._cond:
                 self._stopped = True

@@ -1,0 +1,156 @@
+"""`rollover bench april`: synchronous rollouts vs APRIL on the same engine and settings.
+
+Each mode runs `warmup + steps` rollout steps; only the last `steps` are measured (steady
+state: APRIL's carry buffer is primed). Between steps the engine receives a weight update
+(the same weights, version + 1) as in training, so carried prefixes age as they would; no
+training happens, so the figures isolate rollout throughput.
+
+Workloads:
+- `longtail`: per-sample response lengths drawn from a long-tailed mix and enforced with EOS
+  ignored: with probability `cap_mass` the sample runs to the cap (real RL logs show 10-45% of
+  samples truncated); otherwise its length is log-normal, `exp(mu_prompt + sigma * z)` with a
+  per-prompt difficulty `mu_prompt = log(cap / 5) + 0.5 * z'` (z, z' standard normal), rounded
+  and clipped to [1, cap].
+- `natural`: the demo task (1-digit addition) with its own lengths at temperature 1, EOS honoured.
+
+Useful tokens are the response tokens of samples that enter a training batch in a measured
+step (tokens generated for carried samples count when the sample trains). Occupancy is busy
+row-steps / all row-steps of the engine's decode steps. Discarded tokens are tokens the engine
+generated that ended up in no sample (APRIL must report 0).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import tempfile
+import time
+
+DEFAULTS = dict(prompts_per_step=8, samples_per_prompt=4, max_rows=64, oversample=2.0)
+
+
+def longtail_budgets(run, seed: int, cap: int, cap_mass: float = 0.2, sigma: float = 0.6) -> None:
+    """Make every group the run draws carry per-sample budgets from the long-tail mix."""
+    rng = random.Random(seed)
+    draw = run.next_groups
+
+    def next_groups(k, version):
+        groups = draw(k, version)
+        for g in groups:
+            mu = math.log(cap / 5) + 0.5 * rng.gauss(0, 1)
+            g.budgets = [
+                cap if rng.random() < cap_mass else max(1, min(cap, round(math.exp(mu + sigma * rng.gauss(0, 1)))))
+                for _ in range(g.n)
+            ]
+        return groups
+
+    run.next_groups = next_groups
+
+
+def run_mode(args, workload: str, april: bool) -> dict:
+    from rollover.config import load_config
+    from rollover.loops.common import build_run
+    from rollover.loops.sync import make_collector
+
+    cap = args.max_new_tokens if workload == "longtail" else args.natural_max_new_tokens
+    cfg = load_config(None, [], **{
+        "model": args.model, "run_dir": tempfile.mkdtemp(prefix="rollover-bench-"), "resume": "never",
+        "seed": args.seed, "data.train": "gen:arithmetic?digits=1&n=4000", "data.eval_size": 0,
+        "data.max_prompt_tokens": 64, "rollout.prompts_per_step": args.prompts_per_step,
+        "rollout.samples_per_prompt": args.samples_per_prompt, "rollout.max_new_tokens": cap,
+        "rollout.max_rows": args.max_rows, "rollout.ignore_eos": workload == "longtail",
+        "rollout.engine": args.engine, "partial_rollout.enabled": april,
+        "partial_rollout.oversample": args.oversample, "partial_rollout.max_carry_steps": 1000,
+        "logging.progress": False, "logging.tensorboard": False, "reward.functions": ["numeric"],
+    })
+    run = build_run(cfg)
+    if workload == "longtail":
+        longtail_budgets(run, args.seed, cap)
+    collector = make_collector(run)
+    totals = dict(useful_tokens=0, samples=0, seconds=0.0, busy=0, slots=0, discarded=0, generated=0)
+    per_step = []
+    try:
+        for step in range(args.warmup + args.steps):
+            s0 = run.engine.stats()
+            t0 = time.perf_counter()
+            groups, m = collector.collect(step)
+            dt = time.perf_counter() - t0
+            s1 = run.engine.stats()
+            useful = sum(len(r.response_ids) for g in groups for r in g.rollouts)
+            if step >= args.warmup:
+                totals["useful_tokens"] += useful
+                totals["samples"] += sum(len(g.rollouts) for g in groups)
+                totals["seconds"] += dt
+                totals["busy"] += s1.busy_row_steps - s0.busy_row_steps
+                totals["slots"] += s1.total_row_steps - s0.total_row_steps
+                totals["generated"] += s1.generated_tokens - s0.generated_tokens
+                totals["discarded"] += m.get("discarded_tokens", 0)
+                per_step.append({"seconds": dt, "useful_tokens": useful,
+                                 "occupancy": (s1.busy_row_steps - s0.busy_row_steps) / max(1, s1.total_row_steps - s0.total_row_steps),
+                                 **({"off_policy_token_ratio": m["off_policy_token_ratio"],
+                                     "partial_fraction": m["partial_fraction"]} if april else {})})
+            run.engine.update_weights(run.trainer.named_weights(), version=run.engine.version + 1)
+    finally:
+        run.close()
+    return {
+        "useful_tokens_per_s": totals["useful_tokens"] / totals["seconds"],
+        "samples_per_s": totals["samples"] / totals["seconds"],
+        "occupancy": totals["busy"] / max(1, totals["slots"]),
+        "discarded_tokens": totals["discarded"],
+        "generated_tokens": totals["generated"],
+        "useful_tokens": totals["useful_tokens"],
+        "seconds": totals["seconds"],
+        "steps": per_step,
+    }
+
+
+def main(args) -> dict:
+    workloads = ["longtail", "natural"] if args.workload == "both" else [args.workload]
+    result = {"model": args.model, "engine": args.engine, "steps": args.steps, "warmup": args.warmup,
+              "settings": {k: getattr(args, k) for k in ("prompts_per_step", "samples_per_prompt", "max_rows",
+                                                          "oversample", "max_new_tokens", "natural_max_new_tokens")}}
+    for w in workloads:
+        sync = run_mode(args, w, april=False)
+        april = run_mode(args, w, april=True)
+        result[w] = {
+            "sync_useful_tokens_per_s": sync["useful_tokens_per_s"],
+            "april_useful_tokens_per_s": april["useful_tokens_per_s"],
+            "sync_samples_per_s": sync["samples_per_s"],
+            "april_samples_per_s": april["samples_per_s"],
+            "speedup": april["useful_tokens_per_s"] / sync["useful_tokens_per_s"],
+            "sync_occupancy": sync["occupancy"],
+            "april_occupancy": april["occupancy"],
+            "april_discarded_tokens": april["discarded_tokens"],
+            "sync": sync,
+            "april": april,
+        }
+        print_table(w, result[w])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def print_table(workload: str, r: dict) -> None:
+    print(f"\nrollover bench april — workload {workload}")
+    print(f"  {'mode':8s} {'useful tok/s':>13s} {'samples/s':>10s} {'occupancy':>10s} {'discarded':>10s}")
+    for mode in ("sync", "april"):
+        m = r[mode]
+        print(f"  {mode:8s} {m['useful_tokens_per_s']:13.1f} {m['samples_per_s']:10.2f} {m['occupancy']:10.2f} "
+              f"{m['discarded_tokens']:10d}")
+    print(f"  speedup (useful tokens/s): {r['speedup']:.2f}x")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--engine", choices=["torch", "vllm"], default="torch")
+    p.add_argument("--workload", choices=["longtail", "natural", "both"], default="both")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per mode")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="longtail cap")
+    p.add_argument("--natural-max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    for k, v in DEFAULTS.items():
+        p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
+    p.add_argument("--json", default=None)

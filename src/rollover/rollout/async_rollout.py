@@ -1,0 +1,256 @@
+"""The rollout service and data manager of the asynchronous loop, and the staleness gate.
+
+Staleness rule (AReaL's admission control, made exact by FIFO batching). Let B be the groups
+per training batch, eta the staleness bound and v the current policy version (= batches
+trained so far). The rollout service starts a new group only while
+
+    started - dropped < (v + eta + 1) * B
+
+where `started - dropped` counts every group ever started that was not dropped (dynamic
+sampling filter, unscored samples). The data manager forms batches strictly in start order
+among non-dropped groups, so the j-th such group (0-based) trains in batch floor(j / B) at
+version floor(j / B). At admission j <= started - dropped < (v + eta + 1) * B, hence
+floor(j / B) <= v + eta: no group is trained more than eta versions after the version that
+started it. Drops only move later groups earlier, so the bound survives them. eta = 0 admits
+exactly one batch per version: the synchronous loop.
+
+Resume: the counter `started - dropped`, the groups still in flight (with their partial
+tokens), the finished-but-untrained groups and their start versions are all saved in the
+checkpoint, so the bound holds across a kill and resume (AReaL once lost it there).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+
+from rollover.rollout.curation import ExperiencePool, dynamic_samples, top_entropy_mask
+from rollover.rollout.groups import (
+    PendingGroup, has_variance, sampling_from, score_groups, to_rollouts, trainable,
+)
+from rollover.types import Completion, Group
+
+
+class StalenessGate:
+    def __init__(self, batch_groups: int, max_staleness: int, max_groups: int):
+        self.B = batch_groups
+        self.eta = max_staleness
+        self.max_groups = max_groups  # the run needs no more than steps x B accepted groups
+        self.live = 0  # started - dropped
+
+    def capacity(self, version: int) -> int:
+        return max(0, min((version + self.eta + 1) * self.B, self.max_groups) - self.live)
+
+    def state_dict(self) -> dict:
+        return {"live": self.live}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.live = state["live"]
+
+
+class ComponentError(RuntimeError):
+    """A component of the async loop failed; the message names it."""
+
+
+class RolloutService:
+    """Keeps the engine supplied with groups the gate admits; hands finished groups on.
+
+    Runs on engine done-callbacks (the engine thread); `admit()` is also called by the
+    trainer after each weight update and by the data manager after a drop.
+    """
+
+    def __init__(self, run, gate: StalenessGate, out: "queue.Queue[PendingGroup]", on_error):
+        self.run, self.cfg, self.gate, self.out = run, run.cfg, gate, out
+        self.on_error = on_error
+        self.sampling = sampling_from(run.cfg)
+        n = run.cfg.rollout.samples_per_prompt
+        self.max_inflight = max(run.cfg.rollout.prompts_per_step, -(-run.cfg.rollout.max_rows // n))
+        self.inflight: dict[str, PendingGroup] = {}
+        self.pending_ids: set[str] = set()
+        self.paused = False
+        self.stopping = False
+        self.success_rate: dict[str, float] = {}  # prompt id -> last success rate (dynamic samples)
+        self.lock = threading.RLock()
+        self.drained = threading.Condition(self.lock)
+        self.busy_s = 0.0
+
+    def admit(self) -> None:
+        with self.lock:
+            if self.paused or self.stopping:
+                return
+            k = min(self.gate.capacity(self.run.engine.version), self.max_inflight - len(self.inflight))
+            if k <= 0:
+                return
+            groups = self.run.next_groups(k, version=self.run.engine.version)
+            if self.cfg.async_.dynamic_samples:
+                for g in groups:
+                    g.n = dynamic_samples(self.success_rate.get(g.prompt.id), g.n, self.cfg.async_.min_samples)
+            self.gate.live += len(groups)
+            self._submit(groups)
+
+    def _submit(self, groups: list[PendingGroup]) -> None:
+        reqs = []
+        for g in groups:
+            self.inflight[g.id] = g
+            for j in range(g.n):
+                if j not in g.done:
+                    req = g.request(j, self.sampling, self.cfg.seed)
+                    self.pending_ids.add(req.id)
+                    reqs.append(req)
+        if reqs:
+            self.run.engine.submit_many(reqs, on_done=self._on_done)
+
+    def _on_done(self, c: Completion) -> None:
+        try:
+            with self.lock:
+                gid, j = c.id.rsplit("/", 1)
+                g, j = self.inflight[gid], int(j)
+                self.pending_ids.discard(c.id)
+                if c.finish == "abort":
+                    if c.response_ids:
+                        g.partial[j] = c
+                    if not (self.paused or self.stopping):  # weight update with inflight=abort: resume
+                        req = g.request(j, self.sampling, self.cfg.seed)
+                        self.pending_ids.add(req.id)
+                        self.run.engine.submit_many([req], on_done=self._on_done)
+                else:
+                    g.partial.pop(j, None)
+                    g.done[j] = c
+                    if g.complete:
+                        del self.inflight[gid]
+                        self.out.put(g)
+                        self.admit()
+                if not self.pending_ids:
+                    self.drained.notify_all()
+        except BaseException as e:
+            self.on_error("rollout service", e)
+
+    def pause(self) -> list[PendingGroup]:
+        """Abort everything in flight (partials kept in their groups) and hold admissions."""
+        with self.lock:
+            self.paused = True
+            ids = sorted(self.pending_ids)
+        if ids:
+            self.run.engine.abort(ids)
+        with self.lock:
+            while self.pending_ids and not self.stopping:
+                self.drained.wait(timeout=1.0)
+            return sorted(self.inflight.values(), key=lambda g: g.serial)
+
+    def resume(self) -> None:
+        with self.lock:
+            self.paused = False
+            groups = sorted(self.inflight.values(), key=lambda g: g.serial)
+            self.inflight = {}
+            self._submit(groups)
+        self.admit()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            ids = sorted(self.pending_ids)
+        if ids:
+            try:
+                self.run.engine.abort(ids)
+            except RuntimeError:
+                pass  # the engine itself is what failed
+
+
+class DataManager:
+    """Scores finished groups, filters and curates them, and forms batches in start order."""
+
+    def __init__(self, run, gate: StalenessGate, service: RolloutService, inbox: "queue.Queue",
+                 batches: "queue.Queue", on_error):
+        self.run, self.cfg, self.gate, self.service = run, run.cfg, gate, service
+        self.inbox, self.batches, self.on_error = inbox, batches, on_error
+        self.B = run.cfg.rollout.prompts_per_step
+        self.next_serial = 0  # oldest serial not yet resolved
+        self.resolved: dict[int, Group | None] = {}  # serial -> scored group, or None if dropped
+        self.forming: list[Group] = []
+        self.pool = ExperiencePool(run.cfg.reward.correct_threshold, run.primary_reward) if run.cfg.async_.experience_pool else None
+        self.metrics = Counter()
+        self.lock = threading.RLock()  # held while processing; checkpoints take it to quiesce
+        self.busy_s = 0.0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="rollover-data-manager", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self.stop.is_set():
+                try:
+                    g = self.inbox.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                with self.lock:
+                    t0 = time.perf_counter()
+                    try:
+                        self._process(g)
+                    except BaseException:
+                        self.inbox.put(g)  # keep it: the checkpoint saves the inbox, a resume retries it
+                        raise
+                    self.busy_s += time.perf_counter() - t0
+        except BaseException as e:
+            self.on_error("data manager", e)
+
+    def _process(self, pg: PendingGroup) -> None:
+        cfg = self.cfg
+        group = to_rollouts(pg, cfg, self.run.tokenizer)
+        result = score_groups([group], self.run.rewards, cfg)
+        for fn, count in result.error_counts.items():
+            self.metrics[f"rewards/{fn}/errors"] += count
+            self.metrics["reward_errors"] += count
+        keep = trainable(group)
+        if not keep:
+            self.metrics["skipped_groups"] += 1
+        if keep:
+            rewards = [r.scores.get(self.run.primary_reward) or 0.0 for r in group.rollouts]
+            rate = sum(x >= cfg.reward.correct_threshold for x in rewards) / len(rewards)
+            with self.service.lock:
+                self.service.success_rate[pg.prompt.id] = rate
+            if self.pool is not None:
+                train_version = self._train_version_estimate()
+                if self.pool.observe_and_fill(group, train_version, cfg.async_.max_staleness):
+                    self.metrics["experience_pool_substitutions"] += 1
+            if cfg.algorithm.dynamic_sampling and not has_variance(group):
+                self.metrics["filtered_groups"] += 1
+                keep = False
+        if not keep:
+            with self.service.lock:
+                self.gate.live -= 1
+            self.service.admit()
+        self.resolved[pg.serial] = group if keep else None
+        while self.next_serial in self.resolved:
+            g = self.resolved.pop(self.next_serial)
+            self.next_serial += 1
+            if g is not None:
+                self.forming.append(g)
+                if len(self.forming) == self.B:
+                    batch, self.forming = self.forming, []
+                    masked = top_entropy_mask(batch, cfg.async_.top_entropy_fraction)
+                    self.metrics["entropy_masked_samples"] += masked
+                    self.batches.put(batch)
+
+    def _train_version_estimate(self) -> int:
+        """The version at which the next formed batch will train (batches queued count)."""
+        return self.run.engine.version + self.batches.qsize()
+
+    def state_dict(self) -> dict:
+        return {"next_serial": self.next_serial, "resolved": dict(self.resolved), "forming": list(self.forming),
+                "inbox": list(self.inbox.queue), "batches": list(self.batches.queue),
+                "pool": self.pool.state_dict() if self.pool else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_serial = state["next_serial"]
+        self.resolved = dict(state["resolved"])
+        self.forming = list(state["forming"])
+        for g in state["inbox"]:
+            self.inbox.put(g)
+        for b in state["batches"]:
+            self.batches.put(b)
+        if self.pool is not None and state["pool"] is not None:
+            self.pool.load_state_dict(state["pool"])

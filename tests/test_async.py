@@ -1,0 +1,191 @@
+"""The asynchronous loop: staleness bound, equivalence with sync at eta=0, resume, failures."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollover.config import load_config
+from rollover.loops.async_ import train_async
+from rollover.loops.sync import train_sync
+from rollover.rollout.async_rollout import ComponentError
+from rollover.rollout.curation import ExperiencePool, dynamic_samples, top_entropy_mask
+from rollover.testing import save_tiny_model
+from rollover.types import Group, Prompt, Rollout
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=21))
+
+
+def async_cfg(model_dir, run_dir, **over):
+    base = {
+        "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 5, "resume": "auto", "mode": "async",
+        "data.train": "gen:arithmetic?n=200", "data.eval_size": 4, "data.max_prompt_tokens": 64,
+        "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 8,
+        "rollout.max_rows": 4, "reward.functions": ["numeric", {"fn": "format", "weight": 0.5, "kwargs": {"pattern": "[0-9]"}}],
+        "train.lr": 1e-3, "eval.every": 0, "eval.at_start": False, "eval.samples_per_prompt": 1,
+        "checkpoint.every": 2, "logging.progress": False, "logging.tensorboard": False,
+    }
+    base.update(over)
+    return load_config(**base)
+
+
+def rows(run_dir, kind="train"):
+    return [json.loads(x) for x in open(run_dir / "metrics.jsonl") if json.loads(x)["kind"] == kind]
+
+
+def slow_reward_module(tmp_path, seed):
+    """A reward with random delays, to randomise the interleaving of the components."""
+    path = tmp_path / f"slow_reward_{seed}.py"
+    path.write_text(
+        "import random, time\n"
+        f"_rng = random.Random({seed})\n"
+        "def slow(completion, answer, **kw):\n"
+        "    time.sleep(_rng.random() * 0.05)\n"
+        "    return float(any(c.isdigit() for c in completion))\n"
+    )
+    return f"{path}:slow"
+
+
+@pytest.mark.parametrize("seed,eta", [(0, 0), (1, 1), (2, 2), (3, 1), (4, 3)])
+def test_staleness_never_exceeds_eta(model_dir, tmp_path, seed, eta):
+    rng = random.Random(seed)
+    cfg = async_cfg(model_dir, tmp_path, seed=seed, steps=5, **{
+        "async.max_staleness": eta, "reward.functions": [slow_reward_module(tmp_path, seed)],
+        "rollout.max_new_tokens": rng.choice([4, 8, 12]), "rollout.max_rows": rng.choice([2, 4, 8]),
+        "rollout.inflight_weight_update": rng.choice(["continue", "abort"]),
+        "algorithm.dynamic_sampling": rng.random() < 0.5, "checkpoint.every": 0})
+    train_async(cfg)
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    assert all(r["staleness/max"] <= eta for r in got)
+    if eta == 0:
+        assert all(r["staleness/token_lag_mean"] == 0 for r in got)
+
+
+def test_eta_zero_reproduces_sync_weights(model_dir, tmp_path):
+    common = {"algorithm.loss": "decoupled_ppo", "checkpoint.every": 0, "eval.every": 0}
+    sync = async_cfg(model_dir, tmp_path / "sync", **common, mode="sync")
+    train_sync(sync)
+    asyn = async_cfg(model_dir, tmp_path / "async", **common, **{"async.max_staleness": 0})
+    train_async(asyn)
+    a = load_file(str(tmp_path / "sync" / "checkpoints" / "step_000004" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "async" / "checkpoints" / "step_000004" / "model" / "model.safetensors"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert [r["reward/mean"] for r in rows(tmp_path / "sync")] == [r["reward/mean"] for r in rows(tmp_path / "async")]
+
+
+def test_kill_and_resume_keeps_staleness_accounting(model_dir, tmp_path, monkeypatch):
+    import rollover.loops.async_ as mod
+
+    cfg = async_cfg(model_dir, tmp_path, steps=6, **{"async.max_staleness": 1, "checkpoint.every": 2,
+                                                    "rollout.max_new_tokens": 12})
+    real = mod.train_batch_from
+    calls = {"n": 0}
+
+    def dying(groups, c):  # the process "dies" while preparing step 4, after the step-2 checkpoint... and step 3
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt("killed")
+        return real(groups, c)
+
+    monkeypatch.setattr(mod, "train_batch_from", dying)
+    with pytest.raises(KeyboardInterrupt):
+        train_async(cfg)
+    monkeypatch.setattr(mod, "train_batch_from", real)
+    ckpt = torch.load(tmp_path / "checkpoints" / "step_000002" / "state.pt", weights_only=False)
+    saved = ckpt["async"]
+    alive = len(saved["inflight"]) + sum(len(b) for b in saved["manager"]["batches"]) + len(saved["manager"]["forming"]) \
+        + len(saved["manager"]["inbox"]) + sum(g is not None for g in saved["manager"]["resolved"].values())
+    assert saved["gate"]["live"] == 2 * 2 + alive  # trained groups + groups alive at the checkpoint
+    assert alive > 0  # the checkpoint really carried work in flight
+    train_async(cfg)  # resume: auto, from step 2
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    assert all(r["staleness/max"] <= 1 for r in got)
+    assert any(r["staleness/max"] == 1 for r in got[2:])  # carried groups kept their old start versions
+
+
+def test_reward_error_stops_all_components_and_resume_continues(model_dir, tmp_path):
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def bad(completion, answer, **kw):\n    raise ValueError('judge down')\n")
+    cfg = async_cfg(model_dir, tmp_path, **{"reward.functions": [f"{bad}:bad"], "async.max_staleness": 1})
+    t0 = time.perf_counter()
+    with pytest.raises(ComponentError, match="data manager failed.*bad.*judge down"):
+        train_async(cfg)
+    assert time.perf_counter() - t0 < 60
+    import threading
+
+    assert not [t for t in threading.enumerate() if t.name in ("rollover-engine", "rollover-data-manager")]
+    # the checkpoint holds every accepted group; resuming with on_error=zero finishes the run
+    cfg2 = async_cfg(model_dir, tmp_path, **{"reward.functions": [f"{bad}:bad"], "async.max_staleness": 1,
+                                             "reward.on_error": "zero"})
+    train_async(cfg2)
+    got = rows(tmp_path)
+    assert got[-1]["step"] == 4 and got[-1]["rollout/reward_errors"] > 0
+
+
+def test_engine_error_stops_the_run(model_dir, tmp_path, monkeypatch):
+    from rollover.engine.model_runner import ModelRunner
+
+    real = ModelRunner.decode
+    count = {"n": 0}
+
+    def broken(self, *a, **k):
+        count["n"] += 1
+        if count["n"] > 10:
+            raise RuntimeError("device lost")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ModelRunner, "decode", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        train_async(async_cfg(model_dir, tmp_path, **{"async.max_staleness": 1}))
+
+
+def test_trainer_nan_skips_then_stops(model_dir, tmp_path, monkeypatch):
+    import rollover.train.trainer as trainer_mod
+    from rollover.loops.sync import TooManyBadSteps
+
+    real = trainer_mod.aggregate
+    monkeypatch.setattr(trainer_mod, "aggregate", lambda *a, **k: real(*a, **k) * float("nan"))
+    with pytest.warns(RuntimeWarning):
+        with pytest.raises(TooManyBadSteps):
+            train_async(async_cfg(model_dir, tmp_path, **{"train.max_bad_steps": 2, "async.max_staleness": 1}))
+    assert (tmp_path / "checkpoints" / "step_000002" / "DONE").exists()
+
+
+def _rollout(gid, reward, logprobs, versions=None):
+    n = len(logprobs)
+    return Rollout(group_id=gid, prompt_ids=[1], response_ids=[5] * n, logprobs=logprobs,
+                   versions=versions or [0] * n, loss_mask=[1] * n, finish="stop", reward=reward,
+                   scores={"acc": reward})
+
+
+def test_experience_pool_fills_all_fail_groups_with_fresh_successes():
+    pool = ExperiencePool(threshold=1.0, primary="acc")
+    p = Prompt(id="q1", text="?")
+    win = Group(id="g0", prompt=p, prompt_ids=[1], rollouts=[_rollout("g0", 1.0, [-0.1], [3]), _rollout("g0", 0.0, [-0.2], [3])])
+    assert not pool.observe_and_fill(win, train_version=3, max_staleness=1)
+    fail = Group(id="g1", prompt=p, prompt_ids=[1], rollouts=[_rollout("g1", 0.0, [-0.3], [4]), _rollout("g1", 0.0, [-0.4], [4])])
+    assert pool.observe_and_fill(fail, train_version=4, max_staleness=1)
+    assert [r.reward for r in fail.rollouts] == [1.0, 0.0] and fail.rollouts[0].group_id == "g1"
+    too_old = Group(id="g2", prompt=p, prompt_ids=[1], rollouts=[_rollout("g2", 0.0, [-0.3], [9])])
+    assert not pool.observe_and_fill(too_old, train_version=9, max_staleness=1)  # pooled tokens are 6 versions old
+
+
+def test_dynamic_samples_and_entropy_mask():
+    assert dynamic_samples(None, 8, 2) == 8
+    assert dynamic_samples(0.5, 8, 2) == 8  # below the threshold: the default
+    assert dynamic_samples(1.0, 8, 2) == 2  # int(9 / 1 - 7)
+    g = Group(id="g", prompt=Prompt(id="p", text="?"), prompt_ids=[1],
+              rollouts=[_rollout("g", 0.0, [-2.0, -2.0]), _rollout("g", 0.0, [-0.1]), _rollout("g", 0.0, [-1.0])])
+    assert top_entropy_mask([g], 2 / 3) == 1
+    assert [r.loss_mask for r in g.rollouts] == [[1, 1], [0], [1]]
