@@ -51,7 +51,9 @@ def abort_after(engine, k, target_ids, **update):
     timer = Request(id=f"timer-{k}", prompt_ids=[3], sampling=SamplingParams(temperature=0.0, max_new_tokens=k, ignore_eos=True))
     box = {}
 
-    def fire(_):
+    def fire(c):  # passed as on_done, so it is attached before the engine can finish anything
+        if c.id != timer.id:
+            return
         if update:
             box["aborted"] = engine.update_weights(**update)
         else:
@@ -99,8 +101,7 @@ def test_abort_at_token_k_then_resume_equals_uninterrupted(engine, k):
     full = engine.generate([Request(id="full", prompt_ids=prompt, sampling=GREEDY)])[0]
     target = Request(id="t", prompt_ids=prompt, sampling=GREEDY)
     timer, fire, box = abort_after(engine, k, ["t"])
-    ft, fx = engine.submit_many([timer, target])
-    ft.add_done_callback(fire)
+    ft, fx = engine.submit_many([timer, target], on_done=fire)
     part = fx.result()
     assert part.finish == "abort"
     assert part.response_ids == full.response_ids[:k]  # exactly the tokens so far
@@ -118,8 +119,7 @@ def test_two_resumes_equal_uninterrupted_and_keep_budget(engine):
     for k in (4, 9):
         remaining = req.sampling.max_new_tokens - len(req.response_ids)
         timer, fire, _ = abort_after(engine, k, ["t"])
-        ft, fx = engine.submit_many([timer, req])
-        ft.add_done_callback(fire)
+        ft, fx = engine.submit_many([timer, req], on_done=fire)
         part = fx.result()
         assert part.finish == "abort"
         assert len(part.response_ids) == len(req.response_ids) + min(k, remaining)
@@ -135,8 +135,7 @@ def test_seeded_sampling_survives_abort_and_batching(engine):
     # same request in a crowded batch, aborted after 7 tokens and resumed
     others = [Request(id=f"o{i}", prompt_ids=[50 + i] * (1 + i), sampling=SamplingParams(max_new_tokens=30)) for i in range(5)]
     timer, fire, _ = abort_after(engine, 7, ["a"])
-    futs = engine.submit_many([timer, Request(id="a", prompt_ids=[40, 41], sampling=sp), *others])
-    futs[0].add_done_callback(fire)
+    futs = engine.submit_many([timer, Request(id="a", prompt_ids=[40, 41], sampling=sp), *others], on_done=fire)
     part = futs[1].result()
     assert part.finish == "abort" and len(part.response_ids) == 7
     resumed = engine.generate([part.resume()])[0]
@@ -169,8 +168,7 @@ def test_update_weights_continue_tags_new_version(model):
         k = 6
         update = dict(named_tensors=list(new_model.state_dict().items()), version=1, inflight="continue")
         timer, fire, box = abort_after(eng, k, None, **update)
-        ft, fx = eng.submit_many([timer, Request(id="w", prompt_ids=[60, 61, 62], sampling=GREEDY)])
-        ft.add_done_callback(fire)
+        ft, fx = eng.submit_many([timer, Request(id="w", prompt_ids=[60, 61, 62], sampling=GREEDY)], on_done=fire)
         out = fx.result()
         assert box["aborted"] == []
         assert eng.version == 1
@@ -191,8 +189,7 @@ def test_update_weights_abort_returns_partials(model):
     with TorchEngine(model, max_rows=4, max_len=96, eos_token_ids=[]) as eng:
         update = dict(named_tensors=new_model.named_parameters(), version=5, inflight="abort")
         timer, fire, box = abort_after(eng, 4, None, **update)
-        ft, fx = eng.submit_many([timer, Request(id="w", prompt_ids=[60, 61], sampling=GREEDY)])
-        ft.add_done_callback(fire)
+        ft, fx = eng.submit_many([timer, Request(id="w", prompt_ids=[60, 61], sampling=GREEDY)], on_done=fire)
         out = fx.result()
         assert out.finish == "abort" and len(out.response_ids) == 4
         assert [c.id for c in box["aborted"]] == ["w"]

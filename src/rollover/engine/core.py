@@ -17,6 +17,7 @@ import torch
 
 from rollover.engine.model_runner import ModelRunner
 from rollover.engine.sampler import Sampler
+from rollover.engine.validation import validate_request
 from rollover.types import Completion, Request, SamplingParams
 
 
@@ -94,36 +95,7 @@ class EngineCore:
     # ------------------------------------------------------------ requests
     def validate(self, req: Request) -> None:
         """Raise ValueError naming the request and the problem."""
-        where = f"request {req.id!r}"
-        try:
-            req.sampling.validate()
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-        if not req.prompt_ids:
-            raise ValueError(f"{where}: empty prompt")
-        n_resp = len(req.response_ids)
-        if not (n_resp == len(req.response_logprobs) == len(req.response_versions)):
-            raise ValueError(
-                f"{where}: response_ids, response_logprobs and response_versions must have equal "
-                f"lengths, got {n_resp}, {len(req.response_logprobs)}, {len(req.response_versions)}"
-            )
-        if n_resp > req.sampling.max_new_tokens:
-            raise ValueError(
-                f"{where}: carries {n_resp} response tokens, more than max_new_tokens="
-                f"{req.sampling.max_new_tokens}"
-            )
-        total = len(req.prompt_ids) + n_resp
-        if total >= self.runner.max_len:
-            raise ValueError(
-                f"{where}: prompt{' + response' if n_resp else ''} of {total} tokens does not fit "
-                f"the context of {self.runner.max_len} tokens (need room for one new token)"
-            )
-        V = self.runner.vocab_size
-        bad = [t for t in (*req.prompt_ids, *req.response_ids) if not (isinstance(t, int) and 0 <= t < V)]
-        if bad:
-            raise ValueError(f"{where}: unknown token ids {bad[:5]} (vocabulary size {V})")
-        if any(not isinstance(t, int) or t < 0 for t in req.sampling.stop_token_ids):
-            raise ValueError(f"{where}: stop_token_ids must be non-negative ints")
+        validate_request(req, max_len=self.runner.max_len, vocab_size=self.runner.vocab_size)
 
     def add(self, req: Request) -> Completion | None:
         """Queue a validated request. A resumed request with no budget left finishes at once."""

@@ -84,8 +84,9 @@ class Trainer:
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(1, mb.targets[:, None]).squeeze(1)
         entropy = None
-        if need_entropy:
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        if need_entropy:  # with no entropy bonus it is only logged: keep it out of the graph
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self.cfg.algorithm.entropy_coef != 0):
+                entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
 
     @staticmethod

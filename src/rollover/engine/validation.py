@@ -1,0 +1,39 @@
+"""Request checks shared by every engine: bad input fails at submission, naming the request."""
+
+from __future__ import annotations
+
+from rollover.types import Request
+
+
+def validate_request(req: Request, *, max_len: int, vocab_size: int) -> None:
+    """Raise ValueError naming the request and the problem; nothing is queued."""
+    where = f"request {req.id!r}"
+    try:
+        req.sampling.validate()
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if not req.prompt_ids:
+        raise ValueError(f"{where}: empty prompt")
+    n_resp = len(req.response_ids)
+    if not (n_resp == len(req.response_logprobs) == len(req.response_versions)):
+        raise ValueError(
+            f"{where}: response_ids, response_logprobs and response_versions must have equal "
+            f"lengths, got {n_resp}, {len(req.response_logprobs)}, {len(req.response_versions)}"
+        )
+    if n_resp > req.sampling.max_new_tokens:
+        raise ValueError(
+            f"{where}: carries {n_resp} response tokens, more than max_new_tokens="
+            f"{req.sampling.max_new_tokens}"
+        )
+    total = len(req.prompt_ids) + n_resp
+    if total >= max_len:
+        raise ValueError(
+            f"{where}: prompt{' + response' if n_resp else ''} of {total} tokens does not fit "
+            f"the context of {max_len} tokens (need room for one new token)"
+        )
+    V = vocab_size
+    bad = [t for t in (*req.prompt_ids, *req.response_ids) if not (isinstance(t, int) and 0 <= t < V)]
+    if bad:
+        raise ValueError(f"{where}: unknown token ids {bad[:5]} (vocabulary size {V})")
+    if any(not isinstance(t, int) or t < 0 for t in req.sampling.stop_token_ids):
+        raise ValueError(f"{where}: stop_token_ids must be non-negative ints")
