@@ -165,7 +165,9 @@ class TrainConfig(Section):
     lr: float = 1e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
     warmup_steps: int = 0
     """Linear warm-up steps."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
@@ -183,6 +185,7 @@ class TrainConfig(Section):
     dtype: str = "auto"
     """Trainer weights: auto (float32; bf16 autocast on CUDA), float32."""
     gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     max_bad_steps: int = 3
     """Consecutive steps with a NaN/inf loss that stop the run (after a checkpoint)."""
     lora: dict[str, Any] | None = None
@@ -236,6 +239,7 @@ class Config(Section):
     model: str = "smollm2-135m-instruct"
     """A local path, a hub id, or the alias smollm2-135m-instruct."""
     seed: int = 0
+    """Seeds data order, sampling (per sample, so resume is exact) and initialisation."""
     steps: int = 20
     """Training steps."""
     mode: Literal["sync", "async"] = "sync"
