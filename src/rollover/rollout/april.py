@@ -128,11 +128,14 @@ class AprilCollector:
                     st.finished.set()
 
         with self._lock:
-            carried, self.buffer = self._apply_staleness(self.buffer, version, m), []
-            if len(st.ready) >= target:
+            if len(st.ready) >= target:  # enough carried complete groups: nothing to generate
                 st.stopping = True
-            submit(carried)
-            refill()
+                st.inflight = {g.id: g for g in self.buffer}
+            else:
+                carried = self._apply_staleness(self.buffer, version, m)
+                submit(carried)
+                refill()
+            self.buffer = []
             if not st.pending_ids:
                 st.finished.set()
         while not st.finished.wait(timeout=1.0):
