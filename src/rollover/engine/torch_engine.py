@@ -9,28 +9,17 @@ step; `agenerate` and `stream` wrap the same futures for asyncio.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
+from rollover.engine.api import EngineAPI
 from rollover.engine.core import EngineCore, EngineStats
 from rollover.engine.model_runner import ModelRunner
 from rollover.types import Completion, Request
-
-
-@dataclass
-class TokenEvent:
-    """One streamed token; the last event of a stream also carries the completion."""
-
-    token: int | None
-    logprob: float | None
-    version: int | None
-    completion: Completion | None = None
 
 
 def _eos_ids(config, generation_config) -> tuple[int, ...]:
@@ -43,7 +32,7 @@ def _eos_ids(config, generation_config) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-class TorchEngine:
+class TorchEngine(EngineAPI):
     """Continuous-batching generation on CPU or CUDA.
 
     model: an HF causal LM module, or a name for `rollover.models.resolve_model`.
@@ -85,6 +74,7 @@ class TorchEngine:
         )
         self.max_rows, self.max_len, self.device = max_rows, max_len, runner.device
         self._cond = threading.Condition()
+        self._listen_lock = self._cond
         self._commands: list[tuple[Callable, Future]] = []
         self._futures: dict[str, Future] = {}
         self._listeners: dict[str, Callable] = {}
@@ -101,11 +91,6 @@ class TorchEngine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.core.eos_token_ids
-
-    def submit(self, request: Request, on_done: Callable[[Completion], None] | None = None) -> Future:
-        """Queue one request; returns a Future of its Completion. Bad input raises ValueError
-        here, in the caller's thread, and leaves every other request untouched."""
-        return self.submit_many([request], on_done)[0]
 
     def submit_many(
         self, requests: Iterable[Request], on_done: Callable[[Completion], None] | None = None
@@ -139,33 +124,6 @@ class TorchEngine:
 
             self._run_or_queue(add, wait=False)
         return futures
-
-    def generate(self, requests: Iterable[Request]) -> list[Completion]:
-        """Blocking: submit and wait for all."""
-        return [f.result() for f in self.submit_many(requests)]
-
-    async def agenerate(self, request: Request) -> Completion:
-        return await asyncio.wrap_future(self.submit(request))
-
-    async def stream(self, request: Request) -> AsyncIterator[TokenEvent]:
-        """Yield each new token as it is generated; the last event carries the completion."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def on_token(tok, lp, ver):
-            loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(tok, lp, ver))
-
-        with self._cond:
-            self._listeners[request.id] = on_token
-        fut = self.submit(request)
-        fut.add_done_callback(
-            lambda f: loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(None, None, None, f.result()))
-        )
-        while True:
-            ev = await queue.get()
-            yield ev
-            if ev.completion is not None:
-                return
 
     def abort(self, ids: Iterable[str] | None = None) -> list[Completion]:
         """Abort requests (all when ids is None). Returns their partial completions (tokens,
@@ -206,11 +164,6 @@ class TorchEngine:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
 
     # ------------------------------------------------------------ internals
     def _check_alive(self) -> None:

@@ -44,13 +44,14 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from rollover.engine.core import EngineStats
 from rollover.engine.sampler import position_seed
-from rollover.engine.torch_engine import TokenEvent, _eos_ids
+from rollover.engine.api import EngineAPI
+from rollover.engine.torch_engine import _eos_ids
 from rollover.engine.validation import validate_request
 from rollover.types import Completion, Request
 
@@ -150,7 +151,7 @@ class _Seq:
                           sampling=r.sampling)
 
 
-class VLLMEngine:
+class VLLMEngine(EngineAPI):
     """Continuous batching by vLLM, behind rollover's engine contract.
 
     model: a local directory, a hub id or an alias of `rollover.models.resolve_model` (its
@@ -203,6 +204,7 @@ class VLLMEngine:
         self._version = version
         self._counters = _Counters()
         self._lock = threading.Lock()  # guards _pending, _listeners, _error, _stopped
+        self._listen_lock = self._lock
         self._pending: dict[str, Future] = {}
         self._listeners: dict[str, Callable] = {}
         self._error: BaseException | None = None
@@ -260,11 +262,6 @@ class VLLMEngine:
     def version(self) -> int:
         return self._version
 
-    def submit(self, request: Request, on_done: Callable[[Completion], None] | None = None) -> Future:
-        """Queue one request; returns a Future of its Completion. Bad input raises ValueError
-        here, in the caller's thread, and leaves every other request untouched."""
-        return self.submit_many([request], on_done)[0]
-
     def submit_many(
         self, requests: Iterable[Request], on_done: Callable[[Completion], None] | None = None
     ) -> list[Future]:
@@ -290,38 +287,6 @@ class VLLMEngine:
                 self._pending[r.id] = f
         self._on_loop(lambda: self._add(requests, futures), wait=False)
         return futures
-
-    def generate(self, requests: Iterable[Request]) -> list[Completion]:
-        """Blocking: submit and wait for all."""
-        return [f.result() for f in self.submit_many(requests)]
-
-    async def agenerate(self, request: Request) -> Completion:
-        return await asyncio.wrap_future(self.submit(request))
-
-    async def stream(self, request: Request) -> AsyncIterator[TokenEvent]:
-        """Yield each new token as it arrives; the last event carries the completion."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def on_token(tok, lp, ver):
-            loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(tok, lp, ver))
-
-        with self._lock:
-            self._listeners[request.id] = on_token
-        try:
-            fut = self.submit(request)
-        except BaseException:
-            with self._lock:
-                self._listeners.pop(request.id, None)
-            raise
-        fut.add_done_callback(
-            lambda f: loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(None, None, None, f.result()))
-        )
-        while True:
-            ev = await queue.get()
-            yield ev
-            if ev.completion is not None:
-                return
 
     def abort(self, ids: Iterable[str] | None = None) -> list[Completion]:
         """Abort requests (all when ids is None). Returns their partial completions (tokens,
@@ -387,11 +352,6 @@ class VLLMEngine:
         self._thread.join(timeout=60)
         self._loop.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
 
     # ------------------------------------------------------------ caller side
     def _check_alive(self) -> None:

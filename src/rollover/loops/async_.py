@@ -34,8 +34,7 @@ import time
 from collections import Counter
 
 from rollover.config import Config
-from rollover.loops.common import Run, build_run, train_batch_from
-from rollover.loops.sync import TooManyBadSteps
+from rollover.loops.common import Run, bad_steps_error, build_run, train_batch_from
 from rollover.rollout.async_rollout import ComponentError, DataManager, RolloutService, StalenessGate
 from rollover.rollout.groups import rollout_metrics
 
@@ -154,11 +153,9 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
             if progress:
                 progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
                                 samples_per_s=metrics["perf/samples_trained_per_s"])
-            if run.trainer.bad_steps >= cfg.train.max_bad_steps:
-                checkpoint(step)
-                raise TooManyBadSteps(f"{run.trainer.bad_steps} steps in a row had a non-finite loss or gradient "
-                                      f"(train.max_bad_steps={cfg.train.max_bad_steps}); stopped at step {step} "
-                                      f"with a checkpoint in {cfg.run_dir}/checkpoints")
+            if (error := bad_steps_error(run, step)) is not None:
+                checkpoint(step, resume=False)
+                raise error
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 last_eval = run.evaluate(step)
             if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):

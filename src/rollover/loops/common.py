@@ -226,6 +226,19 @@ def build_run(cfg: Config, *, engine_factory=None) -> Run:
     return run
 
 
+class TooManyBadSteps(RuntimeError):
+    pass
+
+
+def bad_steps_error(run: Run, step: int) -> TooManyBadSteps | None:
+    """The error that stops a run after `train.max_bad_steps` non-finite steps in a row."""
+    n, limit = run.trainer.bad_steps, run.cfg.train.max_bad_steps
+    if n < limit:
+        return None
+    return TooManyBadSteps(f"{n} steps in a row had a non-finite loss or gradient (train.max_bad_steps={limit}); "
+                           f"stopped at step {step} with a checkpoint in {run.cfg.run_dir}/checkpoints")
+
+
 def _eos_ids(tokenizer, model) -> list[int]:
     ids = []
     for src in (getattr(model, "generation_config", None), model.config, tokenizer):

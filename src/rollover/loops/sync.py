@@ -25,14 +25,10 @@ import logging
 import time
 
 from rollover.config import Config
-from rollover.loops.common import Run, build_run, train_batch_from
+from rollover.loops.common import Run, TooManyBadSteps, bad_steps_error, build_run, train_batch_from  # noqa: F401
 from rollover.rollout.groups import rollout_metrics
 
 log = logging.getLogger("rollover")
-
-
-class TooManyBadSteps(RuntimeError):
-    pass
 
 
 def make_collector(run: Run):
@@ -109,11 +105,9 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
                                 tokens_per_s=metrics["perf/tokens_per_s"])
 
             # 6. stop on repeated non-finite losses, with a checkpoint
-            if run.trainer.bad_steps >= cfg.train.max_bad_steps:
+            if (error := bad_steps_error(run, step)) is not None:
                 run.save(step, {"collector": collector.state_dict(), "samples_consumed": samples_consumed})
-                raise TooManyBadSteps(f"{run.trainer.bad_steps} steps in a row had a non-finite loss or gradient "
-                                      f"(train.max_bad_steps={cfg.train.max_bad_steps}); stopped at step {step} "
-                                      f"with a checkpoint in {cfg.run_dir}/checkpoints")
+                raise error
 
             # 7. evaluation and checkpoints
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):

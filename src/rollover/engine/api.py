@@ -1,0 +1,79 @@
+"""The blocking and asyncio conveniences every engine offers on top of `submit_many`.
+
+An engine implements `submit_many(requests, on_done)`, `shutdown()`, and keeps
+`_listeners` (request id -> per-token callback) guarded by `_listen_lock`; everything here is
+built from those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Iterable
+
+from rollover.types import Completion, Request
+
+
+@dataclass
+class TokenEvent:
+    """One streamed token; the last event of a stream also carries the completion."""
+
+    token: int | None
+    logprob: float | None
+    version: int | None
+    completion: Completion | None = None
+
+
+class EngineAPI:
+    _listeners: dict[str, Callable]
+    _listen_lock: object
+
+    def submit_many(self, requests: Iterable[Request], on_done: Callable[[Completion], None] | None = None) -> list[Future]:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def submit(self, request: Request, on_done: Callable[[Completion], None] | None = None) -> Future:
+        """Queue one request; returns a Future of its Completion. Bad input raises ValueError
+        here, in the caller's thread, and leaves every other request untouched."""
+        return self.submit_many([request], on_done)[0]
+
+    def generate(self, requests: Iterable[Request]) -> list[Completion]:
+        """Blocking: submit and wait for all."""
+        return [f.result() for f in self.submit_many(requests)]
+
+    async def agenerate(self, request: Request) -> Completion:
+        return await asyncio.wrap_future(self.submit(request))
+
+    async def stream(self, request: Request) -> AsyncIterator[TokenEvent]:
+        """Yield each new token as it is generated; the last event carries the completion."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_token(tok, lp, ver):
+            loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(tok, lp, ver))
+
+        with self._listen_lock:
+            self._listeners[request.id] = on_token
+        try:
+            fut = self.submit(request)
+        except BaseException:
+            with self._listen_lock:
+                self._listeners.pop(request.id, None)
+            raise
+        fut.add_done_callback(
+            lambda f: loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(None, None, None, f.result()))
+        )
+        while True:
+            ev = await queue.get()
+            yield ev
+            if ev.completion is not None:
+                return
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
