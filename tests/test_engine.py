@@ -49,7 +49,7 @@ def abort_after(engine, k, target_ids, **update):
     reach k tokens (they are admitted together); its done-callback runs in the engine thread
     between steps, so the abort (or weight update) lands exactly after token k."""
     timer = Request(id=f"timer-{k}", prompt_ids=[3], sampling=SamplingParams(temperature=0.0, max_new_tokens=k, ignore_eos=True))
-    box = {}
+    box = {"fired": threading.Event()}
 
     def fire(c):  # passed as on_done, so it is attached before the engine can finish anything
         if c.id != timer.id:
@@ -58,6 +58,7 @@ def abort_after(engine, k, target_ids, **update):
             box["aborted"] = engine.update_weights(**update)
         else:
             box["aborted"] = engine.abort(target_ids)
+        box["fired"].set()
 
     return timer, fire, box
 
@@ -170,7 +171,7 @@ def test_update_weights_continue_tags_new_version(model):
         timer, fire, box = abort_after(eng, k, None, **update)
         ft, fx = eng.submit_many([timer, Request(id="w", prompt_ids=[60, 61, 62], sampling=GREEDY)], on_done=fire)
         out = fx.result()
-        assert box["aborted"] == []
+        assert box["fired"].wait(10) and box["aborted"] == []
         assert eng.version == 1
     n = GREEDY.max_new_tokens
     assert out.versions == [0] * k + [1] * (n - k)
@@ -192,7 +193,7 @@ def test_update_weights_abort_returns_partials(model):
         ft, fx = eng.submit_many([timer, Request(id="w", prompt_ids=[60, 61], sampling=GREEDY)], on_done=fire)
         out = fx.result()
         assert out.finish == "abort" and len(out.response_ids) == 4
-        assert [c.id for c in box["aborted"]] == ["w"]
+        assert box["fired"].wait(10) and [c.id for c in box["aborted"]] == ["w"]
         resumed = eng.generate([out.resume()])[0]
     assert resumed.versions == [0] * 4 + [5] * (GREEDY.max_new_tokens - 4)
 
