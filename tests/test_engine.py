@@ -316,3 +316,23 @@ def test_unsupported_architecture_is_named():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="supported: .*LlamaForCausalLM"):
         TorchEngine(model, max_rows=2, max_len=32)
+
+
+def test_sampler_draws_from_the_reported_distribution():
+    """Empirical frequencies match exp(reported logprob) under temperature, top-k and top-p."""
+    from rollover.engine.sampler import Sampler
+
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, -30.0]])
+    for temp, top_k, top_p in [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 2, 1.0), (1.0, 0, 0.8)]:
+        counts = torch.zeros(5)
+        probs = torch.zeros(5)
+        for i in range(3000):
+            sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=i)
+            tok, lp = sampler.sample(logits.clone(), [sp], [0])
+            counts[tok] += 1
+            probs[tok] = lp.exp()  # the probability the engine reports for this token
+        assert (counts / 3000 - probs).abs().max() < 0.035, (temp, top_k, top_p)
+        assert counts[4] == 0
+        if top_k == 2:
+            assert counts[[0, 3]].sum() == 0  # outside the top-2 set

@@ -82,9 +82,10 @@ class Sampler:
                 if p.temperature > 0 and p.seed is not None:
                     self.row_gen.manual_seed(position_seed(p.seed, positions[b]))
                     u[b] = torch.rand(1, generator=self.row_gen, dtype=torch.float64, device=logits.device)[0]
-            cdf = logp.double().exp().cumsum(-1)  # [B, V]
+            cdf = logp.exp().cumsum(-1)  # [B, V]; ATen accumulates a float cumsum in double on CPU
             # right=True: the first index whose cdf exceeds u*total, never a zero-probability token
-            sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+            target = (u * cdf[:, -1].double()).to(cdf.dtype)
+            sampled = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
             sampled = sampled.clamp_(max=V - 1)
             tokens = torch.where(greedy, tokens, sampled)
         return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
