@@ -94,7 +94,8 @@ class PartialRolloutConfig(Section):
     """APRIL: over-provision, stop at `prompts_per_step` complete groups, abort the rest and
     resume them next step from their tokens."""
     oversample: float = 2.0
-    """alpha: keep up to alpha x prompts_per_step groups in flight."""
+    """alpha: keep alpha x prompts_per_step groups' worth of samples (x samples_per_prompt)
+    unfinished in flight; rows freed by finished samples go to fresh groups at once."""
     max_carry_steps: int = 2
     """A carried-over prefix may lag the current policy by at most this many versions."""
     on_stale: Literal["mask", "regenerate", "is"] = "mask"

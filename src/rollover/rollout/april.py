@@ -5,8 +5,9 @@ Each step:
 1. Carried-over work goes first: groups that completed after last step's target (already
    scored) are ready at once; aborted samples resume from their tokens (logprobs and versions
    kept) with their remaining budget; never-started samples of a carried group stay with it.
-2. Fresh prompts top the in-flight set up to ceil(alpha x target) groups, so the engine's
-   rows stay full; a group that completes or is filtered out is replaced at once.
+2. Fresh prompts keep ceil(alpha x target) groups' worth of samples (x n) unfinished in flight,
+   so the engine's rows stay full: as samples finish, fresh groups take their rows, even while
+   the groups those samples belong to wait for their slowest member.
 3. A group completes when all n samples have finished; it is scored right then (in the engine
    thread, between decode steps) and, with dynamic sampling, kept only if its rewards differ.
 4. When `target` groups are ready, every in-flight request of the step is aborted at once.
@@ -60,8 +61,10 @@ class AprilCollector:
         t_start = time.perf_counter()
         stats0 = run.engine.stats()
         m = Counter()
+        n = cfg.rollout.samples_per_prompt
         st = _StepState(target=target, capacity=max(target, math.ceil(self.alpha * target)))
         st.max_started = cfg.algorithm.max_resample_rounds * st.capacity if cfg.algorithm.dynamic_sampling else None
+        sample_budget = st.capacity * n  # unfinished samples kept in flight
         tokens_before: dict[str, int] = {}
 
         # carried complete groups are ready now (re-checked for staleness)
@@ -84,7 +87,9 @@ class AprilCollector:
                 run.engine.submit_many(reqs, on_done=on_done)
 
         def refill() -> None:
-            want = st.capacity - len(st.inflight)
+            # count unfinished samples, not groups: a group whose other samples are done holds
+            # one row, and the rows it freed go to fresh groups at once
+            want = math.ceil((sample_budget - len(st.pending_ids)) / n)
             if st.stopping or want <= 0:
                 return
             if st.max_started is not None and st.started >= st.max_started:
