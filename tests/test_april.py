@@ -169,7 +169,8 @@ def test_april_keeps_rows_busier_than_sync(model_dir, tmp_path):
     assert occ[True] > occ[False] + 0.2
 
 
-@pytest.mark.parametrize("extra", [{}, {"algorithm.dynamic_sampling": True, "partial_rollout.adaptive": True}])
+@pytest.mark.parametrize("extra", [{}, {"algorithm.dynamic_sampling": True, "partial_rollout.adaptive": True},
+                                   {"partial_rollout.carry": "keep_kv", "eval.every": 1}])
 def test_april_training_resume_is_exact(model_dir, tmp_path, extra):
     over = {"resume": "auto", "rollout.max_rows": 4, **extra}
     straight = tmp_path / "straight"
@@ -181,3 +182,40 @@ def test_april_training_resume_is_exact(model_dir, tmp_path, extra):
     b = load_file(str(split / "checkpoints" / "step_000004" / "model" / "model.safetensors"))
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_keep_kv_carry_loses_nothing_and_keeps_provenance(model_dir, tmp_path, seed):
+    """carry=keep_kv: unfinished samples stay in the paused engine across weight updates."""
+    rng = random.Random(seed)
+    cfg = april_cfg(model_dir, tmp_path, seed=seed, **{
+        "partial_rollout.carry": "keep_kv", "rollout.ignore_eos": True, "rollout.max_new_tokens": 16,
+        "rollout.max_rows": rng.choice([4, 6]), "partial_rollout.oversample": rng.choice([1.5, 2.0, 3.0])})
+    run = build_run(cfg)
+    with_random_budgets(run, rng, 16)
+    models = {0: tiny_model("llama", seed=11)}
+    col = AprilCollector(run)
+    trained = {}
+    try:
+        for step in range(5):
+            groups, m = col.collect(step)
+            assert m["discarded_tokens"] == 0 and len(groups) == cfg.rollout.prompts_per_step
+            for g in groups:
+                assert g.id not in trained
+                trained[g.id] = g
+            if step == 2:
+                col.state_dict()  # a checkpoint aborts live requests into the buffer
+                assert not col.pending_ids
+            models[step + 1] = tiny_model("llama", seed=200 + step)
+            run.engine.update_weights(models[step + 1].state_dict().items(), version=step + 1, inflight=col.inflight_mode)
+        drawn = {f"g{i}" for i in range(run.serial)}
+        carried = {g.id for g in col.buffer} | set(col.inflight) | {g.id for g in col.ready_carry}
+        assert set(trained) | carried == drawn and not (set(trained) & carried)
+        spanned = 0
+        for g in trained.values():
+            for r in g.rollouts:
+                assert len(r.response_ids) <= 16 and r.versions == sorted(r.versions)
+                spanned += len(set(r.versions)) > 1
+        assert spanned > 0
+    finally:
+        run.close()

@@ -102,6 +102,12 @@ class PartialRolloutConfig(Section):
     """Past `max_carry_steps`: mask the stale tokens in the loss, regenerate the sample from
     scratch (its old tokens are dropped and reported), or keep them and correct with importance
     weights (needs algorithm.loss=decoupled_ppo or algorithm.tis_cap)."""
+    carry: Literal["resubmit", "keep_kv"] = "resubmit"
+    """How unfinished samples cross a step: `resubmit` aborts them and resumes them next step from
+    their tokens (K/V recomputed under the new weights: exact, APRIL's design); `keep_kv` pauses
+    them in the engine and continues on the K/V the older weights computed (PipelineRL-style
+    in-flight update: no recompute; every token's logprob and version are still those it was
+    sampled with). TorchEngine only."""
     adaptive: bool = False
     """Adjust alpha each step from the observed completion rate."""
     min_oversample: float = 1.0
@@ -304,6 +310,8 @@ class Config(Section):
         if p.enabled and p.on_stale == "is" and a.loss != "decoupled_ppo" and a.tis_cap is None:
             problems.append("partial_rollout.on_stale=is weights stale tokens by importance sampling: set "
                             "algorithm.loss=decoupled_ppo or algorithm.tis_cap")
+        if p.enabled and p.carry == "keep_kv" and r.engine != "torch":
+            problems.append("partial_rollout.carry=keep_kv needs rollout.engine=torch (it pauses the engine with K/V kept)")
         if p.max_carry_steps < 0:
             problems.append("partial_rollout.max_carry_steps must be >= 0")
         if self.mode == "async" and p.enabled:

@@ -48,7 +48,7 @@ def longtail_budgets(run, seed: int, cap: int, cap_mass: float = 0.2, sigma: flo
     run.next_groups = next_groups
 
 
-def run_mode(args, workload: str, april: bool) -> dict:
+def run_mode(args, workload: str, april: bool, carry: str = "resubmit") -> dict:
     from rollover.config import load_config
     from rollover.loops.common import build_run
     from rollover.loops.sync import make_collector
@@ -60,7 +60,7 @@ def run_mode(args, workload: str, april: bool) -> dict:
         "data.max_prompt_tokens": 64, "rollout.prompts_per_step": args.prompts_per_step,
         "rollout.samples_per_prompt": args.samples_per_prompt, "rollout.max_new_tokens": cap,
         "rollout.max_rows": args.max_rows, "rollout.ignore_eos": workload == "longtail",
-        "rollout.engine": args.engine, "partial_rollout.enabled": april,
+        "rollout.engine": args.engine, "partial_rollout.enabled": april, "partial_rollout.carry": carry,
         "partial_rollout.oversample": args.oversample, "partial_rollout.max_carry_steps": 1000,
         "logging.progress": False, "logging.tensorboard": False, "reward.functions": ["numeric"],
     })
@@ -68,7 +68,8 @@ def run_mode(args, workload: str, april: bool) -> dict:
     if workload == "longtail":
         longtail_budgets(run, args.seed, cap)
     collector = make_collector(run)
-    totals = dict(useful_tokens=0, samples=0, seconds=0.0, busy=0, slots=0, discarded=0, generated=0)
+    totals = dict(useful_tokens=0, samples=0, seconds=0.0, busy=0, slots=0, discarded=0, generated=0,
+                  prefill_tokens=0, recomputed_tokens=0, prefill_s=0.0, decode_s=0.0)
     per_step = []
     try:
         for step in range(args.warmup + args.steps):
@@ -86,11 +87,16 @@ def run_mode(args, workload: str, april: bool) -> dict:
                 totals["slots"] += s1.total_row_steps - s0.total_row_steps
                 totals["generated"] += s1.generated_tokens - s0.generated_tokens
                 totals["discarded"] += m.get("discarded_tokens", 0)
+                totals["prefill_tokens"] += s1.prefill_tokens - s0.prefill_tokens
+                totals["recomputed_tokens"] += s1.recomputed_tokens - s0.recomputed_tokens
+                totals["prefill_s"] += s1.prefill_s - s0.prefill_s
+                totals["decode_s"] += s1.decode_s - s0.decode_s
                 per_step.append({"seconds": dt, "useful_tokens": useful,
                                  "occupancy": (s1.busy_row_steps - s0.busy_row_steps) / max(1, s1.total_row_steps - s0.total_row_steps),
                                  **({"off_policy_token_ratio": m["off_policy_token_ratio"],
                                      "partial_fraction": m["partial_fraction"]} if april else {})})
-            run.engine.update_weights(run.trainer.named_weights(), version=run.engine.version + 1)
+            run.engine.update_weights(run.trainer.named_weights(), version=run.engine.version + 1,
+                                      inflight=getattr(collector, "inflight_mode", "continue"))
     finally:
         run.close()
     return {
@@ -101,6 +107,9 @@ def run_mode(args, workload: str, april: bool) -> dict:
         "generated_tokens": totals["generated"],
         "useful_tokens": totals["useful_tokens"],
         "seconds": totals["seconds"],
+        "prefill_tokens": totals["prefill_tokens"],  # prompts + resumed prefixes computed
+        "prefill_s": totals["prefill_s"],
+        "decode_s": totals["decode_s"],
         "steps": per_step,
     }
 
@@ -112,20 +121,21 @@ def main(args) -> dict:
                                                           "oversample", "max_new_tokens", "natural_max_new_tokens")}}
     for w in workloads:
         sync = run_mode(args, w, april=False)
-        april = run_mode(args, w, april=True)
-        result[w] = {
-            "sync_useful_tokens_per_s": sync["useful_tokens_per_s"],
-            "april_useful_tokens_per_s": april["useful_tokens_per_s"],
-            "sync_samples_per_s": sync["samples_per_s"],
-            "april_samples_per_s": april["samples_per_s"],
-            "speedup": april["useful_tokens_per_s"] / sync["useful_tokens_per_s"],
-            "sync_occupancy": sync["occupancy"],
-            "april_occupancy": april["occupancy"],
-            "april_discarded_tokens": april["discarded_tokens"],
-            "sync": sync,
-            "april": april,
-        }
-        print_table(w, result[w])
+        res = {"sync_useful_tokens_per_s": sync["useful_tokens_per_s"], "sync_samples_per_s": sync["samples_per_s"],
+               "sync_occupancy": sync["occupancy"], "sync": sync}
+        for carry in args.carry:
+            key = "april" if carry == "resubmit" else f"april_{carry}"
+            a = run_mode(args, w, april=True, carry=carry)
+            res.update({
+                f"{key}_useful_tokens_per_s": a["useful_tokens_per_s"],
+                f"{key}_samples_per_s": a["samples_per_s"],
+                f"{'speedup' if key == 'april' else 'speedup_' + carry}": a["useful_tokens_per_s"] / sync["useful_tokens_per_s"],
+                f"{key}_occupancy": a["occupancy"],
+                f"{key}_discarded_tokens": a["discarded_tokens"],
+                key: a,
+            })
+        result[w] = res
+        print_table(w, res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -134,12 +144,16 @@ def main(args) -> dict:
 
 def print_table(workload: str, r: dict) -> None:
     print(f"\nrollover bench april — workload {workload}")
-    print(f"  {'mode':8s} {'useful tok/s':>13s} {'samples/s':>10s} {'occupancy':>10s} {'discarded':>10s}")
-    for mode in ("sync", "april"):
+    print(f"  {'mode':16s} {'useful tok/s':>13s} {'samples/s':>10s} {'occupancy':>10s} {'discarded':>10s} "
+          f"{'generated':>10s} {'prefilled':>10s} {'prefill s':>10s} {'decode s':>10s}")
+    for mode in [k for k in ("sync", "april", "april_keep_kv") if k in r]:
         m = r[mode]
-        print(f"  {mode:8s} {m['useful_tokens_per_s']:13.1f} {m['samples_per_s']:10.2f} {m['occupancy']:10.2f} "
-              f"{m['discarded_tokens']:10d}")
-    print(f"  speedup (useful tokens/s): {r['speedup']:.2f}x")
+        print(f"  {mode:16s} {m['useful_tokens_per_s']:13.1f} {m['samples_per_s']:10.2f} {m['occupancy']:10.2f} "
+              f"{m['discarded_tokens']:10d} {m['generated_tokens']:10d} {m['prefill_tokens']:10d} "
+              f"{m['prefill_s']:10.1f} {m['decode_s']:10.1f}")
+    for k in ("speedup", "speedup_keep_kv"):
+        if k in r:
+            print(f"  {k} (useful tokens/s vs sync): {r[k]:.2f}x")
 
 
 def add_arguments(p) -> None:
@@ -151,6 +165,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="longtail cap")
     p.add_argument("--natural-max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--carry", nargs="+", choices=["resubmit", "keep_kv"], default=["resubmit", "keep_kv"],
+                   help="APRIL carry modes to measure (partial_rollout.carry)")
     for k, v in DEFAULTS.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
     p.add_argument("--json", default=None)

@@ -116,6 +116,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def lengths(self) -> dict[str, int]:
+        """Response tokens so far of every unfinished sequence."""
+        return {s.id: len(s.response_ids) for s in (*self.waiting, *self.running)}
+
     def abort(self, ids: set[str] | None) -> list[Completion]:
         """Abort waiting and running sequences (all when ids is None); their partial output."""
         out = []
@@ -135,14 +139,16 @@ class EngineCore:
     def update_weights(self, named_tensors, version: int, inflight: str) -> list[Completion]:
         """Load new weights between steps. inflight: 'continue' recomputes the running
         sequences' K/V under the new weights (their later tokens carry the new version);
+        'keep' keeps the K/V computed by the older weights (PipelineRL's in-flight update: later
+        tokens are sampled, and their logprobs reported, from new weights over old K/V);
         'abort' aborts them and returns their partial output."""
-        if inflight not in ("continue", "abort"):
-            raise ValueError(f"inflight must be 'continue' or 'abort', got {inflight!r}")
+        if inflight not in ("continue", "keep", "abort"):
+            raise ValueError(f"inflight must be 'continue', 'keep' or 'abort', got {inflight!r}")
         self.runner.load_weights(named_tensors)
         self.version = version
         if inflight == "abort":
             return self.abort({s.id for s in self.running})
-        if self.running:
+        if self.running and inflight == "continue":
             t0 = time.perf_counter()
             rows = [s.row for s in self.running]
             toks = [s.tokens()[: s.cached] for s in self.running]

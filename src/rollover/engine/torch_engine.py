@@ -80,6 +80,7 @@ class TorchEngine(EngineAPI):
         self._listeners: dict[str, Callable] = {}
         self._error: BaseException | None = None
         self._stopped = False
+        self._paused = False
         self._thread = threading.Thread(target=self._loop, name="rollover-engine", daemon=True)
         self._thread.start()
 
@@ -137,13 +138,32 @@ class TorchEngine(EngineAPI):
         """Load new weights between decode steps, without a restart.
 
         inflight='continue': running sequences keep going; their K/V is recomputed under the new
-        weights and their later tokens carry `version`. inflight='abort': they are aborted and
+        weights and their later tokens carry `version`. inflight='keep': they keep going on the
+        K/V the older weights computed (no recompute). inflight='abort': they are aborted and
         returned. Tensors are copied before this returns, so the caller may modify them after.
         """
         items = [(k, v.detach()) for k, v in named_tensors]
         return self._run_or_queue(
             lambda: self._resolve(self.core.update_weights(items, version, inflight)), wait=True
         )
+
+    def pause(self) -> None:
+        """Stop stepping at the next step boundary; running sequences keep their rows and K/V.
+        Commands (submit, abort, update_weights) are still applied while paused."""
+        self._run_or_queue(lambda: setattr(self, "_paused", True), wait=True)
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def lengths(self) -> dict[str, int]:
+        """Response tokens generated so far by each unfinished request."""
+        return self._run_or_queue(self.core.lengths, wait=True)
 
     def stats(self) -> EngineStats:
         return self._run_or_queue(lambda: EngineStats(**{
@@ -196,7 +216,7 @@ class TorchEngine(EngineAPI):
         try:
             while True:
                 with self._cond:
-                    while not self._stopped and not self._commands and not self.core.has_work():
+                    while not self._stopped and not self._commands and (self._paused or not self.core.has_work()):
                         self._cond.wait()
                     if self._stopped:
                         break
@@ -206,7 +226,7 @@ class TorchEngine(EngineAPI):
                         box.set_result(fn())
                     except Exception as e:  # reported to the caller; the engine keeps running
                         box.set_exception(e)
-                if self.core.has_work():
+                if self.core.has_work() and not self._paused:
                     finished, touched = self.core.step()
                     if self._listeners:
                         for s in touched:

@@ -86,7 +86,14 @@ class Run:
                                 start_version=self.engine.version) for i, p in enumerate(self.eval_prompts)]
         reqs = [g.request(j, sp, cfg.seed) for g in pending for j in range(n)]
         reqs = [replace(r, id=f"eval-{step}-{r.id}") for r in reqs]
-        outs = self.engine.generate(reqs)
+        paused = getattr(self.engine, "paused", False)  # APRIL keep_kv pauses it between steps
+        if paused:
+            self.engine.resume()
+        try:
+            outs = self.engine.generate(reqs)
+        finally:
+            if paused:
+                self.engine.pause()
         for k, c in enumerate(outs):
             pending[k // n].done[k % n] = c
         groups = [to_rollouts(g, cfg, self.tokenizer) for g in pending]

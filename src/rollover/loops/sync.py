@@ -78,7 +78,8 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
 
             # 4. new weights to the engine (tokens generated from now on carry version `step`)
             t0 = time.perf_counter()
-            run.engine.update_weights(run.trainer.named_weights(), version=step)
+            run.engine.update_weights(run.trainer.named_weights(), version=step,
+                                      inflight=getattr(collector, "inflight_mode", "continue"))
             t_sync = time.perf_counter() - t0
 
             # 5. metrics

@@ -46,151 +46,167 @@ class AprilCollector:
         self.run = run
         self.cfg = run.cfg
         self.pcfg = run.cfg.partial_rollout
+        self.keep_kv = self.pcfg.carry == "keep_kv"
+        # what the loop's weight update does to requests still in flight (keep_kv: they stay)
+        self.inflight_mode = "keep" if self.keep_kv else "continue"
         self.alpha = self.pcfg.oversample
-        self.buffer: list[PendingGroup] = []  # carried groups, oldest first
+        self.buffer: list[PendingGroup] = []  # carried groups to resubmit, oldest first
         self.ready_carry: list[Group] = []  # scored complete groups carried to the next step
+        self.inflight: dict[str, PendingGroup] = {}  # groups with requests live in the engine
+        self.pending_ids: set[str] = set()  # live requests
+        self.seen: dict[str, int] = {}  # tokens of each live request already accounted for
         self.completion_rate: float | None = None  # EMA of completed / in-flight groups (adaptive alpha)
+        self.st: _StepState | None = None
+        self._late = Counter()  # counters of completions that land between steps
         self._lock = threading.RLock()
+        self._sampling = sampling_from(run.cfg)
 
     # ------------------------------------------------------------ one step
     def collect(self, step: int) -> tuple[list[Group], dict]:
         run, cfg = self.run, self.cfg
         target = cfg.rollout.prompts_per_step
         version = run.engine.version
-        sp = sampling_from(cfg)
         t_start = time.perf_counter()
         stats0 = run.engine.stats()
-        m = Counter()
-        n = cfg.rollout.samples_per_prompt
-        st = _StepState(target=target, capacity=max(target, math.ceil(self.alpha * target)))
-        st.max_started = cfg.algorithm.max_resample_rounds * st.capacity if cfg.algorithm.dynamic_sampling else None
-        sample_budget = st.capacity * n  # unfinished samples kept in flight
-        tokens_before: dict[str, int] = {}
-
-        # carried complete groups are ready now (re-checked for staleness)
-        for g in self.ready_carry:
-            st.ready.append(g)
-        self.ready_carry = []
-
-        def submit(groups: list[PendingGroup]) -> None:
-            reqs = []
-            for g in groups:
-                st.inflight[g.id] = g
-                for j in range(g.n):
-                    if j in g.done:
-                        continue
-                    req = g.request(j, sp, cfg.seed)
-                    tokens_before[req.id] = len(req.response_ids)
-                    st.pending_ids.add(req.id)
-                    reqs.append(req)
-            if reqs:
-                run.engine.submit_many(reqs, on_done=on_done)
-
-        def refill() -> None:
-            # count unfinished samples, not groups: a group whose other samples are done holds
-            # one row, and the rows it freed go to fresh groups at once
-            want = math.ceil((sample_budget - len(st.pending_ids)) / n)
-            if st.stopping or want <= 0:
-                return
-            if st.max_started is not None and st.started >= st.max_started:
-                return
-            fresh = run.next_groups(want, version=version)
-            st.started += len(fresh)
-            submit(fresh)
-
-        def on_done(c: Completion) -> None:
-            try:
-                handle(c)
-            except BaseException as e:  # a raising reward (on_error=raise) or a bug: stop the step loudly
-                with self._lock:
-                    if st.error is None:
-                        st.error = e
-                        st.stopping = True
-                        run.engine.abort(sorted(st.pending_ids))
-                    st.finished.set()
-
-        def handle(c: Completion) -> None:
-            with self._lock:
-                gid, j = c.id.rsplit("/", 1)
-                g = st.inflight[gid]
-                j = int(j)
-                st.pending_ids.discard(c.id)
-                m["new_tokens"] += len(c.response_ids) - tokens_before[c.id]
-                if c.finish == "abort":
-                    if c.response_ids:
-                        g.partial[j] = c
-                else:
-                    g.partial.pop(j, None)
-                    g.done[j] = c
-                    if g.complete:
-                        del st.inflight[gid]
-                        self._group_complete(g, st, m)
-                        if len(st.ready) >= st.target and not st.stopping:
-                            st.stopping = True
-                            run.engine.abort(sorted(st.pending_ids))
-                        refill()
-                if not st.pending_ids and (st.stopping or not st.inflight):
-                    st.finished.set()
-
+        capacity = max(target, math.ceil(self.alpha * target))
+        st = _StepState(target=target, capacity=capacity, version=version)
+        st.max_started = cfg.algorithm.max_resample_rounds * capacity if cfg.algorithm.dynamic_sampling else None
+        m = st.m
+        if self.keep_kv and self.pending_ids:  # outside the lock: these wait on the engine thread
+            # tokens generated between steps (an evaluation ran the engine) are not this step's
+            for rid, n in run.engine.lengths().items():
+                if rid in self.seen:
+                    self.seen[rid] = n
+            self._regenerate_live(version)
         with self._lock:
-            if len(st.ready) >= target:  # enough carried complete groups: nothing to generate
+            self.st = st
+            st.ready.extend(self.ready_carry)  # carried complete groups are ready now
+            self.ready_carry = []
+            if len(st.ready) >= target:  # enough already: generate nothing this step
                 st.stopping = True
-                st.inflight = {g.id: g for g in self.buffer}
             else:
-                carried = self._apply_staleness(self.buffer, version, m)
-                submit(carried)
-                refill()
-            self.buffer = []
-            if not st.pending_ids:
+                self._submit(self._apply_staleness(self.buffer, version, m))
+                self.buffer = []
+                self._refill()
+            if self.keep_kv and not st.stopping:
+                run.engine.resume()
+            if st.stopping or not self.pending_ids:
                 st.finished.set()
         while not st.finished.wait(timeout=1.0):
             run.engine.stats()  # raises if the engine died
-        if st.error is not None:
-            raise st.error
+        # a command waits for the engine's step boundary: every callback of the step has run
+        live = run.engine.lengths()
         with self._lock:
-            # everything still in flight goes back to the buffer, oldest first
-            self.buffer = sorted(st.inflight.values(), key=lambda g: g.serial)
+            self.st = None
+            if st.error is not None:
+                raise st.error
+            if self.keep_kv:  # live requests stay in the (paused) engine; account their new tokens
+                for rid, n in live.items():
+                    if rid in self.seen:
+                        m["new_tokens"] += n - self.seen[rid]
+                        self.seen[rid] = n
+            else:  # everything aborted is back in its group: carry the groups, oldest first
+                self.buffer = sorted(self.inflight.values(), key=lambda g: g.serial)
+                self.inflight = {}
             ready = st.ready
         ready.sort(key=lambda g: int(g.id[1:]))  # deterministic: by draw order
         out, self.ready_carry = ready[:target], ready[target:]
         self._mask_stale(out, version)
         self._adapt(st)
+        return out, self._metrics(out, st, stats0, time.perf_counter() - t_start)
 
-        stats1 = run.engine.stats()
-        wall = time.perf_counter() - t_start
-        engine_tokens = stats1.generated_tokens - stats0.generated_tokens
-        busy = stats1.busy_row_steps - stats0.busy_row_steps
-        total = stats1.total_row_steps - stats0.total_row_steps
-        samples = [r for g in out for r in g.rollouts]
-        useful = sum(len(r.response_ids) for r in samples)
-        offp = sum(v < version for r in samples for v in r.versions)
-        ages = Counter(version - min(r.versions) if r.versions else 0 for r in samples)
-        metrics = {
-            "generate_s": wall - m["reward_s_x1e6"] / 1e6,
-            "reward_s": m["reward_s_x1e6"] / 1e6,
-            "generated_tokens": engine_tokens,
-            "useful_tokens": useful,
-            "useful_tokens_per_s": useful / max(wall, 1e-9),
-            "occupancy": busy / total if total else 0.0,
-            # tokens the engine produced that are in no sample we kept, carried or filtered: must be 0
-            "discarded_tokens": engine_tokens - m["new_tokens"],
-            "regenerated_tokens": m["regenerated_tokens"],
-            "filtered_groups": m["filtered_groups"],
-            "filtered_tokens": m["filtered_tokens"],
-            "skipped_groups": m["skipped_groups"],
-            "reward_errors": m["reward_errors"],
-            "partial_fraction": sum(r.versions and min(r.versions) < version for r in samples) / max(len(samples), 1),
-            "off_policy_token_ratio": offp / max(useful, 1),
-            "carried_groups": len(self.buffer) + len(self.ready_carry),
-            "carried_partial_samples": sum(len(g.partial) for g in self.buffer),
-            "alpha": self.alpha,
-            **{f"carry_age/{a}": n for a, n in sorted(ages.items())},
-            **{k: v for k, v in m.items() if k.startswith("rewards/")},
-        }
-        return out, metrics
+    def _submit(self, groups: list[PendingGroup]) -> None:
+        reqs = []
+        for g in groups:
+            self.inflight[g.id] = g
+            for j in range(g.n):
+                if j not in g.done:
+                    req = g.request(j, self._sampling, self.cfg.seed)
+                    self.seen[req.id] = len(req.response_ids)
+                    self.pending_ids.add(req.id)
+                    reqs.append(req)
+        if reqs:
+            self.run.engine.submit_many(reqs, on_done=self._on_done)
 
-    def _group_complete(self, g: PendingGroup, st: "_StepState", m: Counter) -> None:
-        """Score a completed group and decide whether it trains (engine thread)."""
+    def _refill(self) -> None:
+        """Keep capacity x n samples unfinished in flight: rows freed by finished samples go to
+        fresh groups at once, even while their own groups wait for their slowest member."""
+        st, n = self.st, self.cfg.rollout.samples_per_prompt
+        if st is None or st.stopping:
+            return
+        want = math.ceil((st.capacity * n - len(self.pending_ids)) / n)
+        if want <= 0 or (st.max_started is not None and st.started >= st.max_started):
+            return
+        fresh = self.run.next_groups(want, version=st.version)
+        st.started += len(fresh)
+        self._submit(fresh)
+
+    def _on_done(self, c: Completion) -> None:
+        try:
+            self._handle(c)
+        except BaseException as e:  # a raising reward (on_error=raise) or a bug: stop the step loudly
+            with self._lock:
+                st = self.st
+                if st is not None and st.error is None:
+                    st.error = e
+                    st.stopping = True
+                    self.run.engine.abort(sorted(self.pending_ids))
+                    st.finished.set()
+
+    def _handle(self, c: Completion) -> None:
+        with self._lock:
+            st = self.st
+            m = st.m if st is not None else self._late
+            gid, j = c.id.rsplit("/", 1)
+            g, j = self.inflight[gid], int(j)
+            self.pending_ids.discard(c.id)
+            m["new_tokens"] += len(c.response_ids) - self.seen.pop(c.id)
+            if c.finish == "abort":
+                if c.response_ids:
+                    g.partial[j] = c
+                return self._maybe_finish()
+            g.partial.pop(j, None)
+            g.done[j] = c
+            if g.complete:
+                del self.inflight[gid]
+                group = self._group_complete(g, st, m)
+                if group is not None:
+                    if st is None:  # completed between steps (e.g. during an evaluation)
+                        self.ready_carry.append(group)
+                    else:
+                        st.ready.append(group)
+                if st is not None and len(st.ready) >= st.target and not st.stopping:
+                    st.stopping = True
+                    if self.keep_kv:
+                        self.run.engine.pause()  # live requests keep their rows and K/V
+                        st.finished.set()
+                    else:
+                        self.run.engine.abort(sorted(self.pending_ids))
+                self._refill()
+            self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        st = self.st
+        if st is not None and not self.pending_ids and (st.stopping or not self.inflight):
+            st.finished.set()
+
+    def _regenerate_live(self, version: int) -> None:
+        """keep_kv + regenerate: a live group that may hold tokens older than max_carry_steps
+        (its start version is that old) has its live requests aborted and goes through the
+        resubmit path, where `_apply_staleness` restarts the stale samples."""
+        if self.pcfg.on_stale != "regenerate":
+            return
+        old = [g for g in self.inflight.values() if version - g.start_version > self.pcfg.max_carry_steps]
+        ids = [g.request_id(j) for g in old for j in range(g.n) if g.request_id(j) in self.pending_ids]
+        if ids:
+            self.run.engine.abort(ids)  # callbacks put the partials back into their groups
+        with self._lock:
+            for g in old:
+                del self.inflight[g.id]
+            self.buffer = sorted(old, key=lambda g: g.serial) + self.buffer
+
+    def _group_complete(self, g: PendingGroup, st: "_StepState | None", m: Counter) -> Group | None:
+        """Score a completed group (engine thread); the group if it trains, else None."""
         cfg = self.cfg
         group = to_rollouts(g, cfg, self.run.tokenizer)
         t0 = time.perf_counter()
@@ -199,14 +215,16 @@ class AprilCollector:
         for fn, count in result.error_counts.items():
             m[f"rewards/{fn}/errors"] += count
             m["reward_errors"] += count
-        st.completed += 1
+        if st is not None:
+            st.completed += 1
         if not trainable(group):
             m["skipped_groups"] += 1
         elif cfg.algorithm.dynamic_sampling and not has_variance(group):
             m["filtered_groups"] += 1
             m["filtered_tokens"] += sum(len(r.response_ids) for r in group.rollouts)
         else:
-            st.ready.append(group)
+            return group
+        return None
 
     def _apply_staleness(self, groups: list[PendingGroup], version: int, m: Counter) -> list[PendingGroup]:
         """`regenerate`: restart carried samples whose oldest token is too old."""
@@ -239,9 +257,51 @@ class AprilCollector:
         want = 1.0 / max(self.completion_rate, 1e-3)
         self.alpha = min(self.pcfg.max_oversample, max(self.pcfg.min_oversample, want))
 
+    def _metrics(self, out: list[Group], st: "_StepState", stats0, wall: float) -> dict:
+        m, version = st.m, st.version
+        stats1 = self.run.engine.stats()
+        engine_tokens = stats1.generated_tokens - stats0.generated_tokens
+        busy = stats1.busy_row_steps - stats0.busy_row_steps
+        total = stats1.total_row_steps - stats0.total_row_steps
+        samples = [r for g in out for r in g.rollouts]
+        useful = sum(len(r.response_ids) for r in samples)
+        offp = sum(v < version for r in samples for v in r.versions)
+        ages = Counter(version - min(r.versions) if r.versions else 0 for r in samples)
+        carried = list(self.buffer) + list(self.inflight.values())
+        return {
+            "generate_s": wall - m["reward_s_x1e6"] / 1e6,
+            "reward_s": m["reward_s_x1e6"] / 1e6,
+            "generated_tokens": engine_tokens,
+            "useful_tokens": useful,
+            "useful_tokens_per_s": useful / max(wall, 1e-9),
+            "occupancy": busy / total if total else 0.0,
+            # tokens the engine produced that are in no sample we kept, carried or filtered: must be 0
+            "discarded_tokens": engine_tokens - m["new_tokens"],
+            "regenerated_tokens": m["regenerated_tokens"],
+            "filtered_groups": m["filtered_groups"],
+            "filtered_tokens": m["filtered_tokens"],
+            "skipped_groups": m["skipped_groups"],
+            "reward_errors": m["reward_errors"],
+            "partial_fraction": sum(bool(r.versions) and min(r.versions) < version for r in samples) / max(len(samples), 1),
+            "off_policy_token_ratio": offp / max(useful, 1),
+            "carried_groups": len(carried) + len(self.ready_carry),
+            "carried_live_samples": len(self.pending_ids),
+            "carried_partial_samples": sum(len(g.partial) for g in carried),
+            "alpha": self.alpha,
+            **{f"carry_age/{a}": n for a, n in sorted(ages.items())},
+            **{k: v for k, v in m.items() if k.startswith("rewards/")},
+        }
+
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
+        """The carry buffer. Live requests (keep_kv) are aborted first so their tokens are in it;
+        they resume next step from their tokens, with K/V recomputed, in a straight run and in
+        one resumed from this checkpoint alike."""
+        if self.pending_ids:
+            self.run.engine.abort(sorted(self.pending_ids))
         with self._lock:
+            self.buffer = sorted(self.inflight.values(), key=lambda g: g.serial) + self.buffer
+            self.inflight = {}
             return {"buffer": list(self.buffer), "ready_carry": list(self.ready_carry), "alpha": self.alpha,
                     "completion_rate": self.completion_rate}
 
@@ -253,11 +313,11 @@ class AprilCollector:
 
 
 class _StepState:
-    def __init__(self, target: int, capacity: int):
+    def __init__(self, target: int, capacity: int, version: int):
         self.target = target
         self.capacity = capacity
-        self.inflight: dict[str, PendingGroup] = {}
-        self.pending_ids: set[str] = set()
+        self.version = version
+        self.m = Counter()
         self.ready: list[Group] = []
         self.stopping = False
         self.started = 0
