@@ -150,41 +150,82 @@ class EngineCore:
             return self.abort({s.id for s in self.running})
         if self.running and inflight == "continue":
             t0 = time.perf_counter()
-            rows = [s.row for s in self.running]
             toks = [s.tokens()[: s.cached] for s in self.running]
-            _, computed = self._prefill_rows(rows, toks)
-            self.stats.recomputed_tokens += computed
+            uniq, src = self._unique(toks)
+            self.runner.prefill([self.running[i].row for i in uniq], [toks[i] for i in uniq])
+            for i, s in enumerate(self.running):  # rows sharing all their tokens copy the cache
+                rep = self.running[uniq[src[i]]]
+                if rep is not s:
+                    self.runner.copy_prefix(rep.row, s.row, s.cached)
+            self.stats.recomputed_tokens += sum(len(toks[i]) for i in uniq)
             self.stats.prefill_s += time.perf_counter() - t0
         return []
 
     # ------------------------------------------------------------ stepping
     def step(self) -> tuple[list[Completion], list[Sequence]]:
-        """Decode one token for every running sequence, then admit waiting ones into the free
-        rows (their prefill samples their first token). Every sequence gains exactly one token
-        per step. Returns (finished completions, sequences that got a token)."""
+        """Decode one token for every running sequence and admit waiting ones into the free rows
+        (their prefill samples their first token) — in one forward pass when both happen. Every
+        sequence gains exactly one token per step. Returns (finished completions, sequences that
+        got a token)."""
         finished: list[Completion] = []
         touched: list[Sequence] = []
-        if self.running:
-            t0 = time.perf_counter()
-            seqs = list(self.running)
-            tokens = torch.tensor([s.response_ids[-1] for s in seqs], device=self.runner.device)
-            positions = torch.tensor([s.cached for s in seqs], device=self.runner.device)
-            logits = self.runner.decode(tokens, positions)
-            for s in seqs:
-                s.cached += 1
-            self.stats.decode_steps += 1
-            self.stats.busy_row_steps += len(seqs)
-            self.stats.total_row_steps += self.runner.max_rows
-            self._append(seqs, logits, finished, touched)
-            self.stats.decode_s += time.perf_counter() - t0
+        decoding = list(self.running)
         admitted = self._admit()
+        if not decoding and not admitted:
+            return finished, touched
+        t0 = time.perf_counter()
+        if decoding:
+            tokens = torch.tensor([s.response_ids[-1] for s in decoding], device=self.runner.device)
+            positions = torch.tensor([s.cached for s in decoding], device=self.runner.device)
         if admitted:
-            t0 = time.perf_counter()
-            logits, computed = self._prefill_rows([s.row for s in admitted], [s.tokens() for s in admitted])
-            self.stats.prefill_tokens += computed
-            self._append(admitted, logits, finished, touched)
-            self.stats.prefill_s += time.perf_counter() - t0
+            uniq, src = self._unique([s.tokens() for s in admitted])
+            rows = [admitted[i].row for i in uniq]
+            toks = [admitted[i].tokens() for i in uniq]
+            if decoding:
+                logits = self.runner.mixed(tokens, positions, rows, toks)
+            else:
+                logits = self.runner.prefill(rows, toks)
+            logits_p = logits[len(decoding):] if decoding else logits
+            self._copy_shared(admitted, uniq, src)
+            self.stats.prefill_tokens += sum(map(len, toks))
+            logits = torch.cat([logits[: len(decoding)], logits_p[torch.tensor(src, device=logits.device)]])
+        else:
+            logits = self.runner.decode(tokens, positions)
+        for s in decoding:
+            s.cached += 1
+        if decoding:
+            self.stats.decode_steps += 1
+            self.stats.busy_row_steps += len(decoding)
+            self.stats.total_row_steps += self.runner.max_rows
+        self._append(decoding + admitted, logits, finished, touched)
+        dt = time.perf_counter() - t0
+        if decoding:
+            self.stats.decode_s += dt  # a mixed step counts as decode time
+        else:
+            self.stats.prefill_s += dt
         return finished, touched
+
+    @staticmethod
+    def _unique(token_lists: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Indices of the first occurrence of each distinct token list, and for every list the
+        position of its representative among them (the n samples of a prompt prefill once)."""
+        first: dict[tuple, int] = {}
+        uniq, src = [], []
+        for i, toks in enumerate(token_lists):
+            key = tuple(toks)
+            if key not in first:
+                first[key] = len(uniq)
+                uniq.append(i)
+            src.append(first[key])
+        return uniq, src
+
+    def _copy_shared(self, seqs: list[Sequence], uniq: list[int], src: list[int]) -> None:
+        """Give every sequence its cache: copy from its representative's row; mark it cached."""
+        for i, s in enumerate(seqs):
+            rep = seqs[uniq[src[i]]]
+            if rep is not s:
+                self.runner.copy_prefix(rep.row, s.row, len(s.tokens()))
+            s.cached = len(s.tokens())
 
     def _admit(self) -> list[Sequence]:
         admitted, budget = [], self.max_prefill_tokens
@@ -198,26 +239,6 @@ class EngineCore:
             admitted.append(seq)
             budget -= n
         return admitted
-
-    def _prefill_rows(self, rows: list[int], token_lists: list[list[int]]) -> tuple[torch.Tensor, int]:
-        """Prefill rows; identical token lists are computed once and their cache copied.
-        Returns the last-token logits of every row and the number of tokens computed."""
-        first: dict[tuple, int] = {}
-        uniq_rows, uniq_toks, src = [], [], []
-        for row, toks in zip(rows, token_lists):
-            key = tuple(toks)
-            if key not in first:
-                first[key] = len(uniq_rows)
-                uniq_rows.append(row)
-                uniq_toks.append(toks)
-            src.append(first[key])
-        logits = self.runner.prefill(uniq_rows, uniq_toks)
-        for row, toks, j in zip(rows, token_lists, src):
-            if uniq_rows[j] != row:
-                self.runner.copy_prefix(uniq_rows[j], row, len(toks))
-        for seqrow, toks in zip(rows, token_lists):
-            self.running[seqrow].cached = len(toks)
-        return logits[torch.tensor(src, device=logits.device)], sum(map(len, uniq_toks))
 
     def _append(self, seqs, logits, finished, touched) -> None:
         positions = [len(s.response_ids) for s in seqs]

@@ -313,6 +313,54 @@ class ModelRunner:
             x = self._mlp(L, x)
         return self.logits(x)
 
+    @torch.inference_mode()
+    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[int],
+              token_ids: list[list[int]]) -> torch.Tensor:
+        """Decode rows 0..B-1 and prefill new sequences into `rows` in one forward pass.
+
+        Every linear layer runs once over the decode tokens and all prefill tokens together, so
+        the weights are read from memory once per step instead of twice — on a CPU, where a
+        small-batch pass costs about as much as a full one, admitting a sequence this way is
+        nearly free. Returns logits [B + len(rows), V]: the decode rows, then the last token of
+        each prefilled sequence.
+        """
+        B = tokens.shape[0]
+        dev = self.device
+        lens = [len(t) for t in token_ids]
+        ids_p = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long, device=dev)
+        pos_p = torch.cat([torch.arange(n, device=dev) for n in lens])
+        x = torch.cat([F.embedding(tokens, self.embed), F.embedding(ids_p, self.embed)])  # [B + Np, hidden]
+        all_pos = torch.cat([positions, pos_p])
+        cos, sin = self.cos[all_pos], self.sin[all_pos]
+        Lk = int(positions.max()) + 1
+        ar = torch.arange(B, device=dev)
+        keymask = torch.arange(Lk, device=dev)[None, :] <= positions[:, None]
+        bias = torch.zeros((B, 1, 1, Lk), dtype=self.dtype, device=dev)
+        bias.masked_fill_(~keymask[:, None, None, :], float("-inf"))
+        g = self.n_heads // self.n_kv
+        scale = 1.0 / math.sqrt(self.head_dim)
+        starts = [B + sum(lens[:i]) for i in range(len(lens))]
+        for li, L in enumerate(self.layers):
+            h = self._norm(x, L["in_norm"])
+            q, k, v = self._qkv(L, h, cos, sin)  # [B + Np, H|KV, D]
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc[ar, :, positions] = k[:B]
+            vc[ar, :, positions] = v[:B]
+            K, V = kc[:B, :, :Lk], vc[:B, :, :Lk]
+            s = torch.matmul(q[:B].view(B, self.n_kv, g, self.head_dim), K.transpose(-1, -2)) * scale + bias
+            outs = [torch.matmul(torch.softmax(s, dim=-1), V).reshape(B, -1)]
+            for row, st, n in zip(rows, starts, lens):
+                kp, vp = k[st : st + n].transpose(0, 1), v[st : st + n].transpose(0, 1)  # [KV, n, D]
+                kc[row, :, :n] = kp
+                vc[row, :, :n] = vp
+                o = F.scaled_dot_product_attention(q[st : st + n].transpose(0, 1)[None], kp[None], vp[None],
+                                                   is_causal=True, enable_gqa=g > 1)  # [1, H, n, D]
+                outs.append(o[0].transpose(0, 1).reshape(n, -1))
+            x = x + self._linear(torch.cat(outs), L["o"])
+            x = self._mlp(L, x)
+        last = torch.tensor([st + n - 1 for st, n in zip(starts, lens)], device=dev)
+        return self.logits(torch.cat([x[:B], x[last]]))
+
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy a sequence's cache from row src to row dst (compaction after a row frees)."""
         for li in range(self.n_layers):
