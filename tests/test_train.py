@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -218,3 +219,29 @@ def test_bad_rows_skip_and_long_prompts_rejected(model_dir, tmp_path):
     with pytest.raises(ConfigError, match="data.max_prompt_tokens"):
         build_run(tiny_cfg(model_dir, tmp_path / "r3", **{"data.train": str(data), "data.on_bad_row": "skip",
                                                           "data.max_prompt_tokens": 10}))
+
+
+def test_cli_train_eval_plot(model_dir, tmp_path, capsys):
+    from rollover.cli import main
+
+    run_dir = tmp_path / "run"
+    over = [f"model={model_dir}", f"run_dir={run_dir}", "steps=2", "seed=7", "data.train=gen:arithmetic?n=60",
+            "data.eval_size=4", "data.max_prompt_tokens=64", "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4", "rollout.max_rows=4",
+            "reward.functions=[numeric]", "eval.every=0", "eval.samples_per_prompt=1", "checkpoint.every=2",
+            "logging.progress=false", "logging.tensorboard=false"]
+    assert main(["train", *over]) == 0
+    out = capsys.readouterr().out
+    assert "done: step 2" in out and "held-out accuracy" in out
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    assert (ckpt / "DONE").exists()
+
+    assert main(["eval", *over, "--checkpoint", str(ckpt)]) == 0
+    lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line)
+    assert 0.0 <= float(lines["eval/accuracy"]) <= 1.0 and int(lines["eval/samples"]) == 4
+
+    assert main(["plot", str(run_dir), "--out", str(tmp_path / "figs")]) == 0
+    pngs = capsys.readouterr().out.split()
+    assert pngs and all(p.endswith(".png") and Path(p).parent == tmp_path / "figs" for p in pngs)
+    assert main(["eval", *over, "rollout.max_new_tokenz=4"]) == 2
+    assert "max_new_tokens" in capsys.readouterr().err

@@ -9,6 +9,7 @@ step; `agenerate` and `stream` wrap the same futures for asyncio.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from concurrent.futures import Future
@@ -30,6 +31,13 @@ def _eos_ids(config, generation_config) -> tuple[int, ...]:
             continue
         ids.extend(e if isinstance(e, (list, tuple)) else [e])
     return tuple(dict.fromkeys(ids))
+
+
+def _call_if_finished(on_done: Callable[[Completion], None], fut: Future) -> None:
+    # A future that failed (the engine shut down under it) has no completion to report;
+    # its error reaches whoever awaits the future, not the scheduler's callback.
+    if fut.exception() is None:
+        on_done(fut.result())
 
 
 class TorchEngine(EngineAPI):
@@ -114,7 +122,7 @@ class TorchEngine(EngineAPI):
             futures = [Future() for _ in requests]
             for r, f in zip(requests, futures):
                 if on_done is not None:
-                    f.add_done_callback(lambda fut, cb=on_done: cb(fut.result()))
+                    f.add_done_callback(functools.partial(_call_if_finished, on_done))
                 self._futures[r.id] = f
 
             def add() -> None:
