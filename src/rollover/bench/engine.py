@@ -3,6 +3,7 @@
 Workload: N chat prompts, M new tokens each with EOS ignored, sampling at temperature 1
 (top-k and top-p off), fp32 by default. Both engines run on the same model in the same
 process. Tokens/s counts generated tokens only (HF's padding slots are not counted).
+TorchEngine runs `--repeats` times and the median run is reported (the machine may be shared).
 
 FLOP-bound decode limit: a decoder spends about 2 x parameters FLOP per generated token
 (embedding lookup excluded, LM head included); the limit is the best measured matmul rate
@@ -33,8 +34,10 @@ def bench_prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def matmul_rate(dtype=torch.float32, device="cpu", seconds: float = 1.0) -> dict:
-    """Best sustained GEMM rate (FLOP/s) over a few shapes."""
+def matmul_rate(dtype=torch.float32, device="cpu", bursts: int = 10, burst_s: float = 0.1) -> dict:
+    """Peak GEMM rate (FLOP/s) per shape: the best of several short bursts, so that a busy
+    neighbour on a shared machine lowers no figure (it makes the limit, and so the target,
+    higher, never lower)."""
     shapes = {"1024^3": (1024, 1024, 1024), "decode 64x576x1536": (64, 576, 1536), "prefill 512x576x1536": (512, 576, 1536)}
     rates = {}
     for name, (m, k, n) in shapes.items():
@@ -42,13 +45,16 @@ def matmul_rate(dtype=torch.float32, device="cpu", seconds: float = 1.0) -> dict
         b = torch.randn(k, n, dtype=dtype, device=device)
         for _ in range(3):
             a @ b
-        reps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / len(shapes):
-            a @ b
-            reps += 1
-        if device != "cpu":
-            torch.cuda.synchronize()
-        rates[name] = 2 * m * k * n * reps / (time.perf_counter() - t0)
+        best = 0.0
+        for _ in range(bursts):
+            reps, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < burst_s:
+                a @ b
+                reps += 1
+            if device != "cpu":
+                torch.cuda.synchronize()
+            best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0))
+        rates[name] = best
     return rates
 
 
@@ -112,7 +118,10 @@ def main(args) -> dict:
 
         eng = bench_vllm(args, prompts)
     else:
-        eng = run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device, max_rows=args.max_rows)
+        runs = [run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device, max_rows=args.max_rows)
+                for _ in range(args.repeats)]
+        eng = dict(sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2])  # the median run
+        eng["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
     result[f"{args.engine}_engine"] = eng
     result[f"{args.engine}_tokens_per_s"] = eng["tokens_per_s"]
     result["fraction_of_limit"] = eng["tokens_per_s"] / limit
@@ -133,7 +142,9 @@ def print_table(r: dict, engine: str) -> None:
     print(f"\nrollover bench engine  model={r['model']} device={r['device']} dtype={r['dtype']} "
           f"prompts={r['prompts']} new_tokens={r['new_tokens']} threads={r['threads']}")
     print(f"  {'':28s} {'tokens/s':>10s}")
-    print(f"  {engine + ' engine':28s} {r[f'{engine}_tokens_per_s']:10.1f}")
+    runs = r[f"{engine}_engine"].get("runs_tokens_per_s")
+    print(f"  {engine + ' engine':28s} {r[f'{engine}_tokens_per_s']:10.1f}"
+          + (f"   (median of runs {', '.join(f'{x:.1f}' for x in runs)})" if runs and len(runs) > 1 else ""))
     if "hf_tokens_per_s" in r:
         print(f"  {'HF generate (batch %d)' % r['hf_generate']['batch']:28s} {r['hf_tokens_per_s']:10.1f}")
         print(f"  speedup vs HF: {r['speedup_vs_hf']:.2f}x")
@@ -152,5 +163,6 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default=None)
     p.add_argument("--hf-batch", type=int, default=None, help="HF generate batch (default: all prompts)")
+    p.add_argument("--repeats", type=int, default=3, help="engine runs; the median is reported")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--json", default=None, help="write the results here")

@@ -93,6 +93,9 @@ class ModelRunner:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * scale).to(self.device, dtype)  # [max_len, D]
         self.sin = (emb.sin() * scale).to(self.device, dtype)
+        # rotate_half(x) * sin == swap_halves(x) * sin_signed, with the first half of sin negated
+        half = self.head_dim // 2
+        self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
         shape = (max_rows, self.n_kv, max_len, self.head_dim)
         self.k_cache = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(self.n_layers)]
         self.v_cache = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(self.n_layers)]
@@ -204,28 +207,30 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- forward
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; equal to the form below in fp32
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * xf.to(x.dtype)
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """x * cos + rotate_half(x) * sin, as x * cos + swap_halves(x) * sin_signed (3 ops)."""
         half = x.shape[-1] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rot * sin
+        return torch.addcmul(x * cos, torch.cat([x[..., half:], x[..., :half]], dim=-1), sin_signed)
 
-    def _qkv(self, L: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, L: dict, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
         """h [..., hidden] -> q [..., H, D], k, v [..., KV, D] with rope applied."""
         qkv = self._linear(h, L["qkv"], L["qkv_bias"])
-        qd, kd = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        q = qkv[..., :qd].unflatten(-1, (self.n_heads, self.head_dim))
-        k = qkv[..., qd : qd + kd].unflatten(-1, (self.n_kv, self.head_dim))
-        v = qkv[..., qd + kd :].unflatten(-1, (self.n_kv, self.head_dim))
-        if L["q_norm"] is not None:
-            q = self._norm(q, L["q_norm"])
-            k = self._norm(k, L["k_norm"])
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        v = qkv[..., (H + KV) * D :].unflatten(-1, (KV, D))
+        cos, sin_signed = cos.unsqueeze(-2), sin_signed.unsqueeze(-2)  # broadcast over heads
+        if L["q_norm"] is None:  # q and k rotated together
+            qk = self._rope(qkv[..., : (H + KV) * D].unflatten(-1, (H + KV, D)), cos, sin_signed)
+            return qk[..., :H, :], qk[..., H:, :], v
+        q = self._norm(qkv[..., : H * D].unflatten(-1, (H, D)), L["q_norm"])
+        k = self._norm(qkv[..., H * D : (H + KV) * D].unflatten(-1, (KV, D)), L["k_norm"])
+        return self._rope(q, cos, sin_signed), self._rope(k, cos, sin_signed), v
 
     def _mlp(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         h = self._norm(x, L["post_norm"])
@@ -253,7 +258,7 @@ class ModelRunner:
         rows_t = torch.tensor(rows, device=self.device)
         contiguous = rows == list(range(rows[0], rows[0] + n))
         x = F.embedding(ids, self.embed)
-        cos, sin = self.cos[:T], self.sin[:T]
+        cos, sin = self.cos[:T], self.sin_signed[:T]
         g = self.n_heads // self.n_kv
         for li, L in enumerate(self.layers):
             h = self._norm(x, L["in_norm"])
@@ -288,28 +293,41 @@ class ModelRunner:
         finally:
             self._pack_for = None
 
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        B = tokens.shape[0]
+    def _decode_setup(self, positions: torch.Tensor) -> tuple:
+        """Per-step tensors shared by every layer's decode attention."""
+        B, KV = positions.shape[0], self.n_kv
         Lk = int(positions.max()) + 1
+        dev = self.device
+        # flat cache index of (row b, kv head h, position p): (b * KV + h) * max_len + p
+        slot = ((torch.arange(B, device=dev)[:, None] * KV + torch.arange(KV, device=dev)[None, :]) * self.max_len
+                + positions[:, None]).reshape(-1)
+        keymask = torch.arange(Lk, device=dev)[None, :] <= positions[:, None]  # [B, Lk]
+        bias = torch.zeros((B, Lk), dtype=self.dtype, device=dev).masked_fill_(~keymask, float("-inf"))
+        bias = bias[:, None, None, :].expand(B, KV, 1, Lk).reshape(B * KV, 1, Lk)
+        return slot, bias, Lk
+
+    def _decode_attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: tuple) -> torch.Tensor:
+        """Write k, v [B, KV, D] at each row's position; attend q [B, H, D] over the row's cache.
+        Returns [B, H * D]."""
+        slot, bias, Lk = setup
+        B, KV, D = q.shape[0], self.n_kv, self.head_dim
+        kc, vc = self.k_cache[li], self.v_cache[li]
+        kc.view(-1, D).index_copy_(0, slot, k.reshape(B * KV, D))
+        vc.view(-1, D).index_copy_(0, slot, v.reshape(B * KV, D))
+        K = kc[:B, :, :Lk].reshape(B * KV, Lk, D)  # views: rows and heads are adjacent in the cache
+        V = vc[:B, :, :Lk].reshape(B * KV, Lk, D)
+        qg = q.reshape(B * KV, self.n_heads // KV, D)  # the g query heads sharing each kv head
+        s = torch.baddbmm(bias, qg, K.transpose(1, 2), alpha=1.0 / math.sqrt(D))  # [B*KV, g, Lk]
+        return torch.bmm(torch.softmax(s, dim=-1), V).reshape(B, -1)
+
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = F.embedding(tokens, self.embed)  # [B, hidden]
-        cos, sin = self.cos[positions], self.sin[positions]
-        ar = torch.arange(B, device=self.device)
-        keymask = torch.arange(Lk, device=self.device)[None, :] <= positions[:, None]  # [B, Lk]
-        bias = torch.zeros((B, 1, 1, Lk), dtype=self.dtype, device=self.device)
-        bias.masked_fill_(~keymask[:, None, None, :], float("-inf"))
-        g = self.n_heads // self.n_kv
-        scale = 1.0 / math.sqrt(self.head_dim)
+        cos, sin = self.cos[positions], self.sin_signed[positions]
+        setup = self._decode_setup(positions)
         for li, L in enumerate(self.layers):
             h = self._norm(x, L["in_norm"])
             q, k, v = self._qkv(L, h, cos, sin)  # q [B, H, D]; k, v [B, KV, D]
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[ar, :, positions] = k
-            vc[ar, :, positions] = v
-            K, V = kc[:B, :, :Lk], vc[:B, :, :Lk]  # views [B, KV, Lk, D]
-            qg = q.view(B, self.n_kv, g, self.head_dim)
-            s = torch.matmul(qg, K.transpose(-1, -2)) * scale + bias  # [B, KV, g, Lk]
-            o = torch.matmul(torch.softmax(s, dim=-1), V)  # [B, KV, g, D]
-            x = x + self._linear(o.reshape(B, -1), L["o"])
+            x = x + self._linear(self._decode_attention(li, q, k, v, setup), L["o"])
             x = self._mlp(L, x)
         return self.logits(x)
 
@@ -331,24 +349,15 @@ class ModelRunner:
         pos_p = torch.cat([torch.arange(n, device=dev) for n in lens])
         x = torch.cat([F.embedding(tokens, self.embed), F.embedding(ids_p, self.embed)])  # [B + Np, hidden]
         all_pos = torch.cat([positions, pos_p])
-        cos, sin = self.cos[all_pos], self.sin[all_pos]
-        Lk = int(positions.max()) + 1
-        ar = torch.arange(B, device=dev)
-        keymask = torch.arange(Lk, device=dev)[None, :] <= positions[:, None]
-        bias = torch.zeros((B, 1, 1, Lk), dtype=self.dtype, device=dev)
-        bias.masked_fill_(~keymask[:, None, None, :], float("-inf"))
+        cos, sin = self.cos[all_pos], self.sin_signed[all_pos]
+        setup = self._decode_setup(positions)
         g = self.n_heads // self.n_kv
-        scale = 1.0 / math.sqrt(self.head_dim)
         starts = [B + sum(lens[:i]) for i in range(len(lens))]
         for li, L in enumerate(self.layers):
             h = self._norm(x, L["in_norm"])
             q, k, v = self._qkv(L, h, cos, sin)  # [B + Np, H|KV, D]
             kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[ar, :, positions] = k[:B]
-            vc[ar, :, positions] = v[:B]
-            K, V = kc[:B, :, :Lk], vc[:B, :, :Lk]
-            s = torch.matmul(q[:B].view(B, self.n_kv, g, self.head_dim), K.transpose(-1, -2)) * scale + bias
-            outs = [torch.matmul(torch.softmax(s, dim=-1), V).reshape(B, -1)]
+            outs = [self._decode_attention(li, q[:B], k[:B], v[:B], setup)]
             for row, st, n in zip(rows, starts, lens):
                 kp, vp = k[st : st + n].transpose(0, 1), v[st : st + n].transpose(0, 1)  # [KV, n, D]
                 kc[row, :, :n] = kp

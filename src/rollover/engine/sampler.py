@@ -64,28 +64,38 @@ class Sampler:
         `positions[b]` is the response index of the token being sampled (for seeded noise).
         """
         B, V = logits.shape
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        greedy = temps == 0
-        z = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+        temps = [p.temperature for p in params]
+        if all(t == 1.0 for t in temps):
+            z = logits
+        else:  # greedy rows keep temperature-1 logits (see the module docstring)
+            t = torch.tensor([x if x > 0 else 1.0 for x in temps], device=logits.device, dtype=logits.dtype)
+            z = logits / t[:, None]
         for b, p in enumerate(params):
             if p.temperature > 0 and (p.top_k or p.top_p < 1.0):
+                if z is logits:
+                    z = logits.clone()
                 z[b] = _truncate(z[b], p.top_k, p.top_p)
-        logp = torch.log_softmax(z, dim=-1)  # [B, V]
-        tokens = logp.argmax(-1)
-        if not bool(greedy.all()):
-            # Inverse-CDF sampling: one uniform per row (cheap, and seedable per row).
-            u = torch.empty(B, dtype=torch.float64, device=logits.device)
-            unseeded = [b for b, p in enumerate(params) if p.temperature > 0 and p.seed is None]
-            if unseeded:
-                u[unseeded] = torch.rand(len(unseeded), generator=self.gen, dtype=torch.float64, device=logits.device)
-            for b, p in enumerate(params):
-                if p.temperature > 0 and p.seed is not None:
-                    self.row_gen.manual_seed(position_seed(p.seed, positions[b]))
-                    u[b] = torch.rand(1, generator=self.row_gen, dtype=torch.float64, device=logits.device)[0]
-            cdf = logp.exp().cumsum(-1)  # [B, V]; ATen accumulates a float cumsum in double on CPU
-            # right=True: the first index whose cdf exceeds u*total, never a zero-probability token
-            target = (u * cdf[:, -1].double()).to(cdf.dtype)
-            sampled = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
-            sampled = sampled.clamp_(max=V - 1)
-            tokens = torch.where(greedy, tokens, sampled)
-        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+        greedy = [p.temperature == 0 for p in params]
+        if all(greedy):
+            tokens = z.argmax(-1)
+            return tokens, torch.log_softmax(z, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        # Inverse-CDF sampling over exp(z - max): one uniform per row (cheap, and seedable per row).
+        zmax = z.max(-1, keepdim=True).values
+        cdf = (z - zmax).exp_().cumsum_(-1)  # [B, V]; ATen accumulates a float cumsum in double on CPU
+        total = cdf[:, -1]
+        u = torch.empty(B, dtype=torch.float64, device=logits.device)
+        unseeded = [b for b, p in enumerate(params) if p.temperature > 0 and p.seed is None]
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), generator=self.gen, dtype=torch.float64, device=logits.device)
+        for b, p in enumerate(params):
+            if p.temperature > 0 and p.seed is not None:
+                self.row_gen.manual_seed(position_seed(p.seed, positions[b]))
+                u[b] = torch.rand(1, generator=self.row_gen, dtype=torch.float64, device=logits.device)[0]
+        # right=True: the first index whose cdf exceeds u*total, never a zero-probability token
+        target = (u * total.double()).to(cdf.dtype)
+        tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=V - 1)
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), z.argmax(-1), tokens)
+        # log_softmax(z)[token] = z[token] - max - log(sum exp(z - max))
+        logprobs = z.gather(1, tokens[:, None]).squeeze(1) - zmax.squeeze(1) - total.log()
+        return tokens, logprobs
