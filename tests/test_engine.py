@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollover.engine.torch_engine import TorchEngine
-from rollover.testing import tiny_model
+from rollover.testing import generate_from_threads, tiny_model
 from rollover.types import Request, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -293,21 +293,8 @@ def test_asyncio_api_and_threads(model, engine):
     assert [e.token for e in events[:-1]] == final.response_ids == outs[0].response_ids
     assert all(o.response_ids == final.response_ids for o in outs)
 
-    results, errors = {}, []
-
-    def worker(i):
-        try:
-            results[i] = engine.generate([Request(id=f"th{i}", prompt_ids=[90, 91], sampling=GREEDY)])[0]
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    assert len({tuple(r.response_ids) for r in results.values()}) == 1
+    results = generate_from_threads(engine, [Request(id=f"th{i}", prompt_ids=[90, 91], sampling=GREEDY) for i in range(4)])
+    assert len({tuple(r.response_ids) for r in results}) == 1
 
 
 def test_unsupported_architecture_is_named():

@@ -29,7 +29,7 @@ pytest.importorskip("vllm")
 from rollover.engine.sampler import _truncate  # noqa: E402
 from rollover.engine.torch_engine import TorchEngine  # noqa: E402
 from rollover.engine.vllm_engine import VLLMEngine  # noqa: E402
-from rollover.testing import char_tokenizer, tiny_model  # noqa: E402
+from rollover.testing import char_tokenizer, generate_from_threads, tiny_model  # noqa: E402
 from rollover.types import Request, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -329,21 +329,8 @@ def test_asyncio_api_and_threads(engine):
     assert [e.logprob for e in events[:-1]] == final.logprobs
     assert all(o.response_ids == final.response_ids for o in outs)
 
-    results, errors = {}, []
-
-    def worker(i):
-        try:
-            results[i] = engine.generate([Request(id=f"th{i}", prompt_ids=[90, 91], sampling=GREEDY)])[0]
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    assert len({tuple(r.response_ids) for r in results.values()}) == 1
+    results = generate_from_threads(engine, [Request(id=f"th{i}", prompt_ids=[90, 91], sampling=GREEDY) for i in range(4)])
+    assert len({tuple(r.response_ids) for r in results}) == 1
 
 
 def test_untied_model_eos_update_and_shutdown(tmp_path):

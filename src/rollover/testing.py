@@ -85,3 +85,27 @@ def save_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **over
     tiny_model(arch, seed, **overrides).save_pretrained(path, safe_serialization=True)
     char_tokenizer().save_pretrained(path)
     return path
+
+
+def generate_from_threads(engine, requests: list) -> list:
+    """Call `engine.generate([r])` for each request from its own plain thread; returns the
+    completions in request order, or raises the first error a thread met."""
+    import threading
+
+    results: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            results[i] = engine.generate([requests[i]])[0]
+        except BaseException as e:  # re-raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[i] for i in range(len(requests))]
