@@ -1,0 +1,62 @@
+"""The benchmark commands run end to end and write the JSON fields the docs quote (tiny model;
+the figures themselves mean nothing here and are not checked)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollover.cli import main
+from rollover.testing import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=5))
+
+
+def bench(tmp_path, *argv) -> dict:
+    out = tmp_path / "out.json"
+    assert main(["bench", *argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_engine_fields(model_dir, tmp_path):
+    r = bench(tmp_path, "engine", "--model", model_dir, "--prompts", "4", "--new-tokens", "6", "--max-rows", "4",
+              "--repeats", "2")
+    for k in ("torch_tokens_per_s", "hf_tokens_per_s", "speedup_vs_hf", "flop_limit_tokens_per_s", "fraction_of_limit"):
+        assert r[k] > 0, k
+    assert r["torch_engine"]["tokens"] == 4 * 6 and len(r["torch_engine"]["runs_tokens_per_s"]) == 2
+    assert r["torch_tokens_per_s"] in r["torch_engine"]["runs_tokens_per_s"]
+
+
+def test_bench_april_fields_and_nothing_discarded(model_dir, tmp_path):
+    r = bench(tmp_path, "april", "--model", model_dir, "--steps", "2", "--warmup", "1", "--max-new-tokens", "12",
+              "--natural-max-new-tokens", "8", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+              "--max-rows", "8")
+    for w in ("longtail", "natural"):
+        res = r[w]
+        for k in ("sync_useful_tokens_per_s", "april_useful_tokens_per_s", "speedup", "sync_occupancy",
+                  "april_occupancy", "april_keep_kv_useful_tokens_per_s", "speedup_keep_kv"):
+            assert res[k] > 0, (w, k)
+        assert res["april_discarded_tokens"] == 0 and res["april_keep_kv_discarded_tokens"] == 0
+        assert 0 < res["sync_occupancy"] <= 1 and 0 < res["april_occupancy"] <= 1
+        assert res["sync"]["samples_per_s"] * res["sync"]["seconds"] == pytest.approx(2 * 2 * 2)  # 2 steps x 2 x 2
+
+
+def test_bench_train_fields(model_dir, tmp_path):
+    r = bench(tmp_path, "train", "--model", model_dir, "--steps", "2", "rollout.max_new_tokens=6")
+    assert r["steps_measured"] == 2 and r["seconds_per_step"] > 0
+    for phase in ("generate", "reward", "train", "weight_sync"):
+        assert r[f"{phase}_s"] >= 0, phase
+    assert r["seconds_per_step"] >= r["generate_s"] + r["train_s"]
+
+
+def test_bench_async_fields(model_dir, tmp_path):
+    r = bench(tmp_path, "async", "--model", model_dir, "--steps", "2", "--warmup", "1", "--max-new-tokens", "6",
+              "--etas", "1", "2")
+    assert r["sync_samples_per_s"] > 0 and r["april_samples_per_s"] > 0
+    assert set(r["async_samples_per_s"]) == {"1", "2"} and all(v > 0 for v in r["async_samples_per_s"].values())
+    assert set(r["busy_fraction"]["async_eta1"]) == {"rollout", "data_manager", "trainer"}
+    assert all(0 <= v <= 1.0001 for v in r["busy_fraction"]["sync"].values())
