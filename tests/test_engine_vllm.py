@@ -17,6 +17,7 @@ after token k as in tests/test_engine.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from types import SimpleNamespace
@@ -361,3 +362,35 @@ def test_untied_model_eos_update_and_shutdown(tmp_path):
         pending.result(timeout=30)
     with pytest.raises(RuntimeError, match="shut down"):
         eng.submit(Request(id="q", prompt_ids=[5]))
+
+
+@pytest.mark.parametrize("april", [False, True])
+def test_training_runs_on_vllm(tmp_path, april):
+    """`rollover train ... rollout.engine=vllm`: the synchronous loop and APRIL train through
+    VLLMEngine, the weights it generates with follow the trainer, and APRIL discards nothing."""
+    from safetensors.torch import load_file
+
+    from rollover.config import load_config
+    from rollover.loops.sync import train_sync
+
+    path = save_model(tiny_model("llama", seed=3, **ARCH), tmp_path / "tiny")
+    reward = tmp_path / "char_reward.py"  # varies between random completions, so every group has signal
+    reward.write_text("def score(completion, answer, **kw):\n    return float(sum(map(ord, completion)) % 7)\n")
+    cfg = load_config(**{
+        "model": path, "run_dir": str(tmp_path / "run"), "steps": 2, "seed": 7, "resume": "never",
+        "data.train": "gen:arithmetic?n=60", "data.eval_size": 4, "data.max_prompt_tokens": 64,
+        "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 8,
+        "rollout.max_rows": 8, "rollout.engine": "vllm", "rollout.engine_options": OPTIONS,
+        "reward.functions": [f"{reward}:score"], "train.lr": 1e-3, "eval.every": 0, "eval.samples_per_prompt": 1,
+        "checkpoint.every": 2, "logging.progress": False, "logging.tensorboard": False,
+        "partial_rollout.enabled": april, "partial_rollout.oversample": 2.0,
+    })
+    result = train_sync(cfg)
+    assert result["step"] == 2
+    rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2]
+    if april:
+        assert all(r["rollout/discarded_tokens"] == 0 for r in rows)
+    before = dict(tiny_model("llama", seed=3, **ARCH).named_parameters())
+    after = load_file(str(tmp_path / "run" / "checkpoints" / "step_000002" / "model" / "model.safetensors"))
+    assert any(not torch.equal(before[k].detach(), after[k]) for k in after)  # it trained

@@ -95,7 +95,7 @@ class AprilCollector:
         while not st.finished.wait(timeout=1.0):
             run.engine.stats()  # raises if the engine died
         # a command waits for the engine's step boundary: every callback of the step has run
-        live = run.engine.lengths()
+        live = run.engine.lengths() if self.keep_kv else run.engine.stats()
         with self._lock:
             self.st = None
             if st.error is not None:
