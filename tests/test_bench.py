@@ -60,3 +60,15 @@ def test_bench_async_fields(model_dir, tmp_path):
     assert set(r["async_samples_per_s"]) == {"1", "2"} and all(v > 0 for v in r["async_samples_per_s"].values())
     assert set(r["busy_fraction"]["async_eta1"]) == {"rollout", "data_manager", "trainer"}
     assert all(0 <= v <= 1.0001 for v in r["busy_fraction"]["sync"].values())
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["engine", "--repeats", "0"], "--repeats: must be >= 1, got 0"),
+    (["april", "--steps", "x"], "--steps: expected an integer, got 'x'"),
+    (["async", "--warmup", "0"], "--warmup: must be >= 1, got 0"),
+    (["april", "--samples-per-prompt", "0"], "--samples-per-prompt: must be >= 1, got 0"),
+])
+def test_bench_rejects_bad_arguments_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err

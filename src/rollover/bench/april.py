@@ -157,16 +157,18 @@ def print_table(workload: str, r: dict) -> None:
 
 
 def add_arguments(p) -> None:
+    from rollover.bench import at_least
+
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--engine", choices=["torch", "vllm"], default="torch")
     p.add_argument("--workload", choices=["longtail", "natural", "both"], default="both")
-    p.add_argument("--steps", type=int, default=10, help="measured steps per mode")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="longtail cap")
-    p.add_argument("--natural-max-new-tokens", type=int, default=128)
+    p.add_argument("--steps", type=at_least(1), default=10, help="measured steps per mode")
+    p.add_argument("--warmup", type=at_least(0), default=2, help="unmeasured steps first")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128, help="longtail cap")
+    p.add_argument("--natural-max-new-tokens", type=at_least(1), default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--carry", nargs="+", choices=["resubmit", "keep_kv"], default=["resubmit", "keep_kv"],
                    help="APRIL carry modes to measure (partial_rollout.carry)")
     for k, v in DEFAULTS.items():
-        p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
+        p.add_argument(f"--{k.replace('_', '-')}", type=at_least(1) if isinstance(v, int) else float, default=v)
     p.add_argument("--json", default=None)

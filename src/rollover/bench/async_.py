@@ -83,11 +83,13 @@ def main(args) -> dict:
 
 
 def add_arguments(p) -> None:
+    from rollover.bench import at_least
+
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--steps", type=at_least(1), default=6)
+    p.add_argument("--warmup", type=at_least(1), default=1)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=48)
     p.add_argument("--oversample", type=float, default=2.0)
-    p.add_argument("--etas", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--etas", type=at_least(0), nargs="+", default=[1, 2, 4])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)

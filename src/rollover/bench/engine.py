@@ -58,13 +58,15 @@ def matmul_rate(dtype=torch.float32, device="cpu", bursts: int = 10, burst_s: fl
     return rates
 
 
-def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows) -> dict:
-    from rollover.engine.torch_engine import TorchEngine
+def run_engine(open_engine, prompts, new_tokens) -> dict:
+    """Time one generation of every prompt on the engine `open_engine()` starts (a context
+    manager); start-up and a short warm-up request are not timed."""
     from rollover.types import Request, SamplingParams
 
-    max_len = max(map(len, prompts)) + new_tokens + 1
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
-    with TorchEngine(model, max_rows=max_rows, max_len=max_len, dtype=dtype, device=device) as eng:
+    t0 = time.perf_counter()
+    with open_engine() as eng:
+        startup = time.perf_counter() - t0
         eng.generate([Request(id="warm", prompt_ids=prompts[0], sampling=SamplingParams(max_new_tokens=4))])
         eng.reset_stats()
         t0 = time.perf_counter()
@@ -72,8 +74,28 @@ def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows) -> 
         dt = time.perf_counter() - t0
         st = eng.stats()
     n = sum(len(o.response_ids) for o in outs)
-    return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "prefill_s": st.prefill_s, "decode_s": st.decode_s,
-            "occupancy": st.occupancy}
+    return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "startup_s": startup, "prefill_s": st.prefill_s,
+            "decode_s": st.decode_s, "decode_steps": st.decode_steps, "occupancy": st.occupancy}
+
+
+def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows) -> dict:
+    from rollover.engine.torch_engine import TorchEngine
+
+    max_len = max(map(len, prompts)) + new_tokens + 1
+    return run_engine(lambda: TorchEngine(model, max_rows=max_rows, max_len=max_len, dtype=dtype, device=device),
+                      prompts, new_tokens)
+
+
+def run_vllm_engine(args, prompts) -> dict:
+    """`--engine vllm`: the same workload on VLLMEngine (the optional extra)."""
+    import vllm
+
+    from rollover.engine.vllm_engine import VLLMEngine
+
+    max_len = max(map(len, prompts)) + args.new_tokens + 1
+    out = run_engine(lambda: VLLMEngine(args.model, dtype=args.dtype, max_rows=args.max_rows, max_len=max_len),
+                     prompts, args.new_tokens)
+    return {**out, "vllm_version": vllm.__version__}
 
 
 def run_hf_generate(model, tokenizer, prompts, new_tokens, *, batch: int) -> dict:
@@ -114,9 +136,7 @@ def main(args) -> dict:
         "decode_gemm_limit_tokens_per_s": rates["decode 64x576x1536"] / (2 * n_params),
     }
     if args.engine == "vllm":
-        from rollover.engine.vllm_engine import bench_vllm  # optional extra
-
-        eng = bench_vllm(args, prompts)
+        eng = run_vllm_engine(args, prompts)
     else:
         runs = [run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device, max_rows=args.max_rows)
                 for _ in range(args.repeats)]
@@ -155,14 +175,16 @@ def print_table(r: dict, engine: str) -> None:
 
 
 def add_arguments(p) -> None:
+    from rollover.bench import at_least
+
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--engine", choices=["torch", "vllm"], default="torch")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--max-rows", type=int, default=64)
+    p.add_argument("--prompts", type=at_least(1), default=64)
+    p.add_argument("--new-tokens", type=at_least(1), default=128)
+    p.add_argument("--max-rows", type=at_least(1), default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default=None)
-    p.add_argument("--hf-batch", type=int, default=None, help="HF generate batch (default: all prompts)")
-    p.add_argument("--repeats", type=int, default=3, help="engine runs; the median is reported")
+    p.add_argument("--hf-batch", type=at_least(1), default=None, help="HF generate batch (default: all prompts)")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="engine runs; the median is reported")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--json", default=None, help="write the results here")

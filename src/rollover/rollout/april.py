@@ -119,12 +119,10 @@ class AprilCollector:
         reqs = []
         for g in groups:
             self.inflight[g.id] = g
-            for j in range(g.n):
-                if j not in g.done:
-                    req = g.request(j, self._sampling, self.cfg.seed)
-                    self.seen[req.id] = len(req.response_ids)
-                    self.pending_ids.add(req.id)
-                    reqs.append(req)
+            reqs += g.open_requests(self._sampling, self.cfg.seed)
+        for req in reqs:
+            self.seen[req.id] = len(req.response_ids)
+            self.pending_ids.add(req.id)
         if reqs:
             self.run.engine.submit_many(reqs, on_done=self._on_done)
 

@@ -94,11 +94,8 @@ class RolloutService:
         reqs = []
         for g in groups:
             self.inflight[g.id] = g
-            for j in range(g.n):
-                if j not in g.done:
-                    req = g.request(j, self.sampling, self.cfg.seed)
-                    self.pending_ids.add(req.id)
-                    reqs.append(req)
+            reqs += g.open_requests(self.sampling, self.cfg.seed)
+        self.pending_ids.update(r.id for r in reqs)
         if reqs:
             self.run.engine.submit_many(reqs, on_done=self._on_done)
 

@@ -48,6 +48,10 @@ class PendingGroup:
             return self.partial[j].resume(sp)
         return Request(id=self.request_id(j), prompt_ids=list(self.prompt_ids), sampling=sp)
 
+    def open_requests(self, sampling: SamplingParams, run_seed: int) -> list[Request]:
+        """Requests for every sample not finished yet (fresh, or resuming its partial)."""
+        return [self.request(j, sampling, run_seed) for j in range(self.n) if j not in self.done]
+
     @property
     def complete(self) -> bool:
         return len(self.done) == self.n
