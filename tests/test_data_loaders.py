@@ -114,6 +114,50 @@ def test_invalid_json_line_is_a_bad_row(tmp_path):
     assert ps.num_skipped == 1
 
 
+def test_line_that_is_not_utf8_is_a_bad_row(tmp_path):
+    path = tmp_path / "d.jsonl"
+    good = [json.dumps({"prompt": f"q{i}", "answer": str(i)}).encode() for i in range(3)]
+    latin1 = '{"prompt": "caf\xe9?", "answer": "1"}'.encode("latin-1")  # 0xe9 then '?'
+    path.write_bytes(b"\n".join([good[0], latin1, good[1], b"", good[2]]) + b"\n")
+    with pytest.raises(DataError) as info:
+        load_prompts(path)
+    message = str(info.value)
+    assert f"{path} line 2: not valid UTF-8" in message
+    assert "0xe9" in message and f"byte column {latin1.index(0xE9) + 1}" in message
+    ps = load_prompts(path, on_bad_row="skip")
+    assert [p.id for p in ps.prompts] == ["d:0", "d:2", "d:4"]
+    assert [b.where for b in ps.skipped] == [f"{path} line 2"]
+    assert "not valid UTF-8" in ps.skipped[0].reason
+
+
+def test_windows_line_endings_and_non_ascii_text(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": "¿Cuánto es 3 + 5?", "answer": "8"}, {"prompt": "2 × 2 = ?", "answer": "4"}]
+    path.write_bytes(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\r\n" for r in rows))
+    ps = load_prompts(path)
+    assert [p.text for p in ps.prompts] == [r["prompt"] for r in rows]
+
+
+@pytest.mark.parametrize("damage", ["not parquet", "truncated", "scrambled footer"])
+def test_corrupt_parquet_names_the_file(tmp_path, damage):
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"prompt": ["q"] * 50, "answer": ["1"] * 50}), good)
+    data = good.read_bytes()
+    if damage == "not parquet":
+        data = b"prompt,answer\nq,1\n"
+    elif damage == "truncated":
+        data = data[: len(data) // 2]
+    else:  # keep the magic bytes at both ends, scramble the metadata before the footer
+        data = data[:-60] + bytes(b ^ 0x5A for b in data[-60:-8]) + data[-8:]
+    path = tmp_path / "d.parquet"
+    path.write_bytes(data)
+    with pytest.raises(DataError) as info:
+        load_prompts(path, on_bad_row="skip")  # a file that cannot be read is not a bad row
+    message = str(info.value)
+    assert message.startswith(f"{path}: cannot read as parquet: ")
+    assert "\n" not in message and len(message) > len(f"{path}: cannot read as parquet: ") + 10
+
+
 def test_skip_bad_rows_and_count_them(tmp_path):
     path = write_jsonl(
         tmp_path / "d.jsonl",

@@ -59,3 +59,101 @@ def test_without_chat_template(tok):
     chat = Prompt(id="a", messages=[{"role": "user", "content": "q"}])
     with pytest.raises(ValueError, match="chat form"):
         render_prompt(tok, chat, use_chat_template=False)
+
+
+# --- the start-up length check (`_render_all`, and through `build_run`) -------------------------
+# The char tokenizer gives one id per character, and the template adds 19 ids around a text
+# prompt: "<|im_start|>user\n" ... "<|im_end|>\n<|im_start|>assistant\n".
+TEMPLATE_IDS = 1 + len("user\n") + 1 + 1 + 1 + len("assistant\n")
+
+
+def length_cfg(tmp_path, on_bad_row, max_prompt_tokens, **over):
+    from rollover.config import load_config
+
+    return load_config(**{"model": "unused", "run_dir": str(tmp_path / "run"), "data.train": "unused",
+                          "data.on_bad_row": on_bad_row, "data.max_prompt_tokens": max_prompt_tokens,
+                          "data.chat_template": True, **over})
+
+
+def prompts_of_lengths(prefix, lengths):
+    return [Prompt(id=f"{prefix}:{i}", text="x" * n, answer="1") for i, n in enumerate(lengths)]
+
+
+def test_render_all_raise_names_the_over_long_prompt(tok, tmp_path):
+    from rollover.config import ConfigError
+    from rollover.loops.common import _render_all
+
+    train = prompts_of_lengths("t", [5, 30, 6])
+    cfg = length_cfg(tmp_path, "raise", TEMPLATE_IDS + 10)
+    with pytest.raises(ConfigError, match=rf"prompt 't:1' renders to {TEMPLATE_IDS + 30} tokens, more than "
+                                          rf"data.max_prompt_tokens={TEMPLATE_IDS + 10}"):
+        _render_all(cfg, tok, train, [])
+    ids, kept, held, dropped = _render_all(length_cfg(tmp_path, "raise", TEMPLATE_IDS + 30), tok, train, [])
+    assert [p.id for p in kept] == ["t:0", "t:1", "t:2"] and dropped == 0  # the limit is inclusive
+    assert len(ids["t:1"]) == TEMPLATE_IDS + 30
+
+
+def test_render_all_skip_drops_over_long_train_and_eval_prompts(tok, tmp_path, caplog):
+    from rollover.loops.common import _render_all
+
+    train = prompts_of_lengths("t", [5, 30, 6, 11])
+    held_out = prompts_of_lengths("e", [40, 3])
+    cfg = length_cfg(tmp_path, "skip", TEMPLATE_IDS + 10)
+    with caplog.at_level("WARNING", logger="rollover"):
+        ids, kept, held, dropped = _render_all(cfg, tok, train, held_out)
+    assert [p.id for p in kept] == ["t:0", "t:2"]
+    assert [p.id for p in held] == ["e:1"]
+    assert dropped == 3
+    assert set(ids) == {"t:0", "t:2", "e:1"}  # nothing rendered is left for a dropped prompt
+    assert f"skipped 3 prompts longer than data.max_prompt_tokens={TEMPLATE_IDS + 10}" in caplog.text
+    assert f"t:1 ({TEMPLATE_IDS + 30} tokens)" in caplog.text and f"e:0 ({TEMPLATE_IDS + 40} tokens)" in caplog.text
+
+
+def test_render_all_skip_with_no_train_prompt_left_is_an_error(tok, tmp_path):
+    from rollover.config import ConfigError
+    from rollover.loops.common import _render_all
+
+    limit = TEMPLATE_IDS + 5
+    with pytest.raises(ConfigError, match=rf"no training prompt fits in data.max_prompt_tokens={limit} \(2 skipped"):
+        _render_all(length_cfg(tmp_path, "skip", limit), tok, prompts_of_lengths("t", [9, 8]),
+                    prompts_of_lengths("e", [1]))
+
+
+def test_render_all_refuses_one_id_for_two_different_prompts(tok, tmp_path):
+    from rollover.config import ConfigError
+    from rollover.loops.common import _render_all
+
+    cfg = length_cfg(tmp_path, "raise", 100)
+    same = prompts_of_lengths("d", [3, 4])
+    ids, kept, held, _ = _render_all(cfg, tok, same, list(same))  # eval = train file: fine
+    assert len(kept) == len(held) == 2
+    with pytest.raises(ConfigError, match="prompt id 'd:1' names two different prompts"):
+        _render_all(cfg, tok, same, prompts_of_lengths("d", [3, 5]))
+
+
+def test_build_run_skips_over_long_prompts_before_the_iterator(tmp_path):
+    import json
+
+    from rollover.loops.common import build_run
+    from rollover.testing import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "m", "llama", seed=1)
+    lengths = [5, 30, 6, 11, 31, 7, 8, 9]  # three too long at max_prompt_tokens = TEMPLATE_IDS + 10
+    train = tmp_path / "train.jsonl"
+    rows = [{"prompt": "x" * n, "answer": "1"} for n in lengths] + [{"prompt": 3, "answer": "1"}]  # + a bad row
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held_out = tmp_path / "held.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": "y" * n, "answer": "1"}) + "\n" for n in (2, 50, 4)))
+    cfg = length_cfg(tmp_path, "skip", TEMPLATE_IDS + 10, **{
+        "model": str(model_dir), "data.train": str(train), "data.eval": str(held_out), "data.eval_size": 3,
+        "rollout.max_new_tokens": 4, "reward.functions": ["numeric"], "logging.progress": False,
+        "logging.tensorboard": False})
+    run = build_run(cfg)
+    try:
+        assert run.data_skipped == 1 + 3 + 1  # the bad row, three long train prompts, one long eval prompt
+        assert [p.id for p in run.eval_prompts] == ["held:0", "held:2"]
+        served = {p.id for p in run.train_iter.next_batch(3 * 5)}  # three epochs of the five kept
+        assert served == {"train:0", "train:2", "train:5", "train:6", "train:7"}
+        assert all(len(run.prompt_ids[i]) <= TEMPLATE_IDS + 10 for i in served)
+    finally:
+        run.close()

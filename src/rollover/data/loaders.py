@@ -204,8 +204,18 @@ def _open_rows(source: str, split: str):
 
 
 def _jsonl_rows(path: Path) -> Rows:
-    with path.open(encoding="utf-8") as f:
-        for index, line in enumerate(f):
+    # Read bytes and decode line by line, so that a line with bytes that are not UTF-8 is one
+    # bad row (named, or skipped) instead of a UnicodeDecodeError that names no line.
+    with path.open("rb") as f:
+        for index, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                byte = raw[exc.start : exc.start + 1].hex()
+                yield index, BadRowError(
+                    f"not valid UTF-8 (byte 0x{byte} at byte column {exc.start + 1}: {exc.reason})"
+                )
+                continue
             if not line.strip():
                 continue  # blank lines (a trailing newline, say) are not rows
             try:
@@ -215,9 +225,19 @@ def _jsonl_rows(path: Path) -> Rows:
 
 
 def _parquet_rows(path: Path) -> Rows:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    yield from enumerate(pq.read_table(path).to_pylist())
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as exc:  # pyarrow raises OSError for some corrupt files
+        raise DataError(f"{path}: cannot read as parquet: {_one_line(str(exc))}") from exc
+    yield from enumerate(rows)
+
+
+def _one_line(text: str) -> str:
+    """`text` with control characters and runs of whitespace turned into single spaces."""
+    return " ".join("".join(c if c.isprintable() else " " for c in text).split())
 
 
 def _disk_rows(path: Path, split: str) -> Rows:

@@ -163,17 +163,42 @@ def _prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt], int]:
     return tr, held[: d.eval_size], skipped
 
 
-def _render_all(cfg: Config, tokenizer, prompts: list[Prompt]) -> dict[str, list[int]]:
+def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prompt]
+                ) -> tuple[dict[str, list[int]], list[Prompt], list[Prompt], int]:
+    """Render every prompt once: (token ids by prompt id, train, held_out, number dropped).
+
+    A prompt over data.max_prompt_tokens is an error naming it, or under data.on_bad_row=skip
+    is dropped from whichever list holds it, so neither the iterator nor eval ever sees it.
+    """
     d = cfg.data
-    out = {}
-    for p in prompts:
+    out: dict[str, list[int]] = {}
+    too_long: list[str] = []
+
+    def fits(p: Prompt) -> bool:
         ids = render_prompt(tokenizer, p, system_prompt=d.system_prompt, instruction=d.instruction,
                             use_chat_template=d.chat_template)
         if len(ids) > d.max_prompt_tokens:
-            raise ConfigError(f"prompt {p.id!r} renders to {len(ids)} tokens, more than data.max_prompt_tokens="
-                              f"{d.max_prompt_tokens}; raise the limit or drop the row")
-        out[p.id] = ids
-    return out
+            if d.on_bad_row == "raise":
+                raise ConfigError(f"prompt {p.id!r} renders to {len(ids)} tokens, more than data.max_prompt_tokens="
+                                  f"{d.max_prompt_tokens}; raise the limit, drop the row or set data.on_bad_row=skip")
+            too_long.append(f"{p.id} ({len(ids)} tokens)")
+            return False
+        # the loop looks prompts up by id: two different prompts under one id (two generator
+        # sources with the same seed, two files with the same stem) would train on the wrong one
+        if out.setdefault(p.id, ids) != ids:
+            raise ConfigError(f"prompt id {p.id!r} names two different prompts in data.train and data.eval; "
+                              "give the eval file another name or the generator another seed")
+        return True
+
+    train = [p for p in train if fits(p)]
+    held_out = [p for p in held_out if fits(p)]
+    if too_long:
+        log.warning("data: skipped %d prompts longer than data.max_prompt_tokens=%d (data.on_bad_row=skip): %s%s",
+                    len(too_long), d.max_prompt_tokens, ", ".join(too_long[:5]), ", ..." if len(too_long) > 5 else "")
+    if not train:
+        raise ConfigError(f"no training prompt fits in data.max_prompt_tokens={d.max_prompt_tokens} "
+                          f"({len(too_long)} skipped as too long)")
+    return out, train, held_out, len(too_long)
 
 
 def build_run(cfg: Config, *, engine_factory=None) -> Run:
@@ -195,7 +220,8 @@ def build_run(cfg: Config, *, engine_factory=None) -> Run:
     train_prompts, eval_prompts, skipped = _prompts(cfg)
     if skipped:
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
-    prompt_ids = _render_all(cfg, tokenizer, train_prompts + eval_prompts)
+    prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts)
+    skipped += too_long
     model = _load_model(cfg, ckpt)
     ctx = getattr(model.config, "max_position_embeddings", None)
     longest = max(map(len, prompt_ids.values())) + cfg.rollout.max_new_tokens
