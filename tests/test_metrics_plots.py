@@ -1,8 +1,14 @@
 import math
+import random
+from pathlib import Path
 
 import pytest
+from matplotlib.figure import Figure
 
+from rollover.config import load_config
 from rollover.metrics import MetricsLogger, plot_compare, plot_run
+from rollover.rollout.groups import rollout_metrics
+from rollover.types import Group, Prompt, Rollout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -67,3 +73,93 @@ def test_plot_compare_draws_several_runs_against_a_chosen_column(tmp_path):
 
     with pytest.raises(ValueError, match="'sync'.*'entropy'"):
         plot_compare(runs, "entropy", out=tmp_path / "x.png")
+
+
+# --- the reward panel, fed with the metrics the training loop logs --------------------------------
+
+
+def _step_metrics(scores_per_sample, weights):
+    """What `rollout_metrics` logs for one step of 8-sample groups with these per-function scores."""
+    cfg = load_config(model="m", run_dir="r", **{"data.train": "d"})
+    rolls = [
+        Rollout(group_id=f"g{i // 8}", prompt_ids=[1], response_ids=[2] * 5, logprobs=[0.0] * 5, versions=[0] * 5,
+                loss_mask=[1] * 5, finish="stop", reward=sum(weights[f] * v for f, v in scores.items()), scores=scores)
+        for i, scores in enumerate(scores_per_sample)
+    ]
+    groups = [Group(id=f"g{k}", prompt=Prompt(id=f"p{k}", text="q"), prompt_ids=[1], rollouts=rolls[k : k + 8])
+              for k in range(0, len(rolls), 8)]
+    return rollout_metrics(groups, cfg, primary=next(iter(weights)))
+
+
+def _reward_axes(run_dir, monkeypatch):
+    """The axes `plot_run` draws reward.png on."""
+    figures = {}
+    savefig = Figure.savefig
+
+    def keep(fig, path, *args, **kwargs):
+        figures[Path(path).stem] = fig
+        return savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    plot_run(run_dir)
+    (ax,) = figures["reward"].axes
+    return ax
+
+
+def _band(ax):
+    """(x, low, high) of the one shaded band."""
+    (band,) = ax.collections
+    vertices = band.get_paths()[0].vertices
+    lows, highs = {}, {}
+    for x, y in vertices:
+        lows[x], highs[x] = min(y, lows.get(x, y)), max(y, highs.get(x, y))
+    return sorted((x, lows[x], highs[x]) for x in lows)
+
+
+def test_one_binary_reward_draws_one_line_not_three(tmp_path, monkeypatch):
+    rng = random.Random(1)
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(1, 11):  # 48 samples a step: means such as 7/48 differ in float32 and float64
+            scores = [{"math": float(rng.random() < 0.05 * step)} for _ in range(48)]
+            logger.log(step, _step_metrics(scores, {"math": 1.0}))
+            if step % 5 == 0:
+                logger.log(step, {"eval/accuracy": 0.07 * step, "eval/reward_mean": 0.07 * step}, kind="eval")
+    ax = _reward_axes(tmp_path, monkeypatch)
+    labels = [line.get_label() for line in ax.lines]
+    assert labels == ["reward/mean (= rewards/math/mean = accuracy)", "eval: eval/accuracy (= eval/reward_mean)"]
+    assert ax.get_legend() is not None and len(ax.get_legend().get_texts()) == 3  # two lines and the band
+
+
+def test_different_series_are_all_drawn(tmp_path, monkeypatch):
+    rng = random.Random(2)
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(1, 6):
+            scores = [{"math": float(rng.random() < 0.5), "format": float(rng.random() < 0.8)} for _ in range(16)]
+            metrics = _step_metrics(scores, {"math": 1.0, "format": 0.1})
+            # verl's name, equal to the total reward at every step but one: a series of its own
+            metrics["critic/score/mean"] = metrics["reward/mean"] + (0.25 if step == 3 else 0.0)
+            logger.log(step, metrics)
+    labels = [line.get_label() for line in _reward_axes(tmp_path, monkeypatch).lines]
+    assert labels == ["reward/mean", "rewards/format/mean", "rewards/math/mean (= accuracy)", "critic/score/mean"]
+
+
+def test_reward_band_is_the_standard_error_inside_each_steps_range(tmp_path, monkeypatch):
+    rng = random.Random(3)
+    steps = {}
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(1, 13):
+            if step <= 3:  # one success in 64: mean ± std would be 0.016 ± 0.124
+                values = [1.0] + [0.0] * 63
+            else:
+                values = [rng.choice([0.0, 0.0, 0.5, 1.0]) * rng.random() for _ in range(64)]
+            steps[step] = values
+            logger.log(step, _step_metrics([{"score": v} for v in values], {"score": 1.0}))
+    band = _band(_reward_axes(tmp_path, monkeypatch))
+    assert [x for x, _, _ in band] == list(range(1, 13))
+    for x, low, high in band:
+        values = steps[x]
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        sem = std / math.sqrt(len(values))
+        assert low == pytest.approx(mean - sem, abs=1e-6) and high == pytest.approx(mean + sem, abs=1e-6)
+        assert min(values) - 1e-9 <= low <= high <= max(values) + 1e-9

@@ -5,8 +5,8 @@ have at least one matching column; the rest are skipped. A column belongs to a p
 name matches one of the panel's regular expressions, so both rollover's names and the verl /
 TRL names users bring from other libraries land in the right place:
 
-    reward           train: reward/mean (± reward/std band), reward, critic/score/mean,
-                     rewards/<fn>/mean (± rewards/<fn>/std), accuracy;
+    reward           train: reward/mean (± its standard error), reward, critic/score/mean,
+                     rewards/<fn>/mean, accuracy;
                      eval rows: *acc*, *reward, *reward/mean, *reward_mean, *pass@*
     response_length  response_length/{mean,max}, completions/{mean,max}_length;
                      eval rows: *response_length, *response_length/mean
@@ -19,6 +19,18 @@ TRL names users bring from other libraries land in the right place:
     staleness        *stale*
 
 Non-finite values (NaN, inf) leave a gap in their line and a red cross on the bottom edge.
+
+A series equal at every step to one already in its panel is not drawn again; the first one's
+legend entry names it (`reward/mean (= rewards/math/mean = accuracy)`). With a single 0/1
+reward function those three are one series, and three lines on top of each other would show
+one colour and a legend promising three.
+
+The band around reward/mean is ± its standard error, `reward/std / sqrt(samples)`: how far the
+step's mean could move by chance, the thing to judge a rising curve by. It never leaves the
+step's [min, max] (with the population std, `std <= sqrt(n) * (mean - min)`). A ± std band is
+the spread of single samples: for a 0/1 reward at mean 0.1 it reads 0.1 ± 0.3, below 0 and
+above anything the run reached. Samples of one prompt are correlated, so across prompts the
+mean is less certain than the band says.
 
 Figures are drawn with `matplotlib.figure.Figure` directly, never through pyplot, so plotting
 changes no global backend state and needs no display.
@@ -165,15 +177,15 @@ def _draw(panel: _Panel, train: list[dict], train_cols: list[str], evals: list[d
     if panel.stacked:
         _draw_stacked(ax, train, train_cols)
     else:
-        for col in train_cols:
+        for col, same in _distinct(train, train_cols):
             xs, ys = _series(train, col)
-            (line,) = ax.plot(xs, ys, label=col, marker="." if len(xs) < 30 else None)
+            (line,) = ax.plot(xs, ys, label=_label(col, same), marker="." if len(xs) < 30 else None)
             _mark_nonfinite(ax, xs, ys, col)
-            if panel.name == "reward" and col.endswith("/mean"):
-                _std_band(ax, train, col, col.removesuffix("/mean") + "/std", line.get_color())
-    for col in eval_cols:
+            if panel.name == "reward" and col == "reward/mean":
+                _sem_band(ax, train, line.get_color())
+    for col, same in _distinct(evals, eval_cols):
         xs, ys = _series(evals, col)
-        ax.plot(xs, ys, label=f"eval: {col}", marker="o", linestyle="--")
+        ax.plot(xs, ys, label="eval: " + _label(col, same), marker="o", linestyle="--")
     ax.set(xlabel="step", ylabel=panel.ylabel, title=panel.title)
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
@@ -192,18 +204,47 @@ def _mark_nonfinite(ax, xs: list[float], ys: list[float], col: str) -> bool:
     return bool(bad)
 
 
-def _std_band(ax, rows: list[dict], mean_col: str, std_col: str, color: str) -> None:
-    """Shade mean ± std over the rows that logged both."""
+def _distinct(rows: list[dict], cols: list[str]) -> list[tuple[str, list[str]]]:
+    """(column, later columns with the same series) for each distinct series, in order."""
+    kept: list[tuple[str, list[str], tuple[list[float], list[float]]]] = []
+    for col in cols:
+        series = _series(rows, col)
+        for _, same, first in kept:
+            if _same_series(first, series):
+                same.append(col)
+                break
+        else:
+            kept.append((col, [], series))
+    return [(col, same) for col, same, _ in kept]
+
+
+def _same_series(a: tuple[list[float], list[float]], b: tuple[list[float], list[float]]) -> bool:
+    """Same steps and, at each, values equal to float32 rounding (one series may be a float32
+    mean, the other a Python fraction of the same samples), or both NaN."""
+    (xa, ya), (xb, yb) = a, b
+    return xa == xb and all(
+        (math.isnan(u) and math.isnan(v)) or math.isclose(u, v, rel_tol=1e-6, abs_tol=1e-9) for u, v in zip(ya, yb)
+    )
+
+
+def _label(col: str, same: list[str]) -> str:
+    return f"{col} (= {' = '.join(same)})" if same else col
+
+
+def _sem_band(ax, rows: list[dict], color: str) -> None:
+    """Shade reward/mean ± reward/std / sqrt(samples) over the rows that logged all three (see
+    the module docstring for why not ± std)."""
     points = sorted(
-        (row["step"], row[mean_col], row[std_col])
+        (row["step"], row["reward/mean"], row["reward/std"] / math.sqrt(row["samples"]))
         for row in rows
-        if _finite(row.get(mean_col)) and _finite(row.get(std_col))
+        if _finite(row.get("reward/mean")) and _finite(row.get("reward/std")) and _finite(row.get("samples"))
+        and row["samples"] > 0
     )
     if points:
         xs = [p[0] for p in points]
         lo = [p[1] - p[2] for p in points]
         hi = [p[1] + p[2] for p in points]
-        ax.fill_between(xs, lo, hi, color=color, alpha=0.15, label=f"{mean_col} ± std")
+        ax.fill_between(xs, lo, hi, color=color, alpha=0.2, label="reward/mean ± standard error (std / √samples)")
 
 
 def _draw_stacked(ax, rows: list[dict], cols: list[str]) -> None:
