@@ -87,6 +87,10 @@ class RolloutConfig(Section):
     """What a weight update does to sequences still generating (async mode)."""
     engine_options: dict[str, Any] = {}
     """Passed through to the engine constructor (e.g. vLLM's gpu_memory_utilization)."""
+    stall_timeout_s: float = 600.0
+    """A wait between components (the trainer for a batch, a collector for the engine, the
+    rollout service for aborted requests) that sees no progress at all for this long ends the
+    run with an error naming who waited for what; any generated token counts as progress."""
 
 
 class PartialRolloutConfig(Section):

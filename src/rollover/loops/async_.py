@@ -22,7 +22,14 @@ update, behaviour = the engine's logprobs), so slightly stale samples are weight
 Failure: an exception in any component stops all of them within about a second, with a
 message naming the component; the trainer saves a checkpoint of the last consistent state
 (between two steps) unless the trainer itself failed, in which case the last periodic
-checkpoint stands.
+checkpoint stands. A wait that sees no progress for `rollout.stall_timeout_s` ends the run
+with an error naming who waited for what (loops/guard.py). SIGINT/SIGTERM: the trainer
+finishes its step (or stops waiting for a batch), saves a consistent checkpoint and returns.
+
+Checkpoints are consistent snapshots: generation is paused (aborted samples back in their
+groups with their tokens), the data manager is between two groups (it takes a group off its
+inbox and resolves it under the lock the snapshot holds), the trainer between two steps. Every
+group is then in exactly one place: in flight, in the inbox, resolved, or in a batch.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ import time
 from collections import Counter
 
 from rollover.config import Config
-from rollover.loops.common import Run, bad_steps_error, build_run, train_batch_from
+from rollover.loops.common import Run, bad_steps_error, build_run, ledger_rows, train_batch_from
+from rollover.loops.guard import Interrupts, Watchdog, engine_progress, interrupted_result
 from rollover.rollout.async_rollout import ComponentError, DataManager, RolloutService, StalenessGate
 from rollover.rollout.groups import rollout_metrics
 
@@ -65,87 +73,88 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
     samples_trained = run.resumed_extra.get("samples_consumed", 0)
     last_eval: dict = {}
     progress = Progress(cfg.steps, initial=step, desc="train (async)") if cfg.logging.progress else None
-    staleness_hist: Counter = Counter()
-    trainer_busy = 0.0
-    t_start = time.perf_counter()
-    engine_s0 = run.engine.stats()
+    stats = _Throughput(run)
 
-    def checkpoint(step: int, resume: bool = True) -> None:
+    def checkpoint(step: int, resume: bool = True):
+        """A consistent snapshot: generation paused (partials back in their groups), the data
+        manager between two groups, the trainer between two steps."""
         groups = service.pause()
         with manager.lock:
-            run.save(step, {"samples_consumed": samples_trained, "async": {
+            path = run.save(step, {"samples_consumed": samples_trained, "async": {
                 "gate": gate.state_dict(), "manager": manager.state_dict(), "inflight": groups,
                 "success_rate": dict(service.success_rate)}})
         if resume:
             service.resume()
+        return path
+
+    def batch_watchdog() -> Watchdog:
+        return Watchdog("the trainer", "a batch from the data manager",
+                        lambda: (engine_progress(run.engine), manager.resolved_count, inbox.qsize()),
+                        cfg.rollout.stall_timeout_s, describe=manager.describe)
 
     try:
-        if step == 0 and cfg.eval.at_start:
-            last_eval = run.evaluate(0)
-        manager.start()
-        service.resume()  # submits restored in-flight groups, then admits new ones
-        while step < cfg.steps:
-            # 1. the next batch, oldest groups first
-            t_wait = time.perf_counter()
-            groups = _next_batch(run, batches, stop, failure)
-            waited = time.perf_counter() - t_wait
-            version = run.engine.version
-            stale = [version - g.start_version for g in groups]
-            if max(stale) > eta:  # the gate's guarantee; a violation is a bug, never trained silently
-                raise AssertionError(f"staleness {max(stale)} exceeds max_staleness={eta} at version {version}")
-            staleness_hist.update(stale)
+        with Interrupts() as interrupts:
+            if step == 0 and cfg.eval.at_start:
+                last_eval = run.evaluate(0)
+            manager.start()
+            service.resume()  # submits restored in-flight groups, then admits new ones
+            while step < cfg.steps:
+                # 1. the next batch, oldest groups first (None: a signal asked us to stop)
+                t_wait = time.perf_counter()
+                groups = _next_batch(batches, stop, failure, interrupts, batch_watchdog())
+                if groups is None:
+                    break
+                waited = time.perf_counter() - t_wait
+                version = run.engine.version
+                stale = [version - g.start_version for g in groups]
+                if max(stale) > eta:  # the gate's guarantee; a violation is a bug, never trained silently
+                    raise AssertionError(f"staleness {max(stale)} exceeds max_staleness={eta} at version {version}")
 
-            # 2. train on it (decoupled PPO by default), then push the weights
-            t0 = time.perf_counter()
-            batch, adv_info = train_batch_from(groups, cfg)
-            train_metrics = run.trainer.train_step(batch)
-            t_train = time.perf_counter() - t0
-            step += 1
-            t0 = time.perf_counter()
-            run.engine.update_weights(run.trainer.named_weights(), version=step,
-                                      inflight=cfg.rollout.inflight_weight_update)
-            t_sync = time.perf_counter() - t0
-            trainer_busy += t_train + t_sync
-            service.admit()  # the new version opens the gate for more groups
+                # 2. train on it (decoupled PPO by default), then push the weights
+                t0 = time.perf_counter()
+                batch, adv_info = train_batch_from(groups, cfg)
+                train_metrics = run.trainer.train_step(batch)
+                t_train = time.perf_counter() - t0
+                step += 1
+                t0 = time.perf_counter()
+                run.engine.update_weights(run.trainer.named_weights(), version=step,
+                                          inflight=cfg.rollout.inflight_weight_update)
+                t_sync = time.perf_counter() - t0
+                service.admit()  # the new version opens the gate for more groups
 
-            # 3. metrics
-            samples_trained += len(batch)
-            wall = time.perf_counter() - t_start
-            eng = run.engine.stats()
-            engine_busy = (eng.prefill_s + eng.decode_s - engine_s0.prefill_s - engine_s0.decode_s) / wall
-            tok_lag = (version - batch.versions_BT[batch.mask_BT]).float()
-            metrics = {
-                **rollout_metrics(groups, cfg, run.primary_reward),
-                **train_metrics,
-                **{f"rollout/{k}": v for k, v in manager.metrics.items()},
-                "adv/zero_std_groups": adv_info.get("zero_std_groups", 0),
-                "samples_consumed": samples_trained,
-                "staleness/max": max(stale),
-                "staleness/mean": sum(stale) / len(stale),
-                **{f"staleness/hist/{k}": v for k, v in sorted(staleness_hist.items())},
-                "staleness/token_lag_mean": float(tok_lag.mean()) if tok_lag.numel() else 0.0,
-                "queue/finished_groups": inbox.qsize(),
-                "queue/batches": batches.qsize(),
-                "queue/inflight_groups": len(service.inflight),
-                "busy/rollout": engine_busy,
-                "busy/data_manager": manager.busy_s / wall,
-                "busy/trainer": trainer_busy / wall,
-                "timing_s/wait_for_batch": waited,
-                "timing_s/train": t_train,
-                "timing_s/weight_sync": t_sync,
-                "perf/samples_trained_per_s": samples_trained / wall,
-            }
-            run.logger.log(step, metrics)
-            if progress:
-                progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
-                                samples_per_s=metrics["perf/samples_trained_per_s"])
-            if (error := bad_steps_error(run, step)) is not None:
-                checkpoint(step, resume=False)
-                raise error
-            if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-                last_eval = run.evaluate(step)
-            if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                checkpoint(step)
+                # 3. metrics, the ledger of trained groups, the progress bar
+                samples_trained += len(batch)
+                metrics = {
+                    **rollout_metrics(groups, cfg, run.primary_reward),
+                    **train_metrics,
+                    **{f"rollout/{k}": v for k, v in manager.metrics.items()},
+                    "adv/zero_std_groups": adv_info.get("zero_std_groups", 0),
+                    "samples_consumed": samples_trained,
+                    **stats.step(stale, batch, version, t_train, t_sync, samples_trained),
+                    "queue/finished_groups": inbox.qsize(),
+                    "queue/batches": batches.qsize(),
+                    "queue/inflight_groups": len(service.inflight),
+                    "busy/data_manager": manager.busy_s / stats.wall(),
+                    "timing_s/wait_for_batch": waited,
+                }
+                run.logger.log(step, metrics)
+                run.logger.log_groups(step, ledger_rows(groups))
+                if progress:
+                    progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
+                                    samples_per_s=metrics["perf/samples_trained_per_s"])
+
+                # 4. stop on repeated non-finite losses; evaluation; checkpoints
+                if (error := bad_steps_error(run, step)) is not None:
+                    checkpoint(step, resume=False)
+                    raise error
+                if interrupts.requested:
+                    break
+                if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
+                    last_eval = run.evaluate(step)
+                if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                    checkpoint(step)
+            if interrupts.requested:
+                return interrupted_result(step, interrupts.requested, checkpoint(step, resume=False))
         return {"step": step, **last_eval}
     except ComponentError:
         # another component failed while the trainer was between steps: its state is consistent
@@ -164,6 +173,37 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
         run.close()
 
 
+class _Throughput:
+    """Staleness histogram, busy fractions and samples/s since the loop started."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.hist: Counter = Counter()
+        self.trainer_busy = 0.0
+        self.t_start = time.perf_counter()
+        self.engine0 = run.engine.stats()
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def step(self, stale: list[int], batch, version: int, t_train: float, t_sync: float, samples: int) -> dict:
+        self.hist.update(stale)
+        self.trainer_busy += t_train + t_sync
+        wall, eng, e0 = self.wall(), self.run.engine.stats(), self.engine0
+        tok_lag = (version - batch.versions_BT[batch.mask_BT]).float()
+        return {
+            "staleness/max": max(stale),
+            "staleness/mean": sum(stale) / len(stale),
+            **{f"staleness/hist/{k}": v for k, v in sorted(self.hist.items())},
+            "staleness/token_lag_mean": float(tok_lag.mean()) if tok_lag.numel() else 0.0,
+            "busy/rollout": (eng.prefill_s + eng.decode_s - e0.prefill_s - e0.decode_s) / wall,
+            "busy/trainer": self.trainer_busy / wall,
+            "timing_s/train": t_train,
+            "timing_s/weight_sync": t_sync,
+            "perf/samples_trained_per_s": samples / wall,
+        }
+
+
 def _restore(extra: dict | None, gate: StalenessGate, manager: DataManager, service: RolloutService) -> None:
     """Put the gate, the data manager and the groups in flight back as a checkpoint saved them."""
     if not extra:
@@ -175,13 +215,17 @@ def _restore(extra: dict | None, gate: StalenessGate, manager: DataManager, serv
         service.inflight[g.id] = g
 
 
-def _next_batch(run: Run, batches: queue.Queue, stop: threading.Event, failure: dict) -> list:
-    """Wait for the data manager's next batch; raise as soon as any component has failed."""
+def _next_batch(batches: queue.Queue, stop: threading.Event, failure: dict, interrupts: Interrupts,
+                dog: Watchdog) -> list | None:
+    """Wait for the data manager's next batch; raise as soon as any component has failed or
+    nothing has moved for the stall timeout; None once a signal asked the run to stop."""
     while True:
         if stop.is_set():
             raise ComponentError(f"async run stopped: the {failure['component']} failed: "
                                  f"{failure['error']!r}") from failure["error"]
+        if interrupts.requested:
+            return None
         try:
             return batches.get(timeout=0.5)
         except queue.Empty:
-            run.engine.stats()  # raises if the engine thread died
+            dog.check()  # also raises if the engine thread died

@@ -70,6 +70,16 @@ class Run:
             self.serial += 1
         return out
 
+    def generate(self, requests: list, waiting: str) -> list:
+        """engine.generate, but a wait that sees the engine make no progress for
+        `rollout.stall_timeout_s` ends with `Stalled` instead of hanging."""
+        from rollover.loops.guard import Watchdog, engine_progress, wait_futures
+
+        futures = self.engine.submit_many(requests)
+        dog = Watchdog(waiting, f"{len(requests)} requests from the engine", lambda: engine_progress(self.engine),
+                       self.cfg.rollout.stall_timeout_s)
+        return wait_futures(futures, dog)
+
     # ------------------------------------------------------------ eval
     def evaluate(self, step: int) -> dict:
         """Sample the held-out prompts with the current weights; reward and accuracy."""
@@ -90,7 +100,7 @@ class Run:
         if paused:
             self.engine.resume()
         try:
-            outs = self.engine.generate(reqs)
+            outs = self.generate(reqs, "evaluation")
         finally:
             if paused:
                 self.engine.pause()
@@ -287,3 +297,9 @@ def train_batch_from(groups, cfg: Config):
 
     info = assign_advantages(groups, cfg)
     return TrainBatch.from_rollouts([r for g in groups for r in g.rollouts]), info
+
+
+def ledger_rows(groups) -> list[dict]:
+    """What `trained_groups.jsonl` records of each trained group."""
+    return [{"group": g.id, "prompt": g.prompt.id, "samples": len(g.rollouts), "start_version": g.start_version,
+             "tokens": sum(len(r.response_ids) for r in g.rollouts)} for g in groups]

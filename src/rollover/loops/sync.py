@@ -25,7 +25,10 @@ import logging
 import time
 
 from rollover.config import Config
-from rollover.loops.common import Run, TooManyBadSteps, bad_steps_error, build_run, train_batch_from  # noqa: F401
+from rollover.loops.common import (  # noqa: F401
+    Run, TooManyBadSteps, bad_steps_error, build_run, ledger_rows, train_batch_from,
+)
+from rollover.loops.guard import Interrupts, interrupted_result
 from rollover.rollout.groups import rollout_metrics
 
 log = logging.getLogger("rollover")
@@ -52,10 +55,15 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
     step = run.start_step
     last_eval: dict = {}
     progress = Progress(cfg.steps, initial=step, desc="train") if cfg.logging.progress else None
+    samples_consumed = run.resumed_extra.get("samples_consumed", 0)
+
+    def save(step: int):
+        return run.save(step, {"collector": collector.state_dict(), "samples_consumed": samples_consumed})
+
+    interrupts = Interrupts().__enter__()  # SIGINT/SIGTERM: finish the step, checkpoint, return
     try:
         if step == 0 and cfg.eval.at_start:
             last_eval = run.evaluate(0)
-        samples_consumed = run.resumed_extra.get("samples_consumed", 0)
         while step < cfg.steps:
             t_step = time.perf_counter()
 
@@ -101,22 +109,28 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
                 "perf/samples_per_s": len(batch) / dt,
             }
             run.logger.log(step, metrics)
+            run.logger.log_groups(step, ledger_rows(groups))
             if progress:
                 progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
                                 tokens_per_s=metrics["perf/tokens_per_s"])
 
             # 6. stop on repeated non-finite losses, with a checkpoint
             if (error := bad_steps_error(run, step)) is not None:
-                run.save(step, {"collector": collector.state_dict(), "samples_consumed": samples_consumed})
+                save(step)
                 raise error
 
-            # 7. evaluation and checkpoints
+            # 7. a signal arrived: the step is done, save it and stop
+            if interrupts.requested:
+                return interrupted_result(step, interrupts.requested, save(step))
+
+            # 8. evaluation and checkpoints
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 last_eval = run.evaluate(step)
             if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                run.save(step, {"collector": collector.state_dict(), "samples_consumed": samples_consumed})
+                save(step)
         return {"step": step, **last_eval}
     finally:
+        interrupts.__exit__()
         if progress:
             progress.close()
         run.close()

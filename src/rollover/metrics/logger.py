@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+GROUPS_FILE = "trained_groups.jsonl"  # which groups each step trained on (data lineage)
 _RESERVED = ("step", "kind", "time")
 _STR_TO_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -158,7 +159,9 @@ class MetricsLogger:
                 )
         else:
             truncate_after(self.path, resume)
+            truncate_after(self.run_dir / GROUPS_FILE, resume)
         self._file = self.path.open("a", encoding="utf-8")
+        self._groups_file = (self.run_dir / GROUPS_FILE).open("a" if resume is not None else "w", encoding="utf-8")
         self._tb = _open_tensorboard(self.run_dir / "tb", tensorboard, resume)
         self._wandb_run = _open_wandb(self.run_dir, wandb)
 
@@ -182,10 +185,18 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.log(tagged, step=step)
 
+    def log_groups(self, step: int, groups: list[Mapping[str, Any]]) -> None:
+        """One row of `RUN_DIR/trained_groups.jsonl`: the groups step `step` trained on (each a
+        small mapping: serial, prompt id, samples, start version). Resume truncates it like the
+        metrics, so after any number of kills and resumes it lists every trained group once."""
+        self._groups_file.write(json.dumps({"step": int(step), "groups": list(groups)}) + "\n")
+        self._groups_file.flush()
+
     def close(self) -> None:
         if self._file.closed:
             return
         self._file.close()
+        self._groups_file.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb_run is not None:

@@ -37,6 +37,7 @@ import threading
 import time
 from collections import Counter
 
+from rollover.loops.guard import Watchdog, engine_progress
 from rollover.rollout.groups import PendingGroup, has_variance, sampling_from, score_groups, to_rollouts, trainable
 from rollover.types import Completion, Group
 
@@ -92,8 +93,11 @@ class AprilCollector:
                 run.engine.resume()
             if st.stopping or not self.pending_ids:
                 st.finished.set()
+        dog = Watchdog("APRIL collector", f"{target} complete groups", lambda: engine_progress(run.engine),
+                       cfg.rollout.stall_timeout_s, describe=lambda: f"{len(st.ready)} ready, "
+                       f"{len(self.pending_ids)} requests in the engine")
         while not st.finished.wait(timeout=1.0):
-            run.engine.stats()  # raises if the engine died
+            dog.check()  # also raises if the engine died
         # a command waits for the engine's step boundary: every callback of the step has run
         live = run.engine.lengths() if self.keep_kv else run.engine.stats()
         with self._lock:

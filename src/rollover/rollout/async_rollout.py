@@ -26,6 +26,7 @@ import threading
 import time
 from collections import Counter
 
+from rollover.loops.guard import Watchdog
 from rollover.rollout.curation import ExperiencePool, dynamic_samples, top_entropy_mask
 from rollover.rollout.groups import (
     PendingGroup, has_variance, sampling_from, score_groups, to_rollouts, trainable,
@@ -131,9 +132,13 @@ class RolloutService:
             ids = sorted(self.pending_ids)
         if ids:
             self.run.engine.abort(ids)
+        dog = Watchdog("rollout service", "the engine to return aborted requests",
+                       lambda: len(self.pending_ids), self.cfg.rollout.stall_timeout_s,
+                       describe=lambda: f"{len(self.pending_ids)} not returned")
         with self.lock:
             while self.pending_ids and not self.stopping:
                 self.drained.wait(timeout=1.0)
+                dog.check()
             return sorted(self.inflight.values(), key=lambda g: g.serial)
 
     def resume(self) -> None:
@@ -170,6 +175,7 @@ class DataManager:
         self.metrics = Counter()
         self.lock = threading.RLock()  # held while processing; checkpoints take it to quiesce
         self.busy_s = 0.0
+        self.resolved_count = 0  # groups taken off the inbox and resolved (progress signal)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="rollover-data-manager", daemon=True)
 
@@ -177,22 +183,35 @@ class DataManager:
         self.thread.start()
 
     def _loop(self) -> None:
+        # A group is taken off the inbox and resolved under one hold of the lock that
+        # checkpoints take, so a snapshot never sees a group in the manager's hands: it is in
+        # the inbox, or resolved (scored, dropped, in the forming batch or in a batch).
         try:
             while not self.stop.is_set():
-                try:
-                    g = self.inbox.get(timeout=0.2)
-                except queue.Empty:
-                    continue
                 with self.lock:
-                    t0 = time.perf_counter()
                     try:
-                        self._process(g)
-                    except BaseException:
-                        self.inbox.put(g)  # keep it: the checkpoint saves the inbox, a resume retries it
-                        raise
-                    self.busy_s += time.perf_counter() - t0
+                        g = self.inbox.get_nowait()
+                    except queue.Empty:
+                        g = None
+                    if g is not None:
+                        t0 = time.perf_counter()
+                        try:
+                            self._process(g)
+                        except BaseException:
+                            self.inbox.put(g)  # keep it: the checkpoint saves the inbox, a resume retries it
+                            raise
+                        self.busy_s += time.perf_counter() - t0
+                        self.resolved_count += 1
+                if g is None:
+                    time.sleep(0.01)  # wait outside the lock, so a checkpoint can take it
         except BaseException as e:
             self.on_error("data manager", e)
+
+    def describe(self) -> str:
+        """Where the data manager stands (for stall errors)."""
+        return (f"the data manager waits for group g{self.next_serial}; {len(self.forming)}/{self.B} groups "
+                f"in the forming batch, {len(self.resolved)} resolved out of order, {self.inbox.qsize()} "
+                f"finished groups queued, {len(self.service.inflight)} groups in flight")
 
     def _process(self, pg: PendingGroup) -> None:
         cfg = self.cfg

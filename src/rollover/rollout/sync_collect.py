@@ -29,7 +29,7 @@ class SyncCollector:
             pending = run.next_groups(target - len(kept), version=run.engine.version)
             n = cfg.rollout.samples_per_prompt
             t0 = time.perf_counter()
-            outs = run.engine.generate([g.request(j, sp, cfg.seed) for g in pending for j in range(n)])
+            outs = run.generate([g.request(j, sp, cfg.seed) for g in pending for j in range(n)], "sync collector")
             m["generate_s"] += time.perf_counter() - t0
             for k, c in enumerate(outs):
                 pending[k // n].done[k % n] = c

@@ -1,0 +1,112 @@
+"""What keeps a run from hanging or losing work: stall watchdogs and graceful interrupts.
+
+Watchdog. Every wait between components (the trainer waiting for a batch, a collector waiting
+for the engine, the rollout service waiting for aborted requests to come back) polls a
+`Watchdog` with a progress signature (tokens generated, groups resolved, ...). The wait may
+last as long as work moves; when the signature has not changed for `timeout_s` the wait ends
+with `Stalled`, whose message names the component that waited, what it waited for, and the
+state of the parts that should have delivered it. A deadlock thus costs `timeout_s`, not the
+rest of the rental.
+
+Interrupts. `Interrupts` turns the first SIGINT or SIGTERM into a request that the loop honours
+at its next consistent point (the end of the current step): it saves a checkpoint and returns
+with `interrupted` set, and the CLI prints one line. A second signal exits at once (exit code
+128 + signal number) without saving; the checkpoint on disk is the last complete one, because a
+checkpoint is written to a temporary directory and renamed into place.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable
+
+
+class Stalled(RuntimeError):
+    """A wait between components saw no progress for the stall timeout."""
+
+
+class Watchdog:
+    """Raises `Stalled` from `check()` once `progress()` has not changed for `timeout_s`."""
+
+    def __init__(self, component: str, waiting_for: str, progress: Callable[[], object], timeout_s: float,
+                 describe: Callable[[], str] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.component, self.waiting_for = component, waiting_for
+        self.progress, self.timeout_s, self.describe, self.clock = progress, timeout_s, describe, clock
+        self.last = progress()
+        self.since = clock()
+
+    def check(self) -> None:
+        now, sig = self.clock(), self.progress()
+        if sig != self.last:
+            self.last, self.since = sig, now
+            return
+        if now - self.since >= self.timeout_s:
+            state = f" ({self.describe()})" if self.describe else ""
+            raise Stalled(f"{self.component} waited {now - self.since:.0f} s for {self.waiting_for} and nothing "
+                          f"moved{state}; stopped by the stall timeout of {self.timeout_s:g} s")
+
+
+def engine_progress(engine) -> tuple:
+    """A signature that changes whenever the engine prefills, decodes or finishes a request
+    (also raises if the engine thread has died)."""
+    s = engine.stats()
+    return s.generated_tokens, s.prefill_tokens, sum(s.finished.values())
+
+
+def wait_futures(futures: list, watchdog: Watchdog, poll_s: float = 0.5) -> list:
+    """Results of `futures`, in order, checking `watchdog` while they are pending."""
+    from concurrent.futures import wait
+
+    pending = set(futures)
+    while pending:
+        _, pending = wait(pending, timeout=poll_s)
+        if pending:
+            watchdog.check()
+    return [f.result() for f in futures]
+
+
+class Interrupts:
+    """Context manager: the first SIGINT/SIGTERM sets `requested`; a second one exits now.
+
+    Installs handlers only in the main thread (Python delivers signals there); elsewhere it is
+    inert. The previous handlers come back on exit.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, stream=None):
+        self.requested: str | None = None  # "SIGINT" / "SIGTERM" once one arrived
+        self.stream = stream
+        self._previous: dict = {}
+
+    def __enter__(self) -> "Interrupts":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        out = self.stream or sys.stderr
+        if self.requested is None:
+            self.requested = name
+            print(f"\nrollover: {name} received: finishing this step, then saving a checkpoint and exiting "
+                  f"(send it again to exit at once without saving)", file=out, flush=True)
+            return
+        print(f"\nrollover: second {name}: exiting now without saving (the last complete checkpoint stands)",
+              file=out, flush=True)
+        os._exit(128 + signum)
+
+
+def interrupted_result(step: int, signal_name: str, checkpoint_path) -> dict:
+    """What a loop returns when it stopped on a signal (the CLI turns it into one line)."""
+    return {"step": step, "interrupted": signal_name, "checkpoint": str(checkpoint_path)}

@@ -1,0 +1,216 @@
+"""No hang, no loss: consistent async checkpoints, stall timeouts, graceful SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollover.config import load_config
+from rollover.loops.async_ import train_async
+from rollover.loops.guard import Stalled, Watchdog
+from rollover.loops.sync import train_sync
+from rollover.testing import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=21))
+
+
+def cfg_for(model_dir, run_dir, **over):
+    base = {
+        "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 5, "resume": "auto",
+        "data.train": "gen:arithmetic?n=200", "data.eval_size": 4, "data.max_prompt_tokens": 64,
+        "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 8,
+        "rollout.max_rows": 4, "train.lr": 1e-3, "eval.every": 0, "eval.at_start": False,
+        "eval.samples_per_prompt": 1, "checkpoint.every": 1, "checkpoint.keep": 100,
+        "logging.progress": False, "logging.tensorboard": False,
+    }
+    base.update(over)
+    return load_config(**base)
+
+
+def slow_reward(tmp_path, seed):
+    path = tmp_path / f"slow_{seed}.py"
+    path.write_text("import random, time\n"
+                    f"_rng = random.Random({seed})\n"
+                    "def slow(completion, answer, **kw):\n"
+                    "    time.sleep(_rng.random() * 0.03)\n"
+                    "    return float(any(c.isdigit() for c in completion))\n")
+    return f"{path}:slow"
+
+
+def ledger(run_dir) -> list[dict]:
+    return [json.loads(x) for x in open(Path(run_dir) / "trained_groups.jsonl")]
+
+
+# ---------------------------------------------------------------- watchdog
+
+
+def test_watchdog_fires_only_without_progress():
+    now = {"t": 0.0}
+    state = {"p": 0}
+    dog = Watchdog("the trainer", "a batch", lambda: state["p"], timeout_s=10, describe=lambda: "group g3 missing",
+                   clock=lambda: now["t"])
+    for t in range(1, 30):  # progress every 5 s: never fires
+        now["t"] = t
+        if t % 5 == 0:
+            state["p"] += 1
+        dog.check()
+    now["t"] = 34.9  # last change at t=25
+    dog.check()
+    now["t"] = 35.0
+    with pytest.raises(Stalled, match=r"the trainer waited 10 s for a batch .*group g3 missing.*stall timeout of 10 s"):
+        dog.check()
+
+
+# ---------------------------------------------------------------- async snapshots
+
+
+def _places(state: dict, B: int) -> list[int]:
+    """Every group serial a checkpoint accounts for: trained, in flight, queued, resolved."""
+    a, m = state["async"], state["async"]["manager"]
+    serials = list(range(state["step"] * B))  # trained (no drops: batches form in serial order)
+    serials += [g.serial for g in a["inflight"]]
+    serials += [g.serial for g in m["inbox"]]
+    serials += [s for s in m["resolved"]]
+    serials += [int(g.id[1:]) for g in m["forming"]]
+    serials += [int(g.id[1:]) for b in m["batches"] for g in b]
+    return sorted(serials)
+
+
+@pytest.mark.parametrize("seed,eta", [(0, 1), (1, 2), (2, 1)])
+def test_every_async_checkpoint_accounts_for_every_group(model_dir, tmp_path, seed, eta):
+    cfg = cfg_for(model_dir, tmp_path, mode="async", steps=8, seed=seed, **{
+        "async.max_staleness": eta, "reward.functions": [slow_reward(tmp_path, seed)],
+        "rollout.max_new_tokens": 12})
+    train_async(cfg)
+    ckpts = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert len(ckpts) == 8
+    for c in ckpts:
+        state = torch.load(c / "state.pt", weights_only=False)
+        assert _places(state, 2) == list(range(state["serial"])), c.name  # each group exactly once
+        assert state["async"]["gate"]["live"] == state["serial"]  # nothing dropped in this run
+    trained = [g["group"] for row in ledger(tmp_path) for g in row["groups"]]
+    assert trained == [f"g{i}" for i in range(16)]
+
+
+def test_a_lost_group_ends_the_run_with_a_stall_error_naming_it(model_dir, tmp_path, monkeypatch):
+    """The failure the probe found (a group lost between two owners, then a wait forever) now
+    ends in stall_timeout_s with an error that says what was waited for."""
+    from rollover.rollout import async_rollout
+
+    real = async_rollout.DataManager._process
+
+    def lossy(self, pg):
+        if pg.serial == 3:
+            return  # dropped on the floor: never resolved
+        real(self, pg)
+
+    monkeypatch.setattr(async_rollout.DataManager, "_process", lossy)
+    cfg = cfg_for(model_dir, tmp_path, mode="async", steps=4, **{"rollout.stall_timeout_s": 3,
+                                                                  "async.max_staleness": 1})
+    t0 = time.monotonic()
+    with pytest.raises(Stalled, match=r"the trainer waited 3 s for a batch from the data manager.*waits for group g3"):
+        train_async(cfg)
+    assert time.monotonic() - t0 < 60
+
+
+# ---------------------------------------------------------------- signals
+
+
+def _signal_when(run_dir: Path, step: int, sig=signal.SIGINT, times: int = 1) -> threading.Thread:
+    """Send `sig` to this process once metrics.jsonl holds a train row for `step`."""
+    def watch():
+        path = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if path.exists() and any(json.loads(x).get("step") == step and json.loads(x)["kind"] == "train"
+                                     for x in path.read_text().splitlines() if x.strip()):
+                for _ in range(times):
+                    os.kill(os.getpid(), sig)
+                return
+            time.sleep(0.02)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def _weights(run_dir: Path, step: int) -> dict:
+    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "model" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("april", [False, True])
+def test_sigint_saves_at_the_step_and_resume_is_exact(model_dir, tmp_path, april):
+    over = {"checkpoint.every": 0, "steps": 6, "partial_rollout.enabled": april}
+    train_sync(cfg_for(model_dir, tmp_path / "straight", **over))
+    run_dir = tmp_path / "interrupted"
+    _signal_when(run_dir, 2, signal.SIGTERM if april else signal.SIGINT)
+    result = train_sync(cfg_for(model_dir, run_dir, **over))
+    assert result["interrupted"] == ("SIGTERM" if april else "SIGINT")
+    stopped = result["step"]
+    assert 2 <= stopped < 6 and Path(result["checkpoint"]) == run_dir / "checkpoints" / f"step_{stopped:06d}"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    train_sync(cfg_for(model_dir, run_dir, **over))  # resume: auto
+    a, b = _weights(tmp_path / "straight", 6), _weights(run_dir, 6)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["step"] for r in ledger(run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert ledger(run_dir) == ledger(tmp_path / "straight")
+
+
+def test_sigint_in_async_mode_saves_a_consistent_checkpoint(model_dir, tmp_path):
+    cfg = cfg_for(model_dir, tmp_path, mode="async", steps=6, **{"checkpoint.every": 0, "async.max_staleness": 2,
+                                                                  "rollout.max_new_tokens": 12})
+    _signal_when(tmp_path, 2)
+    result = train_async(cfg)
+    assert result["interrupted"] == "SIGINT"
+    state = torch.load(Path(result["checkpoint"]) / "state.pt", weights_only=False)
+    assert state["step"] == result["step"] < 6
+    assert _places(state, 2) == list(range(state["serial"]))
+    assert train_async(cfg)["step"] == 6
+    trained = [g["group"] for row in ledger(tmp_path) for g in row["groups"]]
+    assert trained == [f"g{i}" for i in range(12)]  # nothing lost, nothing twice
+
+
+SCRIPT = """
+import sys
+from rollover.config import load_config
+from rollover.loops.sync import train_sync
+cfg = load_config(sys.argv[1])
+print("RESULT", train_sync(cfg), flush=True)
+"""
+
+
+def test_second_signal_exits_at_once_without_saving(model_dir, tmp_path):
+    from rollover.config import dump_config
+
+    slow = tmp_path / "slow_judge.py"  # every step takes >= 0.5 s: the second signal lands inside one
+    slow.write_text("import time\ndef judge(completion, answer, **kw):\n    time.sleep(0.5)\n    return 1.0\n")
+    cfg = cfg_for(model_dir, tmp_path / "run", steps=200, **{"checkpoint.every": 0,
+                                                             "reward.functions": [f"{slow}:judge"]})
+    (tmp_path / "c.yaml").write_text(dump_config(cfg))
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "c.yaml")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
+    assert "SIGINT received: finishing this step" in err and "second SIGINT: exiting now" in err
+    assert "RESULT" not in out
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").glob("step_*"))
