@@ -146,6 +146,36 @@ def test_gspo_token_gradient_is_sequence_ratio_times_token_score():
     torch.testing.assert_close(grad, t([[-s, 2 * s, -0.5 * s]]))
 
 
+@pytest.mark.parametrize("name", ["gspo", "gspo_token"])
+def test_gspo_averages_unclamped_token_log_ratios(name):
+    # one token's log-ratio (25) is beyond the ±20 token clamp; the sequence mean is not
+    mask = torch.tensor([[True, True, True, True, False], [True, True, True, True, True]])
+    log_ratio = [[25.0, -0.5, -1.0, -23.4, 30.0], [0.1, -0.2, 0.3, 0.0, 0.05]]  # 30.0 is padding
+    adv = t([-1.0, 1.0])
+    out, grad = loss_and_grad(name, log_ratio, adv, mask, eps_low=0.2, eps_high=0.2, mode="seq-mean-token-mean")
+    mean0 = (25.0 - 0.5 - 1.0 - 23.4) / 4  # 0.025; a token clamp to 20 would give -1.225
+    mean1 = 0.25 / 5
+    s0, s1 = math.exp(mean0), math.exp(mean1)
+    torch.testing.assert_close(out.metrics["ratio_max"], t(max(s0, s1)))
+    # A < 0, s0 in [0.8, 1.2]: ℓ = -A·s0 on every loss token, unclipped
+    torch.testing.assert_close(out.loss_BT, t([[s0] * 4 + [0.0], [-s1] * 5]))
+    # seq-mean-token-mean of a row whose L tokens all hold -A·s is -A·s / 2 (two rows), and
+    # d s / d logp_t = s / L on each of its loss tokens (a token clamp would make this 0)
+    torch.testing.assert_close(grad, t([[s0 / 8] * 4 + [0.0], [-s1 / 10] * 5]))
+    assert out.metrics["clip_frac_low"] == 0 and out.metrics["clip_frac_high"] == 0
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token"])
+def test_gspo_clamps_the_sequence_mean(name):
+    # mean log-ratio 24 > 20: the ratio is e^20 and, beyond the clamp, no gradient
+    mask = ones_mask(2, 2)
+    out, grad = loss_and_grad(name, [[26.0, 22.0], [0.0, 0.2]], t([-1.0, -1.0]), mask, eps_low=0.2, eps_high=0.2,
+                              mode="seq-mean-token-mean")
+    torch.testing.assert_close(out.loss_BT[0], t([math.exp(20.0)] * 2))
+    torch.testing.assert_close(grad[0], t([0.0, 0.0]))
+    assert (grad[1] != 0).all()
+
+
 def test_gspo_rejects_token_advantages():
     with pytest.raises(ValueError, match="gspo_token"):
         loss_and_grad("gspo", [[0.0, 0.0]], t([[1.0, 1.0]]))

@@ -14,14 +14,20 @@ right only when those tensors are the whole step.
 | `seq-mean-token-sum`  | `Σ_it m·ℓ / num_seqs`                          | verl               |
 | `drgrpo`              | `Σ_it m·ℓ / (num_seqs · max_len)`              | Dr.GRPO, TRL       |
 
+`num_seqs` counts the sequences with at least one loss token, as verl's `agg_loss` does: a
+response whose mask is all zeros (stale-masked, truncation-masked, entropy-masked) is not a
+sample of the step, and counting it would shrink the other sequences' weight by the share of
+masked ones. Count it over the step's mask, `int(mask_BT.any(dim=1).sum())`; it contributes 0
+to every sum, so the micro-batch losses still add up to the step's exactly.
+
 Departures:
-- `drgrpo` divides by `num_seqs · max_len` like the Dr.GRPO paper and TRL's `dr_grpo`; verl's
-  `seq-mean-token-sum-norm` divides by `max_len` alone (pass `num_seqs=1` to get it).
+- `drgrpo` divides by `num_seqs · max_len` like the Dr.GRPO paper and verl's current
+  `seq-mean-token-sum-norm` (with `loss_scale_factor = max_len`). TRL's `dr_grpo` counts every
+  row, fully masked ones included; older verl divided by the horizon alone (`num_seqs=1`).
 - verl's legacy actor and TRL's `grpo`/`bnpo` use micro-batch-local denominators times
   `1/grad_accum`; that makes the loss depend on how the step is split. Here it does not.
-- A sequence with no loss tokens contributes 0 to `seq-mean-token-mean` (its length is
-  clamped to 1) but still counts in `num_seqs`. A batch with no loss tokens at all gives 0 under
-  the local `token-mean` default rather than NaN.
+  TRL's `grpo` also averages over every row, fully masked ones included.
+- A batch with no loss tokens at all gives 0 under the local defaults rather than NaN.
 """
 
 from __future__ import annotations
@@ -43,9 +49,10 @@ def aggregate(
 ) -> Tensor:
     """Scalar loss from a per-token loss; see the module docstring for the modes.
 
-    `num_tokens`: loss tokens in the whole step (`token-mean`); `num_seqs`: sequences in the
-    whole step (the `seq-*` modes and `drgrpo`); `max_len`: the generation budget (`drgrpo`,
-    required, since a padded micro-batch length would change with the split).
+    `num_tokens`: loss tokens in the whole step (`token-mean`); `num_seqs`: sequences with at
+    least one loss token in the whole step (the `seq-*` modes and `drgrpo`); `max_len`: the
+    generation budget (`drgrpo`, required, since a padded micro-batch length would change with
+    the split). Counts left as None are taken from `mask_BT`.
     """
     if loss_BT.shape != mask_BT.shape or loss_BT.dim() != 2:
         raise ValueError(f"loss_BT {tuple(loss_BT.shape)} and mask_BT {tuple(mask_BT.shape)} must be the same [B, T]")
@@ -54,8 +61,7 @@ def aggregate(
     if mode == "token-mean":
         denom = mask_BT.sum().clamp(min=1) if num_tokens is None else _positive(num_tokens, "num_tokens")
         return masked_BT.sum() / denom
-    denom = loss_BT.shape[0] if num_seqs is None else num_seqs
-    denom = _positive(denom, "num_seqs")
+    denom = mask_BT.any(dim=1).sum().clamp(min=1) if num_seqs is None else _positive(num_seqs, "num_seqs")
     if mode == "seq-mean-token-mean":
         len_B = mask_BT.sum(dim=1).clamp(min=1)
         return (masked_BT.sum(dim=1) / len_B).sum() / denom

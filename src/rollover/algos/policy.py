@@ -21,7 +21,9 @@ loss nor its gradient sees them.
 
 Common departures:
 - `log(π/π_old)` is clamped to ±20 before `exp` (verl, OpenRLHF; TRL does not clamp). Tokens
-  beyond the clamp get no gradient.
+  beyond the clamp get no gradient. GSPO averages the *unclamped* token log-ratios over the
+  sequence and clamps the mean: a clamped token would make the sequence ratio wrong and take
+  its gradient away even when the mean is small.
 - Clip fractions count the tokens whose gradient the clip zeroes: `clip_frac_low` is
   `A < 0, r < low`, `clip_frac_high` is `A > 0, r > high` (TRL's definition; verl's
   `pg_clipfrac` is their sum and its `pg_clipfrac_lower` is our `dual_clip_frac`).
@@ -51,6 +53,7 @@ class PolicyLossOutput:
 class _Inputs(NamedTuple):
     logp_BT: Tensor  # 0 outside mask_BT
     log_ratio_BT: Tensor  # log(π/π_old), clamped, 0 outside mask_BT
+    raw_log_ratio_BT: Tensor  # the same before the clamp (GSPO's sequence mean)
     adv_BT: Tensor
     mask_BT: Tensor  # bool, after corrections
     weight_BT: Tensor | None  # detached importance weights
@@ -76,9 +79,10 @@ def _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction) -> _
     zeros_BT = torch.zeros_like(logp_BT)
     logp_BT = torch.where(mask_BT, logp_BT, zeros_BT)
     old_logp_BT = torch.where(mask_BT, old_logp_BT.detach(), zeros_BT)
-    log_ratio_BT = (logp_BT - old_logp_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    raw_log_ratio_BT = logp_BT - old_logp_BT
+    log_ratio_BT = raw_log_ratio_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     adv_BT = torch.where(mask_BT, adv_BT.detach().to(logp_BT.dtype), zeros_BT)
-    return _Inputs(logp_BT, log_ratio_BT, adv_BT, mask_BT, weight_BT, metrics)
+    return _Inputs(logp_BT, log_ratio_BT, raw_log_ratio_BT, adv_BT, mask_BT, weight_BT, metrics)
 
 
 def _finish(loss_BT: Tensor, x: _Inputs, metrics: dict[str, Tensor]) -> PolicyLossOutput:
@@ -192,10 +196,11 @@ def decoupled_ppo(
     )
 
 
-def _seq_log_ratio_B(x: _Inputs) -> Tensor:
-    """Length-normalised sequence log-ratio `Σ_t m·log r_t / Σ_t m`, clamped like the token one."""
+def _mean_log_ratio_B(x: _Inputs) -> Tensor:
+    """Length-normalised sequence log-ratio `Σ_t m·log r_t / Σ_t m` of the unclamped token
+    log-ratios; the caller clamps the mean."""
     len_B = x.mask_BT.sum(dim=1).clamp(min=1)
-    return (x.log_ratio_BT.sum(dim=1) / len_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return x.raw_log_ratio_BT.sum(dim=1) / len_B
 
 
 def gspo(
@@ -217,14 +222,14 @@ def gspo(
     (verl forces that mode); `token-mean` weights sequences by length instead.
 
     Needs `adv` as `[B]`; for per-token advantages use `gspo_token`. Defaults are the paper's
-    (3e-4, 4e-4). No dual clip, as in verl. verl clamps the sequence log-ratio at +10; we clamp
-    at ±20 like every other ratio here.
+    (3e-4, 4e-4). No dual clip, as in verl. The mean is taken over the unclamped token
+    log-ratios and then clamped to ±20 (verl clamps at +10 only).
     """
     if adv.dim() != 1:
         raise ValueError(f"gspo clips one ratio per sequence and needs adv [B], got {tuple(adv.shape)}; use gspo_token")
     _check_bounds(1.0 - eps_low, 1.0 + eps_high)
     x = _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction)
-    ratio_BT = _seq_log_ratio_B(x).exp()[:, None].expand_as(logp_BT)
+    ratio_BT = _mean_log_ratio_B(x).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()[:, None].expand_as(logp_BT)
     loss_BT, metrics = _clipped_surrogate(ratio_BT, x, 1.0 - eps_low, 1.0 + eps_high, None)
     return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
 
@@ -246,11 +251,14 @@ def gspo_token(
     scaled by `s_i`. `ℓ_it = max(-A_it·s_it, -A_it·clip(s_it, 1 - eps_low, 1 + eps_high))`.
     With one advantage per sequence and `seq-mean-token-mean` it equals `gspo` in value and
     gradient. This is verl's `gspo` loss; TRL's sequence level has no token form.
+
+    The clamp acts on `sg(log s_i) + log π_t - sg(log π_t)`, whose value is `log s_i`: beyond
+    ±20 the sequence's tokens get no gradient, as in `gspo` (verl clamps the same sum at +10).
     """
     _check_bounds(1.0 - eps_low, 1.0 + eps_high)
     x = _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction)
-    seq_B = _seq_log_ratio_B(x).detach()
-    ratio_BT = (seq_B[:, None] + x.logp_BT - x.logp_BT.detach()).exp()
+    seq_B = _mean_log_ratio_B(x).detach()
+    ratio_BT = (seq_B[:, None] + x.logp_BT - x.logp_BT.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
     loss_BT, metrics = _clipped_surrogate(ratio_BT, x, 1.0 - eps_low, 1.0 + eps_high, None)
     return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
 

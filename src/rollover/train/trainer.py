@@ -149,7 +149,8 @@ class Trainer:
         T = batch.mask_BT.shape[1]
         mask_BT = batch.mask_BT.to(self.device)
         num_tokens = int(mask_BT.sum())
-        num_seqs = len(batch)
+        # rows with no loss token (stale-, truncation- or entropy-masked) are not counted (verl)
+        num_seqs = max(int(mask_BT.any(dim=1).sum()), 1)
         behav_BT = batch.behav_logp_BT.to(self.device)
         adv_B = batch.adv_B.to(self.device)
         opts = dict(a.loss_options)
