@@ -72,3 +72,14 @@ def test_bench_rejects_bad_arguments_by_name(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_faults_fields_and_clean_resumes(model_dir, tmp_path):
+    r = bench(tmp_path, "faults", "--model", model_dir, "--modes", "sync", "async_eta1", "--trials", "2",
+              "--kills-per-chain", "2", "--steps", "4", "--hang-s", "120")
+    for mode in ("sync", "async_eta1"):
+        assert r[mode]["trials"] >= 2
+        assert r[mode] == {"trials": r[mode]["trials"], "hangs": 0, "lost": 0, "duplicated": 0}
+        m = r["modes"][mode]
+        assert m["resumed_clean"] == m["trials"] and m["steps_missing"] == m["steps_duplicated"] == 0
+    assert r["modes"]["sync"]["weights_equal"] == r["modes"]["sync"]["chains"]

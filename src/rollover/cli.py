@@ -1,9 +1,14 @@
-"""The `rollover` command: train, eval, plot, bench."""
+"""The `rollover` command: train, eval, export, plot, bench.
+
+Errors in a command's arguments or config are one line (exit 2); an error while a run is built
+or runs is one line plus a hint (exit 1), with the traceback behind `--debug`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _bench(argv: list[str]) -> int:
@@ -12,48 +17,66 @@ def _bench(argv: list[str]) -> int:
     from rollover.bench import april as bench_april
     from rollover.bench import async_ as bench_async
     from rollover.bench import engine as bench_engine
+    from rollover.bench import faults as bench_faults
     from rollover.bench import train as bench_train
 
-    benches = {"engine": bench_engine, "april": bench_april, "train": bench_train, "async": bench_async}
+    benches = {"engine": bench_engine, "april": bench_april, "train": bench_train, "async": bench_async,
+               "faults": bench_faults}
     bench_engine.add_arguments(sub.add_parser("engine", help="TorchEngine vs HF generate vs FLOP limit"))
     bench_april.add_arguments(sub.add_parser("april", help="synchronous rollouts vs APRIL (longtail, natural)"))
     bench_train.add_arguments(sub.add_parser("train", help="seconds per synchronous training step, by phase"))
     bench_async.add_arguments(sub.add_parser("async", help="samples trained/s: sync vs APRIL vs async (eta 1, 2, 4)"))
+    bench_faults.add_arguments(sub.add_parser("faults", help="kill -9 at random moments + resume: hangs, losses, duplicates"))
     args = p.parse_args(argv)
     benches[args.which].main(args)
     return 0
 
 
 def _train(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="rollover train", description="RL-train a model from a YAML config")
-    p.add_argument("config", nargs="?", help="YAML config (optional: defaults + overrides work too)")
+    p = argparse.ArgumentParser(
+        prog="rollover train", description="RL-train a model from a YAML config and key.path=value overrides.",
+        epilog="A config path or at least one override is needed, e.g. `rollover train examples/arith.yaml` or "
+               "`rollover train run_dir=runs/try steps=5`. An existing run_dir with a checkpoint is continued "
+               "(resume=auto) only under a config that trains the same thing; see --allow-config-change.")
+    p.add_argument("config", nargs="?", help="YAML config (optional when overrides are given)")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. rollout.temperature=0.7")
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume a checkpoint even though this config changes what is trained (model, data, reward, "
+                        "algorithm, train, sampling, partial_rollout, async, seed, mode); the differences are logged "
+                        "and appended to RUN_DIR/config_changes.log, and the new config is recorded")
+    p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
     args = p.parse_args(argv)
-    from rollover.config import ConfigError, describe, load_config
-
     if args.help_config:
+        from rollover.config import describe
+
         print(describe())
         return 0
-    path, overrides = args.config, list(args.overrides)
-    if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
-        path, overrides = None, [path, *overrides]
-    try:
-        cfg = load_config(path, overrides)
-    except ConfigError as e:
-        print(f"rollover train: config error: {e}", file=sys.stderr)
+    if args.config is None and not args.overrides:
+        p.print_usage(sys.stderr)
+        print("rollover train: nothing to train: give a YAML config and/or key.path=value overrides "
+              "(e.g. `rollover train examples/arith.yaml`); nothing was started", file=sys.stderr)
+        return 2
+    cfg = _load_config("rollover train", *_split_config(args.config, args.overrides))
+    if cfg is None:
         return 2
     _setup_logging()
+    return _guarded("rollover train", args.debug, lambda: _run_training(cfg, args.allow_config_change))
+
+
+def _run_training(cfg, allow_config_change: bool) -> int:
+    from rollover.loops.common import build_run
+    from rollover.metrics import plot_run
+
+    run = build_run(cfg, allow_config_change=allow_config_change)
     if cfg.mode == "async":
         from rollover.loops.async_ import train_async
 
-        result = train_async(cfg)
+        result = train_async(cfg, run=run)
     else:
         from rollover.loops.sync import train_sync
 
-        result = train_sync(cfg)
-    from rollover.metrics import plot_run
-
+        result = train_sync(cfg, run=run)
     plots = plot_run(cfg.run_dir)
     print(f"done: step {result['step']}" + (f", held-out accuracy {result['eval/accuracy']:.3f}" if "eval/accuracy" in result else ""))
     print(f"metrics: {cfg.run_dir}/metrics.jsonl; plots: {', '.join(str(x) for x in plots)}")
@@ -61,26 +84,56 @@ def _train(argv: list[str]) -> int:
 
 
 def _eval(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="rollover eval", description="held-out reward and accuracy of a model or checkpoint")
-    p.add_argument("config", nargs="?")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the config's model)")
+    p = argparse.ArgumentParser(
+        prog="rollover eval", description="Held-out reward and accuracy of a run's latest checkpoint, a given "
+                                          "checkpoint, or a base model. Prints which weights it used.",
+        epilog="SOURCE is a run directory (its config.yaml and latest checkpoint), a run's config.yaml (the same), "
+               "or a YAML config (the latest checkpoint in its run_dir, else its base model). Overrides apply on "
+               "top, e.g. eval.samples_per_prompt=8 data.eval=test.jsonl. Nothing is written.")
+    p.add_argument("source", nargs="?", help="run directory or YAML config")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    p.add_argument("--checkpoint", default=None, help="evaluate this checkpoint directory")
+    p.add_argument("--base", action="store_true", help="evaluate the config's base model, ignoring checkpoints")
+    p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
     args = p.parse_args(argv)
-    from rollover.config import ConfigError, load_config
-    from rollover.loops.common import build_run
-
-    path, overrides = args.config, list(args.overrides)
-    if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
-        path, overrides = None, [path, *overrides]
-    try:
-        cfg = load_config(path, [*overrides, f"resume={args.checkpoint or 'never'}",
-                                 f"run_dir={_eval_dir(path, args.checkpoint)}"])
-    except ConfigError as e:
-        print(f"rollover eval: config error: {e}", file=sys.stderr)
+    if args.source is None:
+        p.print_usage(sys.stderr)
+        print("rollover eval: give a run directory or a YAML config", file=sys.stderr)
+        return 2
+    path, overrides = _split_config(args.source, args.overrides)
+    run_dir = None
+    if path is not None and Path(path).is_dir():
+        run_dir, path = Path(path), Path(path) / "config.yaml"
+        if not path.is_file():
+            print(f"rollover eval: error: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
+            return 2
+    cfg = _load_config("rollover eval", path, overrides)
+    if cfg is None:
+        return 2
+    if args.checkpoint is not None and args.base:
+        print("rollover eval: error: --checkpoint and --base exclude each other", file=sys.stderr)
         return 2
     _setup_logging()
-    run = build_run(cfg)
+    return _guarded("rollover eval", args.debug, lambda: _run_eval(cfg, path, run_dir, args.checkpoint, args.base))
+
+
+def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | None, base: bool) -> int:
+    """Evaluate the weights the arguments name; print which, then the metrics."""
+    from rollover.loops.common import build_run
+    from rollover.train import checkpoint
+
+    if ckpt is None and not base:
+        if run_dir is None:  # a run's own config.yaml sits beside its checkpoints
+            beside = Path(path).parent if path is not None else None
+            run_dir = beside if beside is not None and (beside / "checkpoints").is_dir() else Path(cfg.run_dir)
+        ckpt = checkpoint.latest(run_dir)
+        why = f"latest checkpoint of {run_dir}" if ckpt is not None else f"{run_dir} has no checkpoint"
+    else:
+        why = "--base" if base else "--checkpoint"
+    run = build_run(cfg.model_copy(update={"resume": str(ckpt) if ckpt is not None else "never"}), record=False)
     try:
+        weights = f"checkpoint {run.checkpoint} (step {run.start_step})" if run.checkpoint else f"base model {cfg.model}"
+        print(f"weights: {weights} [{why}]", flush=True)
         metrics = run.evaluate(run.start_step)
     finally:
         run.close()
@@ -89,10 +142,27 @@ def _eval(argv: list[str]) -> int:
     return 0
 
 
-def _eval_dir(config: str | None, ckpt: str | None) -> str:
-    import tempfile
+def _export(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rollover export", description="Write a run's checkpoint as a Hugging Face model directory: full "
+                                            "weights (LoRA merged into the base model), tokenizer and chat template, "
+                                            "loadable with from_pretrained.")
+    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("out", help="output directory (must be empty or absent unless --force)")
+    p.add_argument("--checkpoint", default=None, help="this checkpoint directory instead of the run's latest")
+    p.add_argument("--force", action="store_true", help="replace OUT when it is an existing model directory")
+    p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
+    args = p.parse_args(argv)
+    _setup_logging()
 
-    return tempfile.mkdtemp(prefix="rollover-eval-")
+    def run() -> int:
+        from rollover.export import export
+
+        used = export(args.run_dir, args.out, checkpoint=args.checkpoint, force=args.force)
+        print(f"exported {used} to {args.out}")
+        return 0
+
+    return _guarded("rollover export", args.debug, run)
 
 
 def _plot(argv: list[str]) -> int:
@@ -107,21 +177,89 @@ def _plot(argv: list[str]) -> int:
     return 0
 
 
+def _split_config(path: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """The first positional is a config path unless it is an override (key=value)."""
+    if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
+        return None, [path, *overrides]
+    return path, list(overrides)
+
+
+def _load_config(prog: str, path, overrides: list[str]):
+    """The config, or None after printing the one-line error."""
+    from rollover.config import ConfigError, load_config
+
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        print(f"{prog}: config error: {e}", file=sys.stderr)
+        return None
+
+
+def _guarded(prog: str, debug: bool, body) -> int:
+    """Run `body`; an exception becomes a short message (a traceback too with --debug) and a
+    nonzero exit. KeyboardInterrupt and SystemExit pass through."""
+    from rollover.config import ConfigError
+
+    try:
+        return body()
+    except Exception as e:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        if isinstance(e, ConfigError):
+            print(f"{prog}: config error: {e}", file=sys.stderr)
+            return 2
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        if not debug:
+            print("hint: rerun with --debug for the traceback", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: Exception) -> str:
+    """An exception as one line; a type from outside rollover is named, since its message
+    was not written to be read alone."""
+    text = " ".join(str(e).split()) or "(no message)"
+    ours = type(e).__module__.startswith("rollover")
+    return text if ours else f"{type(e).__name__}: {text}"
+
+
 def _setup_logging() -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-COMMANDS = {"train": _train, "eval": _eval, "plot": _plot, "bench": _bench}
+COMMANDS = {
+    "train": (_train, "RL-train a model from a YAML config and key.path=value overrides"),
+    "eval": (_eval, "held-out reward and accuracy of a run's latest checkpoint, a checkpoint or a base model"),
+    "export": (_export, "write a run's checkpoint as a Hugging Face model directory (LoRA merged)"),
+    "plot": (_plot, "PNG curves from a run's metrics.jsonl"),
+    "bench": (_bench, "benchmarks of the engine, training steps, APRIL and async mode (docs/benchmarks.md)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items())
+    return ("usage: rollover <command> [arguments]\n\n"
+            "RL post-training of LLMs: GRPO/DAPO/GSPO, APRIL partial rollouts, async training.\n\n"
+            f"commands:\n{rows}\n\n"
+            "`rollover <command> --help` describes a command's arguments; "
+            "`rollover train --help-config` lists every config key.")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: rollover {" + ",".join(COMMANDS) + "} ...", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return COMMANDS[argv[0]](argv[1:])
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        print(usage(), file=sys.stderr)
+        if argv:
+            print(f"\nrollover: unknown command {argv[0]!r}", file=sys.stderr)
+        return 2
+    return COMMANDS[argv[0]][0](argv[1:])
 
 
 if __name__ == "__main__":
