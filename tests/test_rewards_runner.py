@@ -1,9 +1,14 @@
-"""RewardRunner: combination, signatures, errors, timeouts, threads and asyncio."""
+"""RewardRunner: combination, signatures, errors, timeouts, threads, worker processes, asyncio."""
 
 import asyncio
+import faulthandler
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,9 +21,24 @@ from rollover.rewards import (
     resolve_reward_fn,
 )
 from rollover.rewards.builtins import math_reward
+from rollover.rewards.pool import WorkerStartError
 from rollover.types import Prompt
 
 P = [Prompt(id="a", text="1+1?", answer="2"), Prompt(id="b", text="2+2?", answer="4")]
+FIXTURES = str(Path(__file__).with_name("reward_fixtures.py"))
+
+
+@pytest.fixture(autouse=True)
+def hang_guard(capsys):
+    """Ends the whole test process, printing every thread's stack, if a test here runs past
+    two minutes. A thread-based guard would not do: a reward holding the interpreter lock
+    stops it too. faulthandler's watchdog is a C thread that needs no lock."""
+    with capsys.disabled():
+        stderr = os.dup(2)  # the real stderr: pytest's capture file is lost when we exit
+    faulthandler.dump_traceback_later(120, exit=True, file=stderr)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+    os.close(stderr)
 
 
 def length_reward(completion, answer):
@@ -61,7 +81,7 @@ def test_fields_reach_functions_that_ask_for_them():
         return 0.0
 
     prompts = [Prompt(id="a", text="q", answer="1", fields={"level": 3, "source": "x"})]
-    RewardRunner([Reward("w", wants_level), Reward("all", takes_all)], max_workers=1).score(
+    RewardRunner([Reward("w", wants_level), Reward("all", takes_all)], max_threads=1).score(
         prompts, ["c"]
     )
     assert seen == [3, {"level": 3, "source": "x"}]
@@ -174,7 +194,7 @@ def test_hanging_reward_times_out_without_blocking_others_or_the_next_batch():
         [Reward("hangs_on_b", hangs_on_b), Reward("len", length_reward)],
         timeout_s=0.3,
         on_error="zero",
-        max_workers=1,  # one slot: the hung call must give it up for the rest to run
+        max_threads=1,  # one slot: the hung call must give it up for the rest to run
     )
     start = time.monotonic()
     out = runner.score(P + P, ["x", "yy", "zzz", "wwww"])
@@ -194,36 +214,22 @@ def test_hanging_reward_times_out_without_blocking_others_or_the_next_batch():
     assert runner.score(P[:1], ["x"]).stuck_threads == 0  # finished calls are forgotten
 
 
-def test_too_many_stuck_calls_stop_the_runner():
-    release = threading.Event()
-    runner = RewardRunner(
-        [Reward("hang", lambda completion, answer: release.wait(30))],
-        timeout_s=0.05,
-        on_error="zero",
-        max_stuck_threads=1,
-    )
-    runner.score(P, ["x", "y"])
-    with pytest.raises(RuntimeError, match="2 reward calls abandoned"):
-        runner.score(P, ["x", "y"])
-    release.set()
-
-
 def test_timeout_under_raise_mode():
     runner = RewardRunner(
         [Reward("slow", lambda completion, answer: time.sleep(1.0))], timeout_s=0.05
     )
-    with pytest.raises(RewardFailed, match=r"'slow' failed on sample a#0: TimeoutError"):
+    with pytest.raises(RewardFailed, match=r"'slow' failed on sample a#0: RewardTimeout"):
         runner.score(P[:1], ["x"])
 
 
 def test_math_reward_through_the_runner_from_a_worker_thread():
-    runner = RewardRunner([Reward("math", math_reward)], timeout_s=20)
     results = []
-    worker = threading.Thread(
-        target=lambda: results.append(runner.score(P, [r"\boxed{2}", r"\boxed{5}"]).totals)
-    )
-    worker.start()
-    worker.join(timeout=30)
+    with RewardRunner([Reward("math", math_reward)], timeout_s=20) as runner:
+        worker = threading.Thread(
+            target=lambda: results.append(runner.score(P, [r"\boxed{2}", r"\boxed{5}"]).totals)
+        )
+        worker.start()
+        worker.join(timeout=30)
     assert results == [[1.0, 0.0]]
 
 
@@ -245,6 +251,8 @@ def test_runner_rejects_bad_config():
         RewardRunner([Reward("len", length_reward)], on_error="ignore")
     with pytest.raises(ValueError, match="unique"):
         RewardRunner([Reward("len", length_reward), Reward("len", length_reward)])
+    with pytest.raises(ValueError, match="workers and max_threads must be >= 1"):
+        RewardRunner([Reward("len", length_reward)], workers=0)
     with pytest.raises(TypeError, match="must take"):
         Reward("one_arg", lambda completion: 1.0)
 
@@ -286,3 +294,203 @@ def test_file_reference_with_bound_kwargs_and_weights(tmp_path):
         resolve_reward_fn(f"{tmp_path}/missing.py:f")
     with pytest.raises(ValueError, match="unique"):
         build_rewards(["exact", "exact"])
+
+
+# --- isolated rewards: worker processes killed at the timeout --------------------------------
+
+# sympy evaluates the tower of powers inside C code, holding the interpreter lock for minutes:
+# before worker processes, `timeout_s` never fired on it.
+BOMB = r"so the answer is \boxed{9^{9^{9^{9^{9}}}}}"
+
+
+def _alive(pid: int) -> bool:
+    """True while process `pid` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def _misbehaves(**spec):
+    return build_rewards([{"fn": f"{FIXTURES}:misbehaves", "isolate": True, "name": "m", **spec}])
+
+
+@pytest.mark.parametrize("on_error", ["raise", "zero", "skip"])
+def test_pathological_math_answer_is_killed_at_the_timeout(on_error):
+    prompts = [Prompt(id="bomb", text="?", answer="5"), Prompt(id="fine", text="?", answer="5")]
+    with RewardRunner(build_rewards(["math"]), timeout_s=2, on_error=on_error) as runner:
+        start = time.monotonic()
+        if on_error == "raise":
+            failed = r"'math' failed on sample bomb#0: RewardTimeout"
+            with pytest.raises(RewardFailed, match=failed):
+                runner.score(prompts, [BOMB, r"\boxed{5}"])
+        else:
+            out = runner.score(prompts, [BOMB, r"\boxed{5}"])
+        # Minutes without the worker processes; here the 2 s timeout, plus starting two
+        # workers (about 0.5 s each, in parallel, not counted against the timeout).
+        assert time.monotonic() - start < 2 + 4
+        if on_error != "raise":
+            assert out.timeout_counts == {"math": 1} and out.error_counts == {"math": 1}
+            (failure,) = out.failures
+            assert (failure.fn, failure.sample_id, failure.timed_out) == ("math", "bomb#0", True)
+            assert "timed out after 2 s; worker process" in failure.error
+            assert out.totals == ([0.0, 1.0] if on_error == "zero" else [None, 1.0])
+        assert runner.score(prompts[1:], [r"\boxed{5}"]).totals == [1.0]  # a fresh worker
+
+
+def test_isolated_function_that_never_returns_is_killed_and_its_worker_replaced():
+    with RewardRunner(_misbehaves(), timeout_s=0.5, on_error="zero", workers=1) as runner:
+        first = runner.score(P[:1], ["ok"])
+        (old_pid,) = runner.pool.pids
+        assert first.samples[0].extras["m/pid"] == old_pid != os.getpid()
+
+        start = time.monotonic()
+        out = runner.score(P, ["spin", "ok"])  # `while True: pass` in the worker
+        assert time.monotonic() - start < 0.5 + 4
+        assert out.totals == [0.0, 1.0] and out.timeout_counts == {"m": 1}
+        (failure,) = out.failures
+        assert failure.sample_id == "a#0"
+        assert f"worker process {old_pid} was killed" in failure.error
+        new_pid = out.samples[1].extras["m/pid"]
+        assert new_pid != old_pid and runner.pool.pids == [new_pid] and not _alive(old_pid)
+
+        again = runner.score(P, ["ok", "ok"])
+        assert again.totals == [1.0, 1.0] and again.error_counts == {"m": 0}
+
+
+@pytest.mark.parametrize("how, death", [("exit", "exited with code 3"), ("sigkill", "SIGKILL")])
+def test_worker_dying_mid_call_is_a_counted_failure(how, death, caplog):
+    with RewardRunner(_misbehaves(), on_error="zero", workers=1) as runner:
+        with caplog.at_level(logging.WARNING, logger="rollover.rewards"):
+            out = runner.score(P, [how, "ok"])
+        assert runner.score(P[:1], ["ok"]).totals == [1.0]
+    assert out.totals == [0.0, 1.0]
+    assert out.error_counts == {"m": 1} and out.timeout_counts == {"m": 0}
+    (failure,) = out.failures
+    assert (failure.fn, failure.sample_id) == ("m", "a#0") and death in failure.error
+    assert "reward 'm' failed on sample a#0: WorkerDied: reward worker process" in caplog.text
+
+
+def test_isolated_rewards_score_like_in_thread_ones():
+    cases = [
+        (r"3 + 5 = 8, so \boxed{8}", "8"),
+        (r"\boxed{\frac{1}{2}}", "0.5"),
+        (r"so \boxed{x^2 + 1}", "1 + x^2"),
+        (r"7 is tempting, but \boxed{9}", "8"),
+        ("no idea", "8"),
+        (r"\boxed{8}", r"\boxed{"),  # math abstains: the gold answer does not parse
+    ]
+    prompts = [Prompt(id=f"p{i}", text="?", answer=a, fields={"level": i}) for i, (_, a) in
+               enumerate(cases)]
+    completions = [c for c, _ in cases]
+    specs = [
+        {"fn": "math"},
+        {"fn": f"{FIXTURES}:scaled_length", "kwargs": {"scale": 0.5}, "weight": 2.0},
+        {"fn": f"{FIXTURES}:prefix_match", "weight": 0.25},  # TRL signature, one call per batch
+    ]
+
+    def score(isolate):
+        rewards = build_rewards([{**spec, "isolate": isolate} for spec in specs])
+        assert [r.isolated for r in rewards] == [isolate] * 3
+        with RewardRunner(rewards, timeout_s=30, workers=2) as runner:
+            out = runner.score(prompts, completions)
+        return [(s.status, s.total, s.scores, s.extras, s.failed) for s in out.samples]
+
+    in_thread, isolated = score(False), score(True)
+    assert isolated == in_thread
+    assert [scores["math"] for _, _, scores, _, _ in isolated] == [1.0, 1.0, 1.0, 0.0, 0.0, None]
+    assert isolated[1][2]["scaled_length"] == 0.5 * len(completions[1]) + 1
+
+
+def test_errors_in_a_worker_are_reported_like_in_thread_errors():
+    with RewardRunner(_misbehaves(), on_error="zero", workers=1) as runner:
+        out = runner.score(P, ["raise", "unpicklable"])
+    assert [f.error for f in out.failures] == [
+        "ValueError: asked to raise (answer 2)",
+        "RuntimeError: NeedsTwoArgs: odd: error",  # stands in for an exception pickle refuses
+    ]
+    with RewardRunner(_misbehaves(), on_error="raise", workers=1) as runner:
+        with pytest.raises(RewardFailed, match="'m' failed on sample a#0: ValueError") as info:
+            runner.score(P[:1], ["raise"])
+    notes = "".join(info.value.__cause__.__notes__)
+    assert "in the reward worker process" in notes and "in misbehaves" in notes
+
+
+def test_close_leaves_no_worker_processes():
+    with RewardRunner(_misbehaves(), workers=2) as runner:
+        assert runner.score(P, ["ok", "ok"]).totals == [1.0, 1.0]
+        pids = runner.pool.pids
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+    assert not any(_alive(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.score(P, ["ok", "ok"])
+
+
+@pytest.mark.parametrize("when", ["idle", "mid-call"])
+def test_workers_do_not_outlive_a_parent_that_dies(when, tmp_path):
+    # The parent is killed without closing the runner. An idle worker sees its pipe close; a
+    # busy one is ended by its own watchdog (timeout 1 s + grace 0.5 s here).
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, sys\n"
+        "from rollover.rewards import RewardRunner, build_rewards, pool\n"
+        "from rollover.types import Prompt\n"
+        "pool.WATCHDOG_GRACE_S = 0.5\n"
+        f"spec = {{'fn': {FIXTURES!r} + ':misbehaves', 'isolate': True}}\n"
+        "runner = RewardRunner(build_rewards([spec]), timeout_s=1.0, workers=1)\n"
+        "prompts = [Prompt(id='a', text='?', answer='1')]\n"
+        "runner.score(prompts, ['ok'])\n"
+        "print(runner.pool.pids[0], flush=True)\n"
+        f"if {when!r} == 'idle':\n"
+        "    os._exit(0)\n"
+        "runner.score(prompts, ['spin'])\n"
+    )
+    with open(tmp_path / "stderr", "w") as stderr:
+        parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                                  stderr=stderr, text=True)
+    pid = int(parent.stdout.readline())
+    if when == "mid-call":
+        time.sleep(0.5)  # the worker is spinning; its parent would kill it at 1 s
+        assert _alive(pid)
+        parent.kill()
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_which_rewards_are_isolated_and_what_workers_rebuild(monkeypatch):
+    rewards = build_rewards(
+        [
+            "math",
+            "numeric",
+            {"fn": f"{FIXTURES}:misbehaves", "isolate": True},
+            f"{FIXTURES}:marked",  # its function says isolate = True
+            {"fn": "math", "isolate": False, "name": "math_in_thread"},
+            {"fn": "format", "isolate": True, "kwargs": {"pattern": "x"}},
+        ]
+    )
+    assert [r.isolated for r in rewards] == [True, False, True, True, False, True]
+    assert rewards[0].reference == ("math", {})
+    assert rewards[2].reference == (f"{FIXTURES}:misbehaves", {})
+    assert rewards[5].reference == ("format", {"pattern": "x"})
+    # A function object: rebuilt by module and name when that finds it again.
+    assert Reward("m", math_reward).reference == ("rollover.rewards.builtins:math_reward", {})
+    # A relative file is made absolute, so a worker finds it whatever its directory.
+    monkeypatch.chdir(Path(FIXTURES).parent)
+    relative = RewardSpec("reward_fixtures.py:marked").build()
+    assert relative.reference == (f"{FIXTURES}:marked", {})
+    with pytest.raises(TypeError, match="reward 'judge' is isolated .* cannot be named"):
+        Reward("judge", lambda completion, answer: 1.0, isolate=True)
+
+
+def test_a_reward_no_worker_can_load_stops_scoring_whatever_on_error(tmp_path):
+    path = tmp_path / "gone.py"
+    path.write_text("def f(completion, answer):\n    return 1.0\n")
+    rewards = build_rewards([{"fn": f"{path}:f", "isolate": True}])
+    path.unlink()
+    with RewardRunner(rewards, on_error="zero", workers=1) as runner:
+        with pytest.raises(WorkerStartError, match="could not rebuild(.|\n)*FileNotFoundError"):
+            runner.score(P, ["x", "y"])

@@ -128,6 +128,9 @@ class RewardConfig(Section):
     """Per-call timeout; a call past it counts as an error."""
     on_error: Literal["raise", "zero", "skip"] = "raise"
     """A raising or hanging reward: stop the run, score 0 (counted and reported), or skip the sample."""
+    workers: int = 4
+    """Worker processes for isolated rewards (built-in `math`, and functions marked `isolate`),
+    started on first use; a call past `timeout_s` is killed with its worker, which is replaced."""
     correct_threshold: float = 1.0
     """A sample counts as correct (accuracy metrics) when its first reward function scores at least this."""
 

@@ -132,6 +132,7 @@ class Run:
 
     def close(self) -> None:
         self.engine.shutdown()
+        self.rewards.close()
         self.logger.close()
 
 
@@ -246,7 +247,7 @@ def build_run(cfg: Config, *, engine_factory=None) -> Run:
     engine = engine_factory(cfg, trainer, device=device, max_len=longest + 1,
                             eos_token_ids=_eos_ids(tokenizer, model))
     rewards = RewardRunner(build_rewards(cfg.reward.functions), timeout_s=cfg.reward.timeout_s,
-                           on_error=cfg.reward.on_error)
+                           on_error=cfg.reward.on_error, workers=cfg.reward.workers)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     state = checkpoint.load_state(ckpt) if ckpt is not None else None

@@ -10,6 +10,7 @@ from rollover.rewards.builtins import (
 )
 from rollover.rewards.countdown import countdown_reward
 from rollover.rewards.extract import extract_boxed, final_answer
+from rollover.rewards.pool import RewardTimeout, WorkerDied, WorkerStartError
 from rollover.rewards.registry import Reward, RewardSpec, build_rewards, resolve_reward_fn
 from rollover.rewards.runner import (
     BatchRewards,
@@ -27,7 +28,10 @@ __all__ = [
     "RewardFailure",
     "RewardRunner",
     "RewardSpec",
+    "RewardTimeout",
     "SampleReward",
+    "WorkerDied",
+    "WorkerStartError",
     "build_rewards",
     "countdown_reward",
     "exact_reward",

@@ -3,6 +3,15 @@
 `None` means the function does not apply to this sample (see `rollover.rewards.runner`).
 None of these has a timeout of its own; `RewardRunner` enforces one around every call.
 
+`math` is marked `isolate = True`: sympy can spend unbounded time inside C code on an answer
+such as `\\boxed{9^{9^{9}}}`, so the runner calls it in a worker process it kills at the
+timeout. The others do work bounded by the completion's length and run in threads:
+`numeric`, `exact` and `format` are regex searches (the default `format` pattern is the
+slowest, quadratic in the worst case: 0.15 s on 56,000 characters of `\\boxed{`), and
+`countdown` evaluates at most 200 characters of integers and + - * / (no powers), each
+literal one of the given numbers. A `format` pattern of your own that can backtrack
+catastrophically wants `isolate: true`.
+
 `numeric` and `exact` look for the final answer with `rollover.rewards.extract.final_answer`:
 the last `\\boxed{...}`, else the last `<answer>...</answer>`, else the whole completion.
 """
@@ -37,7 +46,8 @@ def math_reward(completion: str, answer, **_) -> float | None:
     that does not parse gives None (the sample is not scored by this function), not 0.
 
     math-verify's own timeouts use `signal.alarm`, which fails off the main thread; they are
-    turned off here, and the runner's thread-based timeout stands in for them.
+    turned off here. The runner's worker processes stand in for them; called directly, this
+    function has no timeout.
     """
     gold_text = str(answer)
     if "\\boxed" not in gold_text and "$" not in gold_text:
@@ -47,6 +57,9 @@ def math_reward(completion: str, answer, **_) -> float | None:
         return None
     pred = parse(completion, extraction_config=_COMPLETION_EXTRACTION, parsing_timeout=None)
     return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+math_reward.isolate = True
 
 
 # --- numeric ------------------------------------------------------------------------------------

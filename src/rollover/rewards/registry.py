@@ -13,6 +13,13 @@ Two signatures are accepted, told apart by parameter names:
 Dataset fields reach a function as keyword arguments: all of them if it takes `**kwargs`, else
 only those it names (a field it names but the sample lacks is a call error, reported by the
 runner).
+
+Isolation. A reward is isolated (the runner calls it in a worker process it can kill, see
+`rollover.rewards.pool`) when its spec says `isolate: true`, or, with `isolate` unset, when
+the function has a true `isolate` attribute, as the built-in `math` has. A worker rebuilds
+the function from a reference, so an isolated reward needs one: the spec's `fn`, or for a
+function handed over as an object, its module and name when it is defined at the top level of
+an importable module.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -37,12 +45,14 @@ class RewardSpec:
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)  # bound to the function, e.g. {"pattern": ...}
     name: str | None = None  # how it is reported; default: the built-in or function name
+    isolate: bool | None = None  # run in a killable worker process; None: the function decides
 
     def build(self) -> Reward:
         fn = resolve_reward_fn(self.fn)
         if self.kwargs:
             fn = functools.partial(fn, **self.kwargs)
-        return Reward(self.name or self.fn.rpartition(":")[2], fn, self.weight)
+        name = self.name or self.fn.rpartition(":")[2]
+        return Reward(name, fn, self.weight, isolate=self.isolate, ref=_absolute(self.fn))
 
 
 @dataclass(frozen=True)
@@ -52,11 +62,39 @@ class Reward:
     name: str
     fn: Callable
     weight: float = 1.0
+    isolate: bool | None = None  # None: the function's `isolate` attribute, else False
+    ref: str | None = None  # what `fn` was resolved from, kwargs unbound; see `reference`
 
     def __post_init__(self):
         if not callable(self.fn):
             raise TypeError(f"reward {self.name!r}: {self.fn!r} is not callable")
         _check_signature(self.name, self.fn)
+        if self.isolated:
+            self.reference  # raises now, naming the reward, if a worker cannot rebuild it
+
+    @functools.cached_property
+    def isolated(self) -> bool:
+        """True if the runner calls this reward in a worker process, which it can kill."""
+        if self.isolate is not None:
+            return self.isolate
+        base = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
+        return bool(getattr(base, "isolate", False))
+
+    @functools.cached_property
+    def reference(self) -> tuple[str, dict]:
+        """(reference, bound kwargs): what a worker process rebuilds `fn` from."""
+        base, kwargs = self.fn, {}
+        if isinstance(base, functools.partial) and not base.args:
+            base, kwargs = base.func, dict(base.keywords)
+        ref = self.ref or _importable_name(base)
+        if ref is None:
+            raise TypeError(
+                f"reward {self.name!r} is isolated (it runs in a worker process, which rebuilds "
+                f"it by reference), but {self.fn!r} cannot be named from another process: "
+                "give it as 'module:function' or 'path/to/file.py:function', define it at the "
+                "top level of an importable module, or set isolate=False to run it in a thread"
+            )
+        return ref, kwargs
 
     @functools.cached_property
     def batched(self) -> bool:
@@ -143,6 +181,22 @@ def resolve_reward_fn(ref: str) -> Callable:
     if not hasattr(module, attr):
         raise AttributeError(f"reward {ref!r}: {target} has no attribute {attr!r}")
     return getattr(module, attr)
+
+
+def _absolute(ref: str) -> str:
+    """`ref` with a relative `file.py` path made absolute, so a worker finds the same file."""
+    target, sep, attr = ref.rpartition(":")
+    if sep and target.endswith(".py"):
+        return f"{Path(target).resolve()}:{attr}"
+    return ref
+
+
+def _importable_name(fn: Callable) -> str | None:
+    """'module:function' if that names `fn` in a fresh interpreter, else None."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module in (None, "__main__") or not name.isidentifier():
+        return None
+    return f"{module}:{name}" if getattr(sys.modules.get(module), name, None) is fn else None
 
 
 def _load_file(path_text: str):

@@ -21,17 +21,25 @@ in `BatchRewards.failures`. Then `on_error` decides:
 - "skip": the sample is marked skipped (status "skipped", total None); the caller must leave it
   out of training.
 
-Threads and timeouts. Every call runs in its own daemon thread, at most `max_workers` at once;
-nothing here uses signals, so the runner works from any thread. Python cannot kill a thread: a
-call past its timeout is abandoned, not stopped. It keeps running in the background until it
-returns (its result is thrown away), its slot goes to the next call at once, so neither the
-rest of the batch nor the next batch waits for it, and the interpreter can exit without it. It
-still holds whatever CPU and memory it uses, so the number of abandoned calls still alive is
-reported (`stuck_threads`), and `score` refuses to start once more than `max_stuck_threads` are.
+Where calls run, and how the timeout is enforced.
+
+- Isolated rewards (`Reward.isolated`: the built-in `math`, and any function marked
+  `isolate`) run in a pool of `workers` processes (`rollover.rewards.pool`). At `timeout_s`
+  the worker is killed (SIGKILL) and the slot gets a fresh one, so a runaway call costs one
+  timeout and nothing after it. A worker that dies on its own (segfault, OOM kill) fails its
+  call the same way. Nothing is left running.
+- Every other reward runs in a daemon thread, at most `max_threads` at once. Python cannot
+  kill a thread: a call past its timeout is abandoned, not stopped. Its slot goes to the next
+  call at once and its result is thrown away, but it keeps its CPU and memory until it
+  returns; `stuck_threads` reports how many are still alive. Worse, a call that holds the
+  interpreter lock in C code (a sympy power, a catastrophic regex) stops every thread,
+  including the one that would time it out: mark such a function `isolate`.
 
 Threads overlap I/O (a remote judge, a sandbox) but not pure-Python CPU work, which the GIL
-serialises; the timeout and the isolation are the point. An `async def` reward is run to
-completion with `asyncio.run` inside its worker thread.
+serialises; processes run CPU-bound rewards in parallel. Timeouts and failures of both kinds
+go through `on_error` alike. An `async def` reward is run to completion with `asyncio.run`
+in its thread or worker. Nothing here uses signals, so the runner works from any thread.
+`close()` stops the workers.
 
 From asyncio, `await runner.ascore(...)` runs the blocking `score` in a worker thread
 (`asyncio.to_thread`), so the event loop keeps running.
@@ -54,6 +62,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
 
+from rollover.rewards.pool import RewardTimeout, WorkerPool, WorkerStartError
 from rollover.rewards.registry import Reward
 from rollover.types import Prompt
 
@@ -61,6 +70,7 @@ logger = logging.getLogger("rollover.rewards")
 
 OnError = Literal["raise", "zero", "skip"]
 SampleStatus = Literal["ok", "skipped"]
+LANES = (False, True)  # in a thread, in a worker process
 
 
 class RewardFailed(RuntimeError):
@@ -79,7 +89,7 @@ class RewardFailure:
 
     fn: str
     sample_id: str
-    error: str  # "ValueError: boom", "TimeoutError: timed out after 5.0 s"
+    error: str  # "ValueError: boom", "RewardTimeout: timed out after 5.0 s; ..."
     timed_out: bool = False
 
 
@@ -104,7 +114,7 @@ class BatchRewards:
     failures: list[RewardFailure]
     error_counts: dict[str, int]  # per function, failures of any kind (timeouts included)
     timeout_counts: dict[str, int]  # per function
-    stuck_threads: int  # abandoned calls still running after this batch
+    stuck_threads: int  # abandoned in-thread calls still running after this batch
 
     @property
     def totals(self) -> list[float | None]:
@@ -143,7 +153,7 @@ class BatchRewards:
 class _Call:
     reward: Reward
     samples: list[int]  # indices into the batch this call scores
-    run: Callable[[], object]
+    run: Callable[[], object]  # the call itself, or its round trip to a worker process
 
 
 class _Tally:
@@ -158,8 +168,9 @@ class _Tally:
         self.failed: list[list[str]] = [[] for _ in range(n)]
         self.failures: list[RewardFailure] = []
 
-    def add(self, call: _Call, outcome: object, timed_out: bool) -> None:
+    def add(self, call: _Call, outcome: object) -> None:
         name = call.reward.name
+        timed_out = isinstance(outcome, RewardTimeout)
         results = _per_sample(outcome, call)
         # One log line per distinct error: a failed batched call fails all its samples at once.
         by_error: dict[int, tuple[BaseException, list[str]]] = {}
@@ -185,7 +196,9 @@ class RewardRunner:
     """Scores batches with weighted reward functions (see the module docstring).
 
     `timeout_s` bounds each call: one completion for a per-sample function, the whole batch
-    for a TRL-style one. Safe to share between threads.
+    for a TRL-style one. `workers` is the number of processes for isolated rewards, started
+    on first use; `max_threads` bounds the other calls in flight. Safe to share between
+    threads. Call `close()` (or use it as a context manager) to stop the workers.
     """
 
     def __init__(
@@ -194,8 +207,8 @@ class RewardRunner:
         *,
         timeout_s: float = 10.0,
         on_error: OnError = "raise",
-        max_workers: int = 8,
-        max_stuck_threads: int = 32,
+        workers: int = 4,
+        max_threads: int = 8,
     ):
         if not rewards:
             raise ValueError("RewardRunner needs at least one reward")
@@ -209,15 +222,29 @@ class RewardRunner:
             raise ValueError(f"on_error must be 'raise', 'zero' or 'skip', got {on_error!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if workers < 1 or max_threads < 1:
+            raise ValueError(f"workers and max_threads must be >= 1, got {workers}, {max_threads}")
         self.rewards = list(rewards)
         self.timeout_s = timeout_s
         self.on_error = on_error
-        self.max_workers = max_workers
-        self.max_stuck_threads = max_stuck_threads
+        self.max_threads = max_threads
+        isolated = [r for r in rewards if r.isolated]
+        self.pool = WorkerPool(isolated, size=workers, timeout_s=timeout_s) if isolated else None
         self._stuck: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """Kill the worker processes; `score` raises afterwards. Abandoned threads are left."""
+        self._closed = True
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     async def ascore(self, prompts, completions, **kwargs) -> BatchRewards:
         """`score` in a worker thread, for callers inside an event loop."""
@@ -243,19 +270,17 @@ class RewardRunner:
             sample_ids = [f"{p.id}#{i}" for i, p in enumerate(prompts)]
         if len(sample_ids) != n or (completion_ids is not None and len(completion_ids) != n):
             raise ValueError("sample_ids and completion_ids need one entry per completion")
-        stuck = self._live_stuck()
-        if stuck > self.max_stuck_threads:
-            raise RuntimeError(
-                f"{stuck} reward calls abandoned after their timeout are still running "
-                f"(max_stuck_threads={self.max_stuck_threads}): a reward function hangs"
-            )
+        if self._closed:
+            raise RuntimeError("this RewardRunner is closed")
 
         names = [r.name for r in self.rewards]
         tally = _Tally(sample_ids, names, self.on_error)
         calls = self._calls(prompts, completions, completion_ids)
         with contextlib.closing(self._run(calls)) as outcomes:
-            for call, outcome, timed_out in outcomes:
-                tally.add(call, outcome, timed_out)
+            for call, outcome in outcomes:
+                if isinstance(outcome, WorkerStartError):
+                    raise outcome  # no worker: every isolated call would fail, not one sample
+                tally.add(call, outcome)
 
         failures = tally.failures
         return BatchRewards(
@@ -276,49 +301,67 @@ class RewardRunner:
         calls = []
         for reward in self.rewards:
             if reward.batched:
-                run = functools.partial(
-                    reward.call_batch,
+                args = (
                     [p.text if p.text is not None else p.messages for p in prompts],
                     list(completions),
                     [p.answer for p in prompts],
                     [p.fields for p in prompts],
                     None if completion_ids is None else list(completion_ids),
                 )
-                calls.append(_Call(reward, list(range(n)), run))
+                calls.append(_Call(reward, list(range(n)), self._bind(reward, "call_batch", args)))
             else:
                 for i, (p, c) in enumerate(zip(prompts, completions)):
-                    run = functools.partial(reward.call_one, c, p.answer, p.fields)
+                    run = self._bind(reward, "call_one", (c, p.answer, p.fields))
                     calls.append(_Call(reward, [i], run))
         return calls
 
-    def _run(self, calls: list[_Call]) -> Iterator[tuple[_Call, object, bool]]:
-        """Yield (call, result or exception, timed_out) as calls finish or time out."""
-        pending = deque(calls)
-        running: dict[Future, tuple[_Call, float, threading.Thread]] = {}
+    def _bind(self, reward: Reward, method: str, args: tuple) -> Callable[[], object]:
+        if reward.isolated:
+            return functools.partial(self.pool.call, reward.name, method, args)
+        return functools.partial(getattr(reward, method), *args)
+
+    def _run(self, calls: list[_Call]) -> Iterator[tuple[_Call, object]]:
+        """Yield (call, result or exception) as calls finish or time out.
+
+        Each call gets a thread: it runs an in-thread reward, or waits on a worker process
+        for an isolated one. In-thread calls are timed out here (abandoned); isolated ones by
+        the pool (killed), so they have no deadline here and always come back.
+        """
+        # Two lanes, keyed by `isolated`, each with its own limit on calls in flight.
+        pending = {lane: deque(c for c in calls if c.reward.isolated == lane) for lane in LANES}
+        limit = {False: self.max_threads, True: self.pool.size if self.pool else 0}
+        running: dict[Future, tuple[_Call, float | None, threading.Thread]] = {}
         try:
-            while pending or running:
-                while pending and len(running) < self.max_workers:
-                    call = pending.popleft()
-                    future, thread = _start(call)
-                    running[future] = (call, time.monotonic() + self.timeout_s, thread)
-                earliest = min(deadline for _, deadline, _ in running.values())
-                timeout = max(0.0, earliest - time.monotonic())
+            while any(pending.values()) or running:
+                for lane in LANES:
+                    busy = sum(c.reward.isolated == lane for c, _, _ in running.values())
+                    for _ in range(min(limit[lane] - busy, len(pending[lane]))):
+                        call = pending[lane].popleft()
+                        future, thread = _start(call)
+                        deadline = None if lane else time.monotonic() + self.timeout_s
+                        running[future] = (call, deadline, thread)
+                deadlines = [d for _, d, _ in running.values() if d is not None]
+                timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
                 done, _ = wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
                 for future in done:
                     call, _, _ = running.pop(future)
                     error = future.exception()
-                    yield call, (error if error is not None else future.result()), False
+                    yield call, (error if error is not None else future.result())
                 now = time.monotonic()
                 for future, (call, deadline, thread) in list(running.items()):
-                    if deadline <= now and not future.done():
+                    if deadline is not None and deadline <= now and not future.done():
                         del running[future]
                         self._abandon(thread)
-                        timeout = TimeoutError(f"timed out after {self.timeout_s} s")
-                        yield call, timeout, True
+                        yield call, RewardTimeout(
+                            f"timed out after {self.timeout_s} s; its thread cannot be killed "
+                            "and runs on"
+                        )
         finally:
-            # Left early (on_error="raise"): calls still running are abandoned too.
-            for _, _, thread in running.values():
-                self._abandon(thread)
+            # Left early (on_error="raise"): in-thread calls still running are abandoned too;
+            # isolated ones end by their timeout at the latest and free their worker.
+            for _, deadline, thread in running.values():
+                if deadline is not None:
+                    self._abandon(thread)
 
     def _combine(
         self, sample_id: str, scores: dict, extras: dict, failed: list[str]

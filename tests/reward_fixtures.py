@@ -1,0 +1,46 @@
+"""Reward functions the runner tests name by reference, so worker processes can import them."""
+
+import os
+import signal
+
+
+class NeedsTwoArgs(Exception):
+    """An exception that does not survive pickling (its __init__ needs two arguments)."""
+
+    def __init__(self, what, why):
+        super().__init__(f"{what}: {why}")
+
+
+def misbehaves(completion, answer, **fields):
+    """Scores 1.0 with the worker's pid as an extra, unless the completion asks otherwise."""
+    if completion == "spin":
+        while True:
+            pass
+    if completion == "exit":
+        os._exit(3)
+    if completion == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if completion == "raise":
+        raise ValueError(f"asked to raise (answer {answer})")
+    if completion == "unpicklable":
+        raise NeedsTwoArgs("odd", "error")
+    return {"score": 1.0, "pid": os.getpid()}
+
+
+def scaled_length(completion, answer, level, scale=1.0):
+    """A field (`level`) and a bound kwarg (`scale`); None when there is no answer."""
+    if answer is None:
+        return None
+    return scale * len(completion) + level
+
+
+def prefix_match(prompts, completions, answer, **kwargs):
+    """TRL signature: one call per batch."""
+    return [1.0 if c.startswith(str(a)) else 0.0 for c, a in zip(completions, answer)]
+
+
+def marked(completion, answer):
+    return 1.0
+
+
+marked.isolate = True
