@@ -121,10 +121,13 @@ def format_reward(
     return 1.0 if _compiled(pattern).search(completion) else 0.0
 
 
+from rollover.envs.code_reward import code_reward  # noqa: E402 - a sandboxed program run against tests
+
 BUILTINS = {
     "math": math_reward,
     "numeric": numeric_reward,
     "exact": exact_reward,
     "format": format_reward,
     "countdown": countdown_reward,
+    "code": code_reward,
 }
