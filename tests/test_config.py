@@ -1,13 +1,15 @@
-"""Config parsing: typed, documented, unknown keys suggested, conflicts rejected."""
+"""Config parsing: typed, documented, range-checked per field, unknown keys suggested, conflicts
+rejected, resume differences listed."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rollover.cli import main
-from rollover.config import Config, ConfigError, describe, load_config
+from rollover.config import Config, ConfigError, config_changes, describe, dump_config, load_config
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 
@@ -21,10 +23,107 @@ def test_examples_parse(path):
 def test_overrides_and_types():
     cfg = load_config(EXAMPLES[0], ["rollout.temperature=0.7", "train.lr=3e-6", "reward.functions=[math, numeric]"])
     assert cfg.rollout.temperature == 0.7 and cfg.train.lr == 3e-6 and cfg.reward.functions == ["math", "numeric"]
-    with pytest.raises(ConfigError, match="steps: Input should be a valid integer"):
-        load_config(overrides=["steps=abc"])
     with pytest.raises(ConfigError, match="must look like key.path=value"):
         load_config(overrides=["steps"])
+
+
+@pytest.mark.parametrize("over, message", [
+    ("rollout.max_rows=0", "rollout.max_rows=0: must be >= 1"),
+    ("checkpoint.keep=0", "checkpoint.keep=0: must be >= 1"),
+    ("checkpoint.keep=-2", "checkpoint.keep=-2: must be >= 1"),
+    ("checkpoint.every=-1", "checkpoint.every=-1: must be >= 0"),
+    ("steps=0", "steps=0: must be >= 1"),
+    ("steps=-5", "steps=-5: must be >= 1"),
+    ("steps=abc", "steps='abc': must be an integer"),
+    ("steps=2.5", "steps=2.5: must be an integer"),
+    ("train.grad_clip=-1", "train.grad_clip=-1: must be >= 0"),
+    ("train.lr=-1e-5", "train.lr=-1e-5: must be > 0"),
+    ("train.lr=fast", "train.lr='fast': must be a number"),
+    ("train.lr=.nan", "train.lr=NaN: must be a finite number"),
+    ("train.betas=[0.9, 1.0]", "train.betas.1=1.0: must be < 1"),
+    ("train.lora={r: 0}", "train.lora: r=0: must be an integer >= 1"),
+    ("train.lora={rank: 4}", "train.lora: unknown keys ['rank']"),
+    ("data.eval_size=-1", "data.eval_size=-1: must be >= 0"),
+    ("data.train=''", "data.train='': must not be empty"),
+    ("rollout.top_p=2", "rollout.top_p=2: must be <= 1"),
+    ("rollout.top_p=0", "rollout.top_p=0: must be > 0"),
+    ("rollout.top_k=-1", "rollout.top_k=-1: must be >= 0"),
+    ("rollout.temperature=0", "rollout.temperature=0: must be > 0"),
+    ("rollout.dtype=fp8", "rollout.dtype='fp8': must be 'auto', 'float32', 'bfloat16' or 'float16'"),
+    ("reward.timeout_s=0", "reward.timeout_s=0: must be > 0"),
+    ("reward.functions=[]", "reward.functions: must not be empty"),
+    ("reward.functions=[{fn: numeric, weight: heavy}]", "reward.functions.0: weight='heavy': must be a number"),
+    ("reward.functions=[numeric, {fn: format, weight: true}]", "reward.functions.1: weight=True: must be a finite number"),
+    ("reward.functions=[{weight: 1}]", "reward.functions.0: needs `fn`"),
+    ("reward.functions=[numeric, 3]", "reward.functions.1=3: must be a reward name or a mapping"),
+    ("algorithm.dual_clip=1", "algorithm.dual_clip=1: must be > 1"),
+    ("algorithm.eps_low=-0.1", "algorithm.eps_low=-0.1: must be >= 0"),
+    ("algorithm.kl_coef=-1", "algorithm.kl_coef=-1: must be >= 0"),
+    ("partial_rollout.oversample=0.5", "partial_rollout.oversample=0.5: must be >= 1"),
+    ("partial_rollout.max_carry_steps=-1", "partial_rollout.max_carry_steps=-1: must be >= 0"),
+    ("eval.samples_per_prompt=0", "eval.samples_per_prompt=0: must be >= 1"),
+    ("async.max_staleness=-1", "async.max_staleness=-1: must be >= 0"),
+    ("async.top_entropy_fraction=0", "async.top_entropy_fraction=0: must be > 0"),
+    ("seed=-1", "seed=-1: must be >= 0"),
+    ("device=gpu", "device='gpu': must be auto, cpu, cuda, cuda:N or mps"),
+    ("steps=", "steps=null: must be an integer"),
+])
+def test_out_of_range_values_name_key_and_value(over, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[over])
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_every_numeric_field_declares_its_range():
+    import typing
+
+    from pydantic import BaseModel
+
+    unbounded_by_design = {"RewardConfig.correct_threshold"}  # any reward value can be the threshold
+
+    def bounded(meta) -> bool:  # Ge(ge=1) etc., also inside a FieldInfo from Annotated[int, Field(ge=1)]
+        flat = [x for m in meta for x in [m, *getattr(m, "metadata", [])]]
+        return any(getattr(m, k, None) is not None for m in flat for k in ("ge", "gt", "le", "lt"))
+
+    def walk(model):
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                yield from walk(ann)
+                continue
+            for arg in [a for a in typing.get_args(ann) if a is not type(None)] or [ann]:  # X | None: X
+                base, *meta = typing.get_args(arg) if typing.get_origin(arg) is typing.Annotated else (arg, *f.metadata)
+                if base in (int, float) and not bounded(meta):
+                    yield f"{model.__name__}.{name}"
+
+    assert [n for n in walk(Config) if n not in unbounded_by_design] == []
+
+
+def test_reward_weights_are_numbers_at_parse_time():
+    cfg = load_config(overrides=["reward.functions=[numeric, {fn: format, weight: '0.5', kwargs: {pattern: x}}]"])
+    assert cfg.reward.functions == ["numeric", {"fn": "format", "weight": 0.5, "kwargs": {"pattern": "x"}}]
+
+
+def test_invalid_yaml_names_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 3\nrollout:\n  temperature: [0.7\n  top_p: 1\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}:4:8: invalid YAML: ") as e:
+        load_config(bad)
+    assert "\n" not in str(e.value)
+    (tmp_path / "list.yaml").write_text("- steps: 3\n")
+    with pytest.raises(ConfigError, match="the top level must be a mapping"):
+        load_config(tmp_path / "list.yaml")
+    with pytest.raises(ConfigError, match="is a directory, not a YAML config file"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match=r"override 'reward.functions=\[math': the value is not valid YAML"):
+        load_config(overrides=["reward.functions=[math"])
+
+
+def test_yaml_file_errors_name_the_file_and_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("checkpoint:\n  keep: 0\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: checkpoint.keep=0: must be >= 1$"):
+        load_config(path)
 
 
 @pytest.mark.parametrize("key, hint", [("rollout.temprature=1", "did you mean 'temperature'"),
@@ -39,7 +138,10 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["algorithm.loss=gspo"], "seq-mean-token-mean"),
     (["rollout.samples_per_prompt=1"], "samples_per_prompt must be >= 2"),
     (["algorithm.dynamic_sampling=true", "rollout.samples_per_prompt=1", "algorithm.advantage=reinforce_pp_baseline"], "dynamic_sampling"),
-    (["rollout.temperature=0"], "temperature must be > 0"),
+    (["partial_rollout.enabled=true", "partial_rollout.adaptive=true", "partial_rollout.oversample=5"],
+     r"oversample=5.0 must lie in \[min_oversample, max_oversample\] = \[1.0, 4.0\]"),
+    (["train.mini_batches=9"], "train.mini_batches=9 cannot exceed rollout.prompts_per_step=8"),
+    (["train.micro_batch_tokens=100"], "train.micro_batch_tokens=100 must be >= train.pack_length"),
     (["async.max_staleness=2"], "mode is sync"),
     (["mode=async", "partial_rollout.enabled=true"], "applies to sync mode"),
     (["partial_rollout.enabled=true", "partial_rollout.on_stale=is"], "decoupled_ppo or algorithm.tis_cap"),
@@ -69,8 +171,30 @@ def test_every_field_is_documented():
     undocumented = [name for name, doc in walk(Config) if not doc]
     assert undocumented == []
     assert "max_staleness" in describe()
+    assert "  checkpoint.keep = 2  (>= 1)" in describe()
 
 
-def test_cli_reports_config_errors(capsys):
+def test_resume_changes_list_what_is_trained_only():
+    before = load_config(overrides=["train.lr=1e-3", "reward.functions=[numeric]"])
+    saved = yaml.safe_load(dump_config(before))
+    assert config_changes(saved, before) == []  # a YAML round trip is no change
+    after = load_config(overrides=["train.lr=2e-3", "model=a/b", "reward.functions=[math]", "rollout.top_p=0.9",
+                                   "steps=99", "eval.every=1", "checkpoint.keep=5", "logging.progress=false",
+                                   "device=cpu", "rollout.max_rows=3", "run_dir=elsewhere"])
+    assert config_changes(saved, after) == [
+        'model: "smollm2-135m-instruct" -> "a/b"',
+        "rollout.top_p: 1.0 -> 0.9",
+        'reward.functions: ["numeric"] -> ["math"]',
+        "train.lr: 0.001 -> 0.002",
+    ]
+    del saved["train"]["lr"]  # a key the saved config lacks counts as its default
+    assert config_changes(saved, before) == ["train.lr: 1e-05 -> 0.001"]
+
+
+def test_cli_reports_config_errors_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     assert main(["train", "rollout.temprature=1"]) == 2
     assert "did you mean 'temperature'" in capsys.readouterr().err
+    assert main(["train", "checkpoint.keep=0"]) == 2
+    assert capsys.readouterr().err == "rollover train: config error: checkpoint.keep=0: must be >= 1\n"
+    assert list(tmp_path.iterdir()) == []

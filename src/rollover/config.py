@@ -3,16 +3,22 @@
 A config is YAML (or a dict) with the sections below, plus `key.path=value` overrides from
 the command line. Unknown keys are errors that suggest the nearest known name; options that
 contradict each other are rejected, never silently repaired.
+
+Every field carries its own range (`Field(ge=..., gt=..., le=...)`), so a value out of range is
+reported as `key=value: must be >= 1`; `Config._consistent` holds only the checks that
+involve more than one field.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
+import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -20,7 +26,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -34,18 +41,68 @@ class Section(BaseModel):
         return data
 
 
+def _reward_spec(spec: Any) -> Any:
+    """A `reward.functions` entry: a non-empty name, or a mapping {fn, weight, kwargs, name}
+    whose weight is a finite number (returned as a float)."""
+    if isinstance(spec, str):
+        if not spec.strip():
+            raise ValueError("a reward name must not be empty")
+        return spec
+    if not isinstance(spec, dict):
+        raise ValueError("must be a reward name or a mapping {fn, weight, kwargs, name}")
+    unknown = sorted(set(spec) - {"fn", "weight", "kwargs", "name"})
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} (known: fn, weight, kwargs, name)")
+    if not isinstance(spec.get("fn"), str) or not spec["fn"].strip():
+        raise ValueError(f"needs `fn`, a reward name, got {spec.get('fn')!r}")
+    weight = spec.get("weight", 1.0)
+    if isinstance(weight, str):
+        try:
+            weight = float(weight)
+        except ValueError:
+            raise ValueError(f"weight={spec['weight']!r}: must be a number") from None
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+        raise ValueError(f"weight={spec.get('weight')!r}: must be a finite number")
+    if not isinstance(spec.get("kwargs", {}), dict):
+        raise ValueError(f"kwargs={spec['kwargs']!r}: must be a mapping")
+    if spec.get("name") is not None and not isinstance(spec["name"], str):
+        raise ValueError(f"name={spec['name']!r}: must be a string")
+    return {**spec, "weight": float(weight)}
+
+
+def _lora(lora: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`train.lora`: known keys only, r and alpha >= 1, dropout in [0, 1)."""
+    if lora is None:
+        return None
+    unknown = sorted(set(lora) - {"r", "alpha", "dropout", "target_modules"})
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} (known: r, alpha, dropout, target_modules)")
+    for key in ("r", "alpha"):
+        if key in lora and (isinstance(lora[key], bool) or not isinstance(lora[key], int) or lora[key] < 1):
+            raise ValueError(f"{key}={lora[key]!r}: must be an integer >= 1")
+    dropout = lora.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise ValueError(f"dropout={dropout!r}: must be a number in [0, 1)")
+    return lora
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+RewardSpecEntry = Annotated[Any, AfterValidator(_reward_spec)]
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class DataConfig(Section):
-    train: str = "gen:arithmetic?digits=1&n=2000"
+    train: NonEmptyStr = "gen:arithmetic?digits=1&n=2000"
     """Training prompts: a .jsonl or .parquet file, a `save_to_disk` directory, `hf:owner/name`
     (where a hub is reachable) or a generator `gen:NAME?option=value&...` (see docs/data_and_rewards.md)."""
-    eval: str | None = None
+    eval: NonEmptyStr | None = None
     """Held-out prompts (same forms as `train`). When unset, `eval_size` prompts are carved
     from the training data (no overlap)."""
-    eval_size: int = 48
+    eval_size: int = Field(48, ge=0)
     """How many held-out prompts to evaluate on (carved from `train` when `eval` is unset)."""
-    prompt_key: str = "prompt"
+    prompt_key: NonEmptyStr = "prompt"
     """Column holding the prompt: a string or a list of chat messages."""
-    answer_key: str | None = None
+    answer_key: NonEmptyStr | None = None
     """Column holding the ground truth; by default the first of answer, solution,
     reward_model.ground_truth."""
     system_prompt: str | None = None
@@ -54,7 +111,7 @@ class DataConfig(Section):
     """Text appended to the last user message (e.g. "Put the final answer in \\boxed{}.")."""
     chat_template: bool = True
     """Render prompts with the tokenizer's chat template."""
-    max_prompt_tokens: int = 256
+    max_prompt_tokens: int = Field(256, ge=1)
     """Prompts longer than this are rejected at start-up (with the row named)."""
     on_bad_row: Literal["raise", "skip"] = "raise"
     """A malformed row stops the run with an error naming file and row, or is skipped and counted."""
@@ -65,29 +122,30 @@ class DataConfig(Section):
 class RolloutConfig(Section):
     engine: Literal["torch", "vllm"] = "torch"
     """Rollout engine: the built-in TorchEngine, or vLLM (the `vllm` extra)."""
-    prompts_per_step: int = 8
+    prompts_per_step: int = Field(8, ge=1)
     """Prompt groups trained on per step."""
-    samples_per_prompt: int = 4
+    samples_per_prompt: int = Field(4, ge=1)
     """Samples per prompt (the group size n)."""
-    max_new_tokens: int = 256
+    max_new_tokens: int = Field(256, ge=1)
     """Bound on each response's length (across any number of resumes)."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer divides its logits by the same value."""
-    top_p: float = 1.0
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (> 0: greedy rollouts have no exploration); the trainer divides its logits by the same value."""
+    top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass (1 = off)."""
-    top_k: int = 0
+    top_k: int = Field(0, ge=0)
     """Top-k sampling (0 = off)."""
-    max_rows: int = 64
-    """Sequences the engine decodes together (its slot limit)."""
+    max_rows: int = Field(64, ge=1)
+    """Sequences the engine decodes together (its slot limit). The engine admits samples one at
+    a time as rows free up, so a group need not fit at once: any value >= 1 runs."""
     ignore_eos: bool = False
     """Generate through EOS up to max_new_tokens (benchmark workloads only)."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Engine dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
     inflight_weight_update: Literal["continue", "abort"] = "continue"
     """What a weight update does to sequences still generating (async mode)."""
     engine_options: dict[str, Any] = {}
     """Passed through to the engine constructor (e.g. vLLM's gpu_memory_utilization)."""
-    stall_timeout_s: float = 600.0
+    stall_timeout_s: float = Field(600.0, gt=0)
     """A wait between components (the trainer for a batch, a collector for the engine, the
     rollout service for aborted requests) that sees no progress at all for this long ends the
     run with an error naming who waited for what; any generated token counts as progress."""
@@ -97,10 +155,10 @@ class PartialRolloutConfig(Section):
     enabled: bool = False
     """APRIL: over-provision, stop at `prompts_per_step` complete groups, abort the rest and
     resume them next step from their tokens."""
-    oversample: float = 2.0
+    oversample: float = Field(2.0, ge=1)
     """alpha: keep alpha x prompts_per_step groups' worth of samples (x samples_per_prompt)
     unfinished in flight; rows freed by finished samples go to fresh groups at once."""
-    max_carry_steps: int = 2
+    max_carry_steps: int = Field(2, ge=0)
     """A carried-over prefix may lag the current policy by at most this many versions."""
     on_stale: Literal["mask", "regenerate", "is"] = "mask"
     """Past `max_carry_steps`: mask the stale tokens in the loss, regenerate the sample from
@@ -114,21 +172,22 @@ class PartialRolloutConfig(Section):
     sampled with). TorchEngine only."""
     adaptive: bool = False
     """Adjust alpha each step from the observed completion rate."""
-    min_oversample: float = 1.0
+    min_oversample: float = Field(1.0, ge=1)
     """Lower bound for adaptive alpha."""
-    max_oversample: float = 4.0
+    max_oversample: float = Field(4.0, ge=1)
     """Upper bound for adaptive alpha."""
 
 
 class RewardConfig(Section):
-    functions: list[Any] = ["numeric"]
+    functions: list[RewardSpecEntry] = Field(["numeric"], min_length=1)
     """Reward functions: built-in names (math, numeric, exact, format, countdown),
-    `module:function` or `file.py:function`, or {fn, weight, kwargs, name} mappings."""
-    timeout_s: float = 10.0
+    `module:function` or `file.py:function`, or {fn, weight, kwargs, name} mappings (weight: a
+    number). The first one decides accuracy (see `correct_threshold`)."""
+    timeout_s: float = Field(10.0, gt=0)
     """Per-call timeout; a call past it counts as an error."""
     on_error: Literal["raise", "zero", "skip"] = "raise"
     """A raising or hanging reward: stop the run, score 0 (counted and reported), or skip the sample."""
-    workers: int = 4
+    workers: int = Field(4, ge=1)
     """Worker processes for isolated rewards (built-in `math`, and functions marked `isolate`),
     started on first use; a call past `timeout_s` is killed with its worker, which is replaced."""
     correct_threshold: float = 1.0
@@ -141,87 +200,87 @@ class AlgorithmConfig(Section):
     loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo"] | None = None
     """Policy loss; unset: ppo in sync mode, decoupled_ppo in async mode. ppo with
     eps_high > eps_low is DAPO's clip-higher."""
-    eps_low: float = 0.2
+    eps_low: float = Field(0.2, ge=0)
     """Lower clip range (ratio >= 1 - eps_low)."""
-    eps_high: float = 0.28
+    eps_high: float = Field(0.28, ge=0)
     """Upper clip range (ratio <= 1 + eps_high); DAPO uses 0.28."""
-    dual_clip: float | None = None
+    dual_clip: Annotated[float, Field(gt=1)] | None = None
     """Dual-clip constant c (> 1) for negative advantages; None = off."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo"] = "token-mean"
     """How per-token losses become the step loss; token-mean divides by the step's global token
     count, drgrpo by (sequences x max_new_tokens)."""
     loss_options: dict[str, Any] = {}
     """Extra keyword options for the policy loss (see docs/algorithms.md)."""
-    tis_cap: float | None = None
+    tis_cap: Annotated[float, Field(gt=0)] | None = None
     """Truncated importance sampling against the engine's logprobs (token level): cap on the
     weight pi_old / pi_behav; None = off."""
-    m2po_tau: float | None = None
+    m2po_tau: Annotated[float, Field(gt=0)] | None = None
     """M2PO: mask the fewest tokens so the second moment of log(pi_old / pi_behav) is <= tau; None = off."""
-    kl_coef: float = 0.0
+    kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the reference (initial) model; > 0 loads a reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the penalty."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus weight."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal and top up with new prompts."""
-    max_resample_rounds: int = 4
+    max_resample_rounds: int = Field(4, ge=1)
     """Dynamic sampling: generation rounds per step before training on what was kept."""
-    overlong_buffer: int = 0
+    overlong_buffer: int = Field(0, ge=0)
     """DAPO soft overlong punishment: penalise the last `overlong_buffer` tokens before the cap (0 = off)."""
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = Field(1.0, ge=0)
     """Maximum soft overlong punishment."""
     mask_truncated: bool = False
     """Exclude completions cut by max_new_tokens from the loss."""
 
 
 class TrainConfig(Section):
-    lr: float = 1e-5
+    lr: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: float = Field(0.0, ge=0)
     """AdamW decoupled weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    warmup_steps: int = 0
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    """AdamW betas, each in [0, 1)."""
+    warmup_steps: int = Field(0, ge=0)
     """Linear warm-up steps."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate schedule after warm-up."""
-    grad_clip: float = 1.0
+    grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm (0 = off)."""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = Field(4096, ge=1)
     """Tokens per forward/backward; sequences are packed into rows up to `pack_length`."""
-    pack_length: int | None = None
+    pack_length: Annotated[int, Field(ge=1)] | None = None
     """Row length for sequence packing (default: data.max_prompt_tokens + rollout.max_new_tokens)."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = Field(1, ge=1)
     """Passes over each step's batch."""
-    mini_batches: int = 1
+    mini_batches: int = Field(1, ge=1)
     """Optimizer updates per epoch; with ppo_epochs=1 and mini_batches=1 no extra forward is made for old logprobs."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32"] = "auto"
     """Trainer weights: auto (float32; bf16 autocast on CUDA), float32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
-    max_bad_steps: int = 3
+    max_bad_steps: int = Field(3, ge=1)
     """Consecutive steps with a NaN/inf loss that stop the run (after a checkpoint)."""
-    lora: dict[str, Any] | None = None
+    lora: Annotated[dict[str, Any] | None, AfterValidator(_lora)] = None
     """LoRA via peft, e.g. {r: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}; None = full fine-tuning."""
 
 
 class EvalConfig(Section):
-    every: int = 5
+    every: int = Field(5, ge=0)
     """Evaluate every this many steps (0 = only at the start and the end)."""
-    samples_per_prompt: int = 4
+    samples_per_prompt: int = Field(4, ge=1)
     """Samples per held-out prompt."""
-    temperature: float = 1.0
+    temperature: float = Field(1.0, ge=0)
     """Evaluation sampling temperature (0 = greedy)."""
     at_start: bool = True
     """Evaluate before the first step (the baseline)."""
 
 
 class CheckpointConfig(Section):
-    every: int = 10
+    every: int = Field(10, ge=0)
     """Save every this many steps (and always at the end); 0 = only at the end."""
-    keep: int = 2
-    """Checkpoints kept on disk (oldest removed)."""
+    keep: int = Field(2, ge=1)
+    """Checkpoints kept on disk (oldest removed; the one just written is always kept)."""
 
 
 class LoggingConfig(Section):
@@ -234,34 +293,36 @@ class LoggingConfig(Section):
 
 
 class AsyncConfig(Section):
-    max_staleness: int = 1
+    max_staleness: int = Field(1, ge=0)
     """eta: no sample is trained more than this many policy versions after the version that
     started it (0 = synchronous)."""
     experience_pool: bool = False
     """DART: replace an all-fail group's worst sample with the prompt's latest success."""
     dynamic_samples: bool = False
     """DART: fewer samples for prompts the policy solved every time last round."""
-    min_samples: int = 2
-    """DART dynamic samples: the fewest samples a prompt gets."""
-    top_entropy_fraction: float = 1.0
+    min_samples: int = Field(2, ge=2)
+    """DART dynamic samples: the fewest samples a prompt gets (a group of 1 has no baseline)."""
+    top_entropy_fraction: float = Field(1.0, gt=0, le=1)
     """Train only on this fraction of highest-entropy steps (1 = all)."""
 
 
 class Config(Section):
-    run_dir: str = "runs/default"
+    run_dir: NonEmptyStr = "runs/default"
     """Where metrics, checkpoints and plots go."""
-    model: str = "smollm2-135m-instruct"
+    model: NonEmptyStr = "smollm2-135m-instruct"
     """A local path, a hub id, or the alias smollm2-135m-instruct."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
     """Seeds data order, sampling (per sample, so resume is exact) and initialisation."""
-    steps: int = 20
+    steps: int = Field(20, ge=1)
     """Training steps."""
     mode: Literal["sync", "async"] = "sync"
     """sync: generate -> train in turn (loops/sync.py); async: decoupled services (loops/async_.py)."""
-    resume: str = "auto"
-    """auto: continue from the latest checkpoint in run_dir if any; never; or a checkpoint path."""
-    device: str = "auto"
-    """auto (cuda if available), cpu, cuda."""
+    resume: NonEmptyStr = "auto"
+    """auto: continue from the latest checkpoint in run_dir if any; never; or a checkpoint path.
+    Resuming under a config that changes what is trained (anything outside
+    `RESUME_FREE_KEYS`) is refused unless allowed (`rollover train --allow-config-change`)."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:[0-9]+)?)$")
+    """auto (cuda if available), cpu, cuda, cuda:N, mps."""
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     partial_rollout: PartialRolloutConfig = PartialRolloutConfig()
@@ -290,63 +351,46 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
-        r, a, p = self.rollout, self.algorithm, self.partial_rollout
+        """Checks across fields (each field's own range is declared with the field)."""
+        r, a, p, t = self.rollout, self.algorithm, self.partial_rollout, self.train
         problems = []
-        if r.prompts_per_step < 1 or r.samples_per_prompt < 1:
-            problems.append("rollout.prompts_per_step and rollout.samples_per_prompt must be >= 1")
-        if r.max_new_tokens < 1:
-            problems.append("rollout.max_new_tokens must be >= 1")
-        if r.temperature <= 0:
-            problems.append("rollout.temperature must be > 0 for RL sampling (greedy rollouts have no exploration)")
         if a.dynamic_sampling and r.samples_per_prompt < 2:
             problems.append("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2 (a group of 1 has no variance)")
         if a.advantage in ("grpo", "drgrpo", "rloo", "gapo") and r.samples_per_prompt < 2:
             problems.append(f"algorithm.advantage={a.advantage} compares samples of a group: rollout.samples_per_prompt must be >= 2")
         if a.loss in ("gspo", "gspo_token") and a.aggregation != "seq-mean-token-mean":
             problems.append("algorithm.loss=gspo is defined with aggregation=seq-mean-token-mean; set it explicitly")
-        if a.eps_low < 0 or a.eps_high < 0:
-            problems.append("algorithm.eps_low and eps_high must be >= 0")
-        if a.dual_clip is not None and a.dual_clip <= 1:
-            problems.append("algorithm.dual_clip must be > 1")
         if a.overlong_buffer >= r.max_new_tokens:
-            problems.append("algorithm.overlong_buffer must be smaller than rollout.max_new_tokens")
-        if p.enabled and p.oversample < 1:
-            problems.append("partial_rollout.oversample must be >= 1")
+            problems.append(f"algorithm.overlong_buffer={a.overlong_buffer} must be smaller than "
+                            f"rollout.max_new_tokens={r.max_new_tokens}")
+        if p.min_oversample > p.max_oversample:
+            problems.append(f"partial_rollout.min_oversample={p.min_oversample} exceeds max_oversample={p.max_oversample}")
         if p.enabled and p.adaptive and not p.min_oversample <= p.oversample <= p.max_oversample:
-            problems.append("partial_rollout.oversample must lie in [min_oversample, max_oversample]")
+            problems.append(f"partial_rollout.oversample={p.oversample} must lie in [min_oversample, max_oversample] = "
+                            f"[{p.min_oversample}, {p.max_oversample}]")
         if p.enabled and p.on_stale == "is" and a.loss != "decoupled_ppo" and a.tis_cap is None:
             problems.append("partial_rollout.on_stale=is weights stale tokens by importance sampling: set "
                             "algorithm.loss=decoupled_ppo or algorithm.tis_cap")
         if p.enabled and p.carry == "keep_kv" and r.engine != "torch":
             problems.append("partial_rollout.carry=keep_kv needs rollout.engine=torch (it pauses the engine with K/V kept)")
-        if p.max_carry_steps < 0:
-            problems.append("partial_rollout.max_carry_steps must be >= 0")
         if self.mode == "async" and p.enabled:
             problems.append("partial_rollout.enabled applies to sync mode; async mode already overlaps generation "
                             "with training and carries in-flight requests across weight updates "
                             "(rollout.inflight_weight_update)")
         if self.mode == "sync" and self.async_ != AsyncConfig():
             problems.append("the async section is set but mode is sync; set mode: async")
-        if self.async_.min_samples < 2 and self.async_.dynamic_samples:
-            problems.append("async.min_samples must be >= 2 (a group of 1 has no baseline)")
-        if not 0 < self.async_.top_entropy_fraction <= 1:
-            problems.append("async.top_entropy_fraction must be in (0, 1]")
-        if self.async_.max_staleness < 0:
-            problems.append("async.max_staleness must be >= 0")
         longest = self.data.max_prompt_tokens + r.max_new_tokens
-        if self.train.micro_batch_tokens < (self.train.pack_length or longest):
-            problems.append("train.micro_batch_tokens must be >= train.pack_length")
-        if self.train.pack_length is not None and self.train.pack_length < longest:
+        if t.micro_batch_tokens < (t.pack_length or longest):
+            problems.append(f"train.micro_batch_tokens={t.micro_batch_tokens} must be >= train.pack_length "
+                            f"({t.pack_length or f'default: data.max_prompt_tokens + rollout.max_new_tokens = {longest}'})")
+        if t.pack_length is not None and t.pack_length < longest:
             problems.append(
-                f"train.pack_length ({self.train.pack_length}) must hold the longest sequence: "
+                f"train.pack_length={t.pack_length} must hold the longest sequence: "
                 f"data.max_prompt_tokens + rollout.max_new_tokens = {longest}"
             )
-        if self.train.ppo_epochs < 1 or self.train.mini_batches < 1:
-            problems.append("train.ppo_epochs and train.mini_batches must be >= 1")
-        if self.train.mini_batches > r.prompts_per_step:
-            problems.append("train.mini_batches cannot exceed rollout.prompts_per_step (a mini-batch holds whole groups)")
-        if a.loss == "decoupled_ppo" and self.mode == "sync" and not p.enabled:
-            pass  # allowed: with behaviour == proximal it is plain PPO
+        if t.mini_batches > r.prompts_per_step:
+            problems.append(f"train.mini_batches={t.mini_batches} cannot exceed rollout.prompts_per_step="
+                            f"{r.prompts_per_step} (a mini-batch holds whole groups)")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -362,25 +406,47 @@ def _set_path(d: dict, dotted: str, value: Any) -> None:
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """`key.path=value` strings as (key, value) pairs; each value is read as YAML."""
     out = []
     for item in overrides:
-        if "=" not in item:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like key.path=value")
-        key, raw = item.split("=", 1)
-        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e})") from None
+        out.append((key.strip(), value))
     return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A YAML mapping from a file; invalid YAML is a ConfigError naming file:line:column."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not a YAML config file")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: invalid YAML: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    return raw
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), **data: Any) -> Config:
     """Read YAML (optional), apply overrides, validate. Raises ConfigError naming the key."""
-    raw: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {str(path)!r} not found")
-        raw = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
+    raw: dict = read_yaml(path) if path is not None else {}
     for k, v in data.items():
         _set_path(raw, k, v)
     for k, v in parse_overrides(list(overrides)):
@@ -388,19 +454,105 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **dat
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"] if x != "async_") or "config"
-            msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{loc}: {msg}")
-        where = f"{path}: " if path else ""
-        raise ConfigError(where + "; ".join(lines)) from None
+        where = f"{path}: " if path is not None else ""
+        raise ConfigError(where + "; ".join(_error_line(err) for err in e.errors())) from None
+
+
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"),
+           "less_than_equal": ("le", "<="), "less_than": ("lt", "<")}
+_TYPE_ERRORS = {"int_parsing": "must be an integer", "int_type": "must be an integer",
+                "int_from_float": "must be an integer", "float_parsing": "must be a number",
+                "float_type": "must be a number", "finite_number": "must be a finite number",
+                "bool_parsing": "must be true or false", "bool_type": "must be true or false",
+                "string_type": "must be a string", "string_too_short": "must not be empty",
+                "too_short": "must not be empty", "dict_type": "must be a mapping", "list_type": "must be a list"}
+
+
+def _number(x: Any) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _error_line(err: dict) -> str:
+    """One pydantic error as `key=value: what is allowed`."""
+    loc = ".".join("async" if x == "async_" else str(x) for x in err["loc"])
+    kind, value = err["type"], err.get("input")
+    if kind in _BOUNDS:
+        name, symbol = _BOUNDS[kind]
+        msg = f"must be {symbol} {_number(err['ctx'][name])}"
+    elif kind == "string_pattern_mismatch" and loc == "device":
+        msg = "must be auto, cpu, cuda, cuda:N or mps"
+    else:
+        msg = _TYPE_ERRORS.get(kind) or err["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+    if not loc:
+        return msg
+    if value is None or isinstance(value, str | int | float):
+        quoted = isinstance(value, str) and kind not in _BOUNDS  # a bound was checked on a number
+        shown = repr(value) if quoted else value if isinstance(value, str) else json.dumps(value)
+        return f"{loc}={shown}: {msg}"
+    return f"{loc}: {msg}"
+
+
+# Keys a resumed run may change freely: how long it runs, where and on what it runs, how it
+# evaluates, checkpoints and logs, knobs that change speed but not the samples' meaning
+# (packing is exact, the engine is behind one contract), and what a failing reward call does
+# (a run stopped by reward.on_error=raise is meant to be resumed with zero or skip). Every other
+# key — model, seed, mode, data, reward functions, algorithm, train, rollout sampling,
+# partial_rollout, async — changes what is trained, and a new key is in that group until it is
+# listed here.
+RESUME_FREE_KEYS = (
+    "run_dir", "steps", "resume", "device", "eval", "checkpoint", "logging",
+    "rollout.engine", "rollout.max_rows", "rollout.dtype", "rollout.engine_options", "rollout.stall_timeout_s",
+    "reward.timeout_s", "reward.on_error", "train.micro_batch_tokens", "train.pack_length", "train.gradient_checkpointing",
+    "train.max_bad_steps",
+)
+
+
+_SECTIONS = {("async" if n == "async_" else n) for n, f in Config.model_fields.items()
+             if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}
+
+
+def _flat(data: dict, prefix: str = "") -> dict[str, Any]:
+    """A dumped config as {dotted key: value}, descending into sections only."""
+    out = {}
+    for key, value in data.items():
+        key = "async" if key == "async_" else key
+        if isinstance(value, dict) and prefix == "" and key in _SECTIONS:
+            out.update(_flat(value, f"{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def config_changes(saved: dict, cfg: Config) -> list[str]:
+    """`key: old -> new` for each key outside RESUME_FREE_KEYS where `cfg` differs from a
+    saved config (a mapping read from a run's config.yaml; keys it lacks count as defaults)."""
+    old = {**_flat(Config().model_dump(mode="json")), **_flat(saved)}
+    new = _flat(cfg.model_dump(mode="json"))
+    changes = []
+    for key, value in new.items():
+        if any(key == free or key.startswith(free + ".") for free in RESUME_FREE_KEYS):
+            continue
+        if key in old and _plain(old[key]) != _plain(value):
+            changes.append(f"{key}: {json.dumps(old[key])} -> {json.dumps(value)}")
+    return changes
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists (as a YAML round trip gives them back)."""
+    return json.loads(json.dumps(value))
 
 
 def dump_config(cfg: Config) -> str:
     data = cfg.model_dump(mode="json")
     data["async"] = data.pop("async_")
     return yaml.safe_dump(data, sort_keys=False)
+
+
+def _bounds(metadata: list) -> str:
+    """A field's declared range for `describe`, e.g. "  (>= 1)"."""
+    parts = [f"{symbol} {_number(getattr(m, name))}" for m in metadata
+             for name, symbol in _BOUNDS.values() if getattr(m, name, None) is not None]
+    return f"  ({', '.join(parts)})" if parts else ""
 
 
 def describe(section: type[BaseModel] = Config, prefix: str = "") -> str:
@@ -413,5 +565,5 @@ def describe(section: type[BaseModel] = Config, prefix: str = "") -> str:
             lines.append(f"\n[{key}]")
             lines.append(describe(ann, key + "."))
         else:
-            lines.append(f"  {key} = {f.default!r}\n      {f.description or ''}")
+            lines.append(f"  {key} = {f.default!r}{_bounds(f.metadata)}\n      {f.description or ''}")
     return "\n".join(lines)
