@@ -502,7 +502,7 @@ def _error_line(err: dict) -> str:
 RESUME_FREE_KEYS = (
     "run_dir", "steps", "resume", "device", "eval", "checkpoint", "logging",
     "rollout.engine", "rollout.max_rows", "rollout.dtype", "rollout.engine_options", "rollout.stall_timeout_s",
-    "reward.timeout_s", "reward.on_error", "train.micro_batch_tokens", "train.pack_length", "train.gradient_checkpointing",
+    "reward.timeout_s", "reward.on_error", "reward.workers", "train.micro_batch_tokens", "train.pack_length", "train.gradient_checkpointing",
     "train.max_bad_steps",
 )
 

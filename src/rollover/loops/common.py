@@ -3,6 +3,11 @@
 `build_run(cfg)` loads the tokenizer and model, renders and length-checks every prompt at
 start-up, builds the engine, trainer, reward runner and metrics logger, and restores the
 latest checkpoint when `resume` says so. The loops (`sync.py`, `async_.py`) only drive it.
+
+Nothing is written into `run_dir` until the run is accepted: the data loaded and
+length-checked, the model and tokenizer loaded, the rewards resolved and the checkpoint (if
+any) restored under a config that trains the same thing (`config.config_changes`). A run
+refused on the way leaves the run dir as it found it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rollover.config import Config, ConfigError, dump_config
+from rollover.config import Config, ConfigError, config_changes, dump_config, read_yaml
 from rollover.data import PromptIterator, load_prompts, render_prompt, split_holdout
 from rollover.rewards import RewardRunner, build_rewards
 from rollover.rollout.groups import (
@@ -58,6 +63,7 @@ class Run:
     serial: int = 0  # prompts drawn so far (seeds sampling; survives resume)
     resumed_extra: dict = field(default_factory=dict)
     data_skipped: int = 0
+    checkpoint: Path | None = None  # the checkpoint whose weights and state were restored
 
     # ------------------------------------------------------------ prompts
     def next_groups(self, k: int, version: int) -> list[PendingGroup]:
@@ -128,7 +134,8 @@ class Run:
         state = {"data": self.train_iter.state_dict(), "serial": self.serial, "version": self.engine.version,
                  **(extra or {})}
         return checkpoint.save(self.cfg.run_dir, step, model=self.model, tokenizer=self.tokenizer,
-                               trainer_state=self.trainer.state_dict(), extra=state, keep=self.cfg.checkpoint.keep)
+                               trainer_state=self.trainer.state_dict(), extra=state, keep=self.cfg.checkpoint.keep,
+                               config=dump_config(self.cfg))
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -143,6 +150,9 @@ def _load_model(cfg: Config, ckpt: Path | None):
     from rollover.train.trainer import apply_lora
 
     src = resolve_model(cfg.model)
+    if ckpt is not None and (ckpt / "adapter").exists() and cfg.train.lora is None:
+        raise ConfigError(f"{ckpt} holds a LoRA adapter but train.lora is unset; set train.lora as the run that "
+                          "wrote it did")
     if ckpt is not None and (ckpt / "model").exists():
         src = str(ckpt / "model")
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -212,22 +222,32 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
     return out, train, held_out, len(too_long)
 
 
-def build_run(cfg: Config, *, engine_factory=None) -> Run:
+def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = False, record: bool = True) -> Run:
+    """Everything a loop needs, with the checkpoint `cfg.resume` names restored.
+
+    `allow_config_change`: resume even when the config differs from the checkpoint's in what
+    is trained (the differences are logged and kept in RUN_DIR/config_changes.log).
+    `record=False` builds a run that writes nothing anywhere (evaluation): no config.yaml, no
+    metrics, and no comparison with the checkpoint's config.
+    """
     from rollover.metrics import MetricsLogger
     from rollover.models import load_tokenizer
     from rollover.train.trainer import Trainer
 
     device = pick_device(cfg.device)
     run_dir = Path(cfg.run_dir)
-    ckpt = None
-    if cfg.resume == "auto":
-        ckpt = checkpoint.latest(run_dir)
-    elif cfg.resume != "never":
-        ckpt = Path(cfg.resume)
-        if not (ckpt / "DONE").exists():
-            raise ConfigError(f"resume: {cfg.resume!r} is not a complete checkpoint directory")
+    ckpt = _checkpoint_to_resume(cfg)
+    changes = _config_changes(cfg, ckpt, allow_config_change) if record and ckpt is not None else []
+    if record and cfg.resume == "never" and _has_metrics(run_dir):
+        raise ConfigError(f"run_dir {run_dir} already holds a run (metrics.jsonl) and resume=never starts a new one: "
+                          "give another run_dir, or resume=auto to continue it")
+    if Path(cfg.model).is_dir() and not (Path(cfg.model) / "config.json").is_file():
+        raise ConfigError(f"model={cfg.model!r} is a directory without config.json, not a saved model")
+    state = checkpoint.load_state(ckpt) if ckpt is not None else None
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.model)
+    rewards = RewardRunner(build_rewards(cfg.reward.functions), timeout_s=cfg.reward.timeout_s,
+                           on_error=cfg.reward.on_error, workers=cfg.reward.workers)
     train_prompts, eval_prompts, skipped = _prompts(cfg)
     if skipped:
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
@@ -246,28 +266,94 @@ def build_run(cfg: Config, *, engine_factory=None) -> Run:
         engine_factory = make_engine
     engine = engine_factory(cfg, trainer, device=device, max_len=longest + 1,
                             eos_token_ids=_eos_ids(tokenizer, model))
-    rewards = RewardRunner(build_rewards(cfg.reward.functions), timeout_s=cfg.reward.timeout_s,
-                           on_error=cfg.reward.on_error, workers=cfg.reward.workers)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    state = checkpoint.load_state(ckpt) if ckpt is not None else None
-    # resuming at step s drops the killed run's rows after s; a restart from scratch under
-    # resume=auto drops them all; resume=never refuses a run_dir that already has metrics
-    resume_step = state["step"] if state else (-1 if cfg.resume == "auto" else None)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb, resume=resume_step)
     run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
               train_iter=PromptIterator(train_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
-              eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=logger, data_skipped=skipped)
-    if state is not None:
-        trainer.load_state_dict(state["trainer"])
-        run.train_iter.load_state_dict(state["data"])
-        run.serial = state["serial"]
-        run.start_step = state["step"]
-        engine.update_weights(trainer.named_weights(), version=state["version"])
-        checkpoint.set_rng_state(state["rng"])
-        run.resumed_extra = state
+              eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
+              data_skipped=skipped, checkpoint=ckpt)
+    try:
+        if state is not None:
+            _restore(run, state)
+        if record:  # the run is accepted: from here on it writes into run_dir
+            # resuming at step s drops the killed run's rows after s; a restart from scratch under
+            # resume=auto drops them all; resume=never was refused above if run_dir has metrics
+            resume_step = state["step"] if state else (-1 if cfg.resume == "auto" else None)
+            run.logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                                       resume=resume_step)
+            _record_config(cfg, run_dir, ckpt, changes)
+    except BaseException:
+        run.close()
+        raise
+    if ckpt is not None:
         log.info("resumed from %s at step %d", ckpt, run.start_step)
     return run
+
+
+def _checkpoint_to_resume(cfg: Config) -> Path | None:
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        return checkpoint.latest(cfg.run_dir)
+    ckpt = Path(cfg.resume)
+    if not (ckpt / "DONE").exists():
+        raise ConfigError(f"resume={cfg.resume!r}: not a complete checkpoint directory (no DONE marker)")
+    return ckpt
+
+
+def _config_changes(cfg: Config, ckpt: Path, allow: bool) -> list[str]:
+    """The differences in what is trained between `cfg` and the config that trained `ckpt`
+    (its own config.yaml, or its run dir's for checkpoints written without one); an error
+    listing them unless `allow`."""
+    saved = next((p for p in (ckpt / "config.yaml", ckpt.parent.parent / "config.yaml") if p.is_file()), None)
+    if saved is None:
+        log.warning("resume: no config.yaml in or beside %s; cannot check that it was trained under this config", ckpt)
+        return []
+    changes = config_changes(read_yaml(saved), cfg)
+    if changes and not allow:
+        raise ConfigError(f"resume from {ckpt} refused: this config changes what is trained (vs {saved}):\n"
+                          + "\n".join(f"  {c}" for c in changes)
+                          + "\nhint: pass --allow-config-change to continue under the new config, "
+                            "or give another run_dir to start a new run")
+    return changes
+
+
+def _has_metrics(run_dir: Path) -> bool:
+    from rollover.metrics.logger import METRICS_FILE
+
+    path = run_dir / METRICS_FILE
+    return path.exists() and path.stat().st_size > 0
+
+
+def _restore(run: Run, state: dict) -> None:
+    run.trainer.load_state_dict(state["trainer"])
+    run.train_iter.load_state_dict(state["data"])
+    run.serial = state["serial"]
+    run.start_step = state["step"]
+    run.engine.update_weights(run.trainer.named_weights(), version=state["version"])
+    checkpoint.set_rng_state(state["rng"])
+    run.resumed_extra = state
+
+
+def _record_config(cfg: Config, run_dir: Path, ckpt: Path | None, changes: list[str]) -> None:
+    """RUN_DIR/config.yaml is the config the run goes on under; allowed changes are logged
+    and appended to RUN_DIR/config_changes.log."""
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    if changes:
+        log.warning("resume from %s under a changed config (allowed):\n%s", ckpt, "\n".join(f"  {c}" for c in changes))
+        with open(run_dir / "config_changes.log", "a", encoding="utf-8") as f:
+            f.write(f"resumed from {ckpt}:\n" + "".join(f"  {c}\n" for c in changes))
+
+
+class _NoRecord:
+    """The logger of a run that writes nothing (`build_run(record=False)`)."""
+
+    def log(self, step: int, metrics: dict, *, kind: str = "train") -> None:
+        pass
+
+    def log_groups(self, step: int, groups: list) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class TooManyBadSteps(RuntimeError):

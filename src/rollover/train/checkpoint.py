@@ -6,10 +6,12 @@
 - `state.pt` — optimizer, scheduler, RNG states (python, numpy, torch), the data iterator's
   position, the prompt serial counter, the rollout scheduler's buffers (APRIL partial groups)
   and anything else the loop puts in `extra`;
+- `config.yaml` — the config that trained it (what `resume` compares a new config with);
 - `DONE` — written last: a directory without it was interrupted mid-save and is ignored.
 
 A checkpoint is written to a temporary directory and renamed into place, so a kill during a
-save never leaves a half checkpoint that `latest` would pick.
+save never leaves a half checkpoint that `latest` would pick. `keep` removes the oldest
+checkpoints but never the one just written.
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dict, extra: dict, keep: int) -> Path:
+def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dict, extra: dict, keep: int,
+         config: str | None = None) -> Path:
+    """Write `RUN_DIR/checkpoints/step_{step:06d}`, then remove the oldest complete checkpoints
+    other than it until `keep` remain. `config`: the run's config as YAML text."""
+    if keep < 1:
+        raise ValueError(f"checkpoint keep={keep}: must be >= 1 (the checkpoint just written is always kept)")
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -59,6 +66,8 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
         if tokenizer is not None and sub == "model":
             tokenizer.save_pretrained(tmp / sub)
         torch.save({"step": step, "trainer": trainer_state, "rng": rng_state(), **extra}, tmp / "state.pt")
+        if config is not None:
+            (tmp / "config.yaml").write_text(config)
         (tmp / "DONE").write_text(str(step))
         if final.exists():
             shutil.rmtree(final)
@@ -66,8 +75,8 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    done = sorted(p for p in root.glob("step_*") if (p / "DONE").exists())
-    for old in done[: max(0, len(done) - keep)]:
+    others = sorted(p for p in root.glob("step_*") if (p / "DONE").exists() and p != final)
+    for old in others[: max(0, len(others) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

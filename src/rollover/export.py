@@ -1,0 +1,97 @@
+"""A run's checkpoint as a plain Hugging Face model directory (`rollover export`).
+
+The output holds full weights (a LoRA adapter is merged into its base model), the tokenizer
+and its chat template, so `AutoModelForCausalLM.from_pretrained(OUT)` and
+`AutoTokenizer.from_pretrained(OUT)` load it with no rollover and no peft. Weights are saved in
+the checkpoint's dtype (float32). `data.system_prompt` and `data.instruction` are applied by
+rollover when it renders prompts; they are not part of the exported chat template.
+
+The directory is written beside OUT under a temporary name and renamed into place, so an
+interrupted export leaves no half model at OUT.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from rollover.config import read_yaml
+from rollover.train import checkpoint as ckpts
+
+
+class ExportError(RuntimeError):
+    """An export that cannot be made; the message says why."""
+
+
+def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | None = None,
+           force: bool = False) -> Path:
+    """Write the run's latest checkpoint (or `checkpoint`) to `out`; returns the checkpoint used.
+
+    A non-empty `out` is refused unless `force`, and even then only when it is a model
+    directory (holds config.json) unrelated to the checkpoint.
+    """
+    run_dir, out = Path(run_dir), Path(out)
+    ckpt = Path(checkpoint) if checkpoint is not None else ckpts.latest(run_dir)
+    if ckpt is None:
+        raise ExportError(f"{run_dir} has no complete checkpoint (checkpoints/step_*/DONE); pass --checkpoint DIR")
+    if not (ckpt / "DONE").exists():
+        raise ExportError(f"{ckpt} is not a complete checkpoint directory (no DONE marker)")
+    _check_out(out, ckpt, force)
+    model, tokenizer = _load(ckpt, run_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ckpt
+
+
+def _check_out(out: Path, ckpt: Path, force: bool) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"{out} exists and is not a directory")
+    o, c = out.resolve(), ckpt.resolve()
+    if o == c or o in c.parents or c in o.parents:
+        raise ExportError(f"{out} overlaps the checkpoint {ckpt}; export somewhere else")
+    if not any(out.iterdir()):
+        return
+    if not force:
+        raise ExportError(f"{out} is not empty; pass --force to replace it")
+    if not (out / "config.json").exists():
+        raise ExportError(f"{out} is not empty and is not a model directory (no config.json); --force replaces only "
+                          "a model directory: remove it yourself or export elsewhere")
+
+
+def _load(ckpt: Path, run_dir: Path):
+    """(model with full weights, tokenizer) from a checkpoint: its `model/` directory, or its
+    LoRA `adapter/` merged into the base model its config names."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollover.models import load_tokenizer, resolve_model
+
+    if (ckpt / "model").exists():
+        src = str(ckpt / "model")
+        return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), load_tokenizer(src)
+    if not (ckpt / "adapter").exists():
+        raise ExportError(f"{ckpt} holds neither model/ nor adapter/")
+    saved = next((p for p in (ckpt / "config.yaml", run_dir / "config.yaml") if p.is_file()), None)
+    if saved is None:
+        raise ExportError(f"{ckpt} holds a LoRA adapter but no config.yaml names its base model "
+                          f"(looked in {ckpt} and {run_dir})")
+    base_name = read_yaml(saved).get("model")
+    if not isinstance(base_name, str):
+        raise ExportError(f"{saved} names no base model (`model:`)")
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(resolve_model(base_name), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(ckpt / "adapter")).merge_and_unload()
+    return merged, load_tokenizer(base_name)

@@ -1,0 +1,253 @@
+"""The front door: `rollover` commands, short errors, run-directory integrity, eval and export
+(tiny random models, CPU)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rollover.cli import main
+from rollover.testing import save_tiny_model, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("m2") / "llama", "llama", seed=4))
+
+
+def overrides(model_dir, run_dir, *extra: str) -> list[str]:
+    """A run of two tiny steps with a checkpoint at step 2."""
+    return [f"model={model_dir}", f"run_dir={run_dir}", "steps=2", "seed=7", "data.train=gen:arithmetic?n=60",
+            "data.eval_size=4", "data.max_prompt_tokens=64", "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=2", "rollout.max_new_tokens=6", "rollout.max_rows=4",
+            "reward.functions=[numeric]", "train.lr=1e-2", "eval.every=0", "eval.at_start=false",
+            "eval.samples_per_prompt=2", "checkpoint.every=2", "logging.progress=false",
+            "logging.tensorboard=false", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(model_dir, tmp_path_factory):
+    """A finished full fine-tuning run: (run_dir, its overrides). Its second reward scores the
+    characters of a completion, so eval metrics tell one set of weights from another."""
+    root = tmp_path_factory.mktemp("trained")
+    (root / "chars.py").write_text("def chars(completion, answer, **kw):\n"
+                                   "    return sum(map(ord, completion)) % 101 / 101\n")
+    run_dir = root / "run"
+    over = overrides(model_dir, run_dir, f"reward.functions=[numeric, {{fn: '{root}/chars.py:chars'}}]")
+    assert main(["train", *over]) == 0
+    return run_dir, over
+
+
+def printed(out: str) -> dict[str, str]:
+    return dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+
+
+def snapshot(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# ---------------------------------------------------------------- commands and usage
+def test_help_lists_every_command_with_a_description(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("train", "eval", "export", "plot", "bench"):
+        line = next(x for x in out.splitlines() if x.strip().startswith(name + " "))
+        assert len(line.split(None, 1)[1]) > 10, line
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_train_without_arguments_explains_and_starts_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train"]) == 2
+    err = capsys.readouterr().err
+    assert "usage: rollover train" in err and "nothing was started" in err
+    assert list(tmp_path.iterdir()) == []
+    assert main(["eval"]) == 2 and list(tmp_path.iterdir()) == []
+
+
+def test_train_help_documents_the_config_change_override(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--allow-config-change" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- errors after parsing
+@pytest.mark.parametrize("bad, says", [
+    ("data.train={tmp}/missing.jsonl", "missing.jsonl"),
+    ("model={tmp}/no_such_model", "no_such_model"),
+    ("model={tmp}", "config.json"),  # a directory, but not a model
+    ("reward.functions=[no_such_reward]", "no_such_reward"),
+])
+def test_refused_run_is_short_and_leaves_no_run_dir(model_dir, tmp_path, capsys, bad, says):
+    run_dir = tmp_path / "run"
+    assert main(["train", *overrides(model_dir, run_dir, bad.format(tmp=tmp_path))]) in (1, 2)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert 1 <= len(err) <= 3, err
+    assert err[0].startswith("rollover train: ") and says in err[0]
+    assert not run_dir.exists()
+
+
+def test_debug_shows_the_traceback(model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--debug", *overrides(model_dir, run_dir, f"data.train={tmp_path}/missing.jsonl")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "missing.jsonl" in err.splitlines()[-1]
+    assert not run_dir.exists()
+
+
+def test_interrupt_is_not_swallowed(model_dir, tmp_path, monkeypatch):
+    import rollover.loops.common as common
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(common, "build_run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["train", *overrides(model_dir, tmp_path / "run")])
+
+
+# ---------------------------------------------------------------- resume under a changed config
+def test_resume_with_a_changed_config_is_refused_then_allowed(model_dir, other_model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", *overrides(model_dir, run_dir)]) == 0
+    before = snapshot(run_dir)
+    capsys.readouterr()
+
+    changed = overrides(other_model_dir, run_dir, "steps=3", "train.lr=2e-2")
+    assert main(["train", *changed]) == 2
+    err = capsys.readouterr().err
+    assert "refused" in err and f'model: "{model_dir}" -> "{other_model_dir}"' in err and "train.lr: 0.01 -> 0.02" in err
+    assert "steps" not in err  # steps may change freely
+    assert snapshot(run_dir) == before  # nothing written, config.yaml included
+
+    assert main(["train", "--allow-config-change", *changed]) == 0
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["model"] == other_model_dir and saved["train"]["lr"] == 0.02
+    log = (run_dir / "config_changes.log").read_text()
+    assert "train.lr: 0.01 -> 0.02" in log and "model:" in log
+    assert (run_dir / "checkpoints" / "step_000003" / "DONE").exists()
+    ckpt_cfg = yaml.safe_load((run_dir / "checkpoints" / "step_000003" / "config.yaml").read_text())
+    assert ckpt_cfg["train"]["lr"] == 0.02
+
+    # only free keys changed: accepted without the flag
+    assert main(["train", *overrides(other_model_dir, run_dir, "steps=4", "train.lr=2e-2", "eval.samples_per_prompt=1",
+                                     "checkpoint.keep=1")]) == 0
+    assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == ["step_000004"]
+
+
+def test_resume_never_on_an_existing_run_is_refused_before_writing(trained, capsys):
+    run_dir, over = trained
+    before = snapshot(run_dir)
+    assert main(["train", *over, "resume=never", "train.lr=5e-2"]) == 2
+    assert "resume=never" in capsys.readouterr().err
+    assert snapshot(run_dir) == before
+
+
+def test_checkpoint_keep_never_removes_the_one_just_written(tmp_path):
+    from rollover.train import checkpoint
+
+    model = tiny_model("llama", seed=1)
+
+    def save(step, keep):
+        return checkpoint.save(tmp_path, step, model=model, tokenizer=None, trainer_state={}, extra={}, keep=keep)
+
+    with pytest.raises(ValueError, match="keep=0: must be >= 1"):
+        save(1, 0)
+    save(2, 5), save(4, 5)
+    written = save(3, 1)  # e.g. a resume from step 2 while step 4 still exists
+    assert [p.name for p in checkpoint.checkpoint_dir(tmp_path).glob("step_*")] == [written.name]
+
+
+# ---------------------------------------------------------------- eval
+def test_eval_run_dir_and_its_config_use_the_latest_checkpoint(trained, capsys):
+    run_dir, over = trained
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    tmp = Path(tempfile.gettempdir())
+    temp_before = sorted(p.name for p in tmp.iterdir() if p.name.startswith("rollover"))
+    files_before = snapshot(run_dir)
+
+    assert main(["eval", *over, "--checkpoint", str(ckpt)]) == 0
+    explicit = printed(capsys.readouterr().out)
+    assert explicit["weights"].startswith(f"checkpoint {ckpt} (step 2)")
+
+    for source in (run_dir, run_dir / "config.yaml"):
+        assert main(["eval", str(source)]) == 0
+        got = printed(capsys.readouterr().out)
+        assert got["weights"] == f"checkpoint {ckpt} (step 2) [latest checkpoint of {run_dir}]"
+        assert {k: v for k, v in got.items() if k.startswith("eval/")} == \
+               {k: v for k, v in explicit.items() if k.startswith("eval/")}
+
+    assert main(["eval", str(run_dir), "--base"]) == 0
+    base = printed(capsys.readouterr().out)
+    assert base["weights"].startswith(f"base model {over[0].split('=', 1)[1]}")
+    assert base["eval/reward_mean"] != explicit["eval/reward_mean"]  # other weights, other samples
+
+    assert snapshot(run_dir) == files_before  # eval writes nothing into the run
+    assert sorted(p.name for p in tmp.iterdir() if p.name.startswith("rollover")) == temp_before
+
+
+def test_eval_plain_config_without_checkpoints_uses_the_base_model(model_dir, tmp_path, capsys):
+    cfg = tmp_path / "plain.yaml"
+    over = overrides(model_dir, tmp_path / "never_trained")
+    cfg.write_text(yaml.safe_dump(dict(x.split("=", 1) for x in over[:2])))
+    assert main(["eval", str(cfg), *over[2:]]) == 0
+    got = printed(capsys.readouterr().out)
+    assert got["weights"] == f"base model {model_dir} [{tmp_path / 'never_trained'} has no checkpoint]"
+    assert not (tmp_path / "never_trained").exists()
+    assert main(["eval", str(tmp_path)]) == 2
+    assert "not a run directory (no config.yaml)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- export
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_export_round_trip(model_dir, tmp_path, capsys, lora):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    extra = ["train.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}", "train.lr=5e-2"] if lora else []
+    assert main(["train", *overrides(model_dir, run_dir, *extra)]) == 0
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    assert main(["export", str(run_dir), str(out)]) == 0
+    assert f"exported {ckpt}" in capsys.readouterr().out
+
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    if lora:
+        from peft import PeftModel
+
+        trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(ckpt / "adapter"))
+        assert torch.allclose(_logits(exported, ids), _logits(trained, ids), atol=1e-5)
+    else:
+        trained = AutoModelForCausalLM.from_pretrained(ckpt / "model")
+        assert torch.equal(_logits(exported, ids), _logits(trained, ids))
+    assert not torch.allclose(_logits(exported, ids), _logits(base, ids), atol=1e-4)  # training moved the weights
+
+    assert main(["export", str(run_dir), str(out)]) == 1  # not empty: refused without --force
+    assert "not empty; pass --force" in capsys.readouterr().err
+    assert main(["export", str(run_dir), str(out), "--force", "--checkpoint", str(ckpt)]) == 0
+    assert (out / "config.json").exists() and not list(tmp_path.glob(".out-*"))
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("mine")
+    assert main(["export", str(run_dir), str(junk), "--force"]) == 1  # --force replaces only a model directory
+    assert (junk / "notes.txt").read_text() == "mine"
+    shutil.rmtree(out)
