@@ -241,6 +241,10 @@ def test_export_round_trip(model_dir, tmp_path, capsys, lora):
         assert torch.equal(_logits(exported, ids), _logits(trained, ids))
     assert not torch.allclose(_logits(exported, ids), _logits(base, ids), atol=1e-4)  # training moved the weights
 
+    if lora:  # eval restores the adapter too
+        assert main(["eval", str(run_dir)]) == 0
+        assert printed(capsys.readouterr().out)["weights"].startswith(f"checkpoint {ckpt} (step 2)")
+
     assert main(["export", str(run_dir), str(out)]) == 1  # not empty: refused without --force
     assert "not empty; pass --force" in capsys.readouterr().err
     assert main(["export", str(run_dir), str(out), "--force", "--checkpoint", str(ckpt)]) == 0

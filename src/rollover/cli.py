@@ -132,7 +132,8 @@ def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | No
         why = "--base" if base else "--checkpoint"
     run = build_run(cfg.model_copy(update={"resume": str(ckpt) if ckpt is not None else "never"}), record=False)
     try:
-        weights = f"checkpoint {run.checkpoint} (step {run.start_step})" if run.checkpoint else f"base model {cfg.model}"
+        weights = (f"checkpoint {run.checkpoint} (step {run.start_step})" if run.checkpoint
+                   else f"base model {cfg.model}")
         print(f"weights: {weights} [{why}]", flush=True)
         metrics = run.evaluate(run.start_step)
     finally:

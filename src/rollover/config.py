@@ -129,7 +129,8 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(256, ge=1)
     """Bound on each response's length (across any number of resumes)."""
     temperature: float = Field(1.0, gt=0)
-    """Sampling temperature (> 0: greedy rollouts have no exploration); the trainer divides its logits by the same value."""
+    """Sampling temperature (> 0: greedy rollouts have no exploration); the trainer divides its
+    logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass (1 = off)."""
     top_k: int = Field(0, ge=0)
@@ -415,7 +416,8 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e})") from None
+            problem = getattr(e, "problem", None) or e
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
         out.append((key.strip(), value))
     return out
 
@@ -502,7 +504,8 @@ def _error_line(err: dict) -> str:
 RESUME_FREE_KEYS = (
     "run_dir", "steps", "resume", "device", "eval", "checkpoint", "logging",
     "rollout.engine", "rollout.max_rows", "rollout.dtype", "rollout.engine_options", "rollout.stall_timeout_s",
-    "reward.timeout_s", "reward.on_error", "reward.workers", "train.micro_batch_tokens", "train.pack_length", "train.gradient_checkpointing",
+    "reward.timeout_s", "reward.on_error", "reward.workers",
+    "train.micro_batch_tokens", "train.pack_length", "train.gradient_checkpointing",
     "train.max_bad_steps",
 )
 

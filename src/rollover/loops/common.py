@@ -284,7 +284,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         run.close()
         raise
     if ckpt is not None:
-        log.info("resumed from %s at step %d", ckpt, run.start_step)
+        log.info("%s from %s at step %d", "resumed" if record else "loaded", ckpt, run.start_step)
     return run
 
 
