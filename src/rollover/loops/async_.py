@@ -42,7 +42,7 @@ from collections import Counter
 
 from rollover.config import Config
 from rollover.loops.common import Run, bad_steps_error, build_run, ledger_rows, train_batch_from
-from rollover.loops.guard import Interrupts, Watchdog, engine_progress, interrupted_result
+from rollover.loops.guard import Interrupts, Stalled, Watchdog, engine_progress, interrupted_result
 from rollover.rollout.async_rollout import ComponentError, DataManager, RolloutService, StalenessGate
 from rollover.rollout.groups import rollout_metrics
 
@@ -79,10 +79,15 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
         """A consistent snapshot: generation paused (partials back in their groups), the data
         manager between two groups, the trainer between two steps."""
         groups = service.pause()
-        with manager.lock:
+        if not manager.lock.acquire(timeout=cfg.rollout.stall_timeout_s):
+            raise Stalled(f"the trainer waited {cfg.rollout.stall_timeout_s:g} s (rollout.stall_timeout_s) for the data "
+                          f"manager to finish the group in its hands before a checkpoint ({manager.describe()})")
+        try:
             path = run.save(step, {"samples_consumed": samples_trained, "async": {
                 "gate": gate.state_dict(), "manager": manager.state_dict(), "inflight": groups,
                 "success_rate": dict(service.success_rate)}})
+        finally:
+            manager.lock.release()
         if resume:
             service.resume()
         return path
