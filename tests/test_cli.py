@@ -106,15 +106,42 @@ def test_debug_shows_the_traceback(model_dir, tmp_path, capsys):
     assert not run_dir.exists()
 
 
-def test_interrupt_is_not_swallowed(model_dir, tmp_path, monkeypatch):
+def test_interrupt_before_the_first_step_is_one_line_and_exit_130(model_dir, tmp_path, monkeypatch, capsys):
     import rollover.loops.common as common
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(common, "build_run", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        main(["train", *overrides(model_dir, tmp_path / "run")])
+    assert main(["train", *overrides(model_dir, tmp_path / "run")]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["rollover train: interrupted before the first step; nothing was saved"]
+
+
+def test_sigint_during_training_saves_and_exits_130_with_one_line(model_dir, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    slow = tmp_path / "slow_judge.py"  # each step takes >= 0.3 s
+    slow.write_text("import time\ndef judge(completion, answer, **kw):\n    time.sleep(0.3)\n    return 1.0\n")
+    run_dir = tmp_path / "run"
+    argv = [*overrides(model_dir, run_dir), "steps=50", "checkpoint.every=0", f"reward.functions=[{slow}:judge]"]
+    proc = subprocess.Popen([sys.executable, "-m", "rollover.cli", "train", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and '"kind": "train"' in metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    last = [x for x in err.splitlines() if x.startswith("rollover train:")]
+    assert len(last) == 1 and "SIGINT: stopped after step" in last[0] and "run the same command again" in last[0]
+    step = int(last[0].split("after step ")[1].split()[0])
+    assert (run_dir / "checkpoints" / f"step_{step:06d}" / "DONE").exists()
 
 
 # ---------------------------------------------------------------- resume under a changed config

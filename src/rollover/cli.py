@@ -7,6 +7,7 @@ or runs is one line plus a hint (exit 1), with the traceback behind `--debug`.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -77,6 +78,10 @@ def _run_training(cfg, allow_config_change: bool) -> int:
         from rollover.loops.sync import train_sync
 
         result = train_sync(cfg, run=run)
+    if "interrupted" in result:  # a signal: the step finished, a checkpoint was saved
+        print(f"rollover train: {result['interrupted']}: stopped after step {result['step']} with a checkpoint in "
+              f"{result['checkpoint']}; run the same command again to resume", file=sys.stderr)
+        return 128 + getattr(signal, result["interrupted"])
     plots = plot_run(cfg.run_dir)
     print(f"done: step {result['step']}" + (f", held-out accuracy {result['eval/accuracy']:.3f}" if "eval/accuracy" in result else ""))
     print(f"metrics: {cfg.run_dir}/metrics.jsonl; plots: {', '.join(str(x) for x in plots)}")
@@ -203,6 +208,9 @@ def _guarded(prog: str, debug: bool, body) -> int:
 
     try:
         return body()
+    except KeyboardInterrupt:  # before the loop took over SIGINT (loading data, the model, ...)
+        print(f"\n{prog}: interrupted before the first step; nothing was saved", file=sys.stderr)
+        return 128 + signal.SIGINT
     except Exception as e:
         if debug:
             import traceback
