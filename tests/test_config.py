@@ -104,6 +104,13 @@ def test_reward_weights_are_numbers_at_parse_time():
     assert cfg.reward.functions == ["numeric", {"fn": "format", "weight": 0.5, "kwargs": {"pattern": "x"}}]
 
 
+def test_reward_isolate_is_a_known_boolean_key():
+    cfg = load_config(overrides=["reward.functions=[{fn: numeric, isolate: true}]"])
+    assert cfg.reward.functions == [{"fn": "numeric", "isolate": True, "weight": 1.0}]
+    with pytest.raises(ConfigError, match=r"isolate='yes': must be true or false"):
+        load_config(overrides=["reward.functions=[{fn: numeric, isolate: 'yes'}]"])
+
+
 def test_invalid_yaml_names_file_line_and_column(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("steps: 3\nrollout:\n  temperature: [0.7\n  top_p: 1\n")

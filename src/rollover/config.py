@@ -42,17 +42,19 @@ class Section(BaseModel):
 
 
 def _reward_spec(spec: Any) -> Any:
-    """A `reward.functions` entry: a non-empty name, or a mapping {fn, weight, kwargs, name}
-    whose weight is a finite number (returned as a float)."""
+    """A `reward.functions` entry: a non-empty name, or a mapping {fn, weight, kwargs, name,
+    isolate} whose weight is a finite number (returned as a float)."""
     if isinstance(spec, str):
         if not spec.strip():
             raise ValueError("a reward name must not be empty")
         return spec
     if not isinstance(spec, dict):
-        raise ValueError("must be a reward name or a mapping {fn, weight, kwargs, name}")
-    unknown = sorted(set(spec) - {"fn", "weight", "kwargs", "name"})
+        raise ValueError("must be a reward name or a mapping {fn, weight, kwargs, name, isolate}")
+    unknown = sorted(set(spec) - {"fn", "weight", "kwargs", "name", "isolate"})
     if unknown:
-        raise ValueError(f"unknown keys {unknown} (known: fn, weight, kwargs, name)")
+        raise ValueError(f"unknown keys {unknown} (known: fn, weight, kwargs, name, isolate)")
+    if spec.get("isolate") is not None and not isinstance(spec["isolate"], bool):
+        raise ValueError(f"isolate={spec['isolate']!r}: must be true or false (run in a killable worker process)")
     if not isinstance(spec.get("fn"), str) or not spec["fn"].strip():
         raise ValueError(f"needs `fn`, a reward name, got {spec.get('fn')!r}")
     weight = spec.get("weight", 1.0)
