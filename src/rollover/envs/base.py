@@ -1,0 +1,185 @@
+"""Environments and the episodes they make: the types that cross the core -> env seam.
+
+An environment (`Env`) is a small object with two async methods, used once per episode:
+`initial_observation()` returns the opening chat messages, and `step(action)` takes what the
+model wrote and returns the messages to insert next (user feedback, tool results), a reward
+and whether the episode is over. Environments see text and token ids, never the engine: the
+core owns the tokens (`rollover.envs.episode`).
+
+An `EnvGroupBuilder` makes the n environments of one task (a GRPO group): `make_group(prompt,
+n)`. They are n separate objects, so each episode has its own state.
+
+A `Trajectory` is an episode's token sequence, exactly as the model saw it: the rendered
+opening messages, then for each turn the sampled tokens followed by the tokens the environment
+inserted (the rest of the chat template around its messages). Per token it carries
+`loss_mask_T` (1 = sampled, trained), `logprobs_T` (the engine's behaviour logprob; None where
+inserted) and `versions_T` (the policy version that sampled it; -1 where inserted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, Sequence
+
+from rollover.types import FinishReason, Prompt, Rollout
+
+INSERTED_VERSION = -1  # versions_T of a token the environment (or the prompt) put there
+
+# done: the environment ended the episode; max_turns / length: the runner's turn or token
+# budget ended it; abort: the engine aborted the turn being sampled; error: the environment
+# raised or timed out (see `EpisodeError`).
+EpisodeFinish = Literal["done", "max_turns", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One assistant turn as the environment receives it."""
+
+    text: str  # the sampled tokens decoded, special tokens (the end-of-turn mark) left out
+    token_ids: tuple[int, ...]  # exactly the sampled ids of this turn
+    finish: FinishReason  # 'stop' (end of turn or a stop token) or 'length' (turn budget hit)
+
+
+@dataclass
+class StepResult:
+    """What `Env.step` returns. `messages` are ignored when `done` (nothing follows them)."""
+
+    messages: list[dict]  # chat messages to insert: {"role": "user" | "tool" | ..., "content"}
+    reward: float
+    done: bool
+    info: dict = field(default_factory=dict)  # numbers worth reporting (e.g. {"guesses": 3})
+
+
+class Env(Protocol):
+    """One episode's environment. Both methods are coroutines and must not block the event
+    loop: run blocking work (a subprocess, a sandbox) with `asyncio.to_thread`, or the episode
+    runner's step timeout cannot fire."""
+
+    async def initial_observation(self) -> list[dict]: ...
+
+    async def step(self, action: Action) -> StepResult: ...
+
+
+class EnvGroupBuilder(Protocol):
+    """Makes the n environments of one task; each is used for one episode."""
+
+    def make_group(self, prompt: Prompt, n: int) -> Sequence[Env]: ...
+
+
+@dataclass(frozen=True)
+class EpisodeError:
+    """Why an environment failed its episode. The episode gets no reward."""
+
+    turn: int  # 0: initial_observation; k >= 1: the step after the k-th sampled turn
+    type: str  # the exception's class name, or "TimeoutError" for a step past the timeout
+    message: str
+    traceback: str  # formatted, for the report; "" for a timeout
+    timed_out: bool
+
+    def describe(self) -> str:
+        where = "initial_observation" if self.turn == 0 else f"step {self.turn}"
+        return f"{where}: {self.type}: {self.message}"
+
+
+@dataclass
+class Turn:
+    """One sampled assistant turn and what the environment made of it.
+
+    The turn's sampled tokens are `tokens_T[start:end]`; the tokens inserted after it (end of
+    the assistant turn, the environment's messages, the next generation prompt) are
+    `tokens_T[end:next turn's start]`, absent after the last turn.
+    """
+
+    start: int
+    end: int
+    finish: FinishReason  # the engine's finish for this turn
+    text: str  # Action.text
+    reward: float = 0.0  # 0.0 until the environment has stepped (never stepped: error, abort)
+    messages: list[dict] = field(default_factory=list)  # the environment's reply to the turn
+    info: dict = field(default_factory=dict)
+    gen_s: float = 0.0  # wall time waiting for the engine
+    env_s: float = 0.0  # wall time in env.step
+
+
+@dataclass
+class Trajectory:
+    """An episode's tokens, exactly as sampled and inserted, and what happened in it."""
+
+    request_id: str
+    prompt_len: int  # tokens_T[:prompt_len] is the rendered initial observation
+    tokens_T: list[int]
+    loss_mask_T: list[int]  # 1 = sampled by the policy, 0 = prompt or inserted by the env
+    logprobs_T: list[float | None]  # behaviour logprob of sampled tokens; None elsewhere
+    versions_T: list[int]  # policy version of sampled tokens; INSERTED_VERSION elsewhere
+    turns: list[Turn]
+    finish: EpisodeFinish
+    error: EpisodeError | None = None
+    initial_env_s: float = 0.0  # wall time in initial_observation
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def reward(self) -> float | None:
+        """The sum of the turns' rewards; None for a failed episode (never a silent 0)."""
+        return None if self.error is not None else sum(t.reward for t in self.turns)
+
+    @property
+    def turn_rewards(self) -> list[float]:
+        return [t.reward for t in self.turns]
+
+    @property
+    def info(self) -> dict:
+        """The turns' info dicts merged, later turns winning."""
+        merged: dict = {}
+        for t in self.turns:
+            merged.update(t.info)
+        return merged
+
+    @property
+    def env_s(self) -> float:
+        return self.initial_env_s + sum(t.env_s for t in self.turns)
+
+    @property
+    def gen_s(self) -> float:
+        return sum(t.gen_s for t in self.turns)
+
+    def to_rollout(self, group_id: str) -> Rollout:
+        """The trajectory in the single-turn rollout's shape: the initial observation is the
+        prompt, everything after it the response. Inserted tokens keep loss mask 0 and
+        version -1; their logprob becomes 0.0 (as padding is in `TrainBatch`), so it must only
+        ever be read through the mask. A failed episode is refused: it has no reward."""
+        if self.error is not None:
+            raise ValueError(f"episode {self.request_id} failed ({self.error.describe()}): it has no reward")
+        p = self.prompt_len
+        return Rollout(
+            group_id=group_id,
+            prompt_ids=self.tokens_T[:p],
+            response_ids=self.tokens_T[p:],
+            logprobs=[0.0 if lp is None else lp for lp in self.logprobs_T[p:]],
+            versions=self.versions_T[p:],
+            loss_mask=self.loss_mask_T[p:],
+            finish="stop" if self.finish == "done" else ("abort" if self.finish == "abort" else "length"),
+            reward=self.reward,
+        )
+
+
+def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Counts and means over episodes, for the metrics log: episodes, failed (and timed out),
+    turns per episode, the environment's share of the episode time, finish reasons."""
+    n = len(trajectories)
+    if n == 0:
+        return {}
+    env_s = sum(t.env_s for t in trajectories)
+    gen_s = sum(t.gen_s for t in trajectories)
+    out = {
+        "env/episodes": float(n),
+        "env/failed": float(sum(not t.ok for t in trajectories)),
+        "env/timed_out": float(sum(t.error is not None and t.error.timed_out for t in trajectories)),
+        "env/turns_mean": sum(len(t.turns) for t in trajectories) / n,
+        "env/env_time_share": env_s / (env_s + gen_s) if env_s + gen_s > 0 else 0.0,
+    }
+    for reason in ("done", "max_turns", "length", "abort", "error"):
+        out[f"env/finish_{reason}"] = sum(t.finish == reason for t in trajectories) / n
+    return out

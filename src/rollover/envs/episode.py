@@ -1,0 +1,245 @@
+"""Running episodes: the engine samples a turn, the environment answers, until one ends it.
+
+`run_episode` drives one environment through the engine's `agenerate`. Each turn is a fresh
+`Request` whose prompt is the whole trajectory so far (token ids, never text), so any engine
+that honours the `Engine` contract runs episodes, and a prefix cache sees the shared prefix.
+After the turn, the environment steps on the decoded text and ids, and the renderer appends
+the tokens it inserts (`rollover.envs.render`); sampled tokens are kept exactly as sampled.
+
+An episode ends when the environment says done, after `max_turns` sampled turns, when the
+next turn would not fit `max_total_tokens` (the whole sequence: opening, every turn, every
+insertion), or when the engine aborts a turn. A turn cut off by the token budget is still
+given to the environment, which may score it, as a single-turn reward scores a truncated
+completion.
+
+An environment that raises, returns something that is not a `StepResult` with a finite
+reward, or takes longer than `step_timeout_s` in one call fails its episode: the trajectory
+keeps its tokens, `error` says where and why, and `reward` is None. The run goes on; the
+caller counts and reports failed episodes (`episode_metrics`). Errors of the engine or the
+renderer are not the environment's and propagate.
+
+`run_group` runs the n episodes of one task concurrently. Each advances on its own: there is no
+barrier between turns, so a fast episode's next turn is queued while a slow one still samples
+or waits for its environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import time
+import traceback
+from dataclasses import replace
+from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
+
+from rollover.envs.base import INSERTED_VERSION, Action, Env, EpisodeError, StepResult, Trajectory, Turn
+from rollover.envs.render import ChatRenderer
+from rollover.types import Request, SamplingParams
+
+if TYPE_CHECKING:  # envs never import the engine at run time; the episode only calls agenerate
+    from rollover.engine import Engine
+
+Clock = Callable[[], float]
+
+
+async def run_episode(
+    engine: "Engine",
+    env: Env,
+    renderer: ChatRenderer,
+    sampling: SamplingParams,
+    *,
+    max_turns: int,
+    max_total_tokens: int,
+    step_timeout_s: float,
+    request_id: str,
+    clock: Clock = time.monotonic,
+) -> Trajectory:
+    """One episode of `env`. `sampling.max_new_tokens` bounds each turn; a seeded `sampling`
+    gets a seed per turn derived from it, so a seeded episode is reproducible."""
+    _check_limits(max_turns, max_total_tokens, step_timeout_s)
+    messages, error, env_s = await _call_env(env.initial_observation, _not_messages, step_timeout_s, 0, clock)
+    if error is not None:
+        return _trajectory(request_id, 0, finish="error", error=error, initial_env_s=env_s)
+
+    prompt_ids = renderer.initial(messages)
+    if len(prompt_ids) >= max_total_tokens:
+        raise ValueError(
+            f"episode {request_id}: the initial observation is {len(prompt_ids)} tokens, "
+            f"max_total_tokens={max_total_tokens} leaves no room to generate"
+        )
+    traj = _trajectory(request_id, len(prompt_ids), finish="max_turns", initial_env_s=env_s)
+    _append_inserted(traj, prompt_ids)
+    history = list(messages)  # the conversation as text, for the template's context only
+
+    for k in range(1, max_turns + 1):
+        room = max_total_tokens - len(traj.tokens_T)
+        turn_sampling = replace(
+            sampling, max_new_tokens=min(sampling.max_new_tokens, room), seed=_turn_seed(sampling.seed, k)
+        )
+        request = Request(id=f"{request_id}/turn{k}", prompt_ids=list(traj.tokens_T), sampling=turn_sampling)
+        t0 = clock()
+        completion = await _generate(engine, request)
+        ids = completion.response_ids
+        text = renderer.tokenizer.decode(ids, skip_special_tokens=True)
+        start_T = len(traj.tokens_T)
+        turn = Turn(start_T, start_T + len(ids), completion.finish, text, gen_s=clock() - t0)
+        traj.turns.append(turn)
+        _append_sampled(traj, completion)
+        if completion.finish == "abort":
+            traj.finish = "abort"
+            return traj
+
+        action = Action(text=text, token_ids=tuple(ids), finish=completion.finish)
+        step = functools.partial(env.step, action)
+        result, error, turn.env_s = await _call_env(step, _not_step_result, step_timeout_s, k, clock)
+        if error is not None:
+            traj.finish, traj.error = "error", error
+            return traj
+        turn.reward, turn.messages, turn.info = float(result.reward), list(result.messages), dict(result.info)
+        if result.done:
+            traj.finish = "done"
+            return traj
+        if k == max_turns:
+            break
+        inserted = renderer.insertion(history, ids, result.messages)
+        if len(traj.tokens_T) + len(inserted) >= max_total_tokens:
+            traj.finish = "length"
+            return traj
+        _append_inserted(traj, inserted)
+        history += [{"role": "assistant", "content": text}, *result.messages]
+    traj.finish = "max_turns"
+    return traj
+
+
+async def run_group(
+    engine: "Engine",
+    envs: Sequence[Env],
+    renderer: ChatRenderer,
+    sampling: SamplingParams,
+    *,
+    group_id: str,
+    max_turns: int,
+    max_total_tokens: int,
+    step_timeout_s: float,
+    clock: Clock = time.monotonic,
+) -> list[Trajectory]:
+    """The episodes of `envs` (one task's group), concurrently; trajectories in `envs` order.
+
+    Episode j's request ids are `{group_id}/{j}/turn{k}`; a seeded `sampling` gives each
+    episode its own seed. An engine error in one episode cancels the others (their requests
+    are aborted in the engine) and propagates.
+    """
+    async with asyncio.TaskGroup() as tg:
+        tasks = [
+            tg.create_task(
+                run_episode(
+                    engine, env, renderer, replace(sampling, seed=_episode_seed(sampling.seed, j)),
+                    max_turns=max_turns, max_total_tokens=max_total_tokens, step_timeout_s=step_timeout_s,
+                    request_id=f"{group_id}/{j}", clock=clock,
+                )
+            )
+            for j, env in enumerate(envs)
+        ]
+    return [t.result() for t in tasks]
+
+
+async def _generate(engine: "Engine", request: Request):
+    """`engine.agenerate`, shielded: a cancelled episode aborts its request in the engine, which
+    resolves the engine's future, rather than cancelling that future under the engine (which
+    TorchEngine does not survive: it resolves every future it was given)."""
+    generation = asyncio.ensure_future(engine.agenerate(request))
+    try:
+        return await asyncio.shield(generation)
+    except asyncio.CancelledError:
+        engine.abort([request.id])
+        raise
+
+
+async def _call_env(
+    call: Callable[[], Awaitable], wrong: Callable[[object], str | None], timeout_s: float, turn: int, clock: Clock
+):
+    """(value, None, seconds) or (None, EpisodeError, seconds). Only Exceptions count as the
+    environment's failure; cancellation and KeyboardInterrupt propagate. `wrong(value)` says
+    what is wrong with a value the environment returned (a TypeError of the episode)."""
+    start = clock()
+    try:
+        async with asyncio.timeout(timeout_s) as deadline:
+            value = await call()
+    except TimeoutError as e:
+        if deadline.expired():
+            message = f"no answer within step_timeout_s={timeout_s:g}"
+            return None, EpisodeError(turn, "TimeoutError", message, "", timed_out=True), clock() - start
+        return None, _error(turn, e), clock() - start
+    except Exception as e:  # the environment's failure, recorded with its traceback
+        return None, _error(turn, e), clock() - start
+    problem = wrong(value)
+    if problem is not None:
+        return None, _error(turn, TypeError(problem)), clock() - start
+    return value, None, clock() - start
+
+
+def _error(turn: int, e: BaseException) -> EpisodeError:
+    tb = "".join(traceback.format_exception(e)) if e.__traceback__ is not None else ""
+    return EpisodeError(turn, type(e).__name__, str(e), tb, timed_out=False)
+
+
+def _trajectory(request_id: str, prompt_len: int, **kw) -> Trajectory:
+    return Trajectory(request_id=request_id, prompt_len=prompt_len, tokens_T=[], loss_mask_T=[], logprobs_T=[],
+                      versions_T=[], turns=[], **kw)
+
+
+def _append_sampled(traj: Trajectory, completion) -> None:
+    """The engine's tokens with their logprobs and versions, exactly as returned."""
+    n = len(completion.response_ids)
+    if not (len(completion.logprobs) == len(completion.versions) == n):
+        raise ValueError(f"completion {completion.id}: per-token lists differ in length")
+    traj.tokens_T += completion.response_ids
+    traj.loss_mask_T += [1] * n
+    traj.logprobs_T += completion.logprobs
+    traj.versions_T += completion.versions
+
+
+def _append_inserted(traj: Trajectory, ids: list[int]) -> None:
+    traj.tokens_T += ids
+    traj.loss_mask_T += [0] * len(ids)
+    traj.logprobs_T += [None] * len(ids)
+    traj.versions_T += [INSERTED_VERSION] * len(ids)
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+def _not_messages(value) -> str | None:
+    if _is_messages(value):
+        return None
+    return f"initial_observation returned {value!r:.200}, not a list of message dicts"
+
+
+def _not_step_result(value) -> str | None:
+    if isinstance(value, StepResult) and _is_messages(value.messages) and isinstance(value.info, dict):
+        r = value.reward
+        if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r):
+            return None
+    return (
+        f"step returned {value!r:.200}, not a StepResult with a finite reward, a list of message dicts "
+        "and an info dict"
+    )
+
+
+def _episode_seed(seed: int | None, j: int) -> int | None:
+    return None if seed is None else (seed * 1_000_003 + j) % 2**62
+
+
+def _turn_seed(seed: int | None, turn: int) -> int | None:
+    return None if seed is None else (seed * 1_009 + turn) % 2**62
+
+
+def _check_limits(max_turns: int, max_total_tokens: int, step_timeout_s: float) -> None:
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if max_total_tokens < 2:
+        raise ValueError(f"max_total_tokens must be >= 2, got {max_total_tokens}")
+    if not step_timeout_s > 0:
+        raise ValueError(f"step_timeout_s must be > 0, got {step_timeout_s}")

