@@ -214,3 +214,14 @@ def test_second_signal_exits_at_once_without_saving(model_dir, tmp_path):
     assert "SIGINT received: finishing this step" in err and "second SIGINT: exiting now" in err
     assert "RESULT" not in out
     assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").glob("step_*"))
+
+
+def test_a_save_removes_what_a_kill_mid_save_left(tmp_path):
+    from rollover.testing import tiny_model
+    from rollover.train import checkpoint
+
+    stale = tmp_path / "checkpoints" / ".step_000003-x1y2"
+    (stale / "model").mkdir(parents=True)  # a kill -9 during a save leaves this behind
+    final = checkpoint.save(tmp_path, 4, model=tiny_model(), tokenizer=None, trainer_state={}, extra={}, keep=2)
+    assert (final / "DONE").exists() and not stale.exists()
+    assert checkpoint.latest(tmp_path) == final

@@ -75,6 +75,8 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for stale in root.glob(".step_*"):  # left by a process killed mid-save (one writer per run dir)
+        shutil.rmtree(stale, ignore_errors=True)
     others = sorted(p for p in root.glob("step_*") if (p / "DONE").exists() and p != final)
     for old in others[: max(0, len(others) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
