@@ -13,7 +13,7 @@ import pytest
 from rollover.envs.base import Action, StepResult
 from rollover.envs.games import ArithmeticRetry, GuessNumber, last_integer
 from rollover.envs.render import ChatRenderer
-from rollover.envs.tools import CALCULATOR, ToolCall, ToolError, ToolUse, Tool, calculate, parse_tool_calls
+from rollover.envs.tools import CALCULATOR, Tool, ToolCall, ToolError, ToolUse, calculate, parse_tool_calls
 from rollover.testing import char_tokenizer
 from rollover.types import Prompt
 

@@ -227,6 +227,27 @@ def test_an_env_that_misbehaves_fails_its_episode(bad, turn, type_):
     assert not traj.error.timed_out and traj.reward is None
 
 
+STRICT_TEMPLATE = (  # ChatML that refuses roles other than user and assistant
+    "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_messages_the_template_refuses_fail_the_episode():
+    tok = char_tokenizer()
+    tok.chat_template = STRICT_TEMPLATE
+
+    class ToolResult(ScriptedEnv):
+        async def step(self, action):
+            return StepResult([{"role": "tool", "content": "42"}], 0.0, done=False)
+
+    traj = episode(ScriptedEngine(lambda r: ids("x") + [EOT]), ToolResult(), renderer=ChatRenderer(tok))
+    assert traj.finish == "error" and traj.error.turn == 1 and traj.error.type == "TemplateError"
+    assert traj.error.message == "unknown role tool" and len(traj.turns) == 1
+
+
 def test_max_turns_ends_the_episode_after_the_last_sampled_turn():
     engine = ScriptedEngine(lambda r: ids("go") + [EOT])
     traj = episode(engine, ScriptedEnv(), max_turns=3)

@@ -149,7 +149,8 @@ class Trajectory:
         """The trajectory in the single-turn rollout's shape: the initial observation is the
         prompt, everything after it the response. Inserted tokens keep loss mask 0 and
         version -1; their logprob becomes 0.0 (as padding is in `TrainBatch`), so it must only
-        ever be read through the mask. A failed episode is refused: it has no reward."""
+        ever be read through the mask. A failed episode is refused: it has no reward. Finish:
+        `done` -> 'stop', `abort` -> 'abort', `max_turns` and `length` (truncated) -> 'length'."""
         if self.error is not None:
             raise ValueError(f"episode {self.request_id} failed ({self.error.describe()}): it has no reward")
         p = self.prompt_len

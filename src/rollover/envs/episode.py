@@ -13,7 +13,8 @@ given to the environment, which may score it, as a single-turn reward scores a t
 completion.
 
 An environment that raises, returns something that is not a `StepResult` with a finite
-reward, or takes longer than `step_timeout_s` in one call fails its episode: the trajectory
+reward, returns messages the chat template refuses (a `TemplateError`), or takes longer than
+`step_timeout_s` in one call fails its episode: the trajectory
 keeps its tokens, `error` says where and why, and `reward` is None. The run goes on; the
 caller counts and reports failed episodes (`episode_metrics`). Errors of the engine or the
 renderer are not the environment's and propagate.
@@ -32,6 +33,8 @@ import time
 import traceback
 from dataclasses import replace
 from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
+
+from jinja2.exceptions import TemplateError
 
 from rollover.envs.base import INSERTED_VERSION, Action, Env, EpisodeError, StepResult, Trajectory, Turn
 from rollover.envs.render import ChatRenderer
@@ -62,7 +65,10 @@ async def run_episode(
     if error is not None:
         return _trajectory(request_id, 0, finish="error", error=error, initial_env_s=env_s)
 
-    prompt_ids = renderer.initial(messages)
+    try:
+        prompt_ids = renderer.initial(messages)
+    except TemplateError as e:  # the chat template refuses the environment's messages
+        return _trajectory(request_id, 0, finish="error", error=_error(0, e), initial_env_s=env_s)
     if len(prompt_ids) >= max_total_tokens:
         raise ValueError(
             f"episode {request_id}: the initial observation is {len(prompt_ids)} tokens, "
@@ -102,7 +108,11 @@ async def run_episode(
             return traj
         if k == max_turns:
             break
-        inserted = renderer.insertion(history, ids, result.messages)
+        try:
+            inserted = renderer.insertion(history, ids, result.messages)
+        except TemplateError as e:
+            traj.finish, traj.error = "error", _error(k, e)
+            return traj
         if len(traj.tokens_T) + len(inserted) >= max_total_tokens:
             traj.finish = "length"
             return traj
