@@ -14,10 +14,10 @@ completion.
 
 An environment that raises, returns something that is not a `StepResult` with a finite
 reward, returns messages the chat template refuses (a `TemplateError`), or takes longer than
-`step_timeout_s` in one call fails its episode: the trajectory
-keeps its tokens, `error` says where and why, and `reward` is None. The run goes on; the
-caller counts and reports failed episodes (`episode_metrics`). Errors of the engine or the
-renderer are not the environment's and propagate.
+`step_timeout_s` in one call fails its episode: the trajectory keeps its tokens, `error` says
+where and why, and `reward` is None. The run goes on; the caller counts and reports failed
+episodes (`episode_metrics`). Errors of the engine, and a template the renderer cannot render
+exactly, are not the environment's and propagate.
 
 `run_group` runs the n episodes of one task concurrently. Each advances on its own: there is no
 barrier between turns, so a fast episode's next turn is queued while a slow one still samples
