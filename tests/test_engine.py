@@ -281,6 +281,21 @@ def test_abort_all_and_unknown(engine):
     assert engine.num_unfinished() == 0
 
 
+def test_a_cancelled_call_frees_its_row_and_leaves_the_engine_running(engine):
+    sp = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):  # cancels the call's future mid-generation
+            await asyncio.wait_for(engine.agenerate(Request(id="slow", prompt_ids=[5, 6], sampling=sp)), 0.05)
+        return await engine.agenerate(Request(id="next", prompt_ids=[5, 6], sampling=SamplingParams(max_new_tokens=4)))
+
+    out = asyncio.run(main())
+    assert out.finish in ("stop", "length") and engine.num_unfinished() == 0
+    assert engine.stats().finished["abort"] == 1  # the cancelled request was aborted, not run to the end
+    again = engine.submit(Request(id="slow", prompt_ids=[5, 6], sampling=SamplingParams(max_new_tokens=2)))
+    assert again.result(timeout=30).id == "slow"  # its id is free again
+
+
 def test_asyncio_api_and_threads(model, engine):
     async def main():
         sp = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)

@@ -282,6 +282,22 @@ def test_abort_all_unknown_and_stats(engine):
     assert st.busy_row_steps >= st.generated_tokens  # vLLM may compute tokens an abort drops
 
 
+def test_a_cancelled_call_is_aborted_and_the_others_go_on(engine):
+    engine.reset_stats()
+    sp = SamplingParams(max_new_tokens=300, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.agenerate(Request(id="cx", prompt_ids=[5, 6], sampling=sp)), 0.2)
+        return await engine.agenerate(Request(id="cy", prompt_ids=[5, 6], sampling=GREEDY))
+
+    assert asyncio.run(main()).finish in ("stop", "length")
+    deadline = time.monotonic() + 30
+    while engine.num_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.num_unfinished() == 0 and engine.stats().finished["abort"] == 1
+
+
 def test_stop_tokens_finish_with_stop(engine):
     full = engine.generate([Request(id="s0", prompt_ids=[70, 71], sampling=GREEDY)])[0]
     stop_tok = full.response_ids[5]

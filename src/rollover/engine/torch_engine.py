@@ -36,7 +36,7 @@ def _eos_ids(config, generation_config) -> tuple[int, ...]:
 def _call_if_finished(on_done: Callable[[Completion], None], fut: Future) -> None:
     # A future that failed (the engine shut down under it) has no completion to report;
     # its error reaches whoever awaits the future, not the scheduler's callback.
-    if fut.exception() is None:
+    if not fut.cancelled() and fut.exception() is None:
         on_done(fut.result())
 
 
@@ -123,6 +123,7 @@ class TorchEngine(EngineAPI):
             for r, f in zip(requests, futures):
                 if on_done is not None:
                     f.add_done_callback(functools.partial(_call_if_finished, on_done))
+                f.add_done_callback(functools.partial(self._abort_if_cancelled, r.id))
                 self._futures[r.id] = f
 
             def add() -> None:
@@ -194,6 +195,16 @@ class TorchEngine(EngineAPI):
 
 
     # ------------------------------------------------------------ internals
+    def _abort_if_cancelled(self, rid: str, fut: Future) -> None:
+        """A caller cancelled its future (asyncio.wait_for, task.cancel): free the row at the next
+        step boundary instead of generating for nobody; the other requests are undisturbed."""
+        if fut.cancelled():
+            with self._cond:
+                if self._stopped:
+                    return
+                self._commands.append((lambda: self._resolve(self.core.abort({rid})), Future()))
+                self._cond.notify_all()
+
     def _check_alive(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"engine stopped after an error: {self._error!r}") from self._error
@@ -216,7 +227,7 @@ class TorchEngine(EngineAPI):
             with self._cond:
                 fut = self._futures.pop(c.id, None)
                 self._listeners.pop(c.id, None)
-            if fut is not None:
+            if fut is not None and not fut.cancelled():  # a caller may cancel (asyncio.wait_for, ...)
                 fut.set_result(c)
         return completions
 

@@ -36,6 +36,7 @@ Where it departs from TorchEngine (docs/vllm.md has the details):
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 import os
@@ -223,7 +224,8 @@ class VLLMEngine(EngineAPI):
             futures = [Future() for _ in requests]
             for r, f in zip(requests, futures):
                 if on_done is not None:
-                    f.add_done_callback(lambda fut, cb=on_done: cb(fut.result()))
+                    f.add_done_callback(lambda fut, cb=on_done: None if fut.cancelled() else cb(fut.result()))
+                f.add_done_callback(functools.partial(self._abort_if_cancelled, r.id))
                 self._pending[r.id] = f
         self._on_loop(lambda: self._add(requests, futures), wait=False)
         return futures
@@ -328,6 +330,15 @@ class VLLMEngine(EngineAPI):
     def _in_loop(self) -> bool:
         return threading.current_thread() is self._thread
 
+    def _abort_if_cancelled(self, rid: str, fut: Future) -> None:
+        """A caller cancelled its future (asyncio.wait_for, task.cancel): abort the request
+        instead of generating for nobody; the other requests are undisturbed."""
+        if fut.cancelled():
+            try:
+                self._on_loop(lambda: self._abort_now({rid}), wait=False)
+            except RuntimeError:
+                pass  # the engine is already shut down: nothing left to free
+
     def _on_loop(self, fn: Callable, wait: bool):
         """Run fn on the loop thread (now, if this is it); wait for its result if asked."""
         if self._in_loop():
@@ -399,7 +410,8 @@ class VLLMEngine(EngineAPI):
         with self._counters.lock:
             self._counters.stats.finished[reason] += 1
         c = seq.completion(reason)
-        seq.future.set_result(c)  # runs on_done here
+        if not seq.future.cancelled():  # a cancelled caller wants nothing; the others go on
+            seq.future.set_result(c)  # runs on_done here
         return c
 
     def _stop_segment(self, seq: _Seq) -> None:
