@@ -295,6 +295,26 @@ class LoggingConfig(Section):
     """Show a progress bar with the live reward, throughput and ETA."""
 
 
+class EnvConfig(Section):
+    name: NonEmptyStr | None = None
+    """Multi-turn environment (rollover.envs): guess_number, arithmetic_retry, tools, or
+    `module:Name` / `path/to/file.py:Name` (a class or factory taking `options` as keyword
+    arguments, returning an object with make_group(prompt, n)). Unset: single-turn, scored by
+    reward.functions. With an environment, the environment gives the reward (reward.functions
+    are not used)."""
+    options: dict[str, Any] = {}
+    """Keyword arguments for the environment (e.g. {low: 1, high: 8, max_guesses: 4})."""
+    max_turns: int = Field(8, ge=1)
+    """Sampled turns per episode at most (rollout.max_new_tokens bounds each turn)."""
+    max_total_tokens: int = Field(512, ge=2)
+    """Bound on an episode's whole token sequence (the opening, every turn, every insertion);
+    training rows default to this length."""
+    step_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    """An environment call past this fails its episode (counted, reported; never scored 0)."""
+    tasks: int = Field(2000, ge=1)
+    """With data.train: env, how many tasks the environment's own generator makes."""
+
+
 class AsyncConfig(Section):
     max_staleness: int = Field(1, ge=0)
     """eta: no sample is trained more than this many policy versions after the version that
@@ -336,6 +356,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     async_: AsyncConfig = AsyncConfig()
+    env: EnvConfig = EnvConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -382,21 +403,41 @@ class Config(Section):
                             "(rollout.inflight_weight_update)")
         if self.mode == "sync" and self.async_ != AsyncConfig():
             problems.append("the async section is set but mode is sync; set mode: async")
-        longest = self.data.max_prompt_tokens + r.max_new_tokens
+        longest, what = self.longest_sequence()
         if t.micro_batch_tokens < (t.pack_length or longest):
             problems.append(f"train.micro_batch_tokens={t.micro_batch_tokens} must be >= train.pack_length "
-                            f"({t.pack_length or f'default: data.max_prompt_tokens + rollout.max_new_tokens = {longest}'})")
+                            f"({t.pack_length or f'default: {what} = {longest}'})")
         if t.pack_length is not None and t.pack_length < longest:
-            problems.append(
-                f"train.pack_length={t.pack_length} must hold the longest sequence: "
-                f"data.max_prompt_tokens + rollout.max_new_tokens = {longest}"
-            )
+            problems.append(f"train.pack_length={t.pack_length} must hold the longest sequence: {what} = {longest}")
+        problems += self._env_problems()
         if t.mini_batches > r.prompts_per_step:
             problems.append(f"train.mini_batches={t.mini_batches} cannot exceed rollout.prompts_per_step="
                             f"{r.prompts_per_step} (a mini-batch holds whole groups)")
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def longest_sequence(self) -> tuple[int, str]:
+        """The longest sequence a run can produce (training rows default to it), and its origin."""
+        if self.env.name is not None:
+            return self.env.max_total_tokens, "env.max_total_tokens"
+        return self.data.max_prompt_tokens + self.rollout.max_new_tokens, "data.max_prompt_tokens + rollout.max_new_tokens"
+
+    def _env_problems(self) -> list[str]:
+        e = self.env
+        if e.name is None:
+            out = ["env.options are set but env.name is not"] if e.options else []
+            return out + (["data.train: env needs env.name"] if self.data.train == "env" else [])
+        out = []
+        if self.mode == "async" or self.partial_rollout.enabled:
+            out.append("env (multi-turn episodes) runs in sync mode without partial_rollout for now: APRIL and "
+                       "async carry single-turn samples only")
+        if self.algorithm.overlong_buffer:
+            out.append("algorithm.overlong_buffer measures one response's length; it has no meaning for episodes")
+        if e.max_total_tokens <= self.data.max_prompt_tokens:
+            out.append(f"env.max_total_tokens={e.max_total_tokens} leaves no room after the opening "
+                       f"(data.max_prompt_tokens={self.data.max_prompt_tokens})")
+        return out
 
 
 def _set_path(d: dict, dotted: str, value: Any) -> None:

@@ -16,6 +16,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -64,6 +65,7 @@ class Run:
     resumed_extra: dict = field(default_factory=dict)
     data_skipped: int = 0
     checkpoint: Path | None = None  # the checkpoint whose weights and state were restored
+    env_builder: object = None  # env.name's group builder (multi-turn episodes); None: single-turn
 
     # ------------------------------------------------------------ prompts
     def next_groups(self, k: int, version: int) -> list[PendingGroup]:
@@ -94,6 +96,10 @@ class Run:
         from rollover.rollout.groups import accuracy
 
         cfg = self.cfg
+        if self.env_builder is not None:
+            from rollover.rollout.episodes import evaluate_episodes
+
+            return evaluate_episodes(self, step)
         if not self.eval_prompts:
             return {}
         sp = replace(sampling_from(cfg), temperature=cfg.eval.temperature)
@@ -127,7 +133,7 @@ class Run:
 
     @property
     def primary_reward(self) -> str:
-        return self.rewards.rewards[0].name
+        return "env" if self.env_builder is not None else self.rewards.rewards[0].name
 
     # ------------------------------------------------------------ checkpoints
     def save(self, step: int, extra: dict | None = None) -> Path:
@@ -166,10 +172,22 @@ def _load_model(cfg: Config, ckpt: Path | None):
     return model
 
 
-def _prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt], int]:
+def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt], int]:
     d = cfg.data
     kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, on_bad_row=d.on_bad_row)
-    train = load_prompts(d.train, **kw)
+    if d.train == "env":  # the environment's own task generator
+        if not callable(getattr(env_builder, "prompts", None)):
+            raise ConfigError(f"data.train=env: the environment {cfg.env.name!r} has no prompts(n, seed) task generator; "
+                              "give data.train a dataset instead")
+        train = env_builder.prompts(cfg.env.tasks, seed=cfg.seed)
+        # held-out tasks: new instances from another seed (a game's task is its hidden state, so
+        # carving distinct prompt texts out of the training tasks does not apply)
+        held = env_builder.prompts(d.eval_size, seed=cfg.seed + 1_000_003) if d.eval_size and d.eval is None else []
+        if d.eval is None:
+            return list(train), list(held), 0
+        train = SimpleNamespace(prompts=train, num_skipped=0)
+    else:
+        train = load_prompts(d.train, **kw)
     skipped = train.num_skipped
     if d.eval is not None:
         held = load_prompts(d.eval, **kw)
@@ -248,7 +266,12 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     tokenizer = load_tokenizer(cfg.model)
     rewards = RewardRunner(build_rewards(cfg.reward.functions), timeout_s=cfg.reward.timeout_s,
                            on_error=cfg.reward.on_error, workers=cfg.reward.workers)
-    train_prompts, eval_prompts, skipped = _prompts(cfg)
+    env_builder = None
+    if cfg.env.name is not None:
+        from rollover.envs.builders import make_env_builder
+
+        env_builder = make_env_builder(cfg.env.name, cfg.env.options)
+    train_prompts, eval_prompts, skipped = _prompts(cfg, env_builder)
     if skipped:
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
     prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts)
@@ -256,9 +279,11 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     model = _load_model(cfg, ckpt)
     ctx = getattr(model.config, "max_position_embeddings", None)
     longest = max(map(len, prompt_ids.values())) + cfg.rollout.max_new_tokens
+    if env_builder is not None:
+        longest = cfg.env.max_total_tokens  # an episode's tokens, all turns included
     if ctx is not None and longest > ctx:
-        raise ConfigError(f"the longest prompt plus rollout.max_new_tokens is {longest} tokens, more than the model's "
-                          f"context of {ctx}")
+        what = "env.max_total_tokens" if env_builder is not None else "the longest prompt plus rollout.max_new_tokens"
+        raise ConfigError(f"{what} is {longest} tokens, more than the model's context of {ctx}")
     trainer = Trainer(model, cfg, device=device, pad_id=tokenizer.pad_token_id or 0)
     if engine_factory is None:
         from rollover.engine import make_engine
@@ -269,7 +294,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
               train_iter=PromptIterator(train_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
-              data_skipped=skipped, checkpoint=ckpt)
+              data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder)
     try:
         if state is not None:
             _restore(run, state)

@@ -35,6 +35,10 @@ log = logging.getLogger("rollover")
 
 
 def make_collector(run: Run):
+    if run.env_builder is not None:  # multi-turn episodes (env.name)
+        from rollover.rollout.episodes import EpisodeCollector
+
+        return EpisodeCollector(run)
     if run.cfg.partial_rollout.enabled:
         from rollover.rollout.april import AprilCollector
 

@@ -64,7 +64,7 @@ class Trainer:
             self.optimizer, _lr_lambda(t.schedule, t.warmup_steps * updates_per_step, cfg.steps * updates_per_step)
         )
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss
-        self.pack_length = t.pack_length or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+        self.pack_length = t.pack_length or cfg.longest_sequence()[0]
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and t.dtype == "auto"
             else contextlib.nullcontext()
