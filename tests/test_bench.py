@@ -83,3 +83,16 @@ def test_bench_faults_fields_and_clean_resumes(model_dir, tmp_path):
         m = r["modes"][mode]
         assert m["resumed_clean"] == m["trials"] and m["steps_missing"] == m["steps_duplicated"] == 0
     assert r["modes"]["sync"]["weights_equal"] == r["modes"]["sync"]["chains"]
+
+
+def test_bench_envs_fields_and_complete_episodes(model_dir, tmp_path):
+    r = bench(tmp_path, "envs", "--model", model_dir, "--groups", "2", "--samples", "2", "--steps", "2",
+              "--max-rows", "4", "--latency-scale", "0.02")
+    assert r["speedup"] > 0 and r["env_util_ratio"] > 0 and r["april_speedup"] > 0
+    for mode in ("rollout_wise", "batch_sync", "april"):
+        m = r[mode]
+        assert m["trajectories"] == 2 * 2 * 2 and m["failed_episodes"] == 0, mode  # 2 steps x 2 groups x 2
+        assert m["trajectories_per_s"] * m["seconds"] == pytest.approx(8)
+        assert 0 < m["env_utilization"] <= 1 and 0 < m["engine_occupancy"] <= 1, mode
+        assert m["turns_per_episode"] >= 1 and 0 < m["env_time_share"] < 1, mode
+    assert r["april"]["discarded_tokens"] == r["april"]["generated_tokens"] - r["april"]["used_sampled_tokens"] >= 0

@@ -22,11 +22,15 @@ exactly, are not the environment's and propagate.
 `run_group` runs the n episodes of one task concurrently. Each advances on its own: there is no
 barrier between turns, so a fast episode's next turn is queued while a slow one still samples
 or waits for its environment.
+
+An `EnvPool` shared by the episodes of a run bounds how many environment calls run at once
+(the environment cluster's size) and measures how busy they are (environment utilization).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import time
@@ -46,6 +50,62 @@ if TYPE_CHECKING:  # envs never import the engine at run time; the episode only 
 Clock = Callable[[], float]
 
 
+class EnvPool:
+    """The environments of a run: at most `max_concurrent` environment calls
+    (`initial_observation` and `step`) at once across every episode given this pool, and a
+    meter of how busy they are. One pool per event loop.
+
+    A call first waits for a free slot; its `step_timeout_s` starts once it has one (a full pool
+    is not the environment's fault), and `Turn.env_s` is the call alone. The pool sums
+    `busy_s`, the seconds calls held a slot, and `wait_s`, the seconds they waited for one.
+
+    Environment utilization over a window of `wall_s` seconds (`utilization(wall_s)`) is
+
+        busy_s / (max_concurrent * wall_s)
+
+    the share of the pool's slot-time spent inside environment calls rather than idle, waiting
+    for the model to sample the next turn or for other episodes to catch up. With one slot per
+    environment instance (a GUI VM, a sandbox), it is the share of time the instances are
+    working; 1.0 means every slot worked the whole window. `reset()` starts a new window's
+    counters.
+    """
+
+    def __init__(self, max_concurrent: int, clock: Clock = time.monotonic):
+        if max_concurrent < 1:
+            raise ValueError(f"EnvPool: max_concurrent must be >= 1, got {max_concurrent}")
+        self.max_concurrent, self.clock = max_concurrent, clock
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self.active = 0  # calls holding a slot now
+        self.reset()
+
+    def reset(self) -> None:
+        self.busy_s = 0.0
+        self.wait_s = 0.0
+        self.calls = 0
+        self.peak = self.active  # the most calls that held a slot at once
+
+    def utilization(self, wall_s: float) -> float:
+        if not wall_s > 0:
+            raise ValueError(f"utilization needs a window of wall time > 0 s, got {wall_s}")
+        return self.busy_s / (self.max_concurrent * wall_s)
+
+    @contextlib.asynccontextmanager
+    async def slot(self):
+        asked = self.clock()
+        async with self._slots:
+            start = self.clock()
+            self.wait_s += start - asked
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+            try:
+                yield
+            finally:
+                self.active -= 1
+                self.calls += 1
+                self.busy_s += self.clock() - start
+
+
+
 async def run_episode(
     engine: "Engine",
     env: Env,
@@ -57,11 +117,13 @@ async def run_episode(
     step_timeout_s: float,
     request_id: str,
     clock: Clock = time.monotonic,
+    pool: EnvPool | None = None,
 ) -> Trajectory:
     """One episode of `env`. `sampling.max_new_tokens` bounds each turn; a seeded `sampling`
-    gets a seed per turn derived from it, so a seeded episode is reproducible."""
+    gets a seed per turn derived from it, so a seeded episode is reproducible. With a `pool`,
+    every call of `env` takes one of its slots."""
     _check_limits(max_turns, max_total_tokens, step_timeout_s)
-    messages, error, env_s = await _call_env(env.initial_observation, _not_messages, step_timeout_s, 0, clock)
+    messages, error, env_s = await _call_env(env.initial_observation, _not_messages, step_timeout_s, 0, clock, pool)
     if error is not None:
         return _trajectory(request_id, 0, finish="error", error=error, initial_env_s=env_s)
 
@@ -98,7 +160,7 @@ async def run_episode(
 
         action = Action(text=text, token_ids=tuple(ids), finish=completion.finish)
         step = functools.partial(env.step, action)
-        result, error, turn.env_s = await _call_env(step, _not_step_result, step_timeout_s, k, clock)
+        result, error, turn.env_s = await _call_env(step, _not_step_result, step_timeout_s, k, clock, pool)
         if error is not None:
             traj.finish, traj.error = "error", error
             return traj
@@ -133,12 +195,13 @@ async def run_group(
     max_total_tokens: int,
     step_timeout_s: float,
     clock: Clock = time.monotonic,
+    pool: EnvPool | None = None,
 ) -> list[Trajectory]:
     """The episodes of `envs` (one task's group), concurrently; trajectories in `envs` order.
 
     Episode j's request ids are `{group_id}/{j}/turn{k}`; a seeded `sampling` gives each
     episode its own seed. An engine error in one episode cancels the others (their requests
-    are aborted in the engine) and propagates.
+    are aborted in the engine) and propagates. Give every group of a run the same `pool`.
     """
     async with asyncio.TaskGroup() as tg:
         tasks = [
@@ -146,7 +209,7 @@ async def run_group(
                 run_episode(
                     engine, env, renderer, replace(sampling, seed=_episode_seed(sampling.seed, j)),
                     max_turns=max_turns, max_total_tokens=max_total_tokens, step_timeout_s=step_timeout_s,
-                    request_id=f"{group_id}/{j}", clock=clock,
+                    request_id=f"{group_id}/{j}", clock=clock, pool=pool,
                 )
             )
             for j, env in enumerate(envs)
@@ -167,11 +230,23 @@ async def _generate(engine: "Engine", request: Request):
 
 
 async def _call_env(
+    call: Callable[[], Awaitable], wrong: Callable[[object], str | None], timeout_s: float, turn: int, clock: Clock,
+    pool: EnvPool | None,
+):
+    """(value, None, seconds) or (None, EpisodeError, seconds), in one of the pool's slots
+    when there is a pool (the wait for a slot is not in the seconds or the timeout)."""
+    if pool is None:
+        return await _timed_call(call, wrong, timeout_s, turn, clock)
+    async with pool.slot():
+        return await _timed_call(call, wrong, timeout_s, turn, clock)
+
+
+async def _timed_call(
     call: Callable[[], Awaitable], wrong: Callable[[object], str | None], timeout_s: float, turn: int, clock: Clock
 ):
-    """(value, None, seconds) or (None, EpisodeError, seconds). Only Exceptions count as the
-    environment's failure; cancellation and KeyboardInterrupt propagate. `wrong(value)` says
-    what is wrong with a value the environment returned (a TypeError of the episode)."""
+    """Only Exceptions count as the environment's failure; cancellation and KeyboardInterrupt
+    propagate. `wrong(value)` says what is wrong with a value the environment returned (a
+    TypeError of the episode)."""
     start = clock()
     try:
         async with asyncio.timeout(timeout_s) as deadline:
