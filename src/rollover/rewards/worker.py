@@ -90,4 +90,7 @@ def _dumps(reply: tuple) -> bytes:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        pass  # the parent went away (closed, killed) mid-exchange: nobody is left to answer
