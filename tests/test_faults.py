@@ -225,3 +225,23 @@ def test_a_save_removes_what_a_kill_mid_save_left(tmp_path):
     final = checkpoint.save(tmp_path, 4, model=tiny_model(), tokenizer=None, trainer_state={}, extra={}, keep=2)
     assert (final / "DONE").exists() and not stale.exists()
     assert checkpoint.latest(tmp_path) == final
+
+
+def test_a_second_process_on_the_same_run_dir_is_refused(model_dir, tmp_path):
+    from rollover.config import ConfigError, dump_config
+    from rollover.loops.common import build_run
+
+    cfg = cfg_for(model_dir, tmp_path / "run", steps=2)
+    first = build_run(cfg)
+    try:
+        (tmp_path / "c.yaml").write_text(dump_config(cfg))
+        other = subprocess.run([sys.executable, "-m", "rollover.cli", "train", str(tmp_path / "c.yaml")],
+                               capture_output=True, text=True, timeout=120)
+        assert other.returncode == 2
+        assert f"is in use by a running rollover process (pid {os.getpid()})" in other.stderr
+        with pytest.raises(ConfigError, match="is in use"):
+            build_run(cfg)  # also within one process
+    finally:
+        first.close()
+    train_sync(cfg)  # released: the run dir is usable again
+    assert [r["step"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"] == [1, 2]

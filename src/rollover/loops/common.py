@@ -66,6 +66,7 @@ class Run:
     data_skipped: int = 0
     checkpoint: Path | None = None  # the checkpoint whose weights and state were restored
     env_builder: object = None  # env.name's group builder (multi-turn episodes); None: single-turn
+    lock: object = None  # the open RUN_DIR/.lock this process holds while it writes there
 
     # ------------------------------------------------------------ prompts
     def next_groups(self, k: int, version: int) -> list[PendingGroup]:
@@ -147,6 +148,8 @@ class Run:
         self.engine.shutdown()
         self.rewards.close()
         self.logger.close()
+        if self.lock is not None:
+            self.lock.close()  # releases the run dir (the kernel does too if the process dies)
 
 
 def _load_model(cfg: Config, ckpt: Path | None):
@@ -299,6 +302,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         if state is not None:
             _restore(run, state)
         if record:  # the run is accepted: from here on it writes into run_dir
+            run.lock = _lock_run_dir(run_dir)
             # resuming at step s drops the killed run's rows after s; a restart from scratch under
             # resume=auto drops them all; resume=never was refused above if run_dir has metrics
             resume_step = state["step"] if state else (-1 if cfg.resume == "auto" else None)
@@ -311,6 +315,29 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     if ckpt is not None:
         log.info("%s from %s at step %d", "resumed" if record else "loaded", ckpt, run.start_step)
     return run
+
+
+def _lock_run_dir(run_dir: Path):
+    """Hold RUN_DIR/.lock (an exclusive flock) for the life of the run: a second process on the
+    same run dir would interleave checkpoints and metrics, so it is refused, naming the first."""
+    import fcntl
+    import os
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ConfigError(f"run_dir {run_dir} is in use by a running rollover process ({holder}); wait for it to "
+                          "finish or stop it, or give another run_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}")
+    f.flush()
+    return f
 
 
 def _checkpoint_to_resume(cfg: Config) -> Path | None:
