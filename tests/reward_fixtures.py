@@ -20,6 +20,12 @@ def misbehaves(completion, answer, **fields):
         os._exit(3)
     if completion == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if completion.startswith("spawn "):  # starts a child that outlives nothing, then hangs
+        import subprocess
+        import time
+
+        subprocess.Popen(["sleep", completion.split()[1]])
+        time.sleep(1000)
     if completion == "raise":
         raise ValueError(f"asked to raise (answer {answer})")
     if completion == "unpicklable":

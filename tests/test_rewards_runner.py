@@ -359,6 +359,21 @@ def test_isolated_function_that_never_returns_is_killed_and_its_worker_replaced(
         assert again.totals == [1.0, 1.0] and again.error_counts == {"m": 0}
 
 
+def test_a_killed_worker_takes_the_processes_its_reward_started_with_it():
+    def sleepers(tag: str) -> list[int]:
+        out = subprocess.run(["pgrep", "-f", f"^sleep {tag}$"], capture_output=True, text=True)
+        return [int(x) for x in out.stdout.split()]
+
+    tag = str(600 + os.getpid() % 1000)  # a duration no other process sleeps for
+    with RewardRunner(_misbehaves(), timeout_s=1.0, on_error="zero", workers=1) as runner:
+        out = runner.score(P[:1], [f"spawn {tag}"])  # starts `sleep <tag>`, then hangs
+        assert out.timeout_counts == {"m": 1}
+        deadline = time.monotonic() + 5
+        while sleepers(tag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sleepers(tag) == []  # not orphaned to init
+
+
 @pytest.mark.parametrize("how, death", [("exit", "exited with code 3"), ("sigkill", "SIGKILL")])
 def test_worker_dying_mid_call_is_a_counted_failure(how, death, caplog):
     with RewardRunner(_misbehaves(), on_error="zero", workers=1) as runner:

@@ -23,6 +23,7 @@ call starts a fresh worker.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -156,6 +157,7 @@ class _Worker:
             [sys.executable, "-m", "rollover.rewards.worker", str(child.fileno())],
             pass_fds=(child.fileno(),),
             stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: a kill takes what it started too
         )
         child.close()
 
@@ -198,7 +200,13 @@ class _Worker:
         return value
 
     def kill(self) -> None:
-        self.process.kill()  # SIGKILL: works while the worker holds its interpreter lock
+        # SIGKILL to the worker's process group: works while the worker holds its interpreter
+        # lock, and takes down processes the reward started (a subprocess, a pool), unless they
+        # left the group themselves (setsid)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the group is already gone
         self.process.wait()
 
     def _ended(self) -> str:
