@@ -282,3 +282,9 @@ def test_export_round_trip(model_dir, tmp_path, capsys, lora):
     assert main(["export", str(run_dir), str(junk), "--force"]) == 1  # --force replaces only a model directory
     assert (junk / "notes.txt").read_text() == "mine"
     shutil.rmtree(out)
+
+
+def test_plot_errors_are_one_line(tmp_path, capsys):
+    assert main(["plot", str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "no metrics.jsonl there" in err[0] and err[1].startswith("hint:")

@@ -177,12 +177,18 @@ def _plot(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollover plot", description="PNG curves from a run's metrics.jsonl")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None)
+    p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
     args = p.parse_args(argv)
     from rollover.metrics import plot_run
 
-    for path in plot_run(args.run_dir, args.out):
-        print(path)
-    return 0
+    def plot() -> int:
+        if not (Path(args.run_dir) / "metrics.jsonl").is_file() and not Path(args.run_dir).is_file():
+            raise FileNotFoundError(f"{args.run_dir}: no metrics.jsonl there (give a run directory)")
+        for path in plot_run(args.run_dir, args.out):
+            print(path)
+        return 0
+
+    return _guarded("rollover plot", args.debug, plot)
 
 
 def _split_config(path: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
