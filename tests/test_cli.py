@@ -215,6 +215,12 @@ def test_eval_run_dir_and_its_config_use_the_latest_checkpoint(trained, capsys):
         assert {k: v for k, v in got.items() if k.startswith("eval/")} == \
                {k: v for k, v in explicit.items() if k.startswith("eval/")}
 
+    assert main(["eval", str(ckpt)]) == 0  # a checkpoint directory: its own weights and config
+    got = printed(capsys.readouterr().out)
+    assert got["weights"] == f"checkpoint {ckpt} (step 2) [--checkpoint]"
+    assert {k: v for k, v in got.items() if k.startswith("eval/")} == \
+           {k: v for k, v in explicit.items() if k.startswith("eval/")}
+
     assert main(["eval", str(run_dir), "--base"]) == 0
     base = printed(capsys.readouterr().out)
     assert base["weights"].startswith(f"base model {over[0].split('=', 1)[1]}")

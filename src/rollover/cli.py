@@ -95,9 +95,10 @@ def _eval(argv: list[str]) -> int:
         prog="rollover eval", description="Held-out reward and accuracy of a run's latest checkpoint, a given "
                                           "checkpoint, or a base model. Prints which weights it used.",
         epilog="SOURCE is a run directory (its config.yaml and latest checkpoint), a run's config.yaml (the same), "
+               "a checkpoint directory (its weights and config), "
                "or a YAML config (the latest checkpoint in its run_dir, else its base model). Overrides apply on "
                "top, e.g. eval.samples_per_prompt=8 data.eval=test.jsonl. Nothing is written.")
-    p.add_argument("source", nargs="?", help="run directory or YAML config")
+    p.add_argument("source", nargs="?", help="run directory, checkpoint directory or YAML config")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides")
     p.add_argument("--checkpoint", default=None, help="evaluate this checkpoint directory")
     p.add_argument("--base", action="store_true", help="evaluate the config's base model, ignoring checkpoints")
@@ -109,7 +110,13 @@ def _eval(argv: list[str]) -> int:
         return 2
     path, overrides = _split_config(args.source, args.overrides)
     run_dir = None
-    if path is not None and Path(path).is_dir():
+    if path is not None and (Path(path) / "DONE").is_file() and args.checkpoint is None and not args.base:
+        args.checkpoint, path = path, Path(path) / "config.yaml"  # a checkpoint dir: its weights, its config
+        if not path.is_file():
+            print(f"rollover eval: error: checkpoint {args.checkpoint} has no config.yaml (saved by an older "
+                  "version): give the run's config and --checkpoint", file=sys.stderr)
+            return 2
+    elif path is not None and Path(path).is_dir():
         run_dir, path = Path(path), Path(path) / "config.yaml"
         if not path.is_file():
             print(f"rollover eval: error: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
