@@ -156,12 +156,13 @@ def test_sigint_saves_at_the_step_and_resume_is_exact(model_dir, tmp_path, april
     over = {"checkpoint.every": 0, "steps": 6, "partial_rollout.enabled": april}
     train_sync(cfg_for(model_dir, tmp_path / "straight", **over))
     run_dir = tmp_path / "interrupted"
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)  # SIG_IGN in a background job
     _signal_when(run_dir, 2, signal.SIGTERM if april else signal.SIGINT)
     result = train_sync(cfg_for(model_dir, run_dir, **over))
     assert result["interrupted"] == ("SIGTERM" if april else "SIGINT")
     stopped = result["step"]
     assert 2 <= stopped < 6 and Path(result["checkpoint"]) == run_dir / "checkpoints" / f"step_{stopped:06d}"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # handlers restored
     train_sync(cfg_for(model_dir, run_dir, **over))  # resume: auto
     a, b = _weights(tmp_path / "straight", 6), _weights(run_dir, 6)
     assert all(torch.equal(a[k], b[k]) for k in a)
