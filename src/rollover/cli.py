@@ -259,7 +259,7 @@ COMMANDS = {
     "eval": (_eval, "held-out reward and accuracy of a run's latest checkpoint, a checkpoint or a base model"),
     "export": (_export, "write a run's checkpoint as a Hugging Face model directory (LoRA merged)"),
     "plot": (_plot, "PNG curves from a run's metrics.jsonl"),
-    "bench": (_bench, "benchmarks of the engine, training steps, APRIL and async mode (docs/benchmarks.md)"),
+    "bench": (_bench, "benchmarks: engine, training step, APRIL, async, faults (kill -9 + resume), environments (docs/benchmarks.md)"),
 }
 
 
