@@ -205,3 +205,13 @@ def test_cli_reports_config_errors_in_one_line(tmp_path, monkeypatch, capsys):
     assert main(["train", "checkpoint.keep=0"]) == 2
     assert capsys.readouterr().err == "rollover train: config error: checkpoint.keep=0: must be >= 1\n"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override,key", [
+    ("steps=true", "steps=true"), ("train.lr=true", "lr=true"), ("seed=false", "seed=false"),
+    ("rollout.max_rows=true", "max_rows=true"), ("train.pack_length=true", "pack_length=true"),
+])
+def test_booleans_are_not_numbers(override, key):
+    with pytest.raises(ConfigError, match=rf"{key}: must be a number, not true/false"):
+        load_config(overrides=[override])
+    assert load_config(overrides=["data.shuffle=false"]).data.shuffle is False  # real booleans still work

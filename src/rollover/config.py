@@ -12,6 +12,8 @@ involve more than one field.
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 import json
 import math
 from pathlib import Path
@@ -23,6 +25,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the key."""
+
+
+def _numeric(annotation: Any) -> bool:
+    """int or float (optionally | None): pydantic would quietly read true/false as 1/0."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    args = [typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a for a in args if a is not type(None)]
+    return bool(args) and all(a in (int, float) for a in args)
 
 
 class Section(BaseModel):
@@ -38,6 +47,8 @@ class Section(BaseModel):
                     close = difflib.get_close_matches(str(key), list(cls.model_fields), n=1, cutoff=0.5)
                     hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(cls.model_fields)}"
                     raise ValueError(f"unknown key {key!r}; {hint}")
+                if isinstance(data[key], bool) and _numeric(cls.model_fields[key].annotation):
+                    raise ValueError(f"{key}={str(data[key]).lower()}: must be a number, not true/false")
         return data
 
 
