@@ -117,3 +117,27 @@ def test_a_raising_environment_fails_only_its_group_and_is_counted(model_dir, tm
 def test_env_config_conflicts_are_refused(model_dir, tmp_path, over, message):
     with pytest.raises(ConfigError, match=message):
         env_cfg(model_dir, tmp_path, **over)
+
+
+def test_a_stalled_engine_ends_the_episode_step_with_an_error_naming_it(model_dir, tmp_path):
+    import time
+
+    from rollover.loops.common import build_run
+    from rollover.loops.guard import Stalled
+    from rollover.rollout.episodes import EpisodeCollector
+
+    run = build_run(env_cfg(model_dir, tmp_path, **{"rollout.stall_timeout_s": 2, "env.step_timeout_s": 1}))
+    try:
+        run.engine.pause()  # alive, but never steps: nothing moves
+        t0 = time.monotonic()
+        with pytest.raises(Stalled, match="episode collector waited 2 s for episodes from the engine"):
+            EpisodeCollector(run).collect(0)
+        assert time.monotonic() - t0 < 30
+        deadline = time.monotonic() + 10
+        while run.engine.num_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert run.engine.num_unfinished() == 0  # the cancelled episodes' requests were aborted
+    finally:
+        run.close()
+    with pytest.raises(ConfigError, match="env.step_timeout_s=30 must be below rollout.stall_timeout_s=20"):
+        env_cfg(model_dir, tmp_path, **{"rollout.stall_timeout_s": 20})

@@ -445,6 +445,9 @@ class Config(Section):
                        "async carry single-turn samples only")
         if self.algorithm.overlong_buffer:
             out.append("algorithm.overlong_buffer measures one response's length; it has no meaning for episodes")
+        if e.step_timeout_s >= self.rollout.stall_timeout_s:
+            out.append(f"env.step_timeout_s={e.step_timeout_s:g} must be below rollout.stall_timeout_s="
+                       f"{self.rollout.stall_timeout_s:g} (a slow environment step is not a stalled engine)")
         if e.max_total_tokens <= self.data.max_prompt_tokens:
             out.append(f"env.max_total_tokens={e.max_total_tokens} leaves no room after the opening "
                        f"(data.max_prompt_tokens={self.data.max_prompt_tokens})")

@@ -27,6 +27,7 @@ from dataclasses import replace
 from rollover.envs.base import Trajectory, episode_metrics
 from rollover.envs.episode import run_group
 from rollover.envs.render import ChatRenderer
+from rollover.loops.guard import Stalled, Watchdog, engine_progress
 from rollover.rollout.groups import has_variance, sample_seed, sampling_from
 from rollover.types import Group, Rollout
 
@@ -49,7 +50,8 @@ class EpisodeCollector:
         while len(kept) < target and m["rounds"] < rounds:
             pending = run.next_groups(target - len(kept), version=run.engine.version)
             t0 = time.perf_counter()
-            results = asyncio.run(self._episodes(pending, sampling_from(cfg), cfg.rollout.samples_per_prompt))
+            results = asyncio.run(self._watched(self._episodes(pending, sampling_from(cfg), cfg.rollout.samples_per_prompt),
+                                                "episode collector"))
             m["generate_s"] += time.perf_counter() - t0
             for pg, trajs in zip(pending, results):
                 trajectories += trajs
@@ -77,6 +79,24 @@ class EpisodeCollector:
             for pg in pending
         ]
         return list(await asyncio.gather(*groups))
+
+    async def _watched(self, episodes, who: str):
+        """`episodes`, ended with `Stalled` (its episodes cancelled, their requests aborted)
+        when the engine makes no progress for rollout.stall_timeout_s; an environment step is
+        bounded by env.step_timeout_s, which the config keeps below it."""
+        task = asyncio.ensure_future(episodes)
+        dog = Watchdog(who, "episodes from the engine", lambda: engine_progress(self.run.engine),
+                       self.run.cfg.rollout.stall_timeout_s)
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done():
+                try:
+                    dog.check()
+                except Stalled:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    raise
+        return task.result()
 
     def state_dict(self) -> dict:
         return {}
@@ -114,7 +134,8 @@ def evaluate_episodes(run, step: int) -> dict:
                             n=cfg.eval.samples_per_prompt, start_version=run.engine.version)
                for i, p in enumerate(run.eval_prompts)]
     collector = EpisodeCollector(run)
-    results = asyncio.run(collector._episodes(pending, sampling, cfg.eval.samples_per_prompt))
+    results = asyncio.run(collector._watched(collector._episodes(pending, sampling, cfg.eval.samples_per_prompt),
+                                            "evaluation"))
     trajs = [t for group in results for t in group]
     ok = [t for t in trajs if t.ok]
     rewards = [t.reward for t in ok]
