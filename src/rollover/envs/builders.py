@@ -32,22 +32,19 @@ def _builtins() -> dict:
 
 def make_env_builder(name: str, options: dict[str, Any]) -> EnvGroupBuilder:
     """The group builder `name` refers to, made with `options`; errors name the environment."""
-    from rollover.rewards.registry import _load_file  # the same loader rewards use
+    from rollover.rewards.registry import load_reference  # the loader rewards use
 
     builtins = _builtins()
     if name in builtins:
         factory = builtins[name]
+    elif ":" in name:
+        try:
+            factory = load_reference(name, "env.name")
+        except AttributeError as e:
+            raise ValueError(str(e)) from None
     else:
-        import importlib
-
-        target, sep, attr = name.rpartition(":")
-        if not sep or not target or not attr:
-            raise ValueError(f"env.name={name!r}: expected a built-in ({sorted(builtins)}), 'module:Name' or "
-                             "'path/to/file.py:Name'")
-        module = _load_file(target) if target.endswith(".py") else importlib.import_module(target)
-        if not hasattr(module, attr):
-            raise ValueError(f"env.name={name!r}: {target} has no attribute {attr!r}")
-        factory = getattr(module, attr)
+        raise ValueError(f"env.name={name!r}: expected a built-in ({sorted(builtins)}), 'module:Name' or "
+                         "'path/to/file.py:Name'")
     try:
         builder = factory(**options)
     except TypeError as e:

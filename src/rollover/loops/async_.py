@@ -53,60 +53,22 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
     from rollover.metrics import Progress
 
     run = run or build_run(cfg)
-    B, eta = cfg.rollout.prompts_per_step, cfg.async_.max_staleness
-    gate = StalenessGate(B, eta, max_groups=cfg.steps * B)
-    inbox: queue.Queue = queue.Queue()
-    batches: queue.Queue = queue.Queue()
-    failure: dict = {}
-    stop = threading.Event()
-
-    def on_error(component: str, e: BaseException) -> None:
-        if "error" not in failure:
-            failure.update(component=component, error=e)
-            log.error("async: %s failed: %r", component, e)
-        stop.set()
-
-    service = RolloutService(run, gate, inbox, on_error)
-    manager = DataManager(run, gate, service, inbox, batches, on_error)
-    _restore(run.resumed_extra.get("async"), gate, manager, service)
+    eta = cfg.async_.max_staleness
+    parts = _Services(run)
     step = run.start_step
     samples_trained = run.resumed_extra.get("samples_consumed", 0)
     last_eval: dict = {}
     progress = Progress(cfg.steps, initial=step, desc="train (async)") if cfg.logging.progress else None
     stats = _Throughput(run)
-
-    def checkpoint(step: int, resume: bool = True):
-        """A consistent snapshot: generation paused (partials back in their groups), the data
-        manager between two groups, the trainer between two steps."""
-        groups = service.pause()
-        if not manager.lock.acquire(timeout=cfg.rollout.stall_timeout_s):
-            raise Stalled(f"the trainer waited {cfg.rollout.stall_timeout_s:g} s (rollout.stall_timeout_s) for the data "
-                          f"manager to finish the group in its hands before a checkpoint ({manager.describe()})")
-        try:
-            path = run.save(step, {"samples_consumed": samples_trained, "async": {
-                "gate": gate.state_dict(), "manager": manager.state_dict(), "inflight": groups,
-                "success_rate": dict(service.success_rate)}})
-        finally:
-            manager.lock.release()
-        if resume:
-            service.resume()
-        return path
-
-    def batch_watchdog() -> Watchdog:
-        return Watchdog("the trainer", "a batch from the data manager",
-                        lambda: (engine_progress(run.engine), manager.resolved_count, inbox.qsize()),
-                        cfg.rollout.stall_timeout_s, describe=manager.describe)
-
     try:
         with Interrupts() as interrupts:
             if step == 0 and cfg.eval.at_start:
                 last_eval = run.evaluate(0)
-            manager.start()
-            service.resume()  # submits restored in-flight groups, then admits new ones
+            parts.start()
             while step < cfg.steps:
                 # 1. the next batch, oldest groups first (None: a signal asked us to stop)
                 t_wait = time.perf_counter()
-                groups = _next_batch(batches, stop, failure, interrupts, batch_watchdog())
+                groups = parts.next_batch(interrupts)
                 if groups is None:
                     break
                 waited = time.perf_counter() - t_wait
@@ -125,21 +87,17 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                 run.engine.update_weights(run.trainer.named_weights(), version=step,
                                           inflight=cfg.rollout.inflight_weight_update)
                 t_sync = time.perf_counter() - t0
-                service.admit()  # the new version opens the gate for more groups
+                parts.service.admit()  # the new version opens the gate for more groups
 
                 # 3. metrics, the ledger of trained groups, the progress bar
                 samples_trained += len(batch)
                 metrics = {
                     **rollout_metrics(groups, cfg, run.primary_reward),
                     **train_metrics,
-                    **{f"rollout/{k}": v for k, v in manager.metrics.items()},
                     "adv/zero_std_groups": adv_info.get("zero_std_groups", 0),
                     "samples_consumed": samples_trained,
                     **stats.step(stale, batch, version, t_train, t_sync, samples_trained),
-                    "queue/finished_groups": inbox.qsize(),
-                    "queue/batches": batches.qsize(),
-                    "queue/inflight_groups": len(service.inflight),
-                    "busy/data_manager": manager.busy_s / stats.wall(),
+                    **parts.metrics(stats.wall()),
                     "timing_s/wait_for_batch": waited,
                 }
                 run.logger.log(step, metrics)
@@ -150,32 +108,110 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
 
                 # 4. stop on repeated non-finite losses; evaluation; checkpoints
                 if (error := bad_steps_error(run, step)) is not None:
-                    checkpoint(step, resume=False)
+                    parts.checkpoint(step, samples_trained, resume=False)
                     raise error
                 if interrupts.requested:
                     break
                 if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                     last_eval = run.evaluate(step)
                 if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                    checkpoint(step)
+                    parts.checkpoint(step, samples_trained)
             if interrupts.requested:
-                return interrupted_result(step, interrupts.requested, checkpoint(step, resume=False))
+                path = parts.checkpoint(step, samples_trained, resume=False)
+                return interrupted_result(step, interrupts.requested, path)
         return {"step": step, **last_eval}
     except ComponentError:
         # another component failed while the trainer was between steps: its state is consistent
         try:
-            checkpoint(step, resume=False)
+            parts.checkpoint(step, samples_trained, resume=False)
         except Exception as e:  # pragma: no cover - best effort, the original error matters more
             log.error("async: could not save a checkpoint after the failure: %r", e)
         raise
     finally:
-        stop.set()
-        manager.stop.set()
-        service.stop()
-        manager.thread.join(timeout=30) if manager.thread.is_alive() else None
+        parts.stop()
         if progress:
             progress.close()
         run.close()
+
+
+class _Services:
+    """The rollout service and the data manager with the queues and gate between them, as the
+    trainer sees them: start, wait for a batch, snapshot, stop."""
+
+    def __init__(self, run: Run):
+        cfg = run.cfg
+        self.run, self.cfg = run, cfg
+        B = cfg.rollout.prompts_per_step
+        self.gate = StalenessGate(B, cfg.async_.max_staleness, max_groups=cfg.steps * B)
+        self.inbox: queue.Queue = queue.Queue()
+        self.batches: queue.Queue = queue.Queue()
+        self.failure: dict = {}
+        self.stopped = threading.Event()
+        self.service = RolloutService(run, self.gate, self.inbox, self._on_error)
+        self.manager = DataManager(run, self.gate, self.service, self.inbox, self.batches, self._on_error)
+        _restore(run.resumed_extra.get("async"), self.gate, self.manager, self.service)
+
+    def _on_error(self, component: str, e: BaseException) -> None:
+        if "error" not in self.failure:
+            self.failure.update(component=component, error=e)
+            log.error("async: %s failed: %r", component, e)
+        self.stopped.set()
+
+    def start(self) -> None:
+        self.manager.start()
+        self.service.resume()  # submits restored in-flight groups, then admits new ones
+
+    def next_batch(self, interrupts: Interrupts) -> list | None:
+        """The data manager's next batch; raises as soon as any component has failed or nothing
+        has moved for the stall timeout; None once a signal asked the run to stop."""
+        m = self.manager
+        dog = Watchdog("the trainer", "a batch from the data manager",
+                       lambda: (engine_progress(self.run.engine), m.resolved_count, self.inbox.qsize()),
+                       self.cfg.rollout.stall_timeout_s, describe=m.describe)
+        while True:
+            if self.stopped.is_set():
+                raise ComponentError(f"async run stopped: the {self.failure['component']} failed: "
+                                     f"{self.failure['error']!r}") from self.failure["error"]
+            if interrupts.requested:
+                return None
+            try:
+                return self.batches.get(timeout=0.5)
+            except queue.Empty:
+                dog.check()  # also raises if the engine thread died
+
+    def checkpoint(self, step: int, samples_trained: int, resume: bool = True):
+        """A consistent snapshot: generation paused (partials back in their groups), the data
+        manager between two groups, the trainer between two steps."""
+        groups = self.service.pause()
+        timeout = self.cfg.rollout.stall_timeout_s
+        if not self.manager.lock.acquire(timeout=timeout):
+            raise Stalled(f"the trainer waited {timeout:g} s (rollout.stall_timeout_s) for the data manager to "
+                          f"finish the group in its hands before a checkpoint ({self.manager.describe()})")
+        try:
+            path = self.run.save(step, {"samples_consumed": samples_trained, "async": {
+                "gate": self.gate.state_dict(), "manager": self.manager.state_dict(), "inflight": groups,
+                "success_rate": dict(self.service.success_rate)}})
+        finally:
+            self.manager.lock.release()
+        if resume:
+            self.service.resume()
+        return path
+
+    def metrics(self, wall: float) -> dict:
+        return {
+            **{f"rollout/{k}": v for k, v in self.manager.metrics.items()},
+            "queue/finished_groups": self.inbox.qsize(),
+            "queue/batches": self.batches.qsize(),
+            "queue/inflight_groups": len(self.service.inflight),
+            "busy/data_manager": self.manager.busy_s / wall,
+        }
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.manager.stop.set()
+        self.service.stop()
+        if self.manager.thread.is_alive():
+            self.manager.thread.join(timeout=30)
 
 
 class _Throughput:
@@ -218,19 +254,3 @@ def _restore(extra: dict | None, gate: StalenessGate, manager: DataManager, serv
     service.success_rate = dict(extra["success_rate"])
     for g in extra["inflight"]:
         service.inflight[g.id] = g
-
-
-def _next_batch(batches: queue.Queue, stop: threading.Event, failure: dict, interrupts: Interrupts,
-                dog: Watchdog) -> list | None:
-    """Wait for the data manager's next batch; raise as soon as any component has failed or
-    nothing has moved for the stall timeout; None once a signal asked the run to stop."""
-    while True:
-        if stop.is_set():
-            raise ComponentError(f"async run stopped: the {failure['component']} failed: "
-                                 f"{failure['error']!r}") from failure["error"]
-        if interrupts.requested:
-            return None
-        try:
-            return batches.get(timeout=0.5)
-        except queue.Empty:
-            dog.check()  # also raises if the engine thread died

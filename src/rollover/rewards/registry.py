@@ -177,9 +177,18 @@ def resolve_reward_fn(ref: str) -> Callable:
             f"unknown reward {ref!r}: expected a built-in ({sorted(BUILTINS)}), "
             "'module:function' or 'path/to/file.py:function'"
         )
+    return load_reference(ref, "reward")
+
+
+def load_reference(ref: str, what: str):
+    """The object `module:name` or `path/to/file.py:name` names (rewards, environments);
+    errors name `what` and the reference."""
+    target, sep, attr = ref.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(f"{what} {ref!r}: expected 'module:name' or 'path/to/file.py:name'")
     module = _load_file(target) if target.endswith(".py") else importlib.import_module(target)
     if not hasattr(module, attr):
-        raise AttributeError(f"reward {ref!r}: {target} has no attribute {attr!r}")
+        raise AttributeError(f"{what} {ref!r}: {target} has no attribute {attr!r}")
     return getattr(module, attr)
 
 
