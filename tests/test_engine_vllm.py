@@ -84,7 +84,7 @@ def engine(model, tmp_path_factory):
     path = save_model(tiny_model("llama", seed=7, **TIED), tmp_path_factory.mktemp("vllm") / "tiny")
     cfg = SimpleNamespace(model=path, seed=0, rollout=SimpleNamespace(max_rows=8))
     trainer = SimpleNamespace(named_weights=lambda: [(n, p.detach()) for n, p in model.named_parameters()])
-    eng = VLLMEngine.from_trainer(cfg, trainer, max_len=MAX_LEN, dtype="float32", eos_token_ids=[], **OPTIONS)
+    eng = VLLMEngine.from_config(cfg, weights=trainer.named_weights(), max_len=MAX_LEN, dtype="float32", eos_token_ids=[], **OPTIONS)
     yield eng
     eng.shutdown()
 

@@ -109,8 +109,8 @@ def test_a_raising_environment_fails_only_its_group_and_is_counted(model_dir, tm
 
 
 @pytest.mark.parametrize("over,message", [
-    ({"mode": "async"}, "env .* runs in sync mode"),
-    ({"partial_rollout.enabled": True}, "env .* runs in sync mode"),
+    ({"partial_rollout.enabled": True, "partial_rollout.carry": "keep_kv"}, "carry=keep_kv keeps single-turn"),
+    ({"partial_rollout.enabled": True, "partial_rollout.on_stale": "regenerate"}, "regenerate restarts single-turn"),
     ({"env.name": None}, "data.train: env needs env.name"),
     ({"env.max_total_tokens": 100}, "env.max_total_tokens=100 leaves no room"),
 ])
@@ -124,19 +124,19 @@ def test_a_stalled_engine_ends_the_episode_step_with_an_error_naming_it(model_di
 
     from rollover.loops.common import build_run
     from rollover.loops.guard import Stalled
-    from rollover.rollout.episodes import EpisodeCollector
+    from rollover.rollout.sync_collect import SyncCollector
 
     run = build_run(env_cfg(model_dir, tmp_path, **{"rollout.stall_timeout_s": 2, "env.step_timeout_s": 1}))
     try:
         run.engine.pause()  # alive, but never steps: nothing moves
         t0 = time.monotonic()
-        with pytest.raises(Stalled, match="episode collector waited 2 s for episodes from the engine"):
-            EpisodeCollector(run).collect(0)
+        with pytest.raises(Stalled, match="sync collector waited 2 s for 2 groups from the engine and environments"):
+            SyncCollector(run).collect(0)
         assert time.monotonic() - t0 < 30
         deadline = time.monotonic() + 10
         while run.engine.num_unfinished() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert run.engine.num_unfinished() == 0  # the cancelled episodes' requests were aborted
+        assert run.engine.num_unfinished() == 0  # the stalled episodes' requests were aborted
     finally:
         run.close()
     with pytest.raises(ConfigError, match="env.step_timeout_s=30 must be below rollout.stall_timeout_s=20"):

@@ -324,6 +324,22 @@ class EnvConfig(Section):
     """An environment call past this fails its episode (counted, reported; never scored 0)."""
     tasks: int = Field(2000, ge=1)
     """With data.train: env, how many tasks the environment's own generator makes."""
+    dynamic_turns: bool = False
+    """DART dynamic trajectory length: a task solved in at least dynamic_turns_threshold of its
+    last group's episodes gets one turn more than its longest success used (at least
+    min_turns); other tasks keep max_turns."""
+    dynamic_turns_threshold: float = Field(0.5, gt=0, le=1)
+    """Success rate from which a task counts as easy for dynamic_turns."""
+    min_turns: int = Field(1, ge=1)
+    """dynamic_turns: the fewest turns a task is given."""
+    max_concurrent: int = Field(64, ge=1)
+    """Environment calls running at once across all episodes (the environment cluster's size);
+    more wait for a slot (the wait does not count against step_timeout_s)."""
+    inline: bool = False
+    """Run environment calls on the engine's thread between decode steps instead of on their
+    own event loop: the schedule then depends on the seeds alone (APRIL and async runs resume
+    bit-exactly), but decoding stops while an environment works. For fast environments (games);
+    off for tools, sandboxes and anything slow."""
 
 
 class AsyncConfig(Section):
@@ -440,9 +456,12 @@ class Config(Section):
             out = ["env.options are set but env.name is not"] if e.options else []
             return out + (["data.train: env needs env.name"] if self.data.train == "env" else [])
         out = []
-        if self.mode == "async" or self.partial_rollout.enabled:
-            out.append("env (multi-turn episodes) runs in sync mode without partial_rollout for now: APRIL and "
-                       "async carry single-turn samples only")
+        pr = self.partial_rollout
+        if pr.enabled and pr.carry == "keep_kv":
+            out.append("partial_rollout.carry=keep_kv keeps single-turn requests in the engine; episodes carry their "
+                       "tokens and environment state (carry: resubmit)")
+        if pr.enabled and pr.on_stale == "regenerate":
+            out.append("partial_rollout.on_stale=regenerate restarts single-turn samples; for episodes use mask or is")
         if self.algorithm.overlong_buffer:
             out.append("algorithm.overlong_buffer measures one response's length; it has no meaning for episodes")
         if e.step_timeout_s >= self.rollout.stall_timeout_s:

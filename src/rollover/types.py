@@ -145,6 +145,7 @@ class Group:
     prompt_ids: list[int]
     rollouts: list[Rollout]
     start_version: int = 0  # policy version when the group was first submitted
+    serial: int = 0  # the order in which the run drew its prompt
 
     @property
     def rewards(self) -> list[float | None]:

@@ -21,7 +21,13 @@ class Engine(Protocol):
     - a `Request` carrying response tokens resumes from them; `max_new_tokens` bounds the
       whole response.
     - `update_weights(named tensors, version, inflight)` swaps weights between steps; every
-      generated token carries the version of the weights that produced it.
+      generated token carries the version of the weights that produced it. Loops do not call
+      it directly: weights cross the `WeightSync` seam (`rollover.train.weight_sync`).
+    - `pause()` stops stepping at the next step boundary with running sequences keeping their
+      rows (and K/V); `resume()` goes on; `paused` says which. `lengths()` maps each unfinished
+      request to its response tokens so far. An engine without them (vLLM) keeps `paused`
+      False and raises NotImplementedError naming the feature that needs them
+      (`partial_rollout.carry=keep_kv`, which the config refuses for it).
     """
 
     version: int
@@ -40,6 +46,11 @@ class Engine(Protocol):
     ) -> list[Completion]: ...
     def stats(self) -> EngineStats: ...
     def reset_stats(self) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    @property
+    def paused(self) -> bool: ...
+    def lengths(self) -> dict[str, int]: ...
     def shutdown(self) -> None: ...
 
 
@@ -51,20 +62,21 @@ def __getattr__(name):  # lazy: importing rollover.engine does not build anythin
     raise AttributeError(name)
 
 
-def make_engine(cfg, trainer, *, device, max_len: int, eos_token_ids):
-    """The engine a run's config asks for, holding the trainer's current weights (version 0)."""
+def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_ids):
+    """The engine a run's config asks for, holding `weights` (named tensors, LoRA merged) as
+    version 0. `architecture` is a Hugging Face model of the policy's architecture (its config
+    and module names; TorchEngine copies it), not the trainer's."""
     r = cfg.rollout
     dtype = r.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-    base = trainer.model.get_base_model() if trainer.is_peft else trainer.model
     if r.engine == "vllm":
         from rollover.engine.vllm_engine import VLLMEngine
 
-        return VLLMEngine.from_trainer(cfg, trainer, max_len=max_len, dtype=dtype, eos_token_ids=eos_token_ids,
-                                       **r.engine_options)
+        return VLLMEngine.from_config(cfg, weights=weights, max_len=max_len, dtype=dtype, eos_token_ids=eos_token_ids,
+                                      **r.engine_options)
     from rollover.engine.torch_engine import TorchEngine
 
-    return TorchEngine(base, state_dict=dict(trainer.named_weights()), device=str(device), dtype=dtype,
+    return TorchEngine(architecture, state_dict=dict(weights), device=str(device), dtype=dtype,
                        max_rows=r.max_rows, max_len=max_len, seed=cfg.seed, eos_token_ids=eos_token_ids,
                        **r.engine_options)

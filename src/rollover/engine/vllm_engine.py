@@ -192,11 +192,11 @@ class VLLMEngine(EngineAPI):
         )
 
     @classmethod
-    def from_trainer(cls, cfg, trainer, *, max_len: int, dtype, eos_token_ids, **engine_options) -> "VLLMEngine":
-        """An engine for a run: the run's model and settings, holding the trainer's current
-        weights (LoRA merged) as version 0."""
+    def from_config(cls, cfg, *, weights, max_len: int, dtype, eos_token_ids, **engine_options) -> "VLLMEngine":
+        """An engine for a run: the run's model and settings, holding `weights` (named
+        tensors, LoRA merged) as version 0."""
         return cls(cfg.model, dtype=dtype, max_rows=cfg.rollout.max_rows, max_len=max_len, seed=cfg.seed,
-                   eos_token_ids=eos_token_ids, weights=trainer.named_weights(), **engine_options)
+                   eos_token_ids=eos_token_ids, weights=weights, **engine_options)
 
     # ------------------------------------------------------------------ API
     @property
@@ -261,6 +261,21 @@ class VLLMEngine(EngineAPI):
         if not self._in_loop():
             loaded.result()
         return aborted
+
+    @property
+    def paused(self) -> bool:
+        return False  # it never pauses: see pause()
+
+    def pause(self) -> None:
+        raise NotImplementedError("VLLMEngine cannot pause with sequences kept in their rows; "
+                                  "partial_rollout.carry=keep_kv needs rollout.engine=torch")
+
+    def resume(self) -> None:
+        raise NotImplementedError("VLLMEngine never pauses (see pause)")
+
+    def lengths(self) -> dict[str, int]:
+        raise NotImplementedError("VLLMEngine does not report live lengths; "
+                                  "partial_rollout.carry=keep_kv needs rollout.engine=torch")
 
     def stats(self) -> EngineStats:
         """Counters since start or `reset_stats` (see `_StepCounter`); raises if vLLM died."""

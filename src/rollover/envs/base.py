@@ -145,13 +145,14 @@ class Trajectory:
     def gen_s(self) -> float:
         return sum(t.gen_s for t in self.turns)
 
-    def to_rollout(self, group_id: str) -> Rollout:
+    def to_rollout(self, group_id: str, *, failed_ok: bool = False) -> Rollout:
         """The trajectory in the single-turn rollout's shape: the initial observation is the
         prompt, everything after it the response. Inserted tokens keep loss mask 0 and
         version -1; their logprob becomes 0.0 (as padding is in `TrainBatch`), so it must only
         ever be read through the mask. A failed episode is refused: it has no reward. Finish:
-        `done` -> 'stop', `abort` -> 'abort', `max_turns` and `length` (truncated) -> 'length'."""
-        if self.error is not None:
+        `done` -> 'stop', `abort` -> 'abort', `max_turns` and `length` (truncated) -> 'length'.
+        With `failed_ok`, a failed episode becomes a rollout with reward None (unscored)."""
+        if self.error is not None and not failed_ok:
             raise ValueError(f"episode {self.request_id} failed ({self.error.describe()}): it has no reward")
         p = self.prompt_len
         return Rollout(

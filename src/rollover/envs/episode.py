@@ -106,6 +106,151 @@ class EnvPool:
 
 
 
+class LiveEpisode:
+    """An episode as a resumable state machine: what every runner drives, with no coroutine in
+    it, so an episode can stop anywhere (mid-turn, or waiting for its environment), be carried
+    across training steps and be saved in a checkpoint.
+
+    `phase` says what the episode needs next:
+    - "open": the environment's `initial_observation()`, given to `opened`;
+    - "generate": an engine turn: `request()` is the next turn's request, or the aborted
+      turn's resumed at its next token; its completion goes to `sampled`;
+    - "step": the environment's `step(self.action)`, given to `stepped`;
+    - "finished": `traj` is the whole episode.
+
+    A checkpoint keeps everything but the environment object, which is rebuilt by replaying the
+    episode's action log (`replay`): a deterministic environment (same task and actions, same
+    answers) comes back in the state it had. A replay whose answers differ from the recorded
+    ones is an error naming the episode and the step.
+    """
+
+    def __init__(self, request_id: str, sampling: SamplingParams, *, max_turns: int, max_total_tokens: int,
+                 env: Env | None = None):
+        _check_limits(max_turns, max_total_tokens, 1.0)
+        self.request_id = request_id
+        self.sampling = sampling
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        self.env = env
+        self.phase = "open"
+        self.traj: Trajectory | None = None  # None until the initial observation is in
+        self.history: list[dict] = []  # the conversation as text, for the template's context only
+        self.partial = None  # the aborted turn's Completion, resumed by the next request()
+        self.action: Action | None = None  # the action waiting for env.step (phase "step")
+        self.turn_started: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.phase == "finished"
+
+    @property
+    def turn(self) -> int:
+        """The number of the turn being sampled or to sample next (1-based)."""
+        return len(self.traj.turns) + (self.phase != "step")
+
+    # ------------------------------------------------------------ transitions
+    def opened(self, messages, error: EpisodeError | None, env_s: float, renderer: ChatRenderer) -> None:
+        """The initial observation came back (or failed)."""
+        if error is None:
+            try:
+                prompt_ids = renderer.initial(messages)
+            except TemplateError as e:  # the chat template refuses the environment's messages
+                error = _error(0, e)
+        if error is not None:
+            self.traj = _trajectory(self.request_id, 0, finish="error", error=error, initial_env_s=env_s)
+            self.phase = "finished"
+            return
+        if len(prompt_ids) >= self.max_total_tokens:
+            raise ValueError(f"episode {self.request_id}: the initial observation is {len(prompt_ids)} tokens, "
+                             f"max_total_tokens={self.max_total_tokens} leaves no room to generate")
+        self.traj = _trajectory(self.request_id, len(prompt_ids), finish="max_turns", initial_env_s=env_s)
+        _append_inserted(self.traj, prompt_ids)
+        self.history = list(messages)
+        self.phase = "generate"
+
+    def request(self, clock: Clock = time.monotonic) -> Request:
+        """The next turn's request; an aborted turn resumes from its tokens (same seed, same
+        budget), so it samples what it would have sampled uninterrupted."""
+        if self.turn_started is None:
+            self.turn_started = clock()
+        if self.partial is not None:
+            return self.partial.resume()
+        room = self.max_total_tokens - len(self.traj.tokens_T)
+        sampling = replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, room),
+                           seed=_turn_seed(self.sampling.seed, self.turn))
+        return Request(id=f"{self.request_id}/turn{self.turn}", prompt_ids=list(self.traj.tokens_T), sampling=sampling)
+
+    def sampled(self, completion, renderer: ChatRenderer, clock: Clock = time.monotonic, *, resume: bool = True) -> None:
+        """A turn's completion. Aborted: kept as `partial` for the next request (`resume`), or
+        the end of the episode (finish 'abort', its tokens kept). Otherwise the turn joins the
+        trajectory and the episode waits for the environment's step on `self.action`."""
+        if completion.finish == "abort" and resume:
+            self.partial = completion if completion.response_ids else None
+            return
+        self.partial = None
+        ids = completion.response_ids
+        text = renderer.tokenizer.decode(ids, skip_special_tokens=True)
+        start_T = len(self.traj.tokens_T)
+        gen_s = clock() - self.turn_started if self.turn_started is not None else 0.0
+        self.turn_started = None
+        self.traj.turns.append(Turn(start_T, start_T + len(ids), completion.finish, text, gen_s=gen_s))
+        _append_sampled(self.traj, completion)
+        if completion.finish == "abort":
+            self.traj.finish, self.phase = "abort", "finished"
+            return
+        self.action = Action(text=text, token_ids=tuple(ids), finish=completion.finish)
+        self.phase = "step"
+
+    def stepped(self, result: StepResult | None, error: EpisodeError | None, env_s: float,
+                renderer: ChatRenderer) -> None:
+        """The environment's answer to the last turn (or its failure)."""
+        traj, turn = self.traj, self.traj.turns[-1]
+        turn.env_s, self.action = env_s, None
+        self.phase = "finished"
+        if error is not None:
+            traj.finish, traj.error = "error", error
+            return
+        turn.reward, turn.messages, turn.info = float(result.reward), list(result.messages), dict(result.info)
+        k = len(traj.turns)
+        if result.done or k >= self.max_turns:
+            traj.finish = "done" if result.done else "max_turns"
+            return
+        try:
+            inserted = renderer.insertion(self.history, traj.tokens_T[turn.start:turn.end], result.messages)
+        except TemplateError as e:
+            traj.finish, traj.error = "error", _error(k, e)
+            return
+        if len(traj.tokens_T) + len(inserted) >= self.max_total_tokens:
+            traj.finish = "length"
+            return
+        _append_inserted(traj, inserted)
+        self.history += [{"role": "assistant", "content": turn.text}, *result.messages]
+        self.phase = "generate"
+
+    async def replay(self, env: Env, timeout_s: float) -> None:
+        """Bring a fresh `env` to this episode's state by replaying its action log: the opening,
+        then a step for every turn the environment has answered. An answer that differs from
+        the recorded one is an error naming the episode and the step."""
+        if self.phase != "open":
+            await asyncio.wait_for(env.initial_observation(), timeout_s)
+            t = self.traj
+            answered = t.turns[:-1] if self.phase == "step" else t.turns
+            for k, turn in enumerate(answered, start=1):
+                action = Action(turn.text, tuple(t.tokens_T[turn.start:turn.end]), turn.finish)
+                result = await asyncio.wait_for(env.step(action), timeout_s)
+                if list(result.messages) != turn.messages or float(result.reward) != turn.reward:
+                    raise ValueError(
+                        f"episode {self.request_id}: replaying its actions into a fresh environment answered step "
+                        f"{k} differently from the recorded run ({result.messages!r:.120} vs {turn.messages!r:.120}); "
+                        "resuming a checkpoint needs an environment that is deterministic given its task and actions")
+        self.env = env
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["env"] = None  # rebuilt by replay after a checkpoint is loaded
+        state["turn_started"] = None
+        return state
+
+
 async def run_episode(
     engine: "Engine",
     env: Env,
@@ -121,67 +266,27 @@ async def run_episode(
 ) -> Trajectory:
     """One episode of `env`. `sampling.max_new_tokens` bounds each turn; a seeded `sampling`
     gets a seed per turn derived from it, so a seeded episode is reproducible. With a `pool`,
-    every call of `env` takes one of its slots."""
+    every call of `env` takes one of its slots. An aborted turn ends the episode (finish
+    'abort', its tokens kept); the rollout core resumes such turns instead."""
     _check_limits(max_turns, max_total_tokens, step_timeout_s)
-    messages, error, env_s = await _call_env(env.initial_observation, _not_messages, step_timeout_s, 0, clock, pool)
-    if error is not None:
-        return _trajectory(request_id, 0, finish="error", error=error, initial_env_s=env_s)
+    ep = LiveEpisode(request_id, sampling, max_turns=max_turns, max_total_tokens=max_total_tokens, env=env)
+    ep.opened(*await _call_env(env.initial_observation, _not_messages, step_timeout_s, 0, clock, pool), renderer)
+    while not ep.finished:
+        if ep.phase == "generate":
+            ep.sampled(await _generate(engine, ep.request(clock)), renderer, clock, resume=False)
+        else:
+            ep.stepped(*await env_step(ep, step_timeout_s, clock, pool), renderer)
+    return ep.traj
 
-    try:
-        prompt_ids = renderer.initial(messages)
-    except TemplateError as e:  # the chat template refuses the environment's messages
-        return _trajectory(request_id, 0, finish="error", error=_error(0, e), initial_env_s=env_s)
-    if len(prompt_ids) >= max_total_tokens:
-        raise ValueError(
-            f"episode {request_id}: the initial observation is {len(prompt_ids)} tokens, "
-            f"max_total_tokens={max_total_tokens} leaves no room to generate"
-        )
-    traj = _trajectory(request_id, len(prompt_ids), finish="max_turns", initial_env_s=env_s)
-    _append_inserted(traj, prompt_ids)
-    history = list(messages)  # the conversation as text, for the template's context only
 
-    for k in range(1, max_turns + 1):
-        room = max_total_tokens - len(traj.tokens_T)
-        turn_sampling = replace(
-            sampling, max_new_tokens=min(sampling.max_new_tokens, room), seed=_turn_seed(sampling.seed, k)
-        )
-        request = Request(id=f"{request_id}/turn{k}", prompt_ids=list(traj.tokens_T), sampling=turn_sampling)
-        t0 = clock()
-        completion = await _generate(engine, request)
-        ids = completion.response_ids
-        text = renderer.tokenizer.decode(ids, skip_special_tokens=True)
-        start_T = len(traj.tokens_T)
-        turn = Turn(start_T, start_T + len(ids), completion.finish, text, gen_s=clock() - t0)
-        traj.turns.append(turn)
-        _append_sampled(traj, completion)
-        if completion.finish == "abort":
-            traj.finish = "abort"
-            return traj
+async def env_step(ep: LiveEpisode, timeout_s: float, clock: Clock = time.monotonic, pool: EnvPool | None = None):
+    """The call an episode in phase "step" waits for: (result, error, seconds)."""
+    return await _call_env(functools.partial(ep.env.step, ep.action), _not_step_result, timeout_s, ep.turn, clock, pool)
 
-        action = Action(text=text, token_ids=tuple(ids), finish=completion.finish)
-        step = functools.partial(env.step, action)
-        result, error, turn.env_s = await _call_env(step, _not_step_result, step_timeout_s, k, clock, pool)
-        if error is not None:
-            traj.finish, traj.error = "error", error
-            return traj
-        turn.reward, turn.messages, turn.info = float(result.reward), list(result.messages), dict(result.info)
-        if result.done:
-            traj.finish = "done"
-            return traj
-        if k == max_turns:
-            break
-        try:
-            inserted = renderer.insertion(history, ids, result.messages)
-        except TemplateError as e:
-            traj.finish, traj.error = "error", _error(k, e)
-            return traj
-        if len(traj.tokens_T) + len(inserted) >= max_total_tokens:
-            traj.finish = "length"
-            return traj
-        _append_inserted(traj, inserted)
-        history += [{"role": "assistant", "content": text}, *result.messages]
-    traj.finish = "max_turns"
-    return traj
+
+async def env_open(ep: LiveEpisode, timeout_s: float, clock: Clock = time.monotonic, pool: EnvPool | None = None):
+    """The call an episode in phase "open" waits for: (messages, error, seconds)."""
+    return await _call_env(ep.env.initial_observation, _not_messages, timeout_s, 0, clock, pool)
 
 
 async def run_group(

@@ -44,6 +44,7 @@ from rollover.config import Config
 from rollover.loops.common import Run, bad_steps_error, build_run, ledger_rows, train_batch_from
 from rollover.loops.guard import Interrupts, Stalled, Watchdog, engine_progress, interrupted_result
 from rollover.rollout.async_rollout import ComponentError, DataManager, RolloutService, StalenessGate
+from rollover.rollout.core import env_step_metrics
 from rollover.rollout.groups import rollout_metrics
 
 log = logging.getLogger("rollover")
@@ -84,7 +85,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                 t_train = time.perf_counter() - t0
                 step += 1
                 t0 = time.perf_counter()
-                run.engine.update_weights(run.trainer.named_weights(), version=step,
+                run.weights.push(run.trainer.named_weights(), version=step,
                                           inflight=cfg.rollout.inflight_weight_update)
                 t_sync = time.perf_counter() - t0
                 parts.service.admit()  # the new version opens the gate for more groups
@@ -149,6 +150,7 @@ class _Services:
         self.stopped = threading.Event()
         self.service = RolloutService(run, self.gate, self.inbox, self._on_error)
         self.manager = DataManager(run, self.gate, self.service, self.inbox, self.batches, self._on_error)
+        self._env_since = (0.0, time.perf_counter())  # environment busy seconds and time at the last metrics row
         _restore(run.resumed_extra.get("async"), self.gate, self.manager, self.service)
 
     def _on_error(self, component: str, e: BaseException) -> None:
@@ -198,8 +200,14 @@ class _Services:
         return path
 
     def metrics(self, wall: float) -> dict:
+        with self.manager.lock:
+            trajectories, self.manager.trajectories = self.manager.trajectories, []
+        busy, since = self.service.driver.env_busy_s, self._env_since
+        self._env_since = (busy, time.perf_counter())
         return {
             **{f"rollout/{k}": v for k, v in self.manager.metrics.items()},
+            **{f"rollout/{k}": v for k, v in env_step_metrics(self.run, trajectories, busy - since[0],
+                                                               time.perf_counter() - since[1]).items()},
             "queue/finished_groups": self.inbox.qsize(),
             "queue/batches": self.batches.qsize(),
             "queue/inflight_groups": len(self.service.inflight),

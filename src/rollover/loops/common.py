@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import IO, TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,7 +29,18 @@ from rollover.rollout.groups import (
     PendingGroup, assign_advantages, sampling_from, score_groups, to_rollouts,
 )
 from rollover.train import checkpoint
+from rollover.train.weight_sync import InProcessWeightSync, WeightSync
 from rollover.types import Prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rollover.engine import Engine
+    from rollover.envs.base import EnvGroupBuilder
+    from rollover.metrics import MetricsLogger
+    from rollover.rollout.core import EnvRunner
+    from rollover.rollout.curation import TurnBudget
+    from rollover.train.trainer import Trainer
 
 log = logging.getLogger("rollover")
 
@@ -49,24 +61,29 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class Run:
+    """What a loop drives: the parts of a run, built by `build_run`."""
+
     cfg: Config
     device: torch.device
-    tokenizer: object
-    model: object  # the trainer's policy (HF module, maybe peft-wrapped)
-    engine: object
-    trainer: object
+    tokenizer: PreTrainedTokenizerBase
+    model: torch.nn.Module  # the trainer's policy (HF module, maybe peft-wrapped)
+    engine: Engine
+    trainer: Trainer
     train_iter: PromptIterator
     eval_prompts: list[Prompt]
     rewards: RewardRunner
     prompt_ids: dict[str, list[int]]  # rendered prompts by Prompt.id
-    logger: object
+    logger: MetricsLogger | _NoRecord
     start_step: int = 0
     serial: int = 0  # prompts drawn so far (seeds sampling; survives resume)
     resumed_extra: dict = field(default_factory=dict)
     data_skipped: int = 0
     checkpoint: Path | None = None  # the checkpoint whose weights and state were restored
-    env_builder: object = None  # env.name's group builder (multi-turn episodes); None: single-turn
-    lock: object = None  # the open RUN_DIR/.lock this process holds while it writes there
+    env_builder: EnvGroupBuilder | None = None  # env.name's group builder (multi-turn episodes); None: single-turn
+    env_runner: EnvRunner | None = None  # where environment calls run
+    turn_budget: TurnBudget | None = None  # env.dynamic_turns: per-task turn limits
+    lock: IO | None = None  # the open RUN_DIR/.lock this process holds while it writes there
+    weights: WeightSync | None = None  # the trainer -> engine seam
 
     # ------------------------------------------------------------ prompts
     def next_groups(self, k: int, version: int) -> list[PendingGroup]:
@@ -75,25 +92,17 @@ class Run:
         for p in self.train_iter.next_batch(k):
             gid = f"g{self.serial}"
             out.append(PendingGroup(id=gid, prompt=p, prompt_ids=self.prompt_ids[p.id], serial=self.serial,
-                                    n=self.cfg.rollout.samples_per_prompt, start_version=version))
+                                    n=self.cfg.rollout.samples_per_prompt, start_version=version,
+                                    max_turns=self.turn_budget.limit(p.id) if self.turn_budget else None))
             self.serial += 1
         return out
-
-    def generate(self, requests: list, waiting: str) -> list:
-        """engine.generate, but a wait that sees the engine make no progress for
-        `rollout.stall_timeout_s` ends with `Stalled` instead of hanging."""
-        from rollover.loops.guard import Watchdog, engine_progress, wait_futures
-
-        futures = self.engine.submit_many(requests)
-        dog = Watchdog(waiting, f"{len(requests)} requests from the engine", lambda: engine_progress(self.engine),
-                       self.cfg.rollout.stall_timeout_s)
-        return wait_futures(futures, dog)
 
     # ------------------------------------------------------------ eval
     def evaluate(self, step: int) -> dict:
         """Sample the held-out prompts with the current weights; reward and accuracy."""
         from dataclasses import replace
 
+        from rollover.rollout.core import run_groups
         from rollover.rollout.groups import accuracy
 
         cfg = self.cfg
@@ -104,21 +113,17 @@ class Run:
         if not self.eval_prompts:
             return {}
         sp = replace(sampling_from(cfg), temperature=cfg.eval.temperature)
-        n = cfg.eval.samples_per_prompt
-        pending = [PendingGroup(id=f"eval{i}", prompt=p, prompt_ids=self.prompt_ids[p.id], serial=10**9 + i, n=n,
-                                start_version=self.engine.version) for i, p in enumerate(self.eval_prompts)]
-        reqs = [g.request(j, sp, cfg.seed) for g in pending for j in range(n)]
-        reqs = [replace(r, id=f"eval-{step}-{r.id}") for r in reqs]
-        paused = getattr(self.engine, "paused", False)  # APRIL keep_kv pauses it between steps
+        pending = [PendingGroup(id=f"eval-{step}-{i}", prompt=p, prompt_ids=self.prompt_ids[p.id], serial=10**9 + i,
+                                n=cfg.eval.samples_per_prompt, start_version=self.engine.version)
+                   for i, p in enumerate(self.eval_prompts)]
+        paused = self.engine.paused  # APRIL keep_kv pauses it between steps
         if paused:
             self.engine.resume()
         try:
-            outs = self.generate(reqs, "evaluation")
+            run_groups(self, pending, sp, cfg.seed, "evaluation")
         finally:
             if paused:
                 self.engine.pause()
-        for k, c in enumerate(outs):
-            pending[k // n].done[k % n] = c
         groups = [to_rollouts(g, cfg, self.tokenizer) for g in pending]
         score_groups(groups, self.rewards, cfg)
         flat = [r for g in groups for r in g.rollouts if r.reward is not None]
@@ -139,13 +144,15 @@ class Run:
     # ------------------------------------------------------------ checkpoints
     def save(self, step: int, extra: dict | None = None) -> Path:
         state = {"data": self.train_iter.state_dict(), "serial": self.serial, "version": self.engine.version,
-                 **(extra or {})}
+                 "turn_budget": self.turn_budget.state_dict() if self.turn_budget else None, **(extra or {})}
         return checkpoint.save(self.cfg.run_dir, step, model=self.model, tokenizer=self.tokenizer,
                                trainer_state=self.trainer.state_dict(), extra=state, keep=self.cfg.checkpoint.keep,
                                config=dump_config(self.cfg))
 
     def close(self) -> None:
         self.engine.shutdown()
+        if self.env_runner is not None:
+            self.env_runner.close()
         self.rewards.close()
         self.logger.close()
         if self.lock is not None:
@@ -292,12 +299,23 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         from rollover.engine import make_engine
 
         engine_factory = make_engine
-    engine = engine_factory(cfg, trainer, device=device, max_len=longest + 1,
+    architecture = trainer.model.get_base_model() if trainer.is_peft else trainer.model
+    engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device, max_len=longest + 1,
                             eos_token_ids=_eos_ids(tokenizer, model))
     run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
               train_iter=PromptIterator(train_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
               data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder)
+    run.weights = InProcessWeightSync(engine)
+    if env_builder is not None:
+        from rollover.rollout.core import EnvRunner
+
+        run.env_runner = EnvRunner(cfg.env.max_concurrent, inline=cfg.env.inline)
+        if cfg.env.dynamic_turns:
+            from rollover.rollout.curation import TurnBudget
+
+            e = cfg.env
+            run.turn_budget = TurnBudget(e.max_turns, e.min_turns, e.dynamic_turns_threshold, cfg.reward.correct_threshold)
     try:
         if state is not None:
             _restore(run, state)
@@ -379,8 +397,10 @@ def _restore(run: Run, state: dict) -> None:
     run.trainer.load_state_dict(state["trainer"])
     run.train_iter.load_state_dict(state["data"])
     run.serial = state["serial"]
+    if run.turn_budget is not None and state.get("turn_budget"):
+        run.turn_budget.load_state_dict(state["turn_budget"])
     run.start_step = state["step"]
-    run.engine.update_weights(run.trainer.named_weights(), version=state["version"])
+    run.weights.push(run.trainer.named_weights(), version=state["version"])
     checkpoint.set_rng_state(state["rng"])
     run.resumed_extra = state
 

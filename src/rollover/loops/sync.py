@@ -35,10 +35,6 @@ log = logging.getLogger("rollover")
 
 
 def make_collector(run: Run):
-    if run.env_builder is not None:  # multi-turn episodes (env.name)
-        from rollover.rollout.episodes import EpisodeCollector
-
-        return EpisodeCollector(run)
     if run.cfg.partial_rollout.enabled:
         from rollover.rollout.april import AprilCollector
 
@@ -90,8 +86,8 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
 
             # 4. new weights to the engine (tokens generated from now on carry version `step`)
             t0 = time.perf_counter()
-            run.engine.update_weights(run.trainer.named_weights(), version=step,
-                                      inflight=getattr(collector, "inflight_mode", "continue"))
+            run.weights.push(run.trainer.named_weights(), version=step,
+                                      inflight=collector.inflight_mode)
             t_sync = time.perf_counter() - t0
 
             # 5. metrics

@@ -38,7 +38,8 @@ import time
 from collections import Counter
 
 from rollover.loops.guard import Watchdog, engine_progress
-from rollover.rollout.groups import PendingGroup, has_variance, sampling_from, score_groups, to_rollouts, trainable
+from rollover.rollout.core import SampleDriver, env_step_metrics
+from rollover.rollout.groups import PendingGroup, keep_group, sampling_from, scored_groups
 from rollover.types import Completion, Group
 
 
@@ -53,18 +54,26 @@ class AprilCollector:
         self.alpha = self.pcfg.oversample
         self.buffer: list[PendingGroup] = []  # carried groups to resubmit, oldest first
         self.ready_carry: list[Group] = []  # scored complete groups carried to the next step
-        self.inflight: dict[str, PendingGroup] = {}  # groups with requests live in the engine
-        self.pending_ids: set[str] = set()  # live requests
-        self.seen: dict[str, int] = {}  # tokens of each live request already accounted for
+        self.inflight: dict[str, PendingGroup] = {}  # groups with samples live in the engine or environments
         self.completion_rate: float | None = None  # EMA of completed / in-flight groups (adaptive alpha)
         self.st: _StepState | None = None
         self._late = Counter()  # counters of completions that land between steps
         self._lock = threading.RLock()
+        self._engine_thread = threading.local()  # .active: inside the engine's done-callback
         self._sampling = sampling_from(run.cfg)
+        self.driver = SampleDriver(run, self._lock, on_finished=self._finished, on_aborted=lambda g, j: None,
+                                   on_error=self._fail, on_done_callback=self._on_done,
+                                   on_settled=self._maybe_finish)
+        self._late_error: BaseException | None = None  # a failure between steps, raised by the next step
+
+    @property
+    def pending_ids(self) -> set[str]:
+        """The requests live in the engine."""
+        return set(self.driver.routes)
 
     # ------------------------------------------------------------ one step
     def collect(self, step: int) -> tuple[list[Group], dict]:
-        run, cfg = self.run, self.cfg
+        run, cfg, driver = self.run, self.cfg, self.driver
         target = cfg.rollout.prompts_per_step
         version = run.engine.version
         t_start = time.perf_counter()
@@ -73,62 +82,68 @@ class AprilCollector:
         st = _StepState(target=target, capacity=capacity, version=version)
         st.max_started = cfg.algorithm.max_resample_rounds * capacity if cfg.algorithm.dynamic_sampling else None
         m = st.m
-        if self.keep_kv and self.pending_ids:  # outside the lock: these wait on the engine thread
+        if self._late_error is not None:
+            e, self._late_error = self._late_error, None
+            raise e
+        if self.keep_kv and driver.routes:  # outside the lock: these wait on the engine thread
             # tokens generated between steps (an evaluation ran the engine) are not this step's
             for rid, n in run.engine.lengths().items():
-                if rid in self.seen:
-                    self.seen[rid] = n
+                if rid in driver.seen:
+                    driver.seen[rid] = n
             self._regenerate_live(version)
         with self._lock:
+            tokens0, env_busy0 = driver.new_tokens, driver.env_busy_s
             self.st = st
+            driver.hold = False
             st.ready.extend(self.ready_carry)  # carried complete groups are ready now
             self.ready_carry = []
             if len(st.ready) >= target:  # enough already: generate nothing this step
-                st.stopping = True
+                st.stopping = driver.hold = True
             else:
                 self._submit(self._apply_staleness(self.buffer, version, m))
                 self.buffer = []
                 self._refill()
             if self.keep_kv and not st.stopping:
                 run.engine.resume()
-            if st.stopping or not self.pending_ids:
+            if st.stopping or driver.idle:
                 st.finished.set()
-        dog = Watchdog("APRIL collector", f"{target} complete groups", lambda: engine_progress(run.engine),
-                       cfg.rollout.stall_timeout_s, describe=lambda: f"{len(st.ready)} ready, "
-                       f"{len(self.pending_ids)} requests in the engine")
-        while not st.finished.wait(timeout=1.0):
+        dog = Watchdog("APRIL collector", f"{target} complete groups",
+                       lambda: (engine_progress(run.engine), driver.events), cfg.rollout.stall_timeout_s,
+                       describe=lambda: f"{len(st.ready)} ready, {len(driver.routes)} requests in the engine, "
+                                        f"{driver.env_calls} environment calls")
+        while not st.finished.wait(timeout=0.02 if driver.episodes else 1.0):
+            if st.abort_pending:  # the step stopped off the engine thread: abort from here
+                st.abort_pending = False
+                driver.abort_all()
             dog.check()  # also raises if the engine died
         # a command waits for the engine's step boundary: every callback of the step has run
         live = run.engine.lengths() if self.keep_kv else run.engine.stats()
         with self._lock:
             self.st = None
+            driver.hold = True
             if st.error is not None:
                 raise st.error
             if self.keep_kv:  # live requests stay in the (paused) engine; account their new tokens
                 for rid, n in live.items():
-                    if rid in self.seen:
-                        m["new_tokens"] += n - self.seen[rid]
-                        self.seen[rid] = n
-            else:  # everything aborted is back in its group: carry the groups, oldest first
-                self.buffer = sorted(self.inflight.values(), key=lambda g: g.serial)
+                    if rid in driver.seen:
+                        driver.new_tokens += n - driver.seen[rid]
+                        driver.seen[rid] = n
+            else:  # everything aborted is back in its group: carry the groups (and any not started), oldest first
+                self.buffer = sorted([*self.inflight.values(), *self.buffer], key=lambda g: g.serial)
                 self.inflight = {}
+            m["new_tokens"] = driver.new_tokens - tokens0
+            m["env_busy_s"] = driver.env_busy_s - env_busy0
             ready = st.ready
-        ready.sort(key=lambda g: int(g.id[1:]))  # deterministic: by draw order
+        ready.sort(key=lambda g: g.serial)  # deterministic: by draw order
         out, self.ready_carry = ready[:target], ready[target:]
         self._mask_stale(out, version)
         self._adapt(st)
         return out, self._metrics(out, st, stats0, time.perf_counter() - t_start)
 
     def _submit(self, groups: list[PendingGroup]) -> None:
-        reqs = []
         for g in groups:
             self.inflight[g.id] = g
-            reqs += g.open_requests(self._sampling, self.cfg.seed)
-        for req in reqs:
-            self.seen[req.id] = len(req.response_ids)
-            self.pending_ids.add(req.id)
-        if reqs:
-            self.run.engine.submit_many(reqs, on_done=self._on_done)
+        self.driver.start(groups, self._sampling, self.cfg.seed)
 
     def _refill(self) -> None:
         """Keep capacity x n samples unfinished in flight: rows freed by finished samples go to
@@ -136,7 +151,8 @@ class AprilCollector:
         st, n = self.st, self.cfg.rollout.samples_per_prompt
         if st is None or st.stopping:
             return
-        want = math.ceil((st.capacity * n - len(self.pending_ids)) / n)
+        unfinished = sum(g.n - len(g.done) for g in self.inflight.values())
+        want = math.ceil((st.capacity * n - unfinished) / n)
         if want <= 0 or (st.max_started is not None and st.started >= st.max_started):
             return
         fresh = self.run.next_groups(want, version=st.version)
@@ -144,52 +160,63 @@ class AprilCollector:
         self._submit(fresh)
 
     def _on_done(self, c: Completion) -> None:
+        """The engine's done-callback (engine thread, between decode steps)."""
+        outer, self._engine_thread.active = getattr(self._engine_thread, "active", False), True
         try:
-            self._handle(c)
-        except BaseException as e:  # a raising reward (on_error=raise) or a bug: stop the step loudly
             with self._lock:
-                st = self.st
-                if st is not None and st.error is None:
-                    st.error = e
-                    st.stopping = True
-                    self.run.engine.abort(sorted(self.pending_ids))
-                    st.finished.set()
+                self.driver.completed(c)
+                self._maybe_finish()
+        except BaseException as e:  # a raising reward (on_error=raise) or a bug: stop the step loudly
+            self._fail(e)
+        finally:
+            self._engine_thread.active = outer
 
-    def _handle(self, c: Completion) -> None:
+    def _fail(self, e: BaseException) -> None:
         with self._lock:
             st = self.st
-            m = st.m if st is not None else self._late
-            gid, j = c.id.rsplit("/", 1)
-            g, j = self.inflight[gid], int(j)
-            self.pending_ids.discard(c.id)
-            m["new_tokens"] += len(c.response_ids) - self.seen.pop(c.id)
-            if c.finish == "abort":
-                if c.response_ids:
-                    g.partial[j] = c
-                return self._maybe_finish()
-            g.partial.pop(j, None)
-            g.done[j] = c
-            if g.complete:
-                del self.inflight[gid]
-                group = self._group_complete(g, st, m)
-                if group is not None:
-                    if st is None:  # completed between steps (e.g. during an evaluation)
-                        self.ready_carry.append(group)
-                    else:
-                        st.ready.append(group)
-                if st is not None and len(st.ready) >= st.target and not st.stopping:
-                    st.stopping = True
-                    if self.keep_kv:
-                        self.run.engine.pause()  # live requests keep their rows and K/V
-                        st.finished.set()
-                    else:
-                        self.run.engine.abort(sorted(self.pending_ids))
-                self._refill()
-            self._maybe_finish()
+            if st is None:  # between steps (a carried request finished during an evaluation)
+                self._late_error = self._late_error or e
+            elif st.error is None:
+                st.error = e
+                self._stop(st)
+                st.finished.set()
+
+    def _stop(self, st: "_StepState") -> None:
+        """The step has what it needs: nothing new starts; live requests are aborted (their
+        tokens go back to their samples) or, with keep_kv, paused in the engine."""
+        st.stopping = True
+        self.driver.hold = True
+        if self.keep_kv:
+            self.run.engine.pause()  # live requests keep their rows and K/V
+            st.finished.set()
+        elif self.driver.routes:
+            if getattr(self._engine_thread, "active", False):  # between decode steps: at once
+                self.run.engine.abort(sorted(self.driver.routes))
+            else:  # an engine command waits for the engine thread, which may want this lock
+                st.abort_pending = True
+
+    def _finished(self, g: PendingGroup, j: int) -> None:
+        """Sample j of g is done (under the lock); a complete group is scored and joins the step."""
+        st = self.st
+        m = st.m if st is not None else self._late
+        if not g.complete:
+            return
+        group = self._group_complete(g, st, m)  # raises before the group leaves inflight: the error names it
+        if self.inflight.pop(g.id, None) is None:  # finished after its step was carried
+            self.buffer = [b for b in self.buffer if b is not g]
+        if group is not None:
+            if st is None:  # completed between steps (e.g. during an evaluation)
+                self.ready_carry.append(group)
+            else:
+                st.ready.append(group)
+        if st is not None and len(st.ready) >= st.target and not st.stopping:
+            self._stop(st)
+        self._refill()
+        self._maybe_finish()
 
     def _maybe_finish(self) -> None:
         st = self.st
-        if st is not None and not self.pending_ids and (st.stopping or not self.inflight):
+        if st is not None and self.driver.idle and (st.stopping or not self.inflight):
             st.finished.set()
 
     def _regenerate_live(self, version: int) -> None:
@@ -199,7 +226,7 @@ class AprilCollector:
         if self.pcfg.on_stale != "regenerate":
             return
         old = [g for g in self.inflight.values() if version - g.start_version > self.pcfg.max_carry_steps]
-        ids = [g.request_id(j) for g in old for j in range(g.n) if g.request_id(j) in self.pending_ids]
+        ids = self.driver.live_ids(old)
         if ids:
             self.run.engine.abort(ids)  # callbacks put the partials back into their groups
         with self._lock:
@@ -208,25 +235,13 @@ class AprilCollector:
             self.buffer = sorted(old, key=lambda g: g.serial) + self.buffer
 
     def _group_complete(self, g: PendingGroup, st: "_StepState | None", m: Counter) -> Group | None:
-        """Score a completed group (engine thread); the group if it trains, else None."""
-        cfg = self.cfg
-        group = to_rollouts(g, cfg, self.run.tokenizer)
-        t0 = time.perf_counter()
-        result = score_groups([group], self.run.rewards, cfg)
-        m["reward_s_x1e6"] += int((time.perf_counter() - t0) * 1e6)
-        for fn, count in result.error_counts.items():
-            m[f"rewards/{fn}/errors"] += count
-            m["reward_errors"] += count
+        """Score a completed group; the group if it trains, else None."""
+        group = scored_groups([g], self.run, m)[0]
         if st is not None:
             st.completed += 1
-        if not trainable(group):
-            m["skipped_groups"] += 1
-        elif cfg.algorithm.dynamic_sampling and not has_variance(group):
-            m["filtered_groups"] += 1
-            m["filtered_tokens"] += sum(len(r.response_ids) for r in group.rollouts)
-        else:
-            return group
-        return None
+            if g.episodes is not None:
+                st.trajectories += [g.done[j] for j in range(g.n)]
+        return group if keep_group(group, self.cfg, m) else None
 
     def _apply_staleness(self, groups: list[PendingGroup], version: int, m: Counter) -> list[PendingGroup]:
         """`regenerate`: restart carried samples whose oldest token is too old."""
@@ -266,13 +281,14 @@ class AprilCollector:
         busy = stats1.busy_row_steps - stats0.busy_row_steps
         total = stats1.total_row_steps - stats0.total_row_steps
         samples = [r for g in out for r in g.rollouts]
-        useful = sum(len(r.response_ids) for r in samples)
-        offp = sum(v < version for r in samples for v in r.versions)
-        ages = Counter(version - min(r.versions) if r.versions else 0 for r in samples)
+        sampled = [[v for v in r.versions if v >= 0] for r in samples]  # episodes' inserted tokens carry -1
+        useful = sum(map(len, sampled))
+        offp = sum(v < version for vs in sampled for v in vs)
+        ages = Counter(version - min(vs) if vs else 0 for vs in sampled)
         carried = list(self.buffer) + list(self.inflight.values())
         return {
-            "generate_s": wall - m["reward_s_x1e6"] / 1e6,
-            "reward_s": m["reward_s_x1e6"] / 1e6,
+            "generate_s": wall - m["reward_s"],
+            "reward_s": m["reward_s"],
             "generated_tokens": engine_tokens,
             "useful_tokens": useful,
             "useful_tokens_per_s": useful / max(wall, 1e-9),
@@ -284,23 +300,24 @@ class AprilCollector:
             "filtered_tokens": m["filtered_tokens"],
             "skipped_groups": m["skipped_groups"],
             "reward_errors": m["reward_errors"],
-            "partial_fraction": sum(bool(r.versions) and min(r.versions) < version for r in samples) / max(len(samples), 1),
+            "partial_fraction": sum(bool(vs) and min(vs) < version for vs in sampled) / max(len(samples), 1),
             "off_policy_token_ratio": offp / max(useful, 1),
             "carried_groups": len(carried) + len(self.ready_carry),
-            "carried_live_samples": len(self.pending_ids),
-            "carried_partial_samples": sum(len(g.partial) for g in carried),
+            "carried_live_samples": len(self.driver.routes),
+            "carried_partial_samples": sum(_partials(g) for g in carried),
             "alpha": self.alpha,
             **{f"carry_age/{a}": n for a, n in sorted(ages.items())},
             **{k: v for k, v in m.items() if k.startswith("rewards/")},
+            **env_step_metrics(self.run, st.trajectories, m["env_busy_s"], wall),
         }
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         """The carry buffer. Live requests (keep_kv) are aborted first so their tokens are in it;
         they resume next step from their tokens, with K/V recomputed, in a straight run and in
-        one resumed from this checkpoint alike."""
-        if self.pending_ids:
-            self.run.engine.abort(sorted(self.pending_ids))
+        one resumed from this checkpoint alike. Episodes are saved with their tokens and action
+        log (their environments are rebuilt by replay when they go on)."""
+        self.driver.abort_all()
         with self._lock:
             self.buffer = sorted(self.inflight.values(), key=lambda g: g.serial) + self.buffer
             self.inflight = {}
@@ -325,5 +342,14 @@ class _StepState:
         self.started = 0
         self.completed = 0
         self.max_started: int | None = None
+        self.trajectories: list = []  # episodes completed this step (multi-turn)
         self.finished = threading.Event()
+        self.abort_pending = False  # the collector thread is to abort the live requests
         self.error: BaseException | None = None
+
+
+def _partials(g: PendingGroup) -> int:
+    """Samples of g holding the tokens of an aborted request."""
+    if g.episodes is not None:
+        return sum(ep.partial is not None for ep in g.episodes.values())
+    return len(g.partial)

@@ -28,9 +28,8 @@ from collections import Counter
 
 from rollover.loops.guard import Watchdog
 from rollover.rollout.curation import ExperiencePool, dynamic_samples, top_entropy_mask
-from rollover.rollout.groups import (
-    PendingGroup, has_variance, sampling_from, score_groups, to_rollouts, trainable,
-)
+from rollover.rollout.core import SampleDriver
+from rollover.rollout.groups import PendingGroup, keep_group, sampling_from, scored_groups
 from rollover.types import Completion, Group
 
 
@@ -58,8 +57,9 @@ class ComponentError(RuntimeError):
 class RolloutService:
     """Keeps the engine supplied with groups the gate admits; hands finished groups on.
 
-    Runs on engine done-callbacks (the engine thread); `admit()` is also called by the
-    trainer after each weight update and by the data manager after a drop.
+    Runs on engine done-callbacks (the engine thread) and environment answers; `admit()` is
+    also called by the trainer after each weight update and by the data manager after a drop.
+    Samples move through the rollout core's `SampleDriver`.
     """
 
     def __init__(self, run, gate: StalenessGate, out: "queue.Queue[PendingGroup]", on_error):
@@ -69,13 +69,17 @@ class RolloutService:
         n = run.cfg.rollout.samples_per_prompt
         self.max_inflight = max(run.cfg.rollout.prompts_per_step, -(-run.cfg.rollout.max_rows // n))
         self.inflight: dict[str, PendingGroup] = {}
-        self.pending_ids: set[str] = set()
         self.paused = False
         self.stopping = False
         self.success_rate: dict[str, float] = {}  # prompt id -> last success rate (dynamic samples)
         self.lock = threading.RLock()
-        self.drained = threading.Condition(self.lock)
         self.busy_s = 0.0
+        self.driver = SampleDriver(run, self.lock, on_finished=self._finished, on_aborted=self._aborted,
+                                   on_error=lambda e: on_error("rollout service", e), on_done_callback=self._on_done)
+
+    @property
+    def pending_ids(self) -> set[str]:
+        return set(self.driver.routes)
 
     def admit(self) -> None:
         with self.lock:
@@ -92,58 +96,47 @@ class RolloutService:
             self._submit(groups)
 
     def _submit(self, groups: list[PendingGroup]) -> None:
-        reqs = []
         for g in groups:
             self.inflight[g.id] = g
-            reqs += g.open_requests(self.sampling, self.cfg.seed)
-        self.pending_ids.update(r.id for r in reqs)
-        if reqs:
-            self.run.engine.submit_many(reqs, on_done=self._on_done)
+        self.driver.start(groups, self.sampling, self.cfg.seed)
 
     def _on_done(self, c: Completion) -> None:
         try:
             with self.lock:
-                gid, j = c.id.rsplit("/", 1)
-                g, j = self.inflight[gid], int(j)
-                self.pending_ids.discard(c.id)
-                if c.finish == "abort":
-                    if c.response_ids:
-                        g.partial[j] = c
-                    if not (self.paused or self.stopping):  # weight update with inflight=abort: resume
-                        req = g.request(j, self.sampling, self.cfg.seed)
-                        self.pending_ids.add(req.id)
-                        self.run.engine.submit_many([req], on_done=self._on_done)
-                else:
-                    g.partial.pop(j, None)
-                    g.done[j] = c
-                    if g.complete:
-                        del self.inflight[gid]
-                        self.out.put(g)
-                        self.admit()
-                if not self.pending_ids:
-                    self.drained.notify_all()
+                self.driver.completed(c)
         except BaseException as e:
             self.on_error("rollout service", e)
 
+    def _aborted(self, g: PendingGroup, j: int) -> None:
+        if not (self.paused or self.stopping):  # weight update with inflight=abort: resume at once
+            self.driver.advance(g, j, self.sampling, self.cfg.seed)
+
+    def _finished(self, g: PendingGroup, j: int) -> None:
+        if g.complete:
+            del self.inflight[g.id]
+            self.out.put(g)
+            self.admit()
+
     def pause(self) -> list[PendingGroup]:
-        """Abort everything in flight (partials kept in their groups) and hold admissions."""
+        """Abort everything in flight (tokens kept in their samples), let environment calls in
+        flight land, and hold admissions; the groups in flight, oldest first."""
         with self.lock:
-            self.paused = True
-            ids = sorted(self.pending_ids)
-        if ids:
-            self.run.engine.abort(ids)
-        dog = Watchdog("rollout service", "the engine to return aborted requests",
-                       lambda: len(self.pending_ids), self.cfg.rollout.stall_timeout_s,
-                       describe=lambda: f"{len(self.pending_ids)} not returned")
-        with self.lock:
-            while self.pending_ids and not self.stopping:
-                self.drained.wait(timeout=1.0)
-                dog.check()
-            return sorted(self.inflight.values(), key=lambda g: g.serial)
+            self.paused = self.driver.hold = True
+        self.driver.abort_all()
+        dog = Watchdog("rollout service", "the engine and environments to settle",
+                       lambda: (len(self.driver.routes), self.driver.env_calls), self.cfg.rollout.stall_timeout_s,
+                       describe=lambda: f"{len(self.driver.routes)} requests not returned, "
+                                        f"{self.driver.env_calls} environment calls in flight")
+        while True:
+            with self.lock:
+                if self.driver.idle or self.stopping:
+                    return sorted(self.inflight.values(), key=lambda g: g.serial)
+            time.sleep(0.005)
+            dog.check()
 
     def resume(self) -> None:
         with self.lock:
-            self.paused = False
+            self.paused = self.driver.hold = False
             groups = sorted(self.inflight.values(), key=lambda g: g.serial)
             self.inflight = {}
             self._submit(groups)
@@ -151,13 +144,11 @@ class RolloutService:
 
     def stop(self) -> None:
         with self.lock:
-            self.stopping = True
-            ids = sorted(self.pending_ids)
-        if ids:
-            try:
-                self.run.engine.abort(ids)
-            except RuntimeError:
-                pass  # the engine itself is what failed
+            self.stopping = self.driver.hold = True
+        try:
+            self.driver.abort_all()
+        except RuntimeError:
+            pass  # the engine itself is what failed
 
 
 class DataManager:
@@ -173,6 +164,7 @@ class DataManager:
         self.forming: list[Group] = []
         self.pool = ExperiencePool(run.cfg.reward.correct_threshold, run.primary_reward) if run.cfg.async_.experience_pool else None
         self.metrics = Counter()
+        self.trajectories: list = []  # episodes resolved since the last metrics row (multi-turn)
         self.lock = threading.RLock()  # held while processing; checkpoints take it to quiesce
         self.busy_s = 0.0
         self.resolved_count = 0  # groups taken off the inbox and resolved (progress signal)
@@ -215,15 +207,11 @@ class DataManager:
 
     def _process(self, pg: PendingGroup) -> None:
         cfg = self.cfg
-        group = to_rollouts(pg, cfg, self.run.tokenizer)
-        result = score_groups([group], self.run.rewards, cfg)
-        for fn, count in result.error_counts.items():
-            self.metrics[f"rewards/{fn}/errors"] += count
-            self.metrics["reward_errors"] += count
-        keep = trainable(group)
-        if not keep:
-            self.metrics["skipped_groups"] += 1
-        if keep:
+        group = scored_groups([pg], self.run, self.metrics)[0]
+        if pg.episodes is not None:
+            self.trajectories += [pg.done[j] for j in range(pg.n)]
+
+        def curate(group: Group) -> None:  # DART: success rates for dynamic samples, the experience pool
             rewards = [r.scores.get(self.run.primary_reward) or 0.0 for r in group.rollouts]
             rate = sum(x >= cfg.reward.correct_threshold for x in rewards) / len(rewards)
             with self.service.lock:
@@ -232,9 +220,8 @@ class DataManager:
                 train_version = self._train_version_estimate()
                 if self.pool.observe_and_fill(group, train_version, cfg.async_.max_staleness):
                     self.metrics["experience_pool_substitutions"] += 1
-            if cfg.algorithm.dynamic_sampling and not has_variance(group):
-                self.metrics["filtered_groups"] += 1
-                keep = False
+
+        keep = keep_group(group, cfg, self.metrics, curate)
         if not keep:
             with self.service.lock:
                 self.gate.live -= 1

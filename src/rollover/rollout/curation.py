@@ -8,9 +8,12 @@
 - `dynamic_samples`: fewer samples for prompts the policy already solves (DART's
   `n = max(min_n, int(9 / success_rate - 7))` when the last success rate reaches the
   threshold, else the configured n).
-- `top_entropy_mask`: train only on the highest-entropy fraction of samples. The engine
-  reports no entropy, so a sample's entropy is estimated by the mean negative log-probability
-  of its sampled tokens (a one-sample Monte Carlo estimate of the per-token entropy).
+- `top_entropy_mask`: train only on the highest-entropy fraction of steps (a single-turn
+  sample, or one turn of an episode). The engine reports no entropy, so a step's entropy is
+  estimated by the mean negative log-probability of its sampled tokens (a one-sample Monte
+  Carlo estimate of the per-token entropy).
+- `TurnBudget`: per-task turn limits for episodes from how easily the task was solved
+  (dynamic trajectory length).
 """
 
 from __future__ import annotations
@@ -59,17 +62,60 @@ def dynamic_samples(success_rate: float | None, default_n: int, min_n: int, thre
 
 
 def top_entropy_mask(groups: list[Group], fraction: float) -> int:
-    """Zero the loss mask of all but the top `fraction` of samples by estimated entropy.
-    Returns how many samples were masked."""
+    """Zero the loss mask of all but the top `fraction` of steps by estimated entropy; returns
+    how many steps were masked. A step is a maximal run of trained tokens (loss mask 1): the
+    whole response of a single-turn sample, one sampled turn of an episode (the environment's
+    tokens between turns have mask 0), so the choice is per turn. A step's entropy is
+    estimated by the mean negative log-probability of its sampled tokens."""
     if fraction >= 1.0:
         return 0
-    flat = [r for g in groups for r in g.rollouts]
-    est = [(-sum(r.logprobs) / max(len(r.logprobs), 1), i) for i, r in enumerate(flat)]
-    keep = max(1, round(fraction * len(flat)))
-    kept = {i for _, i in sorted(est, key=lambda x: (-x[0], x[1]))[:keep]}
-    masked = 0
-    for i, r in enumerate(flat):
-        if i not in kept:
-            r.loss_mask = [0] * len(r.loss_mask)
-            masked += 1
-    return masked
+    steps = []  # (entropy estimate, order, rollout, start, end)
+    for r in (r for g in groups for r in g.rollouts):
+        for start, end in _trained_runs(r.loss_mask):
+            lps = r.logprobs[start:end]
+            steps.append((-sum(lps) / len(lps), len(steps), r, start, end))
+    keep = max(1, round(fraction * len(steps)))
+    ranked = sorted(steps, key=lambda x: (-x[0], x[1]))
+    for _, _, r, start, end in ranked[keep:]:
+        r.loss_mask[start:end] = [0] * (end - start)
+    return len(ranked[keep:])
+
+
+def _trained_runs(mask: list[int]) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+class TurnBudget:
+    """Dynamic trajectory length (DART's idea; its released code keeps the limit fixed, so this
+    rule is rollover's): a task the policy solved in at least `threshold` of its last group's
+    episodes gets at most one turn more than its longest successful episode used (never fewer
+    than `min_turns`); any other task gets the configured `env.max_turns`. Easy tasks stop
+    spending turns on wandering; hard ones keep the full budget."""
+
+    def __init__(self, max_turns: int, min_turns: int, threshold: float, correct: float):
+        self.max_turns, self.min_turns, self.threshold, self.correct = max_turns, min_turns, threshold, correct
+        self.seen: dict[str, tuple[float, int]] = {}  # task id -> (success rate, turns of the longest success)
+
+    def observe(self, task_id: str, trajectories) -> None:
+        ok = [t for t in trajectories if t.ok and t.reward >= self.correct]
+        rate = len(ok) / max(len(trajectories), 1)
+        self.seen[task_id] = (rate, max((len(t.turns) for t in ok), default=0))
+
+    def limit(self, task_id: str) -> int:
+        rate, turns = self.seen.get(task_id, (0.0, 0))
+        if rate < self.threshold or turns == 0:
+            return self.max_turns
+        return max(self.min_turns, min(self.max_turns, turns + 1))
+
+    def state_dict(self) -> dict:
+        return {"seen": dict(self.seen)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = dict(state["seen"])

@@ -6,6 +6,7 @@ messages (`Completion`, `Group`, `Rollout`) and return typed messages.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,8 @@ class PendingGroup:
     done: dict[int, Completion] = field(default_factory=dict)  # finished samples
     partial: dict[int, Completion] = field(default_factory=dict)  # aborted, to be resumed
     budgets: list[int] | None = None  # per-sample max_new_tokens (benchmark workloads); None: config's
+    episodes: dict | None = None  # multi-turn: sample j's LiveEpisode (made when first sent)
+    max_turns: int | None = None  # multi-turn: this task's turn limit (dynamic length); None: env.max_turns
 
     def request_id(self, j: int) -> str:
         return f"{self.id}/{j}"
@@ -78,7 +81,50 @@ def to_rollouts(group: PendingGroup, cfg: Config, tokenizer) -> Group:
             text=tokenizer.decode(c.response_ids, skip_special_tokens=True),
         ))
     return Group(id=group.id, prompt=group.prompt, prompt_ids=list(group.prompt_ids), rollouts=rollouts,
-                 start_version=group.start_version)
+                 start_version=group.start_version, serial=group.serial)
+
+
+def scored_groups(pending: list[PendingGroup], run, m) -> list[Group]:
+    """Complete pending groups as scored `Group`s: single-turn samples by the reward functions
+    (in one batch), episodes by their environment. A sample without a reward (a reward error
+    under on_error=skip, a failed episode) keeps reward None and is counted in
+    `m["reward_errors"]` (and per function); `m["reward_s"]` gets the scoring time."""
+    from rollover.rollout.episodes import to_group
+
+    if run.env_builder is not None:
+        groups = []
+        for pg in pending:
+            trajectories = [pg.done[j] for j in range(pg.n)]
+            m["reward_errors"] += sum(not t.ok for t in trajectories)
+            if run.turn_budget is not None:
+                run.turn_budget.observe(pg.prompt.id, trajectories)
+            groups.append(to_group(pg, trajectories))
+        return groups
+    groups = [to_rollouts(pg, run.cfg, run.tokenizer) for pg in pending]
+    t0 = time.perf_counter()
+    result = score_groups(groups, run.rewards, run.cfg)
+    m["reward_s"] += time.perf_counter() - t0
+    for fn, count in result.error_counts.items():
+        m[f"rewards/{fn}/errors"] += count
+        m["reward_errors"] += count
+    return groups
+
+
+def keep_group(group: Group, cfg: Config, m, curate=None) -> bool:
+    """The group filters every schedule applies, in order: a group with an unscored sample is
+    skipped (`skipped_groups`: its baseline would be wrong); `curate(group)` may change it
+    (the experience pool); with DAPO dynamic sampling a group whose rewards are all equal is
+    filtered (`filtered_groups`, `filtered_tokens`)."""
+    if not trainable(group):
+        m["skipped_groups"] += 1
+        return False
+    if curate is not None:
+        curate(group)
+    if cfg.algorithm.dynamic_sampling and not has_variance(group):
+        m["filtered_groups"] += 1
+        m["filtered_tokens"] += sum(len(r.response_ids) for r in group.rollouts)
+        return False
+    return True
 
 
 def score_groups(groups: list[Group], runner: RewardRunner, cfg: Config) -> BatchRewards:

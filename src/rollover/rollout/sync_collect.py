@@ -1,19 +1,25 @@
 """Synchronous rollout collection: submit every group, wait for the last sample.
 
-This is the baseline APRIL is measured against: each round waits for its longest response.
-With DAPO dynamic sampling, groups whose rewards are all equal are dropped and the step is
-topped up with fresh prompts, for at most `algorithm.max_resample_rounds` rounds.
+This is the baseline APRIL is measured against: each round waits for its longest response
+(or, with an environment, its longest episode). With DAPO dynamic sampling, groups whose
+rewards are all equal are filtered and the step is topped up with fresh prompts, for at most
+`algorithm.max_resample_rounds` rounds. Samples go through the rollout core (`core.py`),
+single-turn and multi-turn alike.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
-from rollover.rollout.groups import has_variance, sampling_from, score_groups, to_rollouts, trainable
+from rollover.rollout.core import env_step_metrics, run_groups
+from rollover.rollout.groups import keep_group, sampling_from, scored_groups
 from rollover.types import Group
 
 
 class SyncCollector:
+    inflight_mode = "continue"  # nothing is in flight at a weight update
+
     def __init__(self, run):
         self.run = run
 
@@ -22,34 +28,27 @@ class SyncCollector:
         target = cfg.rollout.prompts_per_step
         sp = sampling_from(cfg)
         kept: list[Group] = []
-        m = {"generate_s": 0.0, "reward_s": 0.0, "dropped_groups": 0, "skipped_groups": 0, "rounds": 0,
-             "generated_tokens": 0, "reward_errors": 0}
+        m = Counter({"generate_s": 0.0, "reward_s": 0.0, "filtered_groups": 0, "skipped_groups": 0, "rounds": 0,
+                     "generated_tokens": 0, "reward_errors": 0})
+        trajectories, busy = [], Counter()
+        t_start, stats0 = time.perf_counter(), run.engine.stats()
         rounds = cfg.algorithm.max_resample_rounds if cfg.algorithm.dynamic_sampling else 1
         while len(kept) < target and m["rounds"] < rounds:
             pending = run.next_groups(target - len(kept), version=run.engine.version)
-            n = cfg.rollout.samples_per_prompt
             t0 = time.perf_counter()
-            outs = run.generate([g.request(j, sp, cfg.seed) for g in pending for j in range(n)], "sync collector")
+            m["generated_tokens"] += run_groups(run, pending, sp, cfg.seed, "sync collector", busy)
             m["generate_s"] += time.perf_counter() - t0
-            for k, c in enumerate(outs):
-                pending[k // n].done[k % n] = c
-                m["generated_tokens"] += len(c.response_ids)
-            groups = [to_rollouts(g, cfg, run.tokenizer) for g in pending]
-            t0 = time.perf_counter()
-            result = score_groups(groups, run.rewards, cfg)
-            m["reward_s"] += time.perf_counter() - t0
-            for fn, count in result.error_counts.items():
-                m[f"rewards/{fn}/errors"] = m.get(f"rewards/{fn}/errors", 0) + count
-                m["reward_errors"] += count
-            ok = [g for g in groups if trainable(g)]
-            m["skipped_groups"] += len(groups) - len(ok)
-            if cfg.algorithm.dynamic_sampling:
-                varied = [g for g in ok if has_variance(g)]
-                m["dropped_groups"] += len(ok) - len(varied)
-                ok = varied
-            kept.extend(ok)
+            if run.env_builder is not None:
+                trajectories += [pg.done[j] for pg in pending for j in range(pg.n)]
+            kept += [g for g in scored_groups(pending, run, m) if keep_group(g, cfg, m)]
             m["rounds"] += 1
-        return kept, m
+        stats1 = run.engine.stats()
+        total = stats1.total_row_steps - stats0.total_row_steps
+        m["occupancy"] = (stats1.busy_row_steps - stats0.busy_row_steps) / total if total else 0.0
+        if trajectories:
+            m["reward_s"] = sum(t.env_s for t in trajectories)  # environment time, overlapped with generation
+            m.update(env_step_metrics(run, trajectories, busy["env_s"], time.perf_counter() - t_start))
+        return kept, dict(m)
 
     def state_dict(self) -> dict:
         return {}
