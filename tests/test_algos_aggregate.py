@@ -149,8 +149,7 @@ def test_trainer_leaves_fully_masked_rows_out_of_the_sequence_count(tmp_path, mo
 
     def rollout(gid, prompt, resp, adv, mask=None):
         return Rollout(group_id=gid, prompt_ids=prompt, response_ids=resp, logprobs=[-1.0] * len(resp),
-                       versions=[0] * len(resp), loss_mask=mask or [1] * len(resp), finish="stop", reward=0.0,
-                       advantage=adv)
+                       versions=[0] * len(resp), loss_mask=mask or [1] * len(resp), finish="stop", reward=0.0), adv
 
     kept = [rollout("a", [5, 6], [7, 8, 9], 1.0), rollout("a", [5, 6], [10, 11], -0.5), rollout("b", [12], [13], 2.0)]
     masked = rollout("b", [12], [14, 15, 16, 17], -3.0, mask=[0, 0, 0, 0])
@@ -162,7 +161,7 @@ def test_trainer_leaves_fully_masked_rows_out_of_the_sequence_count(tmp_path, mo
             "train.micro_batch_tokens": micro_batch_tokens, "algorithm.aggregation": mode})
         torch.manual_seed(0)
         trainer = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
-        results[name] = trainer.train_step(TrainBatch.from_rollouts(rolls))
+        results[name] = trainer.train_step(TrainBatch.from_rollouts([r for r, _ in rolls], [a for _, a in rolls]))
     # ratio 1 on the first update: every loss token holds -A
     by_hand = {"seq-mean-token-mean": -(1.0 - 0.5 + 2.0) / 3, "seq-mean-token-sum": -(3 * 1.0 - 2 * 0.5 + 2.0) / 3}
     assert results["with masked, split"]["actor/micro_batches"] > 1

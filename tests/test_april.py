@@ -219,3 +219,29 @@ def test_keep_kv_carry_loses_nothing_and_keeps_provenance(model_dir, tmp_path, s
         assert spanned > 0
     finally:
         run.close()
+
+
+@pytest.mark.parametrize("lag", [0, 4])
+def test_a_slow_judge_overlaps_decoding_unless_score_lag_is_zero(model_dir, tmp_path, lag):
+    """score_lag > 0: groups are scored on their own thread and the engine keeps decoding
+    meanwhile; score_lag 0: the engine's callback scores and decoding waits."""
+    import time as _time
+
+    run = build_run(april_cfg(model_dir, tmp_path, **{"partial_rollout.score_lag": lag, "rollout.ignore_eos": True}))
+    score, overlapped = run.rewards.score, []
+
+    def slow_score(*args, **kw):
+        before = run.engine.core.stats.generated_tokens  # a plain read: never waits for the engine
+        _time.sleep(0.05)
+        overlapped.append(run.engine.core.stats.generated_tokens > before)
+        return score(*args, **kw)
+
+    run.rewards.score = slow_score
+    col = AprilCollector(run)
+    try:
+        for step in range(2):
+            groups, m = col.collect(step)
+            assert len(groups) == 3 and m["discarded_tokens"] == 0
+    finally:
+        run.close()
+    assert overlapped and (any(overlapped) if lag else not any(overlapped))

@@ -187,5 +187,6 @@ def test_dynamic_samples_and_entropy_mask():
     assert dynamic_samples(1.0, 8, 2) == 2  # int(9 / 1 - 7)
     g = Group(id="g", prompt=Prompt(id="p", text="?"), prompt_ids=[1],
               rollouts=[_rollout("g", 0.0, [-2.0, -2.0]), _rollout("g", 0.0, [-0.1]), _rollout("g", 0.0, [-1.0])])
-    assert top_entropy_mask([g], 2 / 3) == 1
-    assert [r.loss_mask for r in g.rollouts] == [[1, 1], [0], [1]]
+    (masked_g,), n = top_entropy_mask([g], 2 / 3)
+    assert n == 1 and [r.loss_mask for r in masked_g.rollouts] == [[1, 1], [0], [1]]
+    assert [r.loss_mask for r in g.rollouts] == [[1, 1], [1], [1]]  # the input is left as it was

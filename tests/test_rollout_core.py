@@ -244,8 +244,8 @@ def test_entropy_mask_chooses_turns_of_episodes():
     single = Rollout(group_id="g", prompt_ids=[1], response_ids=[5, 6], logprobs=[-1.0, -1.0], versions=[0, 0],
                      loss_mask=[1, 1], finish="stop", reward=0.0)
     g = Group(id="g", prompt=Prompt(id="p", text="?"), prompt_ids=[1], rollouts=[ep, single])
-    assert top_entropy_mask([g], 2 / 3) == 1  # three steps, two kept: the low-entropy first turn goes
-    assert ep.loss_mask == [0, 0, 0, 0, 1] and single.loss_mask == [1, 1]
+    (out,), n = top_entropy_mask([g], 2 / 3)  # three steps, two kept: the low-entropy first turn goes
+    assert n == 1 and [r.loss_mask for r in out.rollouts] == [[0, 0, 0, 0, 1], [1, 1]]
 
 
 def test_turn_budget_shortens_easy_tasks_only():
@@ -288,3 +288,38 @@ def test_dynamic_turns_limit_the_episodes_of_easy_tasks(model_dir, tmp_path):
         assert resumed.turn_budget.limit(task) == 2
     finally:
         resumed.close()
+
+
+def test_replay_restores_an_environment_and_refuses_one_that_diverges():
+    """A checkpointed episode's environment comes back by replaying its actions; a replay that
+    answers differently is an error naming the episode and the step."""
+    from rollover.envs.episode import LiveEpisode
+    from rollover.envs.games import GuessNumber, GuessNumberEnv
+    from rollover.testing import char_tokenizer
+    from rollover.types import Completion, SamplingParams
+
+    tok = char_tokenizer()
+    renderer = ChatRenderer(tok)
+    game = GuessNumber(low=1, high=8, max_guesses=4)
+
+    def played(secret):
+        ep = LiveEpisode("g0/0", SamplingParams(max_new_tokens=8, seed=1), max_turns=4, max_total_tokens=400,
+                         env=GuessNumberEnv(game, secret))
+        ep.opened(asyncio.run(ep.env.initial_observation()), None, 0.0, renderer)
+        for guess in ("2", "3"):
+            req = ep.request()
+            ids = tok.encode(guess, add_special_tokens=False)
+            ep.sampled(Completion(req.id, req.prompt_ids, ids, [-0.5] * len(ids), [0] * len(ids), "length",
+                                  req.sampling), renderer)
+            ep.stepped(asyncio.run(ep.env.step(ep.action)), None, 0.0, renderer)
+        return ep
+
+    ep = played(secret=6)
+    saved = pickle.loads(pickle.dumps(ep))
+    assert saved.env is None and saved.phase == "generate" and len(saved.traj.turns) == 2
+    fresh = GuessNumberEnv(game, 6)
+    asyncio.run(saved.replay(fresh, timeout_s=5))
+    assert saved.env is fresh and fresh.guesses == 2  # its state: two guesses made
+    with pytest.raises(ValueError, match=r"episode g0/0: .* step 1 differently"):
+        # secret 1: "2" gets "Lower." where the recorded run heard "Higher."
+        asyncio.run(pickle.loads(pickle.dumps(ep)).replay(GuessNumberEnv(game, 1), timeout_s=5))

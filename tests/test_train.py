@@ -36,22 +36,27 @@ def tiny_cfg(model_dir, run_dir, **over):
 
 
 def rollout(gid, prompt, resp, adv, mask=None):
+    """(a rollout, its advantage)"""
     return Rollout(group_id=gid, prompt_ids=prompt, response_ids=resp, logprobs=[-1.0] * len(resp),
-                   versions=[0] * len(resp), loss_mask=mask or [1] * len(resp), finish="stop", reward=0.0, advantage=adv)
+                   versions=[0] * len(resp), loss_mask=mask or [1] * len(resp), finish="stop", reward=0.0), adv
+
+
+def batch_of(pairs) -> TrainBatch:
+    return TrainBatch.from_rollouts([r for r, _ in pairs], [a for _, a in pairs])
 
 
 def test_packing_keeps_sequences_apart():
     model = tiny_model("llama", seed=4)
     rolls = [rollout("a", [5, 6, 7], [8, 9], 1.0), rollout("a", [5, 6], [10, 11, 12], -1.0),
              rollout("b", [20], [21], 0.5), rollout("b", [22, 23, 24, 25], [26, 27, 28, 29], 0.0)]
-    batch = TrainBatch.from_rollouts(rolls)
+    batch = batch_of(rolls)
     packed = pack(batch, pack_length=24, micro_batch_tokens=24)
     assert len(packed) == 1 and packed[0].input_ids.shape[0] == 1  # all four in one row
     mb = packed[0]
     with torch.no_grad():
         hidden = model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).last_hidden_state
         lp = torch.log_softmax(model.lm_head(hidden[mb.sel_row, mb.sel_col]), -1).gather(1, mb.targets[:, None]).squeeze(1)
-    for k, r in enumerate(rolls):  # each sequence alone, unpacked
+    for k, (r, _) in enumerate(rolls):  # each sequence alone, unpacked
         ids = torch.tensor([r.prompt_ids + r.response_ids])
         with torch.no_grad():
             ref = torch.log_softmax(model(ids).logits[0], -1)[len(r.prompt_ids) - 1 : -1]
@@ -63,7 +68,7 @@ def test_packing_keeps_sequences_apart():
 
 def test_padding_fraction_reported():
     rolls = [rollout("a", [1] * 5, [2] * 5, 1.0), rollout("a", [1] * 2, [2] * 2, 1.0)]
-    mbs = pack(TrainBatch.from_rollouts(rolls), pack_length=10, micro_batch_tokens=20)
+    mbs = pack(batch_of(rolls), pack_length=10, micro_batch_tokens=20)
     assert sum(m.slots for m in mbs) == 20 and sum(m.pad_tokens for m in mbs) == 6
 
 
@@ -88,7 +93,7 @@ def test_micro_batch_split_does_not_change_the_update(model_dir, tmp_path):
             return real_step(*a, **kw)
 
         tr.optimizer.step = step
-        m = tr.train_step(TrainBatch.from_rollouts(rolls))
+        m = tr.train_step(batch_of(rolls))
         grads.append(seen)
         assert (m["actor/micro_batches"] == 1) == (mbt == 64)
     assert grads[0].keys() == grads[1].keys() and grads[0]

@@ -190,6 +190,13 @@ class PartialRolloutConfig(Section):
     """Lower bound for adaptive alpha."""
     max_oversample: float = Field(4.0, ge=1)
     """Upper bound for adaptive alpha."""
+    score_lag: int = Field(1, ge=0)
+    """Complete groups are scored on a scoring thread while decoding goes on; the stop decision
+    at each group completion uses the scores of all but the last score_lag completed groups
+    (waiting only when scoring is further behind), so the schedule stays a function of the
+    seeds (exact resume) while a slow judge overlaps with decoding. Each unit of lag can carry
+    one more complete group (one version old) into the next step. 0: score in the engine's
+    callback (decoding waits for every group's score)."""
 
 
 class RewardConfig(Section):
@@ -356,6 +363,27 @@ class AsyncConfig(Section):
     """Train only on this fraction of highest-entropy steps (1 = all)."""
 
 
+class SelectionConfig(Section):
+    policy: Literal["uniform", "thompson", "skip_saturated", "thompson_skip_saturated"] = "uniform"
+    """Which prompts a step trains on (rollover.rollout.selection): uniform (the data order,
+    plain GRPO), thompson (VADE-style: prompts whose sampled success rate promises reward
+    variance), skip_saturated (skip prompts always or never solved, re-probed every
+    reprobe_every rounds), or both. Not uniform: each round draws candidates x k prompts from
+    the data and keeps k (the others are passed over for this epoch)."""
+    candidates: float = Field(4.0, ge=1)
+    """Prompts drawn from the data per prompt kept (not uniform)."""
+    decay: float = Field(1.0, gt=0, le=1)
+    """Every prompt's history is scaled by this before each round (VADE's decay toward the prior)."""
+    alpha0: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Beta prior of a prompt's success rate (thompson): pseudo-successes."""
+    beta0: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Beta prior of a prompt's success rate (thompson): pseudo-failures."""
+    min_attempts: int = Field(8, ge=1)
+    """skip_saturated: samples seen before a prompt can count as always / never solved."""
+    reprobe_every: int = Field(10, ge=1)
+    """skip_saturated: rounds after which a skipped prompt is offered again."""
+
+
 class Config(Section):
     run_dir: NonEmptyStr = "runs/default"
     """Where metrics, checkpoints and plots go."""
@@ -384,6 +412,7 @@ class Config(Section):
     logging: LoggingConfig = LoggingConfig()
     async_: AsyncConfig = AsyncConfig()
     env: EnvConfig = EnvConfig()
+    selection: SelectionConfig = SelectionConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -116,7 +116,9 @@ class Prompt:
 
 @dataclass
 class Rollout:
-    """One finished sample with everything the data manager and trainer need.
+    """One finished, scored sample: what the data manager filters and the trainer learns from.
+    Its advantage is not part of it: advantages are computed over a batch of groups
+    (`rollover.rollout.groups.group_advantages`) and go into the `TrainBatch` beside it.
 
     `logprobs` and `versions` are per response token, exactly as the engine produced them
     across any number of resumes; `loss_mask` (per response token, 1 = trained) may switch
@@ -132,7 +134,6 @@ class Rollout:
     finish: FinishReason
     reward: float | None = None  # weighted total; None = unscored (skipped)
     scores: dict = field(default_factory=dict)  # per reward function
-    advantage: float = 0.0
     text: str = ""
 
 

@@ -26,7 +26,7 @@ from rollover.config import Config, ConfigError, config_changes, dump_config, re
 from rollover.data import PromptIterator, load_prompts, render_prompt, split_holdout
 from rollover.rewards import RewardRunner, build_rewards
 from rollover.rollout.groups import (
-    PendingGroup, assign_advantages, sampling_from, score_groups, to_rollouts,
+    PendingGroup, group_advantages, sampling_from, score_groups, to_rollouts,
 )
 from rollover.train import checkpoint
 from rollover.train.weight_sync import InProcessWeightSync, WeightSync
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from rollover.metrics import MetricsLogger
     from rollover.rollout.core import EnvRunner
     from rollover.rollout.curation import TurnBudget
+    from rollover.rollout.selection import PromptSelection
     from rollover.train.trainer import Trainer
 
 log = logging.getLogger("rollover")
@@ -84,12 +85,15 @@ class Run:
     turn_budget: TurnBudget | None = None  # env.dynamic_turns: per-task turn limits
     lock: IO | None = None  # the open RUN_DIR/.lock this process holds while it writes there
     weights: WeightSync | None = None  # the trainer -> engine seam
+    selection: PromptSelection | None = None  # selection.policy other than uniform
 
     # ------------------------------------------------------------ prompts
     def next_groups(self, k: int, version: int) -> list[PendingGroup]:
-        """The next k prompts as pending groups of `samples_per_prompt` samples."""
+        """The next k prompts (from the data order, or chosen by `selection.policy`) as pending
+        groups of `samples_per_prompt` samples."""
         out = []
-        for p in self.train_iter.next_batch(k):
+        prompts = self.train_iter.next_batch(k) if self.selection is None else self.selection.next(self.train_iter, k)
+        for p in prompts:
             gid = f"g{self.serial}"
             out.append(PendingGroup(id=gid, prompt=p, prompt_ids=self.prompt_ids[p.id], serial=self.serial,
                                     n=self.cfg.rollout.samples_per_prompt, start_version=version,
@@ -144,7 +148,8 @@ class Run:
     # ------------------------------------------------------------ checkpoints
     def save(self, step: int, extra: dict | None = None) -> Path:
         state = {"data": self.train_iter.state_dict(), "serial": self.serial, "version": self.engine.version,
-                 "turn_budget": self.turn_budget.state_dict() if self.turn_budget else None, **(extra or {})}
+                 "turn_budget": self.turn_budget.state_dict() if self.turn_budget else None,
+                 "selection": self.selection.state_dict() if self.selection else None, **(extra or {})}
         return checkpoint.save(self.cfg.run_dir, step, model=self.model, tokenizer=self.tokenizer,
                                trainer_state=self.trainer.state_dict(), extra=state, keep=self.cfg.checkpoint.keep,
                                config=dump_config(self.cfg))
@@ -307,6 +312,10 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
               data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder)
     run.weights = InProcessWeightSync(engine)
+    if cfg.selection.policy != "uniform":
+        from rollover.rollout.selection import PromptSelection
+
+        run.selection = PromptSelection(cfg.selection, seed=cfg.seed, correct=cfg.reward.correct_threshold)
     if env_builder is not None:
         from rollover.rollout.core import EnvRunner
 
@@ -399,6 +408,8 @@ def _restore(run: Run, state: dict) -> None:
     run.serial = state["serial"]
     if run.turn_budget is not None and state.get("turn_budget"):
         run.turn_budget.load_state_dict(state["turn_budget"])
+    if run.selection is not None and state.get("selection"):
+        run.selection.load_state_dict(state["selection"])
     run.start_step = state["step"]
     run.weights.push(run.trainer.named_weights(), version=state["version"])
     checkpoint.set_rng_state(state["rng"])
@@ -454,8 +465,8 @@ def train_batch_from(groups, cfg: Config):
     """Advantages, then the typed tensor batch the trainer takes."""
     from rollover.train.batch import TrainBatch
 
-    info = assign_advantages(groups, cfg)
-    return TrainBatch.from_rollouts([r for g in groups for r in g.rollouts]), info
+    adv, info = group_advantages(groups, cfg)
+    return TrainBatch.from_rollouts([r for g in groups for r in g.rollouts], adv), info
 
 
 def ledger_rows(groups) -> list[dict]:

@@ -57,18 +57,6 @@ def engine_progress(engine) -> tuple:
     return s.generated_tokens, s.prefill_tokens, sum(s.finished.values())
 
 
-def wait_futures(futures: list, watchdog: Watchdog, poll_s: float = 0.5) -> list:
-    """Results of `futures`, in order, checking `watchdog` while they are pending."""
-    from concurrent.futures import wait
-
-    pending = set(futures)
-    while pending:
-        _, pending = wait(pending, timeout=poll_s)
-        if pending:
-            watchdog.check()
-    return [f.result() for f in futures]
-
-
 class Interrupts:
     """Context manager: the first SIGINT/SIGTERM sets `requested`; a second one exits now.
 

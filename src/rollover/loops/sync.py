@@ -44,6 +44,23 @@ def make_collector(run: Run):
     return SyncCollector(run)
 
 
+def step_metrics(run: Run, groups, gen: dict, train_metrics: dict, adv_info: dict, timings: dict,
+                 samples_consumed: int, samples: int) -> dict:
+    """One step's metrics row: rollout statistics, the trainer's, the collector's, timings."""
+    return {
+        **rollout_metrics(groups, run.cfg, run.primary_reward),
+        **train_metrics,
+        **{f"rollout/{k}": v for k, v in gen.items() if not k.endswith("_s")},
+        "adv/zero_std_groups": adv_info.get("zero_std_groups", 0),
+        "samples_consumed": samples_consumed,
+        "timing_s/generate": gen["generate_s"],
+        "timing_s/reward": gen["reward_s"],
+        **{f"timing_s/{k}": v for k, v in timings.items()},
+        "perf/tokens_per_s": gen["generated_tokens"] / max(gen["generate_s"], 1e-9),
+        "perf/samples_per_s": samples / timings["step"],
+    }
+
+
 def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
     """Run `cfg.steps` synchronous steps (continuing from a checkpoint when there is one)."""
     from rollover.metrics import Progress
@@ -86,28 +103,13 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
 
             # 4. new weights to the engine (tokens generated from now on carry version `step`)
             t0 = time.perf_counter()
-            run.weights.push(run.trainer.named_weights(), version=step,
-                                      inflight=collector.inflight_mode)
+            run.weights.push(run.trainer.named_weights(), version=step, inflight=collector.inflight_mode)
             t_sync = time.perf_counter() - t0
 
             # 5. metrics
             samples_consumed += len(batch)
-            dt = time.perf_counter() - t_step
-            metrics = {
-                **rollout_metrics(groups, cfg, run.primary_reward),
-                **train_metrics,
-                **{f"rollout/{k}": v for k, v in gen.items() if not k.endswith("_s")},
-                "adv/zero_std_groups": adv_info.get("zero_std_groups", 0),
-                "samples_consumed": samples_consumed,
-                "timing_s/generate": gen["generate_s"],
-                "timing_s/reward": gen["reward_s"],
-                "timing_s/advantage": t_adv,
-                "timing_s/train": t_train,
-                "timing_s/weight_sync": t_sync,
-                "timing_s/step": dt,
-                "perf/tokens_per_s": gen["generated_tokens"] / max(gen["generate_s"], 1e-9),
-                "perf/samples_per_s": len(batch) / dt,
-            }
+            timings = {"advantage": t_adv, "train": t_train, "weight_sync": t_sync, "step": time.perf_counter() - t_step}
+            metrics = step_metrics(run, groups, gen, train_metrics, adv_info, timings, samples_consumed, len(batch))
             run.logger.log(step, metrics)
             run.logger.log_groups(step, ledger_rows(groups))
             if progress:

@@ -8,8 +8,13 @@ Each step:
 2. Fresh prompts keep ceil(alpha x target) groups' worth of samples (x n) unfinished in flight,
    so the engine's rows stay full: as samples finish, fresh groups take their rows, even while
    the groups those samples belong to wait for their slowest member.
-3. A group completes when all n samples have finished; it is scored right then (in the engine
-   thread, between decode steps) and, with dynamic sampling, kept only if its rewards differ.
+3. A group completes when all n samples have finished; it is scored on a scoring thread while
+   decoding goes on, and, with dynamic sampling, kept only if its rewards differ. The stop
+   decision at each completion counts the groups whose scores are in, all but the last
+   `score_lag` completed ones: the engine thread waits for a score only when scoring falls
+   further behind than that, so a slow judge overlaps with decoding, and which groups the
+   decision sees is fixed by the order of completions, not by how fast the judge was. When
+   nothing is left in flight every score is awaited before deciding.
 4. When `target` groups are ready, every in-flight request of the step is aborted at once.
    Aborted samples go back to their groups in the carry buffer; groups that complete in the
    same engine step as the target are kept for the next step. No reward is ever computed for
@@ -17,7 +22,9 @@ Each step:
 
 All bookkeeping runs in engine done-callbacks, which the engine calls between its steps, so
 with TorchEngine the whole schedule is a deterministic function of the seeds: a run killed and
-resumed from a checkpoint (the carry buffer is saved in it) continues identically.
+resumed from a checkpoint (the carry buffer is saved in it) continues identically. (Episodes
+whose environments answer on their own thread make it timing-dependent; `env.inline` keeps it
+deterministic.)
 
 Staleness: a carried sample whose oldest token lags the current policy by more than
 `max_carry_steps` versions is handled by `on_stale`: `mask` (those tokens leave the loss),
@@ -34,12 +41,15 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
+from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
 import time
 from collections import Counter
 
 from rollover.loops.guard import Watchdog, engine_progress
 from rollover.rollout.core import SampleDriver, env_step_metrics
-from rollover.rollout.groups import PendingGroup, keep_group, sampling_from, scored_groups
+from rollover.rollout.groups import PendingGroup, keep_group, observe_groups, sampling_from, scored_groups
 from rollover.types import Completion, Group
 
 
@@ -65,6 +75,8 @@ class AprilCollector:
                                    on_error=self._fail, on_done_callback=self._on_done,
                                    on_settled=self._maybe_finish)
         self._late_error: BaseException | None = None  # a failure between steps, raised by the next step
+        self.lag = self.pcfg.score_lag
+        self._scorer = ThreadPoolExecutor(1, thread_name_prefix="rollover-scoring") if self.lag > 0 else None
 
     @property
     def pending_ids(self) -> set[str]:
@@ -95,7 +107,7 @@ class AprilCollector:
             tokens0, env_busy0 = driver.new_tokens, driver.env_busy_s
             self.st = st
             driver.hold = False
-            st.ready.extend(self.ready_carry)  # carried complete groups are ready now
+            st.ready.extend(self._fresh_enough(self.ready_carry, version, m))  # carried complete groups
             self.ready_carry = []
             if len(st.ready) >= target:  # enough already: generate nothing this step
                 st.stopping = driver.hold = True
@@ -121,6 +133,8 @@ class AprilCollector:
         with self._lock:
             self.st = None
             driver.hold = True
+            if st.error is None:
+                self._settle(st, 0)  # groups that completed after the stop: scored, carried as ready
             if st.error is not None:
                 raise st.error
             if self.keep_kv:  # live requests stay in the (paused) engine; account their new tokens
@@ -136,7 +150,7 @@ class AprilCollector:
             ready = st.ready
         ready.sort(key=lambda g: g.serial)  # deterministic: by draw order
         out, self.ready_carry = ready[:target], ready[target:]
-        self._mask_stale(out, version)
+        out = self._mask_stale(out, version)
         self._adapt(st)
         return out, self._metrics(out, st, stats0, time.perf_counter() - t_start)
 
@@ -196,27 +210,77 @@ class AprilCollector:
                 st.abort_pending = True
 
     def _finished(self, g: PendingGroup, j: int) -> None:
-        """Sample j of g is done (under the lock); a complete group is scored and joins the step."""
-        st = self.st
-        m = st.m if st is not None else self._late
+        """Sample j of g is done (under the lock); a complete group goes to scoring and, once
+        its score is in, joins the step."""
         if not g.complete:
             return
-        group = self._group_complete(g, st, m)  # raises before the group leaves inflight: the error names it
         if self.inflight.pop(g.id, None) is None:  # finished after its step was carried
             self.buffer = [b for b in self.buffer if b is not g]
-        if group is not None:
-            if st is None:  # completed between steps (e.g. during an evaluation)
-                self.ready_carry.append(group)
-            else:
-                st.ready.append(group)
-        if st is not None and len(st.ready) >= st.target and not st.stopping:
-            self._stop(st)
+        st = self.st
+        if st is None or self._scorer is None:  # between steps, or score_lag 0: score here and now
+            t0 = time.perf_counter()
+            result = self._score(g)
+            if st is not None:
+                st.m["score_wait_s"] += time.perf_counter() - t0  # decoding waited for it
+            self._count(st, result)
+        else:
+            st.scoring.append(self._scorer.submit(self._score, g))
+            self._settle(st, self.lag)
+        self._check_target(st)
         self._refill()
         self._maybe_finish()
 
+    def _score(self, g: PendingGroup) -> tuple:
+        """Score a complete group (on the scoring thread): (the pending group, the scored group,
+        whether it trains, its counters)."""
+        m = Counter()
+        t0 = time.perf_counter()
+        group = scored_groups([g], self.run, m)[0]
+        keep = keep_group(group, self.cfg, m)
+        m["reward_s"] = time.perf_counter() - t0  # the whole scoring time
+        return g, group, keep, m
+
+    def _settle(self, st: "_StepState", lag: int) -> None:
+        """Take in the scores of all but the last `lag` completed groups, oldest first (waiting
+        for them if they are not in yet)."""
+        while len(st.scoring) > lag:
+            future = st.scoring.popleft()
+            t0 = time.perf_counter()
+            result = future.result()  # a reward that raised (on_error=raise) raises here
+            st.m["score_wait_s"] += time.perf_counter() - t0
+            self._count(st, result)
+
+    def _count(self, st: "_StepState | None", result) -> None:
+        """Take in a group's score (under the lock, at a point fixed by the order of events)."""
+        pg, group, keep, m = result
+        observe_groups(self.run, [pg], [group])
+        if st is None:  # completed between steps (e.g. during an evaluation)
+            self._late.update(m)
+            if keep:
+                self.ready_carry.append(group)
+            return
+        st.m.update(m)
+        st.completed += 1
+        if pg.episodes is not None:
+            st.trajectories += [pg.done[j] for j in range(pg.n)]
+        if keep:
+            st.ready.append(group)
+
+    def _check_target(self, st: "_StepState | None") -> None:
+        if st is not None and len(st.ready) >= st.target and not st.stopping:
+            self._stop(st)
+
     def _maybe_finish(self) -> None:
         st = self.st
-        if st is not None and self.driver.idle and (st.stopping or not self.inflight):
+        if st is None or not self.driver.idle:
+            return
+        if st.scoring and not st.stopping:  # nothing in flight: every score decides what comes next
+            self._settle(st, 0)
+            self._check_target(st)
+            self._refill()
+            if not self.driver.idle:
+                return
+        if st.stopping or not self.inflight:
             st.finished.set()
 
     def _regenerate_live(self, version: int) -> None:
@@ -234,15 +298,6 @@ class AprilCollector:
                 del self.inflight[g.id]
             self.buffer = sorted(old, key=lambda g: g.serial) + self.buffer
 
-    def _group_complete(self, g: PendingGroup, st: "_StepState | None", m: Counter) -> Group | None:
-        """Score a completed group; the group if it trains, else None."""
-        group = scored_groups([g], self.run, m)[0]
-        if st is not None:
-            st.completed += 1
-            if g.episodes is not None:
-                st.trajectories += [g.done[j] for j in range(g.n)]
-        return group if keep_group(group, self.cfg, m) else None
-
     def _apply_staleness(self, groups: list[PendingGroup], version: int, m: Counter) -> list[PendingGroup]:
         """`regenerate`: restart carried samples whose oldest token is too old."""
         if self.pcfg.on_stale != "regenerate":
@@ -256,14 +311,31 @@ class AprilCollector:
                         del store[j]
         return groups
 
-    def _mask_stale(self, groups: list[Group], version: int) -> None:
-        """`mask`: tokens older than max_carry_steps versions leave the loss."""
+    def _fresh_enough(self, ready: list[Group], version: int, m: Counter) -> list[Group]:
+        """`regenerate`: a carried complete group holding a token older than max_carry_steps
+        versions starts again from its prompt (its tokens reported as regenerated); the
+        others are ready."""
+        if self.pcfg.on_stale != "regenerate":
+            return ready
+        limit, out = self.pcfg.max_carry_steps, []
+        for g in ready:
+            if any(version - v > limit for r in g.rollouts for v in r.versions if v >= 0):
+                m["regenerated_tokens"] += sum(len(r.response_ids) for r in g.rollouts)
+                self.buffer.append(PendingGroup(id=g.id, prompt=g.prompt, prompt_ids=list(g.prompt_ids), serial=g.serial,
+                                                n=len(g.rollouts), start_version=g.start_version))
+            else:
+                out.append(g)
+        self.buffer.sort(key=lambda g: g.serial)
+        return out
+
+    def _mask_stale(self, groups: list[Group], version: int) -> list[Group]:
+        """`mask`: tokens older than max_carry_steps versions leave the loss (new rollouts)."""
         if self.pcfg.on_stale != "mask":
-            return
+            return groups
         limit = self.pcfg.max_carry_steps
-        for g in groups:
-            for r in g.rollouts:
-                r.loss_mask = [m if version - v <= limit else 0 for m, v in zip(r.loss_mask, r.versions)]
+        return [replace(g, rollouts=[replace(r, loss_mask=[m if version - v <= limit else 0
+                                                           for m, v in zip(r.loss_mask, r.versions)])
+                                     for r in g.rollouts]) for g in groups]
 
     def _adapt(self, st: "_StepState") -> None:
         """Adaptive alpha: in-flight groups = target / (observed fraction completing per step)."""
@@ -287,8 +359,8 @@ class AprilCollector:
         ages = Counter(version - min(vs) if vs else 0 for vs in sampled)
         carried = list(self.buffer) + list(self.inflight.values())
         return {
-            "generate_s": wall - m["reward_s"],
-            "reward_s": m["reward_s"],
+            "generate_s": wall - m["score_wait_s"],
+            "reward_s": m["reward_s"],  # scoring time, overlapped with decoding (score_lag > 0)
             "generated_tokens": engine_tokens,
             "useful_tokens": useful,
             "useful_tokens_per_s": useful / max(wall, 1e-9),
@@ -343,6 +415,7 @@ class _StepState:
         self.completed = 0
         self.max_started: int | None = None
         self.trajectories: list = []  # episodes completed this step (multi-turn)
+        self.scoring: deque = deque()  # futures of complete groups' scores, in completion order
         self.finished = threading.Event()
         self.abort_pending = False  # the collector thread is to abort the live requests
         self.error: BaseException | None = None

@@ -29,7 +29,7 @@ from collections import Counter
 from rollover.loops.guard import Watchdog
 from rollover.rollout.curation import ExperiencePool, dynamic_samples, top_entropy_mask
 from rollover.rollout.core import SampleDriver
-from rollover.rollout.groups import PendingGroup, keep_group, sampling_from, scored_groups
+from rollover.rollout.groups import PendingGroup, keep_group, observe_groups, sampling_from, scored_groups
 from rollover.types import Completion, Group
 
 
@@ -208,6 +208,7 @@ class DataManager:
     def _process(self, pg: PendingGroup) -> None:
         cfg = self.cfg
         group = scored_groups([pg], self.run, self.metrics)[0]
+        observe_groups(self.run, [pg], [group])
         if pg.episodes is not None:
             self.trajectories += [pg.done[j] for j in range(pg.n)]
 
@@ -234,7 +235,7 @@ class DataManager:
                 self.forming.append(g)
                 if len(self.forming) == self.B:
                     batch, self.forming = self.forming, []
-                    masked = top_entropy_mask(batch, cfg.async_.top_entropy_fraction)
+                    batch, masked = top_entropy_mask(batch, cfg.async_.top_entropy_fraction)
                     self.metrics["entropy_masked_samples"] += masked
                     self.batches.put(batch)
 

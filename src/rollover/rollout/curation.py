@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 from rollover.types import Group, Rollout
 
@@ -61,24 +62,27 @@ def dynamic_samples(success_rate: float | None, default_n: int, min_n: int, thre
     return max(min_n, min(default_n, int(9 / success_rate - 7)))
 
 
-def top_entropy_mask(groups: list[Group], fraction: float) -> int:
-    """Zero the loss mask of all but the top `fraction` of steps by estimated entropy; returns
-    how many steps were masked. A step is a maximal run of trained tokens (loss mask 1): the
-    whole response of a single-turn sample, one sampled turn of an episode (the environment's
-    tokens between turns have mask 0), so the choice is per turn. A step's entropy is
-    estimated by the mean negative log-probability of its sampled tokens."""
+def top_entropy_mask(groups: list[Group], fraction: float) -> tuple[list[Group], int]:
+    """The groups with the loss mask zeroed on all but the top `fraction` of steps by estimated
+    entropy (new groups and rollouts; the inputs are left as they were), and how many steps
+    were masked. A step is a maximal run of trained tokens (loss mask 1): the whole response of
+    a single-turn sample, one sampled turn of an episode (the environment's tokens between turns
+    have mask 0), so the choice is per turn. A step's entropy is estimated by the mean negative
+    log-probability of its sampled tokens."""
     if fraction >= 1.0:
-        return 0
+        return groups, 0
+    masks = {id(r): list(r.loss_mask) for g in groups for r in g.rollouts}
     steps = []  # (entropy estimate, order, rollout, start, end)
     for r in (r for g in groups for r in g.rollouts):
         for start, end in _trained_runs(r.loss_mask):
             lps = r.logprobs[start:end]
             steps.append((-sum(lps) / len(lps), len(steps), r, start, end))
     keep = max(1, round(fraction * len(steps)))
-    ranked = sorted(steps, key=lambda x: (-x[0], x[1]))
-    for _, _, r, start, end in ranked[keep:]:
-        r.loss_mask[start:end] = [0] * (end - start)
-    return len(ranked[keep:])
+    dropped = sorted(steps, key=lambda x: (-x[0], x[1]))[keep:]
+    for _, _, r, start, end in dropped:
+        masks[id(r)][start:end] = [0] * (end - start)
+    out = [replace(g, rollouts=[replace(r, loss_mask=masks[id(r)]) for r in g.rollouts]) for g in groups]
+    return out, len(dropped)
 
 
 def _trained_runs(mask: list[int]) -> list[tuple[int, int]]:

@@ -96,8 +96,6 @@ def scored_groups(pending: list[PendingGroup], run, m) -> list[Group]:
         for pg in pending:
             trajectories = [pg.done[j] for j in range(pg.n)]
             m["reward_errors"] += sum(not t.ok for t in trajectories)
-            if run.turn_budget is not None:
-                run.turn_budget.observe(pg.prompt.id, trajectories)
             groups.append(to_group(pg, trajectories))
         return groups
     groups = [to_rollouts(pg, run.cfg, run.tokenizer) for pg in pending]
@@ -108,6 +106,18 @@ def scored_groups(pending: list[PendingGroup], run, m) -> list[Group]:
         m[f"rewards/{fn}/errors"] += count
         m["reward_errors"] += count
     return groups
+
+
+def observe_groups(run, pending: list[PendingGroup], groups: list[Group]) -> None:
+    """What the run learns from scored groups for the prompts it draws next: the per-prompt
+    history of `selection.policy` and the turn budgets of `env.dynamic_turns`. Schedules call
+    it where their decisions are a function of the seeds (APRIL: when a score is taken in, not
+    when the scoring thread finishes), so the prompts drawn next are too."""
+    for pg, g in zip(pending, groups):
+        if run.selection is not None:
+            run.selection.observe(g, run.primary_reward, version=g.start_version)
+        if run.turn_budget is not None and pg.episodes is not None:
+            run.turn_budget.observe(pg.prompt.id, [pg.done[j] for j in range(pg.n)])
 
 
 def keep_group(group: Group, cfg: Config, m, curate=None) -> bool:
@@ -156,17 +166,15 @@ def has_variance(group: Group) -> bool:
     return len(set(rewards)) > 1
 
 
-def assign_advantages(groups: list[Group], cfg: Config) -> dict:
-    """Set each rollout's advantage from its group's rewards; returns the estimator's info."""
+def group_advantages(groups: list[Group], cfg: Config) -> tuple[torch.Tensor, dict]:
+    """Each rollout's advantage (flattened in group order) from its group's rewards, and the
+    estimator's info."""
     flat = [r for g in groups for r in g.rollouts]
     if not flat:
-        return {}
+        return torch.zeros(0), {}
     rewards = torch.tensor([r.reward for r in flat], dtype=torch.float32)
     gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts], dtype=torch.long)
-    adv, info = compute_advantages(cfg.algorithm.advantage, rewards, gid)
-    for r, v in zip(flat, adv.tolist()):
-        r.advantage = v
-    return info
+    return compute_advantages(cfg.algorithm.advantage, rewards, gid)
 
 
 def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:

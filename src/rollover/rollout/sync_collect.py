@@ -13,7 +13,7 @@ import time
 from collections import Counter
 
 from rollover.rollout.core import env_step_metrics, run_groups
-from rollover.rollout.groups import keep_group, sampling_from, scored_groups
+from rollover.rollout.groups import keep_group, observe_groups, sampling_from, scored_groups
 from rollover.types import Group
 
 
@@ -40,7 +40,9 @@ class SyncCollector:
             m["generate_s"] += time.perf_counter() - t0
             if run.env_builder is not None:
                 trajectories += [pg.done[j] for pg in pending for j in range(pg.n)]
-            kept += [g for g in scored_groups(pending, run, m) if keep_group(g, cfg, m)]
+            groups = scored_groups(pending, run, m)
+            observe_groups(run, pending, groups)
+            kept += [g for g in groups if keep_group(g, cfg, m)]
             m["rounds"] += 1
         stats1 = run.engine.stats()
         total = stats1.total_row_steps - stats0.total_row_steps

@@ -31,8 +31,12 @@ class TrainBatch:
     group_index_B: Tensor  # which group each sequence belongs to (0..G-1)
 
     @classmethod
-    def from_rollouts(cls, rollouts: list[Rollout]) -> "TrainBatch":
+    def from_rollouts(cls, rollouts: list[Rollout], advantages) -> "TrainBatch":
+        """The batch of `rollouts`, with `advantages[i]` (a sequence or tensor of floats) as
+        rollout i's advantage."""
         B = len(rollouts)
+        if len(advantages) != B:
+            raise ValueError(f"{len(advantages)} advantages for {B} rollouts")
         T = max((len(r.response_ids) for r in rollouts), default=0)
         behav = torch.zeros(B, T)
         versions = torch.full((B, T), -1, dtype=torch.long)
@@ -52,7 +56,7 @@ class TrainBatch:
             behav_logp_BT=behav,
             versions_BT=versions,
             mask_BT=mask,
-            adv_B=torch.tensor([r.advantage for r in rollouts], dtype=torch.float32),
+            adv_B=torch.as_tensor(advantages, dtype=torch.float32).reshape(len(rollouts)),
             group_index_B=torch.tensor([groups[r.group_id] for r in rollouts], dtype=torch.long),
         )
 
