@@ -122,7 +122,7 @@ def test_versions_and_logprobs_are_those_of_the_producing_weights(model_dir, tmp
 def test_stale_prefixes_masked_or_regenerated(model_dir, tmp_path):
     for mode in ("mask", "regenerate"):
         cfg = april_cfg(model_dir, tmp_path / mode, **{"rollout.ignore_eos": True, "rollout.max_new_tokens": 16,
-                                                        "partial_rollout.max_carry_steps": 0,
+                                                        "partial_rollout.max_carry_steps": 0, "partial_rollout.score_lag": 0,
                                                         "partial_rollout.on_stale": mode,
                                                         "partial_rollout.oversample": 3.0, "rollout.max_rows": 4})
         run = build_run(cfg)

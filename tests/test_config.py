@@ -148,6 +148,8 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["partial_rollout.enabled=true", "partial_rollout.adaptive=true", "partial_rollout.oversample=5"],
      r"oversample=5.0 must lie in \[min_oversample, max_oversample\] = \[1.0, 4.0\]"),
     (["train.mini_batches=9"], "train.mini_batches=9 cannot exceed rollout.prompts_per_step=8"),
+    (["partial_rollout.enabled=true", "partial_rollout.max_carry_steps=0"],
+     "score_lag=1 carries complete groups one version old .* max_carry_steps=0 with on_stale=mask"),
     (["train.micro_batch_tokens=100"], "train.micro_batch_tokens=100 must be >= train.pack_length"),
     (["async.max_staleness=2"], "mode is sync"),
     (["mode=async", "partial_rollout.enabled=true"], "applies to sync mode"),

@@ -480,7 +480,7 @@ def test_a_run_selects_by_its_policy_and_resumes_exactly(model_dir, tmp_path, mo
     from rollover.train.checkpoint import load_state
 
     state = load_state(tmp_path / "straight" / "checkpoints" / "step_000004")
-    assert state["selection"]["round"] >= 4 and state["selection"]["history"]["prompts"]
+    assert state["selection"]["version"] >= 2 and state["selection"]["history"]["prompts"]
 
 
 def test_prompt_selection_keeps_k_of_the_drawn_candidates():
@@ -503,9 +503,9 @@ def test_prompt_selection_keeps_k_of_the_drawn_candidates():
     for i in range(6):  # p0-p2 always solved, p3-p5 never: no variance
         sel.observe(group(f"p{i}", [1.0] * 40 if i < 3 else [0.0] * 40), "numeric", version=0)
     sel.observe(group("p6", [1.0, 0.0] * 20), "numeric", version=0)  # half solved
-    chosen = sel.next(it, 2)  # candidates p0..p5: all saturated; p0..p2 near 1, p3..p5 near 0
+    chosen = sel.next(it, 2, version=0)  # candidates p0..p5: all saturated; p0..p2 near 1, p3..p5 near 0
     assert len(chosen) == 2 and len({p.id for p in chosen}) == 2 and all(p.id in {f"p{i}" for i in range(6)} for p in chosen)
-    chosen = sel.next(it, 2)  # candidates p6..p11: p6 (half solved) is among the two best draws (seed 0)
+    chosen = sel.next(it, 2, version=0)  # candidates p6..p11: p6 (half solved) is among the two best draws (seed 0)
     assert "p6" in {p.id for p in chosen} and it.position == 0  # 12 drawn, the epoch wrapped
 
 
@@ -521,3 +521,23 @@ def test_dars_extra_samples_follow_its_schedules():
     assert dars_extra_samples(0.5, 8, "equal") == dars_extra_samples(0.9, 8, "hardest") == 0
     with pytest.raises(ValueError, match="accuracy"):
         dars_extra_samples(1.5, 8)
+
+
+def test_prompt_selection_decays_once_per_version_not_per_draw():
+    from types import SimpleNamespace as NS
+
+    from rollover.data.iterator import PromptIterator
+    from rollover.rollout.selection import PromptSelection
+    from rollover.types import Group, Prompt, Rollout
+
+    it = PromptIterator([Prompt(id=f"p{i}", text=str(i)) for i in range(8)], seed=0, shuffle=False)
+    sel = PromptSelection(NS(policy="thompson", candidates=1.0, decay=0.5, alpha0=1.0, beta0=1.0, min_attempts=8,
+                             reprobe_every=10), seed=0, correct=1.0)
+    roll = Rollout(group_id="g", prompt_ids=[1], response_ids=[2], logprobs=[0.0], versions=[0], loss_mask=[1],
+                   finish="stop", reward=1.0, scores={"numeric": 1.0})
+    sel.observe(Group(id="g", prompt=Prompt(id="p0", text="?"), prompt_ids=[1], rollouts=[roll] * 8), "numeric", 0)
+    sel.next(it, 2, version=0)
+    sel.next(it, 2, version=0)  # APRIL refills and async admissions draw many times per version
+    assert sel.history.stats("p0").attempts == 8
+    sel.next(it, 2, version=2)  # two versions later: two halvings
+    assert sel.history.stats("p0").attempts == 2 and sel.version == 2

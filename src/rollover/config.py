@@ -195,8 +195,9 @@ class PartialRolloutConfig(Section):
     at each group completion uses the scores of all but the last score_lag completed groups
     (waiting only when scoring is further behind), so the schedule stays a function of the
     seeds (exact resume) while a slow judge overlaps with decoding. Each unit of lag can carry
-    one more complete group (one version old) into the next step. 0: score in the engine's
-    callback (decoding waits for every group's score)."""
+    one more complete group (one version old) into the next step; the lag used is at most
+    prompts_per_step - 1, so a step is never served only by groups carried from the last. 0:
+    score in the engine's callback (decoding waits for every group's score)."""
 
 
 class RewardConfig(Section):
@@ -368,12 +369,12 @@ class SelectionConfig(Section):
     """Which prompts a step trains on (rollover.rollout.selection): uniform (the data order,
     plain GRPO), thompson (VADE-style: prompts whose sampled success rate promises reward
     variance), skip_saturated (skip prompts always or never solved, re-probed every
-    reprobe_every rounds), or both. Not uniform: each round draws candidates x k prompts from
+    reprobe_every steps), or both. Not uniform: each draw takes candidates x k prompts from
     the data and keeps k (the others are passed over for this epoch)."""
     candidates: float = Field(4.0, ge=1)
     """Prompts drawn from the data per prompt kept (not uniform)."""
     decay: float = Field(1.0, gt=0, le=1)
-    """Every prompt's history is scaled by this before each round (VADE's decay toward the prior)."""
+    """Every prompt's history is scaled by this once per training step (VADE's decay toward the prior)."""
     alpha0: float = Field(1.0, gt=0, allow_inf_nan=False)
     """Beta prior of a prompt's success rate (thompson): pseudo-successes."""
     beta0: float = Field(1.0, gt=0, allow_inf_nan=False)
@@ -381,7 +382,7 @@ class SelectionConfig(Section):
     min_attempts: int = Field(8, ge=1)
     """skip_saturated: samples seen before a prompt can count as always / never solved."""
     reprobe_every: int = Field(10, ge=1)
-    """skip_saturated: rounds after which a skipped prompt is offered again."""
+    """skip_saturated: training steps after which a skipped prompt is offered again."""
 
 
 class Config(Section):
@@ -451,6 +452,10 @@ class Config(Section):
         if p.enabled and p.on_stale == "is" and a.loss != "decoupled_ppo" and a.tis_cap is None:
             problems.append("partial_rollout.on_stale=is weights stale tokens by importance sampling: set "
                             "algorithm.loss=decoupled_ppo or algorithm.tis_cap")
+        if p.enabled and p.score_lag and p.on_stale != "is" and p.max_carry_steps == 0:
+            problems.append(f"partial_rollout.score_lag={p.score_lag} carries complete groups one version old into the "
+                            f"next step, which max_carry_steps=0 with on_stale={p.on_stale} throws away: set score_lag 0 "
+                            "or max_carry_steps >= 1")
         if p.enabled and p.carry == "keep_kv" and r.engine != "torch":
             problems.append("partial_rollout.carry=keep_kv needs rollout.engine=torch (it pauses the engine with K/V kept)")
         if self.mode == "async" and p.enabled:

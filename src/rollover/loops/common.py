@@ -92,7 +92,10 @@ class Run:
         """The next k prompts (from the data order, or chosen by `selection.policy`) as pending
         groups of `samples_per_prompt` samples."""
         out = []
-        prompts = self.train_iter.next_batch(k) if self.selection is None else self.selection.next(self.train_iter, k)
+        if self.selection is None:
+            prompts = self.train_iter.next_batch(k)
+        else:
+            prompts = self.selection.next(self.train_iter, k, version)
         for p in prompts:
             gid = f"g{self.serial}"
             out.append(PendingGroup(id=gid, prompt=p, prompt_ids=self.prompt_ids[p.id], serial=self.serial,

@@ -135,4 +135,5 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
         interrupts.__exit__()
         if progress:
             progress.close()
+        collector.close()
         run.close()

@@ -75,7 +75,7 @@ class AprilCollector:
                                    on_error=self._fail, on_done_callback=self._on_done,
                                    on_settled=self._maybe_finish)
         self._late_error: BaseException | None = None  # a failure between steps, raised by the next step
-        self.lag = self.pcfg.score_lag
+        self.lag = min(self.pcfg.score_lag, run.cfg.rollout.prompts_per_step - 1)  # a step is never all carried
         self._scorer = ThreadPoolExecutor(1, thread_name_prefix="rollover-scoring") if self.lag > 0 else None
 
     @property
@@ -322,7 +322,7 @@ class AprilCollector:
             if any(version - v > limit for r in g.rollouts for v in r.versions if v >= 0):
                 m["regenerated_tokens"] += sum(len(r.response_ids) for r in g.rollouts)
                 self.buffer.append(PendingGroup(id=g.id, prompt=g.prompt, prompt_ids=list(g.prompt_ids), serial=g.serial,
-                                                n=len(g.rollouts), start_version=g.start_version))
+                                                n=len(g.rollouts), start_version=version))
             else:
                 out.append(g)
         self.buffer.sort(key=lambda g: g.serial)
@@ -382,6 +382,11 @@ class AprilCollector:
             **{k: v for k, v in m.items() if k.startswith("rewards/")},
             **env_step_metrics(self.run, st.trajectories, m["env_busy_s"], wall),
         }
+
+    def close(self) -> None:
+        """Stop the scoring thread (scores still queued are dropped: the run is ending)."""
+        if self._scorer is not None:
+            self._scorer.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:

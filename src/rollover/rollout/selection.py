@@ -440,11 +440,12 @@ def xrpo_allocation(history: PromptHistory, prompt_ids: list[str], budget: int, 
 
 
 class PromptSelection:
-    """`selection.policy` wired to a run: each round (`next`) scales the history by `decay`,
-    draws `candidates` x k prompts from the data iterator and keeps the k the policy picks; every
-    scored group is observed into the history (`observe`). Rounds count calls of `next`: they
-    are the `step` the policies and `last_step` see. State (history, policy RNG, round) goes
-    into checkpoints."""
+    """`selection.policy` wired to a run. Time is counted in policy versions (training steps,
+    in every mode): when `next` is first called at a new version the history is scaled by
+    `decay` once per version passed; `next` draws `candidates` x k prompts from the data
+    iterator and keeps the k the policy picks; every scored group is observed into the history
+    (`observe`) with the version as its `last_step`, which `reprobe_every` counts. State
+    (history, policy RNG, version) goes into checkpoints."""
 
     def __init__(self, cfg, seed: int, correct: float):
         self.cfg, self.correct = cfg, correct
@@ -453,26 +454,26 @@ class PromptSelection:
         self.policy = SkipSaturatedPolicy(inner, min_attempts=cfg.min_attempts, reprobe_every=cfg.reprobe_every) \
             if "skip_saturated" in cfg.policy else inner
         self.history = PromptHistory()
-        self.round = 0
+        self.version = 0  # the latest version `next` has seen (decay applied up to it)
         self._lock = threading.RLock()  # async mode observes on the data manager's thread
 
-    def next(self, iterator, k: int) -> list:
-        """k prompts for the next groups (distinct when the data has at least k prompts)."""
+    def next(self, iterator, k: int, version: int) -> list:
+        """k prompts for groups started at policy `version`. They are distinct unless fewer than
+        k distinct prompts were drawn (a dataset smaller than k, or an epoch boundary inside a
+        small draw), when the drawn order is kept as it is."""
         with self._lock:
-            return self._next(iterator, k)
-
-    def _next(self, iterator, k: int) -> list:
-        if self.cfg.decay < 1.0:
-            self.history.decay(self.cfg.decay)
-        drawn = iterator.next_batch(max(k, math.ceil(self.cfg.candidates * k)))
-        by_id = {}
-        for p in drawn:
-            by_id.setdefault(p.id, p)
-        self.round += 1
-        if len(by_id) < k:  # a dataset smaller than k: no choice to make
-            return drawn[:k]
-        chosen = self.policy.choose(list(by_id), k, self.history, self.round)
-        return [by_id[i] for i in chosen]
+            if version > self.version:
+                if self.cfg.decay < 1.0:
+                    self.history.decay(self.cfg.decay ** (version - self.version))
+                self.version = version
+            drawn = iterator.next_batch(max(k, math.ceil(self.cfg.candidates * k)))
+            by_id = {}
+            for p in drawn:
+                by_id.setdefault(p.id, p)
+            if len(by_id) < k:
+                return drawn[:k]
+            chosen = self.policy.choose(list(by_id), k, self.history, self.version)
+            return [by_id[i] for i in chosen]
 
     def observe(self, group, primary: str, version: int) -> None:
         """A scored group's samples (those with a reward) join its prompt's history."""
@@ -481,13 +482,21 @@ class PromptSelection:
             with self._lock:
                 self.history.observe(group.prompt.id, [r.reward for r in scored],
                                      [(r.scores.get(primary) or 0.0) >= self.correct for r in scored], version,
-                                     self.round)
+                                     max(version, self.version))
 
     def state_dict(self) -> dict:
         with self._lock:
-            return {"history": self.history.state_dict(), "policy": self.policy.state_dict(), "round": self.round}
+            return {"history": self.history.state_dict(), "policy": self.policy.state_dict(), "version": self.version,
+                    "policy_name": self.cfg.policy}
 
     def load_state_dict(self, state: dict) -> None:
         self.history.load_state_dict(state["history"])
-        self.policy.load_state_dict(state["policy"])
-        self.round = state["round"]
+        if state.get("policy_name") == self.cfg.policy:
+            self.policy.load_state_dict(state["policy"])
+        else:  # resumed under another policy (--allow-config-change): its generator starts afresh
+            import logging
+
+            logging.getLogger("rollover").warning("selection.policy changed from %s to %s: the history is kept, the "
+                                                  "policy's random state starts afresh", state.get("policy_name"),
+                                                  self.cfg.policy)
+        self.version = state["version"]

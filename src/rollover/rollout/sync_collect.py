@@ -52,6 +52,9 @@ class SyncCollector:
             m.update(env_step_metrics(run, trajectories, busy["env_s"], time.perf_counter() - t_start))
         return kept, dict(m)
 
+    def close(self) -> None:
+        pass
+
     def state_dict(self) -> dict:
         return {}
 
