@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollover.envs.episode import _episode_seed, run_episode
+from rollover.envs.episode import episode_seed, run_episode
 from rollover.envs.render import ChatRenderer
 from rollover.loops.common import build_run
 from rollover.loops.sync import train_sync
@@ -46,7 +46,7 @@ def straight_trajectories(run, groups, sampling):
             envs = run.env_builder.make_group(g.prompt, g.n)
             base = sample_seed(run.cfg.seed, g.serial, 0)
             for j, env in enumerate(envs):
-                sp = replace(sampling, seed=_episode_seed(base, j))
+                sp = replace(sampling, seed=episode_seed(base, j))
                 out[(g.id, j)] = await run_episode(run.engine, env, renderer, sp, max_turns=e.max_turns,
                                                    max_total_tokens=e.max_total_tokens,
                                                    step_timeout_s=e.step_timeout_s, request_id=f"{g.id}/{j}")

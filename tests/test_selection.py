@@ -8,14 +8,13 @@ import random
 
 import pytest
 
+from rollover.rollout.allocation import dars_extra_rollouts, xrpo_allocation
 from rollover.rollout.selection import (
     PromptHistory,
     SelectionPolicy,
     SkipSaturatedPolicy,
     ThompsonPolicy,
     UniformPolicy,
-    dars_extra_rollouts,
-    xrpo_allocation,
 )
 
 
@@ -510,7 +509,7 @@ def test_prompt_selection_keeps_k_of_the_drawn_candidates():
 
 
 def test_dars_extra_samples_follow_its_schedules():
-    from rollover.rollout.selection import dars_extra_samples
+    from rollover.rollout.allocation import dars_extra_samples
 
     # N = 8, a = 0.25: S = 2 * 0.25 * 0.75 = 0.375, A = 4, N S = 3
     assert dars_extra_samples(0.25, 8, "equal") == 3  # ceil((4 - 3) / 0.375) = ceil(2.67)

@@ -126,7 +126,7 @@ class LiveEpisode:
 
     def __init__(self, request_id: str, sampling: SamplingParams, *, max_turns: int, max_total_tokens: int,
                  env: Env | None = None):
-        _check_limits(max_turns, max_total_tokens, 1.0)
+        _check_limits(max_turns, max_total_tokens)
         self.request_id = request_id
         self.sampling = sampling
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
@@ -312,7 +312,7 @@ async def run_group(
         tasks = [
             tg.create_task(
                 run_episode(
-                    engine, env, renderer, replace(sampling, seed=_episode_seed(sampling.seed, j)),
+                    engine, env, renderer, replace(sampling, seed=episode_seed(sampling.seed, j)),
                     max_turns=max_turns, max_total_tokens=max_total_tokens, step_timeout_s=step_timeout_s,
                     request_id=f"{group_id}/{j}", clock=clock, pool=pool,
                 )
@@ -418,7 +418,7 @@ def _not_step_result(value) -> str | None:
     )
 
 
-def _episode_seed(seed: int | None, j: int) -> int | None:
+def episode_seed(seed: int | None, j: int) -> int | None:
     return None if seed is None else (seed * 1_000_003 + j) % 2**62
 
 
@@ -426,10 +426,10 @@ def _turn_seed(seed: int | None, turn: int) -> int | None:
     return None if seed is None else (seed * 1_009 + turn) % 2**62
 
 
-def _check_limits(max_turns: int, max_total_tokens: int, step_timeout_s: float) -> None:
+def _check_limits(max_turns: int, max_total_tokens: int, step_timeout_s: float | None = None) -> None:
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if max_total_tokens < 2:
         raise ValueError(f"max_total_tokens must be >= 2, got {max_total_tokens}")
-    if not step_timeout_s > 0:
+    if step_timeout_s is not None and not step_timeout_s > 0:
         raise ValueError(f"step_timeout_s must be > 0, got {step_timeout_s}")

@@ -26,7 +26,7 @@ from rollover.config import Config, ConfigError, config_changes, dump_config, re
 from rollover.data import PromptIterator, load_prompts, render_prompt, split_holdout
 from rollover.rewards import RewardRunner, build_rewards
 from rollover.rollout.groups import (
-    PendingGroup, group_advantages, sampling_from, score_groups, to_rollouts,
+    PendingGroup, eval_metrics, group_advantages, sampling_from,
 )
 from rollover.train import checkpoint
 from rollover.train.weight_sync import InProcessWeightSync, WeightSync
@@ -106,17 +106,12 @@ class Run:
 
     # ------------------------------------------------------------ eval
     def evaluate(self, step: int) -> dict:
-        """Sample the held-out prompts with the current weights; reward and accuracy."""
+        """Sample the held-out prompts (or episodes) with the current weights; reward, accuracy."""
         from dataclasses import replace
 
         from rollover.rollout.core import run_groups
-        from rollover.rollout.groups import accuracy
 
         cfg = self.cfg
-        if self.env_builder is not None:
-            from rollover.rollout.episodes import evaluate_episodes
-
-            return evaluate_episodes(self, step)
         if not self.eval_prompts:
             return {}
         sp = replace(sampling_from(cfg), temperature=cfg.eval.temperature)
@@ -131,16 +126,12 @@ class Run:
         finally:
             if paused:
                 self.engine.pause()
-        groups = [to_rollouts(g, cfg, self.tokenizer) for g in pending]
-        score_groups(groups, self.rewards, cfg)
-        flat = [r for g in groups for r in g.rollouts if r.reward is not None]
-        rewards = [r.reward for r in flat]
-        metrics = {
-            "eval/accuracy": accuracy(flat, cfg, self.primary_reward),
-            "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
-            "eval/response_length": sum(len(r.response_ids) for r in flat) / max(len(flat), 1),
-            "eval/samples": len(flat),
-        }
+        if self.env_builder is not None:
+            from rollover.rollout.episodes import episode_eval_metrics
+
+            metrics = episode_eval_metrics(pending, cfg)
+        else:
+            metrics = eval_metrics(pending, self)
         self.logger.log(step, metrics, kind="eval")
         return metrics
 

@@ -77,10 +77,6 @@ class RolloutService:
         self.driver = SampleDriver(run, self.lock, on_finished=self._finished, on_aborted=self._aborted,
                                    on_error=lambda e: on_error("rollout service", e), on_done_callback=self._on_done)
 
-    @property
-    def pending_ids(self) -> set[str]:
-        return set(self.driver.routes)
-
     def admit(self) -> None:
         with self.lock:
             if self.paused or self.stopping:

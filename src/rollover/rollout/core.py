@@ -110,7 +110,6 @@ class SampleDriver:
         self.routes: dict[str, SampleRef] = {}  # live engine request id -> its sample
         self.seen: dict[str, int] = {}  # tokens of each live request already accounted for
         self.new_tokens = 0  # tokens the engine produced for this driver's requests, all time
-        self.env_calls = 0  # environment calls in flight
         self._calling: set[tuple[int, int]] = set()  # (id(group), j) of samples with an environment call in flight
         self._replay_envs: dict[int, list] = {}  # id(group) -> fresh environments for replayed samples
         self.events = 0  # completions and environment answers handled (a progress signal)
@@ -123,8 +122,13 @@ class SampleDriver:
         self._outbox: list[Request] | None = None
 
     @property
+    def env_calls(self) -> int:
+        """Environment calls in flight."""
+        return len(self._calling)
+
+    @property
     def idle(self) -> bool:
-        return not self.routes and self.env_calls == 0
+        return not self.routes and not self._calling
 
     # ------------------------------------------------------------ starting work
     def start(self, groups, sampling, seed: int) -> None:
@@ -188,7 +192,7 @@ class SampleDriver:
     def _make_episodes(self, g, sampling, seed: int) -> None:
         from dataclasses import replace
 
-        from rollover.envs.episode import _episode_seed
+        from rollover.envs.episode import episode_seed
         from rollover.rollout.groups import sample_seed
 
         envs = self.run.env_builder.make_group(g.prompt, g.n)
@@ -196,7 +200,7 @@ class SampleDriver:
             raise ValueError(f"env {self.cfg.env.name!r}: make_group(prompt, {g.n}) returned {len(envs)} environments")
         base = sample_seed(seed, g.serial, 0)
         e = self.cfg.env
-        g.episodes = {j: LiveEpisode(f"{g.id}/{j}", replace(sampling, seed=_episode_seed(base, j)), env=env,
+        g.episodes = {j: LiveEpisode(f"{g.id}/{j}", replace(sampling, seed=episode_seed(base, j)), env=env,
                                      max_turns=g.max_turns or e.max_turns, max_total_tokens=e.max_total_tokens)
                       for j, env in enumerate(envs)}
 
@@ -250,12 +254,10 @@ class SampleDriver:
 
     # ------------------------------------------------------------ the environments
     def _env_call(self, g, j: int, fn: Callable, apply: Callable) -> None:
-        self.env_calls += 1
         self._calling.add((id(g), j))
 
         def done(*result):
             with self.lock:
-                self.env_calls -= 1
                 self._calling.discard((id(g), j))
                 self.events += 1
                 try:

@@ -14,10 +14,8 @@ group is skipped, as a group with an unscored sample is in single-turn mode: nev
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
-
 from rollover.envs.base import Trajectory
-from rollover.rollout.groups import PendingGroup, sampling_from
+from rollover.rollout.groups import PendingGroup
 from rollover.types import Group, Rollout
 
 log = logging.getLogger("rollover")
@@ -37,22 +35,12 @@ def to_group(pg, trajectories: list[Trajectory]) -> Group:
                  rollouts=rollouts, start_version=pg.start_version, serial=pg.serial)
 
 
-def evaluate_episodes(run, step: int) -> dict:
-    """Held-out episodes with the current weights: mean reward, success rate, turns."""
-    cfg = run.cfg
-    if not run.eval_prompts:
-        return {}
-    from rollover.rollout.core import run_groups
-
-    sampling = replace(sampling_from(cfg), temperature=cfg.eval.temperature)
-    pending = [PendingGroup(id=f"eval-{step}-{i}", prompt=p, prompt_ids=[], serial=10**9 + i,
-                            n=cfg.eval.samples_per_prompt, start_version=run.engine.version)
-               for i, p in enumerate(run.eval_prompts)]
-    run_groups(run, pending, sampling, cfg.seed, "evaluation")
+def episode_eval_metrics(pending: list[PendingGroup], cfg) -> dict:
+    """Held-out metrics of complete groups of episodes: success rate, reward, turns, failures."""
     trajs = [g.done[j] for g in pending for j in range(g.n)]
     ok = [t for t in trajs if t.ok]
     rewards = [t.reward for t in ok]
-    metrics = {
+    return {
         "eval/accuracy": sum(r >= cfg.reward.correct_threshold for r in rewards) / max(len(trajs), 1),
         "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
         "eval/response_length": sum(len(t.tokens_T) - t.prompt_len for t in ok) / max(len(ok), 1),
@@ -60,5 +48,3 @@ def evaluate_episodes(run, step: int) -> dict:
         "eval/failed": len(trajs) - len(ok),
         "eval/turns_mean": sum(len(t.turns) for t in trajs) / max(len(trajs), 1),
     }
-    run.logger.log(step, metrics, kind="eval")
-    return metrics

@@ -203,6 +203,20 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
     return out
 
 
+def eval_metrics(pending: list[PendingGroup], run) -> dict:
+    """Held-out metrics of complete single-turn groups: accuracy, mean reward, length."""
+    groups = [to_rollouts(g, run.cfg, run.tokenizer) for g in pending]
+    score_groups(groups, run.rewards, run.cfg)
+    flat = [r for g in groups for r in g.rollouts if r.reward is not None]
+    rewards = [r.reward for r in flat]
+    return {
+        "eval/accuracy": accuracy(flat, run.cfg, run.primary_reward),
+        "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
+        "eval/response_length": sum(len(r.response_ids) for r in flat) / max(len(flat), 1),
+        "eval/samples": len(flat),
+    }
+
+
 def accuracy(rollouts: list[Rollout], cfg: Config, primary: str) -> float:
     """Fraction of samples whose primary (first configured) reward function scores at least
     `reward.correct_threshold`; a sample where it abstained or failed counts as wrong."""
