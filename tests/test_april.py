@@ -245,3 +245,25 @@ def test_a_slow_judge_overlaps_decoding_unless_score_lag_is_zero(model_dir, tmp_
     finally:
         run.close()
     assert overlapped and (any(overlapped) if lag else not any(overlapped))
+
+
+def test_a_score_that_never_comes_ends_the_step_with_an_error_naming_the_group(model_dir, tmp_path):
+    import time as _time
+
+    from rollover.loops.guard import Stalled
+
+    run = build_run(april_cfg(model_dir, tmp_path, **{"rollout.stall_timeout_s": 1}))
+    score = run.rewards.score
+
+    def stuck(*args, **kw):
+        _time.sleep(3)
+        return score(*args, **kw)
+
+    run.rewards.score = stuck
+    col = AprilCollector(run)
+    try:
+        with pytest.raises(Stalled, match=r"waited 1 s for the score of group g\d+"):
+            col.collect(0)
+    finally:
+        col.close()
+        run.close()

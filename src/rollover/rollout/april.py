@@ -44,10 +44,11 @@ import threading
 from collections import deque
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 import time
 from collections import Counter
 
-from rollover.loops.guard import Watchdog, engine_progress
+from rollover.loops.guard import Stalled, Watchdog, engine_progress
 from rollover.rollout.core import SampleDriver, env_step_metrics
 from rollover.rollout.groups import PendingGroup, keep_group, observe_groups, sampling_from, scored_groups
 from rollover.types import Completion, Group
@@ -224,7 +225,7 @@ class AprilCollector:
                 st.m["score_wait_s"] += time.perf_counter() - t0  # decoding waited for it
             self._count(st, result)
         else:
-            st.scoring.append(self._scorer.submit(self._score, g))
+            st.scoring.append((g.id, self._scorer.submit(self._score, g)))
             self._settle(st, self.lag)
         self._check_target(st)
         self._refill()
@@ -244,9 +245,14 @@ class AprilCollector:
         """Take in the scores of all but the last `lag` completed groups, oldest first (waiting
         for them if they are not in yet)."""
         while len(st.scoring) > lag:
-            future = st.scoring.popleft()
+            gid, future = st.scoring.popleft()
             t0 = time.perf_counter()
-            result = future.result()  # a reward that raised (on_error=raise) raises here
+            timeout = self.cfg.rollout.stall_timeout_s
+            try:
+                result = future.result(timeout=timeout)  # a reward that raised (on_error=raise) raises here
+            except FuturesTimeout:
+                raise Stalled(f"APRIL collector waited {timeout:g} s for the score of group {gid} and nothing moved; "
+                              f"stopped by the stall timeout of {timeout:g} s (rollout.stall_timeout_s)") from None
             st.m["score_wait_s"] += time.perf_counter() - t0
             self._count(st, result)
 
@@ -420,7 +426,7 @@ class _StepState:
         self.completed = 0
         self.max_started: int | None = None
         self.trajectories: list = []  # episodes completed this step (multi-turn)
-        self.scoring: deque = deque()  # futures of complete groups' scores, in completion order
+        self.scoring: deque = deque()  # (group id, future of its score), in completion order
         self.finished = threading.Event()
         self.abort_pending = False  # the collector thread is to abort the live requests
         self.error: BaseException | None = None
