@@ -95,4 +95,7 @@ def test_bench_envs_fields_and_complete_episodes(model_dir, tmp_path):
         assert m["trajectories_per_s"] * m["seconds"] == pytest.approx(8)
         assert 0 < m["env_utilization"] <= 1 and 0 < m["engine_occupancy"] <= 1, mode
         assert m["turns_per_episode"] >= 1 and 0 < m["env_time_share"] < 1, mode
-    assert r["april"]["discarded_tokens"] == r["april"]["generated_tokens"] - r["april"]["used_sampled_tokens"] >= 0
+    assert r["identical_trajectories"] == 8  # the core and the naive loop sample the same episodes
+    a = r["april"]
+    assert a["unused_tokens"] == a["generated_tokens"] - a["used_sampled_tokens"] >= 0
+    assert a["carried_groups"] >= 1 and 0 <= a["resumed_groups"] <= 2  # alpha = 2: work is left over, and kept

@@ -1,38 +1,41 @@
-"""`rollover bench envs`: multi-turn episodes against slow environments, rollout-wise scheduling
-vs batch-synchronous turns (and APRIL on top of rollout-wise), on the same engine and seeds.
+"""`rollover bench envs`: multi-turn episodes against slow environments, the rollout core's
+schedules (rollout-wise, APRIL) against batch-synchronous turns, on the same engine and seeds.
 
 Workload: `steps` rollout steps, each of `groups` x `samples` episodes (a GRPO batch). The
 environment is `GuessNumber` (1-10, at most 4 guesses: the game decides how many turns) or
 `count` (a fixed number of turns), and every `step` first sleeps a latency drawn log-normal,
 `median * exp(sigma * z)`, clipped to [min, max] (50 ms - 2 s by default, like GUI and tool
-environments). The latency of step k of an episode, and the episode's sampling seed, depend
-only on (seed, episode id, k), so every schedule sees the same latencies and, the engine's
-sampling being independent of batching, samples the same tokens.
+environments). The latency of step k of an episode depends only on (seed, task, episode index,
+k), and every episode's sampling seed on (seed, the order its task was drawn, its index), as in
+training, so every schedule sees the same latencies and, the engine's sampling being
+independent of batching, samples the same tokens.
 
-Schedules, on one TorchEngine with `max_rows` rows, at most `max_rows` episodes in flight, and
-one `EnvPool` with a slot per episode in flight (an environment instance each):
-- rollout-wise: every episode advances on its own (`run_episode`); a new episode starts as
-  soon as one ends. The step ends when all its episodes have.
-- batch-synchronous: episodes in batches of `max_rows`; turn t of every live episode of the
-  batch is generated as one batch, then every environment steps and the batch waits for the
-  slowest before turn t + 1 (a naive loop). Built from the same `run_episode` behind a turn
-  barrier (`TurnBarrier`), so the trajectories are built by the same code.
-- april: rollout-wise over `oversample` x the step's groups; the step ends as soon as
-  `groups` groups are complete. Episodes still running then are cancelled: their requests are
-  aborted and their tokens are not kept (resuming an episode mid-way is for the rollout core),
-  and finished episodes of incomplete groups are not used either; both count as discarded.
-  Groups not started go back to the queue for the next step.
+The run is built as training builds it (`build_run`, `env.name: rollover.bench.envs:SlowGames`):
+one TorchEngine with `max_rows` rows and an environment cluster of `max_rows` slots
+(`env.max_concurrent`). Schedules:
+- batch_sync: episodes in batches of `max_rows`; turn t of every live episode of the batch is
+  generated as one batch, then every environment steps and the batch waits for the slowest
+  before turn t + 1 (a naive loop). Built from the asyncio `run_episode` behind a turn barrier
+  (`TurnBarrier`) on an `EnvPool` of `max_rows` slots.
+- rollout_wise: the rollout core's synchronous schedule (`run_groups`, what `rollover train`
+  runs): every episode advances on its own, environment calls run on the cluster while the
+  engine decodes other episodes' turns; the step ends when all its episodes have.
+- april: the rollout core's APRIL collector (`partial_rollout.enabled`, alpha = `oversample`):
+  episodes of alpha x `groups` groups in flight; the step ends as soon as `groups` groups are
+  complete; episodes still running are stopped where they are (mid-turn, or between an
+  environment call and the next turn) and carried, with their tokens and environments, into
+  the next step, where they resume. Nothing is discarded; the last measured step leaves its
+  carried work unused (counted in `carried_*`).
 
-Metrics, over the measured steps: trajectories/s (used episodes over wall time); environment
-utilization, the pool's busy time over (slots x wall time), i.e. the share of time the
-environment instances spend stepping rather than waiting for the model or for each other
-(useful environment utilization counts only the steps of the episodes used: APRIL's
-discarded episodes kept environments busy for nothing);
-engine occupancy, busy row-steps / all row-steps of the engine's decode steps, and engine busy
-share, its compute seconds over wall time (idle gaps make no decode steps, so only the second
-shows them); turns per episode; env time share, `episode_metrics`' env_s / (env_s + gen_s)
-(gen_s is the time an episode waited for its turn's tokens: in batch-synchronous mode, also
-for the rest of its batch).
+Metrics, over the measured steps: trajectories/s (episodes of the steps' groups over wall time);
+environment utilization, the cluster's busy time over (slots x wall time), i.e. the share of
+time the environment instances spend stepping rather than waiting for the model or for each
+other (useful environment utilization counts only the steps of the episodes used); engine
+occupancy, busy row-steps / all row-steps of the engine's decode steps, and engine busy share,
+its compute seconds over wall time (idle gaps make no decode steps, so only the second shows
+them); turns per episode; env time share, `episode_metrics`' env_s / (env_s + gen_s) (gen_s is
+the time an episode waited for its turn's tokens: in batch-synchronous mode, also for the rest
+of its batch).
 """
 
 from __future__ import annotations
@@ -45,9 +48,13 @@ import time
 from dataclasses import dataclass, replace
 
 from rollover.envs.base import Action, StepResult, Trajectory, episode_metrics
-from rollover.envs.episode import EnvPool, run_episode
+from rollover.envs.episode import EnvPool, episode_seed, run_episode
 from rollover.envs.games import GuessNumber
-from rollover.types import Prompt, Request, SamplingParams
+from rollover.envs.render import ChatRenderer
+from rollover.rollout.april import AprilCollector
+from rollover.rollout.core import run_groups
+from rollover.rollout.groups import sample_seed, sampling_from
+from rollover.types import Prompt, Request
 
 SCHEDULES = ("rollout_wise", "batch_sync", "april")
 
@@ -67,17 +74,18 @@ class Latency:
 
 
 class SlowEnv:
-    """Any environment whose every step first takes a drawn latency (asyncio.sleep)."""
+    """Any environment whose every step first takes a latency its builder draws (asyncio.sleep)."""
 
-    def __init__(self, inner, latency: Latency, seed: int, episode: str):
-        self.inner, self.latency, self.seed, self.episode, self.turn = inner, latency, seed, episode, 0
+    def __init__(self, inner, builder: "SlowGames", episode: str):
+        self.inner, self.builder, self.episode, self.turn = inner, builder, episode, 0
 
     async def initial_observation(self) -> list[dict]:
         return await self.inner.initial_observation()
 
     async def step(self, action: Action) -> StepResult:
         self.turn += 1
-        await asyncio.sleep(self.latency.draw(self.seed, self.episode, self.turn))
+        b = self.builder
+        await asyncio.sleep(b.scale * b.latency.draw(b.seed, self.episode, self.turn))
         return await self.inner.step(action)
 
 
@@ -95,12 +103,25 @@ class CountEnv:
         return StepResult([{"role": "user", "content": "Next."}], 0.0, done=self.k >= self.turns)
 
 
-@dataclass
-class Episode:
-    id: str  # {group id}/{j}: request ids are {id}/turn{k}
-    group: str
-    env: SlowEnv
-    sampling: SamplingParams
+class SlowGames:
+    """The bench's environment as a run's config names it (`env.name:
+    rollover.bench.envs:SlowGames`): GuessNumber's tasks, or the count game, behind drawn step
+    latencies. `scale` multiplies every latency (0 for the unmeasured warm-up)."""
+
+    def __init__(self, game: str = "guess", turns: int = 4, median_s: float = 0.3, sigma: float = 1.0,
+                 min_s: float = 0.05, max_s: float = 2.0, seed: int = 0):
+        self.game, self.turns, self.seed, self.scale = game, turns, seed, 1.0
+        self.latency = Latency(median_s, sigma, min_s, max_s)
+        self.guess = GuessNumber()
+
+    def prompts(self, n: int, seed: int = 0) -> list[Prompt]:
+        if self.game == "guess":
+            return self.guess.prompts(n, seed=seed)
+        return [Prompt(id=f"count-{seed}-{i}", text="count") for i in range(n)]
+
+    def make_group(self, prompt: Prompt, n: int) -> list[SlowEnv]:
+        inner = self.guess.make_group(prompt, n) if self.game == "guess" else [CountEnv(self.turns) for _ in range(n)]
+        return [SlowEnv(env, self, f"{prompt.id}/{j}") for j, env in enumerate(inner)]
 
 
 class TurnBarrier:
@@ -147,145 +168,124 @@ class TurnBarrier:
         self.batches.append(asyncio.ensure_future(answer()))
 
 
-def make_episodes(args, prompts: list[Prompt], latency: Latency) -> list[Episode]:
-    game = GuessNumber()
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    out = []
-    for p in prompts:
-        inner = game.make_group(p, args.samples) if args.env == "guess" else [CountEnv(args.turns)
-                                                                             for _ in range(args.samples)]
-        for j, env in enumerate(inner):
-            eid = f"{p.id}/{j}"
-            seed = random.Random(f"envs-sampling:{args.seed}:{eid}").getrandbits(62)
-            out.append(Episode(eid, p.id, SlowEnv(env, latency, args.seed, eid), replace(sampling, seed=seed)))
-    return out
+class Bench:
+    """The run every schedule shares (engine, renderer, environments, prompt order), and the
+    schedules themselves. `rewind()` puts the prompt order back at its start, so every schedule
+    draws the same tasks in the same order (and so the same sampling seeds)."""
 
+    def __init__(self, args, run):
+        self.args, self.run = args, run
+        self.renderer = ChatRenderer(run.tokenizer)
+        self.sampling = sampling_from(run.cfg)
+        self._start = run.train_iter.state_dict()
 
-class Runner:
-    """What every schedule shares: the engine, renderer, pool and episode limits."""
+    def rewind(self) -> None:
+        self.run.train_iter.load_state_dict(self._start)
+        self.run.serial = 0
 
-    def __init__(self, args, engine, renderer, pool: EnvPool):
-        self.args, self.engine, self.renderer, self.pool = args, engine, renderer, pool
+    def pool(self) -> EnvPool:
+        """The environment cluster the core's schedules use (the run's environment thread's)."""
+        return self.run.env_runner.pool
 
-    async def episode(self, engine, ep: Episode) -> Trajectory:
-        a = self.args
-        return await run_episode(engine, ep.env, self.renderer, ep.sampling, max_turns=a.max_turns,
-                                 max_total_tokens=a.max_total_tokens, step_timeout_s=a.step_timeout_s,
-                                 request_id=ep.id, pool=self.pool)
-
-    async def rollout_wise(self, episodes: list[Episode]) -> list[Trajectory]:
-        slots = asyncio.Semaphore(self.args.max_rows)
-
-        async def one(ep):
-            async with slots:
-                return await self.episode(self.engine, ep)
-
-        return list(await asyncio.gather(*map(one, episodes)))
-
-    async def batch_sync(self, episodes: list[Episode]) -> list[Trajectory]:
+    # ------------------------------------------------------------ batch-synchronous turns
+    async def _batch_sync(self, groups) -> list[Trajectory]:
+        run, e = self.run, self.run.cfg.env
+        episodes = []
+        for g in groups:
+            base = sample_seed(run.cfg.seed, g.serial, 0)
+            for j, env in enumerate(run.env_builder.make_group(g.prompt, g.n)):
+                episodes.append((f"{g.id}/{j}", env, replace(self.sampling, seed=episode_seed(base, j))))
         out: list[Trajectory] = []
-        width = self.args.max_rows
-        for i in range(0, len(episodes), width):
-            batch = episodes[i: i + width]
-            barrier = TurnBarrier(self.engine, len(batch))
+        for i in range(0, len(episodes), self.args.max_rows):
+            batch = episodes[i: i + self.args.max_rows]
+            barrier = TurnBarrier(run.engine, len(batch))
 
-            async def one(ep):
+            async def one(rid, env, sampling):
                 try:
-                    return await self.episode(barrier, ep)
+                    return await run_episode(barrier, env, self.renderer, sampling, max_turns=e.max_turns,
+                                             max_total_tokens=e.max_total_tokens, step_timeout_s=e.step_timeout_s,
+                                             request_id=rid, pool=self.sync_pool)
                 finally:
                     barrier.leave()
 
-            out += await asyncio.gather(*map(one, batch))
+            out += await asyncio.gather(*(one(*ep) for ep in batch))
             await asyncio.gather(*barrier.batches)
         return out
 
-    async def april(self, episodes: list[Episode], groups: int) -> tuple[list[Trajectory], dict]:
-        """Rollout-wise over `episodes` until `groups` groups are complete; the first `groups`
-        complete groups' trajectories, and what happened to the rest."""
-        slots = asyncio.Semaphore(self.args.max_rows)
-        size = {ep.group: 0 for ep in episodes}
-        for ep in episodes:
-            size[ep.group] += 1
-        finished: dict[str, list[Trajectory]] = {g: [] for g in size}
-        started: set[str] = set()  # episode ids
-        complete: list[str] = []
-        enough = asyncio.Event()
+    def batch_sync(self, step: int) -> tuple[list[Trajectory], dict]:
+        return asyncio.run(self._batch_sync(self.run.next_groups(self.args.groups, version=0))), {}
 
-        async def one(ep):
-            async with slots:
-                started.add(ep.id)
-                traj = await self.episode(self.engine, ep)
-            finished[ep.group].append(traj)
-            if len(finished[ep.group]) == size[ep.group] and len(complete) < groups:
-                complete.append(ep.group)
-                if len(complete) == groups:
-                    enough.set()
+    # ------------------------------------------------------------ the rollout core
+    def rollout_wise(self, step: int) -> tuple[list[Trajectory], dict]:
+        groups = self.run.next_groups(self.args.groups, version=0)
+        run_groups(self.run, groups, self.sampling, self.run.cfg.seed, "bench envs")
+        return [g.done[j] for g in groups for j in range(g.n)], {}
 
-        tasks = [asyncio.ensure_future(one(ep)) for ep in episodes]
-        waiter = asyncio.ensure_future(enough.wait())
-        try:
-            pending = set(tasks)
-            while not enough.is_set():
-                if not pending:
-                    raise RuntimeError(f"april: every episode ended with fewer than {groups} complete groups")
-                done, pending = await asyncio.wait([waiter, *pending], return_when=asyncio.FIRST_COMPLETED)
-                pending.discard(waiter)
-                for t in done - {waiter}:
-                    t.result()  # an episode's error (the engine's, the renderer's) propagates
-        finally:
-            waiter.cancel()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        done_ids = {t.request_id for ts in finished.values() for t in ts}
-        used = [t for g in complete for t in sorted(finished[g], key=lambda t: t.request_id)]
-        counts = {
-            "cancelled_episodes": len(started - done_ids),
-            "unused_finished_episodes": sum(len(finished[g]) for g in size if g not in complete),
-            "groups_not_started": [g for g in size if not any(ep.group == g and ep.id in started for ep in episodes)],
-        }
-        return used, counts
+    def start_april(self) -> None:
+        """A fresh APRIL collector on the run; the bench notes every episode it finishes (by
+        group id) to report the returned groups' trajectories."""
+        self.collector = col = AprilCollector(self.run)
+        self.finished: dict[str, object] = {}
+        self.carried: set[str] = set()  # groups carried out of the last step
+        finished = col.driver.on_finished
+
+        def note(g, j):
+            self.finished[g.id] = g
+            finished(g, j)
+
+        col.driver.on_finished = note
+
+    def april(self, step: int) -> tuple[list[Trajectory], dict]:
+        col = self.collector
+        groups, m = col.collect(step)
+        m = {**m, "resumed_groups": sum(g.id in self.carried for g in groups)}
+        self.carried = {g.id for g in [*col.buffer, *col.ready_carry, *col.inflight.values()]}
+        return [self.finished[g.id].done[j] for g in groups for j in range(len(g.rollouts))], m
 
 
-async def measure(runner: Runner, schedule: str, prompts: list[Prompt], latency: Latency) -> dict:
+def measure(bench: Bench, schedule: str) -> dict:
     """`steps` rollout steps of one schedule; the figures over all of them."""
-    a, engine, pool = runner.args, runner.engine, runner.pool
+    a, run = bench.args, bench.run
+    engine = run.engine
+    bench.rewind()
+    if schedule == "batch_sync":
+        bench.sync_pool = EnvPool(a.max_rows)
+        pool = bench.sync_pool
+    else:
+        pool = bench.pool()
+    if schedule == "april":
+        bench.start_april()
     engine.reset_stats()
     pool.reset()
     used: list[Trajectory] = []
-    extra = {"cancelled_episodes": 0, "unused_finished_episodes": 0}
-    cursor = 0
+    extra = {"carried_groups": 0, "resumed_groups": 0}
     t0 = time.perf_counter()
-    for _ in range(a.steps):
+    try:
+        for step in range(1, a.steps + 1):
+            trajs, m = getattr(bench, schedule)(step)
+            used += trajs
+            if m:
+                extra["resumed_groups"] += m["resumed_groups"]
+                extra["carried_groups"] = m["carried_groups"]  # after the last step
+        wall = time.perf_counter() - t0
+        s = engine.stats()
+        busy_s = pool.busy_s
+    finally:
         if schedule == "april":
-            launched = prompts[cursor: cursor + math.ceil(a.oversample * a.groups)]
-            trajs, counts = await runner.april(make_episodes(a, launched, latency), a.groups)
-            not_started = set(counts.pop("groups_not_started"))  # back to the queue (a suffix: FIFO admission)
-            cursor += next((i for i, p in enumerate(launched) if p.id in not_started), len(launched))
-            for k, v in counts.items():
-                extra[k] += v
-        else:
-            step = make_episodes(a, prompts[cursor: cursor + a.groups], latency)
-            cursor += a.groups
-            trajs = await (runner.rollout_wise(step) if schedule == "rollout_wise" else runner.batch_sync(step))
-        used += trajs
-    wall = time.perf_counter() - t0
-    s = engine.stats()
+            _close_april(bench)
     m = episode_metrics(used)
     sampled = sum(sum(t.loss_mask_T) for t in used)
     out = {
         "trajectories": len(used),
         "seconds": wall,
         "trajectories_per_s": len(used) / wall,
-        "env_utilization": pool.utilization(wall),
-        "useful_env_utilization": sum(t.env_s for t in used) / (pool.max_concurrent * wall),
+        "env_utilization": busy_s / (a.max_rows * wall),
+        "useful_env_utilization": sum(t.env_s for t in used) / (a.max_rows * wall),
         "engine_occupancy": s.occupancy,
         "engine_busy_share": (s.decode_s + s.prefill_s) / wall,
         "turns_per_episode": m["env/turns_mean"],
         "env_time_share": m["env/env_time_share"],
-        "env_busy_s": pool.busy_s,
-        "env_wait_s": pool.wait_s,
-        "env_calls": pool.calls,
+        "env_busy_s": busy_s,
         "failed_episodes": int(m["env/failed"]),
         "reward_mean": sum(t.reward for t in used if t.ok) / max(1, sum(t.ok for t in used)),
         "generated_tokens": s.generated_tokens,
@@ -294,35 +294,59 @@ async def measure(runner: Runner, schedule: str, prompts: list[Prompt], latency:
         "finish": {k.removeprefix("env/finish_"): v for k, v in m.items() if k.startswith("env/finish_")},
     }
     if schedule == "april":
-        out.update(extra, discarded_tokens=s.generated_tokens - sampled)
+        out.update(extra, unused_tokens=s.generated_tokens - sampled)
     out["_tokens"] = {t.request_id: t.tokens_T for t in used}
     return out
 
 
-async def run_all(args, engine, renderer) -> dict:
-    latency = Latency(args.latency_median * args.latency_scale, args.latency_sigma,
-                      args.latency_min * args.latency_scale, args.latency_max * args.latency_scale)
-    game = GuessNumber()
-    n_prompts = math.ceil(args.oversample * args.groups) * args.steps + 1
-    prompts = game.prompts(n_prompts, seed=args.seed) if args.env == "guess" else [
-        Prompt(id=f"count-{args.seed}-{i}", text="count") for i in range(n_prompts)]
-    runner = Runner(args, engine, renderer, EnvPool(args.max_rows))
-    # Warm-up, unmeasured: one group with no latency (first calls, packed weights).
-    warm = make_episodes(args, [Prompt(id="warmup", text=prompts[0].text, answer=prompts[0].answer)],
-                         Latency(0.0, 0.0, 0.0, 0.0))
-    await runner.rollout_wise(warm)
-    return {s: await measure(runner, s, prompts, latency) for s in args.schedules}
+def _close_april(bench: Bench) -> None:
+    """End the APRIL measurement: carried requests aborted, the run's driver idle again."""
+    col = bench.collector
+    col.driver.hold = True
+    col.driver.abort_all()
+    deadline = time.monotonic() + 30
+    while not col.driver.idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    col.close()
+
+
+def bench_config(args, run_dir: str):
+    from rollover.config import load_config
+
+    n_tasks = math.ceil(args.oversample * args.groups) * (args.steps + 2) + 1
+    return load_config(
+        model=args.model, run_dir=run_dir, seed=args.seed, steps=1, resume="never", **{
+            "data.train": "env", "data.eval_size": 1, "eval.every": 0, "eval.at_start": False,
+            "env.name": "rollover.bench.envs:SlowGames", "env.tasks": n_tasks,
+            "env.options": {"game": args.env, "turns": args.turns, "median_s": args.latency_median * args.latency_scale,
+                            "sigma": args.latency_sigma, "min_s": args.latency_min * args.latency_scale,
+                            "max_s": args.latency_max * args.latency_scale, "seed": args.seed},
+            "env.max_turns": args.max_turns, "env.max_total_tokens": args.max_total_tokens,
+            "env.step_timeout_s": args.step_timeout_s, "env.max_concurrent": args.max_rows,
+            "rollout.prompts_per_step": args.groups, "rollout.samples_per_prompt": args.samples,
+            "rollout.max_new_tokens": args.max_new_tokens, "rollout.max_rows": args.max_rows,
+            "rollout.temperature": args.temperature,
+            "partial_rollout.oversample": args.oversample, "partial_rollout.max_carry_steps": 10**6,
+            "logging.progress": False, "logging.tensorboard": False,
+        })
 
 
 def main(args) -> dict:
-    from rollover.engine.torch_engine import TorchEngine
-    from rollover.envs.render import ChatRenderer
-    from rollover.models import load_hf_model, load_tokenizer
+    import tempfile
 
-    renderer = ChatRenderer(load_tokenizer(args.model))
-    with TorchEngine(load_hf_model(args.model), max_rows=args.max_rows, max_len=args.max_total_tokens,
-                     seed=args.seed) as engine:
-        modes = asyncio.run(run_all(args, engine, renderer))
+    from rollover.loops.common import build_run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = build_run(bench_config(args, tmp), record=False)
+        try:
+            bench = Bench(args, run)
+            run.env_builder.scale = 0.0  # warm-up, unmeasured: one group, no latency
+            bench.rewind()
+            run_groups(run, run.next_groups(1, version=0), bench.sampling, args.seed, "bench envs warm-up")
+            run.env_builder.scale = 1.0
+            modes = {s: measure(bench, s) for s in args.schedules}
+        finally:
+            run.close()
     tokens = {k: m.pop("_tokens") for k, m in modes.items()}
     settings = {k: getattr(args, k) for k in (
         "env", "turns", "max_turns", "groups", "samples", "steps", "max_rows", "max_new_tokens", "max_total_tokens",
@@ -338,6 +362,8 @@ def main(args) -> dict:
     if bs and "april" in modes:
         result["april_speedup"] = modes["april"]["trajectories_per_s"] / bs["trajectories_per_s"]
         result["april_env_util_ratio"] = modes["april"]["env_utilization"] / bs["env_utilization"]
+        result["april_useful_env_util_ratio"] = (modes["april"]["useful_env_utilization"]
+                                                 / bs["useful_env_utilization"])
     if rw and "april" in modes:
         result["april_vs_rollout_wise"] = modes["april"]["trajectories_per_s"] / rw["trajectories_per_s"]
     print_table(result)
@@ -367,12 +393,11 @@ def print_table(r: dict) -> None:
               f"({r['identical_trajectories']}/{r['rollout_wise']['trajectories']} trajectories identical)")
     if "april_speedup" in r:
         a = r["april"]
-        useful = a["useful_env_utilization"] / r["batch_sync"]["useful_env_utilization"]
         print(f"  april vs batch-synchronous: {r['april_speedup']:.2f}x trajectories/s, "
-              f"{r['april_env_util_ratio']:.2f}x environment utilization ({useful:.2f}x counting only the episodes "
-              f"used); discarded {a['cancelled_episodes']} cancelled and "
-              f"{a['unused_finished_episodes']} finished-but-unused episodes, {a['discarded_tokens']} of "
-              f"{a['generated_tokens']} generated tokens")
+              f"{r['april_env_util_ratio']:.2f}x environment utilization ({r['april_useful_env_util_ratio']:.2f}x "
+              f"counting only the episodes used); {a['resumed_groups']} of the groups used were carried from "
+              f"an earlier step; at the end {a['carried_groups']} groups carried, {a['unused_tokens']} of "
+              f"{a['generated_tokens']} generated tokens not (yet) in a used episode")
 
 
 def _at_least_one(text: str) -> float:
