@@ -99,3 +99,14 @@ def test_bench_envs_fields_and_complete_episodes(model_dir, tmp_path):
     a = r["april"]
     assert a["unused_tokens"] == a["generated_tokens"] - a["used_sampled_tokens"] >= 0
     assert a["carried_groups"] >= 1 and 0 <= a["resumed_groups"] <= 2  # alpha = 2: work is left over, and kept
+
+
+def test_bench_memory_phases(model_dir, tmp_path):
+    r = bench(tmp_path, "memory", "--model", model_dir, "--skip-half-b", "--steps", "1",
+              "--set", "data.eval_size=2", "eval.samples_per_prompt=1", "rollout.prompts_per_step=2",
+              "rollout.max_new_tokens=4")
+    m = r["models"]["135m"]
+    assert [p["phase"] for p in m["phases"]] == ["build", "generate 1", "train 1", "push 1", "eval"]
+    assert r["peak_gb_135m"] == m["peak_gb"] == max(p["peak_gb"] for p in m["phases"]) > 0
+    assert all(0 < p["end_gb"] <= m["peak_gb"] + 1e-6 for p in m["phases"])
+    assert m["micro_batch_tokens"] >= 1 and m["phases"][2]["micro_batches"] >= 1

@@ -20,16 +20,18 @@ def _bench(argv: list[str]) -> int:
     from rollover.bench import engine as bench_engine
     from rollover.bench import envs as bench_envs
     from rollover.bench import faults as bench_faults
+    from rollover.bench import memory as bench_memory
     from rollover.bench import train as bench_train
 
     benches = {"engine": bench_engine, "april": bench_april, "train": bench_train, "async": bench_async,
-               "faults": bench_faults, "envs": bench_envs}
+               "faults": bench_faults, "envs": bench_envs, "memory": bench_memory}
     bench_engine.add_arguments(sub.add_parser("engine", help="TorchEngine vs HF generate vs FLOP limit"))
     bench_april.add_arguments(sub.add_parser("april", help="synchronous rollouts vs APRIL (longtail, natural)"))
     bench_train.add_arguments(sub.add_parser("train", help="seconds per synchronous training step, by phase"))
     bench_async.add_arguments(sub.add_parser("async", help="samples trained/s: sync vs APRIL vs async (eta 1, 2, 4)"))
     bench_faults.add_arguments(sub.add_parser("faults", help="kill -9 at random moments + resume: hangs, losses, duplicates"))
     bench_envs.add_arguments(sub.add_parser("envs", help="multi-turn episodes, slow envs: rollout-wise vs batch-synchronous turns"))
+    bench_memory.add_arguments(sub.add_parser("memory", help="peak resident memory per phase: 135M demo and a ~0.5B model"))
     args = p.parse_args(argv)
     benches[args.which].main(args)
     return 0

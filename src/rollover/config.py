@@ -269,8 +269,16 @@ class TrainConfig(Section):
     """Learning-rate schedule after warm-up."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm (0 = off)."""
-    micro_batch_tokens: int = Field(4096, ge=1)
-    """Tokens per forward/backward; sequences are packed into rows up to `pack_length`."""
+    micro_batch_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Tokens per forward/backward; sequences are packed into rows up to `pack_length`. Unset:
+    on CPU as many whole rows as fit `activation_memory_gb` by the trainer's activation
+    estimate; on CUDA 4096 (or one row if longer)."""
+    activation_memory_gb: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Budget for one micro-batch's saved activations when micro_batch_tokens is unset (the
+    estimate is in rollover.train.memory; `rollover bench memory` shows what it gives)."""
+    logit_chunk_tokens: int = Field(512, ge=0)
+    """Response tokens whose full-vocabulary logits exist at once in the loss (chunks are
+    recomputed in the backward pass instead of kept); 0 = all tokens of a micro-batch at once."""
     pack_length: Annotated[int, Field(ge=1)] | None = None
     """Row length for sequence packing (default: data.max_prompt_tokens + rollout.max_new_tokens)."""
     ppo_epochs: int = Field(1, ge=1)
@@ -465,7 +473,7 @@ class Config(Section):
         if self.mode == "sync" and self.async_ != AsyncConfig():
             problems.append("the async section is set but mode is sync; set mode: async")
         longest, what = self.longest_sequence()
-        if t.micro_batch_tokens < (t.pack_length or longest):
+        if t.micro_batch_tokens is not None and t.micro_batch_tokens < (t.pack_length or longest):
             problems.append(f"train.micro_batch_tokens={t.micro_batch_tokens} must be >= train.pack_length "
                             f"({t.pack_length or f'default: {what} = {longest}'})")
         if t.pack_length is not None and t.pack_length < longest:
@@ -616,7 +624,7 @@ RESUME_FREE_KEYS = (
     "rollout.engine", "rollout.max_rows", "rollout.dtype", "rollout.engine_options", "rollout.stall_timeout_s",
     "reward.timeout_s", "reward.on_error", "reward.workers",
     "train.micro_batch_tokens", "train.pack_length", "train.gradient_checkpointing",
-    "train.max_bad_steps",
+    "train.activation_memory_gb", "train.logit_chunk_tokens", "train.max_bad_steps",
 )
 
 

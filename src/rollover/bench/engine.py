@@ -67,7 +67,9 @@ def run_engine(open_engine, prompts, new_tokens) -> dict:
     t0 = time.perf_counter()
     with open_engine() as eng:
         startup = time.perf_counter() - t0
-        eng.generate([Request(id="warm", prompt_ids=prompts[0], sampling=SamplingParams(max_new_tokens=4))])
+        # a full batch: TorchEngine packs its weights for a decode batch size at first use
+        eng.generate([Request(id=f"warm{i}", prompt_ids=p, sampling=SamplingParams(max_new_tokens=2))
+                      for i, p in enumerate(prompts)])
         eng.reset_stats()
         t0 = time.perf_counter()
         outs = eng.generate([Request(id=str(i), prompt_ids=p, sampling=sp) for i, p in enumerate(prompts)])

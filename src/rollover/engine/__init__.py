@@ -28,6 +28,8 @@ class Engine(Protocol):
       request to its response tokens so far. An engine without them (vLLM) keeps `paused`
       False and raises NotImplementedError naming the feature that needs them
       (`partial_rollout.carry=keep_kv`, which the config refuses for it).
+    - `release_memory()` frees what the engine can rebuild on demand (TorchEngine: its packed
+      weights); the synchronous loop calls it before training, while the engine is idle.
     """
 
     version: int
@@ -51,6 +53,7 @@ class Engine(Protocol):
     @property
     def paused(self) -> bool: ...
     def lengths(self) -> dict[str, int]: ...
+    def release_memory(self) -> None: ...
     def shutdown(self) -> None: ...
 
 

@@ -35,6 +35,9 @@ class EngineAPI:
     def shutdown(self) -> None:
         raise NotImplementedError
 
+    def release_memory(self) -> None:
+        """Free what can be rebuilt on demand; engines with nothing to free do nothing."""
+
     def submit(self, request: Request, on_done: Callable[[Completion], None] | None = None) -> Future:
         """Queue one request; returns a Future of its Completion. Bad input raises ValueError
         here, in the caller's thread, and leaves every other request untouched."""

@@ -10,8 +10,11 @@ decode batch sizes costs as much as the multiply. On CPUs with MKL the runner ke
 pre-packed for two decode batch sizes (`max_rows` and `max_rows // 2`) and pads a decode batch
 up to the nearest of them when it is more than half full (the padding rows are free rows, whose
 cache entries are overwritten before use). Measured on the 2-core CI machine: +50% GEMM rate
-at batch 64. Packs are rebuilt after every weight update; they cost about twice the weights'
-memory each. Prefill and other batch sizes use the plain GEMM.
+at batch 64. Each pack is built at the first decode step that needs it after a weight update or
+`drop_packs()` (the synchronous loop drops them while it trains, when the engine is idle), so
+only the sizes a workload uses take memory: about 0.8 times the weights' memory each for
+SmolLM2-135M. Prefill and other batch
+sizes use the plain GEMM.
 
 Layout. The cache holds one row per running sequence: `k_cache[layer]` is
 `[max_rows, kv_heads, max_len, head_dim]`. The engine keeps running sequences in rows
@@ -104,7 +107,7 @@ class ModelRunner:
         self.pack_sizes = sorted({max_rows, max_rows // 2} - {0}) if can_pack else []
         self._packs: dict[int, dict[int, torch.Tensor]] = {}
         self._pack_for: int | None = None  # the decode batch size in flight, when packed
-        self._repack()
+        self.drop_packs()
 
     # ---------------------------------------------------------------- weights
     def _build_params(self, sd: dict[str, torch.Tensor]) -> None:
@@ -187,17 +190,21 @@ class ModelRunner:
             for name, t in items:
                 if name in self.views:
                     self.views[name].copy_(t.detach())
-        self._repack()
+        self.drop_packs()
         return len(items)
 
     def _matrices(self) -> list[torch.Tensor]:
         return [L[k] for L in self.layers for k in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
 
-    def _repack(self) -> None:
-        self._packs = {
-            m: {id(w): torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in self._matrices()}
-            for m in self.pack_sizes
-        }
+    def drop_packs(self) -> None:
+        """Free the packed weights (stale after a weight update) until a decode step needs them."""
+        self._packs = {}
+
+    def _ensure_pack(self, m: int) -> None:
+        """The pack for decode batches of `m` rows, built the first time one is needed (only
+        the sizes a workload uses take memory)."""
+        if m not in self._packs:
+            self._packs[m] = {id(w): torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in self._matrices()}
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         m = self._pack_for
@@ -287,6 +294,7 @@ class ModelRunner:
         if pad_to is None:
             return self._decode(tokens, positions)
         pad = pad_to - n  # free rows 0-filled at position 0: their cache is rewritten before use
+        self._ensure_pack(pad_to)
         self._pack_for = pad_to
         try:
             return self._decode(F.pad(tokens, (0, pad)), F.pad(positions, (0, pad)))[:n]

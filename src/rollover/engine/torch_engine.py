@@ -179,6 +179,14 @@ class TorchEngine(EngineAPI):
             **self.core.stats.__dict__, "finished": dict(self.core.stats.finished)
         }), wait=True)
 
+    def release_memory(self) -> None:
+        """Free what the engine can rebuild when it next needs it (its packed weights) and hand
+        the freed heap back to the OS; requests keep running (a decode step repacks)."""
+        from rollover.train.memory import release
+
+        self._run_or_queue(self.core.runner.drop_packs, wait=True)
+        release()
+
     def reset_stats(self) -> None:
         self._run_or_queue(lambda: setattr(self.core, "stats", EngineStats()), wait=True)
 

@@ -95,8 +95,9 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
             batch, adv_info = train_batch_from(groups, cfg)
             t_adv = time.perf_counter() - t0
 
-            # 3. policy update
+            # 3. policy update (the idle engine frees what it can rebuild: its packed weights)
             t0 = time.perf_counter()
+            run.engine.release_memory()
             train_metrics = run.trainer.train_step(batch)
             t_train = time.perf_counter() - t0
             step += 1

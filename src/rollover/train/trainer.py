@@ -11,7 +11,12 @@ engine; they enter only the off-policy options (TIS, M2PO, decoupled PPO).
 
 Logits are computed only at the positions that predict response tokens (the LM head on the
 selected hidden states), and divided by the rollout temperature so they match the engine's
-sampling distribution.
+sampling distribution. They are computed `train.logit_chunk_tokens` tokens at a time: each
+chunk's full-vocabulary logits exist only while its logprobs (and entropies) are taken, and are
+recomputed in the backward pass instead of kept, so the loss holds [chunk, vocab] floats at
+most, not [tokens, vocab]. Micro-batches are sized from `train.activation_memory_gb` unless
+`train.micro_batch_tokens` says otherwise (rollover.train.memory), and the heap the step freed
+is handed back to the OS after it.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import math
 import warnings
 
 import torch
+import torch.utils.checkpoint
 
 from rollover.algos import aggregate, kl_penalty, policy_loss
 from rollover.config import Config
+from rollover.train import memory
 from rollover.train.batch import MicroBatch, TrainBatch, pack
 
 
@@ -65,6 +72,13 @@ class Trainer:
         )
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss
         self.pack_length = t.pack_length or cfg.longest_sequence()[0]
+        if t.micro_batch_tokens is not None:
+            self.micro_batch_tokens = t.micro_batch_tokens
+        elif device.type == "cuda":  # the estimate is fitted on CPU fp32; not measured on a GPU yet
+            self.micro_batch_tokens = max(4096, self.pack_length)
+        else:
+            self.micro_batch_tokens = memory.micro_batch_tokens_for(
+                self._base(self.model).config, t.activation_memory_gb, self.pack_length, t.gradient_checkpointing)
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and t.dtype == "auto"
             else contextlib.nullcontext()
@@ -79,14 +93,31 @@ class Trainer:
         base = self._base(model)
         with self.autocast:
             hidden = base.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).last_hidden_state
-            logits = base.lm_head(hidden[mb.sel_row, mb.sel_col]).float()  # [N, V]
-        logits = logits / self.cfg.rollout.temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(1, mb.targets[:, None]).squeeze(1)
-        entropy = None
-        if need_entropy:  # with no entropy bonus it is only logged: keep it out of the graph
-            with torch.set_grad_enabled(torch.is_grad_enabled() and self.cfg.algorithm.entropy_coef != 0):
-                entropy = -(logp_all.exp() * logp_all).sum(-1)
+        selected = hidden[mb.sel_row, mb.sel_col]  # [N, H]
+        # with no entropy bonus the entropy is only logged: keep it out of the graph
+        entropy_grad = torch.is_grad_enabled() and self.cfg.algorithm.entropy_coef != 0
+        chunk = self.cfg.train.logit_chunk_tokens or max(len(selected), 1)
+        parts = []
+        for i in range(0, max(len(selected), 1), chunk):  # an empty selection still makes a graph
+            args = (base.lm_head, selected[i: i + chunk], mb.targets[i: i + chunk], need_entropy, entropy_grad)
+            if torch.is_grad_enabled() and self.cfg.train.logit_chunk_tokens:  # recomputed in the backward
+                parts.append(torch.utils.checkpoint.checkpoint(self._token_logp, *args, use_reentrant=False))
+            else:
+                parts.append(self._token_logp(*args))
+        logp = torch.cat([p[0] for p in parts])
+        entropy = torch.cat([p[1] for p in parts]) if need_entropy else None
+        return logp, entropy
+
+    def _token_logp(self, head, hidden_N, targets_N, need_entropy: bool, entropy_grad: bool):
+        """Logprobs of `targets_N` (and the entropies) from the hidden states before them."""
+        with self.autocast:
+            logits = head(hidden_N).float()
+        logp_all = torch.log_softmax(logits / self.cfg.rollout.temperature, dim=-1)
+        logp = logp_all.gather(1, targets_N[:, None]).squeeze(1)
+        if not need_entropy:
+            return logp, logp.new_zeros(0)
+        with torch.set_grad_enabled(entropy_grad):
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
 
     @staticmethod
@@ -97,7 +128,7 @@ class Trainer:
     def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
         return [
             mb.to(self.device)
-            for mb in pack(batch, pack_length=self.pack_length, micro_batch_tokens=self.cfg.train.micro_batch_tokens,
+            for mb in pack(batch, pack_length=self.pack_length, micro_batch_tokens=self.micro_batch_tokens,
                            pad_id=self.pad_id)
         ]
 
@@ -138,6 +169,7 @@ class Trainer:
                 skipped |= metrics.pop("skipped")
         out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
         out["skipped_step"] = float(skipped)
+        memory.release()
         if skipped:
             self.bad_steps += 1
         else:

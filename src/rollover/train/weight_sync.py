@@ -28,4 +28,7 @@ class InProcessWeightSync:
         self.engine = engine
 
     def push(self, named_tensors, version: int, inflight: str = "continue") -> None:
+        from rollover.train.memory import release
+
         self.engine.update_weights(named_tensors, version=version, inflight=inflight)
+        release()  # the engine's old packed weights

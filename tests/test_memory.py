@@ -1,0 +1,113 @@
+"""Memory-saving paths give the plain path's results: chunked logprobs (loss and gradients),
+micro-batches sized from a budget, and an engine that frees its packed weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollover.engine.torch_engine import TorchEngine
+from rollover.testing import tiny_model
+from rollover.train import memory
+from rollover.train.trainer import Trainer
+from rollover.types import Request, SamplingParams
+from test_train import batch_of, rollout, tiny_cfg
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from rollover.testing import save_tiny_model
+
+    return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
+
+
+def step_gradients(model_dir, run_dir, **over) -> tuple[dict, dict]:
+    """The gradient the optimizer sees in one train step, and the step's metrics."""
+    cfg = tiny_cfg(model_dir, run_dir, **{"train.pack_length": 16, "data.max_prompt_tokens": 10,
+                                          "algorithm.entropy_coef": 0.01, **over})
+    model = tiny_model("llama", seed=5)
+    tr = Trainer(model, cfg, device=torch.device("cpu"))
+    seen = {}
+    real_step = tr.optimizer.step
+
+    def step(*a, **kw):
+        seen.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        return real_step(*a, **kw)
+
+    tr.optimizer.step = step
+    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float(i % 3) - 1.0) for i in range(9)]
+    return seen, tr.train_step(batch_of(rolls))
+
+
+@pytest.mark.parametrize("extra", [{}, {"algorithm.kl_coef": 0.1}], ids=["plain", "kl"])
+def test_chunked_logits_give_the_same_loss_and_gradients(model_dir, tmp_path, extra):
+    whole, m_whole = step_gradients(model_dir, tmp_path / "a", **{"train.logit_chunk_tokens": 0, **extra})
+    chunked, m_chunked = step_gradients(model_dir, tmp_path / "b", **{"train.logit_chunk_tokens": 4, **extra})
+    assert whole.keys() == chunked.keys() and whole
+    for k in whole:
+        torch.testing.assert_close(chunked[k], whole[k], rtol=1e-5, atol=1e-7)
+    for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+        assert m_chunked[k] == pytest.approx(m_whole[k], rel=1e-5), k
+    assert m_whole["actor/entropy"] > 0  # the entropy bonus is in the gradient (entropy_coef 0.01)
+
+
+def test_a_micro_batch_without_response_tokens_trains(model_dir, tmp_path):
+    cfg = tiny_cfg(model_dir, tmp_path, **{"train.pack_length": 16, "train.micro_batch_tokens": 16,
+                                           "data.max_prompt_tokens": 10})
+    tr = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
+    rolls = [rollout("g", [5] * 8, [9] * 6, 1.0), rollout("g", [5] * 14, [], -1.0)]  # 14 + 14 > 16: two micro-batches
+    m = tr.train_step(batch_of(rolls))
+    assert m["actor/micro_batches"] == 2 and m["actor/loss_tokens"] == 6 and m["skipped_step"] == 0
+
+
+def test_chunked_logprobs_without_grad_equal_the_whole(model_dir, tmp_path):
+    rolls = [rollout("g", [5, 6, 7], [8, 9, 10, 11, 12], 1.0), rollout("g", [5, 6], [13, 14], -1.0)]
+    out = []
+    for chunk in (0, 3):
+        cfg = tiny_cfg(model_dir, tmp_path / f"c{chunk}", **{"train.logit_chunk_tokens": chunk})
+        out.append(Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu")).logprobs(batch_of(rolls)))
+    torch.testing.assert_close(out[1], out[0])
+
+
+def test_micro_batches_are_sized_from_the_activation_budget(model_dir, tmp_path):
+    config = tiny_model("llama", seed=5).config
+    h, inter, layers, heads = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads
+    per_token = 4 * layers * (18 * h + 6 * inter + 2 * heads * 16)  # by hand, row length 16
+    assert memory.activation_bytes_per_token(config, 16, checkpointing=False) == per_token
+    budget_gb = 40 * per_token * 16 / 1e9 + 1e-12  # exactly 40 rows of 16 tokens
+    assert memory.micro_batch_tokens_for(config, budget_gb, 16, checkpointing=False) == 40 * 16
+    assert memory.micro_batch_tokens_for(config, 1e-9, 16, checkpointing=False) == 16  # never below one row
+    cfg = tiny_cfg(model_dir, tmp_path, **{"train.pack_length": 16, "data.max_prompt_tokens": 10,
+                                           "train.activation_memory_gb": budget_gb})
+    assert Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu")).micro_batch_tokens == 640
+    cfg = tiny_cfg(model_dir, tmp_path, **{"train.pack_length": 16, "data.max_prompt_tokens": 10,
+                                           "train.micro_batch_tokens": 32})
+    assert Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu")).micro_batch_tokens == 32
+
+
+def test_an_engine_that_released_its_packs_generates_the_same_tokens():
+    model = tiny_model("llama", seed=6)
+    reqs = lambda: [Request(id=f"r{i}", prompt_ids=[3 + i, 4, 5], sampling=SamplingParams(max_new_tokens=6, temperature=0.0))
+                    for i in range(8)]  # noqa: E731
+    with TorchEngine(model, max_rows=8, max_len=32) as engine:
+        runner = engine.core.runner
+        before = engine.generate(reqs())
+        assert runner._packs or not runner.pack_sizes  # a full decode batch used the packs (when MKL packs)
+        engine.release_memory()
+        assert not runner._packs
+        after = engine.generate(reqs())
+    assert [c.response_ids for c in after] == [c.response_ids for c in before]
+    for a, b in zip(after, before):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+
+
+def test_resident_memory_is_read_and_its_peak_restarts():
+    if memory.rss_gb() is None:
+        pytest.skip("no /proc/self/status here")
+    block = torch.ones(64 * 2**20 // 4)  # 64 MB, touched
+    peak = memory.peak_rss_gb()
+    assert peak >= memory.rss_gb() - 1e-3 and peak > 0.064
+    del block
+    memory.release()
+    if memory.reset_peak():
+        assert memory.peak_rss_gb() <= peak
