@@ -398,6 +398,33 @@ def test_xrpo_ties_and_unseen_with_zero_minimum():
     assert xrpo_allocation(h2, ["seen", "x", "y"], 2, min_n=0) == {"seen": 0, "x": 1, "y": 1}
 
 
+def test_xrpo_spreads_extras_evenly_over_prompts_that_never_varied():
+    h = make_history({"p": (4, 4), "q": (0, 4), "r": (4, 4)})  # s2 = 0 for all: every gain is 0
+    assert xrpo_allocation(h, ["p", "q", "r"], 12, min_n=2) == {"p": 4, "q": 4, "r": 4}
+    assert xrpo_allocation(h, ["p", "q", "r"], 11, min_n=2) == {"p": 4, "q": 4, "r": 3}
+
+
+def test_selection_sizes_follow_the_allocation_and_keep_the_step_budget():
+    from types import SimpleNamespace
+
+    from rollover.config import SelectionConfig
+    from rollover.rollout.selection import PromptSelection
+    from rollover.types import Prompt
+
+    sel = PromptSelection(SelectionConfig(allocation="xrpo", min_samples=2), seed=0, correct=1.0)
+    sel.history = xrpo_history()
+    prompts = [Prompt(id=i, text=i) for i in ("a", "b", "c", "d")]
+    assert sel.sizes(prompts, 4) == [xrpo_allocation(sel.history, ["a", "b", "c", "d"], 16, min_n=2)[i]
+                                     for i in ("a", "b", "c", "d")]
+    assert sum(sel.sizes(prompts, 4)) == 16 and min(sel.sizes(prompts, 4)) >= 2
+    assert sel.sizes(prompts[:2] + prompts[:1], 4) == [4, 4, 4]  # a prompt twice in one draw: fixed sizes
+    fixed = PromptSelection(SelectionConfig(), seed=0, correct=1.0)
+    assert fixed.sizes(prompts, 4) == [4] * 4
+    # uniform policy with allocation draws exactly k prompts in data order
+    it = SimpleNamespace(next_batch=lambda k: prompts[:k])
+    assert [p.id for p in sel.next(it, 3, version=0)] == ["a", "b", "c"]
+
+
 def naive_xrpo(h: PromptHistory, ids: list[str], budget: int, min_n: int) -> dict[str, int]:
     alloc = {pid: min_n for pid in ids}
     for _ in range(budget - min_n * len(ids)):
@@ -411,7 +438,7 @@ def naive_xrpo(h: PromptHistory, ids: list[str], budget: int, min_n: int) -> dic
                 s2 = p * (1 - p)
             n = s.attempts + alloc[pid]
             g = math.inf if n <= 0 else s2 / (n * (n + 1))
-            if g > best_gain:
+            if g > best_gain or (g == best_gain and alloc[pid] < alloc[best]):
                 best, best_gain = pid, g
         alloc[best] += 1
     return alloc
@@ -452,7 +479,7 @@ def model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
 
 
-@pytest.mark.parametrize("mode", ["sync", "april"])
+@pytest.mark.parametrize("mode", ["sync", "april", "xrpo"])
 def test_a_run_selects_by_its_policy_and_resumes_exactly(model_dir, tmp_path, mode):
     """selection.policy in a run: groups come from the chosen candidates, every scored group
     is in the history, and a run killed and resumed equals the straight run bit for bit (the
@@ -468,6 +495,8 @@ def test_a_run_selects_by_its_policy_and_resumes_exactly(model_dir, tmp_path, mo
     over = {"selection.policy": "thompson_skip_saturated", "selection.candidates": 2.0, "selection.decay": 0.9,
             "selection.min_attempts": 3, "selection.reprobe_every": 2, "steps": 4, "checkpoint.every": 2,
             **({"partial_rollout.enabled": True} if mode == "april" else {})}
+    if mode == "xrpo":  # group sizes by XRPO over 6 training prompts (revisited from step 3)
+        over = {"selection.allocation": "xrpo", "data.train": "gen:arithmetic?n=8", "data.eval_size": 2, "steps": 4, "checkpoint.every": 2}
     train_sync(tiny_cfg(model_dir, tmp_path / "straight", **over))
     train_sync(tiny_cfg(model_dir, tmp_path / "split", **{**over, "steps": 2}))
     train_sync(tiny_cfg(model_dir, tmp_path / "split", **over))
@@ -476,6 +505,12 @@ def test_a_run_selects_by_its_policy_and_resumes_exactly(model_dir, tmp_path, mo
     assert all(torch.equal(a[k], b[k]) for k in a)
     ledger = [json.loads(x) for x in open(tmp_path / "straight" / "trained_groups.jsonl")]
     assert ledger == [json.loads(x) for x in open(tmp_path / "split" / "trained_groups.jsonl")]
+    if mode == "xrpo":  # every step keeps its 3 x 3 samples, at least 2 a group, split unevenly once seen
+        sizes = {row["step"]: [g["samples"] for g in row["groups"]] for row in ledger}
+        assert sorted(sizes) == [1, 2, 3, 4]
+        for step, n in sizes.items():
+            assert sum(n) == 9 and min(n) >= 2, (step, n)
+        assert len(set(sizes[3])) > 1 or len(set(sizes[4])) > 1, sizes
     from rollover.train.checkpoint import load_state
 
     state = load_state(tmp_path / "straight" / "checkpoints" / "step_000004")

@@ -391,6 +391,12 @@ class SelectionConfig(Section):
     """skip_saturated: samples seen before a prompt can count as always / never solved."""
     reprobe_every: int = Field(10, ge=1)
     """skip_saturated: training steps after which a skipped prompt is offered again."""
+    allocation: Literal["fixed", "xrpo"] = "fixed"
+    """Samples per group: fixed (rollout.samples_per_prompt each) or xrpo (the draw's
+    prompts_per_step x samples_per_prompt samples split by how much one more sample narrows
+    each prompt's reward estimate, at least min_samples each; rollover.rollout.allocation)."""
+    min_samples: int = Field(2, ge=2)
+    """allocation=xrpo: the fewest samples a group gets (2: a group baseline needs two)."""
 
 
 class Config(Section):
@@ -470,6 +476,10 @@ class Config(Section):
             problems.append("partial_rollout.enabled applies to sync mode; async mode already overlaps generation "
                             "with training and carries in-flight requests across weight updates "
                             "(rollout.inflight_weight_update)")
+        s = self.selection
+        if s.allocation != "fixed" and s.min_samples > self.rollout.samples_per_prompt:
+            problems.append(f"selection.min_samples={s.min_samples} must be <= rollout.samples_per_prompt="
+                            f"{self.rollout.samples_per_prompt} (the mean group size allocation keeps)")
         if self.mode == "sync" and self.async_ != AsyncConfig():
             problems.append("the async section is set but mode is sync; set mode: async")
         longest, what = self.longest_sequence()

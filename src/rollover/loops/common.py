@@ -90,16 +90,19 @@ class Run:
     # ------------------------------------------------------------ prompts
     def next_groups(self, k: int, version: int) -> list[PendingGroup]:
         """The next k prompts (from the data order, or chosen by `selection.policy`) as pending
-        groups of `samples_per_prompt` samples."""
+        groups of `samples_per_prompt` samples (or sized by `selection.allocation`)."""
         out = []
+        n = self.cfg.rollout.samples_per_prompt
         if self.selection is None:
             prompts = self.train_iter.next_batch(k)
+            sizes = [n] * k
         else:
             prompts = self.selection.next(self.train_iter, k, version)
-        for p in prompts:
+            sizes = self.selection.sizes(prompts, n)
+        for p, size in zip(prompts, sizes):
             gid = f"g{self.serial}"
             out.append(PendingGroup(id=gid, prompt=p, prompt_ids=self.prompt_ids[p.id], serial=self.serial,
-                                    n=self.cfg.rollout.samples_per_prompt, start_version=version,
+                                    n=size, start_version=version,
                                     max_turns=self.turn_budget.limit(p.id) if self.turn_budget else None))
             self.serial += 1
         return out
@@ -306,7 +309,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
               data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder)
     run.weights = InProcessWeightSync(engine)
-    if cfg.selection.policy != "uniform":
+    if cfg.selection.policy != "uniform" or cfg.selection.allocation != "fixed":
         from rollover.rollout.selection import PromptSelection
 
         run.selection = PromptSelection(cfg.selection, seed=cfg.seed, correct=cfg.reward.correct_threshold)

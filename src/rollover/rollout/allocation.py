@@ -7,7 +7,9 @@ how many samples each prompt gets.
 - `xrpo_allocation`: XRPO-style greedy split of a step's samples by how much one more sample
   shrinks the standard error of the prompt's mean reward.
 
-Not wired into the loops yet: every group of a step has `rollout.samples_per_prompt` samples.
+`xrpo_allocation` sizes the groups of every draw with `selection.allocation: xrpo` (in sync,
+APRIL and async mode, through `Run.next_groups`). The DARS functions are not wired into the
+loops yet (a second generation stage inside a step).
 """
 
 from __future__ import annotations
@@ -131,8 +133,10 @@ def xrpo_allocation(history: PromptHistory, prompt_ids: list[str], budget: int, 
     most from one more sample: with variance estimate s2 (`reward_variance_estimate`) and count
     n = history attempts + samples allocated so far, the gain is
         s2 / n - s2 / (n + 1) = s2 / (n * (n + 1)),
-    infinite when n == 0 (no estimate of the mean at all). Ties go to the earlier prompt in
-    `prompt_ids`. The counts add to exactly `budget`. s2 is held fixed over the step (the new
+    infinite when n == 0 (no estimate of the mean at all). Ties go to the prompt with fewer
+    samples allocated so far, then to the earlier one in `prompt_ids` (so prompts whose
+    rewards never varied, all gain 0, share the extras evenly instead of the first taking
+    them all). The counts add to exactly `budget`. s2 is held fixed over the step (the new
     samples are not scored yet).
 
     Departures from XRPO: XRPO (per secondary sources; this project has not confirmed it in the
@@ -155,10 +159,10 @@ def xrpo_allocation(history: PromptHistory, prompt_ids: list[str], budget: int, 
         n = seen[i] + alloc[prompt_ids[i]]
         return math.inf if n <= 0 else s2[i] / (n * (n + 1.0))
 
-    heap = [(-gain(i), i) for i in range(len(prompt_ids))]
+    heap = [(-gain(i), min_n, i) for i in range(len(prompt_ids))]
     heapq.heapify(heap)
     for _ in range(budget - min_n * len(prompt_ids)):
-        _, i = heapq.heappop(heap)
+        _, _, i = heapq.heappop(heap)
         alloc[prompt_ids[i]] += 1
-        heapq.heappush(heap, (-gain(i), i))
+        heapq.heappush(heap, (-gain(i), alloc[prompt_ids[i]], i))
     return alloc

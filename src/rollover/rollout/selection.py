@@ -316,6 +316,8 @@ class PromptSelection:
                 if self.cfg.decay < 1.0:
                     self.history.decay(self.cfg.decay ** (version - self.version))
                 self.version = version
+            if self.cfg.policy == "uniform":  # allocation only: the data order, as without selection
+                return iterator.next_batch(k)
             drawn = iterator.next_batch(max(k, math.ceil(self.cfg.candidates * k)))
             by_id = {}
             for p in drawn:
@@ -324,6 +326,19 @@ class PromptSelection:
                 return drawn[:k]
             chosen = self.policy.choose(list(by_id), k, self.history, self.version)
             return [by_id[i] for i in chosen]
+
+    def sizes(self, prompts: list, n: int) -> list[int]:
+        """Samples for each of `prompts` (k of them): n each with allocation=fixed; with xrpo,
+        k x n split by `xrpo_allocation` over the history so far (n each if a prompt is drawn
+        twice in one batch: the history cannot tell its two groups apart)."""
+        ids = [p.id for p in prompts]
+        if self.cfg.allocation == "fixed" or len(set(ids)) < len(ids):
+            return [n] * len(prompts)
+        from rollover.rollout.allocation import xrpo_allocation
+
+        with self._lock:
+            alloc = xrpo_allocation(self.history, ids, n * len(ids), min_n=self.cfg.min_samples)
+        return [alloc[i] for i in ids]
 
     def observe(self, group, primary: str, version: int) -> None:
         """A scored group's samples (those with a reward) join its prompt's history."""
