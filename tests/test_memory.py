@@ -94,8 +94,9 @@ def test_an_engine_that_released_its_packs_generates_the_same_tokens():
         before = engine.generate(reqs())
         assert runner._packs or not runner.pack_sizes  # a full decode batch used the packs (when MKL packs)
         engine.release_memory()
-        assert not runner._packs
+        assert not runner._packs and runner._k is None  # idle: packs and KV cache freed
         after = engine.generate(reqs())
+        assert runner._k is not None
     assert [c.response_ids for c in after] == [c.response_ids for c in before]
     for a, b in zip(after, before):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)

@@ -99,9 +99,9 @@ class ModelRunner:
         # rotate_half(x) * sin == swap_halves(x) * sin_signed, with the first half of sin negated
         half = self.head_dim // 2
         self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
-        shape = (max_rows, self.n_kv, max_len, self.head_dim)
-        self.k_cache = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(self.n_layers)]
-        self.v_cache = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(self.n_layers)]
+        self._cache_shape = (max_rows, self.n_kv, max_len, self.head_dim)
+        self._k: list[torch.Tensor] | None = None  # allocated at first use (see k_cache)
+        self._v: list[torch.Tensor] | None = None
         can_pack = (pack_weights and self.device.type == "cpu" and dtype == torch.float32
                     and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
         self.pack_sizes = sorted({max_rows, max_rows // 2} - {0}) if can_pack else []
@@ -195,6 +195,28 @@ class ModelRunner:
 
     def _matrices(self) -> list[torch.Tensor]:
         return [L[k] for L in self.layers for k in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
+
+    @property
+    def k_cache(self) -> list[torch.Tensor]:
+        """Per layer [max_rows, kv_heads, max_len, head_dim]; allocated at first use after
+        start-up or `drop_cache`."""
+        if self._k is None:
+            self._k = self._new_cache()
+        return self._k
+
+    @property
+    def v_cache(self) -> list[torch.Tensor]:
+        if self._v is None:
+            self._v = self._new_cache()
+        return self._v
+
+    def _new_cache(self) -> list[torch.Tensor]:
+        with torch.inference_mode(False):  # normal tensors, even when first touched inside a step
+            return [torch.zeros(self._cache_shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layers)]
+
+    def drop_cache(self) -> None:
+        """Free the KV cache; only when no sequence holds a row (the engine checks)."""
+        self._k = self._v = None
 
     def drop_packs(self) -> None:
         """Free the packed weights (stale after a weight update) until a decode step needs them."""

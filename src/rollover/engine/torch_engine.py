@@ -180,11 +180,17 @@ class TorchEngine(EngineAPI):
         }), wait=True)
 
     def release_memory(self) -> None:
-        """Free what the engine can rebuild when it next needs it (its packed weights) and hand
-        the freed heap back to the OS; requests keep running (a decode step repacks)."""
+        """Free what the engine can rebuild when it next needs it: its packed weights, and its
+        KV cache when no sequence holds a row (paused ones keep theirs); hand the freed heap
+        back to the OS. Requests keep running (a decode step repacks)."""
         from rollover.train.memory import release
 
-        self._run_or_queue(self.core.runner.drop_packs, wait=True)
+        def drop():
+            self.core.runner.drop_packs()
+            if not self.core.running:
+                self.core.runner.drop_cache()
+
+        self._run_or_queue(drop, wait=True)
         release()
 
     def reset_stats(self) -> None:
