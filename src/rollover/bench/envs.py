@@ -302,12 +302,19 @@ def measure(bench: Bench, schedule: str) -> dict:
 def _close_april(bench: Bench) -> None:
     """End the APRIL measurement: carried requests aborted, the run's driver idle again."""
     col = bench.collector
-    col.driver.hold = True
+    with col.driver.lock:
+        col.driver.hold = True
     col.driver.abort_all()
-    deadline = time.monotonic() + 30
-    while not col.driver.idle and time.monotonic() < deadline:
-        time.sleep(0.01)
-    col.close()
+    deadline = time.monotonic() + bench.run.cfg.rollout.stall_timeout_s
+    try:
+        while not col.driver.idle:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"bench envs: {len(col.driver.routes)} aborted requests and {col.driver.env_calls} "
+                                   f"environment calls of the APRIL collector were still live "
+                                   f"{bench.run.cfg.rollout.stall_timeout_s:g} s after the last step")
+            time.sleep(0.01)
+    finally:
+        col.close()
 
 
 def bench_config(args, run_dir: str):

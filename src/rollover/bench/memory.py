@@ -104,7 +104,10 @@ def measure(model: str, args, evaluate: bool) -> dict:
     cmd = [sys.executable, "-m", "rollover.bench.memory", "--child", model, args.config, str(args.steps),
            str(int(evaluate)), out, *args.set]
     try:
-        subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        done = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if done.returncode != 0:
+            raise SystemExit(f"rollover bench memory: measuring {model} failed (exit {done.returncode}; its error is "
+                             "above)")
         return json.loads(Path(out).read_text())
     finally:
         Path(out).unlink(missing_ok=True)
@@ -157,5 +160,10 @@ def add_arguments(p) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--child":
+        from rollover.config import ConfigError
+
         model, config, steps, evaluate, out, *overrides = sys.argv[2:]
-        child(model, config, overrides, int(steps), bool(int(evaluate)), out)
+        try:
+            child(model, config, overrides, int(steps), bool(int(evaluate)), out)
+        except ConfigError as e:
+            sys.exit(f"rollover bench memory: config error: {e}")

@@ -4,9 +4,10 @@ Activation estimate. Training a decoder keeps, per token and layer, what the bac
 needs: the inputs and outputs of the two norms and of every projection, q/k/v after rotary and
 the attention output (about 18 x hidden values in all), the MLP's gate, up, activation and
 product (6 x intermediate), and the attention weights of the token's row (heads x row length,
-twice: scores and probabilities). The counts are fitted to measurements on SmolLM2-135M (2.2 to
-2.8 MB per token measured by `rollover bench memory`'s method between micro-batches of 112 and
-896 tokens; the estimate says 2.6). With gradient checkpointing (Hugging Face's) far less should be kept, but
+twice: scores and probabilities). The counts are fitted to SmolLM2-135M: the training step's
+peak over the resident size grew by 2.2 to 2.8 MB per token between micro-batches of 112 and
+896 tokens (`rollover bench memory --skip-half-b --set train.micro_batch_tokens=N`); the
+estimate says 2.6. With gradient checkpointing (Hugging Face's) far less should be kept, but
 measured on SmolLM2-135M the step's peak per token fell only to about a third of the plain
 path's (the recomputed layer, the LM head, what the wrapper keeps), so the estimate is 0.45 x
 the plain one there. `micro_batch_tokens_for` turns a budget in GB into tokens per micro-batch
