@@ -399,6 +399,37 @@ class SelectionConfig(Section):
     """allocation=xrpo: the fewest samples a group gets (2: a group baseline needs two)."""
 
 
+class RayConfig(Section):
+    address: str | None = None
+    """Where the Ray cluster is: unset starts a local instance (or uses the one this process
+    already started); "auto" joins the cluster `ray start` runs on this machine; "HOST:PORT"
+    joins that head node. Used with runtime=ray."""
+    rollout_workers: int = Field(1, ge=1)
+    """Rollout workers, each a Ray actor owning one engine (rollout.engine)."""
+    cpus_per_worker: float = Field(1.0, gt=0)
+    """CPUs each rollout worker reserves (and, on CPU, torch threads: the integer part, at least 1)."""
+    gpus_per_worker: float = Field(0.0, ge=0)
+    """GPUs each rollout worker reserves: 1 (disaggregated: a GPU per worker), a fraction to
+    share a GPU (colocated with other workers or the trainer), 0 on CPU clusters."""
+    affinity_slack_tokens: int | None = Field(None, ge=0)
+    """The router keeps requests with a seen prompt prefix on the worker holding it while that
+    worker's outstanding tokens exceed the least-loaded worker's by at most this much (default:
+    one group's budget, rollout.max_new_tokens x rollout.samples_per_prompt)."""
+    weight_delta: bool = True
+    """Send only what changed in a weight update: unchanged tensors are skipped and tensors with
+    few changed elements go as (indices, values), in the engine's dtype."""
+    sync_timeout_s: float = Field(300.0, gt=0)
+    """Bound on every call to a worker that must answer (weight loads, aborts, stats): past it the
+    run stops with an error naming the worker and the call."""
+    max_restarts: int = Field(3, ge=0)
+    """Restarts per rollout worker after its process died (its requests resume elsewhere from
+    their tokens); one more death ends the run."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of a local instance this run starts (default: all of the machine)."""
+    dashboard: bool = False
+    """Start the Ray dashboard with a local instance."""
+
+
 class Config(Section):
     run_dir: NonEmptyStr = "runs/default"
     """Where metrics, checkpoints and plots go."""
@@ -410,6 +441,8 @@ class Config(Section):
     """Training steps."""
     mode: Literal["sync", "async"] = "sync"
     """sync: generate -> train in turn (loops/sync.py); async: decoupled services (loops/async_.py)."""
+    runtime: Literal["local", "ray"] = "local"
+    """local: one process; ray: rollout workers as Ray actors (section ray), the same loops."""
     resume: NonEmptyStr = "auto"
     """auto: continue from the latest checkpoint in run_dir if any; never; or a checkpoint path.
     Resuming under a config that changes what is trained (anything outside
@@ -428,6 +461,7 @@ class Config(Section):
     async_: AsyncConfig = AsyncConfig()
     env: EnvConfig = EnvConfig()
     selection: SelectionConfig = SelectionConfig()
+    ray: RayConfig = RayConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -480,6 +514,8 @@ class Config(Section):
         if s.allocation != "fixed" and s.min_samples > self.rollout.samples_per_prompt:
             problems.append(f"selection.min_samples={s.min_samples} must be <= rollout.samples_per_prompt="
                             f"{self.rollout.samples_per_prompt} (the mean group size allocation keeps)")
+        if self.runtime == "local" and self.ray != RayConfig():
+            problems.append("the ray section is set but runtime is local; set runtime: ray")
         if self.mode == "sync" and self.async_ != AsyncConfig():
             problems.append("the async section is set but mode is sync; set mode: async")
         longest, what = self.longest_sequence()
@@ -630,7 +666,7 @@ def _error_line(err: dict) -> str:
 # partial_rollout, async — changes what is trained, and a new key is in that group until it is
 # listed here.
 RESUME_FREE_KEYS = (
-    "run_dir", "steps", "resume", "device", "eval", "checkpoint", "logging",
+    "run_dir", "steps", "resume", "device", "eval", "checkpoint", "logging", "runtime", "ray",
     "rollout.engine", "rollout.max_rows", "rollout.dtype", "rollout.engine_options", "rollout.stall_timeout_s",
     "reward.timeout_s", "reward.on_error", "reward.workers",
     "train.micro_batch_tokens", "train.pack_length", "train.gradient_checkpointing",

@@ -100,6 +100,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                     **stats.step(stale, batch, version, t_train, t_sync, samples_trained),
                     **parts.metrics(stats.wall()),
                     "timing_s/wait_for_batch": waited,
+                    **run.weights.metrics(),
                 }
                 run.logger.log(step, metrics)
                 run.logger.log_groups(step, ledger_rows(groups))

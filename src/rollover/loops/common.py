@@ -29,7 +29,7 @@ from rollover.rollout.groups import (
     PendingGroup, eval_metrics, group_advantages, sampling_from,
 )
 from rollover.train import checkpoint
-from rollover.train.weight_sync import InProcessWeightSync, WeightSync
+from rollover.train.weight_sync import InProcessWeightSync, RayWeightSync, WeightSync
 from rollover.types import Prompt
 
 if TYPE_CHECKING:
@@ -297,7 +297,11 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         what = "env.max_total_tokens" if env_builder is not None else "the longest prompt plus rollout.max_new_tokens"
         raise ConfigError(f"{what} is {longest} tokens, more than the model's context of {ctx}")
     trainer = Trainer(model, cfg, device=device, pad_id=tokenizer.pad_token_id or 0)
-    if engine_factory is None:
+    if engine_factory is None and cfg.runtime == "ray":
+        from rollover.runtime.router import RayEngine
+
+        engine_factory = RayEngine
+    elif engine_factory is None:
         from rollover.engine import make_engine
 
         engine_factory = make_engine
@@ -308,7 +312,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
               train_iter=PromptIterator(train_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
               data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder)
-    run.weights = InProcessWeightSync(engine)
+    run.weights = RayWeightSync(engine) if cfg.runtime == "ray" else InProcessWeightSync(engine)
     if cfg.selection.policy != "uniform" or cfg.selection.allocation != "fixed":
         from rollover.rollout.selection import PromptSelection
 

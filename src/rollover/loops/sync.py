@@ -58,6 +58,7 @@ def step_metrics(run: Run, groups, gen: dict, train_metrics: dict, adv_info: dic
         **{f"timing_s/{k}": v for k, v in timings.items()},
         "perf/tokens_per_s": gen["generated_tokens"] / max(gen["generate_s"], 1e-9),
         "perf/samples_per_s": samples / timings["step"],
+        **run.weights.metrics(),
     }
 
 

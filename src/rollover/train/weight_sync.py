@@ -20,6 +20,10 @@ class WeightSync(Protocol):
         weights), 'keep' (their K/V kept) or 'abort' (they come back aborted, tokens kept)."""
         ...
 
+    def metrics(self) -> dict:
+        """What the last push moved (bytes, tensors, seconds), for the step's metrics row."""
+        ...
+
 
 class InProcessWeightSync:
     """Weights copied straight into an engine living in this process."""
@@ -32,3 +36,17 @@ class InProcessWeightSync:
 
         self.engine.update_weights(named_tensors, version=version, inflight=inflight)
         release()  # the engine's old packed weights
+
+    def metrics(self) -> dict:
+        return {}
+
+
+class RayWeightSync(InProcessWeightSync):
+    """Weights to Ray rollout workers (`rollover.runtime.router.RayEngine`): put once in the
+    object store, pulled by every worker, only what changed when `ray.weight_delta` is on."""
+
+    def push(self, named_tensors, version: int, inflight: str = "continue") -> None:
+        self.engine.update_weights(named_tensors, version=version, inflight=inflight)
+
+    def metrics(self) -> dict:
+        return self.engine.last_sync.metrics()

@@ -1,0 +1,65 @@
+"""Runtimes: where a run's services live.
+
+- local (default): one process; the engine is a thread (TorchEngine) or an in-process vLLM.
+- ray: the rollout engine becomes `RayEngine`, a router over `ray.rollout_workers` Ray actors
+  (`RolloutWorker`), each owning one engine; weights reach them through the Ray object store.
+  The loops, collectors and the staleness gate are the same objects as in the local runtime:
+  they see one engine and one `WeightSync`.
+
+What runs where with runtime=ray: the driver (the `rollover train` process) runs the loop, the
+trainer, reward functions and environments; rollout workers run on any node of the cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("rollover")
+
+
+def start_ray(cfg) -> bool:
+    """Connect to Ray as `ray.address` says; True when this call started a local instance
+    (which the run then shuts down at its end)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    rc = cfg.ray
+    quiet = {"log_to_driver": True, "logging_level": logging.WARNING}
+    if rc.address is not None:
+        try:
+            ray.init(address=rc.address, **quiet)
+        except ConnectionError as e:
+            raise ConnectionError(f"ray.address={rc.address!r}: no Ray cluster answered ({e}); start one with "
+                                  "`ray start --head` or leave ray.address unset for a local instance") from None
+        return False
+    ray.init(num_cpus=rc.num_cpus, include_dashboard=rc.dashboard, **quiet)
+    return True
+
+
+def check_resources(cfg) -> None:
+    """Refuse, before any worker starts, a placement the cluster cannot hold, naming the role
+    and the numbers: the total asked against the cluster's resources, and one worker's share
+    against the largest node. (Resources other jobs hold are not refused here: workers wait
+    for them, up to ray.sync_timeout_s.)"""
+    import ray
+
+    from rollover.config import ConfigError
+
+    rc = cfg.ray
+    total, free = ray.cluster_resources(), ray.available_resources()
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    problems = []
+    for key, per in (("CPU", rc.cpus_per_worker), ("GPU", rc.gpus_per_worker)):
+        if per <= 0:
+            continue
+        asked, have = per * rc.rollout_workers, total.get(key, 0.0)
+        if asked > have + 1e-9:
+            problems.append(f"rollout workers: {rc.rollout_workers} x {per:g} {key} = {asked:g} {key} asked, the "
+                            f"cluster has {have:g} {key} ({free.get(key, 0.0):g} free now)")
+        biggest = max((n.get(key, 0.0) for n in nodes), default=0.0)
+        if per > biggest + 1e-9:
+            problems.append(f"rollout worker: {per:g} {key} each, the largest node has {biggest:g} {key}")
+    if problems:
+        raise ConfigError("ray placement does not fit: " + "; ".join(problems) +
+                          " (ray.rollout_workers, ray.cpus_per_worker, ray.gpus_per_worker)")

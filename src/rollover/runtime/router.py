@@ -1,0 +1,614 @@
+"""RayEngine: the engine contract over N rollout workers (Ray actors), with a router.
+
+The loops see one engine; behind it each worker (`rollover.runtime.worker.RolloutWorker`) owns
+a TorchEngine or vLLM engine in its own process, on this machine or another. What the driver
+keeps, the worker does not:
+
+- every live request and its tokens so far (the workers stream them back with each `poll`), so
+  a worker's death loses nothing: its requests resume on the others (or on its replacement)
+  from their last reported token, and sampling seeded by position makes the regenerated tail
+  the one the dead worker would have produced;
+- the weights version, the staleness gate's clock: a replacement worker starts at the current
+  version, and an update returns once every worker holds it.
+
+Routing: a fresh request goes to the worker holding its prompt's prefix (the first 64 tokens:
+a group's samples, an episode's later turns) unless that worker's outstanding tokens exceed the
+least-loaded worker's by more than `ray.affinity_slack_tokens`; otherwise, and for resumed
+requests, to the least-loaded worker. Load is the tokens a worker still owes: each request's
+remaining budget, less what it has streamed.
+
+Callbacks (`on_done`) run on the driver's poller threads, one per worker, or on the thread that
+called `abort`/`update_weights` for the completions those return; each completion is delivered
+exactly once.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
+
+from rollover.engine.api import EngineAPI
+from rollover.engine.core import EngineStats
+from rollover.engine.validation import validate_request
+from rollover.runtime.weights import ObjectStoreTransport, SyncReport, engine_dtype
+from rollover.types import Completion, Request
+
+log = logging.getLogger("rollover")
+
+PREFIX_TOKENS = 64  # the prompt prefix that names a request's cache home
+POLL_S = 0.5  # a worker's poll returns at the first completion or after this long
+
+
+class WorkerLost(RuntimeError):
+    """A rollout worker died with no restart left, and no worker remains."""
+
+
+@dataclass(eq=False)
+class _Worker:
+    index: int
+    handle: object
+    restarts: int = 0
+    alive: bool = True
+    load: int = 0  # tokens still owed by its live requests
+    pid: int | None = None
+    node: str | None = None
+    thread: threading.Thread | None = None
+
+
+@dataclass(eq=False)
+class _Live:
+    """A request the driver owns: as submitted, plus the tokens streamed since."""
+
+    req: Request
+    future: Future
+    worker: _Worker | None = None
+    wire: str = ""  # the id its current placement goes by on its worker
+    ids: list = field(default_factory=list)
+    lps: list = field(default_factory=list)
+    vers: list = field(default_factory=list)
+
+    @property
+    def owed(self) -> int:
+        return max(0, self.req.remaining_tokens - len(self.ids))
+
+    def resumed(self, wire: str | None = None) -> Request:
+        r = self.req
+        return Request(id=wire or r.id, prompt_ids=r.prompt_ids, sampling=r.sampling,
+                       response_ids=r.response_ids + self.ids, response_logprobs=r.response_logprobs + self.lps,
+                       response_versions=r.response_versions + self.vers)
+
+
+def _call_if_finished(on_done: Callable[[Completion], None], fut: Future) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        on_done(fut.result())
+
+
+class RayEngine(EngineAPI):
+    """The engine contract (`rollover.engine.Engine`) served by `cfg.ray.rollout_workers` Ray
+    actors. Build it with the arguments of `make_engine`."""
+
+    def __init__(self, cfg, architecture, *, weights, device, max_len: int, eos_token_ids):
+        import ray
+
+        from rollover.runtime import check_resources, start_ray
+
+        self.cfg, self.rc = cfg, cfg.ray
+        self._owns_ray = start_ray(cfg)
+        self.worker_device = "cuda" if self.rc.gpus_per_worker > 0 else "cpu"
+        check_resources(cfg)
+        self.max_len, self.vocab_size = max_len, architecture.config.vocab_size
+        self._eos = tuple(eos_token_ids)
+        self._arch = (architecture.config, getattr(architecture, "generation_config", None))
+        self._version = 0
+        self.poll_s = POLL_S  # tokens reach the driver at least this often (tests lower it)
+        self._paused = False
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()  # _live, worker loads and liveness, _affinity
+        self._weights_lock = threading.Lock()  # a weight update and a worker's replacement
+        self._live: dict[str, _Live] = {}  # request id -> live request
+        self._wire: dict[str, _Live] = {}  # wire id (request id @ placement) -> live request
+        self._placements = 0
+        self._affinity: collections.OrderedDict = collections.OrderedDict()  # prefix -> worker index
+        self.slack = self.rc.affinity_slack_tokens
+        if self.slack is None:
+            self.slack = cfg.rollout.max_new_tokens * cfg.rollout.samples_per_prompt
+        self.transport = ObjectStoreTransport(engine_dtype(cfg, self.worker_device), self.rc.weight_delta)
+        self.last_sync = SyncReport()
+        self.restarts = 0  # worker replacements, all time
+        self.resubmitted = 0  # requests resumed on another worker after a death
+        self._listeners: dict = {}  # streaming: driver-side per-token callbacks
+        self._listen_lock = threading.Lock()
+        self._remote = ray.remote(_worker_class()).options
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # work for the dispatcher thread, in order
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="rollover-ray-dispatch", daemon=True)
+        self._dispatcher.start()
+        refs = self.transport.initial(weights)
+        self._workers = [self._spawn(i, refs, 0) for i in range(self.rc.rollout_workers)]
+        try:
+            self._wait_ready(self._workers)
+        except BaseException:
+            self.shutdown()
+            raise
+        for w in self._workers:
+            self._start_poller(w)
+
+    # ------------------------------------------------------------ workers
+    def _spawn(self, index: int, refs: dict, restarts: int) -> _Worker:
+        rc = self.rc
+        threads = max(1, int(rc.cpus_per_worker))
+        handle = self._remote(num_cpus=rc.cpus_per_worker, num_gpus=rc.gpus_per_worker, max_concurrency=8,
+                              name=None).remote(index, self.cfg, *self._arch, refs, self._version, self.worker_device,
+                                                self.max_len, self._eos, threads)
+        return _Worker(index=index, handle=handle, restarts=restarts)
+
+    def _wait_ready(self, workers: list[_Worker]) -> None:
+        import ray
+
+        refs = [w.handle.ready.remote() for w in workers]
+        for w, ref in zip(workers, refs):
+            try:
+                info = ray.get(ref, timeout=self.rc.sync_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"rollout worker {w.index} did not start within ray.sync_timeout_s="
+                                   f"{self.rc.sync_timeout_s:g} s (are its resources free? ray status shows them)") from None
+            except ray.exceptions.RayError as e:
+                raise RuntimeError(f"rollout worker {w.index} failed to start: {_first_line(e)}") from None
+            w.pid, w.node = info["pid"], info["node"]
+
+    def _start_poller(self, w: _Worker) -> None:
+        w.thread = threading.Thread(target=self._poll_loop, args=(w,), name=f"rollover-ray-poll-{w.index}", daemon=True)
+        w.thread.start()
+
+    def _poll_loop(self, w: _Worker) -> None:
+        import ray
+
+        while not self._stopped and w.alive:
+            try:
+                done, tokens = ray.get(w.handle.poll.remote(self.poll_s), timeout=self.poll_s + self.rc.sync_timeout_s)
+            except BaseException as e:  # dead (RayActorError), hung (GetTimeoutError), or a bug
+                if not self._stopped:
+                    self._lost(w, e)
+                return
+            self._events.put(functools.partial(self._deliver, w, done, tokens))
+
+    # ------------------------------------------------------------ the dispatcher
+    def _dispatch_loop(self) -> None:
+        """The one thread that delivers tokens and completions (and so runs `on_done`), as the
+        engine thread does in TorchEngine: a command issued from a callback runs inline, and a
+        command from another thread returns once what it caused has been delivered."""
+        while True:
+            fn = self._events.get()
+            if fn is None:
+                return
+            try:
+                fn()
+            except BaseException as e:  # a bug here must not stop every later delivery
+                log.error("ray: delivering to the schedule failed: %r", e, exc_info=e)
+
+    def _on_dispatcher(self) -> bool:
+        return threading.current_thread() is self._dispatcher
+
+    def _run(self, fn) -> None:
+        """fn on the dispatcher: now if this is it, else queued behind what is there."""
+        if self._on_dispatcher():
+            fn()
+        else:
+            self._events.put(fn)
+
+    def _sync(self) -> None:
+        """Wait until everything queued for delivery before this call has been delivered."""
+        if self._on_dispatcher() or not self._dispatcher.is_alive():
+            return
+        done = threading.Event()
+        self._events.put(done.set)
+        while not done.wait(timeout=1.0):
+            if self._stopped:
+                return
+
+    def _resolve(self, pairs: list) -> None:
+        for live, outcome in pairs:
+            if live.future.done():
+                continue
+            if isinstance(outcome, BaseException):
+                live.future.set_exception(outcome)
+            else:
+                live.future.set_result(outcome)
+
+    def _deliver(self, w: _Worker, done: list[Completion], tokens: dict) -> list[Completion]:
+        """Apply streamed tokens and hand out completions, by wire id: each placement of a
+        request has its own, so a completion from an earlier placement (an abort answered twice,
+        a request resumed under the same id) is dropped, and each is delivered exactly once."""
+        finished, streamed = [], []
+        with self._lock:
+            for wire, toks in tokens.items():
+                live = self._wire.get(wire)
+                if live is not None and live.worker is w:
+                    n = min(len(toks), live.owed)
+                    for tok, lp, ver in toks[:n]:
+                        live.ids.append(tok), live.lps.append(lp), live.vers.append(ver)
+                    w.load -= n
+                    streamed.append((live.req.id, toks[:n]))
+            for c in done:
+                live = self._wire.pop(c.id, None)
+                if live is None:
+                    continue
+                del self._live[live.req.id]
+                w.load -= live.owed
+                finished.append((live, replace(c, id=live.req.id)))
+        if self._listeners:
+            for rid, toks in streamed:
+                with self._listen_lock:
+                    listener = self._listeners.get(rid)
+                if listener is not None:
+                    for tok, lp, ver in toks:
+                        listener(tok, lp, ver)
+        for live, c in finished:
+            with self._listen_lock:
+                self._listeners.pop(c.id, None)
+            if not live.future.cancelled():
+                live.future.set_result(c)
+        return [c for _, c in finished]
+
+    def _lost(self, w: _Worker, err: BaseException) -> None:
+        """A worker died (or stopped answering): replace it and resume its requests."""
+        import ray
+
+        with self._lock:
+            if not w.alive:
+                return
+            w.alive = False
+            orphans = [live for live in self._live.values() if live.worker is w]
+            for live in orphans:
+                live.worker = None
+                self._wire.pop(live.wire, None)
+            w.load = 0
+        try:
+            ray.kill(w.handle, no_restart=True)
+        except Exception:  # already gone
+            pass
+        can_restart = w.restarts < self.rc.max_restarts
+        log.warning("ray: rollout worker %d (pid %s) lost: %s; %d requests resume %s", w.index, w.pid,
+                    _first_line(err), len(orphans),
+                    "on the others and on its replacement" if can_restart else "on the others (no restart left)")
+        if can_restart and not self._stopped:
+            with self._weights_lock:  # the replacement starts at the version every worker holds
+                new = self._spawn(w.index, self.transport.current_refs(), w.restarts + 1)
+                with self._lock:
+                    self._workers[self._workers.index(w)] = new
+                    self.restarts += 1
+            if self._paused:
+                new.handle.pause.remote()
+            self._start_poller(new)
+        elif not any(x.alive for x in self._workers):
+            self._fail(WorkerLost(f"rollout worker {w.index} died after {w.restarts} restarts (ray.max_restarts="
+                                  f"{self.rc.max_restarts}) and no worker is left: {_first_line(err)}"))
+            return
+        self.resubmitted += len(orphans)
+        self._place(orphans)
+
+    def _fail(self, err: BaseException) -> None:
+        with self._lock:
+            self._error = err
+            lives, self._live, self._wire = list(self._live.values()), {}, {}
+        for live in lives:
+            if not live.future.done():
+                live.future.set_exception(err)
+
+    # ------------------------------------------------------------ requests
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    def submit_many(self, requests: Iterable[Request], on_done: Callable[[Completion], None] | None = None) -> list[Future]:
+        requests = list(requests)
+        self._check_alive()
+        seen = set()
+        with self._lock:
+            for r in requests:
+                if r.id in self._live or r.id in seen:
+                    raise ValueError(f"request {r.id!r}: an unfinished request has this id")
+                seen.add(r.id)
+                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size)
+        lives = []
+        for r in requests:
+            f = Future()
+            if on_done is not None:
+                f.add_done_callback(functools.partial(_call_if_finished, on_done))
+            f.add_done_callback(functools.partial(self._abort_if_cancelled, r.id))
+            lives.append(_Live(req=r, future=f))
+        with self._lock:
+            for live in lives:
+                self._live[live.req.id] = live
+        self._place(lives)
+        return [live.future for live in lives]
+
+    def _place(self, lives: list[_Live]) -> None:
+        """Route lives to workers (one batch per worker, in order) and send them, each under a
+        fresh wire id."""
+        batches: dict[int, tuple[_Worker, list[Request]]] = {}
+        done = []
+        with self._lock:
+            alive = [w for w in self._workers if w.alive]
+            for live in lives:
+                if self._live.get(live.req.id) is not live:
+                    continue  # finished meanwhile (aborted before it was placed)
+                end = self._already_finished(live.resumed())
+                if end is not None:
+                    del self._live[live.req.id]
+                    done.append((live, _completion(live.resumed(), end)))
+                    continue
+                self._placements += 1
+                live.wire = f"{live.req.id}@{self._placements}"
+                req = live.resumed(live.wire)
+                w = self._pick(req, alive)
+                live.worker = w
+                w.load += live.owed
+                self._wire[live.wire] = live
+                batches.setdefault(id(w), (w, []))[1].append(req)
+        if done:
+            self._run(functools.partial(self._resolve, done))
+        for w, reqs in batches.values():
+            self._send(w, reqs)
+
+    def _send(self, w: _Worker, reqs: list[Request]) -> None:
+        import ray
+
+        try:
+            ray.get(w.handle.submit.remote(reqs), timeout=self.rc.sync_timeout_s)
+        except ray.exceptions.RayTaskError as e:  # the worker's engine refused one: fail those requests
+            err = RuntimeError(f"rollout worker {w.index} refused a batch of {len(reqs)} requests: {_first_line(e)}")
+            with self._lock:
+                lives = [self._wire.pop(r.id) for r in reqs if r.id in self._wire]
+                for live in lives:
+                    del self._live[live.req.id]
+                    w.load -= live.owed
+            self._run(functools.partial(self._resolve, [(live, err) for live in lives]))
+        except ray.exceptions.RayError as e:  # died or hung: its poller resumes these elsewhere
+            log.debug("ray: submit to worker %d failed (%s); its requests move when its poller sees it", w.index, e)
+
+    def _pick(self, req: Request, alive: list[_Worker]) -> _Worker:
+        if not alive:
+            raise WorkerLost("no rollout worker is alive")
+        best = min(alive, key=lambda w: w.load)
+        if req.response_ids:  # a resumed request: any worker recomputes its prefix
+            return best
+        key = hash(tuple(req.prompt_ids[:PREFIX_TOKENS]))
+        home = self._affinity.get(key)
+        pick = best
+        if home is not None:
+            held = next((w for w in alive if w.index == home), None)
+            if held is not None and held.load <= best.load + self.slack:
+                pick = held
+        self._affinity[key] = pick.index
+        self._affinity.move_to_end(key)
+        if len(self._affinity) > 100_000:
+            self._affinity.popitem(last=False)
+        return pick
+
+    def _already_finished(self, req: Request) -> str | None:
+        """The finish of a resumed request whose streamed tokens already end it (its worker died
+        after the last token and before reporting the completion)."""
+        if not req.response_ids:
+            return None
+        stop = set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else set(self._eos))
+        if req.response_ids[-1] in stop:
+            return "stop"
+        if req.remaining_tokens <= 0 or len(req.prompt_ids) + len(req.response_ids) >= self.max_len:
+            return "length"
+        return None
+
+    def abort(self, ids: Iterable[str] | None = None) -> list[Completion]:
+        """Abort requests (all when ids is None) on their workers; returns their completions
+        (partial, finish 'abort', or finished just before) once their futures and `on_done`
+        callbacks have them. From a callback (the dispatcher thread) it delivers inline; a
+        completion already queued behind that callback is answered from the driver's tokens."""
+        import ray
+
+        with self._lock:
+            wanted = set(self._live) if ids is None else set(ids) & set(self._live)
+            targets = [self._live[rid] for rid in sorted(wanted)]
+            by_worker: dict[int, tuple[_Worker, list[str]]] = {}
+            for live in targets:
+                if live.worker is not None:
+                    by_worker.setdefault(id(live.worker), (live.worker, []))[1].append(live.wire)
+        for w, wires in by_worker.values():
+            try:  # the worker aborts them and hands over everything not yet polled
+                got, tokens = ray.get(w.handle.abort.remote(sorted(wires)), timeout=self.rc.sync_timeout_s)
+            except ray.exceptions.RayError as e:
+                log.warning("ray: abort on rollout worker %d failed (%s); answering from the driver's tokens",
+                            w.index, _first_line(e))
+                continue
+            self._run(functools.partial(self._deliver, w, got, tokens))
+        self._run(functools.partial(self._abort_rest, targets))
+        self._sync()
+        return [live.future.result() for live in targets if live.future.done() and not live.future.cancelled()
+                and live.future.exception() is None]
+
+    def _abort_rest(self, targets: list[_Live]) -> None:
+        """Targets of an abort no worker answered for (between workers, their worker lost, or
+        submitted after the abort reached it): their partial completion is the driver's tokens."""
+        import ray
+
+        with self._lock:
+            rest = [live for live in targets if self._live.get(live.req.id) is live]
+            for live in rest:
+                del self._live[live.req.id]
+                self._wire.pop(live.wire, None)
+                if live.worker is not None:
+                    live.worker.load -= live.owed
+                    if live.worker.alive:  # it may still get (or hold) this placement: free its row
+                        live.worker.handle.abort.remote([live.wire])
+        self._resolve([(live, _completion(live.resumed(), "abort")) for live in rest])
+
+    def _abort_if_cancelled(self, rid: str, fut: Future) -> None:
+        if fut.cancelled() and not self._stopped:
+            threading.Thread(target=self.abort, args=([rid],), daemon=True).start()
+
+    # ------------------------------------------------------------ weights
+    def update_weights(self, named_tensors, version: int, inflight: str = "continue") -> list[Completion]:
+        """Every worker loads the new weights (whole tensors from the object store, deltas
+        against what it holds) before this returns; tokens generated from then on carry
+        `version`. Completions the update aborts are returned (and delivered)."""
+        import ray
+
+        t0 = time.perf_counter()
+        lost, out = [], []
+        with self._weights_lock:
+            full, deltas, report = self.transport.update(named_tensors, version)
+            workers = [w for w in self._workers if w.alive]
+            refs = [w.handle.load.remote(full, deltas, version, inflight) for w in workers]
+            for w, ref in zip(workers, refs):
+                try:
+                    got = ray.get(ref, timeout=self.rc.sync_timeout_s)
+                except ray.exceptions.GetTimeoutError:
+                    raise TimeoutError(f"rollout worker {w.index} did not load weights version {version} within "
+                                       f"ray.sync_timeout_s={self.rc.sync_timeout_s:g} s") from None
+                except ray.exceptions.RayActorError as e:  # died: its replacement starts at `version`
+                    lost.append((w, e))
+                    continue
+                with self._lock:
+                    out += [replace(c, id=self._wire[c.id].req.id) for c in got if c.id in self._wire]
+                self._run(functools.partial(self._deliver, w, got, {}))
+            self._version = version
+            report.workers, report.seconds = len(workers) - len(lost), time.perf_counter() - t0
+            self.last_sync = report
+        for w, e in lost:
+            self._lost(w, e)
+        self._sync()
+        return out
+
+    # ------------------------------------------------------------ the rest of the contract
+    def _each(self, method: str, *args) -> list:
+        """Call `method` on every live worker; answers of workers that died meanwhile are left
+        out (their pollers replace them)."""
+        import ray
+
+        workers = [w for w in self._workers if w.alive]
+        refs = [getattr(w.handle, method).remote(*args) for w in workers]
+        out = []
+        for w, ref in zip(workers, refs):
+            try:
+                out.append(ray.get(ref, timeout=self.rc.sync_timeout_s))
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"rollout worker {w.index} did not answer {method} within ray.sync_timeout_s="
+                                   f"{self.rc.sync_timeout_s:g} s") from None
+            except ray.exceptions.RayActorError:
+                pass
+        return out
+
+    def stats(self) -> EngineStats:
+        """Counters summed over the live workers, once what they reported so far is delivered."""
+        self._check_alive()
+        self._sync()
+        total = EngineStats()
+        for s in self._each("stats"):
+            for k, v in s.__dict__.items():
+                if k == "finished":
+                    for reason, n in v.items():
+                        total.finished[reason] = total.finished.get(reason, 0) + n
+                else:
+                    setattr(total, k, getattr(total, k) + v)
+        return total
+
+    def reset_stats(self) -> None:
+        self._each("reset_stats")
+
+    def pause(self) -> None:
+        self._paused = True
+        self._each("pause")
+
+    def resume(self) -> None:
+        self._paused = False
+        self._each("resume")
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def lengths(self) -> dict[str, int]:
+        out = {}
+        for part in self._each("lengths"):
+            out.update(part)
+        return out
+
+    def release_memory(self) -> None:
+        self._each("release_memory")
+
+    def workers(self) -> list[dict]:
+        """Each worker's index, pid, node, restarts and outstanding tokens (for tests and logs)."""
+        with self._lock:
+            return [{"index": w.index, "pid": w.pid, "node": w.node, "restarts": w.restarts, "load": w.load,
+                     "alive": w.alive} for w in self._workers]
+
+    def kill_worker(self, index: int) -> None:
+        """SIGKILL a worker's process (fault tests and `rollover bench ray`): what a crash does."""
+        import ray
+
+        w = next(w for w in self._workers if w.index == index and w.alive)
+        pid = ray.get(w.handle.ready.remote(), timeout=self.rc.sync_timeout_s)["pid"]
+        import os
+        import signal
+
+        os.kill(pid, signal.SIGKILL)
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self._stopped:
+            return
+        self._stopped = True
+        for w in self._workers:
+            w.alive = False
+            try:
+                ray.kill(w.handle, no_restart=True)
+            except Exception:
+                pass
+        for w in self._workers:
+            if w.thread is not None and w.thread is not threading.current_thread():
+                w.thread.join(timeout=5)
+        self._events.put(None)
+        if not self._on_dispatcher():
+            self._dispatcher.join(timeout=5)
+        with self._lock:
+            lives, self._live, self._wire = list(self._live.values()), {}, {}
+        for live in lives:
+            if not live.future.done():
+                live.future.set_exception(RuntimeError("engine is shut down"))
+        if self._owns_ray:
+            ray.shutdown()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"ray engine stopped: {self._error}") from self._error
+        if self._stopped:
+            raise RuntimeError("engine is shut down")
+
+
+def _completion(req: Request, finish: str) -> Completion:
+    return Completion(id=req.id, prompt_ids=list(req.prompt_ids), response_ids=list(req.response_ids),
+                      logprobs=list(req.response_logprobs), versions=list(req.response_versions), finish=finish,
+                      sampling=req.sampling)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+@functools.lru_cache(maxsize=1)
+def _worker_class():
+    from rollover.runtime.worker import RolloutWorker
+
+    return RolloutWorker

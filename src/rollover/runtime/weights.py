@@ -1,0 +1,135 @@
+"""Weights from the trainer to Ray rollout workers through the Ray object store.
+
+The driver puts each tensor that changed once; every worker pulls what it needs (on another
+machine, Ray moves the bytes). With `ray.weight_delta` the driver keeps the last weights it sent
+(in the engine's dtype) and compares bit patterns: a tensor with no changed bit is not sent, a
+tensor with few changed elements goes as (flat indices, values), any other goes whole. In bf16
+most elements of a weight keep their bits from one step to the next, which is where this pays.
+Each update reports what it moved (`SyncReport`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SPARSE_MAX_FRACTION = 0.25  # past this share of changed elements a tensor goes whole
+
+
+def engine_dtype(cfg, device: str) -> torch.dtype:
+    """The dtype the rollout engine holds its weights in (as `make_engine` decides it)."""
+    d = cfg.rollout.dtype
+    if d == "auto":
+        d = "bfloat16" if device.startswith("cuda") else "float32"
+    return getattr(torch, d)
+
+
+def changed_elements(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the elements whose bits differ (so -0.0 vs 0.0 and NaN payloads count)."""
+    bits = _BITS[new.element_size()]
+    a = new.reshape(-1).view(bits) if new.is_floating_point() else new.reshape(-1)
+    b = old.reshape(-1).view(bits) if old.is_floating_point() else old.reshape(-1)
+    return (a != b).nonzero().squeeze(1)
+
+
+@dataclass
+class SyncReport:
+    """What one weight update moved, per worker (each worker pulls the same payload)."""
+
+    version: int = 0
+    full_tensors: int = 0
+    sparse_tensors: int = 0
+    unchanged_tensors: int = 0
+    bytes_per_worker: int = 0  # payload bytes each worker pulled
+    dense_bytes: int = 0  # what sending every tensor whole would have moved
+    workers: int = 0
+    seconds: float = 0.0
+
+    def metrics(self) -> dict:
+        return {
+            "weights/bytes_per_worker": self.bytes_per_worker,
+            "weights/bytes_total": self.bytes_per_worker * self.workers,
+            "weights/sent_fraction": self.bytes_per_worker / self.dense_bytes if self.dense_bytes else 0.0,
+            "weights/full_tensors": self.full_tensors,
+            "weights/sparse_tensors": self.sparse_tensors,
+            "weights/unchanged_tensors": self.unchanged_tensors,
+            "timing_s/weight_transfer": self.seconds,
+        }
+
+
+class ObjectStoreTransport:
+    """Turns named tensors into what workers load: object references of whole tensors and
+    (indices, values) deltas. Holds what a restarted worker needs to start at the current
+    weights (`current_refs`)."""
+
+    def __init__(self, dtype: torch.dtype, delta: bool):
+        self.dtype, self.delta = dtype, delta
+        self._last: dict[str, torch.Tensor] = {}  # delta: the weights workers hold now
+        self._refs: dict[str, object] = {}  # whole-tensor references of the current weights
+
+    def initial(self, named_tensors) -> dict:
+        """References to the whole weights (version 0 or a resumed version)."""
+        import ray
+
+        self._last, self._refs = {}, {}
+        for name, t in named_tensors:
+            t = self._cast(t)
+            if self.delta:
+                self._last[name] = t
+            self._refs[name] = ray.put(t)
+        return dict(self._refs)
+
+    def update(self, named_tensors, version: int) -> tuple[dict, dict, SyncReport]:
+        """(whole-tensor refs, deltas, report) for an update to `version`."""
+        import ray
+
+        report = SyncReport(version=version)
+        full, deltas = {}, {}
+        for name, t in named_tensors:
+            t = self._cast(t)
+            size = t.numel() * t.element_size()
+            report.dense_bytes += size
+            old = self._last.get(name) if self.delta else None
+            if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+                idx = changed_elements(t, old)
+                if idx.numel() == 0:
+                    report.unchanged_tensors += 1
+                    continue
+                idx = idx.to(torch.int32 if t.numel() < 2**31 else torch.int64)
+                sparse = idx.numel() * (idx.element_size() + t.element_size())
+                if idx.numel() <= SPARSE_MAX_FRACTION * t.numel() and sparse < size:
+                    deltas[name] = (idx, t.reshape(-1)[idx.long()].clone())
+                    report.sparse_tensors += 1
+                    report.bytes_per_worker += sparse
+                    self._last[name] = t
+                    self._refs.pop(name, None)  # put whole only if a worker restarts
+                    continue
+            full[name] = ray.put(t)
+            self._refs[name] = full[name]
+            report.full_tensors += 1
+            report.bytes_per_worker += size
+            if self.delta:
+                self._last[name] = t
+        return full, ray.put(deltas) if deltas else None, report
+
+    def current_refs(self) -> dict:
+        """Whole-tensor references of the weights workers hold now (put on demand for tensors
+        that last travelled as deltas)."""
+        import ray
+
+        for name, t in self._last.items():
+            if name not in self._refs:
+                self._refs[name] = ray.put(t)
+        return dict(self._refs)
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.is_floating_point() and t.dtype != self.dtype:
+            return t.to(device="cpu", dtype=self.dtype)
+        if t.device.type != "cpu":
+            return t.cpu()
+        # kept for the next comparison: a copy, since the trainer updates its tensors in place
+        # (ray.put copies by itself)
+        return t.clone() if self.delta else t
