@@ -199,8 +199,9 @@ def test_sync_run_on_ray_with_one_worker_ends_with_the_local_weights(model_dir, 
     assert all(r["weights/bytes_per_worker"] > 0 and r["weights/sent_fraction"] <= 1 for r in rows)
 
 
-def test_april_on_ray_keeps_every_tokens_provenance(model_dir, tmp_path):
-    cfg = run_cfg(model_dir, tmp_path, runtime="ray", **{
+@pytest.mark.parametrize("carry", ["resubmit", "keep_kv"])
+def test_april_on_ray_keeps_every_tokens_provenance(model_dir, tmp_path, carry):
+    cfg = run_cfg(model_dir, tmp_path, runtime="ray", **{"partial_rollout.carry": carry,
         "ray.rollout_workers": 2, "rollout.ignore_eos": True, "rollout.max_new_tokens": 16, "rollout.max_rows": 2,
         "partial_rollout.enabled": True, "partial_rollout.oversample": 3.0, "partial_rollout.max_carry_steps": 100})
     run = build_run(cfg)

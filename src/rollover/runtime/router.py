@@ -139,6 +139,9 @@ class RayEngine(EngineAPI):
             raise
         for w in self._workers:
             self._start_poller(w)
+        log.info("ray: %d rollout worker(s) on %d node(s) (pids %s), weights through the object store%s",
+                 len(self._workers), len({w.node for w in self._workers}), ", ".join(str(w.pid) for w in self._workers),
+                 " as deltas" if self.rc.weight_delta else "")
 
     # ------------------------------------------------------------ workers
     def _spawn(self, index: int, refs: dict, restarts: int) -> _Worker:
@@ -439,8 +442,6 @@ class RayEngine(EngineAPI):
     def _abort_rest(self, targets: list[_Live]) -> None:
         """Targets of an abort no worker answered for (between workers, their worker lost, or
         submitted after the abort reached it): their partial completion is the driver's tokens."""
-        import ray
-
         with self._lock:
             rest = [live for live in targets if self._live.get(live.req.id) is live]
             for live in rest:
@@ -538,10 +539,13 @@ class RayEngine(EngineAPI):
         return self._paused
 
     def lengths(self) -> dict[str, int]:
+        """Response tokens so far of every unfinished request, by request id."""
+        self._sync()
         out = {}
         for part in self._each("lengths"):
             out.update(part)
-        return out
+        with self._lock:
+            return {self._wire[wire].req.id: n for wire, n in out.items() if wire in self._wire}
 
     def release_memory(self) -> None:
         self._each("release_memory")
