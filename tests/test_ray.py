@@ -63,7 +63,7 @@ def pair():
     """A tiny model, a local engine and a two-worker Ray engine holding the same weights."""
     m = tiny_model("llama", seed=3)
     local = TorchEngine(m, max_rows=2, max_len=512, eos_token_ids=(2,))
-    eng = ray_engine(m, cpus_per_worker=0.5)  # the loop tests below start their own workers meanwhile
+    eng = ray_engine(m, cpus_per_worker=0.5, weight_delta=True)  # the loop tests below start their own workers meanwhile
     yield m, local, eng
     eng.shutdown()
     local.shutdown()

@@ -21,10 +21,12 @@ def _bench(argv: list[str]) -> int:
     from rollover.bench import envs as bench_envs
     from rollover.bench import faults as bench_faults
     from rollover.bench import memory as bench_memory
+    from rollover.bench import ray as bench_ray
     from rollover.bench import train as bench_train
 
     benches = {"engine": bench_engine, "april": bench_april, "train": bench_train, "async": bench_async,
-               "faults": bench_faults, "envs": bench_envs, "memory": bench_memory}
+               "faults": bench_faults, "envs": bench_envs, "memory": bench_memory,
+               "ray": bench_ray}
     bench_engine.add_arguments(sub.add_parser("engine", help="TorchEngine vs HF generate vs FLOP limit"))
     bench_april.add_arguments(sub.add_parser("april", help="synchronous rollouts vs APRIL (longtail, natural)"))
     bench_train.add_arguments(sub.add_parser("train", help="seconds per synchronous training step, by phase"))
@@ -32,6 +34,7 @@ def _bench(argv: list[str]) -> int:
     bench_faults.add_arguments(sub.add_parser("faults", help="kill -9 at random moments + resume: hangs, losses, duplicates"))
     bench_envs.add_arguments(sub.add_parser("envs", help="multi-turn episodes, slow envs: rollout-wise vs batch-synchronous turns"))
     bench_memory.add_arguments(sub.add_parser("memory", help="peak resident memory per phase: 135M demo and a ~0.5B model"))
+    bench_ray.add_arguments(sub.add_parser("ray", help="local vs Ray runtime (samples/s), weight-sync time and bytes per update"))
     args = p.parse_args(argv)
     benches[args.which].main(args)
     return 0
@@ -261,7 +264,7 @@ COMMANDS = {
     "eval": (_eval, "held-out reward and accuracy of a run's latest checkpoint, a checkpoint or a base model"),
     "export": (_export, "write a run's checkpoint as a Hugging Face model directory (LoRA merged)"),
     "plot": (_plot, "PNG curves from a run's metrics.jsonl"),
-    "bench": (_bench, "benchmarks: engine, training step, APRIL, async, faults (kill -9 + resume), environments (docs/benchmarks.md)"),
+    "bench": (_bench, "benchmarks: engine, training step, APRIL, async, faults (kill -9 + resume), environments, memory, Ray (docs/benchmarks.md)"),
 }
 
 

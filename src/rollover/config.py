@@ -415,9 +415,11 @@ class RayConfig(Section):
     """The router keeps requests with a seen prompt prefix on the worker holding it while that
     worker's outstanding tokens exceed the least-loaded worker's by at most this much (default:
     one group's budget, rollout.max_new_tokens x rollout.samples_per_prompt)."""
-    weight_delta: bool = True
+    weight_delta: bool | None = None
     """Send only what changed in a weight update: unchanged tensors are skipped and tensors with
-    few changed elements go as (indices, values), in the engine's dtype."""
+    few changed elements go as (indices, values), in the engine's dtype. Unset: on for a 16-bit
+    engine (most bits survive an update) or a LoRA run (most tensors do), off otherwise (in
+    float32 a full update changes every element, and comparing costs more than it saves)."""
     sync_timeout_s: float = Field(300.0, gt=0)
     """Bound on every call to a worker that must answer (weight loads, aborts, stats): past it the
     run stops with an error naming the worker and the call."""

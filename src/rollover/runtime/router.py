@@ -120,7 +120,11 @@ class RayEngine(EngineAPI):
         self.slack = self.rc.affinity_slack_tokens
         if self.slack is None:
             self.slack = cfg.rollout.max_new_tokens * cfg.rollout.samples_per_prompt
-        self.transport = ObjectStoreTransport(engine_dtype(cfg, self.worker_device), self.rc.weight_delta)
+        dtype = engine_dtype(cfg, self.worker_device)
+        self.delta = self.rc.weight_delta
+        if self.delta is None:
+            self.delta = dtype.itemsize == 2 or cfg.train.lora is not None
+        self.transport = ObjectStoreTransport(dtype, self.delta)
         self.last_sync = SyncReport()
         self.restarts = 0  # worker replacements, all time
         self.resubmitted = 0  # requests resumed on another worker after a death
@@ -141,7 +145,7 @@ class RayEngine(EngineAPI):
             self._start_poller(w)
         log.info("ray: %d rollout worker(s) on %d node(s) (pids %s), weights through the object store%s",
                  len(self._workers), len({w.node for w in self._workers}), ", ".join(str(w.pid) for w in self._workers),
-                 " as deltas" if self.rc.weight_delta else "")
+                 " as deltas" if self.delta else "")
 
     # ------------------------------------------------------------ workers
     def _spawn(self, index: int, refs: dict, restarts: int) -> _Worker:
@@ -149,7 +153,7 @@ class RayEngine(EngineAPI):
         threads = max(1, int(rc.cpus_per_worker))
         handle = self._remote(num_cpus=rc.cpus_per_worker, num_gpus=rc.gpus_per_worker, max_concurrency=8,
                               name=None).remote(index, self.cfg, *self._arch, refs, self._version, self.worker_device,
-                                                self.max_len, self._eos, threads)
+                                                self.max_len, self._eos, threads, self.delta)
         return _Worker(index=index, handle=handle, restarts=restarts)
 
     def _wait_ready(self, workers: list[_Worker]) -> None:

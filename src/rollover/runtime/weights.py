@@ -26,12 +26,17 @@ def engine_dtype(cfg, device: str) -> torch.dtype:
     return getattr(torch, d)
 
 
-def changed_elements(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Flat indices of the elements whose bits differ (so -0.0 vs 0.0 and NaN payloads count)."""
+def changed_mask(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Flat mask of the elements whose bits differ (so -0.0 vs 0.0 and NaN payloads count)."""
     bits = _BITS[new.element_size()]
     a = new.reshape(-1).view(bits) if new.is_floating_point() else new.reshape(-1)
     b = old.reshape(-1).view(bits) if old.is_floating_point() else old.reshape(-1)
-    return (a != b).nonzero().squeeze(1)
+    return a != b
+
+
+def changed_elements(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the elements whose bits differ."""
+    return changed_mask(new, old).nonzero().squeeze(1)
 
 
 @dataclass
@@ -93,14 +98,16 @@ class ObjectStoreTransport:
             report.dense_bytes += size
             old = self._last.get(name) if self.delta else None
             if old is not None and old.shape == t.shape and old.dtype == t.dtype:
-                idx = changed_elements(t, old)
-                if idx.numel() == 0:
+                mask = changed_mask(t, old)
+                n = int(mask.sum())
+                if n == 0:
                     report.unchanged_tensors += 1
                     continue
-                idx = idx.to(torch.int32 if t.numel() < 2**31 else torch.int64)
-                sparse = idx.numel() * (idx.element_size() + t.element_size())
-                if idx.numel() <= SPARSE_MAX_FRACTION * t.numel() and sparse < size:
-                    deltas[name] = (idx, t.reshape(-1)[idx.long()].clone())
+                wide = t.numel() >= 2**31
+                sparse = n * ((8 if wide else 4) + t.element_size())
+                if n <= SPARSE_MAX_FRACTION * t.numel() and sparse < size:  # indices only for the few
+                    idx = mask.nonzero().squeeze(1)
+                    deltas[name] = (idx if wide else idx.to(torch.int32), t.reshape(-1)[idx])
                     report.sparse_tensors += 1
                     report.bytes_per_worker += sparse
                     self._last[name] = t

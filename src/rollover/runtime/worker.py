@@ -24,7 +24,7 @@ class RolloutWorker:
     remote call. `max_concurrency` > 1: `poll` blocks while `submit` and `abort` come in."""
 
     def __init__(self, index: int, cfg, arch_config, generation_config, weight_refs: dict, version: int,
-                 device: str, max_len: int, eos_token_ids: tuple[int, ...], threads: int | None):
+                 device: str, max_len: int, eos_token_ids: tuple[int, ...], threads: int | None, delta: bool):
         import ray
 
         from rollover.engine import make_engine
@@ -39,7 +39,7 @@ class RolloutWorker:
                                   max_len=max_len, eos_token_ids=eos_token_ids)
         if version:
             self.engine.update_weights([], version=version)
-        self.weights = {n: t for n, t in zip(names, tensors)} if cfg.ray.weight_delta else None
+        self.weights = {n: t for n, t in zip(names, tensors)} if delta else None  # what deltas apply to
         self._cv = threading.Condition()
         self._out: list[Completion] = []
         self._tokens: dict[str, list[tuple[int, float, int]]] = {}

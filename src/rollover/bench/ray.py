@@ -1,0 +1,118 @@
+"""`rollover bench ray`: what the Ray runtime costs against the local one, and what a weight
+update moves.
+
+1. The `rollover bench train` workload (SmolLM2-135M, 8 prompts x 4 samples, at most 48 new
+   tokens, synchronous steps) on the local runtime and on Ray with one rollout worker holding
+   every core, then with two workers of one core each. Samples trained per second over the
+   measured steps (the first step of each run is warm-up, not measured); on a 2-core host the
+   trainer and the worker(s) share the cores, as sync mode alternates them.
+2. Weight synchronisation for the model alone: a one-worker `RayEngine` receives `--updates`
+   updates shaped like early Adam steps (every weight moves by lr x sign(noise), lr 1e-6), with
+   the engine in float32 (every element changes) and in bfloat16 (most elements keep their
+   bits), with deltas on and off: seconds per update, bytes each worker pulled, and the share of
+   a whole-model transfer that was sent.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+
+
+def _train(args, runtime: str, workers: int = 1, cpus: float = 2.0) -> dict:
+    from rollover.config import load_config
+    from rollover.loops.sync import train_sync
+    from rollover.metrics import read_metrics
+
+    run_dir = tempfile.mkdtemp(prefix=f"rollover-bench-ray-{runtime}-")
+    overrides = [
+        f"model={args.model}", f"run_dir={run_dir}", "resume=never", f"steps={args.steps + 1}",
+        "data.train=gen:arithmetic?digits=1&n=2000", "data.eval_size=0", "data.max_prompt_tokens=64",
+        "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=48",
+        "reward.functions=[numeric]", "eval.every=0", "eval.at_start=false", f"checkpoint.every={10**6}",
+        "logging.progress=false", "logging.tensorboard=false", f"runtime={runtime}",
+    ]
+    if runtime == "ray":
+        overrides += [f"ray.rollout_workers={workers}", f"ray.cpus_per_worker={cpus:g}", f"ray.num_cpus={args.cpus}"]
+    train_sync(load_config(None, overrides + list(args.overrides)))
+    every = read_metrics(run_dir, kind="train")
+    rows = every[1:]  # step 1 warms up
+    wall = sum(r["timing_s/step"] for r in rows)
+    out = {"samples_per_s": (rows[-1]["samples_consumed"] - every[0]["samples_consumed"]) / wall,
+           "seconds_per_step": wall / len(rows),
+           "weight_sync_s": statistics.fmean(r["timing_s/weight_sync"] for r in rows),
+           "generate_s": statistics.fmean(r["timing_s/generate"] for r in rows)}
+    if runtime == "ray":
+        out["bytes_per_worker"] = statistics.fmean(r["weights/bytes_per_worker"] for r in rows)
+    return out
+
+
+def _weight_sync(args, dtype: str, delta: bool) -> dict:
+    import torch
+
+    from rollover.config import load_config
+    from rollover.models import load_hf_model
+    from rollover.runtime.router import RayEngine
+
+    model = load_hf_model(args.model)
+    cfg = load_config(model=args.model, runtime="ray", **{"rollout.dtype": dtype, "ray.weight_delta": delta,
+                                                          "ray.cpus_per_worker": 1, "ray.num_cpus": args.cpus})
+    weights = {k: v.detach().clone() for k, v in model.named_parameters()}  # tied weights once, as the trainer sends them
+    eng = RayEngine(cfg, model, weights=list(weights.items()), device=torch.device("cpu"), max_len=256,
+                    eos_token_ids=(2,))
+    gen = torch.Generator().manual_seed(0)
+    seconds, sent, fraction = [], [], []
+    try:
+        for v in range(1, args.updates + 1):
+            for t in weights.values():  # an early Adam step: every weight moves by lr in some direction
+                t.add_(torch.randn(t.shape, generator=gen).sign_().mul_(1e-6))
+            t0 = time.perf_counter()
+            eng.update_weights(weights.items(), version=v)
+            seconds.append(time.perf_counter() - t0)
+            sent.append(eng.last_sync.bytes_per_worker)
+            fraction.append(eng.last_sync.bytes_per_worker / eng.last_sync.dense_bytes)
+    finally:
+        eng.shutdown()
+    return {"dtype": dtype, "delta": delta, "seconds_per_update": statistics.fmean(seconds),
+            "bytes_per_worker": statistics.fmean(sent), "sent_fraction": statistics.fmean(fraction)}
+
+
+def main(args) -> dict:
+    result: dict = {"model": args.model, "steps_measured": args.steps}
+    if not args.skip_train:
+        local = _train(args, "local")
+        ray1 = _train(args, "ray", workers=1, cpus=args.cpus)
+        result.update(local_samples_per_s=local["samples_per_s"], ray_samples_per_s=ray1["samples_per_s"],
+                      ray_over_local=ray1["samples_per_s"] / local["samples_per_s"], local=local, ray_one_worker=ray1)
+        if args.cpus >= 2:
+            ray2 = _train(args, "ray", workers=2, cpus=args.cpus / 2)
+            result.update(ray_two_workers_samples_per_s=ray2["samples_per_s"], ray_two_workers=ray2)
+    result["weight_sync"] = [_weight_sync(args, dtype, delta) for dtype in ("float32", "bfloat16")
+                             for delta in (True, False)]
+    print(f"\nrollover bench ray — {args.model}, {args.steps} measured sync steps per runtime")
+    if "local" in result:
+        print(f"  samples/s  local {result['local_samples_per_s']:.3f}   ray, 1 worker {result['ray_samples_per_s']:.3f}"
+              f"   ({result['ray_over_local']:.2f}x local)")
+        if "ray_two_workers" in result:
+            print(f"             ray, 2 workers {result['ray_two_workers_samples_per_s']:.3f}")
+    for w in result["weight_sync"]:
+        print(f"  weight sync {w['dtype']:8s} delta={'on ' if w['delta'] else 'off'}  {w['seconds_per_update']:.3f} s/update  "
+              f"{w['bytes_per_worker'] / 2**20:8.1f} MiB per worker ({w['sent_fraction']:.1%} of the model)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def add_arguments(p) -> None:
+    from rollover.bench import at_least
+
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--steps", type=at_least(1), default=3, help="measured steps per runtime (one more runs first)")
+    p.add_argument("--updates", type=at_least(1), default=5, help="weight updates timed per transport setting")
+    p.add_argument("--cpus", type=at_least(1), default=2, help="CPUs of the local Ray instance")
+    p.add_argument("--skip-train", action="store_true", help="only the weight-sync part")
+    p.add_argument("--json", default=None)
+    p.add_argument("overrides", nargs="*", help="extra key.path=value config overrides (both runtimes)")
