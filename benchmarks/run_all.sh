@@ -13,6 +13,7 @@ rollover bench envs --steps 3 --json "$out/envs.json" | tee "$out/envs.txt"
 python -c "from rollover.testing import save_tiny_model; save_tiny_model('$out/tiny', 'llama', seed=5)"
 rollover bench envs --model "$out/tiny" --steps 12 --json "$out/envs_tiny.json" | tee "$out/envs_tiny.txt"
 rollover bench memory --json "$out/memory.json" | tee "$out/memory.txt"
+rollover bench ray --json "$out/ray.json" | tee "$out/ray.txt"
 # the demo in its three modes (reward curves in docs/)
 for cfg in arith arith_april arith_async; do
   rollover train "examples/$cfg.yaml" "run_dir=$out/runs/$cfg" resume=never | tee "$out/$cfg.txt"
