@@ -247,3 +247,29 @@ def test_async_run_on_ray_keeps_the_staleness_bound(model_dir, tmp_path):
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if json.loads(x)["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["staleness/max"] <= 1 for r in rows)
+
+
+def test_a_worker_dying_with_no_restart_left_fails_its_requests_naming_it():
+    m = tiny_model("llama", seed=3)
+    eng = ray_engine(m, workers=1, cpus_per_worker=0.5, max_restarts=0)
+    try:
+        eng.poll_s = 0.02
+        futs = eng.submit_many(requests(12, 450, prefix="n"))
+        deadline = time.time() + 30
+        while time.time() < deadline and not any(live.ids for live in list(eng._live.values())):
+            time.sleep(0.005)
+        with eng._lock:
+            live = set(eng._live)
+        eng.kill_worker(0)
+        failed = set()
+        for i, f in enumerate(futs):
+            try:
+                f.result(timeout=60)
+            except Exception as e:
+                assert "rollout worker 0 died after 0 restarts (ray.max_restarts=0) and no worker is left" in str(e)
+                failed.add(f"n{i}")
+        assert failed and failed <= live  # what had finished stays finished; every live request fails
+        with pytest.raises(RuntimeError, match="ray engine stopped: rollout worker 0 died"):
+            eng.stats()
+    finally:
+        eng.shutdown()

@@ -561,14 +561,14 @@ class RayEngine(EngineAPI):
                      "alive": w.alive} for w in self._workers]
 
     def kill_worker(self, index: int) -> None:
-        """SIGKILL a worker's process (fault tests and `rollover bench ray`): what a crash does."""
-        import ray
-
-        w = next(w for w in self._workers if w.index == index and w.alive)
-        pid = ray.get(w.handle.ready.remote(), timeout=self.rc.sync_timeout_s)["pid"]
+        """SIGKILL a worker's process (fault tests and benchmarks): what a crash does."""
         import os
         import signal
 
+        import ray
+
+        w = next(w for w in self._workers if w.index == index and w.alive)
+        pid = w.pid or ray.get(w.handle.ready.remote(), timeout=self.rc.sync_timeout_s)["pid"]
         os.kill(pid, signal.SIGKILL)
 
     def shutdown(self) -> None:
