@@ -171,6 +171,7 @@ def test_placement_that_cannot_fit_is_refused_naming_role_and_numbers():
         ray_engine(m, workers=3, cpus_per_worker=8)
 
 
+
 # ------------------------------------------------------------------ the loops on Ray
 def run_cfg(model_dir, run_dir, **over):
     base = {

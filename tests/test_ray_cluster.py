@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from rollover.config import load_config  # noqa: E402
+from rollover.config import ConfigError, load_config  # noqa: E402
 from rollover.engine.torch_engine import TorchEngine  # noqa: E402
 from rollover.runtime.router import RayEngine  # noqa: E402
 from rollover.testing import save_tiny_model, tiny_model  # noqa: E402
@@ -55,6 +55,15 @@ def test_workers_spread_over_nodes_and_generate_what_a_local_engine_does(cluster
     finally:
         eng.shutdown()
         local.shutdown()
+
+
+def test_workers_that_fit_in_total_but_not_node_by_node_are_refused(cluster):
+    m = tiny_model("llama", seed=3)
+    cfg = load_config(runtime="ray", **{"ray.rollout_workers": 3, "ray.cpus_per_worker": 0.6})
+    with pytest.raises(ConfigError, match=r"rollout workers: 3 asked, each 0.6 CPU and 0 GPU on one node; the nodes "
+                                          r"\(1 CPU/0 GPU, 1 CPU/0 GPU\) hold 2"):
+        RayEngine(cfg, m, weights=list(m.state_dict().items()), device=torch.device("cpu"), max_len=128,
+                  eos_token_ids=(2,))
 
 
 def _train_cmd(model_dir, run_dir, address, steps, workers=1):

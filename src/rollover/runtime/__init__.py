@@ -40,8 +40,10 @@ def start_ray(cfg) -> bool:
 def check_resources(cfg) -> None:
     """Refuse, before any worker starts, a placement the cluster cannot hold, naming the role
     and the numbers: the total asked against the cluster's resources, and one worker's share
-    against the largest node. (Resources other jobs hold are not refused here: workers wait
-    for them, up to ray.sync_timeout_s.)"""
+    against the largest node, then the workers node by node. The trainer's GPU is not
+    Ray's to account for: on one machine give Ray the other GPUs (`ray start --num-gpus`), or
+    share with fractional ray.gpus_per_worker. (Resources other jobs hold are not refused
+    here: workers wait for them, up to ray.sync_timeout_s.)"""
     import ray
 
     from rollover.config import ConfigError
@@ -60,6 +62,15 @@ def check_resources(cfg) -> None:
         biggest = max((n.get(key, 0.0) for n in nodes), default=0.0)
         if per > biggest + 1e-9:
             problems.append(f"rollout worker: {per:g} {key} each, the largest node has {biggest:g} {key}")
+    if not problems:  # the totals fit: do the workers fit node by node?
+        def fits(node: dict) -> float:
+            return min([node.get(key, 0.0) // per for key, per in (("CPU", rc.cpus_per_worker),
+                                                                  ("GPU", rc.gpus_per_worker)) if per > 0] or [0])
+        room = int(sum(fits(n) for n in nodes))
+        if room < rc.rollout_workers:
+            shapes = ", ".join(f"{n.get('CPU', 0):g} CPU/{n.get('GPU', 0):g} GPU" for n in nodes)
+            problems.append(f"rollout workers: {rc.rollout_workers} asked, each {rc.cpus_per_worker:g} CPU and "
+                            f"{rc.gpus_per_worker:g} GPU on one node; the nodes ({shapes}) hold {room}")
     if problems:
         raise ConfigError("ray placement does not fit: " + "; ".join(problems) +
                           " (ray.rollout_workers, ray.cpus_per_worker, ray.gpus_per_worker)")

@@ -30,7 +30,8 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
@@ -60,6 +61,9 @@ class _Worker:
     pid: int | None = None
     node: str | None = None
     thread: threading.Thread | None = None
+    submits: collections.deque = field(default_factory=collections.deque)  # (ref, wire ids) not yet checked
+    ready: bool = False  # answered once (a replacement is routed to only when no ready worker is)
+    last_stats: EngineStats | None = None
 
 
 @dataclass(eq=False)
@@ -70,6 +74,7 @@ class _Live:
     future: Future
     worker: _Worker | None = None
     wire: str = ""  # the id its current placement goes by on its worker
+    aborting: bool = False  # an abort was asked for: if its worker dies it ends, it does not move
     ids: list = field(default_factory=list)
     lps: list = field(default_factory=list)
     vers: list = field(default_factory=list)
@@ -116,6 +121,9 @@ class RayEngine(EngineAPI):
         self._live: dict[str, _Live] = {}  # request id -> live request
         self._wire: dict[str, _Live] = {}  # wire id (request id @ placement) -> live request
         self._placements = 0
+        self._parked: list[_Live] = []  # requests waiting for a replacement worker (none alive)
+        self._restarting = 0  # replacements being started
+        self._retired = EngineStats()  # counters of workers that died
         self._affinity: collections.OrderedDict = collections.OrderedDict()  # prefix -> worker index
         self.slack = self.rc.affinity_slack_tokens
         if self.slack is None:
@@ -153,7 +161,7 @@ class RayEngine(EngineAPI):
         threads = max(1, int(rc.cpus_per_worker))
         handle = self._remote(num_cpus=rc.cpus_per_worker, num_gpus=rc.gpus_per_worker, max_concurrency=8,
                               name=None).remote(index, self.cfg, *self._arch, refs, self._version, self.worker_device,
-                                                self.max_len, self._eos, threads, self.delta)
+                                                self.max_len, self._eos, threads, self.delta, self._paused)
         return _Worker(index=index, handle=handle, restarts=restarts)
 
     def _wait_ready(self, workers: list[_Worker]) -> None:
@@ -168,7 +176,7 @@ class RayEngine(EngineAPI):
                                    f"{self.rc.sync_timeout_s:g} s (are its resources free? ray status shows them)") from None
             except ray.exceptions.RayError as e:
                 raise RuntimeError(f"rollout worker {w.index} failed to start: {_first_line(e)}") from None
-            w.pid, w.node = info["pid"], info["node"]
+            w.pid, w.node, w.ready = info["pid"], info["node"], True
 
     def _start_poller(self, w: _Worker) -> None:
         w.thread = threading.Thread(target=self._poll_loop, args=(w,), name=f"rollover-ray-poll-{w.index}", daemon=True)
@@ -184,6 +192,8 @@ class RayEngine(EngineAPI):
                 if not self._stopped:
                     self._lost(w, e)
                 return
+            w.ready = True
+            self._check_submits(w)
             self._events.put(functools.partial(self._deliver, w, done, tokens))
 
     # ------------------------------------------------------------ the dispatcher
@@ -221,18 +231,27 @@ class RayEngine(EngineAPI):
                 return
 
     def _resolve(self, pairs: list) -> None:
+        """Hand each (live, completion or error) to its future (and so to `on_done`)."""
         for live, outcome in pairs:
-            if live.future.done():
-                continue
-            if isinstance(outcome, BaseException):
-                live.future.set_exception(outcome)
-            else:
-                live.future.set_result(outcome)
+            with self._listen_lock:
+                listener = self._listeners.pop(live.req.id, None)
+            if listener is not None and isinstance(outcome, Completion):  # the tail no poll reported
+                seen = len(live.req.response_ids) + len(live.ids)
+                for tok, lp, ver in zip(outcome.response_ids[seen:], outcome.logprobs[seen:], outcome.versions[seen:]):
+                    listener(tok, lp, ver)
+            try:
+                if isinstance(outcome, BaseException):
+                    live.future.set_exception(outcome)
+                else:
+                    live.future.set_result(outcome)
+            except InvalidStateError:  # cancelled by its caller meanwhile
+                pass
 
-    def _deliver(self, w: _Worker, done: list[Completion], tokens: dict) -> list[Completion]:
+    def _deliver(self, w: _Worker, done: list[Completion], tokens: dict) -> None:
         """Apply streamed tokens and hand out completions, by wire id: each placement of a
         request has its own, so a completion from an earlier placement (an abort answered twice,
-        a request resumed under the same id) is dropped, and each is delivered exactly once."""
+        a request resumed under the same id) is dropped, and each is delivered exactly once.
+        Only the poller drains a worker's tokens, so they arrive in order."""
         finished, streamed = [], []
         with self._lock:
             for wire, toks in tokens.items():
@@ -257,57 +276,65 @@ class RayEngine(EngineAPI):
                 if listener is not None:
                     for tok, lp, ver in toks:
                         listener(tok, lp, ver)
-        for live, c in finished:
-            with self._listen_lock:
-                self._listeners.pop(c.id, None)
-            if not live.future.cancelled():
-                live.future.set_result(c)
-        return [c for _, c in finished]
+        self._resolve(finished)
 
     def _lost(self, w: _Worker, err: BaseException) -> None:
-        """A worker died (or stopped answering): replace it and resume its requests."""
+        """A worker died (or stopped answering): replace it and resume its requests (those
+        an abort was asked for end as aborted, from the driver's tokens). Until the
+        replacement is there, requests that find no live worker wait for it."""
         import ray
 
+        can_restart = w.restarts < self.rc.max_restarts and not self._stopped
         with self._lock:
             if not w.alive:
                 return
             w.alive = False
+            if w.last_stats is not None:
+                _add_stats(self._retired, w.last_stats)
             orphans = [live for live in self._live.values() if live.worker is w]
             for live in orphans:
                 live.worker = None
                 self._wire.pop(live.wire, None)
             w.load = 0
+            if can_restart:
+                self._restarting += 1
+            no_one = not can_restart and not any(x.alive for x in self._workers) and not self._restarting
         try:
             ray.kill(w.handle, no_restart=True)
         except Exception:  # already gone
             pass
-        can_restart = w.restarts < self.rc.max_restarts
         log.warning("ray: rollout worker %d (pid %s) lost: %s; %d requests resume %s", w.index, w.pid,
                     _first_line(err), len(orphans),
-                    "on the others and on its replacement" if can_restart else "on the others (no restart left)")
-        if can_restart and not self._stopped:
+                    "on the others or its replacement" if can_restart else "on the others (no restart left)")
+        if no_one:
+            self._fail(WorkerLost(f"rollout worker {w.index} died after {w.restarts} restarts (ray.max_restarts="
+                                  f"{self.rc.max_restarts}) and no worker is left: {_first_line(err)}"))
+            return
+        ending = [live for live in orphans if live.aborting]
+        if ending:
+            self._run(functools.partial(self._abort_rest, ending))
+        moving = [live for live in orphans if not live.aborting]
+        self.resubmitted += len(moving)
+        if can_restart:
             with self._weights_lock:  # the replacement starts at the version every worker holds
                 new = self._spawn(w.index, self.transport.current_refs(), w.restarts + 1)
                 with self._lock:
                     self._workers[self._workers.index(w)] = new
                     self.restarts += 1
-            if self._paused:
-                new.handle.pause.remote()
+                    self._restarting -= 1
+                    moving += self._parked
+                    self._parked = []
+            if self._stopped:  # shut down meanwhile: nothing else would end it
+                ray.kill(new.handle, no_restart=True)
+                return
             self._start_poller(new)
-        elif not any(x.alive for x in self._workers):
-            self._fail(WorkerLost(f"rollout worker {w.index} died after {w.restarts} restarts (ray.max_restarts="
-                                  f"{self.rc.max_restarts}) and no worker is left: {_first_line(err)}"))
-            return
-        self.resubmitted += len(orphans)
-        self._place(orphans)
+        self._place(moving)
 
     def _fail(self, err: BaseException) -> None:
         with self._lock:
             self._error = err
-            lives, self._live, self._wire = list(self._live.values()), {}, {}
-        for live in lives:
-            if not live.future.done():
-                live.future.set_exception(err)
+            lives, self._live, self._wire, self._parked = list(self._live.values()), {}, {}, []
+        self._resolve([(live, err) for live in lives])
 
     # ------------------------------------------------------------ requests
     @property
@@ -319,15 +346,10 @@ class RayEngine(EngineAPI):
         return self._eos
 
     def submit_many(self, requests: Iterable[Request], on_done: Callable[[Completion], None] | None = None) -> list[Future]:
+        """Validate here (ValueError naming the request, nothing queued), then route and send
+        without waiting for the workers."""
         requests = list(requests)
         self._check_alive()
-        seen = set()
-        with self._lock:
-            for r in requests:
-                if r.id in self._live or r.id in seen:
-                    raise ValueError(f"request {r.id!r}: an unfinished request has this id")
-                seen.add(r.id)
-                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size)
         lives = []
         for r in requests:
             f = Future()
@@ -335,7 +357,13 @@ class RayEngine(EngineAPI):
                 f.add_done_callback(functools.partial(_call_if_finished, on_done))
             f.add_done_callback(functools.partial(self._abort_if_cancelled, r.id))
             lives.append(_Live(req=r, future=f))
-        with self._lock:
+        with self._lock:  # checked and entered in one hold: two submits of one id cannot both pass
+            seen = set()
+            for r in requests:
+                if r.id in self._live or r.id in seen:
+                    raise ValueError(f"request {r.id!r}: an unfinished request has this id")
+                seen.add(r.id)
+                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size)
             for live in lives:
                 self._live[live.req.id] = live
         self._place(lives)
@@ -343,11 +371,13 @@ class RayEngine(EngineAPI):
 
     def _place(self, lives: list[_Live]) -> None:
         """Route lives to workers (one batch per worker, in order) and send them, each under a
-        fresh wire id."""
+        fresh wire id. With no worker alive they wait for a replacement being started; with
+        none coming they fail."""
         batches: dict[int, tuple[_Worker, list[Request]]] = {}
         done = []
         with self._lock:
             alive = [w for w in self._workers if w.alive]
+            ready = [w for w in alive if w.ready] or alive  # a starting replacement only if nothing else
             for live in lives:
                 if self._live.get(live.req.id) is not live:
                     continue  # finished meanwhile (aborted before it was placed)
@@ -356,10 +386,17 @@ class RayEngine(EngineAPI):
                     del self._live[live.req.id]
                     done.append((live, _completion(live.resumed(), end)))
                     continue
+                if not ready:
+                    if self._restarting:
+                        self._parked.append(live)
+                    else:
+                        del self._live[live.req.id]
+                        done.append((live, WorkerLost("no rollout worker is alive")))
+                    continue
                 self._placements += 1
                 live.wire = f"{live.req.id}@{self._placements}"
                 req = live.resumed(live.wire)
-                w = self._pick(req, alive)
+                w = self._pick(req, ready)
                 live.worker = w
                 w.load += live.owed
                 self._wire[live.wire] = live
@@ -367,23 +404,30 @@ class RayEngine(EngineAPI):
         if done:
             self._run(functools.partial(self._resolve, done))
         for w, reqs in batches.values():
-            self._send(w, reqs)
+            w.submits.append((w.handle.submit.remote(reqs), [r.id for r in reqs]))
 
-    def _send(self, w: _Worker, reqs: list[Request]) -> None:
+    def _check_submits(self, w: _Worker) -> None:
+        """Fail the requests of a batch the worker refused (its engine's own checks; the
+        driver's validation makes this rare). A dead worker's batches move with its poller."""
         import ray
 
-        try:
-            ray.get(w.handle.submit.remote(reqs), timeout=self.rc.sync_timeout_s)
-        except ray.exceptions.RayTaskError as e:  # the worker's engine refused one: fail those requests
-            err = RuntimeError(f"rollout worker {w.index} refused a batch of {len(reqs)} requests: {_first_line(e)}")
-            with self._lock:
-                lives = [self._wire.pop(r.id) for r in reqs if r.id in self._wire]
-                for live in lives:
-                    del self._live[live.req.id]
-                    w.load -= live.owed
-            self._run(functools.partial(self._resolve, [(live, err) for live in lives]))
-        except ray.exceptions.RayError as e:  # died or hung: its poller resumes these elsewhere
-            log.debug("ray: submit to worker %d failed (%s); its requests move when its poller sees it", w.index, e)
+        while w.submits:
+            ref, wires = w.submits[0]
+            if not ray.wait([ref], timeout=0)[0]:
+                return
+            w.submits.popleft()
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                err = RuntimeError(f"rollout worker {w.index} refused a batch of {len(wires)} requests: {_first_line(e)}")
+                with self._lock:
+                    lives = [self._wire.pop(wire) for wire in wires if wire in self._wire]
+                    for live in lives:
+                        del self._live[live.req.id]
+                        w.load -= live.owed
+                self._events.put(functools.partial(self._resolve, [(live, err) for live in lives]))
+            except ray.exceptions.RayError:
+                return  # died: the next poll says so
 
     def _pick(self, req: Request, alive: list[_Worker]) -> _Worker:
         if not alive:
@@ -417,44 +461,47 @@ class RayEngine(EngineAPI):
         return None
 
     def abort(self, ids: Iterable[str] | None = None) -> list[Completion]:
-        """Abort requests (all when ids is None) on their workers; returns their completions
-        (partial, finish 'abort', or finished just before) once their futures and `on_done`
-        callbacks have them. From a callback (the dispatcher thread) it delivers inline; a
-        completion already queued behind that callback is answered from the driver's tokens."""
+        """Abort requests (all when ids is None); returns their completions (partial, finish
+        'abort', or finished just before the abort reached them). From another thread it
+        returns once their futures and `on_done` callbacks have them; from a callback (the
+        dispatcher thread) it returns those delivered so far, the rest following as the
+        workers report them."""
         import ray
 
         with self._lock:
             wanted = set(self._live) if ids is None else set(ids) & set(self._live)
             targets = [self._live[rid] for rid in sorted(wanted)]
             by_worker: dict[int, tuple[_Worker, list[str]]] = {}
+            unplaced = []
             for live in targets:
-                if live.worker is not None:
+                live.aborting = True
+                if live.worker is None:
+                    unplaced.append(live)
+                else:
                     by_worker.setdefault(id(live.worker), (live.worker, []))[1].append(live.wire)
         for w, wires in by_worker.values():
-            try:  # the worker aborts them and hands over everything not yet polled
-                got, tokens = ray.get(w.handle.abort.remote(sorted(wires)), timeout=self.rc.sync_timeout_s)
-            except ray.exceptions.RayError as e:
-                log.warning("ray: abort on rollout worker %d failed (%s); answering from the driver's tokens",
-                            w.index, _first_line(e))
+            try:
+                got = ray.get(w.handle.abort.remote(sorted(wires)), timeout=self.rc.sync_timeout_s)
+            except ray.exceptions.RayError as e:  # died: its poller ends these from the driver's tokens
+                log.warning("ray: abort on rollout worker %d failed (%s)", w.index, _first_line(e))
                 continue
-            self._run(functools.partial(self._deliver, w, got, tokens))
-        self._run(functools.partial(self._abort_rest, targets))
-        self._sync()
+            self._run(functools.partial(self._deliver, w, got, {}))
+        if unplaced:  # between workers (their worker lost) or waiting for a replacement
+            self._run(functools.partial(self._abort_rest, unplaced))
+        if not self._on_dispatcher():
+            _, pending = wait_futures([live.future for live in targets], timeout=self.rc.sync_timeout_s)
+            if pending:
+                raise TimeoutError(f"{len(pending)} aborted requests got no answer within ray.sync_timeout_s="
+                                   f"{self.rc.sync_timeout_s:g} s")
         return [live.future.result() for live in targets if live.future.done() and not live.future.cancelled()
                 and live.future.exception() is None]
 
-    def _abort_rest(self, targets: list[_Live]) -> None:
-        """Targets of an abort no worker answered for (between workers, their worker lost, or
-        submitted after the abort reached it): their partial completion is the driver's tokens."""
+    def _abort_rest(self, lives: list[_Live]) -> None:
+        """End aborted requests no worker holds: their partial completion is the driver's tokens."""
         with self._lock:
-            rest = [live for live in targets if self._live.get(live.req.id) is live]
+            rest = [live for live in lives if self._live.get(live.req.id) is live and live.worker is None]
             for live in rest:
                 del self._live[live.req.id]
-                self._wire.pop(live.wire, None)
-                if live.worker is not None:
-                    live.worker.load -= live.owed
-                    if live.worker.alive:  # it may still get (or hold) this placement: free its row
-                        live.worker.handle.abort.remote([live.wire])
         self._resolve([(live, _completion(live.resumed(), "abort")) for live in rest])
 
     def _abort_if_cancelled(self, rid: str, fut: Future) -> None:
@@ -483,6 +530,9 @@ class RayEngine(EngineAPI):
                 except ray.exceptions.RayActorError as e:  # died: its replacement starts at `version`
                     lost.append((w, e))
                     continue
+                except ray.exceptions.RayTaskError as e:  # a bad tensor, out of memory: the run cannot go on
+                    raise RuntimeError(f"rollout worker {w.index} failed to load weights version {version}: "
+                                       f"{_first_line(e)}") from None
                 with self._lock:
                     out += [replace(c, id=self._wire[c.id].req.id) for c in got if c.id in self._wire]
                 self._run(functools.partial(self._deliver, w, got, {}))
@@ -495,17 +545,20 @@ class RayEngine(EngineAPI):
         return out
 
     # ------------------------------------------------------------ the rest of the contract
-    def _each(self, method: str, *args) -> list:
-        """Call `method` on every live worker; answers of workers that died meanwhile are left
-        out (their pollers replace them)."""
+    def _each(self, method: str, *args) -> list[tuple[_Worker, object]]:
+        """Call `method` on every ready worker and return (worker, answer) pairs; a worker
+        still starting gets the call without being waited for (commands such as pause), and
+        the answers of workers that died meanwhile are left out (their pollers replace them)."""
         import ray
 
         workers = [w for w in self._workers if w.alive]
         refs = [getattr(w.handle, method).remote(*args) for w in workers]
         out = []
         for w, ref in zip(workers, refs):
+            if not w.ready:
+                continue
             try:
-                out.append(ray.get(ref, timeout=self.rc.sync_timeout_s))
+                out.append((w, ray.get(ref, timeout=self.rc.sync_timeout_s)))
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(f"rollout worker {w.index} did not answer {method} within ray.sync_timeout_s="
                                    f"{self.rc.sync_timeout_s:g} s") from None
@@ -514,20 +567,22 @@ class RayEngine(EngineAPI):
         return out
 
     def stats(self) -> EngineStats:
-        """Counters summed over the live workers, once what they reported so far is delivered."""
+        """Counters summed over the workers (those that died included, as last seen), once what
+        they reported so far is delivered."""
         self._check_alive()
         self._sync()
-        total = EngineStats()
-        for s in self._each("stats"):
-            for k, v in s.__dict__.items():
-                if k == "finished":
-                    for reason, n in v.items():
-                        total.finished[reason] = total.finished.get(reason, 0) + n
-                else:
-                    setattr(total, k, getattr(total, k) + v)
+        answers = self._each("stats")
+        with self._lock:
+            total = EngineStats()
+            _add_stats(total, self._retired)
+            for w, st in answers:
+                w.last_stats = st
+                _add_stats(total, st)
         return total
 
     def reset_stats(self) -> None:
+        with self._lock:
+            self._retired = EngineStats()
         self._each("reset_stats")
 
     def pause(self) -> None:
@@ -546,7 +601,7 @@ class RayEngine(EngineAPI):
         """Response tokens so far of every unfinished request, by request id."""
         self._sync()
         out = {}
-        for part in self._each("lengths"):
+        for _, part in self._each("lengths"):
             out.update(part)
         with self._lock:
             return {self._wire[wire].req.id: n for wire, n in out.items() if wire in self._wire}
@@ -602,6 +657,15 @@ class RayEngine(EngineAPI):
             raise RuntimeError(f"ray engine stopped: {self._error}") from self._error
         if self._stopped:
             raise RuntimeError("engine is shut down")
+
+
+def _add_stats(total: EngineStats, s: EngineStats) -> None:
+    for k, v in s.__dict__.items():
+        if k == "finished":
+            for reason, n in v.items():
+                total.finished[reason] = total.finished.get(reason, 0) + n
+        else:
+            setattr(total, k, getattr(total, k) + v)
 
 
 def _completion(req: Request, finish: str) -> Completion:

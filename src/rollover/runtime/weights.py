@@ -134,9 +134,9 @@ class ObjectStoreTransport:
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
         if t.is_floating_point() and t.dtype != self.dtype:
-            return t.to(device="cpu", dtype=self.dtype)
-        if t.device.type != "cpu":
-            return t.cpu()
+            return t.to(device="cpu", dtype=self.dtype).contiguous()
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return t.to("cpu").contiguous()
         # kept for the next comparison: a copy, since the trainer updates its tensors in place
         # (ray.put copies by itself)
         return t.clone() if self.delta else t

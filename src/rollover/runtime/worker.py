@@ -10,6 +10,7 @@ however many workers there are) or as deltas against the weights this worker hol
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from types import SimpleNamespace
@@ -24,7 +25,8 @@ class RolloutWorker:
     remote call. `max_concurrency` > 1: `poll` blocks while `submit` and `abort` come in."""
 
     def __init__(self, index: int, cfg, arch_config, generation_config, weight_refs: dict, version: int,
-                 device: str, max_len: int, eos_token_ids: tuple[int, ...], threads: int | None, delta: bool):
+                 device: str, max_len: int, eos_token_ids: tuple[int, ...], threads: int | None, delta: bool,
+                 paused: bool = False):
         import ray
 
         from rollover.engine import make_engine
@@ -43,14 +45,23 @@ class RolloutWorker:
         self._cv = threading.Condition()
         self._out: list[Completion] = []
         self._tokens: dict[str, list[tuple[int, float, int]]] = {}
+        self._cancelled: collections.OrderedDict = collections.OrderedDict()  # aborted before they arrived
+        if paused:
+            self.engine.pause()
 
     def ready(self) -> dict:
         return {"pid": os.getpid(), "version": self.engine.version, "node": _node_id()}
 
     # ------------------------------------------------------------ requests
     def submit(self, requests: list[Request]) -> None:
-        """Queue requests on the engine; their tokens and completions come back through `poll`.
-        A request the engine refuses comes back at once as an error string for its id."""
+        """Queue requests on the engine; their tokens and completions come back through `poll`."""
+        with self._cv:
+            gone = [r for r in requests if self._cancelled.pop(r.id, 0) is None]
+        for r in gone:
+            self._done(Completion(id=r.id, prompt_ids=r.prompt_ids, response_ids=r.response_ids,
+                                  logprobs=r.response_logprobs, versions=r.response_versions, finish="abort",
+                                  sampling=r.sampling))
+        requests = [r for r in requests if all(r is not g for g in gone)]
         with self.engine._listen_lock:
             for r in requests:
                 self.engine._listeners[r.id] = _Listener(self, r.id)
@@ -92,11 +103,20 @@ class RolloutWorker:
                 self._tokens[rid] = []
             return out, fresh
 
-    def abort(self, ids: list[str] | None) -> tuple[list[Completion], dict[str, list]]:
-        """Abort requests, then answer as `poll` does (the aborted completions, those that
-        finished before, and tokens not yet reported), without waiting."""
-        self.engine.abort(ids)
-        return self.poll(0)
+    def abort(self, ids: list[str] | None) -> list[Completion]:
+        """Abort requests; their partial completions (which `poll` reports too: the driver
+        keeps the first). An id the engine does not hold may still be on its way (a submit
+        the abort overtook): it is answered as aborted the moment it arrives."""
+        got = self.engine.abort(ids)
+        if ids is not None:
+            found = {c.id for c in got}
+            with self._cv:
+                for rid in ids:
+                    if rid not in found:
+                        self._cancelled[rid] = None
+                while len(self._cancelled) > 10_000:  # ids of requests that had finished, mostly
+                    self._cancelled.popitem(last=False)
+        return got
 
     # ------------------------------------------------------------ weights
     def load(self, full: dict, deltas: dict | None, version: int, inflight: str) -> list[Completion]:
