@@ -12,7 +12,7 @@ from rollover.config import load_config
 from rollover.loops.common import build_run
 from rollover.loops.sync import train_sync
 from rollover.rollout.april import AprilCollector
-from rollover.testing import save_tiny_model, tiny_model
+from rollover.testing import assert_provenance, save_tiny_model, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +103,7 @@ def test_versions_and_logprobs_are_those_of_the_producing_weights(model_dir, tmp
             groups, m = col.collect(step)
             for g in groups:
                 for r in g.rollouts:
-                    ids = torch.tensor([r.prompt_ids + r.response_ids])
-                    P = len(r.prompt_ids)
-                    for v in sorted(set(r.versions)):
-                        with torch.no_grad():
-                            lp = torch.log_softmax(models[v](ids).logits[0].float(), -1)[P - 1 : -1]
-                        ref = lp.gather(1, torch.tensor(r.response_ids)[:, None]).squeeze(1)
-                        sel = torch.tensor([x == v for x in r.versions])
-                        assert torch.allclose(torch.tensor(r.logprobs)[sel], ref[sel], atol=1e-4)
-                    seen_resumed += len(set(r.versions)) > 1
+                    seen_resumed += assert_provenance(r, models)
             models[step + 1] = tiny_model("llama", seed=100 + step)
             run.engine.update_weights(models[step + 1].state_dict().items(), version=step + 1)
     finally:

@@ -109,3 +109,20 @@ def generate_from_threads(engine, requests: list) -> list:
     if errors:
         raise errors[0]
     return [results[i] for i in range(len(requests))]
+
+
+def assert_provenance(rollout, models: dict, atol: float = 1e-4) -> bool:
+    """Check that each response token's behaviour logprob is what the model of its recorded
+    version gives it (`models`: version -> HF module); True when the rollout spans several
+    versions (it was carried across a weight update)."""
+    import torch
+
+    ids = torch.tensor([rollout.prompt_ids + rollout.response_ids])
+    P = len(rollout.prompt_ids)
+    for v in sorted(set(rollout.versions)):
+        with torch.no_grad():
+            lp = torch.log_softmax(models[v](ids).logits[0].float(), -1)[P - 1: -1]
+        ref = lp.gather(1, torch.tensor(rollout.response_ids)[:, None]).squeeze(1)
+        sel = torch.tensor([x == v for x in rollout.versions])
+        assert torch.allclose(torch.tensor(rollout.logprobs)[sel], ref[sel], atol=atol), (v, rollout.group_id)
+    return len(set(rollout.versions)) > 1
