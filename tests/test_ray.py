@@ -266,3 +266,43 @@ def test_a_worker_dying_with_no_restart_left_fails_its_requests_naming_it():
             eng.stats()
     finally:
         eng.shutdown()
+
+
+def test_requests_sent_while_the_only_worker_restarts_wait_for_its_replacement():
+    m = tiny_model("llama", seed=3)
+    local = TorchEngine(m, max_rows=2, max_len=512, eos_token_ids=(2,))
+    eng = ray_engine(m, workers=1, cpus_per_worker=0.5)
+    try:
+        eng.kill_worker(0)
+        early = eng.generate(requests(2, 10, prefix="e"))  # sent to the dead worker before its death is seen
+        assert eng.restarts == 1
+        same(local.generate(requests(2, 10, prefix="e")), early)
+        eng.kill_worker(0)
+        deadline = time.time() + 30
+        while eng.restarts == 1 and time.time() < deadline:  # seen: a replacement is starting
+            time.sleep(0.005)
+        late = eng.generate(requests(3, 10, prefix="w"))  # sent while the replacement starts
+        same(local.generate(requests(3, 10, prefix="w")), late)
+        assert eng.restarts == 2 and eng.workers()[0]["alive"]
+    finally:
+        eng.shutdown()
+        local.shutdown()
+
+
+def test_streaming_through_ray_yields_every_token_in_order(pair):
+    import asyncio
+
+    m, local, eng = pair
+
+    async def collect(engine, req):
+        toks, last = [], None
+        async for ev in engine.stream(req):
+            if ev.completion is not None:
+                last = ev.completion
+            else:
+                toks.append(ev.token)
+        return toks, last
+
+    req = requests(1, 40, prefix="st")[0]
+    toks, c = asyncio.run(collect(eng, req))
+    assert toks == c.response_ids == local.generate(requests(1, 40, prefix="st"))[0].response_ids
