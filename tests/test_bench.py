@@ -110,3 +110,14 @@ def test_bench_memory_phases(model_dir, tmp_path):
     assert r["peak_gb_135m"] == m["peak_gb"] == max(p["peak_gb"] for p in m["phases"]) > 0
     assert all(0 < p["end_gb"] <= m["peak_gb"] + 1e-6 for p in m["phases"])
     assert m["micro_batch_tokens"] >= 1 and m["phases"][2]["micro_batches"] >= 1
+
+
+@pytest.mark.ray
+def test_bench_ray_fields(model_dir, tmp_path):
+    pytest.importorskip("ray")
+    r = bench(tmp_path, "ray", "--model", model_dir, "--steps", "1", "--updates", "1", "--kill-requests", "8")
+    assert r["local_samples_per_s"] > 0 and r["ray_samples_per_s"] > 0 and r["ray_two_workers_samples_per_s"] > 0
+    assert r["kill"]["complete"] and r["kill"]["restarts"] == int(r["kill"]["killed"])
+    assert [(w["dtype"], w["delta"]) for w in r["weight_sync"]] == [("float32", True), ("float32", False),
+                                                                    ("bfloat16", True), ("bfloat16", False)]
+    assert all(0 < w["sent_fraction"] <= 1 for w in r["weight_sync"])

@@ -6,7 +6,14 @@ update moves.
    every core, then with two workers of one core each. Samples trained per second over the
    measured steps (the first step of each run is warm-up, not measured); on a 2-core host the
    trainer and the worker(s) share the cores, as sync mode alternates them.
-2. Weight synchronisation for the model alone: a one-worker `RayEngine` receives `--updates`
+2. A worker killed mid-generation: a two-worker `RayEngine` generates `--kill-requests`
+   sampled requests of 64 tokens (EOS ignored) once undisturbed and once with worker 0
+   SIGKILLed as soon as the driver holds tokens of one of its requests; seconds for each,
+   requests resumed elsewhere, whether every request completed once with its 64 tokens, and
+   whether the completions equal the undisturbed ones token for token (they need not on a real
+   model: the resumed prefix is recomputed in another batch, and where the sampled token's
+   probability is tiny a last-bit difference can pick its neighbour).
+3. Weight synchronisation for the model alone: a one-worker `RayEngine` receives `--updates`
    updates shaped like early Adam steps (every weight moves by lr x sign(noise), lr 1e-6), with
    the engine in float32 (every element changes) and in bfloat16 (most elements keep their
    bits), with deltas on and off: seconds per update, bytes each worker pulled, and the share of
@@ -79,6 +86,49 @@ def _weight_sync(args, dtype: str, delta: bool) -> dict:
             "bytes_per_worker": statistics.fmean(sent), "sent_fraction": statistics.fmean(fraction)}
 
 
+def _kill(args) -> dict:
+    import torch
+
+    from rollover.config import load_config
+    from rollover.models import load_hf_model
+    from rollover.runtime.router import RayEngine
+    from rollover.types import Request, SamplingParams
+
+    model = load_hf_model(args.model)
+    cfg = load_config(model=args.model, runtime="ray", **{"ray.rollout_workers": 2, "ray.cpus_per_worker": 1,
+                                                          "ray.num_cpus": args.cpus, "rollout.max_rows": 64})
+    eng = RayEngine(cfg, model, weights=[(k, v.detach()) for k, v in model.named_parameters()],
+                    device=torch.device("cpu"), max_len=256, eos_token_ids=(2,))
+    eng.poll_s = 0.1
+
+    def reqs(tag):
+        v = model.config.vocab_size
+        return [Request(id=f"{tag}{i}", prompt_ids=[(97 * i + 13 * k) % (v - 3) + 3 for k in range(8)],
+                        sampling=SamplingParams(max_new_tokens=64, seed=i, ignore_eos=True))
+                for i in range(args.kill_requests)]
+
+    try:
+        t0 = time.perf_counter()
+        clean = eng.generate(reqs("c"))
+        clean_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        futs = eng.submit_many(reqs("k"))
+        killed = False
+        while not killed and not all(f.done() for f in futs):
+            if any(live.ids and live.worker is not None and live.worker.index == 0 for live in list(eng._live.values())):
+                eng.kill_worker(0)
+                killed = True
+            time.sleep(0.005)
+        answers = [f.result() for f in futs]
+        kill_s = time.perf_counter() - t0
+        identical = all(a.response_ids == b.response_ids for a, b in zip(clean, answers))
+        complete = all(len(c.response_ids) == 64 and c.finish == "length" for c in answers)
+        return {"requests": args.kill_requests, "killed": killed, "complete": complete, "seconds_clean": clean_s, "seconds_with_kill": kill_s,
+                "resubmitted": eng.resubmitted, "restarts": eng.restarts, "identical": identical}
+    finally:
+        eng.shutdown()
+
+
 def main(args) -> dict:
     result: dict = {"model": args.model, "steps_measured": args.steps}
     if not args.skip_train:
@@ -89,6 +139,8 @@ def main(args) -> dict:
         if args.cpus >= 2:
             ray2 = _train(args, "ray", workers=2, cpus=args.cpus / 2)
             result.update(ray_two_workers_samples_per_s=ray2["samples_per_s"], ray_two_workers=ray2)
+    if args.cpus >= 2 and args.kill_requests:
+        result["kill"] = _kill(args)
     result["weight_sync"] = [_weight_sync(args, dtype, delta) for dtype in ("float32", "bfloat16")
                              for delta in (True, False)]
     print(f"\nrollover bench ray — {args.model}, {args.steps} measured sync steps per runtime")
@@ -97,6 +149,10 @@ def main(args) -> dict:
               f"   ({result['ray_over_local']:.2f}x local)")
         if "ray_two_workers" in result:
             print(f"             ray, 2 workers {result['ray_two_workers_samples_per_s']:.3f}")
+    if "kill" in result:
+        k = result["kill"]
+        print(f"  worker killed mid-generation: {k['seconds_with_kill']:.1f} s vs {k['seconds_clean']:.1f} s undisturbed, "
+              f"{k['resubmitted']} requests resumed elsewhere, completions identical: {k['identical']}")
     for w in result["weight_sync"]:
         print(f"  weight sync {w['dtype']:8s} delta={'on ' if w['delta'] else 'off'}  {w['seconds_per_update']:.3f} s/update  "
               f"{w['bytes_per_worker'] / 2**20:8.1f} MiB per worker ({w['sent_fraction']:.1%} of the model)")
@@ -113,6 +169,7 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=at_least(1), default=3, help="measured steps per runtime (one more runs first)")
     p.add_argument("--updates", type=at_least(1), default=5, help="weight updates timed per transport setting")
     p.add_argument("--cpus", type=at_least(1), default=2, help="CPUs of the local Ray instance")
-    p.add_argument("--skip-train", action="store_true", help="only the weight-sync part")
+    p.add_argument("--skip-train", action="store_true", help="skip the training runs")
+    p.add_argument("--kill-requests", type=at_least(0), default=32, help="requests of the kill measurement (0: skip it)")
     p.add_argument("--json", default=None)
     p.add_argument("overrides", nargs="*", help="extra key.path=value config overrides (both runtimes)")
