@@ -20,7 +20,7 @@ from rollover.loops.common import build_run  # noqa: E402
 from rollover.loops.sync import train_sync  # noqa: E402
 from rollover.rollout.april import AprilCollector  # noqa: E402
 from rollover.runtime.router import RayEngine  # noqa: E402
-from rollover.runtime.weights import ObjectStoreTransport, changed_elements  # noqa: E402
+from rollover.runtime.weights import ObjectStoreTransport, changed_mask  # noqa: E402
 from rollover.testing import assert_provenance, save_tiny_model, tiny_model  # noqa: E402
 from rollover.types import Request, SamplingParams  # noqa: E402
 
@@ -112,7 +112,7 @@ def test_weight_updates_travel_as_deltas_and_versions_stay_exact(pair):
 def test_bit_comparison_sees_sign_of_zero_and_skips_equal_tensors():
     a = torch.tensor([0.0, 1.0, 2.0], dtype=torch.bfloat16)
     b = torch.tensor([-0.0, 1.0, 3.0], dtype=torch.bfloat16)
-    assert changed_elements(b, a).tolist() == [0, 2]
+    assert changed_mask(b, a).nonzero().squeeze(1).tolist() == [0, 2]
     t = ObjectStoreTransport(torch.bfloat16, delta=True)
     t.initial([("w", a.float())])
     full, deltas, rep = t.update([("w", a.float())], version=1)
@@ -131,7 +131,7 @@ def test_requests_of_a_group_stay_on_one_worker_and_load_spreads(pair):
             w.load = 0
         picks = []
         for r in group + other:
-            w = eng._pick(r, alive)
+            w = eng.router.pick(r, alive)
             w.load += r.remaining_tokens
             picks.append(w.index)
         for w in alive:

@@ -64,6 +64,12 @@ class Request:
     def remaining_tokens(self) -> int:
         return self.sampling.max_new_tokens - len(self.response_ids)
 
+    def completion(self, finish: FinishReason) -> "Completion":
+        """This request's carried tokens as a completion (the inverse of `Completion.resume`)."""
+        return Completion(id=self.id, prompt_ids=list(self.prompt_ids), response_ids=list(self.response_ids),
+                          logprobs=list(self.response_logprobs), versions=list(self.response_versions),
+                          finish=finish, sampling=self.sampling)
+
 
 @dataclass
 class Completion:

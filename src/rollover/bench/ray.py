@@ -29,18 +29,14 @@ import time
 
 
 def _train(args, runtime: str, workers: int = 1, cpus: float = 2.0) -> dict:
+    from rollover.bench.train import WORKLOAD
     from rollover.config import load_config
     from rollover.loops.sync import train_sync
     from rollover.metrics import read_metrics
 
     run_dir = tempfile.mkdtemp(prefix=f"rollover-bench-ray-{runtime}-")
-    overrides = [
-        f"model={args.model}", f"run_dir={run_dir}", "resume=never", f"steps={args.steps + 1}",
-        "data.train=gen:arithmetic?digits=1&n=2000", "data.eval_size=0", "data.max_prompt_tokens=64",
-        "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=48",
-        "reward.functions=[numeric]", "eval.every=0", "eval.at_start=false", f"checkpoint.every={10**6}",
-        "logging.progress=false", "logging.tensorboard=false", f"runtime={runtime}",
-    ]
+    overrides = [f"model={args.model}", f"run_dir={run_dir}", f"steps={args.steps + 1}", *WORKLOAD,
+                 f"runtime={runtime}"]
     if runtime == "ray":
         overrides += [f"ray.rollout_workers={workers}", f"ray.cpus_per_worker={cpus:g}", f"ray.num_cpus={args.cpus}"]
     train_sync(load_config(None, overrides + list(args.overrides)))
@@ -113,13 +109,13 @@ def _kill(args) -> dict:
         clean_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         futs = eng.submit_many(reqs("k"))
-        killed = False
-        while not killed and not all(f.done() for f in futs):
+        killed, deadline = False, time.monotonic() + cfg.ray.sync_timeout_s
+        while not killed and not all(f.done() for f in futs) and time.monotonic() < deadline:
             if any(live.ids and live.worker is not None and live.worker.index == 0 for live in list(eng._live.values())):
                 eng.kill_worker(0)
                 killed = True
             time.sleep(0.005)
-        answers = [f.result() for f in futs]
+        answers = [f.result(timeout=cfg.ray.sync_timeout_s) for f in futs]
         kill_s = time.perf_counter() - t0
         identical = all(a.response_ids == b.response_ids for a, b in zip(clean, answers))
         complete = all(len(c.response_ids) == 64 and c.finish == "length" for c in answers)

@@ -12,20 +12,24 @@ import statistics
 import tempfile
 
 
+# the measured workload (also `rollover bench ray`'s): the demo task, one update per step, no
+# evaluation or checkpoint inside the measured steps
+WORKLOAD = (
+    "resume=never", "data.train=gen:arithmetic?digits=1&n=2000", "data.eval_size=0", "data.max_prompt_tokens=64",
+    "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=48",
+    "reward.functions=[numeric]", "eval.every=0", "eval.at_start=false", f"checkpoint.every={10**6}",
+    "logging.progress=false", "logging.tensorboard=false",
+)
+
+
 def main(args) -> dict:
     from rollover.config import load_config
     from rollover.loops.sync import train_sync
     from rollover.metrics import read_metrics
 
     run_dir = tempfile.mkdtemp(prefix="rollover-bench-train-")
-    overrides = [
-        f"model={args.model}", f"run_dir={run_dir}", "resume=never", f"steps={args.steps + 1}",
-        "data.train=gen:arithmetic?digits=1&n=2000", "data.eval_size=0", "data.max_prompt_tokens=64",
-        "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=48",
-        f"rollout.engine={args.engine}", "reward.functions=[numeric]",
-        "eval.every=0", "eval.at_start=false", f"checkpoint.every={10**6}", "logging.progress=false",
-        "logging.tensorboard=false", *args.overrides,
-    ]
+    overrides = [f"model={args.model}", f"run_dir={run_dir}", f"steps={args.steps + 1}", *WORKLOAD,
+                 f"rollout.engine={args.engine}", *args.overrides]
     cfg = load_config(None, overrides)
     train_sync(cfg)
     rows = [r for r in read_metrics(run_dir, kind="train") if r["step"] > 1]

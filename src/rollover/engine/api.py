@@ -25,6 +25,14 @@ class TokenEvent:
     completion: Completion | None = None
 
 
+def call_if_finished(on_done: Callable[[Completion], None], fut: Future) -> None:
+    """A future's done-callback for an engine's `on_done`: a future that failed (the engine shut
+    down under it) or was cancelled has no completion to report; its error reaches whoever
+    awaits the future, not the scheduler's callback."""
+    if not fut.cancelled() and fut.exception() is None:
+        on_done(fut.result())
+
+
 class EngineAPI:
     _listeners: dict[str, Callable]
     _listen_lock: object

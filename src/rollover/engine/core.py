@@ -68,6 +68,15 @@ class EngineStats:
     recomputed_tokens: int = 0  # K/V recomputed after update_weights
     finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
 
+    def add(self, other: "EngineStats") -> None:
+        """Add another engine's counters to these (several workers as one engine)."""
+        for k, v in other.__dict__.items():
+            if k == "finished":
+                for reason, n in v.items():
+                    self.finished[reason] = self.finished.get(reason, 0) + n
+            else:
+                setattr(self, k, getattr(self, k) + v)
+
     @property
     def occupancy(self) -> float:
         return self.busy_row_steps / self.total_row_steps if self.total_row_steps else 0.0

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from rollover.engine.api import EngineAPI
+from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.core import EngineCore, EngineStats
 from rollover.engine.model_runner import ModelRunner
 from rollover.types import Completion, Request
@@ -31,13 +31,6 @@ def _eos_ids(config, generation_config) -> tuple[int, ...]:
             continue
         ids.extend(e if isinstance(e, (list, tuple)) else [e])
     return tuple(dict.fromkeys(ids))
-
-
-def _call_if_finished(on_done: Callable[[Completion], None], fut: Future) -> None:
-    # A future that failed (the engine shut down under it) has no completion to report;
-    # its error reaches whoever awaits the future, not the scheduler's callback.
-    if not fut.cancelled() and fut.exception() is None:
-        on_done(fut.result())
 
 
 class TorchEngine(EngineAPI):
@@ -122,7 +115,7 @@ class TorchEngine(EngineAPI):
             futures = [Future() for _ in requests]
             for r, f in zip(requests, futures):
                 if on_done is not None:
-                    f.add_done_callback(functools.partial(_call_if_finished, on_done))
+                    f.add_done_callback(functools.partial(call_if_finished, on_done))
                 f.add_done_callback(functools.partial(self._abort_if_cancelled, r.id))
                 self._futures[r.id] = f
 

@@ -6,93 +6,44 @@ keeps, the worker does not:
 
 - every live request and its tokens so far (the workers stream them back with each `poll`), so
   a worker's death loses nothing: its requests resume on the others (or on its replacement)
-  from their last reported token, and sampling seeded by position makes the regenerated tail
-  the one the dead worker would have produced;
+  from their last reported token (sampling seeded by position draws the regenerated tail with
+  the same noise; bit-identical wherever the recomputed prefix gives the same logits);
 - the weights version, the staleness gate's clock: a replacement worker starts at the current
   version, and an update returns once every worker holds it.
 
-Routing: a fresh request goes to the worker holding its prompt's prefix (the first 64 tokens:
-a group's samples, an episode's later turns) unless that worker's outstanding tokens exceed the
-least-loaded worker's by more than `ray.affinity_slack_tokens`; otherwise, and for resumed
-requests, to the least-loaded worker. Load is the tokens a worker still owes: each request's
-remaining budget, less what it has streamed.
-
-Callbacks (`on_done`) run on the driver's poller threads, one per worker, or on the thread that
-called `abort`/`update_weights` for the completions those return; each completion is delivered
-exactly once.
+Routing: `rollover.runtime.routing.Router` (least outstanding tokens, prompt-prefix
+affinity). Delivery: one dispatcher thread (`rollover.runtime.dispatch`) hands completions to
+futures and `on_done` callbacks, as TorchEngine's engine thread does; each completion is
+delivered exactly once, by the wire id of its placement.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Iterable
 
-from rollover.engine.api import EngineAPI
+from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.core import EngineStats
 from rollover.engine.validation import validate_request
+from rollover.runtime.dispatch import Dispatcher
+from rollover.runtime.live import LiveRequest, WorkerSlot, already_finished, first_line
+from rollover.runtime.routing import Router
 from rollover.runtime.weights import ObjectStoreTransport, SyncReport, engine_dtype
 from rollover.types import Completion, Request
 
 log = logging.getLogger("rollover")
 
-PREFIX_TOKENS = 64  # the prompt prefix that names a request's cache home
 POLL_S = 0.5  # a worker's poll returns at the first completion or after this long
 
 
 class WorkerLost(RuntimeError):
     """A rollout worker died with no restart left, and no worker remains."""
-
-
-@dataclass(eq=False)
-class _Worker:
-    index: int
-    handle: object
-    restarts: int = 0
-    alive: bool = True
-    load: int = 0  # tokens still owed by its live requests
-    pid: int | None = None
-    node: str | None = None
-    thread: threading.Thread | None = None
-    submits: collections.deque = field(default_factory=collections.deque)  # (ref, wire ids) not yet checked
-    ready: bool = False  # answered once (a replacement is routed to only when no ready worker is)
-    last_stats: EngineStats | None = None
-
-
-@dataclass(eq=False)
-class _Live:
-    """A request the driver owns: as submitted, plus the tokens streamed since."""
-
-    req: Request
-    future: Future
-    worker: _Worker | None = None
-    wire: str = ""  # the id its current placement goes by on its worker
-    aborting: bool = False  # an abort was asked for: if its worker dies it ends, it does not move
-    ids: list = field(default_factory=list)
-    lps: list = field(default_factory=list)
-    vers: list = field(default_factory=list)
-
-    @property
-    def owed(self) -> int:
-        return max(0, self.req.remaining_tokens - len(self.ids))
-
-    def resumed(self, wire: str | None = None) -> Request:
-        r = self.req
-        return Request(id=wire or r.id, prompt_ids=r.prompt_ids, sampling=r.sampling,
-                       response_ids=r.response_ids + self.ids, response_logprobs=r.response_logprobs + self.lps,
-                       response_versions=r.response_versions + self.vers)
-
-
-def _call_if_finished(on_done: Callable[[Completion], None], fut: Future) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        on_done(fut.result())
 
 
 class RayEngine(EngineAPI):
@@ -116,18 +67,16 @@ class RayEngine(EngineAPI):
         self._paused = False
         self._stopped = False
         self._error: BaseException | None = None
-        self._lock = threading.Lock()  # _live, worker loads and liveness, _affinity
+        self._lock = threading.Lock()  # _live, _wire, worker loads and liveness, the router
         self._weights_lock = threading.Lock()  # a weight update and a worker's replacement
-        self._live: dict[str, _Live] = {}  # request id -> live request
-        self._wire: dict[str, _Live] = {}  # wire id (request id @ placement) -> live request
+        self._live: dict[str, LiveRequest] = {}  # request id -> live request
+        self._wire: dict[str, LiveRequest] = {}  # wire id (request id @ placement) -> live request
         self._placements = 0
-        self._parked: list[_Live] = []  # requests waiting for a replacement worker (none alive)
+        self._parked: list[LiveRequest] = []  # requests waiting for a replacement worker (none alive)
         self._restarting = 0  # replacements being started
         self._retired = EngineStats()  # counters of workers that died
-        self._affinity: collections.OrderedDict = collections.OrderedDict()  # prefix -> worker index
-        self.slack = self.rc.affinity_slack_tokens
-        if self.slack is None:
-            self.slack = cfg.rollout.max_new_tokens * cfg.rollout.samples_per_prompt
+        slack = self.rc.affinity_slack_tokens
+        self.router = Router(slack if slack is not None else cfg.rollout.max_new_tokens * cfg.rollout.samples_per_prompt)
         dtype = engine_dtype(cfg, self.worker_device)
         self.delta = self.rc.weight_delta
         if self.delta is None:
@@ -139,9 +88,7 @@ class RayEngine(EngineAPI):
         self._listeners: dict = {}  # streaming: driver-side per-token callbacks
         self._listen_lock = threading.Lock()
         self._remote = ray.remote(_worker_class()).options
-        self._events: queue.SimpleQueue = queue.SimpleQueue()  # work for the dispatcher thread, in order
-        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="rollover-ray-dispatch", daemon=True)
-        self._dispatcher.start()
+        self._dispatch = Dispatcher()  # delivers completions, runs the schedule's callbacks
         refs = self.transport.initial(weights)
         self._workers = [self._spawn(i, refs, 0) for i in range(self.rc.rollout_workers)]
         try:
@@ -156,15 +103,15 @@ class RayEngine(EngineAPI):
                  " as deltas" if self.delta else "")
 
     # ------------------------------------------------------------ workers
-    def _spawn(self, index: int, refs: dict, restarts: int) -> _Worker:
+    def _spawn(self, index: int, refs: dict, restarts: int) -> WorkerSlot:
         rc = self.rc
         threads = max(1, int(rc.cpus_per_worker))
         handle = self._remote(num_cpus=rc.cpus_per_worker, num_gpus=rc.gpus_per_worker, max_concurrency=8,
                               name=None).remote(index, self.cfg, *self._arch, refs, self._version, self.worker_device,
                                                 self.max_len, self._eos, threads, self.delta, self._paused)
-        return _Worker(index=index, handle=handle, restarts=restarts)
+        return WorkerSlot(index=index, handle=handle, restarts=restarts)
 
-    def _wait_ready(self, workers: list[_Worker]) -> None:
+    def _wait_ready(self, workers: list[WorkerSlot]) -> None:
         import ray
 
         refs = [w.handle.ready.remote() for w in workers]
@@ -175,14 +122,14 @@ class RayEngine(EngineAPI):
                 raise TimeoutError(f"rollout worker {w.index} did not start within ray.sync_timeout_s="
                                    f"{self.rc.sync_timeout_s:g} s (are its resources free? ray status shows them)") from None
             except ray.exceptions.RayError as e:
-                raise RuntimeError(f"rollout worker {w.index} failed to start: {_first_line(e)}") from None
+                raise RuntimeError(f"rollout worker {w.index} failed to start: {first_line(e)}") from None
             w.pid, w.node, w.ready = info["pid"], info["node"], True
 
-    def _start_poller(self, w: _Worker) -> None:
+    def _start_poller(self, w: WorkerSlot) -> None:
         w.thread = threading.Thread(target=self._poll_loop, args=(w,), name=f"rollover-ray-poll-{w.index}", daemon=True)
         w.thread.start()
 
-    def _poll_loop(self, w: _Worker) -> None:
+    def _poll_loop(self, w: WorkerSlot) -> None:
         import ray
 
         while not self._stopped and w.alive:
@@ -194,42 +141,9 @@ class RayEngine(EngineAPI):
                 return
             w.ready = True
             self._check_submits(w)
-            self._events.put(functools.partial(self._deliver, w, done, tokens))
+            self._dispatch.put(functools.partial(self._deliver, w, done, tokens))
 
-    # ------------------------------------------------------------ the dispatcher
-    def _dispatch_loop(self) -> None:
-        """The one thread that delivers tokens and completions (and so runs `on_done`), as the
-        engine thread does in TorchEngine: a command issued from a callback runs inline, and a
-        command from another thread returns once what it caused has been delivered."""
-        while True:
-            fn = self._events.get()
-            if fn is None:
-                return
-            try:
-                fn()
-            except BaseException as e:  # a bug here must not stop every later delivery
-                log.error("ray: delivering to the schedule failed: %r", e, exc_info=e)
-
-    def _on_dispatcher(self) -> bool:
-        return threading.current_thread() is self._dispatcher
-
-    def _run(self, fn) -> None:
-        """fn on the dispatcher: now if this is it, else queued behind what is there."""
-        if self._on_dispatcher():
-            fn()
-        else:
-            self._events.put(fn)
-
-    def _sync(self) -> None:
-        """Wait until everything queued for delivery before this call has been delivered."""
-        if self._on_dispatcher() or not self._dispatcher.is_alive():
-            return
-        done = threading.Event()
-        self._events.put(done.set)
-        while not done.wait(timeout=1.0):
-            if self._stopped:
-                return
-
+    # ------------------------------------------------------------ delivery (on the dispatcher)
     def _resolve(self, pairs: list) -> None:
         """Hand each (live, completion or error) to its future (and so to `on_done`)."""
         for live, outcome in pairs:
@@ -247,7 +161,7 @@ class RayEngine(EngineAPI):
             except InvalidStateError:  # cancelled by its caller meanwhile
                 pass
 
-    def _deliver(self, w: _Worker, done: list[Completion], tokens: dict) -> None:
+    def _deliver(self, w: WorkerSlot, done: list[Completion], tokens: dict) -> None:
         """Apply streamed tokens and hand out completions, by wire id: each placement of a
         request has its own, so a completion from an earlier placement (an abort answered twice,
         a request resumed under the same id) is dropped, and each is delivered exactly once.
@@ -278,7 +192,7 @@ class RayEngine(EngineAPI):
                         listener(tok, lp, ver)
         self._resolve(finished)
 
-    def _lost(self, w: _Worker, err: BaseException) -> None:
+    def _lost(self, w: WorkerSlot, err: BaseException) -> None:
         """A worker died (or stopped answering): replace it and resume its requests (those
         an abort was asked for end as aborted, from the driver's tokens). Until the
         replacement is there, requests that find no live worker wait for it."""
@@ -290,7 +204,7 @@ class RayEngine(EngineAPI):
                 return
             w.alive = False
             if w.last_stats is not None:
-                _add_stats(self._retired, w.last_stats)
+                self._retired.add(w.last_stats)
             orphans = [live for live in self._live.values() if live.worker is w]
             for live in orphans:
                 live.worker = None
@@ -304,15 +218,15 @@ class RayEngine(EngineAPI):
         except Exception:  # already gone
             pass
         log.warning("ray: rollout worker %d (pid %s) lost: %s; %d requests resume %s", w.index, w.pid,
-                    _first_line(err), len(orphans),
+                    first_line(err), len(orphans),
                     "on the others or its replacement" if can_restart else "on the others (no restart left)")
         if no_one:
             self._fail(WorkerLost(f"rollout worker {w.index} died after {w.restarts} restarts (ray.max_restarts="
-                                  f"{self.rc.max_restarts}) and no worker is left: {_first_line(err)}"))
+                                  f"{self.rc.max_restarts}) and no worker is left: {first_line(err)}"))
             return
         ending = [live for live in orphans if live.aborting]
         if ending:
-            self._run(functools.partial(self._abort_rest, ending))
+            self._dispatch.run(functools.partial(self._abort_rest, ending))
         moving = [live for live in orphans if not live.aborting]
         self.resubmitted += len(moving)
         if can_restart:
@@ -354,9 +268,9 @@ class RayEngine(EngineAPI):
         for r in requests:
             f = Future()
             if on_done is not None:
-                f.add_done_callback(functools.partial(_call_if_finished, on_done))
+                f.add_done_callback(functools.partial(call_if_finished, on_done))
             f.add_done_callback(functools.partial(self._abort_if_cancelled, r.id))
-            lives.append(_Live(req=r, future=f))
+            lives.append(LiveRequest(req=r, future=f))
         with self._lock:  # checked and entered in one hold: two submits of one id cannot both pass
             seen = set()
             for r in requests:
@@ -369,11 +283,11 @@ class RayEngine(EngineAPI):
         self._place(lives)
         return [live.future for live in lives]
 
-    def _place(self, lives: list[_Live]) -> None:
+    def _place(self, lives: list[LiveRequest]) -> None:
         """Route lives to workers (one batch per worker, in order) and send them, each under a
         fresh wire id. With no worker alive they wait for a replacement being started; with
         none coming they fail."""
-        batches: dict[int, tuple[_Worker, list[Request]]] = {}
+        batches: dict[int, tuple[WorkerSlot, list[Request]]] = {}
         done = []
         with self._lock:
             alive = [w for w in self._workers if w.alive]
@@ -381,10 +295,10 @@ class RayEngine(EngineAPI):
             for live in lives:
                 if self._live.get(live.req.id) is not live:
                     continue  # finished meanwhile (aborted before it was placed)
-                end = self._already_finished(live.resumed())
+                end = already_finished(live.resumed(), self._eos, self.max_len)
                 if end is not None:
                     del self._live[live.req.id]
-                    done.append((live, _completion(live.resumed(), end)))
+                    done.append((live, live.resumed().completion(end)))
                     continue
                 if not ready:
                     if self._restarting:
@@ -396,17 +310,17 @@ class RayEngine(EngineAPI):
                 self._placements += 1
                 live.wire = f"{live.req.id}@{self._placements}"
                 req = live.resumed(live.wire)
-                w = self._pick(req, ready)
+                w = self.router.pick(req, ready)
                 live.worker = w
                 w.load += live.owed
                 self._wire[live.wire] = live
                 batches.setdefault(id(w), (w, []))[1].append(req)
         if done:
-            self._run(functools.partial(self._resolve, done))
+            self._dispatch.run(functools.partial(self._resolve, done))
         for w, reqs in batches.values():
             w.submits.append((w.handle.submit.remote(reqs), [r.id for r in reqs]))
 
-    def _check_submits(self, w: _Worker) -> None:
+    def _check_submits(self, w: WorkerSlot) -> None:
         """Fail the requests of a batch the worker refused (its engine's own checks; the
         driver's validation makes this rare). A dead worker's batches move with its poller."""
         import ray
@@ -419,46 +333,15 @@ class RayEngine(EngineAPI):
             try:
                 ray.get(ref)
             except ray.exceptions.RayTaskError as e:
-                err = RuntimeError(f"rollout worker {w.index} refused a batch of {len(wires)} requests: {_first_line(e)}")
+                err = RuntimeError(f"rollout worker {w.index} refused a batch of {len(wires)} requests: {first_line(e)}")
                 with self._lock:
                     lives = [self._wire.pop(wire) for wire in wires if wire in self._wire]
                     for live in lives:
                         del self._live[live.req.id]
                         w.load -= live.owed
-                self._events.put(functools.partial(self._resolve, [(live, err) for live in lives]))
+                self._dispatch.put(functools.partial(self._resolve, [(live, err) for live in lives]))
             except ray.exceptions.RayError:
                 return  # died: the next poll says so
-
-    def _pick(self, req: Request, alive: list[_Worker]) -> _Worker:
-        if not alive:
-            raise WorkerLost("no rollout worker is alive")
-        best = min(alive, key=lambda w: w.load)
-        if req.response_ids:  # a resumed request: any worker recomputes its prefix
-            return best
-        key = hash(tuple(req.prompt_ids[:PREFIX_TOKENS]))
-        home = self._affinity.get(key)
-        pick = best
-        if home is not None:
-            held = next((w for w in alive if w.index == home), None)
-            if held is not None and held.load <= best.load + self.slack:
-                pick = held
-        self._affinity[key] = pick.index
-        self._affinity.move_to_end(key)
-        if len(self._affinity) > 100_000:
-            self._affinity.popitem(last=False)
-        return pick
-
-    def _already_finished(self, req: Request) -> str | None:
-        """The finish of a resumed request whose streamed tokens already end it (its worker died
-        after the last token and before reporting the completion)."""
-        if not req.response_ids:
-            return None
-        stop = set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else set(self._eos))
-        if req.response_ids[-1] in stop:
-            return "stop"
-        if req.remaining_tokens <= 0 or len(req.prompt_ids) + len(req.response_ids) >= self.max_len:
-            return "length"
-        return None
 
     def abort(self, ids: Iterable[str] | None = None) -> list[Completion]:
         """Abort requests (all when ids is None); returns their completions (partial, finish
@@ -471,7 +354,7 @@ class RayEngine(EngineAPI):
         with self._lock:
             wanted = set(self._live) if ids is None else set(ids) & set(self._live)
             targets = [self._live[rid] for rid in sorted(wanted)]
-            by_worker: dict[int, tuple[_Worker, list[str]]] = {}
+            by_worker: dict[int, tuple[WorkerSlot, list[str]]] = {}
             unplaced = []
             for live in targets:
                 live.aborting = True
@@ -483,12 +366,12 @@ class RayEngine(EngineAPI):
             try:
                 got = ray.get(w.handle.abort.remote(sorted(wires)), timeout=self.rc.sync_timeout_s)
             except ray.exceptions.RayError as e:  # died: its poller ends these from the driver's tokens
-                log.warning("ray: abort on rollout worker %d failed (%s)", w.index, _first_line(e))
+                log.warning("ray: abort on rollout worker %d failed (%s)", w.index, first_line(e))
                 continue
-            self._run(functools.partial(self._deliver, w, got, {}))
+            self._dispatch.run(functools.partial(self._deliver, w, got, {}))
         if unplaced:  # between workers (their worker lost) or waiting for a replacement
-            self._run(functools.partial(self._abort_rest, unplaced))
-        if not self._on_dispatcher():
+            self._dispatch.run(functools.partial(self._abort_rest, unplaced))
+        if not self._dispatch.here:
             _, pending = wait_futures([live.future for live in targets], timeout=self.rc.sync_timeout_s)
             if pending:
                 raise TimeoutError(f"{len(pending)} aborted requests got no answer within ray.sync_timeout_s="
@@ -496,13 +379,13 @@ class RayEngine(EngineAPI):
         return [live.future.result() for live in targets if live.future.done() and not live.future.cancelled()
                 and live.future.exception() is None]
 
-    def _abort_rest(self, lives: list[_Live]) -> None:
+    def _abort_rest(self, lives: list[LiveRequest]) -> None:
         """End aborted requests no worker holds: their partial completion is the driver's tokens."""
         with self._lock:
             rest = [live for live in lives if self._live.get(live.req.id) is live and live.worker is None]
             for live in rest:
                 del self._live[live.req.id]
-        self._resolve([(live, _completion(live.resumed(), "abort")) for live in rest])
+        self._resolve([(live, live.resumed().completion("abort")) for live in rest])
 
     def _abort_if_cancelled(self, rid: str, fut: Future) -> None:
         if fut.cancelled() and not self._stopped:
@@ -532,20 +415,20 @@ class RayEngine(EngineAPI):
                     continue
                 except ray.exceptions.RayTaskError as e:  # a bad tensor, out of memory: the run cannot go on
                     raise RuntimeError(f"rollout worker {w.index} failed to load weights version {version}: "
-                                       f"{_first_line(e)}") from None
+                                       f"{first_line(e)}") from None
                 with self._lock:
                     out += [replace(c, id=self._wire[c.id].req.id) for c in got if c.id in self._wire]
-                self._run(functools.partial(self._deliver, w, got, {}))
+                self._dispatch.run(functools.partial(self._deliver, w, got, {}))
             self._version = version
             report.workers, report.seconds = len(workers) - len(lost), time.perf_counter() - t0
             self.last_sync = report
         for w, e in lost:
             self._lost(w, e)
-        self._sync()
+        self._dispatch.sync(self.rc.sync_timeout_s, "update_weights")
         return out
 
     # ------------------------------------------------------------ the rest of the contract
-    def _each(self, method: str, *args) -> list[tuple[_Worker, object]]:
+    def _each(self, method: str, *args) -> list[tuple[WorkerSlot, object]]:
         """Call `method` on every ready worker and return (worker, answer) pairs; a worker
         still starting gets the call without being waited for (commands such as pause), and
         the answers of workers that died meanwhile are left out (their pollers replace them)."""
@@ -570,14 +453,14 @@ class RayEngine(EngineAPI):
         """Counters summed over the workers (those that died included, as last seen), once what
         they reported so far is delivered."""
         self._check_alive()
-        self._sync()
+        self._dispatch.sync(self.rc.sync_timeout_s, "stats")
         answers = self._each("stats")
         with self._lock:
             total = EngineStats()
-            _add_stats(total, self._retired)
+            total.add(self._retired)
             for w, st in answers:
                 w.last_stats = st
-                _add_stats(total, st)
+                total.add(st)
         return total
 
     def reset_stats(self) -> None:
@@ -599,7 +482,7 @@ class RayEngine(EngineAPI):
 
     def lengths(self) -> dict[str, int]:
         """Response tokens so far of every unfinished request, by request id."""
-        self._sync()
+        self._dispatch.sync(self.rc.sync_timeout_s, "lengths")
         out = {}
         for _, part in self._each("lengths"):
             out.update(part)
@@ -641,9 +524,7 @@ class RayEngine(EngineAPI):
         for w in self._workers:
             if w.thread is not None and w.thread is not threading.current_thread():
                 w.thread.join(timeout=5)
-        self._events.put(None)
-        if not self._on_dispatcher():
-            self._dispatcher.join(timeout=5)
+        self._dispatch.close()
         with self._lock:
             lives, self._live, self._wire = list(self._live.values()), {}, {}
         for live in lives:
@@ -657,26 +538,6 @@ class RayEngine(EngineAPI):
             raise RuntimeError(f"ray engine stopped: {self._error}") from self._error
         if self._stopped:
             raise RuntimeError("engine is shut down")
-
-
-def _add_stats(total: EngineStats, s: EngineStats) -> None:
-    for k, v in s.__dict__.items():
-        if k == "finished":
-            for reason, n in v.items():
-                total.finished[reason] = total.finished.get(reason, 0) + n
-        else:
-            setattr(total, k, getattr(total, k) + v)
-
-
-def _completion(req: Request, finish: str) -> Completion:
-    return Completion(id=req.id, prompt_ids=list(req.prompt_ids), response_ids=list(req.response_ids),
-                      logprobs=list(req.response_logprobs), versions=list(req.response_versions), finish=finish,
-                      sampling=req.sampling)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 @functools.lru_cache(maxsize=1)

@@ -34,11 +34,6 @@ def changed_mask(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return a != b
 
 
-def changed_elements(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Flat indices of the elements whose bits differ."""
-    return changed_mask(new, old).nonzero().squeeze(1)
-
-
 @dataclass
 class SyncReport:
     """What one weight update moved, per worker (each worker pulls the same payload)."""

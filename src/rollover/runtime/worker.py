@@ -58,9 +58,7 @@ class RolloutWorker:
         with self._cv:
             gone = [r for r in requests if self._cancelled.pop(r.id, 0) is None]
         for r in gone:
-            self._done(Completion(id=r.id, prompt_ids=r.prompt_ids, response_ids=r.response_ids,
-                                  logprobs=r.response_logprobs, versions=r.response_versions, finish="abort",
-                                  sampling=r.sampling))
+            self._done(r.completion("abort"))
         requests = [r for r in requests if all(r is not g for g in gone)]
         with self.engine._listen_lock:
             for r in requests:
