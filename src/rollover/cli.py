@@ -40,6 +40,52 @@ def _bench(argv: list[str]) -> int:
     return 0
 
 
+def _simulate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rollover simulate",
+        description="Simulate a training run on a cluster: rollover's own schedulers (sync, APRIL, async) drive "
+                    "simulated rollout workers and a simulated trainer on a virtual clock (docs/simulator.md).",
+        epilog="The config is a training config; its `simulate` section describes the cluster (pools of rollout "
+               "workers, a cost profile, response lengths). Example: rollover simulate examples/sim_cluster.yaml "
+               "mode=async async.max_staleness=2 --gantt gantt.png")
+    p.add_argument("config", nargs="?", help="YAML config (optional when overrides are given)")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. simulate.pools=[{workers: 8}]")
+    p.add_argument("--json", default=None, help="write the report (throughput, utilization, staleness, steps) here")
+    p.add_argument("--timeline", action="store_true", help="include every worker's timeline in the JSON")
+    p.add_argument("--gantt", default=None, help="write a Gantt chart PNG of the trainer and workers over time")
+    p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
+    args = p.parse_args(argv)
+    if args.config is None and not args.overrides:
+        p.print_usage(sys.stderr)
+        print("rollover simulate: give a YAML config and/or key.path=value overrides", file=sys.stderr)
+        return 2
+    cfg = _load_config("rollover simulate", *_split_config(args.config, args.overrides))
+    if cfg is None:
+        return 2
+
+    def body() -> int:
+        from rollover.metrics import Progress
+        from rollover.sim import report
+        from rollover.sim.run import simulate
+
+        bar = Progress(cfg.steps, desc="simulate") if cfg.logging.progress else None
+        try:
+            r = simulate(cfg, progress=(lambda row: bar.update(row["step"], simulated_s=f"{row['t_end']:.1f}"))
+                         if bar else None)
+        finally:
+            if bar:
+                bar.close()
+        print(report.text(r))
+        if args.json:
+            report.write_json(r, args.json, timeline=args.timeline)
+            print(f"report: {args.json}")
+        if args.gantt:
+            print(f"gantt: {report.gantt(r, args.gantt)}")
+        return 0
+
+    return _guarded("rollover simulate", args.debug, body)
+
+
 def _train(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="rollover train", description="RL-train a model from a YAML config and key.path=value overrides.",
@@ -264,6 +310,7 @@ COMMANDS = {
     "eval": (_eval, "held-out reward and accuracy of a run's latest checkpoint, a checkpoint or a base model"),
     "export": (_export, "write a run's checkpoint as a Hugging Face model directory (LoRA merged)"),
     "plot": (_plot, "PNG curves from a run's metrics.jsonl"),
+    "simulate": (_simulate, "simulate a run on a cluster (sync, APRIL, async) from a cost profile, on a virtual clock"),
     "bench": (_bench, "benchmarks: engine, training step, APRIL, async, faults (kill -9 + resume), environments, memory, Ray (docs/benchmarks.md)"),
 }
 

@@ -432,6 +432,67 @@ class RayConfig(Section):
     """Start the Ray dashboard with a local instance."""
 
 
+def _cost_fields(kind: str):
+    """A validator that a dict names only fields of the cost model `kind` (rollover/sim/costs.py)."""
+
+    def check(d: dict[str, Any]) -> dict[str, Any]:
+        from rollover.sim import costs
+
+        cls = {"decode": costs.DecodeCost, "train": costs.TrainCost, "sync": costs.SyncCost}[kind]
+        names = cls.__dataclass_fields__
+        bad = sorted(set(d) - set(names))
+        if bad:
+            raise ValueError(f"unknown {kind} cost keys {bad}; known: {', '.join(names)}")
+        out = {}
+        for k, v in d.items():
+            try:  # YAML reads 1e-7 (no dot) as a string
+                x = float(v) if isinstance(v, str) else v
+            except ValueError:
+                x = None
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < math.inf:
+                raise ValueError(f"{kind}.{k}={v!r}: must be a finite number >= 0")
+            out[k] = x
+        return out
+
+    return AfterValidator(check)
+
+
+class SimPoolConfig(Section):
+    name: NonEmptyStr = "rollout"
+    """Name of this pool of identical rollout workers (in reports and the Gantt chart)."""
+    workers: int = Field(1, ge=1)
+    """Rollout workers (one engine each: a GPU, or a tensor-parallel group)."""
+    max_rows: int = Field(64, ge=1)
+    """Sequences each worker decodes together."""
+    decode: Annotated[dict[str, Any], _cost_fields("decode")] = {}
+    """This pool's decode cost, over the profile's (keys of DecodeCost: step_s, per_row_s,
+    per_context_token_s, prefill_s, prefill_per_token_s)."""
+
+
+class SimConfig(Section):
+    profile: NonEmptyStr | None = None
+    """A profile JSON (`rollover simulate calibrate` writes one): the decode, train and sync costs."""
+    pools: list[SimPoolConfig] = Field([SimPoolConfig()], min_length=1)
+    """Rollout worker pools (several: a heterogeneous cluster)."""
+    decode: Annotated[dict[str, Any], _cost_fields("decode")] = {}
+    """Decode cost over the profile's, for every pool."""
+    train: Annotated[dict[str, Any], _cost_fields("train")] = {}
+    """Training step cost over the profile's (step_s, per_token_s)."""
+    sync: Annotated[dict[str, Any], _cost_fields("sync")] = {}
+    """Weight dissemination cost over the profile's (latency_s, bytes, bandwidth_bytes_per_s, per_worker_s)."""
+    lengths: dict[str, Any] = {}
+    """Response lengths (rollover/sim/workload.py LengthModel): kind lognormal (median, sigma,
+    prompt_sigma) or empirical (values)."""
+    prompts: int = Field(512, ge=1)
+    """Distinct simulated prompts."""
+    prompt_tokens: int = Field(128, ge=1)
+    """Tokens of every simulated prompt."""
+    solve_alpha: float = Field(1.0, gt=0)
+    """Each prompt is solved with probability p ~ Beta(solve_alpha, solve_beta) per sample."""
+    solve_beta: float = Field(1.0, gt=0)
+    """See solve_alpha (Beta(1, 1): solve rates uniform over prompts)."""
+
+
 class Config(Section):
     run_dir: NonEmptyStr = "runs/default"
     """Where metrics, checkpoints and plots go."""
@@ -464,6 +525,8 @@ class Config(Section):
     env: EnvConfig = EnvConfig()
     selection: SelectionConfig = SelectionConfig()
     ray: RayConfig = RayConfig()
+    simulate: SimConfig = SimConfig()
+    """The cluster `rollover simulate` simulates; training ignores it."""
 
     @model_validator(mode="before")
     @classmethod
@@ -668,7 +731,7 @@ def _error_line(err: dict) -> str:
 # partial_rollout, async — changes what is trained, and a new key is in that group until it is
 # listed here.
 RESUME_FREE_KEYS = (
-    "run_dir", "steps", "resume", "device", "eval", "checkpoint", "logging", "runtime", "ray",
+    "run_dir", "steps", "resume", "device", "eval", "checkpoint", "logging", "runtime", "ray", "simulate",
     "rollout.engine", "rollout.max_rows", "rollout.dtype", "rollout.engine_options", "rollout.stall_timeout_s",
     "reward.timeout_s", "reward.on_error", "reward.workers",
     "train.micro_batch_tokens", "train.pack_length", "train.gradient_checkpointing",

@@ -1,0 +1,355 @@
+"""The simulated engine's core: rollout workers doing continuous batching on a virtual clock.
+
+It offers what `EngineCore` offers (`ThreadedEngine` drives either), but a step is an *event*,
+not a forward pass. A worker's running sequences all gain one token per engine step, so
+between two events (a sequence finishing, a request arriving, a command) a worker's state
+moves by a whole number of steps whose total time has a closed form (the step time grows with
+the context, linearly). The core jumps from event to event, over every worker in time order:
+thousands of tokens cost one event.
+
+Semantics, as close to `EngineCore` as an event model allows:
+- Requests wait, are admitted into free rows at a step boundary (a prefill, shared by samples
+  with identical tokens), and every running sequence gains one token per step; a sequence
+  finishes when it reaches its drawn length ('stop') or its budget ('length').
+- A request, abort or weight update arriving at time T reaches a worker at its first step
+  boundary at or after T (the step in progress completes, as in the real engine). Sequences
+  that finish in that step are delivered at its end, in time order with everything else.
+- `pause` stops each worker at its last boundary before the pause (the step in progress does
+  not happen), and `resume` continues from the resume time.
+- A weight update stalls every worker for the dissemination time given with it; tokens after
+  it carry the new version; 'continue' recomputes the running sequences' K/V (a prefill),
+  'keep' does not, 'abort' aborts them.
+
+Requests go to workers through the Ray runtime's `Router` (least outstanding tokens, with
+prompt-prefix affinity), the policy a real multi-worker run uses.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+
+from rollover.engine.core import EngineStats
+from rollover.engine.validation import validate_request
+from rollover.runtime.routing import Router
+from rollover.sim.costs import DecodeCost
+from rollover.sim.workload import EOS, TOKEN, LengthModel, prompt_key
+from rollover.types import Completion, Request
+
+VOCAB = 1 << 30
+LOGPROB = -1.0  # the simulated model reports this behaviour logprob for every token
+
+
+class SimSeq:
+    __slots__ = ("request", "n", "carried", "target", "finish", "runs", "prompt_len", "budget")
+
+    def __init__(self, request: Request, target: int, finish: str):
+        self.request = request
+        self.carried = self.n = len(request.response_ids)
+        self.target, self.finish = target, finish
+        self.runs: list[tuple[int, int]] = []  # (version, first response index) of the tokens made here
+        self.prompt_len = len(request.prompt_ids)
+        self.budget = request.sampling.max_new_tokens
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    def completion(self, finish: str) -> Completion:
+        r, new = self.request, self.n - self.carried
+        ids = list(r.response_ids) + [TOKEN] * new
+        if finish == "stop" and new:
+            ids[-1] = EOS
+        versions = list(r.response_versions)
+        for i, (v, start) in enumerate(self.runs):
+            end = self.runs[i + 1][1] if i + 1 < len(self.runs) else self.n
+            versions += [v] * (end - start)
+        return Completion(id=r.id, prompt_ids=list(r.prompt_ids), response_ids=ids,
+                          logprobs=list(r.response_logprobs) + [LOGPROB] * new, versions=versions,
+                          finish=finish, sampling=r.sampling)
+
+    def mark(self, version: int) -> None:
+        """Tokens from here on are made by `version`."""
+        if self.runs and self.runs[-1][1] == self.n:
+            self.runs[-1] = (version, self.n)
+        else:
+            self.runs.append((version, self.n))
+
+
+class SimWorker:
+    """One rollout worker: `max_rows` sequences decoded together, at `cost`."""
+
+    def __init__(self, index: int, cost: DecodeCost, max_rows: int, pool: str = "rollout",
+                 max_prefill_tokens: int = 8192):
+        self.index, self.cost, self.max_rows, self.pool = index, cost, max_rows, pool
+        self.max_prefill_tokens = max_prefill_tokens
+        self.t = 0.0  # its last step boundary
+        self.waiting: deque[SimSeq] = deque()
+        self.running: list[SimSeq] = []
+        self.context = 0  # context tokens of the running sequences
+        self.load = 0  # tokens still owed (the router's measure)
+        self.recompute = 0  # K/V tokens to recompute in the next step (a weight update's 'continue')
+        # the planned segment from t: k steps to the next finish, `extra` seconds in the first
+        # (prefill), per-step time `base` + slope * step index
+        self.k, self.extra, self.base, self.slope = 0, 0.0, 0.0, 0.0
+        self.extra_fresh = self.extra_recompute = 0  # tokens the first step's prefill computes
+        self.prefilling: set = set()  # fresh prompts in that prefill
+        self.token = 0  # the heap entry of its planned segment (older ones are stale)
+        self.busy_s = self.stall_s = 0.0
+        self.timeline: list[list] = []  # [start, end, "generate" | "sync"], adjacent ones merged
+
+    def end(self, j: int) -> float:
+        """Time of the boundary after j steps of the planned segment."""
+        return self.t + (self.extra if j else 0.0) + j * self.base + self.slope * j * (j - 1) / 2
+
+    def first_at_or_after(self, T: float) -> int:
+        """Steps of the segment until the first boundary at or after T (at most k)."""
+        if T <= self.t:
+            return 0
+        a, b, c = self.slope / 2, self.base - self.slope / 2, self.t + self.extra - T
+        if a > 0:
+            j = math.ceil((-b + math.sqrt(max(b * b - 4 * a * c, 0.0))) / (2 * a))
+        else:
+            j = math.ceil(-c / b) if b > 0 else 1
+        j = min(max(j, 1), self.k)
+        while j > 1 and self.end(j - 1) >= T:
+            j -= 1
+        while j < self.k and self.end(j) < T:
+            j += 1
+        return j
+
+    def record(self, start: float, end: float, kind: str) -> None:
+        if end <= start:
+            return
+        if self.timeline and self.timeline[-1][2] == kind and abs(self.timeline[-1][1] - start) < 1e-9:
+            self.timeline[-1][1] = end
+        else:
+            self.timeline.append([start, end, kind])
+        if kind == "generate":
+            self.busy_s += end - start
+        else:
+            self.stall_s += end - start
+
+
+class SimCore:
+    def __init__(self, workers: list[SimWorker], lengths: LengthModel, *, max_len: int, slack: int,
+                 version: int = 0):
+        self.workers = workers
+        self.length_model = lengths
+        self.max_len = max_len
+        self.router = Router(slack)
+        self.eos_token_ids = (EOS,)
+        self.version = version
+        self.stats = EngineStats()
+        self.now = 0.0
+        self.horizon = math.inf
+        self.paused = False
+        self.where: dict[str, SimWorker] = {}  # live request id -> its worker
+        self.heap: list = []  # (time, order, worker or None, token or completions)
+        self._order = itertools.count()
+
+    # ------------------------------------------------------------ the EngineCore contract
+    def validate(self, req: Request) -> None:
+        validate_request(req, max_len=self.max_len, vocab_size=VOCAB)
+
+    def add(self, req: Request) -> Completion | None:
+        seq = self._seq(req)
+        if seq.n >= seq.target:  # nothing left to generate (budget spent, or resumed at its end)
+            self.stats.finished[seq.finish] += 1
+            return seq.completion(seq.finish)
+        w = self.router.pick(req, self.workers)
+        self._sync(w)
+        w.waiting.append(seq)
+        w.load += seq.budget - seq.n
+        self.where[req.id] = w
+        self._plan(w)
+        return None
+
+    def has_work(self) -> bool:
+        while self.heap and self.heap[0][2] is not None and self.heap[0][3] != self.heap[0][2].token:
+            heapq.heappop(self.heap)  # a segment re-planned since
+        return bool(self.heap) and self.heap[0][0] < self.horizon
+
+    def step(self) -> tuple[list[Completion], list]:
+        """The next event: a worker's segment ends (its finished sequences are returned), or
+        completions finished early (in a command's step) are delivered."""
+        if not self.has_work():
+            return [], []
+        t, _, w, payload = heapq.heappop(self.heap)
+        self.now = max(self.now, t)
+        if w is None:
+            return payload, []
+        self._advance(w, w.k)
+        done = self._finish_due(w)
+        self._plan(w)
+        return done, []
+
+    def lengths(self) -> dict[str, int]:
+        return {s.id: s.n for w in self.workers for s in (*w.waiting, *w.running)}
+
+    def abort(self, ids: set[str] | None) -> list[Completion]:
+        out = []
+        targets = list(self.where) if ids is None else [i for i in ids if i in self.where]
+        by_worker: dict[int, list[str]] = {}
+        for rid in targets:
+            by_worker.setdefault(self.where[rid].index, []).append(rid)
+        for index, rids in by_worker.items():
+            w = self.workers[index]
+            self._sync(w)  # sequences finishing in the step in progress finish, not abort
+            gone = {r for r in rids if r in self.where}
+            keep_w, keep_r = deque(), []
+            for s in w.waiting:
+                (out.append(self._drop(w, s, "abort")) if s.id in gone else keep_w.append(s))
+            for s in w.running:
+                if s.id in gone:
+                    w.context -= s.prompt_len + s.n
+                    out.append(self._drop(w, s, "abort"))
+                else:
+                    keep_r.append(s)
+            w.waiting, w.running = keep_w, keep_r
+            self._plan(w)
+        return out
+
+    def update_weights(self, named_tensors, version: int, inflight: str, stall_s: float = 0.0) -> list[Completion]:
+        if inflight not in ("continue", "keep", "abort"):
+            raise ValueError(f"inflight must be 'continue', 'keep' or 'abort', got {inflight!r}")
+        self.version = version
+        out = []
+        for w in self.workers:
+            self._sync(w)
+            start = max(w.t, self.now)
+            w.record(start, start + stall_s, "sync")
+            w.t = start + stall_s
+            if inflight == "abort":
+                for s in w.running:
+                    out.append(self._drop(w, s, "abort"))
+                w.running, w.context = [], 0
+            for s in w.running:
+                s.mark(version)
+            if inflight == "continue":
+                w.recompute += sum(s.prompt_len + s.n for s in w.running)
+            self._plan(w)
+        return out
+
+    # ------------------------------------------------------------ the simulation's own calls
+    def pause(self) -> None:
+        """Every worker stops at its last step boundary before now; nothing runs until resume."""
+        for w in self.workers:
+            if w.k:
+                j = w.first_at_or_after(self.now)
+                if j and w.end(j) > self.now:
+                    j -= 1
+                if j == 0:  # its first step (and the prefill in it) did not happen: redo it on resume
+                    w.recompute += w.extra_fresh + w.extra_recompute
+                    w.extra_fresh = w.extra_recompute = 0
+                    w.prefilling.clear()
+                self._advance(w, j)
+                w.k, w.token = 0, w.token + 1
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        for w in self.workers:
+            self._sync(w)
+            self._plan(w)
+
+    # ------------------------------------------------------------ internals
+    def _seq(self, req: Request) -> SimSeq:
+        want = self.length_model.draw(prompt_key(req), req.sampling.seed if req.sampling.seed is not None
+                                 else hash(req.id))
+        budget = min(req.sampling.max_new_tokens, self.max_len - len(req.prompt_ids) - 1)
+        if want < budget:
+            return SimSeq(req, want, "stop")
+        return SimSeq(req, budget, "length")
+
+    def _sync(self, w: SimWorker) -> None:
+        """Bring w to its first step boundary at or after now (an idle or paused worker: to now).
+        Sequences that finish at that boundary are delivered at its time."""
+        if not w.k:
+            w.t = max(w.t, self.now)
+            return
+        j = w.first_at_or_after(self.now)
+        if not j:
+            return
+        self._advance(w, j)
+        done = self._finish_due(w)
+        if done:
+            heapq.heappush(self.heap, (w.t, next(self._order), None, done))
+        w.token += 1  # its segment is re-planned by the caller
+
+    def _advance(self, w: SimWorker, j: int) -> None:
+        """Apply j steps of w's planned segment."""
+        if j <= 0:
+            return
+        n, end = len(w.running), w.end(j)
+        w.record(w.t, end, "generate")
+        st = self.stats
+        st.decode_steps += j
+        st.busy_row_steps += n * j
+        st.total_row_steps += w.max_rows * j
+        st.generated_tokens += n * j
+        st.prefill_s += w.extra
+        st.prefill_tokens += w.extra_fresh
+        st.recomputed_tokens += w.extra_recompute
+        w.extra_fresh = w.extra_recompute = 0
+        w.prefilling.clear()
+        st.decode_s += end - w.t - w.extra
+        for s in w.running:
+            s.n += j
+        w.context += n * j
+        w.load -= n * j
+        w.t, w.k, w.extra = end, w.k - j, 0.0
+        w.base = w.cost.step(n, w.context)
+
+    def _finish_due(self, w: SimWorker) -> list[Completion]:
+        done, keep = [], []
+        for s in w.running:
+            if s.n >= s.target:
+                w.context -= s.prompt_len + s.n
+                done.append(self._drop(w, s, s.finish))
+            else:
+                keep.append(s)
+        w.running = keep
+        return done
+
+    def _drop(self, w: SimWorker, s: SimSeq, finish: str) -> Completion:
+        w.load -= s.budget - s.n
+        del self.where[s.id]
+        self.stats.finished[finish] += 1
+        return s.completion(finish)
+
+    def _plan(self, w: SimWorker) -> None:
+        """Admit waiting sequences into free rows and plan w's next segment from its boundary
+        (none while paused or idle)."""
+        w.token += 1
+        w.k = 0
+        if self.paused:
+            return
+        admitted, budget = [], w.max_prefill_tokens
+        while w.waiting and len(w.running) < w.max_rows:
+            s = w.waiting[0]
+            need = s.prompt_len + s.n
+            if admitted and need > budget:
+                break
+            w.waiting.popleft()
+            s.mark(self.version)
+            w.running.append(s)
+            w.context += need
+            admitted.append(s)
+            budget -= need
+        if not w.running:
+            return
+        for s in admitted:  # the n samples of a fresh prompt admitted in one step prefill once
+            key = tuple(s.request.prompt_ids) if not s.n else id(s)
+            if key not in w.prefilling:
+                w.prefilling.add(key)
+                w.extra_fresh += s.prompt_len + s.n
+        w.extra_recompute, w.recompute = w.extra_recompute + w.recompute, 0
+        n = len(w.running)
+        w.extra = w.cost.prefill(w.extra_fresh + w.extra_recompute)
+        w.base = w.cost.step(n, w.context)
+        w.slope = w.cost.per_context_token_s * n
+        w.k = min(s.target - s.n for s in w.running)
+        heapq.heappush(self.heap, (w.end(w.k), next(self._order), w, w.token))

@@ -1,0 +1,104 @@
+"""Cost models of the simulated cluster: engine steps, training steps, weight dissemination.
+
+Each is a small linear model whose coefficients come from a profile (`rollover simulate
+calibrate` fits them from measured runs; published GPU figures can be typed in). Departures
+from a real engine, on purpose: a step's time depends only on its rows and their context
+tokens (no kernel launch jitter, no memory-bandwidth cliffs), and the tokens a prefilled
+sequence samples in its admission step cost what a decode row costs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """Seconds of one engine step over `rows` running sequences holding `context` tokens in all:
+    step_s + per_row_s * rows + per_context_token_s * context; a step that admits sequences adds
+    prefill_s + prefill_per_token_s * tokens prefilled (a prompt its samples share counts once)."""
+
+    step_s: float = 0.02
+    per_row_s: float = 0.0
+    per_context_token_s: float = 0.0
+    prefill_s: float = 0.0
+    prefill_per_token_s: float = 0.0
+
+    def step(self, rows: int, context: int) -> float:
+        return self.step_s + self.per_row_s * rows + self.per_context_token_s * context
+
+    def prefill(self, tokens: int) -> float:
+        return self.prefill_s + self.prefill_per_token_s * tokens if tokens else 0.0
+
+
+@dataclass(frozen=True)
+class TrainCost:
+    """Seconds of one optimizer step: step_s + per_token_s * tokens (prompt and response tokens
+    of every sample in the batch, forward, backward and the logprob passes included)."""
+
+    step_s: float = 1.0
+    per_token_s: float = 0.0
+
+    def seconds(self, tokens: int) -> float:
+        return self.step_s + self.per_token_s * tokens
+
+
+@dataclass(frozen=True)
+class SyncCost:
+    """Seconds from the end of a training step until every rollout worker holds the new weights:
+    latency_s + bytes / bandwidth_bytes_per_s + per_worker_s * (workers - 1) (the last term: a
+    pipelined broadcast's chain of hops; 0 for an object store every worker pulls from at
+    once). Rollout workers generate nothing meanwhile (their weights are being replaced), and
+    the trainer waits for the transfer."""
+
+    latency_s: float = 0.0
+    bytes: float = 0.0
+    bandwidth_bytes_per_s: float = 1e9
+    per_worker_s: float = 0.0
+
+    def seconds(self, workers: int) -> float:
+        return self.latency_s + self.bytes / self.bandwidth_bytes_per_s + self.per_worker_s * max(workers - 1, 0)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The cost models of one hardware and model combination, saved as JSON."""
+
+    name: str = "unnamed"
+    decode: DecodeCost = DecodeCost()
+    train: TrainCost = TrainCost()
+    sync: SyncCost = SyncCost()
+    source: str = ""  # how the numbers were obtained (a command and host, or a paper)
+    fit: dict = field(default_factory=dict)  # calibration residuals and sample counts
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"profile: unknown keys {unknown} (known: {sorted(known)})")
+        parts = {"decode": DecodeCost, "train": TrainCost, "sync": SyncCost}
+        out = {}
+        for k, v in d.items():
+            if k in parts:
+                names = {f.name for f in fields(parts[k])}
+                bad = sorted(set(v) - names)
+                if bad:
+                    raise ValueError(f"profile.{k}: unknown keys {bad} (known: {sorted(names)})")
+                out[k] = parts[k](**v)
+            else:
+                out[k] = v
+        return cls(**out)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"profile {path}: {e}") from None
+        return cls.from_dict(data)

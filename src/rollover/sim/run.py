@@ -1,0 +1,277 @@
+"""`rollover simulate`: rollover's own schedulers on a simulated cluster.
+
+The synchronous collector, the APRIL collector, and the async rollout service, data manager
+and staleness gate are the objects that train models; here they drive a `SimEngine` (rollout
+workers on a virtual clock) and a simulated trainer whose step and weight-dissemination times
+come from the profile's cost models. Only the trainer's timing is the simulation's own:
+
+    sync / APRIL:  collect (engine time) -> train (TrainCost) -> push weights (SyncCost), in turn
+    async:         the rollout service runs on; the trainer takes each batch when it has formed
+                   and the previous step is done, trains (the engine runs meanwhile, up to the
+                   time the training ends), then the weights reach every worker (SyncCost:
+                   workers stall) and the gate opens for the next version.
+
+The data manager scores groups the moment they finish (on the engine thread: scoring takes no
+simulated time). Everything is deterministic: the same config gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections import Counter
+from dataclasses import replace
+
+import torch
+
+from rollover.config import Config, ConfigError
+from rollover.data import PromptIterator
+from rollover.sim.core import SimCore, SimWorker
+from rollover.sim.costs import Profile
+from rollover.sim.engine import SimEngine
+from rollover.sim.workload import LengthModel, SimRewards, SimTokenizer, make_prompts
+
+
+def profile_of(cfg: Config) -> Profile:
+    """The profile file (or the built-in defaults) with the config's cost overrides on top."""
+    s = cfg.simulate
+    base = Profile.load(s.profile) if s.profile else Profile(name="defaults")
+    return replace(base, decode=replace(base.decode, **s.decode), train=replace(base.train, **s.train),
+                   sync=replace(base.sync, **s.sync))
+
+
+def build_engine(cfg: Config, profile: Profile) -> SimEngine:
+    s, r = cfg.simulate, cfg.rollout
+    try:
+        lengths = LengthModel(**{k: tuple(v) if k == "values" else v for k, v in s.lengths.items()})
+    except TypeError as e:
+        raise ConfigError(f"simulate.lengths: {e}") from None
+    except ValueError as e:
+        raise ConfigError(f"simulate.{e}") from None
+    workers = []
+    for pool in s.pools:
+        cost = replace(profile.decode, **pool.decode)
+        for _ in range(pool.workers):
+            workers.append(SimWorker(len(workers), cost, pool.max_rows, pool=pool.name))
+    slack = r.samples_per_prompt * r.max_new_tokens
+    core = SimCore(workers, lengths, max_len=s.prompt_tokens + r.max_new_tokens + 1, slack=slack)
+    return SimEngine(core)
+
+
+def build_sim_run(cfg: Config, engine: SimEngine):
+    """A `Run` whose parts are simulated: prompts, rewards and tokenizer (the loops' helpers,
+    prompt selection included, are the real ones)."""
+    from rollover.loops.common import Run, _NoRecord
+
+    s = cfg.simulate
+    prompts, ids = make_prompts(s.prompts, cfg.seed, s.prompt_tokens, s.solve_alpha, s.solve_beta)
+    run = Run(cfg=cfg, device=torch.device("cpu"), tokenizer=SimTokenizer(), model=None, engine=engine, trainer=None,
+              train_iter=PromptIterator(prompts, seed=cfg.seed, shuffle=cfg.data.shuffle), eval_prompts=[],
+              rewards=SimRewards(cfg.seed), prompt_ids=ids, logger=_NoRecord())
+    if cfg.selection.policy != "uniform" or cfg.selection.allocation != "fixed":
+        from rollover.rollout.selection import PromptSelection
+
+        run.selection = PromptSelection(cfg.selection, seed=cfg.seed, correct=cfg.reward.correct_threshold)
+    return run
+
+
+def check(cfg: Config) -> None:
+    if cfg.env.name is not None:
+        raise ConfigError("rollover simulate: multi-turn environments (env.name) are not simulated yet")
+    if cfg.runtime != "local":
+        raise ConfigError("rollover simulate: runtime must be local (the simulated cluster is set in simulate.pools)")
+
+
+def simulate(cfg: Config, progress=None) -> dict:
+    """Simulate `cfg.steps` training steps; the report (see `summarize`)."""
+    check(cfg)
+    # the schedulers size their in-flight work by the engine's rows: the whole simulated cluster's
+    rows = sum(p.workers * p.max_rows for p in cfg.simulate.pools)
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"max_rows": rows})})
+    profile = profile_of(cfg)
+    engine = build_engine(cfg, profile)
+    run = build_sim_run(cfg, engine)
+    try:
+        driver = _async if cfg.mode == "async" else _sync
+        steps, trainer_tl = driver(cfg, run, engine, profile, progress)
+        engine.wait_idle()
+        return summarize(cfg, profile, engine, steps, trainer_tl)
+    finally:
+        engine.shutdown()
+
+
+def _trained_tokens(groups) -> int:
+    return sum(len(r.prompt_ids) + len(r.response_ids) for g in groups for r in g.rollouts)
+
+
+def _ages(groups, version: int) -> Counter:
+    """Samples by age: versions between training and the oldest token's."""
+    return Counter(version - min(r.versions) if r.versions else 0 for g in groups for r in g.rollouts)
+
+
+def _sync(cfg: Config, run, engine: SimEngine, profile: Profile, progress):
+    from rollover.rollout.april import AprilCollector
+    from rollover.rollout.sync_collect import SyncCollector
+
+    collector = AprilCollector(run) if cfg.partial_rollout.enabled else SyncCollector(run)
+    n_workers = len(engine.workers())
+    rows, trainer_tl = [], []
+    try:
+        for step in range(cfg.steps):
+            engine.release()
+            t0 = engine.now
+            groups, m = collector.collect(step)
+            engine.wait_idle()
+            t1 = engine.now
+            version = engine.version
+            train_s = profile.train.seconds(_trained_tokens(groups))
+            engine.run(until=t1 + train_s)
+            sync_s = profile.sync.seconds(n_workers)
+            engine.update_weights([], step + 1, collector.inflight_mode, stall_s=sync_s)
+            engine.run(until=t1 + train_s + sync_s)
+            trainer_tl += [[t1, t1 + train_s, "train"], [t1 + train_s, t1 + train_s + sync_s, "sync"]]
+            rows.append(_row(step, t0, t1, t1 + train_s + sync_s, groups, version, train_s, sync_s, m))
+            if progress:
+                progress(rows[-1])
+    finally:
+        collector.close()
+    return rows, trainer_tl
+
+
+class _Inbox:
+    """The data manager's inbox, processed inline: a finished group is scored and batched on
+    the engine thread the moment it lands (its put), so batches form at exact virtual times."""
+
+    def __init__(self):
+        self.manager = None
+        self.queue: list = []
+
+    def put(self, group) -> None:
+        with self.manager.lock:
+            self.manager._process(group)
+
+    def qsize(self) -> int:
+        return 0
+
+
+class _Batches(queue.Queue):
+    """Formed batches with the virtual time each formed; while `armed` (the trainer waits), a
+    batch halts the engine."""
+
+    def __init__(self, engine: SimEngine):
+        super().__init__()
+        self.engine, self.armed = engine, False
+
+    def put(self, batch, block=True, timeout=None) -> None:
+        super().put((batch, self.engine.now))
+        if self.armed:
+            self.engine.halt()
+
+
+def _async(cfg: Config, run, engine: SimEngine, profile: Profile, progress):
+    from rollover.rollout.async_rollout import DataManager, RolloutService, StalenessGate
+
+    B, eta = cfg.rollout.prompts_per_step, cfg.async_.max_staleness
+    errors: list = []
+
+    def on_error(who, e):
+        errors.append((who, e))
+        engine.halt()
+
+    gate = StalenessGate(B, eta, cfg.steps * B)
+    inbox, batches = _Inbox(), _Batches(engine)
+    service = RolloutService(run, gate, inbox, on_error)
+    inbox.manager = DataManager(run, gate, service, inbox, batches, on_error)
+    n_workers = len(engine.workers())
+    rows, trainer_tl = [], []
+    service.admit()
+    t_free = 0.0
+    for step in range(cfg.steps):
+        t_wait = t_free
+        if batches.empty():
+            batches.armed = True
+            engine.run()
+            batches.armed = False
+        if errors:
+            who, e = errors[0]
+            raise RuntimeError(f"simulation: the {who} failed: {e!r}") from e
+        if batches.empty():
+            raise RuntimeError(f"simulation stalled before step {step + 1}: no batch formed and nothing is in flight "
+                               f"({inbox.manager.describe()})")
+        groups, t_ready = batches.get()
+        t0 = max(t_free, t_ready)
+        engine.run(until=t0)
+        version = engine.version
+        if max(version - g.start_version for g in groups) > eta:
+            raise AssertionError(f"simulation: staleness above max_staleness={eta} at version {version}")
+        train_s = profile.train.seconds(_trained_tokens(groups))
+        engine.run(until=t0 + train_s)
+        sync_s = profile.sync.seconds(n_workers)
+        engine.update_weights([], step + 1, cfg.rollout.inflight_weight_update, stall_s=sync_s)
+        engine.run(until=t0 + train_s + sync_s)
+        t_free = t0 + train_s + sync_s
+        service.admit()
+        trainer_tl += [[t0, t0 + train_s, "train"], [t0 + train_s, t_free, "sync"]]
+        m = {"filtered_groups": inbox.manager.metrics["filtered_groups"]}
+        rows.append(_row(step, t_wait, t0, t_free, groups, version, train_s, sync_s, m))
+        if progress:
+            progress(rows[-1])
+    service.stop()
+    return rows, trainer_tl
+
+
+def _row(step, t_start, t_train, t_end, groups, version, train_s, sync_s, m) -> dict:
+    return {"step": step + 1, "t_start": t_start, "t_train": t_train, "t_end": t_end,
+            "wait_s": t_train - t_start, "train_s": train_s, "sync_s": sync_s,
+            "samples": sum(len(g.rollouts) for g in groups), "groups": len(groups),
+            "response_tokens": sum(len(r.response_ids) for g in groups for r in g.rollouts),
+            "ages": dict(_ages(groups, version)), "filtered_groups": m.get("filtered_groups", 0),
+            "discarded_tokens": m.get("discarded_tokens", 0)}
+
+
+def summarize(cfg: Config, profile: Profile, engine: SimEngine, rows: list[dict], trainer_tl: list) -> dict:
+    """Throughput, utilization per role, the idle-time breakdown and the staleness histogram."""
+    end = rows[-1]["t_end"] if rows else 0.0
+    workers = engine.workers()
+    stats = engine.stats()
+    pools: dict[str, dict] = {}
+    for w in workers:
+        p = pools.setdefault(w.pool, {"workers": 0, "generate_s": 0.0, "sync_s": 0.0})
+        p["workers"] += 1
+        p["generate_s"] += w.busy_s
+        p["sync_s"] += w.stall_s
+    for p in pools.values():
+        total = p["workers"] * end
+        p["utilization"] = p["generate_s"] / total if total else 0.0
+        p["stalled_fraction"] = p["sync_s"] / total if total else 0.0
+        p["idle_fraction"] = max(0.0, 1.0 - p["utilization"] - p["stalled_fraction"])
+    train_s = sum(r["train_s"] for r in rows)
+    sync_s = sum(r["sync_s"] for r in rows)
+    ages = Counter()
+    for r in rows:
+        ages.update(r["ages"])
+    samples = sum(r["samples"] for r in rows)
+    return {
+        "mode": _mode(cfg), "steps": len(rows), "workers": len(workers), "profile": profile.name,
+        "simulated_s": end,
+        "samples_trained": samples,
+        "samples_per_s": samples / end if end else 0.0,
+        "generated_tokens": stats.generated_tokens,
+        "generated_tokens_per_s": stats.generated_tokens / end if end else 0.0,
+        "row_occupancy": stats.occupancy,
+        "rollout": pools,
+        "trainer": {"utilization": train_s / end if end else 0.0, "train_s": train_s, "sync_s": sync_s,
+                    "wait_s": max(0.0, end - train_s - sync_s)},
+        "staleness": {str(k): v for k, v in sorted(ages.items())},
+        "discarded_tokens": sum(r["discarded_tokens"] for r in rows),
+        "step_rows": rows,
+        "timeline": {"trainer": trainer_tl, "workers": [w.timeline for w in workers],
+                     "pools": [w.pool for w in workers]},
+    }
+
+
+def _mode(cfg: Config) -> str:
+    if cfg.mode == "async":
+        return f"async (eta={cfg.async_.max_staleness})"
+    if cfg.partial_rollout.enabled:
+        return f"APRIL (alpha={cfg.partial_rollout.oversample:g}, {cfg.partial_rollout.carry})"
+    return "sync"

@@ -1,0 +1,179 @@
+"""The cluster simulator: the simulated engine honours the engine contract on a virtual clock
+(times hand-computed from the cost model), and rollover's own schedulers run on it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rollover.config import load_config
+from rollover.sim.core import SimCore, SimWorker
+from rollover.sim.costs import DecodeCost
+from rollover.sim.engine import SimEngine
+from rollover.sim.workload import EOS, LengthModel
+from rollover.types import Request, SamplingParams
+
+
+def engine(lengths=(5,), workers=1, rows=2, **cost) -> SimEngine:
+    cost = DecodeCost(**{"step_s": 0.01, **cost})
+    ws = [SimWorker(i, cost, rows) for i in range(workers)]
+    e = SimEngine(SimCore(ws, LengthModel(kind="empirical", values=tuple(lengths)), max_len=1000, slack=0))
+    e.release()
+    return e
+
+
+def req(i: int, prompt=3, budget=100, **kw) -> Request:
+    return Request(id=f"r{i}", prompt_ids=[10 + i] + [2] * (prompt - 1),
+                   sampling=SamplingParams(max_new_tokens=budget, seed=i), **kw)
+
+
+def test_step_times_follow_the_cost_model():
+    # one request: prefill of 3 tokens, then 4 steps over 1 row whose context grows 3, 4, 5, 6
+    a, b, c, p0, p1 = 0.01, 0.002, 0.0001, 0.3, 0.01
+    e = engine(lengths=(4,), step_s=a, per_row_s=b, per_context_token_s=c, prefill_s=p0, prefill_per_token_s=p1)
+    with e:
+        out = e.generate([req(0)])[0]
+        e.wait_idle()
+        assert out.finish == "stop" and len(out.response_ids) == 4 and out.response_ids[-1] == EOS
+        assert e.now == pytest.approx(p0 + 3 * p1 + 4 * (a + b) + c * (3 + 4 + 5 + 6))
+        assert e.stats().generated_tokens == 4 and e.stats().prefill_tokens == 3
+
+
+def test_rows_queue_and_samples_of_a_prompt_prefill_once():
+    # two rows, three requests of 5 tokens: two run at once (one prefill for both), the third
+    # waits for a row and pays its own prefill
+    with engine(lengths=(5,), rows=2, prefill_s=0.5) as e:
+        e.generate([req(0), req(1), req(2)])
+        e.wait_idle()
+        assert e.now == pytest.approx(0.5 + 5 * 0.01 + 0.5 + 5 * 0.01)
+        same = Request(id="s1", prompt_ids=[10, 2, 2], sampling=SamplingParams(max_new_tokens=100, seed=7))
+        t0 = e.now
+        e.generate([req(0), same])  # identical prompts: one prefill
+        e.wait_idle()
+        assert e.now - t0 == pytest.approx(0.5 + 5 * 0.01)
+
+
+def test_budget_truncates_and_bad_requests_are_refused_alone():
+    with engine(lengths=(50,)) as e:
+        with pytest.raises(ValueError, match="r9.*empty prompt"):
+            e.submit(Request(id="r9", prompt_ids=[]))
+        f = e.submit(req(0, budget=8))
+        with pytest.raises(ValueError, match="r0"):
+            e.submit(req(0))  # an unfinished request has this id
+        c = f.result()
+        assert c.finish == "length" and len(c.response_ids) == 8
+
+
+def test_abort_resume_keeps_tokens_and_versions():
+    # 50 tokens at 0.01 s per step (no prefill cost): at t = 0.2 the request holds 20 tokens
+    with engine(lengths=(50,)) as e:
+        f = e.submit(req(0))
+        e.run(until=0.2)
+        e.update_weights([], version=1, inflight="keep")  # tokens from here carry version 1
+        e.run(until=0.3)
+        part = e.abort(["r0"])[0]
+        assert f.result() is part and part.finish == "abort"
+        assert len(part.response_ids) == 30
+        assert part.versions == [0] * 20 + [1] * 10
+        e.release()
+        done = e.generate([part.resume()])[0]
+        assert done.finish == "stop" and len(done.response_ids) == 50  # same drawn length as uninterrupted
+        assert done.versions == [0] * 20 + [1] * 30
+        assert done.response_ids[:30] == part.response_ids
+
+
+def test_weight_update_stalls_and_recomputes_running_sequences():
+    # 'continue' prefills the running sequences' 3 + 10 tokens again after a 1 s stall
+    with engine(lengths=(20,), prefill_per_token_s=0.01) as e:
+        f = e.submit(req(0))
+        e.run(until=0.03 + 0.1)  # prefill 0.03 s, then 10 steps
+        e.update_weights([], version=1, inflight="continue", stall_s=1.0)
+        e.release()
+        f.result()
+        e.wait_idle()
+        assert e.now == pytest.approx(0.03 + 0.1 + 1.0 + 0.13 + 0.1)
+        assert e.stats().recomputed_tokens == 13
+        f = e.submit(req(1))
+        aborted = e.update_weights([], version=2, inflight="abort")
+        assert [c.id for c in aborted] == ["r1"] and f.result().finish == "abort"
+
+
+def test_pause_stops_at_the_last_boundary_and_resume_continues():
+    with engine(lengths=(30,)) as e:
+        f = e.submit(req(0))
+        e.run(until=0.105)  # ten steps done, the eleventh in progress
+        e.pause()
+        assert e.lengths() == {"r0": 10}
+        e.run(until=5.0)  # paused: nothing moves
+        assert e.lengths() == {"r0": 10}
+        e.resume()
+        e.release()
+        assert len(f.result().response_ids) == 30
+        e.wait_idle()
+        assert e.now == pytest.approx(5.0 + 20 * 0.01)
+
+
+def test_requests_spread_over_workers_by_load():
+    with engine(lengths=(10,), workers=2, rows=1) as e:
+        e.generate([req(i) for i in range(4)])
+        e.wait_idle()
+        assert [w.busy_s for w in e.workers()] == [pytest.approx(0.2), pytest.approx(0.2)]
+        assert e.now == pytest.approx(0.2)
+
+
+# ---------------------------------------------------------------- the schedulers on it
+BASE = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=64",
+        "simulate.pools=[{workers: 2, max_rows: 4}]", "simulate.decode={step_s: 0.01}",
+        "simulate.train={step_s: 1.0}", "simulate.sync={latency_s: 0.5}", "simulate.prompt_tokens=8",
+        "simulate.prompts=64", "logging.progress=false"]
+
+
+def simulate(*overrides):
+    from rollover.sim.run import simulate as sim
+
+    return sim(load_config(None, BASE + list(overrides)))
+
+
+def test_sync_step_time_is_its_longest_sample_plus_training_and_sync():
+    # every sample 7 tokens: 8 samples on 2 workers x 4 rows run at once, so a step is
+    # 7 decode steps + 1 s of training + 0.5 s of weight sync
+    r = simulate("steps=3", "simulate.lengths={kind: empirical, values: [7]}")
+    assert r["simulated_s"] == pytest.approx(3 * (7 * 0.01 + 1.0 + 0.5))
+    assert r["samples_trained"] == 24 and r["staleness"] == {"0": 24}
+    assert r["trainer"]["utilization"] == pytest.approx(3.0 / r["simulated_s"])
+
+
+def test_april_and_async_run_on_the_simulator_deterministically():
+    lengths = "simulate.lengths={median: 20, sigma: 1.0, prompt_sigma: 0.3}"
+    sync = simulate("steps=6", lengths)
+    april = simulate("steps=6", lengths, "partial_rollout.enabled=true")
+    assert april["discarded_tokens"] == 0  # the APRIL collector's own check, on the simulator
+    assert april["samples_trained"] == sync["samples_trained"] == 6 * 8
+    assert simulate("steps=6", lengths, "partial_rollout.enabled=true") == april
+    a1 = simulate("steps=6", lengths, "mode=async", "async.max_staleness=1")
+    assert a1 == simulate("steps=6", lengths, "mode=async", "async.max_staleness=1")
+    assert a1["samples_trained"] == 6 * 8
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_staleness_bound_holds_in_simulation(eta):
+    r = simulate("steps=8", "mode=async", f"async.max_staleness={eta}", "rollout.inflight_weight_update=continue",
+                 "simulate.lengths={median: 30, sigma: 1.2, prompt_sigma: 0.5}")
+    ages = {int(k): v for k, v in r["staleness"].items()}
+    assert max(ages) <= eta and sum(ages.values()) == 8 * 8
+    if eta:
+        assert max(ages) >= 1  # the bound is reached, not vacuous
+
+
+def test_simulate_cli_writes_report_and_gantt(tmp_path):
+    from rollover.cli import main
+
+    out, png = tmp_path / "r.json", tmp_path / "g.png"
+    assert main(["simulate", *BASE, "steps=2", "mode=async", "--json", str(out), "--gantt", str(png)]) == 0
+    r = json.loads(out.read_text())
+    assert r["steps"] == 2 and r["mode"] == "async (eta=1)" and "timeline" not in r
+    assert png.stat().st_size > 5000
+    assert main(["simulate", *BASE, "simulate.decode={stepp: 1}"]) == 2
+    assert math.isfinite(r["samples_per_s"]) and r["samples_per_s"] > 0
