@@ -30,29 +30,31 @@ def req(i: int, prompt=3, budget=100, **kw) -> Request:
 
 
 def test_step_times_follow_the_cost_model():
-    # one request: prefill of 3 tokens, then 4 steps over 1 row whose context grows 3, 4, 5, 6
+    # one request of 4 tokens: a pure prefill of its 3 prompt tokens samples the first, then 3
+    # decode steps over 1 row holding 4, 5, 6 tokens
     a, b, c, p0, p1 = 0.01, 0.002, 0.0001, 0.3, 0.01
     e = engine(lengths=(4,), step_s=a, per_row_s=b, per_context_token_s=c, prefill_s=p0, prefill_per_token_s=p1)
     with e:
         out = e.generate([req(0)])[0]
         e.wait_idle()
         assert out.finish == "stop" and len(out.response_ids) == 4 and out.response_ids[-1] == EOS
-        assert e.now == pytest.approx(p0 + 3 * p1 + 4 * (a + b) + c * (3 + 4 + 5 + 6))
+        assert e.now == pytest.approx(p0 + 3 * p1 + 3 * (a + b) + c * (4 + 5 + 6))
         assert e.stats().generated_tokens == 4 and e.stats().prefill_tokens == 3
 
 
 def test_rows_queue_and_samples_of_a_prompt_prefill_once():
-    # two rows, three requests of 5 tokens: two run at once (one prefill for both), the third
-    # waits for a row and pays its own prefill
+    # two rows, three requests of 5 tokens: two run at once (one prefill for both, which
+    # samples their first tokens, then 4 decode steps), the third waits for a row and pays its
+    # own prefill
     with engine(lengths=(5,), rows=2, prefill_s=0.5) as e:
         e.generate([req(0), req(1), req(2)])
         e.wait_idle()
-        assert e.now == pytest.approx(0.5 + 5 * 0.01 + 0.5 + 5 * 0.01)
+        assert e.now == pytest.approx(2 * (0.5 + 4 * 0.01))
         same = Request(id="s1", prompt_ids=[10, 2, 2], sampling=SamplingParams(max_new_tokens=100, seed=7))
         t0 = e.now
         e.generate([req(0), same])  # identical prompts: one prefill
         e.wait_idle()
-        assert e.now - t0 == pytest.approx(0.5 + 5 * 0.01)
+        assert e.now - t0 == pytest.approx(0.5 + 4 * 0.01)
 
 
 def test_budget_truncates_and_bad_requests_are_refused_alone():
@@ -67,34 +69,35 @@ def test_budget_truncates_and_bad_requests_are_refused_alone():
 
 
 def test_abort_resume_keeps_tokens_and_versions():
-    # 50 tokens at 0.01 s per step (no prefill cost): at t = 0.2 the request holds 20 tokens
+    # 50 tokens: a free prefill samples the first, then one per 0.01 s step: a command at
+    # t = 0.195 lands at the step boundary 0.2, when the request holds 21 tokens
     with engine(lengths=(50,)) as e:
         f = e.submit(req(0))
-        e.run(until=0.2)
+        e.run(until=0.195)
         e.update_weights([], version=1, inflight="keep")  # tokens from here carry version 1
-        e.run(until=0.3)
+        e.run(until=0.295)
         part = e.abort(["r0"])[0]
         assert f.result() is part and part.finish == "abort"
-        assert len(part.response_ids) == 30
-        assert part.versions == [0] * 20 + [1] * 10
+        assert len(part.response_ids) == 31
+        assert part.versions == [0] * 21 + [1] * 10
         e.release()
         done = e.generate([part.resume()])[0]
         assert done.finish == "stop" and len(done.response_ids) == 50  # same drawn length as uninterrupted
-        assert done.versions == [0] * 20 + [1] * 30
-        assert done.response_ids[:30] == part.response_ids
+        assert done.versions == [0] * 21 + [1] * 29
+        assert done.response_ids[:31] == part.response_ids
 
 
 def test_weight_update_stalls_and_recomputes_running_sequences():
-    # 'continue' prefills the running sequences' 3 + 10 tokens again after a 1 s stall
+    # 'continue' prefills the running sequence's 3 + 11 tokens again after a 1 s stall
     with engine(lengths=(20,), prefill_per_token_s=0.01) as e:
         f = e.submit(req(0))
-        e.run(until=0.03 + 0.1)  # prefill 0.03 s, then 10 steps
+        e.run(until=0.03 + 0.1)  # a prefill of 0.03 s (token 1), then 10 steps
         e.update_weights([], version=1, inflight="continue", stall_s=1.0)
         e.release()
         f.result()
         e.wait_idle()
-        assert e.now == pytest.approx(0.03 + 0.1 + 1.0 + 0.13 + 0.1)
-        assert e.stats().recomputed_tokens == 13
+        assert e.now == pytest.approx(0.13 + 1.0 + 0.14 + 9 * 0.01)
+        assert e.stats().recomputed_tokens == 14
         f = e.submit(req(1))
         aborted = e.update_weights([], version=2, inflight="abort")
         assert [c.id for c in aborted] == ["r1"] and f.result().finish == "abort"
@@ -103,24 +106,25 @@ def test_weight_update_stalls_and_recomputes_running_sequences():
 def test_pause_stops_at_the_last_boundary_and_resume_continues():
     with engine(lengths=(30,)) as e:
         f = e.submit(req(0))
-        e.run(until=0.105)  # ten steps done, the eleventh in progress
+        e.run(until=0.105)  # a free prefill (token 1) and ten steps done, the eleventh in progress
         e.pause()
-        assert e.lengths() == {"r0": 10}
+        assert e.lengths() == {"r0": 11}
         e.run(until=5.0)  # paused: nothing moves
-        assert e.lengths() == {"r0": 10}
+        assert e.lengths() == {"r0": 11}
         e.resume()
         e.release()
         assert len(f.result().response_ids) == 30
         e.wait_idle()
-        assert e.now == pytest.approx(5.0 + 20 * 0.01)
+        assert e.now == pytest.approx(5.0 + 19 * 0.01)
 
 
 def test_requests_spread_over_workers_by_load():
+    # one row each, four requests of 10 tokens (a free prefill, then 9 steps): two per worker
     with engine(lengths=(10,), workers=2, rows=1) as e:
         e.generate([req(i) for i in range(4)])
         e.wait_idle()
-        assert [w.busy_s for w in e.workers()] == [pytest.approx(0.2), pytest.approx(0.2)]
-        assert e.now == pytest.approx(0.2)
+        assert [w.busy_s for w in e.workers()] == [pytest.approx(0.18), pytest.approx(0.18)]
+        assert e.now == pytest.approx(0.18)
 
 
 # ---------------------------------------------------------------- the schedulers on it
@@ -137,10 +141,10 @@ def simulate(*overrides):
 
 
 def test_sync_step_time_is_its_longest_sample_plus_training_and_sync():
-    # every sample 7 tokens: 8 samples on 2 workers x 4 rows run at once, so a step is
-    # 7 decode steps + 1 s of training + 0.5 s of weight sync
+    # every sample 7 tokens: 8 samples on 2 workers x 4 rows run at once, so a step is a
+    # (free) prefill that samples token 1, 6 decode steps, 1 s of training, 0.5 s of weight sync
     r = simulate("steps=3", "simulate.lengths={kind: empirical, values: [7]}")
-    assert r["simulated_s"] == pytest.approx(3 * (7 * 0.01 + 1.0 + 0.5))
+    assert r["simulated_s"] == pytest.approx(3 * (6 * 0.01 + 1.0 + 0.5))
     assert r["samples_trained"] == 24 and r["staleness"] == {"0": 24}
     assert r["trainer"]["utilization"] == pytest.approx(3.0 / r["simulated_s"])
 

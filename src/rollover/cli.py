@@ -40,7 +40,77 @@ def _bench(argv: list[str]) -> int:
     return 0
 
 
+def _simulate_calibrate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rollover simulate calibrate",
+        description="Fit a simulator profile (decode, prefill, training-step and weight-update costs) from runs of "
+                    "the real engine and trainer on this machine; writes it as JSON for simulate.profile.")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory")
+    p.add_argument("--out", required=True, help="profile JSON to write (with --refit it may be PROFILE itself)")
+    p.add_argument("--name", default=None, help="the profile's name (default: model@host)")
+    p.add_argument("--skip-train", action="store_true", help="do not measure training steps (keep the defaults)")
+    p.add_argument("--refit", default=None, metavar="PROFILE",
+                   help="measure nothing: fit PROFILE's stored measurements again (after a change of the fit)")
+    p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
+    args = p.parse_args(argv)
+
+    def body() -> int:
+        from rollover.sim.calibrate import calibrate, refit
+        from rollover.sim.costs import Profile
+
+        command = "rollover simulate calibrate " + " ".join(argv)
+        if args.refit:
+            prof = refit(Profile.load(args.refit))
+        else:
+            prof = calibrate(args.model, name=args.name, train=not args.skip_train, command=command)
+        Path(args.out).write_text(prof.to_json())
+        d = prof.decode
+        print(f"decode step = {d.step_s * 1e3:.2f} ms + {d.per_row_s * 1e3:.3f} ms/row + "
+              f"{d.per_context_token_s * 1e6:.3f} us/context token (rel. RMS error {prof.fit['decode_rel_rms']:.1%}); "
+              f"prefill = {d.prefill_s * 1e3:.1f} ms + {d.prefill_per_token_s * 1e3:.3f} ms/token "
+              f"({prof.fit['prefill_rel_rms']:.1%})")
+        if "train_rel_rms" in prof.fit:
+            print(f"train step = {prof.train.step_s:.2f} s + {prof.train.per_token_s * 1e3:.3f} ms/token "
+                  f"({prof.fit['train_rel_rms']:.1%})")
+        print(f"weight update = {prof.sync.latency_s:.3f} s")
+        print(f"profile: {args.out}")
+        return 0
+
+    return _guarded("rollover simulate calibrate", args.debug, body)
+
+
+def _simulate_validate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rollover simulate validate",
+        description="Rerun the simulator's validation: each row simulates a published (or measured) setting and "
+                    "compares the simulated figure with the reference (docs/simulator.md).")
+    p.add_argument("--rows", default=None, help="a YAML of rows (default: the built-in rollover/sim/validation.yaml)")
+    p.add_argument("--root", default=".", help="directory the rows' relative paths are taken from (default: .)")
+    p.add_argument("--only", default=None, help="run only rows whose name contains this text")
+    p.add_argument("--json", default=None, help="write {rows: [...]} with source, published, simulated, relative_error")
+    p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
+    args = p.parse_args(argv)
+
+    def body() -> int:
+        import json
+
+        from rollover.sim import validate
+
+        rows = validate.validate(args.rows or validate.ROWS, root=args.root, only=args.only)
+        print(validate.text(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
+            print(f"rows: {args.json}")
+        return 0
+
+    return _guarded("rollover simulate validate", args.debug, body)
+
+
 def _simulate(argv: list[str]) -> int:
+    if argv and argv[0] == "calibrate":
+        return _simulate_calibrate(argv[1:])
+    if argv and argv[0] == "validate":
+        return _simulate_validate(argv[1:])
     p = argparse.ArgumentParser(
         prog="rollover simulate",
         description="Simulate a training run on a cluster: rollover's own schedulers (sync, APRIL, async) drive "

@@ -445,6 +445,19 @@ def _cost_fields(kind: str):
             raise ValueError(f"unknown {kind} cost keys {bad}; known: {', '.join(names)}")
         out = {}
         for k, v in d.items():
+            if k == "prefill_padded":
+                if not isinstance(v, bool):
+                    raise ValueError(f"{kind}.{k}={v!r}: must be true or false")
+                out[k] = v
+                continue
+            if k == "rows_table":
+                try:
+                    out[k] = tuple((int(r), float(t)) for r, t in v)
+                except (TypeError, ValueError):
+                    raise ValueError(f"{kind}.rows_table={v!r}: must be a list of [rows, seconds] pairs") from None
+                if any(t < 0 or r < 1 for r, t in out[k]) or [r for r, _ in out[k]] != sorted({r for r, _ in out[k]}):
+                    raise ValueError(f"{kind}.rows_table: rows must increase from 1 up and seconds be >= 0")
+                continue
             try:  # YAML reads 1e-7 (no dot) as a string
                 x = float(v) if isinstance(v, str) else v
             except ValueError:

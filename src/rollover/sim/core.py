@@ -94,7 +94,9 @@ class SimWorker:
         # the planned segment from t: k steps to the next finish, `extra` seconds in the first
         # (prefill), per-step time `base` + slope * step index
         self.k, self.extra, self.base, self.slope = 0, 0.0, 0.0, 0.0
-        self.extra_fresh = self.extra_recompute = 0  # tokens the first step's prefill computes
+        self.extra_fresh = self.extra_recompute = self.extra_longest = 0  # the first step's prefill: tokens, longest
+        self.entering = self.entering_context = 0  # rows admitted at this boundary, their context tokens
+        self.prefill_part = 0.0  # seconds of prefill in the first step
         self.prefilling: set = set()  # fresh prompts in that prefill
         self.token = 0  # the heap entry of its planned segment (older ones are stale)
         self.busy_s = self.stall_s = 0.0
@@ -243,7 +245,8 @@ class SimCore:
                     j -= 1
                 if j == 0:  # its first step (and the prefill in it) did not happen: redo it on resume
                     w.recompute += w.extra_fresh + w.extra_recompute
-                    w.extra_fresh = w.extra_recompute = 0
+                    w.extra_fresh = w.extra_recompute = w.extra_longest = w.entering = w.entering_context = 0
+                    w.prefill_part = 0.0
                     w.prefilling.clear()
                 self._advance(w, j)
                 w.k, w.token = 0, w.token + 1
@@ -260,7 +263,7 @@ class SimCore:
         want = self.length_model.draw(prompt_key(req), req.sampling.seed if req.sampling.seed is not None
                                  else hash(req.id))
         budget = min(req.sampling.max_new_tokens, self.max_len - len(req.prompt_ids) - 1)
-        if want < budget:
+        if want < budget and not req.sampling.ignore_eos:
             return SimSeq(req, want, "stop")
         return SimSeq(req, budget, "length")
 
@@ -290,12 +293,13 @@ class SimCore:
         st.busy_row_steps += n * j
         st.total_row_steps += w.max_rows * j
         st.generated_tokens += n * j
-        st.prefill_s += w.extra
+        st.prefill_s += w.prefill_part
         st.prefill_tokens += w.extra_fresh
         st.recomputed_tokens += w.extra_recompute
-        w.extra_fresh = w.extra_recompute = 0
+        st.decode_s += end - w.t - w.prefill_part
+        w.extra_fresh = w.extra_recompute = w.extra_longest = w.entering = w.entering_context = 0
+        w.prefill_part = 0.0
         w.prefilling.clear()
-        st.decode_s += end - w.t - w.extra
         for s in w.running:
             s.n += j
         w.context += n * j
@@ -327,16 +331,19 @@ class SimCore:
         w.k = 0
         if self.paused:
             return
-        admitted, budget = [], w.max_prefill_tokens
+        admitted = []
+        budget = w.max_prefill_tokens - w.extra_fresh - w.extra_recompute  # this step's prefill so far
         while w.waiting and len(w.running) < w.max_rows:
             s = w.waiting[0]
             need = s.prompt_len + s.n
-            if admitted and need > budget:
+            if (admitted or w.extra_fresh) and need > budget:
                 break
             w.waiting.popleft()
             s.mark(self.version)
             w.running.append(s)
             w.context += need
+            w.entering += 1
+            w.entering_context += need
             admitted.append(s)
             budget -= need
         if not w.running:
@@ -346,10 +353,25 @@ class SimCore:
             if key not in w.prefilling:
                 w.prefilling.add(key)
                 w.extra_fresh += s.prompt_len + s.n
+                w.extra_longest = max(w.extra_longest, s.prompt_len + s.n)
         w.extra_recompute, w.recompute = w.extra_recompute + w.recompute, 0
-        n = len(w.running)
-        w.extra = w.cost.prefill(w.extra_fresh + w.extra_recompute)
-        w.base = w.cost.step(n, w.context)
+        # the first step: a recompute after a weight update is a prefill of its own; the rows
+        # entering now are prefilled in the decode step of the others (a mixed step: the
+        # prefill's per-token cost on top), or alone (a pure prefill, which samples their first
+        # token) when no row was decoding
+        n, cost = len(w.running), w.cost
+        fresh = w.extra_fresh
+        if cost.prefill_padded and fresh:
+            fresh = len(w.prefilling) * w.extra_longest
+        decoding = n - w.entering
+        first = cost.prefill(w.extra_recompute)
+        if decoding:
+            decode = cost.step(decoding, w.context - w.entering_context)
+            w.prefill_part = first + (cost.prefill(fresh) - cost.prefill_s if fresh else 0.0)
+        else:
+            decode, w.prefill_part = 0.0, first + cost.prefill(fresh)
+        w.base = cost.step(n, w.context)
+        w.extra = decode + w.prefill_part - w.base  # the first step's time less a plain step's
         w.slope = w.cost.per_context_token_s * n
         w.k = min(s.target - s.n for s in w.running)
         heapq.heappush(self.heap, (w.end(w.k), next(self._order), w, w.token))

@@ -17,20 +17,43 @@ from pathlib import Path
 @dataclass(frozen=True)
 class DecodeCost:
     """Seconds of one engine step over `rows` running sequences holding `context` tokens in all:
-    step_s + per_row_s * rows + per_context_token_s * context; a step that admits sequences adds
-    prefill_s + prefill_per_token_s * tokens prefilled (a prompt its samples share counts once)."""
+    step_s + per_row_s * rows + per_context_token_s * context. Prefilling T tokens costs
+    prefill_s + prefill_per_token_s * T + prefill_quadratic_s * T^2 alone (a pure prefill step,
+    which also samples the new rows' first token), or all but prefill_s inside the decode step of
+    the rows already running (a mixed step). A prompt its samples share counts once; with
+    `prefill_padded`, T is the prefilled rows times the longest of them, as in an engine that
+    pads a step's prompts to one length."""
 
     step_s: float = 0.02
     per_row_s: float = 0.0
     per_context_token_s: float = 0.0
     prefill_s: float = 0.0
     prefill_per_token_s: float = 0.0
+    prefill_quadratic_s: float = 0.0
+    prefill_padded: bool = False  # T counts every prefilled row at the step's longest (TorchEngine pads)
+    # measured [rows, seconds of a step at no context] points: between them the step time is
+    # interpolated (a CPU's or GPU's step time is not linear in rows); beyond them it follows
+    # per_row_s from the last point. Empty: step_s + per_row_s * rows.
+    rows_table: tuple = ()
 
     def step(self, rows: int, context: int) -> float:
-        return self.step_s + self.per_row_s * rows + self.per_context_token_s * context
+        return self._rows(rows) + self.per_context_token_s * context
+
+    def _rows(self, rows: int) -> float:
+        t = self.rows_table
+        if not t:
+            return self.step_s + self.per_row_s * rows
+        if rows <= t[0][0]:
+            return t[0][1] + self.per_row_s * (rows - t[0][0])
+        for (r0, s0), (r1, s1) in zip(t, t[1:]):
+            if rows <= r1:
+                return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+        return t[-1][1] + self.per_row_s * (rows - t[-1][0])
 
     def prefill(self, tokens: int) -> float:
-        return self.prefill_s + self.prefill_per_token_s * tokens if tokens else 0.0
+        if not tokens:
+            return 0.0
+        return self.prefill_s + self.prefill_per_token_s * tokens + self.prefill_quadratic_s * tokens * tokens
 
 
 @dataclass(frozen=True)
@@ -90,6 +113,8 @@ class Profile:
                 bad = sorted(set(v) - names)
                 if bad:
                     raise ValueError(f"profile.{k}: unknown keys {bad} (known: {sorted(names)})")
+                if k == "decode" and "rows_table" in v:
+                    v = {**v, "rows_table": tuple(tuple(p) for p in v["rows_table"])}
                 out[k] = parts[k](**v)
             else:
                 out[k] = v

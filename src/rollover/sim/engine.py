@@ -61,11 +61,13 @@ class SimEngine(ThreadedEngine):
         self._run_or_queue(go, wait=True)
 
     def resume(self) -> None:
+        """Continue from now; returns at once (the command runs before the next step), so a
+        caller holding a lock a callback wants cannot deadlock, as with TorchEngine."""
         def go():
             self.core.resume()
             self._paused = False
 
-        self._run_or_queue(go, wait=True)
+        self._run_or_queue(go, wait=False)
 
     def workers(self):
         return self.core.workers

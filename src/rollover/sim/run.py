@@ -81,8 +81,9 @@ def check(cfg: Config) -> None:
         raise ConfigError("rollover simulate: runtime must be local (the simulated cluster is set in simulate.pools)")
 
 
-def simulate(cfg: Config, progress=None) -> dict:
-    """Simulate `cfg.steps` training steps; the report (see `summarize`)."""
+def simulate(cfg: Config, progress=None, prepare=None) -> dict:
+    """Simulate `cfg.steps` training steps; the report (see `summarize`). `prepare(run)` may
+    change the simulated run before it starts (a benchmark's workload)."""
     check(cfg)
     # the schedulers size their in-flight work by the engine's rows: the whole simulated cluster's
     rows = sum(p.workers * p.max_rows for p in cfg.simulate.pools)
@@ -90,6 +91,8 @@ def simulate(cfg: Config, progress=None) -> dict:
     profile = profile_of(cfg)
     engine = build_engine(cfg, profile)
     run = build_sim_run(cfg, engine)
+    if prepare is not None:
+        prepare(run)
     try:
         driver = _async if cfg.mode == "async" else _sync
         steps, trainer_tl = driver(cfg, run, engine, profile, progress)
@@ -118,10 +121,11 @@ def _sync(cfg: Config, run, engine: SimEngine, profile: Profile, progress):
     try:
         for step in range(cfg.steps):
             engine.release()
-            t0 = engine.now
+            t0, made = engine.now, engine.stats().generated_tokens
             groups, m = collector.collect(step)
             engine.wait_idle()
             t1 = engine.now
+            m = {**m, "engine_tokens": engine.stats().generated_tokens - made}
             version = engine.version
             train_s = profile.train.seconds(_trained_tokens(groups))
             engine.run(until=t1 + train_s)
@@ -225,7 +229,7 @@ def _row(step, t_start, t_train, t_end, groups, version, train_s, sync_s, m) -> 
             "samples": sum(len(g.rollouts) for g in groups), "groups": len(groups),
             "response_tokens": sum(len(r.response_ids) for g in groups for r in g.rollouts),
             "ages": dict(_ages(groups, version)), "filtered_groups": m.get("filtered_groups", 0),
-            "discarded_tokens": m.get("discarded_tokens", 0)}
+            "discarded_tokens": m.get("discarded_tokens", 0), "engine_tokens": m.get("engine_tokens")}
 
 
 def summarize(cfg: Config, profile: Profile, engine: SimEngine, rows: list[dict], trainer_tl: list) -> dict:

@@ -1,0 +1,181 @@
+"""`rollover simulate calibrate`: fit a profile's cost models from measured runs on this machine.
+
+Decode: batches of `rows` requests (distinct random prompts of `prompt` tokens, EOS ignored,
+`new_tokens` each) through the real engine; the engine's own counters give the mean decode-step
+time of each batch (all its rows run every step) and the time of its first, pure-prefill step.
+Each point is measured twice (rounds interleaved) and the faster kept. Least squares then
+fits step = step_s + per_row_s * rows + per_context_token_s * context (context: the batch's
+mean tokens held per step) and prefill = prefill_s + prefill_per_token_s * T for the T tokens
+of the step (TorchEngine pads a step's prompts to the longest: `prefill_padded`). The
+quadratic prefill term is left at 0: on this grid it fits noise and extrapolates badly. A
+step's time is not linear in rows (on this CPU: steep up to ~8 rows, flatter after), so the
+profile also keeps each measured batch size's step time (context term removed) as
+`rows_table`, interpolated between the measured sizes. A coefficient the fit makes negative is dropped (set to 0) and
+the rest refitted, so the model never predicts a faster step for more work.
+
+Train: `Trainer.train_step` on synthetic groups of two sizes (the first call, which warms
+allocators, is not measured), fitted to step_s + per_token_s * tokens.
+
+The profile records every measurement and the fit's relative RMS error in `fit`, and the
+command and host in `source`.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+
+import numpy as np
+import torch
+
+from rollover.sim.costs import DecodeCost, Profile, SyncCost, TrainCost
+from rollover.types import Request, SamplingParams
+
+DECODE_GRID = ((1, 16), (4, 16), (8, 16), (16, 16), (32, 16), (64, 16), (8, 128), (32, 128), (64, 64))  # (rows, prompt tokens)
+
+
+def _fit(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Non-negative least squares by dropping negative coefficients; (coefficients, relative RMS error)."""
+    keep = list(range(X.shape[1]))
+    while True:
+        coef_k, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
+        if (coef_k >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef_k)))
+    coef = np.zeros(X.shape[1])
+    coef[keep] = np.maximum(coef_k, 0)
+    pred = X @ coef
+    return coef, float(np.sqrt(np.mean(((pred - y) / y) ** 2)))
+
+
+def measure_decode(engine, vocab: int, grid=DECODE_GRID, new_tokens: int = 24, seed: int = 0,
+                   repeats: int = 2) -> list[dict]:
+    """Each grid point `repeats` times, the rounds interleaved; the fastest of each (a shared
+    machine only ever slows a measurement down)."""
+    rng = random.Random(seed)
+    best: dict[tuple, dict] = {}
+    for round_ in range(repeats):
+        for i, (rows, prompt) in enumerate([grid[0], *grid] if round_ == 0 else grid):  # the first batch warms up
+            reqs = [Request(id=f"cal{round_}-{i}-{j}", prompt_ids=[rng.randrange(3, vocab) for _ in range(prompt)],
+                            sampling=SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=j))
+                    for j in range(rows)]
+            engine.reset_stats()
+            engine.generate(reqs)
+            s = engine.stats()
+            if round_ == 0 and i == 0:
+                continue
+            point = {"rows": rows, "prompt": prompt, "step_s": s.decode_s / s.decode_steps,
+                     "context": rows * (prompt + new_tokens / 2), "prefill_tokens": s.prefill_tokens,
+                     "prefill_s": s.prefill_s}
+            old = best.get((rows, prompt))
+            if old is None:
+                best[(rows, prompt)] = point
+            else:
+                old["step_s"] = min(old["step_s"], point["step_s"])
+                old["prefill_s"] = min(old["prefill_s"], point["prefill_s"])
+    return list(best.values())
+
+
+def refit(profile: Profile) -> Profile:
+    """The profile's cost models fitted again from the measurements it holds (after a change of
+    the fitting rule; nothing is measured)."""
+    from dataclasses import replace
+
+    decode, fit = fit_decode(profile.fit["decode_points"])
+    train, tfit = fit_train(profile.fit["train_points"]) if "train_points" in profile.fit else (profile.train, {})
+    return replace(profile, decode=decode, train=train, fit={**profile.fit, **fit, **tfit})
+
+
+def fit_decode(rows: list[dict]) -> tuple[DecodeCost, dict]:
+    X = np.array([[1.0, r["rows"], r["context"]] for r in rows])
+    coef, err = _fit(X, np.array([r["step_s"] for r in rows]))
+    P = np.array([[1.0, r["prefill_tokens"]] for r in rows])
+    pcoef, perr = _fit(P, np.array([r["prefill_s"] for r in rows]))
+    by_rows: dict[int, list[float]] = {}
+    for r in rows:  # each measured batch size's step time with the fitted context term taken out
+        by_rows.setdefault(r["rows"], []).append(r["step_s"] - coef[2] * r["context"])
+    table = tuple((n, float(np.mean(v))) for n, v in sorted(by_rows.items()))
+    cost = DecodeCost(step_s=float(coef[0]), per_row_s=float(coef[1]), per_context_token_s=float(coef[2]),
+                      prefill_s=float(pcoef[0]), prefill_per_token_s=float(pcoef[1]), prefill_padded=True,
+                      rows_table=table if len(table) > 1 else ())
+    return cost, {"decode_rel_rms": err, "prefill_rel_rms": perr, "decode_points": rows}
+
+
+def measure_train(trainer, cfg, vocab: int, sizes=((4, 4, 32, 32), (8, 4, 32, 64)), seed: int = 0) -> list[dict]:
+    """Seconds of `trainer.train_step` on synthetic batches: (groups, samples, prompt, response) each."""
+    from rollover.loops.common import train_batch_from
+    from rollover.types import Group, Prompt, Rollout
+
+    rng = random.Random(seed)
+    out = []
+    for i, (groups, n, prompt, resp) in enumerate([sizes[0], *sizes]):
+        batch = []
+        for g in range(groups):
+            p_ids = [rng.randrange(3, vocab) for _ in range(prompt)]
+            rollouts = [Rollout(group_id=f"g{g}", prompt_ids=p_ids, response_ids=[rng.randrange(3, vocab) for _ in range(resp)],
+                                logprobs=[-2.0] * resp, versions=[0] * resp, loss_mask=[1] * resp, finish="length",
+                                reward=float(j % 2), scores={})
+                        for j in range(n)]
+            batch.append(Group(id=f"g{g}", prompt=Prompt(id=f"p{g}", text=""), prompt_ids=p_ids, rollouts=rollouts))
+        tb, _ = train_batch_from(batch, cfg)
+        t0 = time.perf_counter()
+        trainer.train_step(tb)
+        dt = time.perf_counter() - t0
+        if i:
+            out.append({"tokens": groups * n * (prompt + resp), "seconds": dt})
+    return out
+
+
+def fit_train(rows: list[dict]) -> tuple[TrainCost, dict]:
+    X = np.array([[1.0, r["tokens"]] for r in rows])
+    coef, err = _fit(X, np.array([r["seconds"] for r in rows]))
+    return TrainCost(step_s=float(coef[0]), per_token_s=float(coef[1])), {"train_rel_rms": err, "train_points": rows}
+
+
+def calibrate(model: str, *, name: str | None = None, train: bool = True, grid=DECODE_GRID, new_tokens: int = 24,
+              train_sizes=((4, 4, 32, 32), (8, 4, 32, 64)), command: str = "") -> Profile:
+    """Measure this machine with `model` (TorchEngine in float32 on the CPU, as the CPU runs use)."""
+    from rollover.config import load_config
+    from rollover.engine.torch_engine import TorchEngine
+    from rollover.models import load_hf_model
+
+    torch.manual_seed(0)
+    hf = load_hf_model(model)
+    vocab = hf.config.vocab_size
+    longest = max(p for _, p in grid) + new_tokens + 8
+    engine = TorchEngine(hf, device="cpu", max_rows=max(r for r, _ in grid), max_len=longest)
+    try:
+        decode, fit = fit_decode(measure_decode(engine, vocab, grid, new_tokens))
+        # one process: the update is a copy of every tensor into the engine
+        named = [(k, v.detach().clone()) for k, v in hf.state_dict().items()]
+        times = []
+        for version in (1, 2, 3):
+            t0 = time.perf_counter()
+            engine.update_weights(named, version=version)
+            times.append(time.perf_counter() - t0)
+        sync = SyncCost(latency_s=min(times))
+        fit["sync_points"] = times
+    finally:
+        engine.shutdown()
+    train_cost = TrainCost()
+    if train:
+        from rollover.train.trainer import Trainer
+
+        cfg = load_config(None, ["train.lr=1e-7"])
+        trainer = Trainer(hf, cfg, device=torch.device("cpu"))
+        train_cost, tfit = fit_train(measure_train(trainer, cfg, vocab, train_sizes))
+        fit.update(tfit)
+    host = f"{platform.node()} ({_cpu_name()}, {torch.get_num_threads()} threads)"
+    return Profile(name=name or f"{model}@{platform.node()}", decode=decode, train=train_cost, sync=sync,
+                   source=f"{command or 'rollover simulate calibrate'} on {host}, {time.strftime('%Y-%m-%d')}", fit=fit)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
