@@ -118,6 +118,20 @@ def test_pause_stops_at_the_last_boundary_and_resume_continues():
         assert e.now == pytest.approx(5.0 + 19 * 0.01)
 
 
+def test_a_worker_whose_admitted_rows_were_aborted_takes_new_work():
+    # r0 is admitted and aborted at the same boundary (before its first step); a later request
+    # too big to share that step's prefill budget with r0 must still run (it once waited forever)
+    cost = DecodeCost(step_s=0.01)
+    core = SimCore([SimWorker(0, cost, max_rows=2, max_prefill_tokens=8)],
+                   LengthModel(kind="empirical", values=(5,)), max_len=100, slack=0)
+    with SimEngine(core) as e:
+        e.release()
+        f0 = e.submit(req(0, prompt=3))
+        e.abort(["r0"])
+        assert f0.result().finish == "abort" and f0.result().response_ids == []
+        assert len(e.generate([req(1, prompt=6)])[0].response_ids) == 5
+
+
 def test_requests_spread_over_workers_by_load():
     # one row each, four requests of 10 tokens (a free prefill, then 9 steps): two per worker
     with engine(lengths=(10,), workers=2, rows=1) as e:
@@ -181,3 +195,37 @@ def test_simulate_cli_writes_report_and_gantt(tmp_path):
     assert png.stat().st_size > 5000
     assert main(["simulate", *BASE, "simulate.decode={stepp: 1}"]) == 2
     assert math.isfinite(r["samples_per_s"]) and r["samples_per_s"] > 0
+
+
+def test_april_refills_rows_as_samples_finish_not_only_as_groups_do():
+    # every group has one 200-token sample and three 5-token ones; 16 rows hold the 4 groups
+    # APRIL keeps in flight. Rows freed by the short samples go to fresh groups at once, so the
+    # engine stays mostly full; refilling only when a whole group completed left 12 of the 16
+    # rows empty for most of the step
+    from rollover.config import load_config
+    from rollover.rollout.april import AprilCollector
+    from rollover.sim.run import build_engine, build_sim_run, profile_of
+
+    cfg = load_config(None, BASE + ["rollout.samples_per_prompt=4", "rollout.prompts_per_step=2",
+                                    "rollout.ignore_eos=true", "rollout.max_new_tokens=200",
+                                    "simulate.pools=[{workers: 1, max_rows: 16}]", "partial_rollout.enabled=true"])
+    engine = build_engine(cfg, profile_of(cfg))
+    run = build_sim_run(cfg, engine)
+    draw = run.next_groups
+
+    def next_groups(k, version):
+        groups = draw(k, version)
+        for g in groups:
+            g.budgets = [200, 5, 5, 5]
+        return groups
+
+    run.next_groups = next_groups
+    collector = AprilCollector(run)
+    try:
+        engine.release()
+        groups, m = collector.collect(0)
+        assert len(groups) == 2 and m["discarded_tokens"] == 0
+        assert m["occupancy"] > 0.9
+    finally:
+        collector.close()
+        engine.shutdown()

@@ -211,9 +211,10 @@ class AprilCollector:
                 st.abort_pending = True
 
     def _finished(self, g: PendingGroup, j: int) -> None:
-        """Sample j of g is done (under the lock); a complete group goes to scoring and, once
-        its score is in, joins the step."""
+        """Sample j of g is done (under the lock): its row goes to fresh work at once; a complete
+        group goes to scoring and, once its score is in, joins the step."""
         if not g.complete:
+            self._refill()
             return
         if self.inflight.pop(g.id, None) is None:  # finished after its step was carried
             self.buffer = [b for b in self.buffer if b is not g]

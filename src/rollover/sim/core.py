@@ -43,7 +43,7 @@ LOGPROB = -1.0  # the simulated model reports this behaviour logprob for every t
 
 
 class SimSeq:
-    __slots__ = ("request", "n", "carried", "target", "finish", "runs", "prompt_len", "budget")
+    __slots__ = ("request", "n", "carried", "target", "finish", "runs", "prompt_len", "budget", "entering")
 
     def __init__(self, request: Request, target: int, finish: str):
         self.request = request
@@ -52,6 +52,7 @@ class SimSeq:
         self.runs: list[tuple[int, int]] = []  # (version, first response index) of the tokens made here
         self.prompt_len = len(request.prompt_ids)
         self.budget = request.sampling.max_new_tokens
+        self.entering = False  # admitted at its worker's current boundary; prefilled in the next step
 
     @property
     def id(self) -> str:
@@ -94,10 +95,8 @@ class SimWorker:
         # the planned segment from t: k steps to the next finish, `extra` seconds in the first
         # (prefill), per-step time `base` + slope * step index
         self.k, self.extra, self.base, self.slope = 0, 0.0, 0.0, 0.0
-        self.extra_fresh = self.extra_recompute = self.extra_longest = 0  # the first step's prefill: tokens, longest
-        self.entering = self.entering_context = 0  # rows admitted at this boundary, their context tokens
+        self.extra_fresh = self.extra_recompute = 0  # tokens the first step prefills: entering rows, recompute
         self.prefill_part = 0.0  # seconds of prefill in the first step
-        self.prefilling: set = set()  # fresh prompts in that prefill
         self.token = 0  # the heap entry of its planned segment (older ones are stale)
         self.busy_s = self.stall_s = 0.0
         self.timeline: list[list] = []  # [start, end, "generate" | "sync"], adjacent ones merged
@@ -243,12 +242,7 @@ class SimCore:
                 j = w.first_at_or_after(self.now)
                 if j and w.end(j) > self.now:
                     j -= 1
-                if j == 0:  # its first step (and the prefill in it) did not happen: redo it on resume
-                    w.recompute += w.extra_fresh + w.extra_recompute
-                    w.extra_fresh = w.extra_recompute = w.extra_longest = w.entering = w.entering_context = 0
-                    w.prefill_part = 0.0
-                    w.prefilling.clear()
-                self._advance(w, j)
+                self._advance(w, j)  # j = 0: the first step did not happen; its rows still enter on resume
                 w.k, w.token = 0, w.token + 1
         self.paused = True
 
@@ -297,11 +291,11 @@ class SimCore:
         st.prefill_tokens += w.extra_fresh
         st.recomputed_tokens += w.extra_recompute
         st.decode_s += end - w.t - w.prefill_part
-        w.extra_fresh = w.extra_recompute = w.extra_longest = w.entering = w.entering_context = 0
+        w.extra_fresh = w.extra_recompute = 0
         w.prefill_part = 0.0
-        w.prefilling.clear()
         for s in w.running:
             s.n += j
+            s.entering = False
         w.context += n * j
         w.load -= n * j
         w.t, w.k, w.extra = end, w.k - j, 0.0
@@ -331,29 +325,31 @@ class SimCore:
         w.k = 0
         if self.paused:
             return
-        admitted = []
-        budget = w.max_prefill_tokens - w.extra_fresh - w.extra_recompute  # this step's prefill so far
+        if not w.running:  # whatever the first step was to prefill is gone (aborted)
+            w.extra_recompute = 0
+        # the first step's prefill: the rows entering at this boundary (an abort may have taken
+        # some since they were admitted), the n samples of a fresh prompt once
+        entering = [s for s in w.running if s.entering]
+        keys = {tuple(s.request.prompt_ids) if not s.n else id(s): s.prompt_len + s.n for s in entering}
+        budget = w.max_prefill_tokens - sum(keys.values()) - w.extra_recompute
         while w.waiting and len(w.running) < w.max_rows:
             s = w.waiting[0]
             need = s.prompt_len + s.n
-            if (admitted or w.extra_fresh) and need > budget:
+            if keys and need > budget:
                 break
             w.waiting.popleft()
             s.mark(self.version)
+            s.entering = True
             w.running.append(s)
             w.context += need
-            w.entering += 1
-            w.entering_context += need
-            admitted.append(s)
-            budget -= need
+            entering.append(s)
+            key = tuple(s.request.prompt_ids) if not s.n else id(s)
+            if key not in keys:
+                keys[key] = need
+                budget -= need
         if not w.running:
             return
-        for s in admitted:  # the n samples of a fresh prompt admitted in one step prefill once
-            key = tuple(s.request.prompt_ids) if not s.n else id(s)
-            if key not in w.prefilling:
-                w.prefilling.add(key)
-                w.extra_fresh += s.prompt_len + s.n
-                w.extra_longest = max(w.extra_longest, s.prompt_len + s.n)
+        w.extra_fresh = sum(keys.values())
         w.extra_recompute, w.recompute = w.extra_recompute + w.recompute, 0
         # the first step: a recompute after a weight update is a prefill of its own; the rows
         # entering now are prefilled in the decode step of the others (a mixed step: the
@@ -362,11 +358,11 @@ class SimCore:
         n, cost = len(w.running), w.cost
         fresh = w.extra_fresh
         if cost.prefill_padded and fresh:
-            fresh = len(w.prefilling) * w.extra_longest
-        decoding = n - w.entering
+            fresh = len(keys) * max(keys.values())
+        decoding = n - len(entering)
         first = cost.prefill(w.extra_recompute)
         if decoding:
-            decode = cost.step(decoding, w.context - w.entering_context)
+            decode = cost.step(decoding, w.context - sum(s.prompt_len + s.n for s in entering))
             w.prefill_part = first + (cost.prefill(fresh) - cost.prefill_s if fresh else 0.0)
         else:
             decode, w.prefill_part = 0.0, first + cost.prefill(fresh)
