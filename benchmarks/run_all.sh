@@ -14,6 +14,11 @@ python -c "from rollover.testing import save_tiny_model; save_tiny_model('$out/t
 rollover bench envs --model "$out/tiny" --steps 12 --json "$out/envs_tiny.json" | tee "$out/envs_tiny.txt"
 rollover bench memory --json "$out/memory.json" | tee "$out/memory.txt"
 rollover bench ray --json "$out/ray.json" | tee "$out/ray.txt"
+# the simulator: calibrate, measure the benchmark it is checked against at once, validate
+mkdir -p "$out/docs/sim" "$out/docs/bench"
+rollover simulate calibrate --out "$out/docs/sim/cpu-smollm2-135m.json" --name cpu-smollm2-135m | tee "$out/calibrate.txt"
+rollover bench april --workload longtail --json "$out/docs/bench/april_longtail_sim.json" | tee "$out/april_longtail_sim.txt"
+rollover simulate validate --root "$out" --json "$out/docs/sim/validation.json" | tee "$out/validation.txt"
 # the demo in its three modes (reward curves in docs/)
 for cfg in arith arith_april arith_async; do
   rollover train "examples/$cfg.yaml" "run_dir=$out/runs/$cfg" resume=never | tee "$out/$cfg.txt"

@@ -132,6 +132,22 @@ def test_a_worker_whose_admitted_rows_were_aborted_takes_new_work():
         assert len(e.generate([req(1, prompt=6)])[0].response_ids) == 5
 
 
+def test_a_prefill_budget_admits_the_rest_at_the_next_steps():
+    # 4 rows, a prefill budget of 8 tokens: 4 requests of 6-token prompts enter one per step
+    # (each pure prefill or mixed step samples the entering row's first token); all 20 tokens
+    cost = DecodeCost(step_s=0.01)
+    core = SimCore([SimWorker(0, cost, max_rows=4, max_prefill_tokens=8)],
+                   LengthModel(kind="empirical", values=(20,)), max_len=100, slack=0)
+    with SimEngine(core) as e:
+        e.release()
+        done = e.generate([req(i, prompt=6) for i in range(4)])
+        e.wait_idle()
+        assert [len(c.response_ids) for c in done] == [20] * 4
+        # r0: free prefill at 0 (token 1); r1..r3 enter in the mixed steps ending at 0.01, 0.02,
+        # 0.03; r3 then needs 19 more steps: done at 0.03 + 0.19
+        assert e.now == pytest.approx(0.22)
+
+
 def test_requests_spread_over_workers_by_load():
     # one row each, four requests of 10 tokens (a free prefill, then 9 steps): two per worker
     with engine(lengths=(10,), workers=2, rows=1) as e:

@@ -370,4 +370,6 @@ class SimCore:
         w.extra = decode + w.prefill_part - w.base  # the first step's time less a plain step's
         w.slope = w.cost.per_context_token_s * n
         w.k = min(s.target - s.n for s in w.running)
+        if w.waiting and len(w.running) < w.max_rows:
+            w.k = 1  # the prefill budget held some back: the next boundary admits more
         heapq.heappush(self.heap, (w.end(w.k), next(self._order), w, w.token))
