@@ -245,3 +245,73 @@ def test_april_refills_rows_as_samples_finish_not_only_as_groups_do():
     finally:
         collector.close()
         engine.shutdown()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_random_commands_lose_nothing_and_keep_the_clock_and_versions_in_order(seed):
+    # submits, aborts and resumes, weight updates (every inflight mode), pauses and horizons in
+    # a random order over 3 workers: every submission ends exactly once (aborts resumed from
+    # their tokens), a finished response at its drawn length, versions never decrease along a
+    # response, the clock never goes back, and every worker's load and context return to zero
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    ws = [SimWorker(i, DecodeCost(step_s=0.01, per_row_s=0.001, per_context_token_s=1e-5, prefill_s=0.02,
+                                  prefill_per_token_s=0.001), max_rows=3, max_prefill_tokens=40) for i in range(3)]
+    core = SimCore(ws, LengthModel(median=30, sigma=1.0, prompt_sigma=0.5), max_len=400, slack=50)
+    done: dict[str, list] = {}
+    submitted: dict[str, int] = {}
+    ids = itertools.count()
+    with SimEngine(core) as e:
+        e.release()
+        version, times = 0, []
+
+        def submit(r):
+            submitted[r.id] = submitted.get(r.id, 0) + 1
+            e.submit(r, on_done=lambda c: done.setdefault(c.id, []).append(c))
+
+        def fresh():
+            submit(req(next(ids), prompt=rng.randint(2, 12), budget=rng.choice([20, 60, 200])))
+
+        for _ in range(12):
+            fresh()
+        for _ in range(80):
+            op = rng.random()
+            if op < 0.25:
+                e.run(until=e.now + rng.uniform(0.0, 0.3))
+            elif op < 0.45 and core.where:
+                for c in e.abort([rng.choice(sorted(core.where))]):
+                    submit(c.resume())  # the same id, resumed from its tokens
+            elif op < 0.6:
+                version += 1
+                for c in e.update_weights([], version, inflight=rng.choice(["continue", "keep", "abort"]),
+                                          stall_s=rng.uniform(0, 0.1)):
+                    submit(c.resume())
+            elif op < 0.7:
+                e.pause()
+                e.run(until=e.now + 0.1)
+                e.resume()
+            else:
+                fresh()
+            if rng.random() < 0.3:
+                e.release()
+            times.append(e.now)
+        e.release()
+        e.wait_idle()
+        times.append(e.now)
+    assert times == sorted(times)
+    assert not core.where  # nothing left running or waiting
+    for rid, cs in done.items():
+        assert len(cs) == submitted[rid]  # one completion per submission
+        assert [c.finish for c in cs[:-1]] == ["abort"] * (len(cs) - 1) and cs[-1].finish in ("stop", "length")
+        for a, b in zip(cs, cs[1:]):  # a resumed request keeps what it had
+            assert b.response_ids[: len(a.response_ids)] == a.response_ids
+            assert b.versions[: len(a.versions)] == a.versions
+        final = cs[-1]
+        assert final.versions == sorted(final.versions)
+        assert len(final.versions) == len(final.response_ids) == len(final.logprobs)
+        want = core.length_model.draw(hash(tuple(final.prompt_ids)), final.sampling.seed)
+        assert len(final.response_ids) == min(want, final.sampling.max_new_tokens)
+    assert set(done) == set(submitted)
+    assert all(w.load == 0 and w.context == 0 and not w.running and not w.waiting for w in core.workers)
