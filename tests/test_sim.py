@@ -213,6 +213,19 @@ def test_simulate_cli_writes_report_and_gantt(tmp_path):
     assert math.isfinite(r["samples_per_s"]) and r["samples_per_s"] > 0
 
 
+def one_long_three_short(run) -> None:
+    """Every group the run draws: one 200-token sample, three 5-token ones (per-sample budgets)."""
+    draw = run.next_groups
+
+    def next_groups(k, version):
+        groups = draw(k, version)
+        for g in groups:
+            g.budgets = [200, 5, 5, 5]
+        return groups
+
+    run.next_groups = next_groups
+
+
 def test_april_refills_rows_as_samples_finish_not_only_as_groups_do():
     # every group has one 200-token sample and three 5-token ones; 16 rows hold the 4 groups
     # APRIL keeps in flight. Rows freed by the short samples go to fresh groups at once, so the
@@ -227,15 +240,7 @@ def test_april_refills_rows_as_samples_finish_not_only_as_groups_do():
                                     "simulate.pools=[{workers: 1, max_rows: 16}]", "partial_rollout.enabled=true"])
     engine = build_engine(cfg, profile_of(cfg))
     run = build_sim_run(cfg, engine)
-    draw = run.next_groups
-
-    def next_groups(k, version):
-        groups = draw(k, version)
-        for g in groups:
-            g.budgets = [200, 5, 5, 5]
-        return groups
-
-    run.next_groups = next_groups
+    one_long_three_short(run)
     collector = AprilCollector(run)
     try:
         engine.release()
@@ -315,3 +320,78 @@ def test_random_commands_lose_nothing_and_keep_the_clock_and_versions_in_order(s
         assert len(final.response_ids) == min(want, final.sampling.max_new_tokens)
     assert set(done) == set(submitted)
     assert all(w.load == 0 and w.context == 0 and not w.running and not w.waiting for w in core.workers)
+
+
+def test_a_simulation_that_stands_still_is_reported_not_waited_on_forever():
+    # a core whose events never advance the clock: `run` raises, naming the virtual time and the
+    # live requests, instead of blocking the driver for ever
+    e = engine(lengths=(5,))
+    with e:
+        e.stuck_s = 0.5
+        e.run(until=0.0)
+        e.submit_many([req(0)])
+        e.core.step = lambda: ([], [])  # busy, but nothing happens
+        with pytest.raises(TimeoutError, match=r"virtual time 0\.000 s.*1 live requests \(e\.g\. \['r0'\]\)"):
+            e.run()
+
+
+def test_async_service_refills_rows_a_groups_short_samples_leave():
+    # every group: one 200-token sample and three 5-token ones; 16 rows, 8 groups a step, a gate
+    # wide enough (eta=3) for 32 groups. Counting rows by running samples, the service admits new
+    # groups into the rows short samples free, so the engine stays nearly full; counting whole
+    # groups in flight (8 groups: their 32 samples "fill" the rows) left half the rows empty
+    # while the long samples ran
+    from rollover.sim.run import simulate as sim
+
+    cfg = load_config(None, BASE + ["rollout.samples_per_prompt=4", "rollout.prompts_per_step=8",
+                                    "rollout.ignore_eos=true", "rollout.max_new_tokens=200", "steps=8",
+                                    "simulate.pools=[{workers: 1, max_rows: 16}]", "mode=async",
+                                    "async.max_staleness=3"])
+    r = sim(cfg, prepare=one_long_three_short)
+    assert r["samples_trained"] == 8 * 32 and max(int(k) for k in r["staleness"]) <= 3
+    assert r["row_occupancy"] > 0.8
+
+
+# ---------------------------------------------------------------- the provisioning rule
+PLAN = BASE[:-6] + ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=256",
+                    "simulate.pools=[{workers: 1, max_rows: 16}]",
+                    "simulate.decode={step_s: 0.01, per_row_s: 0.0005, prefill_s: 0.005, prefill_per_token_s: 0.0001}",
+                    "simulate.sync={latency_s: 0.3}", "simulate.prompt_tokens=16", "simulate.prompts=256",
+                    "simulate.lengths={median: 60, sigma: 0.8, prompt_sigma: 0.4}", "steps=24", "logging.progress=false"]
+
+
+def test_closed_form_is_within_15_percent_of_the_simulation():
+    from rollover.sim.plan import capacity, scaled, steady_utilization, warmup
+    from rollover.sim.run import profile_of
+    from rollover.sim.run import simulate as sim
+
+    cfg = load_config(None, PLAN + ["simulate.train={step_s: 2.0}"])
+    cap = capacity(cfg, profile_of(cfg))
+    bounds = set()
+    for workers, eta in [(1, 2), (2, 2), (4, 0), (4, 2), (8, 1)]:
+        u = steady_utilization(sim(scaled(cfg, 1, workers, eta)), warmup(cfg, eta))
+        assert cap.utilization(workers, eta) == pytest.approx(u, rel=0.15), (workers, eta)
+        bounds.add(cap.bound(workers, eta)[1])
+    assert bounds == {"rollout", "latency", "trainer"}  # each of the closed form's terms is tested
+
+
+def test_plan_recommendation_reaches_its_target_utilization_in_simulation(tmp_path):
+    from rollover.sim.plan import scaled, steady_utilization, warmup
+    from rollover.sim.run import simulate as sim
+    from rollover.sim.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", *PLAN, "simulate.train={step_s: 3.0}", "--target", "0.7", "--max-gpus", "12",
+                 "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    points = plan["points"]
+    assert [p["scale"] for p in points] == [1, 2, 4][:len(points)] and points[-1]["gpus"] <= 12 + 8
+    cfg = load_config(None, PLAN + ["simulate.train={step_s: 3.0}"])
+    for p in points:
+        rec = p["recommended"]
+        assert rec["corrections"] <= 2  # the closed form starts close
+        # an independent rerun of the recommended cluster reaches the target
+        u = steady_utilization(sim(scaled(cfg, p["scale"], rec["rollout_workers"], rec["eta"])),
+                               warmup(cfg, rec["eta"]))
+        assert u >= 0.7 and u == pytest.approx(rec["simulated_utilization"])
+    assert main(["plan", *PLAN, "--target", "0.999"]) == 2  # out of reach: a one-line error naming the best

@@ -477,6 +477,8 @@ class SimPoolConfig(Section):
     """Rollout workers (one engine each: a GPU, or a tensor-parallel group)."""
     max_rows: int = Field(64, ge=1)
     """Sequences each worker decodes together."""
+    gpus_per_worker: int = Field(1, ge=1)
+    """GPUs one worker uses (tensor parallel): counted in `rollover simulate plan`'s GPU totals."""
     decode: Annotated[dict[str, Any], _cost_fields("decode")] = {}
     """This pool's decode cost, over the profile's (keys of DecodeCost: step_s, per_row_s,
     per_context_token_s, prefill_s, prefill_per_token_s)."""
@@ -496,6 +498,9 @@ class SimConfig(Section):
     lengths: dict[str, Any] = {}
     """Response lengths (rollover/sim/workload.py LengthModel): kind lognormal (median, sigma,
     prompt_sigma) or empirical (values)."""
+    trainer_gpus: int = Field(1, ge=1)
+    """GPUs of the trainer whose step the train cost describes (`rollover simulate plan` counts
+    them and scales them with the batch)."""
     prompts: int = Field(512, ge=1)
     """Distinct simulated prompts."""
     prompt_tokens: int = Field(128, ge=1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Iterable
 
@@ -132,12 +133,28 @@ class ThreadedEngine(EngineAPI):
     def reset_stats(self) -> None:
         self._run_or_queue(lambda: setattr(self.core, "stats", EngineStats()), wait=True)
 
-    def wait_idle(self) -> None:
+    def wait_idle(self, stuck_s: float | None = None) -> None:
         """Block until the engine thread has nothing it can do (no command queued; no request, or
-        paused), every callback of what it did having run."""
+        paused), every callback of what it did having run. With `stuck_s`: raise TimeoutError if
+        the engine makes no progress (`_progress()` unchanged) for that many seconds."""
         with self._cond:
+            seen, since = self._progress(), time.monotonic()
             while not (self._idle and not self._commands):
-                self._cond.wait()
+                self._cond.wait(timeout=None if stuck_s is None else min(stuck_s, 5.0))
+                if stuck_s is None:
+                    continue
+                now, mark = time.monotonic(), self._progress()
+                if mark != seen:
+                    seen, since = mark, now
+                elif now - since > stuck_s:
+                    raise TimeoutError(f"engine made no progress for {stuck_s:g} s: {self._describe_stuck()}")
+
+    def _progress(self):
+        """What changes whenever the engine does something (a watchdog's mark)."""
+        return (self.core.stats.decode_steps, self.core.stats.prefill_tokens, len(self._futures))
+
+    def _describe_stuck(self) -> str:
+        return f"{len(self._futures)} requests unfinished, {len(self._commands)} commands queued"
 
     def num_unfinished(self) -> int:
         with self._cond:

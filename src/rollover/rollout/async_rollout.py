@@ -66,9 +66,8 @@ class RolloutService:
         self.run, self.cfg, self.gate, self.out = run, run.cfg, gate, out
         self.on_error = on_error
         self.sampling = sampling_from(run.cfg)
-        n = run.cfg.rollout.samples_per_prompt
-        self.max_inflight = max(run.cfg.rollout.prompts_per_step, -(-run.cfg.rollout.max_rows // n))
         self.inflight: dict[str, PendingGroup] = {}
+        self.running = 0  # samples of the groups in flight not finished yet (rows they need)
         self.paused = False
         self.stopping = False
         self.success_rate: dict[str, float] = {}  # prompt id -> last success rate (dynamic samples)
@@ -81,7 +80,7 @@ class RolloutService:
         with self.lock:
             if self.paused or self.stopping:
                 return
-            k = min(self.gate.capacity(self.run.engine.version), self.max_inflight - len(self.inflight))
+            k = min(self.gate.capacity(self.run.engine.version), self.room())
             if k <= 0:
                 return
             groups = self.run.next_groups(k, version=self.run.engine.version)
@@ -91,9 +90,17 @@ class RolloutService:
             self.gate.live += len(groups)
             self._submit(groups)
 
+    def room(self) -> int:
+        """Groups to admit now: enough for a batch (prompts_per_step in flight), and enough to
+        fill the engine's rows. Rows count the samples still running, not whole groups: a group
+        whose short samples finished leaves their rows to new groups while its long one runs."""
+        r = self.cfg.rollout
+        return max(r.prompts_per_step - len(self.inflight), -(-(r.max_rows - self.running) // r.samples_per_prompt))
+
     def _submit(self, groups: list[PendingGroup]) -> None:
         for g in groups:
             self.inflight[g.id] = g
+            self.running += g.n - len(g.done)
         self.driver.start(groups, self.sampling, self.cfg.seed)
 
     def _on_done(self, c: Completion) -> None:
@@ -108,10 +115,11 @@ class RolloutService:
             self.driver.advance(g, j, self.sampling, self.cfg.seed)
 
     def _finished(self, g: PendingGroup, j: int) -> None:
+        self.running -= 1
         if g.complete:
             del self.inflight[g.id]
             self.out.put(g)
-            self.admit()
+        self.admit()  # its row is free
 
     def pause(self) -> list[PendingGroup]:
         """Abort everything in flight (tokens kept in their samples), let environment calls in
@@ -134,7 +142,7 @@ class RolloutService:
         with self.lock:
             self.paused = self.driver.hold = False
             groups = sorted(self.inflight.values(), key=lambda g: g.serial)
-            self.inflight = {}
+            self.inflight, self.running = {}, 0
             self._submit(groups)
         self.admit()
 

@@ -18,6 +18,8 @@ from rollover.types import Completion
 
 
 class SimEngine(ThreadedEngine):
+    stuck_s = 120.0  # `run` raises if the virtual clock and the requests stand still this long (wall seconds)
+
     def __init__(self, core: SimCore):
         core.horizon = 0.0  # nothing runs before the driver says
         self.max_len = core.max_len
@@ -38,9 +40,16 @@ class SimEngine(ThreadedEngine):
         """Process every event before `until` (or until `halt`, or until nothing is left), then
         set the clock to `until` when it is finite. Blocks; not for the engine thread."""
         self._run_or_queue(lambda: setattr(self.core, "horizon", until), wait=True)
-        self.wait_idle()
+        self.wait_idle(stuck_s=self.stuck_s)
         if until != math.inf:
             self._run_or_queue(lambda: setattr(self.core, "now", max(self.core.now, until)), wait=True)
+
+    def _progress(self):
+        return (self.core.now, self.core.stats.decode_steps, len(self.core.where))
+
+    def _describe_stuck(self) -> str:
+        return (f"virtual time {self.core.now:.3f} s, horizon {self.core.horizon:g}, {len(self.core.where)} live "
+                f"requests (e.g. {sorted(self.core.where)[:3]}), {len(self.core.heap)} events queued")
 
     def halt(self) -> None:
         """From a callback (the engine thread): stop at the current time; `run` returns."""

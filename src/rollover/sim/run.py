@@ -39,14 +39,18 @@ def profile_of(cfg: Config) -> Profile:
                    sync=replace(base.sync, **s.sync))
 
 
-def build_engine(cfg: Config, profile: Profile) -> SimEngine:
-    s, r = cfg.simulate, cfg.rollout
+def length_model(cfg: Config) -> LengthModel:
     try:
-        lengths = LengthModel(**{k: tuple(v) if k == "values" else v for k, v in s.lengths.items()})
+        return LengthModel(**{k: tuple(v) if k == "values" else v for k, v in cfg.simulate.lengths.items()})
     except TypeError as e:
         raise ConfigError(f"simulate.lengths: {e}") from None
     except ValueError as e:
         raise ConfigError(f"simulate.{e}") from None
+
+
+def build_engine(cfg: Config, profile: Profile) -> SimEngine:
+    s, r = cfg.simulate, cfg.rollout
+    lengths = length_model(cfg)
     workers = []
     for pool in s.pools:
         cost = replace(profile.decode, **pool.decode)
@@ -96,7 +100,7 @@ def simulate(cfg: Config, progress=None, prepare=None) -> dict:
     try:
         driver = _async if cfg.mode == "async" else _sync
         steps, trainer_tl = driver(cfg, run, engine, profile, progress)
-        engine.wait_idle()
+        engine.wait_idle(stuck_s=engine.stuck_s)
         return summarize(cfg, profile, engine, steps, trainer_tl)
     finally:
         engine.shutdown()
@@ -123,7 +127,7 @@ def _sync(cfg: Config, run, engine: SimEngine, profile: Profile, progress):
             engine.release()
             t0, made = engine.now, engine.stats().generated_tokens
             groups, m = collector.collect(step)
-            engine.wait_idle()
+            engine.wait_idle(stuck_s=engine.stuck_s)
             t1 = engine.now
             m = {**m, "engine_tokens": engine.stats().generated_tokens - made}
             version = engine.version
