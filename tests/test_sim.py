@@ -395,3 +395,49 @@ def test_plan_recommendation_reaches_its_target_utilization_in_simulation(tmp_pa
                                warmup(cfg, rec["eta"]))
         assert u >= 0.7 and u == pytest.approx(rec["simulated_utilization"])
     assert main(["plan", *PLAN, "--target", "0.999"]) == 2  # out of reach: a one-line error naming the best
+
+
+def test_shared_device_slows_training_only_while_workers_generate_and_decode_while_training():
+    # one worker decoding a 10,000-token answer at 0.01 s a step; a 1 s training step on a
+    # shared device with contention decode 2x, train 1.5x: the step takes 1.5 s (the worker is
+    # busy throughout) and the worker makes 1.5 / 0.02 = 75 steps meanwhile; with the engine idle
+    # the step takes its 1 s
+    from rollover.sim.run import _train, profile_of
+
+    cfg = load_config(None, BASE + ["simulate.shared_device=true", "simulate.contention={decode: 2, train: 1.5}",
+                                    "simulate.train={step_s: 1.0}"])
+    with engine(lengths=(10_000,), rows=1) as e:
+        assert _train(cfg, e, profile_of(cfg), 0.0, 100) == pytest.approx(1.0)  # idle engine
+        e.submit_many([req(0, budget=10_000)])
+        e.run(until=1.0 + 0.1)  # a 0.1 s step at the start: its first token
+        t0, n0 = e.now, e.lengths()["r0"]
+        assert _train(cfg, e, profile_of(cfg), t0, 100) == pytest.approx(1.5)
+        assert e.lengths()["r0"] - n0 == 75
+        e.run(until=e.now + 0.1)
+        assert e.lengths()["r0"] - n0 == 75 + 10  # back to 0.01 s a step
+    off = load_config(None, BASE + ["simulate.contention={decode: 2, train: 1.5}", "simulate.train={step_s: 1.0}"])
+    with engine(lengths=(10_000,), rows=1) as e:
+        e.submit_many([req(0, budget=10_000)])
+        e.run(until=0.5)
+        assert _train(off, e, profile_of(off), e.now, 100) == pytest.approx(1.0)  # not shared: no contention
+
+
+def test_calibrate_fits_a_profile_from_the_real_engine_and_trainer(tmp_path):
+    # a tiny random model on this CPU: every cost measured is positive, the fit records its
+    # points and error, contention factors are slowdowns (>= 1), and the profile loads back
+    from rollover.sim.calibrate import calibrate
+    from rollover.sim.costs import Profile
+    from rollover.testing import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "m", "llama", seed=3)
+    prof = calibrate(str(model), name="tiny", grid=((1, 8), (4, 8), (4, 32)), new_tokens=6,
+                     train_sizes=((2, 2, 8, 8), (2, 2, 8, 24)), command="test")
+    d = prof.decode
+    assert d.step(4, 100) > 0 and d.prefill(32) > 0 and len(d.rows_table) == 2
+    assert prof.train.seconds(500) > 0 and len(prof.fit["train_points"]) == 2
+    assert prof.sync.latency_s > 0 and len(prof.fit["decode_points"]) == 3
+    assert prof.contention.decode >= 1.0 and prof.contention.train >= 1.0
+    assert len(prof.fit["contention_points"]["shared_train_s"]) == 2
+    path = tmp_path / "p.json"
+    path.write_text(prof.to_json())
+    assert Profile.load(path) == prof

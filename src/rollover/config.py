@@ -438,7 +438,8 @@ def _cost_fields(kind: str):
     def check(d: dict[str, Any]) -> dict[str, Any]:
         from rollover.sim import costs
 
-        cls = {"decode": costs.DecodeCost, "train": costs.TrainCost, "sync": costs.SyncCost}[kind]
+        cls = {"decode": costs.DecodeCost, "train": costs.TrainCost, "sync": costs.SyncCost,
+               "contention": costs.Contention}[kind]
         names = cls.__dataclass_fields__
         bad = sorted(set(d) - set(names))
         if bad:
@@ -495,6 +496,11 @@ class SimConfig(Section):
     """Training step cost over the profile's (step_s, per_token_s)."""
     sync: Annotated[dict[str, Any], _cost_fields("sync")] = {}
     """Weight dissemination cost over the profile's (latency_s, bytes, bandwidth_bytes_per_s, per_worker_s)."""
+    shared_device: bool = False
+    """Rollout and training share one device (a one-box run, as on a CPU): while both run, each
+    is slowed by the profile's `contention` factors."""
+    contention: Annotated[dict[str, Any], _cost_fields("contention")] = {}
+    """Contention factors over the profile's (decode, train: slowdowns >= 1 when both run)."""
     lengths: dict[str, Any] = {}
     """Response lengths (rollover/sim/workload.py LengthModel): kind lognormal (median, sigma,
     prompt_sigma) or empirical (values)."""

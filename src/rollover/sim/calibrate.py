@@ -16,6 +16,10 @@ the rest refitted, so the model never predicts a faster step for more work.
 Train: `Trainer.train_step` on synthetic groups of two sizes (the first call, which warms
 allocators, is not measured), fitted to step_s + per_token_s * tokens.
 
+Contention (with train): a training step and decode steps alone, then together (the engine
+decoding on its thread while the trainer steps, in one process as the async loop runs them);
+the two slowdowns are the profile's `contention`, used where `simulate.shared_device` is set.
+
 The profile records every measurement and the fit's relative RMS error in `fit`, and the
 command and host in `source`.
 """
@@ -29,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from rollover.sim.costs import DecodeCost, Profile, SyncCost, TrainCost
+from rollover.sim.costs import Contention, DecodeCost, Profile, SyncCost, TrainCost
 from rollover.types import Request, SamplingParams
 
 DECODE_GRID = ((1, 16), (4, 16), (8, 16), (16, 16), (32, 16), (64, 16), (8, 128), (32, 128), (64, 64))  # (rows, prompt tokens)
@@ -102,29 +106,91 @@ def fit_decode(rows: list[dict]) -> tuple[DecodeCost, dict]:
     return cost, {"decode_rel_rms": err, "prefill_rel_rms": perr, "decode_points": rows}
 
 
-def measure_train(trainer, cfg, vocab: int, sizes=((4, 4, 32, 32), (8, 4, 32, 64)), seed: int = 0) -> list[dict]:
-    """Seconds of `trainer.train_step` on synthetic batches: (groups, samples, prompt, response) each."""
+def _batch(cfg, vocab: int, groups: int, n: int, prompt: int, resp: int, rng: random.Random):
+    """A synthetic training batch: `groups` prompts of `n` samples, random tokens."""
     from rollover.loops.common import train_batch_from
     from rollover.types import Group, Prompt, Rollout
 
+    batch = []
+    for g in range(groups):
+        p_ids = [rng.randrange(3, vocab) for _ in range(prompt)]
+        rollouts = [Rollout(group_id=f"g{g}", prompt_ids=p_ids, response_ids=[rng.randrange(3, vocab) for _ in range(resp)],
+                            logprobs=[-2.0] * resp, versions=[0] * resp, loss_mask=[1] * resp, finish="length",
+                            reward=float(j % 2), scores={})
+                    for j in range(n)]
+        batch.append(Group(id=f"g{g}", prompt=Prompt(id=f"p{g}", text=""), prompt_ids=p_ids, rollouts=rollouts))
+    return train_batch_from(batch, cfg)[0]
+
+
+def measure_train(trainer, cfg, vocab: int, sizes=((4, 4, 32, 32), (8, 4, 32, 64)), seed: int = 0) -> list[dict]:
+    """Seconds of `trainer.train_step` on synthetic batches: (groups, samples, prompt, response) each."""
     rng = random.Random(seed)
     out = []
     for i, (groups, n, prompt, resp) in enumerate([sizes[0], *sizes]):
-        batch = []
-        for g in range(groups):
-            p_ids = [rng.randrange(3, vocab) for _ in range(prompt)]
-            rollouts = [Rollout(group_id=f"g{g}", prompt_ids=p_ids, response_ids=[rng.randrange(3, vocab) for _ in range(resp)],
-                                logprobs=[-2.0] * resp, versions=[0] * resp, loss_mask=[1] * resp, finish="length",
-                                reward=float(j % 2), scores={})
-                        for j in range(n)]
-            batch.append(Group(id=f"g{g}", prompt=Prompt(id=f"p{g}", text=""), prompt_ids=p_ids, rollouts=rollouts))
-        tb, _ = train_batch_from(batch, cfg)
+        tb = _batch(cfg, vocab, groups, n, prompt, resp, rng)
         t0 = time.perf_counter()
         trainer.train_step(tb)
         dt = time.perf_counter() - t0
         if i:
             out.append({"tokens": groups * n * (prompt + resp), "seconds": dt})
     return out
+
+
+def measure_contention(engine, trainer, cfg, vocab: int, rows: int = 32, prompt: int = 32, new_tokens: int = 24,
+                       size=(8, 4, 32, 32), seed: int = 1) -> dict:
+    """Decode steps and a training step alone, then together (the engine decoding batches of
+    `rows` on its thread while the trainer steps, as the async loop runs them in one process):
+    the slowdowns of each, for `Contention`."""
+    import threading
+
+    rng = random.Random(seed)
+    serial = iter(range(10**9))
+
+    def batch():
+        return [Request(id=f"con{next(serial)}", prompt_ids=[rng.randrange(3, vocab) for _ in range(prompt)],
+                        sampling=SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=j)) for j in range(rows)]
+
+    def decode_step_s() -> float:
+        s = engine.stats()
+        return s.decode_s / max(s.decode_steps, 1)
+
+    tb = _batch(cfg, vocab, *size, rng)
+    trainer.train_step(tb)  # warm
+    alone_train = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        trainer.train_step(tb)
+        alone_train.append(time.perf_counter() - t0)
+    alone_decode = []
+    for _ in range(2):
+        engine.reset_stats()
+        engine.generate(batch())
+        alone_decode.append(decode_step_s())
+    stop = threading.Event()
+
+    def decode_loop():
+        while not stop.is_set():
+            engine.generate(batch())
+
+    thread = threading.Thread(target=decode_loop, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        shared_train, shared_decode = [], []
+        for _ in range(2):
+            engine.reset_stats()
+            t0 = time.perf_counter()
+            trainer.train_step(tb)
+            shared_train.append(time.perf_counter() - t0)
+            shared_decode.append(decode_step_s())
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    return {"decode": max(1.0, min(shared_decode) / min(alone_decode)),
+            "train": max(1.0, min(shared_train) / min(alone_train)),
+            "points": {"alone_train_s": alone_train, "shared_train_s": shared_train,
+                       "alone_decode_step_s": alone_decode, "shared_decode_step_s": shared_decode,
+                       "rows": rows, "train_tokens": size[0] * size[1] * (size[2] + size[3])}}
 
 
 def fit_train(rows: list[dict]) -> tuple[TrainCost, dict]:
@@ -134,7 +200,7 @@ def fit_train(rows: list[dict]) -> tuple[TrainCost, dict]:
 
 
 def calibrate(model: str, *, name: str | None = None, train: bool = True, grid=DECODE_GRID, new_tokens: int = 24,
-              train_sizes=((4, 4, 32, 32), (8, 4, 32, 64)), command: str = "") -> Profile:
+              train_sizes=((4, 4, 32, 32), (8, 4, 32, 64)), contention: bool = True, command: str = "") -> Profile:
     """Measure this machine with `model` (TorchEngine in float32 on the CPU, as the CPU runs use)."""
     from rollover.config import load_config
     from rollover.engine.torch_engine import TorchEngine
@@ -158,7 +224,7 @@ def calibrate(model: str, *, name: str | None = None, train: bool = True, grid=D
         fit["sync_points"] = times
     finally:
         engine.shutdown()
-    train_cost = TrainCost()
+    train_cost, shared = TrainCost(), Contention()
     if train:
         from rollover.train.trainer import Trainer
 
@@ -166,8 +232,16 @@ def calibrate(model: str, *, name: str | None = None, train: bool = True, grid=D
         trainer = Trainer(hf, cfg, device=torch.device("cpu"))
         train_cost, tfit = fit_train(measure_train(trainer, cfg, vocab, train_sizes))
         fit.update(tfit)
+        if contention:
+            engine = TorchEngine(hf, device="cpu", max_rows=64, max_len=longest)
+            try:
+                c = measure_contention(engine, trainer, cfg, vocab)
+            finally:
+                engine.shutdown()
+            shared = Contention(decode=c["decode"], train=c["train"])
+            fit["contention_points"] = c["points"]
     host = f"{platform.node()} ({_cpu_name()}, {torch.get_num_threads()} threads)"
-    return Profile(name=name or f"{model}@{platform.node()}", decode=decode, train=train_cost, sync=sync,
+    return Profile(name=name or f"{model}@{platform.node()}", decode=decode, train=train_cost, sync=sync, contention=shared,
                    source=f"{command or 'rollover simulate calibrate'} on {host}, {time.strftime('%Y-%m-%d')}", fit=fit)
 
 

@@ -43,6 +43,9 @@ def _calibrate(argv: list[str]) -> int:
             print(f"train step = {prof.train.step_s:.2f} s + {prof.train.per_token_s * 1e3:.3f} ms/token "
                   f"({prof.fit['train_rel_rms']:.1%})")
         print(f"weight update = {prof.sync.latency_s:.3f} s")
+        if "contention_points" in prof.fit:
+            print(f"sharing the machine: decode steps {prof.contention.decode:.2f}x slower, training "
+                  f"{prof.contention.train:.2f}x slower")
         print(f"profile: {args.out}")
         return 0
 

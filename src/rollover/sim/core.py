@@ -85,6 +85,7 @@ class SimWorker:
     def __init__(self, index: int, cost: DecodeCost, max_rows: int, pool: str = "rollout",
                  max_prefill_tokens: int = 8192):
         self.index, self.cost, self.max_rows, self.pool = index, cost, max_rows, pool
+        self.own_cost = cost  # `cost` is this, scaled while the device is shared with training
         self.max_prefill_tokens = max_prefill_tokens
         self.t = 0.0  # its last step boundary
         self.waiting: deque[SimSeq] = deque()
@@ -188,7 +189,15 @@ class SimCore:
         return done, []
 
     def lengths(self) -> dict[str, int]:
-        return {s.id: s.n for w in self.workers for s in (*w.waiting, *w.running)}
+        """Tokens each live request holds now (steps of a planned segment done by now count)."""
+        out = {s.id: s.n for w in self.workers for s in w.waiting}
+        for w in self.workers:
+            done = 0
+            if w.k:
+                j = w.first_at_or_after(self.now)
+                done = j if j and w.end(j) <= self.now else max(j - 1, 0)
+            out.update({s.id: s.n + done for s in w.running})
+        return out
 
     def abort(self, ids: set[str] | None) -> list[Completion]:
         out = []
@@ -235,6 +244,18 @@ class SimCore:
         return out
 
     # ------------------------------------------------------------ the simulation's own calls
+    def slow_down(self, factor: float) -> None:
+        """From the next step boundary on, every worker's steps take `factor` times their cost
+        (1.0: back to normal); the step in progress finishes at the speed it started with."""
+        for w in self.workers:
+            self._sync(w)
+            w.cost = w.own_cost.scaled(factor)
+            self._plan(w)
+
+    def busy(self) -> bool:
+        """Whether any worker has rows running or waiting."""
+        return any(w.running or w.waiting for w in self.workers)
+
     def pause(self) -> None:
         """Every worker stops at its last step boundary before now; nothing runs until resume."""
         for w in self.workers:

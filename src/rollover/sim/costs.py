@@ -10,7 +10,7 @@ sequence samples in its admission step cost what a decode row costs.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 
@@ -55,6 +55,14 @@ class DecodeCost:
             return 0.0
         return self.prefill_s + self.prefill_per_token_s * tokens + self.prefill_quadratic_s * tokens * tokens
 
+    def scaled(self, factor: float) -> "DecodeCost":
+        """Every time `factor` times longer (the device shared with a training step)."""
+        if factor == 1.0:
+            return self
+        times = ("step_s", "per_row_s", "per_context_token_s", "prefill_s", "prefill_per_token_s", "prefill_quadratic_s")
+        return replace(self, **{k: getattr(self, k) * factor for k in times},
+                       rows_table=tuple((r, t * factor) for r, t in self.rows_table))
+
 
 @dataclass(frozen=True)
 class TrainCost:
@@ -86,6 +94,17 @@ class SyncCost:
 
 
 @dataclass(frozen=True)
+class Contention:
+    """Slowdowns when rollout and training share one device (`simulate.shared_device`: a
+    one-box run, as on this CPU) and run at the same time: decode steps take `decode` times
+    longer while a training step runs, and a training step progresses `train` times slower
+    while the workers generate. 1.0: no sharing."""
+
+    decode: float = 1.0
+    train: float = 1.0
+
+
+@dataclass(frozen=True)
 class Profile:
     """The cost models of one hardware and model combination, saved as JSON."""
 
@@ -93,6 +112,7 @@ class Profile:
     decode: DecodeCost = DecodeCost()
     train: TrainCost = TrainCost()
     sync: SyncCost = SyncCost()
+    contention: Contention = Contention()
     source: str = ""  # how the numbers were obtained (a command and host, or a paper)
     fit: dict = field(default_factory=dict)  # calibration residuals and sample counts
 
@@ -105,7 +125,7 @@ class Profile:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"profile: unknown keys {unknown} (known: {sorted(known)})")
-        parts = {"decode": DecodeCost, "train": TrainCost, "sync": SyncCost}
+        parts = {"decode": DecodeCost, "train": TrainCost, "sync": SyncCost, "contention": Contention}
         out = {}
         for k, v in d.items():
             if k in parts:

@@ -78,5 +78,11 @@ class SimEngine(ThreadedEngine):
 
         self._run_or_queue(go, wait=False)
 
+    def slow_down(self, factor: float) -> None:
+        self._run_or_queue(lambda: self.core.slow_down(factor), wait=True)
+
+    def busy(self) -> bool:
+        return self._run_or_queue(self.core.busy, wait=True)
+
     def workers(self):
         return self.core.workers

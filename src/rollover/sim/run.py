@@ -36,7 +36,7 @@ def profile_of(cfg: Config) -> Profile:
     s = cfg.simulate
     base = Profile.load(s.profile) if s.profile else Profile(name="defaults")
     return replace(base, decode=replace(base.decode, **s.decode), train=replace(base.train, **s.train),
-                   sync=replace(base.sync, **s.sync))
+                   sync=replace(base.sync, **s.sync), contention=replace(base.contention, **s.contention))
 
 
 def length_model(cfg: Config) -> LengthModel:
@@ -131,8 +131,7 @@ def _sync(cfg: Config, run, engine: SimEngine, profile: Profile, progress):
             t1 = engine.now
             m = {**m, "engine_tokens": engine.stats().generated_tokens - made}
             version = engine.version
-            train_s = profile.train.seconds(_trained_tokens(groups))
-            engine.run(until=t1 + train_s)
+            train_s = _train(cfg, engine, profile, t1, _trained_tokens(groups))
             sync_s = profile.sync.seconds(n_workers)
             engine.update_weights([], step + 1, collector.inflight_mode, stall_s=sync_s)
             engine.run(until=t1 + train_s + sync_s)
@@ -143,6 +142,27 @@ def _sync(cfg: Config, run, engine: SimEngine, profile: Profile, progress):
     finally:
         collector.close()
     return rows, trainer_tl
+
+
+def _train(cfg: Config, engine: SimEngine, profile: Profile, t0: float, tokens: int) -> float:
+    """A training step from t0 over `tokens` while the engine runs on; its seconds. On a shared
+    device (simulate.shared_device) decode steps run `contention.decode` times slower meanwhile,
+    and the step progresses `contention.train` times slower while workers generate (looked at
+    in 16 slices of the step)."""
+    work = profile.train.seconds(tokens)
+    c = profile.contention
+    if not cfg.simulate.shared_device or (c.decode == 1.0 and c.train == 1.0):
+        engine.run(until=t0 + work)
+        return work
+    engine.slow_down(c.decode)
+    t, left, piece = t0, work, work / 16
+    while left > 1e-9 * work:
+        rate = 1.0 / c.train if engine.busy() else 1.0
+        dt = min(piece, left / rate)
+        engine.run(until=t + dt)
+        t, left = t + dt, left - dt * rate
+    engine.slow_down(1.0)
+    return t - t0
 
 
 class _Inbox:
@@ -211,8 +231,7 @@ def _async(cfg: Config, run, engine: SimEngine, profile: Profile, progress):
         version = engine.version
         if max(version - g.start_version for g in groups) > eta:
             raise AssertionError(f"simulation: staleness above max_staleness={eta} at version {version}")
-        train_s = profile.train.seconds(_trained_tokens(groups))
-        engine.run(until=t0 + train_s)
+        train_s = _train(cfg, engine, profile, t0, _trained_tokens(groups))
         sync_s = profile.sync.seconds(n_workers)
         engine.update_weights([], step + 1, cfg.rollout.inflight_weight_update, stall_s=sync_s)
         engine.run(until=t0 + train_s + sync_s)
