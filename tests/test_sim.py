@@ -385,7 +385,7 @@ def test_plan_recommendation_reaches_its_target_utilization_in_simulation(tmp_pa
                  "--json", str(out)]) == 0
     plan = json.loads(out.read_text())
     points = plan["points"]
-    assert [p["scale"] for p in points] == [1, 2, 4][:len(points)] and points[-1]["gpus"] <= 12 + 8
+    assert [p["scale"] for p in points] == [1, 2, 4] and all(p["gpus"] <= 12 for p in points)
     cfg = load_config(None, PLAN + ["simulate.train={step_s: 3.0}"])
     for p in points:
         rec = p["recommended"]
@@ -393,12 +393,12 @@ def test_plan_recommendation_reaches_its_target_utilization_in_simulation(tmp_pa
         # an independent rerun of the recommended cluster reaches the target
         u = steady_utilization(sim(scaled(cfg, p["scale"], rec["rollout_workers"], rec["eta"])),
                                warmup(cfg, rec["eta"]))
-        assert u >= 0.7 and u == pytest.approx(rec["simulated_utilization"])
+        assert u >= 0.7
     assert main(["plan", *PLAN, "--target", "0.999"]) == 2  # out of reach: a one-line error naming the best
 
 
 def test_shared_device_slows_training_only_while_workers_generate_and_decode_while_training():
-    # one worker decoding a 10,000-token answer at 0.01 s a step; a 1 s training step on a
+    # one worker decoding a long answer (996 tokens: the test engine's limit) at 0.01 s a step; a 1 s training step on a
     # shared device with contention decode 2x, train 1.5x: the step takes 1.5 s (the worker is
     # busy throughout) and the worker makes 1.5 / 0.02 = 75 steps meanwhile; with the engine idle
     # the step takes its 1 s
@@ -436,8 +436,33 @@ def test_calibrate_fits_a_profile_from_the_real_engine_and_trainer(tmp_path):
     assert d.step(4, 100) > 0 and d.prefill(32) > 0 and len(d.rows_table) == 2
     assert prof.train.seconds(500) > 0 and len(prof.fit["train_points"]) == 2
     assert prof.sync.latency_s > 0 and len(prof.fit["decode_points"]) == 3
-    assert prof.contention.decode >= 1.0 and prof.contention.train >= 1.0
-    assert len(prof.fit["contention_points"]["shared_train_s"]) == 2
+    points = prof.fit["contention_points"]
+    assert points["decode_ratio"] > 0 and points["train_ratio"] > 0  # decode steps ran during the training steps
+    assert prof.contention.decode == max(1.0, points["decode_ratio"])
+    assert prof.contention.train == max(1.0, points["train_ratio"])
     path = tmp_path / "p.json"
     path.write_text(prof.to_json())
     assert Profile.load(path) == prof
+
+
+def test_async_service_keeps_count_of_running_samples_through_aborts_pauses_and_dynamic_samples(monkeypatch):
+    # the rows the service thinks are taken (`running`) equal the unfinished samples of its
+    # groups in flight at every admission, with weight updates aborting samples in flight,
+    # dynamic samples changing group sizes, and a wide gate
+    from rollover.rollout.async_rollout import RolloutService
+
+    checked = []
+    admit = RolloutService.admit
+
+    def checked_admit(self):
+        with self.lock:
+            assert self.running == sum(g.n - len(g.done) for g in self.inflight.values())
+            checked.append(self.running)
+        admit(self)
+
+    monkeypatch.setattr(RolloutService, "admit", checked_admit)
+    r = simulate("steps=8", "mode=async", "async.max_staleness=2", "rollout.inflight_weight_update=abort",
+                 "async.dynamic_samples=true", "async.min_samples=2", "rollout.samples_per_prompt=4",
+                 "simulate.prompts=4",  # prompts come back: dynamic samples resizes their groups
+                 "simulate.lengths={median: 30, sigma: 1.2, prompt_sigma: 0.5}")
+    assert r["steps"] == 8 and len(checked) > 50 and max(checked) > 0

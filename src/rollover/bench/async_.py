@@ -19,6 +19,19 @@ import statistics
 import tempfile
 
 
+def _lengths(run_dir: str) -> list[int]:
+    """Every trained sample's response length, in step order (what a simulation replays)."""
+    from pathlib import Path
+
+    from rollover.metrics.logger import GROUPS_FILE
+
+    out = []
+    for line in (Path(run_dir) / GROUPS_FILE).read_text().splitlines():
+        for g in json.loads(line)["groups"]:
+            out += g["lengths"]
+    return out
+
+
 def _run(args, mode: str, eta: int | None = None) -> dict:
     from rollover.config import load_config
     from rollover.loops.async_ import train_async
@@ -45,7 +58,8 @@ def _run(args, mode: str, eta: int | None = None) -> dict:
     wall = measured[-1]["time"] - first["time"]
     samples = measured[-1]["samples_consumed"] - first["samples_consumed"]
     out = {"samples_per_s": samples / wall, "samples": samples, "seconds": wall,
-           "reward_mean": statistics.fmean(r["reward/mean"] for r in measured)}
+           "reward_mean": statistics.fmean(r["reward/mean"] for r in measured),
+           "response_lengths": _lengths(run_dir)}
     if mode == "async":
         last = measured[-1]
         out["busy_fraction"] = {k: last[f"busy/{k}"] for k in ("rollout", "data_manager", "trainer")}
@@ -67,6 +81,8 @@ def main(args) -> dict:
     result["sync_samples_per_s"] = result["sync"]["samples_per_s"]
     result["april_samples_per_s"] = result["april"]["samples_per_s"]
     result["async_samples_per_s"] = {eta: r["samples_per_s"] for eta, r in result["async"].items()}
+    result["async_over_sync"] = {eta: r["samples_per_s"] / result["sync"]["samples_per_s"]
+                                 for eta, r in result["async"].items()}
     result["busy_fraction"] = {"sync": result["sync"]["busy_fraction"], "april": result["april"]["busy_fraction"],
                                **{f"async_eta{eta}": r["busy_fraction"] for eta, r in result["async"].items()}}
     print(f"\nrollover bench async — {args.model}, 8 prompts x 4 samples, max {args.max_new_tokens} new tokens, "

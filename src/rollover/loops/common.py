@@ -473,4 +473,5 @@ def train_batch_from(groups, cfg: Config):
 def ledger_rows(groups) -> list[dict]:
     """What `trained_groups.jsonl` records of each trained group."""
     return [{"group": g.id, "prompt": g.prompt.id, "samples": len(g.rollouts), "start_version": g.start_version,
-             "tokens": sum(len(r.response_ids) for r in g.rollouts)} for g in groups]
+             "tokens": sum(len(r.response_ids) for r in g.rollouts),
+             "lengths": [len(r.response_ids) for r in g.rollouts]} for g in groups]

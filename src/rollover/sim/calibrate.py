@@ -150,9 +150,11 @@ def measure_contention(engine, trainer, cfg, vocab: int, rows: int = 32, prompt:
         return [Request(id=f"con{next(serial)}", prompt_ids=[rng.randrange(3, vocab) for _ in range(prompt)],
                         sampling=SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=j)) for j in range(rows)]
 
-    def decode_step_s() -> float:
+    def decode_step_s(where: str) -> float:
         s = engine.stats()
-        return s.decode_s / max(s.decode_steps, 1)
+        if not s.decode_steps:
+            raise RuntimeError(f"calibrate: no decode step ran {where} (a longer training batch is needed)")
+        return s.decode_s / s.decode_steps
 
     tb = _batch(cfg, vocab, *size, rng)
     trainer.train_step(tb)  # warm
@@ -165,12 +167,15 @@ def measure_contention(engine, trainer, cfg, vocab: int, rows: int = 32, prompt:
     for _ in range(2):
         engine.reset_stats()
         engine.generate(batch())
-        alone_decode.append(decode_step_s())
-    stop = threading.Event()
+        alone_decode.append(decode_step_s("alone"))
+    stop, failed = threading.Event(), []
 
     def decode_loop():
-        while not stop.is_set():
-            engine.generate(batch())
+        try:
+            while not stop.is_set():
+                engine.generate(batch())
+        except BaseException as e:  # reported below: a dead loop would measure training alone
+            failed.append(e)
 
     thread = threading.Thread(target=decode_loop, daemon=True)
     thread.start()
@@ -182,13 +187,16 @@ def measure_contention(engine, trainer, cfg, vocab: int, rows: int = 32, prompt:
             t0 = time.perf_counter()
             trainer.train_step(tb)
             shared_train.append(time.perf_counter() - t0)
-            shared_decode.append(decode_step_s())
+            if failed:
+                raise RuntimeError(f"calibrate: the decode loop failed while training: {failed[0]!r}") from failed[0]
+            shared_decode.append(decode_step_s("during the training step"))
     finally:
         stop.set()
         thread.join(timeout=120)
-    return {"decode": max(1.0, min(shared_decode) / min(alone_decode)),
-            "train": max(1.0, min(shared_train) / min(alone_train)),
-            "points": {"alone_train_s": alone_train, "shared_train_s": shared_train,
+    decode, train = min(shared_decode) / min(alone_decode), min(shared_train) / min(alone_train)
+    # a ratio under 1 is noise (sharing never speeds either up): kept in `points`, used as 1
+    return {"decode": max(1.0, decode), "train": max(1.0, train),
+            "points": {"decode_ratio": decode, "train_ratio": train,"alone_train_s": alone_train, "shared_train_s": shared_train,
                        "alone_decode_step_s": alone_decode, "shared_decode_step_s": shared_decode,
                        "rows": rows, "train_tokens": size[0] * size[1] * (size[2] + size[3])}}
 
@@ -235,7 +243,8 @@ def calibrate(model: str, *, name: str | None = None, train: bool = True, grid=D
         if contention:
             engine = TorchEngine(hf, device="cpu", max_rows=64, max_len=longest)
             try:
-                c = measure_contention(engine, trainer, cfg, vocab)
+                c = measure_contention(engine, trainer, cfg, vocab, prompt=max(p for _, p in grid),
+                                       new_tokens=new_tokens)
             finally:
                 engine.shutdown()
             shared = Contention(decode=c["decode"], train=c["train"])

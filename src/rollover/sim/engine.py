@@ -48,8 +48,9 @@ class SimEngine(ThreadedEngine):
         return (self.core.now, self.core.stats.decode_steps, len(self.core.where))
 
     def _describe_stuck(self) -> str:
-        return (f"virtual time {self.core.now:.3f} s, horizon {self.core.horizon:g}, {len(self.core.where)} live "
-                f"requests (e.g. {sorted(self.core.where)[:3]}), {len(self.core.heap)} events queued")
+        live = sorted(list(self.core.where))  # one C-level copy under the GIL: the engine thread may run on
+        return (f"virtual time {self.core.now:.3f} s, horizon {self.core.horizon:g}, {len(live)} live "
+                f"requests (e.g. {live[:3]}), {len(self.core.heap)} events queued")
 
     def halt(self) -> None:
         """From a callback (the engine thread): stop at the current time; `run` returns."""

@@ -9,22 +9,27 @@ fraction of groups dynamic sampling keeps). With N workers of R rows each:
     a worker step with r running rows   d(r) = decode.step(r, r·c̄) + (r / L̄)·prefill per sample
     samples per second of a worker      μ(r) = r / (L̄ · d(r))
     one training step, one weight push  T_t = train.seconds(B·G·(P + L̄)),  T_s = sync.seconds(N)
+    a worker's stall per push           T_st = T_s + prefill(r·c̄)  (its running rows' K/V again)
 
-where L̄ is the mean response length (the budget truncating the draw), c̄ = P + E[L²]/(2·L̄) the
-context a running row holds on average (a row spends more steps in long samples), P the prompt
-tokens, and a group's prompt is prefilled once. The gate lets at most (η+1)·B groups be in flight,
-so each worker runs r = min(R, (η+1)·S / N) rows. For η ≥ 1 a training step starts every
+where L̄ is the mean response length (the budget truncating the draw; the budget itself under
+ignore_eos), c̄ = P + E[L²]/(2·L̄) the context a running row holds on average (a row spends more
+steps in long samples), P the prompt tokens, and a group's prompt is prefilled once. Each worker
+may run r_max = min(R, (η+1)·S / N) rows (the gate lets (η+1)·B groups be in flight). For η ≥ 1
+a training step starts every
 
-    cycle = max( T_t + T_s,                 the trainer's own step and push
-                 T_s + S / (N · μ(r)),       generating a batch (workers stall during the push)
-                 T_s + W(r) / η )            a batch admitted now must be ready η steps later
+    cycle = max( T_t + T_s,                                  the trainer's own step and push
+                 T_st + S / (N · μ(r_max)),                   generating a batch
+                 (W(r_c) · c/(c − T_st) + T_t + T_s) / (η+1) )  a batch's latency under the gate
 
-with W(r) = E[max of a batch's lengths] · d(r) the time its longest sample takes (batches are
-formed in the order groups started, so a batch waits for its slowest; the gate admits its groups
-once the version is η behind the step that trains them). With η = 0 nothing overlaps:
-cycle = max(S / (N·μ(r)), W(r)) + T_t + T_s. The trainer
-is busy u = T_t / cycle, at most T_t / (T_t + T_s) whatever N. `recommend` returns the fewest
-workers reaching the target utilization, at the smallest η within 5% of the fewest over η ≤ 8.
+The last term: batches are formed in the order their groups started, and the gate admits
+batch j's groups once version j − η exists (step j − η − 1 trained and pushed); batch j is due
+when step j starts, so η + 1 cycles must hold its latency plus one step and push. Its latency
+W(r) = E[longest response of a batch]·d(r), stretched by the pushes that fall while it runs
+(c/(c − T_st)), at the load r_c that produces S samples a cycle (r_c = S·L̄·d(r_c)/(N·(c − T_st)),
+at most r_max): a fixed point in c, found by bisection. With η = 0 nothing overlaps:
+cycle = max(S / (N·μ(r_max)), W(r_max)) + T_t + T_s. The trainer is busy u = T_t / cycle, at most
+T_t / (T_t + T_s) whatever N. `recommend` returns the fewest workers reaching the target
+utilization, at the smallest η within 5% of the fewest over η ≤ 8.
 
 Then the simulator runs rollover's async loop at the recommended point and measures the
 trainer's steady-state utilization: the closed form's error is that difference. A grid scales
@@ -56,7 +61,10 @@ class Lengths:
     batch_max: float  # E[max over a batch's samples]
 
     @classmethod
-    def of(cls, model: LengthModel, group: int, batch_groups: int, budget: int, groups: int = 2000) -> "Lengths":
+    def of(cls, model: LengthModel, group: int, batch_groups: int, budget: int, groups: int = 2000,
+           ignore_eos: bool = False) -> "Lengths":
+        if ignore_eos:  # every sample runs to its budget
+            return cls(mean=budget, second=budget * budget, group_max=budget, batch_max=budget)
         draws = [[min(model.draw(g, 1_000_003 * g + i), budget) for i in range(group)] for g in range(groups)]
         flat = [x for g in draws for x in g]
         n_batches = max(1, groups // batch_groups)
@@ -99,7 +107,7 @@ class Capacity:
         return self.decode.prefill(max(1.0, r) * (self.prompt_tokens + L.second / (2 * L.mean)))
 
     def worker_rate(self, r: float) -> float:
-        return max(1.0, r) / (self.lengths.mean * self.step_s(r))
+        return r / (self.lengths.mean * self.step_s(r))  # r < 1: a worker idle part of the time
 
     def train_s(self) -> float:
         return self.train.seconds(round(self.prompts_per_step * self.group * (self.prompt_tokens + self.lengths.mean)))
@@ -145,12 +153,15 @@ class Capacity:
         return Tt / (Tt + self.sync.seconds(workers))
 
     def fewest_workers(self, target: float, eta: int, limit: int = 1 << 17) -> int | None:
-        """The fewest workers with utilization >= target at this eta (None below `limit`)."""
-        lo, hi = 1, 1
+        """The fewest workers with utilization >= target at this eta (None up to `limit`):
+        the first power of two that reaches it, then bisection below it (utilization need not
+        rise with N everywhere: rows per worker and the push change with N)."""
+        hi = 1
         while self.utilization(hi, eta) < target:
-            if hi >= limit or self.utilization(2 * hi, eta) <= self.utilization(hi, eta) and hi > 1:
-                return None  # more workers no longer help (the push grows with them)
-            lo, hi = hi, 2 * hi
+            if hi >= limit:
+                return None
+            hi *= 2
+        lo = hi // 2 + 1 if hi > 1 else 1
         while lo < hi:
             mid = (lo + hi) // 2
             if self.utilization(mid, eta) >= target:
@@ -199,9 +210,13 @@ def capacity(cfg: Config, profile: Profile, lengths: Lengths | None = None) -> C
     s, r = cfg.simulate, cfg.rollout
     if len(s.pools) != 1:
         raise ConfigError(f"plan sizes one pool of identical workers; simulate.pools has {len(s.pools)}")
+    if s.shared_device:
+        raise ConfigError("plan sizes clusters whose trainer and rollout workers have devices of their own; "
+                          "simulate.shared_device=true describes one box")
     pool = s.pools[0]
     if lengths is None:
-        lengths = Lengths.of(length_model(cfg), r.samples_per_prompt, r.prompts_per_step, r.max_new_tokens)
+        lengths = Lengths.of(length_model(cfg), r.samples_per_prompt, r.prompts_per_step, r.max_new_tokens,
+                             ignore_eos=r.ignore_eos)
     return Capacity(decode=replace(profile.decode, **pool.decode), rows=pool.max_rows, train=profile.train,
                     sync=profile.sync, prompts_per_step=r.prompts_per_step, group=r.samples_per_prompt,
                     prompt_tokens=s.prompt_tokens, lengths=lengths, kept=kept_fraction(cfg))
@@ -254,7 +269,7 @@ def plan(cfg: Config, target: float, max_gpus: int = 1024, simulate_points: bool
     while True:
         unit = scaled(cfg, m, 1, 1)
         lengths = Lengths.of(model, r.samples_per_prompt, r.prompts_per_step * m, r.max_new_tokens,
-                             groups=max(2000, 2 * r.prompts_per_step * m))
+                             groups=max(2000, 2 * r.prompts_per_step * m), ignore_eos=r.ignore_eos)
         cap = capacity(unit, profile_of(unit), lengths)
         try:
             rec = cap.recommend(target)

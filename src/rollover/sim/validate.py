@@ -11,13 +11,17 @@ measured) figure, the settings of the runs it compares (config overrides on top 
   APRIL paper's throughput: every token generated, aborted segments included, over rollout
   time);
 - `useful_tokens_ratio`: response tokens of trained samples per rollout second, `b` over `a`;
-- `useful_tokens_per_s`: the same of run `a` alone (an absolute figure: for this machine).
+- `useful_tokens_per_s`: the same of run `a` alone (an absolute figure: for this machine);
+- `samples_per_s`: samples trained per simulated second of run `a` (training in the loop);
+- `samples_ratio`: the same, run `b` over run `a`.
 
 Rollout time is the collect phase of each step (sync and APRIL schedules). The first `warmup`
 steps are left out of every metric (a pipeline filling, a carry buffer priming). A row with `measured: {file, key}` reads its reference figure from a
 benchmark JSON (a row whose file is missing is reported as skipped, never as passed).
 `workload: longtail` gives the runs `rollover bench april`'s per-sample budgets (its seed and
-cap), so a simulated row and a measured one see the same lengths.
+cap), so a simulated row and a measured one see the same lengths; `lengths: {file, a: key, b:
+key}` replays a measured run's response lengths (a benchmark JSON's list) as run a's or b's
+length distribution.
 """
 
 from __future__ import annotations
@@ -43,11 +47,18 @@ def _seconds(report: dict, warmup: int) -> float:
     return rows[-1]["t_end"] - (rows[warmup - 1]["t_end"] if warmup else 0.0)
 
 
+def _samples_per_s(report: dict, warmup: int) -> float:
+    """Samples trained per simulated second after the first `warmup` steps."""
+    return sum(r["samples"] for r in report["step_rows"][warmup:]) / _seconds(report, warmup)
+
+
 METRICS = {
     "time_ratio": lambda a, b, w: _seconds(a, w) / _seconds(b, w),
     "rollout_tokens_ratio": lambda a, b, w: _rollout(b, w, "engine_tokens") / _rollout(a, w, "engine_tokens"),
     "useful_tokens_ratio": lambda a, b, w: _rollout(b, w, "response_tokens") / _rollout(a, w, "response_tokens"),
     "useful_tokens_per_s": lambda a, b, w: _rollout(a, w, "response_tokens"),
+    "samples_per_s": lambda a, b, w: _samples_per_s(a, w),
+    "samples_ratio": lambda a, b, w: _samples_per_s(b, w) / _samples_per_s(a, w),
 }
 
 
@@ -103,9 +114,13 @@ def validate(rows_file: str | Path = ROWS, root: str | Path = ".", only: str | N
             if which not in row:
                 runs.append(None)
                 continue
-            key = (tuple(base + row[which]), row.get("workload"))
+            overrides = base + row[which]
+            if which in row.get("lengths", {}):  # the measured run's own response lengths, replayed
+                values = _lookup(json.loads((root / row["lengths"]["file"]).read_text()), row["lengths"][which])
+                overrides.append("simulate.lengths=" + json.dumps({"kind": "empirical", "values": values}))
+            key = (tuple(overrides), row.get("workload"))
             if key not in cache:
-                cache[key] = _run(base + row[which], row.get("workload"), root)
+                cache[key] = _run(overrides, row.get("workload"), root)
             runs.append(cache[key])
         sim = METRICS[row["metric"]](runs[0], runs[1], row.get("warmup", 0))
         err = (sim - result["published"]) / result["published"]
