@@ -399,6 +399,25 @@ class SelectionConfig(Section):
     """allocation=xrpo: the fewest samples a group gets (2: a group baseline needs two)."""
 
 
+class DownsampleConfig(Section):
+    """D3S (dynamic dual-level down-sampling): generate many samples, train on the most
+    informative (rollover.rollout.downsample). Advantages come from the whole group first."""
+
+    keep: int = Field(0, ge=0)
+    """Samples trained per group, the subset with the largest variance of advantages (D3S's
+    sample level, PODS's max-variance rule); 0 trains every sample. Must be >= 2 and below
+    rollout.samples_per_prompt."""
+    token_fraction: float = Field(1.0, gt=0, le=1)
+    """Fraction of the step's trained response tokens kept, those with the largest |advantage| x
+    entropy (D3S's token level; entropy estimated by the sampled token's negative
+    log-probability); 1 keeps all. The value reached after anneal_steps."""
+    token_fraction_start: float | None = Field(None, gt=0, le=1)
+    """D3S's curriculum from aggressive to relaxed: the token fraction at step 1, moving linearly
+    to token_fraction over anneal_steps steps (unset: token_fraction throughout)."""
+    anneal_steps: int = Field(0, ge=0)
+    """Steps over which the token fraction moves from token_fraction_start to token_fraction."""
+
+
 class RayConfig(Section):
     address: str | None = None
     """Where the Ray cluster is: unset starts a local instance (or uses the one this process
@@ -548,6 +567,7 @@ class Config(Section):
     async_: AsyncConfig = AsyncConfig()
     env: EnvConfig = EnvConfig()
     selection: SelectionConfig = SelectionConfig()
+    downsample: DownsampleConfig = DownsampleConfig()
     ray: RayConfig = RayConfig()
     simulate: SimConfig = SimConfig()
     """The cluster `rollover simulate` simulates; training ignores it."""
@@ -603,6 +623,12 @@ class Config(Section):
         if s.allocation != "fixed" and s.min_samples > self.rollout.samples_per_prompt:
             problems.append(f"selection.min_samples={s.min_samples} must be <= rollout.samples_per_prompt="
                             f"{self.rollout.samples_per_prompt} (the mean group size allocation keeps)")
+        d = self.downsample
+        if d.keep and not 2 <= d.keep < self.rollout.samples_per_prompt:
+            problems.append(f"downsample.keep={d.keep} must be >= 2 (a group baseline) and below "
+                            f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (0: train every sample)")
+        if d.token_fraction_start is not None and d.anneal_steps == 0:
+            problems.append("downsample.token_fraction_start needs downsample.anneal_steps >= 1 (the steps it moves over)")
         if self.runtime == "local" and self.ray != RayConfig():
             problems.append("the ray section is set but runtime is local; set runtime: ray")
         if self.mode == "sync" and self.async_ != AsyncConfig():

@@ -41,7 +41,7 @@ import time
 from collections import Counter
 
 from rollover.config import Config
-from rollover.loops.common import Run, bad_steps_error, build_run, ledger_rows, train_batch_from
+from rollover.loops.common import Run, bad_steps_error, build_run, downsample_metrics, ledger_rows, train_batch_from
 from rollover.loops.guard import Interrupts, Stalled, Watchdog, engine_progress, interrupted_result
 from rollover.rollout.async_rollout import ComponentError, DataManager, RolloutService, StalenessGate
 from rollover.rollout.core import env_step_metrics
@@ -80,7 +80,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
 
                 # 2. train on it (decoupled PPO by default), then push the weights
                 t0 = time.perf_counter()
-                batch, adv_info = train_batch_from(groups, cfg)
+                batch, adv_info = train_batch_from(groups, cfg, step + 1)
                 train_metrics = run.trainer.train_step(batch)
                 t_train = time.perf_counter() - t0
                 step += 1
@@ -96,6 +96,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                     **rollout_metrics(groups, cfg, run.primary_reward),
                     **train_metrics,
                     "adv/zero_std_groups": adv_info.get("zero_std_groups", 0),
+                    **downsample_metrics(adv_info),
                     "samples_consumed": samples_trained,
                     **stats.step(stale, batch, version, t_train, t_sync, samples_trained),
                     **parts.metrics(stats.wall()),

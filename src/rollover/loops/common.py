@@ -462,12 +462,25 @@ def _eos_ids(tokenizer, model) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def train_batch_from(groups, cfg: Config):
-    """Advantages, then the typed tensor batch the trainer takes."""
+def train_batch_from(groups, cfg: Config, step: int = 1):
+    """Advantages, then the typed tensor batch the trainer takes (for the `step`-th training
+    step: D3S down-sampling, when configured, keeps its subset of samples and tokens)."""
     from rollover.train.batch import TrainBatch
 
     adv, info = group_advantages(groups, cfg)
-    return TrainBatch.from_rollouts([r for g in groups for r in g.rollouts], adv), info
+    rollouts = [r for g in groups for r in g.rollouts]
+    d = cfg.downsample
+    if d.keep or d.token_fraction < 1 or d.token_fraction_start is not None:
+        from rollover.rollout.downsample import downsample
+
+        rollouts, adv, kept = downsample(groups, [float(a) for a in adv], d, step)
+        info = {**info, **kept}
+    return TrainBatch.from_rollouts(rollouts, adv), info
+
+
+def downsample_metrics(adv_info: dict) -> dict:
+    """The down-sampling figures of a step (empty when it is off)."""
+    return {k: v for k, v in adv_info.items() if k.startswith("downsample/")}
 
 
 def ledger_rows(groups) -> list[dict]:

@@ -26,7 +26,7 @@ import time
 
 from rollover.config import Config
 from rollover.loops.common import (  # noqa: F401
-    Run, TooManyBadSteps, bad_steps_error, build_run, ledger_rows, train_batch_from,
+    Run, TooManyBadSteps, bad_steps_error, build_run, downsample_metrics, ledger_rows, train_batch_from,
 )
 from rollover.loops.guard import Interrupts, interrupted_result
 from rollover.rollout.groups import rollout_metrics
@@ -52,6 +52,7 @@ def step_metrics(run: Run, groups, gen: dict, train_metrics: dict, adv_info: dic
         **train_metrics,
         **{f"rollout/{k}": v for k, v in gen.items() if not k.endswith("_s")},
         "adv/zero_std_groups": adv_info.get("zero_std_groups", 0),
+        **downsample_metrics(adv_info),
         "samples_consumed": samples_consumed,
         "timing_s/generate": gen["generate_s"],
         "timing_s/reward": gen["reward_s"],
@@ -93,7 +94,7 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
 
             # 2. advantages and the typed batch
             t0 = time.perf_counter()
-            batch, adv_info = train_batch_from(groups, cfg)
+            batch, adv_info = train_batch_from(groups, cfg, step + 1)
             t_adv = time.perf_counter() - t0
 
             # 3. policy update (the idle engine frees what it can rebuild: its packed weights)
