@@ -575,3 +575,57 @@ def test_prompt_selection_decays_once_per_version_not_per_draw():
     assert sel.history.stats("p0").attempts == 8
     sel.next(it, 2, version=2)  # two versions later: two halvings
     assert sel.history.stats("p0").attempts == 2 and sel.version == 2
+
+
+def test_dars_second_stage_grows_unsolved_groups_in_a_run(model_dir, tmp_path):
+    """selection.dars=equal: the tiny model solves nothing, so each group of 3 (accuracy 0,
+    counted as 0.5/3) is owed ceil((1.5 - 3 S) / S) = 3 extra samples with S = 2 (1/6)(5/6),
+    capped at dars_max_samples - 3 = 2; the extras are generated in the same step, merged
+    into their group, scored and counted, and the group trains with 5 samples."""
+    import json
+
+    from rollover.loops.sync import train_sync
+    from rollover.metrics import read_metrics
+    from rollover.rollout.allocation import dars_extra_samples
+    from test_train import tiny_cfg
+
+    assert dars_extra_samples(0.0, 3, "equal") == 3 and dars_extra_samples(0.0, 3, "equal", 5) == 2
+    train_sync(tiny_cfg(model_dir, tmp_path, **{"selection.dars": "equal", "selection.dars_max_samples": 5,
+                                                  "steps": 2, "eval.every": 0}))
+    rows = read_metrics(tmp_path, kind="train")
+    ledger = [json.loads(x) for x in open(tmp_path / "trained_groups.jsonl")]
+    for row, led in zip(rows, ledger):
+        solved = row["accuracy"] * row["samples"]
+        assert solved == 0  # what the expected counts rest on
+        assert row["rollout/dars_extra_samples"] == 6 and row["rollout/dars_groups"] == 3
+        assert row["samples"] == 15 and [g["samples"] for g in led["groups"]] == [5, 5, 5]
+    assert rows[-1]["samples_consumed"] == 30
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"selection.dars": "equal", "partial_rollout.enabled": True}, "selection.dars .* runs in sync mode"),
+    ({"selection.dars": "hardest", "mode": "async"}, "selection.dars .* runs in sync mode"),
+    ({"selection.dars": "equal", "selection.dars_max_samples": 3}, "dars_max_samples=3 must be above"),
+])
+def test_dars_config_errors(over, message):
+    from rollover.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [f"{k}={v}" for k, v in {"rollout.samples_per_prompt": 3, **over}.items()])
+
+
+def test_large_groups_with_april_complete_across_steps(model_dir, tmp_path):
+    """BroRL-style large groups under APRIL: a group of 12 samples with 8 engine rows is never
+    in the engine at once; every trained group still has its 12 samples, no sample twice."""
+    import json
+
+    from rollover.loops.sync import train_sync
+    from test_train import tiny_cfg
+
+    train_sync(tiny_cfg(model_dir, tmp_path, **{"partial_rollout.enabled": True, "rollout.samples_per_prompt": 12,
+                                                  "rollout.prompts_per_step": 2, "rollout.max_rows": 8,
+                                                  "steps": 3, "eval.every": 0}))
+    ledger = [json.loads(x) for x in open(tmp_path / "trained_groups.jsonl")]
+    groups = [g for row in ledger for g in row["groups"]]
+    assert len(groups) == 6 and all(g["samples"] == 12 for g in groups)
+    assert len({g["group"] for g in groups}) == 6

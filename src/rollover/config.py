@@ -397,6 +397,13 @@ class SelectionConfig(Section):
     each prompt's reward estimate, at least min_samples each; rollover.rollout.allocation)."""
     min_samples: int = Field(2, ge=2)
     """allocation=xrpo: the fewest samples a group gets (2: a group baseline needs two)."""
+    dars: Literal["off", "equal", "hardest"] = "off"
+    """DARS's second stage (sync mode): once a step's groups are scored, each prompt solved by
+    fewer than half its samples gets extra samples in the same step, by DARS's equal-treatment
+    or hardness-weighted schedule (rollover.rollout.allocation.dars_extra_samples), merged into
+    its group before advantages."""
+    dars_max_samples: int | None = Field(None, ge=2)
+    """DARS: a group's size after the second stage at most (unset: DARS's 32 for equal, 64 for hardest)."""
 
 
 class DownsampleConfig(Section):
@@ -629,6 +636,13 @@ class Config(Section):
                             f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (0: train every sample)")
         if d.token_fraction_start is not None and d.anneal_steps == 0:
             problems.append("downsample.token_fraction_start needs downsample.anneal_steps >= 1 (the steps it moves over)")
+        if s.dars != "off":
+            if self.mode != "sync" or self.partial_rollout.enabled or self.env.name is not None:
+                problems.append("selection.dars (a second generation stage inside a step) runs in sync mode "
+                                "without partial_rollout and without env")
+            if s.dars_max_samples is not None and s.dars_max_samples <= self.rollout.samples_per_prompt:
+                problems.append(f"selection.dars_max_samples={s.dars_max_samples} must be above "
+                                f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
         if self.runtime == "local" and self.ray != RayConfig():
             problems.append("the ray section is set but runtime is local; set runtime: ray")
         if self.mode == "sync" and self.async_ != AsyncConfig():
