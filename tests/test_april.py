@@ -27,6 +27,7 @@ def april_cfg(model_dir, run_dir, **over):
         "rollout.prompts_per_step": 3, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 12,
         "rollout.max_rows": 6, "reward.functions": ["numeric", {"fn": "format", "weight": 0.5, "kwargs": {"pattern": "[0-9]"}}],
         "partial_rollout.enabled": True, "partial_rollout.oversample": 2.0, "partial_rollout.max_carry_steps": 100,
+        "partial_rollout.carry": "resubmit",  # the keep_kv tests and the auto test set theirs
         "train.lr": 1e-3, "eval.every": 0, "eval.at_start": False, "eval.samples_per_prompt": 1,
         "checkpoint.every": 2, "logging.progress": False, "logging.tensorboard": False,
     }
@@ -174,6 +175,29 @@ def test_april_training_resume_is_exact(model_dir, tmp_path, extra):
     b = load_file(str(split / "checkpoints" / "step_000004" / "model" / "model.safetensors"))
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_carry_auto_keeps_kv_where_the_engine_can_and_the_objective_corrects(model_dir, tmp_path):
+    def carry(**over):
+        return load_config(**{"model": model_dir, "run_dir": str(tmp_path), "partial_rollout.enabled": True, **over})
+
+    # APRIL's default objective is decoupled PPO (as async mode's): TorchEngine keeps K/V
+    default = carry()
+    assert default.algorithm.loss == "decoupled_ppo" and default.partial_rollout.carry == "auto"
+    mode, why = default.april_carry
+    assert mode == "keep_kv" and "algorithm.loss=decoupled_ppo" in why
+    assert carry(**{"algorithm.loss": "ppo", "algorithm.tis_cap": 2.0}).april_carry[0] == "keep_kv"
+    mode, why = carry(**{"algorithm.loss": "ppo"}).april_carry  # nothing corrects older tokens
+    assert mode == "resubmit" and "does not correct" in why
+    mode, why = carry(**{"rollout.engine": "vllm"}).april_carry
+    assert mode == "resubmit" and "rollout.engine=vllm" in why
+    assert carry(**{"partial_rollout.carry": "resubmit"}).april_carry == ("resubmit", "partial_rollout.carry=resubmit in the config")
+    assert load_config(model=model_dir, run_dir=str(tmp_path)).algorithm.loss == "ppo"  # sync without APRIL: unchanged
+    # in a run: the metrics say which mode ran
+    from rollover.metrics import read_metrics
+
+    train_sync(april_cfg(model_dir, tmp_path / "run", steps=2, **{"partial_rollout.carry": "auto"}))
+    assert [r["rollout/carry_keep_kv"] for r in read_metrics(tmp_path / "run", kind="train")] == [1, 1]
 
 
 @pytest.mark.parametrize("seed", range(3))

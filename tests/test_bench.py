@@ -41,6 +41,8 @@ def test_bench_april_fields_and_nothing_discarded(model_dir, tmp_path):
                   "april_occupancy", "april_keep_kv_useful_tokens_per_s", "speedup_keep_kv"):
             assert res[k] > 0, (w, k)
         assert res["april_discarded_tokens"] == 0 and res["april_keep_kv_discarded_tokens"] == 0
+        # enabling APRIL alone on TorchEngine: decoupled PPO, so auto keeps K/V
+        assert res["default_carry"] == "keep_kv" and res["speedup_default"] == res["speedup_keep_kv"]
         assert 0 < res["sync_occupancy"] <= 1 and 0 < res["april_occupancy"] <= 1
         assert res["sync"]["samples_per_s"] * res["sync"]["seconds"] == pytest.approx(2 * 2 * 2)  # 2 steps x 2 x 2
 

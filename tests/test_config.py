@@ -153,7 +153,7 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["train.micro_batch_tokens=100"], "train.micro_batch_tokens=100 must be >= train.pack_length"),
     (["async.max_staleness=2"], "mode is sync"),
     (["mode=async", "partial_rollout.enabled=true"], "applies to sync mode"),
-    (["partial_rollout.enabled=true", "partial_rollout.on_stale=is"], "decoupled_ppo or algorithm.tis_cap"),
+    (["partial_rollout.enabled=true", "partial_rollout.on_stale=is", "algorithm.loss=ppo"], "decoupled_ppo or algorithm.tis_cap"),
     (["train.pack_length=64", "data.max_prompt_tokens=64"], "must hold the longest sequence"),
     (["algorithm.overlong_buffer=300"], "overlong_buffer"),
 ])

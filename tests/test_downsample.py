@@ -139,6 +139,11 @@ def test_bench_learn_fields_and_summary(model_dir, tmp_path):
     s = r["summary"]
     assert set(s) == {"grpo", "d3s"} and all(v["reached"] == 2 for v in s.values())  # threshold 0: at step 0
     assert s["grpo"]["seconds_to_threshold"]["mean"] == 0.0
+    again = tmp_path / "again.json"  # the same runs summarized at a threshold nobody reaches
+    assert main(["bench", "learn", "--summarize", str(out), "--threshold", "1.5", "--json", str(again)]) == 0
+    r2 = json.loads(again.read_text())
+    assert r2["runs"] == r["runs"] and r2["threshold"] == 1.5
+    assert all(v["reached"] == 0 and v["seconds_to_threshold"]["mean"] is None for v in r2["summary"].values())
 
     # the summary by hand: two seeds, one reaches 0.5 at its second evaluation, one never
     def run(policy, accs):

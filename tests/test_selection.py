@@ -494,7 +494,7 @@ def test_a_run_selects_by_its_policy_and_resumes_exactly(model_dir, tmp_path, mo
 
     over = {"selection.policy": "thompson_skip_saturated", "selection.candidates": 2.0, "selection.decay": 0.9,
             "selection.min_attempts": 3, "selection.reprobe_every": 2, "steps": 4, "checkpoint.every": 2,
-            **({"partial_rollout.enabled": True} if mode == "april" else {})}
+            **({"partial_rollout.enabled": True, "partial_rollout.carry": "resubmit"} if mode == "april" else {})}
     if mode == "xrpo":  # group sizes by XRPO over 6 training prompts (revisited from step 3)
         over = {"selection.allocation": "xrpo", "data.train": "gen:arithmetic?n=8", "data.eval_size": 2, "steps": 4, "checkpoint.every": 2}
     train_sync(tiny_cfg(model_dir, tmp_path / "straight", **over))

@@ -178,12 +178,15 @@ class PartialRolloutConfig(Section):
     """Past `max_carry_steps`: mask the stale tokens in the loss, regenerate the sample from
     scratch (its old tokens are dropped and reported), or keep them and correct with importance
     weights (needs algorithm.loss=decoupled_ppo or algorithm.tis_cap)."""
-    carry: Literal["resubmit", "keep_kv"] = "resubmit"
+    carry: Literal["auto", "resubmit", "keep_kv"] = "auto"
     """How unfinished samples cross a step: `resubmit` aborts them and resumes them next step from
     their tokens (K/V recomputed under the new weights: exact, APRIL's design); `keep_kv` pauses
     them in the engine and continues on the K/V the older weights computed (PipelineRL-style
     in-flight update: no recompute; every token's logprob and version are still those it was
-    sampled with). TorchEngine only."""
+    sampled with). TorchEngine only. `auto`: keep_kv where the engine can keep K/V (TorchEngine,
+    single-turn) and the objective corrects tokens sampled under older weights (decoupled_ppo,
+    bapo, tis_cap or m2po_tau), else resubmit; the run logs which and why
+    (`Config.april_carry`)."""
     adaptive: bool = False
     """Adjust alpha each step from the observed completion rate."""
     min_oversample: float = Field(1.0, ge=1)
@@ -590,9 +593,31 @@ class Config(Section):
             if not isinstance(algo, dict) or algo.get("loss") is None:
                 data = dict(data)
                 algo = dict(algo) if isinstance(algo, dict) else {}
-                algo["loss"] = "decoupled_ppo" if data.get("mode") == "async" else "ppo"
+                pr = data.get("partial_rollout")
+                april = bool(pr.get("enabled") if isinstance(pr, dict) else getattr(pr, "enabled", False))
+                # async and APRIL train tokens sampled under older weights: correct for them
+                algo["loss"] = "decoupled_ppo" if data.get("mode") == "async" or april else "ppo"
                 data["algorithm"] = algo
         return data
+
+    @property
+    def april_carry(self) -> tuple[str, str]:
+        """APRIL's carry mode (`resubmit` or `keep_kv`, resolving `auto`) and why."""
+        p, a = self.partial_rollout, self.algorithm
+        if p.carry != "auto":
+            return p.carry, f"partial_rollout.carry={p.carry} in the config"
+        if self.rollout.engine != "torch":
+            return "resubmit", f"rollout.engine={self.rollout.engine} cannot keep K/V across a weight update"
+        if self.env.name is not None:
+            return "resubmit", "episodes carry their tokens and environment state"
+        corrected = [n for n, on in (("algorithm.loss=" + str(a.loss), a.loss in ("decoupled_ppo", "bapo")),
+                                     ("algorithm.tis_cap", a.tis_cap is not None),
+                                     ("algorithm.m2po_tau", a.m2po_tau is not None)) if on]
+        if not corrected:
+            return "resubmit", (f"algorithm.loss={a.loss} without tis_cap or m2po_tau does not correct tokens "
+                                "sampled under older weights, so their K/V is recomputed")
+        return "keep_kv", (f"TorchEngine keeps K/V across weight updates and {corrected[0]} corrects the "
+                           "older tokens: no carried prefix is prefilled again")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":

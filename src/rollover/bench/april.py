@@ -48,13 +48,11 @@ def longtail_budgets(run, seed: int, cap: int, cap_mass: float = 0.2, sigma: flo
     run.next_groups = next_groups
 
 
-def run_mode(args, workload: str, april: bool, carry: str = "resubmit") -> dict:
+def bench_config(args, workload: str, april: bool, carry: str = "auto"):
     from rollover.config import load_config
-    from rollover.loops.common import build_run
-    from rollover.loops.sync import make_collector
 
     cap = args.max_new_tokens if workload == "longtail" else args.natural_max_new_tokens
-    cfg = load_config(None, [], **{
+    return load_config(None, [], **{
         "model": args.model, "run_dir": tempfile.mkdtemp(prefix="rollover-bench-"), "resume": "never",
         "seed": args.seed, "data.train": "gen:arithmetic?digits=1&n=4000", "data.eval_size": 0,
         "data.max_prompt_tokens": 64, "rollout.prompts_per_step": args.prompts_per_step,
@@ -64,6 +62,14 @@ def run_mode(args, workload: str, april: bool, carry: str = "resubmit") -> dict:
         "partial_rollout.oversample": args.oversample, "partial_rollout.max_carry_steps": 1000,
         "logging.progress": False, "logging.tensorboard": False, "reward.functions": ["numeric"],
     })
+
+
+def run_mode(args, workload: str, april: bool, carry: str = "resubmit") -> dict:
+    from rollover.loops.common import build_run
+    from rollover.loops.sync import make_collector
+
+    cap = args.max_new_tokens if workload == "longtail" else args.natural_max_new_tokens
+    cfg = bench_config(args, workload, april, carry)
     run = build_run(cfg)
     if workload == "longtail":
         longtail_budgets(run, args.seed, cap)
@@ -123,7 +129,10 @@ def main(args) -> dict:
         sync = run_mode(args, w, april=False)
         res = {"sync_useful_tokens_per_s": sync["useful_tokens_per_s"], "sync_samples_per_s": sync["samples_per_s"],
                "sync_occupancy": sync["occupancy"], "sync": sync}
-        for carry in args.carry:
+        # what enabling APRIL alone runs (partial_rollout.carry: auto, the loss left unset)
+        default, why = bench_config(args, w, april=True).april_carry
+        res.update({"default_carry": default, "default_carry_reason": why})
+        for carry in dict.fromkeys([*args.carry, default]):
             key = "april" if carry == "resubmit" else f"april_{carry}"
             a = run_mode(args, w, april=True, carry=carry)
             res.update({
@@ -134,6 +143,7 @@ def main(args) -> dict:
                 f"{key}_discarded_tokens": a["discarded_tokens"],
                 key: a,
             })
+        res["speedup_default"] = res["speedup" if default == "resubmit" else f"speedup_{default}"]
         result[w] = res
         print_table(w, res)
     if args.json:
@@ -154,6 +164,8 @@ def print_table(workload: str, r: dict) -> None:
     for k in ("speedup", "speedup_keep_kv"):
         if k in r:
             print(f"  {k} (useful tokens/s vs sync): {r[k]:.2f}x")
+    print(f"  speedup_default: {r['speedup_default']:.2f}x (carry: auto -> {r['default_carry']}: "
+          f"{r['default_carry_reason']})")
 
 
 def add_arguments(p) -> None:

@@ -145,6 +145,8 @@ def main(args) -> dict:
     from rollover.config import load_config
     from rollover.loops.sync import train_sync
 
+    if args.summarize:
+        return report(json.loads(open(args.summarize).read()), args)
     unknown = [p for p in args.policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"rollover bench learn: unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
@@ -158,15 +160,24 @@ def main(args) -> dict:
             runs.append({"policy": policy, "seed": seed, "run_dir": run_dir, "curve": points})
             print(f"  {policy:10s} seed {seed}: accuracy {points[0]['accuracy']:.3f} -> {points[-1]['accuracy']:.3f} "
                   f"in {points[-1]['train_seconds']:.0f} s, {points[-1]['samples']} samples", flush=True)
-    summary = summarize(runs, args.threshold)
-    result = {"model": args.model, "task": args.task, "steps": args.steps, "threshold": args.threshold,
+    result = {"model": args.model, "task": args.task, "steps": args.steps,
               "prompts_per_step": args.prompts_per_step, "samples_per_prompt": args.samples_per_prompt,
               "eval_size": args.eval_size, "eval_samples": args.eval_samples, "eval_every": args.eval_every,
-              "overrides": list(args.overrides), "summary": summary, "runs": runs}
-    print(f"\nrollover bench learn — {args.model}, task {args.task}, {args.seeds} seeds, threshold {args.threshold}")
+              "overrides": list(args.overrides), "runs": runs}
+    return report(result, args)
+
+
+def report(result: dict, args) -> dict:
+    """The summary at `args.threshold`, printed, plotted and written (also for the runs of an
+    earlier JSON with `--summarize`)."""
+    runs = result["runs"]
+    result = {**result, "threshold": args.threshold, "summary": summarize(runs, args.threshold)}
+    seeds = len({r["seed"] for r in runs})
+    print(f"\nrollover bench learn — {result['model']}, task {result['task']}, {seeds} seeds, "
+          f"threshold {args.threshold}")
     print(f"  {'policy':10s} {'reached':>8s} {'seconds to threshold':>22s} {'samples to threshold':>22s} "
           f"{'final accuracy':>16s}")
-    for policy, s in summary.items():
+    for policy, s in result["summary"].items():
         print(f"  {policy:10s} {s['reached']:>4d}/{s['seeds']:<3d} {_fmt(s['seconds_to_threshold']):>22s} "
               f"{_fmt(s['samples_to_threshold']):>22s} {_fmt(s['final_accuracy'], 3):>16s}")
     if args.plot:
@@ -197,4 +208,6 @@ def add_arguments(p) -> None:
     p.add_argument("--threshold", type=float, default=0.8)
     p.add_argument("--plot", default=None, help="PNG of the curves")
     p.add_argument("--json", default=None)
+    p.add_argument("--summarize", default=None, metavar="JSON",
+                   help="no runs: the summary (and --plot, --json) again from an earlier --json file, at --threshold")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides for every run")

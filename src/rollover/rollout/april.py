@@ -39,6 +39,7 @@ resumes; every token keeps its behaviour logprob and version.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import deque
@@ -53,13 +54,17 @@ from rollover.rollout.core import SampleDriver, env_step_metrics
 from rollover.rollout.groups import PendingGroup, keep_group, observe_groups, sampling_from, scored_groups
 from rollover.types import Completion, Group
 
+log = logging.getLogger("rollover")
+
 
 class AprilCollector:
     def __init__(self, run):
         self.run = run
         self.cfg = run.cfg
         self.pcfg = run.cfg.partial_rollout
-        self.keep_kv = self.pcfg.carry == "keep_kv"
+        carry, why = run.cfg.april_carry
+        self.keep_kv = carry == "keep_kv"
+        log.info("APRIL carries unfinished samples by %s: %s", carry, why)
         # what the loop's weight update does to requests still in flight (keep_kv: they stay)
         self.inflight_mode = "keep" if self.keep_kv else "continue"
         self.alpha = self.pcfg.oversample
@@ -375,6 +380,7 @@ class AprilCollector:
             # tokens the engine produced that are in no sample we kept, carried or filtered: must be 0
             "discarded_tokens": engine_tokens - m["new_tokens"],
             "regenerated_tokens": m["regenerated_tokens"],
+            "carry_keep_kv": int(self.keep_kv),  # which carry mode ran (auto resolves it; the log says why)
             "filtered_groups": m["filtered_groups"],
             "filtered_tokens": m["filtered_tokens"],
             "skipped_groups": m["skipped_groups"],

@@ -300,5 +300,5 @@ def _mode(cfg: Config) -> str:
     if cfg.mode == "async":
         return f"async (eta={cfg.async_.max_staleness})"
     if cfg.partial_rollout.enabled:
-        return f"APRIL (alpha={cfg.partial_rollout.oversample:g}, {cfg.partial_rollout.carry})"
+        return f"APRIL (alpha={cfg.partial_rollout.oversample:g}, {cfg.april_carry[0]})"
     return "sync"
