@@ -91,11 +91,11 @@ def test_kill_and_resume_keeps_staleness_accounting(model_dir, tmp_path, monkeyp
     real = mod.train_batch_from
     calls = {"n": 0}
 
-    def dying(groups, c):  # the process "dies" while preparing step 4, after the step-2 checkpoint... and step 3
+    def dying(groups, c, step):  # the process "dies" while preparing step 4, after the step-2 checkpoint... and step 3
         calls["n"] += 1
         if calls["n"] == 4:
             raise KeyboardInterrupt("killed")
-        return real(groups, c)
+        return real(groups, c, step)
 
     monkeypatch.setattr(mod, "train_batch_from", dying)
     with pytest.raises(KeyboardInterrupt):
