@@ -21,11 +21,12 @@ def model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
 
 
-def step_gradients(model_dir, run_dir, **over) -> tuple[dict, dict]:
+def step_gradients(model_dir, run_dir, rolls=None, attention="sdpa", **over) -> tuple[dict, dict]:
     """The gradient the optimizer sees in one train step, and the step's metrics."""
     cfg = tiny_cfg(model_dir, run_dir, **{"train.pack_length": 16, "data.max_prompt_tokens": 10,
                                           "algorithm.entropy_coef": 0.01, **over})
     model = tiny_model("llama", seed=5)
+    model.config._attn_implementation = attention
     tr = Trainer(model, cfg, device=torch.device("cpu"))
     seen = {}
     real_step = tr.optimizer.step
@@ -35,7 +36,7 @@ def step_gradients(model_dir, run_dir, **over) -> tuple[dict, dict]:
         return real_step(*a, **kw)
 
     tr.optimizer.step = step
-    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float(i % 3) - 1.0) for i in range(9)]
+    rolls = rolls or [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float(i % 3) - 1.0) for i in range(9)]
     return seen, tr.train_step(batch_of(rolls))
 
 
@@ -49,6 +50,51 @@ def test_chunked_logits_give_the_same_loss_and_gradients(model_dir, tmp_path, ex
     for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert m_chunked[k] == pytest.approx(m_whole[k], rel=1e-5), k
     assert m_whole["actor/entropy"] > 0  # the entropy bonus is in the gradient (entropy_coef 0.01)
+
+
+@pytest.mark.parametrize("attention,extra", [("sdpa", {}), ("sdpa", {"algorithm.kl_coef": 0.1}),
+                                             ("eager", {"train.ppo_epochs": 2})], ids=["sdpa", "sdpa-kl", "eager-2-epochs"])
+def test_shared_prefix_packing_gives_the_plain_loss_and_gradients(model_dir, tmp_path, attention, extra):
+    # three groups of 4 samples sharing their prompt (group 2's responses need two rows of 24),
+    # a masked token (an inserted environment token) and an empty response
+    rolls = []
+    for g in range(3):
+        prompt = [5 + g, 6, 7, 8 + g][: 2 + g]
+        for j in range(4):
+            resp = [9 + j + g] * (2 + (j + g) % 4 + 4 * (g == 2))
+            mask = [1] * len(resp)
+            mask[len(resp) // 2] = 0
+            rolls.append(rollout(f"g{g}", prompt, resp, float(j) - 1.5, mask=mask))
+    rolls.append(rollout("g0", [5, 6], [], 0.0))
+    over = {"train.pack_length": 24, "train.micro_batch_tokens": 48, **extra}
+    plain, m_plain = step_gradients(model_dir, tmp_path / "a", rolls, attention, **{"train.shared_prefix": False, **over})
+    shared, m_shared = step_gradients(model_dir, tmp_path / "b", rolls, attention, **{"train.shared_prefix": True, **over})
+    assert plain.keys() == shared.keys() and plain
+    for k in plain:
+        torch.testing.assert_close(shared[k], plain[k], rtol=1e-4, atol=1e-6)
+    for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/loss_tokens"):
+        assert m_shared[k] == pytest.approx(m_plain[k], rel=1e-5), k
+    assert m_shared["actor/micro_batches"] < m_plain["actor/micro_batches"]  # fewer token positions
+
+
+def test_shared_prefix_rows_default_to_a_whole_group(model_dir, tmp_path):
+    from rollover.train.trainer import default_pack_length
+
+    cfg = tiny_cfg(model_dir, tmp_path, **{"data.max_prompt_tokens": 10, "rollout.max_new_tokens": 6,
+                                           "rollout.samples_per_prompt": 3})
+    assert default_pack_length(cfg, shared_prefix=False) == 16
+    assert default_pack_length(cfg, shared_prefix=True) == 10 + 3 * 6
+    cfg = tiny_cfg(model_dir, tmp_path, **{"data.max_prompt_tokens": 10, "rollout.max_new_tokens": 6,
+                                           "rollout.samples_per_prompt": 16})
+    assert default_pack_length(cfg, shared_prefix=True) == 4 * 16  # capped at 4 x the longest sequence
+    cfg = tiny_cfg(model_dir, tmp_path, **{"data.max_prompt_tokens": 10, "rollout.max_new_tokens": 6,
+                                           "rollout.samples_per_prompt": 16, "train.micro_batch_tokens": 40})
+    assert default_pack_length(cfg, shared_prefix=True) == 40  # never above the user's micro-batch
+    model = tiny_model("llama", seed=5)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.warns(RuntimeWarning, match="does not take an explicit mask"):
+        tr = Trainer(model, cfg, device=torch.device("cpu"))
+    assert not tr.shared_prefix and tr.pack_length == 16
 
 
 def test_a_micro_batch_without_response_tokens_trains(model_dir, tmp_path):

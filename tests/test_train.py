@@ -45,25 +45,66 @@ def batch_of(pairs) -> TrainBatch:
     return TrainBatch.from_rollouts([r for r, _ in pairs], [a for _, a in pairs])
 
 
-def test_packing_keeps_sequences_apart():
-    model = tiny_model("llama", seed=4)
-    rolls = [rollout("a", [5, 6, 7], [8, 9], 1.0), rollout("a", [5, 6], [10, 11, 12], -1.0),
-             rollout("b", [20], [21], 0.5), rollout("b", [22, 23, 24, 25], [26, 27, 28, 29], 0.0)]
-    batch = batch_of(rolls)
-    packed = pack(batch, pack_length=24, micro_batch_tokens=24)
-    assert len(packed) == 1 and packed[0].input_ids.shape[0] == 1  # all four in one row
-    mb = packed[0]
+def packed_logprobs(model, mb):
+    """Logprobs of a micro-batch's response tokens, with the mask the trainer would pass."""
+    mask = None
+    if mb.allow is not None:
+        allow = mb.allow[:, None]
+        mask = allow if model.config._attn_implementation == "sdpa" else \
+            torch.zeros(allow.shape).masked_fill(~allow, torch.finfo(torch.float32).min)
     with torch.no_grad():
-        hidden = model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).last_hidden_state
-        lp = torch.log_softmax(model.lm_head(hidden[mb.sel_row, mb.sel_col]), -1).gather(1, mb.targets[:, None]).squeeze(1)
+        hidden = model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mask,
+                             use_cache=False).last_hidden_state
+        return torch.log_softmax(model.lm_head(hidden[mb.sel_row, mb.sel_col]), -1).gather(1, mb.targets[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("shared,impl", [(False, "sdpa"), (True, "sdpa"), (True, "eager")])
+def test_packing_keeps_sequences_apart(shared, impl):
+    model = tiny_model("llama", seed=4)
+    model.config._attn_implementation = impl
+    rolls = [rollout("a", [5, 6, 7], [8, 9], 1.0), rollout("a", [5, 6, 7], [10, 11, 12], -1.0),
+             rollout("b", [20], [21], 0.5), rollout("b", [22, 23, 24, 25], [26, 27, 28, 29], 0.0),
+             rollout("b", [20], [], 0.0), rollout("b", [20], [30, 31], 0.0)]
+    batch = batch_of(rolls)
+    packed = pack(batch, pack_length=32, micro_batch_tokens=32, shared_prefix=shared)
+    assert len(packed) == 1 and packed[0].input_ids.shape[0] == 1  # all in one row
+    mb = packed[0]
+    # shared: prompts [5, 6, 7] and [20] are written once each
+    assert mb.slots == (20 if shared else 25) and mb.pad_tokens == 0
+    lp = packed_logprobs(model, mb)
     for k, (r, _) in enumerate(rolls):  # each sequence alone, unpacked
+        s = mb.seq_index.index(k)
+        got = lp[mb.tok_seq == s]
+        if not r.response_ids:
+            assert got.numel() == 0
+            continue
         ids = torch.tensor([r.prompt_ids + r.response_ids])
         with torch.no_grad():
             ref = torch.log_softmax(model(ids).logits[0], -1)[len(r.prompt_ids) - 1 : -1]
         ref = ref.gather(1, torch.tensor(r.response_ids)[:, None]).squeeze(1)
-        s = mb.seq_index.index(k)
-        got = lp[mb.tok_seq == s]
-        assert torch.allclose(got, ref, atol=1e-5)
+        assert torch.allclose(got, ref, atol=1e-5), k
+
+
+def test_a_group_longer_than_a_row_is_split_and_each_part_repeats_the_prompt():
+    model = tiny_model("llama", seed=4)
+    prompt = [5, 6, 7, 8]
+    rolls = [rollout("a", prompt, [9 + j] * (3 + j), 1.0 - j) for j in range(4)]  # 3 + 4 + 5 + 6 response tokens
+    packed = pack(batch_of(rolls), pack_length=12, micro_batch_tokens=12, shared_prefix=True)
+    # segments in order: [r0, r1] (4 + 3 + 4 = 11), [r2] (9), [r3] (10); one row each
+    assert sorted(sorted(mb.seq_index) for mb in packed) == [[0, 1], [2], [3]]
+    assert all(mb.input_ids[0, :4].tolist() == prompt for mb in packed)
+    for mb in packed:
+        lp = packed_logprobs(model, mb)
+        for s, k in enumerate(mb.seq_index):
+            r = rolls[k][0]
+            with torch.no_grad():
+                ref = torch.log_softmax(model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0], -1)[3:-1]
+            ref = ref.gather(1, torch.tensor(r.response_ids)[:, None]).squeeze(1)
+            assert torch.allclose(lp[mb.tok_seq == s], ref, atol=1e-5)
+    with pytest.raises(ValueError, match="sequence 3 has 10 tokens, more than pack_length=9"):
+        pack(batch_of(rolls), pack_length=9, micro_batch_tokens=9, shared_prefix=True)
+    with pytest.raises(ValueError, match="sequence 0 has an empty prompt"):
+        pack(batch_of([rollout("a", [], [3], 1.0)]), pack_length=9, micro_batch_tokens=9, shared_prefix=True)
 
 
 def test_padding_fraction_reported():

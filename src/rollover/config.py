@@ -283,7 +283,13 @@ class TrainConfig(Section):
     """Response tokens whose full-vocabulary logits exist at once in the loss (chunks are
     recomputed in the backward pass instead of kept); 0 = all tokens of a micro-batch at once."""
     pack_length: Annotated[int, Field(ge=1)] | None = None
-    """Row length for sequence packing (default: data.max_prompt_tokens + rollout.max_new_tokens)."""
+    """Row length for sequence packing (default: the longest sequence, data.max_prompt_tokens +
+    rollout.max_new_tokens; with shared_prefix, room for a group's prompt and all its responses
+    up to 4 x the longest sequence)."""
+    shared_prefix: bool = True
+    """Pack the samples that share a prompt as one prompt followed by their responses, with an
+    attention mask that keeps responses apart: the prompt's forward runs once per group, not once
+    per sample (same loss and gradients; needs the sdpa or eager attention of transformers)."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each step's batch."""
     mini_batches: int = Field(1, ge=1)
@@ -823,7 +829,7 @@ RESUME_FREE_KEYS = (
     "run_dir", "steps", "resume", "device", "eval", "checkpoint", "logging", "runtime", "ray", "simulate",
     "rollout.engine", "rollout.max_rows", "rollout.dtype", "rollout.engine_options", "rollout.stall_timeout_s",
     "reward.timeout_s", "reward.on_error", "reward.workers",
-    "train.micro_batch_tokens", "train.pack_length", "train.gradient_checkpointing",
+    "train.micro_batch_tokens", "train.pack_length", "train.shared_prefix", "train.gradient_checkpointing",
     "train.activation_memory_gb", "train.logit_chunk_tokens", "train.max_bad_steps",
 )
 

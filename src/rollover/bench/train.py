@@ -3,6 +3,11 @@
 Config: SmolLM2-135M-Instruct, 8 prompts x 4 samples, at most 48 new tokens, one update per
 step (the demo task; no evaluation or checkpoints inside the measured steps). The first step
 is excluded (allocator and thread-pool warm-up).
+
+`--compare plain` runs the same workload first with the plain packing (every sample with its
+own copy of the prompt, `train.shared_prefix=false`), then with the defaults, in one process
+after the other on the same host, and reports both and their ratios. `--compare trl` runs the
+workload through TRL's GRPOTrainer as well (rollover.bench.trl_side says what is matched).
 """
 
 from __future__ import annotations
@@ -22,31 +27,58 @@ WORKLOAD = (
 )
 
 
-def main(args) -> dict:
+def measure(args, extra: tuple[str, ...] = ()) -> dict:
+    """One training run of the workload; per-phase means over the measured steps."""
     from rollover.config import load_config
     from rollover.loops.sync import train_sync
     from rollover.metrics import read_metrics
 
     run_dir = tempfile.mkdtemp(prefix="rollover-bench-train-")
     overrides = [f"model={args.model}", f"run_dir={run_dir}", f"steps={args.steps + 1}", *WORKLOAD,
-                 f"rollout.engine={args.engine}", *args.overrides]
+                 f"rollout.engine={args.engine}", *args.overrides, *extra]
     cfg = load_config(None, overrides)
     train_sync(cfg)
     rows = [r for r in read_metrics(run_dir, kind="train") if r["step"] > 1]
     phases = sorted({k for r in rows for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
-    result = {
-        "model": args.model, "engine": args.engine, "steps_measured": len(rows),
+    return {
+        "model": args.model, "engine": args.engine, "steps_measured": len(rows), "overrides": [*args.overrides, *extra],
         "seconds_per_step": statistics.fmean(r["timing_s/step"] for r in rows),
         **{f"{p.removeprefix('timing_s/')}_s": statistics.fmean(r[p] for r in rows) for p in phases},
         "tokens_per_s_generate": statistics.fmean(r["perf/tokens_per_s"] for r in rows),
         "padding_fraction": statistics.fmean(r["actor/padding_fraction"] for r in rows),
+        "micro_batches": statistics.fmean(r["actor/micro_batches"] for r in rows),
         "response_length_mean": statistics.fmean(r["response_length/mean"] for r in rows),
     }
-    print(f"\nrollover bench train — {args.model}, 8 prompts x 4 samples, max 48 new tokens, {len(rows)} steps measured")
+
+
+def _print(title: str, result: dict) -> None:
+    print(f"\n{title}")
     print(f"  seconds per step: {result['seconds_per_step']:.1f}")
-    for p in phases:
-        name = p.removeprefix("timing_s/")
-        print(f"    {name:12s} {result[name + '_s']:7.2f} s")
+    for name in ("generate", "reward", "advantage", "train", "weight_sync"):
+        if f"{name}_s" in result:
+            print(f"    {name:12s} {result[name + '_s']:7.2f} s")
+    print(f"  micro-batches {result['micro_batches']:.1f}, padding fraction {result['padding_fraction']:.2f}")
+
+
+def main(args) -> dict:
+    head = f"rollover bench train — {args.model}, 8 prompts x 4 samples, max 48 new tokens, {args.steps} steps measured"
+    compare = set(args.compare or ())
+    if "plain" in compare:
+        plain = measure(args, ("train.shared_prefix=false",))
+        _print(head + " — plain packing (train.shared_prefix=false)", plain)
+    result = measure(args)
+    _print(head + (" — defaults" if compare else ""), result)
+    if "plain" in compare:
+        result.update(plain=plain, speedup_step=plain["seconds_per_step"] / result["seconds_per_step"],
+                      speedup_train=plain["train_s"] / result["train_s"])
+        print(f"\n  defaults vs plain packing: step {result['speedup_step']:.2f}x, train phase {result['speedup_train']:.2f}x")
+    if "trl" in compare:
+        from rollover.bench.trl_side import measure_trl
+
+        result["trl"] = measure_trl(args, WORKLOAD)
+        result["speedup_vs_trl"] = result["trl"]["seconds_per_step"] / result["seconds_per_step"]
+        print(f"\n  TRL {result['trl']['trl_version']} GRPOTrainer: {result['trl']['seconds_per_step']:.1f} s per step; "
+              f"rollover {result['speedup_vs_trl']:.2f}x faster")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -60,4 +92,7 @@ def add_arguments(p) -> None:
     p.add_argument("--engine", choices=["torch", "vllm"], default="torch")
     p.add_argument("--steps", type=at_least(1), default=5, help="measured steps (one more runs first, unmeasured)")
     p.add_argument("--json", default=None)
+    p.add_argument("--compare", choices=["plain", "trl"], nargs="+", default=None,
+                   help="also measure, in the same invocation: plain = the plain packing (train.shared_prefix=false), "
+                        "trl = TRL's GRPOTrainer on the same workload (needs trl)")
     p.add_argument("overrides", nargs="*", help="extra key.path=value config overrides")

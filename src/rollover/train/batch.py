@@ -6,6 +6,18 @@ Sequences (prompt + response) are packed first-fit-decreasing into rows of at mo
 transformers turns into a block-diagonal causal mask, so packed sequences never attend to
 each other. Padding is what remains in a micro-batch after its rows: `padding_fraction`
 reports it.
+
+Shared prefixes (`shared_prefix=True`). The samples of a group share their prompt token for
+token, and a plain packing runs the prompt's forward once per sample. Here sequences with the
+same prompt become one *segment*, `prompt, response_1, ..., response_k`: the prompt is written
+once, each response continues the prompt's position ids, and an explicit attention mask (one
+`[L, L]` boolean matrix per row, `MicroBatch.allow`) lets a response token see the prompt and
+the earlier tokens of its own response, nothing else. Every response token's logits then come
+from exactly the context they had alone, so logprobs, loss and gradients equal the plain
+path's (the prompt's activations receive the sum of the responses' gradients, which is what
+the plain path adds up across copies). A group whose responses do not fit one row is split
+into several segments, each repeating the prompt. For SmolLM2 on the demo task (prompts ~40
+tokens, responses ~38) this trains on about 40% fewer token positions.
 """
 
 from __future__ import annotations
@@ -95,22 +107,28 @@ class MicroBatch:
     tok_pos: Tensor  # [N] index in that sequence's response
     pad_tokens: int
     slots: int
+    allow: Tensor | None = None  # [R, L, L] bool: query may attend key (shared-prefix packing only)
 
     def to(self, device) -> "MicroBatch":
         return MicroBatch(
             self.seq_index, *(t.to(device) for t in (self.input_ids, self.position_ids, self.sel_row,
                                                      self.sel_col, self.targets, self.tok_seq, self.tok_pos)),
-            self.pad_tokens, self.slots,
+            self.pad_tokens, self.slots, None if self.allow is None else self.allow.to(device),
         )
 
 
-def pack(batch: TrainBatch, *, pack_length: int, micro_batch_tokens: int, pad_id: int = 0) -> list[MicroBatch]:
-    """First-fit-decreasing packing of sequences into rows, rows into micro-batches."""
-    lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-    for i, n in enumerate(lengths):
-        if n > pack_length:
-            raise ValueError(f"sequence {i} has {n} tokens, more than pack_length={pack_length}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+def pack(batch: TrainBatch, *, pack_length: int, micro_batch_tokens: int, pad_id: int = 0,
+         shared_prefix: bool = False) -> list[MicroBatch]:
+    """First-fit-decreasing packing of segments into rows, rows into micro-batches. A segment is
+    one sequence, or with `shared_prefix` one prompt followed by responses that share it."""
+    for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        if not p:
+            raise ValueError(f"sequence {i} has an empty prompt: its first response token has nothing to follow")
+        if len(p) + len(r) > pack_length:
+            raise ValueError(f"sequence {i} has {len(p) + len(r)} tokens, more than pack_length={pack_length}")
+    segments = _shared_segments(batch, pack_length) if shared_prefix else [[i] for i in range(len(batch))]
+    lengths = [_segment_length(batch, seg) for seg in segments]
+    order = sorted(range(len(segments)), key=lambda i: (-lengths[i], i))
     rows: list[list[int]] = []
     room: list[int] = []
     for i in order:
@@ -133,37 +151,80 @@ def pack(batch: TrainBatch, *, pack_length: int, micro_batch_tokens: int, pad_id
                 cur.append(row)
                 continue
         micro.append([row])
-    return [_build(batch, mb, lengths, pad_id) for mb in micro]
+    return [_build(batch, [[segments[i] for i in row] for row in mb], pad_id, shared_prefix) for mb in micro]
 
 
-def _build(batch: TrainBatch, rows: list[list[int]], lengths: list[int], pad_id: int) -> MicroBatch:
-    L = max(sum(lengths[i] for i in row) for row in rows)
-    R = len(rows)
+def _segment_length(batch: TrainBatch, seg: list[int]) -> int:
+    """Tokens of a segment: its (shared) prompt once, then every response."""
+    return len(batch.prompt_ids[seg[0]]) + sum(len(batch.response_ids[i]) for i in seg)
+
+
+def _shared_segments(batch: TrainBatch, pack_length: int) -> list[list[int]]:
+    """Sequences with identical prompts, in batch order, cut into segments of at most
+    `pack_length` tokens (each segment repeats the prompt)."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(batch.prompt_ids):
+        by_prompt.setdefault(tuple(p), []).append(i)
+    segments: list[list[int]] = []
+    for prompt, members in by_prompt.items():
+        current: list[int] = []
+        used = len(prompt)
+        for i in members:
+            n = len(batch.response_ids[i])
+            if current and used + n > pack_length:
+                segments.append(current)
+                current, used = [], len(prompt)
+            current.append(i)
+            used += n
+        segments.append(current)
+    return segments
+
+
+def _build(batch: TrainBatch, rows: list[list[list[int]]], pad_id: int, shared_prefix: bool) -> MicroBatch:
+    """Tensors of one micro-batch: `rows` of segments of sequence indices."""
+    row_lengths = [sum(_segment_length(batch, seg) for seg in row) for row in rows]
+    L, R = max(row_lengths), len(rows)
     ids = torch.full((R, L), pad_id, dtype=torch.long)
     pos = torch.zeros((R, L), dtype=torch.long)
+    allow = torch.zeros((R, L, L), dtype=torch.bool) if shared_prefix else None
     seq_index: list[int] = []
     sel_row, sel_col, targets, tok_seq, tok_pos = [], [], [], [], []
     for r, row in enumerate(rows):
         col = 0
-        for i in row:
-            s = len(seq_index)
-            seq_index.append(i)
-            p, resp = batch.prompt_ids[i], batch.response_ids[i]
-            n = len(p) + len(resp)
-            ids[r, col : col + n] = torch.tensor(p + resp, dtype=torch.long)
-            pos[r, col : col + n] = torch.arange(n)
-            for j in range(len(resp)):
-                sel_row.append(r)
-                sel_col.append(col + len(p) - 1 + j)
-                targets.append(resp[j])
-                tok_seq.append(s)
-                tok_pos.append(j)
-            col += n
+        for seg in row:
+            p = batch.prompt_ids[seg[0]]
+            P = len(p)
+            ids[r, col: col + P] = torch.tensor(p, dtype=torch.long)
+            pos[r, col: col + P] = torch.arange(P)
+            if allow is not None:
+                allow[r, col: col + P, col: col + P] = torch.ones(P, P, dtype=torch.bool).tril()
+            start = col + P  # where the next response goes
+            for i in seg:
+                s = len(seq_index)
+                seq_index.append(i)
+                resp = batch.response_ids[i]
+                n = len(resp)
+                # in a plain segment (one sequence) the response simply continues the prompt
+                ids[r, start: start + n] = torch.tensor(resp, dtype=torch.long)
+                pos[r, start: start + n] = torch.arange(P, P + n)
+                if allow is not None and n:
+                    allow[r, start: start + n, col: col + P] = True
+                    allow[r, start: start + n, start: start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                for j in range(n):  # token j is predicted at the position before it
+                    sel_row.append(r)
+                    sel_col.append(col + P - 1 if j == 0 else start + j - 1)
+                    targets.append(resp[j])
+                    tok_seq.append(s)
+                    tok_pos.append(j)
+                start += n
+            col = start
         if col < L:  # padding: its own position run, so it forms a separate (ignored) segment
             pos[r, col:] = torch.arange(L - col)
-    used = sum(lengths[i] for row in rows for i in row)
+            if allow is not None:
+                allow[r, col:, col:] = torch.eye(L - col, dtype=torch.bool)  # a row that sees nothing would be NaN
+    used = sum(row_lengths)
     as_t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
     return MicroBatch(
         seq_index, ids, pos, as_t(sel_row), as_t(sel_col), as_t(targets), as_t(tok_seq), as_t(tok_pos),
-        pad_tokens=R * L - used, slots=R * L,
+        pad_tokens=R * L - used, slots=R * L, allow=allow,
     )

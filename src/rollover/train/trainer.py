@@ -14,7 +14,8 @@ selected hidden states), and divided by the rollout temperature so they match th
 sampling distribution. They are computed `train.logit_chunk_tokens` tokens at a time: each
 chunk's full-vocabulary logits exist only while its logprobs (and entropies) are taken, and are
 recomputed in the backward pass instead of kept, so the loss holds [chunk, vocab] floats at
-most, not [tokens, vocab]. Micro-batches are sized from `train.activation_memory_gb` unless
+most, not [tokens, vocab]. A micro-batch with one chunk or less keeps its logits (recomputing
+them would save nothing: the backward starts there). Micro-batches are sized from `train.activation_memory_gb` unless
 `train.micro_batch_tokens` says otherwise (rollover.train.memory), and the heap the step freed
 is handed back to the OS after it.
 """
@@ -71,7 +72,8 @@ class Trainer:
             self.optimizer, _lr_lambda(t.schedule, t.warmup_steps * updates_per_step, cfg.steps * updates_per_step)
         )
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss
-        self.pack_length = t.pack_length or cfg.longest_sequence()[0]
+        self.shared_prefix = t.shared_prefix and self._explicit_masks_work()
+        self.pack_length = t.pack_length or default_pack_length(cfg, self.shared_prefix)
         if t.micro_batch_tokens is not None:
             self.micro_batch_tokens = t.micro_batch_tokens
         elif device.type == "cuda":  # the estimate is fitted on CPU fp32; not measured on a GPU yet
@@ -88,19 +90,49 @@ class Trainer:
     def _base(self, model):
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
+    def _explicit_masks_work(self) -> bool:
+        """Whether the model takes the shared-prefix packing's [L, L] masks as they are: the sdpa
+        and eager attention of transformers do; flash-attention kernels and sliding windows (a
+        mask that ignores the window) do not, and those models keep the plain packing."""
+        config = self._base(self.model).config
+        impl = getattr(config, "_attn_implementation", None)
+        if impl not in ("sdpa", "eager") or getattr(config, "sliding_window", None) is not None and \
+                getattr(config, "use_sliding_window", True):
+            warnings.warn(f"train.shared_prefix: the model's attention ({impl}"
+                          f"{', sliding window' if impl in ('sdpa', 'eager') else ''}) does not take an explicit "
+                          "mask; packing each sample with its own prompt", RuntimeWarning, stacklevel=3)
+            return False
+        return True
+
+    def _attention_mask(self, mb: MicroBatch, model):
+        """The micro-batch's 4-D mask in the form the attention kernel reads, or None (plain packing:
+        transformers builds the block-diagonal mask from the position ids)."""
+        if mb.allow is None:
+            return None
+        allow = mb.allow[:, None]  # [R, 1, L, L]
+        if self._base(model).config._attn_implementation == "sdpa":
+            return allow
+        dtype = torch.bfloat16 if not isinstance(self.autocast, contextlib.nullcontext) else model.dtype
+        return torch.zeros(allow.shape, dtype=dtype, device=allow.device).masked_fill(~allow, torch.finfo(dtype).min)
+
     def _forward(self, model, mb: MicroBatch, need_entropy: bool):
         """logp [N] of the response tokens (and their entropy [N] when asked)."""
         base = self._base(model)
         with self.autocast:
-            hidden = base.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).last_hidden_state
+            hidden = base.model(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                                attention_mask=self._attention_mask(mb, model), use_cache=False).last_hidden_state
         selected = hidden[mb.sel_row, mb.sel_col]  # [N, H]
         # with no entropy bonus the entropy is only logged: keep it out of the graph
         entropy_grad = torch.is_grad_enabled() and self.cfg.algorithm.entropy_coef != 0
         chunk = self.cfg.train.logit_chunk_tokens or max(len(selected), 1)
+        # Recomputing chunks in the backward bounds the loss's memory only when there are several:
+        # a lone chunk's logits would be alive at the backward's start either way (it is where
+        # the recomputation runs), so it is kept instead of computed twice.
+        recompute = torch.is_grad_enabled() and len(selected) > chunk
         parts = []
         for i in range(0, max(len(selected), 1), chunk):  # an empty selection still makes a graph
             args = (base.lm_head, selected[i: i + chunk], mb.targets[i: i + chunk], need_entropy, entropy_grad)
-            if torch.is_grad_enabled() and self.cfg.train.logit_chunk_tokens:  # recomputed in the backward
+            if recompute:
                 parts.append(torch.utils.checkpoint.checkpoint(self._token_logp, *args, use_reentrant=False))
             else:
                 parts.append(self._token_logp(*args))
@@ -129,7 +161,7 @@ class Trainer:
         return [
             mb.to(self.device)
             for mb in pack(batch, pack_length=self.pack_length, micro_batch_tokens=self.micro_batch_tokens,
-                           pad_id=self.pad_id)
+                           pad_id=self.pad_id, shared_prefix=self.shared_prefix)
         ]
 
     @torch.no_grad()
@@ -284,6 +316,22 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.bad_steps = state["bad_steps"]
+
+
+def default_pack_length(cfg: Config, shared_prefix: bool) -> int:
+    """Row length when train.pack_length is unset: the longest sequence; with shared prefixes, room
+    for a whole group (the prompt once, then every response) up to 4 x the longest sequence, so
+    most groups share one prompt while the [L, L] attention of a row stays small. Never above a
+    micro_batch_tokens the user set."""
+    longest = cfg.longest_sequence()[0]
+    if not shared_prefix:
+        return longest
+    if cfg.env.name is not None:
+        group = cfg.env.max_total_tokens * cfg.rollout.samples_per_prompt  # turns are not a shared prompt
+    else:
+        group = cfg.data.max_prompt_tokens + cfg.rollout.samples_per_prompt * cfg.rollout.max_new_tokens
+    length = max(longest, min(group, 4 * longest))
+    return max(longest, min(length, cfg.train.micro_batch_tokens or length))
 
 
 def apply_lora(model, lora: dict):
