@@ -95,6 +95,12 @@ def test_shared_prefix_rows_default_to_a_whole_group(model_dir, tmp_path):
     with pytest.warns(RuntimeWarning, match="does not take an explicit mask"):
         tr = Trainer(model, cfg, device=torch.device("cpu"))
     assert not tr.shared_prefix and tr.pack_length == 16
+    model = tiny_model("llama", seed=5)
+    model.config.sliding_window = 32  # shorter than a 40-token row: an explicit mask would ignore it
+    with pytest.warns(RuntimeWarning, match="a sliding window of 32 < rows of 40"):
+        assert not Trainer(model, cfg, device=torch.device("cpu")).shared_prefix
+    model.config.sliding_window = 40
+    assert Trainer(model, cfg, device=torch.device("cpu")).shared_prefix
 
 
 def test_a_micro_batch_without_response_tokens_trains(model_dir, tmp_path):
@@ -158,3 +164,55 @@ def test_resident_memory_is_read_and_its_peak_restarts():
     memory.release()
     if memory.reset_peak():
         assert memory.peak_rss_gb() <= peak
+
+
+def test_the_sync_loop_holds_one_copy_of_the_weights(model_dir, tmp_path):
+    from rollover.loops.common import build_run, train_batch_from
+    from rollover.loops.sync import make_collector
+
+    run = build_run(tiny_cfg(model_dir, tmp_path / "run", steps=2, **{"eval.every": 0}))
+    views = run.engine.core.runner.views
+    params = dict(run.trainer.model.named_parameters())
+    assert params and all(views[n].data_ptr() == p.data_ptr() for n, p in params.items())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    collector = make_collector(run)
+    groups, _ = collector.collect(0)
+    batch, _ = train_batch_from(groups, run.cfg)
+    run.trainer.train_step(batch)
+    changed = [n for n, p in params.items() if not torch.equal(p, before[n])]
+    assert changed and all(torch.equal(views[n], params[n]) for n in changed)  # the step wrote the engine's weights
+    run.weights.push(run.trainer.named_weights(), version=1)
+    # what the engine now generates is what an engine given a copy of the trained weights generates
+    reqs = lambda: [Request(id=f"r{i}", prompt_ids=[3 + i, 4, 5], sampling=SamplingParams(max_new_tokens=6, temperature=0.0))
+                    for i in range(4)]  # noqa: E731
+    shared = run.engine.generate(reqs())
+    copy = {n: p.detach().clone() for n, p in params.items()}
+    with TorchEngine(run.trainer.model, state_dict=copy, max_rows=8, max_len=32,
+                     eos_token_ids=run.engine.core.eos_token_ids) as fresh:
+        alone = fresh.generate(reqs())
+    assert [c.response_ids for c in shared] == [c.response_ids for c in alone]
+    assert [lp for c in shared for lp in c.logprobs] == pytest.approx([lp for c in alone for lp in c.logprobs], abs=1e-5)
+    assert all(v == 1 for c in shared for v in c.versions)
+    run.close()
+
+
+def test_async_and_lora_runs_keep_their_own_copy(model_dir, tmp_path):
+    from rollover.loops.common import build_run
+
+    for over in ({"mode": "async"}, {"train.lora": {"r": 2, "alpha": 4}}):
+        run = build_run(tiny_cfg(model_dir, tmp_path / str(len(over)) / next(iter(over)), **{"eval.every": 0, **over}))
+        views = run.engine.core.runner.views
+        ptrs = {v.data_ptr() for v in views.values()}
+        assert not any(p.data_ptr() in ptrs for p in run.trainer.model.parameters()), over
+        run.close()
+
+
+def test_lending_weights_refuses_a_model_that_differs():
+    model = tiny_model("llama", seed=6)
+    other = tiny_model("llama", seed=7)
+    with TorchEngine(model, max_rows=4, max_len=32) as engine:
+        with pytest.raises(ValueError, match="holds other values than the engine's weight"):
+            engine.lend_weights(other)
+        assert all(p.data_ptr() not in {v.data_ptr() for v in engine.core.runner.views.values()}
+                   for p in other.parameters())  # nothing was rebound
+        assert engine.lend_weights(model) == sum(p.numel() * 4 for p in model.parameters())

@@ -4,7 +4,7 @@ Same model (loaded by rollover from the GGUF file, fp32), same prompts (the gene
 prompt and instruction of the workload's config, given to TRL in chat form so it applies the
 same chat template), same reward (rollover's `numeric`), same batch (8 prompts x 4 samples =
 32 completions and one optimizer step per generation), same length budget (48 new tokens),
-temperature and learning rate, no KL term, one pass over each batch. TRL generates with HF
+temperature, learning rate and schedule, gradient clipping, no KL term, one pass over each batch. TRL generates with HF
 `generate` on the trainer's own weights and trains in micro-batches of 8 completions (4
 gradient-accumulation steps). A step is timed from TRL's `on_step_begin` to `on_step_end`, so
 it holds generation, scoring and the update, as rollover's `timing_s/step` does; the first step
@@ -49,7 +49,8 @@ def measure_trl(args, workload: tuple[str, ...]) -> dict:
         output_dir=tempfile.mkdtemp(prefix="rollover-bench-trl-"), use_cpu=True, bf16=False, seed=cfg.seed,
         per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
         num_generations=r.samples_per_prompt, max_completion_length=r.max_new_tokens,
-        temperature=r.temperature, top_p=r.top_p, learning_rate=cfg.train.lr, beta=0.0, num_iterations=1,
+        temperature=r.temperature, top_p=r.top_p, learning_rate=cfg.train.lr, lr_scheduler_type=cfg.train.schedule,
+        warmup_steps=cfg.train.warmup_steps, max_grad_norm=cfg.train.grad_clip, beta=0.0, num_iterations=1,
         max_steps=args.steps + 1, logging_steps=1, save_strategy="no", report_to="none",
         dataloader_num_workers=0, disable_tqdm=True,
     )

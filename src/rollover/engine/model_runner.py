@@ -65,6 +65,10 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scale)
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -188,10 +192,31 @@ class ModelRunner:
                 )
         with torch.no_grad():
             for name, t in items:
-                if name in self.views:
-                    self.views[name].copy_(t.detach())
+                dst = self.views.get(name)
+                if dst is not None and not _same_memory(dst, t):  # a lent weight is already there
+                    dst.copy_(t.detach())
         self.drop_packs()
         return len(items)
+
+    def lend_weights(self, model) -> int:
+        """Make `model`'s parameters views of this runner's weights, which must hold the same
+        values: the runner keeps its fused layout, the model's own copies are freed, and an
+        optimizer that updates the parameters in place updates these weights with no copy. Only
+        for a trainer in this process that never steps while this runner generates (the
+        synchronous loop); `load_weights` then skips the tensors already in place. Returns the
+        bytes no longer held twice."""
+        params = list(model.named_parameters())
+        for name, param in params:
+            view = self.views.get(name.removeprefix("_orig_mod."))
+            if view is None or view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
+                raise ValueError(f"lend_weights: the engine has no {param.dtype} weight of shape {tuple(param.shape)} "
+                                 f"on {param.device} named {name!r}")
+            if not torch.equal(view, param.detach()):
+                raise ValueError(f"lend_weights: {name!r} holds other values than the engine's weight")
+        with torch.no_grad():
+            for name, param in params:
+                param.data = self.views[name.removeprefix("_orig_mod.")]
+        return sum(param.numel() * param.element_size() for _, param in params)
 
     def _matrices(self) -> list[torch.Tensor]:
         return [L[k] for L in self.layers for k in ("qkv", "o", "gate_up", "down")] + [self.lm_head]

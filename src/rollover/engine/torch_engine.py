@@ -72,6 +72,12 @@ class TorchEngine(ThreadedEngine):
         self.max_rows, self.max_len, self.device = max_rows, max_len, runner.device
         self._start(core)
 
+    def lend_weights(self, model) -> int:
+        """Hold `model`'s weights once (`ModelRunner.lend_weights`): its parameters become views of
+        the engine's. For a trainer that never steps while this engine generates. Returns the
+        bytes saved."""
+        return self._run_or_queue(lambda: self.core.runner.lend_weights(model), wait=True)
+
     def release_memory(self) -> None:
         """Free what the engine can rebuild when it next needs it: its packed weights, and its
         KV cache when no sequence holds a row (paused ones keep theirs); hand the freed heap

@@ -308,6 +308,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     architecture = trainer.model.get_base_model() if trainer.is_peft else trainer.model
     engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device, max_len=longest + 1,
                             eos_token_ids=_eos_ids(tokenizer, model))
+    _share_weights(cfg, engine, trainer)
     run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
               train_iter=PromptIterator(train_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
@@ -401,6 +402,25 @@ def _has_metrics(run_dir: Path) -> bool:
 
     path = run_dir / METRICS_FILE
     return path.exists() and path.stat().st_size > 0
+
+
+def _share_weights(cfg: Config, engine, trainer) -> None:
+    """One copy of the weights for trainer and engine where that is safe: the synchronous loop
+    (APRIL included) never generates while the trainer steps, so the trainer's parameters can
+    be views of an in-process TorchEngine's weights of the same dtype and device (fp32 on CPU):
+    the optimizer's in-place update is the weight push, and the push copies nothing. Not with
+    LoRA (the engine holds merged weights), async mode (the engine generates during the step),
+    Ray or vLLM (the weights live elsewhere)."""
+    from rollover.engine.torch_engine import TorchEngine
+
+    if cfg.mode != "sync" or trainer.is_peft or not isinstance(engine, TorchEngine):
+        return
+    runner = engine.core.runner
+    param = next(trainer.model.parameters())
+    if runner.dtype != param.dtype or runner.device != param.device:
+        return
+    saved = engine.lend_weights(trainer.model)
+    log.info("trainer and engine share one copy of the weights (%.2f GB)", saved / 1e9)
 
 
 def _restore(run: Run, state: dict) -> None:

@@ -92,17 +92,19 @@ class Trainer:
 
     def _explicit_masks_work(self) -> bool:
         """Whether the model takes the shared-prefix packing's [L, L] masks as they are: the sdpa
-        and eager attention of transformers do; flash-attention kernels and sliding windows (a
-        mask that ignores the window) do not, and those models keep the plain packing."""
+        and eager attention of transformers do; flash-attention kernels do not, nor does a
+        sliding window shorter than a row (an explicit mask overrides the window). Those models
+        keep the plain packing, with a warning."""
         config = self._base(self.model).config
         impl = getattr(config, "_attn_implementation", None)
-        if impl not in ("sdpa", "eager") or getattr(config, "sliding_window", None) is not None and \
-                getattr(config, "use_sliding_window", True):
-            warnings.warn(f"train.shared_prefix: the model's attention ({impl}"
-                          f"{', sliding window' if impl in ('sdpa', 'eager') else ''}) does not take an explicit "
-                          "mask; packing each sample with its own prompt", RuntimeWarning, stacklevel=3)
-            return False
-        return True
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        row = self.cfg.train.pack_length or default_pack_length(self.cfg, shared_prefix=True)
+        if impl in ("sdpa", "eager") and (window is None or window >= row):
+            return True
+        why = f"{impl} attention" if impl not in ("sdpa", "eager") else f"a sliding window of {window} < rows of {row}"
+        warnings.warn(f"train.shared_prefix: the model's {why} does not take an explicit mask; packing each sample "
+                      "with its own prompt", RuntimeWarning, stacklevel=3)
+        return False
 
     def _attention_mask(self, mb: MicroBatch, model):
         """The micro-batch's 4-D mask in the form the attention kernel reads, or None (plain packing:
