@@ -216,3 +216,28 @@ def test_lending_weights_refuses_a_model_that_differs():
         assert all(p.data_ptr() not in {v.data_ptr() for v in engine.core.runner.views.values()}
                    for p in other.parameters())  # nothing was rebound
         assert engine.lend_weights(model) == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_the_engine_holds_one_pack_and_replaces_it_only_after_batches_stay_small():
+    from rollover.engine.model_runner import PACK_SWITCH_STEPS, ModelRunner
+
+    model = tiny_model("llama", seed=6)
+    runner = ModelRunner(model.config, model.state_dict(), max_rows=8, max_len=16)
+    if not runner.pack_sizes:
+        pytest.skip("no MKL packed GEMM in this torch build")
+    assert runner.pack_sizes == [4, 8]
+
+    def step(n):
+        tokens, positions = torch.arange(3, 3 + n), torch.zeros(n, dtype=torch.long)
+        packed = runner.decode(tokens, positions)
+        plain = runner._decode(tokens, positions)  # no pack in flight: the plain GEMM
+        torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-5)
+        return sorted(runner._packs)
+
+    assert step(8) == [8]
+    for _ in range(PACK_SWITCH_STEPS - 1):
+        assert step(3) == [8]  # padded up to the held pack
+    assert step(3) == [4]  # small for long enough: the snug pack replaced it
+    assert step(4) == [4]
+    assert step(6) == [8]  # a batch the held pack cannot take: replaced at once
+    assert step(2) == [8]  # a quarter of the rows or fewer: plain GEMM, the pack is kept

@@ -6,15 +6,17 @@ taken by their Hugging Face names, so `load_weights` accepts a trainer's `named_
 directly.
 
 Packed weights (CPU). MKL's fp32 GEMM repacks the weight matrix on every call, which at
-decode batch sizes costs as much as the multiply. On CPUs with MKL the runner keeps weights
-pre-packed for two decode batch sizes (`max_rows` and `max_rows // 2`) and pads a decode batch
-up to the nearest of them when it is more than half full (the padding rows are free rows, whose
-cache entries are overwritten before use). Measured on the 2-core CI machine: +50% GEMM rate
-at batch 64. Each pack is built at the first decode step that needs it after a weight update or
-`drop_packs()` (the synchronous loop drops them while it trains, when the engine is idle), so
-only the sizes a workload uses take memory: about 0.8 times the weights' memory each for
-SmolLM2-135M. Prefill and other batch
-sizes use the plain GEMM.
+decode batch sizes costs as much as the multiply. On CPUs with MKL the runner packs the weights
+for one of two decode batch sizes (`max_rows` or `max_rows // 2`) and pads a decode batch up to
+the pack's size (the padding rows are free rows, whose cache entries are overwritten before
+use). Measured on the 2-core CI machine: +50% GEMM rate at batch 64. A pack takes about 0.8
+times the weights' memory for SmolLM2-135M, so only one is held: it is built at the first
+decode step that needs it after a weight update or `drop_packs()` (the synchronous loop drops
+it while it trains, when the engine is idle); batches of half the rows or fewer keep using a
+held full-size pack, padded, until they have stayed that small for `PACK_SWITCH_STEPS` steps
+(the tail of a batch of requests), and only then is the half-size pack built in its place, so
+sizes that hover around the middle do not rebuild a pack every step. Prefill and batches of a
+quarter of the rows or fewer use the plain GEMM.
 
 Layout. The cache holds one row per running sequence: `k_cache[layer]` is
 `[max_rows, kv_heads, max_len, head_dim]`. The engine keeps running sequences in rows
@@ -65,6 +67,9 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scale)
 
 
+PACK_SWITCH_STEPS = 8  # steps a smaller batch pads up to a held larger pack before that pack is replaced
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
 
@@ -111,6 +116,7 @@ class ModelRunner:
         self.pack_sizes = sorted({max_rows, max_rows // 2} - {0}) if can_pack else []
         self._packs: dict[int, dict[int, torch.Tensor]] = {}
         self._pack_for: int | None = None  # the decode batch size in flight, when packed
+        self._below_held = 0  # consecutive decode steps that a smaller pack would have fitted
         self.drop_packs()
 
     # ---------------------------------------------------------------- weights
@@ -247,6 +253,23 @@ class ModelRunner:
         """Free the packed weights (stale after a weight update) until a decode step needs them."""
         self._packs = {}
 
+    def _pack_size(self, n: int) -> int | None:
+        """The pack a decode batch of `n` rows runs on (None: the plain GEMM). One pack is held at
+        a time; a smaller batch pads up to a held larger pack until batches have stayed small for
+        PACK_SWITCH_STEPS steps, then the larger pack is dropped for the snug one."""
+        snug = next((m for m in self.pack_sizes if m // 2 < n <= m), None)
+        held = next(iter(self._packs), None)
+        if snug is None or held is None or held == snug:
+            self._below_held = 0
+            return snug
+        if snug < held:
+            self._below_held += 1
+            if self._below_held < PACK_SWITCH_STEPS:
+                return held
+        self._below_held = 0
+        self.drop_packs()
+        return snug
+
     def _ensure_pack(self, m: int) -> None:
         """The pack for decode batches of `m` rows, built the first time one is needed (only
         the sizes a workload uses take memory)."""
@@ -337,7 +360,7 @@ class ModelRunner:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token for each of rows 0..B-1 at the given positions; logits [B, V]."""
         n = tokens.shape[0]
-        pad_to = next((m for m in self.pack_sizes if m // 2 < n <= m), None)
+        pad_to = self._pack_size(n)
         if pad_to is None:
             return self._decode(tokens, positions)
         pad = pad_to - n  # free rows 0-filled at position 0: their cache is rewritten before use
