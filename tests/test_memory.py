@@ -90,6 +90,9 @@ def test_shared_prefix_rows_default_to_a_whole_group(model_dir, tmp_path):
     cfg = tiny_cfg(model_dir, tmp_path, **{"data.max_prompt_tokens": 10, "rollout.max_new_tokens": 6,
                                            "rollout.samples_per_prompt": 16, "train.micro_batch_tokens": 40})
     assert default_pack_length(cfg, shared_prefix=True) == 40  # never above the user's micro-batch
+    small = tiny_cfg(model_dir, tmp_path, **{"data.max_prompt_tokens": 10, "rollout.max_new_tokens": 6,
+                                             "rollout.samples_per_prompt": 16, "train.activation_memory_gb": 1e-6})
+    assert Trainer(tiny_model("llama", seed=5), small, device=torch.device("cpu")).pack_length == 16  # a row fits the budget
     model = tiny_model("llama", seed=5)
     model.config._attn_implementation = "flash_attention_2"
     with pytest.warns(RuntimeWarning, match="does not take an explicit mask"):
@@ -178,7 +181,10 @@ def test_the_sync_loop_holds_one_copy_of_the_weights(model_dir, tmp_path):
     collector = make_collector(run)
     groups, _ = collector.collect(0)
     batch, _ = train_batch_from(groups, run.cfg)
+    runner = run.engine.core.runner
+    assert runner._packs or not runner.pack_sizes  # generation packed the weights
     run.trainer.train_step(batch)
+    assert not runner._packs  # the optimizer step made the packs stale: dropped at once
     changed = [n for n, p in params.items() if not torch.equal(p, before[n])]
     assert changed and all(torch.equal(views[n], params[n]) for n in changed)  # the step wrote the engine's weights
     run.weights.push(run.trainer.named_weights(), version=1)

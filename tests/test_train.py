@@ -48,8 +48,8 @@ def batch_of(pairs) -> TrainBatch:
 def packed_logprobs(model, mb):
     """Logprobs of a micro-batch's response tokens, with the mask the trainer would pass."""
     mask = None
-    if mb.allow is not None:
-        allow = mb.allow[:, None]
+    if mb.allow() is not None:
+        allow = mb.allow()[:, None]
         mask = allow if model.config._attn_implementation == "sdpa" else \
             torch.zeros(allow.shape).masked_fill(~allow, torch.finfo(torch.float32).min)
     with torch.no_grad():
@@ -83,6 +83,26 @@ def test_packing_keeps_sequences_apart(shared, impl):
             ref = torch.log_softmax(model(ids).logits[0], -1)[len(r.prompt_ids) - 1 : -1]
         ref = ref.gather(1, torch.tensor(r.response_ids)[:, None]).squeeze(1)
         assert torch.allclose(got, ref, atol=1e-5), k
+
+
+def test_shared_prefix_padding_sits_at_position_zero_and_sees_only_itself():
+    model = tiny_model("llama", seed=4)
+    rolls = [rollout("a", [5, 6, 7], [8, 9, 10], 1.0), rollout("a", [5, 6, 7], [11, 12], -1.0),
+             rollout("b", [20, 21], [22], 0.5), rollout("b", [20, 21], [23, 24], 0.0)]
+    packed = pack(batch_of(rolls), pack_length=8, micro_batch_tokens=16, shared_prefix=True)
+    assert len(packed) == 1 and packed[0].input_ids.shape == (2, 8)  # rows of 8 and 5 tokens
+    mb = packed[0]
+    assert mb.position_ids[1].tolist() == [0, 1, 2, 2, 3, 0, 0, 0]  # prompt, [22], [23, 24], padding
+    allow = mb.allow()
+    assert allow[1, 5:, 5:].equal(torch.eye(3, dtype=torch.bool)) and not allow[1, 5:, :5].any()
+    assert allow[1, 3, :2].all() and not allow[1, 3, 2] and allow[1, 4, 3]  # 23 sees the prompt, not 22; 24 sees 23
+    lp = packed_logprobs(model, mb)
+    for s, k in enumerate(mb.seq_index):
+        r = rolls[k][0]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0], -1)
+        ref = ref[len(r.prompt_ids) - 1: -1].gather(1, torch.tensor(r.response_ids)[:, None]).squeeze(1)
+        assert torch.allclose(lp[mb.tok_seq == s], ref, atol=1e-5)
 
 
 def test_a_group_longer_than_a_row_is_split_and_each_part_repeats_the_prompt():

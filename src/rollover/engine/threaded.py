@@ -100,7 +100,8 @@ class ThreadedEngine(EngineAPI):
         inflight='continue': running sequences keep going; their K/V is recomputed under the new
         weights and their later tokens carry `version`. inflight='keep': they keep going on the
         K/V the older weights computed (no recompute). inflight='abort': they are aborted and
-        returned. Tensors are copied before this returns, so the caller may modify them after.
+        returned. Tensors are copied before this returns, so the caller may modify them after
+        (weights lent to a trainer, `TorchEngine.lend_weights`, are already in place and not copied).
         """
         items = [(k, v.detach() if hasattr(v, "detach") else v) for k, v in named_tensors]
         return self._run_or_queue(

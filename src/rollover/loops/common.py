@@ -416,10 +416,17 @@ def _share_weights(cfg: Config, engine, trainer) -> None:
     if cfg.mode != "sync" or trainer.is_peft or not isinstance(engine, TorchEngine):
         return
     runner = engine.core.runner
-    param = next(trainer.model.parameters())
-    if runner.dtype != param.dtype or runner.device != param.device:
+    param, held = next(trainer.model.parameters()), runner.views["model.norm.weight"]
+    if held.dtype != param.dtype or held.device != param.device:
         return
-    saved = engine.lend_weights(trainer.model)
+    try:
+        saved = engine.lend_weights(trainer.model)
+    except ValueError as e:  # a layout the engine does not mirror (nothing was rebound): keep two copies
+        log.warning("trainer and engine keep their own weights: %s", e)
+        return
+    # the engine's packed weights are snapshots: an optimizer step makes them stale at once,
+    # even before the push (which drops them too)
+    trainer.optimizer.register_step_post_hook(lambda *_: runner.drop_packs())
     log.info("trainer and engine share one copy of the weights (%.2f GB)", saved / 1e9)
 
 

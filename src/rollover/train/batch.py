@@ -11,8 +11,8 @@ Shared prefixes (`shared_prefix=True`). The samples of a group share their promp
 token, and a plain packing runs the prompt's forward once per sample. Here sequences with the
 same prompt become one *segment*, `prompt, response_1, ..., response_k`: the prompt is written
 once, each response continues the prompt's position ids, and an explicit attention mask (one
-`[L, L]` boolean matrix per row, `MicroBatch.allow`) lets a response token see the prompt and
-the earlier tokens of its own response, nothing else. Every response token's logits then come
+`[L, L]` boolean matrix per row, built by `MicroBatch.allow()` when its forward runs) lets a
+response token see the prompt and the earlier tokens of its own response, nothing else. Every response token's logits then come
 from exactly the context they had alone, so logprobs, loss and gradients equal the plain
 path's (the prompt's activations receive the sum of the responses' gradients, which is what
 the plain path adds up across copies). A group whose responses do not fit one row is split
@@ -107,14 +107,31 @@ class MicroBatch:
     tok_pos: Tensor  # [N] index in that sequence's response
     pad_tokens: int
     slots: int
-    allow: Tensor | None = None  # [R, L, L] bool: query may attend key (shared-prefix packing only)
+    # shared-prefix packing only: per token its segment ([R, L]; each padding token its own) and
+    # which response of the segment it belongs to (0: the prompt or padding)
+    segment: Tensor | None = None
+    response: Tensor | None = None
 
     def to(self, device) -> "MicroBatch":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return MicroBatch(
             self.seq_index, *(t.to(device) for t in (self.input_ids, self.position_ids, self.sel_row,
                                                      self.sel_col, self.targets, self.tok_seq, self.tok_pos)),
-            self.pad_tokens, self.slots, None if self.allow is None else self.allow.to(device),
+            self.pad_tokens, self.slots, move(self.segment), move(self.response),
         )
+
+    def allow(self) -> Tensor | None:
+        """[R, L, L] bool, query may attend key: same segment, key not after the query, and the
+        key in the prompt or in the query's own response. Built when a forward needs it (it is
+        L x L per row). None for the plain packing (position ids say it all)."""
+        if self.segment is None:
+            return None
+        L = self.segment.shape[1]
+        idx = torch.arange(L, device=self.segment.device)
+        same = self.segment[:, :, None] == self.segment[:, None, :]
+        causal = (idx[None, :] <= idx[:, None])[None]
+        key_resp = self.response[:, None, :]
+        return same & causal & ((key_resp == 0) | (key_resp == self.response[:, :, None]))
 
 
 def pack(batch: TrainBatch, *, pack_length: int, micro_batch_tokens: int, pad_id: int = 0,
@@ -186,7 +203,8 @@ def _build(batch: TrainBatch, rows: list[list[list[int]]], pad_id: int, shared_p
     L, R = max(row_lengths), len(rows)
     ids = torch.full((R, L), pad_id, dtype=torch.long)
     pos = torch.zeros((R, L), dtype=torch.long)
-    allow = torch.zeros((R, L, L), dtype=torch.bool) if shared_prefix else None
+    segment = torch.zeros((R, L), dtype=torch.long) if shared_prefix else None
+    response = torch.zeros((R, L), dtype=torch.long) if shared_prefix else None
     seq_index: list[int] = []
     sel_row, sel_col, targets, tok_seq, tok_pos = [], [], [], [], []
     for r, row in enumerate(rows):
@@ -196,10 +214,8 @@ def _build(batch: TrainBatch, rows: list[list[list[int]]], pad_id: int, shared_p
             P = len(p)
             ids[r, col: col + P] = torch.tensor(p, dtype=torch.long)
             pos[r, col: col + P] = torch.arange(P)
-            if allow is not None:
-                allow[r, col: col + P, col: col + P] = torch.ones(P, P, dtype=torch.bool).tril()
             start = col + P  # where the next response goes
-            for i in seg:
+            for k, i in enumerate(seg):
                 s = len(seq_index)
                 seq_index.append(i)
                 resp = batch.response_ids[i]
@@ -207,9 +223,8 @@ def _build(batch: TrainBatch, rows: list[list[list[int]]], pad_id: int, shared_p
                 # in a plain segment (one sequence) the response simply continues the prompt
                 ids[r, start: start + n] = torch.tensor(resp, dtype=torch.long)
                 pos[r, start: start + n] = torch.arange(P, P + n)
-                if allow is not None and n:
-                    allow[r, start: start + n, col: col + P] = True
-                    allow[r, start: start + n, start: start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                if response is not None:
+                    response[r, start: start + n] = k + 1
                 for j in range(n):  # token j is predicted at the position before it
                     sel_row.append(r)
                     sel_col.append(col + P - 1 if j == 0 else start + j - 1)
@@ -217,14 +232,16 @@ def _build(batch: TrainBatch, rows: list[list[list[int]]], pad_id: int, shared_p
                     tok_seq.append(s)
                     tok_pos.append(j)
                 start += n
+            if segment is not None:
+                segment[r, col: start] = len(seq_index)  # distinct within the row
             col = start
-        if col < L:  # padding: its own position run, so it forms a separate (ignored) segment
+        if col < L and segment is None:  # padding: its own position run, so it forms a separate (ignored) segment
             pos[r, col:] = torch.arange(L - col)
-            if allow is not None:
-                allow[r, col:, col:] = torch.eye(L - col, dtype=torch.bool)  # a row that sees nothing would be NaN
+        elif col < L:  # position 0 (a position past the context would move rope scaling); each token alone
+            segment[r, col:] = -torch.arange(1, L - col + 1)
     used = sum(row_lengths)
     as_t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
     return MicroBatch(
         seq_index, ids, pos, as_t(sel_row), as_t(sel_col), as_t(targets), as_t(tok_seq), as_t(tok_pos),
-        pad_tokens=R * L - used, slots=R * L, allow=allow,
+        pad_tokens=R * L - used, slots=R * L, segment=segment, response=response,
     )

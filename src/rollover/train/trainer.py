@@ -73,7 +73,7 @@ class Trainer:
         )
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss
         self.shared_prefix = t.shared_prefix and self._explicit_masks_work()
-        self.pack_length = t.pack_length or default_pack_length(cfg, self.shared_prefix)
+        self.pack_length = t.pack_length or self._fit_row(default_pack_length(cfg, self.shared_prefix))
         if t.micro_batch_tokens is not None:
             self.micro_batch_tokens = t.micro_batch_tokens
         elif device.type == "cuda":  # the estimate is fitted on CPU fp32; not measured on a GPU yet
@@ -90,6 +90,18 @@ class Trainer:
     def _base(self, model):
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
+    def _fit_row(self, row: int) -> int:
+        """A default row length no longer than what one micro-batch of `train.activation_memory_gb`
+        holds by the activation estimate (a micro-batch is at least one row), and never shorter
+        than the longest sequence."""
+        longest = self.cfg.longest_sequence()[0]
+        t = self.cfg.train
+        config = self._base(self.model).config
+        while row > longest and memory.activation_bytes_per_token(config, row, t.gradient_checkpointing) * row \
+                > t.activation_memory_gb * 1e9:
+            row = max(longest, int(row * 0.9))
+        return row
+
     def _explicit_masks_work(self) -> bool:
         """Whether the model takes the shared-prefix packing's [L, L] masks as they are: the sdpa
         and eager attention of transformers do; flash-attention kernels do not, nor does a
@@ -98,7 +110,7 @@ class Trainer:
         config = self._base(self.model).config
         impl = getattr(config, "_attn_implementation", None)
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-        row = self.cfg.train.pack_length or default_pack_length(self.cfg, shared_prefix=True)
+        row = self.cfg.train.pack_length or self._fit_row(default_pack_length(self.cfg, shared_prefix=True))
         if impl in ("sdpa", "eager") and (window is None or window >= row):
             return True
         why = f"{impl} attention" if impl not in ("sdpa", "eager") else f"a sliding window of {window} < rows of {row}"
@@ -109,9 +121,10 @@ class Trainer:
     def _attention_mask(self, mb: MicroBatch, model):
         """The micro-batch's 4-D mask in the form the attention kernel reads, or None (plain packing:
         transformers builds the block-diagonal mask from the position ids)."""
-        if mb.allow is None:
+        allow = mb.allow()
+        if allow is None:
             return None
-        allow = mb.allow[:, None]  # [R, 1, L, L]
+        allow = allow[:, None]  # [R, 1, L, L]
         if self._base(model).config._attn_implementation == "sdpa":
             return allow
         dtype = torch.bfloat16 if not isinstance(self.autocast, contextlib.nullcontext) else model.dtype
