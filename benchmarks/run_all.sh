@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Re-measure every figure in docs/benchmarks.md (CPU: about 2.5 hours on 2 cores).
+# Re-measure every figure in docs/benchmarks.md (CPU: about 3.5 hours on 2 cores).
 # Usage: bash benchmarks/run_all.sh [OUT_DIR]   (run on an otherwise idle machine)
 set -euo pipefail
 out=${1:-bench-out}
 mkdir -p "$out"
 rollover bench engine --json "$out/engine.json" | tee "$out/engine.txt"
-rollover bench train --json "$out/train.json" | tee "$out/train.txt"
-rollover bench april --json "$out/april.json" | tee "$out/april.txt"
+rollover bench train --compare plain --json "$out/train.json" | tee "$out/train.txt"   # plain,trl with pip install trl
+rollover bench april --repeats 3 --json "$out/april.json" | tee "$out/april.txt"
 rollover bench async --json "$out/async.json" | tee "$out/async.txt"
 rollover bench faults --trials 20 --kills-per-chain 5 --steps 12 --json "$out/faults.json" | tee "$out/faults.txt"
 rollover bench envs --steps 3 --json "$out/envs.json" | tee "$out/envs.txt"

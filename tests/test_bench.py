@@ -29,6 +29,10 @@ def test_bench_engine_fields(model_dir, tmp_path):
         assert r[k] > 0, k
     assert r["torch_engine"]["tokens"] == 4 * 6 and len(r["torch_engine"]["runs_tokens_per_s"]) == 2
     assert r["torch_tokens_per_s"] in r["torch_engine"]["runs_tokens_per_s"]
+    assert len(r["matmul_flops_each"]) == 3  # the peak before each of the 2 runs and after the last
+    assert all(r["matmul_flops"][k] == max(p[k] for p in r["matmul_flops_each"]) for k in r["matmul_flops"])
+    assert r["torch_engine"]["prefill_only"]["tokens"] > 0 and r["prefill_fraction_of_peak"] > 0
+    assert isinstance(r["limit_suspect"], bool)
 
 
 def test_bench_april_fields_and_nothing_discarded(model_dir, tmp_path):
@@ -45,6 +49,17 @@ def test_bench_april_fields_and_nothing_discarded(model_dir, tmp_path):
         assert res["default_carry"] == "keep_kv" and res["speedup_default"] == res["speedup_keep_kv"]
         assert 0 < res["sync_occupancy"] <= 1 and 0 < res["april_occupancy"] <= 1
         assert res["sync"]["samples_per_s"] * res["sync"]["seconds"] == pytest.approx(2 * 2 * 2)  # 2 steps x 2 x 2
+        assert res["speedup_default_runs"] == [res["speedup_default"]]  # one repeat
+
+
+def test_bench_april_repeats_report_the_median_and_every_run(model_dir, tmp_path):
+    r = bench(tmp_path, "april", "--model", model_dir, "--steps", "1", "--warmup", "0", "--max-new-tokens", "8",
+              "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-rows", "8", "--workload", "longtail",
+              "--carry", "keep_kv", "--repeats", "3")
+    res = r["longtail"]
+    runs = res["speedup_default_runs"]
+    assert r["repeats"] == 3 and len(runs) == 3 and len(res["sync_useful_tokens_per_s_runs"]) == 3
+    assert res["speedup_default"] == sorted(runs)[1] and res["speedup_default_spread"] == [min(runs), max(runs)]
 
 
 def test_bench_train_fields(model_dir, tmp_path):
@@ -53,6 +68,13 @@ def test_bench_train_fields(model_dir, tmp_path):
     for phase in ("generate", "reward", "train", "weight_sync"):
         assert r[f"{phase}_s"] >= 0, phase
     assert r["seconds_per_step"] >= r["generate_s"] + r["train_s"]
+
+
+def test_bench_train_compares_with_the_plain_packing(model_dir, tmp_path):
+    r = bench(tmp_path, "train", "--model", model_dir, "--steps", "1", "--compare", "plain", "rollout.max_new_tokens=6")
+    assert r["plain"]["overrides"][-1] == "train.shared_prefix=false" and r["plain"]["steps_measured"] == 1
+    assert r["speedup_step"] == pytest.approx(r["plain"]["seconds_per_step"] / r["seconds_per_step"])
+    assert r["speedup_train"] > 0
 
 
 def test_bench_async_fields(model_dir, tmp_path):

@@ -162,6 +162,18 @@ def test_micro_batch_split_does_not_change_the_update(model_dir, tmp_path):
         assert torch.allclose(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-7), k
 
 
+def test_rollout_kl_is_the_k3_estimate_of_the_sampler_trainer_mismatch(model_dir, tmp_path):
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout("g", [5, 6, 7], [8, 9, 10], 1.0), rollout("g", [5, 6, 7], [11, 12], -1.0)]  # sampled at logprob -1
+    cfg = tiny_cfg(model_dir, tmp_path, **{"train.pack_length": 16, "data.max_prompt_tokens": 10})
+    tr = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
+    batch = batch_of(rolls)
+    log_r = tr.logprobs(batch)[batch.mask_BT] + 1.0  # log(trainer / sampler) per token
+    expected = float((log_r.exp() - 1 - log_r).mean())
+    assert tr.train_step(batch)["actor/rollout_kl"] == pytest.approx(expected, rel=1e-4) and expected > 0
+
+
 def test_sync_run_end_to_end_and_engine_matches_trainer(model_dir, tmp_path):
     cfg = tiny_cfg(model_dir, tmp_path / "run", steps=2)
     run = build_run(cfg)
@@ -186,8 +198,11 @@ def test_sync_run_end_to_end_and_engine_matches_trainer(model_dir, tmp_path):
     train_rows = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
     for key in ("reward/mean", "accuracy", "actor/grad_norm", "actor/entropy", "timing_s/generate", "timing_s/train",
-                "timing_s/weight_sync", "response_length/clip_ratio", "rewards/numeric/mean", "actor/lr"):
+                "timing_s/weight_sync", "response_length/clip_ratio", "rewards/numeric/mean", "actor/lr",
+                "actor/rollout_kl"):
         assert key in train_rows[0], key
+    # an fp32 engine samples from the trainer's own distribution: no rollout-training mismatch to speak of
+    assert all(0 <= r["actor/rollout_kl"] < 1e-6 for r in train_rows)
     assert {r["step"] for r in rows if r["kind"] == "eval"} == {0, 2, 3}
     assert "eval/accuracy" in result
     # the final checkpoint is loadable with from_pretrained

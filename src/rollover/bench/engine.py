@@ -7,7 +7,16 @@ TorchEngine runs `--repeats` times and the median run is reported (the machine m
 
 FLOP-bound decode limit: a decoder spends about 2 x parameters FLOP per generated token
 (embedding lookup excluded, LM head included); the limit is the best measured matmul rate
-divided by that. Attention FLOPs are ignored, which makes the limit slightly optimistic.
+divided by that. Attention FLOPs are ignored, which makes the limit slightly optimistic. The
+matmul peak is measured before every engine run and after the last, and the best of all is
+kept: on a shared machine a neighbour can slow one measurement, and a peak read low would make
+the engine look faster than the hardware allows. A fraction above 1 is impossible and is
+flagged (`limit_suspect`) instead of reported as a result.
+
+Prefill (TorchEngine): before each decode run the engine prefills every prompt once
+(one new token each, nothing else running); its rate in FLOP/s over the best GEMM peak is
+`prefill_fraction_of_peak`. A prefill computes the decoder body for every prompt token (2 x the
+parameters outside the LM head) and the LM head for each prompt's last token only.
 """
 
 from __future__ import annotations
@@ -58,15 +67,25 @@ def matmul_rate(dtype=torch.float32, device="cpu", bursts: int = 10, burst_s: fl
     return rates
 
 
-def run_engine(open_engine, prompts, new_tokens) -> dict:
+def run_engine(open_engine, prompts, new_tokens, prefill: bool = False) -> dict:
     """Time one generation of every prompt on the engine `open_engine()` starts (a context
-    manager); start-up and a short warm-up request are not timed."""
+    manager); start-up and a short warm-up request are not timed. With `prefill`, first time a
+    prefill of every prompt alone (one new token each; the engine has no cache across requests)."""
     from rollover.types import Request, SamplingParams
 
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
     t0 = time.perf_counter()
+    pre = None
     with open_engine() as eng:
         startup = time.perf_counter() - t0
+        if prefill:
+            eng.generate([Request(id="warm", prompt_ids=prompts[0], sampling=SamplingParams(max_new_tokens=1))])
+            eng.reset_stats()
+            t1 = time.perf_counter()
+            eng.generate([Request(id=f"pre{i}", prompt_ids=p, sampling=SamplingParams(max_new_tokens=1))
+                          for i, p in enumerate(prompts)])
+            dt = time.perf_counter() - t1
+            pre = {"tokens": eng.stats().prefill_tokens, "seconds": dt}
         # a full batch: TorchEngine packs its weights for a decode batch size at first use
         eng.generate([Request(id=f"warm{i}", prompt_ids=p, sampling=SamplingParams(max_new_tokens=2))
                       for i, p in enumerate(prompts)])
@@ -77,7 +96,8 @@ def run_engine(open_engine, prompts, new_tokens) -> dict:
         st = eng.stats()
     n = sum(len(o.response_ids) for o in outs)
     return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "startup_s": startup, "prefill_s": st.prefill_s,
-            "decode_s": st.decode_s, "decode_steps": st.decode_steps, "occupancy": st.occupancy}
+            "decode_s": st.decode_s, "decode_steps": st.decode_steps, "occupancy": st.occupancy,
+            **({"prefill_only": pre} if pre else {})}
 
 
 def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows) -> dict:
@@ -85,7 +105,7 @@ def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows) -> 
 
     max_len = max(map(len, prompts)) + new_tokens + 1
     return run_engine(lambda: TorchEngine(model, max_rows=max_rows, max_len=max_len, dtype=dtype, device=device),
-                      prompts, new_tokens)
+                      prompts, new_tokens, prefill=True)
 
 
 def run_vllm_engine(args, prompts) -> dict:
@@ -127,27 +147,43 @@ def main(args) -> dict:
     n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
     if getattr(model.config, "tie_word_embeddings", False):
         n_params += model.get_input_embeddings().weight.numel()  # the LM head reuses it
-    rates = matmul_rate(dtype, device)
-    best = max(rates.values())
-    limit = best / (2 * n_params)
+    peaks = [matmul_rate(dtype, device)]  # before every engine run and after the last (module docstring)
+    if args.engine == "vllm":
+        eng = run_vllm_engine(args, prompts)
+        peaks.append(matmul_rate(dtype, device))
+    else:
+        runs = []
+        for _ in range(args.repeats):
+            runs.append(run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device,
+                                         max_rows=args.max_rows))
+            peaks.append(matmul_rate(dtype, device))
+        eng = dict(sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2])  # the median run
+        eng["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+    rates = {shape: max(p[shape] for p in peaks) for shape in peaks[0]}
+    limit = max(rates.values()) / (2 * n_params)
     result = {
         "model": args.model, "device": device, "dtype": args.dtype, "prompts": args.prompts,
         "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
-        "matmul_flops": rates, "flops_per_token": 2 * n_params, "flop_limit_tokens_per_s": limit,
+        "matmul_flops": rates, "matmul_flops_each": peaks, "flops_per_token": 2 * n_params,
+        "flop_limit_tokens_per_s": limit,
         # the same bound at the GEMM shape batch-64 decode actually runs (less optimistic)
         "decode_gemm_limit_tokens_per_s": rates["decode 64x576x1536"] / (2 * n_params),
     }
-    if args.engine == "vllm":
-        eng = run_vllm_engine(args, prompts)
-    else:
-        runs = [run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device, max_rows=args.max_rows)
-                for _ in range(args.repeats)]
-        eng = dict(sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2])  # the median run
-        eng["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
     result[f"{args.engine}_engine"] = eng
     result[f"{args.engine}_tokens_per_s"] = eng["tokens_per_s"]
     result["fraction_of_limit"] = eng["tokens_per_s"] / limit
     result["fraction_of_decode_gemm_limit"] = eng["tokens_per_s"] / result["decode_gemm_limit_tokens_per_s"]
+    if args.engine == "torch":
+        pre = [r["prefill_only"] for r in runs]
+        best_pre = max(pre, key=lambda x: x["tokens"] / x["seconds"])
+        head = model.get_output_embeddings().weight.numel()
+        flop = 2 * (n_params - head) * best_pre["tokens"] + 2 * head * len(prompts)
+        result["prefill_tokens_per_s"] = best_pre["tokens"] / best_pre["seconds"]
+        result["prefill_flops"] = flop / best_pre["seconds"]
+        result["prefill_fraction_of_peak"] = result["prefill_flops"] / max(rates.values())
+    fractions = [result["fraction_of_limit"], result["fraction_of_decode_gemm_limit"],
+                 result.get("prefill_fraction_of_peak", 0.0)]
+    result["limit_suspect"] = any(f > 1 for f in fractions)
     if not args.skip_hf:
         hf = run_hf_generate(model, tokenizer, prompts, args.new_tokens, batch=args.hf_batch or args.prompts)
         result["hf_generate"] = hf
@@ -174,6 +210,12 @@ def print_table(r: dict, engine: str) -> None:
           f"(best matmul {max(r['matmul_flops'].values()) / 1e9:.0f} GFLOP/s, {r['flops_per_token'] / 1e6:.0f} MFLOP/token)")
     print(f"  fraction of limit: {r['fraction_of_limit']:.1%}  (of the decode-shaped GEMM limit "
           f"{r['decode_gemm_limit_tokens_per_s']:.0f} tokens/s: {r['fraction_of_decode_gemm_limit']:.1%})")
+    if "prefill_tokens_per_s" in r:
+        print(f"  prefill: {r['prefill_tokens_per_s']:.0f} tokens/s = {r['prefill_flops'] / 1e9:.0f} GFLOP/s, "
+              f"{r['prefill_fraction_of_peak']:.1%} of the best GEMM peak (best of the runs)")
+    if r["limit_suspect"]:
+        print("  WARNING: a fraction above 100% is impossible: the GEMM peak was read low (a busy machine); "
+              "rerun on an idle one")
 
 
 def add_arguments(p) -> None:

@@ -47,6 +47,7 @@ def measure(args, extra: tuple[str, ...] = ()) -> dict:
         "tokens_per_s_generate": statistics.fmean(r["perf/tokens_per_s"] for r in rows),
         "padding_fraction": statistics.fmean(r["actor/padding_fraction"] for r in rows),
         "micro_batches": statistics.fmean(r["actor/micro_batches"] for r in rows),
+        "rollout_kl": statistics.fmean(r["actor/rollout_kl"] for r in rows),
         "response_length_mean": statistics.fmean(r["response_length/mean"] for r in rows),
     }
 
@@ -85,6 +86,16 @@ def main(args) -> dict:
     return result
 
 
+def _compare_list(text: str) -> list[str]:
+    import argparse
+
+    items = [t for t in text.split(",") if t]
+    bad = [t for t in items if t not in ("plain", "trl")]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of plain, trl")
+    return items
+
+
 def add_arguments(p) -> None:
     from rollover.bench import at_least
 
@@ -92,7 +103,7 @@ def add_arguments(p) -> None:
     p.add_argument("--engine", choices=["torch", "vllm"], default="torch")
     p.add_argument("--steps", type=at_least(1), default=5, help="measured steps (one more runs first, unmeasured)")
     p.add_argument("--json", default=None)
-    p.add_argument("--compare", choices=["plain", "trl"], nargs="+", default=None,
-                   help="also measure, in the same invocation: plain = the plain packing (train.shared_prefix=false), "
-                        "trl = TRL's GRPOTrainer on the same workload (needs trl)")
+    p.add_argument("--compare", type=_compare_list, default=None, metavar="plain,trl",
+                   help="also measure, in the same invocation (comma-separated): plain = the plain packing "
+                        "(train.shared_prefix=false), trl = TRL's GRPOTrainer on the same workload (needs trl)")
     p.add_argument("overrides", nargs="*", help="extra key.path=value config overrides")

@@ -246,7 +246,7 @@ class Trainer:
             opts.setdefault("m2po_tau", a.m2po_tau)
         need_entropy = True  # logged every step; cheap next to the forward
         sums: dict[str, float] = {}
-        entropy_sum, kl_sum, loss_total = 0.0, 0.0, 0.0
+        entropy_sum, kl_sum, loss_total, rollout_kl_sum = 0.0, 0.0, 0.0, 0.0
         finite = True
         self.optimizer.zero_grad(set_to_none=True)
         micro = self._micro_batches(batch)
@@ -266,6 +266,10 @@ class Trainer:
             if a.entropy_coef:
                 loss_BT = loss_BT - a.entropy_coef * ent_BT
             entropy_sum += float((ent_BT.detach() * m_BT).sum())
+            # KL(sampler || trainer), k3 over the sampled tokens: the rollout-training mismatch
+            # (engine precision, and for off-policy tokens their age)
+            log_r = (logp_BT.detach() - behav_BT[sel]).clamp(max=20.0)
+            rollout_kl_sum += float(((log_r.exp() - 1 - log_r) * m_BT).sum())
             loss = aggregate(loss_BT, out.mask_BT, a.aggregation, num_tokens=max(num_tokens, 1),
                              num_seqs=num_seqs, max_len=cfg.rollout.max_new_tokens)
             if not torch.isfinite(loss):
@@ -296,6 +300,7 @@ class Trainer:
         metrics.update({
             "actor/pg_loss": loss_total,
             "actor/entropy": entropy_sum / max(num_tokens, 1),
+            "actor/rollout_kl": rollout_kl_sum / max(num_tokens, 1),
             "actor/grad_norm": grad_norm,
             "actor/lr": self.scheduler.get_last_lr()[0],
             "actor/micro_batches": len(micro),
