@@ -247,3 +247,15 @@ def test_the_engine_holds_one_pack_and_replaces_it_only_after_batches_stay_small
     assert step(4) == [4]
     assert step(6) == [8]  # a batch the held pack cannot take: replaced at once
     assert step(2) == [8]  # a quarter of the rows or fewer: plain GEMM, the pack is kept
+
+
+def test_bf16_autocast_training_stays_near_the_fp32_step(model_dir, tmp_path):
+    fp32, m32 = step_gradients(model_dir, tmp_path / "a", **{"train.dtype": "float32"})
+    bf16, m16 = step_gradients(model_dir, tmp_path / "b", **{"train.dtype": "autocast_bf16"})
+    assert fp32.keys() == bf16.keys() and fp32
+    assert all(torch.isfinite(g).all() for g in bf16.values())
+    num = sum(float((bf16[k] - fp32[k]).norm() ** 2) for k in fp32) ** 0.5
+    den = sum(float(fp32[k].norm() ** 2) for k in fp32) ** 0.5
+    assert num / den < 0.05  # bf16 rounding (8-bit mantissa), not a different gradient
+    assert any(not torch.equal(bf16[k], fp32[k]) for k in fp32)  # and it did run in bf16
+    assert m16["actor/pg_loss"] == pytest.approx(m32["actor/pg_loss"], abs=2e-2)

@@ -294,8 +294,10 @@ class TrainConfig(Section):
     """Passes over each step's batch."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer updates per epoch; with ppo_epochs=1 and mini_batches=1 no extra forward is made for old logprobs."""
-    dtype: Literal["auto", "float32"] = "auto"
-    """Trainer weights: auto (float32; bf16 autocast on CUDA), float32."""
+    dtype: Literal["auto", "float32", "autocast_bf16"] = "auto"
+    """Trainer weights: auto (float32; bf16 autocast on CUDA), float32, autocast_bf16 (float32
+    weights, bf16 autocast on every device: on CPUs with bf16 instructions the step's matrix
+    multiplies run 2-2.8x faster; its effect on learning is not measured)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     max_bad_steps: int = Field(3, ge=1)

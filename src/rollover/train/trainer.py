@@ -81,10 +81,8 @@ class Trainer:
         else:
             self.micro_batch_tokens = memory.micro_batch_tokens_for(
                 self._base(self.model).config, t.activation_memory_gb, self.pack_length, t.gradient_checkpointing)
-        self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and t.dtype == "auto"
-            else contextlib.nullcontext()
-        )
+        bf16 = t.dtype == "autocast_bf16" or (t.dtype == "auto" and device.type == "cuda")
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     # ------------------------------------------------------------ forward
     def _base(self, model):
