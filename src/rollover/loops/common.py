@@ -29,7 +29,7 @@ from rollover.rollout.groups import (
     PendingGroup, eval_metrics, group_advantages, sampling_from,
 )
 from rollover.train import checkpoint
-from rollover.train.weight_sync import InProcessWeightSync, RayWeightSync, WeightSync
+from rollover.train.weight_sync import InProcessWeightSync, RayWeightSync, WeightSync, share_engine_weights
 from rollover.types import Prompt
 
 if TYPE_CHECKING:
@@ -308,7 +308,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     architecture = trainer.model.get_base_model() if trainer.is_peft else trainer.model
     engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device, max_len=longest + 1,
                             eos_token_ids=_eos_ids(tokenizer, model))
-    _share_weights(cfg, engine, trainer)
+    share_engine_weights(cfg, engine, trainer)
     run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
               train_iter=PromptIterator(train_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
@@ -402,32 +402,6 @@ def _has_metrics(run_dir: Path) -> bool:
 
     path = run_dir / METRICS_FILE
     return path.exists() and path.stat().st_size > 0
-
-
-def _share_weights(cfg: Config, engine, trainer) -> None:
-    """One copy of the weights for trainer and engine where that is safe: the synchronous loop
-    (APRIL included) never generates while the trainer steps, so the trainer's parameters can
-    be views of an in-process TorchEngine's weights of the same dtype and device (fp32 on CPU):
-    the optimizer's in-place update is the weight push, and the push copies nothing. Not with
-    LoRA (the engine holds merged weights), async mode (the engine generates during the step),
-    Ray or vLLM (the weights live elsewhere)."""
-    from rollover.engine.torch_engine import TorchEngine
-
-    if cfg.mode != "sync" or trainer.is_peft or not isinstance(engine, TorchEngine):
-        return
-    runner = engine.core.runner
-    param, held = next(trainer.model.parameters()), runner.views["model.norm.weight"]
-    if held.dtype != param.dtype or held.device != param.device:
-        return
-    try:
-        saved = engine.lend_weights(trainer.model)
-    except ValueError as e:  # a layout the engine does not mirror (nothing was rebound): keep two copies
-        log.warning("trainer and engine keep their own weights: %s", e)
-        return
-    # the engine's packed weights are snapshots: an optimizer step makes them stale at once,
-    # even before the push (which drops them too)
-    trainer.optimizer.register_step_post_hook(lambda *_: runner.drop_packs())
-    log.info("trainer and engine share one copy of the weights (%.2f GB)", saved / 1e9)
 
 
 def _restore(run: Run, state: dict) -> None:

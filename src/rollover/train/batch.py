@@ -12,9 +12,9 @@ token, and a plain packing runs the prompt's forward once per sample. Here seque
 same prompt become one *segment*, `prompt, response_1, ..., response_k`: the prompt is written
 once, each response continues the prompt's position ids, and an explicit attention mask (one
 `[L, L]` boolean matrix per row, built by `MicroBatch.allow()` when its forward runs) lets a
-response token see the prompt and the earlier tokens of its own response, nothing else. Every response token's logits then come
-from exactly the context they had alone, so logprobs, loss and gradients equal the plain
-path's (the prompt's activations receive the sum of the responses' gradients, which is what
+response token see the prompt and the earlier tokens of its own response, nothing else. Every
+response token's logits then come from exactly the context they had alone, so logprobs, loss
+and gradients equal the plain path's (the prompt's activations receive the sum of the responses' gradients, which is what
 the plain path adds up across copies). A group whose responses do not fit one row is split
 into several segments, each repeating the prompt. For SmolLM2 on the demo task (prompts ~40
 tokens, responses ~38) this trains on about 40% fewer token positions.

@@ -15,9 +15,9 @@ sampling distribution. They are computed `train.logit_chunk_tokens` tokens at a 
 chunk's full-vocabulary logits exist only while its logprobs (and entropies) are taken, and are
 recomputed in the backward pass instead of kept, so the loss holds [chunk, vocab] floats at
 most, not [tokens, vocab]. A micro-batch with one chunk or less keeps its logits (recomputing
-them would save nothing: the backward starts there). Micro-batches are sized from `train.activation_memory_gb` unless
-`train.micro_batch_tokens` says otherwise (rollover.train.memory), and the heap the step freed
-is handed back to the OS after it.
+them would save nothing: the backward starts there). Micro-batches are sized from
+`train.activation_memory_gb` unless `train.micro_batch_tokens` says otherwise
+(rollover.train.memory), and the heap the step freed is handed back to the OS after it.
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ class Trainer:
             self.optimizer, _lr_lambda(t.schedule, t.warmup_steps * updates_per_step, cfg.steps * updates_per_step)
         )
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss
-        self.shared_prefix = t.shared_prefix and self._explicit_masks_work()
-        self.pack_length = t.pack_length or self._fit_row(default_pack_length(cfg, self.shared_prefix))
+        shared_row = t.pack_length or self._fit_row(default_pack_length(cfg, shared_prefix=True))
+        self.shared_prefix = t.shared_prefix and self._explicit_masks_work(shared_row)
+        self.pack_length = shared_row if self.shared_prefix else t.pack_length or default_pack_length(cfg, False)
         if t.micro_batch_tokens is not None:
             self.micro_batch_tokens = t.micro_batch_tokens
         elif device.type == "cuda":  # the estimate is fitted on CPU fp32; not measured on a GPU yet
@@ -100,15 +101,14 @@ class Trainer:
             row = max(longest, int(row * 0.9))
         return row
 
-    def _explicit_masks_work(self) -> bool:
-        """Whether the model takes the shared-prefix packing's [L, L] masks as they are: the sdpa
-        and eager attention of transformers do; flash-attention kernels do not, nor does a
-        sliding window shorter than a row (an explicit mask overrides the window). Those models
-        keep the plain packing, with a warning."""
+    def _explicit_masks_work(self, row: int) -> bool:
+        """Whether the model takes the shared-prefix packing's [L, L] masks, over rows of `row`
+        tokens, as they are: the sdpa and eager attention of transformers do; flash-attention
+        kernels do not, nor does a sliding window shorter than a row (an explicit mask overrides
+        the window). Those models keep the plain packing, with a warning."""
         config = self._base(self.model).config
         impl = getattr(config, "_attn_implementation", None)
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-        row = self.cfg.train.pack_length or self._fit_row(default_pack_length(self.cfg, shared_prefix=True))
         if impl in ("sdpa", "eager") and (window is None or window >= row):
             return True
         why = f"{impl} attention" if impl not in ("sdpa", "eager") else f"a sliding window of {window} < rows of {row}"

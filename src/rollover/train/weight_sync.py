@@ -8,9 +8,12 @@ torch.distributed broadcast, disk) behind the same `push`.
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Protocol
 
 import torch
+
+log = logging.getLogger("rollover")
 
 
 class WeightSync(Protocol):
@@ -50,3 +53,29 @@ class RayWeightSync(InProcessWeightSync):
 
     def metrics(self) -> dict:
         return self.engine.last_sync.metrics()
+
+
+def share_engine_weights(cfg, engine, trainer) -> None:
+    """One copy of the weights for trainer and engine where that is safe: the synchronous loop
+    (APRIL included) never generates while the trainer steps, so the trainer's parameters can
+    be views of an in-process TorchEngine's weights of the same dtype and device (fp32 on CPU):
+    the optimizer's in-place update is the weight push, and the push copies nothing. Not with
+    LoRA (the engine holds merged weights), async mode (the engine generates during the step),
+    Ray or vLLM (the weights live elsewhere)."""
+    from rollover.engine.torch_engine import TorchEngine
+
+    if cfg.mode != "sync" or trainer.is_peft or not isinstance(engine, TorchEngine):
+        return
+    runner = engine.core.runner
+    param, held = next(trainer.model.parameters()), runner.views["model.norm.weight"]
+    if held.dtype != param.dtype or held.device != param.device:
+        return
+    try:
+        saved = engine.lend_weights(trainer.model)
+    except ValueError as e:  # a layout the engine does not mirror (nothing was rebound): keep two copies
+        log.warning("trainer and engine keep their own weights: %s", e)
+        return
+    # the engine's packed weights are snapshots: an optimizer step makes them stale at once,
+    # even before the push (which drops them too)
+    trainer.optimizer.register_step_post_hook(lambda *_: runner.drop_packs())
+    log.info("trainer and engine share one copy of the weights (%.2f GB)", saved / 1e9)
