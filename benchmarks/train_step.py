@@ -1,0 +1,71 @@
+"""Time `Trainer.train_step` alone on a synthetic batch shaped like `rollover bench train`'s
+(8 groups x 4 samples, prompts of 38-41 tokens, responses of ~38), SmolLM2-135M-Instruct.
+
+    python benchmarks/train_step.py [--repeats 3] [--profile] [VARIANT ...]
+
+A VARIANT is a comma-separated list of config overrides (`""` = the defaults), e.g.
+`train.shared_prefix=false` or `train.dtype=autocast_bf16`; variants alternate in one process,
+each step timed after one unmeasured step. `--profile` prints torch.profiler's table for one
+step of the first variant instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from rollover.bench.train import WORKLOAD
+from rollover.config import load_config
+from rollover.models import load_hf_model
+from rollover.train.batch import TrainBatch
+from rollover.train.trainer import Trainer
+from rollover.types import Rollout
+
+
+def synthetic_batch(seed: int = 0) -> TrainBatch:
+    rng = random.Random(seed)
+    rolls, adv = [], []
+    for g in range(8):
+        prompt = [rng.randrange(100, 40000) for _ in range(38 + g % 4)]
+        for j in range(4):
+            n = min(48, max(8, int(rng.gauss(38, 8))))
+            resp = [rng.randrange(100, 40000) for _ in range(n)]
+            rolls.append(Rollout(group_id=f"g{g}", prompt_ids=prompt, response_ids=resp, logprobs=[-1.0] * n,
+                                 versions=[0] * n, loss_mask=[1] * n, finish="stop", reward=0.0))
+            adv.append(float(j) - 1.5)
+    return TrainBatch.from_rollouts(rolls, adv)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("variants", nargs="*", default=[""])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    batch, model = synthetic_batch(), load_hf_model("smollm2-135m-instruct")
+    trainers = {}
+    for v in args.variants:
+        cfg = load_config(None, ["model=smollm2-135m-instruct", "run_dir=/tmp/rollover-train-step", *WORKLOAD,
+                                 *[o for o in v.split(",") if o]])
+        trainers[v] = Trainer(model, cfg, device=torch.device("cpu"))
+        trainers[v].train_step(batch)  # unmeasured
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            trainers[args.variants[0]].train_step(batch)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        return
+    for rep in range(args.repeats):
+        for v, tr in trainers.items():
+            t0 = time.perf_counter()
+            m = tr.train_step(batch)
+            print(f"{rep} {v or 'defaults':40s} {time.perf_counter() - t0:6.2f} s  micro-batches "
+                  f"{m['actor/micro_batches']:.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
