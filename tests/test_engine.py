@@ -251,6 +251,9 @@ def test_n_samples_share_the_prompt_prefill(engine):
         (Request(id="t", prompt_ids=[5], sampling=SamplingParams(temperature=-1.0)), "temperature"),
         (Request(id="u", prompt_ids=[5, 10_000]), "unknown token ids"),
         (Request(id="n", prompt_ids=[5, -1]), "unknown token ids"),
+        (Request(id="f", prompt_ids=[5, 3.0]), "unknown token ids"),
+        (Request(id="r", prompt_ids=[5], response_ids=[7, 10_000], response_logprobs=[0.0, 0.0],
+                 response_versions=[0, 0]), "unknown token ids"),
         (Request(id="p", prompt_ids=[5], sampling=SamplingParams(top_p=0.0)), "top_p"),
     ],
 )

@@ -32,8 +32,10 @@ def validate_request(req: Request, *, max_len: int, vocab_size: int) -> None:
             f"the context of {max_len} tokens (need room for one new token)"
         )
     V = vocab_size
-    bad = [t for t in (*req.prompt_ids, *req.response_ids) if not (isinstance(t, int) and 0 <= t < V)]
-    if bad:
-        raise ValueError(f"{where}: unknown token ids {bad[:5]} (vocabulary size {V})")
+    for ids in (req.prompt_ids, req.response_ids):
+        if ids and not (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < V):  # a fast pass
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < V)]
+            if bad:
+                raise ValueError(f"{where}: unknown token ids {bad[:5]} (vocabulary size {V})")
     if any(not isinstance(t, int) or t < 0 for t in req.sampling.stop_token_ids):
         raise ValueError(f"{where}: stop_token_ids must be non-negative ints")

@@ -68,19 +68,21 @@ def sampling_from(cfg: Config) -> SamplingParams:
 
 def to_rollouts(group: PendingGroup, cfg: Config, tokenizer) -> Group:
     """A complete pending group as a `Group` of unscored rollouts (loss mask all ones, or off
-    for truncated completions when `algorithm.mask_truncated`)."""
+    for truncated completions when `algorithm.mask_truncated`). The rollouts take over the
+    completions' token lists and share one copy of the prompt's: a completion is a message its
+    engine no longer holds, and nothing downstream changes these lists in place."""
     rollouts = []
+    prompt_ids = list(group.prompt_ids)
+    off = cfg.algorithm.mask_truncated
     for j in range(group.n):
         c = group.done[j]
-        mask = [1] * len(c.response_ids)
-        if cfg.algorithm.mask_truncated and c.finish == "length":
-            mask = [0] * len(c.response_ids)
+        mask = [0 if off and c.finish == "length" else 1] * len(c.response_ids)
         rollouts.append(Rollout(
-            group_id=group.id, prompt_ids=list(group.prompt_ids), response_ids=list(c.response_ids),
-            logprobs=list(c.logprobs), versions=list(c.versions), loss_mask=mask, finish=c.finish,
+            group_id=group.id, prompt_ids=prompt_ids, response_ids=c.response_ids, logprobs=c.logprobs,
+            versions=c.versions, loss_mask=mask, finish=c.finish,
             text=tokenizer.decode(c.response_ids, skip_special_tokens=True),
         ))
-    return Group(id=group.id, prompt=group.prompt, prompt_ids=list(group.prompt_ids), rollouts=rollouts,
+    return Group(id=group.id, prompt=group.prompt, prompt_ids=prompt_ids, rollouts=rollouts,
                  start_version=group.start_version, serial=group.serial)
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import collections
+from operator import attrgetter
 
 from rollover.types import Request
 
 PREFIX_TOKENS = 64  # the prompt prefix that names a request's cache home
 MAX_PREFIXES = 100_000  # prefixes remembered (least recently used forgotten)
+_LOAD = attrgetter("load")
 
 
 class Router:
@@ -22,14 +24,16 @@ class Router:
         self._home: collections.OrderedDict = collections.OrderedDict()  # prefix -> worker index
 
     def pick(self, req: Request, workers: list):
-        best = min(workers, key=lambda w: w.load)
+        best = min(workers, key=_LOAD)
         if req.response_ids:  # a resumed request: any worker recomputes its prefix
             return best
         key = hash(tuple(req.prompt_ids[:PREFIX_TOKENS]))
         home = self._home.get(key)
         pick = best
         if home is not None:
-            held = next((w for w in workers if w.index == home), None)
+            held = workers[home] if home < len(workers) and workers[home].index == home else None
+            if held is None:  # workers listed out of index order
+                held = next((w for w in workers if w.index == home), None)
             if held is not None and held.load <= best.load + self.slack:
                 pick = held
         self._home[key] = pick.index

@@ -43,10 +43,10 @@ LOGPROB = -1.0  # the simulated model reports this behaviour logprob for every t
 
 
 class SimSeq:
-    __slots__ = ("request", "n", "carried", "target", "finish", "runs", "prompt_len", "budget", "entering")
+    __slots__ = ("request", "n", "carried", "target", "finish", "runs", "prompt_len", "budget", "entering", "key")
 
-    def __init__(self, request: Request, target: int, finish: str):
-        self.request = request
+    def __init__(self, request: Request, target: int, finish: str, key: int):
+        self.request, self.key = request, key  # key: its prompt's (samples of one prompt prefill once)
         self.carried = self.n = len(request.response_ids)
         self.target, self.finish = target, finish
         self.runs: list[tuple[int, int]] = []  # (version, first response index) of the tokens made here
@@ -275,12 +275,12 @@ class SimCore:
 
     # ------------------------------------------------------------ internals
     def _seq(self, req: Request) -> SimSeq:
-        want = self.length_model.draw(prompt_key(req), req.sampling.seed if req.sampling.seed is not None
-                                 else hash(req.id))
+        key = prompt_key(req)
+        want = self.length_model.draw(key, req.sampling.seed if req.sampling.seed is not None else hash(req.id))
         budget = min(req.sampling.max_new_tokens, self.max_len - len(req.prompt_ids) - 1)
         if want < budget and not req.sampling.ignore_eos:
-            return SimSeq(req, want, "stop")
-        return SimSeq(req, budget, "length")
+            return SimSeq(req, want, "stop", key)
+        return SimSeq(req, budget, "length", key)
 
     def _sync(self, w: SimWorker) -> None:
         """Bring w to its first step boundary at or after now (an idle or paused worker: to now).
@@ -351,7 +351,7 @@ class SimCore:
         # the first step's prefill: the rows entering at this boundary (an abort may have taken
         # some since they were admitted), the n samples of a fresh prompt once
         entering = [s for s in w.running if s.entering]
-        keys = {tuple(s.request.prompt_ids) if not s.n else id(s): s.prompt_len + s.n for s in entering}
+        keys = {s.key if not s.n else ("resumed", id(s)): s.prompt_len + s.n for s in entering}
         budget = w.max_prefill_tokens - sum(keys.values()) - w.extra_recompute
         while w.waiting and len(w.running) < w.max_rows:
             s = w.waiting[0]
@@ -364,7 +364,7 @@ class SimCore:
             w.running.append(s)
             w.context += need
             entering.append(s)
-            key = tuple(s.request.prompt_ids) if not s.n else id(s)
+            key = s.key if not s.n else ("resumed", id(s))
             if key not in keys:
                 keys[key] = need
                 budget -= need
