@@ -4,14 +4,16 @@
     python benchmarks/train_step.py [--repeats 3] [--profile] [VARIANT ...]
 
 A VARIANT is a comma-separated list of config overrides (`""` = the defaults), e.g.
-`train.shared_prefix=false` or `train.dtype=autocast_bf16`; variants alternate in one process,
-each step timed after one unmeasured step. `--profile` prints torch.profiler's table for one
+`train.shared_prefix=false` or `train.dtype=autocast_bf16`, and `dense_embedding_grad` (torch's
+own embedding backward instead of the trainer's row-wise one); variants alternate in one
+process, each step timed after one unmeasured step. `--profile` prints torch.profiler's table for one
 step of the first variant instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 
@@ -39,6 +41,20 @@ def synthetic_batch(seed: int = 0) -> TrainBatch:
     return TrainBatch.from_rollouts(rolls, adv)
 
 
+@contextlib.contextmanager
+def rows_off(off: bool):
+    """The trainer's row-wise embedding gradient off (torch's dense one) while `off`."""
+    from rollover.train import trainer
+
+    real = trainer.row_grad_applies
+    if off:
+        trainer.row_grad_applies = lambda embedding: False
+    try:
+        yield
+    finally:
+        trainer.row_grad_applies = real
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("variants", nargs="*", default=[""])
@@ -46,12 +62,15 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     batch, model = synthetic_batch(), load_hf_model("smollm2-135m-instruct")
-    trainers = {}
+    trainers, dense = {}, {}
     for v in args.variants:
+        opts = [o for o in v.split(",") if o]
+        dense[v] = "dense_embedding_grad" in opts
         cfg = load_config(None, ["model=smollm2-135m-instruct", "run_dir=/tmp/rollover-train-step", *WORKLOAD,
-                                 *[o for o in v.split(",") if o]])
+                                 *[o for o in opts if o != "dense_embedding_grad"]])
         trainers[v] = Trainer(model, cfg, device=torch.device("cpu"))
-        trainers[v].train_step(batch)  # unmeasured
+        with rows_off(dense[v]):
+            trainers[v].train_step(batch)  # unmeasured
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -62,7 +81,8 @@ def main() -> None:
     for rep in range(args.repeats):
         for v, tr in trainers.items():
             t0 = time.perf_counter()
-            m = tr.train_step(batch)
+            with rows_off(dense[v]):
+                m = tr.train_step(batch)
             print(f"{rep} {v or 'defaults':40s} {time.perf_counter() - t0:6.2f} s  micro-batches "
                   f"{m['actor/micro_batches']:.0f}", flush=True)
 

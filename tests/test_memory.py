@@ -21,11 +21,11 @@ def model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
 
 
-def step_gradients(model_dir, run_dir, rolls=None, attention="sdpa", **over) -> tuple[dict, dict]:
+def step_gradients(model_dir, run_dir, rolls=None, attention="sdpa", model_over=None, **over) -> tuple[dict, dict]:
     """The gradient the optimizer sees in one train step, and the step's metrics."""
     cfg = tiny_cfg(model_dir, run_dir, **{"train.pack_length": 16, "data.max_prompt_tokens": 10,
                                           "algorithm.entropy_coef": 0.01, **over})
-    model = tiny_model("llama", seed=5)
+    model = tiny_model("llama", seed=5, **(model_over or {}))
     model.config._attn_implementation = attention
     tr = Trainer(model, cfg, device=torch.device("cpu"))
     seen = {}
@@ -50,6 +50,32 @@ def test_chunked_logits_give_the_same_loss_and_gradients(model_dir, tmp_path, ex
     for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert m_chunked[k] == pytest.approx(m_whole[k], rel=1e-5), k
     assert m_whole["actor/entropy"] > 0  # the entropy bonus is in the gradient (entropy_coef 0.01)
+
+
+@pytest.mark.parametrize("model_over", [{"pad_token_id": 0}, {"tie_word_embeddings": True}],
+                         ids=["padding-row", "tied-head"])
+def test_embedding_gradient_by_rows_equals_the_dense_one(model_dir, tmp_path, monkeypatch, model_over):
+    from rollover.train import trainer as trainer_mod
+
+    calls = []
+    real_apply = trainer_mod.RowGradEmbedding.apply
+    monkeypatch.setattr(trainer_mod.RowGradEmbedding, "apply", lambda *a: calls.append(1) or real_apply(*a))
+    over = {"train.micro_batch_tokens": 16}  # several micro-batches add into one .grad
+    rows, m_rows = step_gradients(model_dir, tmp_path / "a", model_over=model_over, **over)
+    assert len(calls) == m_rows["actor/micro_batches"] > 1
+    monkeypatch.setattr(trainer_mod, "row_grad_applies", lambda embedding: False)
+    dense, m_dense = step_gradients(model_dir, tmp_path / "b", model_over=model_over, **over)
+    assert len(calls) == m_rows["actor/micro_batches"]  # the dense run used torch's own lookup
+    assert rows.keys() == dense.keys() and rows
+    for k in rows:
+        torch.testing.assert_close(rows[k], dense[k], rtol=1e-5, atol=1e-7)
+    emb = rows["model.embed_tokens.weight"]
+    assert emb.abs().sum() > 0
+    if "pad_token_id" in model_over:  # the padding row gets nothing, as in nn.Embedding
+        assert emb[0].abs().sum() == 0 and emb[1:].abs().sum() > 0
+    else:  # the tied head's gradient and the rows' share one .grad
+        assert "lm_head.weight" not in rows
+    assert m_rows["actor/grad_norm"] == pytest.approx(m_dense["actor/grad_norm"], rel=1e-5)
 
 
 @pytest.mark.parametrize("attention,extra", [("sdpa", {}), ("sdpa", {"algorithm.kl_coef": 0.1}),

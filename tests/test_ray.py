@@ -119,6 +119,57 @@ def test_bit_comparison_sees_sign_of_zero_and_skips_equal_tensors():
     assert (full, deltas, rep.unchanged_tensors, rep.bytes_per_worker) == ({}, None, 1, 0)
 
 
+def test_gloo_transport_carries_updates_exactly_and_regroups_after_a_death():
+    m = tiny_model("llama", seed=3)
+    local = TorchEngine(m, max_rows=2, max_len=512, eos_token_ids=(2,))
+    eng = ray_engine(m, cpus_per_worker=0.5, weight_transport="gloo")
+    try:
+        assert eng.delta is False
+        for v, seed in ((1, 4), (2, 5)):
+            sd = tiny_model("llama", seed=seed).state_dict()
+            eng.update_weights(sd.items(), version=v)
+            local.update_weights(sd.items(), version=v)
+            rep = eng.last_sync
+            assert rep.full_tensors == len(sd) and rep.fallback_workers == 0 and rep.workers == 2
+            assert rep.bytes_per_worker == eng.transport.buffer.numel() >= sum(t.numel() * 4 for t in sd.values())
+            same(local.generate(requests(4, 12, prefix=f"v{v}")), eng.generate(requests(4, 12, prefix=f"v{v}")))
+        assert eng.transport.generation == 1  # one group served both updates
+
+        # a worker whose transfer failed gets the update from the object store
+        real_send = eng.transport.send
+        eng.transport.send = lambda: real_send() + [(eng.transport.members[0], RuntimeError("simulated"))]
+        sd = tiny_model("llama", seed=6).state_dict()
+        eng.update_weights(sd.items(), version=3)
+        local.update_weights(sd.items(), version=3)
+        eng.transport.send = real_send
+        assert eng.last_sync.fallback_workers == 1 and eng.transport.group is None
+        out = eng.generate(requests(4, 12, prefix="f"))
+        same(local.generate(requests(4, 12, prefix="f")), out)
+        assert all(c.versions == [3] * 12 for c in out)
+
+        # a dead worker: its replacement starts at the current version and joins the next group
+        eng.poll_s = 0.02
+        eng.kill_worker(0)
+        deadline = time.time() + 60
+        while eng.restarts == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        sd = tiny_model("llama", seed=7).state_dict()
+        eng.update_weights(sd.items(), version=4)
+        local.update_weights(sd.items(), version=4)
+        assert eng.restarts == 1 and eng.transport.generation >= 2 and eng.last_sync.workers == 2
+        out = eng.generate(requests(6, 12, prefix="d"))
+        same(local.generate(requests(6, 12, prefix="d")), out)
+        assert {w["index"]: w["restarts"] for w in eng.workers()} == {0: 1, 1: 0}
+    finally:
+        eng.shutdown()
+        local.shutdown()
+
+
+def test_gloo_transport_refuses_deltas():
+    with pytest.raises(ConfigError, match="ray.weight_delta=true needs ray.weight_transport=object_store"):
+        load_config(runtime="ray", **{"ray.weight_transport": "gloo", "ray.weight_delta": True})
+
+
 def test_requests_of_a_group_stay_on_one_worker_and_load_spreads(pair):
     m, local, eng = pair
     group = [Request(id=f"g{j}", prompt_ids=[9, 9, 9, 9], sampling=SamplingParams(max_new_tokens=8, seed=j))

@@ -457,6 +457,11 @@ class RayConfig(Section):
     few changed elements go as (indices, values), in the engine's dtype. Unset: on for a 16-bit
     engine (most bits survive an update) or a LoRA run (most tensors do), off otherwise (in
     float32 a full update changes every element, and comparing costs more than it saves)."""
+    weight_transport: Literal["object_store", "gloo"] = "object_store"
+    """How weight updates reach the rollout workers: "object_store" (the driver puts each tensor
+    once, every worker pulls it; deltas possible) or "gloo" (a torch.distributed group of the
+    driver and the workers: the driver sends one packed buffer to each worker over TCP; whole
+    tensors only). Either way a worker's first weights come through the object store."""
     sync_timeout_s: float = Field(300.0, gt=0)
     """Bound on every call to a worker that must answer (weight loads, aborts, stats): past it the
     run stops with an error naming the worker and the call."""
@@ -676,6 +681,8 @@ class Config(Section):
             if s.dars_max_samples is not None and s.dars_max_samples <= self.rollout.samples_per_prompt:
                 problems.append(f"selection.dars_max_samples={s.dars_max_samples} must be above "
                                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
+        if self.ray.weight_transport == "gloo" and self.ray.weight_delta:
+            problems.append("ray.weight_delta=true needs ray.weight_transport=object_store (gloo sends whole tensors)")
         if self.runtime == "local" and self.ray != RayConfig():
             problems.append("the ray section is set but runtime is local; set runtime: ray")
         if self.mode == "sync" and self.async_ != AsyncConfig():

@@ -16,8 +16,8 @@ update moves.
 3. Weight synchronisation for the model alone: a one-worker `RayEngine` receives `--updates`
    updates shaped like early Adam steps (every weight moves by lr x sign(noise), lr 1e-6), with
    the engine in float32 (every element changes) and in bfloat16 (most elements keep their
-   bits), with deltas on and off: seconds per update, bytes each worker pulled, and the share of
-   a whole-model transfer that was sent.
+   bits), through the object store with deltas on and off and through a gloo group: seconds per
+   update, bytes each worker received, and the share of a whole-model transfer that was sent.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _train(args, runtime: str, workers: int = 1, cpus: float = 2.0) -> dict:
     return out
 
 
-def _weight_sync(args, dtype: str, delta: bool) -> dict:
+def _weight_sync(args, dtype: str, delta: bool, transport: str = "object_store") -> dict:
     import torch
 
     from rollover.config import load_config
@@ -61,6 +61,7 @@ def _weight_sync(args, dtype: str, delta: bool) -> dict:
 
     model = load_hf_model(args.model)
     cfg = load_config(model=args.model, runtime="ray", **{"rollout.dtype": dtype, "ray.weight_delta": delta,
+                                                          "ray.weight_transport": transport,
                                                           "ray.cpus_per_worker": 1, "ray.num_cpus": args.cpus})
     weights = {k: v.detach().clone() for k, v in model.named_parameters()}  # tied weights once, as the trainer sends them
     eng = RayEngine(cfg, model, weights=list(weights.items()), device=torch.device("cpu"), max_len=256,
@@ -78,7 +79,7 @@ def _weight_sync(args, dtype: str, delta: bool) -> dict:
             fraction.append(eng.last_sync.bytes_per_worker / eng.last_sync.dense_bytes)
     finally:
         eng.shutdown()
-    return {"dtype": dtype, "delta": delta, "seconds_per_update": statistics.fmean(seconds),
+    return {"transport": transport, "dtype": dtype, "delta": delta, "seconds_per_update": statistics.fmean(seconds),
             "bytes_per_worker": statistics.fmean(sent), "sent_fraction": statistics.fmean(fraction)}
 
 
@@ -139,6 +140,7 @@ def main(args) -> dict:
         result["kill"] = _kill(args)
     result["weight_sync"] = [_weight_sync(args, dtype, delta) for dtype in ("float32", "bfloat16")
                              for delta in (True, False)]
+    result["weight_sync"] += [_weight_sync(args, dtype, False, "gloo") for dtype in ("float32", "bfloat16")]
     print(f"\nrollover bench ray — {args.model}, {args.steps} measured sync steps per runtime")
     if "local" in result:
         print(f"  samples/s  local {result['local_samples_per_s']:.3f}   ray, 1 worker {result['ray_samples_per_s']:.3f}"
@@ -150,7 +152,8 @@ def main(args) -> dict:
         print(f"  worker killed mid-generation: {k['seconds_with_kill']:.1f} s vs {k['seconds_clean']:.1f} s undisturbed, "
               f"{k['resubmitted']} requests resumed elsewhere, completions identical: {k['identical']}")
     for w in result["weight_sync"]:
-        print(f"  weight sync {w['dtype']:8s} delta={'on ' if w['delta'] else 'off'}  {w['seconds_per_update']:.3f} s/update  "
+        print(f"  weight sync {w['transport']:12s} {w['dtype']:8s} delta={'on ' if w['delta'] else 'off'}  "
+              f"{w['seconds_per_update']:.3f} s/update  "
               f"{w['bytes_per_worker'] / 2**20:8.1f} MiB per worker ({w['sent_fraction']:.1%} of the model)")
     if args.json:
         with open(args.json, "w") as f:

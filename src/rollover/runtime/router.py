@@ -80,8 +80,13 @@ class RayEngine(EngineAPI):
         dtype = engine_dtype(cfg, self.worker_device)
         self.delta = self.rc.weight_delta
         if self.delta is None:
-            self.delta = dtype.itemsize == 2 or cfg.train.lora is not None
-        self.transport = ObjectStoreTransport(dtype, self.delta)
+            self.delta = self.rc.weight_transport == "object_store" and (dtype.itemsize == 2 or cfg.train.lora is not None)
+        if self.rc.weight_transport == "gloo":
+            from rollover.runtime.collective import GlooTransport
+
+            self.transport = GlooTransport(dtype, self.rc.sync_timeout_s)
+        else:
+            self.transport = ObjectStoreTransport(dtype, self.delta)
         self.last_sync = SyncReport()
         self.restarts = 0  # worker replacements, all time
         self.resubmitted = 0  # requests resumed on another worker after a death
@@ -98,9 +103,9 @@ class RayEngine(EngineAPI):
             raise
         for w in self._workers:
             self._start_poller(w)
-        log.info("ray: %d rollout worker(s) on %d node(s) (pids %s), weights through the object store%s",
-                 len(self._workers), len({w.node for w in self._workers}), ", ".join(str(w.pid) for w in self._workers),
-                 " as deltas" if self.delta else "")
+        how = {"gloo": "a gloo group"}.get(self.rc.weight_transport, "the object store" + (" as deltas" if self.delta else ""))
+        log.info("ray: %d rollout worker(s) on %d node(s) (pids %s), weights through %s", len(self._workers),
+                 len({w.node for w in self._workers}), ", ".join(str(w.pid) for w in self._workers), how)
 
     # ------------------------------------------------------------ workers
     def _spawn(self, index: int, refs: dict, restarts: int) -> WorkerSlot:
@@ -394,31 +399,25 @@ class RayEngine(EngineAPI):
     # ------------------------------------------------------------ weights
     def update_weights(self, named_tensors, version: int, inflight: str = "continue") -> list[Completion]:
         """Every worker loads the new weights (whole tensors from the object store, deltas
-        against what it holds) before this returns; tokens generated from then on carry
-        `version`. Completions the update aborts are returned (and delivered)."""
-        import ray
-
+        against what it holds, or the gloo group's transfer) before this returns; tokens
+        generated from then on carry `version`. Completions the update aborts are returned (and
+        delivered)."""
         t0 = time.perf_counter()
         lost, out = [], []
         with self._weights_lock:
-            full, deltas, report = self.transport.update(named_tensors, version)
             workers = [w for w in self._workers if w.alive]
-            refs = [w.handle.load.remote(full, deltas, version, inflight) for w in workers]
-            for w, ref in zip(workers, refs):
-                try:
-                    got = ray.get(ref, timeout=self.rc.sync_timeout_s)
-                except ray.exceptions.GetTimeoutError:
-                    raise TimeoutError(f"rollout worker {w.index} did not load weights version {version} within "
-                                       f"ray.sync_timeout_s={self.rc.sync_timeout_s:g} s") from None
-                except ray.exceptions.RayActorError as e:  # died: its replacement starts at `version`
-                    lost.append((w, e))
-                    continue
-                except ray.exceptions.RayTaskError as e:  # a bad tensor, out of memory: the run cannot go on
-                    raise RuntimeError(f"rollout worker {w.index} failed to load weights version {version}: "
-                                       f"{first_line(e)}") from None
-                with self._lock:
-                    out += [replace(c, id=self._wire[c.id].req.id) for c in got if c.id in self._wire]
-                self._dispatch.run(functools.partial(self._deliver, w, got, {}))
+            if isinstance(self.transport, ObjectStoreTransport):
+                full, deltas, report = self.transport.update(named_tensors, version)
+                self._loaded(workers, [w.handle.load.remote(full, deltas, version, inflight) for w in workers],
+                             version, lost, out)
+            else:
+                report = self.transport.update(named_tensors, version)
+                missed = self._send(workers, version, inflight, lost, out)
+                if missed:  # the object store carries the update to the workers the transfer missed
+                    full = self.transport.current_refs()
+                    self._loaded(missed, [w.handle.load.remote(full, None, version, inflight) for w in missed],
+                                 version, lost, out)
+                report.fallback_workers = len(missed)
             self._version = version
             report.workers, report.seconds = len(workers) - len(lost), time.perf_counter() - t0
             self.last_sync = report
@@ -426,6 +425,53 @@ class RayEngine(EngineAPI):
             self._lost(w, e)
         self._dispatch.sync(self.rc.sync_timeout_s, "update_weights")
         return out
+
+    def _send(self, workers: list[WorkerSlot], version: int, inflight: str, lost: list, out: list) -> list[WorkerSlot]:
+        """The gloo transfer of an update (forming the group first when its members changed);
+        the workers it did not reach. (A missed worker's `receive` ends by itself: its group is
+        gone, or it times out.)"""
+        t = self.transport
+        if not workers:
+            return []
+        try:
+            if t.needs_group(workers):
+                t.form(workers)
+        except Exception as e:  # a worker died or stalled while joining
+            log.warning("ray: the weights group did not form (%s); version %d goes through the object store",
+                        first_line(e), version)
+            t.drop_group()
+            return workers
+        refs = [w.handle.receive.remote(t.generation, version, inflight, self.rc.sync_timeout_s) for w in workers]
+        failed = dict(t.send())
+        if failed:
+            t.drop_group()
+            for w, e in failed.items():
+                log.warning("ray: weights version %d did not reach rollout worker %d by gloo (%s); it pulls them from "
+                            "the object store", version, w.index, first_line(e))
+        reached = [(w, r) for w, r in zip(workers, refs) if w not in failed]
+        self._loaded([w for w, _ in reached], [r for _, r in reached], version, lost, out)
+        return [w for w in workers if w in failed]
+
+    def _loaded(self, workers: list[WorkerSlot], refs: list, version: int, lost: list, out: list) -> None:
+        """Wait for each worker's weight load; collect the completions it aborted (into `out`) and
+        the workers that died (into `lost`: their replacements start at `version`)."""
+        import ray
+
+        for w, ref in zip(workers, refs):
+            try:
+                got = ray.get(ref, timeout=self.rc.sync_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"rollout worker {w.index} did not load weights version {version} within "
+                                   f"ray.sync_timeout_s={self.rc.sync_timeout_s:g} s") from None
+            except ray.exceptions.RayActorError as e:  # died: its replacement starts at `version`
+                lost.append((w, e))
+                continue
+            except ray.exceptions.RayTaskError as e:  # a bad tensor, out of memory: the run cannot go on
+                raise RuntimeError(f"rollout worker {w.index} failed to load weights version {version}: "
+                                   f"{first_line(e)}") from None
+            with self._lock:
+                out += [replace(c, id=self._wire[c.id].req.id) for c in got if c.id in self._wire]
+            self._dispatch.run(functools.partial(self._deliver, w, got, {}))
 
     # ------------------------------------------------------------ the rest of the contract
     def _each(self, method: str, *args) -> list[tuple[WorkerSlot, object]]:

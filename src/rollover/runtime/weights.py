@@ -46,6 +46,7 @@ class SyncReport:
     dense_bytes: int = 0  # what sending every tensor whole would have moved
     workers: int = 0
     seconds: float = 0.0
+    fallback_workers: int = 0  # gloo: workers the transfer missed, served by the object store
 
     def metrics(self) -> dict:
         return {
@@ -55,6 +56,7 @@ class SyncReport:
             "weights/full_tensors": self.full_tensors,
             "weights/sparse_tensors": self.sparse_tensors,
             "weights/unchanged_tensors": self.unchanged_tensors,
+            "weights/fallback_workers": self.fallback_workers,
             "timing_s/weight_transfer": self.seconds,
         }
 

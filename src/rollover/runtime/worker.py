@@ -5,7 +5,8 @@ more. Each request it is given streams its tokens into a per-request buffer; `po
 driver every finished completion and every token generated since the last poll, so the driver,
 not the worker, holds each request's tokens so far and can resume it elsewhere if this process
 dies. Weights arrive as object references (pulled here, so the driver puts each tensor once
-however many workers there are) or as deltas against the weights this worker holds.
+however many workers there are), as deltas against the weights this worker holds, or through a
+gloo group the driver sends them in (`ray.weight_transport: gloo`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class RolloutWorker:
         if version:
             self.engine.update_weights([], version=version)
         self.weights = {n: t for n, t in zip(names, tensors)} if delta else None  # what deltas apply to
+        self.receiver = None  # ray.weight_transport=gloo: this worker's side of the weights group
         self._cv = threading.Condition()
         self._out: list[Completion] = []
         self._tokens: dict[str, list[tuple[int, float, int]]] = {}
@@ -133,6 +135,23 @@ class RolloutWorker:
                 items.append((name, t))
         if self.weights is not None:
             self.weights.update(items)
+        return self.engine.update_weights(items, version=version, inflight=inflight)
+
+    def join(self, host: str, port: int, generation: int, rank: int, world: int, slots: list, size: int,
+             timeout_s: float) -> None:
+        """Join the driver's weights group (`ray.weight_transport: gloo`); returns once every
+        member has."""
+        from rollover.runtime.collective import GlooReceiver
+
+        if self.receiver is None:
+            self.receiver = GlooReceiver()
+        self.receiver.join(host, port, generation, rank, world, slots, size, timeout_s)
+
+    def receive(self, generation: int, version: int, inflight: str, timeout_s: float) -> list[Completion]:
+        """New weights from `version` on, sent by the driver in the weights group."""
+        if self.receiver is None:
+            raise RuntimeError(f"rollout worker {self.index} is in no weights group")
+        items = self.receiver.receive(generation, timeout_s)
         return self.engine.update_weights(items, version=version, inflight=inflight)
 
     # ------------------------------------------------------------ the rest of the engine contract

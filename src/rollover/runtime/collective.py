@@ -1,0 +1,216 @@
+"""Weights by `torch.distributed`: `ray.weight_transport: gloo`.
+
+The driver (rank 0) and every live rollout worker form a gloo group over a TCP store the driver
+serves. A weight update packs every tensor, in the engine's dtype, into one flat byte buffer at
+a fixed offset (the layout travels once, when the group forms) and sends the buffer, in chunks,
+from the driver to each worker point to point; each worker receives into its own buffer and
+loads views of it (the engine copies them into its weights). Bytes go straight from the
+driver's memory to each worker over TCP, with no object store in between. Point to point
+rather than one broadcast: a member that died fails only its own transfer (a gloo broadcast
+would leave every other member waiting out its timeout).
+
+What the object store still carries: a worker's first weights and a replacement's (a group
+forms only among running workers), and an update to a worker whose transfer failed (it died,
+or did not receive within `ray.sync_timeout_s`: every rendezvous and every chunk has that
+timeout). The group is formed again, with the current workers, before the next update.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from rollover.runtime.live import first_line
+from rollover.runtime.weights import SyncReport
+
+CHUNK_BYTES = 64 << 20  # one send moves at most this much
+ALIGN = 64  # every tensor starts at a multiple of this many bytes in the buffer
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives in the flat buffer."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def layout(named_tensors, dtype: torch.dtype) -> tuple[list[Slot], int]:
+    """Slots for the tensors (floating ones in `dtype`, others in their own) and the buffer size."""
+    slots, offset = [], 0
+    for name, t in named_tensors:
+        dt = dtype if t.is_floating_point() else t.dtype
+        nbytes = t.numel() * dt.itemsize
+        slots.append(Slot(name, dt, tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return slots, offset
+
+
+def view(buffer: torch.Tensor, s: Slot) -> torch.Tensor:
+    return buffer[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
+
+
+def timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def make_group(store, generation: int, rank: int, world: int, host: str, timeout_s: float):
+    """Join generation `generation` of the weights group; returns once all `world` members have
+    (or raises after `timeout_s`)."""
+    from torch.distributed import PrefixStore, ProcessGroupGloo
+
+    opts = ProcessGroupGloo._Options()
+    opts._timeout = timeout(timeout_s)
+    opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+    return ProcessGroupGloo(PrefixStore(f"rollover-weights/{generation}", store), rank, world, opts)
+
+
+def chunks(buffer: torch.Tensor) -> list[torch.Tensor]:
+    return [buffer[start:start + CHUNK_BYTES] for start in range(0, buffer.numel(), CHUNK_BYTES)]
+
+
+class GlooTransport:
+    """The driver's side: the store, the current group and the buffer workers hold now."""
+
+    def __init__(self, dtype: torch.dtype, timeout_s: float):
+        import ray
+        from torch.distributed import TCPStore
+
+        self.dtype, self.timeout_s = dtype, timeout_s
+        self.host = ray.util.get_node_ip_address()
+        self.store = TCPStore(self.host, 0, is_master=True, timeout=timeout(timeout_s), wait_for_workers=False)
+        self.generation = 0
+        self.group = None
+        self.members: tuple = ()  # the worker slots of the current group, in rank order
+        self.slots: list[Slot] = []
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def initial(self, named_tensors) -> dict:
+        """Object references of the whole weights (a worker's first weights)."""
+        self._pack(named_tensors)
+        return self.current_refs()
+
+    def update(self, named_tensors, version: int) -> SyncReport:
+        """Pack the update (`send` sends it)."""
+        self._pack(named_tensors)
+        n = self.buffer.numel()
+        return SyncReport(version=version, full_tensors=len(self.slots), bytes_per_worker=n, dense_bytes=n)
+
+    def current_refs(self) -> dict:
+        """Object references of the weights the workers hold now (each tensor copied out of the
+        buffer: a view would carry the whole buffer with it)."""
+        import ray
+
+        return {s.name: ray.put(view(self.buffer, s).clone()) for s in self.slots}
+
+    def needs_group(self, workers: list) -> bool:
+        return self.group is None or self.members != tuple(workers)
+
+    def form(self, workers: list) -> None:
+        """A new group of the driver and `workers` (ranks 1..N in this order), the layout sent
+        to each. Raises, naming the worker, when one fails to join (a dead worker fails at once)
+        or when the group has not formed within the timeout."""
+        import ray
+
+        self.group, self.members = None, ()
+        self.generation += 1
+        g, world = self.generation, len(workers) + 1
+        refs = [w.handle.join.remote(self.host, self.store.port, g, rank, world, self.slots, self.buffer.numel(),
+                                     self.timeout_s)
+                for rank, w in enumerate(workers, start=1)]
+        box: dict = {}
+
+        def driver_side() -> None:  # blocks until every member joined (or the timeout)
+            try:
+                box["group"] = make_group(self.store, g, 0, world, self.host, self.timeout_s)
+            except BaseException as e:
+                box["error"] = e
+
+        thread = threading.Thread(target=driver_side, name="rollover-weights-group", daemon=True)
+        thread.start()
+        while thread.is_alive():  # a join that fails (its worker died) ends the wait early
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.1)
+            for w, ref in zip(workers, refs):
+                if ref in done:
+                    try:
+                        ray.get(ref)
+                    except Exception as e:
+                        raise RuntimeError(f"weights group {g}: rollout worker {w.index} did not join: "
+                                           f"{first_line(e)}") from None
+        if "error" in box:
+            raise TimeoutError(f"weights group {g}: not every rollout worker joined within ray.sync_timeout_s="
+                               f"{self.timeout_s:g} s ({first_line(box['error'])})")
+        ray.get(refs, timeout=self.timeout_s)
+        self.group, self.members = box["group"], tuple(workers)
+
+    def send(self) -> list[tuple[object, BaseException]]:
+        """The buffer to every member; the members it did not reach, each with its error (the
+        others have it once this returns)."""
+        pending, failed = [], []
+        for rank, w in enumerate(self.members, start=1):
+            try:  # a dead member fails here, at once
+                pending.append((w, [self.group.send([c], rank, tag) for tag, c in enumerate(chunks(self.buffer))]))
+            except Exception as e:
+                failed.append((w, e))
+        for w, works in pending:
+            try:
+                for work in works:
+                    work.wait(timeout(self.timeout_s))
+            except Exception as e:
+                failed.append((w, e))
+        return failed
+
+    def drop_group(self) -> None:
+        """Form a new group before the next update (a member failed)."""
+        self.group, self.members = None, ()
+
+    def _pack(self, named_tensors) -> None:
+        named = [(n, t.detach()) for n, t in named_tensors]
+        same = len(named) == len(self.slots) and all(
+            s.name == n and s.shape == tuple(t.shape) for s, (n, t) in zip(self.slots, named))
+        if not same:  # a new layout: the members learn it when the group forms again
+            self.slots, size = layout(named, self.dtype)
+            self.buffer = torch.empty(size, dtype=torch.uint8)
+            self.drop_group()
+        with torch.no_grad():
+            for s, (_, t) in zip(self.slots, named):
+                view(self.buffer, s).copy_(t)
+
+
+class GlooReceiver:
+    """A worker's side: its store client, group and buffer."""
+
+    def __init__(self):
+        self.store, self.address = None, None
+        self.generation, self.group = 0, None
+        self.slots: list[Slot] = []
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def join(self, host: str, port: int, generation: int, rank: int, world: int, slots: list[Slot], size: int,
+             timeout_s: float) -> None:
+        from torch.distributed import TCPStore
+
+        if self.address != (host, port):
+            self.store = TCPStore(host, port, is_master=False, timeout=timeout(timeout_s))
+            self.address = (host, port)
+        self.group = None
+        if self.buffer.numel() != size:
+            self.buffer = torch.empty(size, dtype=torch.uint8)
+        self.slots = slots
+        self.group = make_group(self.store, generation, rank, world, host, timeout_s)
+        self.generation = generation
+
+    def receive(self, generation: int, timeout_s: float) -> list[tuple[str, torch.Tensor]]:
+        """The driver's transfer in `generation`'s group, as named views of this worker's buffer."""
+        if self.group is None or generation != self.generation:
+            raise RuntimeError(f"asked to receive weights from group {generation}, this worker is in group "
+                               f"{self.generation if self.group is not None else 'none'}")
+        for tag, c in enumerate(chunks(self.buffer)):
+            self.group.recv([c], 0, tag).wait(timeout(timeout_s))
+        return [(s.name, view(self.buffer, s)) for s in self.slots]
