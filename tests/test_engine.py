@@ -341,3 +341,58 @@ def test_sampler_draws_from_the_reported_distribution():
         assert counts[4] == 0
         if top_k == 2:
             assert counts[[0, 3]].sum() == 0  # outside the top-2 set
+
+
+# ------------------------------------------------------------------ int8 weight matrices
+def test_int8_runner_computes_with_its_dequantized_weights(model):
+    from rollover.engine.model_runner import ModelRunner
+
+    sd = model.state_dict()
+    q = ModelRunner(model.config, sd, max_rows=4, max_len=64, quantize="int8")
+    ref = ModelRunner(model.config, sd, max_rows=4, max_len=64, pack_weights=False)
+    with torch.no_grad():  # the reference holds exactly what the int8 rows and scales stand for
+        for w in ref._matrices():
+            rows, scale = ref._quantized(w)
+            assert rows.dtype == torch.int8 and (rows.abs().amax(1) == 127).all()  # each row's largest is +-127
+            w.copy_(rows.float() * scale[:, None])
+    ref.drop_packs()
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    torch.testing.assert_close(q.prefill([0, 1], prompts), ref.prefill([0, 1], prompts), rtol=1e-4, atol=1e-4)
+    tokens, positions = torch.tensor([12, 13]), torch.tensor([4, 3])
+    torch.testing.assert_close(q.decode(tokens, positions), ref.decode(tokens, positions), rtol=1e-4, atol=1e-4)
+    plain = ModelRunner(model.config, sd, max_rows=4, max_len=64, pack_weights=False).prefill([0, 1], prompts)
+    assert not torch.allclose(q.prefill([0, 1], prompts), plain, atol=1e-6)  # it is not the fp32 forward
+
+
+def test_int8_engine_follows_weight_updates(model):
+    other = tiny_model("llama", seed=9)
+    eng = TorchEngine(model, max_rows=4, max_len=128, quantize="int8")
+    fresh = TorchEngine(other, max_rows=4, max_len=128, quantize="int8")
+    fp32 = TorchEngine(model, max_rows=4, max_len=128)
+    try:
+        reqs = [Request(id=f"q{i}", prompt_ids=[5 + i, 6, 7], sampling=GREEDY) for i in range(3)]
+        before = eng.generate(reqs)
+        near = fp32.generate(reqs)  # the first token's logprob: int8 and fp32 agree to the rounding of the weights
+        gaps = [abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(before, near) if x.response_ids[0] == y.response_ids[0]]
+        assert gaps and max(gaps) < 0.05
+        eng.update_weights(other.state_dict().items(), version=1)  # the int8 copies are made again
+        after = eng.generate(reqs)
+        want = fresh.generate(reqs)
+        assert [c.response_ids for c in after] == [c.response_ids for c in want]
+        assert [c.response_ids for c in after] != [c.response_ids for c in before]
+        assert all(c.versions == [1] * len(c.response_ids) for c in after)
+    finally:
+        for e in (eng, fresh, fp32):
+            e.shutdown()
+
+
+def test_int8_is_refused_where_it_cannot_pay(model):
+    from rollover.config import ConfigError, load_config
+    from rollover.engine import make_engine
+
+    cfg = load_config(**{"rollout.quantize": "int8"})
+    with pytest.raises(ConfigError, match="rollout.quantize=int8 on a CPU needs rollout.dtype=bfloat16"):
+        make_engine(cfg, model, weights=list(model.state_dict().items()), device=torch.device("cpu"), max_len=64,
+                    eos_token_ids=(2,))
+    with pytest.raises(ConfigError, match="rollout.quantize=int8 is TorchEngine's"):
+        load_config(**{"rollout.quantize": "int8", "rollout.engine": "vllm"})

@@ -155,6 +155,10 @@ class RolloutConfig(Section):
     """Generate through EOS up to max_new_tokens (benchmark workloads only)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Engine dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
+    quantize: Literal["none", "int8"] = "none"
+    """TorchEngine only: "int8" multiplies by int8 copies of the weight matrices (one scale per
+    row, remade after every weight update): a quarter of the fp32 bytes read per decode step.
+    Its logprobs differ from the trainer's (actor/rollout_kl); algorithm.tis_cap corrects that."""
     inflight_weight_update: Literal["continue", "abort"] = "continue"
     """What a weight update does to sequences still generating (async mode)."""
     engine_options: dict[str, Any] = {}
@@ -297,7 +301,7 @@ class TrainConfig(Section):
     dtype: Literal["auto", "float32", "autocast_bf16"] = "auto"
     """Trainer weights: auto (float32; bf16 autocast on CUDA), float32, autocast_bf16 (float32
     weights, bf16 autocast on every device: on CPUs with bf16 instructions the step's matrix
-    multiplies run 2-2.8x faster; its effect on learning is not measured)."""
+    multiplies run 2-2.8x faster; the demo learns as in float32, docs/benchmarks.md)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     max_bad_steps: int = Field(3, ge=1)
@@ -658,6 +662,8 @@ class Config(Section):
             problems.append(f"partial_rollout.score_lag={p.score_lag} carries complete groups one version old into the "
                             f"next step, which max_carry_steps=0 with on_stale={p.on_stale} throws away: set score_lag 0 "
                             "or max_carry_steps >= 1")
+        if r.quantize != "none" and r.engine != "torch":
+            problems.append(f"rollout.quantize={r.quantize} is TorchEngine's (rollout.engine=torch)")
         if p.enabled and p.carry == "keep_kv" and r.engine != "torch":
             problems.append("partial_rollout.carry=keep_kv needs rollout.engine=torch (it pauses the engine with K/V kept)")
         if self.mode == "async" and p.enabled:

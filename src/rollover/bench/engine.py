@@ -100,11 +100,12 @@ def run_engine(open_engine, prompts, new_tokens, prefill: bool = False) -> dict:
             **({"prefill_only": pre} if pre else {})}
 
 
-def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows) -> dict:
+def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows, quantize=None) -> dict:
     from rollover.engine.torch_engine import TorchEngine
 
     max_len = max(map(len, prompts)) + new_tokens + 1
-    return run_engine(lambda: TorchEngine(model, max_rows=max_rows, max_len=max_len, dtype=dtype, device=device),
+    return run_engine(lambda: TorchEngine(model, max_rows=max_rows, max_len=max_len, dtype=dtype, device=device,
+                                          quantize=quantize),
                       prompts, new_tokens, prefill=True)
 
 
@@ -155,14 +156,14 @@ def main(args) -> dict:
         runs = []
         for _ in range(args.repeats):
             runs.append(run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device,
-                                         max_rows=args.max_rows))
+                                         max_rows=args.max_rows, quantize=args.quantize))
             peaks.append(matmul_rate(dtype, device))
         eng = dict(sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2])  # the median run
         eng["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
     rates = {shape: max(p[shape] for p in peaks) for shape in peaks[0]}
     limit = max(rates.values()) / (2 * n_params)
     result = {
-        "model": args.model, "device": device, "dtype": args.dtype, "prompts": args.prompts,
+        "model": args.model, "device": device, "dtype": args.dtype, "quantize": args.quantize, "prompts": args.prompts,
         "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
         "matmul_flops": rates, "matmul_flops_each": peaks, "flops_per_token": 2 * n_params,
         "flop_limit_tokens_per_s": limit,
@@ -198,6 +199,7 @@ def main(args) -> dict:
 
 def print_table(r: dict, engine: str) -> None:
     print(f"\nrollover bench engine  model={r['model']} device={r['device']} dtype={r['dtype']} "
+          f"{'quantize=' + r['quantize'] + ' ' if r.get('quantize') else ''}"
           f"prompts={r['prompts']} new_tokens={r['new_tokens']} threads={r['threads']}")
     print(f"  {'':28s} {'tokens/s':>10s}")
     runs = r[f"{engine}_engine"].get("runs_tokens_per_s")
@@ -227,6 +229,7 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=at_least(1), default=128)
     p.add_argument("--max-rows", type=at_least(1), default=64)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantize", choices=["int8"], default=None, help="TorchEngine's int8 weight matrices")
     p.add_argument("--device", default=None)
     p.add_argument("--hf-batch", type=at_least(1), default=None, help="HF generate batch (default: all prompts)")
     p.add_argument("--repeats", type=at_least(1), default=3, help="engine runs; the median is reported")

@@ -18,6 +18,13 @@ held full-size pack, padded, until they have stayed that small for `PACK_SWITCH_
 sizes that hover around the middle do not rebuild a pack every step. Prefill and batches of a
 quarter of the rows or fewer use the plain GEMM.
 
+int8 (`quantize="int8"`, `rollout.quantize: int8`). Every weight matrix is also held as int8
+rows with one float scale per row (symmetric, rounded to nearest; a quarter of the fp32 bytes),
+made at its first use after each weight update, and every linear layer multiplies by those
+(`torch._weight_int8pack_mm`); the embedding lookup, norms and attention stay in the runner's
+dtype. The engine's logits then differ from the trainer's: `actor/rollout_kl` measures it and
+`algorithm.tis_cap` corrects it, as for any rollout-training mismatch.
+
 Layout. The cache holds one row per running sequence: `k_cache[layer]` is
 `[max_rows, kv_heads, max_len, head_dim]`. The engine keeps running sequences in rows
 `0..B-1` (it moves the last row into a freed one), so a decode step reads `cache[:B]` as a view
@@ -85,7 +92,11 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         pack_weights: bool = True,
+        quantize: str | None = None,
     ):
+        if quantize not in (None, "int8"):
+            raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+        self.quantize = quantize
         self.arch = architecture_of(config)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -111,7 +122,8 @@ class ModelRunner:
         self._cache_shape = (max_rows, self.n_kv, max_len, self.head_dim)
         self._k: list[torch.Tensor] | None = None  # allocated at first use (see k_cache)
         self._v: list[torch.Tensor] | None = None
-        can_pack = (pack_weights and self.device.type == "cpu" and dtype == torch.float32
+        self._int8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(matrix) -> (int8 matrix, row scales)
+        can_pack = (pack_weights and quantize is None and self.device.type == "cpu" and dtype == torch.float32
                     and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
         self.pack_sizes = sorted({max_rows, max_rows // 2} - {0}) if can_pack else []
         self._packs: dict[int, dict[int, torch.Tensor]] = {}
@@ -250,8 +262,9 @@ class ModelRunner:
         self._k = self._v = None
 
     def drop_packs(self) -> None:
-        """Free the packed weights (stale after a weight update) until a decode step needs them."""
+        """Free the packed (or int8) weights, stale after a weight update, until a step needs them."""
         self._packs = {}
+        self._int8 = {}
 
     def _pack_size(self, n: int) -> int | None:
         """The pack a decode batch of `n` rows runs on (None: the plain GEMM). One pack is held at
@@ -276,7 +289,22 @@ class ModelRunner:
         if m not in self._packs:
             self._packs[m] = {id(w): torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in self._matrices()}
 
+    def _quantized(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`w` as int8 rows and one scale per row (symmetric, round to nearest), made at its first
+        use after a weight update."""
+        q = self._int8.get(id(w))
+        if q is None:
+            scale = (w.detach().abs().amax(dim=1).float() / 127.0).clamp_min(1e-12)
+            rows = torch.round(w.detach().float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            q = self._int8[id(w)] = (rows, scale.to(self.dtype))
+        return q
+
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quantize == "int8":
+            rows, scale = self._quantized(w)
+            y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), rows, scale)
+            y = y.reshape(*x.shape[:-1], -1)
+            return y + bias if bias is not None else y
         m = self._pack_for
         if m is not None and x.shape[0] == m:
             return torch.ops.mkl._mkl_linear(x, self._packs[m][id(w)], w, bias, m)
@@ -351,7 +379,7 @@ class ModelRunner:
                 q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=g > 1
             )  # [N, H, T, D]
             o = o.transpose(1, 2).flatten(-2)
-            x = x + F.linear(o, L["o"])
+            x = x + self._linear(o, L["o"])
             x = self._mlp(L, x)
         last = x[torch.arange(n, device=self.device), lens - 1]
         return self.logits(last)

@@ -36,6 +36,7 @@ class TorchEngine(ThreadedEngine):
     state_dict: weights to use instead of the module's own (e.g. a trainer's LoRA-merged ones).
     max_rows: sequences decoded together (the slot limit).
     max_len: cache length per sequence (prompt + response).
+    quantize: "int8" to multiply by int8 copies of the weight matrices (see `ModelRunner`).
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class TorchEngine(ThreadedEngine):
         version: int = 0,
         eos_token_ids: Iterable[int] | None = None,
         max_prefill_tokens: int = 8192,
+        quantize: str | None = None,
     ):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -63,7 +65,8 @@ class TorchEngine(ThreadedEngine):
         gen_config = getattr(model, "generation_config", None)
         max_len = max_len or min(getattr(config, "max_position_embeddings", 2048), 2048)
         runner = ModelRunner(
-            config, state_dict if state_dict is not None else model.state_dict(), max_rows=max_rows, max_len=max_len, device=device, dtype=dtype
+            config, state_dict if state_dict is not None else model.state_dict(), max_rows=max_rows, max_len=max_len, device=device, dtype=dtype,
+            quantize=quantize,
         )
         eos = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(config, gen_config)
         core = EngineCore(
