@@ -179,6 +179,38 @@ def test_sync_step_time_is_its_longest_sample_plus_training_and_sync():
     assert r["trainer"]["utilization"] == pytest.approx(3.0 / r["simulated_s"])
 
 
+def test_sync_scoring_time_adds_its_queue_to_every_step():
+    # 4 groups of 2 scored on 3 workers, 0.2 + 0.1 x 2 s each, once the round is generated: two
+    # rounds of scoring (3 groups, then 1) = 0.8 s per step on top of generation, training, sync
+    r = simulate("steps=3", "simulate.lengths={kind: empirical, values: [7]}",
+                 "simulate.reward={per_group_s: 0.2, per_sample_s: 0.1, workers: 3}")
+    assert r["simulated_s"] == pytest.approx(3 * (6 * 0.01 + 0.8 + 1.0 + 0.5))
+    assert r["reward"]["busy_s"] == pytest.approx(3 * 4 * 0.4) and r["reward"]["workers"] == 3
+
+
+def test_async_scoring_queue_bounds_throughput_and_batches_wait_for_their_rewards():
+    lengths = "simulate.lengths={kind: empirical, values: [7]}"
+    free = simulate("steps=6", lengths, "mode=async", "async.max_staleness=2")
+    # one reward worker taking 2 s a group is the bottleneck: 4 groups a step need 8 s of scoring
+    slow = simulate("steps=6", lengths, "mode=async", "async.max_staleness=2",
+                    "simulate.reward={per_group_s: 2.0, workers: 1}")
+    assert slow["samples_per_s"] < free["samples_per_s"] / 3
+    groups_per_s = slow["samples_per_s"] / 2
+    assert 0.9 * 0.5 <= groups_per_s <= 0.5 + 1e-9  # the pool's rate, 1 group per 2 s, nearly reached
+    assert slow["reward"]["utilization"] > 0.9
+    for row in slow["step_rows"]:  # a batch is trained only once its groups' rewards are in
+        assert row["t_train"] >= 2.0 * 4 * row["step"] - 1e-9
+
+
+def test_april_with_scoring_time_is_refused_not_simulated_wrong():
+    from rollover.config import ConfigError
+
+    with pytest.raises(ConfigError, match="not modelled with APRIL yet"):
+        simulate("steps=1", "partial_rollout.enabled=true", "simulate.reward={per_group_s: 1.0}")
+    with pytest.raises(ConfigError, match="simulate.reward.workers=0.5: must be a whole number"):
+        simulate("steps=1", "simulate.reward={per_group_s: 1.0, workers: 0.5}")
+
+
 def test_april_and_async_run_on_the_simulator_deterministically():
     lengths = "simulate.lengths={median: 20, sigma: 1.0, prompt_sigma: 0.3}"
     sync = simulate("steps=6", lengths)

@@ -485,7 +485,7 @@ def _cost_fields(kind: str):
         from rollover.sim import costs
 
         cls = {"decode": costs.DecodeCost, "train": costs.TrainCost, "sync": costs.SyncCost,
-               "contention": costs.Contention}[kind]
+               "contention": costs.Contention, "reward": costs.RewardCost}[kind]
         names = cls.__dataclass_fields__
         bad = sorted(set(d) - set(names))
         if bad:
@@ -542,6 +542,11 @@ class SimConfig(Section):
     """Training step cost over the profile's (step_s, per_token_s)."""
     sync: Annotated[dict[str, Any], _cost_fields("sync")] = {}
     """Weight dissemination cost over the profile's (latency_s, bytes, bandwidth_bytes_per_s, per_worker_s)."""
+    reward: Annotated[dict[str, Any], _cost_fields("reward")] = {}
+    """Scoring time (per_sample_s, per_group_s, workers): each group is scored on one of
+    `workers` reward workers in arrival order; unset, scoring takes no time. Sync mode scores a
+    round's groups once it is generated (the workers wait); async mode scores each group as it
+    lands while generation runs on. Not modelled with APRIL yet."""
     shared_device: bool = False
     """Rollout and training share one device (a one-box run, as on a CPU): while both run, each
     is slowed by the profile's `contention` factors."""

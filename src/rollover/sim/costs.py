@@ -94,6 +94,45 @@ class SyncCost:
 
 
 @dataclass(frozen=True)
+class RewardCost:
+    """Scoring: a group takes per_group_s + per_sample_s * its samples on one of `workers`
+    reward workers (a verifier pool, a code sandbox), first come first served. 0: scoring takes
+    no simulated time."""
+
+    per_sample_s: float = 0.0
+    per_group_s: float = 0.0
+    workers: float = 1.0
+
+    def group(self, samples: int) -> float:
+        return self.per_group_s + self.per_sample_s * samples
+
+    @property
+    def free(self) -> bool:
+        return self.per_group_s == 0 and self.per_sample_s == 0
+
+    def pool(self) -> "RewardPool":
+        return RewardPool(self)
+
+
+class RewardPool:
+    """The reward workers' queue: `score(at, samples)` is when a group that arrives at `at` has
+    its reward (it waits for the first worker free, in arrival order)."""
+
+    def __init__(self, cost: RewardCost):
+        self.cost = cost
+        self.free_at = [0.0] * max(1, int(cost.workers))
+        self.busy_s = 0.0
+
+    def score(self, at: float, samples: int) -> float:
+        i = min(range(len(self.free_at)), key=self.free_at.__getitem__)
+        seconds = self.cost.group(samples)
+        done = max(at, self.free_at[i]) + seconds
+        self.free_at[i] = done
+        self.busy_s += seconds
+        return done
+
+
+@dataclass(frozen=True)
 class Contention:
     """Slowdowns when rollout and training share one device (`simulate.shared_device`: a
     one-box run, as on this CPU) and run at the same time: decode steps take `decode` times

@@ -20,6 +20,8 @@ def text(r: dict) -> str:
     total = r["simulated_s"] or 1.0
     lines.append(f"  trainer: training {t['utilization']:.0%}, sending weights {t['sync_s'] / total:.0%}, "
                  f"waiting for data {t['wait_s'] / total:.0%}")
+    if "reward" in r:
+        lines.append(f"  reward workers ({r['reward']['workers']}): scoring {r['reward']['utilization']:.0%}")
     ages = ", ".join(f"{k}: {v}" for k, v in r["staleness"].items())
     lines.append(f"  samples by age (versions behind the trained policy at their oldest token): {ages}")
     return "\n".join(lines)

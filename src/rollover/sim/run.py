@@ -28,7 +28,7 @@ import torch
 from rollover.config import Config, ConfigError
 from rollover.data import PromptIterator
 from rollover.sim.core import SimCore, SimWorker
-from rollover.sim.costs import Profile
+from rollover.sim.costs import Profile, RewardCost, RewardPool
 from rollover.sim.engine import SimEngine
 from rollover.sim.workload import LengthModel, SimRewards, SimTokenizer, make_prompts
 
@@ -80,7 +80,17 @@ def build_sim_run(cfg: Config, engine: SimEngine):
     return run
 
 
+def reward_cost(cfg: Config) -> RewardCost:
+    cost = RewardCost(**cfg.simulate.reward)
+    if cost.workers < 1 or cost.workers != int(cost.workers):
+        raise ConfigError(f"simulate.reward.workers={cost.workers:g}: must be a whole number >= 1")
+    return cost
+
+
 def check(cfg: Config) -> None:
+    if not reward_cost(cfg).free and cfg.partial_rollout.enabled:
+        raise ConfigError("rollover simulate: scoring time (simulate.reward) is not modelled with APRIL yet (it "
+                          "scores on a thread while generation runs); simulate sync or async mode")
     if cfg.env.name is not None:
         raise ConfigError("rollover simulate: multi-turn environments (env.name) are not simulated yet")
     if cfg.runtime != "local":
@@ -120,11 +130,13 @@ def _simulate(cfg: Config, progress, prepare) -> dict:
     run = build_sim_run(cfg, engine)
     if prepare is not None:
         prepare(run)
+    cost = reward_cost(cfg)
+    rewards = None if cost.free else cost.pool()
     try:
         driver = _async if cfg.mode == "async" else _sync
-        steps, trainer_tl = driver(cfg, run, engine, profile, progress)
+        steps, trainer_tl = driver(cfg, run, engine, profile, progress, rewards)
         engine.wait_idle(stuck_s=engine.stuck_s)
-        return summarize(cfg, profile, engine, steps, trainer_tl)
+        return summarize(cfg, profile, engine, steps, trainer_tl, rewards)
     finally:
         engine.shutdown()
 
@@ -139,9 +151,17 @@ def _ages(groups, version: int) -> Counter:
     return Counter(version - r.versions[0] if r.versions else 0 for g in groups for r in g.rollouts)
 
 
-def _sync(cfg: Config, run, engine: SimEngine, profile: Profile, progress):
+def _sync(cfg: Config, run, engine: SimEngine, profile: Profile, progress, rewards: RewardPool | None):
     from rollover.rollout.april import AprilCollector
     from rollover.rollout.sync_collect import SyncCollector
+
+    if rewards is not None:  # the collector scores a round once it is generated: the clock moves on meanwhile
+        def score(sizes: list[int]) -> None:
+            at = engine.now
+            engine.run(until=max(rewards.score(at, n) for n in sizes))
+            engine.release()
+
+        run.rewards.on_score = score
 
     collector = AprilCollector(run) if cfg.partial_rollout.enabled else SyncCollector(run)
     n_workers = len(engine.workers())
@@ -193,11 +213,15 @@ class _Inbox:
     """The data manager's inbox, processed inline: a finished group is scored and batched on
     the engine thread the moment it lands (its put), so batches form at exact virtual times."""
 
-    def __init__(self):
+    def __init__(self, engine: SimEngine, rewards: RewardPool | None):
         self.manager = None
         self.queue: list = []
+        self.engine, self.rewards = engine, rewards
+        self.ready = 0.0  # when the rewards of every group put so far are in
 
     def put(self, group) -> None:
+        if self.rewards is not None:  # scored while generation runs on; a batch is ready once its groups are
+            self.ready = max(self.ready, self.rewards.score(self.engine.now, group.n))
         with self.manager.lock:
             self.manager._process(group)
 
@@ -209,17 +233,17 @@ class _Batches(queue.Queue):
     """Formed batches with the virtual time each formed; while `armed` (the trainer waits), a
     batch halts the engine."""
 
-    def __init__(self, engine: SimEngine):
+    def __init__(self, engine: SimEngine, inbox: _Inbox):
         super().__init__()
-        self.engine, self.armed = engine, False
+        self.engine, self.inbox, self.armed = engine, inbox, False
 
     def put(self, batch, block=True, timeout=None) -> None:
-        super().put((batch, self.engine.now))
+        super().put((batch, max(self.engine.now, self.inbox.ready)))
         if self.armed:
             self.engine.halt()
 
 
-def _async(cfg: Config, run, engine: SimEngine, profile: Profile, progress):
+def _async(cfg: Config, run, engine: SimEngine, profile: Profile, progress, rewards: RewardPool | None):
     from rollover.rollout.async_rollout import DataManager, RolloutService, StalenessGate
 
     B, eta = cfg.rollout.prompts_per_step, cfg.async_.max_staleness
@@ -230,7 +254,8 @@ def _async(cfg: Config, run, engine: SimEngine, profile: Profile, progress):
         engine.halt()
 
     gate = StalenessGate(B, eta, cfg.steps * B)
-    inbox, batches = _Inbox(), _Batches(engine)
+    inbox = _Inbox(engine, rewards)
+    batches = _Batches(engine, inbox)
     service = RolloutService(run, gate, inbox, on_error)
     inbox.manager = DataManager(run, gate, service, inbox, batches, on_error)
     n_workers = len(engine.workers())
@@ -279,7 +304,8 @@ def _row(step, t_start, t_train, t_end, groups, version, train_s, sync_s, m) -> 
             "discarded_tokens": m.get("discarded_tokens", 0), "engine_tokens": m.get("engine_tokens")}
 
 
-def summarize(cfg: Config, profile: Profile, engine: SimEngine, rows: list[dict], trainer_tl: list) -> dict:
+def summarize(cfg: Config, profile: Profile, engine: SimEngine, rows: list[dict], trainer_tl: list,
+              rewards: RewardPool | None = None) -> dict:
     """Throughput, utilization per role, the idle-time breakdown and the staleness histogram."""
     end = rows[-1]["t_end"] if rows else 0.0
     workers = engine.workers()
@@ -313,6 +339,9 @@ def summarize(cfg: Config, profile: Profile, engine: SimEngine, rows: list[dict]
         "trainer": {"utilization": train_s / end if end else 0.0, "train_s": train_s, "sync_s": sync_s,
                     "wait_s": max(0.0, end - train_s - sync_s)},
         "staleness": {str(k): v for k, v in sorted(ages.items())},
+        **({"reward": {"workers": len(rewards.free_at), "busy_s": rewards.busy_s,
+                       "utilization": rewards.busy_s / (len(rewards.free_at) * end) if end else 0.0}}
+           if rewards is not None else {}),
         "discarded_tokens": sum(r["discarded_tokens"] for r in rows),
         "step_rows": rows,
         "timeline": {"trainer": trainer_tl, "workers": [w.timeline for w in workers],

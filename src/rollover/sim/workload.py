@@ -94,8 +94,15 @@ class SimRewards:
     def __init__(self, seed: int):
         self.seed = seed
         self.rewards = [_Fn("sim")]
+        self.on_score = None  # called with the scored groups' sizes, in order (the simulated scoring time)
 
     def score(self, prompts, texts, sample_ids, completion_ids=None) -> BatchRewards:
+        if self.on_score is not None:
+            sizes: dict[str, int] = {}
+            for sid in sample_ids:
+                group = sid.rsplit("/", 1)[0]
+                sizes[group] = sizes.get(group, 0) + 1
+            self.on_score(list(sizes.values()))
         out = []
         for p, sid in zip(prompts, sample_ids):
             r = 1.0 if _rng(self.seed, zlib.crc32(sid.encode()), 31).random() < float(p.answer) else 0.0
