@@ -33,7 +33,7 @@ def validate_request(req: Request, *, max_len: int, vocab_size: int) -> None:
         )
     V = vocab_size
     for ids in (req.prompt_ids, req.response_ids):
-        if ids and not (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < V):  # a fast pass
+        if len(ids) and not (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < V):  # a fast pass
             bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < V)]
             if bad:
                 raise ValueError(f"{where}: unknown token ids {bad[:5]} (vocabulary size {V})")

@@ -60,14 +60,18 @@ def timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def make_group(store, generation: int, rank: int, world: int, host: str, timeout_s: float):
-    """Join generation `generation` of the weights group; returns once all `world` members have
-    (or raises after `timeout_s`)."""
-    from torch.distributed import PrefixStore, ProcessGroupGloo
+def make_group(store_host: str, store_port: int, generation: int, rank: int, world: int, own_host: str,
+               timeout_s: float):
+    """Join generation `generation` of the weights group through the driver's store, this
+    process reachable at `own_host` (its node's address); returns once all `world` members have
+    (or raises after `timeout_s`). Each generation gets its own store client: a rendezvous left
+    waiting by a member that died holds its client's lock until it times out."""
+    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
+    store = TCPStore(store_host, store_port, is_master=False, timeout=timeout(timeout_s))
     opts = ProcessGroupGloo._Options()
     opts._timeout = timeout(timeout_s)
-    opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+    opts._devices = [ProcessGroupGloo.create_device(hostname=own_host)]
     return ProcessGroupGloo(PrefixStore(f"rollover-weights/{generation}", store), rank, world, opts)
 
 
@@ -128,7 +132,7 @@ class GlooTransport:
 
         def driver_side() -> None:  # blocks until every member joined (or the timeout)
             try:
-                box["group"] = make_group(self.store, g, 0, world, self.host, self.timeout_s)
+                box["group"] = make_group(self.host, self.store.port, g, 0, world, self.host, self.timeout_s)
             except BaseException as e:
                 box["error"] = e
 
@@ -184,33 +188,31 @@ class GlooTransport:
 
 
 class GlooReceiver:
-    """A worker's side: its store client, group and buffer."""
+    """A worker's side. Each group it joins comes with its own buffer, and a transfer works on
+    the group and buffer it started with: a receive left over from a group the driver gave up on
+    can neither take a newer group's chunks nor write into its buffer (the worker checks the
+    generation again before loading, `RolloutWorker.receive`)."""
 
     def __init__(self):
-        self.store, self.address = None, None
-        self.generation, self.group = 0, None
-        self.slots: list[Slot] = []
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.generation = 0
+        self.member: tuple | None = None  # (generation, group, buffer, slots) of the group joined last
 
     def join(self, host: str, port: int, generation: int, rank: int, world: int, slots: list[Slot], size: int,
              timeout_s: float) -> None:
-        from torch.distributed import TCPStore
+        import ray
 
-        if self.address != (host, port):
-            self.store = TCPStore(host, port, is_master=False, timeout=timeout(timeout_s))
-            self.address = (host, port)
-        self.group = None
-        if self.buffer.numel() != size:
-            self.buffer = torch.empty(size, dtype=torch.uint8)
-        self.slots = slots
-        self.group = make_group(self.store, generation, rank, world, host, timeout_s)
+        self.member = None
+        group = make_group(host, port, generation, rank, world, ray.util.get_node_ip_address(), timeout_s)
+        self.member = (generation, group, torch.empty(size, dtype=torch.uint8), slots)
         self.generation = generation
 
     def receive(self, generation: int, timeout_s: float) -> list[tuple[str, torch.Tensor]]:
-        """The driver's transfer in `generation`'s group, as named views of this worker's buffer."""
-        if self.group is None or generation != self.generation:
+        """The driver's transfer in `generation`'s group, as named views of that group's buffer."""
+        member = self.member
+        if member is None or member[0] != generation:
             raise RuntimeError(f"asked to receive weights from group {generation}, this worker is in group "
-                               f"{self.generation if self.group is not None else 'none'}")
-        for tag, c in enumerate(chunks(self.buffer)):
-            self.group.recv([c], 0, tag).wait(timeout(timeout_s))
-        return [(s.name, view(self.buffer, s)) for s in self.slots]
+                               f"{member[0] if member is not None else 'none'}")
+        _, group, buffer, slots = member
+        for tag, c in enumerate(chunks(buffer)):
+            group.recv([c], 0, tag).wait(timeout(timeout_s))
+        return [(s.name, view(buffer, s)) for s in slots]

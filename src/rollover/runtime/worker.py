@@ -44,6 +44,7 @@ class RolloutWorker:
             self.engine.update_weights([], version=version)
         self.weights = {n: t for n, t in zip(names, tensors)} if delta else None  # what deltas apply to
         self.receiver = None  # ray.weight_transport=gloo: this worker's side of the weights group
+        self._load_lock = threading.Lock()  # a gloo transfer's check and load, against a newer group's
         self._cv = threading.Condition()
         self._out: list[Completion] = []
         self._tokens: dict[str, list[tuple[int, float, int]]] = {}
@@ -135,7 +136,8 @@ class RolloutWorker:
                 items.append((name, t))
         if self.weights is not None:
             self.weights.update(items)
-        return self.engine.update_weights(items, version=version, inflight=inflight)
+        with self._load_lock:
+            return self.engine.update_weights(items, version=version, inflight=inflight)
 
     def join(self, host: str, port: int, generation: int, rank: int, world: int, slots: list, size: int,
              timeout_s: float) -> None:
@@ -152,7 +154,11 @@ class RolloutWorker:
         if self.receiver is None:
             raise RuntimeError(f"rollout worker {self.index} is in no weights group")
         items = self.receiver.receive(generation, timeout_s)
-        return self.engine.update_weights(items, version=version, inflight=inflight)
+        with self._load_lock:  # a transfer the driver gave up on (a newer group formed since) loads nothing
+            if self.receiver.generation != generation:
+                raise RuntimeError(f"rollout worker {self.index}: weights group {generation} was replaced by "
+                                   f"{self.receiver.generation} during the transfer")
+            return self.engine.update_weights(items, version=version, inflight=inflight)
 
     # ------------------------------------------------------------ the rest of the engine contract
     def stats(self):

@@ -110,15 +110,18 @@ def _lean_gc():
     """The cyclic garbage collector off the objects alive before the simulation (modules, torch:
     a full collection walked them all, a third of a large simulation's time) and run less often
     (a step makes thousands of token lists, freed by reference counting, not by collections)."""
-    gc.collect()
-    gc.freeze()
+    mine = gc.get_freeze_count() == 0  # a caller's own frozen objects stay as the caller left them
+    if mine:
+        gc.collect()
+        gc.freeze()
     threshold = gc.get_threshold()
     gc.set_threshold(100_000, 50, 100)
     try:
         yield
     finally:
         gc.set_threshold(*threshold)
-        gc.unfreeze()
+        if mine:
+            gc.unfreeze()
 
 
 def _simulate(cfg: Config, progress, prepare) -> dict:
