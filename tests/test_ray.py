@@ -147,18 +147,25 @@ def test_gloo_transport_carries_updates_exactly_and_regroups_after_a_death():
         same(local.generate(requests(4, 12, prefix="f")), out)
         assert all(c.versions == [3] * 12 for c in out)
 
-        # a dead worker: its replacement starts at the current version and joins the next group
+        # a worker killed just before an update: its transfer fails (or, if its death was seen
+        # first, a new group forms without it); its replacement starts at the current version
+        # and joins the group of the update after
         eng.poll_s = 0.02
         eng.kill_worker(0)
-        deadline = time.time() + 60
-        while eng.restarts == 0 and time.time() < deadline:
-            time.sleep(0.01)
-        sd = tiny_model("llama", seed=7).state_dict()
-        eng.update_weights(sd.items(), version=4)
-        local.update_weights(sd.items(), version=4)
-        assert eng.restarts == 1 and eng.transport.generation >= 2 and eng.last_sync.workers == 2
+        for v, seed in ((4, 7), (5, 8)):
+            sd = tiny_model("llama", seed=seed).state_dict()
+            t0 = time.time()
+            eng.update_weights(sd.items(), version=v)
+            local.update_weights(sd.items(), version=v)
+            assert time.time() - t0 < 30  # no rendezvous left waiting out its timeout
+            deadline = time.time() + 60
+            while eng.restarts == 0 and time.time() < deadline:
+                time.sleep(0.01)
+        assert eng.restarts == 1 and eng.transport.generation >= 2
+        assert eng.last_sync.workers == 2 and eng.last_sync.fallback_workers == 0
         out = eng.generate(requests(6, 12, prefix="d"))
         same(local.generate(requests(6, 12, prefix="d")), out)
+        assert all(c.versions == [5] * 12 for c in out)
         assert {w["index"]: w["restarts"] for w in eng.workers()} == {0: 1, 1: 0}
     finally:
         eng.shutdown()
