@@ -142,6 +142,9 @@ def test_bench_ray_fields(model_dir, tmp_path):
     r = bench(tmp_path, "ray", "--model", model_dir, "--steps", "1", "--updates", "1", "--kill-requests", "8")
     assert r["local_samples_per_s"] > 0 and r["ray_samples_per_s"] > 0 and r["ray_two_workers_samples_per_s"] > 0
     assert r["kill"]["complete"] and r["kill"]["restarts"] == int(r["kill"]["killed"])
-    assert [(w["dtype"], w["delta"]) for w in r["weight_sync"]] == [("float32", True), ("float32", False),
-                                                                    ("bfloat16", True), ("bfloat16", False)]
+    assert [(w["transport"], w["dtype"], w["delta"]) for w in r["weight_sync"]] == [
+        ("object_store", "float32", True), ("object_store", "float32", False), ("object_store", "bfloat16", True),
+        ("object_store", "bfloat16", False), ("gloo", "float32", False), ("gloo", "bfloat16", False)]
+    gloo = [w for w in r["weight_sync"] if w["transport"] == "gloo"]
+    assert all(w["sent_fraction"] == 1 and w["seconds_per_update"] > 0 for w in gloo)  # whole tensors
     assert all(0 < w["sent_fraction"] <= 1 for w in r["weight_sync"])
