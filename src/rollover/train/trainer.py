@@ -60,8 +60,9 @@ class RowGradEmbedding(torch.autograd.Function):
     """An embedding lookup whose backward adds each token's gradient into its row of the
     weight's `.grad`, in place, instead of returning a dense [vocab, hidden] gradient: torch's
     own backward zero-fills one per micro-batch and autograd then adds it whole to `.grad` (for
-    SmolLM2, 113 MB written and read twice per micro-batch, about 1.7 s of an 8-micro-batch step
-    on this 2-core CPU, for the few hundred rows a micro-batch touches). The padding row gets
+    SmolLM2, 113 MB written and read twice per micro-batch, for the few hundred rows a
+    micro-batch touches: 0.8-1.4 s of a 10-12 s step of 8 micro-batches on a 2-core CPU,
+    benchmarks/train_step.py). The padding row gets
     no gradient, as in `nn.Embedding`. Gradient accumulation and tied output heads (whose
     gradient autograd adds to the same `.grad`) are unaffected: both add into one tensor."""
 
