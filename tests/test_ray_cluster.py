@@ -39,9 +39,11 @@ def cluster():
     c.shutdown()
 
 
-def test_workers_spread_over_nodes_and_generate_what_a_local_engine_does(cluster):
+@pytest.mark.parametrize("transport", ["object_store", "gloo"])
+def test_workers_spread_over_nodes_and_generate_what_a_local_engine_does(cluster, transport):
     m = tiny_model("llama", seed=3)
-    cfg = load_config(runtime="ray", **{"ray.rollout_workers": 2, "rollout.max_rows": 2})
+    cfg = load_config(runtime="ray", **{"ray.rollout_workers": 2, "rollout.max_rows": 2,
+                                        "ray.weight_transport": transport})
     eng = RayEngine(cfg, m, weights=list(m.state_dict().items()), device=torch.device("cpu"), max_len=128,
                     eos_token_ids=(2,))
     local = TorchEngine(m, max_rows=2, max_len=128, eos_token_ids=(2,))
@@ -52,6 +54,13 @@ def test_workers_spread_over_nodes_and_generate_what_a_local_engine_does(cluster
         a, b = local.generate(reqs()), eng.generate(reqs())
         assert [c.response_ids for c in a] == [c.response_ids for c in b]
         assert [c.versions for c in b] == [[0] * len(c.response_ids) for c in b]
+        sd = tiny_model("llama", seed=4).state_dict()  # an update reaches the workers on both nodes
+        local.update_weights(sd.items(), version=1)
+        eng.update_weights(sd.items(), version=1)
+        assert eng.last_sync.workers == 2 and eng.last_sync.fallback_workers == 0
+        a, b = local.generate(reqs()), eng.generate(reqs())
+        assert [c.response_ids for c in a] == [c.response_ids for c in b]
+        assert [c.versions for c in b] == [[1] * len(c.response_ids) for c in b]
     finally:
         eng.shutdown()
         local.shutdown()
