@@ -209,6 +209,10 @@ def test_april_with_scoring_time_is_refused_not_simulated_wrong():
         simulate("steps=1", "partial_rollout.enabled=true", "simulate.reward={per_group_s: 1.0}")
     with pytest.raises(ConfigError, match="simulate.reward.workers=0.5: must be a whole number"):
         simulate("steps=1", "simulate.reward={per_group_s: 1.0, workers: 0.5}")
+    from rollover.sim.plan import plan
+
+    with pytest.raises(ConfigError, match="plan's closed form has no scoring time yet"):
+        plan(load_config(None, BASE + ["simulate.reward={per_group_s: 1.0}"]), 0.8, simulate_points=False)
 
 
 def test_april_and_async_run_on_the_simulator_deterministically():

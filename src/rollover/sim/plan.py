@@ -205,9 +205,12 @@ def kept_fraction(cfg: Config) -> float:
 
 
 def capacity(cfg: Config, profile: Profile, lengths: Lengths | None = None) -> Capacity:
-    from rollover.sim.run import length_model
+    from rollover.sim.run import length_model, reward_cost
 
     s, r = cfg.simulate, cfg.rollout
+    if not reward_cost(cfg).free:
+        raise ConfigError("plan's closed form has no scoring time yet: unset simulate.reward, or simulate the "
+                          "point it recommends with `rollover simulate CONFIG simulate.reward=...`")
     if len(s.pools) != 1:
         raise ConfigError(f"plan sizes one pool of identical workers; simulate.pools has {len(s.pools)}")
     if s.shared_device:
