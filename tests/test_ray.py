@@ -147,12 +147,36 @@ def test_gloo_transport_carries_updates_exactly_and_regroups_after_a_death():
         same(local.generate(requests(4, 12, prefix="f")), out)
         assert all(c.versions == [3] * 12 for c in out)
 
+        # a worker whose receive fails on its side (here: the driver sends it nothing and times
+        # out nothing) pulls that version from the object store
+        from rollover.runtime.collective import chunks
+
+        eng.rc = eng.rc.model_copy(update={"sync_timeout_s": 3.0})
+        skipped = []
+
+        def send_all_but_first():
+            t = eng.transport
+            skipped.append(t.members[0])
+            works = [t.group.send([c], 2, tag) for tag, c in enumerate(chunks(t.buffer))]
+            for work in works:
+                work.wait()
+            return []
+
+        eng.transport.send = send_all_but_first
+        sd = tiny_model("llama", seed=10).state_dict()
+        eng.update_weights(sd.items(), version=4)
+        local.update_weights(sd.items(), version=4)
+        eng.transport.send = real_send
+        eng.rc = eng.rc.model_copy(update={"sync_timeout_s": 300.0})
+        assert eng.last_sync.fallback_workers == 1 and skipped[0].alive and eng.restarts == 0
+        same(local.generate(requests(4, 12, prefix="u")), eng.generate(requests(4, 12, prefix="u")))
+
         # a worker killed just before an update: its transfer fails (or, if its death was seen
         # first, a new group forms without it); its replacement starts at the current version
         # and joins the group of the update after
         eng.poll_s = 0.02
         eng.kill_worker(0)
-        for v, seed in ((4, 7), (5, 8)):
+        for v, seed in ((5, 7), (6, 8)):
             sd = tiny_model("llama", seed=seed).state_dict()
             t0 = time.time()
             eng.update_weights(sd.items(), version=v)
@@ -165,7 +189,7 @@ def test_gloo_transport_carries_updates_exactly_and_regroups_after_a_death():
         assert eng.last_sync.workers == 2 and eng.last_sync.fallback_workers == 0
         out = eng.generate(requests(6, 12, prefix="d"))
         same(local.generate(requests(6, 12, prefix="d")), out)
-        assert all(c.versions == [5] * 12 for c in out)
+        assert all(c.versions == [6] * 12 for c in out)
         assert {w["index"]: w["restarts"] for w in eng.workers()} == {0: 1, 1: 0}
     finally:
         eng.shutdown()

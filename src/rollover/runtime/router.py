@@ -449,24 +449,38 @@ class RayEngine(EngineAPI):
                 log.warning("ray: weights version %d did not reach rollout worker %d by gloo (%s); it pulls them from "
                             "the object store", version, w.index, first_line(e))
         reached = [(w, r) for w, r in zip(workers, refs) if w not in failed]
-        self._loaded([w for w, _ in reached], [r for _, r in reached], version, lost, out)
-        return [w for w in workers if w in failed]
+        unloaded: list[WorkerSlot] = []  # a receive that failed on the worker's side: the object store serves it
+        self._loaded([w for w, _ in reached], [r for _, r in reached], version, lost, out, unloaded)
+        if unloaded:
+            t.drop_group()
+        return [w for w in workers if w in failed or w in unloaded]
 
-    def _loaded(self, workers: list[WorkerSlot], refs: list, version: int, lost: list, out: list) -> None:
+    def _loaded(self, workers: list[WorkerSlot], refs: list, version: int, lost: list, out: list,
+                unloaded: list | None = None) -> None:
         """Wait for each worker's weight load; collect the completions it aborted (into `out`) and
-        the workers that died (into `lost`: their replacements start at `version`)."""
+        the workers that died (into `lost`: their replacements start at `version`). A load that
+        failed on the worker or did not answer in time stops the run, unless `unloaded` collects
+        such workers (gloo receives, which the object store can serve instead; a receive that
+        completes late loads nothing once a newer group has formed, and the same version
+        otherwise)."""
         import ray
 
         for w, ref in zip(workers, refs):
             try:
                 got = ray.get(ref, timeout=self.rc.sync_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise TimeoutError(f"rollout worker {w.index} did not load weights version {version} within "
-                                   f"ray.sync_timeout_s={self.rc.sync_timeout_s:g} s") from None
             except ray.exceptions.RayActorError as e:  # died: its replacement starts at `version`
                 lost.append((w, e))
                 continue
-            except ray.exceptions.RayTaskError as e:  # a bad tensor, out of memory: the run cannot go on
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError) as e:
+                if unloaded is not None:  # a gloo receive that failed or stalled: the object store serves it
+                    log.warning("ray: rollout worker %d did not receive weights version %d by gloo (%s); it pulls "
+                                "them from the object store", w.index, version, first_line(e))
+                    unloaded.append(w)
+                    continue
+                if isinstance(e, ray.exceptions.GetTimeoutError):
+                    raise TimeoutError(f"rollout worker {w.index} did not load weights version {version} within "
+                                       f"ray.sync_timeout_s={self.rc.sync_timeout_s:g} s") from None
+                # a bad tensor, out of memory: the run cannot go on
                 raise RuntimeError(f"rollout worker {w.index} failed to load weights version {version}: "
                                    f"{first_line(e)}") from None
             with self._lock:
