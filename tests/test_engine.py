@@ -396,3 +396,17 @@ def test_int8_is_refused_where_it_cannot_pay(model):
                     eos_token_ids=(2,))
     with pytest.raises(ConfigError, match="rollout.quantize=int8 is TorchEngine's"):
         load_config(**{"rollout.quantize": "int8", "rollout.engine": "vllm"})
+
+
+def test_packed_weights_can_be_turned_off_with_the_same_outputs(model):
+    reqs = [Request(id=f"p{i}", prompt_ids=[5 + i, 6, 7], sampling=GREEDY) for i in range(8)]
+    on, off = TorchEngine(model, max_rows=8, max_len=64), TorchEngine(model, max_rows=8, max_len=64, pack_weights=False)
+    try:
+        mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+        assert off.core.runner.pack_sizes == [] and on.core.runner.pack_sizes == ([4, 8] if mkl else [])
+        a, b = on.generate(reqs), off.generate(reqs)
+        assert [c.response_ids for c in a] == [c.response_ids for c in b]
+        assert max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p.logprobs, q.logprobs)) < 1e-4
+    finally:
+        on.shutdown()
+        off.shutdown()
