@@ -4,6 +4,7 @@ the figures themselves mean nothing here and are not checked)."""
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 
@@ -62,8 +63,12 @@ def test_bench_april_repeats_report_the_median_and_every_run(model_dir, tmp_path
     assert res["speedup_default"] == sorted(runs)[1] and res["speedup_default_spread"] == [min(runs), max(runs)]
 
 
-def test_bench_train_fields(model_dir, tmp_path):
+def test_bench_train_fields(model_dir, tmp_path, monkeypatch):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     r = bench(tmp_path, "train", "--model", model_dir, "--steps", "2", "rollout.max_new_tokens=6")
+    assert not list(scratch.glob("rollover-bench-train-*"))  # the run and its final checkpoint are deleted
     assert r["steps_measured"] == 2 and r["seconds_per_step"] > 0
     for phase in ("generate", "reward", "train", "weight_sync"):
         assert r[f"{phase}_s"] >= 0, phase

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import tempfile
 import time
 
@@ -109,6 +110,7 @@ def run_mode(args, workload: str, april: bool, carry: str = "resubmit") -> dict:
                                       inflight=getattr(collector, "inflight_mode", "continue"))
     finally:
         run.close()
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
     return {
         "useful_tokens_per_s": totals["useful_tokens"] / totals["seconds"],
         "samples_per_s": totals["samples"] / totals["seconds"],

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
+
+from rollover.bench import scratch_run_dir
 
 
 def _lengths(run_dir: str) -> list[int]:
@@ -33,12 +34,16 @@ def _lengths(run_dir: str) -> list[int]:
 
 
 def _run(args, mode: str, eta: int | None = None) -> dict:
+    with scratch_run_dir(f"rollover-bench-{mode}-") as run_dir:
+        return _measure(args, mode, eta, run_dir)
+
+
+def _measure(args, mode: str, eta: int | None, run_dir: str) -> dict:
     from rollover.config import load_config
     from rollover.loops.async_ import train_async
     from rollover.loops.sync import train_sync
     from rollover.metrics import read_metrics
 
-    run_dir = tempfile.mkdtemp(prefix=f"rollover-bench-{mode}-")
     over = [
         f"model={args.model}", f"run_dir={run_dir}", "resume=never", f"steps={args.warmup + args.steps}",
         "data.train=gen:arithmetic?digits=1&n=4000", "data.eval_size=0", "data.max_prompt_tokens=64",

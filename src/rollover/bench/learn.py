@@ -27,6 +27,8 @@ import json
 import statistics
 import tempfile
 
+from rollover.bench import drop_checkpoints
+
 TASKS = {
     # the README's demo: SmolLM2-135M goes from 0.30 to 0.97 in 20 steps
     "demo": ["data.train=gen:arithmetic?digits=1&n=4000", "rollout.max_new_tokens=48"],
@@ -157,6 +159,7 @@ def main(args) -> dict:
             cfg = load_config(args.config, _overrides(args, policy, seed, run_dir))
             train_sync(cfg)
             points = curve(run_dir)
+            drop_checkpoints(run_dir)  # the curve's metrics stay where the JSON says
             runs.append({"policy": policy, "seed": seed, "run_dir": run_dir, "curve": points})
             print(f"  {policy:10s} seed {seed}: accuracy {points[0]['accuracy']:.3f} -> {points[-1]['accuracy']:.3f} "
                   f"in {points[-1]['train_seconds']:.0f} s, {points[-1]['samples']} samples", flush=True)

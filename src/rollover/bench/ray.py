@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
 import time
+
+from rollover.bench import scratch_run_dir
 
 
 def _train(args, runtime: str, workers: int = 1, cpus: float = 2.0) -> dict:
@@ -34,13 +35,14 @@ def _train(args, runtime: str, workers: int = 1, cpus: float = 2.0) -> dict:
     from rollover.loops.sync import train_sync
     from rollover.metrics import read_metrics
 
-    run_dir = tempfile.mkdtemp(prefix=f"rollover-bench-ray-{runtime}-")
-    overrides = [f"model={args.model}", f"run_dir={run_dir}", f"steps={args.steps + 1}", *WORKLOAD,
-                 f"runtime={runtime}"]
-    if runtime == "ray":
-        overrides += [f"ray.rollout_workers={workers}", f"ray.cpus_per_worker={cpus:g}", f"ray.num_cpus={args.cpus}"]
-    train_sync(load_config(None, overrides + list(args.overrides)))
-    every = read_metrics(run_dir, kind="train")
+    with scratch_run_dir(f"rollover-bench-ray-{runtime}-") as run_dir:
+        overrides = [f"model={args.model}", f"run_dir={run_dir}", f"steps={args.steps + 1}", *WORKLOAD,
+                     f"runtime={runtime}"]
+        if runtime == "ray":
+            overrides += [f"ray.rollout_workers={workers}", f"ray.cpus_per_worker={cpus:g}",
+                          f"ray.num_cpus={args.cpus}"]
+        train_sync(load_config(None, overrides + list(args.overrides)))
+        every = read_metrics(run_dir, kind="train")
     rows = every[1:]  # step 1 warms up
     wall = sum(r["timing_s/step"] for r in rows)
     out = {"samples_per_s": (rows[-1]["samples_consumed"] - every[0]["samples_consumed"]) / wall,

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
+
+from rollover.bench import scratch_run_dir
 
 
 # the measured workload (also `rollover bench ray`'s): the demo task, one update per step, no
@@ -33,12 +34,11 @@ def measure(args, extra: tuple[str, ...] = ()) -> dict:
     from rollover.loops.sync import train_sync
     from rollover.metrics import read_metrics
 
-    run_dir = tempfile.mkdtemp(prefix="rollover-bench-train-")
-    overrides = [f"model={args.model}", f"run_dir={run_dir}", f"steps={args.steps + 1}", *WORKLOAD,
-                 f"rollout.engine={args.engine}", *args.overrides, *extra]
-    cfg = load_config(None, overrides)
-    train_sync(cfg)
-    rows = [r for r in read_metrics(run_dir, kind="train") if r["step"] > 1]
+    with scratch_run_dir("rollover-bench-train-") as run_dir:
+        overrides = [f"model={args.model}", f"run_dir={run_dir}", f"steps={args.steps + 1}", *WORKLOAD,
+                     f"rollout.engine={args.engine}", *args.overrides, *extra]
+        train_sync(load_config(None, overrides))
+        rows = [r for r in read_metrics(run_dir, kind="train") if r["step"] > 1]
     phases = sorted({k for r in rows for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
     return {
         "model": args.model, "engine": args.engine, "steps_measured": len(rows), "overrides": [*args.overrides, *extra],
