@@ -4,8 +4,11 @@ worker deaths, and the loops on Ray against the local runtime."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +21,13 @@ from rollover.engine.torch_engine import TorchEngine  # noqa: E402
 from rollover.loops.async_ import train_async  # noqa: E402
 from rollover.loops.common import build_run  # noqa: E402
 from rollover.loops.sync import train_sync  # noqa: E402
+from rollover.rewards import RewardRunner, build_rewards  # noqa: E402
+from rollover.rewards.pool import WorkerStartError  # noqa: E402
 from rollover.rollout.april import AprilCollector  # noqa: E402
 from rollover.runtime.router import RayEngine  # noqa: E402
 from rollover.runtime.weights import ObjectStoreTransport, changed_mask  # noqa: E402
 from rollover.testing import assert_provenance, save_tiny_model, tiny_model  # noqa: E402
-from rollover.types import Request, SamplingParams  # noqa: E402
+from rollover.types import Prompt, Request, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -251,6 +256,11 @@ def test_placement_that_cannot_fit_is_refused_naming_role_and_numbers():
         ray_engine(m, workers=3, gpus_per_worker=1)
     with pytest.raises(ConfigError, match=r"3 x 8 CPU = 24 CPU asked.*largest node has 2 CPU"):
         ray_engine(m, workers=3, cpus_per_worker=8)
+    with pytest.raises(ConfigError, match=r"rollout workers: 1 x 1 CPU \+ reward workers: 2 x 1 CPU = 3 CPU asked, "
+                                          r"the cluster has 2 CPU"):
+        ray_engine(m, workers=1, cpus_per_worker=1, reward_workers=2)
+    with pytest.raises(ConfigError, match=r"reward worker: 4 CPU each, the largest node has 2 CPU"):
+        ray_engine(m, workers=1, cpus_per_worker=0.5, reward_workers=1, cpus_per_reward_worker=4)
 
 
 
@@ -275,7 +285,9 @@ def final_weights(run_dir, step=3):
 
 def test_sync_run_on_ray_with_one_worker_ends_with_the_local_weights(model_dir, tmp_path):
     train_sync(run_cfg(model_dir, tmp_path / "local"))
-    train_sync(run_cfg(model_dir, tmp_path / "ray", runtime="ray", **{"ray.rollout_workers": 1}))
+    # the rewards are scored on a reward worker actor here, on the driver in the local run
+    train_sync(run_cfg(model_dir, tmp_path / "ray", runtime="ray", **{
+        "ray.rollout_workers": 1, "ray.reward_workers": 1, "ray.cpus_per_reward_worker": 0.5}))
     a, b = final_weights(tmp_path / "local"), final_weights(tmp_path / "ray")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = [json.loads(x) for x in open(tmp_path / "ray" / "metrics.jsonl") if json.loads(x)["kind"] == "train"]
@@ -388,3 +400,142 @@ def test_streaming_through_ray_yields_every_token_in_order(pair):
     req = requests(1, 40, prefix="st")[0]
     toks, c = asyncio.run(collect(eng, req))
     assert toks == c.response_ids == local.generate(requests(1, 40, prefix="st"))[0].response_ids
+
+
+# ------------------------------------------------------------------ reward workers on Ray
+FIXTURES = str(Path(__file__).with_name("reward_fixtures.py"))
+
+
+def ray_rewards(specs, size=1, timeout_s=30.0, on_error="zero"):
+    from rollover.runtime.rewards import RayRewardPool
+
+    rewards = build_rewards(specs)
+    return RewardRunner(rewards, timeout_s=timeout_s, on_error=on_error,
+                        pool=RayRewardPool(rewards, size=size, timeout_s=timeout_s, cpus=0))
+
+
+def test_reward_workers_on_ray_score_what_the_driver_scores():
+    specs = [{"fn": "numeric"}, {"fn": f"{FIXTURES}:scaled_length", "kwargs": {"scale": 0.5}, "weight": 2.0},
+             {"fn": f"{FIXTURES}:prefix_match", "weight": 0.25}]  # per sample, with a field and a kwarg; TRL-style
+    prompts = [Prompt(id=f"p{i}", text="?", answer=a, fields={"level": i}) for i, a in enumerate(["8", "12", "3"])]
+    completions = ["8", "the answer is 12", "no"]
+
+    def outcome(out):
+        return [(s.status, s.total, s.scores, s.extras, s.failed) for s in out.samples]
+
+    with RewardRunner(build_rewards(specs)) as local:
+        want = local.score(prompts, completions)
+    with ray_rewards(specs, size=2) as remote:
+        got = remote.score(prompts, completions)
+        pids = remote.pool.pids
+    assert outcome(got) == outcome(want) and got.failures == [] and want.samples[0].scores["numeric"] == 1.0
+    assert pids and os.getpid() not in pids  # every reward, the unisolated `numeric` too, ran on an actor
+
+
+def test_a_reward_worker_that_dies_or_hangs_fails_only_its_samples_and_is_replaced(tmp_path):
+    prompts = [Prompt(id=x, text="?", answer=i) for i, x in enumerate("abcde")]
+    with ray_rewards([{"fn": f"{FIXTURES}:misbehaves", "name": "m"}], size=1, timeout_s=3.0) as runner:
+        out = runner.score(prompts, ["sigkill", "ok", "spin", "raise", "ok"])
+        assert out.totals == [0.0, 1.0, 0.0, 0.0, 1.0]
+        assert out.error_counts == {"m": 3} and out.timeout_counts == {"m": 1}
+        died, hung, raised = out.failures
+        assert died.sample_id == "a#0" and "WorkerDied: reward worker actor (node" in died.error
+        assert "died mid-call" in died.error
+        assert hung.sample_id == "c#2" and hung.timed_out and "timed out after 3.0 s; reward worker actor" in hung.error
+        assert raised.sample_id == "d#3" and raised.error == "ValueError: asked to raise (answer 3)"
+        assert runner.pool.started >= 3  # one actor per death, the others kept between calls
+        (pid,) = runner.pool.pids
+        assert out.samples[4].extras["m/pid"] == pid != os.getpid()
+
+        os.kill(pid, signal.SIGKILL)  # dies while idle: the next call is not blamed for it
+        time.sleep(1.0)
+        again = runner.score(prompts[:2], ["ok", "ok"])
+        assert again.totals == [1.0, 1.0] and again.error_counts == {"m": 0}
+        assert runner.pool.pids != [pid]
+
+    gone = tmp_path / "gone.py"
+    gone.write_text("def f(completion, answer):\n    return 1.0\n")
+    specs = [{"fn": f"{gone}:f"}]
+    runner = ray_rewards(specs)
+    gone.unlink()
+    with runner, pytest.raises(WorkerStartError, match="could not rebuild(.|\n)*FileNotFoundError"):
+        runner.score(prompts[:1], ["x"])  # a setup error stops scoring, whatever on_error says
+
+
+# ------------------------------------------------------------------ environment workers on Ray
+ENV_FIXTURES = str(Path(__file__).with_name("env_fixtures.py"))
+
+
+def env_run_cfg(model_dir, run_dir, **over):
+    return run_cfg(model_dir, run_dir, **{
+        "data.train": "env", "data.eval_size": 0, "data.max_prompt_tokens": 256, "env.name": "guess_number",
+        "env.options": {"low": 1, "high": 8, "max_guesses": 3}, "env.max_total_tokens": 400, "steps": 2,
+        "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 6,
+        "rollout.max_rows": 8, "reward.functions": ["numeric"], **over})
+
+
+def test_episodes_with_env_worker_actors_train_as_on_the_driver(model_dir, tmp_path):
+    train_sync(env_run_cfg(model_dir, tmp_path / "local"))
+    train_sync(env_run_cfg(model_dir, tmp_path / "ray", runtime="ray", **{
+        "ray.rollout_workers": 1, "ray.env_workers": 2, "ray.cpus_per_env_worker": 0.25}))
+    a, b = final_weights(tmp_path / "local", 2), final_weights(tmp_path / "ray", 2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    local, remote = ([json.loads(x) for x in open(tmp_path / d / "metrics.jsonl") if json.loads(x)["kind"] == "train"]
+                     for d in ("local", "ray"))
+    assert [r["rollout/env/episodes"] for r in remote] == [4, 4] and all(r["rollout/env/failed"] == 0 for r in remote)
+    assert [r["reward/mean"] for r in remote] == [r["reward/mean"] for r in local]
+
+
+def test_an_env_worker_that_dies_fails_only_the_episodes_it_held(tmp_path):
+    import asyncio
+
+    from rollover.envs.base import Action
+    from rollover.envs.builders import make_env_builder
+    from rollover.runtime.envs import EnvWorkerDied, EnvWorkerStartError, RayEnvBuilder
+
+    name = f"{ENV_FIXTURES}:Fragile"
+    workers = RayEnvBuilder(make_env_builder(name, {}), name, {}, workers=2, cpus=0)
+    workers.start()
+    first = set(workers.pids)
+    assert len(first) == 2 and os.getpid() not in first
+    say = Action("hi", (5,), "stop")
+
+    async def episodes():
+        doomed, fine, raising = (workers.make_group(Prompt(id=t, text="?", answer=t), 2) for t in ("die", "ok", "raise"))
+        for env in (*doomed, *fine, *raising):  # opens the three groups, spread over the two actors
+            assert await env.initial_observation() == [{"role": "user", "content": f"Task {env.group.prompt.answer}."}]
+        outcomes = []
+        for env in (*doomed, *fine, *raising):
+            try:
+                outcomes.append(await env.step(say))
+            except Exception as e:
+                outcomes.append(e)
+        later = workers.make_group(Prompt(id="later", text="?", answer="ok"), 1)
+        await later[0].initial_observation()
+        return doomed, fine, raising, outcomes, await later[0].step(say)
+
+    doomed, fine, raising, outcomes, later = asyncio.run(episodes())
+    try:
+        assert doomed[0].group.slot is not fine[0].group.slot  # the least-loaded actor takes the next group
+        died = outcomes[:2]
+        assert all(isinstance(e, EnvWorkerDied) and "environment worker actor (node" in str(e) for e in died)
+        assert [o.reward for o in outcomes[2:4]] == [1.0, 1.0]  # the other actor's episodes go on
+        shared = raising[0].group.slot is doomed[0].group.slot  # died with the actor, or raised its own error
+        for e in outcomes[4:]:
+            assert isinstance(e, EnvWorkerDied) if shared else (type(e) is RuntimeError and "simulator crashed on 'hi'" in str(e))
+        assert workers.deaths == 1 and later.reward == 1.0
+        assert workers.started == 3 and len(workers.pids) == 2 and set(workers.pids) != first  # the dead one replaced
+    finally:
+        workers.close()
+
+    gone = tmp_path / "gone_env.py"
+    gone.write_text((Path(ENV_FIXTURES)).read_text())
+    local = make_env_builder(f"{gone}:Fragile", {})
+    gone.unlink()
+    with pytest.raises(EnvWorkerStartError, match="could not build env(.|\n)*gone_env.py"):
+        RayEnvBuilder(local, f"{gone}:Fragile", {}, workers=1, cpus=0).start()
+
+
+def test_env_workers_need_a_multi_turn_run():
+    with pytest.raises(ConfigError, match="ray.env_workers needs a multi-turn run"):
+        load_config(runtime="ray", **{"ray.env_workers": 1})

@@ -466,6 +466,19 @@ class RayConfig(Section):
     once, every worker pulls it; deltas possible) or "gloo" (a torch.distributed group of the
     driver and the workers: the driver sends one packed buffer to each worker over TCP; whole
     tensors only). Either way a worker's first weights come through the object store."""
+    reward_workers: int = Field(0, ge=0)
+    """Reward workers, Ray actors that score every reward call of the run (any node; a worker
+    that dies or times out fails only the samples it was scoring, counted in the reward error
+    metrics, and is replaced). 0: rewards run on the driver (isolated ones in its worker
+    processes, reward.workers of them)."""
+    cpus_per_reward_worker: float = Field(1.0, ge=0)
+    """CPUs each reward worker reserves (0: none, for light rewards that share a node's CPUs)."""
+    env_workers: int = Field(0, ge=0)
+    """Environment workers, Ray actors that hold the environments of a multi-turn run (env.name)
+    and answer their calls (any node; an actor that dies fails only the episodes it held, and
+    is replaced). 0: environments run on the driver."""
+    cpus_per_env_worker: float = Field(1.0, ge=0)
+    """CPUs each environment worker reserves."""
     sync_timeout_s: float = Field(300.0, gt=0)
     """Bound on every call to a worker that must answer (weight loads, aborts, stats): past it the
     run stops with an error naming the worker and the call."""
@@ -694,6 +707,11 @@ class Config(Section):
                                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
         if self.ray.weight_transport == "gloo" and self.ray.weight_delta:
             problems.append("ray.weight_delta=true needs ray.weight_transport=object_store (gloo sends whole tensors)")
+        if self.ray.env_workers and self.env.name is None:
+            problems.append("ray.env_workers needs a multi-turn run (env.name): a single-turn run has no environments")
+        if self.ray.env_workers and self.env.inline:
+            problems.append("ray.env_workers with env.inline=true: environments on actors are awaited on the "
+                            "driver's environment loop; set env.inline=false")
         if self.runtime == "local" and self.ray != RayConfig():
             problems.append("the ray section is set but runtime is local; set runtime: ray")
         if self.mode == "sync" and self.async_ != AsyncConfig():

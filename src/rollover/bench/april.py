@@ -25,13 +25,16 @@ generated that ended up in no sample (APRIL must report 0).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
 import random
 import shutil
 import tempfile
 import time
 
+_RUNS = itertools.count()
 DEFAULTS = dict(prompts_per_step=8, samples_per_prompt=4, max_rows=64, oversample=2.0)
 
 
@@ -53,12 +56,15 @@ def longtail_budgets(run, seed: int, cap: int, cap_mass: float = 0.2, sigma: flo
     run.next_groups = next_groups
 
 
-def bench_config(args, workload: str, april: bool, carry: str = "auto"):
+def bench_config(args, workload: str, april: bool, carry: str = "auto", run_dir: str | None = None):
+    """The measured config; `run_dir` unset: a path under the temp dir that nothing creates (the
+    collectors run without recording) and `run_mode` deletes if anything did."""
     from rollover.config import load_config
 
     cap = args.max_new_tokens if workload == "longtail" else args.natural_max_new_tokens
+    run_dir = run_dir or os.path.join(tempfile.gettempdir(), f"rollover-bench-{os.getpid()}-{next(_RUNS)}")
     return load_config(None, [], **{
-        "model": args.model, "run_dir": tempfile.mkdtemp(prefix="rollover-bench-"), "resume": "never",
+        "model": args.model, "run_dir": run_dir, "resume": "never",
         "seed": args.seed, "data.train": "gen:arithmetic?digits=1&n=4000", "data.eval_size": 0,
         "data.max_prompt_tokens": 64, "rollout.prompts_per_step": args.prompts_per_step,
         "rollout.samples_per_prompt": args.samples_per_prompt, "rollout.max_new_tokens": cap,

@@ -82,6 +82,7 @@ class Run:
     checkpoint: Path | None = None  # the checkpoint whose weights and state were restored
     env_builder: EnvGroupBuilder | None = None  # env.name's group builder (multi-turn episodes); None: single-turn
     env_runner: EnvRunner | None = None  # where environment calls run
+    env_workers: object | None = None  # ray.env_workers: the RayEnvBuilder whose actors hold the environments
     turn_budget: TurnBudget | None = None  # env.dynamic_turns: per-task turn limits
     lock: IO | None = None  # the open RUN_DIR/.lock this process holds while it writes there
     weights: WeightSync | None = None  # the trainer -> engine seam
@@ -152,6 +153,8 @@ class Run:
                                config=dump_config(self.cfg))
 
     def close(self) -> None:
+        if self.env_workers is not None:
+            self.env_workers.close()
         self.engine.shutdown()
         if self.env_runner is not None:
             self.env_runner.close()
@@ -159,6 +162,18 @@ class Run:
         self.logger.close()
         if self.lock is not None:
             self.lock.close()  # releases the run dir (the kernel does too if the process dies)
+
+
+def _reward_runner(cfg: Config) -> RewardRunner:
+    functions = build_rewards(cfg.reward.functions)
+    pool = None
+    if cfg.runtime == "ray" and cfg.ray.reward_workers:
+        from rollover.runtime.rewards import RayRewardPool
+
+        pool = RayRewardPool(functions, size=cfg.ray.reward_workers, timeout_s=cfg.reward.timeout_s,
+                             cpus=cfg.ray.cpus_per_reward_worker)
+    return RewardRunner(functions, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error,
+                        workers=cfg.reward.workers, pool=pool)
 
 
 def _load_model(cfg: Config, ckpt: Path | None):
@@ -276,8 +291,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     state = checkpoint.load_state(ckpt) if ckpt is not None else None
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.model)
-    rewards = RewardRunner(build_rewards(cfg.reward.functions), timeout_s=cfg.reward.timeout_s,
-                           on_error=cfg.reward.on_error, workers=cfg.reward.workers)
+    rewards = _reward_runner(cfg)
     env_builder = None
     if cfg.env.name is not None:
         from rollover.envs.builders import make_env_builder
@@ -328,6 +342,13 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
             e = cfg.env
             run.turn_budget = TurnBudget(e.max_turns, e.min_turns, e.dynamic_turns_threshold, cfg.reward.correct_threshold)
     try:
+        if env_builder is not None and cfg.runtime == "ray" and cfg.ray.env_workers:
+            from rollover.runtime.envs import RayEnvBuilder
+
+            run.env_workers = RayEnvBuilder(env_builder, cfg.env.name, cfg.env.options, workers=cfg.ray.env_workers,
+                                            cpus=cfg.ray.cpus_per_env_worker)
+            run.env_builder = run.env_workers
+            run.env_workers.start()  # every actor builds the environment now: a setup error stops the run here
         if state is not None:
             _restore(run, state)
         if record:  # the run is accepted: from here on it writes into run_dir

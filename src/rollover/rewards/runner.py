@@ -197,8 +197,10 @@ class RewardRunner:
 
     `timeout_s` bounds each call: one completion for a per-sample function, the whole batch
     for a TRL-style one. `workers` is the number of processes for isolated rewards, started
-    on first use; `max_threads` bounds the other calls in flight. Safe to share between
-    threads. Call `close()` (or use it as a context manager) to stop the workers.
+    on first use; `max_threads` bounds the other calls in flight. `pool`, an object with the
+    process pool's `call`/`close`/`size` (`rollover.runtime.rewards.RayRewardPool`), takes every
+    call, isolated or not, and `workers` is then unused. Safe to share between threads. Call
+    `close()` (or use it as a context manager) to stop the workers.
     """
 
     def __init__(
@@ -209,6 +211,7 @@ class RewardRunner:
         on_error: OnError = "raise",
         workers: int = 4,
         max_threads: int = 8,
+        pool: object | None = None,
     ):
         if not rewards:
             raise ValueError("RewardRunner needs at least one reward")
@@ -228,8 +231,12 @@ class RewardRunner:
         self.timeout_s = timeout_s
         self.on_error = on_error
         self.max_threads = max_threads
+        # `pool` given (Ray reward workers): every reward is called there, isolated or not
+        self._all_in_pool = pool is not None
         isolated = [r for r in rewards if r.isolated]
-        self.pool = WorkerPool(isolated, size=workers, timeout_s=timeout_s) if isolated else None
+        if pool is None and isolated:
+            pool = WorkerPool(isolated, size=workers, timeout_s=timeout_s)
+        self.pool = pool
         self._stuck: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -316,9 +323,12 @@ class RewardRunner:
         return calls
 
     def _bind(self, reward: Reward, method: str, args: tuple) -> Callable[[], object]:
-        if reward.isolated:
+        if self._in_pool(reward):
             return functools.partial(self.pool.call, reward.name, method, args)
         return functools.partial(getattr(reward, method), *args)
+
+    def _in_pool(self, reward: Reward) -> bool:
+        return self._all_in_pool or reward.isolated
 
     def _run(self, calls: list[_Call]) -> Iterator[tuple[_Call, object]]:
         """Yield (call, result or exception) as calls finish or time out.
@@ -328,13 +338,13 @@ class RewardRunner:
         the pool (killed), so they have no deadline here and always come back.
         """
         # Two lanes, keyed by `isolated`, each with its own limit on calls in flight.
-        pending = {lane: deque(c for c in calls if c.reward.isolated == lane) for lane in LANES}
+        pending = {lane: deque(c for c in calls if self._in_pool(c.reward) == lane) for lane in LANES}
         limit = {False: self.max_threads, True: self.pool.size if self.pool else 0}
         running: dict[Future, tuple[_Call, float | None, threading.Thread]] = {}
         try:
             while any(pending.values()) or running:
                 for lane in LANES:
-                    busy = sum(c.reward.isolated == lane for c, _, _ in running.values())
+                    busy = sum(self._in_pool(c.reward) == lane for c, _, _ in running.values())
                     for _ in range(min(limit[lane] - busy, len(pending[lane]))):
                         call = pending[lane].popleft()
                         future, thread = _start(call)

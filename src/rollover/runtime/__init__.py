@@ -7,7 +7,10 @@
   they see one engine and one `WeightSync`.
 
 What runs where with runtime=ray: the driver (the `rollover train` process) runs the loop, the
-trainer, reward functions and environments; rollout workers run on any node of the cluster.
+trainer and environments; rollout workers run on any node of the cluster, and so do reward
+workers (`ray.reward_workers`, `rollover.runtime.rewards`) and environment workers
+(`ray.env_workers`, `rollover.runtime.envs`) when asked for; without them the driver scores
+the rewards and holds the environments.
 """
 
 from __future__ import annotations
@@ -52,16 +55,25 @@ def check_resources(cfg) -> None:
     total, free = ray.cluster_resources(), ray.available_resources()
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     problems = []
+    helpers = [(n, c, role) for n, c, role in ((rc.reward_workers, rc.cpus_per_reward_worker, "reward"),
+                                               (rc.env_workers, rc.cpus_per_env_worker, "environment")) if n and c]
+    helper_cpus = sum(n * c for n, c, _ in helpers)
     for key, per in (("CPU", rc.cpus_per_worker), ("GPU", rc.gpus_per_worker)):
         if per <= 0:
             continue
         asked, have = per * rc.rollout_workers, total.get(key, 0.0)
-        if asked > have + 1e-9:
-            problems.append(f"rollout workers: {rc.rollout_workers} x {per:g} {key} = {asked:g} {key} asked, the "
-                            f"cluster has {have:g} {key} ({free.get(key, 0.0):g} free now)")
+        extra = helper_cpus if key == "CPU" else 0.0
+        if asked + extra > have + 1e-9:
+            also = "".join(f" + {role} workers: {n} x {c:g} CPU" for n, c, role in helpers) if extra else ""
+            problems.append(f"rollout workers: {rc.rollout_workers} x {per:g} {key}{also} = {asked + extra:g} {key} "
+                            f"asked, the cluster has {have:g} {key} ({free.get(key, 0.0):g} free now)")
         biggest = max((n.get(key, 0.0) for n in nodes), default=0.0)
         if per > biggest + 1e-9:
             problems.append(f"rollout worker: {per:g} {key} each, the largest node has {biggest:g} {key}")
+    biggest_cpu = max((n.get("CPU", 0.0) for n in nodes), default=0.0)
+    for _, c, role in helpers:
+        if c > biggest_cpu + 1e-9:
+            problems.append(f"{role} worker: {c:g} CPU each, the largest node has {biggest_cpu:g} CPU")
     if not problems:  # the totals fit: do the workers fit node by node?
         def fits(node: dict) -> float:
             return min([node.get(key, 0.0) // per for key, per in (("CPU", rc.cpus_per_worker),
@@ -73,4 +85,5 @@ def check_resources(cfg) -> None:
                             f"{rc.gpus_per_worker:g} GPU on one node; the nodes ({shapes}) hold {room}")
     if problems:
         raise ConfigError("ray placement does not fit: " + "; ".join(problems) +
-                          " (ray.rollout_workers, ray.cpus_per_worker, ray.gpus_per_worker)")
+                          " (ray.rollout_workers, ray.cpus_per_worker, ray.gpus_per_worker, ray.reward_workers, "
+                          "ray.cpus_per_reward_worker, ray.env_workers, ray.cpus_per_env_worker)")

@@ -1,0 +1,198 @@
+"""Reward workers as Ray actors (`ray.reward_workers: N`): every reward call of the run is
+scored on one of N actors, anywhere in the cluster, instead of on the driver.
+
+`RayRewardPool` keeps the contract of the process pool in `rollover.rewards.pool` (the runner
+cannot tell them apart):
+
+- `call(name, method, args)` returns the reward's value or raises what the reward raised (with
+  the actor's traceback as a note), `RewardTimeout` when no answer came within the timeout (the
+  actor is killed: a call spinning in C code cannot be interrupted any other way), and
+  `WorkerDied` when the actor's process ended mid-call. Either way the runner counts the failure
+  against that call's samples only, and the slot starts a fresh actor on its next call.
+- `WorkerStartError` when an actor cannot start or cannot rebuild the rewards (a setup error,
+  which stops the run rather than failing every sample one by one).
+- Actors start on demand, at most `size` of them, and are kept between calls. Each rebuilds the
+  rewards from their references (built-in name, `module:function`, `file.py:function`) with the
+  driver's `sys.path`, so `rollover` and the reward's module must be importable on every node.
+
+Ray must be running when the first call comes (the Ray engine starts it while the run is built).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import pickle
+import queue
+import sys
+import threading
+import traceback
+from typing import Sequence
+
+from rollover.rewards.pool import STARTUP_TIMEOUT_S, RewardTimeout, WorkerDied, WorkerStartError
+from rollover.rewards.registry import Reward
+
+
+class RewardActor:
+    """One reward worker (wrapped by `ray.remote` on first use)."""
+
+    def __init__(self, setup: dict):
+        self.setup = setup
+        self.rewards: dict = {}
+
+    def ready(self) -> tuple[str, object]:
+        """Rebuild the rewards: ("ready", (node ip, pid)) or ("failed", traceback)."""
+        import ray
+
+        from rollover.rewards.worker import _rebuild
+
+        for path in reversed(self.setup["sys_path"]):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+        try:
+            self.rewards = _rebuild(self.setup["rewards"])
+        except BaseException:
+            return "failed", traceback.format_exc()
+        return "ready", (ray.util.get_node_ip_address(), os.getpid())
+
+    def call(self, name: str, method: str, args: tuple) -> tuple[str, object]:
+        """("ok", value) or ("error", what the reward raised, able to travel)."""
+        from rollover.rewards.worker import _dumps, _portable
+
+        try:
+            result = getattr(self.rewards[name], method)(*args)
+            if inspect.iscoroutine(result):
+                result = asyncio.run(result)
+            reply = ("ok", result)
+        except BaseException as exc:
+            reply = ("error", _portable(exc))
+        return pickle.loads(_dumps(reply))  # a value that cannot travel becomes a clear error
+
+
+class _Actor:
+    def __init__(self, handle, where: tuple[str, int] | None = None):
+        self.handle, self.where = handle, where
+
+    def describe(self) -> str:
+        if self.where is None:
+            return "reward worker actor"
+        return f"reward worker actor (node {self.where[0]}, pid {self.where[1]})"
+
+
+class RayRewardPool:
+    """`WorkerPool`'s contract on Ray actors (see the module docstring)."""
+
+    def __init__(self, rewards: Sequence[Reward], *, size: int, timeout_s: float, cpus: float = 1.0):
+        if size < 1:
+            raise ValueError(f"a reward worker pool needs at least one worker, got size={size}")
+        references = {}
+        for reward in rewards:
+            references[reward.name] = reward.reference  # raises, naming the reward, if no actor could rebuild it
+            try:
+                pickle.dumps(reward.reference)
+            except Exception as exc:
+                raise TypeError(f"reward {reward.name!r}: its kwargs cannot be sent to a reward worker: {exc}") from exc
+        self.size, self.timeout_s, self.cpus = size, timeout_s, cpus
+        self._setup = {"rewards": references}
+        self._slots: queue.LifoQueue[_Actor | None] = queue.LifoQueue()
+        for _ in range(size):
+            self._slots.put(None)
+        self._live: set[_Actor] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.started = 0  # actors started, replacements included (reported in the log)
+
+    def call(self, name: str, method: str, args: tuple) -> object:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        while True:
+            actor, fresh = self._acquire()
+            try:
+                kind, value = ray.get(actor.handle.call.remote(name, method, args), timeout=self.timeout_s)
+            except GetTimeoutError:
+                self._discard(actor)
+                raise RewardTimeout(f"timed out after {self.timeout_s} s; {actor.describe()} was killed") from None
+            except RayActorError as exc:
+                self._discard(actor)
+                if not fresh:
+                    # A kept actor may have died while idle, through no fault of this call: it gets
+                    # one fresh actor. One that just answered `ready` dying on it is the call's doing.
+                    continue
+                raise WorkerDied(f"{actor.describe()} died mid-call: {_first_line(exc)}") from None
+            break
+        self._slots.put(actor)
+        if kind == "error":
+            raise value
+        return value
+
+    def close(self) -> None:
+        """Kill every actor; later calls raise."""
+        with self._lock:
+            self._closed = True
+            live, self._live = list(self._live), set()
+        for actor in live:
+            _kill(actor)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the actors started and not yet killed (on whichever node)."""
+        with self._lock:
+            return [a.where[1] for a in self._live if a.where is not None]
+
+    def _acquire(self) -> tuple[_Actor, bool]:
+        """(an actor, whether it was started for this call)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        actor = self._slots.get()
+        if actor is not None:
+            return actor, False
+        with self._lock:
+            if self._closed:
+                self._slots.put(None)
+                raise RuntimeError("the reward worker pool is closed")
+        remote = ray.remote(RewardActor).options(num_cpus=self.cpus, max_restarts=0, max_concurrency=1)
+        actor = _Actor(remote.remote({**self._setup, "sys_path": list(sys.path)}))
+        with self._lock:
+            self._live.add(actor)
+            self.started += 1
+        try:
+            kind, detail = ray.get(actor.handle.ready.remote(), timeout=STARTUP_TIMEOUT_S)
+        except GetTimeoutError:
+            self._discard(actor)
+            raise WorkerStartError(
+                f"a reward worker actor did not start within {STARTUP_TIMEOUT_S} s (waiting for {self.cpus:g} CPU "
+                f"with ray.cpus_per_reward_worker, then importing {sorted(self._setup['rewards'])})") from None
+        except RayActorError as exc:
+            self._discard(actor)
+            raise WorkerStartError(f"a reward worker actor died while starting: {_first_line(exc)}") from None
+        if kind != "ready":
+            self._discard(actor)
+            raise WorkerStartError(f"a reward worker actor could not rebuild the rewards:\n{detail}")
+        actor.where = detail
+        return actor, True
+
+    def _discard(self, actor: _Actor) -> None:
+        """Kill `actor` and give its slot to a fresh one, started by the slot's next call."""
+        _kill(actor)
+        with self._lock:
+            self._live.discard(actor)
+        self._slots.put(None)
+
+
+def _kill(actor: _Actor) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        return  # Ray is gone, and its actors with it
+    try:
+        ray.kill(actor.handle, no_restart=True)
+    except Exception:  # already dead
+        pass
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

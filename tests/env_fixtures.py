@@ -1,0 +1,33 @@
+"""Environments the Ray environment-worker tests name by reference, so actors can import them."""
+
+import os
+import signal
+
+from rollover.envs.base import StepResult
+from rollover.types import Prompt
+
+
+class Fragile:
+    """Task "die": a step SIGKILLs the process holding the environment. Task "raise": a step
+    raises. Any other task: one step, reward 1, done; the step reports the holder's pid."""
+
+    def prompts(self, n, seed=0):
+        return [Prompt(id=f"fragile-{i}", text="Say something.", answer="ok") for i in range(n)]
+
+    def make_group(self, prompt, n):
+        return [FragileEnv(prompt.answer) for _ in range(n)]
+
+
+class FragileEnv:
+    def __init__(self, task):
+        self.task = task
+
+    async def initial_observation(self):
+        return [{"role": "user", "content": f"Task {self.task}."}]
+
+    async def step(self, action):
+        if self.task == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.task == "raise":
+            raise RuntimeError(f"simulator crashed on {action.text!r}")
+        return StepResult([], 1.0, done=True, info={"pid": os.getpid()})
