@@ -479,6 +479,13 @@ class RayConfig(Section):
     is replaced). 0: environments run on the driver."""
     cpus_per_env_worker: float = Field(1.0, ge=0)
     """CPUs each environment worker reserves."""
+    weight_sync: Literal["eager", "lazy"] = "eager"
+    """When rollout workers load a weight update: "eager", every worker loads it before the push
+    returns (the trainer waits); "lazy" (async mode), the push puts the weights in the object
+    store and returns, and each worker loads the newest version on its own time while it goes on
+    generating (ECHO-2's lazy pulls, DART's per-worker updates). Tokens keep their exact
+    versions, and the staleness gate admits new groups by the oldest version a worker still
+    holds, so async.max_staleness holds for every token."""
     sync_timeout_s: float = Field(300.0, gt=0)
     """Bound on every call to a worker that must answer (weight loads, aborts, stats): past it the
     run stops with an error naming the worker and the call."""
@@ -707,6 +714,16 @@ class Config(Section):
                                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
         if self.ray.weight_transport == "gloo" and self.ray.weight_delta:
             problems.append("ray.weight_delta=true needs ray.weight_transport=object_store (gloo sends whole tensors)")
+        if self.ray.weight_sync == "lazy":
+            if self.mode != "async":
+                problems.append("ray.weight_sync=lazy needs mode: async (a synchronous step generates with the weights "
+                                "it has just trained)")
+            if self.ray.weight_transport != "object_store" or self.ray.weight_delta:
+                problems.append("ray.weight_sync=lazy pulls whole tensors from the object store: needs "
+                                "ray.weight_transport=object_store and ray.weight_delta unset or false")
+            if self.rollout.inflight_weight_update != "continue":
+                problems.append("ray.weight_sync=lazy loads under running requests, which go on with the new weights: "
+                                "needs rollout.inflight_weight_update=continue")
         if self.ray.env_workers and self.env.name is None:
             problems.append("ray.env_workers needs a multi-turn run (env.name): a single-turn run has no environments")
         if self.ray.env_workers and self.env.inline:

@@ -30,6 +30,9 @@ class Engine(Protocol):
       (`partial_rollout.carry=keep_kv`, which the config refuses for it).
     - `release_memory()` frees what the engine can rebuild on demand (TorchEngine: its packed
       weights); the synchronous loop calls it before training, while the engine is idle.
+    - `oldest_version`: the oldest version a token sampled from now on may carry; `version`
+      except where workers load updates on their own time (RayEngine, `ray.weight_sync=lazy`),
+      which calls the `on_oldest_version(callback)` callbacks when it moves on.
     """
 
     version: int
@@ -54,6 +57,9 @@ class Engine(Protocol):
     def paused(self) -> bool: ...
     def lengths(self) -> dict[str, int]: ...
     def release_memory(self) -> None: ...
+    @property
+    def oldest_version(self) -> int: ...
+    def on_oldest_version(self, callback: Callable[[], None]) -> None: ...
     def shutdown(self) -> None: ...
 
 

@@ -43,6 +43,16 @@ class EngineAPI:
     def shutdown(self) -> None:
         raise NotImplementedError
 
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weights version a token sampled from now on may carry: `version`, except on
+        an engine whose workers load updates on their own time (RayEngine, ray.weight_sync=lazy)."""
+        return self.version
+
+    def on_oldest_version(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` whenever `oldest_version` moves on by itself (a worker loaded an
+        update lazily); an engine whose versions move only in `update_weights` never calls it."""
+
     def release_memory(self) -> None:
         """Free what can be rebuilt on demand; engines with nothing to free do nothing."""
 

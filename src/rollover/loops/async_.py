@@ -247,6 +247,7 @@ class _Throughput:
             "staleness/mean": sum(stale) / len(stale),
             **{f"staleness/hist/{k}": v for k, v in sorted(self.hist.items())},
             "staleness/token_lag_mean": float(tok_lag.mean()) if tok_lag.numel() else 0.0,
+            "staleness/token_lag_max": float(tok_lag.max()) if tok_lag.numel() else 0.0,
             "busy/rollout": (eng.prefill_s + eng.decode_s - e0.prefill_s - e0.decode_s) / wall,
             "busy/trainer": self.trainer_busy / wall,
             "timing_s/train": t_train,

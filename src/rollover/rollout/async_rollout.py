@@ -75,15 +75,19 @@ class RolloutService:
         self.busy_s = 0.0
         self.driver = SampleDriver(run, self.lock, on_finished=self._finished, on_aborted=self._aborted,
                                    on_error=lambda e: on_error("rollout service", e), on_done_callback=self._on_done)
+        run.engine.on_oldest_version(self.admit)  # a lagging worker caught up: the gate may open
 
     def admit(self) -> None:
         with self.lock:
             if self.paused or self.stopping:
                 return
-            k = min(self.gate.capacity(self.run.engine.version), self.room())
+            # the oldest version a worker still generates with (the trained one, unless workers
+            # load updates lazily): tokens of a group started now carry it or a newer one
+            oldest = self.run.engine.oldest_version
+            k = min(self.gate.capacity(oldest), self.room())
             if k <= 0:
                 return
-            groups = self.run.next_groups(k, version=self.run.engine.version)
+            groups = self.run.next_groups(k, version=oldest)
             if self.cfg.async_.dynamic_samples:
                 for g in groups:
                     g.n = dynamic_samples(self.success_rate.get(g.prompt.id), g.n, self.cfg.async_.min_samples)

@@ -26,6 +26,8 @@ class WorkerSlot:
     submits: collections.deque = field(default_factory=collections.deque)  # (ref, wire ids) not yet checked
     ready: bool = False  # answered once (a replacement is routed to only when no ready worker is)
     last_stats: EngineStats | None = None
+    version: int = 0  # the weights version it has loaded
+    pulling: bool = False  # ray.weight_sync=lazy: a load is on its way to it
 
 
 @dataclass(eq=False)

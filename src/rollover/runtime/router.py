@@ -80,7 +80,8 @@ class RayEngine(WeightUpdates, EngineAPI):
         dtype = engine_dtype(cfg, self.worker_device)
         self.delta = self.rc.weight_delta
         if self.delta is None:
-            self.delta = self.rc.weight_transport == "object_store" and (dtype.itemsize == 2 or cfg.train.lora is not None)
+            self.delta = (self.rc.weight_transport == "object_store" and self.rc.weight_sync == "eager"
+                          and (dtype.itemsize == 2 or cfg.train.lora is not None))
         if self.rc.weight_transport == "gloo":
             from rollover.runtime.collective import GlooTransport
 
@@ -91,6 +92,7 @@ class RayEngine(WeightUpdates, EngineAPI):
         self.restarts = 0  # worker replacements, all time
         self.resubmitted = 0  # requests resumed on another worker after a death
         self._listeners: dict = {}  # streaming: driver-side per-token callbacks
+        self._version_listeners: list = []  # called when a lazy load moves oldest_version on
         self._listen_lock = threading.Lock()
         self._remote = ray.remote(_worker_class()).options
         self._dispatch = Dispatcher()  # delivers completions, runs the schedule's callbacks
@@ -114,7 +116,7 @@ class RayEngine(WeightUpdates, EngineAPI):
         handle = self._remote(num_cpus=rc.cpus_per_worker, num_gpus=rc.gpus_per_worker, max_concurrency=8,
                               name=None).remote(index, self.cfg, *self._arch, refs, self._version, self.worker_device,
                                                 self.max_len, self._eos, threads, self.delta, self._paused)
-        return WorkerSlot(index=index, handle=handle, restarts=restarts)
+        return WorkerSlot(index=index, handle=handle, restarts=restarts, version=self._version)
 
     def _wait_ready(self, workers: list[WorkerSlot]) -> None:
         import ray
@@ -259,6 +261,16 @@ class RayEngine(WeightUpdates, EngineAPI):
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def oldest_version(self) -> int:
+        if self.rc.weight_sync == "eager":
+            return self._version  # every live worker loaded it before update_weights returned
+        with self._lock:
+            return min((w.version for w in self._workers if w.alive), default=self._version)
+
+    def on_oldest_version(self, callback) -> None:
+        self._version_listeners.append(callback)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -1,12 +1,15 @@
 """Weight updates of `RayEngine` (a mixin: the engine's workers, locks, transport and delivery
-are its state): every live worker loads each version before `update_weights` returns, through
-the Ray object store or a gloo group (`rollover.runtime.collective`), the object store serving
-any worker a gloo transfer missed."""
+are its state). With `ray.weight_sync=eager` every live worker loads each version before
+`update_weights` returns, through the Ray object store or a gloo group
+(`rollover.runtime.collective`), the object store serving any worker a gloo transfer missed.
+With `lazy` the update is put in the object store and each worker is asked to load the newest
+version whenever it has no load on the way; `update_weights` returns at once."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from dataclasses import replace
 
@@ -23,6 +26,8 @@ class WeightUpdates:
         against what it holds, or the gloo group's transfer) before this returns; tokens
         generated from then on carry `version`. Completions the update aborts are returned (and
         delivered)."""
+        if self.rc.weight_sync == "lazy":
+            return self._publish(named_tensors, version)
         t0 = time.perf_counter()
         lost, out = [], []
         with self._weights_lock:
@@ -40,12 +45,75 @@ class WeightUpdates:
                                  version, lost, out)
                 report.fallback_workers = len(missed)
             self._version = version
+            for w in workers:
+                w.version = version
             report.workers, report.seconds = len(workers) - len(lost), time.perf_counter() - t0
             self.last_sync = report
         for w, e in lost:
             self._lost(w, e)
         self._dispatch.sync(self.rc.sync_timeout_s, "update_weights")
         return out
+
+    # ------------------------------------------------------------ lazy pulls
+    def _publish(self, named_tensors, version: int) -> list[Completion]:
+        """ray.weight_sync=lazy: put `version` in the object store, ask every worker without a
+        load on its way to load it, and return. Tokens carry each worker's own version; the
+        staleness gate admits by `oldest_version`."""
+        if self._error is not None:
+            raise self._error
+        t0 = time.perf_counter()
+        with self._weights_lock:
+            _, _, report = self.transport.update(named_tensors, version)
+            self._version = version
+            workers = [w for w in self._workers if w.alive]
+            for w in workers:
+                self._pull(w)
+            report.workers = len(workers)
+            report.lagging_workers = sum(w.version < version for w in workers)
+            report.seconds = time.perf_counter() - t0
+            self.last_sync = report
+        return []
+
+    def _pull(self, w: WorkerSlot) -> None:
+        """Ask `w` for the newest version unless it holds it or a load is on its way (under
+        `_weights_lock`); a thread waits for the load."""
+        if w.pulling or not w.alive or w.version >= self._version:
+            return
+        version, refs = self._version, self.transport.current_refs()
+        w.pulling = True
+        ref = w.handle.load.remote(refs, None, version, "continue")
+        threading.Thread(target=self._pulled, args=(w, ref, version), name=f"rollover-ray-pull-{w.index}",
+                         daemon=True).start()
+
+    def _pulled(self, w: WorkerSlot, ref, version: int) -> None:
+        import ray
+
+        try:
+            ray.get(ref, timeout=self.rc.sync_timeout_s)
+        except ray.exceptions.RayActorError as e:  # died: its replacement starts at the newest version
+            with self._weights_lock:
+                w.pulling = False
+            self._lost(w, e)
+            self._moved_on()
+            return
+        except Exception as e:  # a load that failed or did not answer: the run cannot go on
+            with self._weights_lock:
+                w.pulling = False
+            if self._stopped:  # shut down under it: nobody waits for this load
+                return
+            what = ("did not load" if isinstance(e, ray.exceptions.GetTimeoutError) else "failed to load")
+            self._fail(RuntimeError(f"rollout worker {w.index} {what} weights version {version} (ray.weight_sync=lazy, "
+                                    f"ray.sync_timeout_s={self.rc.sync_timeout_s:g} s): {first_line(e)}"))
+            return
+        with self._weights_lock:
+            w.pulling = False
+            w.version = max(w.version, version)
+            self._pull(w)  # a newer version was published meanwhile
+        self._moved_on()
+
+    def _moved_on(self) -> None:
+        for callback in list(self._version_listeners):
+            self._dispatch.run(callback)
 
     def _send(self, workers: list[WorkerSlot], version: int, inflight: str, lost: list, out: list) -> list[WorkerSlot]:
         """The gloo transfer of an update (forming the group first when its members changed);

@@ -47,6 +47,7 @@ class SyncReport:
     workers: int = 0
     seconds: float = 0.0
     fallback_workers: int = 0  # gloo: workers the transfer missed, served by the object store
+    lagging_workers: int = 0  # ray.weight_sync=lazy: workers still on an older version when the push returned
 
     def metrics(self) -> dict:
         return {
@@ -57,6 +58,7 @@ class SyncReport:
             "weights/sparse_tensors": self.sparse_tensors,
             "weights/unchanged_tensors": self.unchanged_tensors,
             "weights/fallback_workers": self.fallback_workers,
+            "weights/lagging_workers": self.lagging_workers,
             "timing_s/weight_transfer": self.seconds,
         }
 
