@@ -1,5 +1,6 @@
 """Environments the Ray environment-worker tests name by reference, so actors can import them."""
 
+import asyncio
 import os
 import signal
 
@@ -9,7 +10,8 @@ from rollover.types import Prompt
 
 class Fragile:
     """Task "die": a step SIGKILLs the process holding the environment. Task "raise": a step
-    raises. Any other task: one step, reward 1, done; the step reports the holder's pid."""
+    raises. Task "hang:PATH": a step hangs, and writes PATH when cancelled. Any other task: one
+    step, reward 1, done; the step reports the holder's pid."""
 
     def prompts(self, n, seed=0):
         return [Prompt(id=f"fragile-{i}", text="Say something.", answer="ok") for i in range(n)]
@@ -26,6 +28,13 @@ class FragileEnv:
         return [{"role": "user", "content": f"Task {self.task}."}]
 
     async def step(self, action):
+        if self.task.startswith("hang:"):  # hangs; writes the file named after "hang:" once cancelled
+            try:
+                await asyncio.sleep(600)
+            except asyncio.CancelledError:
+                with open(self.task[5:], "w") as f:
+                    f.write("cancelled")
+                raise
         if self.task == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.task == "raise":

@@ -286,8 +286,10 @@ def final_weights(run_dir, step=3):
 def test_sync_run_on_ray_with_one_worker_ends_with_the_local_weights(model_dir, tmp_path):
     train_sync(run_cfg(model_dir, tmp_path / "local"))
     # the rewards are scored on a reward worker actor here, on the driver in the local run
-    train_sync(run_cfg(model_dir, tmp_path / "ray", runtime="ray", **{
+    run = build_run(run_cfg(model_dir, tmp_path / "ray", runtime="ray", **{
         "ray.rollout_workers": 1, "ray.reward_workers": 1, "ray.cpus_per_reward_worker": 0.5}))
+    train_sync(run.cfg, run=run)
+    assert type(run.rewards.pool).__name__ == "RayRewardPool" and run.rewards.pool.calls >= 3 * 3 * 2 * 2
     a, b = final_weights(tmp_path / "local"), final_weights(tmp_path / "ray")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = [json.loads(x) for x in open(tmp_path / "ray" / "metrics.jsonl") if json.loads(x)["kind"] == "train"]
@@ -470,9 +472,10 @@ def test_reward_workers_on_ray_score_what_the_driver_scores():
         want = local.score(prompts, completions)
     with ray_rewards(specs, size=2) as remote:
         got = remote.score(prompts, completions)
-        pids = remote.pool.pids
+        pids, calls = remote.pool.pids, remote.pool.calls
     assert outcome(got) == outcome(want) and got.failures == [] and want.samples[0].scores["numeric"] == 1.0
-    assert pids and os.getpid() not in pids  # every reward, the unisolated `numeric` too, ran on an actor
+    assert pids and os.getpid() not in pids
+    assert calls == 3 + 3 + 1  # every call ran on an actor, the unisolated `numeric` too (TRL-style: one per batch)
 
 
 def test_a_reward_worker_that_dies_or_hangs_fails_only_its_samples_and_is_replaced(tmp_path):
@@ -519,8 +522,10 @@ def env_run_cfg(model_dir, run_dir, **over):
 
 def test_episodes_with_env_worker_actors_train_as_on_the_driver(model_dir, tmp_path):
     train_sync(env_run_cfg(model_dir, tmp_path / "local"))
-    train_sync(env_run_cfg(model_dir, tmp_path / "ray", runtime="ray", **{
+    run = build_run(env_run_cfg(model_dir, tmp_path / "ray", runtime="ray", **{
         "ray.rollout_workers": 1, "ray.env_workers": 2, "ray.cpus_per_env_worker": 0.25}))
+    train_sync(run.cfg, run=run)
+    assert run.env_builder is run.env_workers and run.env_workers.groups_made == 2 * 2  # every group on an actor
     a, b = final_weights(tmp_path / "local", 2), final_weights(tmp_path / "ray", 2)
     assert all(torch.equal(a[k], b[k]) for k in a)
     local, remote = ([json.loads(x) for x in open(tmp_path / d / "metrics.jsonl") if json.loads(x)["kind"] == "train"]
@@ -544,8 +549,10 @@ def test_an_env_worker_that_dies_fails_only_the_episodes_it_held(tmp_path):
     say = Action("hi", (5,), "stop")
 
     async def episodes():
-        doomed, fine, raising = (workers.make_group(Prompt(id=t, text="?", answer=t), 2) for t in ("die", "ok", "raise"))
-        for env in (*doomed, *fine, *raising):  # opens the three groups, spread over the two actors
+        # the least-loaded actor takes each new group: doomed and filler on one, fine and raising on the other
+        doomed, fine, filler, raising = (workers.make_group(Prompt(id=t, text="?", answer=t), 2)
+                                         for t in ("die", "ok", "ok", "raise"))
+        for env in (*doomed, *fine, *raising):
             assert await env.initial_observation() == [{"role": "user", "content": f"Task {env.group.prompt.answer}."}]
         outcomes = []
         for env in (*doomed, *fine, *raising):
@@ -555,18 +562,29 @@ def test_an_env_worker_that_dies_fails_only_the_episodes_it_held(tmp_path):
                 outcomes.append(e)
         later = workers.make_group(Prompt(id="later", text="?", answer="ok"), 1)
         await later[0].initial_observation()
-        return doomed, fine, raising, outcomes, await later[0].step(say)
+        (hung,) = workers.make_group(Prompt(id="hang", text="?", answer=f"hang:{tmp_path / 'cancelled'}"), 1)
+        await hung.initial_observation()
+        with pytest.raises(TimeoutError):  # the episode's step timeout ...
+            await asyncio.wait_for(hung.step(say), 1.0)
+        return (doomed, fine, filler, raising), outcomes, await later[0].step(say)
 
-    doomed, fine, raising, outcomes, later = asyncio.run(episodes())
+    (doomed, fine, filler, raising), outcomes, later = asyncio.run(episodes())
     try:
-        assert doomed[0].group.slot is not fine[0].group.slot  # the least-loaded actor takes the next group
-        died = outcomes[:2]
-        assert all(isinstance(e, EnvWorkerDied) and "environment worker actor (node" in str(e) for e in died)
+        a, b = doomed[0].group.slot, fine[0].group.slot
+        assert a is not b and filler[0].group.slot is a and raising[0].group.slot is b
+        assert all(isinstance(e, EnvWorkerDied) and "environment worker actor (node" in str(e) for e in outcomes[:2])
         assert [o.reward for o in outcomes[2:4]] == [1.0, 1.0]  # the other actor's episodes go on
-        shared = raising[0].group.slot is doomed[0].group.slot  # died with the actor, or raised its own error
-        for e in outcomes[4:]:
-            assert isinstance(e, EnvWorkerDied) if shared else (type(e) is RuntimeError and "simulator crashed on 'hi'" in str(e))
+        for e in outcomes[4:]:  # beside them, an environment's own error fails only its episode, as on the driver
+            assert type(e) is RuntimeError and "simulator crashed on 'hi'" in str(e)
+            assert "in the environment worker actor" in "".join(e.__notes__)
         assert workers.deaths == 1 and later.reward == 1.0
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "cancelled").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "cancelled").exists()  # ... cancels the call on the actor too
+        deadline = time.monotonic() + 60
+        while len(workers.pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert workers.started == 3 and len(workers.pids) == 2 and set(workers.pids) != first  # the dead one replaced
     finally:
         workers.close()

@@ -724,6 +724,9 @@ class Config(Section):
             if self.rollout.inflight_weight_update != "continue":
                 problems.append("ray.weight_sync=lazy loads under running requests, which go on with the new weights: "
                                 "needs rollout.inflight_weight_update=continue")
+        if self.ray.reward_workers and self.env.name is not None:
+            problems.append("ray.reward_workers scores reward.functions, which a multi-turn run (env.name) does not "
+                            "call: its environments give the rewards (ray.env_workers moves them to actors)")
         if self.ray.env_workers and self.env.name is None:
             problems.append("ray.env_workers needs a multi-turn run (env.name): a single-turn run has no environments")
         if self.ray.env_workers and self.env.inline:

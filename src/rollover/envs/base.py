@@ -66,6 +66,11 @@ class EnvGroupBuilder(Protocol):
     def make_group(self, prompt: Prompt, n: int) -> Sequence[Env]: ...
 
 
+class EnvLost(RuntimeError):
+    """The process holding an episode's environment is gone (an environment worker died): the
+    episode fails, the run goes on."""
+
+
 @dataclass(frozen=True)
 class EpisodeError:
     """Why an environment failed its episode. The episode gets no reward."""

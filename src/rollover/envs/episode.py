@@ -167,6 +167,15 @@ class LiveEpisode:
         self.history = list(messages)
         self.phase = "generate"
 
+    def fail(self, exc: BaseException) -> None:
+        """End the episode where it stands as failed by `exc` (its environment is lost)."""
+        error = _error(self.turn if self.traj is not None else 0, exc)
+        if self.traj is None:
+            self.traj = _trajectory(self.request_id, 0, finish="error", error=error)
+        else:
+            self.traj.finish, self.traj.error = "error", error
+        self.phase, self.action, self.partial = "finished", None, None
+
     def request(self, clock: Clock = time.monotonic) -> Request:
         """The next turn's request; an aborted turn resumes from its tokens (same seed, same
         budget), so it samples what it would have sampled uninterrupted."""

@@ -153,12 +153,14 @@ class Run:
                                config=dump_config(self.cfg))
 
     def close(self) -> None:
-        if self.env_workers is not None:
-            self.env_workers.close()
-        self.engine.shutdown()
+        # environments and rewards first: they may run on Ray actors, and the engine's shutdown
+        # stops a Ray instance the run started
         if self.env_runner is not None:
             self.env_runner.close()
+        if self.env_workers is not None:
+            self.env_workers.close()
         self.rewards.close()
+        self.engine.shutdown()
         self.logger.close()
         if self.lock is not None:
             self.lock.close()  # releases the run dir (the kernel does too if the process dies)
@@ -345,8 +347,11 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         if env_builder is not None and cfg.runtime == "ray" and cfg.ray.env_workers:
             from rollover.runtime.envs import RayEnvBuilder
 
-            run.env_workers = RayEnvBuilder(env_builder, cfg.env.name, cfg.env.options, workers=cfg.ray.env_workers,
-                                            cpus=cfg.ray.cpus_per_env_worker)
+            from rollover.rewards.registry import _absolute
+
+            run.env_workers = RayEnvBuilder(env_builder, _absolute(cfg.env.name), cfg.env.options,
+                                            workers=cfg.ray.env_workers, cpus=cfg.ray.cpus_per_env_worker,
+                                            concurrency=max(16, cfg.env.max_concurrent))
             run.env_builder = run.env_workers
             run.env_workers.start()  # every actor builds the environment now: a setup error stops the run here
         if state is not None:

@@ -92,7 +92,8 @@ class Reward:
                 f"reward {self.name!r} is isolated (it runs in a worker process, which rebuilds "
                 f"it by reference), but {self.fn!r} cannot be named from another process: "
                 "give it as 'module:function' or 'path/to/file.py:function', define it at the "
-                "top level of an importable module, or set isolate=False to run it in a thread"
+                "top level of an importable module, or set isolate=False to run it in a thread (not with "
+                "ray.reward_workers, whose actors rebuild every reward by reference)"
             )
         return ref, kwargs
 

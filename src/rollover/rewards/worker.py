@@ -64,10 +64,10 @@ def _rebuild(references: dict[str, tuple[str, dict]]) -> dict:
     return rewards
 
 
-def _portable(exc: BaseException) -> BaseException:
+def _portable(exc: BaseException, where: str = "the reward worker process") -> BaseException:
     """`exc` with this process's traceback as a note, or a RuntimeError naming it if it does
     not survive pickling."""
-    note = "in the reward worker process:\n" + "".join(traceback.format_exception(exc)).rstrip()
+    note = f"in {where}:\n" + "".join(traceback.format_exception(exc)).rstrip()
     try:
         exc.add_note(note)
         return pickle.loads(pickle.dumps(exc))

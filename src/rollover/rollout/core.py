@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from rollover.envs.base import EnvLost
 from rollover.envs.episode import EnvPool, LiveEpisode, env_open, env_step
 from rollover.envs.render import ChatRenderer
 from rollover.types import Completion, Request
@@ -177,8 +178,11 @@ class SampleDriver:
             return
         if ep.env is None:  # restored from a checkpoint: replay its actions into a fresh environment
             if id(g) not in self._replay_envs:
-                self._replay_envs[id(g)] = self.run.env_builder.make_group(g.prompt, g.n)
-            env = self._replay_envs[id(g)][j]
+                self._replay_envs[id(g)] = list(self.run.env_builder.make_group(g.prompt, g.n))
+            fresh = self._replay_envs[id(g)]
+            env, fresh[j] = fresh[j], None
+            if all(e is None for e in fresh):  # every sample has its environment: the group's list is done with
+                del self._replay_envs[id(g)]
             return self._env_call(g, j, lambda pool: _replay(ep, env, self.cfg.env.step_timeout_s), _nothing)
         if ep.phase == "generate":
             return self._queue(ep.request(), g, j)
@@ -275,7 +279,10 @@ class SampleDriver:
 
 
 async def _replay(ep: LiveEpisode, env, timeout_s: float):
-    await ep.replay(env, timeout_s)
+    try:
+        await ep.replay(env, timeout_s)
+    except EnvLost as e:  # the environment worker died: this episode fails, the run goes on
+        ep.fail(e)
     return (None,)
 
 

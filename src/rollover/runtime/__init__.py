@@ -79,11 +79,32 @@ def check_resources(cfg) -> None:
             return min([node.get(key, 0.0) // per for key, per in (("CPU", rc.cpus_per_worker),
                                                                   ("GPU", rc.gpus_per_worker)) if per > 0] or [0])
         room = int(sum(fits(n) for n in nodes))
+        shapes = ", ".join(f"{n.get('CPU', 0):g} CPU/{n.get('GPU', 0):g} GPU" for n in nodes)
         if room < rc.rollout_workers:
-            shapes = ", ".join(f"{n.get('CPU', 0):g} CPU/{n.get('GPU', 0):g} GPU" for n in nodes)
             problems.append(f"rollout workers: {rc.rollout_workers} asked, each {rc.cpus_per_worker:g} CPU and "
                             f"{rc.gpus_per_worker:g} GPU on one node; the nodes ({shapes}) hold {room}")
+        elif helpers and not _packs(nodes, [(rc.cpus_per_worker, rc.gpus_per_worker)] * rc.rollout_workers +
+                                    [(c, 0.0) for n, c, _ in helpers for _ in range(n)]):
+            asked = ", ".join([f"{rc.rollout_workers} rollout x {rc.cpus_per_worker:g} CPU/{rc.gpus_per_worker:g} GPU"] +
+                              [f"{n} {role} x {c:g} CPU" for n, c, role in helpers])
+            problems.append(f"the workers ({asked}) do not fit node by node into the nodes ({shapes}), "
+                            "placing the largest first")
     if problems:
         raise ConfigError("ray placement does not fit: " + "; ".join(problems) +
                           " (ray.rollout_workers, ray.cpus_per_worker, ray.gpus_per_worker, ray.reward_workers, "
                           "ray.cpus_per_reward_worker, ray.env_workers, ray.cpus_per_env_worker)")
+
+
+def _packs(nodes: list[dict], items: list[tuple[float, float]]) -> bool:
+    """Whether `items` ((CPU, GPU) each) fit into `nodes`, placed largest first, each on the
+    first node with room for it."""
+    room = [[n.get("CPU", 0.0), n.get("GPU", 0.0)] for n in nodes]
+    for cpu, gpu in sorted(items, key=lambda x: (x[1], x[0]), reverse=True):
+        for r in room:
+            if r[0] + 1e-9 >= cpu and r[1] + 1e-9 >= gpu:
+                r[0] -= cpu
+                r[1] -= gpu
+                break
+        else:
+            return False
+    return True

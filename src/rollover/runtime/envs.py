@@ -2,23 +2,29 @@
 run live on N actors, anywhere in the cluster, instead of in the driver (DART's environment
 cluster).
 
-`RayEnvBuilder` is the run's `EnvGroupBuilder`: `make_group(prompt, n)` returns n proxies at
-once, without a round trip. The group is made on an actor (the least loaded: the fewest live
-groups) by its first call; each proxy's `initial_observation` and `step` are that actor's
-methods on the real environment, awaited by the driver's environment loop, so the episode
-runner's timeouts, pool slots and failure rules apply unchanged:
+`RayEnvBuilder` is the run's `EnvGroupBuilder`. `make_group(prompt, n)` picks the live actor
+with the fewest live groups, asks it to make the group (without waiting for the answer) and
+returns n proxies; each proxy's `initial_observation` and `step` are that actor's methods on
+the real environment, awaited by the driver's environment loop, so the episode runner's
+timeouts, pool slots and failure rules apply unchanged:
 
-- an environment that raises fails its episode, with the environment's own exception (type,
-  message, the actor's traceback as a note), as on the driver;
+- an environment that raises fails its episode with its own exception (type, message, the
+  actor's traceback as a note), as on the driver; a call past `env.step_timeout_s` fails its
+  episode, and is cancelled on the actor too;
 - an actor that dies fails the episodes whose environments it held (`EnvWorkerDied`, counted
-  with the failed episodes); the slot starts a fresh actor, and a group not yet made on the dead
-  actor is made on the fresh one, so nothing else is lost;
-- a group is dropped from its actor when the driver lets go of it (the episodes are trained or
+  with the failed episodes, during a resumed run's replay as well); a fresh actor is started
+  in its place at once, and a group whose actor turns out dead before its environments exist
+  is made on another, so nothing else is lost. While no actor is alive, `make_group` waits for
+  the replacement (up to `STARTUP_TIMEOUT_S`);
+- `make_group` raising on an actor fails that group's episodes and stops the run at the next
+  `make_group` (a builder bug, as on the driver, where it stops the run at once);
+- a group is dropped from its actor when the driver lets go of it (its episodes are trained or
   discarded), so actors do not grow with the run.
 
 The actors rebuild the environment from `env.name` and `env.options` (a built-in, `module:Name`
-or `path/to/file.py:Name`, which must be importable on every node). `start()` makes every actor
-and waits until each has built it, so a setup error stops the run before the first step.
+or `path/to/file.py:Name`, made absolute; it must be importable on every node). `start()`
+makes every actor and waits until each has built it, so a setup error stops the run before
+its first step.
 """
 
 from __future__ import annotations
@@ -27,19 +33,20 @@ import asyncio
 import itertools
 import logging
 import os
+import queue
 import sys
 import threading
 import traceback
 import weakref
 
-from rollover.envs.base import Action, Env, StepResult
+from rollover.envs.base import Action, Env, EnvLost, StepResult
 from rollover.types import Prompt
 
 STARTUP_TIMEOUT_S = 120.0
 log = logging.getLogger("rollover")
 
 
-class EnvWorkerDied(RuntimeError):
+class EnvWorkerDied(EnvLost):
     """The environment worker actor holding an episode's environment died."""
 
 
@@ -71,12 +78,15 @@ class EnvActor:
             return "failed", traceback.format_exc()
         return "ready", (ray.util.get_node_ip_address(), os.getpid())
 
-    async def make_group(self, key: int, prompt: Prompt, n: int) -> int:
-        envs = list(self.builder.make_group(prompt, n))
-        if len(envs) != n:
-            raise ValueError(f"make_group(prompt, {n}) returned {len(envs)} environments")
+    async def make_group(self, key: int, prompt: Prompt, n: int) -> tuple[str, object]:
+        try:
+            envs = list(self.builder.make_group(prompt, n))
+            if len(envs) != n:
+                raise ValueError(f"make_group(prompt, {n}) returned {len(envs)} environments")
+        except Exception as exc:
+            return "error", _portable(exc)
         self.groups[key] = envs
-        return n
+        return "ok", n
 
     async def initial_observation(self, key: int, j: int):
         return await _portable_call(self.groups[key][j].initial_observation())
@@ -84,17 +94,19 @@ class EnvActor:
     async def step(self, key: int, j: int, action: Action):
         return await _portable_call(self.groups[key][j].step(action))
 
-    async def drop(self, key: int) -> None:
-        self.groups.pop(key, None)
+    async def drop(self, keys: list[int]) -> None:
+        for key in keys:
+            self.groups.pop(key, None)
 
-    async def live_groups(self) -> int:
-        return len(self.groups)
+
+def _portable(exc: BaseException) -> BaseException:
+    from rollover.rewards.worker import _portable as portable
+
+    return portable(exc, "the environment worker actor")
 
 
 async def _portable_call(call) -> tuple[str, object]:
     """("ok", value) or ("error", what the environment raised, able to travel back)."""
-    from rollover.rewards.worker import _portable
-
     try:
         return "ok", await call
     except Exception as exc:
@@ -106,7 +118,7 @@ class _Slot:
 
     def __init__(self, handle, where):
         self.handle, self.where, self.groups = handle, where, 0
-        self.dead = self.replacing = False
+        self.dead = False
 
     def describe(self) -> str:
         return f"environment worker actor (node {self.where[0]}, pid {self.where[1]})"
@@ -117,16 +129,21 @@ class RayEnvBuilder:
     `prompts` (a run that draws its tasks from the environment) is answered by `local`, the
     builder made on the driver from the same config."""
 
-    def __init__(self, local, name: str, options: dict, *, workers: int, cpus: float = 1.0):
+    def __init__(self, local, name: str, options: dict, *, workers: int, cpus: float = 1.0, concurrency: int = 1000):
         if workers < 1:
             raise ValueError(f"ray.env_workers: need at least one worker, got {workers}")
         self.local, self.name, self.options = local, name, options
-        self.workers, self.cpus = workers, cpus
+        self.workers, self.cpus, self.concurrency = workers, cpus, concurrency
         self._slots: list[_Slot] = []
         self._keys = itertools.count()
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a replacement came (or failed)
+        self._released: queue.SimpleQueue = queue.SimpleQueue()  # (slot, key) of groups the driver let go
+        self._closed = False
+        self.error: BaseException | None = None  # make_group failed on an actor: the run stops
         self.started = 0  # actors started, replacements included
         self.deaths = 0
+        self.groups_made = 0  # groups placed on actors, all time
 
     def __getattr__(self, attr):  # `prompts` and anything else a builder offers
         if attr == "local":  # not set yet (a copy in the making): no recursion
@@ -138,20 +155,25 @@ class RayEnvBuilder:
         self._slots = [self._start() for _ in range(self.workers)]
 
     def make_group(self, prompt: Prompt, n: int) -> list[Env]:
+        if self.error is not None:
+            raise RuntimeError(f"env {self.name!r}: make_group failed on an environment worker: "
+                               f"{type(self.error).__name__}: {self.error}") from self.error
+        self._drop_released()
         group = _RemoteGroup(self, next(self._keys), prompt, n)
+        group.place(self._place())
+        self.groups_made += 1
         return [RemoteEnv(group, j) for j in range(n)]
 
     def close(self) -> None:
         import ray
 
         with self._lock:
+            self._closed = True
             slots, self._slots = self._slots, []
+            self._changed.notify_all()
         if ray.is_initialized():
             for slot in slots:
-                try:
-                    ray.kill(slot.handle, no_restart=True)
-                except Exception:
-                    pass
+                _kill(slot.handle)
 
     @property
     def pids(self) -> list[int]:
@@ -161,86 +183,133 @@ class RayEnvBuilder:
     # ------------------------------------------------------------ actors
     def _start(self) -> _Slot:
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError
 
-        remote = ray.remote(EnvActor).options(num_cpus=self.cpus, max_restarts=0)
+        remote = ray.remote(EnvActor).options(num_cpus=self.cpus, max_restarts=0, max_concurrency=self.concurrency)
         handle = remote.remote(self.name, self.options, list(sys.path))
-        self.started += 1
+        with self._lock:
+            self.started += 1
         try:
             kind, detail = ray.get(handle.ready.remote(), timeout=STARTUP_TIMEOUT_S)
-        except (GetTimeoutError, RayActorError) as exc:
-            ray.kill(handle, no_restart=True)
+        except GetTimeoutError:
+            _kill(handle)
             raise EnvWorkerStartError(
                 f"an environment worker actor did not start within {STARTUP_TIMEOUT_S:g} s ({self.cpus:g} CPU with "
-                f"ray.cpus_per_env_worker, then building env {self.name!r}): {type(exc).__name__}") from None
+                f"ray.cpus_per_env_worker, then building env {self.name!r})") from None
+        except Exception as exc:
+            _kill(handle)
+            raise EnvWorkerStartError(f"an environment worker actor died while starting: {_first_line(exc)}") from None
         if kind != "ready":
-            ray.kill(handle, no_restart=True)
+            _kill(handle)
             raise EnvWorkerStartError(f"an environment worker actor could not build env {self.name!r}:\n{detail}")
         return _Slot(handle, detail)
 
     def _place(self) -> _Slot:
-        """The live actor with the fewest live groups, after starting a fresh actor in place of a
-        dead one (one thread per dead slot; the others place on the live actors meanwhile)."""
+        """The live actor with the fewest live groups; with none alive, wait for a replacement."""
         with self._lock:
-            if not self._slots:
+            live = self._live()
+            if not live and not self._closed:
+                self._changed.wait_for(lambda: self._live() or self._closed, timeout=STARTUP_TIMEOUT_S)
+                live = self._live()
+            if self._closed:
                 raise RuntimeError("the environment workers are closed")
-            dead = next((s for s in self._slots if s.dead and not s.replacing), None)
-            if dead is not None:
-                dead.replacing = True
-        if dead is not None:
-            try:
-                fresh = self._start()  # outside the lock: a start waits for the actor
-            except BaseException:
-                with self._lock:
-                    dead.replacing = False
-                raise
-            with self._lock:
-                if dead in self._slots:
-                    self._slots[self._slots.index(dead)] = fresh
-        with self._lock:
-            live = [s for s in self._slots if not s.dead]
             if not live:
-                raise EnvWorkerDied("every environment worker actor is dead, and the one starting is not ready")
+                raise EnvWorkerDied(f"every environment worker actor is dead, and no replacement was ready within "
+                                    f"{STARTUP_TIMEOUT_S:g} s")
             slot = min(live, key=lambda s: s.groups)
             slot.groups += 1
             return slot
 
+    def _live(self) -> list[_Slot]:
+        return [s for s in self._slots if not s.dead]
+
     def _died(self, slot: _Slot) -> None:
+        """`slot`'s actor is dead (or unreachable: it is killed to make sure): replace it now."""
         with self._lock:
             if slot.dead:
                 return
             slot.dead = True
             self.deaths += 1
+            closed = self._closed
+        _kill(slot.handle)
+        if closed:
+            return
         log.warning("%s died; the episodes it held fail, and a fresh actor takes its place", slot.describe())
+        threading.Thread(target=self._replace, args=(slot,), name="rollover-env-worker-start", daemon=True).start()
 
-    def _release(self, slot: _Slot, key: int) -> None:
+    def _replace(self, dead: _Slot) -> None:
+        try:
+            fresh = self._start()
+        except Exception as e:
+            log.error("could not start an environment worker actor in place of a dead one: %s", e)
+            with self._lock:
+                self._changed.notify_all()
+            return
         with self._lock:
-            slot.groups -= 1
-            dead = slot.dead
-        if not dead:
-            import ray
+            if self._closed:
+                _kill(fresh.handle)
+            elif dead in self._slots:
+                self._slots[self._slots.index(dead)] = fresh
+            self._changed.notify_all()
 
-            if ray.is_initialized():
+    def _release(self, where: list, key: int) -> None:
+        """A group's finalizer (may run inside the garbage collector, on any thread, with any
+        lock held): only queues the drop, done by the next `make_group`. `where[0]` is the slot
+        the group was last placed on."""
+        if where[0] is not None:
+            self._released.put((where[0], key))
+
+    def _drop_released(self) -> None:
+        drops: dict[_Slot, list[int]] = {}
+        while True:
+            try:
+                slot, key = self._released.get_nowait()
+            except queue.Empty:
+                break
+            drops.setdefault(slot, []).append(key)
+        for slot, keys in drops.items():
+            with self._lock:
+                slot.groups -= len(keys)
+                dead = slot.dead
+            if not dead:
                 try:
-                    slot.handle.drop.remote(key)
-                except Exception:
+                    slot.handle.drop.remote(keys)
+                except Exception:  # the actor just died: its groups went with it
                     pass
 
 
 class _RemoteGroup:
-    """The n environments of one task on one actor, made by the first call of any of them."""
+    """The n environments of one task on one actor."""
 
     def __init__(self, builder: RayEnvBuilder, key: int, prompt: Prompt, n: int):
         self.builder, self.key, self.prompt, self.n = builder, key, prompt, n
-        self.slot: _Slot | None = None
-        self._made: asyncio.Future | None = None
+        self._where: list = [None]  # the slot it is placed on, shared with its finalizer (which must not hold the group)
+        self._made = None  # the actor's make_group, asked for at once
+        self._ready: asyncio.Future | None = None
+        weakref.finalize(self, builder._release, self._where, key)
+
+    @property
+    def slot(self) -> _Slot | None:
+        return self._where[0]
+
+    def place(self, slot: _Slot) -> None:
+        """Ask `slot`'s actor to make the group (an object reference, awaited by the first call)."""
+        self._where[0] = slot
+        self._made = slot.handle.make_group.remote(self.key, self.prompt, self.n)
 
     async def call(self, method: str, *args):
+        import ray
         from ray.exceptions import RayActorError
 
         slot = await self._ensure()
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is shut down: the environment worker actors are gone")
+        ref = getattr(slot.handle, method).remote(self.key, *args)
         try:
-            kind, value = await getattr(slot.handle, method).remote(self.key, *args)
+            kind, value = await ref
+        except asyncio.CancelledError:  # the episode's step timeout: stop the call on the actor too
+            ray.cancel(ref)
+            raise
         except RayActorError as exc:
             self.builder._died(slot)
             raise EnvWorkerDied(f"{slot.describe()} died, and this episode's environment with it: "
@@ -250,33 +319,30 @@ class _RemoteGroup:
         return value
 
     async def _ensure(self) -> _Slot:
-        if self._made is None:
-            self._made = asyncio.ensure_future(self._make())
-        return await asyncio.shield(self._made)
+        if self._ready is None:
+            self._ready = asyncio.ensure_future(self._wait_made())
+        return await asyncio.shield(self._ready)
 
-    async def _make(self) -> _Slot:
+    async def _wait_made(self) -> _Slot:
         from ray.exceptions import RayActorError
 
-        from ray.exceptions import RayTaskError
-
         for attempt in range(2):  # an actor found dead before the group exists costs no episode
-            slot = await asyncio.to_thread(self.builder._place)
+            slot = self.slot
             try:
-                await slot.handle.make_group.remote(self.key, self.prompt, self.n)
-            except BaseException as exc:
-                with self.builder._lock:
-                    slot.groups -= 1
-                if isinstance(exc, RayTaskError):  # make_group raised: the task's episodes fail with its error
-                    raise (exc.cause if isinstance(exc.cause, Exception) else RuntimeError(str(exc))) from None
-                if not isinstance(exc, RayActorError):
-                    raise
+                kind, value = await self._made
+            except RayActorError as exc:
                 self.builder._died(slot)
                 if attempt:
                     raise EnvWorkerDied(f"{slot.describe()} died while making this task's environments: "
                                         f"{_first_line(exc)}") from None
+                with self.builder._lock:
+                    slot.groups -= 1
+                self.place(await asyncio.to_thread(self.builder._place))
                 continue
-            self.slot = slot
-            weakref.finalize(self, self.builder._release, slot, self.key)
+            if kind == "error":  # the builder's make_group failed: this group fails, the run stops at the next
+                if self.builder.error is None:
+                    self.builder.error = value
+                raise value
             return slot
         raise AssertionError("unreachable")
 
@@ -292,6 +358,17 @@ class RemoteEnv:
 
     async def step(self, action: Action) -> StepResult:
         return await self.group.call("step", self.j, action)
+
+
+def _kill(handle) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        return
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # already gone
+        pass
 
 
 def _first_line(exc: BaseException) -> str:

@@ -66,8 +66,12 @@ class RewardActor:
                 result = asyncio.run(result)
             reply = ("ok", result)
         except BaseException as exc:
-            reply = ("error", _portable(exc))
-        return pickle.loads(_dumps(reply))  # a value that cannot travel becomes a clear error
+            reply = ("error", _portable(exc, "the reward worker actor"))
+        try:
+            return pickle.loads(_dumps(reply))  # a value that cannot travel becomes a clear error
+        except Exception as exc:  # pickles, but does not unpickle
+            return "error", TypeError(f"returned {type(reply[1]).__name__}, which cannot be sent back from the "
+                                      f"reward worker actor: {exc}")
 
 
 class _Actor:
@@ -101,7 +105,8 @@ class RayRewardPool:
         self._live: set[_Actor] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self.started = 0  # actors started, replacements included (reported in the log)
+        self.started = 0  # actors started, replacements included
+        self.calls = 0  # calls answered by an actor (the reward's value or its error)
 
     def call(self, name: str, method: str, args: tuple) -> object:
         import ray
@@ -121,8 +126,13 @@ class RayRewardPool:
                     # one fresh actor. One that just answered `ready` dying on it is the call's doing.
                     continue
                 raise WorkerDied(f"{actor.describe()} died mid-call: {_first_line(exc)}") from None
+            except BaseException as exc:  # Ray failed the call some other way: this sample's failure, a fresh actor next
+                self._discard(actor)
+                raise WorkerDied(f"{actor.describe()}: the call failed in Ray: {_first_line(exc)}") from None
             break
         self._slots.put(actor)
+        with self._lock:
+            self.calls += 1
         if kind == "error":
             raise value
         return value
@@ -144,18 +154,26 @@ class RayRewardPool:
     def _acquire(self) -> tuple[_Actor, bool]:
         """(an actor, whether it was started for this call)."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError
 
         actor = self._slots.get()
+        if actor is not None and self._closed:
+            self._discard(actor)
+            actor = self._slots.get()
         if actor is not None:
             return actor, False
         with self._lock:
-            if self._closed:
+            # closed, or Ray shut down under the run (`.remote()` would start a new local Ray)
+            if self._closed or not ray.is_initialized():
                 self._slots.put(None)
-                raise RuntimeError("the reward worker pool is closed")
-        remote = ray.remote(RewardActor).options(num_cpus=self.cpus, max_restarts=0, max_concurrency=1)
-        actor = _Actor(remote.remote({**self._setup, "sys_path": list(sys.path)}))
-        with self._lock:
+                raise RuntimeError("the reward worker pool is closed" if self._closed else
+                                   "Ray is shut down: no reward worker actor can score this call")
+            try:
+                remote = ray.remote(RewardActor).options(num_cpus=self.cpus, max_restarts=0, max_concurrency=1)
+                actor = _Actor(remote.remote({**self._setup, "sys_path": list(sys.path)}))
+            except BaseException:
+                self._slots.put(None)
+                raise
             self._live.add(actor)
             self.started += 1
         try:
@@ -165,7 +183,7 @@ class RayRewardPool:
             raise WorkerStartError(
                 f"a reward worker actor did not start within {STARTUP_TIMEOUT_S} s (waiting for {self.cpus:g} CPU "
                 f"with ray.cpus_per_reward_worker, then importing {sorted(self._setup['rewards'])})") from None
-        except RayActorError as exc:
+        except BaseException as exc:
             self._discard(actor)
             raise WorkerStartError(f"a reward worker actor died while starting: {_first_line(exc)}") from None
         if kind != "ready":

@@ -93,6 +93,8 @@ class WeightUpdates:
         except ray.exceptions.RayActorError as e:  # died: its replacement starts at the newest version
             with self._weights_lock:
                 w.pulling = False
+            if self._stopped:  # killed by the shutdown
+                return
             self._lost(w, e)
             self._moved_on()
             return
