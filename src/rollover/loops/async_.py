@@ -102,6 +102,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                     **parts.metrics(stats.wall()),
                     "timing_s/wait_for_batch": waited,
                     **run.weights.metrics(),
+                    **run.worker_metrics(),
                 }
                 run.logger.log(step, metrics)
                 run.logger.log_groups(step, ledger_rows(groups))

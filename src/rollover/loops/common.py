@@ -152,6 +152,15 @@ class Run:
                                trainer_state=self.trainer.state_dict(), extra=state, keep=self.cfg.checkpoint.keep,
                                config=dump_config(self.cfg))
 
+    def worker_metrics(self) -> dict:
+        """Counts of the Ray reward and environment workers (started, died), when there are any."""
+        out = {}
+        for part in (getattr(self.rewards, "pool", None), self.env_workers):
+            metrics = getattr(part, "metrics", None)
+            if metrics is not None:
+                out.update(metrics())
+        return out
+
     def close(self) -> None:
         # environments and rewards first: they may run on Ray actors, and the engine's shutdown
         # stops a Ray instance the run started

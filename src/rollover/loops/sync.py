@@ -60,6 +60,7 @@ def step_metrics(run: Run, groups, gen: dict, train_metrics: dict, adv_info: dic
         "perf/tokens_per_s": gen["generated_tokens"] / max(gen["generate_s"], 1e-9),
         "perf/samples_per_s": samples / timings["step"],
         **run.weights.metrics(),
+        **run.worker_metrics(),
     }
 
 

@@ -164,6 +164,10 @@ class RayEnvBuilder:
         self.groups_made += 1
         return [RemoteEnv(group, j) for j in range(n)]
 
+    def metrics(self) -> dict:
+        """All-time counts for the step's metrics row."""
+        return {"ray/env_workers_started": self.started, "ray/env_worker_deaths": self.deaths}
+
     def close(self) -> None:
         import ray
 

@@ -137,6 +137,10 @@ class RayRewardPool:
             raise value
         return value
 
+    def metrics(self) -> dict:
+        """All-time counts for the step's metrics row: actors started (replacements included)."""
+        return {"ray/reward_workers_started": self.started}
+
     def close(self) -> None:
         """Kill every actor; later calls raise."""
         with self._lock:
