@@ -32,7 +32,8 @@ class Engine(Protocol):
       weights); the synchronous loop calls it before training, while the engine is idle.
     - `oldest_version`: the oldest version a token sampled from now on may carry; `version`
       except where workers load updates on their own time (RayEngine, `ray.weight_sync=lazy`),
-      which calls the `on_oldest_version(callback)` callbacks when it moves on.
+      which calls the `on_oldest_version(callback)` callbacks when it moves on; `settle()`
+      waits until it equals `version` (before an evaluation, after a restore).
     """
 
     version: int
@@ -60,6 +61,7 @@ class Engine(Protocol):
     @property
     def oldest_version(self) -> int: ...
     def on_oldest_version(self, callback: Callable[[], None]) -> None: ...
+    def settle(self) -> None: ...
     def shutdown(self) -> None: ...
 
 

@@ -49,6 +49,10 @@ class EngineAPI:
         an engine whose workers load updates on their own time (RayEngine, ray.weight_sync=lazy)."""
         return self.version
 
+    def settle(self) -> None:
+        """Return once every token sampled from now on carries `version`: at once, except where
+        workers load updates on their own time (RayEngine, ray.weight_sync=lazy)."""
+
     def on_oldest_version(self, callback: Callable[[], None]) -> None:
         """Call `callback()` whenever `oldest_version` moves on by itself (a worker loaded an
         update lazily); an engine whose versions move only in `update_weights` never calls it."""

@@ -113,6 +113,8 @@ class Run:
         """Sample the held-out prompts (or episodes) with the current weights; reward, accuracy."""
         from dataclasses import replace
 
+        self.engine.settle()  # lazy pulls: every worker holds the current weights first
+
         from rollover.rollout.core import run_groups
 
         cfg = self.cfg
@@ -449,6 +451,7 @@ def _restore(run: Run, state: dict) -> None:
         run.selection.load_state_dict(state["selection"])
     run.start_step = state["step"]
     run.weights.push(run.trainer.named_weights(), version=state["version"])
+    run.engine.settle()  # lazy pulls: no restored request is sampled before every worker holds the checkpoint's weights
     checkpoint.set_rng_state(state["rng"])
     run.resumed_extra = state
 

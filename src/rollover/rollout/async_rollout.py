@@ -68,14 +68,22 @@ class RolloutService:
         self.sampling = sampling_from(run.cfg)
         self.inflight: dict[str, PendingGroup] = {}
         self.running = 0  # samples of the groups in flight not finished yet (rows they need)
-        self.paused = False
+        self.paused = True  # until `resume()`: nothing is admitted before the restored groups are resubmitted
         self.stopping = False
         self.success_rate: dict[str, float] = {}  # prompt id -> last success rate (dynamic samples)
         self.lock = threading.RLock()
         self.busy_s = 0.0
         self.driver = SampleDriver(run, self.lock, on_finished=self._finished, on_aborted=self._aborted,
                                    on_error=lambda e: on_error("rollout service", e), on_done_callback=self._on_done)
-        run.engine.on_oldest_version(self.admit)  # a lagging worker caught up: the gate may open
+        self.driver.hold = True
+        run.engine.on_oldest_version(self._caught_up)
+
+    def _caught_up(self) -> None:
+        """A lagging worker loaded a newer version (lazy pulls): the gate may open."""
+        try:
+            self.admit()
+        except BaseException as e:
+            self.on_error("rollout service", e)
 
     def admit(self) -> None:
         with self.lock:

@@ -178,7 +178,12 @@ class SampleDriver:
             return
         if ep.env is None:  # restored from a checkpoint: replay its actions into a fresh environment
             if id(g) not in self._replay_envs:
-                self._replay_envs[id(g)] = list(self.run.env_builder.make_group(g.prompt, g.n))
+                fresh = list(self.run.env_builder.make_group(g.prompt, g.n))
+                for k in range(g.n):  # samples that need no environment give theirs up now
+                    other = g.episodes.get(k)
+                    if k in g.done or (other is not None and (other.finished or other.env is not None)):
+                        fresh[k] = None
+                self._replay_envs[id(g)] = fresh
             fresh = self._replay_envs[id(g)]
             env, fresh[j] = fresh[j], None
             if all(e is None for e in fresh):  # every sample has its environment: the group's list is done with

@@ -85,10 +85,12 @@ def check_resources(cfg) -> None:
                             f"{rc.gpus_per_worker:g} GPU on one node; the nodes ({shapes}) hold {room}")
         elif helpers and not _packs(nodes, [(rc.cpus_per_worker, rc.gpus_per_worker)] * rc.rollout_workers +
                                     [(c, 0.0) for n, c, _ in helpers for _ in range(n)]):
+            # first fit can miss a packing that exists, so this warns rather than refuses
             asked = ", ".join([f"{rc.rollout_workers} rollout x {rc.cpus_per_worker:g} CPU/{rc.gpus_per_worker:g} GPU"] +
                               [f"{n} {role} x {c:g} CPU" for n, c, role in helpers])
-            problems.append(f"the workers ({asked}) do not fit node by node into the nodes ({shapes}), "
-                            "placing the largest first")
+            log.warning("ray placement: the workers (%s) may not fit node by node into the nodes (%s): placing the "
+                        "largest first found no room for all of them; a worker that finds none waits up to its "
+                        "start timeout", asked, shapes)
     if problems:
         raise ConfigError("ray placement does not fit: " + "; ".join(problems) +
                           " (ray.rollout_workers, ray.cpus_per_worker, ray.gpus_per_worker, ray.reward_workers, "

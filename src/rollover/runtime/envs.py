@@ -140,6 +140,7 @@ class RayEnvBuilder:
         self._changed = threading.Condition(self._lock)  # a replacement came (or failed)
         self._released: queue.SimpleQueue = queue.SimpleQueue()  # (slot, key) of groups the driver let go
         self._closed = False
+        self._replacing = 0  # replacements being started
         self.error: BaseException | None = None  # make_group failed on an actor: the run stops
         self.started = 0  # actors started, replacements included
         self.deaths = 0
@@ -152,7 +153,10 @@ class RayEnvBuilder:
 
     def start(self) -> None:
         """Start every actor and wait until each has built the environment."""
-        self._slots = [self._start() for _ in range(self.workers)]
+        for _ in range(self.workers):
+            slot = self._start()
+            with self._lock:
+                self._slots.append(slot)  # kept at once: if a later one fails, close() kills this one
 
     def make_group(self, prompt: Prompt, n: int) -> list[Env]:
         if self.error is not None:
@@ -160,7 +164,9 @@ class RayEnvBuilder:
                                f"{type(self.error).__name__}: {self.error}") from self.error
         self._drop_released()
         group = _RemoteGroup(self, next(self._keys), prompt, n)
-        group.place(self._place())
+        slot = self._place(wait=False)  # none alive: the group's first call waits for a replacement
+        if slot is not None:
+            group.place(slot)
         self.groups_made += 1
         return [RemoteEnv(group, j) for j in range(n)]
 
@@ -189,9 +195,12 @@ class RayEnvBuilder:
         import ray
         from ray.exceptions import GetTimeoutError
 
-        remote = ray.remote(EnvActor).options(num_cpus=self.cpus, max_restarts=0, max_concurrency=self.concurrency)
-        handle = remote.remote(self.name, self.options, list(sys.path))
-        with self._lock:
+        with self._lock:  # closed, or Ray shut down under the run (`.remote()` would start a new local Ray)
+            if self._closed or not ray.is_initialized():
+                raise EnvWorkerStartError("the environment workers are closed")
+            remote = ray.remote(EnvActor).options(num_cpus=self.cpus, max_restarts=0,
+                                                  max_concurrency=self.concurrency)
+            handle = remote.remote(self.name, self.options, list(sys.path))
             self.started += 1
         try:
             kind, detail = ray.get(handle.ready.remote(), timeout=STARTUP_TIMEOUT_S)
@@ -208,16 +217,25 @@ class RayEnvBuilder:
             raise EnvWorkerStartError(f"an environment worker actor could not build env {self.name!r}:\n{detail}")
         return _Slot(handle, detail)
 
-    def _place(self) -> _Slot:
-        """The live actor with the fewest live groups; with none alive, wait for a replacement."""
+    def _place(self, wait: bool = True) -> _Slot | None:
+        """The live actor with the fewest live groups. With none alive: None if not `wait`, else
+        wait for a replacement (starting one again if the last start failed)."""
         with self._lock:
             live = self._live()
-            if not live and not self._closed:
+            if not live and not self._closed and wait:
+                if not self._replacing:  # every replacement failed to start: try again
+                    dead = next((s for s in self._slots if s.dead), None)
+                    if dead is not None:
+                        self._replacing += 1
+                        threading.Thread(target=self._replace, args=(dead,), name="rollover-env-worker-start",
+                                         daemon=True).start()
                 self._changed.wait_for(lambda: self._live() or self._closed, timeout=STARTUP_TIMEOUT_S)
                 live = self._live()
             if self._closed:
                 raise RuntimeError("the environment workers are closed")
             if not live:
+                if not wait:
+                    return None
                 raise EnvWorkerDied(f"every environment worker actor is dead, and no replacement was ready within "
                                     f"{STARTUP_TIMEOUT_S:g} s")
             slot = min(live, key=lambda s: s.groups)
@@ -239,21 +257,28 @@ class RayEnvBuilder:
         if closed:
             return
         log.warning("%s died; the episodes it held fail, and a fresh actor takes its place", slot.describe())
+        with self._lock:
+            self._replacing += 1
         threading.Thread(target=self._replace, args=(slot,), name="rollover-env-worker-start", daemon=True).start()
 
     def _replace(self, dead: _Slot) -> None:
+        """Start an actor in `dead`'s place (`_replacing` counted up by the caller)."""
         try:
             fresh = self._start()
         except Exception as e:
             log.error("could not start an environment worker actor in place of a dead one: %s", e)
             with self._lock:
+                self._replacing -= 1
                 self._changed.notify_all()
             return
         with self._lock:
+            self._replacing -= 1
             if self._closed:
                 _kill(fresh.handle)
             elif dead in self._slots:
                 self._slots[self._slots.index(dead)] = fresh
+            else:  # another replacement took that place first
+                _kill(fresh.handle)
             self._changed.notify_all()
 
     def _release(self, where: list, key: int) -> None:
@@ -330,6 +355,8 @@ class _RemoteGroup:
     async def _wait_made(self) -> _Slot:
         from ray.exceptions import RayActorError
 
+        if self._made is None:  # no actor was alive at make_group: wait for a replacement, off the loop
+            self.place(await asyncio.to_thread(self.builder._place))
         for attempt in range(2):  # an actor found dead before the group exists costs no episode
             slot = self.slot
             try:

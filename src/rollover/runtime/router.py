@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import wait as wait_futures
 from dataclasses import replace
@@ -271,6 +272,18 @@ class RayEngine(WeightUpdates, EngineAPI):
 
     def on_oldest_version(self, callback) -> None:
         self._version_listeners.append(callback)
+
+    def settle(self) -> None:
+        deadline = time.monotonic() + self.rc.sync_timeout_s
+        while self.oldest_version < self._version:
+            if self._error is not None:
+                raise self._error
+            if time.monotonic() > deadline:
+                with self._lock:
+                    behind = [f"{w.index} (at {w.version})" for w in self._workers if w.alive and w.version < self._version]
+                raise TimeoutError(f"rollout workers {', '.join(behind)} did not load weights version {self._version} "
+                                   f"within ray.sync_timeout_s={self.rc.sync_timeout_s:g} s")
+            time.sleep(0.01)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

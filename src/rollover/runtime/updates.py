@@ -64,12 +64,13 @@ class WeightUpdates:
         t0 = time.perf_counter()
         with self._weights_lock:
             _, _, report = self.transport.update(named_tensors, version)
-            self._version = version
+            previous, self._version = self._version, version
             workers = [w for w in self._workers if w.alive]
+            # workers that had not finished loading the previous version when this one came
+            report.lagging_workers = sum(w.version < previous for w in workers)
             for w in workers:
                 self._pull(w)
             report.workers = len(workers)
-            report.lagging_workers = sum(w.version < version for w in workers)
             report.seconds = time.perf_counter() - t0
             self.last_sync = report
         return []

@@ -47,7 +47,7 @@ class SyncReport:
     workers: int = 0
     seconds: float = 0.0
     fallback_workers: int = 0  # gloo: workers the transfer missed, served by the object store
-    lagging_workers: int = 0  # ray.weight_sync=lazy: workers still on an older version when the push returned
+    lagging_workers: int = 0  # ray.weight_sync=lazy: workers still short of the previous version at this push
 
     def metrics(self) -> dict:
         return {

@@ -263,7 +263,7 @@ def _async(cfg: Config, run, engine: SimEngine, profile: Profile, progress, rewa
     inbox.manager = DataManager(run, gate, service, inbox, batches, on_error)
     n_workers = len(engine.workers())
     rows, trainer_tl = [], []
-    service.admit()
+    service.resume()  # opens admission (the service starts held)
     t_free = 0.0
     for step in range(cfg.steps):
         t_wait = t_free
