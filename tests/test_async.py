@@ -181,6 +181,23 @@ def test_experience_pool_fills_all_fail_groups_with_fresh_successes():
     assert not pool.observe_and_fill(too_old, train_version=9, max_staleness=1)  # pooled tokens are 6 versions old
 
 
+def test_the_pool_version_estimate_counts_the_batch_in_training():
+    import queue
+    from types import SimpleNamespace
+
+    from rollover.rollout.async_rollout import DataManager
+
+    import threading
+
+    manager = DataManager.__new__(DataManager)
+    manager.run, manager.batches, manager.training = SimpleNamespace(engine=SimpleNamespace(version=3)), queue.Queue(), 0
+    manager.version_lock = threading.Lock()
+    manager.batches.put(["a batch"])
+    assert manager._train_version_estimate() == 4  # the queued batch trains at 3, the next formed one at 4
+    manager.training = 1  # the trainer took a batch and trains it at 3: the queued one trains at 4, the next at 5
+    assert manager._train_version_estimate() == 5
+
+
 def test_dynamic_samples_and_entropy_mask():
     assert dynamic_samples(None, 8, 2) == 8
     assert dynamic_samples(0.5, 8, 2) == 8  # below the threshold: the default

@@ -87,6 +87,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                 t0 = time.perf_counter()
                 run.weights.push(run.trainer.named_weights(), version=step,
                                           inflight=cfg.rollout.inflight_weight_update)
+                parts.manager.training = 0  # after the push: meanwhile the estimate errs high (refuses, never admits, a stale one)
                 t_sync = time.perf_counter() - t0
                 parts.service.admit()  # the new version opens the gate for more groups
 
@@ -179,10 +180,19 @@ class _Services:
                                      f"{self.failure['error']!r}") from self.failure["error"]
             if interrupts.requested:
                 return None
-            try:
-                return self.batches.get(timeout=0.5)
-            except queue.Empty:
-                dog.check()  # also raises if the engine thread died
+            with m.version_lock:  # taken and counted as in training at once (the experience pool's version estimate)
+                try:
+                    batch = self.batches.get_nowait()
+                except queue.Empty:
+                    batch = None
+                else:
+                    m.training = 1  # until its weights are pushed
+            if batch is not None:
+                return batch
+            with self.batches.not_empty:
+                if not self.batches.queue:
+                    self.batches.not_empty.wait(0.5)
+            dog.check()  # also raises if the engine thread died
 
     def checkpoint(self, step: int, samples_trained: int, resume: bool = True):
         """A consistent snapshot: generation paused (partials back in their groups), the data

@@ -174,6 +174,8 @@ class DataManager:
                  batches: "queue.Queue", on_error):
         self.run, self.cfg, self.gate, self.service = run, run.cfg, gate, service
         self.inbox, self.batches, self.on_error = inbox, batches, on_error
+        self.training = 0  # batches the trainer has taken and not yet pushed the weights of (0 or 1)
+        self.version_lock = threading.Lock()  # taking a batch and counting it, against the estimate below
         self.B = run.cfg.rollout.prompts_per_step
         self.next_serial = 0  # oldest serial not yet resolved
         self.resolved: dict[int, Group | None] = {}  # serial -> scored group, or None if dropped
@@ -256,8 +258,10 @@ class DataManager:
                     self.batches.put(batch)
 
     def _train_version_estimate(self) -> int:
-        """The version at which the next formed batch will train (batches queued count)."""
-        return self.run.engine.version + self.batches.qsize()
+        """The version at which the next formed batch will train: the trained version, plus one
+        for a batch the trainer is training now, plus the batches queued."""
+        with self.version_lock:
+            return self.run.engine.version + self.training + self.batches.qsize()
 
     def state_dict(self) -> dict:
         return {"next_serial": self.next_serial, "resolved": dict(self.resolved), "forming": list(self.forming),

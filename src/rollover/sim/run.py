@@ -278,6 +278,7 @@ def _async(cfg: Config, run, engine: SimEngine, profile: Profile, progress, rewa
             raise RuntimeError(f"simulation stalled before step {step + 1}: no batch formed and nothing is in flight "
                                f"({inbox.manager.describe()})")
         groups, t_ready = batches.get()
+        inbox.manager.training = 1  # until the update below (the experience pool's version estimate)
         t0 = max(t_free, t_ready)
         engine.run(until=t0)
         version = engine.version
@@ -286,6 +287,7 @@ def _async(cfg: Config, run, engine: SimEngine, profile: Profile, progress, rewa
         train_s = _train(cfg, engine, profile, t0, _trained_tokens(groups))
         sync_s = profile.sync.seconds(n_workers)
         engine.update_weights([], step + 1, cfg.rollout.inflight_weight_update, stall_s=sync_s)
+        inbox.manager.training = 0
         engine.run(until=t0 + train_s + sync_s)
         t_free = t0 + train_s + sync_s
         service.admit()
