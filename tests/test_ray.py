@@ -379,6 +379,44 @@ def test_lazy_weight_pulls_keep_every_tokens_version_exact():
     assert all(v == 3 for c in late for v in c.versions)
 
 
+def test_a_worker_that_has_not_loaded_holds_the_oldest_version_back():
+    from types import SimpleNamespace
+
+    m0, m1 = tiny_model("llama", seed=3), tiny_model("llama", seed=101)
+    cfg = load_config(runtime="ray", mode="async", **{"ray.rollout_workers": 2, "rollout.max_rows": 2,
+                                                      "ray.cpus_per_worker": 0.5, "ray.weight_sync": "lazy"})
+    eng = RayEngine(cfg, m0, weights=list(m0.state_dict().items()), device=torch.device("cpu"), max_len=512,
+                    eos_token_ids=(2,))
+    pull, held = eng._pull, []
+
+    def holding(w):  # worker 1 is not asked to load (yet): it lags
+        if w.index == 1:
+            held.append(w)
+        else:
+            pull(w)
+
+    eng._pull = holding
+    try:
+        eng.update_weights(list(m1.state_dict().items()), version=1)
+        deadline = time.monotonic() + 60
+        while eng._workers[0].version < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.version == 1 and eng.oldest_version == 0 and held  # the gate would admit by version 0
+        reqs = requests(4, 8, prefix="lag")
+        outs = eng.generate(reqs)
+        assert {v for c in outs for v in c.versions} == {0, 1}  # each worker samples with what it holds
+        for r, c in zip(reqs, outs):
+            assert_provenance(SimpleNamespace(prompt_ids=r.prompt_ids, response_ids=c.response_ids, logprobs=c.logprobs,
+                                              versions=c.versions, group_id=c.id), {0: m0, 1: m1})
+        eng._pull = pull
+        with eng._weights_lock:
+            pull(held[0])
+        eng.settle()
+        assert eng.oldest_version == 1
+    finally:
+        eng.shutdown()
+
+
 def test_a_worker_dying_with_no_restart_left_fails_its_requests_naming_it():
     m = tiny_model("llama", seed=3)
     eng = ray_engine(m, workers=1, cpus_per_worker=0.5, max_restarts=0)
