@@ -410,3 +410,25 @@ def test_packed_weights_can_be_turned_off_with_the_same_outputs(model):
     finally:
         on.shutdown()
         off.shutdown()
+
+
+def test_make_engine_starts_at_a_given_version(monkeypatch):
+    """A Ray worker's replacement starts at the current version (vLLM refuses a weightless update)."""
+    from rollover.config import load_config
+    from rollover.engine import make_engine
+    from rollover.engine.vllm_engine import VLLMEngine
+
+    model = tiny_model("llama", seed=3)
+    cfg = load_config(**{"rollout.max_rows": 2})
+    eng = make_engine(cfg, model, weights=list(model.state_dict().items()), device=torch.device("cpu"), max_len=64,
+                      eos_token_ids=(2,), version=4)
+    try:
+        (c,) = eng.generate([Request(id="v", prompt_ids=[5, 6], sampling=SamplingParams(max_new_tokens=3, ignore_eos=True))])
+        assert eng.version == 4 and c.versions == [4, 4, 4]
+    finally:
+        eng.shutdown()
+    seen = {}
+    monkeypatch.setattr(VLLMEngine, "__init__", lambda self, model, **kw: seen.update(kw))
+    make_engine(load_config(**{"rollout.engine": "vllm"}), model, weights=[], device=torch.device("cpu"), max_len=64,
+                eos_token_ids=(2,), version=4)
+    assert seen["version"] == 4

@@ -73,9 +73,9 @@ def __getattr__(name):  # lazy: importing rollover.engine does not build anythin
     raise AttributeError(name)
 
 
-def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_ids):
+def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_ids, version: int = 0):
     """The engine a run's config asks for, holding `weights` (named tensors, LoRA merged) as
-    version 0. `architecture` is a Hugging Face model of the policy's architecture (its config
+    `version` (0; a Ray worker's replacement starts at the current one). `architecture` is a Hugging Face model of the policy's architecture (its config
     and module names; TorchEngine copies it), not the trainer's."""
     r = cfg.rollout
     dtype = r.dtype
@@ -85,7 +85,7 @@ def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_i
         from rollover.engine.vllm_engine import VLLMEngine
 
         return VLLMEngine.from_config(cfg, weights=weights, max_len=max_len, dtype=dtype, eos_token_ids=eos_token_ids,
-                                      **r.engine_options)
+                                      version=version, **r.engine_options)
     from rollover.engine.torch_engine import TorchEngine
 
     if r.quantize == "int8" and device.type == "cpu" and dtype == "float32":
@@ -94,5 +94,5 @@ def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_i
         raise ConfigError("rollout.quantize=int8 on a CPU needs rollout.dtype=bfloat16: torch's int8 kernel has no "
                           "fast path for float32 activations there (5-35x slower than the float32 GEMM, measured)")
     return TorchEngine(architecture, state_dict=dict(weights), device=str(device), dtype=dtype,
-                       max_rows=r.max_rows, max_len=max_len, seed=cfg.seed, eos_token_ids=eos_token_ids,
+                       max_rows=r.max_rows, max_len=max_len, seed=cfg.seed, eos_token_ids=eos_token_ids, version=version,
                        quantize=None if r.quantize == "none" else r.quantize, **r.engine_options)

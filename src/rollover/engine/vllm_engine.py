@@ -192,11 +192,12 @@ class VLLMEngine(EngineAPI):
         )
 
     @classmethod
-    def from_config(cls, cfg, *, weights, max_len: int, dtype, eos_token_ids, **engine_options) -> "VLLMEngine":
+    def from_config(cls, cfg, *, weights, max_len: int, dtype, eos_token_ids, version: int = 0,
+                    **engine_options) -> "VLLMEngine":
         """An engine for a run: the run's model and settings, holding `weights` (named
-        tensors, LoRA merged) as version 0."""
+        tensors, LoRA merged) as `version`."""
         return cls(cfg.model, dtype=dtype, max_rows=cfg.rollout.max_rows, max_len=max_len, seed=cfg.seed,
-                   eos_token_ids=eos_token_ids, weights=weights, **engine_options)
+                   version=version, eos_token_ids=eos_token_ids, weights=weights, **engine_options)
 
     # ------------------------------------------------------------------ API
     @property

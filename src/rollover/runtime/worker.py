@@ -38,10 +38,9 @@ class RolloutWorker:
         names = list(weight_refs)
         tensors = ray.get([weight_refs[n] for n in names])
         architecture = SimpleNamespace(config=arch_config, generation_config=generation_config)
+        # a replacement starts at the current version (VLLMEngine refuses an update without every weight)
         self.engine = make_engine(cfg, architecture, weights=list(zip(names, tensors)), device=torch.device(device),
-                                  max_len=max_len, eos_token_ids=eos_token_ids)
-        if version:
-            self.engine.update_weights([], version=version)
+                                  max_len=max_len, eos_token_ids=eos_token_ids, version=version)
         self.weights = {n: t for n, t in zip(names, tensors)} if delta else None  # what deltas apply to
         self.receiver = None  # ray.weight_transport=gloo: this worker's side of the weights group
         self._load_lock = threading.Lock()  # a gloo transfer's check and load, against a newer group's
