@@ -40,9 +40,10 @@ import traceback
 import weakref
 
 from rollover.envs.base import Action, Env, EnvLost, StepResult
+from rollover.rewards.pool import STARTUP_TIMEOUT_S  # the reward workers' bound on a start, too
+from rollover.runtime.live import first_line, kill_actor
 from rollover.types import Prompt
 
-STARTUP_TIMEOUT_S = 120.0
 log = logging.getLogger("rollover")
 
 
@@ -183,7 +184,7 @@ class RayEnvBuilder:
             self._changed.notify_all()
         if ray.is_initialized():
             for slot in slots:
-                _kill(slot.handle)
+                kill_actor(slot.handle)
 
     @property
     def pids(self) -> list[int]:
@@ -205,15 +206,15 @@ class RayEnvBuilder:
         try:
             kind, detail = ray.get(handle.ready.remote(), timeout=STARTUP_TIMEOUT_S)
         except GetTimeoutError:
-            _kill(handle)
+            kill_actor(handle)
             raise EnvWorkerStartError(
                 f"an environment worker actor did not start within {STARTUP_TIMEOUT_S:g} s ({self.cpus:g} CPU with "
                 f"ray.cpus_per_env_worker, then building env {self.name!r})") from None
         except Exception as exc:
-            _kill(handle)
-            raise EnvWorkerStartError(f"an environment worker actor died while starting: {_first_line(exc)}") from None
+            kill_actor(handle)
+            raise EnvWorkerStartError(f"an environment worker actor died while starting: {first_line(exc)}") from None
         if kind != "ready":
-            _kill(handle)
+            kill_actor(handle)
             raise EnvWorkerStartError(f"an environment worker actor could not build env {self.name!r}:\n{detail}")
         return _Slot(handle, detail)
 
@@ -253,7 +254,7 @@ class RayEnvBuilder:
             slot.dead = True
             self.deaths += 1
             closed = self._closed
-        _kill(slot.handle)
+        kill_actor(slot.handle)
         if closed:
             return
         log.warning("%s died; the episodes it held fail, and a fresh actor takes its place", slot.describe())
@@ -274,11 +275,11 @@ class RayEnvBuilder:
         with self._lock:
             self._replacing -= 1
             if self._closed:
-                _kill(fresh.handle)
+                kill_actor(fresh.handle)
             elif dead in self._slots:
                 self._slots[self._slots.index(dead)] = fresh
             else:  # another replacement took that place first
-                _kill(fresh.handle)
+                kill_actor(fresh.handle)
             self._changed.notify_all()
 
     def _release(self, where: list, key: int) -> None:
@@ -342,7 +343,7 @@ class _RemoteGroup:
         except RayActorError as exc:
             self.builder._died(slot)
             raise EnvWorkerDied(f"{slot.describe()} died, and this episode's environment with it: "
-                                f"{_first_line(exc)}") from None
+                                f"{first_line(exc)}") from None
         if kind == "error":
             raise value
         return value
@@ -365,7 +366,7 @@ class _RemoteGroup:
                 self.builder._died(slot)
                 if attempt:
                     raise EnvWorkerDied(f"{slot.describe()} died while making this task's environments: "
-                                        f"{_first_line(exc)}") from None
+                                        f"{first_line(exc)}") from None
                 with self.builder._lock:
                     slot.groups -= 1
                 self.place(await asyncio.to_thread(self.builder._place))
@@ -389,19 +390,3 @@ class RemoteEnv:
 
     async def step(self, action: Action) -> StepResult:
         return await self.group.call("step", self.j, action)
-
-
-def _kill(handle) -> None:
-    import ray
-
-    if not ray.is_initialized():
-        return
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception:  # already gone
-        pass
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

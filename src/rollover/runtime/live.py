@@ -71,3 +71,16 @@ def first_line(e: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def kill_actor(handle) -> None:
+    """Kill a Ray actor for good; nothing if it is already gone or Ray is shut down (its actors
+    went with it)."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # already gone
+        pass

@@ -32,6 +32,7 @@ from typing import Sequence
 
 from rollover.rewards.pool import STARTUP_TIMEOUT_S, RewardTimeout, WorkerDied, WorkerStartError
 from rollover.rewards.registry import Reward
+from rollover.runtime.live import first_line, kill_actor
 
 
 class RewardActor:
@@ -125,10 +126,10 @@ class RayRewardPool:
                     # A kept actor may have died while idle, through no fault of this call: it gets
                     # one fresh actor. One that just answered `ready` dying on it is the call's doing.
                     continue
-                raise WorkerDied(f"{actor.describe()} died mid-call: {_first_line(exc)}") from None
+                raise WorkerDied(f"{actor.describe()} died mid-call: {first_line(exc)}") from None
             except BaseException as exc:  # Ray failed the call some other way: this sample's failure, a fresh actor next
                 self._discard(actor)
-                raise WorkerDied(f"{actor.describe()}: the call failed in Ray: {_first_line(exc)}") from None
+                raise WorkerDied(f"{actor.describe()}: the call failed in Ray: {first_line(exc)}") from None
             break
         self._slots.put(actor)
         with self._lock:
@@ -147,7 +148,7 @@ class RayRewardPool:
             self._closed = True
             live, self._live = list(self._live), set()
         for actor in live:
-            _kill(actor)
+            kill_actor(actor.handle)
 
     @property
     def pids(self) -> list[int]:
@@ -189,7 +190,7 @@ class RayRewardPool:
                 f"with ray.cpus_per_reward_worker, then importing {sorted(self._setup['rewards'])})") from None
         except BaseException as exc:
             self._discard(actor)
-            raise WorkerStartError(f"a reward worker actor died while starting: {_first_line(exc)}") from None
+            raise WorkerStartError(f"a reward worker actor died while starting: {first_line(exc)}") from None
         if kind != "ready":
             self._discard(actor)
             raise WorkerStartError(f"a reward worker actor could not rebuild the rewards:\n{detail}")
@@ -198,23 +199,7 @@ class RayRewardPool:
 
     def _discard(self, actor: _Actor) -> None:
         """Kill `actor` and give its slot to a fresh one, started by the slot's next call."""
-        _kill(actor)
+        kill_actor(actor.handle)
         with self._lock:
             self._live.discard(actor)
         self._slots.put(None)
-
-
-def _kill(actor: _Actor) -> None:
-    import ray
-
-    if not ray.is_initialized():
-        return  # Ray is gone, and its actors with it
-    try:
-        ray.kill(actor.handle, no_restart=True)
-    except Exception:  # already dead
-        pass
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -55,6 +55,28 @@ class WeightUpdates:
         return out
 
     # ------------------------------------------------------------ lazy pulls
+    @property
+    def oldest_version(self) -> int:
+        if self.rc.weight_sync == "eager":
+            return self._version  # every live worker loaded it before update_weights returned
+        with self._lock:
+            return min((w.version for w in self._workers if w.alive), default=self._version)
+
+    def on_oldest_version(self, callback) -> None:
+        self._version_listeners.append(callback)
+
+    def settle(self) -> None:
+        deadline = time.monotonic() + self.rc.sync_timeout_s
+        while self.oldest_version < self._version:
+            if self._error is not None:
+                raise self._error
+            if time.monotonic() > deadline:
+                with self._lock:
+                    behind = [f"{w.index} (at {w.version})" for w in self._workers if w.alive and w.version < self._version]
+                raise TimeoutError(f"rollout workers {', '.join(behind)} did not load weights version {self._version} "
+                                   f"within ray.sync_timeout_s={self.rc.sync_timeout_s:g} s")
+            time.sleep(0.01)
+
     def _publish(self, named_tensors, version: int) -> list[Completion]:
         """ray.weight_sync=lazy: put `version` in the object store, ask every worker without a
         load on its way to load it, and return. Tokens carry each worker's own version; the
