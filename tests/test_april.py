@@ -189,8 +189,9 @@ def test_carry_auto_keeps_kv_where_the_engine_can_and_the_objective_corrects(mod
     assert carry(**{"algorithm.loss": "ppo", "algorithm.tis_cap": 2.0}).april_carry[0] == "keep_kv"
     mode, why = carry(**{"algorithm.loss": "ppo"}).april_carry  # nothing corrects older tokens
     assert mode == "resubmit" and "does not correct" in why
-    mode, why = carry(**{"rollout.engine": "vllm"}).april_carry
-    assert mode == "resubmit" and "rollout.engine=vllm" in why
+    mode, why = carry(**{"rollout.engine": "vllm"}).april_carry  # vLLM keeps K/V too (pause mode "keep")
+    assert mode == "keep_kv" and why.startswith("vLLM keeps K/V")
+    assert carry(**{"rollout.engine": "vllm", "env.name": "guess_number"}).april_carry[0] == "resubmit"
     assert carry(**{"partial_rollout.carry": "resubmit"}).april_carry == ("resubmit", "partial_rollout.carry=resubmit in the config")
     assert load_config(model=model_dir, run_dir=str(tmp_path)).algorithm.loss == "ppo"  # sync without APRIL: unchanged
     # in a run: the metrics say which mode ran

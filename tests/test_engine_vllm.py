@@ -216,6 +216,104 @@ def test_update_weights_abort_returns_partials(engine, model, new_model):
     engine.update_weights(model.named_parameters(), version=v0 + 6)
 
 
+def keep_reference(old, new, prompt_ids, response_ids, j):
+    """Logprobs (and greedy picks) of a response whose first j tokens came from `old` and the
+    rest from `new` decoding over the K/V `old` computed: a request kept across a weight update.
+    The last old token's own K/V is computed by `new` (it is the input of new's first step)."""
+    from transformers import DynamicCache
+
+    ids, P = torch.tensor([prompt_ids + response_ids]), len(prompt_ids)
+    with torch.no_grad():
+        before = old(ids).logits[0, P - 1 : P + j - 1]
+        cache = DynamicCache()
+        old(ids[:, : P + j - 1], past_key_values=cache, use_cache=True)
+        after = new(ids[:, P + j - 1 : -1], past_key_values=cache, use_cache=True).logits[0]
+    z = torch.log_softmax(torch.cat([before, after]).float(), -1)
+    return z.gather(1, torch.tensor(response_ids)[:, None]).squeeze(1), z.argmax(-1)
+
+
+def check_kept(out, j, v0, v1, model, new_model):
+    """out's first j tokens are the old weights', the rest the new weights' over the old K/V."""
+    n = len(out.response_ids)
+    assert 0 < j < n and out.versions == [v0] * j + [v1] * (n - j)
+    ref, greedy = keep_reference(model, new_model, out.prompt_ids, out.response_ids, j)
+    assert out.response_ids == greedy.tolist()
+    assert torch.allclose(torch.tensor(out.logprobs), ref, atol=ATOL)
+    # not what recomputing the K/V gives: the check tells keep from continue
+    recomputed = hf_logprobs(new_model, out.prompt_ids, out.response_ids)
+    assert not torch.allclose(ref[j + 1 :], recomputed[j + 1 :], atol=1e-2)
+
+
+def test_pause_and_keep_update_go_on_over_the_old_kv(engine, model, new_model):
+    """APRIL's keep_kv on vLLM: a paused request generates nothing, keeps its K/V across a
+    'keep' update, and goes on from it at resume; each token carries the version of the
+    weights that made it (vLLM's per-step weight versions), however late it was delivered."""
+    v0, recomputed = engine.version, engine.stats().recomputed_tokens
+    new = list(new_model.named_parameters())
+
+    def pause_update_resume():
+        engine.pause()
+        n = engine.lengths()["k"]
+        time.sleep(0.3)
+        assert engine.paused and engine.lengths() == {"k": n}  # nothing generated while paused
+        assert engine.update_weights(new, version=v0 + 1, inflight="keep") == []
+        assert engine.lengths() == {"k": n}
+        engine.resume()
+        return n
+
+    out, j = stream_until(engine, Request(id="k", prompt_ids=[60, 61, 62], sampling=LONG), 4, pause_update_resume)
+    assert j >= 4 and out.finish == "length" and not engine.paused
+    check_kept(out, j, v0, v0 + 1, model, new_model)
+    assert engine.stats().recomputed_tokens == recomputed  # no K/V computed again
+    engine.update_weights(model.named_parameters(), version=v0 + 2)
+
+
+def test_keep_update_while_running_pauses_vllm_around_the_load(engine, model, new_model):
+    """'keep' without a pause: vLLM is paused for the load and resumed; the running request
+    goes on over its old K/V, with the version switching exactly where the weights did."""
+    v0 = engine.version
+    new = list(new_model.named_parameters())
+    out, _ = stream_until(engine, Request(id="r", prompt_ids=[40, 41], sampling=LONG), 4,
+                          lambda: engine.update_weights(new, version=v0 + 1, inflight="keep"))
+    assert not engine.paused and out.finish == "length"
+    check_kept(out, out.versions.index(v0 + 1), v0, v0 + 1, model, new_model)
+    engine.update_weights(model.named_parameters(), version=v0 + 2)
+
+
+def test_keep_update_restarts_a_request_with_no_token_yet(engine, model, new_model):
+    """A request queued while paused has no token when a 'keep' update lands: it restarts under
+    the new weights (its prompt is not prefilled by the old ones), so it is wholly on-policy."""
+    v0 = engine.version
+    engine.pause()
+    fut = engine.submit(Request(id="q", prompt_ids=[33, 34, 35], sampling=GREEDY))
+    time.sleep(0.2)
+    assert engine.lengths() == {"q": 0}
+    engine.update_weights(new_model.named_parameters(), version=v0 + 1, inflight="keep")
+    engine.resume()
+    out = fut.result(timeout=60)
+    assert out.versions == [v0 + 1] * K
+    with TorchEngine(new_model, max_rows=2, max_len=MAX_LEN, eos_token_ids=[]) as new_ref:
+        want = new_ref.generate([Request(id="q", prompt_ids=[33, 34, 35], sampling=GREEDY)])[0]
+    assert out.response_ids == want.response_ids
+    assert torch.allclose(torch.tensor(out.logprobs), hf_logprobs(new_model, out.prompt_ids, out.response_ids), atol=ATOL)
+    engine.update_weights(model.named_parameters(), version=v0 + 2)
+
+
+def test_no_prefix_cached_under_old_weights_is_reused(engine, model, new_model):
+    """vLLM caches full K/V blocks of prompts; after a weight update (here 'keep', which cannot
+    reset the cache) a prompt seen before must be computed again under the new weights."""
+    v0 = engine.version
+    prompt = [(7 * i) % 90 + 5 for i in range(MAX_LEN - 2 * 8)]  # longer than a CPU block (128)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    first = engine.generate([Request(id="p0", prompt_ids=prompt, sampling=sp)])[0]
+    assert torch.allclose(torch.tensor(first.logprobs), hf_logprobs(model, prompt, first.response_ids), atol=ATOL)
+    engine.update_weights(new_model.named_parameters(), version=v0 + 1, inflight="keep")
+    again = engine.generate([Request(id="p1", prompt_ids=prompt, sampling=sp)])[0]
+    assert again.versions == [v0 + 1] * 8
+    assert torch.allclose(torch.tensor(again.logprobs), hf_logprobs(new_model, prompt, again.response_ids), atol=ATOL)
+    engine.update_weights(model.named_parameters(), version=v0 + 2)
+
+
 def test_update_weights_rejects_bad_weights(engine, model):
     v0 = engine.version
     good = list(model.named_parameters())
@@ -405,8 +503,75 @@ def test_training_runs_on_vllm(tmp_path, april):
     assert result["step"] == 2
     rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
-    if april:
-        assert all(r["rollout/discarded_tokens"] == 0 for r in rows)
+    if april:  # APRIL's defaults on vLLM: keep_kv (decoupled PPO corrects the older tokens)
+        assert all(r["rollout/discarded_tokens"] == 0 and r["rollout/carry_keep_kv"] == 1 for r in rows)
     before = dict(tiny_model("llama", seed=3, **ARCH).named_parameters())
     after = load_file(str(tmp_path / "run" / "checkpoints" / "step_000002" / "model" / "model.safetensors"))
     assert any(not torch.equal(before[k].detach(), after[k]) for k in after)  # it trained
+
+
+def test_april_keep_kv_on_vllm_loses_nothing_and_labels_every_token(tmp_path):
+    """APRIL with carry=keep_kv on vLLM, long-tailed budgets and a weight update (new random
+    weights) after every step: no sample is lost or trained twice, and every trained token's
+    logprob is what the weights of its version gave it: a sample under one version equals that
+    model's forward; a sample kept across one update equals the old model's K/V continued by
+    the new one (`keep_reference`)."""
+    import random
+
+    from rollover.config import load_config
+    from rollover.loops.common import build_run
+    from rollover.rollout.april import AprilCollector
+
+    path = save_model(tiny_model("llama", seed=3, **ARCH), tmp_path / "tiny")
+    cfg = load_config(**{
+        "model": path, "run_dir": str(tmp_path / "run"), "seed": 5, "resume": "never",
+        "data.train": "gen:arithmetic?n=200", "data.eval_size": 4, "data.max_prompt_tokens": 64,
+        "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 24,
+        "rollout.max_rows": 6, "rollout.ignore_eos": True, "rollout.engine": "vllm", "rollout.engine_options": OPTIONS,
+        "reward.functions": ["numeric"], "partial_rollout.enabled": True, "partial_rollout.oversample": 2.0,
+        "partial_rollout.max_carry_steps": 100, "partial_rollout.carry": "keep_kv", "eval.every": 0,
+        "eval.at_start": False, "logging.progress": False, "logging.tensorboard": False,
+    })
+    run = build_run(cfg)
+    rng, draw = random.Random(0), run.next_groups
+
+    def next_groups(k, version):  # long-tailed budgets: some samples outlive their step
+        groups = draw(k, version)
+        for g in groups:
+            g.budgets = [24 if rng.random() < 0.4 else rng.randint(1, 24) for _ in range(g.n)]
+        return groups
+
+    run.next_groups = next_groups
+    models = {0: tiny_model("llama", seed=3, **ARCH)}
+    col = AprilCollector(run)
+    assert col.keep_kv
+    trained = {}
+    try:
+        for step in range(4):
+            groups, m = col.collect(step)
+            assert m["discarded_tokens"] == 0 and len(groups) == 2
+            for g in groups:
+                assert g.id not in trained
+                trained[g.id] = g
+            models[step + 1] = tiny_model("llama", seed=100 + step, **ARCH)
+            run.engine.update_weights(models[step + 1].named_parameters(), version=step + 1, inflight=col.inflight_mode)
+        drawn = {f"g{i}" for i in range(run.serial)}
+        carried = {g.id for g in col.buffer} | set(col.inflight) | {g.id for g in col.ready_carry}
+        assert set(trained) | carried == drawn and not (set(trained) & carried)
+        spanned = 0
+        for g in trained.values():
+            for r in g.rollouts:
+                vs = sorted(set(r.versions))
+                assert r.versions == sorted(r.versions) and len(r.response_ids) <= 24
+                if len(vs) == 1:
+                    want = hf_logprobs(models[vs[0]], r.prompt_ids, r.response_ids)
+                elif len(vs) == 2 and vs[1] == vs[0] + 1:
+                    spanned += 1
+                    want, _ = keep_reference(models[vs[0]], models[vs[1]], r.prompt_ids, r.response_ids,
+                                             r.versions.count(vs[0]))
+                else:
+                    continue
+                assert torch.allclose(torch.tensor(r.logprobs), want, atol=ATOL), (r.group_id, r.versions)
+        assert spanned > 0
+    finally:
+        run.close()

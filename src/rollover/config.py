@@ -187,9 +187,9 @@ class PartialRolloutConfig(Section):
     their tokens (K/V recomputed under the new weights: exact, APRIL's design); `keep_kv` pauses
     them in the engine and continues on the K/V the older weights computed (PipelineRL-style
     in-flight update: no recompute; every token's logprob and version are still those it was
-    sampled with). TorchEngine only. `auto`: keep_kv where the engine can keep K/V (TorchEngine,
-    single-turn) and the objective corrects tokens sampled under older weights (decoupled_ppo,
-    bapo, tis_cap or m2po_tau), else resubmit; the run logs which and why
+    sampled with). TorchEngine, and vLLM through its `pause_generation(mode="keep")`. `auto`:
+    keep_kv for single-turn runs whose objective corrects tokens sampled under older weights
+    (decoupled_ppo, bapo, tis_cap or m2po_tau), else resubmit; the run logs which and why
     (`Config.april_carry`)."""
     adaptive: bool = False
     """Adjust alpha each step from the observed completion rate."""
@@ -648,8 +648,6 @@ class Config(Section):
         p, a = self.partial_rollout, self.algorithm
         if p.carry != "auto":
             return p.carry, f"partial_rollout.carry={p.carry} in the config"
-        if self.rollout.engine != "torch":
-            return "resubmit", f"rollout.engine={self.rollout.engine} cannot keep K/V across a weight update"
         if self.env.name is not None:
             return "resubmit", "episodes carry their tokens and environment state"
         corrected = [n for n, on in (("algorithm.loss=" + str(a.loss), a.loss in ("decoupled_ppo", "bapo")),
@@ -658,7 +656,8 @@ class Config(Section):
         if not corrected:
             return "resubmit", (f"algorithm.loss={a.loss} without tis_cap or m2po_tau does not correct tokens "
                                 "sampled under older weights, so their K/V is recomputed")
-        return "keep_kv", (f"TorchEngine keeps K/V across weight updates and {corrected[0]} corrects the "
+        engine = "TorchEngine" if self.rollout.engine == "torch" else "vLLM"
+        return "keep_kv", (f"{engine} keeps K/V across weight updates and {corrected[0]} corrects the "
                            "older tokens: no carried prefix is prefilled again")
 
     @model_validator(mode="after")
@@ -689,8 +688,6 @@ class Config(Section):
                             "or max_carry_steps >= 1")
         if r.quantize != "none" and r.engine != "torch":
             problems.append(f"rollout.quantize={r.quantize} is TorchEngine's (rollout.engine=torch)")
-        if p.enabled and p.carry == "keep_kv" and r.engine != "torch":
-            problems.append("partial_rollout.carry=keep_kv needs rollout.engine=torch (it pauses the engine with K/V kept)")
         if self.mode == "async" and p.enabled:
             problems.append("partial_rollout.enabled applies to sync mode; async mode already overlaps generation "
                             "with training and carries in-flight requests across weight updates "

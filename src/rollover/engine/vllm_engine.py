@@ -22,11 +22,23 @@ Where it departs from TorchEngine (docs/vllm.md has the details):
   reached this process yet; they are dropped and counted nowhere (not in `generated_tokens`).
 - `update_weights` writes the tensors to a safetensors file (in /dev/shm where it exists) and
   every vLLM worker reloads them in place with vLLM's layer-wise reload (which redoes its
-  kernel-format packing, e.g. the CPU backend's oneDNN weights); then the prefix cache is
-  reset. It needs every weight of the model. 'continue' aborts the running segments and starts
-  new ones after the load, so their K/V is recomputed under the new weights, as in
-  TorchEngine. Called from the loop thread (a done-callback) it returns before the load has
-  finished; no segment starts until it has.
+  kernel-format packing, e.g. the CPU backend's oneDNN weights). It needs every weight of the
+  model. 'continue' aborts the running segments and starts new ones after the load, so their
+  K/V is recomputed under the new weights, as in TorchEngine. 'keep' pauses vLLM with its
+  requests and their K/V kept (`pause_generation(mode="keep")`), loads, and resumes them: later
+  tokens come from the new weights over the K/V the old ones computed, as TorchEngine's 'keep'.
+  Called from the loop thread (a done-callback) it returns before the load has finished; no
+  segment starts until it has.
+- Token versions come from vLLM itself: the engine core stamps every step's outputs with its
+  weight version (set to rollover's at each load, while nothing runs), and a request's output
+  state keeps where each version's tokens start, so a request kept across a load has each token
+  labelled by the weights of the step that made it, however late its outputs are delivered.
+- Prefix cache: every segment's prompt is salted with the version it starts under
+  (`cache_salt`), so a new request never reuses K/V that older weights computed, while requests
+  kept across a load still hold theirs (a cache reset would need them gone).
+- `pause()` returns at once (it never waits on the loop, so a scheduler may call it under its
+  lock); it takes effect before any later `lengths`, `update_weights` or `resume`, each of which
+  sees every token vLLM made before the pause delivered.
 - `stats()` is built from vLLM's per-step stats, see `_StepCounter`. prefill_s / decode_s are
   not measured (0).
 - A sequence that reaches the context stops at `max_len` tokens in all (TorchEngine: one more,
@@ -38,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import logging
 import math
 import os
 import tempfile
@@ -80,6 +93,7 @@ class _Seq:
     task: asyncio.Task | None = None
     sub_id: str | None = None  # the current vLLM request
     running: bool = False  # its vLLM request is live
+    segment_tokens: int = 0  # tokens received from the current vLLM request
 
     @property
     def id(self) -> str:
@@ -152,7 +166,10 @@ class VLLMEngine(EngineAPI):
         self._stopped = False
         self._seqs: dict[str, _Seq] = {}  # loop thread only
         self._ids = itertools.count()
-        self._update_task: asyncio.Task | None = None
+        self._control: asyncio.Task | None = None  # the last pause / resume / load (they run in order)
+        self._loads = 0  # weight loads begun and not finished (loop thread)
+        self._paused = False  # asked to pause (pause() / resume())
+        self._vllm_paused = False  # vLLM is paused (loop thread)
 
         args = dict(
             model=path, dtype=dtype, max_model_len=self.max_len, max_num_seqs=max_rows, seed=seed,
@@ -190,6 +207,7 @@ class VLLMEngine(EngineAPI):
         self._llm = AsyncLLM.from_engine_args(
             vllm.AsyncEngineArgs(**args), stat_loggers=[lambda config, idx: _StepCounter(counters, max_rows)]
         )
+        await self._llm.update_weight_version(str(self._version))  # stamps every step's tokens
 
     @classmethod
     def from_config(cls, cfg, *, weights, max_len: int, dtype, eos_token_ids, version: int = 0,
@@ -244,12 +262,15 @@ class VLLMEngine(EngineAPI):
         """Load new weights in place, without a restart; later tokens carry `version`.
 
         inflight='continue': running sequences are resubmitted from their tokens once the new
-        weights are in (their K/V recomputed). inflight='abort': they are aborted and returned.
-        Every weight of the model must be given (names and shapes are checked here, before
-        anything changes). The tensors are copied before this returns.
+        weights are in (their K/V recomputed). inflight='keep': they stay in vLLM, paused while
+        the weights load, and go on over the K/V the old weights computed (a sequence that has
+        not produced a token yet is resubmitted, so no prompt is prefilled under old weights and
+        decoded under new ones). inflight='abort': they are aborted and returned. Every weight
+        of the model must be given (names and shapes are checked here, before anything
+        changes). The tensors are copied before this returns.
         """
-        if inflight not in ("continue", "abort"):
-            raise ValueError(f"inflight must be 'continue' or 'abort', got {inflight!r}")
+        if inflight not in ("continue", "keep", "abort"):
+            raise ValueError(f"inflight must be 'continue', 'keep' or 'abort', got {inflight!r}")
         items = [(k, v.detach()) for k, v in named_tensors]
         self._check_weights(items)
         path = self._write_weights(items)
@@ -265,18 +286,27 @@ class VLLMEngine(EngineAPI):
 
     @property
     def paused(self) -> bool:
-        return False  # it never pauses: see pause()
+        return self._paused
 
     def pause(self) -> None:
-        raise NotImplementedError("VLLMEngine cannot pause with sequences kept in their rows; "
-                                  "partial_rollout.carry=keep_kv needs rollout.engine=torch")
+        """Stop generating; running requests keep their K/V in vLLM (`pause_generation` in
+        mode "keep"). Returns at once; later `lengths`, `update_weights` and `resume` act after
+        it, with every token made before it delivered. Requests, aborts and weight updates are
+        still accepted while paused; new requests start at `resume`."""
+        self._on_loop(self._begin_pause, wait=False)
 
     def resume(self) -> None:
-        raise NotImplementedError("VLLMEngine never pauses (see pause)")
+        """Go on generating (the kept requests first). Waits for vLLM unless called from a callback."""
+        done = self._on_loop(lambda: self._set_paused(False), wait=True)
+        if not self._in_loop():
+            done.result()
 
     def lengths(self) -> dict[str, int]:
-        raise NotImplementedError("VLLMEngine does not report live lengths; "
-                                  "partial_rollout.carry=keep_kv needs rollout.engine=torch")
+        """Response tokens so far of every unfinished request. After a pause it waits until what
+        vLLM made before the pause has arrived (from a callback it answers at once)."""
+        if self._in_loop():
+            return self._lengths_now()
+        return self._on_loop(lambda: self._after_control(self._drained_lengths), wait=True).result()
 
     def stats(self) -> EngineStats:
         """Counters since start or `reset_stats` (see `_StepCounter`); raises if vLLM died."""
@@ -399,16 +429,20 @@ class VLLMEngine(EngineAPI):
             logprobs=0, output_kind=RequestOutputKind.DELTA, detokenize=False,
         )
         seq.sub_id = f"{seq.id}#{next(self._ids)}"
-        seq.running = True
+        seq.running, seq.segment_tokens = True, 0
+        # salted by version: no prefix computed under other weights is reused
+        prompt = vllm.TokensPrompt(prompt_token_ids=tokens, cache_salt=f"rollover-v{version}")
         try:
-            async for out in self._llm.generate(vllm.TokensPrompt(prompt_token_ids=tokens), params, seq.sub_id):
+            async for out in self._llm.generate(prompt, params, seq.sub_id):
                 c = out.outputs[0]
-                for tok, lp in zip(c.token_ids, c.logprobs):
+                versions = self._token_versions(seq.sub_id, c, seq.segment_tokens, version)
+                seq.segment_tokens += len(c.token_ids)
+                for tok, lp, v in zip(c.token_ids, c.logprobs, versions):
                     seq.response_ids.append(tok)
                     seq.logprobs.append(lp[tok].logprob)
-                    seq.versions.append(version)
+                    seq.versions.append(v)
                     if seq.on_token is not None:
-                        seq.on_token(tok, lp[tok].logprob, version)
+                        seq.on_token(tok, lp[tok].logprob, v)
                 with self._counters.lock:
                     self._counters.stats.generated_tokens += len(c.token_ids)
                 if out.finished:
@@ -418,6 +452,25 @@ class VLLMEngine(EngineAPI):
             raise
         except Exception as e:  # vLLM died or refused: fail loudly, every request
             self._fail(e)
+
+    def _token_versions(self, sub_id: str, c, start: int, version: int) -> list[int]:
+        """The weight version of each of `c`'s new tokens (positions start.. of the vLLM request),
+        from the version spans vLLM tracks per request; `version` (the segment's) where vLLM
+        has no label for them."""
+        if c.weight_versions is not None:  # a finished request: its spans
+            starts = [(span.version, span.start) for span in c.weight_versions]
+        else:
+            processor = self._llm.output_processor  # keyed by vLLM's internal ids
+            internal = processor.external_req_ids.get(sub_id) or [None]
+            state = processor.request_states.get(internal[-1])
+            starts = list(state.weight_version_starts) if state is not None else []
+        out, k = [], -1
+        for i in range(start, start + len(c.token_ids)):
+            while k + 1 < len(starts) and starts[k + 1][1] <= i:
+                k += 1
+            label = starts[k][0] if k >= 0 else None
+            out.append(int(label) if label is not None and label.lstrip("-").isdigit() else version)
+        return out
 
     def _finish(self, seq: _Seq, reason: str) -> Completion:
         self._seqs.pop(seq.id, None)
@@ -449,13 +502,16 @@ class VLLMEngine(EngineAPI):
 
     def _begin_update(self, path: str, version: int, inflight: str, loaded: Future) -> list[Completion]:
         running = [s for s in self._seqs.values() if s.running]
+        if inflight == "keep":  # a segment with no token yet restarts: its prefill uses the new weights
+            running = [s for s in running if s.segment_tokens == 0]
         sub_ids = [s.sub_id for s in running]
         for s in running:
             self._stop_segment(s)
         self._version = version
+        self._loads += 1
         self._ready.clear()
-        prev = self._update_task
-        self._update_task = self._loop.create_task(self._load(prev, path, sub_ids, loaded))
+        done = self._after_control(lambda: self._load(path, version, sub_ids, keep=inflight == "keep"))
+        done.add_done_callback(functools.partial(_pass_on, loaded))
         if inflight == "abort":
             return [self._finish(s, "abort") for s in running if s.id in self._seqs]
         with self._counters.lock:
@@ -464,24 +520,84 @@ class VLLMEngine(EngineAPI):
             s.task = self._loop.create_task(self._run_segment(s))
         return []
 
-    async def _load(self, prev: asyncio.Task | None, path: str, sub_ids: list[str], loaded: Future) -> None:
+    async def _load(self, path: str, version: int, sub_ids: list[str], keep: bool) -> None:
         try:
-            if prev is not None:
-                await prev
             if sub_ids:
                 await self._llm.abort(sub_ids)
+            hold = keep and not self._vllm_paused
+            if hold:  # nothing runs while the weights change: every step's tokens have one version
+                await self._pause_vllm()
             await self._llm.collective_rpc("rollover_load_weights", args=(path,))
-            if not await self._llm.reset_prefix_cache():
-                raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
-        except Exception as e:
-            self._fail(e)
-            loaded.set_exception(e)
-            return
+            await self._llm.update_weight_version(str(version))
+            if hold:
+                await self._resume_vllm()
         finally:
             os.unlink(path)
-        if self._update_task is asyncio.current_task():
-            self._ready.set()
-        loaded.set_result(None)
+            self._loads -= 1
+            if not self._loads:
+                self._ready.set()
+
+    # pause / resume / loads run one after another, in the order they were asked for
+    def _after_control(self, make: Callable) -> Future:
+        """Run the coroutine `make()` on the loop once every earlier control operation is done;
+        a Future of its result (call on the loop thread)."""
+        prev, done = self._control, Future()
+
+        async def run():
+            if prev is not None:
+                await asyncio.wait([prev])  # its own caller got its error
+            try:
+                done.set_result(await make())
+            except asyncio.CancelledError:  # shut down
+                done.cancel()
+            except Exception as e:  # vLLM refused a pause, a resume or a load: it is not usable
+                self._fail(e)
+                done.set_exception(e)
+
+        self._control = self._loop.create_task(run())
+        return done
+
+    def _begin_pause(self) -> None:
+        self._set_paused(True)
+
+    def _set_paused(self, paused: bool) -> Future:
+        self._paused = paused
+        return self._after_control(self._pause_vllm if paused else self._resume_vllm)
+
+    async def _pause_vllm(self) -> None:
+        if not self._vllm_paused:
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+            self._vllm_paused = True
+            await self._drain()
+
+    async def _resume_vllm(self) -> None:
+        if self._vllm_paused:
+            await self._llm.resume_generation()
+            self._vllm_paused = False
+
+    async def _drained_lengths(self) -> dict[str, int]:
+        if self._vllm_paused:
+            await self._drain()
+        return self._lengths_now()
+
+    def _lengths_now(self) -> dict[str, int]:
+        return {rid: len(s.response_ids) for rid, s in self._seqs.items()}
+
+    async def _drain(self, timeout_s: float = 10.0) -> None:
+        """With vLLM paused: wait until every output its engine sent before the pause has reached
+        its sequence (vLLM's pause returns once the engine has sent them, not once they arrived)."""
+        queue = getattr(self._llm.engine_core, "outputs_queue", None)
+        states = self._llm.output_processor.request_states
+        deadline = self._loop.time() + timeout_s
+        while self._loop.time() < deadline:
+            await asyncio.sleep(0)
+            if (queue is None or queue.empty()) and all(
+                    getattr(st.queue, "output", None) is None for st in list(states.values())):
+                await asyncio.sleep(0)  # a generator that just took its output appends it
+                return
+        # token versions stay exact (vLLM labels them); only lengths() may miss late tokens
+        logging.getLogger("rollover").warning(
+            "vLLM's outputs from before a pause had not all arrived after %g s", timeout_s)
 
     def _fail(self, error: BaseException) -> None:
         """vLLM failed: every unfinished request fails with the error, and so does every later call."""
@@ -514,6 +630,15 @@ class VLLMEngine(EngineAPI):
         for t in others:
             t.cancel()
         await asyncio.gather(*others, return_exceptions=True)
+
+
+def _pass_on(to: Future, done: Future) -> None:
+    if done.cancelled():
+        to.set_exception(RuntimeError("engine shut down during a weight update"))
+    elif done.exception() is not None:
+        to.set_exception(done.exception())
+    else:
+        to.set_result(None)
 
 
 def _kv_cache_bytes(config, dtype: torch.dtype, rows: int, max_len: int, block: int = 128) -> int:
