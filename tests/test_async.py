@@ -70,6 +70,33 @@ def test_staleness_never_exceeds_eta(model_dir, tmp_path, seed, eta):
         assert all(r["staleness/token_lag_mean"] == 0 for r in got)
 
 
+@pytest.mark.parametrize("inflight", ["continue", "keep"])
+def test_inflight_keep_goes_on_over_old_kv_within_eta(model_dir, tmp_path, inflight):
+    """rollout.inflight_weight_update=keep: requests running at a weight update go on over the
+    K/V the older weights computed (no token's K/V is computed again, where `continue` recomputes
+    them), and eta still bounds every trained group."""
+    from rollover.loops.common import build_run
+
+    cfg = async_cfg(model_dir, tmp_path, steps=5, **{
+        "async.max_staleness": 1, "rollout.inflight_weight_update": inflight, "rollout.max_new_tokens": 16,
+        "rollout.ignore_eos": True, "rollout.max_rows": 8, "checkpoint.every": 0})
+    run = build_run(cfg)
+    seen, update = [], run.engine.update_weights
+
+    def recording(named, version, inflight="continue"):
+        out = update(named, version, inflight)
+        seen.append((inflight, run.engine.stats().recomputed_tokens))
+        return out
+
+    run.engine.update_weights = recording
+    train_async(cfg, run=run)
+    assert len(seen) >= 5 and {m for m, _ in seen} == {inflight}
+    recomputed = seen[-1][1]
+    assert recomputed == 0 if inflight == "keep" else recomputed > 0
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5] and all(r["staleness/max"] <= 1 for r in got)
+
+
 def test_eta_zero_reproduces_sync_weights(model_dir, tmp_path):
     common = {"algorithm.loss": "decoupled_ppo", "checkpoint.every": 0, "eval.every": 0}
     sync = async_cfg(model_dir, tmp_path / "sync", **common, mode="sync")

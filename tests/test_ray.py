@@ -283,11 +283,17 @@ def final_weights(run_dir, step=3):
     return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "model" / "model.safetensors"))
 
 
-def test_sync_run_on_ray_with_one_worker_ends_with_the_local_weights(model_dir, tmp_path):
+@pytest.mark.parametrize("trainer", ["driver", "actor"])
+def test_sync_run_on_ray_with_one_worker_ends_with_the_local_weights(model_dir, tmp_path, trainer):
     train_sync(run_cfg(model_dir, tmp_path / "local"))
-    # the rewards are scored on a reward worker actor here, on the driver in the local run
+    # the rewards are scored on a reward worker actor here, on the driver in the local run; with
+    # ray.trainer=actor the policy trains in an actor of its own, which writes the checkpoint's model
     run = build_run(run_cfg(model_dir, tmp_path / "ray", runtime="ray", **{
-        "ray.rollout_workers": 1, "ray.reward_workers": 1, "ray.cpus_per_reward_worker": 0.5}))
+        "ray.rollout_workers": 1, "ray.reward_workers": 1, "ray.cpus_per_reward_worker": 0.5, "ray.trainer": trainer,
+        **({"ray.cpus_for_trainer": 0} if trainer == "actor" else {})}))  # 2 CPUs: the module's engines hold one
+    if trainer == "actor":
+        assert type(run.trainer).__name__ == "RemoteTrainer" and run.trainer.pid != os.getpid()
+        assert not hasattr(run.model, "parameters")  # the driver holds no copy of the policy
     train_sync(run.cfg, run=run)
     assert type(run.rewards.pool).__name__ == "RayRewardPool" and run.rewards.pool.calls >= 3 * 3 * 2 * 2
     a, b = final_weights(tmp_path / "local"), final_weights(tmp_path / "ray")
@@ -295,6 +301,48 @@ def test_sync_run_on_ray_with_one_worker_ends_with_the_local_weights(model_dir, 
     rows = [json.loads(x) for x in open(tmp_path / "ray" / "metrics.jsonl") if json.loads(x)["kind"] == "train"]
     assert all(r["weights/bytes_per_worker"] > 0 and r["weights/sent_fraction"] <= 1 for r in rows)
     assert [r["ray/reward_workers_started"] for r in rows] == [1, 1, 1]
+
+
+def test_a_killed_trainer_actor_stops_the_run_and_the_run_resumes_exactly(model_dir, tmp_path, monkeypatch):
+    """ray.trainer=actor: the trainer's process SIGKILLed during step 3 stops the run with an
+    error naming the trainer actor; the same command resumes from the step-2 checkpoint and ends
+    with the weights of a run that was never interrupted (here the local one)."""
+    from rollover.runtime.trainer import RemoteTrainer, TrainerLost
+
+    train_sync(run_cfg(model_dir, tmp_path / "local", steps=4, **{"checkpoint.every": 2}))
+    cfg = run_cfg(model_dir, tmp_path / "ray", runtime="ray", steps=4, resume="auto", **{
+        "checkpoint.every": 2, "ray.rollout_workers": 1, "ray.trainer": "actor", "ray.cpus_for_trainer": 0.5})
+    real, calls = RemoteTrainer.train_step, []
+
+    def dying(self, batch):
+        calls.append(self.pid)
+        if len(calls) == 3:
+            os.kill(self.pid, signal.SIGKILL)
+        return real(self, batch)
+
+    monkeypatch.setattr(RemoteTrainer, "train_step", dying)
+    with pytest.raises(TrainerLost, match=r"trainer actor \(node .*, pid \d+, cpu\) died during train_step.*last checkpoint"):
+        train_sync(cfg)
+    monkeypatch.setattr(RemoteTrainer, "train_step", real)
+    assert sorted(p.name for p in (tmp_path / "ray" / "checkpoints").glob("step_*")) == ["step_000002"]
+    train_sync(cfg)  # resume: auto
+    a, b = final_weights(tmp_path / "local", 4), final_weights(tmp_path / "ray", 4)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(x) for x in open(tmp_path / "ray" / "metrics.jsonl") if json.loads(x)["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_trainer_actor_placement_is_checked_and_driver_trainer_refuses_its_options():
+    m = tiny_model("llama", seed=3)
+    with pytest.raises(ConfigError, match=r"rollout workers: 1 x 0 GPU \+ the trainer actor: 1 GPU = 1 GPU asked, "
+                                          r"the cluster has 0 GPU"):
+        ray_engine(m, workers=1, trainer="actor", gpus_for_trainer=1)
+    with pytest.raises(ConfigError, match=r"trainer actor: 4 CPU, the largest node has 2 CPU"):
+        ray_engine(m, workers=1, cpus_per_worker=0.5, trainer="actor", cpus_for_trainer=4)
+    with pytest.raises(ConfigError, match=r"ray.gpus_for_trainer place the trainer actor: set ray.trainer=actor"):
+        load_config(runtime="ray", **{"ray.gpus_for_trainer": 1})
+    with pytest.raises(ConfigError, match=r"device=cuda with ray.trainer=actor: give the trainer actor its GPU"):
+        load_config(runtime="ray", device="cuda", **{"ray.trainer": "actor"})
 
 
 @pytest.mark.parametrize("carry", ["resubmit", "keep_kv"])

@@ -159,8 +159,12 @@ class RolloutConfig(Section):
     """TorchEngine only: "int8" multiplies by int8 copies of the weight matrices (one scale per
     row, remade after every weight update): a quarter of the fp32 bytes read per decode step.
     Its logprobs differ from the trainer's (actor/rollout_kl); algorithm.tis_cap corrects that."""
-    inflight_weight_update: Literal["continue", "abort"] = "continue"
-    """What a weight update does to sequences still generating (async mode)."""
+    inflight_weight_update: Literal["continue", "keep", "abort"] = "continue"
+    """What a weight update does to sequences still generating (async mode): `continue` goes on
+    with their K/V recomputed under the new weights; `keep` goes on over the K/V the older
+    weights computed (PipelineRL's in-flight update: nothing is prefilled again; each token still
+    carries the version and logprob it was sampled with, which decoupled PPO / TIS correct);
+    `abort` interrupts them and resumes them from their tokens."""
     engine_options: dict[str, Any] = {}
     """Passed through to the engine constructor (e.g. vLLM's gpu_memory_utilization)."""
     stall_timeout_s: float = Field(600.0, gt=0)
@@ -492,6 +496,19 @@ class RayConfig(Section):
     max_restarts: int = Field(3, ge=0)
     """Restarts per rollout worker after its process died (its requests resume elsewhere from
     their tokens); one more death ends the run."""
+    trainer: Literal["driver", "actor"] = "driver"
+    """Where the trainer (policy, optimizer, reference model) runs: in the driver process (the
+    `rollover train` process, which then needs the trainer's GPU), or as a Ray actor placed on
+    `gpus_for_trainer` GPUs and `cpus_for_trainer` CPUs of any node (disaggregated: a head
+    node without GPUs drives a trainer elsewhere). An actor that dies stops the run at its last
+    checkpoint."""
+    cpus_for_trainer: float = Field(1.0, ge=0)
+    """CPUs the trainer actor reserves (and, on CPU, its torch threads: the integer part, at
+    least 1). With ray.trainer=actor."""
+    gpus_for_trainer: float = Field(0.0, ge=0)
+    """GPUs the trainer actor reserves: 1 or more to train on its own GPU(s) (disaggregated), a
+    fraction to share a GPU with rollout workers (colocated), 0 on CPU clusters. With
+    ray.trainer=actor."""
     num_cpus: int | None = Field(None, ge=1)
     """CPUs of a local instance this run starts (default: all of the machine)."""
     dashboard: bool = False
@@ -709,6 +726,12 @@ class Config(Section):
             if s.dars_max_samples is not None and s.dars_max_samples <= self.rollout.samples_per_prompt:
                 problems.append(f"selection.dars_max_samples={s.dars_max_samples} must be above "
                                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
+        if self.ray.trainer == "actor" and self.device == "cuda" and not self.ray.gpus_for_trainer:
+            problems.append("device=cuda with ray.trainer=actor: give the trainer actor its GPU with "
+                            "ray.gpus_for_trainer (it trains on the GPUs Ray reserves for it, else on its CPUs)")
+        if self.ray.trainer == "driver" and (self.ray.cpus_for_trainer != 1.0 or self.ray.gpus_for_trainer):
+            problems.append("ray.cpus_for_trainer / ray.gpus_for_trainer place the trainer actor: set ray.trainer=actor "
+                            "(with ray.trainer=driver the trainer uses the driver's own CPUs and GPU)")
         if self.ray.weight_transport == "gloo" and self.ray.weight_delta:
             problems.append("ray.weight_delta=true needs ray.weight_transport=object_store (gloo sends whole tensors)")
         if self.ray.weight_sync == "lazy":

@@ -7,9 +7,9 @@ stream events are issued from it, and a callback may call `submit`, `abort` or
 `update_weights`, which then act at once without waiting on the loop.
 
 Segments. A rollover request runs as one or more vLLM requests: the first from its prompt
-plus any resumed tokens, and after an in-flight weight update another from all its tokens so
-far with the remaining budget. A segment's tokens carry the version of the weights it started
-under, so every token is tagged with the weights that produced it.
+plus any resumed tokens, and after an in-flight weight update ('continue') another from all its
+tokens so far with the remaining budget. Every token is tagged with the version of the weights
+that produced it, as vLLM labels each step's outputs (see below).
 
 Where it departs from TorchEngine (docs/vllm.md has the details):
 - Sampling RNG is vLLM's. A seeded request is reproducible and does not depend on its batch,
@@ -33,12 +33,15 @@ Where it departs from TorchEngine (docs/vllm.md has the details):
   weight version (set to rollover's at each load, while nothing runs), and a request's output
   state keeps where each version's tokens start, so a request kept across a load has each token
   labelled by the weights of the step that made it, however late its outputs are delivered.
-- Prefix cache: every segment's prompt is salted with the version it starts under
-  (`cache_salt`), so a new request never reuses K/V that older weights computed, while requests
-  kept across a load still hold theirs (a cache reset would need them gone).
-- `pause()` returns at once (it never waits on the loop, so a scheduler may call it under its
-  lock); it takes effect before any later `lengths`, `update_weights` or `resume`, each of which
-  sees every token vLLM made before the pause delivered.
+- Prefix cache: every segment's prompt is salted with the weights it starts under (a count of
+  loads, `cache_salt`), so a new request never reuses K/V that other weights computed, while
+  requests kept across a load still hold theirs (a cache reset would need them gone). A kept
+  request that vLLM preempts under K/V pressure is prefilled again: from its own old blocks if
+  they are still cached, else under the weights of that moment (its tokens' labels stay exact).
+- `pause()` and `resume()` return at once (they never wait on the loop, so a scheduler may call
+  them under the lock its callbacks take); pauses, resumes and loads act in the order asked, a
+  request submitted meanwhile starts after them, and `lengths` / `update_weights` after a pause
+  see every token vLLM made before it delivered.
 - `stats()` is built from vLLM's per-step stats, see `_StepCounter`. prefill_s / decode_s are
   not measured (0).
 - A sequence that reaches the context stops at `max_len` tokens in all (TorchEngine: one more,
@@ -62,7 +65,7 @@ from typing import Callable, Iterable
 import torch
 
 from rollover.engine.core import EngineStats
-from rollover.engine.api import EngineAPI
+from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.sampler import position_seed
 from rollover.engine.torch_engine import _eos_ids
 from rollover.engine.validation import validate_request
@@ -170,6 +173,7 @@ class VLLMEngine(EngineAPI):
         self._loads = 0  # weight loads begun and not finished (loop thread)
         self._paused = False  # asked to pause (pause() / resume())
         self._vllm_paused = False  # vLLM is paused (loop thread)
+        self._generation = 0  # weight loads done: the prefix-cache salt (a version number may be loaded twice)
 
         args = dict(
             model=path, dtype=dtype, max_model_len=self.max_len, max_num_seqs=max_rows, seed=seed,
@@ -243,7 +247,7 @@ class VLLMEngine(EngineAPI):
             futures = [Future() for _ in requests]
             for r, f in zip(requests, futures):
                 if on_done is not None:
-                    f.add_done_callback(lambda fut, cb=on_done: None if fut.cancelled() else cb(fut.result()))
+                    f.add_done_callback(functools.partial(call_if_finished, on_done))
                 f.add_done_callback(functools.partial(self._abort_if_cancelled, r.id))
                 self._pending[r.id] = f
         self._on_loop(lambda: self._add(requests, futures), wait=False)
@@ -278,7 +282,7 @@ class VLLMEngine(EngineAPI):
         try:
             aborted = self._on_loop(lambda: self._begin_update(path, version, inflight, loaded), wait=True)
         except BaseException:
-            os.unlink(path)
+            _unlink(path)
             raise
         if not self._in_loop():
             loaded.result()
@@ -292,14 +296,17 @@ class VLLMEngine(EngineAPI):
         """Stop generating; running requests keep their K/V in vLLM (`pause_generation` in
         mode "keep"). Returns at once; later `lengths`, `update_weights` and `resume` act after
         it, with every token made before it delivered. Requests, aborts and weight updates are
-        still accepted while paused; new requests start at `resume`."""
-        self._on_loop(self._begin_pause, wait=False)
+        still accepted while paused; new requests start at `resume`. (An `abort` acts at once:
+        it returns the tokens received so far.)"""
+        self._paused = True
+        self._on_loop(lambda: self._set_paused(True), wait=False)
 
     def resume(self) -> None:
-        """Go on generating (the kept requests first). Waits for vLLM unless called from a callback."""
-        done = self._on_loop(lambda: self._set_paused(False), wait=True)
-        if not self._in_loop():
-            done.result()
+        """Go on generating (the kept requests first). Returns at once, as `pause` does (a
+        scheduler calls it under the lock its callbacks take); it acts after every earlier
+        pause or load."""
+        self._paused = False
+        self._on_loop(lambda: self._set_paused(False), wait=False)
 
     def lengths(self) -> dict[str, int]:
         """Response tokens so far of every unfinished request. After a pause it waits until what
@@ -415,8 +422,13 @@ class VLLMEngine(EngineAPI):
             seq.task = self._loop.create_task(self._run_segment(seq))
 
     async def _run_segment(self, seq: _Seq) -> None:
-        while not self._ready.is_set():  # no segment starts while weights load (re-checked:
-            await self._ready.wait()  # another update may have begun before this task resumed)
+        # no segment starts while a pause, resume or load is on its way (re-checked: another may
+        # have begun before this task resumed), so one asked for after pause() waits for resume()
+        while not self._ready.is_set() or (self._control is not None and not self._control.done()):
+            if not self._ready.is_set():
+                await self._ready.wait()
+            else:
+                await asyncio.wait([self._control])
         version = self._version
         s = seq.request.sampling
         tokens = seq.request.prompt_ids + seq.response_ids
@@ -430,8 +442,8 @@ class VLLMEngine(EngineAPI):
         )
         seq.sub_id = f"{seq.id}#{next(self._ids)}"
         seq.running, seq.segment_tokens = True, 0
-        # salted by version: no prefix computed under other weights is reused
-        prompt = vllm.TokensPrompt(prompt_token_ids=tokens, cache_salt=f"rollover-v{version}")
+        # salted by the weights loaded: no prefix computed under other weights is reused
+        prompt = vllm.TokensPrompt(prompt_token_ids=tokens, cache_salt=f"rollover-w{self._generation}")
         try:
             async for out in self._llm.generate(prompt, params, seq.sub_id):
                 c = out.outputs[0]
@@ -511,6 +523,7 @@ class VLLMEngine(EngineAPI):
         self._loads += 1
         self._ready.clear()
         done = self._after_control(lambda: self._load(path, version, sub_ids, keep=inflight == "keep"))
+        done.add_done_callback(lambda _: _unlink(path))  # also when a shutdown cancels the load before it ran
         done.add_done_callback(functools.partial(_pass_on, loaded))
         if inflight == "abort":
             return [self._finish(s, "abort") for s in running if s.id in self._seqs]
@@ -529,10 +542,10 @@ class VLLMEngine(EngineAPI):
                 await self._pause_vllm()
             await self._llm.collective_rpc("rollover_load_weights", args=(path,))
             await self._llm.update_weight_version(str(version))
+            self._generation += 1  # a new prefix-cache salt: no block computed before this load is reused
             if hold:
                 await self._resume_vllm()
         finally:
-            os.unlink(path)
             self._loads -= 1
             if not self._loads:
                 self._ready.set()
@@ -544,9 +557,9 @@ class VLLMEngine(EngineAPI):
         prev, done = self._control, Future()
 
         async def run():
-            if prev is not None:
-                await asyncio.wait([prev])  # its own caller got its error
             try:
+                if prev is not None:
+                    await asyncio.wait([prev])  # its own caller got its error
                 done.set_result(await make())
             except asyncio.CancelledError:  # shut down
                 done.cancel()
@@ -557,11 +570,7 @@ class VLLMEngine(EngineAPI):
         self._control = self._loop.create_task(run())
         return done
 
-    def _begin_pause(self) -> None:
-        self._set_paused(True)
-
     def _set_paused(self, paused: bool) -> Future:
-        self._paused = paused
         return self._after_control(self._pause_vllm if paused else self._resume_vllm)
 
     async def _pause_vllm(self) -> None:
@@ -586,12 +595,16 @@ class VLLMEngine(EngineAPI):
     async def _drain(self, timeout_s: float = 10.0) -> None:
         """With vLLM paused: wait until every output its engine sent before the pause has reached
         its sequence (vLLM's pause returns once the engine has sent them, not once they arrived)."""
-        queue = getattr(self._llm.engine_core, "outputs_queue", None)
+        queue = self._llm.engine_core.outputs_queue  # vLLM 0.32's internals (pinned)
         states = self._llm.output_processor.request_states
         deadline = self._loop.time() + timeout_s
+        spins = 0
         while self._loop.time() < deadline:
-            await asyncio.sleep(0)
-            if (queue is None or queue.empty()) and all(
+            await asyncio.sleep(0 if spins < 100 else 0.001)
+            spins += 1
+            # the output handler is parked in get() (not between two chunks of a batch), and
+            # every request's outputs were taken by its generator
+            if queue.empty() and queue._getters and all(
                     getattr(st.queue, "output", None) is None for st in list(states.values())):
                 await asyncio.sleep(0)  # a generator that just took its output appends it
                 return
@@ -630,6 +643,13 @@ class VLLMEngine(EngineAPI):
         for t in others:
             t.cancel()
         await asyncio.gather(*others, return_exceptions=True)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _pass_on(to: Future, done: Future) -> None:

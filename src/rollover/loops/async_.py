@@ -11,8 +11,9 @@
 - The data manager scores groups as they finish (concurrently with generation), applies the
   dynamic-sampling filter and DART curation, and forms batches in start order.
 - The trainer (this thread) trains each batch, pushes the new weights to the engine between
-  decode steps (in-flight requests continue with their K/V recomputed, or are interrupted and
-  resumed, per `rollout.inflight_weight_update`) and bumps the version.
+  decode steps (in-flight requests continue with their K/V recomputed, go on over the K/V the
+  older weights computed, or are interrupted and resumed, per `rollout.inflight_weight_update`)
+  and bumps the version.
 
 Locally the three are threads of one process joined by queues; what crosses between them is
 typed (`PendingGroup`, `Group`, named tensors + version), the same seams a multi-process

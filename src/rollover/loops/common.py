@@ -166,12 +166,16 @@ class Run:
     def close(self) -> None:
         # environments and rewards first: they may run on Ray actors, and the engine's shutdown
         # stops a Ray instance the run started
-        if self.env_runner is not None:
-            self.env_runner.close()
-        if self.env_workers is not None:
-            self.env_workers.close()
-        self.rewards.close()
-        self.engine.shutdown()
+        try:
+            if self.env_runner is not None:
+                self.env_runner.close()
+            if self.env_workers is not None:
+                self.env_workers.close()
+            self.rewards.close()
+            self.engine.shutdown()
+        finally:
+            if hasattr(self.trainer, "close"):  # a trainer actor (ray.trainer: actor), last: it may own Ray
+                self.trainer.close()
         self.logger.close()
         if self.lock is not None:
             self.lock.close()  # releases the run dir (the kernel does too if the process dies)
@@ -292,7 +296,10 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     from rollover.models import load_tokenizer
     from rollover.train.trainer import Trainer
 
-    device = pick_device(cfg.device)
+    # a trainer actor (ray.trainer: actor) trains wherever Ray puts it: the driver needs no GPU;
+    # an evaluation (record=False) builds none (it only samples)
+    remote_trainer = cfg.runtime == "ray" and cfg.ray.trainer == "actor" and record
+    device = torch.device("cpu") if remote_trainer else pick_device(cfg.device)
     run_dir = Path(cfg.run_dir)
     ckpt = _checkpoint_to_resume(cfg)
     changes = _config_changes(cfg, ckpt, allow_config_change) if record and ckpt is not None else []
@@ -323,7 +330,14 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     if ctx is not None and longest > ctx:
         what = "env.max_total_tokens" if env_builder is not None else "the longest prompt plus rollout.max_new_tokens"
         raise ConfigError(f"{what} is {longest} tokens, more than the model's context of {ctx}")
-    trainer = Trainer(model, cfg, device=device, pad_id=tokenizer.pad_token_id or 0)
+    eos_token_ids = _eos_ids(tokenizer, model)
+    if remote_trainer:
+        from rollover.runtime.trainer import RemoteTrainer
+
+        trainer = RemoteTrainer(model, cfg, pad_id=tokenizer.pad_token_id or 0)
+        del model  # the actor holds it; the driver keeps its config (trainer.model)
+    else:
+        trainer = Trainer(model, cfg, device=device, pad_id=tokenizer.pad_token_id or 0)
     if engine_factory is None and cfg.runtime == "ray":
         from rollover.runtime.router import RayEngine
 
@@ -333,8 +347,12 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
 
         engine_factory = make_engine
     architecture = trainer.model.get_base_model() if trainer.is_peft else trainer.model
-    engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device, max_len=longest + 1,
-                            eos_token_ids=_eos_ids(tokenizer, model))
+    try:
+        engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device,
+                                max_len=longest + 1, eos_token_ids=eos_token_ids)
+    except BaseException:
+        getattr(trainer, "close", lambda: None)()  # a trainer actor
+        raise
     share_engine_weights(cfg, engine, trainer)
     run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
               train_iter=PromptIterator(train_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),

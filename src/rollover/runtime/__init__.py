@@ -6,11 +6,12 @@
   The loops, collectors and the staleness gate are the same objects as in the local runtime:
   they see one engine and one `WeightSync`.
 
-What runs where with runtime=ray: the driver (the `rollover train` process) runs the loop, the
-trainer and environments; rollout workers run on any node of the cluster, and so do reward
-workers (`ray.reward_workers`, `rollover.runtime.rewards`) and environment workers
-(`ray.env_workers`, `rollover.runtime.envs`) when asked for; without them the driver scores
-the rewards and holds the environments.
+What runs where with runtime=ray: the driver (the `rollover train` process) runs the loop and,
+by default, the trainer and environments; rollout workers run on any node of the cluster, and
+so do the trainer (`ray.trainer: actor`, `rollover.runtime.trainer`), reward workers
+(`ray.reward_workers`, `rollover.runtime.rewards`) and environment workers (`ray.env_workers`,
+`rollover.runtime.envs`) when asked for; without them the driver trains, scores the rewards and
+holds the environments.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ def start_ray(cfg) -> bool:
 def check_resources(cfg) -> None:
     """Refuse, before any worker starts, a placement the cluster cannot hold, naming the role
     and the numbers: the total asked against the cluster's resources, and one worker's share
-    against the largest node, then the workers node by node. The trainer's GPU is not
-    Ray's to account for: on one machine give Ray the other GPUs (`ray start --num-gpus`), or
-    share with fractional ray.gpus_per_worker. (Resources other jobs hold are not refused
-    here: workers wait for them, up to ray.sync_timeout_s.)"""
+    against the largest node, then the workers node by node. A trainer in the driver is not
+    Ray's to account for (on one machine give Ray the other GPUs, `ray start --num-gpus`, or
+    share with fractional ray.gpus_per_worker); a trainer actor (`ray.trainer: actor`) is
+    counted like the workers. (Resources other jobs hold are not refused here: workers wait for
+    them, up to ray.sync_timeout_s.)"""
     import ray
 
     from rollover.config import ConfigError
@@ -58,22 +60,27 @@ def check_resources(cfg) -> None:
     helpers = [(n, c, role) for n, c, role in ((rc.reward_workers, rc.cpus_per_reward_worker, "reward"),
                                                (rc.env_workers, rc.cpus_per_env_worker, "environment")) if n and c]
     helper_cpus = sum(n * c for n, c, _ in helpers)
-    for key, per in (("CPU", rc.cpus_per_worker), ("GPU", rc.gpus_per_worker)):
-        if per <= 0:
-            continue
+    trainer = (rc.cpus_for_trainer, rc.gpus_for_trainer) if rc.trainer == "actor" else (0.0, 0.0)
+    for k, (key, per) in enumerate((("CPU", rc.cpus_per_worker), ("GPU", rc.gpus_per_worker))):
         asked, have = per * rc.rollout_workers, total.get(key, 0.0)
-        extra = helper_cpus if key == "CPU" else 0.0
+        extra = (helper_cpus if key == "CPU" else 0.0) + trainer[k]
         if asked + extra > have + 1e-9:
-            also = "".join(f" + {role} workers: {n} x {c:g} CPU" for n, c, role in helpers) if extra else ""
+            also = "".join(f" + {role} workers: {n} x {c:g} CPU" for n, c, role in helpers) if key == "CPU" else ""
+            also += f" + the trainer actor: {trainer[k]:g} {key}" if trainer[k] else ""
             problems.append(f"rollout workers: {rc.rollout_workers} x {per:g} {key}{also} = {asked + extra:g} {key} "
                             f"asked, the cluster has {have:g} {key} ({free.get(key, 0.0):g} free now)")
         biggest = max((n.get(key, 0.0) for n in nodes), default=0.0)
         if per > biggest + 1e-9:
             problems.append(f"rollout worker: {per:g} {key} each, the largest node has {biggest:g} {key}")
+        if trainer[k] > biggest + 1e-9:
+            problems.append(f"trainer actor: {trainer[k]:g} {key}, the largest node has {biggest:g} {key}")
     biggest_cpu = max((n.get("CPU", 0.0) for n in nodes), default=0.0)
     for _, c, role in helpers:
         if c > biggest_cpu + 1e-9:
             problems.append(f"{role} worker: {c:g} CPU each, the largest node has {biggest_cpu:g} CPU")
+    if any(trainer) and not problems and not any(n.get("CPU", 0.0) + 1e-9 >= trainer[0] and
+                                                 n.get("GPU", 0.0) + 1e-9 >= trainer[1] for n in nodes):
+        problems.append(f"trainer actor: {trainer[0]:g} CPU and {trainer[1]:g} GPU on one node, no node has both")
     if not problems:  # the totals fit: do the workers fit node by node?
         def fits(node: dict) -> float:
             return min([node.get(key, 0.0) // per for key, per in (("CPU", rc.cpus_per_worker),
@@ -83,18 +90,21 @@ def check_resources(cfg) -> None:
         if room < rc.rollout_workers:
             problems.append(f"rollout workers: {rc.rollout_workers} asked, each {rc.cpus_per_worker:g} CPU and "
                             f"{rc.gpus_per_worker:g} GPU on one node; the nodes ({shapes}) hold {room}")
-        elif helpers and not _packs(nodes, [(rc.cpus_per_worker, rc.gpus_per_worker)] * rc.rollout_workers +
-                                    [(c, 0.0) for n, c, _ in helpers for _ in range(n)]):
+        elif (helpers or any(trainer)) and not _packs(
+                nodes, [(rc.cpus_per_worker, rc.gpus_per_worker)] * rc.rollout_workers +
+                [(c, 0.0) for n, c, _ in helpers for _ in range(n)] + ([trainer] if any(trainer) else [])):
             # first fit can miss a packing that exists, so this warns rather than refuses
             asked = ", ".join([f"{rc.rollout_workers} rollout x {rc.cpus_per_worker:g} CPU/{rc.gpus_per_worker:g} GPU"] +
-                              [f"{n} {role} x {c:g} CPU" for n, c, role in helpers])
+                              [f"{n} {role} x {c:g} CPU" for n, c, role in helpers] +
+                              ([f"the trainer x {trainer[0]:g} CPU/{trainer[1]:g} GPU"] if any(trainer) else []))
             log.warning("ray placement: the workers (%s) may not fit node by node into the nodes (%s): placing the "
                         "largest first found no room for all of them; a worker that finds none waits up to its "
                         "start timeout", asked, shapes)
     if problems:
         raise ConfigError("ray placement does not fit: " + "; ".join(problems) +
                           " (ray.rollout_workers, ray.cpus_per_worker, ray.gpus_per_worker, ray.reward_workers, "
-                          "ray.cpus_per_reward_worker, ray.env_workers, ray.cpus_per_env_worker)")
+                          "ray.cpus_per_reward_worker, ray.env_workers, ray.cpus_per_env_worker, ray.trainer, "
+                          "ray.cpus_for_trainer, ray.gpus_for_trainer)")
 
 
 def _packs(nodes: list[dict], items: list[tuple[float, float]]) -> bool:
