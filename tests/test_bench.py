@@ -153,3 +153,12 @@ def test_bench_ray_fields(model_dir, tmp_path):
     gloo = [w for w in r["weight_sync"] if w["transport"] == "gloo"]
     assert all(w["sent_fraction"] == 1 and w["seconds_per_update"] > 0 for w in gloo)  # whole tensors
     assert all(0 < w["sent_fraction"] <= 1 for w in r["weight_sync"])
+
+
+@pytest.mark.ray
+def test_bench_ray_trainer_actor_fields(model_dir, tmp_path):
+    pytest.importorskip("ray")
+    r = bench(tmp_path, "ray", "--model", model_dir, "--steps", "1", "--kill-requests", "0", "--trainer-actor",
+              "--skip-weight-sync")
+    assert r["ray_trainer_actor_samples_per_s"] > 0 and r["weight_sync"] == []
+    assert r["trainer_actor_over_driver"] == r["ray_trainer_actor_samples_per_s"] / r["ray_samples_per_s"]

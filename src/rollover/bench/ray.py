@@ -29,7 +29,7 @@ import time
 from rollover.bench import scratch_run_dir
 
 
-def _train(args, runtime: str, workers: int = 1, cpus: float = 2.0) -> dict:
+def _train(args, runtime: str, workers: int = 1, cpus: float = 2.0, trainer_actor: bool = False) -> dict:
     from rollover.bench.train import WORKLOAD
     from rollover.config import load_config
     from rollover.loops.sync import train_sync
@@ -40,7 +40,9 @@ def _train(args, runtime: str, workers: int = 1, cpus: float = 2.0) -> dict:
                      f"runtime={runtime}"]
         if runtime == "ray":
             overrides += [f"ray.rollout_workers={workers}", f"ray.cpus_per_worker={cpus:g}",
-                          f"ray.num_cpus={args.cpus}"]
+                          f"ray.num_cpus={args.cpus * (2 if trainer_actor else 1)}"]
+        if trainer_actor:  # the trainer reserves the cores too: sync steps alternate it with the worker
+            overrides += ["ray.trainer=actor", f"ray.cpus_for_trainer={args.cpus}"]
         train_sync(load_config(None, overrides + list(args.overrides)))
         every = read_metrics(run_dir, kind="train")
     rows = every[1:]  # step 1 warms up
@@ -138,17 +140,25 @@ def main(args) -> dict:
         if args.cpus >= 2:
             ray2 = _train(args, "ray", workers=2, cpus=args.cpus / 2)
             result.update(ray_two_workers_samples_per_s=ray2["samples_per_s"], ray_two_workers=ray2)
+        if args.trainer_actor:
+            actor = _train(args, "ray", workers=1, cpus=args.cpus, trainer_actor=True)
+            result.update(ray_trainer_actor_samples_per_s=actor["samples_per_s"], ray_trainer_actor=actor,
+                          trainer_actor_over_driver=actor["samples_per_s"] / ray1["samples_per_s"])
     if args.cpus >= 2 and args.kill_requests:
         result["kill"] = _kill(args)
-    result["weight_sync"] = [_weight_sync(args, dtype, delta) for dtype in ("float32", "bfloat16")
-                             for delta in (True, False)]
-    result["weight_sync"] += [_weight_sync(args, dtype, False, "gloo") for dtype in ("float32", "bfloat16")]
+    result["weight_sync"] = [] if args.skip_weight_sync else [
+        _weight_sync(args, dtype, delta) for dtype in ("float32", "bfloat16") for delta in (True, False)]
+    if not args.skip_weight_sync:
+        result["weight_sync"] += [_weight_sync(args, dtype, False, "gloo") for dtype in ("float32", "bfloat16")]
     print(f"\nrollover bench ray — {args.model}, {args.steps} measured sync steps per runtime")
     if "local" in result:
         print(f"  samples/s  local {result['local_samples_per_s']:.3f}   ray, 1 worker {result['ray_samples_per_s']:.3f}"
               f"   ({result['ray_over_local']:.2f}x local)")
         if "ray_two_workers" in result:
             print(f"             ray, 2 workers {result['ray_two_workers_samples_per_s']:.3f}")
+        if "ray_trainer_actor" in result:
+            print(f"             ray, 1 worker, trainer actor {result['ray_trainer_actor_samples_per_s']:.3f}"
+                  f"   ({result['trainer_actor_over_driver']:.2f}x the trainer in the driver)")
     if "kill" in result:
         k = result["kill"]
         print(f"  worker killed mid-generation: {k['seconds_with_kill']:.1f} s vs {k['seconds_clean']:.1f} s undisturbed, "
@@ -172,5 +182,8 @@ def add_arguments(p) -> None:
     p.add_argument("--cpus", type=at_least(1), default=2, help="CPUs of the local Ray instance")
     p.add_argument("--skip-train", action="store_true", help="skip the training runs")
     p.add_argument("--kill-requests", type=at_least(0), default=32, help="requests of the kill measurement (0: skip it)")
+    p.add_argument("--trainer-actor", action="store_true",
+                   help="also train with the trainer as a Ray actor (ray.trainer=actor), one worker")
+    p.add_argument("--skip-weight-sync", action="store_true", help="skip the weight synchronisation timings")
     p.add_argument("--json", default=None)
     p.add_argument("overrides", nargs="*", help="extra key.path=value config overrides (both runtimes)")
