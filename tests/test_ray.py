@@ -124,6 +124,26 @@ def test_bit_comparison_sees_sign_of_zero_and_skips_equal_tensors():
     assert (full, deltas, rep.unchanged_tensors, rep.bytes_per_worker) == ({}, None, 1, 0)
 
 
+@pytest.mark.parametrize("delta", [False, True])
+def test_an_update_that_fails_halfway_leaves_the_transport_at_the_old_weights(delta):
+    """What a restarted worker loads (`current_refs`) stays the version the workers hold when an
+    update fails after some of its tensors went through."""
+    t = ObjectStoreTransport(torch.float32, delta=delta)
+    old = {"a": torch.zeros(4), "b": torch.ones(4)}
+    t.initial(list(old.items()))
+
+    def failing():
+        yield "a", torch.full((4,), 7.0)
+        raise RuntimeError("the trainer went away")
+
+    with pytest.raises(RuntimeError, match="went away"):
+        t.update(failing(), version=1)
+    now = {k: ray.get(r) for k, r in t.current_refs().items()}
+    assert now.keys() == old.keys() and all(torch.equal(now[k], old[k]) for k in old)
+    full, _, _ = t.update([("a", torch.full((4,), 7.0)), ("b", torch.ones(4) * 2)], version=1)  # a whole one lands
+    assert torch.equal(ray.get(t.current_refs()["a"]), torch.full((4,), 7.0)) and set(full) <= {"a", "b"}
+
+
 def test_gloo_transport_carries_updates_exactly_and_regroups_after_a_death():
     m = tiny_model("llama", seed=3)
     local = TorchEngine(m, max_rows=2, max_len=512, eos_token_ids=(2,))

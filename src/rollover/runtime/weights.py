@@ -91,11 +91,15 @@ class ObjectStoreTransport:
 
         report = SyncReport(version=version)
         full, deltas = {}, {}
+        # built aside and kept only once every tensor is through: an update that fails halfway
+        # (a bad tensor, the object store full) leaves what a restarted worker loads at the
+        # version the workers hold, not a mix of two
+        last, refs = dict(self._last), dict(self._refs)
         for name, t in named_tensors:
             t = self._cast(t)
             size = t.numel() * t.element_size()
             report.dense_bytes += size
-            old = self._last.get(name) if self.delta else None
+            old = last.get(name) if self.delta else None
             if old is not None and old.shape == t.shape and old.dtype == t.dtype:
                 mask = changed_mask(t, old)
                 n = int(mask.sum())
@@ -109,16 +113,18 @@ class ObjectStoreTransport:
                     deltas[name] = (idx if wide else idx.to(torch.int32), t.reshape(-1)[idx])
                     report.sparse_tensors += 1
                     report.bytes_per_worker += sparse
-                    self._last[name] = t
-                    self._refs.pop(name, None)  # put whole only if a worker restarts
+                    last[name] = t
+                    refs.pop(name, None)  # put whole only if a worker restarts
                     continue
             full[name] = ray.put(t)
-            self._refs[name] = full[name]
+            refs[name] = full[name]
             report.full_tensors += 1
             report.bytes_per_worker += size
             if self.delta:
-                self._last[name] = t
-        return full, ray.put(deltas) if deltas else None, report
+                last[name] = t
+        delta_ref = ray.put(deltas) if deltas else None
+        self._last, self._refs = last, refs
+        return full, delta_ref, report
 
     def current_refs(self) -> dict:
         """Whole-tensor references of the weights workers hold now (put on demand for tensors
