@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import logging
 import math
 import os
 import tempfile
@@ -69,6 +68,7 @@ from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.sampler import position_seed
 from rollover.engine.torch_engine import _eos_ids
 from rollover.engine.validation import validate_request
+from rollover.engine.vllm_control import PauseControl, wait_control
 from rollover.types import Completion, Request
 
 try:
@@ -109,7 +109,7 @@ class _Seq:
                           sampling=r.sampling)
 
 
-class VLLMEngine(EngineAPI):
+class VLLMEngine(PauseControl, EngineAPI):
     """Continuous batching by vLLM, behind rollover's engine contract.
 
     model: a local directory, a hub id or an alias of `rollover.models.resolve_model` (its
@@ -170,7 +170,6 @@ class VLLMEngine(EngineAPI):
         self._seqs: dict[str, _Seq] = {}  # loop thread only
         self._ids = itertools.count()
         self._control: asyncio.Task | None = None  # the last pause / resume / load (they run in order)
-        self._loads = 0  # weight loads begun and not finished (loop thread)
         self._paused = False  # asked to pause (pause() / resume())
         self._vllm_paused = False  # vLLM is paused (loop thread)
         self._generation = 0  # weight loads done: the prefix-cache salt (a version number may be loaded twice)
@@ -205,8 +204,6 @@ class VLLMEngine(EngineAPI):
             raise
 
     async def _start(self, args: dict) -> None:
-        self._ready = asyncio.Event()  # cleared while weights load
-        self._ready.set()
         counters, max_rows = self._counters, self.max_rows
         self._llm = AsyncLLM.from_engine_args(
             vllm.AsyncEngineArgs(**args), stat_loggers=[lambda config, idx: _StepCounter(counters, max_rows)]
@@ -285,35 +282,8 @@ class VLLMEngine(EngineAPI):
             _unlink(path)
             raise
         if not self._in_loop():
-            loaded.result()
+            wait_control(loaded, "update_weights")
         return aborted
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
-    def pause(self) -> None:
-        """Stop generating; running requests keep their K/V in vLLM (`pause_generation` in
-        mode "keep"). Returns at once; later `lengths`, `update_weights` and `resume` act after
-        it, with every token made before it delivered. Requests, aborts and weight updates are
-        still accepted while paused; new requests start at `resume`. (An `abort` acts at once:
-        it returns the tokens received so far.)"""
-        self._paused = True
-        self._on_loop(lambda: self._set_paused(True), wait=False)
-
-    def resume(self) -> None:
-        """Go on generating (the kept requests first). Returns at once, as `pause` does (a
-        scheduler calls it under the lock its callbacks take); it acts after every earlier
-        pause or load."""
-        self._paused = False
-        self._on_loop(lambda: self._set_paused(False), wait=False)
-
-    def lengths(self) -> dict[str, int]:
-        """Response tokens so far of every unfinished request. After a pause it waits until what
-        vLLM made before the pause has arrived (from a callback it answers at once)."""
-        if self._in_loop():
-            return self._lengths_now()
-        return self._on_loop(lambda: self._after_control(self._drained_lengths), wait=True).result()
 
     def stats(self) -> EngineStats:
         """Counters since start or `reset_stats` (see `_StepCounter`); raises if vLLM died."""
@@ -422,13 +392,7 @@ class VLLMEngine(EngineAPI):
             seq.task = self._loop.create_task(self._run_segment(seq))
 
     async def _run_segment(self, seq: _Seq) -> None:
-        # no segment starts while a pause, resume or load is on its way (re-checked: another may
-        # have begun before this task resumed), so one asked for after pause() waits for resume()
-        while not self._ready.is_set() or (self._control is not None and not self._control.done()):
-            if not self._ready.is_set():
-                await self._ready.wait()
-            else:
-                await asyncio.wait([self._control])
+        await self._controls_done()  # no segment starts while a pause, resume or load is on its way
         version = self._version
         s = seq.request.sampling
         tokens = seq.request.prompt_ids + seq.response_ids
@@ -464,25 +428,6 @@ class VLLMEngine(EngineAPI):
             raise
         except Exception as e:  # vLLM died or refused: fail loudly, every request
             self._fail(e)
-
-    def _token_versions(self, sub_id: str, c, start: int, version: int) -> list[int]:
-        """The weight version of each of `c`'s new tokens (positions start.. of the vLLM request),
-        from the version spans vLLM tracks per request; `version` (the segment's) where vLLM
-        has no label for them."""
-        if c.weight_versions is not None:  # a finished request: its spans
-            starts = [(span.version, span.start) for span in c.weight_versions]
-        else:
-            processor = self._llm.output_processor  # keyed by vLLM's internal ids
-            internal = processor.external_req_ids.get(sub_id) or [None]
-            state = processor.request_states.get(internal[-1])
-            starts = list(state.weight_version_starts) if state is not None else []
-        out, k = [], -1
-        for i in range(start, start + len(c.token_ids)):
-            while k + 1 < len(starts) and starts[k + 1][1] <= i:
-                k += 1
-            label = starts[k][0] if k >= 0 else None
-            out.append(int(label) if label is not None and label.lstrip("-").isdigit() else version)
-        return out
 
     def _finish(self, seq: _Seq, reason: str) -> Completion:
         self._seqs.pop(seq.id, None)
@@ -520,8 +465,6 @@ class VLLMEngine(EngineAPI):
         for s in running:
             self._stop_segment(s)
         self._version = version
-        self._loads += 1
-        self._ready.clear()
         done = self._after_control(lambda: self._load(path, version, sub_ids, keep=inflight == "keep"))
         done.add_done_callback(lambda _: _unlink(path))  # also when a shutdown cancels the load before it ran
         done.add_done_callback(functools.partial(_pass_on, loaded))
@@ -534,83 +477,16 @@ class VLLMEngine(EngineAPI):
         return []
 
     async def _load(self, path: str, version: int, sub_ids: list[str], keep: bool) -> None:
-        try:
-            if sub_ids:
-                await self._llm.abort(sub_ids)
-            hold = keep and not self._vllm_paused
-            if hold:  # nothing runs while the weights change: every step's tokens have one version
-                await self._pause_vllm()
-            await self._llm.collective_rpc("rollover_load_weights", args=(path,))
-            await self._llm.update_weight_version(str(version))
-            self._generation += 1  # a new prefix-cache salt: no block computed before this load is reused
-            if hold:
-                await self._resume_vllm()
-        finally:
-            self._loads -= 1
-            if not self._loads:
-                self._ready.set()
-
-    # pause / resume / loads run one after another, in the order they were asked for
-    def _after_control(self, make: Callable) -> Future:
-        """Run the coroutine `make()` on the loop once every earlier control operation is done;
-        a Future of its result (call on the loop thread)."""
-        prev, done = self._control, Future()
-
-        async def run():
-            try:
-                if prev is not None:
-                    await asyncio.wait([prev])  # its own caller got its error
-                done.set_result(await make())
-            except asyncio.CancelledError:  # shut down
-                done.cancel()
-            except Exception as e:  # vLLM refused a pause, a resume or a load: it is not usable
-                self._fail(e)
-                done.set_exception(e)
-
-        self._control = self._loop.create_task(run())
-        return done
-
-    def _set_paused(self, paused: bool) -> Future:
-        return self._after_control(self._pause_vllm if paused else self._resume_vllm)
-
-    async def _pause_vllm(self) -> None:
-        if not self._vllm_paused:
-            await self._llm.pause_generation(mode="keep", clear_cache=False)
-            self._vllm_paused = True
-            await self._drain()
-
-    async def _resume_vllm(self) -> None:
-        if self._vllm_paused:
-            await self._llm.resume_generation()
-            self._vllm_paused = False
-
-    async def _drained_lengths(self) -> dict[str, int]:
-        if self._vllm_paused:
-            await self._drain()
-        return self._lengths_now()
-
-    def _lengths_now(self) -> dict[str, int]:
-        return {rid: len(s.response_ids) for rid, s in self._seqs.items()}
-
-    async def _drain(self, timeout_s: float = 10.0) -> None:
-        """With vLLM paused: wait until every output its engine sent before the pause has reached
-        its sequence (vLLM's pause returns once the engine has sent them, not once they arrived)."""
-        queue = self._llm.engine_core.outputs_queue  # vLLM 0.32's internals (pinned)
-        states = self._llm.output_processor.request_states
-        deadline = self._loop.time() + timeout_s
-        spins = 0
-        while self._loop.time() < deadline:
-            await asyncio.sleep(0 if spins < 100 else 0.001)
-            spins += 1
-            # the output handler is parked in get() (not between two chunks of a batch), and
-            # every request's outputs were taken by its generator
-            if queue.empty() and queue._getters and all(
-                    getattr(st.queue, "output", None) is None for st in list(states.values())):
-                await asyncio.sleep(0)  # a generator that just took its output appends it
-                return
-        # token versions stay exact (vLLM labels them); only lengths() may miss late tokens
-        logging.getLogger("rollover").warning(
-            "vLLM's outputs from before a pause had not all arrived after %g s", timeout_s)
+        if sub_ids:
+            await self._llm.abort(sub_ids)
+        hold = keep and not self._vllm_paused
+        if hold:  # nothing runs while the weights change: every step's tokens have one version
+            await self._pause_vllm()
+        await self._llm.collective_rpc("rollover_load_weights", args=(path,))
+        await self._llm.update_weight_version(str(version))
+        self._generation += 1  # a new prefix-cache salt: no block computed before this load is reused
+        if hold:
+            await self._resume_vllm()
 
     def _fail(self, error: BaseException) -> None:
         """vLLM failed: every unfinished request fails with the error, and so does every later call."""
