@@ -21,9 +21,10 @@ its CPUs; `device: cuda` with no GPU for the trainer is refused when the config 
 Faults: the actor is never restarted. If it dies, the call that finds it raises `TrainerLost`,
 the run stops (no checkpoint can be written without the trainer), and the last checkpoint
 stands: `rollover train` with the same command resumes from it, as after a driver's death.
-The start, weight and state calls wait at most `ray.sync_timeout_s`; a training step and a
-model file have no bound (their length is the workload's and the model's); a dead actor ends
-any of them at once.
+The start and weight calls wait at most `ray.sync_timeout_s`, checkpoint transfers (the
+model's files, the optimizer state) 10 times that, and a training step has no bound, as in the
+driver (its length is the workload's); a dead actor ends any of them at once, and a call past
+its bound raises `TrainerLost` naming it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from pathlib import Path
 from rollover.runtime.live import first_line, kill_actor
 
 log = logging.getLogger("rollover")
+
+BULK, BULK_FACTOR = "bulk", 10  # checkpoint transfers (the model's files, optimizer state) wait 10 x ray.sync_timeout_s
 
 
 def _to_cpu(x):
@@ -134,10 +137,10 @@ class RemoteModel:
 
     def save_pretrained(self, path, safe_serialization: bool = True) -> None:
         path = Path(path)
-        names = self._owner._call("save_model", timeout=None)
+        names = self._owner._call("save_model", timeout=BULK)
         for i, name in enumerate(names):
             (path / name).parent.mkdir(parents=True, exist_ok=True)
-            (path / name).write_bytes(self._owner._call("model_file", name, i == len(names) - 1, timeout=None))
+            (path / name).write_bytes(self._owner._call("model_file", name, i == len(names) - 1, timeout=BULK))
 
 
 class RemotePeftModel(RemoteModel):
@@ -183,10 +186,10 @@ class RemoteTrainer:
         return self._call("named_weights")
 
     def state_dict(self) -> dict:
-        return self._call("state_dict", timeout=None)
+        return self._call("state_dict", timeout=BULK)
 
     def load_state_dict(self, state: dict) -> None:
-        self.bad_steps = self._call("load_state_dict", state, timeout=None)
+        self.bad_steps = self._call("load_state_dict", state, timeout=BULK)
 
     def close(self) -> None:
         """End the actor, and the local Ray instance if this trainer started it (close it after
@@ -199,16 +202,16 @@ class RemoteTrainer:
             ray.shutdown()
 
     # ------------------------------------------------------------ internals
-    def _call(self, method: str, *args, timeout: float | None = -1, what: str | None = None):
+    def _call(self, method: str, *args, timeout: float | None | str = -1, what: str | None = None):
         import ray
 
-        timeout = self.rc.sync_timeout_s if timeout == -1 else timeout
+        timeout = {-1: self.rc.sync_timeout_s, BULK: BULK_FACTOR * self.rc.sync_timeout_s}.get(timeout, timeout)
         try:
             return ray.get(getattr(self.handle, method).remote(*args), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise TrainerLost(f"{self.where}: {what or method} did not answer within ray.sync_timeout_s="
-                              f"{self.rc.sync_timeout_s:g} s" + (" (are its resources free? `ray status` shows them)"
-                                                                  if what == "start" else "")) from None
+            bound = "ray.sync_timeout_s" if timeout == self.rc.sync_timeout_s else f"{BULK_FACTOR} x ray.sync_timeout_s"
+            hint = " (are its resources free? `ray status` shows them)" if what == "start" else ""
+            raise TrainerLost(f"{self.where}: {what or method} did not answer within {timeout:g} s ({bound}){hint}") from None
         except ray.exceptions.RayActorError as e:
             if getattr(e, "actor_init_failed", False) or what == "start":  # its setup failed: the whole reason
                 raise TrainerLost(f"{self.where} failed to start: {e}") from None
