@@ -603,6 +603,11 @@ class SimConfig(Section):
     """Each prompt is solved with probability p ~ Beta(solve_alpha, solve_beta) per sample."""
     solve_beta: float = Field(1.0, gt=0)
     """See solve_alpha (Beta(1, 1): solve rates uniform over prompts)."""
+    fast: bool = False
+    """The fast path (rollover/sim/fast.py): the same cluster and policies on arrays, vectorised
+    over workers (1,024 workers x 1,000 steps in well under a minute); sync and async modes, no
+    APRIL, dynamic sampling, prompt selection, scoring time or shared device yet. False: run
+    rollover's own schedulers on the simulated workers."""
 
 
 class Config(Section):

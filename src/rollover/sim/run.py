@@ -101,8 +101,21 @@ def simulate(cfg: Config, progress=None, prepare=None) -> dict:
     """Simulate `cfg.steps` training steps; the report (see `summarize`). `prepare(run)` may
     change the simulated run before it starts (a benchmark's workload)."""
     check(cfg)
+    if cfg.simulate.fast:
+        if prepare is not None:
+            raise ConfigError("simulate.fast: this simulation changes the simulated run before it starts "
+                              "(a benchmark's workload), which only the schedulers' path can do")
+        from rollover.sim.fast import simulate_fast
+
+        return simulate_fast(_with_rows(cfg), profile_of(cfg), progress)
     with _lean_gc():
         return _simulate(cfg, progress, prepare)
+
+
+def _with_rows(cfg: Config) -> Config:
+    """The schedulers size their in-flight work by the engine's rows: the whole simulated cluster's."""
+    rows = sum(p.workers * p.max_rows for p in cfg.simulate.pools)
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"max_rows": rows})})
 
 
 @contextmanager
@@ -125,9 +138,7 @@ def _lean_gc():
 
 
 def _simulate(cfg: Config, progress, prepare) -> dict:
-    # the schedulers size their in-flight work by the engine's rows: the whole simulated cluster's
-    rows = sum(p.workers * p.max_rows for p in cfg.simulate.pools)
-    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"max_rows": rows})})
+    cfg = _with_rows(cfg)
     profile = profile_of(cfg)
     engine = build_engine(cfg, profile)
     run = build_sim_run(cfg, engine)

@@ -1,0 +1,170 @@
+"""The simulator's fast path (`simulate.fast`): the same cluster and policies on arrays. Sync
+mode must give the schedulers' path's times exactly (same draws); async mode must keep the
+staleness bound and stay close to the schedulers' path; what it does not model is refused."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from rollover.config import ConfigError, load_config
+
+BASE = ["rollout.prompts_per_step=12", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=512",
+        "simulate.pools=[{workers: 4, max_rows: 16}]",
+        "simulate.decode={step_s: 0.01, per_row_s: 0.0002, per_context_token_s: 1.0e-7, prefill_s: 0.02, "
+        "prefill_per_token_s: 1.0e-5}",
+        "simulate.train={step_s: 2.0, per_token_s: 1.0e-4}", "simulate.sync={latency_s: 0.5}",
+        "simulate.prompt_tokens=64", "simulate.prompts=200",
+        "simulate.lengths={median: 120, sigma: 0.8, prompt_sigma: 0.5}", "logging.progress=false", "steps=8"]
+
+
+def both(*overrides, draws="exact"):
+    """(the schedulers' report, the fast path's report) for one config."""
+    from rollover.sim.fast import simulate_fast
+    from rollover.sim.run import _with_rows, profile_of, simulate
+
+    cfg = load_config(None, BASE + list(overrides))
+    return simulate(cfg), simulate_fast(_with_rows(cfg), profile_of(cfg), draws=draws)
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert b["samples_trained"] == a["samples_trained"]
+    assert b["generated_tokens"] == a["generated_tokens"]
+    assert b["staleness"] == a["staleness"]
+    assert b["simulated_s"] == pytest.approx(a["simulated_s"], rel=1e-9)
+    assert b["row_occupancy"] == pytest.approx(a["row_occupancy"], rel=1e-9)
+    assert [r["t_end"] for r in b["step_rows"]] == pytest.approx([r["t_end"] for r in a["step_rows"]], rel=1e-9)
+    assert [r["t_train"] for r in b["step_rows"]] == pytest.approx([r["t_train"] for r in a["step_rows"]], rel=1e-9)
+    assert b["rollout"].keys() == a["rollout"].keys()
+    for name, p in a["rollout"].items():
+        assert b["rollout"][name]["generate_s"] == pytest.approx(p["generate_s"], rel=1e-9)
+        assert b["rollout"][name]["sync_s"] == pytest.approx(p["sync_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    # rows bind: a worker's requests queue and enter as rows free
+    ["simulate.pools=[{workers: 2, max_rows: 6}]"],
+    # a heterogeneous cluster; one pool's step time from measured points; padded prefills
+    ["simulate.pools=[{workers: 2, max_rows: 8}, {name: slow, workers: 3, max_rows: 4, decode: "
+     "{step_s: 0.03, rows_table: [[1, 0.02], [4, 0.05], [8, 0.06]], prefill_padded: true}}]"],
+    # the prefill budget (8,192 tokens a step) holds prompts back
+    ["simulate.prompt_tokens=3000", "simulate.pools=[{workers: 2, max_rows: 24}]", "rollout.max_new_tokens=256"],
+    # budget-truncated samples, ignore_eos
+    ["rollout.max_new_tokens=100"], ["rollout.ignore_eos=true", "rollout.max_new_tokens=90"],
+    # eta = 0 admits one batch per version: the synchronous schedule
+    ["mode=async", "async.max_staleness=0"],
+], ids=["plain", "rows-bind", "heterogeneous", "prefill-budget", "truncated", "ignore-eos", "async-eta0"])
+def test_fast_path_gives_the_schedulers_times_exactly(overrides):
+    a, b = both(*overrides)
+    assert b["mode"].endswith("[fast path]")
+    assert_same(a, b)
+
+
+def test_async_fast_path_is_exact_when_workers_never_run_ahead():
+    # with one admission wave per update (the gate binds, rows are plentiful) nothing is admitted
+    # inside a window at a worker that ran past the admission: the schedule is the schedulers'
+    for over in (["async.max_staleness=1"], ["async.max_staleness=3", "rollout.inflight_weight_update=keep"]):
+        a, b = both("mode=async", "simulate.pools=[{workers: 8, max_rows: 64}]", *over)
+        assert_same(a, b)
+
+
+def test_async_fast_path_stays_close_to_the_schedulers():
+    # where admissions happen between updates (rows bind), a group can reach a worker that ran
+    # past its admission inside a window (a delay of a few decode steps); on a cluster of four
+    # workers, two of them three times slower, one routing decision that differs moves every
+    # later one, so single runs scatter: unbiased over seeds, each within 10%
+    errors = []
+    for pools in ("[{workers: 2, max_rows: 12}]", "[{workers: 2, max_rows: 16}, {name: slow, workers: 2, max_rows: 8, "
+                                                  "decode: {step_s: 0.03}}]"):
+        for eta, inflight in ((1, "continue"), (3, "keep")):
+            for seed in (0, 1):
+                a, b = both("mode=async", f"simulate.pools={pools}", f"async.max_staleness={eta}",
+                            f"rollout.inflight_weight_update={inflight}", "steps=10", f"seed={seed}")
+                assert b["samples_trained"] == a["samples_trained"]
+                assert b["generated_tokens"] >= a["samples_trained"]
+                assert max(map(int, b["staleness"])) <= eta
+                errors.append(b["samples_per_s"] / a["samples_per_s"] - 1)
+                assert b["trainer"]["utilization"] == pytest.approx(a["trainer"]["utilization"], rel=0.1)
+    assert max(map(abs, errors)) < 0.1, errors
+    assert statistics.mean(map(abs, errors)) < 0.03, errors
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_fast_path_holds_the_staleness_bound(eta):
+    from rollover.sim.run import simulate
+
+    r = simulate(load_config(None, BASE + ["simulate.fast=true", "mode=async", f"async.max_staleness={eta}",
+                                           "simulate.pools=[{workers: 16, max_rows: 8}]", "steps=12"]))
+    ages = {int(k): v for k, v in r["staleness"].items()}
+    assert max(ages) <= eta and sum(ages.values()) == 12 * 12 * 4
+    if eta:
+        assert max(ages) == eta  # the gate lets groups start eta versions ahead, and they do
+
+
+@pytest.mark.parametrize("override,named", [
+    ("partial_rollout.enabled=true", "APRIL"),
+    ("algorithm.dynamic_sampling=true", "dynamic sampling"),
+    ("simulate.reward={per_group_s: 1.0}", "scoring time"),
+    ("simulate.shared_device=true", "shared device"),
+    ("selection.policy=thompson", "prompt selection"),
+])
+def test_fast_path_refuses_what_it_does_not_model(override, named):
+    from rollover.sim.run import simulate
+
+    with pytest.raises(ConfigError, match=f"simulate.fast does not model .*{named}.*simulate.fast=false"):
+        simulate(load_config(None, BASE + ["simulate.fast=true", override]))
+
+
+def test_vector_draws_follow_the_length_model():
+    from rollover.sim.fast import Draws
+
+    cfg = load_config(None, BASE + ["simulate.lengths={median: 300, sigma: 0.6, prompt_sigma: 0.4}",
+                                    "rollout.max_new_tokens=100000", "simulate.prompts=4000"])
+    d = Draws(cfg)
+    prompts = np.arange(4000)
+    t, stop = d.targets(prompts, np.arange(4000), 8)
+    again, _ = d.targets(prompts, np.arange(4000), 8)
+    assert (t == again).all() and stop.all()  # deterministic; nothing reached the budget
+    logs = np.log(t.reshape(4000, 8))
+    assert math.exp(np.median(logs)) == pytest.approx(300, rel=0.03)
+    assert logs.std() == pytest.approx(math.hypot(0.6, 0.4), rel=0.05)
+    assert logs.mean(axis=1).std() == pytest.approx(math.sqrt(0.4 ** 2 + 0.6 ** 2 / 8), rel=0.08)  # per-prompt factor
+    short = Draws(load_config(None, BASE + ["rollout.max_new_tokens=200"]))
+    t, stop = short.targets(prompts[:500] % 200, np.arange(500), 4)
+    assert t.max() == 200 and (t[~stop] == 200).all() and (t[stop] < 200).all()
+    eos = Draws(load_config(None, BASE + ["rollout.ignore_eos=true", "rollout.max_new_tokens=50"]))
+    t, stop = eos.targets(prompts[:10], np.arange(10), 4)
+    assert (t == 50).all() and not stop.any()
+    emp = Draws(load_config(None, BASE + ["simulate.lengths={kind: empirical, values: [5, 40, 70]}"]))
+    t, _ = emp.targets(prompts[:300] % 200, np.arange(300), 4)
+    assert set(t.tolist()) == {5, 40, 70}
+
+
+def test_vector_draws_agree_with_the_exact_draws_in_distribution():
+    from rollover.sim.fast import simulate_fast
+    from rollover.sim.run import _with_rows, profile_of
+
+    cfg = _with_rows(load_config(None, BASE + ["steps=30", "simulate.pools=[{workers: 8, max_rows: 16}]"]))
+    exact = simulate_fast(cfg, profile_of(cfg), draws="exact")
+    vector = simulate_fast(cfg, profile_of(cfg))
+    assert vector["samples_per_s"] == pytest.approx(exact["samples_per_s"], rel=0.1)
+    per_sample = [r["response_tokens"] / r["samples"] for r in vector["step_rows"]]
+    assert statistics.mean(per_sample) == pytest.approx(exact["generated_tokens"] / exact["samples_trained"], rel=0.1)
+
+
+def test_cli_runs_the_fast_path_with_report_and_gantt(tmp_path, capsys):
+    from rollover.cli import main
+
+    report, png = tmp_path / "r.json", tmp_path / "g.png"
+    rc = main(["simulate", *BASE, "simulate.fast=true", "mode=async", "async.max_staleness=2",
+               "--json", str(report), "--gantt", str(png)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "[fast path]" in out and "samples trained/s" in out
+    r = json.loads(report.read_text())
+    assert r["steps"] == 8 and r["samples_trained"] == 8 * 12 * 4 and png.stat().st_size > 1000
