@@ -23,11 +23,12 @@ def _bench(argv: list[str]) -> int:
     from rollover.bench import learn as bench_learn
     from rollover.bench import memory as bench_memory
     from rollover.bench import ray as bench_ray
+    from rollover.bench import sim as bench_sim
     from rollover.bench import train as bench_train
 
     benches = {"engine": bench_engine, "april": bench_april, "train": bench_train, "async": bench_async,
                "faults": bench_faults, "envs": bench_envs, "memory": bench_memory,
-               "ray": bench_ray, "learn": bench_learn}
+               "ray": bench_ray, "learn": bench_learn, "sim": bench_sim}
     bench_engine.add_arguments(sub.add_parser("engine", help="TorchEngine vs HF generate vs FLOP limit"))
     bench_april.add_arguments(sub.add_parser("april", help="synchronous rollouts vs APRIL (longtail, natural)"))
     bench_train.add_arguments(sub.add_parser("train", help="seconds per synchronous training step, by phase"))
@@ -37,6 +38,7 @@ def _bench(argv: list[str]) -> int:
     bench_memory.add_arguments(sub.add_parser("memory", help="peak resident memory per phase: 135M demo and a ~0.5B model"))
     bench_learn.add_arguments(sub.add_parser("learn", help="held-out accuracy vs training time and samples: GRPO vs selection policies, several seeds"))
     bench_ray.add_arguments(sub.add_parser("ray", help="local vs Ray runtime (samples/s), weight-sync time and bytes per update"))
+    bench_sim.add_arguments(sub.add_parser("sim", help="the simulator's fast path: 1,024 workers x 1,000 steps, and its agreement with the schedulers' path"))
     args = p.parse_args(argv)
     benches[args.which].main(args)
     return 0
@@ -273,7 +275,7 @@ COMMANDS = {
     "export": (_export, "write a run's checkpoint as a Hugging Face model directory (LoRA merged)"),
     "plot": (_plot, "PNG curves from a run's metrics.jsonl"),
     "simulate": (_simulate, "simulate a run on a cluster (sync, APRIL, async) from a cost profile, on a virtual clock"),
-    "bench": (_bench, "benchmarks: engine, training step, APRIL, async, faults (kill -9 + resume), environments, memory, Ray, learning per second (docs/benchmarks.md)"),
+    "bench": (_bench, "benchmarks: engine, training step, APRIL, async, faults (kill -9 + resume), environments, memory, Ray, learning per second, the simulator (docs/benchmarks.md)"),
 }
 
 

@@ -138,7 +138,8 @@ def main(argv: list[str]) -> int:
                     "Subcommands: `rollover simulate calibrate|validate|plan --help`.",
         epilog="The config is a training config; its `simulate` section describes the cluster (pools of rollout "
                "workers, a cost profile, response lengths). Example: rollover simulate examples/sim_cluster.yaml "
-               "mode=async async.max_staleness=2 --gantt gantt.png")
+               "mode=async async.max_staleness=2 --gantt gantt.png. Add simulate.fast=true for the vectorised fast path "
+               "(sync and async; thousands of workers and steps in seconds).")
     p.add_argument("config", nargs="?", help="YAML config (optional when overrides are given)")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. simulate.pools=[{workers: 8}]")
     p.add_argument("--json", default=None, help="write the report (throughput, utilization, staleness, steps) here")

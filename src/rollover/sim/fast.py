@@ -748,45 +748,12 @@ def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
 
 
 def _summary(cfg: Config, profile: Profile, fleet: Fleet, rows: list[dict], trainer_tl: list) -> dict:
-    from rollover.sim.run import _mode
+    from rollover.sim.run import report
 
     fleet.close_timeline()
-    end = rows[-1]["t_end"] if rows else 0.0
-    pools: dict[str, dict] = {}
-    for i, name in enumerate(fleet.pool_names):
-        sel = fleet.pool_of == i
-        p = pools.setdefault(name, {"workers": 0, "generate_s": 0.0, "sync_s": 0.0})
-        p["workers"] += int(sel.sum())
-        p["generate_s"] += float(fleet.busy_s[sel].sum())
-        p["sync_s"] += float(fleet.stall_s[sel].sum())
-    for p in pools.values():
-        total = p["workers"] * end
-        p["utilization"] = p["generate_s"] / total if total else 0.0
-        p["stalled_fraction"] = p["sync_s"] / total if total else 0.0
-        p["idle_fraction"] = max(0.0, 1.0 - p["utilization"] - p["stalled_fraction"])
     generated = int(fleet.row_steps.sum())
     total_rows = int((fleet.max_rows * fleet.wstep).sum())
-    train_s = sum(r["train_s"] for r in rows)
-    sync_s = sum(r["sync_s"] for r in rows)
-    ages = Counter()
-    for r in rows:
-        ages.update(r["ages"])
-    samples = sum(r["samples"] for r in rows)
-    return {
-        "mode": _mode(cfg) + " [fast path]", "steps": len(rows), "workers": fleet.W, "profile": profile.name,
-        "simulated_s": end,
-        "samples_trained": samples,
-        "samples_per_s": samples / end if end else 0.0,
-        "generated_tokens": generated,
-        "generated_tokens_per_s": generated / end if end else 0.0,
-        "row_occupancy": generated / total_rows if total_rows else 0.0,
-        "rollout": pools,
-        "trainer": {"utilization": train_s / end if end else 0.0, "train_s": train_s, "sync_s": sync_s,
-                    "wait_s": max(0.0, end - train_s - sync_s)},
-        "staleness": {str(k): v for k, v in sorted(ages.items())},
-        "discarded_tokens": 0,
-        "step_rows": rows,
-        "timeline": {"trainer": trainer_tl,
-                     "workers": fleet.timeline if fleet.timeline is not None else [],
-                     "pools": [fleet.pool_names[i] for i in fleet.pool_of]},
-    }
+    return report(cfg, profile, rows, trainer_tl, pools=[fleet.pool_names[i] for i in fleet.pool_of],
+                  busy_s=fleet.busy_s.tolist(), stall_s=fleet.stall_s.tolist(), generated=generated,
+                  occupancy=generated / total_rows if total_rows else 0.0,
+                  timelines=fleet.timeline if fleet.timeline is not None else [], mode=" [fast path]")

@@ -323,16 +323,30 @@ def _row(step, t_start, t_train, t_end, groups, version, train_s, sync_s, m) -> 
 def summarize(cfg: Config, profile: Profile, engine: SimEngine, rows: list[dict], trainer_tl: list,
               rewards: RewardPool | None = None) -> dict:
     """Throughput, utilization per role, the idle-time breakdown and the staleness histogram."""
-    end = rows[-1]["t_end"] if rows else 0.0
     workers = engine.workers()
     stats = engine.stats()
-    pools: dict[str, dict] = {}
-    for w in workers:
-        p = pools.setdefault(w.pool, {"workers": 0, "generate_s": 0.0, "sync_s": 0.0})
+    end = rows[-1]["t_end"] if rows else 0.0
+    extra = {"reward": {"workers": len(rewards.free_at), "busy_s": rewards.busy_s,
+                        "utilization": rewards.busy_s / (len(rewards.free_at) * end) if end else 0.0}} \
+        if rewards is not None else {}
+    return report(cfg, profile, rows, trainer_tl, pools=[w.pool for w in workers],
+                  busy_s=[w.busy_s for w in workers], stall_s=[w.stall_s for w in workers],
+                  generated=stats.generated_tokens, occupancy=stats.occupancy,
+                  timelines=[w.timeline for w in workers], extra=extra)
+
+
+def report(cfg: Config, profile: Profile, rows: list[dict], trainer_tl: list, *, pools: list[str], busy_s, stall_s,
+           generated: int, occupancy: float, timelines: list, extra: dict | None = None, mode: str = "") -> dict:
+    """The report of a simulation from its step rows and each worker's pool, generating and
+    stalled seconds (both paths write it)."""
+    end = rows[-1]["t_end"] if rows else 0.0
+    by_pool: dict[str, dict] = {}
+    for pool, busy, stall in zip(pools, busy_s, stall_s):
+        p = by_pool.setdefault(pool, {"workers": 0, "generate_s": 0.0, "sync_s": 0.0})
         p["workers"] += 1
-        p["generate_s"] += w.busy_s
-        p["sync_s"] += w.stall_s
-    for p in pools.values():
+        p["generate_s"] += float(busy)
+        p["sync_s"] += float(stall)
+    for p in by_pool.values():
         total = p["workers"] * end
         p["utilization"] = p["generate_s"] / total if total else 0.0
         p["stalled_fraction"] = p["sync_s"] / total if total else 0.0
@@ -344,24 +358,21 @@ def summarize(cfg: Config, profile: Profile, engine: SimEngine, rows: list[dict]
         ages.update(r["ages"])
     samples = sum(r["samples"] for r in rows)
     return {
-        "mode": _mode(cfg), "steps": len(rows), "workers": len(workers), "profile": profile.name,
+        "mode": _mode(cfg) + mode, "steps": len(rows), "workers": len(pools), "profile": profile.name,
         "simulated_s": end,
         "samples_trained": samples,
         "samples_per_s": samples / end if end else 0.0,
-        "generated_tokens": stats.generated_tokens,
-        "generated_tokens_per_s": stats.generated_tokens / end if end else 0.0,
-        "row_occupancy": stats.occupancy,
-        "rollout": pools,
+        "generated_tokens": generated,
+        "generated_tokens_per_s": generated / end if end else 0.0,
+        "row_occupancy": occupancy,
+        "rollout": by_pool,
         "trainer": {"utilization": train_s / end if end else 0.0, "train_s": train_s, "sync_s": sync_s,
                     "wait_s": max(0.0, end - train_s - sync_s)},
         "staleness": {str(k): v for k, v in sorted(ages.items())},
-        **({"reward": {"workers": len(rewards.free_at), "busy_s": rewards.busy_s,
-                       "utilization": rewards.busy_s / (len(rewards.free_at) * end) if end else 0.0}}
-           if rewards is not None else {}),
+        **(extra or {}),
         "discarded_tokens": sum(r["discarded_tokens"] for r in rows),
         "step_rows": rows,
-        "timeline": {"trainer": trainer_tl, "workers": [w.timeline for w in workers],
-                     "pools": [w.pool for w in workers]},
+        "timeline": {"trainer": trainer_tl, "workers": timelines, "pools": list(pools)},
     }
 
 
