@@ -58,7 +58,12 @@ def assert_same(a: dict, b: dict) -> None:
     ["rollout.max_new_tokens=100"], ["rollout.ignore_eos=true", "rollout.max_new_tokens=90"],
     # eta = 0 admits one batch per version: the synchronous schedule
     ["mode=async", "async.max_staleness=0"],
-], ids=["plain", "rows-bind", "heterogeneous", "prefill-budget", "truncated", "ignore-eos", "async-eta0"])
+    # prompts repeat within a step (groups of one prompt apart in a worker's queue prefill it once)
+    ["simulate.prompts=5", "simulate.pools=[{workers: 1, max_rows: 16}]"],
+    ["simulate.prompts=2", "data.shuffle=false", "rollout.prompts_per_step=4", "simulate.prompt_tokens=2500",
+     "rollout.max_new_tokens=256", "simulate.pools=[{workers: 1, max_rows: 16}]"],
+], ids=["plain", "rows-bind", "heterogeneous", "prefill-budget", "truncated", "ignore-eos", "async-eta0",
+        "repeated-prompts", "repeated-prompts-budget"])
 def test_fast_path_gives_the_schedulers_times_exactly(overrides):
     a, b = both(*overrides)
     assert b["mode"].endswith("[fast path]")
@@ -86,12 +91,42 @@ def test_async_fast_path_stays_close_to_the_schedulers():
                 a, b = both("mode=async", f"simulate.pools={pools}", f"async.max_staleness={eta}",
                             f"rollout.inflight_weight_update={inflight}", "steps=10", f"seed={seed}")
                 assert b["samples_trained"] == a["samples_trained"]
-                assert b["generated_tokens"] >= a["samples_trained"]
+                assert b["generated_tokens"] == a["generated_tokens"]  # the same draws, every sample to its end
                 assert max(map(int, b["staleness"])) <= eta
                 errors.append(b["samples_per_s"] / a["samples_per_s"] - 1)
                 assert b["trainer"]["utilization"] == pytest.approx(a["trainer"]["utilization"], rel=0.1)
     assert max(map(abs, errors)) < 0.1, errors
     assert statistics.mean(map(abs, errors)) < 0.03, errors
+
+
+def test_april_fast_path_gives_the_schedulers_times_when_routing_sees_the_same_loads():
+    # over-provisioning, refills as samples finish, the stop at B ready groups, abort and
+    # resubmit from the carried tokens: on two busy workers every refill is routed with the
+    # loads the schedulers' path sees, and the schedule is the same
+    a, b = both("partial_rollout.enabled=true", "partial_rollout.carry=resubmit",
+                "simulate.pools=[{workers: 2, max_rows: 8}]")
+    assert b["mode"].startswith("APRIL") and b["mode"].endswith("[fast path]")
+    assert_same(a, b)
+    assert max(map(int, b["staleness"])) > 0  # carried samples trained versions later
+
+
+def test_april_fast_path_stays_close_to_the_schedulers():
+    # a group routed at a finish sees the loads of workers that may have run past that finish
+    # inside a window: the schedule can differ slightly, never the stop (each window in which
+    # the step stops runs again up to the stop)
+    for over in (["partial_rollout.carry=resubmit"], ["partial_rollout.carry=keep_kv"],
+                 ["partial_rollout.carry=resubmit", "partial_rollout.score_lag=0"],
+                 ["partial_rollout.carry=keep_kv", "partial_rollout.score_lag=3", "partial_rollout.oversample=1.5"],
+                 ["partial_rollout.carry=keep_kv", "simulate.pools=[{workers: 2, max_rows: 8}]"],
+                 ["partial_rollout.carry=resubmit", "simulate.pools=[{workers: 16, max_rows: 64}]"]):
+        a, b = both("partial_rollout.enabled=true", *over)
+        assert b["samples_trained"] == a["samples_trained"]
+        assert b["samples_per_s"] == pytest.approx(a["samples_per_s"], rel=0.02)
+        assert [r["t_train"] for r in b["step_rows"]] == pytest.approx([r["t_train"] for r in a["step_rows"]], rel=0.03)
+        assert b["generated_tokens"] == pytest.approx(a["generated_tokens"], rel=0.03)
+        ages_a = sum(int(k) * v for k, v in a["staleness"].items()) / a["samples_trained"]
+        ages_b = sum(int(k) * v for k, v in b["staleness"].items()) / b["samples_trained"]
+        assert ages_b == pytest.approx(ages_a, rel=0.05)
 
 
 @pytest.mark.parametrize("eta", [0, 1, 3])
@@ -107,17 +142,34 @@ def test_fast_path_holds_the_staleness_bound(eta):
 
 
 @pytest.mark.parametrize("override,named", [
-    ("partial_rollout.enabled=true", "APRIL"),
+    ("partial_rollout.enabled=true;partial_rollout.adaptive=true", "adaptive APRIL"),
+    ("partial_rollout.enabled=true;partial_rollout.on_stale=regenerate", "regenerate"),
     ("algorithm.dynamic_sampling=true", "dynamic sampling"),
     ("simulate.reward={per_group_s: 1.0}", "scoring time"),
     ("simulate.shared_device=true", "shared device"),
     ("selection.policy=thompson", "prompt selection"),
+    ("selection.dars=equal", "DARS"),
+    ("simulate.prompts=100001", "the router forgetting prompts"),
+    ("mode=async;rollout.inflight_weight_update=abort", "inflight_weight_update=abort"),
+    ("mode=async;async.experience_pool=true", "experience_pool"),
 ])
 def test_fast_path_refuses_what_it_does_not_model(override, named):
     from rollover.sim.run import simulate
 
     with pytest.raises(ConfigError, match=f"simulate.fast does not model .*{named}.*simulate.fast=false"):
-        simulate(load_config(None, BASE + ["simulate.fast=true", override]))
+        simulate(load_config(None, BASE + ["simulate.fast=true", *override.split(";")]))
+
+
+def test_free_decoding_does_not_hang_the_windows():
+    # decode steps that cost nothing: every finish of a prefill happens at one instant; windows
+    # must still move on (APRIL then stops among simultaneous completions, whose order the two
+    # paths break differently)
+    free = "simulate.decode={step_s: 0.0, per_row_s: 0.0, per_context_token_s: 0.0, prefill_s: 0.02}"
+    a, b = both("mode=async", "async.max_staleness=1", free, "steps=4")
+    assert b["simulated_s"] == pytest.approx(a["simulated_s"], rel=1e-6)
+    a, b = both("partial_rollout.enabled=true", free, "steps=4")
+    assert b["samples_trained"] == a["samples_trained"]
+    assert b["simulated_s"] == pytest.approx(a["simulated_s"], rel=0.05)
 
 
 def test_vector_draws_follow_the_length_model():

@@ -605,9 +605,9 @@ class SimConfig(Section):
     """See solve_alpha (Beta(1, 1): solve rates uniform over prompts)."""
     fast: bool = False
     """The fast path (rollover/sim/fast.py): the same cluster and policies on arrays, vectorised
-    over workers (1,024 workers x 1,000 steps in well under a minute); sync and async modes, no
-    APRIL, dynamic sampling, prompt selection, scoring time or shared device yet. False: run
-    rollover's own schedulers on the simulated workers."""
+    over workers (1,024 workers x 1,000 steps in a minute or two); sync, async and APRIL; not
+    yet adaptive alpha, dynamic sampling, prompt selection, scoring time or a shared device.
+    False: run rollover's own schedulers on the simulated workers."""
 
 
 class Config(Section):

@@ -16,7 +16,9 @@ import subprocess
 import sys
 import time
 
-MODES = {"sync": [], "async": ["mode=async", "async.max_staleness=2"]}
+MODES = {"sync": [], "async": ["mode=async", "async.max_staleness=2"],
+         "april": ["partial_rollout.enabled=true", "partial_rollout.carry=resubmit"],
+         "april_keep_kv": ["partial_rollout.enabled=true", "partial_rollout.carry=keep_kv"]}
 
 
 def _speed(config: str, steps: int, mode: str) -> dict:

@@ -1,33 +1,43 @@
 """The simulator's fast path (`simulate.fast: true`): the same cluster, vectorised over workers.
 
-The default path runs rollover's own schedulers, so every sample is a request with its future,
-its routing decision and its completion: about 200 us of Python each, half an hour for 1,024
-workers and 1,000 steps. This path models the same policies on arrays instead:
+The schedulers' path runs rollover's own schedulers, so every sample is a request with its
+future, its routing decision and its completion: about 200 us of Python each, half an hour for
+1,024 workers and 1,000 steps. This path models the same policies on arrays instead:
 
-- **Workers** are rows of numpy arrays (a row's slots: sample, tokens left, tokens made). Every
-  worker moves from event to event as `SimCore` does (admission at a step boundary with one
-  prefill per prompt and the same prefill budget, closed-form segments between finishes, a
-  pure or mixed prefill step, a command taking effect at the first boundary at or after its
-  time), all workers in lockstep: one numpy pass applies each worker's next event.
+- **Workers** are rows of numpy arrays (a slot's sample, the worker step it entered at and the
+  one it finishes at). Every worker moves from event to event as `SimCore` does (admission at a
+  step boundary with one prefill per prompt and the same prefill budget, closed-form segments
+  between finishes, a pure or mixed prefill step, a command taking effect at the first
+  boundary at or after its time), all workers in lockstep: one numpy pass applies each
+  worker's next event.
 - **Routing** is the Ray router's rule (least outstanding tokens, prompt affinity within
-  `slack`), evaluated in closed form per group instead of per sample.
+  `slack`), in closed form per fresh group, request by request for resumed samples.
 - **Sync**: every group of the step is routed at its start and the workers run until the last
-  sample finishes; then train, then push the weights. This is exact: the same draws give
-  the default path's times (tests/test_sim_fast.py).
+  sample finishes; then train, then push the weights. Exact: the same draws give the
+  schedulers' path's times (tests/test_sim_fast.py).
 - **Async**: the rollout service's admission rule (keep a batch's groups, and the rows, supplied,
   within the staleness gate `started < (version + eta + 1) x B`), batches in start order, the
   trainer taking each batch when it has formed and the previous step is done, the update at the
   end of the training step (workers stall for the dissemination; running sequences recompute
-  their K/V with `continue`, not with `keep`). Workers run in windows of simulated time; the
-  finishes of a window are processed in time order, and a group admitted at a finish reaches
-  its worker at that time, unless the worker has already run past it inside the window (then
-  at its current boundary: a delay of at most one window, `window_steps` decode steps). The
-  tests bound the effect against the default path.
+  their K/V with `continue`, not with `keep`).
+- **APRIL**: the collector's refills (ceil(alpha x B) groups' worth of samples unfinished in
+  flight), its stop at B ready groups (all but the last `score_lag` completions counted), the
+  abort with tokens carried and resubmitted first (`resubmit`) or the pause in place
+  (`keep_kv`), groups completing after the stop carried as ready, the B lowest-serial ready
+  groups trained.
 
-Not modelled here (refused, with the default path named): APRIL, dynamic sampling and prompt
-selection, scoring time, a device shared by training and rollout, multi-turn environments.
-Response lengths come from the same distribution as the default path's, drawn by a vectorised
-generator (`draws="exact"` takes the default path's own per-sample draws, for comparisons).
+Async and APRIL run the workers in windows of simulated time (about a quarter of a finish per
+worker each); the finishes of a window are processed in time order, and a group admitted at a
+finish reaches its worker at that time unless the worker already ran past it inside the window
+(then at its current boundary, a few decode steps late; its load, which the router reads, is
+then also a few steps ahead). A window in which an APRIL step stops is run again up to the
+stop, so the stop itself is exact. The tests bound the effect against the schedulers' path.
+
+Not modelled here (refused, with the schedulers' path named): adaptive alpha and
+`on_stale: regenerate`, dynamic sampling and prompt selection, scoring time, a device shared by
+training and rollout, multi-turn environments. Response lengths come from the same
+distribution as the schedulers' path's, drawn by a vectorised generator (`draws="exact"` takes
+the schedulers' path's own per-sample draws, for comparisons).
 """
 
 from __future__ import annotations
@@ -47,12 +57,22 @@ BIG = np.int64(1 << 60)  # tokens left in an empty slot
 def check(cfg: Config) -> None:
     """What the fast path does not model yet, named with the way to simulate it."""
     why = []
-    if cfg.partial_rollout.enabled:
-        why.append("APRIL (partial_rollout.enabled)")
+    p = cfg.partial_rollout
+    if p.enabled and p.adaptive:
+        why.append("adaptive APRIL (partial_rollout.adaptive)")
+    if p.enabled and p.on_stale == "regenerate":
+        why.append("partial_rollout.on_stale=regenerate")
     if cfg.algorithm.dynamic_sampling:
         why.append("dynamic sampling (algorithm.dynamic_sampling)")
     if cfg.selection.policy != "uniform" or cfg.selection.allocation != "fixed":
         why.append("prompt selection (selection.policy / selection.allocation)")
+    if cfg.selection.dars != "off":
+        why.append("DARS (selection.dars)")
+    from rollover.runtime.routing import MAX_PREFIXES
+
+    if cfg.simulate.prompts > MAX_PREFIXES:
+        why.append(f"the router forgetting prompts (simulate.prompts={cfg.simulate.prompts} > the "
+                   f"{MAX_PREFIXES:,} prompt prefixes it remembers)")
     if any(float(v) for v in cfg.simulate.reward.values()):
         why.append("scoring time (simulate.reward)")
     if cfg.simulate.shared_device:
@@ -227,10 +247,15 @@ class Fleet:
         self.stall_s = np.zeros(W)
         # slots
         self.sid = np.full((W, R), -1, dtype=np.int64)
-        # a slot's tokens are counted by its worker's steps: it entered at step `born` and
-        # finishes at step `fin` (BIG: empty); entering = admitted at the current boundary
+        # a slot's tokens are counted by its worker's steps: it holds wstep - born tokens (a
+        # resumed sample was born before it entered, by the tokens it carried), entered at step
+        # `entered` (entering: admitted at the current boundary) and finishes at step `fin`
+        # (BIG: empty)
         self.wstep = np.zeros(W, dtype=np.int64)
         self.born = np.zeros((W, R), dtype=np.int64)
+        self.entered = np.zeros((W, R), dtype=np.int64)
+        self.seq = np.zeros((W, R), dtype=np.int64)  # admission order
+        self.admitted = np.zeros(1, dtype=np.int64)
         self.fin = np.full((W, R), BIG, dtype=np.int64)
         self.t_end = np.zeros(W)  # the planned segment's end
         self.usable = np.arange(R)[None, :] < self.max_rows[:, None]
@@ -246,8 +271,10 @@ class Fleet:
         self.s_group = np.zeros(1024, dtype=np.int64)
         self.s_prompt = np.zeros(1024, dtype=np.int64)
         self.s_v0 = np.zeros(1024, dtype=np.int64)
+        self.s_tok = np.zeros(1024, dtype=np.int64)  # tokens a sample holds while it waits (carried by APRIL)
         self.home = np.full(s.prompts, -1, dtype=np.int64)
         self.version = 0
+        self.paused = False
         self.row_steps = np.zeros(W, dtype=np.int64)  # rows x steps: tokens generated
         self.finished: list[tuple[np.ndarray, np.ndarray]] = []  # (sample ids, times) not yet taken
         self.timeline = [[] for _ in range(W)] if timeline else None
@@ -258,15 +285,16 @@ class Fleet:
         if need <= len(self.s_target):
             return
         size = max(need, 2 * len(self.s_target))
-        for name in ("s_target", "s_stop", "s_group", "s_prompt", "s_v0"):
+        for name in ("s_target", "s_stop", "s_group", "s_prompt", "s_v0", "s_tok"):
             old = getattr(self, name)
             new = np.zeros(size, dtype=old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
 
-    def add_groups(self, serials: list[int], prompts: list[int], n: int, at: float) -> None:
+    def add_groups(self, serials: list[int], prompts: list[int], n: int, at) -> None:
         """Route the groups' fresh samples (each group's n samples in order) and queue them;
-        every worker that got some replans from its first boundary at or after `at`."""
+        a worker replans from its first boundary at or after each group's arrival `at` (one
+        time, or one per group in non-decreasing order)."""
         base, k = self.n_samples, len(serials)
         self._grow(base + n * k)
         sl = slice(base, base + n * k)
@@ -277,6 +305,7 @@ class Fleet:
         dest = np.repeat(np.stack([home_dest, best_dest], axis=1).ravel(),
                          np.stack([home_m, n - home_m], axis=1).ravel())
         self.n_samples = base + n * k
+        at = np.repeat(np.broadcast_to(np.asarray(at, dtype=np.float64), (k,)), n)
         self._enqueue(dest, np.arange(base, self.n_samples, dtype=np.int64), at)
 
     def _route(self, prompts: list[int], n: int):
@@ -317,7 +346,9 @@ class Fleet:
         self.load[:] = loads
         return np.array(out_h, dtype=np.int64), np.array(out_m, dtype=np.int64), np.array(out_b, dtype=np.int64)
 
-    def _enqueue(self, dest: np.ndarray, sids: np.ndarray, at: float) -> None:
+    def _enqueue(self, dest: np.ndarray, sids: np.ndarray, at) -> None:
+        """Queue samples (in routing order) at their workers; `at`: one arrival time, or one per
+        sample, non-decreasing in routing order."""
         order = np.argsort(dest, kind="stable")
         dest, sids = dest[order], sids[order]
         workers, first, counts = np.unique(dest, return_index=True, return_counts=True)
@@ -327,10 +358,23 @@ class Fleet:
         rank = np.arange(len(dest)) - np.repeat(first, counts)
         pos = (self.qh[dest] + self.qn[dest] + rank) % self.qcap
         self.qs[dest, pos] = sids
-        # each worker: to its first boundary at or after `at`, then admit and replan
-        self.cut(workers, at)
-        self.qn[workers] += counts
-        self.plan(workers)
+        at = np.broadcast_to(np.asarray(at, dtype=np.float64), (len(order),))[order]
+        # the samples reach their worker in arrival batches: each batch at the worker's first
+        # boundary at or after its time (admitted and replanned there), one batch per round
+        start = np.ones(len(dest), dtype=bool)
+        start[1:] = (dest[1:] != dest[:-1]) | (at[1:] != at[:-1])
+        batch = np.cumsum(start) - 1
+        b_first = np.nonzero(start)[0]
+        b_worker, b_time = dest[b_first], at[b_first]
+        b_count = np.diff(np.append(b_first, len(dest)))
+        b_round = np.arange(len(b_first)) - np.searchsorted(b_worker, b_worker)  # batches sorted by worker
+        del batch
+        for r in range(int(b_round.max()) + 1):
+            sel = b_round == r
+            w = b_worker[sel]
+            self.cut(w, b_time[sel])
+            self.qn[w] += b_count[sel]
+            self.plan(w)
 
     def _grow_queue(self, need: int) -> None:
         cap = max(need, 2 * self.qcap)
@@ -363,15 +407,16 @@ class Fleet:
             j = j - down + up
         return np.where((T <= self.t[idx]) | (k == 0), 0, j)
 
-    def cut(self, idx: np.ndarray, T: float) -> None:
-        """Bring the workers to their first step boundary at or after T (idle ones: to T);
-        sequences finishing there finish at its time."""
+    def cut(self, idx: np.ndarray, T) -> None:
+        """Bring the workers to their first step boundary at or after T (one time, or one per
+        worker; idle ones: to T); sequences finishing there finish at its time."""
+        T = np.broadcast_to(np.asarray(T, dtype=np.float64), (len(idx),))
         idle = self.k[idx] == 0
         w = idx[idle]
-        self.t[w] = np.maximum(self.t[w], T)
+        self.t[w] = np.maximum(self.t[w], T[idle])
         busy = idx[~idle]
         if len(busy):
-            j = self.first_at_or_after(busy, T)
+            j = self.first_at_or_after(busy, T[~idle])
             go = j > 0
             if go.any():
                 self.apply(busy[go], j[go])
@@ -399,7 +444,7 @@ class Fleet:
             self.rows -= np.bincount(w, minlength=self.W)
             self.sid[w, cols] = -1
             self.fin[w, cols] = BIG
-            self.finished.append((sids, self.t[w]))
+            self.finished.append((sids, self.t[w], w, self.seq[w, cols]))
 
     def _record(self, idx: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
         self.busy_s[idx] += end - start
@@ -412,6 +457,99 @@ class Fleet:
         o[:, 0] = np.where(joined, o[:, 0], start)
         o[:, 1] = end
         self.open[idx] = o
+
+    def add_requests(self, sids: np.ndarray, at: float) -> None:
+        """Route existing samples (a carried group's: resumed ones, with tokens, to the
+        least-loaded worker; never-started ones by their prompt's home, as the router does
+        request by request) and queue them; their workers replan from `at`."""
+        import heapq
+
+        b, slack, home_of, loads = self.budget, self.slack, self.home, self.load.tolist()
+        heap = list(zip(loads, range(self.W)))
+        heapq.heapify(heap)
+        dest = np.empty(len(sids), dtype=np.int64)
+        for i, s in enumerate(sids.tolist()):
+            while heap[0][0] != loads[heap[0][1]]:
+                heapq.heappop(heap)
+            pick = best = heap[0][1]
+            carried = int(self.s_tok[s])
+            if not carried:
+                p = int(self.s_prompt[s])
+                home = int(home_of[p])
+                if home >= 0 and loads[home] <= loads[best] + slack:
+                    pick = home
+                home_of[p] = pick
+            dest[i] = pick
+            loads[pick] += b - carried
+            heapq.heappush(heap, (loads[pick], pick))
+        self.load[:] = loads
+        self._enqueue(dest, sids, at)
+
+    def abort_all(self, T: float) -> np.ndarray:
+        """Abort every request at T: each worker at its first boundary at or after T (sequences
+        finishing there finish), then the running ones keep their tokens (`s_tok`) and, with the
+        waiting ones, leave; the aborted samples."""
+        idx = np.arange(self.W)
+        self.cut(idx, T)
+        occ = self.sid >= 0
+        r, c = np.nonzero(occ)
+        running = self.sid[r, c]
+        self.s_tok[running] = self.wstep[r] - self.born[r, c]
+        qpos = (self.qh[:, None] + np.arange(self.qcap)[None, :]) % self.qcap
+        qmask = np.arange(self.qcap)[None, :] < self.qn[:, None]
+        waiting = np.take_along_axis(self.qs, qpos, axis=1)[qmask]
+        self.sid[occ] = -1
+        self.fin[occ] = BIG
+        self.rows[:] = 0
+        self.ctx[:] = 0
+        self.load[:] = 0
+        self.recompute[:] = 0
+        self.pre_recompute[:] = 0
+        self.qn[:] = 0
+        self.k[:] = 0
+        return np.concatenate([running, waiting])
+
+    def pause(self, T: float) -> None:
+        """Every worker stops at its last step boundary at or before T; nothing runs until
+        `resume` (running sequences keep their rows and K/V)."""
+        idx = np.nonzero(self.k > 0)[0]
+        if len(idx):
+            j = self.first_at_or_after(idx, T)
+            j = np.where((j > 0) & (self.end(idx, j) > T), j - 1, j)
+            go = j > 0
+            if go.any():
+                self.apply(idx[go], j[go])
+        self.k[:] = 0
+        self.paused = True
+
+    def resume(self, T: float) -> None:
+        self.paused = False
+        idx = np.arange(self.W)
+        self.t = np.maximum(self.t, T)
+        self.plan(idx)
+
+    _STATE = ("t", "rows", "ctx", "load", "k", "extra", "base", "slope", "pre_recompute", "recompute", "busy_s",
+              "stall_s", "wstep", "born", "entered", "fin", "seq", "sid", "t_end", "qs", "qh", "qn", "home",
+              "row_steps", "open", "admitted")
+
+    def snapshot(self) -> dict:
+        """The state a window changes (sample arrays only grow: their count is enough)."""
+        snap = {k: getattr(self, k).copy() for k in self._STATE}
+        snap["_n_samples"], snap["_version"] = self.n_samples, self.version
+        if self.timeline is not None:
+            snap["_timeline"] = [len(t) for t in self.timeline]
+        return snap
+
+    def restore(self, snap: dict) -> None:
+        for k, v in snap.items():  # copies: a snapshot may be restored more than once
+            if not k.startswith("_"):
+                setattr(self, k, v.copy())
+        self.n_samples, self.version = snap["_n_samples"], snap["_version"]
+        if self.timeline is not None:
+            for t, n in zip(self.timeline, snap["_timeline"]):
+                del t[n:]
+        self.qcap = self.qs.shape[1]
+        self.finished = []
 
     def stall(self, T: float, seconds: float, version: int, inflight: str) -> None:
         """A weight update at T: each worker at its first boundary at or after T stalls
@@ -445,9 +583,11 @@ class Fleet:
         if not len(idx):
             return
         self.k[idx] = 0
+        if self.paused:
+            return
         self.pre_recompute[idx] = np.where(self.rows[idx] > 0, self.pre_recompute[idx], 0)
         sid = self.sid[idx]
-        ent = (self.born[idx] == self.wstep[idx][:, None]) & (sid >= 0)
+        ent = (self.entered[idx] == self.wstep[idx][:, None]) & (sid >= 0)
         # most plans follow a finish with nothing to admit, prefill or recompute: plain decoding
         plain = ~ent.any(axis=1) & ((self.qn[idx] == 0) | (self.rows[idx] == self.max_rows[idx])) \
             & (self.pre_recompute[idx] + self.recompute[idx] == 0)
@@ -470,51 +610,77 @@ class Fleet:
         self.k[idx] = k
         self.t_end[idx] = self.end(idx, k)
 
+    def _keys(self, sids: np.ndarray, carried: np.ndarray) -> np.ndarray:
+        """Prefill keys: a fresh sample's prompt (its group's samples prefill it once), a resumed
+        sample's own (its prompt and tokens)."""
+        return np.where(carried == 0, self.s_prompt[np.maximum(sids, 0)], -10 - sids)
+
     def _plan_full(self, idx: np.ndarray, sid: np.ndarray, ent: np.ndarray) -> None:
         P = self.prompt_tokens
-        ent_keys = np.where(ent, self.s_prompt[np.maximum(sid, 0)], -1)
-        n_keys = np.zeros(len(idx), dtype=np.int64)
+        m = len(idx)
+        # the prompts entering at this boundary already (admitted since the last step): their keys
+        ent_carried = np.where(ent, self.entered[idx] - self.born[idx], 0)
+        ent_keys = np.where(ent, self._keys(sid, ent_carried), -1)
+        n_keys = np.zeros(m, dtype=np.int64)
+        key_tokens = np.zeros(m, dtype=np.int64)
+        longest = np.zeros(m, dtype=np.int64)
         if ent.any():
-            srt = np.sort(ent_keys, axis=1)
-            n_keys = ((srt >= 0) & np.concatenate([np.ones((len(idx), 1), bool), srt[:, 1:] != srt[:, :-1]],
-                                                  axis=1)).sum(axis=1)
-        budget = self.max_prefill - n_keys * P - self.pre_recompute[idx]
+            order = np.argsort(ent_keys, axis=1, kind="stable")
+            srt = np.take_along_axis(ent_keys, order, axis=1)
+            tok = np.take_along_axis(np.where(ent, P + ent_carried, 0), order, axis=1)
+            first = (srt != -1) & np.concatenate([np.ones((m, 1), bool), srt[:, 1:] != srt[:, :-1]], axis=1)
+            n_keys = first.sum(axis=1)
+            key_tokens = (first * tok).sum(axis=1)
+            longest = (first * tok).max(axis=1)
+        budget = self.max_prefill - key_tokens - self.pre_recompute[idx]
         free = self.max_rows[idx] - self.rows[idx]
         take = np.minimum(free, self.qn[idx])
-        F = int(take.max()) if len(take) else 0
+        F = int(take.max()) if m else 0
         if F > 0:
             cols = np.arange(F)
             pos = (self.qh[idx][:, None] + cols[None, :]) % self.qcap
             cand = self.qs[idx[:, None], pos]
             valid = cols[None, :] < take[:, None]
-            prompt = np.where(valid, self.s_prompt[cand], -2)
-            new_key = np.ones_like(valid)
-            new_key[:, 1:] = prompt[:, 1:] != prompt[:, :-1]
-            if ent.any():
-                new_key &= ~(prompt[:, :, None] == ent_keys[:, None, :]).any(axis=2)
+            carried = np.where(valid, self.s_tok[cand], 0)
+            keys = np.where(valid, self._keys(cand, carried), -2 - cols[None, :])
+            need = P + carried
+            # a key's first candidate in each row (by a stable sort: the earliest among equals)
+            order = np.argsort(keys, axis=1, kind="stable")
+            srt = np.take_along_axis(keys, order, axis=1)
+            first = np.ones((m, F), dtype=bool)
+            first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+            new_key = np.empty((m, F), dtype=bool)
+            np.put_along_axis(new_key, order, first, axis=1)
             new_key &= valid
-            spent = np.cumsum(new_key * P, axis=1) - new_key * P  # budget used before each candidate
+            rows_ent = np.nonzero(ent.any(axis=1))[0]
+            if len(rows_ent):  # not a key already entering
+                new_key[rows_ent] &= ~(keys[rows_ent, :, None] == ent_keys[rows_ent, None, :]).any(axis=2)
+            spent = np.cumsum(new_key * need, axis=1) - new_key * need  # budget used before each candidate
             keys_before = (n_keys[:, None] > 0) | (cols[None, :] > 0)
-            stop = valid & keys_before & (P > budget[:, None] - spent)
+            stop = valid & keys_before & (need > budget[:, None] - spent)
             admit = np.where(stop.any(axis=1), stop.argmax(axis=1), take)
-            n_new_keys = (new_key & (cols[None, :] < admit[:, None])).sum(axis=1)
-            n_keys = n_keys + n_new_keys
+            got = new_key & (cols[None, :] < admit[:, None])
+            n_keys = n_keys + got.sum(axis=1)
+            key_tokens = key_tokens + (got * need).sum(axis=1)
+            longest = np.maximum(longest, (got * need).max(axis=1))
             if admit.any():
                 self._admit(idx, cand, admit)
         rows = self.rows[idx]
         live = rows > 0
-        idx, rows, n_keys = idx[live], rows[live], n_keys[live]
+        idx, rows = idx[live], rows[live]
         if not len(idx):
             return
-        fresh = n_keys * P  # every key a fresh prompt of P tokens; padded: rows x the longest, the same
+        fresh = np.where(self.cost.padded[idx], n_keys[live] * longest[live], key_tokens[live])
         rec = self.pre_recompute[idx] + self.recompute[idx]
         self.pre_recompute[idx], self.recompute[idx] = rec, 0
-        n_ent = ((self.born[idx] == self.wstep[idx][:, None]) & (self.sid[idx] >= 0)).sum(axis=1)  # after admission
+        ent = (self.entered[idx] == self.wstep[idx][:, None]) & (self.sid[idx] >= 0)  # after admission
+        n_ent = ent.sum(axis=1)
+        ent_ctx = (ent * (P + self.entered[idx] - self.born[idx])).sum(axis=1)
         decoding = rows - n_ent
         ctx = self.ctx[idx]
         first = self.cost.prefill(idx, rec)
         pf = self.cost.prefill(idx, fresh)
-        dec = self.cost.step(idx, decoding, ctx - n_ent * P)
+        dec = self.cost.step(idx, decoding, ctx - ent_ctx)
         mixed = decoding > 0
         part = np.where(mixed, first + np.where(fresh > 0, pf - self.cost.prefill_s[idx], 0.0), first + pf)
         decode = np.where(mixed, dec, 0.0)
@@ -535,37 +701,48 @@ class Fleet:
         r, c = np.nonzero(put)
         w = idx[r]
         s = cand[r, rank[r, c]]
+        carried = self.s_tok[s]
         self.sid[w, c] = s
-        self.born[w, c] = self.wstep[w]
-        self.fin[w, c] = self.wstep[w] + self.s_target[s]
-        self.s_v0[s] = self.version
+        self.born[w, c] = self.wstep[w] - carried
+        self.entered[w, c] = self.wstep[w]
+        order = np.lexsort((c, r))  # rows fill in queue order
+        self.seq[w[order], c[order]] = self.admitted[0] + np.arange(len(order))
+        self.admitted[0] += len(order)
+        self.fin[w, c] = self.born[w, c] + self.s_target[s]
+        first = carried == 0
+        self.s_v0[s[first]] = self.version  # a resumed sample's first token is older
         self.rows[idx] += admit
-        self.ctx[idx] += admit * self.prompt_tokens
+        self.ctx += np.bincount(w, weights=self.prompt_tokens + carried, minlength=self.W).astype(np.int64)
         self.qh[idx] = (self.qh[idx] + admit) % self.qcap
         self.qn[idx] -= admit
 
     # ------------------------------------------------------------ running
-    def run_until(self, H: float) -> None:
-        """Apply every planned segment that ends before H (and the ones planned after them)."""
+    def run_until(self, H: float, inclusive: bool = False) -> None:
+        """Apply every planned segment that ends before H (or at H, `inclusive`), and the
+        ones planned after them."""
         while True:
             idx = np.nonzero(self.k > 0)[0]
             if not len(idx):
                 return
-            due = self.t_end[idx] < H
+            due = self.t_end[idx] <= H if inclusive else self.t_end[idx] < H
             if not due.any():
                 return
             idx = idx[due]
             self.apply(idx, self.k[idx])
             self.plan(idx)
 
+    def next_event(self) -> float:
+        """Just past the earliest planned boundary (inf: nothing runs): a window must reach it."""
+        busy = self.k > 0
+        return float(np.nextafter(self.t_end[busy].min(), math.inf)) if busy.any() else math.inf
+
     def take_finished(self) -> tuple[np.ndarray, np.ndarray]:
         """Samples finished since the last call and their times, in time order."""
         if not self.finished:
             return np.zeros(0, dtype=np.int64), np.zeros(0)
-        sids = np.concatenate([f[0] for f in self.finished])
-        times = np.concatenate([f[1] for f in self.finished])
+        sids, times, workers, seqs = (np.concatenate([f[i] for f in self.finished]) for i in range(4))
         self.finished = []
-        order = np.argsort(times, kind="stable")
+        order = np.lexsort((seqs, workers, times))  # ties: by worker, then in admission order, as SimCore's rows
         return sids[order], times[order]
 
     def busy_any(self) -> bool:
@@ -587,19 +764,32 @@ def simulate_fast(cfg: Config, profile: Profile, progress=None, draws: str = "ve
         timeline = workers * cfg.steps <= 20_000
     fleet = Fleet(cfg, profile, Draws(cfg, draws), timeline)
     prompts, _ = make_prompts(s.prompts, cfg.seed, s.prompt_tokens, s.solve_alpha, s.solve_beta)
-    data = PromptIterator(prompts, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    index = {p.id: i for i, p in enumerate(prompts)}
-    state = {"serial": 0}
-
-    def next_groups(k: int) -> tuple[list[int], list[int]]:
-        ps = [index[p.id] for p in data.next_batch(k)]
-        serials = list(range(state["serial"], state["serial"] + k))
-        state["serial"] += k
-        return serials, ps
-
-    driver = _async if cfg.mode == "async" else _sync
+    next_groups = _Prompts(PromptIterator(prompts, seed=cfg.seed, shuffle=cfg.data.shuffle), prompts)
+    driver = _async if cfg.mode == "async" else _april if cfg.partial_rollout.enabled else _sync
     rows, trainer_tl = driver(cfg, profile, fleet, next_groups, progress, window_events)
     return _summary(cfg, profile, fleet, rows, trainer_tl)
+
+
+class _Prompts:
+    """The run's prompt order (the real PromptIterator) as groups: `(serials, prompt indices)`."""
+
+    def __init__(self, data, prompts):
+        self.data, self.serial = data, 0
+        self.index = {p.id: i for i, p in enumerate(prompts)}
+
+    def __call__(self, k: int) -> tuple[list[int], list[int]]:
+        ps = [self.index[p.id] for p in self.data.next_batch(k)]
+        serials = list(range(self.serial, self.serial + k))
+        self.serial += k
+        return serials, ps
+
+    def snapshot(self) -> tuple:
+        d = self.data
+        return self.serial, d.epoch, d.position, d._order, d.prompts_served
+
+    def restore(self, snap: tuple) -> None:
+        d = self.data
+        self.serial, d.epoch, d.position, d._order, d.prompts_served = snap
 
 
 def _train_tokens(fleet: Fleet, sids: np.ndarray) -> tuple[int, int]:
@@ -642,6 +832,207 @@ def _sync(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
     return rows, trainer_tl
 
 
+def _completions(left: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """For finish events in time order (their groups), 1 where the event is its group's last
+    sample (`left`: each group's samples not finished before these events)."""
+    order = np.argsort(groups, kind="stable")
+    g = groups[order]
+    starts = np.concatenate([[True], g[1:] != g[:-1]])
+    first = np.maximum.accumulate(np.where(starts, np.arange(len(g)), 0))
+    seen = np.empty(len(g), dtype=np.int64)
+    seen[order] = np.arange(len(g)) - first + 1  # events of its group up to this one
+    return (seen == left[groups]).astype(np.int64)
+
+
+class _Groups:
+    """Per group (by serial): samples not finished, and when it completed."""
+
+    def __init__(self):
+        self.left = np.zeros(1024, dtype=np.int64)
+        self.done = np.full(1024, np.nan)
+
+    def add(self, serials: list[int], n: int) -> None:
+        need = serials[-1] + 1
+        if need > len(self.left):
+            size = max(need, 2 * len(self.left))
+            self.left = np.concatenate([self.left, np.zeros(size - len(self.left), dtype=np.int64)])
+            self.done = np.concatenate([self.done, np.full(size - len(self.done), np.nan)])
+        self.left[serials] = n
+        self.done[serials] = np.nan
+
+    def finish(self, groups: np.ndarray, times: np.ndarray) -> np.ndarray:
+        """Count finished samples (events in time order); per event, 1 where it completed its group."""
+        complete = _completions(self.left, groups)
+        np.subtract.at(self.left, groups, 1)
+        np.fmax.at(self.done, groups, times)
+        return complete
+
+
+def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
+    """The APRIL collector (rollover.rollout.april) and the synchronous loop on the fleet:
+    keep ceil(alpha x B) groups' worth of samples unfinished in flight (rows freed by finished
+    samples go to fresh groups at once); the stop decision at each group completion counts all
+    but the last `score_lag` completed groups; at B ready groups every request is aborted (its
+    tokens carried, resubmitted first next step, with their K/V recomputed) or, with keep_kv,
+    paused in place; groups completing after the stop are carried as ready; the B lowest-serial
+    ready groups train. Windows of simulated time as in async mode; the window in which the step
+    stops is run again from its start up to the stop, so the stop is exact."""
+    r, pr = cfg.rollout, cfg.partial_rollout
+    B, n = r.prompts_per_step, r.samples_per_prompt
+    capacity = max(B, math.ceil(pr.oversample * B))
+    lag = min(pr.score_lag, B - 1)
+    keep = cfg.april_carry[0] == "keep_kv"
+    sync_s = profile.sync.seconds(fleet.W)
+    full = float(np.median(fleet.cost.step(np.arange(fleet.W), fleet.max_rows,
+                                           fleet.max_rows * (fleet.prompt_tokens + 1))))
+    window = 16 * full
+    groups = _Groups()
+    st = {"unfinished": 0, "completed": []}  # samples of groups in flight not finished; this step's completions
+    inflight: set[int] = set()
+    ready_carry: list[int] = []
+    carried = np.zeros(0, dtype=np.int64)  # resubmit: the aborted samples, resubmitted first next step
+    rows, trainer_tl = [], []
+    now = 0.0
+
+    def refill(times: np.ndarray, f: np.ndarray) -> None:
+        """After each event (f: samples finished up to it): fresh groups until capacity x n
+        samples are unfinished in flight."""
+        want = np.maximum.accumulate(np.maximum(-(-(capacity * n - st["unfinished"] + f) // n), 0))
+        new = np.diff(np.concatenate([[0], want]))
+        total = int(new.sum())
+        if total:
+            serials, ps = next_groups(total)
+            groups.add(serials, n)
+            inflight.update(serials)
+            fleet.add_groups(serials, ps, n, at=np.repeat(times, new))
+            st["unfinished"] += n * total
+
+    def take(need: int | None = None, refilling: bool = True) -> tuple[list[float], bool]:
+        """Process the finishes so far in time order, refilling after each; the times of the
+        group completions among them. With `need` (completions that stop the step), refilling
+        stops at the stop event, and whether it was among them."""
+        sids, times = fleet.take_finished()
+        if not len(sids):
+            return [], False
+        g = fleet.s_group[sids]
+        until, stopped = len(sids), False
+        if need is not None:
+            hit = np.nonzero(len(st["completed"]) + np.cumsum(_completions(groups.left, g)) >= need)[0]
+            if len(hit):
+                until, stopped = int(hit[0]), True
+        complete = groups.finish(g, times).astype(bool)
+        if refilling and until:
+            refill(times[:until], np.arange(1, until + 1))
+        st["unfinished"] -= len(sids)
+        for gg in g[complete].tolist():
+            inflight.discard(gg)
+            st["completed"].append(gg)
+        return times[complete].tolist(), stopped
+
+    def window_to(H: float) -> tuple[list[float], int]:
+        """Every event before H (finishes processed as they come, refills included); the
+        completion times and the finishes."""
+        done, events = [], 0
+        while True:
+            fleet.run_until(H)
+            if not fleet.finished:
+                return done, events
+            events += sum(len(f[0]) for f in fleet.finished)
+            done += take()[0]
+
+    def save() -> tuple:
+        lo = min(inflight) if inflight else next_groups.serial
+        return (fleet.snapshot(), next_groups.snapshot(), st["unfinished"], len(st["completed"]), set(inflight),
+                lo, groups.left[lo:next_groups.serial].copy(), groups.done[lo:next_groups.serial].copy())
+
+    def load(snap: tuple) -> None:
+        fleet.restore(snap[0])
+        next_groups.restore(snap[1])
+        st["unfinished"] = snap[2]
+        del st["completed"][snap[3]:]
+        inflight.clear()
+        inflight.update(snap[4])
+        lo = snap[5]
+        groups.left[lo:lo + len(snap[6])] = snap[6]
+        groups.done[lo:lo + len(snap[7])] = snap[7]
+
+    for step in range(cfg.steps):
+        t0, made, version = now, int(fleet.row_steps.sum()), fleet.version
+        ready = sorted(ready_carry)
+        ready_carry, st["completed"] = [], []
+        t1 = now
+        if len(ready) < B:  # else: enough carried, nothing generated this step
+            need = B - len(ready) + lag  # completions that stop the step
+            if len(carried):
+                fleet.add_requests(np.sort(carried), now)
+                carried = carried[:0]
+            if keep:
+                fleet.resume(now)
+            refill(np.array([now]), np.zeros(1, dtype=np.int64))
+            T = now
+            step_snap, windows = save(), []  # the state at the step's start, the windows run since
+            most = 1  # the most completions one window has had
+            while True:
+                H = T + window
+                jumped = fleet.next_event() > H  # nothing happens before H: to the next event
+                H = max(H, fleet.next_event())
+                if H == math.inf:
+                    raise RuntimeError(f"fast simulation stalled in step {step + 1}: nothing runs and "
+                                       f"{len(st['completed'])}/{need} completions are in")
+                before = len(st["completed"])
+                snap = save() if before + 2 * most >= need else None  # the stop may come in this window
+                done, events = window_to(H)
+                most = max(most, len(done))
+                if before + len(done) < need:
+                    if events and H > T and not jumped:
+                        window = max(window_events * fleet.W * (H - T) / events, full)
+                    windows.append(H)
+                    T = H
+                    continue
+                # the step stops inside this window: run it again from its start up to the
+                # time of the stopping completion (finishes of later passes can be earlier
+                # than ones already counted: the count is by time), until that time holds
+                tau = sorted(done)[need - before - 1]
+                while True:
+                    if snap is not None:
+                        load(snap)
+                    else:  # no snapshot of this window: the step again, window by window
+                        load(step_snap)
+                        for h in windows:
+                            window_to(h)
+                    done, _ = window_to(tau)
+                    if before + len(done) < need:
+                        break
+                    tau = sorted(done)[need - before - 1]
+                # the events at tau: those before the stop (SimCore's order) refill, the rest not
+                fleet.run_until(tau, inclusive=True)
+                if take(need)[1]:
+                    break
+                T = tau  # the stop did not come (a group reached a worker earlier than in the window): go on
+                step_snap, windows = save(), []
+            if keep:  # requests stay in their rows, paused
+                fleet.pause(tau)
+                t1 = tau
+            else:  # every request aborted: sequences finishing in the step in progress finish
+                carried = fleet.abort_all(tau)
+                t1 = max([tau] + [float(f[1].max()) for f in fleet.finished])
+            take(None, refilling=False)
+        ready = sorted(ready + st["completed"])
+        out, ready_carry = ready[:B], ready[B:]
+        sids = (np.asarray(out, dtype=np.int64)[:, None] * n + np.arange(n)[None, :]).ravel()
+        tokens, _ = _train_tokens(fleet, sids)
+        train_s = profile.train.seconds(tokens)
+        fleet.stall(t1 + train_s, sync_s, step + 1, "keep" if keep else "continue")
+        now = t1 + train_s + sync_s
+        trainer_tl += [[t1, t1 + train_s, "train"], [t1 + train_s, now, "sync"]]
+        rows.append(_row(step, t0, t1, now, sids, fleet, version, train_s, sync_s, B,
+                         int(fleet.row_steps.sum()) - made))
+        if progress:
+            progress(rows[-1])
+    fleet.close_timeline()
+    return rows, trainer_tl
+
+
 def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
     """The async loop (rollover.sim.run._async with RolloutService, DataManager and
     StalenessGate) on the fleet; see the module docstring."""
@@ -672,11 +1063,11 @@ def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
         level = c["live"] + np.maximum(B - c["inflight"] + cg, -(-(R - c["running"] + f) // n))
         level = np.maximum.accumulate(np.minimum(level, cap))
         new = np.diff(np.concatenate([[c["live"]], np.maximum(level, c["live"])]))
-        for i in np.nonzero(new > 0)[0]:
-            k = int(new[i])
+        k = int(new.sum())
+        if k:
             serials, ps = next_groups(k)
             g_left[serials] = n
-            fleet.add_groups(serials, ps, n, at=float(times[i]) if times is not None else at)
+            fleet.add_groups(serials, ps, n, at=np.repeat(times, new) if times is not None else at)
             c["live"] += k
             c["inflight"] += k
             c["running"] += n * k
@@ -695,9 +1086,13 @@ def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
             train_s = profile.train.seconds(tokens)
             update_at, pending = t0 + train_s, (t0, train_s, sids)
         H = T + window
+        jumped = fleet.next_event() > H  # nothing happens before H: to the next event
+        H = max(H, fleet.next_event())
         for fixed in (update_at, admit_at):
             if fixed is not None:
                 H = min(H, fixed)
+        if H == math.inf:
+            raise RuntimeError(f"fast simulation stalled before step {step + 1}: nothing runs and no batch formed")
         H = max(H, T)
         events = 0
         while True:  # the window: workers to H, then the finishes in time order, until none is left before H
@@ -723,7 +1118,7 @@ def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
             while formed < steps and c["live"] >= (formed + 1) * B and not g_left[formed * B:(formed + 1) * B].any():
                 batch_time.append(float(g_done[formed * B:(formed + 1) * B].max()))
                 formed += 1
-        if events and H > T:
+        if events and H > T and not jumped:
             window = min(max(window_events * fleet.W * (H - T) / events, full), train_lb)
         T = H
         if update_at is not None and T >= update_at:
