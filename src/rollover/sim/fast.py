@@ -535,7 +535,7 @@ class Fleet:
     def snapshot(self) -> dict:
         """The state a window changes (sample arrays only grow: their count is enough)."""
         snap = {k: getattr(self, k).copy() for k in self._STATE}
-        snap["_n_samples"], snap["_version"] = self.n_samples, self.version
+        snap["_n_samples"], snap["_version"], snap["_finished"] = self.n_samples, self.version, list(self.finished)
         if self.timeline is not None:
             snap["_timeline"] = [len(t) for t in self.timeline]
         return snap
@@ -549,7 +549,7 @@ class Fleet:
             for t, n in zip(self.timeline, snap["_timeline"]):
                 del t[n:]
         self.qcap = self.qs.shape[1]
-        self.finished = []
+        self.finished = list(snap["_finished"])
 
     def stall(self, T: float, seconds: float, version: int, inflight: str) -> None:
         """A weight update at T: each worker at its first boundary at or after T stalls
@@ -736,12 +736,17 @@ class Fleet:
         busy = self.k > 0
         return float(np.nextafter(self.t_end[busy].min(), math.inf)) if busy.any() else math.inf
 
-    def take_finished(self) -> tuple[np.ndarray, np.ndarray]:
-        """Samples finished since the last call and their times, in time order."""
+    def take_finished(self, before: float = math.inf, inclusive: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Samples finished since the last call before `before` (at it too, `inclusive`) and their
+        times, in time order; later ones (a cut for an admission can finish a sequence past the
+        window) stay for a later call."""
         if not self.finished:
             return np.zeros(0, dtype=np.int64), np.zeros(0)
         sids, times, workers, seqs = (np.concatenate([f[i] for f in self.finished]) for i in range(4))
-        self.finished = []
+        now = times <= before if inclusive else times < before
+        later = ~now
+        self.finished = [(sids[later], times[later], workers[later], seqs[later])] if later.any() else []
+        sids, times, workers, seqs = sids[now], times[now], workers[now], seqs[now]
         order = np.lexsort((seqs, workers, times))  # ties: by worker, then in admission order, as SimCore's rows
         return sids[order], times[order]
 
@@ -907,13 +912,14 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
             fleet.add_groups(serials, ps, n, at=np.repeat(times, new))
             st["unfinished"] += n * total
 
-    def take(need: int | None = None, refilling: bool = True) -> tuple[list[float], bool]:
-        """Process the finishes so far in time order, refilling after each; the times of the
-        group completions among them. With `need` (completions that stop the step), refilling
-        stops at the stop event, and whether it was among them."""
-        sids, times = fleet.take_finished()
+    def take(need: int | None = None, refilling: bool = True, before: float = math.inf,
+             inclusive: bool = False) -> tuple[list[float], bool, int]:
+        """Process the finishes so far (before `before`) in time order, refilling after each;
+        the times of the group completions among them, whether one stopped the step (with
+        `need`, the completions that stop it: refilling stops at that event), how many."""
+        sids, times = fleet.take_finished(before, inclusive)
         if not len(sids):
-            return [], False
+            return [], False, 0
         g = fleet.s_group[sids]
         until, stopped = len(sids), False
         if need is not None:
@@ -927,7 +933,7 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
         for gg in g[complete].tolist():
             inflight.discard(gg)
             st["completed"].append(gg)
-        return times[complete].tolist(), stopped
+        return times[complete].tolist(), stopped, len(sids)
 
     def window_to(H: float) -> tuple[list[float], int]:
         """Every event before H (finishes processed as they come, refills included); the
@@ -935,10 +941,11 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
         done, events = [], 0
         while True:
             fleet.run_until(H)
-            if not fleet.finished:
+            more, _, k = take(before=H)
+            if not k:
                 return done, events
-            events += sum(len(f[0]) for f in fleet.finished)
-            done += take()[0]
+            events += k
+            done += more
 
     def save() -> tuple:
         lo = min(inflight) if inflight else next_groups.serial
@@ -1001,12 +1008,13 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
                         for h in windows:
                             window_to(h)
                     done, _ = window_to(tau)
-                    if before + len(done) < need:
+                    base = len(st["completed"]) - len(done)
+                    if base + len(done) < need:
                         break
-                    tau = sorted(done)[need - before - 1]
+                    tau = sorted(done)[need - base - 1]  # earlier than before (all before tau): this ends
                 # the events at tau: those before the stop (SimCore's order) refill, the rest not
                 fleet.run_until(tau, inclusive=True)
-                if take(need)[1]:
+                if take(need, before=tau, inclusive=True)[1]:
                     break
                 T = tau  # the stop did not come (a group reached a worker earlier than in the window): go on
                 step_snap, windows = save(), []
@@ -1097,7 +1105,7 @@ def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
         events = 0
         while True:  # the window: workers to H, then the finishes in time order, until none is left before H
             fleet.run_until(H)
-            sids_f, times = fleet.take_finished()
+            sids_f, times = fleet.take_finished(H)
             if not len(sids_f):
                 break
             events += len(sids_f)
