@@ -822,7 +822,6 @@ def _sync(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
     B, n = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     rows, trainer_tl = [], []
     now = 0.0
-    sync_s = profile.sync.seconds(fleet.W)
     for step in range(cfg.steps):
         t0, made = now, int(fleet.row_steps.sum())
         serials, ps = next_groups(B)
@@ -832,17 +831,25 @@ def _sync(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
         _, times = fleet.take_finished()
         t1 = max(now, float(times[-1])) if len(times) else now
         sids = np.arange(first, fleet.n_samples)
-        tokens, _ = _train_tokens(fleet, sids)
-        train_s = profile.train.seconds(tokens)
-        version = fleet.version
-        fleet.stall(t1 + train_s, sync_s, step + 1, "continue")
-        now = t1 + train_s + sync_s
-        trainer_tl += [[t1, t1 + train_s, "train"], [t1 + train_s, now, "sync"]]
-        rows.append(_row(step, t0, t1, now, sids, fleet, version, train_s, sync_s, B,
-                         int(fleet.row_steps.sum()) - made))
-        if progress:
-            progress(rows[-1])
+        now = _train_and_push(profile, fleet, step, t0, t1, sids, made, "continue", rows, trainer_tl, progress)
     return rows, trainer_tl
+
+
+def _train_and_push(profile, fleet: Fleet, step: int, t0: float, t1: float, sids: np.ndarray, made: int,
+                    inflight: str, rows: list, trainer_tl: list, progress) -> float:
+    """Sync and APRIL: train on `sids` from t1, push the weights (workers stall), record the
+    step; when the next step starts."""
+    train_s = profile.train.seconds(_train_tokens(fleet, sids)[0])
+    sync_s = profile.sync.seconds(fleet.W)
+    version = fleet.version
+    fleet.stall(t1 + train_s, sync_s, step + 1, inflight)
+    now = t1 + train_s + sync_s
+    trainer_tl += [[t1, t1 + train_s, "train"], [t1 + train_s, now, "sync"]]
+    rows.append(_row(step, t0, t1, now, sids, fleet, version, train_s, sync_s, len(np.unique(fleet.s_group[sids])),
+                     int(fleet.row_steps.sum()) - made))
+    if progress:
+        progress(rows[-1])
+    return now
 
 
 def _completions(left: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -895,7 +902,6 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
     capacity = max(B, math.ceil(pr.oversample * B))
     lag = min(pr.score_lag, B - 1)
     keep = cfg.april_carry[0] == "keep_kv"
-    sync_s = profile.sync.seconds(fleet.W)
     full = float(np.median(fleet.cost.step(np.arange(fleet.W), fleet.max_rows,
                                            fleet.max_rows * (fleet.prompt_tokens + 1))))
     window = 16 * full
@@ -972,7 +978,7 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
         groups.done[lo:lo + len(snap[7])] = snap[7]
 
     for step in range(cfg.steps):
-        t0, made, version = now, int(fleet.row_steps.sum()), fleet.version
+        t0, made = now, int(fleet.row_steps.sum())
         ready = sorted(ready_carry)
         ready_carry, st["completed"] = [], []
         t1 = now
@@ -1036,15 +1042,8 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
         ready = sorted(ready + st["completed"])
         out, ready_carry = ready[:B], ready[B:]
         sids = (np.asarray(out, dtype=np.int64)[:, None] * n + np.arange(n)[None, :]).ravel()
-        tokens, _ = _train_tokens(fleet, sids)
-        train_s = profile.train.seconds(tokens)
-        fleet.stall(t1 + train_s, sync_s, step + 1, "keep" if keep else "continue")
-        now = t1 + train_s + sync_s
-        trainer_tl += [[t1, t1 + train_s, "train"], [t1 + train_s, now, "sync"]]
-        rows.append(_row(step, t0, t1, now, sids, fleet, version, train_s, sync_s, B,
-                         int(fleet.row_steps.sum()) - made))
-        if progress:
-            progress(rows[-1])
+        now = _train_and_push(profile, fleet, step, t0, t1, sids, made, "keep" if keep else "continue", rows,
+                              trainer_tl, progress)
     fleet.close_timeline()
     return rows, trainer_tl
 
