@@ -22,7 +22,7 @@ def model_dir(tmp_path_factory):
 
 def april_cfg(model_dir, run_dir, **over):
     base = {
-        "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 3, "resume": "never",
+        "device": "cpu", "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 3, "resume": "never",
         "data.train": "gen:arithmetic?n=200", "data.eval_size": 4, "data.max_prompt_tokens": 64,
         "rollout.prompts_per_step": 3, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 12,
         "rollout.max_rows": 6, "reward.functions": ["numeric", {"fn": "format", "weight": 0.5, "kwargs": {"pattern": "[0-9]"}}],

@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory):
 
 def async_cfg(model_dir, run_dir, **over):
     base = {
-        "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 5, "resume": "auto", "mode": "async",
+        "device": "cpu", "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 5, "resume": "auto", "mode": "async",
         "data.train": "gen:arithmetic?n=200", "data.eval_size": 4, "data.max_prompt_tokens": 64,
         "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 8,
         "rollout.max_rows": 4, "reward.functions": ["numeric", {"fn": "format", "weight": 0.5, "kwargs": {"pattern": "[0-9]"}}],

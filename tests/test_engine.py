@@ -39,7 +39,7 @@ def model():
 
 @pytest.fixture()
 def engine(model):
-    eng = TorchEngine(model, max_rows=8, max_len=160, eos_token_ids=[])
+    eng = TorchEngine(model, device="cpu", max_rows=8, max_len=160, eos_token_ids=[])
     yield eng
     eng.shutdown()
 
@@ -71,7 +71,7 @@ def test_logprobs_match_hf_forward(arch):
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.2)
-    with TorchEngine(model, max_rows=4, max_len=128, eos_token_ids=[]) as eng:
+    with TorchEngine(model, device="cpu", max_rows=4, max_len=128, eos_token_ids=[]) as eng:
         reqs = [
             Request(id=f"r{i}", prompt_ids=list(range(5, 5 + 3 + 2 * i)),
                     sampling=SamplingParams(temperature=1.0, max_new_tokens=16, seed=i))
@@ -84,7 +84,7 @@ def test_logprobs_match_hf_forward(arch):
 
 
 def test_logprobs_follow_temperature(model):
-    with TorchEngine(model, max_rows=4, max_len=64, eos_token_ids=[]) as eng:
+    with TorchEngine(model, device="cpu", max_rows=4, max_len=64, eos_token_ids=[]) as eng:
         out = eng.generate([Request(id="t", prompt_ids=[7, 8, 9], sampling=SamplingParams(temperature=0.7, max_new_tokens=12, seed=3))])[0]
     ref = hf_logprobs(model, out.prompt_ids, out.response_ids, temperature=0.7)
     assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4)
@@ -165,7 +165,7 @@ def test_budget_is_whole_response(engine):
 
 def test_update_weights_continue_tags_new_version(model):
     new_model = tiny_model("llama", seed=99)
-    with TorchEngine(model, max_rows=4, max_len=96, eos_token_ids=[]) as eng:
+    with TorchEngine(model, device="cpu", max_rows=4, max_len=96, eos_token_ids=[]) as eng:
         k = 6
         update = dict(named_tensors=list(new_model.state_dict().items()), version=1, inflight="continue")
         timer, fire, box = abort_after(eng, k, None, **update)
@@ -187,7 +187,7 @@ def test_update_weights_continue_tags_new_version(model):
 
 def test_update_weights_abort_returns_partials(model):
     new_model = tiny_model("llama", seed=98)
-    with TorchEngine(model, max_rows=4, max_len=96, eos_token_ids=[]) as eng:
+    with TorchEngine(model, device="cpu", max_rows=4, max_len=96, eos_token_ids=[]) as eng:
         update = dict(named_tensors=new_model.named_parameters(), version=5, inflight="abort")
         timer, fire, box = abort_after(eng, 4, None, **update)
         ft, fx = eng.submit_many([timer, Request(id="w", prompt_ids=[60, 61], sampling=GREEDY)], on_done=fire)
@@ -207,7 +207,7 @@ def test_update_weights_rejects_unknown_names(engine):
 
 
 def test_many_concurrent_requests_of_different_lengths(model):
-    with TorchEngine(model, max_rows=4, max_len=128, eos_token_ids=[]) as eng:
+    with TorchEngine(model, device="cpu", max_rows=4, max_len=128, eos_token_ids=[]) as eng:
         reqs = [
             Request(id=f"c{i}", prompt_ids=[5 + (i % 7)] * (1 + i % 5),
                     sampling=SamplingParams(temperature=1.0, max_new_tokens=3 + (i * 7) % 23, seed=i, ignore_eos=True))
@@ -320,7 +320,7 @@ def test_unsupported_architecture_is_named():
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="supported: .*LlamaForCausalLM"):
-        TorchEngine(model, max_rows=2, max_len=32)
+        TorchEngine(model, device="cpu", max_rows=2, max_len=32)
 
 
 def test_sampler_draws_from_the_reported_distribution():
@@ -366,9 +366,9 @@ def test_int8_runner_computes_with_its_dequantized_weights(model):
 
 def test_int8_engine_follows_weight_updates(model):
     other = tiny_model("llama", seed=9)
-    eng = TorchEngine(model, max_rows=4, max_len=128, quantize="int8")
-    fresh = TorchEngine(other, max_rows=4, max_len=128, quantize="int8")
-    fp32 = TorchEngine(model, max_rows=4, max_len=128)
+    eng = TorchEngine(model, device="cpu", max_rows=4, max_len=128, quantize="int8")
+    fresh = TorchEngine(other, device="cpu", max_rows=4, max_len=128, quantize="int8")
+    fp32 = TorchEngine(model, device="cpu", max_rows=4, max_len=128)
     try:
         reqs = [Request(id=f"q{i}", prompt_ids=[5 + i, 6, 7], sampling=GREEDY) for i in range(3)]
         before = eng.generate(reqs)
@@ -400,7 +400,7 @@ def test_int8_is_refused_where_it_cannot_pay(model):
 
 def test_packed_weights_can_be_turned_off_with_the_same_outputs(model):
     reqs = [Request(id=f"p{i}", prompt_ids=[5 + i, 6, 7], sampling=GREEDY) for i in range(8)]
-    on, off = TorchEngine(model, max_rows=8, max_len=64), TorchEngine(model, max_rows=8, max_len=64, pack_weights=False)
+    on, off = TorchEngine(model, device="cpu", max_rows=8, max_len=64), TorchEngine(model, max_rows=8, max_len=64, pack_weights=False)
     try:
         mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
         assert off.core.runner.pack_sizes == [] and on.core.runner.pack_sizes == ([4, 8] if mkl else [])
@@ -416,8 +416,6 @@ def test_make_engine_starts_at_a_given_version(monkeypatch):
     """A Ray worker's replacement starts at the current version (vLLM refuses a weightless update)."""
     from rollover.config import load_config
     from rollover.engine import make_engine
-    from rollover.engine.vllm_engine import VLLMEngine
-
     model = tiny_model("llama", seed=3)
     cfg = load_config(**{"rollout.max_rows": 2})
     eng = make_engine(cfg, model, weights=list(model.state_dict().items()), device=torch.device("cpu"), max_len=64,
@@ -427,8 +425,29 @@ def test_make_engine_starts_at_a_given_version(monkeypatch):
         assert eng.version == 4 and c.versions == [4, 4, 4]
     finally:
         eng.shutdown()
+    pytest.importorskip("vllm")
+    from rollover.engine.vllm_engine import VLLMEngine
+
     seen = {}
     monkeypatch.setattr(VLLMEngine, "__init__", lambda self, model, **kw: seen.update(kw))
     make_engine(load_config(**{"rollout.engine": "vllm"}), model, weights=[], device=torch.device("cpu"), max_len=64,
                 eos_token_ids=(2,), version=4)
     assert seen["version"] == 4
+
+
+def test_a_decode_step_at_a_graph_bucket_shape_equals_the_exact_shape(model):
+    """What a CUDA graph replays (model_runner's docstring): the batch padded with free rows at
+    position 0 and the attended length rounded up to the bucket give the same logits."""
+    import torch.nn.functional as F
+
+    from rollover.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(model.config, model.state_dict(), max_rows=8, max_len=160, pack_weights=False)
+    with torch.inference_mode():
+        runner.prefill([0, 1, 2], [[5, 6, 7], [8, 9, 10, 11, 12], [13] * 20])
+        tokens, positions = torch.tensor([3, 4, 5]), torch.tensor([3, 5, 20])
+        exact = runner._decode(tokens, positions)
+        B, Lk = runner._bucket(3, 1, 8), runner._bucket(21, 64, 160)
+        assert (B, Lk) == (4, 64) and runner._bucket(100, 64, 160) == 128 and runner._bucket(150, 64, 160) == 160
+        padded = runner._decode(F.pad(tokens, (0, B - 3)), F.pad(positions, (0, B - 3)), Lk)[:3]
+    assert torch.allclose(exact, padded, atol=1e-5)

@@ -21,7 +21,7 @@ def model_dir(tmp_path_factory):
 
 def env_cfg(model_dir, run_dir, **over):
     base = {
-        "model": model_dir, "run_dir": str(run_dir), "steps": 2, "seed": 3, "resume": "auto",
+        "device": "cpu", "model": model_dir, "run_dir": str(run_dir), "steps": 2, "seed": 3, "resume": "auto",
         "data.train": "env", "data.eval_size": 2, "data.max_prompt_tokens": 256,
         "env.name": "guess_number", "env.options": {"low": 1, "high": 8, "max_guesses": 3},
         "env.max_total_tokens": 400, "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2,

@@ -314,7 +314,7 @@ def test_an_engine_error_cancels_the_group_and_aborts_its_requests():
 def torch_engine():
     from rollover.engine.torch_engine import TorchEngine
 
-    eng = TorchEngine(tiny_model("llama", seed=3), max_rows=8, max_len=512, eos_token_ids=[EOT])
+    eng = TorchEngine(tiny_model("llama", seed=3), device="cpu", max_rows=8, max_len=512, eos_token_ids=[EOT])
     yield eng
     eng.shutdown()
 

@@ -170,7 +170,7 @@ def test_an_engine_that_released_its_packs_generates_the_same_tokens():
     model = tiny_model("llama", seed=6)
     reqs = lambda: [Request(id=f"r{i}", prompt_ids=[3 + i, 4, 5], sampling=SamplingParams(max_new_tokens=6, temperature=0.0))
                     for i in range(8)]  # noqa: E731
-    with TorchEngine(model, max_rows=8, max_len=32) as engine:
+    with TorchEngine(model, device="cpu", max_rows=8, max_len=32) as engine:
         runner = engine.core.runner
         before = engine.generate(reqs())
         assert runner._packs or not runner.pack_sizes  # a full decode batch used the packs (when MKL packs)
@@ -219,7 +219,7 @@ def test_the_sync_loop_holds_one_copy_of_the_weights(model_dir, tmp_path):
                     for i in range(4)]  # noqa: E731
     shared = run.engine.generate(reqs())
     copy = {n: p.detach().clone() for n, p in params.items()}
-    with TorchEngine(run.trainer.model, state_dict=copy, max_rows=8, max_len=32,
+    with TorchEngine(run.trainer.model, device="cpu", state_dict=copy, max_rows=8, max_len=32,
                      eos_token_ids=run.engine.core.eos_token_ids) as fresh:
         alone = fresh.generate(reqs())
     assert [c.response_ids for c in shared] == [c.response_ids for c in alone]
@@ -242,7 +242,7 @@ def test_async_and_lora_runs_keep_their_own_copy(model_dir, tmp_path):
 def test_lending_weights_refuses_a_model_that_differs():
     model = tiny_model("llama", seed=6)
     other = tiny_model("llama", seed=7)
-    with TorchEngine(model, max_rows=4, max_len=32) as engine:
+    with TorchEngine(model, device="cpu", max_rows=4, max_len=32) as engine:
         with pytest.raises(ValueError, match="holds other values than the engine's weight"):
             engine.lend_weights(other)
         assert all(p.data_ptr() not in {v.data_ptr() for v in engine.core.runner.views.values()}

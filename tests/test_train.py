@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory):
 
 def tiny_cfg(model_dir, run_dir, **over):
     base = {
-        "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 7, "resume": "auto",
+        "device": "cpu", "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 7, "resume": "auto",
         "data.train": "gen:arithmetic?n=120", "data.eval_size": 6, "data.max_prompt_tokens": 64,
         "rollout.prompts_per_step": 3, "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 6,
         "rollout.max_rows": 8, "reward.functions": ["numeric", {"fn": "format", "weight": 0.5, "kwargs": {"pattern": "[0-9]"}}],

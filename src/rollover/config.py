@@ -308,6 +308,11 @@ class TrainConfig(Section):
     multiplies run 2-2.8x faster; the demo learns as in float32, docs/benchmarks.md)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    deterministic: bool = False
+    """Kernels that give the same bits on every run (torch's deterministic algorithms, a fixed
+    cuBLAS workspace, the math attention backend), so that on a GPU a run resumed from a
+    checkpoint matches the uninterrupted one bit for bit. Process-wide and slower on a GPU;
+    CPU runs are deterministic without it."""
     max_bad_steps: int = Field(3, ge=1)
     """Consecutive steps with a NaN/inf loss that stop the run (after a checkpoint)."""
     lora: Annotated[dict[str, Any] | None, AfterValidator(_lora)] = None
@@ -913,7 +918,7 @@ RESUME_FREE_KEYS = (
     "rollout.engine", "rollout.max_rows", "rollout.dtype", "rollout.engine_options", "rollout.stall_timeout_s",
     "reward.timeout_s", "reward.on_error", "reward.workers",
     "train.micro_batch_tokens", "train.pack_length", "train.shared_prefix", "train.gradient_checkpointing",
-    "train.activation_memory_gb", "train.logit_chunk_tokens", "train.max_bad_steps",
+    "train.activation_memory_gb", "train.logit_chunk_tokens", "train.max_bad_steps", "train.deterministic",
 )
 
 

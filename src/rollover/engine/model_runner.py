@@ -25,6 +25,18 @@ made at its first use after each weight update, and every linear layer multiplie
 dtype. The engine's logits then differ from the trainer's: `actor/rollout_kl` measures it and
 `algorithm.tis_cap` corrects it, as for any rollout-training mismatch.
 
+CUDA graphs (CUDA, `cuda_graphs=True`, the default there). On a GPU a small model's decode
+step is bound by kernel launches, not arithmetic: a 30-layer model issues several hundred small
+kernels per token. The runner records each decode step shape once as a CUDA graph and replays
+it. Shapes come in buckets: the batch is padded up to a power of two (at most `max_rows`; the
+padding rows are free rows, written at position 0 and rewritten before use, as for the packs)
+and the attended length up to a power of two from 64 (at most `max_len`; the extra keys are
+masked, so they weigh exactly 0). A bucket's first step runs eagerly, then is captured; later
+steps of that bucket replay it. Every graph writes its logits into one shared buffer and shares
+one memory pool, so the graphs cost little memory beyond the cache. Weight updates copy in place
+and keep the graphs valid; `drop_cache` drops them. Steps that admit new sequences (prefill,
+mixed) run eagerly.
+
 Layout. The cache holds one row per running sequence: `k_cache[layer]` is
 `[max_rows, kv_heads, max_len, head_dim]`. The engine keeps running sequences in rows
 `0..B-1` (it moves the last row into a freed one), so a decode step reads `cache[:B]` as a view
@@ -34,10 +46,13 @@ parameters are views into the fused tensors, so loading a named tensor updates t
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
@@ -93,6 +108,7 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         pack_weights: bool = True,
         quantize: str | None = None,
+        cuda_graphs: bool = True,
     ):
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
@@ -130,6 +146,10 @@ class ModelRunner:
         self._pack_for: int | None = None  # the decode batch size in flight, when packed
         self._below_held = 0  # consecutive decode steps that a smaller pack would have fitted
         self.drop_packs()
+        self.cuda_graphs = bool(cuda_graphs and self.device.type == "cuda" and quantize is None)
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (rows, attended length) -> (graph, tokens, positions)
+        self._graph_pool = None
+        self._graph_logits: torch.Tensor | None = None  # [max_rows, vocab] float32, written by every graph
 
     # ---------------------------------------------------------------- weights
     def _build_params(self, sd: dict[str, torch.Tensor]) -> None:
@@ -258,8 +278,10 @@ class ModelRunner:
             return [torch.zeros(self._cache_shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layers)]
 
     def drop_cache(self) -> None:
-        """Free the KV cache; only when no sequence holds a row (the engine checks)."""
+        """Free the KV cache; only when no sequence holds a row (the engine checks). The CUDA
+        graphs, which address the cache, go with it."""
         self._k = self._v = None
+        self._graphs, self._graph_pool, self._graph_logits = {}, None, None
 
     def drop_packs(self) -> None:
         """Free the packed (or int8) weights, stale after a weight update, until a step needs them."""
@@ -388,6 +410,8 @@ class ModelRunner:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token for each of rows 0..B-1 at the given positions; logits [B, V]."""
         n = tokens.shape[0]
+        if self.cuda_graphs:
+            return self._decode_graphed(tokens, positions)
         pad_to = self._pack_size(n)
         if pad_to is None:
             return self._decode(tokens, positions)
@@ -399,10 +423,62 @@ class ModelRunner:
         finally:
             self._pack_for = None
 
-    def _decode_setup(self, positions: torch.Tensor) -> tuple:
-        """Per-step tensors shared by every layer's decode attention."""
+    @staticmethod
+    def _bucket(n: int, start: int, cap: int) -> int:
+        """The smallest start * 2**k that is at least n, at most cap."""
+        b = start
+        while b < n:
+            b *= 2
+        return min(b, cap)
+
+    def _decode_graphed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`_decode` through the CUDA graph of the step's bucket (module docstring)."""
+        n = tokens.shape[0]
+        B = self._bucket(n, 1, self.max_rows)
+        Lk = self._bucket(int(positions.max()) + 1, 64, self.max_len)
+        entry = self._graphs.get((B, Lk))
+        if entry is None:
+            return self._capture(B, Lk, tokens, positions)
+        graph, tok_buf, pos_buf = entry
+        tok_buf[:n].copy_(tokens)
+        tok_buf[n:].zero_()
+        pos_buf[:n].copy_(positions)
+        pos_buf[n:].zero_()
+        graph.replay()
+        return self._graph_logits[:n].clone()
+
+    def _capture(self, B: int, Lk: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run this step eagerly at the bucket's shape (on a side stream, which also warms the
+        kernels up), then record the bucket's graph. Returns the step's logits [n, V]."""
+        n = tokens.shape[0]
+        _ = self.k_cache, self.v_cache  # allocated before capture: the graph addresses them
+        if self._graph_logits is None:
+            self._graph_logits = torch.empty((self.max_rows, self.vocab_size), dtype=torch.float32, device=self.device)
+        tok_buf = F.pad(tokens, (0, B - n))
+        pos_buf = F.pad(positions, (0, B - n))
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            out = self._decode(tok_buf, pos_buf, Lk)[:n].clone()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: another thread (an async trainer) may use the GPU while this one captures
+            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+                self._graph_logits[:B].copy_(self._decode(tok_buf, pos_buf, Lk))
+        except RuntimeError as e:  # the step's result stands; later steps run eagerly
+            log.warning("TorchEngine: CUDA graph capture failed (%s); decoding without CUDA graphs", e)
+            self.cuda_graphs = False
+            return out
+        self._graph_pool = graph.pool()
+        self._graphs[(B, Lk)] = (graph, tok_buf, pos_buf)
+        return out
+
+    def _decode_setup(self, positions: torch.Tensor, Lk: int | None = None) -> tuple:
+        """Per-step tensors shared by every layer's decode attention; keys 0..Lk-1 are attended
+        (default: up to the furthest position), those past a row's position masked."""
         B, KV = positions.shape[0], self.n_kv
-        Lk = int(positions.max()) + 1
+        Lk = Lk or int(positions.max()) + 1
         dev = self.device
         # flat cache index of (row b, kv head h, position p): (b * KV + h) * max_len + p
         slot = ((torch.arange(B, device=dev)[:, None] * KV + torch.arange(KV, device=dev)[None, :]) * self.max_len
@@ -426,10 +502,10 @@ class ModelRunner:
         s = torch.baddbmm(bias, qg, K.transpose(1, 2), alpha=1.0 / math.sqrt(D))  # [B*KV, g, Lk]
         return torch.bmm(torch.softmax(s, dim=-1), V).reshape(B, -1)
 
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, Lk: int | None = None) -> torch.Tensor:
         x = F.embedding(tokens, self.embed)  # [B, hidden]
         cos, sin = self.cos[positions], self.sin_signed[positions]
-        setup = self._decode_setup(positions)
+        setup = self._decode_setup(positions, Lk)
         for li, L in enumerate(self.layers):
             h = self._norm(x, L["in_norm"])
             q, k, v = self._qkv(L, h, cos, sin)  # q [B, H, D]; k, v [B, KV, D]

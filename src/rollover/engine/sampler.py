@@ -12,7 +12,7 @@ actually drawn from:
   (temperature 1) instead.
 
 Sampling is inverse-CDF with one uniform number per token. For a seeded request that number
-comes from a generator seeded by `(seed, response position)`, so a sequence's tokens do not
+comes from a CPU generator seeded by `(seed, response position)` (on every device), so a sequence's tokens do not
 depend on which other sequences share its batch, nor on how often it was aborted and resumed.
 """
 
@@ -54,7 +54,9 @@ class Sampler:
         self.device = device
         self.gen = torch.Generator(device=device)
         self.gen.manual_seed(seed)
-        self.row_gen = torch.Generator(device=device)
+        # seeded rows draw on the CPU whatever the device: one draw per row costs a few kernel
+        # launches on a GPU, and a CPU draw is the same number on every machine
+        self.row_gen = torch.Generator()
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
@@ -87,10 +89,13 @@ class Sampler:
         unseeded = [b for b, p in enumerate(params) if p.temperature > 0 and p.seed is None]
         if unseeded:
             u[unseeded] = torch.rand(len(unseeded), generator=self.gen, dtype=torch.float64, device=logits.device)
-        for b, p in enumerate(params):
-            if p.temperature > 0 and p.seed is not None:
-                self.row_gen.manual_seed(position_seed(p.seed, positions[b]))
-                u[b] = torch.rand(1, generator=self.row_gen, dtype=torch.float64, device=logits.device)[0]
+        seeded = [b for b, p in enumerate(params) if p.temperature > 0 and p.seed is not None]
+        if seeded:
+            draws = []
+            for b in seeded:
+                self.row_gen.manual_seed(position_seed(params[b].seed, positions[b]))
+                draws.append(torch.rand(1, generator=self.row_gen, dtype=torch.float64))
+            u[seeded] = torch.cat(draws).to(logits.device)
         # right=True: the first index whose cdf exceeds u*total, never a zero-probability token
         target = (u * total.double()).to(cdf.dtype)
         tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=V - 1)

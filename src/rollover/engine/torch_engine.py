@@ -39,6 +39,8 @@ class TorchEngine(ThreadedEngine):
     quantize: "int8" to multiply by int8 copies of the weight matrices (see `ModelRunner`).
     pack_weights: MKL-packed weights for decode batches on a CPU (see `ModelRunner`); whether
         they pay depends on the CPU (`rollout.engine_options: {pack_weights: false}` turns them off).
+    cuda_graphs: record decode steps as CUDA graphs and replay them, on CUDA (see `ModelRunner`;
+        `rollout.engine_options: {cuda_graphs: false}` runs every step eagerly).
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class TorchEngine(ThreadedEngine):
         max_prefill_tokens: int = 8192,
         quantize: str | None = None,
         pack_weights: bool = True,
+        cuda_graphs: bool = True,
     ):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -69,7 +72,7 @@ class TorchEngine(ThreadedEngine):
         max_len = max_len or min(getattr(config, "max_position_embeddings", 2048), 2048)
         runner = ModelRunner(
             config, state_dict if state_dict is not None else model.state_dict(), max_rows=max_rows, max_len=max_len, device=device, dtype=dtype,
-            quantize=quantize, pack_weights=pack_weights,
+            quantize=quantize, pack_weights=pack_weights, cuda_graphs=cuda_graphs,
         )
         eos = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(config, gen_config)
         core = EngineCore(

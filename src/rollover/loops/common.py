@@ -13,6 +13,7 @@ refused on the way leaves the run dir as it found it.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,18 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device: cuda requested but torch sees no CUDA device")
     return torch.device(name)
+
+
+def use_deterministic_kernels() -> None:
+    """`train.deterministic`: the same bits on every run, process-wide. cuBLAS reads its
+    workspace setting when it starts (a process that used cuBLAS before keeps its own);
+    the flash and memory-efficient attention backward passes accumulate with atomics, so
+    attention falls back to the math backend."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
 
 
 def seed_everything(seed: int) -> None:
@@ -300,6 +313,8 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     # an evaluation (record=False) builds none (it only samples)
     remote_trainer = cfg.runtime == "ray" and cfg.ray.trainer == "actor" and record
     device = torch.device("cpu") if remote_trainer else pick_device(cfg.device)
+    if cfg.train.deterministic:
+        use_deterministic_kernels()
     run_dir = Path(cfg.run_dir)
     ckpt = _checkpoint_to_resume(cfg)
     changes = _config_changes(cfg, ckpt, allow_config_change) if record and ckpt is not None else []

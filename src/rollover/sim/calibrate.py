@@ -37,6 +37,9 @@ from rollover.sim.costs import Contention, DecodeCost, Profile, SyncCost, TrainC
 from rollover.types import Request, SamplingParams
 
 DECODE_GRID = ((1, 16), (4, 16), (8, 16), (16, 16), (32, 16), (64, 16), (8, 128), (32, 128), (64, 64))  # (rows, prompt tokens)
+# a GPU runs many more rows per step before a step slows down: the grid goes to 256 rows and longer prompts
+GPU_DECODE_GRID = ((1, 64), (8, 64), (32, 64), (64, 64), (128, 64), (256, 64), (32, 512), (128, 256), (256, 256))
+GPU_TRAIN_SIZES = ((8, 8, 128, 256), (16, 8, 128, 512))
 
 
 def _fit(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
@@ -122,7 +125,8 @@ def _batch(cfg, vocab: int, groups: int, n: int, prompt: int, resp: int, rng: ra
     return train_batch_from(batch, cfg)[0]
 
 
-def measure_train(trainer, cfg, vocab: int, sizes=((4, 4, 32, 32), (8, 4, 32, 64)), seed: int = 0) -> list[dict]:
+def measure_train(trainer, cfg, vocab: int, sizes=((4, 4, 32, 32), (8, 4, 32, 64)), seed: int = 0,
+                  device: str = "cpu") -> list[dict]:
     """Seconds of `trainer.train_step` on synthetic batches: (groups, samples, prompt, response) each."""
     rng = random.Random(seed)
     out = []
@@ -130,6 +134,7 @@ def measure_train(trainer, cfg, vocab: int, sizes=((4, 4, 32, 32), (8, 4, 32, 64
         tb = _batch(cfg, vocab, groups, n, prompt, resp, rng)
         t0 = time.perf_counter()
         trainer.train_step(tb)
+        _sync(device)
         dt = time.perf_counter() - t0
         if i:
             out.append({"tokens": groups * n * (prompt + resp), "seconds": dt})
@@ -137,7 +142,7 @@ def measure_train(trainer, cfg, vocab: int, sizes=((4, 4, 32, 32), (8, 4, 32, 64
 
 
 def measure_contention(engine, trainer, cfg, vocab: int, rows: int = 32, prompt: int = 32, new_tokens: int = 24,
-                       size=(8, 4, 32, 32), seed: int = 1) -> dict:
+                       size=(8, 4, 32, 32), seed: int = 1, device: str = "cpu") -> dict:
     """Decode steps and a training step alone, then together (the engine decoding batches of
     `rows` on its thread while the trainer steps, as the async loop runs them in one process):
     the slowdowns of each, for `Contention`."""
@@ -162,6 +167,7 @@ def measure_contention(engine, trainer, cfg, vocab: int, rows: int = 32, prompt:
     for _ in range(2):
         t0 = time.perf_counter()
         trainer.train_step(tb)
+        _sync(device)
         alone_train.append(time.perf_counter() - t0)
     alone_decode = []
     for _ in range(2):
@@ -186,6 +192,7 @@ def measure_contention(engine, trainer, cfg, vocab: int, rows: int = 32, prompt:
             engine.reset_stats()
             t0 = time.perf_counter()
             trainer.train_step(tb)
+            _sync(device)
             shared_train.append(time.perf_counter() - t0)
             if failed:
                 raise RuntimeError(f"calibrate: the decode loop failed while training: {failed[0]!r}") from failed[0]
@@ -207,18 +214,28 @@ def fit_train(rows: list[dict]) -> tuple[TrainCost, dict]:
     return TrainCost(step_s=float(coef[0]), per_token_s=float(coef[1])), {"train_rel_rms": err, "train_points": rows}
 
 
-def calibrate(model: str, *, name: str | None = None, train: bool = True, grid=DECODE_GRID, new_tokens: int = 24,
-              train_sizes=((4, 4, 32, 32), (8, 4, 32, 64)), contention: bool = True, command: str = "") -> Profile:
-    """Measure this machine with `model` (TorchEngine in float32 on the CPU, as the CPU runs use)."""
+def calibrate(model: str, *, name: str | None = None, train: bool = True, grid=None, new_tokens: int = 24,
+              train_sizes=None, contention: bool = True, command: str = "", device: str = "cpu",
+              dtype: str | None = None) -> Profile:
+    """Measure this machine with `model`: TorchEngine in float32 on the CPU (as the CPU runs use), in
+    bfloat16 on a GPU unless `dtype` says otherwise; the trainer in the config's default precision."""
     from rollover.config import load_config
     from rollover.engine.torch_engine import TorchEngine
     from rollover.models import load_hf_model
 
+    gpu = device.startswith("cuda")
+    grid = grid or (GPU_DECODE_GRID if gpu else DECODE_GRID)
+    train_sizes = train_sizes or (GPU_TRAIN_SIZES if gpu else ((4, 4, 32, 32), (8, 4, 32, 64)))
+    engine_dtype = getattr(torch, dtype or ("bfloat16" if gpu else "float32"))
     torch.manual_seed(0)
     hf = load_hf_model(model)
     vocab = hf.config.vocab_size
     longest = max(p for _, p in grid) + new_tokens + 8
-    engine = TorchEngine(hf, device="cpu", max_rows=max(r for r, _ in grid), max_len=longest)
+
+    def open_engine(rows: int):
+        return TorchEngine(hf, device=device, dtype=engine_dtype, max_rows=rows, max_len=longest)
+
+    engine = open_engine(max(r for r, _ in grid))
     try:
         decode, fit = fit_decode(measure_decode(engine, vocab, grid, new_tokens))
         # one process: the update is a copy of every tensor into the engine
@@ -227,6 +244,7 @@ def calibrate(model: str, *, name: str | None = None, train: bool = True, grid=D
         for version in (1, 2, 3):
             t0 = time.perf_counter()
             engine.update_weights(named, version=version)
+            _sync(device)
             times.append(time.perf_counter() - t0)
         sync = SyncCost(latency_s=min(times))
         fit["sync_points"] = times
@@ -236,22 +254,36 @@ def calibrate(model: str, *, name: str | None = None, train: bool = True, grid=D
     if train:
         from rollover.train.trainer import Trainer
 
-        cfg = load_config(None, ["train.lr=1e-7"])
-        trainer = Trainer(hf, cfg, device=torch.device("cpu"))
-        train_cost, tfit = fit_train(measure_train(trainer, cfg, vocab, train_sizes))
+        # on a GPU the synthetic sequences outgrow the default pack length: size it to hold them
+        sized = [f"data.max_prompt_tokens={max(s[2] for s in train_sizes)}",
+                 f"rollout.max_new_tokens={max(s[3] for s in train_sizes)}"] if gpu else []
+        cfg = load_config(None, ["train.lr=1e-7", f"device={device}", *sized])
+        trainer = Trainer(hf, cfg, device=torch.device(device))
+        train_cost, tfit = fit_train(measure_train(trainer, cfg, vocab, train_sizes, device=device))
         fit.update(tfit)
         if contention:
-            engine = TorchEngine(hf, device="cpu", max_rows=64, max_len=longest)
+            engine = open_engine(64)
             try:
                 c = measure_contention(engine, trainer, cfg, vocab, prompt=max(p for _, p in grid),
-                                       new_tokens=new_tokens)
+                                       new_tokens=new_tokens, size=GPU_TRAIN_SIZES[0] if gpu else (8, 4, 32, 32),
+                                       device=device)
             finally:
                 engine.shutdown()
             shared = Contention(decode=c["decode"], train=c["train"])
             fit["contention_points"] = c["points"]
-    host = f"{platform.node()} ({_cpu_name()}, {torch.get_num_threads()} threads)"
+    where = _gpu_name(device) if gpu else f"{_cpu_name()}, {torch.get_num_threads()} threads"
+    host = f"{platform.node()} ({where}, engine {str(engine_dtype).removeprefix('torch.')})"
     return Profile(name=name or f"{model}@{platform.node()}", decode=decode, train=train_cost, sync=sync, contention=shared,
                    source=f"{command or 'rollover simulate calibrate'} on {host}, {time.strftime('%Y-%m-%d')}", fit=fit)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _gpu_name(device: str) -> str:
+    return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
 
 
 def _cpu_name() -> str:

@@ -19,6 +19,9 @@ def _calibrate(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="profile JSON to write (with --refit it may be PROFILE itself)")
     p.add_argument("--name", default=None, help="the profile's name (default: model@host)")
     p.add_argument("--skip-train", action="store_true", help="do not measure training steps (keep the defaults)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (a GPU measures a larger grid: up to 256 rows)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the engine's dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     p.add_argument("--refit", default=None, metavar="PROFILE",
                    help="measure nothing: fit PROFILE's stored measurements again (after a change of the fit)")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
@@ -32,7 +35,8 @@ def _calibrate(argv: list[str]) -> int:
         if args.refit:
             prof = refit(Profile.load(args.refit))
         else:
-            prof = calibrate(args.model, name=args.name, train=not args.skip_train, command=command)
+            prof = calibrate(args.model, name=args.name, train=not args.skip_train, command=command,
+                             device=args.device, dtype=args.dtype)
         Path(args.out).write_text(prof.to_json())
         d = prof.decode
         print(f"decode step = {d.step_s * 1e3:.2f} ms + {d.per_row_s * 1e3:.3f} ms/row + "

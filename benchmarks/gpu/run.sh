@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One lease of a lent GPU, in one call: the CUDA paths of the engine/trainer tests, then
+# `bench engine` (135M and a Qwen2.5-0.5B-shaped model), `simulate calibrate --device cuda`,
+# `bench april --workload longtail` and `bench train`, each under its own time limit and all
+# under one deadline, results tarred after every step (a cut-off call still returns them).
+#
+#   bash benchmarks/gpu/run.sh OUTDIR [SECONDS]     (from the repository root)
+#
+# Needs: python3 with torch (CUDA) and transformers; the rest of rollover's dependencies as
+# wheels in .whl/ (pydantic, math-verify, datasets, ...); SmolLM2's config and tokenizer files
+# in .gpu/smollm2 (benchmarks/gpu/stand_ins.py builds random-weight models from them: the
+# machine reaches no model hub). SMALL=1 shrinks every size, to try the script on a CPU.
+set -u
+OUT=${1:?usage: run.sh OUTDIR [SECONDS]}
+DEADLINE=$(( $(date +%s) + ${2:-560} ))
+DEV=${DEV:-cuda}
+RES=/tmp/gpu-res; rm -rf "$RES"; mkdir -p "$RES" "$OUT"
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ROLLOVER_CACHE=/tmp/rc TOKENIZERS_PARALLELISM=false
+mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m rollover.cli "$@"\n' > /tmp/bin/rollover && chmod +x /tmp/bin/rollover
+export PATH=/tmp/bin:$PATH
+if [ "${SMALL:-0}" = 1 ]; then P=8; NT=16; ROWS=8; AP=2; AS=4; ARW=16; ANT=32; TP=2; TS=4; TNT=16; ST=1;
+else P=128; NT=256; ROWS=128; AP=16; AS=8; ARW=256; ANT=256; TP=32; TS=8; TNT=256; ST=3; fi
+
+step() {  # step NAME LIMIT_S COMMAND...: run under min(LIMIT, time left); its log is $RES/NAME.log
+  local name=$1 limit=$2; shift 2
+  local left=$(( DEADLINE - $(date +%s) - 5 ))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 15 ]; then echo "=== $name skipped: ${left}s left"; return; fi
+  echo "=== $name (limit ${limit}s) $(date +%T)"
+  local t0=$(date +%s)
+  timeout -k 5 "$limit" "$@" > "$RES/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $(( $(date +%s) - t0 ))s"
+  tail -n "${TAIL:-14}" "$RES/$name.log" | cut -c1-400
+  tar czf "$OUT/results.tgz" -C "$RES" .
+  return $rc
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
+  python3 -c "import torch, transformers, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')"
+  nproc; } > "$RES/env.txt" 2>&1
+cat "$RES/env.txt"
+if [ "${NO_WHEELS:-0}" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > "$RES/pip.log" 2>&1 || { tail "$RES/pip.log"; exit 1; }
+fi
+python3 -c "import rollover.cli, rollover.config, rollover.engine.torch_engine, rollover.train.trainer, math_verify, datasets" \
+  || { echo "rollover does not import here"; exit 1; }
+step stand_ins 90 python3 benchmarks/gpu/stand_ins.py --tokenizer .gpu/smollm2 --cache /tmp/rc --qwen /tmp/qwen05 --device "$DEV" || exit 1
+
+TAIL=30 step tests 110 python3 -m pytest tests/test_cuda.py tests/test_engine.py tests/test_train.py tests/test_april.py \
+  tests/test_async.py tests/test_rollout_core.py tests/test_env_training.py -q -n "${WORKERS:-6}" -p no:cacheprovider \
+  --timeout 100 -W ignore
+ENGINE="--dtype bfloat16 --prompts $P --new-tokens $NT --max-rows $ROWS --repeats 2 --device $DEV"
+step engine_135m 80 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_135m.json"
+step engine_135m_eager 80 rollover bench engine $ENGINE --cuda-graphs off --skip-hf --json "$RES/engine_135m_eager.json"
+step calibrate 90 rollover simulate calibrate --device "$DEV" --out "$RES/sim_135m.json" --debug
+step april 110 rollover bench april --workload longtail --steps 6 --warmup 1 --prompts-per-step $AP --samples-per-prompt $AS \
+  --max-rows $ARW --max-new-tokens $ANT --json "$RES/april_longtail.json"
+step engine_0_5b 80 rollover bench engine --model /tmp/qwen05 $ENGINE --skip-hf --json "$RES/engine_0_5b.json"
+step train 80 rollover bench train --steps $ST --json "$RES/train.json" rollout.prompts_per_step=$TP \
+  rollout.samples_per_prompt=$TS rollout.max_new_tokens=$TNT rollout.max_rows=$(( TP * TS )) device=$DEV
+nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv > "$RES/env_after.txt" 2>&1
+tar czf "$OUT/results.tgz" -C "$RES" .
+echo "=== done $(date +%T)"

@@ -1,0 +1,141 @@
+"""The CUDA paths: TorchEngine (eager and CUDA graphs, fp32 and bf16), the trainer, a training
+run, and exact resume with deterministic kernels. Skipped where torch sees no GPU (CI); the
+rest of the suite checks CPU fp32 numerics and stays on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before this process first uses cuBLAS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from rollover.engine.torch_engine import TorchEngine  # noqa: E402
+from rollover.testing import save_tiny_model, tiny_model  # noqa: E402
+from rollover.types import Request, SamplingParams  # noqa: E402
+
+
+def hf_logprobs(model, prompt_ids, response_ids):
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].double()
+    lp = torch.log_softmax(logits, -1)[len(prompt_ids) - 1 : -1]
+    return lp.gather(1, torch.tensor(response_ids)[:, None]).squeeze(1)
+
+
+def requests(n: int, new_tokens: int, temperature: float = 1.0, tag: str = "r"):
+    """Prompts of different lengths and budgets, so the batch shrinks and the attended length
+    crosses graph buckets (64, 128) while it runs."""
+    return [Request(id=f"{tag}{i}", prompt_ids=list(range(5, 5 + 3 + 7 * i)),
+                    sampling=SamplingParams(temperature=temperature, max_new_tokens=new_tokens - 9 * i, seed=i,
+                                            ignore_eos=True))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fp32_engine_on_cuda_matches_the_hf_forward(arch):
+    model = tiny_model(arch, seed=2)
+    with TorchEngine(model, device="cuda", dtype=torch.float32, max_rows=8, max_len=192, eos_token_ids=[]) as eng:
+        outs = eng.generate(requests(6, 90))
+        assert eng.core.runner._graphs, "no decode step ran through a CUDA graph"
+    for out in outs:
+        ref = hf_logprobs(model, out.prompt_ids, out.response_ids)
+        assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), ref, atol=2e-4), (arch, out.id)
+
+
+def test_cuda_graphs_give_the_eager_tokens():
+    model = tiny_model("llama", seed=4)
+    outs = {}
+    for graphs in (True, False):
+        with TorchEngine(model, device="cuda", dtype=torch.float32, max_rows=8, max_len=192, eos_token_ids=[],
+                         cuda_graphs=graphs) as eng:
+            outs[graphs] = eng.generate(requests(7, 100, temperature=0.0) + requests(1, 60, tag="s"))
+            assert bool(eng.core.runner._graphs) == graphs
+    for a, b in zip(outs[True], outs[False]):
+        assert a.response_ids == b.response_ids, a.id
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_weight_updates_reach_the_captured_graphs():
+    model, other = tiny_model("llama", seed=1), tiny_model("llama", seed=9)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    with TorchEngine(model, device="cuda", dtype=torch.float32, max_rows=4, max_len=96, eos_token_ids=[]) as eng:
+        eng.generate([Request(id="warm", prompt_ids=[5, 6, 7], sampling=greedy)])  # captures the buckets
+        eng.update_weights(list(other.state_dict().items()), version=1)
+        (out,) = eng.generate([Request(id="after", prompt_ids=[5, 6, 7], sampling=greedy)])
+    ref = hf_logprobs(other, out.prompt_ids, out.response_ids)
+    assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), ref, atol=2e-4)
+
+
+def test_bf16_engine_tracks_the_fp32_model():
+    model = tiny_model("llama", seed=2)
+    with TorchEngine(model, device="cuda", dtype=torch.bfloat16, max_rows=8, max_len=192, eos_token_ids=[]) as eng:
+        outs = eng.generate(requests(6, 90))
+    gaps = torch.cat([(torch.tensor(o.logprobs, dtype=torch.float64) - hf_logprobs(model, o.prompt_ids, o.response_ids)).abs()
+                      for o in outs])
+    assert gaps.mean() < 0.05 and gaps.max() < 0.5, (gaps.mean(), gaps.max())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
+
+
+def cuda_cfg(model_dir, run_dir, **over):
+    from rollover.config import load_config
+
+    base = {
+        "device": "cuda", "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 7, "resume": "auto",
+        "data.train": "gen:arithmetic?n=120", "data.eval_size": 4, "data.max_prompt_tokens": 64,
+        "rollout.prompts_per_step": 3, "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 12,
+        "rollout.max_rows": 8, "reward.functions": ["numeric"], "train.lr": 1e-3, "eval.every": 0,
+        "eval.at_start": False, "checkpoint.every": 2, "logging.progress": False, "logging.tensorboard": False,
+    }
+    base.update(over)
+    return load_config(**base)
+
+
+def test_a_training_run_on_cuda(model_dir, tmp_path):
+    """bf16 engine, bf16-autocast trainer (the CUDA defaults): the run trains, and the engine's
+    logprobs stay close to the trainer's."""
+    import json
+
+    from rollover.loops.sync import train_sync
+
+    train_sync(cuda_cfg(model_dir, tmp_path / "run", steps=3))
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for r in train:
+        assert torch.isfinite(torch.tensor([r["actor/grad_norm"], r["actor/pg_loss"], r["actor/entropy"]])).all()
+        assert 0 <= r["actor/rollout_kl"] < 0.05, r["actor/rollout_kl"]
+
+
+@pytest.fixture()
+def deterministic():
+    yield
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cuda.enable_flash_sdp(True)
+    torch.backends.cuda.enable_mem_efficient_sdp(True)
+
+
+@pytest.mark.parametrize("dtypes", [{}, {"rollout.dtype": "float32", "train.dtype": "float32"}])
+def test_resume_is_exact_on_cuda_with_deterministic_kernels(model_dir, tmp_path, deterministic, dtypes):
+    from safetensors.torch import load_file
+
+    from rollover.loops.sync import train_sync
+
+    def weights(run_dir):
+        return load_file(str(run_dir / "checkpoints" / "step_000004" / "model" / "model.safetensors"))
+
+    over = {"train.deterministic": True, **dtypes}
+    train_sync(cuda_cfg(model_dir, tmp_path / "straight", **over))
+    train_sync(cuda_cfg(model_dir, tmp_path / "split", steps=2, **over))  # "killed" after its step-2 checkpoint
+    train_sync(cuda_cfg(model_dir, tmp_path / "split", **over))
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "split")
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, differ
