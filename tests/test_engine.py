@@ -451,3 +451,20 @@ def test_a_decode_step_at_a_graph_bucket_shape_equals_the_exact_shape(model):
         assert (B, Lk) == (4, 64) and runner._bucket(100, 64, 160) == 128 and runner._bucket(150, 64, 160) == 160
         padded = runner._decode(F.pad(tokens, (0, B - 3)), F.pad(positions, (0, B - 3)), Lk)[:3]
     assert torch.allclose(exact, padded, atol=1e-5)
+
+
+def test_admission_apart_from_decode_gives_the_fused_tokens(model):
+    """With CUDA graphs a step that admits while others decode runs decode, then prefill
+    (`separate_admission`); on the CPU the same split must give what the fused `mixed` pass gives."""
+    reqs = lambda: [Request(id=f"a{i}", prompt_ids=list(range(4, 6 + 3 * i)),  # noqa: E731
+                            sampling=SamplingParams(temperature=0.0, max_new_tokens=30 - 4 * i, ignore_eos=True))
+                    for i in range(7)]
+    outs = {}
+    for separate in (False, True):
+        with TorchEngine(model, device="cpu", max_rows=3, max_len=96, eos_token_ids=[]) as eng:
+            eng.core.runner.separate_admission = separate
+            outs[separate] = eng.generate(reqs())  # 7 requests in 3 rows: admissions while others decode
+            assert eng.stats().decode_steps > 0
+    for a, b in zip(outs[False], outs[True]):
+        assert a.response_ids == b.response_ids, a.id
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

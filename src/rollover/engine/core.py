@@ -188,7 +188,12 @@ class EngineCore:
             uniq, src = self._unique(all_toks)
             rows = [admitted[i].row for i in uniq]
             toks = [all_toks[i] for i in uniq]
-            if decoding:
+            if decoding and self.runner.separate_admission:
+                # decode first: a CUDA graph pads its batch with the rows past the running ones,
+                # where the admitted sequences go, and their prefill then overwrites that padding
+                logits = self.runner.decode(tokens, positions)
+                logits = torch.cat([logits, self.runner.prefill(rows, toks)])
+            elif decoding:
                 logits = self.runner.mixed(tokens, positions, rows, toks)
             else:
                 logits = self.runner.prefill(rows, toks)

@@ -34,8 +34,11 @@ and the attended length up to a power of two from 64 (at most `max_len`; the ext
 masked, so they weigh exactly 0). A bucket's first step runs eagerly, then is captured; later
 steps of that bucket replay it. Every graph writes its logits into one shared buffer and shares
 one memory pool, so the graphs cost little memory beyond the cache. Weight updates copy in place
-and keep the graphs valid; `drop_cache` drops them. Steps that admit new sequences (prefill,
-mixed) run eagerly.
+and keep the graphs valid; `drop_cache` drops them. A step that admits new sequences while
+others decode runs the decode through its graph and the prefill eagerly after it
+(`separate_admission`), instead of the fused eager `mixed` pass the CPU uses: with APRIL's
+steady refills most steps admit something (measured on an H200 before this split: APRIL's
+decode time 2.6x sync's, its steps almost all eager; the split itself is not measured on a GPU yet).
 
 Layout. The cache holds one row per running sequence: `k_cache[layer]` is
 `[max_rows, kv_heads, max_len, head_dim]`. The engine keeps running sequences in rows
@@ -147,6 +150,9 @@ class ModelRunner:
         self._below_held = 0  # consecutive decode steps that a smaller pack would have fitted
         self.drop_packs()
         self.cuda_graphs = bool(cuda_graphs and self.device.type == "cuda" and quantize is None)
+        # a step that admits sequences while others decode: one fused eager pass (`mixed`, cheaper
+        # on a CPU), or the decode through its graph and a separate prefill (with CUDA graphs)
+        self.separate_admission = self.cuda_graphs
         self._graphs: dict[tuple[int, int], tuple] = {}  # (rows, attended length) -> (graph, tokens, positions)
         self._graph_pool = None
         self._graph_logits: torch.Tensor | None = None  # [max_rows, vocab] float32, written by every graph
