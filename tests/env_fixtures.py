@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import time
 
 from rollover.envs.base import StepResult
 from rollover.types import Prompt
@@ -10,7 +11,8 @@ from rollover.types import Prompt
 
 class Fragile:
     """Task "die": a step SIGKILLs the process holding the environment. Task "raise": a step
-    raises. Task "hang:PATH": a step hangs, and writes PATH when cancelled. Any other task: one
+    raises. Task "hang:PATH": a step hangs, and writes PATH when cancelled. Task "freeze": a step
+    blocks its thread (and an async holder's event loop) for 10 minutes. Any other task: one
     step, reward 1, done; the step reports the holder's pid."""
 
     def prompts(self, n, seed=0):
@@ -35,6 +37,8 @@ class FragileEnv:
                 with open(self.task[5:], "w") as f:
                     f.write("cancelled")
                 raise
+        if self.task == "freeze":
+            time.sleep(600)
         if self.task == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.task == "raise":

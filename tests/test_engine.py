@@ -343,6 +343,28 @@ def test_sampler_draws_from_the_reported_distribution():
             assert counts[[0, 3]].sum() == 0  # outside the top-2 set
 
 
+def test_seeded_uniforms_are_the_position_hash_and_uniform():
+    """A seeded token's uniform is the top 53 bits of the (seed, position) mix, for any int seed,
+    and the mix spreads consecutive seeds and positions evenly over [0, 1)."""
+    from rollover.engine.sampler import position_uniforms
+
+    def reference(seed, pos):
+        m = 2**64 - 1
+        x = (seed * 0x9E3779B97F4A7C15 + pos * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & m
+        x ^= x >> 31
+        x = (x * 0xD6E8FEEB86659FD9) & m
+        x ^= x >> 29
+        return (x >> 11) * 2.0**-53
+
+    pairs = [(0, 0), (5, 7), (-3, 2), (2**70, 1), (123456789, 4000)]
+    got = position_uniforms([s for s, _ in pairs], [p for _, p in pairs])
+    assert got.dtype == torch.float64 and got.tolist() == [reference(s, p) for s, p in pairs]
+    u = position_uniforms(list(range(50_000)) * 2, [0] * 50_000 + list(range(50_000)))
+    counts = torch.histc(u.float(), bins=10, min=0.0, max=1.0)
+    chi2 = float(((counts - 10_000) ** 2 / 10_000).sum())
+    assert 0.0 <= u.min() and u.max() < 1.0 and chi2 < 30, chi2  # 9 degrees of freedom: p < 0.001 above 27.9
+
+
 # ------------------------------------------------------------------ int8 weight matrices
 def test_int8_runner_computes_with_its_dequantized_weights(model):
     from rollover.engine.model_runner import ModelRunner

@@ -702,6 +702,42 @@ def test_an_env_worker_that_dies_fails_only_the_episodes_it_held(tmp_path):
         RayEnvBuilder(local, f"{gone}:Fragile", {}, workers=1, cpus=0).start()
 
 
+def test_an_env_worker_whose_event_loop_freezes_is_killed_and_replaced(monkeypatch):
+    import asyncio
+
+    from rollover.envs.base import Action
+    from rollover.envs.builders import make_env_builder
+    from rollover.runtime import envs as env_workers_module
+    from rollover.runtime.envs import EnvWorkerDied, RayEnvBuilder
+
+    monkeypatch.setattr(env_workers_module, "HANG_PING_S", 2.0)
+    name = f"{ENV_FIXTURES}:Fragile"
+    workers = RayEnvBuilder(make_env_builder(name, {}), name, {}, workers=1, cpus=0)
+    workers.start()
+    (first,) = workers.pids
+    say = Action("hi", (5,), "stop")
+
+    async def episodes():
+        frozen, beside = workers.make_group(Prompt(id="f", text="?", answer="freeze"), 2)
+        await frozen.initial_observation()
+        await beside.initial_observation()
+        with pytest.raises(TimeoutError):  # the episode's step timeout; the actor's loop stays blocked
+            await asyncio.wait_for(frozen.step(say), 1.0)
+        with pytest.raises(EnvWorkerDied):  # its neighbour on the blocked actor fails when the actor is killed
+            await asyncio.wait_for(beside.step(say), 60)
+        (later,) = workers.make_group(Prompt(id="later", text="?", answer="ok"), 1)
+        await asyncio.wait_for(later.initial_observation(), 60)
+        return await asyncio.wait_for(later.step(say), 60)
+
+    try:
+        later = asyncio.run(episodes())
+        assert later.reward == 1.0 and later.info["pid"] != first
+        assert workers.hung == 1 and workers.deaths == 1 and workers.started == 2
+        assert workers.metrics()["ray/env_workers_hung"] == 1 and workers.pids == [later.info["pid"]]
+    finally:
+        workers.close()
+
+
 def test_first_fit_packing_of_workers_into_nodes():
     from rollover.runtime import _packs
 

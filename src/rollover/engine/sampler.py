@@ -12,26 +12,44 @@ actually drawn from:
   (temperature 1) instead.
 
 Sampling is inverse-CDF with one uniform number per token. For a seeded request that number
-comes from a CPU generator seeded by `(seed, response position)` (on every device), so a sequence's tokens do not
-depend on which other sequences share its batch, nor on how often it was aborted and resumed.
+is a hash of `(seed, response position)` (`position_uniforms`, the same on every device and
+computed for the whole batch at once), so a sequence's tokens do not depend on which other
+sequences share its batch, nor on how often it was aborted and resumed.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from rollover.types import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
+_MIX_POS, _MIX_ADD, _MIX_MUL = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEEB86659FD9
+_MASK64 = 2**64 - 1
 
 
 def position_seed(seed: int, position: int) -> int:
-    """A 63-bit seed for the noise of the token at `position` of a seeded sequence."""
-    x = (seed * _MIX + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    """A 63-bit seed for the noise of the token at `position` of a seeded sequence (vLLM's
+    per-request seed; TorchEngine uses the same mix through `position_uniforms`)."""
+    x = (seed * _MIX + position * _MIX_POS + _MIX_ADD) & _MASK64
     x ^= x >> 31
-    x = (x * 0xD6E8FEEB86659FD9) & (2**64 - 1)
+    x = (x * _MIX_MUL) & _MASK64
     x ^= x >> 29
     return x & (2**63 - 1)
+
+
+def position_uniforms(seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """The uniform number in [0, 1) of each seeded token (float64, on the CPU): the top 53 bits
+    of `position_seed`'s 64-bit mix of (seed, position), computed for all rows at once."""
+    s = np.array([x & _MASK64 for x in seeds], dtype=np.uint64)
+    p = np.array([x & _MASK64 for x in positions], dtype=np.uint64)
+    with np.errstate(over="ignore"):  # arithmetic modulo 2**64, as in position_seed
+        x = s * np.uint64(_MIX) + p * np.uint64(_MIX_POS) + np.uint64(_MIX_ADD)
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(_MIX_MUL)
+        x ^= x >> np.uint64(29)
+    return torch.from_numpy((x >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
 def _truncate(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -54,9 +72,6 @@ class Sampler:
         self.device = device
         self.gen = torch.Generator(device=device)
         self.gen.manual_seed(seed)
-        # seeded rows draw on the CPU whatever the device: one draw per row costs a few kernel
-        # launches on a GPU, and a CPU draw is the same number on every machine
-        self.row_gen = torch.Generator()
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
@@ -66,19 +81,30 @@ class Sampler:
         `positions[b]` is the response index of the token being sampled (for seeded noise).
         """
         B, V = logits.shape
-        temps = [p.temperature for p in params]
+        # one pass over the rows (the per-step host cost matters on a GPU, where the rest is fast)
+        temps, greedy, truncated, seeded, seeds, seed_pos, unseeded = [], [], [], [], [], [], []
+        for b, p in enumerate(params):
+            t = p.temperature
+            temps.append(t if t > 0 else 1.0)  # greedy rows keep temperature-1 logits (module docstring)
+            greedy.append(t == 0)
+            if t > 0:
+                if p.top_k or p.top_p < 1.0:
+                    truncated.append(b)
+                if p.seed is None:
+                    unseeded.append(b)
+                else:
+                    seeded.append(b)
+                    seeds.append(p.seed)
+                    seed_pos.append(positions[b])
         if all(t == 1.0 for t in temps):
             z = logits
-        else:  # greedy rows keep temperature-1 logits (see the module docstring)
-            t = torch.tensor([x if x > 0 else 1.0 for x in temps], device=logits.device, dtype=logits.dtype)
-            z = logits / t[:, None]
-        for b, p in enumerate(params):
-            if p.temperature > 0 and (p.top_k or p.top_p < 1.0):
-                if z is logits:
-                    z = logits.clone()
-                z[b] = _truncate(z[b], p.top_k, p.top_p)
-        greedy = [p.temperature == 0 for p in params]
-        if all(greedy):
+        else:
+            z = logits / torch.tensor(temps, device=logits.device, dtype=logits.dtype)[:, None]
+        for b in truncated:
+            if z is logits:
+                z = logits.clone()
+            z[b] = _truncate(z[b], params[b].top_k, params[b].top_p)
+        if not seeded and not unseeded:  # every row greedy
             tokens = z.argmax(-1)
             return tokens, torch.log_softmax(z, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         # Inverse-CDF sampling over exp(z - max): one uniform per row (cheap, and seedable per row).
@@ -86,20 +112,14 @@ class Sampler:
         cdf = (z - zmax).exp_().cumsum_(-1)  # [B, V]; ATen accumulates a float cumsum in double on CPU
         total = cdf[:, -1]
         u = torch.empty(B, dtype=torch.float64, device=logits.device)
-        unseeded = [b for b, p in enumerate(params) if p.temperature > 0 and p.seed is None]
         if unseeded:
             u[unseeded] = torch.rand(len(unseeded), generator=self.gen, dtype=torch.float64, device=logits.device)
-        seeded = [b for b, p in enumerate(params) if p.temperature > 0 and p.seed is not None]
         if seeded:
-            draws = []
-            for b in seeded:
-                self.row_gen.manual_seed(position_seed(params[b].seed, positions[b]))
-                draws.append(torch.rand(1, generator=self.row_gen, dtype=torch.float64))
-            u[seeded] = torch.cat(draws).to(logits.device)
+            u[seeded] = position_uniforms(seeds, seed_pos).to(logits.device)
         # right=True: the first index whose cdf exceeds u*total, never a zero-probability token
         target = (u * total.double()).to(cdf.dtype)
         tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=V - 1)
-        if any(greedy):
+        if len(seeded) + len(unseeded) < B:
             tokens = torch.where(torch.tensor(greedy, device=logits.device), z.argmax(-1), tokens)
         # log_softmax(z)[token] = z[token] - max - log(sum exp(z - max))
         logprobs = z.gather(1, tokens[:, None]).squeeze(1) - zmax.squeeze(1) - total.log()

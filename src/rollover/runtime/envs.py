@@ -11,6 +11,9 @@ timeouts, pool slots and failure rules apply unchanged:
 - an environment that raises fails its episode with its own exception (type, message, the
   actor's traceback as a note), as on the driver; a call past `env.step_timeout_s` fails its
   episode, and is cancelled on the actor too;
+- an actor whose event loop stops answering (an environment that blocks it instead of
+  awaiting) is found by a ping after any call on it times out; one that does not answer within
+  `HANG_PING_S` is killed and counts as dead (`ray/env_workers_hung` as well);
 - an actor that dies fails the episodes whose environments it held (`EnvWorkerDied`, counted
   with the failed episodes, during a resumed run's replay as well); a fresh actor is started
   in its place at once, and a group whose actor turns out dead before its environments exist
@@ -45,6 +48,8 @@ from rollover.runtime.live import first_line, kill_actor
 from rollover.types import Prompt
 
 log = logging.getLogger("rollover")
+
+HANG_PING_S = 10.0  # an actor must answer a ping this fast after a call on it timed out, or it is replaced
 
 
 class EnvWorkerDied(EnvLost):
@@ -95,6 +100,10 @@ class EnvActor:
     async def step(self, key: int, j: int, action: Action):
         return await _portable_call(self.groups[key][j].step(action))
 
+    async def ping(self) -> str:
+        """Answered at once by an actor whose event loop runs (the hang check)."""
+        return "pong"
+
     async def drop(self, keys: list[int]) -> None:
         for key in keys:
             self.groups.pop(key, None)
@@ -144,7 +153,9 @@ class RayEnvBuilder:
         self._replacing = 0  # replacements being started
         self.error: BaseException | None = None  # make_group failed on an actor: the run stops
         self.started = 0  # actors started, replacements included
-        self.deaths = 0
+        self.deaths = 0  # hung actors included
+        self.hung = 0
+        self._pinging: set[_Slot] = set()
         self.groups_made = 0  # groups placed on actors, all time
 
     def __getattr__(self, attr):  # `prompts` and anything else a builder offers
@@ -173,7 +184,8 @@ class RayEnvBuilder:
 
     def metrics(self) -> dict:
         """All-time counts for the step's metrics row."""
-        return {"ray/env_workers_started": self.started, "ray/env_worker_deaths": self.deaths}
+        return {"ray/env_workers_started": self.started, "ray/env_worker_deaths": self.deaths,
+                "ray/env_workers_hung": self.hung}
 
     def close(self) -> None:
         import ray
@@ -246,7 +258,34 @@ class RayEnvBuilder:
     def _live(self) -> list[_Slot]:
         return [s for s in self._slots if not s.dead]
 
-    def _died(self, slot: _Slot) -> None:
+    def _check_alive(self, slot: _Slot) -> None:
+        """A call on `slot` timed out (or was cancelled): ping its actor, off the caller's thread."""
+        with self._lock:
+            if slot.dead or self._closed or slot in self._pinging:
+                return
+            self._pinging.add(slot)
+        threading.Thread(target=self._ping, args=(slot,), name="rollover-env-worker-ping", daemon=True).start()
+
+    def _ping(self, slot: _Slot) -> None:
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            ray.get(slot.handle.ping.remote(), timeout=HANG_PING_S)
+        except GetTimeoutError:
+            with self._lock:
+                self.hung += 1
+            log.warning("%s did not answer a ping within %g s after a call on it timed out (an environment blocks its "
+                        "event loop); it is killed, the episodes it held fail, and a fresh actor takes its place",
+                        slot.describe(), HANG_PING_S)
+            self._died(slot, quiet=True)
+        except Exception:  # dead already: replaced now rather than at the next call on it
+            self._died(slot)
+        finally:
+            with self._lock:
+                self._pinging.discard(slot)
+
+    def _died(self, slot: _Slot, quiet: bool = False) -> None:
         """`slot`'s actor is dead (or unreachable: it is killed to make sure): replace it now."""
         with self._lock:
             if slot.dead:
@@ -257,7 +296,8 @@ class RayEnvBuilder:
         kill_actor(slot.handle)
         if closed:
             return
-        log.warning("%s died; the episodes it held fail, and a fresh actor takes its place", slot.describe())
+        if not quiet:
+            log.warning("%s died; the episodes it held fail, and a fresh actor takes its place", slot.describe())
         with self._lock:
             self._replacing += 1
         threading.Thread(target=self._replace, args=(slot,), name="rollover-env-worker-start", daemon=True).start()
@@ -331,7 +371,12 @@ class _RemoteGroup:
         import ray
         from ray.exceptions import RayActorError
 
-        slot = await self._ensure()
+        try:
+            slot = await self._ensure()
+        except asyncio.CancelledError:  # timed out before the group existed: is its actor still answering?
+            if self.slot is not None:
+                self.builder._check_alive(self.slot)
+            raise
         if not ray.is_initialized():
             raise RuntimeError("Ray is shut down: the environment worker actors are gone")
         ref = getattr(slot.handle, method).remote(self.key, *args)
@@ -339,6 +384,7 @@ class _RemoteGroup:
             kind, value = await ref
         except asyncio.CancelledError:  # the episode's step timeout: stop the call on the actor too
             ray.cancel(ref)
+            self.builder._check_alive(slot)
             raise
         except RayActorError as exc:
             self.builder._died(slot)
