@@ -253,7 +253,12 @@ def test_export_round_trip(model_dir, tmp_path, capsys, lora):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir, out = tmp_path / "run", tmp_path / "out"
-    extra = ["train.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}", "train.lr=5e-2"] if lora else []
+    # a reward that tells any two completions apart: every group has an advantage to train on
+    (tmp_path / "chars.py").write_text("def chars(completion, answer, **kw):\n"
+                                       "    return sum(map(ord, completion)) % 101 / 101\n")
+    extra = [f"reward.functions=[numeric, {{fn: '{tmp_path}/chars.py:chars'}}]"]
+    if lora:
+        extra += ["train.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}", "train.lr=5e-2"]
     assert main(["train", *overrides(model_dir, run_dir, *extra)]) == 0
     ckpt = run_dir / "checkpoints" / "step_000002"
     assert main(["export", str(run_dir), str(out)]) == 0

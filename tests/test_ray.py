@@ -321,6 +321,8 @@ def test_sync_run_on_ray_with_one_worker_ends_with_the_local_weights(model_dir, 
     rows = [json.loads(x) for x in open(tmp_path / "ray" / "metrics.jsonl") if json.loads(x)["kind"] == "train"]
     assert all(r["weights/bytes_per_worker"] > 0 and r["weights/sent_fraction"] <= 1 for r in rows)
     assert [r["ray/reward_workers_started"] for r in rows] == [1, 1, 1]
+    if trainer == "actor":  # the first weights came through the driver; every update went from the actor
+        assert run.trainer.weight_fetches == 1
 
 
 def test_a_killed_trainer_actor_stops_the_run_and_the_run_resumes_exactly(model_dir, tmp_path, monkeypatch):

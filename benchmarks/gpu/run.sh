@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One lease of a lent GPU, in one call: the CUDA paths of the engine/trainer tests, then
-# `bench engine` (135M and a Qwen2.5-0.5B-shaped model), `simulate calibrate --device cuda`,
-# `bench april --workload longtail` and `bench train`, each under its own time limit and all
-# under one deadline, results tarred after every step (a cut-off call still returns them).
+# One lease of a lent GPU, in one call: the CUDA paths of the tests, then `bench april
+# --workload longtail`, `bench engine` (135M and a Qwen2.5-0.5B-shaped model, CUDA graphs on and
+# off), `bench train` at three micro-batch sizes and `simulate calibrate --device cuda`, each
+# under its own time limit and all under one deadline, results tarred after every step (a
+# cut-off call still returns them). docs/benchmarks.md "On a GPU" has the last lease's figures.
 #
 #   bash benchmarks/gpu/run.sh OUTDIR [SECONDS]     (from the repository root)
 #
@@ -51,14 +52,19 @@ TAIL=30 step tests 110 python3 -m pytest tests/test_cuda.py tests/test_engine.py
   tests/test_async.py tests/test_rollout_core.py tests/test_env_training.py -q -n "${WORKERS:-6}" -p no:cacheprovider \
   --timeout 100 -W ignore
 ENGINE="--dtype bfloat16 --prompts $P --new-tokens $NT --max-rows $ROWS --repeats 2 --device $DEV"
-step engine_135m 80 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_135m.json"
-step engine_135m_eager 80 rollover bench engine $ENGINE --cuda-graphs off --skip-hf --json "$RES/engine_135m_eager.json"
-step calibrate 90 rollover simulate calibrate --device "$DEV" --out "$RES/sim_135m.json" --debug
+TRAIN="--steps $ST rollout.prompts_per_step=$TP rollout.samples_per_prompt=$TS rollout.max_new_tokens=$TNT \
+  rollout.max_rows=$(( TP * TS )) device=$DEV"
+# in order of what the last lease left open: APRIL with admission apart from the graphed decode,
+# the engine after the host-side work, training micro-batches sized for a GPU
 step april 110 rollover bench april --workload longtail --steps 6 --warmup 1 --prompts-per-step $AP --samples-per-prompt $AS \
   --max-rows $ARW --max-new-tokens $ANT --json "$RES/april_longtail.json"
+step engine_135m 80 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_135m.json"
+step train 80 rollover bench train $TRAIN --json "$RES/train.json"
+step train_mb16k 80 rollover bench train $TRAIN train.micro_batch_tokens=16384 --json "$RES/train_mb16k.json"
+step train_mb64k 80 rollover bench train $TRAIN train.micro_batch_tokens=65536 --json "$RES/train_mb64k.json"
+step calibrate 90 rollover simulate calibrate --device "$DEV" --out "$RES/sim_135m.json" --debug
 step engine_0_5b 80 rollover bench engine --model /tmp/qwen05 $ENGINE --skip-hf --json "$RES/engine_0_5b.json"
-step train 80 rollover bench train --steps $ST --json "$RES/train.json" rollout.prompts_per_step=$TP \
-  rollout.samples_per_prompt=$TS rollout.max_new_tokens=$TNT rollout.max_rows=$(( TP * TS )) device=$DEV
+step engine_135m_eager 80 rollover bench engine $ENGINE --cuda-graphs off --skip-hf --json "$RES/engine_135m_eager.json"
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv > "$RES/env_after.txt" 2>&1
 tar czf "$OUT/results.tgz" -C "$RES" .
 echo "=== done $(date +%T)"

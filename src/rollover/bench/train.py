@@ -62,7 +62,8 @@ def _print(title: str, result: dict) -> None:
 
 
 def main(args) -> dict:
-    head = f"rollover bench train — {args.model}, 8 prompts x 4 samples, max 48 new tokens, {args.steps} steps measured"
+    head = (f"rollover bench train — {args.model}, 8 prompts x 4 samples, max 48 new tokens, {args.steps} steps measured"
+            + (f"; overrides: {' '.join(args.overrides)}" if args.overrides else ""))
     compare = set(args.compare or ())
     if "plain" in compare:
         plain = measure(args, ("train.shared_prefix=false",))

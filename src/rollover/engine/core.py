@@ -255,22 +255,24 @@ class EngineCore:
         return admitted
 
     def _append(self, seqs, logits, finished, touched) -> None:
+        params = [s.request.sampling for s in seqs]
         positions = [len(s.response_ids) for s in seqs]
-        tokens, logprobs = self.sampler.sample(logits, [s.sampling for s in seqs], positions)
+        tokens, logprobs = self.sampler.sample(logits, params, positions)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         done = []
-        for s, tok, lp in zip(seqs, tokens, logprobs):
+        version, max_len = self.version, self.runner.max_len  # per row, every step: kept local
+        for s, p, n, tok, lp in zip(seqs, params, positions, tokens, logprobs):
             s.response_ids.append(tok)
             s.logprobs.append(lp)
-            s.versions.append(self.version)
-            touched.append(s)
-            self.stats.generated_tokens += 1
+            s.versions.append(version)
             if tok in s.stop_ids:
                 done.append((s, "stop"))
-            elif len(s.response_ids) >= s.sampling.max_new_tokens:
+            elif n + 1 >= p.max_new_tokens:
                 done.append((s, "length"))
-            elif s.cached >= self.runner.max_len:  # the cache has no room to feed this token
+            elif s.cached >= max_len:  # the cache has no room to feed this token
                 done.append((s, "length"))
+        touched.extend(seqs)
+        self.stats.generated_tokens += len(seqs)
         for s, reason in done:
             self._free(s)
             self.stats.finished[reason] += 1

@@ -8,9 +8,11 @@ reference model live in one actor placed on `ray.gpus_for_trainer` GPUs and
 (data, tokenizer and context checks need its config), and sent to the actor before any
 gradient-checkpointing hook makes it unpicklable; the driver keeps only its config.
 
-What crosses the seam: a `TrainBatch` (tensors) in, metrics out; the full named weights out
-for every push (through the object store, to the driver, then to the rollout workers as
-before: two hops, both inside `timing_s/weight_sync`); optimizer state (on the CPU) and the
+What crosses the seam: a `TrainBatch` (tensors) in, metrics out; for every push the actor puts
+its weights into the object store itself, cast to the engine's dtype, and the driver hands the
+references to the rollout workers, which load them from the actor's node: one hop (with
+`ray.weight_delta` or the gloo transport the driver needs the tensors to diff or send, and
+fetches them: two hops, as before); optimizer state (on the CPU) and the
 actor's RNG state out and in at checkpoints; the model's files out at checkpoints, one file a
 call (the actor writes them into a directory on its node and sends the bytes, so the
 checkpoint lands in the driver's run dir whatever node the trainer is on).
@@ -91,6 +93,17 @@ class TrainerActor:
     def named_weights(self) -> list:
         return [(n, t.cpu()) for n, t in self.trainer.named_weights()]
 
+    def put_weights(self, dtype) -> list[tuple[str, object, int]]:
+        """Every named weight put into the object store by this actor (floating ones in `dtype`):
+        (name, reference, bytes). The workers load them from this node: one hop."""
+        import ray
+
+        out = []
+        for name, t in self.trainer.named_weights():
+            t = t.detach().to(device="cpu", dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
+            out.append((name, ray.put(t), t.numel() * t.element_size()))
+        return out
+
     def state_dict(self) -> dict:
         from rollover.train.checkpoint import rng_state
 
@@ -150,6 +163,22 @@ class RemotePeftModel(RemoteModel):
         return RemoteModel(self._owner, self.config, self.generation_config)
 
 
+class RemoteWeights:
+    """A trainer actor's current weights, not fetched yet: the object-store transport takes
+    `refs(dtype)` (put by the actor); anything else iterates them as (name, tensor) pairs,
+    fetched through the driver."""
+
+    def __init__(self, owner: "RemoteTrainer"):
+        self.owner = owner
+
+    def __iter__(self):
+        self.owner.weight_fetches += 1
+        return iter(self.owner._call("named_weights"))
+
+    def refs(self, dtype) -> list[tuple[str, object, int]]:
+        return self.owner._call("put_weights", dtype)
+
+
 class RemoteTrainer:
     """`Trainer`'s calls, answered by a `TrainerActor` (see the module docstring)."""
 
@@ -161,6 +190,7 @@ class RemoteTrainer:
         self.cfg, self.rc = cfg, cfg.ray
         self.owns_ray = start_ray(cfg)
         self.handle, self.bad_steps, self.where = None, 0, "trainer actor"
+        self.weight_fetches = 0  # the times the weights came to the driver (not those that went one hop)
         try:
             check_resources(cfg)
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -182,8 +212,8 @@ class RemoteTrainer:
         metrics, self.bad_steps = self._call("train_step", batch, timeout=None)
         return metrics
 
-    def named_weights(self) -> list:
-        return self._call("named_weights")
+    def named_weights(self) -> RemoteWeights:
+        return RemoteWeights(self)
 
     def state_dict(self) -> dict:
         return self._call("state_dict", timeout=BULK)

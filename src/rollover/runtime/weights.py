@@ -90,6 +90,15 @@ class ObjectStoreTransport:
         import ray
 
         report = SyncReport(version=version)
+        if not self.delta and hasattr(named_tensors, "refs"):  # a trainer actor's weights, put by the actor
+            full = {}
+            for name, ref, size in named_tensors.refs(self.dtype):
+                full[name] = ref
+                report.dense_bytes += size
+                report.bytes_per_worker += size
+                report.full_tensors += 1
+            self._refs = dict(full)
+            return full, None, report
         full, deltas = {}, {}
         # built aside and kept only once every tensor is through: an update that fails halfway
         # (a bad tensor, the object store full) leaves what a restarted worker loads at the
