@@ -311,8 +311,10 @@ class TrainConfig(Section):
     deterministic: bool = False
     """Kernels that give the same bits on every run (torch's deterministic algorithms, a fixed
     cuBLAS workspace, the math attention backend), so that on a GPU a run resumed from a
-    checkpoint matches the uninterrupted one bit for bit. Process-wide and slower on a GPU;
-    CPU runs are deterministic without it."""
+    checkpoint matches the uninterrupted one bit for bit (checked on an H200). Process-wide (a
+    Ray trainer actor sets it in its own process) and slower on a GPU; CPU runs are
+    deterministic without it. Whether TorchEngine's CUDA graphs still capture under it is not
+    checked: if a capture fails the engine logs it and decodes eagerly."""
     max_bad_steps: int = Field(3, ge=1)
     """Consecutive steps with a NaN/inf loss that stop the run (after a checkpoint)."""
     lora: Annotated[dict[str, Any] | None, AfterValidator(_lora)] = None

@@ -156,6 +156,7 @@ class ModelRunner:
         self._graphs: dict[tuple[int, int], tuple] = {}  # (rows, attended length) -> (graph, tokens, positions)
         self._graph_pool = None
         self._graph_logits: torch.Tensor | None = None  # [max_rows, vocab] float32, written by every graph
+        self._side: torch.cuda.Stream | None = None  # where a bucket's first step runs before its capture
 
     # ---------------------------------------------------------------- weights
     def _build_params(self, sd: dict[str, torch.Tensor]) -> None:
@@ -462,7 +463,9 @@ class ModelRunner:
             self._graph_logits = torch.empty((self.max_rows, self.vocab_size), dtype=torch.float32, device=self.device)
         tok_buf = F.pad(tokens, (0, B - n))
         pos_buf = F.pad(positions, (0, B - n))
-        side = torch.cuda.Stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             out = self._decode(tok_buf, pos_buf, Lk)[:n].clone()

@@ -90,13 +90,16 @@ class TorchEngine(ThreadedEngine):
     def release_memory(self) -> None:
         """Free what the engine can rebuild when it next needs it: its packed weights, and its
         KV cache when no sequence holds a row (paused ones keep theirs); hand the freed heap
-        back to the OS. Requests keep running (a decode step repacks)."""
+        back to the OS. Requests keep running (a decode step repacks). With CUDA graphs the cache
+        stays: the graphs address it, and recording them again after every training step would
+        cost more than the memory is worth (`cuda_graphs=False` frees it)."""
         from rollover.train.memory import release
 
         def drop():
-            self.core.runner.drop_packs()
-            if not self.core.running:
-                self.core.runner.drop_cache()
+            runner = self.core.runner
+            runner.drop_packs()
+            if not self.core.running and not runner.cuda_graphs:
+                runner.drop_cache()
 
         self._run_or_queue(drop, wait=True)
         release()

@@ -65,6 +65,8 @@ def use_deterministic_kernels() -> None:
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.enable_flash_sdp(False)
     torch.backends.cuda.enable_mem_efficient_sdp(False)
+    if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def seed_everything(seed: int) -> None:

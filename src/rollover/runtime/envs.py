@@ -12,8 +12,9 @@ timeouts, pool slots and failure rules apply unchanged:
   actor's traceback as a note), as on the driver; a call past `env.step_timeout_s` fails its
   episode, and is cancelled on the actor too;
 - an actor whose event loop stops answering (an environment that blocks it instead of
-  awaiting) is found by a ping after any call on it times out; one that does not answer within
-  `HANG_PING_S` is killed and counts as dead (`ray/env_workers_hung` as well);
+  awaiting) is found by a ping after an episode's step or first observation times out; one that
+  does not answer within `HANG_PING_S` is killed and counts as dead (`ray/env_workers_hung` as
+  well). (Not after a wait for the group's making: a slow builder blocks the loop legitimately);
 - an actor that dies fails the episodes whose environments it held (`EnvWorkerDied`, counted
   with the failed episodes, during a resumed run's replay as well); a fresh actor is started
   in its place at once, and a group whose actor turns out dead before its environments exist
@@ -49,7 +50,7 @@ from rollover.types import Prompt
 
 log = logging.getLogger("rollover")
 
-HANG_PING_S = 10.0  # an actor must answer a ping this fast after a call on it timed out, or it is replaced
+HANG_PING_S = 30.0  # an actor must answer a ping this fast after a call on it timed out, or it is replaced
 
 
 class EnvWorkerDied(EnvLost):
@@ -193,6 +194,8 @@ class RayEnvBuilder:
         with self._lock:
             self._closed = True
             slots, self._slots = self._slots, []
+            for slot in slots:  # a ping in flight finds them dead, and counts nothing
+                slot.dead = True
             self._changed.notify_all()
         if ray.is_initialized():
             for slot in slots:
@@ -273,34 +276,35 @@ class RayEnvBuilder:
         try:
             ray.get(slot.handle.ping.remote(), timeout=HANG_PING_S)
         except GetTimeoutError:
-            with self._lock:
-                self.hung += 1
-            log.warning("%s did not answer a ping within %g s after a call on it timed out (an environment blocks its "
-                        "event loop); it is killed, the episodes it held fail, and a fresh actor takes its place",
-                        slot.describe(), HANG_PING_S)
-            self._died(slot, quiet=True)
+            if self._died(slot, hung=True):
+                log.warning("%s did not answer a ping within %g s after a call on it timed out (an environment blocks "
+                            "its event loop); it is killed, the episodes it held fail, and a fresh actor takes its place",
+                            slot.describe(), HANG_PING_S)
         except Exception:  # dead already: replaced now rather than at the next call on it
             self._died(slot)
         finally:
             with self._lock:
                 self._pinging.discard(slot)
 
-    def _died(self, slot: _Slot, quiet: bool = False) -> None:
-        """`slot`'s actor is dead (or unreachable: it is killed to make sure): replace it now."""
+    def _died(self, slot: _Slot, hung: bool = False) -> bool:
+        """`slot`'s actor is dead, or hung (it is killed to make sure): replace it now. False if
+        it was counted dead already."""
         with self._lock:
             if slot.dead:
-                return
+                return False
             slot.dead = True
             self.deaths += 1
+            self.hung += hung
             closed = self._closed
         kill_actor(slot.handle)
         if closed:
-            return
-        if not quiet:
+            return True
+        if not hung:
             log.warning("%s died; the episodes it held fail, and a fresh actor takes its place", slot.describe())
         with self._lock:
             self._replacing += 1
         threading.Thread(target=self._replace, args=(slot,), name="rollover-env-worker-start", daemon=True).start()
+        return True
 
     def _replace(self, dead: _Slot) -> None:
         """Start an actor in `dead`'s place (`_replacing` counted up by the caller)."""
@@ -371,12 +375,7 @@ class _RemoteGroup:
         import ray
         from ray.exceptions import RayActorError
 
-        try:
-            slot = await self._ensure()
-        except asyncio.CancelledError:  # timed out before the group existed: is its actor still answering?
-            if self.slot is not None:
-                self.builder._check_alive(self.slot)
-            raise
+        slot = await self._ensure()
         if not ray.is_initialized():
             raise RuntimeError("Ray is shut down: the environment worker actors are gone")
         ref = getattr(slot.handle, method).remote(self.key, *args)

@@ -70,9 +70,11 @@ class TrainerActor:
         import ray
         import torch
 
-        from rollover.loops.common import seed_everything
+        from rollover.loops.common import seed_everything, use_deterministic_kernels
         from rollover.train.trainer import Trainer
 
+        if cfg.train.deterministic:  # process-wide: this process trains, not the driver
+            use_deterministic_kernels()
         seed_everything(cfg.seed)
         # CUDA only on the GPUs Ray reserved for this actor (an actor asking for none still sees them all)
         device = torch.device("cuda" if cfg.device != "cpu" and ray.get_gpu_ids() else "cpu")

@@ -239,7 +239,7 @@ def calibrate(model: str, *, name: str | None = None, train: bool = True, grid=N
     try:
         decode, fit = fit_decode(measure_decode(engine, vocab, grid, new_tokens))
         # one process: the update is a copy of every tensor into the engine
-        named = [(k, v.detach().clone()) for k, v in hf.state_dict().items()]
+        named = [(k, v.detach().to(device).clone()) for k, v in hf.state_dict().items()]  # as a trainer's, on its device
         times = []
         for version in (1, 2, 3):
             t0 = time.perf_counter()
