@@ -25,20 +25,10 @@ made at its first use after each weight update, and every linear layer multiplie
 dtype. The engine's logits then differ from the trainer's: `actor/rollout_kl` measures it and
 `algorithm.tis_cap` corrects it, as for any rollout-training mismatch.
 
-CUDA graphs (CUDA, `cuda_graphs=True`, the default there). On a GPU a small model's decode
-step is bound by kernel launches, not arithmetic: a 30-layer model issues several hundred small
-kernels per token. The runner records each decode step shape once as a CUDA graph and replays
-it. Shapes come in buckets: the batch is padded up to a power of two (at most `max_rows`; the
-padding rows are free rows, written at position 0 and rewritten before use, as for the packs)
-and the attended length up to a power of two from 64 (at most `max_len`; the extra keys are
-masked, so they weigh exactly 0). A bucket's first step runs eagerly, then is captured; later
-steps of that bucket replay it. Every graph writes its logits into one shared buffer and shares
-one memory pool, so the graphs cost little memory beyond the cache. Weight updates copy in place
-and keep the graphs valid; `drop_cache` drops them. A step that admits new sequences while
-others decode runs the decode through its graph and the prefill eagerly after it
-(`separate_admission`), instead of the fused eager `mixed` pass the CPU uses: with APRIL's
-steady refills most steps admit something (measured on an H200 before this split: APRIL's
-decode time 2.6x sync's, its steps almost all eager; the split itself is not measured on a GPU yet).
+CUDA graphs (CUDA, `cuda_graphs=True`, the default there): decode steps are recorded once per
+shape bucket and replayed (`rollover.engine.cuda_graphs`); a step that admits new sequences
+while others decode then runs the graphed decode and a separate prefill (`separate_admission`)
+instead of the fused eager `mixed` pass the CPU uses.
 
 Layout. The cache holds one row per running sequence: `k_cache[layer]` is
 `[max_rows, kv_heads, max_len, head_dim]`. The engine keeps running sequences in rows
@@ -49,13 +39,12 @@ parameters are views into the fused tensors, so loading a named tensor updates t
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from rollover.engine.cuda_graphs import DecodeGraphs, bucket
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
@@ -153,10 +142,7 @@ class ModelRunner:
         # a step that admits sequences while others decode: one fused eager pass (`mixed`, cheaper
         # on a CPU), or the decode through its graph and a separate prefill (with CUDA graphs)
         self.separate_admission = self.cuda_graphs
-        self._graphs: dict[tuple[int, int], tuple] = {}  # (rows, attended length) -> (graph, tokens, positions)
-        self._graph_pool = None
-        self._graph_logits: torch.Tensor | None = None  # [max_rows, vocab] float32, written by every graph
-        self._side: torch.cuda.Stream | None = None  # where a bucket's first step runs before its capture
+        self.graphs = DecodeGraphs(self) if self.cuda_graphs else None
 
     # ---------------------------------------------------------------- weights
     def _build_params(self, sd: dict[str, torch.Tensor]) -> None:
@@ -288,7 +274,8 @@ class ModelRunner:
         """Free the KV cache; only when no sequence holds a row (the engine checks). The CUDA
         graphs, which address the cache, go with it."""
         self._k = self._v = None
-        self._graphs, self._graph_pool, self._graph_logits = {}, None, None
+        if self.graphs is not None:
+            self.graphs.drop()
 
     def drop_packs(self) -> None:
         """Free the packed (or int8) weights, stale after a weight update, until a step needs them."""
@@ -418,7 +405,7 @@ class ModelRunner:
         """One token for each of rows 0..B-1 at the given positions; logits [B, V]."""
         n = tokens.shape[0]
         if self.cuda_graphs:
-            return self._decode_graphed(tokens, positions)
+            return self.graphs.decode(tokens, positions)
         pad_to = self._pack_size(n)
         if pad_to is None:
             return self._decode(tokens, positions)
@@ -430,58 +417,12 @@ class ModelRunner:
         finally:
             self._pack_for = None
 
-    @staticmethod
-    def _bucket(n: int, start: int, cap: int) -> int:
-        """The smallest start * 2**k that is at least n, at most cap."""
-        b = start
-        while b < n:
-            b *= 2
-        return min(b, cap)
+    _bucket = staticmethod(bucket)
 
-    def _decode_graphed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """`_decode` through the CUDA graph of the step's bucket (module docstring)."""
-        n = tokens.shape[0]
-        B = self._bucket(n, 1, self.max_rows)
-        Lk = self._bucket(int(positions.max()) + 1, 64, self.max_len)
-        entry = self._graphs.get((B, Lk))
-        if entry is None:
-            return self._capture(B, Lk, tokens, positions)
-        graph, tok_buf, pos_buf = entry
-        tok_buf[:n].copy_(tokens)
-        tok_buf[n:].zero_()
-        pos_buf[:n].copy_(positions)
-        pos_buf[n:].zero_()
-        graph.replay()
-        return self._graph_logits[:n].clone()
-
-    def _capture(self, B: int, Lk: int, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Run this step eagerly at the bucket's shape (on a side stream, which also warms the
-        kernels up), then record the bucket's graph. Returns the step's logits [n, V]."""
-        n = tokens.shape[0]
-        _ = self.k_cache, self.v_cache  # allocated before capture: the graph addresses them
-        if self._graph_logits is None:
-            self._graph_logits = torch.empty((self.max_rows, self.vocab_size), dtype=torch.float32, device=self.device)
-        tok_buf = F.pad(tokens, (0, B - n))
-        pos_buf = F.pad(positions, (0, B - n))
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            out = self._decode(tok_buf, pos_buf, Lk)[:n].clone()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # thread_local: another thread (an async trainer) may use the GPU while this one captures
-            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-                self._graph_logits[:B].copy_(self._decode(tok_buf, pos_buf, Lk))
-        except RuntimeError as e:  # the step's result stands; later steps run eagerly
-            log.warning("TorchEngine: CUDA graph capture failed (%s); decoding without CUDA graphs", e)
-            self.cuda_graphs = False
-            return out
-        self._graph_pool = graph.pool()
-        self._graphs[(B, Lk)] = (graph, tok_buf, pos_buf)
-        return out
+    @property
+    def _graphs(self) -> dict:
+        """The recorded decode graphs by (rows, attended length); empty without CUDA graphs."""
+        return self.graphs.entries if self.graphs is not None else {}
 
     def _decode_setup(self, positions: torch.Tensor, Lk: int | None = None) -> tuple:
         """Per-step tensors shared by every layer's decode attention; keys 0..Lk-1 are attended
