@@ -39,7 +39,7 @@ class TorchEngine(ThreadedEngine):
     quantize: "int8" to multiply by int8 copies of the weight matrices (see `ModelRunner`).
     pack_weights: MKL-packed weights for decode batches on a CPU (see `ModelRunner`); whether
         they pay depends on the CPU (`rollout.engine_options: {pack_weights: false}` turns them off).
-    cuda_graphs: record decode steps as CUDA graphs and replay them, on CUDA (see `ModelRunner`;
+    cuda_graphs: record decode steps as CUDA graphs and replay them, on CUDA (see `rollover.engine.cuda_graphs`;
         `rollout.engine_options: {cuda_graphs: false}` runs every step eagerly).
     """
 
