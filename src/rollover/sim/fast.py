@@ -26,12 +26,14 @@ future, its routing decision and its completion: about 200 us of Python each, ha
   (`keep_kv`), groups completing after the stop carried as ready, the B lowest-serial ready
   groups trained.
 
-Async and APRIL run the workers in windows of simulated time (about a quarter of a finish per
-worker each); the finishes of a window are processed in time order, and a group admitted at a
-finish reaches its worker at that time unless the worker already ran past it inside the window
-(then at its current boundary, a few decode steps late; its load, which the router reads, is
-then also a few steps ahead). A window in which an APRIL step stops is run again up to the
-stop, so the stop itself is exact. The tests bound the effect against the schedulers' path.
+Async and APRIL run the workers in windows of simulated time, each ending when a quarter of the
+workers have reached their next finish (counted in events, not seconds: a window's length
+follows the finish rate as it changes, at a step's start and in its tail); the finishes of a
+window are processed in time order, and a group admitted at a finish reaches its worker at
+that time unless the worker already ran past it inside the window (then at its current
+boundary, a few decode steps late; its load, which the router reads, is then also a few steps
+ahead). A window in which an APRIL step stops is run again up to the stop, so the stop itself
+is exact. The tests bound the effect against the schedulers' path.
 
 Not modelled here (refused, with the schedulers' path named): adaptive alpha and
 `on_stale: regenerate`, dynamic sampling and prompt selection, scoring time, a device shared by
@@ -53,11 +55,12 @@ from rollover.sim.costs import DecodeCost, Profile
 
 BIG = np.int64(1 << 60)
 # finishes per worker in a window of async and APRIL runs: smaller is closer to the schedulers'
-# path and slower. APRIL routes a refill at every finish, and at 1,024 workers a quarter of a
-# finish per worker let refills go to workers that had run past them (-1.9% samples/s against
-# the schedulers' path, -0.07% at 0.05).
+# path and slower. At 1,024 workers (examples/sim_1024.yaml, 12 steps, the schedulers' draws),
+# APRIL's samples/s against the schedulers' path: -0.005% at 0.05, -0.07% at 0.25, -0.25% at
+# 0.5, -4.5% at 1. (Windows measured in seconds, from the last window's finish rate, gave -1.9%
+# at 0.25: a window that began in a sparse stretch ran long into the next burst.)
 WINDOW_EVENTS = 0.25
-WINDOW_EVENTS_APRIL = 0.05  # tokens left in an empty slot
+WINDOW_EVENTS_APRIL = 0.25
 
 
 def check(cfg: Config) -> None:
@@ -263,6 +266,9 @@ class Fleet:
         self.seq = np.zeros((W, R), dtype=np.int64)  # admission order
         self.admitted = np.zeros(1, dtype=np.int64)
         self.fin = np.full((W, R), BIG, dtype=np.int64)
+        self.next_fin = np.full(W, BIG, dtype=np.int64)  # per worker: its slots' earliest `fin`
+        self.n_ent = np.zeros(W, dtype=np.int64)  # per worker: slots entering at the current boundary
+        self.ent_ctx = np.zeros(W, dtype=np.int64)  # and their context tokens
         self.t_end = np.zeros(W)  # the planned segment's end
         self.usable = np.arange(R)[None, :] < self.max_rows[:, None]
         # waiting requests, a ring per worker
@@ -322,15 +328,17 @@ class Fleet:
         import heapq
 
         b, slack, home_of = self.budget, self.slack, self.home
-        loads = self.load.tolist()
         heap = None
-        if len(prompts) > 8:  # many groups at once: a heap of (load, worker); ties to the lowest index
+        if len(prompts) > 64:  # many groups at once: a heap of (load, worker); ties to the lowest index
+            loads = self.load.tolist()
             heap = list(zip(loads, range(self.W)))
             heapq.heapify(heap)
+        else:  # a few: the loads in place
+            loads = self.load
         out_h, out_m, out_b = [], [], []
         for p in prompts:
             if heap is None:
-                best = min(range(self.W), key=loads.__getitem__) if self.W < 64 else int(np.argmin(loads))
+                best = int(loads.argmin())
             else:
                 while heap[0][0] != loads[heap[0][1]]:
                     heapq.heappop(heap)
@@ -349,7 +357,8 @@ class Fleet:
                     loads[w] += c * b
                     if heap is not None:
                         heapq.heappush(heap, (loads[w], w))
-        self.load[:] = loads
+        if heap is not None:
+            self.load[:] = loads
         return np.array(out_h, dtype=np.int64), np.array(out_m, dtype=np.int64), np.array(out_b, dtype=np.int64)
 
     def _enqueue(self, dest: np.ndarray, sids: np.ndarray, at) -> None:
@@ -439,9 +448,11 @@ class Fleet:
         self.load[idx] -= n * j
         self.t[idx] = end
         self.k[idx] -= j  # the caller plans again
-        done = self.fin[idx] == self.wstep[idx][:, None]
-        if done.any():
-            rows, cols = np.nonzero(done)
+        self.n_ent[idx] = 0
+        self.ent_ctx[idx] = 0
+        idx = idx[self.next_fin[idx] == self.wstep[idx]]
+        if len(idx):
+            rows, cols = np.nonzero(self.fin[idx] == self.wstep[idx][:, None])
             w = idx[rows]
             sids = self.sid[w, cols]
             toks = self.wstep[w] - self.born[w, cols]
@@ -450,6 +461,7 @@ class Fleet:
             self.rows -= np.bincount(w, minlength=self.W)
             self.sid[w, cols] = -1
             self.fin[w, cols] = BIG
+            self.next_fin[idx] = self.fin[idx].min(axis=1)
             self.finished.append((sids, self.t[w], w, self.seq[w, cols]))
 
     def _record(self, idx: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
@@ -470,26 +482,28 @@ class Fleet:
         request by request) and queue them; their workers replan from `at`."""
         import heapq
 
-        b, slack, home_of, loads = self.budget, self.slack, self.home, self.load.tolist()
+        b, slack, home_of, loads = self.budget, self.slack, self.home.tolist(), self.load.tolist()
         heap = list(zip(loads, range(self.W)))
         heapq.heapify(heap)
-        dest = np.empty(len(sids), dtype=np.int64)
-        for i, s in enumerate(sids.tolist()):
+        dest = []
+        for carried, p in zip(self.s_tok[sids].tolist(), self.s_prompt[sids].tolist()):
             while heap[0][0] != loads[heap[0][1]]:
                 heapq.heappop(heap)
             pick = best = heap[0][1]
-            carried = int(self.s_tok[s])
             if not carried:
-                p = int(self.s_prompt[s])
-                home = int(home_of[p])
+                home = home_of[p]
                 if home >= 0 and loads[home] <= loads[best] + slack:
                     pick = home
                 home_of[p] = pick
-            dest[i] = pick
+            dest.append(pick)
             loads[pick] += b - carried
-            heapq.heappush(heap, (loads[pick], pick))
+            if pick == best:  # the heap's top: replaced in one operation
+                heapq.heapreplace(heap, (loads[pick], pick))
+            else:
+                heapq.heappush(heap, (loads[pick], pick))
         self.load[:] = loads
-        self._enqueue(dest, sids, at)
+        self.home[:] = home_of
+        self._enqueue(np.array(dest, dtype=np.int64), sids, at)
 
     def abort_all(self, T: float) -> np.ndarray:
         """Abort every request at T: each worker at its first boundary at or after T (sequences
@@ -506,6 +520,9 @@ class Fleet:
         waiting = np.take_along_axis(self.qs, qpos, axis=1)[qmask]
         self.sid[occ] = -1
         self.fin[occ] = BIG
+        self.next_fin[:] = BIG
+        self.n_ent[:] = 0
+        self.ent_ctx[:] = 0
         self.rows[:] = 0
         self.ctx[:] = 0
         self.load[:] = 0
@@ -535,7 +552,7 @@ class Fleet:
         self.plan(idx)
 
     _STATE = ("t", "rows", "ctx", "load", "k", "extra", "base", "slope", "pre_recompute", "recompute", "busy_s",
-              "stall_s", "wstep", "born", "entered", "fin", "seq", "sid", "t_end", "qs", "qh", "qn", "home",
+              "stall_s", "wstep", "born", "entered", "fin", "next_fin", "n_ent", "ent_ctx", "seq", "sid", "t_end", "qs", "qh", "qn", "home",
               "row_steps", "open", "admitted")
 
     def snapshot(self) -> dict:
@@ -592,17 +609,15 @@ class Fleet:
         if self.paused:
             return
         self.pre_recompute[idx] = np.where(self.rows[idx] > 0, self.pre_recompute[idx], 0)
-        sid = self.sid[idx]
-        ent = (self.entered[idx] == self.wstep[idx][:, None]) & (sid >= 0)
         # most plans follow a finish with nothing to admit, prefill or recompute: plain decoding
-        plain = ~ent.any(axis=1) & ((self.qn[idx] == 0) | (self.rows[idx] == self.max_rows[idx])) \
+        plain = (self.n_ent[idx] == 0) & ((self.qn[idx] == 0) | (self.rows[idx] == self.max_rows[idx])) \
             & (self.pre_recompute[idx] + self.recompute[idx] == 0)
         if plain.all():
             return self._plan_plain(idx)
         if plain.any():
             self._plan_plain(idx[plain])
-            idx, sid, ent = idx[~plain], sid[~plain], ent[~plain]
-        self._plan_full(idx, sid, ent)
+            idx = idx[~plain]
+        self._plan_full(idx)
 
     def _plan_plain(self, idx: np.ndarray) -> None:
         rows = self.rows[idx]
@@ -612,7 +627,7 @@ class Fleet:
         self.base[idx] = self.cost.step(idx, rows, self.ctx[idx])
         self.extra[idx] = 0.0
         self.slope[idx] = self.cost.per_ctx[idx] * rows
-        k = self.fin[idx].min(axis=1) - self.wstep[idx]
+        k = self.next_fin[idx] - self.wstep[idx]
         self.k[idx] = k
         self.t_end[idx] = self.end(idx, k)
 
@@ -621,23 +636,27 @@ class Fleet:
         sample's own (its prompt and tokens)."""
         return np.where(carried == 0, self.s_prompt[np.maximum(sids, 0)], -10 - sids)
 
-    def _plan_full(self, idx: np.ndarray, sid: np.ndarray, ent: np.ndarray) -> None:
+    def _plan_full(self, idx: np.ndarray) -> None:
         P = self.prompt_tokens
         m = len(idx)
-        # the prompts entering at this boundary already (admitted since the last step): their keys
-        ent_carried = np.where(ent, self.entered[idx] - self.born[idx], 0)
-        ent_keys = np.where(ent, self._keys(sid, ent_carried), -1)
         n_keys = np.zeros(m, dtype=np.int64)
         key_tokens = np.zeros(m, dtype=np.int64)
         longest = np.zeros(m, dtype=np.int64)
-        if ent.any():
+        # the prompts entering at this boundary already (admitted since the last step): their keys
+        rows_ent = np.nonzero(self.n_ent[idx])[0]
+        if len(rows_ent):
+            w = idx[rows_ent]
+            sid = self.sid[w]
+            ent = (self.entered[w] == self.wstep[w][:, None]) & (sid >= 0)
+            ent_carried = np.where(ent, self.entered[w] - self.born[w], 0)
+            ent_keys = np.where(ent, self._keys(sid, ent_carried), -1)
             order = np.argsort(ent_keys, axis=1, kind="stable")
             srt = np.take_along_axis(ent_keys, order, axis=1)
             tok = np.take_along_axis(np.where(ent, P + ent_carried, 0), order, axis=1)
-            first = (srt != -1) & np.concatenate([np.ones((m, 1), bool), srt[:, 1:] != srt[:, :-1]], axis=1)
-            n_keys = first.sum(axis=1)
-            key_tokens = (first * tok).sum(axis=1)
-            longest = (first * tok).max(axis=1)
+            first = (srt != -1) & np.concatenate([np.ones((len(w), 1), bool), srt[:, 1:] != srt[:, :-1]], axis=1)
+            n_keys[rows_ent] = first.sum(axis=1)
+            key_tokens[rows_ent] = (first * tok).sum(axis=1)
+            longest[rows_ent] = (first * tok).max(axis=1)
         budget = self.max_prefill - key_tokens - self.pre_recompute[idx]
         free = self.max_rows[idx] - self.rows[idx]
         take = np.minimum(free, self.qn[idx])
@@ -658,9 +677,8 @@ class Fleet:
             new_key = np.empty((m, F), dtype=bool)
             np.put_along_axis(new_key, order, first, axis=1)
             new_key &= valid
-            rows_ent = np.nonzero(ent.any(axis=1))[0]
             if len(rows_ent):  # not a key already entering
-                new_key[rows_ent] &= ~(keys[rows_ent, :, None] == ent_keys[rows_ent, None, :]).any(axis=2)
+                new_key[rows_ent] &= ~(keys[rows_ent, :, None] == ent_keys[:, None, :]).any(axis=2)
             spent = np.cumsum(new_key * need, axis=1) - new_key * need  # budget used before each candidate
             keys_before = (n_keys[:, None] > 0) | (cols[None, :] > 0)
             stop = valid & keys_before & (need > budget[:, None] - spent)
@@ -679,9 +697,7 @@ class Fleet:
         fresh = np.where(self.cost.padded[idx], n_keys[live] * longest[live], key_tokens[live])
         rec = self.pre_recompute[idx] + self.recompute[idx]
         self.pre_recompute[idx], self.recompute[idx] = rec, 0
-        ent = (self.entered[idx] == self.wstep[idx][:, None]) & (self.sid[idx] >= 0)  # after admission
-        n_ent = ent.sum(axis=1)
-        ent_ctx = (ent * (P + self.entered[idx] - self.born[idx])).sum(axis=1)
+        n_ent, ent_ctx = self.n_ent[idx], self.ent_ctx[idx]  # after admission
         decoding = rows - n_ent
         ctx = self.ctx[idx]
         first = self.cost.prefill(idx, rec)
@@ -694,7 +710,7 @@ class Fleet:
         self.base[idx] = base
         self.extra[idx] = decode + part - base
         self.slope[idx] = self.cost.per_ctx[idx] * rows
-        k = self.fin[idx].min(axis=1) - self.wstep[idx]
+        k = self.next_fin[idx] - self.wstep[idx]
         held = (self.qn[idx] > 0) & (rows < self.max_rows[idx])
         k = np.where(held, 1, k)
         self.k[idx] = k
@@ -715,10 +731,14 @@ class Fleet:
         self.seq[w[order], c[order]] = self.admitted[0] + np.arange(len(order))
         self.admitted[0] += len(order)
         self.fin[w, c] = self.born[w, c] + self.s_target[s]
+        np.minimum.at(self.next_fin, w, self.fin[w, c])
+        self.n_ent[idx] += admit
         first = carried == 0
         self.s_v0[s[first]] = self.version  # a resumed sample's first token is older
         self.rows[idx] += admit
-        self.ctx += np.bincount(w, weights=self.prompt_tokens + carried, minlength=self.W).astype(np.int64)
+        tokens = np.bincount(w, weights=self.prompt_tokens + carried, minlength=self.W).astype(np.int64)
+        self.ctx += tokens
+        self.ent_ctx += tokens
         self.qh[idx] = (self.qh[idx] + admit) % self.qcap
         self.qn[idx] -= admit
 
@@ -736,6 +756,16 @@ class Fleet:
             idx = idx[due]
             self.apply(idx, self.k[idx])
             self.plan(idx)
+
+    def horizon(self, events: int) -> float:
+        """Just past the planned boundary by which `events` workers have reached their next
+        finish (inf: nothing runs): a window that holds about that many finishes, whatever
+        their rate."""
+        ends = self.t_end[self.k > 0]
+        if not len(ends):
+            return math.inf
+        kth = ends.max() if events >= len(ends) else np.partition(ends, events - 1)[events - 1]
+        return float(np.nextafter(kth, math.inf))
 
     def next_event(self) -> float:
         """Just past the earliest planned boundary (inf: nothing runs): a window must reach it."""
@@ -902,9 +932,7 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
     capacity = max(B, math.ceil(pr.oversample * B))
     lag = min(pr.score_lag, B - 1)
     keep = cfg.april_carry[0] == "keep_kv"
-    full = float(np.median(fleet.cost.step(np.arange(fleet.W), fleet.max_rows,
-                                           fleet.max_rows * (fleet.prompt_tokens + 1))))
-    window = 16 * full
+    per_window = max(1, round(window_events * fleet.W))
     groups = _Groups()
     st = {"unfinished": 0, "completed": []}  # samples of groups in flight not finished; this step's completions
     inflight: set[int] = set()
@@ -949,16 +977,15 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
             st["completed"].append(gg)
         return times[complete].tolist(), stopped, len(sids)
 
-    def window_to(H: float) -> tuple[list[float], int]:
+    def window_to(H: float) -> list[float]:
         """Every event before H (finishes processed as they come, refills included); the
-        completion times and the finishes."""
-        done, events = [], 0
+        completion times."""
+        done = []
         while True:
             fleet.run_until(H)
             more, _, k = take(before=H)
             if not k:
-                return done, events
-            events += k
+                return done
             done += more
 
     def save() -> tuple:
@@ -990,25 +1017,19 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
             if keep:
                 fleet.resume(now)
             refill(np.array([now]), np.zeros(1, dtype=np.int64))
-            T = now
             step_snap, windows = save(), []  # the state at the step's start, the windows run since
             most = 1  # the most completions one window has had
             while True:
-                H = T + window
-                jumped = fleet.next_event() > H  # nothing happens before H: to the next event
-                H = max(H, fleet.next_event())
+                H = fleet.horizon(per_window)
                 if H == math.inf:
                     raise RuntimeError(f"fast simulation stalled in step {step + 1}: nothing runs and "
                                        f"{len(st['completed'])}/{need} completions are in")
                 before = len(st["completed"])
                 snap = save() if before + 2 * most >= need else None  # the stop may come in this window
-                done, events = window_to(H)
+                done = window_to(H)
                 most = max(most, len(done))
                 if before + len(done) < need:
-                    if events and H > T and not jumped:
-                        window = max(window_events * fleet.W * (H - T) / events, full)
                     windows.append(H)
-                    T = H
                     continue
                 # the step stops inside this window: run it again from its start up to the
                 # time of the stopping completion (finishes of later passes can be earlier
@@ -1021,7 +1042,7 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
                         load(step_snap)
                         for h in windows:
                             window_to(h)
-                    done, _ = window_to(tau)
+                    done = window_to(tau)
                     base = len(st["completed"]) - len(done)
                     if base + len(done) < need:
                         break
@@ -1030,7 +1051,7 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
                 fleet.run_until(tau, inclusive=True)
                 if take(need, before=tau, inclusive=True)[1]:
                     break
-                T = tau  # the stop did not come (a group reached a worker earlier than in the window): go on
+                # the stop did not come (a group reached a worker earlier than in the window): go on
                 step_snap, windows = save(), []
             if keep:  # requests stay in their rows, paused
                 fleet.pause(tau)
@@ -1060,12 +1081,10 @@ def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
     if train_lb <= 0:
         raise ConfigError("simulate.fast in async mode needs a training step that takes time "
                           "(simulate.train.step_s or per_token_s > 0)")
-    # a window: about `window_events` finishes per worker (measured over the last window), at
-    # least a decode step, never longer than the shortest training step (so a batch that forms
-    # inside a window is trained after it: the update time is known before workers reach it)
-    full = float(np.median(fleet.cost.step(np.arange(fleet.W), fleet.max_rows,
-                                           fleet.max_rows * (fleet.prompt_tokens + 1))))
-    window = min(16 * full, train_lb)
+    # a window: until about `window_events` finishes per worker, never longer than the shortest
+    # training step (so a batch that forms inside a window is trained after it: the update time
+    # is known before workers reach it)
+    per_window = max(1, round(window_events * fleet.W))
     g_left = np.zeros(steps * B, dtype=np.int64)
     g_done = np.full(steps * B, np.nan)
     c = {"live": 0, "inflight": 0, "running": 0}
@@ -1100,22 +1119,20 @@ def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
             tokens, _ = _train_tokens(fleet, sids)
             train_s = profile.train.seconds(tokens)
             update_at, pending = t0 + train_s, (t0, train_s, sids)
-        H = T + window
-        jumped = fleet.next_event() > H  # nothing happens before H: to the next event
-        H = max(H, fleet.next_event())
+        H = fleet.horizon(per_window)
+        if H < math.inf:
+            H = min(H, max(T + train_lb, fleet.next_event()))
         for fixed in (update_at, admit_at):
             if fixed is not None:
                 H = min(H, fixed)
         if H == math.inf:
             raise RuntimeError(f"fast simulation stalled before step {step + 1}: nothing runs and no batch formed")
         H = max(H, T)
-        events = 0
         while True:  # the window: workers to H, then the finishes in time order, until none is left before H
             fleet.run_until(H)
             sids_f, times = fleet.take_finished(H)
             if not len(sids_f):
                 break
-            events += len(sids_f)
             groups = fleet.s_group[sids_f]
             np.subtract.at(g_left, groups, 1)
             np.fmax.at(g_done, groups, times)
@@ -1133,8 +1150,6 @@ def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
             while formed < steps and c["live"] >= (formed + 1) * B and not g_left[formed * B:(formed + 1) * B].any():
                 batch_time.append(float(g_done[formed * B:(formed + 1) * B].max()))
                 formed += 1
-        if events and H > T and not jumped:
-            window = min(max(window_events * fleet.W * (H - T) / events, full), train_lb)
         T = H
         if update_at is not None and T >= update_at:
             t0, train_s, sids = pending
