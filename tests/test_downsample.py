@@ -156,3 +156,24 @@ def test_bench_learn_fields_and_summary(model_dir, tmp_path):
     assert got["b"]["samples_to_threshold"] == {"mean": 10.0, "std": 0.0, "n": 2}
     assert got["a"]["final_accuracy"]["mean"] == pytest.approx(0.525)
     assert got["b"]["final_accuracy"]["std"] == pytest.approx(statistics.stdev([0.9, 0.8]))
+
+
+def test_bench_learn_resume_keeps_finished_runs(model_dir, tmp_path):
+    from rollover.cli import main
+
+    out = tmp_path / "learn.json"
+    common = ["bench", "learn", "--model", model_dir, "--policies", "grpo", "--steps", "1", "--eval-every", "1",
+              "--eval-size", "2", "--eval-samples", "1", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+              "--threshold", "0.0", "--json", str(out), "rollout.max_new_tokens=4", "rollout.max_rows=8"]
+    assert main(common + ["--seeds", "1"]) == 0
+    first = json.loads(out.read_text())["runs"]
+    assert [(r["policy"], r["seed"]) for r in first] == [("grpo", 0)]
+    # a stopped bench goes on: seed 0 is kept as it was, only seed 1 runs
+    assert main(common + ["--seeds", "2", "--resume"]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert runs[0] == first[0] and [(r["policy"], r["seed"]) for r in runs] == [("grpo", 0), ("grpo", 1)]
+    # other settings than the file's: refused, naming the setting
+    other = list(common)
+    other[other.index("--steps") + 1] = "2"
+    with pytest.raises(SystemExit, match="steps=1, not 2"):
+        main(other + ["--resume"])

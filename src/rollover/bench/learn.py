@@ -152,22 +152,47 @@ def main(args) -> dict:
     unknown = [p for p in args.policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"rollover bench learn: unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
-    runs = []
+    result = {"model": args.model, "task": args.task, "steps": args.steps,
+              "prompts_per_step": args.prompts_per_step, "samples_per_prompt": args.samples_per_prompt,
+              "eval_size": args.eval_size, "eval_samples": args.eval_samples, "eval_every": args.eval_every,
+              "overrides": list(args.overrides), "runs": []}
+    if args.resume:
+        result["runs"] = _earlier_runs(args.json, result)
+    done = {(r["policy"], r["seed"]) for r in result["runs"]}
     for seed in range(args.seed, args.seed + args.seeds):
         for policy in args.policies:  # seeds outermost: a drift of the host's speed hits every policy alike
+            if (policy, seed) in done:
+                print(f"  {policy:10s} seed {seed}: in {args.json} already", flush=True)
+                continue
             run_dir = tempfile.mkdtemp(prefix=f"rollover-learn-{policy}-{seed}-")
             cfg = load_config(args.config, _overrides(args, policy, seed, run_dir))
             train_sync(cfg)
             points = curve(run_dir)
             drop_checkpoints(run_dir)  # the curve's metrics stay where the JSON says
-            runs.append({"policy": policy, "seed": seed, "run_dir": run_dir, "curve": points})
+            result["runs"].append({"policy": policy, "seed": seed, "run_dir": run_dir, "curve": points})
             print(f"  {policy:10s} seed {seed}: accuracy {points[0]['accuracy']:.3f} -> {points[-1]['accuracy']:.3f} "
                   f"in {points[-1]['train_seconds']:.0f} s, {points[-1]['samples']} samples", flush=True)
-    result = {"model": args.model, "task": args.task, "steps": args.steps,
-              "prompts_per_step": args.prompts_per_step, "samples_per_prompt": args.samples_per_prompt,
-              "eval_size": args.eval_size, "eval_samples": args.eval_samples, "eval_every": args.eval_every,
-              "overrides": list(args.overrides), "runs": runs}
+            if args.json:  # a bench stopped later keeps the runs finished so far (--resume goes on from them)
+                with open(args.json, "w") as f:
+                    json.dump(result, f, indent=2)
     return report(result, args)
+
+
+def _earlier_runs(path: str | None, settings: dict) -> list[dict]:
+    """The runs of an earlier `--json` file, which must have been made with the same settings
+    (none: no file yet)."""
+    import os
+
+    if not path:
+        raise SystemExit("rollover bench learn: --resume needs --json (the file to go on from)")
+    if not os.path.exists(path):
+        return []
+    earlier = json.loads(open(path).read())
+    for key, value in settings.items():
+        if key != "runs" and earlier.get(key) != value:
+            raise SystemExit(f"rollover bench learn: {path} was made with {key}={earlier.get(key)!r}, not "
+                             f"{value!r}; --resume goes on only from the same settings")
+    return earlier["runs"]
 
 
 def report(result: dict, args) -> dict:
@@ -211,6 +236,9 @@ def add_arguments(p) -> None:
     p.add_argument("--threshold", type=float, default=0.8)
     p.add_argument("--plot", default=None, help="PNG of the curves")
     p.add_argument("--json", default=None)
+    p.add_argument("--resume", action="store_true",
+                   help="go on from the --json file of an earlier, stopped bench: its runs are kept, not run again "
+                        "(the file is written after every run)")
     p.add_argument("--summarize", default=None, metavar="JSON",
                    help="no runs: the summary (and --plot, --json) again from an earlier --json file, at --threshold")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides for every run")
