@@ -1,0 +1,710 @@
+"""The fast path's workers (`rollover.sim.fast`): every rollout worker of the simulated cluster
+as a row of numpy arrays, its response-length draws and its step costs. `Fleet` moves all
+workers in lockstep, each to its own next event, with `SimCore`'s semantics (admission at a
+step boundary, one prefill per prompt within the prefill budget, closed-form segments between
+finishes, a command at the first boundary at or after its time) and routes requests by the Ray
+router's rule; the drivers in `rollover.sim.fast` decide what is admitted when."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from rollover.config import Config
+from rollover.sim.costs import DecodeCost, Profile
+
+BIG = np.int64(1 << 60)
+
+# ---------------------------------------------------------------------------- draws
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 of uint64 values."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def _uniform(x: np.ndarray) -> np.ndarray:
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+
+
+def _normal(key: np.ndarray) -> np.ndarray:
+    a = _mix(key)
+    b = _mix(a ^ np.uint64(0xD1B54A32D192ED03))
+    return np.sqrt(-2.0 * np.log(_uniform(a))) * np.cos(2 * math.pi * _uniform(b))
+
+
+class Draws:
+    """Response lengths of samples: `vector` (numpy, the default path's distribution) or
+    `exact` (the default path's own per-sample draws: slow, for comparisons)."""
+
+    def __init__(self, cfg: Config, kind: str = "vector"):
+        from rollover.sim.run import length_model
+        from rollover.sim.workload import make_prompts
+
+        self.kind, self.cfg = kind, cfg
+        self.model = length_model(cfg)
+        s = cfg.simulate
+        self.budget = cfg.rollout.max_new_tokens
+        self.ignore_eos = cfg.rollout.ignore_eos
+        if kind == "exact":
+            _, ids = make_prompts(s.prompts, cfg.seed, s.prompt_tokens, s.solve_alpha, s.solve_beta)
+            self.keys = [hash(tuple(ids[f"sim{i}"])) for i in range(s.prompts)]
+        else:
+            m = self.model
+            self.factor = m.prompt_sigma * _normal(np.arange(s.prompts, dtype=np.uint64) * np.uint64(2654435761)
+                                                   + np.uint64(17))
+            self.values = np.asarray(m.values, dtype=np.int64) if m.kind == "empirical" else None
+
+    def targets(self, prompts: np.ndarray, serials: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens each sample generates (n per group, groups `serials` of `prompts`, in order),
+        and whether it stops on its own (else it runs to its budget)."""
+        from rollover.rollout.groups import sample_seed
+
+        if self.kind == "exact":
+            want = np.array([self.model.draw(self.keys[p], sample_seed(self.cfg.seed, g, j))
+                             for p, g in zip(prompts.tolist(), serials.tolist()) for j in range(n)], dtype=np.int64)
+        else:  # sample_seed, vectorised (exact in int64 for seeds < 2**32)
+            seeds = ((np.int64(self.cfg.seed) * 1_000_003 + np.repeat(serials, n).astype(np.int64)) * 1_009
+                     + np.tile(np.arange(n, dtype=np.int64), len(serials))) % (1 << 62)
+            key = seeds.astype(np.uint64)
+            if self.values is not None:
+                idx = (_uniform(_mix(key)) * len(self.values)).astype(np.int64)
+                want = np.maximum(1, self.values[idx])
+            else:
+                z = _normal(key) * self.model.sigma + np.repeat(self.factor[prompts], n)
+                want = np.maximum(1, np.rint(self.model.median * np.exp(z))).astype(np.int64)
+        stop = want < self.budget
+        if self.ignore_eos:
+            stop[:] = False
+        return np.where(stop, want, self.budget), stop
+
+
+# ---------------------------------------------------------------------------- costs
+@dataclass
+class _Cost:
+    """One pool's DecodeCost over the workers `mask` selects."""
+
+    cost: DecodeCost
+    mask: np.ndarray | None  # None: every worker
+
+    def rows_time(self, rows: np.ndarray) -> np.ndarray:
+        c = self.cost
+        r = rows.astype(np.float64)
+        t = c.rows_table
+        if not t:
+            return c.step_s + c.per_row_s * r
+        xs = np.array([p[0] for p in t], dtype=np.float64)
+        ys = np.array([p[1] for p in t], dtype=np.float64)
+        out = np.interp(r, xs, ys)
+        out = np.where(r < xs[0], ys[0] + c.per_row_s * (r - xs[0]), out)
+        return np.where(r > xs[-1], ys[-1] + c.per_row_s * (r - xs[-1]), out)
+
+    def prefill(self, tokens: np.ndarray) -> np.ndarray:
+        c = self.cost
+        x = tokens.astype(np.float64)
+        return np.where(tokens > 0, c.prefill_s + c.prefill_per_token_s * x + c.prefill_quadratic_s * x * x, 0.0)
+
+
+class _Costs:
+    def __init__(self, costs: list[DecodeCost], pool_of: np.ndarray):
+        self.single = len(set(costs)) == 1
+        self.pools = [_Cost(c, None if self.single else pool_of == i) for i, c in enumerate(costs)]
+        self.pool_of = pool_of
+        self.per_ctx = np.array([c.per_context_token_s for c in costs])[pool_of]
+        self.prefill_s = np.array([c.prefill_s for c in costs])[pool_of]
+        self.padded = np.array([c.prefill_padded for c in costs])[pool_of]
+
+    def _each(self, idx: np.ndarray, fn: str, x: np.ndarray) -> np.ndarray:
+        if self.single:
+            return getattr(self.pools[0], fn)(x)
+        out = np.empty(len(idx))
+        which = self.pool_of[idx]
+        for i, p in enumerate(self.pools):
+            sel = which == i
+            if sel.any():
+                out[sel] = getattr(p, fn)(x[sel])
+        return out
+
+    def step(self, idx, rows, context) -> np.ndarray:
+        return self._each(idx, "rows_time", rows) + self.per_ctx[idx] * context
+
+    def prefill(self, idx, tokens) -> np.ndarray:
+        return self._each(idx, "prefill", tokens)
+
+
+# ---------------------------------------------------------------------------- the workers
+class Fleet:
+    """Every rollout worker as a row of arrays (the module docstring of `rollover.sim.fast`)."""
+
+    def __init__(self, cfg: Config, profile: Profile, draws: Draws, timeline: bool):
+        from dataclasses import replace
+
+        s, r = cfg.simulate, cfg.rollout
+        costs, pool_of, rows, names = [], [], [], []
+        for i, pool in enumerate(s.pools):
+            costs.append(replace(profile.decode, **pool.decode))
+            pool_of += [i] * pool.workers
+            rows += [pool.max_rows] * pool.workers
+            names.append(pool.name)
+        self.W = W = len(pool_of)
+        self.R = R = max(rows)
+        self.pool_of = np.array(pool_of)
+        self.pool_names = names
+        self.cost = _Costs(costs, self.pool_of)
+        self.max_rows = np.array(rows, dtype=np.int64)
+        self.max_prefill = 8192  # SimWorker's default
+        self.prompt_tokens = s.prompt_tokens
+        self.budget = r.max_new_tokens
+        self.slack = r.samples_per_prompt * r.max_new_tokens
+        self.draws = draws
+        # per worker
+        self.t = np.zeros(W)
+        self.rows = np.zeros(W, dtype=np.int64)
+        self.ctx = np.zeros(W, dtype=np.int64)
+        self.load = np.zeros(W, dtype=np.int64)
+        self.k = np.zeros(W, dtype=np.int64)  # steps planned (0: nothing)
+        self.extra = np.zeros(W)
+        self.base = np.zeros(W)
+        self.slope = np.zeros(W)
+        self.pre_recompute = np.zeros(W, dtype=np.int64)
+        self.recompute = np.zeros(W, dtype=np.int64)
+        self.busy_s = np.zeros(W)
+        self.stall_s = np.zeros(W)
+        # slots
+        self.sid = np.full((W, R), -1, dtype=np.int64)
+        # a slot's tokens are counted by its worker's steps: it holds wstep - born tokens (a
+        # resumed sample was born before it entered, by the tokens it carried), entered at step
+        # `entered` (entering: admitted at the current boundary) and finishes at step `fin`
+        # (BIG: empty)
+        self.wstep = np.zeros(W, dtype=np.int64)
+        self.born = np.zeros((W, R), dtype=np.int64)
+        self.entered = np.zeros((W, R), dtype=np.int64)
+        self.seq = np.zeros((W, R), dtype=np.int64)  # admission order
+        self.admitted = np.zeros(1, dtype=np.int64)
+        self.fin = np.full((W, R), BIG, dtype=np.int64)
+        self.next_fin = np.full(W, BIG, dtype=np.int64)  # per worker: its slots' earliest `fin`
+        self.n_ent = np.zeros(W, dtype=np.int64)  # per worker: slots entering at the current boundary
+        self.ent_ctx = np.zeros(W, dtype=np.int64)  # and their context tokens
+        self.t_end = np.zeros(W)  # the planned segment's end
+        self.usable = np.arange(R)[None, :] < self.max_rows[:, None]
+        # waiting requests, a ring per worker
+        self.qcap = 64
+        self.qs = np.zeros((W, self.qcap), dtype=np.int64)
+        self.qh = np.zeros(W, dtype=np.int64)
+        self.qn = np.zeros(W, dtype=np.int64)
+        # samples (grown as groups are admitted)
+        self.n_samples = 0
+        self.s_target = np.zeros(1024, dtype=np.int64)
+        self.s_stop = np.zeros(1024, dtype=bool)
+        self.s_group = np.zeros(1024, dtype=np.int64)
+        self.s_prompt = np.zeros(1024, dtype=np.int64)
+        self.s_v0 = np.zeros(1024, dtype=np.int64)
+        self.s_tok = np.zeros(1024, dtype=np.int64)  # tokens a sample holds while it waits (carried by APRIL)
+        self.home = np.full(s.prompts, -1, dtype=np.int64)
+        self.version = 0
+        self.paused = False
+        self.row_steps = np.zeros(W, dtype=np.int64)  # rows x steps: tokens generated
+        self.finished: list[tuple[np.ndarray, np.ndarray]] = []  # (sample ids, times) not yet taken
+        self.timeline = [[] for _ in range(W)] if timeline else None
+        self.open = np.full((W, 2), np.nan)  # the worker's open [start, end] timeline interval
+
+    # ------------------------------------------------------------ samples and routing
+    def _grow(self, need: int) -> None:
+        if need <= len(self.s_target):
+            return
+        size = max(need, 2 * len(self.s_target))
+        for name in ("s_target", "s_stop", "s_group", "s_prompt", "s_v0", "s_tok"):
+            old = getattr(self, name)
+            new = np.zeros(size, dtype=old.dtype)
+            new[: len(old)] = old
+            setattr(self, name, new)
+
+    def add_groups(self, serials: list[int], prompts: list[int], n: int, at) -> None:
+        """Route the groups' fresh samples (each group's n samples in order) and queue them;
+        a worker replans from its first boundary at or after each group's arrival `at` (one
+        time, or one per group in non-decreasing order)."""
+        base, k = self.n_samples, len(serials)
+        self._grow(base + n * k)
+        sl = slice(base, base + n * k)
+        g_arr, p_arr = np.asarray(serials, dtype=np.int64), np.asarray(prompts, dtype=np.int64)
+        self.s_target[sl], self.s_stop[sl] = self.draws.targets(p_arr, g_arr, n)
+        self.s_group[sl], self.s_prompt[sl] = np.repeat(g_arr, n), np.repeat(p_arr, n)
+        home_dest, home_m, best_dest = self._route(prompts, n)
+        dest = np.repeat(np.stack([home_dest, best_dest], axis=1).ravel(),
+                         np.stack([home_m, n - home_m], axis=1).ravel())
+        self.n_samples = base + n * k
+        at = np.repeat(np.broadcast_to(np.asarray(at, dtype=np.float64), (k,)), n)
+        self._enqueue(dest, np.arange(base, self.n_samples, dtype=np.int64), at)
+
+    def _route(self, prompts: list[int], n: int):
+        """The Ray router's picks for each group's n fresh samples: sample j goes to the prompt's
+        home worker while home's load + j x budget is within `slack` of the least-loaded worker,
+        the rest (and a prompt's first group) to the least-loaded, which becomes its home. Per
+        group: (home, how many go there, the least-loaded)."""
+        import heapq
+
+        b, slack, home_of = self.budget, self.slack, self.home
+        heap = None
+        if len(prompts) > 64:  # many groups at once: a heap of (load, worker); ties to the lowest index
+            loads = self.load.tolist()
+            heap = list(zip(loads, range(self.W)))
+            heapq.heapify(heap)
+        else:  # a few: the loads in place
+            loads = self.load
+        out_h, out_m, out_b = [], [], []
+        for p in prompts:
+            if heap is None:
+                best = int(loads.argmin())
+            else:
+                while heap[0][0] != loads[heap[0][1]]:
+                    heapq.heappop(heap)
+                best = heap[0][1]
+            home = int(home_of[p])
+            if home < 0 or home == best:
+                m, home = n, best
+            else:
+                m = min(n, max(0, (loads[best] + slack - loads[home]) // b + 1))
+            out_h.append(home)
+            out_m.append(m)
+            out_b.append(best)
+            home_of[p] = best if m < n else home
+            for w, c in ((home, m), (best, n - m)):
+                if c:
+                    loads[w] += c * b
+                    if heap is not None:
+                        heapq.heappush(heap, (loads[w], w))
+        if heap is not None:
+            self.load[:] = loads
+        return np.array(out_h, dtype=np.int64), np.array(out_m, dtype=np.int64), np.array(out_b, dtype=np.int64)
+
+    def _enqueue(self, dest: np.ndarray, sids: np.ndarray, at) -> None:
+        """Queue samples (in routing order) at their workers; `at`: one arrival time, or one per
+        sample, non-decreasing in routing order."""
+        order = np.argsort(dest, kind="stable")
+        dest, sids = dest[order], sids[order]
+        workers, first, counts = np.unique(dest, return_index=True, return_counts=True)
+        need = int((self.qn[workers] + counts).max())
+        if need > self.qcap:
+            self._grow_queue(need)
+        rank = np.arange(len(dest)) - np.repeat(first, counts)
+        pos = (self.qh[dest] + self.qn[dest] + rank) % self.qcap
+        self.qs[dest, pos] = sids
+        at = np.broadcast_to(np.asarray(at, dtype=np.float64), (len(order),))[order]
+        # the samples reach their worker in arrival batches: each batch at the worker's first
+        # boundary at or after its time (admitted and replanned there), one batch per round
+        start = np.ones(len(dest), dtype=bool)
+        start[1:] = (dest[1:] != dest[:-1]) | (at[1:] != at[:-1])
+        batch = np.cumsum(start) - 1
+        b_first = np.nonzero(start)[0]
+        b_worker, b_time = dest[b_first], at[b_first]
+        b_count = np.diff(np.append(b_first, len(dest)))
+        b_round = np.arange(len(b_first)) - np.searchsorted(b_worker, b_worker)  # batches sorted by worker
+        del batch
+        for r in range(int(b_round.max()) + 1):
+            sel = b_round == r
+            w = b_worker[sel]
+            self.cut(w, b_time[sel])
+            self.qn[w] += b_count[sel]
+            self.plan(w)
+
+    def _grow_queue(self, need: int) -> None:
+        cap = max(need, 2 * self.qcap)
+        idx = (self.qh[:, None] + np.arange(self.qcap)[None, :]) % self.qcap
+        new = np.zeros((self.W, cap), dtype=np.int64)
+        new[:, : self.qcap] = np.take_along_axis(self.qs, idx, axis=1)
+        self.qs, self.qh, self.qcap = new, np.zeros(self.W, dtype=np.int64), cap
+
+    # ------------------------------------------------------------ segments
+    def end(self, idx: np.ndarray, j: np.ndarray) -> np.ndarray:
+        jf = j.astype(np.float64)
+        return self.t[idx] + np.where(j > 0, self.extra[idx], 0.0) + jf * self.base[idx] + self.slope[idx] * jf * (jf - 1) / 2
+
+    def first_at_or_after(self, idx: np.ndarray, T: float) -> np.ndarray:
+        """Steps of each planned segment until its first boundary at or after T (at most k)."""
+        k = self.k[idx]
+        a, b = self.slope[idx] / 2, self.base[idx] - self.slope[idx] / 2
+        c = self.t[idx] + self.extra[idx] - T
+        with np.errstate(divide="ignore", invalid="ignore"):
+            quad = np.ceil((-b + np.sqrt(np.maximum(b * b - 4 * a * c, 0.0))) / (2 * a))
+            lin = np.where(b > 0, np.ceil(-c / b), 1.0)
+        j = np.where(a > 0, quad, lin)
+        j = np.nan_to_num(j, nan=1.0, posinf=1.0, neginf=1.0)
+        j = np.minimum(np.maximum(j, 1), np.maximum(k, 1)).astype(np.int64)
+        for _ in range(64):  # float rounding: settle on the exact boundary
+            down = (j > 1) & (self.end(idx, j - 1) >= T)
+            up = (j < k) & (self.end(idx, j) < T)
+            if not (down.any() or up.any()):
+                break
+            j = j - down + up
+        return np.where((T <= self.t[idx]) | (k == 0), 0, j)
+
+    def cut(self, idx: np.ndarray, T) -> None:
+        """Bring the workers to their first step boundary at or after T (one time, or one per
+        worker; idle ones: to T); sequences finishing there finish at its time."""
+        T = np.broadcast_to(np.asarray(T, dtype=np.float64), (len(idx),))
+        idle = self.k[idx] == 0
+        w = idx[idle]
+        self.t[w] = np.maximum(self.t[w], T[idle])
+        busy = idx[~idle]
+        if len(busy):
+            j = self.first_at_or_after(busy, T[~idle])
+            go = j > 0
+            if go.any():
+                self.apply(busy[go], j[go])
+
+    def apply(self, idx: np.ndarray, j: np.ndarray) -> None:
+        """Apply j steps of the planned segments, then take out the finished sequences."""
+        n = self.rows[idx]
+        end = self.end(idx, j)
+        self._record(idx, self.t[idx], end)
+        self.row_steps[idx] += n * j
+        self.pre_recompute[idx] = 0
+        self.wstep[idx] += j
+        self.ctx[idx] += n * j
+        self.load[idx] -= n * j
+        self.t[idx] = end
+        self.k[idx] -= j  # the caller plans again
+        self.n_ent[idx] = 0
+        self.ent_ctx[idx] = 0
+        idx = idx[self.next_fin[idx] == self.wstep[idx]]
+        if len(idx):
+            rows, cols = np.nonzero(self.fin[idx] == self.wstep[idx][:, None])
+            w = idx[rows]
+            sids = self.sid[w, cols]
+            toks = self.wstep[w] - self.born[w, cols]
+            self.ctx -= np.bincount(w, weights=self.prompt_tokens + toks, minlength=self.W).astype(np.int64)
+            self.load -= np.bincount(w, weights=self.budget - toks, minlength=self.W).astype(np.int64)
+            self.rows -= np.bincount(w, minlength=self.W)
+            self.sid[w, cols] = -1
+            self.fin[w, cols] = BIG
+            self.next_fin[idx] = self.fin[idx].min(axis=1)
+            self.finished.append((sids, self.t[w], w, self.seq[w, cols]))
+
+    def _record(self, idx: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
+        self.busy_s[idx] += end - start
+        if self.timeline is None:
+            return
+        o = self.open[idx]
+        joined = np.abs(o[:, 1] - start) < 1e-9
+        for i in np.nonzero(~joined & ~np.isnan(o[:, 0]))[0]:
+            self.timeline[idx[i]].append([float(o[i, 0]), float(o[i, 1]), "generate"])
+        o[:, 0] = np.where(joined, o[:, 0], start)
+        o[:, 1] = end
+        self.open[idx] = o
+
+    def add_requests(self, sids: np.ndarray, at: float) -> None:
+        """Route existing samples (a carried group's: resumed ones, with tokens, to the
+        least-loaded worker; never-started ones by their prompt's home, as the router does
+        request by request) and queue them; their workers replan from `at`."""
+        import heapq
+
+        b, slack, home_of, loads = self.budget, self.slack, self.home.tolist(), self.load.tolist()
+        heap = list(zip(loads, range(self.W)))
+        heapq.heapify(heap)
+        dest = []
+        for carried, p in zip(self.s_tok[sids].tolist(), self.s_prompt[sids].tolist()):
+            while heap[0][0] != loads[heap[0][1]]:
+                heapq.heappop(heap)
+            pick = best = heap[0][1]
+            if not carried:
+                home = home_of[p]
+                if home >= 0 and loads[home] <= loads[best] + slack:
+                    pick = home
+                home_of[p] = pick
+            dest.append(pick)
+            loads[pick] += b - carried
+            if pick == best:  # the heap's top: replaced in one operation
+                heapq.heapreplace(heap, (loads[pick], pick))
+            else:
+                heapq.heappush(heap, (loads[pick], pick))
+        self.load[:] = loads
+        self.home[:] = home_of
+        self._enqueue(np.array(dest, dtype=np.int64), sids, at)
+
+    def abort_all(self, T: float) -> np.ndarray:
+        """Abort every request at T: each worker at its first boundary at or after T (sequences
+        finishing there finish), then the running ones keep their tokens (`s_tok`) and, with the
+        waiting ones, leave; the aborted samples."""
+        idx = np.arange(self.W)
+        self.cut(idx, T)
+        occ = self.sid >= 0
+        r, c = np.nonzero(occ)
+        running = self.sid[r, c]
+        self.s_tok[running] = self.wstep[r] - self.born[r, c]
+        qpos = (self.qh[:, None] + np.arange(self.qcap)[None, :]) % self.qcap
+        qmask = np.arange(self.qcap)[None, :] < self.qn[:, None]
+        waiting = np.take_along_axis(self.qs, qpos, axis=1)[qmask]
+        self.sid[occ] = -1
+        self.fin[occ] = BIG
+        self.next_fin[:] = BIG
+        self.n_ent[:] = 0
+        self.ent_ctx[:] = 0
+        self.rows[:] = 0
+        self.ctx[:] = 0
+        self.load[:] = 0
+        self.recompute[:] = 0
+        self.pre_recompute[:] = 0
+        self.qn[:] = 0
+        self.k[:] = 0
+        return np.concatenate([running, waiting])
+
+    def pause(self, T: float) -> None:
+        """Every worker stops at its last step boundary at or before T; nothing runs until
+        `resume` (running sequences keep their rows and K/V)."""
+        idx = np.nonzero(self.k > 0)[0]
+        if len(idx):
+            j = self.first_at_or_after(idx, T)
+            j = np.where((j > 0) & (self.end(idx, j) > T), j - 1, j)
+            go = j > 0
+            if go.any():
+                self.apply(idx[go], j[go])
+        self.k[:] = 0
+        self.paused = True
+
+    def resume(self, T: float) -> None:
+        self.paused = False
+        idx = np.arange(self.W)
+        self.t = np.maximum(self.t, T)
+        self.plan(idx)
+
+    _STATE = ("t", "rows", "ctx", "load", "k", "extra", "base", "slope", "pre_recompute", "recompute", "busy_s",
+              "stall_s", "wstep", "born", "entered", "fin", "next_fin", "n_ent", "ent_ctx", "seq", "sid", "t_end", "qs", "qh", "qn", "home",
+              "row_steps", "open", "admitted")
+
+    def snapshot(self) -> dict:
+        """The state a window changes (sample arrays only grow: their count is enough)."""
+        snap = {k: getattr(self, k).copy() for k in self._STATE}
+        snap["_n_samples"], snap["_version"], snap["_finished"] = self.n_samples, self.version, list(self.finished)
+        if self.timeline is not None:
+            snap["_timeline"] = [len(t) for t in self.timeline]
+        return snap
+
+    def restore(self, snap: dict) -> None:
+        for k, v in snap.items():  # copies: a snapshot may be restored more than once
+            if not k.startswith("_"):
+                setattr(self, k, v.copy())
+        self.n_samples, self.version = snap["_n_samples"], snap["_version"]
+        if self.timeline is not None:
+            for t, n in zip(self.timeline, snap["_timeline"]):
+                del t[n:]
+        self.qcap = self.qs.shape[1]
+        self.finished = list(snap["_finished"])
+
+    def stall(self, T: float, seconds: float, version: int, inflight: str) -> None:
+        """A weight update at T: each worker at its first boundary at or after T stalls
+        `seconds` (the dissemination), then generates with `version`."""
+        idx = np.arange(self.W)
+        self.cut(idx, T)
+        start = np.maximum(self.t, T)
+        self.close_timeline()
+        if self.timeline is not None and seconds > 0:
+            for w in range(self.W):
+                self.timeline[w].append([float(start[w]), float(start[w] + seconds), "sync"])
+        self.stall_s += seconds
+        self.t = start + seconds
+        self.version = version
+        fresh = (self.sid >= 0) & (self.born == self.wstep[:, None])  # no token yet: its first is the new version's
+        self.s_v0[self.sid[fresh]] = version
+        if inflight == "continue":
+            self.recompute += self.ctx
+        self.plan(idx)
+
+    def close_timeline(self) -> None:
+        if self.timeline is None:
+            return
+        for w in np.nonzero(~np.isnan(self.open[:, 0]))[0]:
+            self.timeline[w].append([float(self.open[w, 0]), float(self.open[w, 1]), "generate"])
+        self.open[:] = np.nan
+
+    # ------------------------------------------------------------ admission and planning
+    def plan(self, idx: np.ndarray) -> None:
+        """Admit waiting sequences into free rows and plan the next segment (SimCore._plan)."""
+        if not len(idx):
+            return
+        self.k[idx] = 0
+        if self.paused:
+            return
+        self.pre_recompute[idx] = np.where(self.rows[idx] > 0, self.pre_recompute[idx], 0)
+        # most plans follow a finish with nothing to admit, prefill or recompute: plain decoding
+        plain = (self.n_ent[idx] == 0) & ((self.qn[idx] == 0) | (self.rows[idx] == self.max_rows[idx])) \
+            & (self.pre_recompute[idx] + self.recompute[idx] == 0)
+        if plain.all():
+            return self._plan_plain(idx)
+        if plain.any():
+            self._plan_plain(idx[plain])
+            idx = idx[~plain]
+        self._plan_full(idx)
+
+    def _plan_plain(self, idx: np.ndarray) -> None:
+        rows = self.rows[idx]
+        idx, rows = idx[rows > 0], rows[rows > 0]
+        if not len(idx):
+            return
+        self.base[idx] = self.cost.step(idx, rows, self.ctx[idx])
+        self.extra[idx] = 0.0
+        self.slope[idx] = self.cost.per_ctx[idx] * rows
+        k = self.next_fin[idx] - self.wstep[idx]
+        self.k[idx] = k
+        self.t_end[idx] = self.end(idx, k)
+
+    def _keys(self, sids: np.ndarray, carried: np.ndarray) -> np.ndarray:
+        """Prefill keys: a fresh sample's prompt (its group's samples prefill it once), a resumed
+        sample's own (its prompt and tokens)."""
+        return np.where(carried == 0, self.s_prompt[np.maximum(sids, 0)], -10 - sids)
+
+    def _plan_full(self, idx: np.ndarray) -> None:
+        P = self.prompt_tokens
+        m = len(idx)
+        n_keys = np.zeros(m, dtype=np.int64)
+        key_tokens = np.zeros(m, dtype=np.int64)
+        longest = np.zeros(m, dtype=np.int64)
+        # the prompts entering at this boundary already (admitted since the last step): their keys
+        rows_ent = np.nonzero(self.n_ent[idx])[0]
+        if len(rows_ent):
+            w = idx[rows_ent]
+            sid = self.sid[w]
+            ent = (self.entered[w] == self.wstep[w][:, None]) & (sid >= 0)
+            ent_carried = np.where(ent, self.entered[w] - self.born[w], 0)
+            ent_keys = np.where(ent, self._keys(sid, ent_carried), -1)
+            order = np.argsort(ent_keys, axis=1, kind="stable")
+            srt = np.take_along_axis(ent_keys, order, axis=1)
+            tok = np.take_along_axis(np.where(ent, P + ent_carried, 0), order, axis=1)
+            first = (srt != -1) & np.concatenate([np.ones((len(w), 1), bool), srt[:, 1:] != srt[:, :-1]], axis=1)
+            n_keys[rows_ent] = first.sum(axis=1)
+            key_tokens[rows_ent] = (first * tok).sum(axis=1)
+            longest[rows_ent] = (first * tok).max(axis=1)
+        budget = self.max_prefill - key_tokens - self.pre_recompute[idx]
+        free = self.max_rows[idx] - self.rows[idx]
+        take = np.minimum(free, self.qn[idx])
+        F = int(take.max()) if m else 0
+        if F > 0:
+            cols = np.arange(F)
+            pos = (self.qh[idx][:, None] + cols[None, :]) % self.qcap
+            cand = self.qs[idx[:, None], pos]
+            valid = cols[None, :] < take[:, None]
+            carried = np.where(valid, self.s_tok[cand], 0)
+            keys = np.where(valid, self._keys(cand, carried), -2 - cols[None, :])
+            need = P + carried
+            # a key's first candidate in each row (by a stable sort: the earliest among equals)
+            order = np.argsort(keys, axis=1, kind="stable")
+            srt = np.take_along_axis(keys, order, axis=1)
+            first = np.ones((m, F), dtype=bool)
+            first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+            new_key = np.empty((m, F), dtype=bool)
+            np.put_along_axis(new_key, order, first, axis=1)
+            new_key &= valid
+            if len(rows_ent):  # not a key already entering
+                new_key[rows_ent] &= ~(keys[rows_ent, :, None] == ent_keys[:, None, :]).any(axis=2)
+            spent = np.cumsum(new_key * need, axis=1) - new_key * need  # budget used before each candidate
+            keys_before = (n_keys[:, None] > 0) | (cols[None, :] > 0)
+            stop = valid & keys_before & (need > budget[:, None] - spent)
+            admit = np.where(stop.any(axis=1), stop.argmax(axis=1), take)
+            got = new_key & (cols[None, :] < admit[:, None])
+            n_keys = n_keys + got.sum(axis=1)
+            key_tokens = key_tokens + (got * need).sum(axis=1)
+            longest = np.maximum(longest, (got * need).max(axis=1))
+            if admit.any():
+                self._admit(idx, cand, admit)
+        rows = self.rows[idx]
+        live = rows > 0
+        idx, rows = idx[live], rows[live]
+        if not len(idx):
+            return
+        fresh = np.where(self.cost.padded[idx], n_keys[live] * longest[live], key_tokens[live])
+        rec = self.pre_recompute[idx] + self.recompute[idx]
+        self.pre_recompute[idx], self.recompute[idx] = rec, 0
+        n_ent, ent_ctx = self.n_ent[idx], self.ent_ctx[idx]  # after admission
+        decoding = rows - n_ent
+        ctx = self.ctx[idx]
+        first = self.cost.prefill(idx, rec)
+        pf = self.cost.prefill(idx, fresh)
+        dec = self.cost.step(idx, decoding, ctx - ent_ctx)
+        mixed = decoding > 0
+        part = np.where(mixed, first + np.where(fresh > 0, pf - self.cost.prefill_s[idx], 0.0), first + pf)
+        decode = np.where(mixed, dec, 0.0)
+        base = self.cost.step(idx, rows, ctx)
+        self.base[idx] = base
+        self.extra[idx] = decode + part - base
+        self.slope[idx] = self.cost.per_ctx[idx] * rows
+        k = self.next_fin[idx] - self.wstep[idx]
+        held = (self.qn[idx] > 0) & (rows < self.max_rows[idx])
+        k = np.where(held, 1, k)
+        self.k[idx] = k
+        self.t_end[idx] = self.end(idx, k)
+
+    def _admit(self, idx: np.ndarray, cand: np.ndarray, admit: np.ndarray) -> None:
+        free = (self.sid[idx] < 0) & self.usable[idx]
+        rank = np.cumsum(free, axis=1) - 1
+        put = free & (rank < admit[:, None])
+        r, c = np.nonzero(put)
+        w = idx[r]
+        s = cand[r, rank[r, c]]
+        carried = self.s_tok[s]
+        self.sid[w, c] = s
+        self.born[w, c] = self.wstep[w] - carried
+        self.entered[w, c] = self.wstep[w]
+        order = np.lexsort((c, r))  # rows fill in queue order
+        self.seq[w[order], c[order]] = self.admitted[0] + np.arange(len(order))
+        self.admitted[0] += len(order)
+        self.fin[w, c] = self.born[w, c] + self.s_target[s]
+        np.minimum.at(self.next_fin, w, self.fin[w, c])
+        self.n_ent[idx] += admit
+        first = carried == 0
+        self.s_v0[s[first]] = self.version  # a resumed sample's first token is older
+        self.rows[idx] += admit
+        tokens = np.bincount(w, weights=self.prompt_tokens + carried, minlength=self.W).astype(np.int64)
+        self.ctx += tokens
+        self.ent_ctx += tokens
+        self.qh[idx] = (self.qh[idx] + admit) % self.qcap
+        self.qn[idx] -= admit
+
+    # ------------------------------------------------------------ running
+    def run_until(self, H: float, inclusive: bool = False) -> None:
+        """Apply every planned segment that ends before H (or at H, `inclusive`), and the
+        ones planned after them."""
+        while True:
+            idx = np.nonzero(self.k > 0)[0]
+            if not len(idx):
+                return
+            due = self.t_end[idx] <= H if inclusive else self.t_end[idx] < H
+            if not due.any():
+                return
+            idx = idx[due]
+            self.apply(idx, self.k[idx])
+            self.plan(idx)
+
+    def horizon(self, events: int) -> float:
+        """Just past the planned boundary by which `events` workers have reached their next
+        finish (inf: nothing runs): a window that holds about that many finishes, whatever
+        their rate."""
+        ends = self.t_end[self.k > 0]
+        if not len(ends):
+            return math.inf
+        kth = ends.max() if events >= len(ends) else np.partition(ends, events - 1)[events - 1]
+        return float(np.nextafter(kth, math.inf))
+
+    def next_event(self) -> float:
+        """Just past the earliest planned boundary (inf: nothing runs): a window must reach it."""
+        busy = self.k > 0
+        return float(np.nextafter(self.t_end[busy].min(), math.inf)) if busy.any() else math.inf
+
+    def take_finished(self, before: float = math.inf, inclusive: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Samples finished since the last call before `before` (at it too, `inclusive`) and their
+        times, in time order; later ones (a cut for an admission can finish a sequence past the
+        window) stay for a later call."""
+        if not self.finished:
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
+        sids, times, workers, seqs = (np.concatenate([f[i] for f in self.finished]) for i in range(4))
+        now = times <= before if inclusive else times < before
+        later = ~now
+        self.finished = [(sids[later], times[later], workers[later], seqs[later])] if later.any() else []
+        sids, times, workers, seqs = sids[now], times[now], workers[now], seqs[now]
+        order = np.lexsort((seqs, workers, times))  # ties: by worker, then in admission order, as SimCore's rows
+        return sids[order], times[order]
+
+    def busy_any(self) -> bool:
+        return bool((self.k > 0).any())
