@@ -58,8 +58,7 @@ from rollover.sim.fleet import Draws, Fleet
 # APRIL's samples/s against the schedulers' path: -0.005% at 0.05, -0.07% at 0.25, -0.25% at
 # 0.5, -4.5% at 1. (Windows measured in seconds, from the last window's finish rate, gave -1.9%
 # at 0.25: a window that began in a sparse stretch ran long into the next burst.)
-WINDOW_EVENTS = 0.25
-WINDOW_EVENTS_APRIL = 0.25
+WINDOW_EVENTS = 0.25  # async and APRIL alike
 
 
 def check(cfg: Config) -> None:
@@ -115,7 +114,7 @@ def simulate_fast(cfg: Config, profile: Profile, progress=None, draws: str = "ve
     next_groups = _Prompts(PromptIterator(prompts, seed=cfg.seed, shuffle=cfg.data.shuffle), prompts)
     driver = _async if cfg.mode == "async" else _april if cfg.partial_rollout.enabled else _sync
     if window_events is None:  # finishes per worker per window (see the module docstring)
-        window_events = WINDOW_EVENTS_APRIL if driver is _april else WINDOW_EVENTS
+        window_events = WINDOW_EVENTS
     rows, trainer_tl = driver(cfg, profile, fleet, next_groups, progress, window_events)
     return _summary(cfg, profile, fleet, rows, trainer_tl)
 
