@@ -575,6 +575,21 @@ class SimPoolConfig(Section):
     per_context_token_s, prefill_s, prefill_per_token_s)."""
 
 
+class SimEnvConfig(Section):
+    turns: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Mean sampled turns of a simulated episode (geometric, at least 1; env.max_turns caps it).
+    0: no environment (single-turn samples, scored by the simulated reward); 1: one turn, then
+    one environment call that scores it (a sandboxed check)."""
+    step_s: float = Field(1.0, ge=0, allow_inf_nan=False)
+    """Median seconds of one environment step (log-normal around it)."""
+    sigma: float = Field(0.5, ge=0, allow_inf_nan=False)
+    """Spread of a step's log-seconds (0: every step takes step_s)."""
+    open_s: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Seconds of an episode's opening (initial_observation: a sandbox or VM starting)."""
+    obs_tokens: int = Field(64, ge=5)
+    """Tokens an environment answer inserts between turns (its message and the template's 5)."""
+
+
 class SimConfig(Section):
     profile: NonEmptyStr | None = None
     """A profile JSON (`rollover simulate calibrate` writes one): the decode, train and sync costs."""
@@ -610,6 +625,10 @@ class SimConfig(Section):
     """Each prompt is solved with probability p ~ Beta(solve_alpha, solve_beta) per sample."""
     solve_beta: float = Field(1.0, gt=0)
     """See solve_alpha (Beta(1, 1): solve rates uniform over prompts)."""
+    env: SimEnvConfig = SimEnvConfig()
+    """Simulated multi-turn environments (rollover/sim/envs.py): each call takes virtual time,
+    at most env.max_concurrent at once; env.max_turns, env.max_total_tokens and
+    env.step_timeout_s apply as in a real run."""
     fast: bool = False
     """The fast path (rollover/sim/fast.py): the same cluster and policies on arrays, vectorised
     over workers (1,024 workers x 1,000 steps in a minute or two); sync, async and APRIL; not
@@ -677,7 +696,7 @@ class Config(Section):
         p, a = self.partial_rollout, self.algorithm
         if p.carry != "auto":
             return p.carry, f"partial_rollout.carry={p.carry} in the config"
-        if self.env.name is not None:
+        if self.env.name is not None or self.simulate.env.turns > 0:  # real or simulated episodes
             return "resubmit", "episodes carry their tokens and environment state"
         corrected = [n for n, on in (("algorithm.loss=" + str(a.loss), a.loss in ("decoupled_ppo", "bapo")),
                                      ("algorithm.tis_cap", a.tis_cap is not None),
@@ -790,7 +809,8 @@ class Config(Section):
 
     def _env_problems(self) -> list[str]:
         e = self.env
-        if e.name is None:
+        simulated = self.simulate.env.turns > 0  # `rollover simulate`'s episodes: the schedules' rules hold
+        if e.name is None and not simulated:
             out = ["env.options are set but env.name is not"] if e.options else []
             return out + (["data.train: env needs env.name"] if self.data.train == "env" else [])
         out = []
@@ -802,6 +822,8 @@ class Config(Section):
             out.append("partial_rollout.on_stale=regenerate restarts single-turn samples; for episodes use mask or is")
         if self.algorithm.overlong_buffer:
             out.append("algorithm.overlong_buffer measures one response's length; it has no meaning for episodes")
+        if e.name is None:  # simulated: the rest are about a real environment's time and prompts
+            return out
         if e.step_timeout_s >= self.rollout.stall_timeout_s:
             out.append(f"env.step_timeout_s={e.step_timeout_s:g} must be below rollout.stall_timeout_s="
                        f"{self.rollout.stall_timeout_s:g} (a slow environment step is not a stalled engine)")

@@ -40,6 +40,8 @@ class ThreadedEngine(EngineAPI):
         self._stopped = False
         self._paused = False
         self._idle = False
+        self._step_lock = None  # a simulated engine's: steps only while it is free (see SimEngine.bind_schedule)
+        self._poll_s = None  # a simulated engine's: look for work this often while waiting (see SimEngine.gate)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -157,6 +159,11 @@ class ThreadedEngine(EngineAPI):
     def _describe_stuck(self) -> str:
         return f"{len(self._futures)} requests unfinished, {len(self._commands)} commands queued"
 
+    def on_engine_thread(self) -> bool:
+        """Whether the caller is the engine's thread (a done-callback, or a simulated
+        environment's answer): commands from it run at once instead of queueing."""
+        return threading.current_thread() is self._thread
+
     def num_unfinished(self) -> int:
         with self._cond:
             return len(self._futures)
@@ -214,7 +221,7 @@ class ThreadedEngine(EngineAPI):
                         if not self._idle:
                             self._idle = True
                             self._cond.notify_all()
-                        self._cond.wait()
+                        self._cond.wait(self._poll_s)
                     self._idle = False
                     if self._stopped:
                         break
@@ -224,14 +231,27 @@ class ThreadedEngine(EngineAPI):
                         box.set_result(fn())
                     except Exception as e:  # reported to the caller; the engine keeps running
                         box.set_exception(e)
-                if self.core.has_work() and not self._paused:
-                    finished, touched = self.core.step()
-                    if self._listeners:
-                        for s in touched:
-                            cb = self._listeners.get(s.id)
-                            if cb is not None:
-                                cb(s.response_ids[-1], s.logprobs[-1], s.versions[-1])
-                    self._resolve(finished)
+                lock = self._step_lock
+                if lock is not None:
+                    if not lock.acquire(timeout=0.001):  # its holder may wait on a command: serve those meanwhile
+                        continue
+                    with self._cond:
+                        late = bool(self._commands)  # queued by the section that held it: they come first
+                    if late:
+                        lock.release()
+                        continue
+                try:
+                    if self.core.has_work() and not self._paused:
+                        finished, touched = self.core.step()
+                        if self._listeners:
+                            for s in touched:
+                                cb = self._listeners.get(s.id)
+                                if cb is not None:
+                                    cb(s.response_ids[-1], s.logprobs[-1], s.versions[-1])
+                        self._resolve(finished)
+                finally:
+                    if lock is not None:
+                        lock.release()
         except BaseException as e:  # a broken step fails every pending request loudly
             with self._cond:
                 self._error = e

@@ -18,7 +18,9 @@ Each step:
 4. When `target` groups are ready, every in-flight request of the step is aborted at once.
    Aborted samples go back to their groups in the carry buffer; groups that complete in the
    same engine step as the target are kept for the next step. No reward is ever computed for
-   aborted work, so the stop never waits on a judge.
+   aborted work, so the stop never waits on a judge, nor on an environment: an episode whose
+   environment call is still out at the stop is carried as it stands, and the call's answer
+   lands whenever it comes (between steps the episode then waits in its next phase).
 
 All bookkeeping runs in engine done-callbacks, which the engine calls between its steps, so
 with TorchEngine the whole schedule is a deterministic function of the seeds: a run killed and
@@ -210,7 +212,8 @@ class AprilCollector:
             self.run.engine.pause()  # live requests keep their rows and K/V
             st.finished.set()
         elif self.driver.routes:
-            if getattr(self._engine_thread, "active", False):  # between decode steps: at once
+            on_engine = getattr(self.run.engine, "on_engine_thread", lambda: False)()
+            if getattr(self._engine_thread, "active", False) or on_engine:  # between decode steps: at once
                 self.run.engine.abort(sorted(self.driver.routes))
             else:  # an engine command waits for the engine thread, which may want this lock
                 st.abort_pending = True
@@ -284,15 +287,20 @@ class AprilCollector:
 
     def _maybe_finish(self) -> None:
         st = self.st
-        if st is None or not self.driver.idle:
+        if st is None:
             return
-        if st.scoring and not st.stopping:  # nothing in flight: every score decides what comes next
-            self._settle(st, 0)
-            self._check_target(st)
-            self._refill()
+        if not st.stopping:
             if not self.driver.idle:
                 return
-        if st.stopping or not self.inflight:
+            if st.scoring:  # nothing in flight: every score decides what comes next
+                self._settle(st, 0)
+                self._check_target(st)
+                self._refill()
+            if not st.stopping:
+                if self.driver.idle and not self.inflight:
+                    st.finished.set()
+                return
+        if not self.driver.routes:  # the aborted requests are back; environment calls still out land when they do
             st.finished.set()
 
     def _regenerate_live(self, version: int) -> None:
@@ -408,11 +416,27 @@ class AprilCollector:
         one resumed from this checkpoint alike. Episodes are saved with their tokens and action
         log (their environments are rebuilt by replay when they go on)."""
         self.driver.abort_all()
+        self._land_env_calls()
         with self._lock:
             self.buffer = sorted(self.inflight.values(), key=lambda g: g.serial) + self.buffer
             self.inflight = {}
             return {"buffer": list(self.buffer), "ready_carry": list(self.ready_carry), "alpha": self.alpha,
                     "completion_rate": self.completion_rate}
+
+    def _land_env_calls(self) -> None:
+        """Wait for the environment calls a step left out (it does not wait for them) to land,
+        so a checkpoint holds episodes that nothing changes while they are written."""
+        timeout = self.cfg.rollout.stall_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not self.driver.env_calls:
+                    return
+                left = self.driver.env_calls
+            if time.monotonic() > deadline:
+                raise Stalled(f"APRIL collector: {left} environment calls did not land within {timeout:g} s "
+                              "(rollout.stall_timeout_s) before a checkpoint")
+            time.sleep(0.005)
 
     def load_state_dict(self, state: dict) -> None:
         self.buffer = list(state["buffer"])

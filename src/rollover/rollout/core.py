@@ -92,8 +92,14 @@ class EnvRunner:
         asyncio.run_coroutine_threadsafe(run(), self._loop)
 
     def close(self) -> None:
+        """Cancel the calls still out (an APRIL step does not wait for them) and stop the loop."""
         if self._loop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            def stop() -> None:
+                for task in asyncio.all_tasks(self._loop):
+                    task.cancel()
+                self._loop.call_soon(self._loop.stop)  # after the cancelled calls have unwound
+
+            self._loop.call_soon_threadsafe(stop)
             self._thread.join(timeout=5)
 
 
@@ -121,6 +127,9 @@ class SampleDriver:
             self.renderer = ChatRenderer(run.tokenizer)
             self.envs: EnvRunner = run.env_runner
         self._outbox: list[Request] | None = None
+        bind = getattr(run.engine, "bind_schedule", None)  # a simulated engine: its clock waits for this lock
+        if bind is not None:
+            bind(lock)
 
     @property
     def env_calls(self) -> int:

@@ -147,9 +147,10 @@ class SimCore:
         self.stats = EngineStats()
         self.now = 0.0
         self.horizon = math.inf
+        self.gate = None  # a predicate: while it is false, nothing happens and the clock stands
         self.paused = False
         self.where: dict[str, SimWorker] = {}  # live request id -> its worker
-        self.heap: list = []  # (time, order, worker or None, token or completions)
+        self.heap: list = []  # (time, order, worker or None, token, or completions or a timer's function)
         self._order = itertools.count()
 
     # ------------------------------------------------------------ the EngineCore contract
@@ -170,6 +171,8 @@ class SimCore:
         return None
 
     def has_work(self) -> bool:
+        if self.gate is not None and not self.gate():
+            return False
         while self.heap and self.heap[0][2] is not None and self.heap[0][3] != self.heap[0][2].token:
             heapq.heappop(self.heap)  # a segment re-planned since
         return bool(self.heap) and self.heap[0][0] < self.horizon
@@ -182,6 +185,9 @@ class SimCore:
         t, _, w, payload = heapq.heappop(self.heap)
         self.now = max(self.now, t)
         if w is None:
+            if callable(payload):  # a timer (a simulated environment's answer)
+                payload()
+                return [], []
             return payload, []
         self._advance(w, w.k)
         done = self._finish_due(w)
@@ -244,6 +250,11 @@ class SimCore:
         return out
 
     # ------------------------------------------------------------ the simulation's own calls
+    def timer(self, at: float, fn) -> None:
+        """Call `fn()` on the engine thread at virtual time `at` (now, if that has passed), in
+        time order with the workers' events."""
+        heapq.heappush(self.heap, (max(at, self.now), next(self._order), None, fn))
+
     def slow_down(self, factor: float) -> None:
         """From the next step boundary on, every worker's steps take `factor` times their cost
         (1.0: back to normal); the step in progress finishes at the speed it started with."""

@@ -63,6 +63,23 @@ class SimEngine(ThreadedEngine):
         return self._run_or_queue(
             lambda: self._resolve(self.core.update_weights(items, version, inflight, stall_s)), wait=True)
 
+    def bind_schedule(self, lock) -> None:
+        """Step only while `lock` (the schedule's) is free: a schedule's locked section takes no
+        virtual time, so work it starts from its own thread (requests, environment calls) all
+        starts at one instant, whatever the threads' timing (the rollout core binds its lock)."""
+        self._step_lock = lock
+
+    def gate(self, predicate) -> None:
+        """Process events only while `predicate()` holds (checked between events, and every few
+        milliseconds while waiting, since nothing notifies the engine when it turns true)."""
+        self._run_or_queue(lambda: setattr(self.core, "gate", predicate), wait=True)
+        self._poll_s = 0.002
+
+    def call_at(self, when, fn) -> None:
+        """At the next step boundary (on the engine thread), schedule `fn()` for the virtual time
+        `when(now)`; returns at once. The simulated environments' answers land this way."""
+        self._run_or_queue(lambda: self.core.timer(when(self.core.now), fn), wait=False)
+
     def pause(self) -> None:
         def go():
             self.core.pause()

@@ -22,6 +22,13 @@ def text(r: dict) -> str:
                  f"waiting for data {t['wait_s'] / total:.0%}")
     if "reward" in r:
         lines.append(f"  reward workers ({r['reward']['workers']}): scoring {r['reward']['utilization']:.0%}")
+    if "env" in r:
+        e = r["env"]
+        lines.append(f"  environments ({e['slots']} slots): working {e['utilization']:.0%}, {e['calls']} calls, "
+                     f"waiting {e['mean_wait_s']:.2f} s for a slot on average, {e['timed_out']} timed out")
+    if r.get("loss_token_share") is not None and r["loss_token_share"] < 1:
+        lines.append(f"  the loss used {r['loss_token_share']:.0%} of the sampled tokens trained "
+                     "(the rest older than partial_rollout.max_carry_steps, masked)")
     ages = ", ".join(f"{k}: {v}" for k, v in r["staleness"].items())
     lines.append(f"  samples by age (versions behind the trained policy at their oldest token): {ages}")
     return "\n".join(lines)

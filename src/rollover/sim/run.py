@@ -59,7 +59,8 @@ def build_engine(cfg: Config, profile: Profile) -> SimEngine:
         for _ in range(pool.workers):
             workers.append(SimWorker(len(workers), cost, pool.max_rows, pool=pool.name))
     slack = r.samples_per_prompt * r.max_new_tokens
-    core = SimCore(workers, lengths, max_len=s.prompt_tokens + r.max_new_tokens + 1, slack=slack)
+    longest = cfg.env.max_total_tokens if s.env.turns > 0 else s.prompt_tokens + r.max_new_tokens
+    core = SimCore(workers, lengths, max_len=longest + 1, slack=slack)
     return SimEngine(core)
 
 
@@ -77,6 +78,17 @@ def build_sim_run(cfg: Config, engine: SimEngine):
         from rollover.rollout.selection import PromptSelection
 
         run.selection = PromptSelection(cfg.selection, seed=cfg.seed, correct=cfg.reward.correct_threshold)
+    if s.env.turns > 0:
+        from rollover.sim.envs import SimEnvBuilder, SimEnvRunner
+
+        e = cfg.env
+        run.env_runner = SimEnvRunner(engine, e.max_concurrent, e.step_timeout_s)
+        run.env_builder = SimEnvBuilder(s.env, run.env_runner, cfg.seed, s.prompt_tokens)
+        if e.dynamic_turns:
+            from rollover.rollout.curation import TurnBudget
+
+            run.turn_budget = TurnBudget(e.max_turns, e.min_turns, e.dynamic_turns_threshold,
+                                         cfg.reward.correct_threshold)
     return run
 
 
@@ -91,8 +103,19 @@ def check(cfg: Config) -> None:
     if not reward_cost(cfg).free and cfg.partial_rollout.enabled:
         raise ConfigError("rollover simulate: scoring time (simulate.reward) is not modelled with APRIL yet (it "
                           "scores on a thread while generation runs); simulate sync or async mode")
-    if cfg.env.name is not None:
-        raise ConfigError("rollover simulate: multi-turn environments (env.name) are not simulated yet")
+    episodes = cfg.simulate.env.turns > 0
+    if cfg.env.name is not None and not episodes:
+        raise ConfigError("rollover simulate: env.name's environment does not run on a simulated clock; describe "
+                          "it in simulate.env (turns, step_s, sigma, open_s, obs_tokens)")
+    if episodes and cfg.simulate.fast:
+        raise ConfigError("rollover simulate: simulated environments (simulate.env) run on the schedulers' path; "
+                          "set simulate.fast: false")
+    if episodes and not reward_cost(cfg).free:
+        raise ConfigError("rollover simulate: with simulated environments the environment scores each episode "
+                          "(its last step's time); leave simulate.reward unset")
+    if episodes and cfg.simulate.prompt_tokens + 2 > cfg.env.max_total_tokens:
+        raise ConfigError(f"rollover simulate: simulate.prompt_tokens={cfg.simulate.prompt_tokens} leaves no room "
+                          f"to generate within env.max_total_tokens={cfg.env.max_total_tokens}")
     if cfg.runtime != "local":
         raise ConfigError("rollover simulate: runtime must be local (the simulated cluster is set in simulate.pools)")
 
@@ -150,9 +173,11 @@ def _simulate(cfg: Config, progress, prepare) -> dict:
         driver = _async if cfg.mode == "async" else _sync
         steps, trainer_tl = driver(cfg, run, engine, profile, progress, rewards)
         engine.wait_idle(stuck_s=engine.stuck_s)
-        return summarize(cfg, profile, engine, steps, trainer_tl, rewards)
+        return summarize(cfg, profile, engine, steps, trainer_tl, rewards, run.env_runner)
     finally:
         engine.shutdown()
+        if run.env_runner is not None:
+            run.env_runner.close()
 
 
 def _trained_tokens(groups) -> int:
@@ -178,6 +203,11 @@ def _sync(cfg: Config, run, engine: SimEngine, profile: Profile, progress, rewar
         run.rewards.on_score = score
 
     collector = AprilCollector(run) if cfg.partial_rollout.enabled else SyncCollector(run)
+    if cfg.partial_rollout.enabled:
+        # the clock runs only inside a step, which ends at its stop: environment calls a step left
+        # out are taken in when the next starts (a real one lands meanwhile and its sample waits,
+        # held, for that step), so the schedule does not depend on when the threads get there
+        engine.gate(lambda: collector.st is not None and not collector.st.finished.is_set())
     n_workers = len(engine.workers())
     rows, trainer_tl = [], []
     try:
@@ -316,12 +346,14 @@ def _row(step, t_start, t_train, t_end, groups, version, train_s, sync_s, m) -> 
             "wait_s": t_train - t_start, "train_s": train_s, "sync_s": sync_s,
             "samples": sum(len(g.rollouts) for g in groups), "groups": len(groups),
             "response_tokens": sum(len(r.response_ids) for g in groups for r in g.rollouts),
+            "sampled_tokens": sum(sum(v >= 0 for v in r.versions) for g in groups for r in g.rollouts),
+            "loss_tokens": sum(sum(r.loss_mask) for g in groups for r in g.rollouts),
             "ages": dict(_ages(groups, version)), "filtered_groups": m.get("filtered_groups", 0),
             "discarded_tokens": m.get("discarded_tokens", 0), "engine_tokens": m.get("engine_tokens")}
 
 
 def summarize(cfg: Config, profile: Profile, engine: SimEngine, rows: list[dict], trainer_tl: list,
-              rewards: RewardPool | None = None) -> dict:
+              rewards: RewardPool | None = None, envs=None) -> dict:
     """Throughput, utilization per role, the idle-time breakdown and the staleness histogram."""
     workers = engine.workers()
     stats = engine.stats()
@@ -329,6 +361,8 @@ def summarize(cfg: Config, profile: Profile, engine: SimEngine, rows: list[dict]
     extra = {"reward": {"workers": len(rewards.free_at), "busy_s": rewards.busy_s,
                         "utilization": rewards.busy_s / (len(rewards.free_at) * end) if end else 0.0}} \
         if rewards is not None else {}
+    if envs is not None:
+        extra["env"] = envs.report(end)
     return report(cfg, profile, rows, trainer_tl, pools=[w.pool for w in workers],
                   busy_s=[w.busy_s for w in workers], stall_s=[w.stall_s for w in workers],
                   generated=stats.generated_tokens, occupancy=stats.occupancy,
@@ -369,6 +403,9 @@ def report(cfg: Config, profile: Profile, rows: list[dict], trainer_tl: list, *,
         "trainer": {"utilization": train_s / end if end else 0.0, "train_s": train_s, "sync_s": sync_s,
                     "wait_s": max(0.0, end - train_s - sync_s)},
         "staleness": {str(k): v for k, v in sorted(ages.items())},
+        # sampled tokens the loss used (APRIL's on_stale=mask drops those older than max_carry_steps)
+        "loss_token_share": (sum(r.get("loss_tokens", 0) for r in rows) / sampled
+                             if (sampled := sum(r.get("sampled_tokens", 0) for r in rows)) else None),
         **(extra or {}),
         "discarded_tokens": sum(r["discarded_tokens"] for r in rows),
         "step_rows": rows,

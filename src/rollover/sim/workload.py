@@ -75,12 +75,35 @@ def prompt_key(req: Request) -> int:
 
 
 class SimTokenizer:
-    """Decodes nothing: no simulated reward reads text."""
+    """Decodes nothing (no simulated reward reads text). For simulated episodes it has a chat
+    template, ChatML-like: a message is `<s>role content<e>`, and text encodes a token per
+    word (`p{i}`, prompt i's own word, to its own id; any other word to TOKEN), with the
+    turn's closing `<e>` the model's EOS, so an episode's inserted tokens are what the
+    environment's words make plus a few of the template's."""
 
     pad_token_id = 0
+    chat_template = "sim"
+    START = 3  # `<s>`
+    all_special_ids = [EOS, START]
+    added_tokens_decoder: dict = {}
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return ""
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = False) -> str:
+        text = "".join(f"<s>{m['role']} {m['content']}<e>\n" for m in messages)
+        return text + ("<s>assistant " if add_generation_prompt else "")
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids: list[int] = []
+        for i, part in enumerate(text.split("<e>")):
+            if i:
+                ids.append(EOS)
+            for j, piece in enumerate(part.split("<s>")):
+                if j:
+                    ids.append(self.START)
+                ids += [10 + int(w[1:]) if w[:1] == "p" and w[1:].isdigit() else TOKEN for w in piece.split()]
+        return ids
 
 
 @dataclass
