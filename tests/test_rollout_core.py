@@ -205,6 +205,53 @@ def test_multi_turn_april_with_slow_threaded_environments_loses_nothing(model_di
         run.close()
 
 
+def test_environment_calls_landing_right_after_a_step_lose_no_group_and_count_every_episode(
+        model_dir, tmp_path, monkeypatch):
+    """The worst moment for a call the stop left out: just after the step's bookkeeping
+    released its lock. The groups those calls complete are carried (not lost), and their
+    episodes are counted in the next step's metrics."""
+    import random
+    import time as _time
+
+    from rollover.envs.games import GuessNumberEnv
+
+    rng, step_fn = random.Random(3), GuessNumberEnv.step
+
+    async def slow_step(self, action):
+        await asyncio.sleep(rng.uniform(0.01, 0.3))
+        return await step_fn(self, action)
+
+    monkeypatch.setattr(GuessNumberEnv, "step", slow_step)
+    cfg = env_cfg(model_dir, tmp_path, seed=3, **{**APRIL, "env.inline": False, "env.step_timeout_s": 5.0,
+                                                  "rollout.stall_timeout_s": 30.0})
+    run = build_run(cfg)
+    col = AprilCollector(run)
+    mask_stale, landed_late = col._mask_stale, []
+
+    def land_first(groups, version):  # runs right after collect's locked section
+        while col.driver.env_calls:
+            _time.sleep(0.005)
+        landed_late.append(len(col._late_trajectories))
+        return mask_stale(groups, version)
+
+    col._mask_stale = land_first
+    trained, counted = {}, 0
+    try:
+        for step in range(5):
+            groups, m = col.collect(step)
+            counted += m["env/episodes"]
+            trained.update({g.id: g for g in groups})
+            run.weights.push(run.trainer.named_weights(), version=step + 1)
+        assert any(landed_late), "no call completed a group between steps"
+        drawn = {f"g{i}" for i in range(run.serial)}
+        carried = {g.id for g in col.buffer} | {g.id for g in col.ready_carry}
+        assert set(trained) | carried == drawn and not (set(trained) & carried)
+        n = cfg.rollout.samples_per_prompt
+        assert counted + len(col._late_trajectories) == n * (len(trained) + len(col.ready_carry))
+    finally:
+        run.close()
+
+
 def test_multi_turn_april_run_killed_and_resumed_continues_exactly(model_dir, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     train_sync(env_cfg(model_dir, straight, steps=4, **APRIL))

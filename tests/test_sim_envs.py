@@ -88,5 +88,7 @@ def test_environments_the_simulator_cannot_run_are_refused_by_name():
     with pytest.raises(ConfigError, match="episodes carry their tokens"):  # as in a real multi-turn run
         load_config(None, BASE + ["simulate.env={turns: 2}", "partial_rollout.enabled=true",
                                   "partial_rollout.carry=keep_kv"])
+    with pytest.raises(ConfigError, match="selection.dars"):
+        load_config(None, BASE + ["simulate.env={turns: 2}", "selection.dars=equal"])
     with pytest.raises(ConfigError, match="obs_tokens"):
         load_config(None, BASE + ["simulate.env={turns: 2, obs_tokens: 3}"])

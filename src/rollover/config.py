@@ -751,7 +751,8 @@ class Config(Section):
         if d.token_fraction_start is not None and d.anneal_steps == 0:
             problems.append("downsample.token_fraction_start needs downsample.anneal_steps >= 1 (the steps it moves over)")
         if s.dars != "off":
-            if self.mode != "sync" or self.partial_rollout.enabled or self.env.name is not None:
+            episodes = self.env.name is not None or self.simulate.env.turns > 0
+            if self.mode != "sync" or self.partial_rollout.enabled or episodes:
                 problems.append("selection.dars (a second generation stage inside a step) runs in sync mode "
                                 "without partial_rollout and without env")
             if s.dars_max_samples is not None and s.dars_max_samples <= self.rollout.samples_per_prompt:

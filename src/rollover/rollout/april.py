@@ -75,7 +75,8 @@ class AprilCollector:
         self.inflight: dict[str, PendingGroup] = {}  # groups with samples live in the engine or environments
         self.completion_rate: float | None = None  # EMA of completed / in-flight groups (adaptive alpha)
         self.st: _StepState | None = None
-        self._late = Counter()  # counters of completions that land between steps
+        self._late = Counter()  # counters of completions that land between steps (reported with the next step)
+        self._late_trajectories: list = []  # and their episodes
         self._lock = threading.RLock()
         self._engine_thread = threading.local()  # .active: inside the engine's done-callback
         self._sampling = sampling_from(run.cfg)
@@ -114,6 +115,9 @@ class AprilCollector:
         with self._lock:
             tokens0, env_busy0 = driver.new_tokens, driver.env_busy_s
             self.st = st
+            m.update(self._late)
+            st.trajectories += self._late_trajectories
+            self._late, self._late_trajectories = Counter(), []
             driver.hold = False
             st.ready.extend(self._fresh_enough(self.ready_carry, version, m))  # carried complete groups
             self.ready_carry = []
@@ -155,12 +159,16 @@ class AprilCollector:
                 self.inflight = {}
             m["new_tokens"] = driver.new_tokens - tokens0
             m["env_busy_s"] = driver.env_busy_s - env_busy0
-            ready = st.ready
-        ready.sort(key=lambda g: g.serial)  # deterministic: by draw order
-        out, self.ready_carry = ready[:target], ready[target:]
+            # under the lock: an environment call landing from now on may complete a carried group
+            ready = sorted(st.ready, key=lambda g: g.serial)  # deterministic: by draw order
+            out, self.ready_carry = ready[:target], ready[target:] + self.ready_carry
+            carried = list(self.buffer) + list(self.inflight.values())
+            snapshot = {"carried_groups": len(carried) + len(self.ready_carry),
+                        "carried_live_samples": len(driver.routes),
+                        "carried_partial_samples": sum(_partials(g) for g in carried)}
         out = self._mask_stale(out, version)
         self._adapt(st)
-        return out, self._metrics(out, st, stats0, time.perf_counter() - t_start)
+        return out, self._metrics(out, st, stats0, time.perf_counter() - t_start, snapshot)
 
     def _submit(self, groups: list[PendingGroup]) -> None:
         for g in groups:
@@ -269,8 +277,10 @@ class AprilCollector:
         """Take in a group's score (under the lock, at a point fixed by the order of events)."""
         pg, group, keep, m = result
         observe_groups(self.run, [pg], [group])
-        if st is None:  # completed between steps (e.g. during an evaluation)
-            self._late.update(m)
+        if st is None:  # completed between steps (an environment call landed, or during an evaluation)
+            self._late.update(m)  # counted with the next step
+            if pg.episodes is not None:
+                self._late_trajectories += [pg.done[j] for j in range(pg.n)]
             if keep:
                 self.ready_carry.append(group)
             return
@@ -366,7 +376,7 @@ class AprilCollector:
         want = 1.0 / max(self.completion_rate, 1e-3)
         self.alpha = min(self.pcfg.max_oversample, max(self.pcfg.min_oversample, want))
 
-    def _metrics(self, out: list[Group], st: "_StepState", stats0, wall: float) -> dict:
+    def _metrics(self, out: list[Group], st: "_StepState", stats0, wall: float, carry: dict) -> dict:
         m, version = st.m, st.version
         stats1 = self.run.engine.stats()
         engine_tokens = stats1.generated_tokens - stats0.generated_tokens
@@ -377,7 +387,6 @@ class AprilCollector:
         useful = sum(map(len, sampled))
         offp = sum(v < version for vs in sampled for v in vs)
         ages = Counter(version - min(vs) if vs else 0 for vs in sampled)
-        carried = list(self.buffer) + list(self.inflight.values())
         return {
             "generate_s": wall - m["score_wait_s"],
             "reward_s": m["reward_s"],  # scoring time, overlapped with decoding (score_lag > 0)
@@ -395,9 +404,7 @@ class AprilCollector:
             "reward_errors": m["reward_errors"],
             "partial_fraction": sum(bool(vs) and min(vs) < version for vs in sampled) / max(len(samples), 1),
             "off_policy_token_ratio": offp / max(useful, 1),
-            "carried_groups": len(carried) + len(self.ready_carry),
-            "carried_live_samples": len(self.driver.routes),
-            "carried_partial_samples": sum(_partials(g) for g in carried),
+            **carry,  # carried_groups, carried_live_samples, carried_partial_samples
             "alpha": self.alpha,
             **{f"carry_age/{a}": n for a, n in sorted(ages.items())},
             **{k: v for k, v in m.items() if k.startswith("rewards/")},
@@ -426,17 +433,15 @@ class AprilCollector:
     def _land_env_calls(self) -> None:
         """Wait for the environment calls a step left out (it does not wait for them) to land,
         so a checkpoint holds episodes that nothing changes while they are written."""
-        timeout = self.cfg.rollout.stall_timeout_s
-        deadline = time.monotonic() + timeout
+        dog = Watchdog("APRIL collector", "the environment calls out to land before a checkpoint",
+                       lambda: (self.driver.env_calls, self.driver.events), self.cfg.rollout.stall_timeout_s,
+                       describe=lambda: f"{self.driver.env_calls} environment calls out")
         while True:
             with self._lock:
                 if not self.driver.env_calls:
                     return
-                left = self.driver.env_calls
-            if time.monotonic() > deadline:
-                raise Stalled(f"APRIL collector: {left} environment calls did not land within {timeout:g} s "
-                              "(rollout.stall_timeout_s) before a checkpoint")
             time.sleep(0.005)
+            dog.check()
 
     def load_state_dict(self, state: dict) -> None:
         self.buffer = list(state["buffer"])

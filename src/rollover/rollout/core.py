@@ -56,6 +56,7 @@ class EnvRunner:
     def __init__(self, max_concurrent: int, inline: bool = False):
         self.inline = inline
         self.max_concurrent = max_concurrent
+        self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.pool: EnvPool | None = None
@@ -85,6 +86,10 @@ class EnvRunner:
         async def run():
             try:
                 out = await fn(self.pool)
+            except asyncio.CancelledError as e:
+                if self._closing:  # the run is ending: a call still out is dropped, not an error
+                    return
+                return done(e)
             except BaseException as e:
                 return done(e)
             done(*out)
@@ -93,6 +98,7 @@ class EnvRunner:
 
     def close(self) -> None:
         """Cancel the calls still out (an APRIL step does not wait for them) and stop the loop."""
+        self._closing = True
         if self._loop is not None and self._thread.is_alive():
             def stop() -> None:
                 for task in asyncio.all_tasks(self._loop):
@@ -127,7 +133,9 @@ class SampleDriver:
             self.renderer = ChatRenderer(run.tokenizer)
             self.envs: EnvRunner = run.env_runner
         self._outbox: list[Request] | None = None
-        bind = getattr(run.engine, "bind_schedule", None)  # a simulated engine: its clock waits for this lock
+        # a simulated engine: its clock waits for this lock (the latest driver's: the simulator
+        # runs one schedule at a time)
+        bind = getattr(run.engine, "bind_schedule", None)
         if bind is not None:
             bind(lock)
 
