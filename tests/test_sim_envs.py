@@ -48,6 +48,15 @@ def test_a_full_environment_cluster_queues_calls():
     assert many["simulated_s"] == pytest.approx(2 * (3 * (TURN_S + 0.3) + 1.5))
 
 
+def test_a_step_latency_is_clipped_to_its_bounds():
+    r = simulate("steps=2", "simulate.env={turns: 1000, step_s: 0.3, sigma: 3.0, min_s: 0.1, max_s: 0.5}")
+    steps = r["env"]["calls"] - 2 * 8  # less the openings, which take no time here
+    assert steps == 2 * 8 * 3 and 0.1 * steps < r["env"]["busy_s"] < 0.5 * steps
+    assert r["env"]["busy_s"] != pytest.approx(0.3 * steps)  # the spread is there, within the bounds
+    with pytest.raises(ConfigError, match="max_s=0.1 is below min_s=0.2"):
+        simulate("steps=1", "simulate.env={turns: 2, min_s: 0.2, max_s: 0.1}")
+
+
 def test_an_environment_call_past_the_timeout_fails_its_episode_at_the_timeout():
     r = simulate("steps=1", "env.step_timeout_s=1.0", "simulate.env={turns: 1000, step_s: 5.0, sigma: 0}")
     assert r["env"]["timed_out"] == 8 and r["samples_trained"] == 0  # failed episodes are never scored 0

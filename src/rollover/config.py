@@ -584,6 +584,10 @@ class SimEnvConfig(Section):
     """Median seconds of one environment step (log-normal around it)."""
     sigma: float = Field(0.5, ge=0, allow_inf_nan=False)
     """Spread of a step's log-seconds (0: every step takes step_s)."""
+    min_s: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """A step takes at least this long (its draw clipped from below)."""
+    max_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """A step takes at most this long (clipped from above; unset: no limit but env.step_timeout_s)."""
     open_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Seconds of an episode's opening (initial_observation: a sandbox or VM starting)."""
     obs_tokens: int = Field(64, ge=5)

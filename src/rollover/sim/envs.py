@@ -7,7 +7,8 @@ and where its calls run:
 - `SimEnv` answers each turn with an observation of `obs_tokens` words until its episode's
   drawn number of turns is reached (geometric, mean `turns`), then ends it with a reward of 1
   with the prompt's solve probability, else 0. Every call reports how long it would take: the
-  opening `open_s`, each step log-normal around `step_s` (spread `sigma`).
+  opening `open_s`, each step log-normal around `step_s` (spread `sigma`), clipped to
+  [`min_s`, `max_s`].
 - `SimEnvRunner` replaces the core's `EnvRunner`: a call's answer is delivered on the engine
   thread at the virtual time it would land. Calls take one of `env.max_concurrent` slots (the
   environment cluster) in arrival order, so a full cluster queues them; a call longer than
@@ -122,7 +123,8 @@ class SimEnv:
     async def step(self, action) -> StepResult:
         self.t += 1
         m = self.model
-        self.runner.spend(m.step_s * math.exp(self.rng.gauss(0.0, m.sigma)) if m.sigma else m.step_s, self.t)
+        seconds = max(m.min_s, m.step_s * math.exp(self.rng.gauss(0.0, m.sigma)) if m.sigma else m.step_s)
+        self.runner.spend(seconds if m.max_s is None else min(m.max_s, seconds), self.t)
         if self.t >= self.turns:
             return StepResult(messages=[], reward=1.0 if self.solved else 0.0, done=True)
         # inserted: the turn's closing, the message's words and the next turn's opening (5 of the template's)

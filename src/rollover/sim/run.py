@@ -113,6 +113,9 @@ def check(cfg: Config) -> None:
     if episodes and not reward_cost(cfg).free:
         raise ConfigError("rollover simulate: with simulated environments the environment scores each episode "
                           "(its last step's time); leave simulate.reward unset")
+    e = cfg.simulate.env
+    if e.max_s is not None and e.max_s < e.min_s:
+        raise ConfigError(f"simulate.env: max_s={e.max_s:g} is below min_s={e.min_s:g}")
     if episodes and cfg.simulate.prompt_tokens + 2 > cfg.env.max_total_tokens:
         raise ConfigError(f"rollover simulate: simulate.prompt_tokens={cfg.simulate.prompt_tokens} leaves no room "
                           f"to generate within env.max_total_tokens={cfg.env.max_total_tokens}")
