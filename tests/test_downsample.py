@@ -177,3 +177,39 @@ def test_bench_learn_resume_keeps_finished_runs(model_dir, tmp_path):
     other[other.index("--steps") + 1] = "2"
     with pytest.raises(SystemExit, match="steps=1, not 2"):
         main(other + ["--resume"])
+
+
+def test_trl_side_accuracy_counts_samples_as_rollover_evaluation_does(model_dir):
+    """`bench learn --policies trl` evaluates TRL's weights with HF generate: every sample of every
+    prompt scored by `numeric` against its own prompt's answer (TRL itself is not needed here)."""
+    import torch
+
+    from rollover.bench.trl_side import hf_accuracy
+    from rollover.config import load_config
+    from rollover.models import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    tok.padding_side = "left"
+    cfg = load_config(None, [f"model={model_dir}", "eval.samples_per_prompt=2", "reward.functions=[numeric]"])
+    prompts = [Prompt(id="a", text="1+1", answer=2), Prompt(id="b", text="2+2", answer=4),
+               Prompt(id="c", text="3+3", answer=6)]
+    said = iter(["2", "7", "4", "4", "5", "9"])  # a: one of two right; b: both; c: neither
+
+    class Model:  # returns the prompt followed by the next canned completion, one per sample
+        training, device = True, torch.device("cpu")
+
+        def eval(self):
+            self.training = False
+
+        def train(self, mode=True):
+            self.training = mode
+
+        def generate(self, input_ids, attention_mask, num_return_sequences, **kw):
+            rows = [torch.cat([row, torch.tensor(tok.encode(next(said), add_special_tokens=False))])
+                    for row in input_ids.repeat_interleave(num_return_sequences, 0)]
+            assert len({len(r) for r in rows}) == 1  # one token each: no padding to strip
+            return torch.stack(rows)
+
+    model = Model()
+    assert hf_accuracy(model, tok, prompts, cfg, batch=2) == pytest.approx(3 / 6)
+    assert model.training  # back in training mode for TRL's next step

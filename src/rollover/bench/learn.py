@@ -19,6 +19,9 @@ Policies (config overrides on top of the task's):
 - `d3s`: D3S down-sampling: twice the samples per prompt, the max-variance half trained
   (`downsample.keep`), and of their tokens the top |A| x entropy fraction, relaxed from 0.5 to
   all over the first half of the steps.
+- `trl`: not a rollover policy: the same run (task, model, batch, length budget, learning rate,
+  seed, evaluation prompts) through TRL's GRPOTrainer (`pip install trl`), for the library a
+  user would otherwise pick (rollover.bench.trl_side.learn_trl says what is matched).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ POLICIES = {
     "xrpo": ["selection.allocation=xrpo"],
     "vade_xrpo": ["selection.policy=thompson", "selection.allocation=xrpo"],
     "d3s": [],  # set in _overrides: it depends on the group size
+    "trl": [],  # plain GRPO through TRL's GRPOTrainer (rollover.bench.trl_side.learn_trl)
 }
 
 
@@ -166,8 +170,13 @@ def main(args) -> dict:
                 continue
             run_dir = tempfile.mkdtemp(prefix=f"rollover-learn-{policy}-{seed}-")
             cfg = load_config(args.config, _overrides(args, policy, seed, run_dir))
-            train_sync(cfg)
-            points = curve(run_dir)
+            if policy == "trl":
+                from rollover.bench.trl_side import learn_trl
+
+                points = learn_trl(cfg)
+            else:
+                train_sync(cfg)
+                points = curve(run_dir)
             drop_checkpoints(run_dir)  # the curve's metrics stay where the JSON says
             result["runs"].append({"policy": policy, "seed": seed, "run_dir": run_dir, "curve": points})
             print(f"  {policy:10s} seed {seed}: accuracy {points[0]['accuracy']:.3f} -> {points[-1]['accuracy']:.3f} "

@@ -74,3 +74,111 @@ def measure_trl(args, workload: tuple[str, ...]) -> dict:
         "completion_length_mean": statistics.fmean(h["completions/mean_length"] for h in logs
                                                    if "completions/mean_length" in h) if logs else None,
     }
+
+
+def learn_trl(cfg) -> list[dict]:
+    """`rollover bench learn --policies trl`: the run `cfg` describes (its task, model, batch,
+    length budget, learning rate, schedule and seed) trained by TRL's GRPOTrainer instead, with
+    the held-out accuracy of the same evaluation prompts measured every `eval.every` steps (and
+    at the start) by sampling the trainer's own weights with HF `generate`. The points are
+    those `rollover.bench.learn.curve` gives a rollover run: training seconds count the steps
+    only (generation, scoring, update), never the evaluations."""
+    try:
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        raise SystemExit(f"rollover bench learn --policies trl: needs TRL ({e}); pip install trl") from None
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from rollover.data.render import render_messages
+    from rollover.loops.common import _prompts
+    from rollover.models import load_hf_model, load_tokenizer
+    from rollover.rewards.builtins import numeric_reward
+
+    d, r = cfg.data, cfg.rollout
+    train, held, _ = _prompts(cfg)
+    rows = [{"prompt": render_messages(p, d.system_prompt, d.instruction), "answer": p.answer} for p in train]
+
+    def numeric(prompts, completions, answer, **_):
+        return [numeric_reward(c[-1]["content"], a) for c, a in zip(completions, answer)]
+
+    tokenizer = load_tokenizer(cfg.model)
+    tokenizer.padding_side = "left"
+    completions = r.prompts_per_step * r.samples_per_prompt
+    micro = min(8, completions)
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="rollover-learn-trl-"), use_cpu=True, bf16=False, seed=cfg.seed,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
+        num_generations=r.samples_per_prompt, max_completion_length=r.max_new_tokens,
+        temperature=r.temperature, top_p=r.top_p, learning_rate=cfg.train.lr, lr_scheduler_type=cfg.train.schedule,
+        warmup_steps=cfg.train.warmup_steps, max_grad_norm=cfg.train.grad_clip, beta=0.0, num_iterations=1,
+        max_steps=cfg.steps, logging_strategy="no", save_strategy="no", report_to="none",
+        dataloader_num_workers=0, disable_tqdm=True,
+    )
+    times: list[float] = []
+    points: list[dict] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+    class Evaluate(TrainerCallback):  # after StepClock: an evaluation is never inside a step's time
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            if cfg.eval.at_start:
+                self._point(0, model)
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step % cfg.eval.every == 0 or state.global_step == cfg.steps:
+                self._point(state.global_step, model)
+
+        def _point(self, step: int, model) -> None:
+            samples = step * completions
+            points.append({"step": step, "samples": samples, "trained": samples, "train_seconds": sum(times[:step]),
+                           "accuracy": hf_accuracy(model, tokenizer, held, cfg)})
+
+    torch.manual_seed(cfg.seed)
+    trainer = GRPOTrainer(model=load_hf_model(cfg.model), reward_funcs=[numeric], args=config,
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                          callbacks=[StepClock(), Evaluate()])
+    trainer.train()
+    return points
+
+
+def hf_accuracy(model, tokenizer, prompts, cfg, batch: int = 32) -> float:
+    """Held-out accuracy as rollover's evaluation defines it (the share of samples whose
+    `numeric` reward reaches `reward.correct_threshold`), sampling `eval.samples_per_prompt`
+    completions of each prompt with HF `generate` at `eval.temperature` (the model is put back
+    in training mode after)."""
+    import torch
+
+    from rollover.data.render import render_messages
+    from rollover.rewards.builtins import numeric_reward
+
+    d, e = cfg.data, cfg.eval
+    texts = [tokenizer.apply_chat_template(render_messages(p, d.system_prompt, d.instruction), tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]
+    answers = [p.answer for p in prompts]
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    try:
+        for i in range(0, len(texts), batch):
+            enc = tokenizer(texts[i:i + batch], return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = {k: v.to(model.device) for k, v in enc.items()}
+            with torch.no_grad():
+                out = model.generate(**enc, do_sample=e.temperature > 0, temperature=e.temperature or None,
+                                     top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
+                                     num_return_sequences=e.samples_per_prompt, pad_token_id=tokenizer.pad_token_id)
+            new = out[:, enc["input_ids"].shape[1]:]
+            for k, ids in enumerate(new):
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                answer = answers[i + k // e.samples_per_prompt]
+                correct += numeric_reward(text, answer) >= cfg.reward.correct_threshold
+                total += 1
+    finally:
+        model.train(was_training)
+    return correct / max(total, 1)
