@@ -19,52 +19,14 @@ import time
 
 
 def measure_trl(args, workload: tuple[str, ...]) -> dict:
-    try:
-        import trl
-        from trl import GRPOConfig, GRPOTrainer
-    except ImportError as e:
-        raise SystemExit(f"rollover bench train --compare trl: needs TRL ({e}); pip install trl") from None
-    from datasets import Dataset
-    from transformers import TrainerCallback
-
     from rollover.config import load_config
     from rollover.data.generators import generate_from_spec
-    from rollover.data.render import render_messages
-    from rollover.models import load_hf_model, load_tokenizer
-    from rollover.rewards.builtins import numeric_reward
 
+    trl = _import_trl("rollover bench train --compare trl")
     cfg = load_config(None, [f"model={args.model}", *workload, *args.overrides])
-    d, r = cfg.data, cfg.rollout
-    prompts = generate_from_spec(d.train)
-    rows = [{"prompt": render_messages(p, d.system_prompt, d.instruction), "answer": p.answer} for p in prompts]
-
-    def numeric(prompts, completions, answer, **_):
-        return [numeric_reward(c[-1]["content"], a) for c, a in zip(completions, answer)]
-
-    tokenizer = load_tokenizer(cfg.model)
-    tokenizer.padding_side = "left"
-    completions = r.prompts_per_step * r.samples_per_prompt
-    micro = min(8, completions)
-    config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="rollover-bench-trl-"), use_cpu=True, bf16=False, seed=cfg.seed,
-        per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
-        num_generations=r.samples_per_prompt, max_completion_length=r.max_new_tokens,
-        temperature=r.temperature, top_p=r.top_p, learning_rate=cfg.train.lr, lr_scheduler_type=cfg.train.schedule,
-        warmup_steps=cfg.train.warmup_steps, max_grad_norm=cfg.train.grad_clip, beta=0.0, num_iterations=1,
-        max_steps=args.steps + 1, logging_steps=1, save_strategy="no", report_to="none",
-        dataloader_num_workers=0, disable_tqdm=True,
-    )
+    trainer_of, _ = _grpo(trl, cfg, generate_from_spec(cfg.data.train), max_steps=args.steps + 1, logging_steps=1)
     times: list[float] = []
-
-    class StepClock(TrainerCallback):
-        def on_step_begin(self, *a, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-    trainer = GRPOTrainer(model=load_hf_model(cfg.model), reward_funcs=[numeric], args=config,
-                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[StepClock()])
+    trainer = trainer_of([_step_clock(times)])
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h][1:]
     return {
@@ -83,50 +45,19 @@ def learn_trl(cfg) -> list[dict]:
     at the start) by sampling the trainer's own weights with HF `generate`. The points are
     those `rollover.bench.learn.curve` gives a rollover run: training seconds count the steps
     only (generation, scoring, update), never the evaluations."""
-    try:
-        from trl import GRPOConfig, GRPOTrainer
-    except ImportError as e:
-        raise SystemExit(f"rollover bench learn --policies trl: needs TRL ({e}); pip install trl") from None
     import torch
-    from datasets import Dataset
     from transformers import TrainerCallback
 
-    from rollover.data.render import render_messages
     from rollover.loops.common import _prompts
-    from rollover.models import load_hf_model, load_tokenizer
-    from rollover.rewards.builtins import numeric_reward
 
-    d, r = cfg.data, cfg.rollout
+    trl = _import_trl("rollover bench learn --policies trl")
     train, held, _ = _prompts(cfg)
-    rows = [{"prompt": render_messages(p, d.system_prompt, d.instruction), "answer": p.answer} for p in train]
-
-    def numeric(prompts, completions, answer, **_):
-        return [numeric_reward(c[-1]["content"], a) for c, a in zip(completions, answer)]
-
-    tokenizer = load_tokenizer(cfg.model)
-    tokenizer.padding_side = "left"
-    completions = r.prompts_per_step * r.samples_per_prompt
-    micro = min(8, completions)
-    config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="rollover-learn-trl-"), use_cpu=True, bf16=False, seed=cfg.seed,
-        per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
-        num_generations=r.samples_per_prompt, max_completion_length=r.max_new_tokens,
-        temperature=r.temperature, top_p=r.top_p, learning_rate=cfg.train.lr, lr_scheduler_type=cfg.train.schedule,
-        warmup_steps=cfg.train.warmup_steps, max_grad_norm=cfg.train.grad_clip, beta=0.0, num_iterations=1,
-        max_steps=cfg.steps, logging_strategy="no", save_strategy="no", report_to="none",
-        dataloader_num_workers=0, disable_tqdm=True,
-    )
+    trainer_of, tokenizer = _grpo(trl, cfg, train, max_steps=cfg.steps, logging_strategy="no")
+    completions = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     times: list[float] = []
     points: list[dict] = []
 
-    class StepClock(TrainerCallback):
-        def on_step_begin(self, *a, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-    class Evaluate(TrainerCallback):  # after StepClock: an evaluation is never inside a step's time
+    class Evaluate(TrainerCallback):  # after the step clock: an evaluation is never inside a step's time
         def on_train_begin(self, args, state, control, model=None, **kw):
             if cfg.eval.at_start:
                 self._point(0, model)
@@ -141,11 +72,66 @@ def learn_trl(cfg) -> list[dict]:
                            "accuracy": hf_accuracy(model, tokenizer, held, cfg)})
 
     torch.manual_seed(cfg.seed)
-    trainer = GRPOTrainer(model=load_hf_model(cfg.model), reward_funcs=[numeric], args=config,
-                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                          callbacks=[StepClock(), Evaluate()])
-    trainer.train()
+    trainer_of([_step_clock(times), Evaluate()]).train()
     return points
+
+
+def _import_trl(who: str):
+    try:
+        import trl
+    except ImportError as e:
+        raise SystemExit(f"{who}: needs TRL ({e}); pip install trl") from None
+    return trl
+
+
+def _grpo(trl, cfg, prompts, **options):
+    """TRL's GRPOTrainer set up as `cfg` trains (what the module docstring lists as matched),
+    on `prompts` in chat form: a function of the callbacks making the trainer, and the tokenizer."""
+    from datasets import Dataset
+
+    from rollover.data.render import render_messages
+    from rollover.models import load_hf_model, load_tokenizer
+    from rollover.rewards.builtins import numeric_reward
+
+    d, r = cfg.data, cfg.rollout
+    rows = [{"prompt": render_messages(p, d.system_prompt, d.instruction), "answer": p.answer} for p in prompts]
+
+    def numeric(prompts, completions, answer, **_):
+        return [numeric_reward(c[-1]["content"], a) for c, a in zip(completions, answer)]
+
+    tokenizer = load_tokenizer(cfg.model)
+    tokenizer.padding_side = "left"
+    completions = r.prompts_per_step * r.samples_per_prompt
+    micro = min(8, completions)
+    config = trl.GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="rollover-bench-trl-"), use_cpu=True, bf16=False, seed=cfg.seed,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
+        num_generations=r.samples_per_prompt, max_completion_length=r.max_new_tokens,
+        temperature=r.temperature, top_p=r.top_p, learning_rate=cfg.train.lr, lr_scheduler_type=cfg.train.schedule,
+        warmup_steps=cfg.train.warmup_steps, max_grad_norm=cfg.train.grad_clip, beta=0.0, num_iterations=1,
+        save_strategy="no", report_to="none", dataloader_num_workers=0, disable_tqdm=True, **options,
+    )
+
+    def trainer_of(callbacks):
+        return trl.GRPOTrainer(model=load_hf_model(cfg.model), reward_funcs=[numeric], args=config,
+                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=callbacks)
+
+    return trainer_of, tokenizer
+
+
+def _step_clock(times: list[float]):
+    """A callback appending each training step's seconds to `times` (generation, scoring and
+    the update: TRL generates inside the step)."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+    return StepClock()
 
 
 def hf_accuracy(model, tokenizer, prompts, cfg, batch: int = 32) -> float:
