@@ -213,3 +213,7 @@ def test_trl_side_accuracy_counts_samples_as_rollover_evaluation_does(model_dir)
     model = Model()
     assert hf_accuracy(model, tok, prompts, cfg, batch=2) == pytest.approx(3 / 6)
     assert model.training  # back in training mode for TRL's next step
+    # greedy: one completion per prompt (HF refuses several), counted as all its samples
+    said = iter(["2", "4", "5"])
+    greedy = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"temperature": 0.0})})
+    assert hf_accuracy(model, tok, prompts, greedy, batch=2) == pytest.approx(4 / 6)

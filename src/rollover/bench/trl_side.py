@@ -45,7 +45,6 @@ def learn_trl(cfg) -> list[dict]:
     at the start) by sampling the trainer's own weights with HF `generate`. The points are
     those `rollover.bench.learn.curve` gives a rollover run: training seconds count the steps
     only (generation, scoring, update), never the evaluations."""
-    import torch
     from transformers import TrainerCallback
 
     from rollover.loops.common import _prompts
@@ -63,7 +62,8 @@ def learn_trl(cfg) -> list[dict]:
                 self._point(0, model)
 
         def on_step_end(self, args, state, control, model=None, **kw):
-            if state.global_step % cfg.eval.every == 0 or state.global_step == cfg.steps:
+            every = cfg.eval.every
+            if (every and state.global_step % every == 0) or state.global_step == cfg.steps:
                 self._point(state.global_step, model)
 
         def _point(self, step: int, model) -> None:
@@ -71,7 +71,6 @@ def learn_trl(cfg) -> list[dict]:
             points.append({"step": step, "samples": samples, "trained": samples, "train_seconds": sum(times[:step]),
                            "accuracy": hf_accuracy(model, tokenizer, held, cfg)})
 
-    torch.manual_seed(cfg.seed)
     trainer_of([_step_clock(times), Evaluate()]).train()
     return points
 
@@ -101,14 +100,18 @@ def _grpo(trl, cfg, prompts, **options):
 
     tokenizer = load_tokenizer(cfg.model)
     tokenizer.padding_side = "left"
+    t = cfg.train
     completions = r.prompts_per_step * r.samples_per_prompt
-    micro = min(8, completions)
+    micro = max(k for k in range(1, 9) if completions % k == 0)  # micro-batches that add up to the batch
+    schedule = "constant_with_warmup" if t.schedule == "constant" and t.warmup_steps else t.schedule
     config = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="rollover-bench-trl-"), use_cpu=True, bf16=False, seed=cfg.seed,
         per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
         num_generations=r.samples_per_prompt, max_completion_length=r.max_new_tokens,
-        temperature=r.temperature, top_p=r.top_p, learning_rate=cfg.train.lr, lr_scheduler_type=cfg.train.schedule,
-        warmup_steps=cfg.train.warmup_steps, max_grad_norm=cfg.train.grad_clip, beta=0.0, num_iterations=1,
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, learning_rate=t.lr, lr_scheduler_type=schedule,
+        warmup_steps=t.warmup_steps, max_grad_norm=t.grad_clip, weight_decay=t.weight_decay,
+        adam_beta1=t.betas[0], adam_beta2=t.betas[1], beta=0.0, num_iterations=1,
+        gradient_checkpointing=t.gradient_checkpointing,  # TRL's default is on; rollover's is off
         save_strategy="no", report_to="none", dataloader_num_workers=0, disable_tqdm=True, **options,
     )
 
@@ -148,23 +151,29 @@ def hf_accuracy(model, tokenizer, prompts, cfg, batch: int = 32) -> float:
     texts = [tokenizer.apply_chat_template(render_messages(p, d.system_prompt, d.instruction), tokenize=False,
                                            add_generation_prompt=True) for p in prompts]
     answers = [p.answer for p in prompts]
+    greedy = e.temperature == 0
+    n = 1 if greedy else e.samples_per_prompt  # greedy samples of one prompt are all the same
     was_training = model.training
     model.eval()
     correct = total = 0
     try:
-        for i in range(0, len(texts), batch):
-            enc = tokenizer(texts[i:i + batch], return_tensors="pt", padding=True, add_special_tokens=False)
-            enc = {k: v.to(model.device) for k, v in enc.items()}
-            with torch.no_grad():
-                out = model.generate(**enc, do_sample=e.temperature > 0, temperature=e.temperature or None,
-                                     top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
-                                     num_return_sequences=e.samples_per_prompt, pad_token_id=tokenizer.pad_token_id)
-            new = out[:, enc["input_ids"].shape[1]:]
-            for k, ids in enumerate(new):
-                text = tokenizer.decode(ids, skip_special_tokens=True)
-                answer = answers[i + k // e.samples_per_prompt]
-                correct += numeric_reward(text, answer) >= cfg.reward.correct_threshold
-                total += 1
+        # its own random stream: TRL's training draws the same whether or how often it is evaluated
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            for i in range(0, len(texts), batch):
+                enc = tokenizer(texts[i:i + batch], return_tensors="pt", padding=True, add_special_tokens=False)
+                enc = {k: v.to(model.device) for k, v in enc.items()}
+                with torch.no_grad():
+                    out = model.generate(**enc, do_sample=not greedy, temperature=None if greedy else e.temperature,
+                                         top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,  # 0: off, as in rollover
+                                         max_new_tokens=cfg.rollout.max_new_tokens, num_return_sequences=n,
+                                         pad_token_id=tokenizer.pad_token_id)
+                new = out[:, enc["input_ids"].shape[1]:]
+                weight = e.samples_per_prompt // n  # the samples one completion stands for
+                for k, ids in enumerate(new):
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
+                    correct += weight * (numeric_reward(text, answers[i + k // n]) >= cfg.reward.correct_threshold)
+                    total += weight
     finally:
         model.train(was_training)
     return correct / max(total, 1)
