@@ -48,6 +48,15 @@ def test_a_full_environment_cluster_queues_calls():
     assert many["simulated_s"] == pytest.approx(2 * (3 * (TURN_S + 0.3) + 1.5))
 
 
+def test_measured_turn_counts_replace_the_geometric_draw():
+    r = simulate("steps=2", "simulate.env={turn_values: [2], step_s: 0.3, sigma: 0, obs_tokens: 12}")
+    assert r["env"]["calls"] == 2 * 8 * (1 + 2)  # an opening and two steps per episode
+    assert [row["response_tokens"] for row in r["step_rows"]] == [8 * (2 * 7 + 12)] * 2
+    mixed = simulate("steps=4", "simulate.env={turn_values: [1, 3], step_s: 0.3, sigma: 0}")
+    steps = mixed["env"]["calls"] - 4 * 8
+    assert 4 * 8 < steps < 4 * 8 * 3  # some episodes drew 1 turn, some 3
+
+
 def test_a_step_latency_is_clipped_to_its_bounds():
     r = simulate("steps=2", "simulate.env={turns: 1000, step_s: 0.3, sigma: 3.0, min_s: 0.1, max_s: 0.5}")
     steps = r["env"]["calls"] - 2 * 8  # less the openings, which take no time here

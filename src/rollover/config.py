@@ -578,8 +578,11 @@ class SimPoolConfig(Section):
 class SimEnvConfig(Section):
     turns: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Mean sampled turns of a simulated episode (geometric, at least 1; env.max_turns caps it).
-    0: no environment (single-turn samples, scored by the simulated reward); 1: one turn, then
-    one environment call that scores it (a sandboxed check)."""
+    0 (and no turn_values): no environment (single-turn samples, scored by the simulated
+    reward); 1: one turn, then one environment call that scores it (a sandboxed check)."""
+    turn_values: list[Annotated[int, Field(ge=1)]] = []
+    """Turns of episodes measured in a real run (e.g. its trajectories' turn counts): each
+    simulated episode draws one of them (instead of the geometric draw of `turns`)."""
     step_s: float = Field(1.0, ge=0, allow_inf_nan=False)
     """Median seconds of one environment step (log-normal around it)."""
     sigma: float = Field(0.5, ge=0, allow_inf_nan=False)
@@ -592,6 +595,11 @@ class SimEnvConfig(Section):
     """Seconds of an episode's opening (initial_observation: a sandbox or VM starting)."""
     obs_tokens: int = Field(64, ge=5)
     """Tokens an environment answer inserts between turns (its message and the template's 5)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether samples are simulated episodes."""
+        return self.turns > 0 or bool(self.turn_values)
 
 
 class SimConfig(Section):
@@ -700,7 +708,7 @@ class Config(Section):
         p, a = self.partial_rollout, self.algorithm
         if p.carry != "auto":
             return p.carry, f"partial_rollout.carry={p.carry} in the config"
-        if self.env.name is not None or self.simulate.env.turns > 0:  # real or simulated episodes
+        if self.env.name is not None or self.simulate.env.enabled:  # real or simulated episodes
             return "resubmit", "episodes carry their tokens and environment state"
         corrected = [n for n, on in (("algorithm.loss=" + str(a.loss), a.loss in ("decoupled_ppo", "bapo")),
                                      ("algorithm.tis_cap", a.tis_cap is not None),
@@ -755,7 +763,7 @@ class Config(Section):
         if d.token_fraction_start is not None and d.anneal_steps == 0:
             problems.append("downsample.token_fraction_start needs downsample.anneal_steps >= 1 (the steps it moves over)")
         if s.dars != "off":
-            episodes = self.env.name is not None or self.simulate.env.turns > 0
+            episodes = self.env.name is not None or self.simulate.env.enabled
             if self.mode != "sync" or self.partial_rollout.enabled or episodes:
                 problems.append("selection.dars (a second generation stage inside a step) runs in sync mode "
                                 "without partial_rollout and without env")
@@ -814,7 +822,7 @@ class Config(Section):
 
     def _env_problems(self) -> list[str]:
         e = self.env
-        simulated = self.simulate.env.turns > 0  # `rollover simulate`'s episodes: the schedules' rules hold
+        simulated = self.simulate.env.enabled  # `rollover simulate`'s episodes: the schedules' rules hold
         if e.name is None and not simulated:
             out = ["env.options are set but env.name is not"] if e.options else []
             return out + (["data.train: env needs env.name"] if self.data.train == "env" else [])

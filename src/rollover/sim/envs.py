@@ -5,7 +5,7 @@ renderer, turn budgets, the APRIL and async schedules); what is simulated is the
 and where its calls run:
 
 - `SimEnv` answers each turn with an observation of `obs_tokens` words until its episode's
-  drawn number of turns is reached (geometric, mean `turns`), then ends it with a reward of 1
+  drawn number of turns is reached (geometric, mean `turns`, or one of `turn_values`), then ends it with a reward of 1
   with the prompt's solve probability, else 0. Every call reports how long it would take: the
   opening `open_s`, each step log-normal around `step_s` (spread `sigma`), clipped to
   [`min_s`, `max_s`].
@@ -111,7 +111,8 @@ class SimEnv:
     def __init__(self, model, runner: SimEnvRunner, prompt, rng, prompt_words: int):
         self.model, self.runner, self.prompt, self.rng = model, runner, prompt, rng
         self.prompt_words = prompt_words
-        self.turns = _geometric(rng, model.turns)  # the turn after which this episode is done
+        # the turn after which this episode is done
+        self.turns = rng.choice(model.turn_values) if model.turn_values else _geometric(rng, model.turns)
         self.solved = rng.random() < float(prompt.answer)
         self.t = 0  # turns answered
 

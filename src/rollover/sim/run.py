@@ -59,7 +59,7 @@ def build_engine(cfg: Config, profile: Profile) -> SimEngine:
         for _ in range(pool.workers):
             workers.append(SimWorker(len(workers), cost, pool.max_rows, pool=pool.name))
     slack = r.samples_per_prompt * r.max_new_tokens
-    longest = cfg.env.max_total_tokens if s.env.turns > 0 else s.prompt_tokens + r.max_new_tokens
+    longest = cfg.env.max_total_tokens if s.env.enabled else s.prompt_tokens + r.max_new_tokens
     core = SimCore(workers, lengths, max_len=longest + 1, slack=slack)
     return SimEngine(core)
 
@@ -78,7 +78,7 @@ def build_sim_run(cfg: Config, engine: SimEngine):
         from rollover.rollout.selection import PromptSelection
 
         run.selection = PromptSelection(cfg.selection, seed=cfg.seed, correct=cfg.reward.correct_threshold)
-    if s.env.turns > 0:
+    if s.env.enabled:
         from rollover.sim.envs import SimEnvBuilder, SimEnvRunner
 
         e = cfg.env
@@ -103,7 +103,7 @@ def check(cfg: Config) -> None:
     if not reward_cost(cfg).free and cfg.partial_rollout.enabled:
         raise ConfigError("rollover simulate: scoring time (simulate.reward) is not modelled with APRIL yet (it "
                           "scores on a thread while generation runs); simulate sync or async mode")
-    episodes = cfg.simulate.env.turns > 0
+    episodes = cfg.simulate.env.enabled
     if cfg.env.name is not None and not episodes:
         raise ConfigError("rollover simulate: env.name's environment does not run on a simulated clock; describe "
                           "it in simulate.env (turns, step_s, sigma, open_s, obs_tokens)")
