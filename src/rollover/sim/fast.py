@@ -57,8 +57,14 @@ from rollover.sim.fleet import Draws, Fleet
 # path and slower. At 1,024 workers (examples/sim_1024.yaml, 12 steps, the schedulers' draws),
 # APRIL's samples/s against the schedulers' path: -0.005% at 0.05, -0.07% at 0.25, -0.25% at
 # 0.5, -4.5% at 1. (Windows measured in seconds, from the last window's finish rate, gave -1.9%
-# at 0.25: a window that began in a sparse stretch ran long into the next burst.)
-WINDOW_EVENTS = 0.25  # async and APRIL alike
+# at 0.25: a window that began in a sparse stretch ran long into the next burst.) Async keeps
+# 0.25 (there the same draws give the schedulers' schedule exactly at 1,024 workers, in under a
+# minute); APRIL takes 0.5 on clusters of LARGE_CLUSTER workers or more: a quarter less wall
+# time for a quarter of a percent there. On a few workers 0.5 is a window of one or two finishes
+# more than 0.25, and step times move by up to 3% (tests/test_sim_fast.py's 4-16 workers); the
+# speed matters only at scale.
+WINDOW_EVENTS = {"async": 0.25, "april": 0.25, "april_large": 0.5}
+LARGE_CLUSTER = 256
 
 
 def check(cfg: Config) -> None:
@@ -114,7 +120,8 @@ def simulate_fast(cfg: Config, profile: Profile, progress=None, draws: str = "ve
     next_groups = _Prompts(PromptIterator(prompts, seed=cfg.seed, shuffle=cfg.data.shuffle), prompts)
     driver = _async if cfg.mode == "async" else _april if cfg.partial_rollout.enabled else _sync
     if window_events is None:  # finishes per worker per window (see the module docstring)
-        window_events = WINDOW_EVENTS
+        window_events = WINDOW_EVENTS["async" if cfg.mode == "async" else
+                                      "april_large" if workers >= LARGE_CLUSTER else "april"]
     rows, trainer_tl = driver(cfg, profile, fleet, next_groups, progress, window_events)
     return _summary(cfg, profile, fleet, rows, trainer_tl)
 

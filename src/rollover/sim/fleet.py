@@ -402,25 +402,30 @@ class Fleet:
         request by request) and queue them; their workers replan from `at`."""
         import heapq
 
-        b, slack, home_of, loads = self.budget, self.slack, self.home.tolist(), self.load.tolist()
-        heap = list(zip(loads, range(self.W)))
+        W, b, slack, home_of, loads = self.W, self.budget, self.slack, self.home.tolist(), self.load.tolist()
+        heap = [load * W + w for w, load in enumerate(loads)]  # load x W + worker: ties to the lowest index
         heapq.heapify(heap)
+        pop, replace, push = heapq.heappop, heapq.heapreplace, heapq.heappush
         dest = []
         for carried, p in zip(self.s_tok[sids].tolist(), self.s_prompt[sids].tolist()):
-            while heap[0][0] != loads[heap[0][1]]:
-                heapq.heappop(heap)
-            pick = best = heap[0][1]
+            top = heap[0]
+            best = top % W
+            while top != loads[best] * W + best:  # an entry from before the worker's load changed
+                pop(heap)
+                top = heap[0]
+                best = top % W
+            pick = best
             if not carried:
                 home = home_of[p]
                 if home >= 0 and loads[home] <= loads[best] + slack:
                     pick = home
                 home_of[p] = pick
             dest.append(pick)
-            loads[pick] += b - carried
+            load = loads[pick] = loads[pick] + b - carried
             if pick == best:  # the heap's top: replaced in one operation
-                heapq.heapreplace(heap, (loads[pick], pick))
+                replace(heap, load * W + pick)
             else:
-                heapq.heappush(heap, (loads[pick], pick))
+                push(heap, load * W + pick)
         self.load[:] = loads
         self.home[:] = home_of
         self._enqueue(np.array(dest, dtype=np.int64), sids, at)
