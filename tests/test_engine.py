@@ -434,6 +434,43 @@ def test_packed_weights_can_be_turned_off_with_the_same_outputs(model):
         off.shutdown()
 
 
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_eager_outputs_and_follows_weight_updates(model):
+    # torch.compile of the decode step (one dynamic graph): the same greedy tokens and logprobs
+    # within float rounding as the eager step, while the batch shrinks (requests of different
+    # lengths) and the attended length grows; then after an in-place weight update
+    def reqs(tag):
+        return [Request(id=f"{tag}{i}", prompt_ids=[5 + i, 6, 7][: 1 + i % 3],
+                        sampling=SamplingParams(temperature=0.0, max_new_tokens=6 + 3 * i, ignore_eos=True))
+                for i in range(6)]
+
+    eager = TorchEngine(model, device="cpu", max_rows=8, max_len=64, pack_weights=False, eos_token_ids=[])
+    comp = TorchEngine(model, device="cpu", max_rows=8, max_len=64, compile_decode=True, eos_token_ids=[])
+    try:
+        from torch._dynamo.utils import counters
+
+        assert comp.core.runner.compiled is not None and comp.core.runner.pack_sizes == []
+        frames = counters["frames"]["ok"]
+        rounds = []
+        for tag in ("a", "b"):  # the same requests before and after a weight update
+            a, b = eager.generate(reqs(tag)), comp.generate(reqs(tag))
+            assert [c.response_ids for c in a] == [c.response_ids for c in b]
+            assert max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p.logprobs, q.logprobs)) < 1e-4
+            rounds.append([lp for c in b for lp in c.logprobs])
+            torch.manual_seed(7)
+            noisy = [(n, t + 0.05 * torch.randn_like(t)) for n, t in model.state_dict().items() if "layers.0." in n]
+            eager.update_weights(noisy, version=len(rounds))
+            comp.update_weights(noisy, version=len(rounds))
+        assert max(abs(x - y) for x, y in zip(*rounds)) > 1e-3  # the compiled step saw the new weights
+        assert counters["frames"]["ok"] > frames  # the step was compiled, not run eagerly
+    finally:
+        eager.shutdown()
+        comp.shutdown()
+    with pytest.raises(ValueError, match="compile_decode"):
+        TorchEngine(model, device="cpu", max_rows=8, max_len=64, compile_decode=True, quantize="int8",
+                    dtype=torch.bfloat16)
+
+
 def test_make_engine_starts_at_a_given_version(monkeypatch):
     """A Ray worker's replacement starts at the current version (vLLM refuses a weightless update)."""
     from rollover.config import load_config

@@ -109,13 +109,15 @@ def run_engine(open_engine, prompts, new_tokens, prefill: bool = False) -> dict:
             **({"prefill_only": pre} if pre else {})}
 
 
-def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows, quantize=None, cuda_graphs=True) -> dict:
+def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows, quantize=None, cuda_graphs=True,
+                     compile_decode=False) -> dict:
     from rollover.engine.torch_engine import TorchEngine
 
     max_len = max(map(len, prompts)) + new_tokens + 1
-    return run_engine(lambda: TorchEngine(model, max_rows=max_rows, max_len=max_len, dtype=dtype, device=device,
-                                          quantize=quantize, cuda_graphs=cuda_graphs),
-                      prompts, new_tokens, prefill=True)
+    out = run_engine(lambda: TorchEngine(model, max_rows=max_rows, max_len=max_len, dtype=dtype, device=device,
+                                         quantize=quantize, cuda_graphs=cuda_graphs, compile_decode=compile_decode),
+                     prompts, new_tokens, prefill=True)
+    return {**out, "compile_decode": compile_decode}
 
 
 def run_vllm_engine(args, prompts) -> dict:
@@ -164,14 +166,21 @@ def main(args) -> dict:
         eng = run_vllm_engine(args, prompts)
         peaks.append(matmul_rate(dtype, device, shapes=shapes))
     else:
-        runs = []
+        variants = {"off": [False], "on": [True], "both": [False, True]}[args.compile_decode]
+        by_variant = {v: [] for v in variants}
         for _ in range(args.repeats):
-            runs.append(run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device,
-                                         max_rows=args.max_rows, quantize=args.quantize,
-                                         cuda_graphs=args.cuda_graphs == "on"))
-            peaks.append(matmul_rate(dtype, device, shapes=shapes))
-        eng = dict(sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2])  # the median run
-        eng["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+            for v in variants:  # alternating, so a drift of the host's speed hits both alike
+                by_variant[v].append(run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device,
+                                                      max_rows=args.max_rows, quantize=args.quantize,
+                                                      cuda_graphs=args.cuda_graphs == "on", compile_decode=v))
+                peaks.append(matmul_rate(dtype, device, shapes=shapes))
+        medians = {}
+        for v, vruns in by_variant.items():
+            med = dict(sorted(vruns, key=lambda r: r["tokens_per_s"])[len(vruns) // 2])  # the median run
+            med["runs_tokens_per_s"] = [r["tokens_per_s"] for r in vruns]
+            medians[v] = med
+        runs = [r for vruns in by_variant.values() for r in vruns]
+        eng = medians[variants[-1]]  # the compiled step's when it ran
     rates = {shape: max(p[shape] for p in peaks) for shape in peaks[0]}
     limit = max(rates.values()) / (2 * n_params)
     result = {
@@ -186,6 +195,10 @@ def main(args) -> dict:
     }
     result[f"{args.engine}_engine"] = eng
     result[f"{args.engine}_tokens_per_s"] = eng["tokens_per_s"]
+    if args.engine == "torch" and len(medians) == 2:  # --compile-decode both: the eager step beside it
+        result["eager_engine"] = medians[False]
+        result["eager_tokens_per_s"] = medians[False]["tokens_per_s"]
+        result["compiled_over_eager"] = eng["tokens_per_s"] / medians[False]["tokens_per_s"]
     result["fraction_of_limit"] = eng["tokens_per_s"] / limit
     result["fraction_of_decode_gemm_limit"] = eng["tokens_per_s"] / result["decode_gemm_limit_tokens_per_s"]
     if args.engine == "torch":
@@ -220,6 +233,10 @@ def print_table(r: dict, engine: str) -> None:
     runs = r[f"{engine}_engine"].get("runs_tokens_per_s")
     print(f"  {engine + ' engine':28s} {r[f'{engine}_tokens_per_s']:10.1f}"
           + (f"   (median of runs {', '.join(f'{x:.1f}' for x in runs)})" if runs and len(runs) > 1 else ""))
+    if "eager_tokens_per_s" in r:
+        print(f"  {'eager decode step':28s} {r['eager_tokens_per_s']:10.1f}   (median of runs "
+              f"{', '.join(f'{x:.1f}' for x in r['eager_engine']['runs_tokens_per_s'])}; compiled over eager "
+              f"{r['compiled_over_eager']:.2f}x)")
     if "hf_tokens_per_s" in r:
         print(f"  {'HF generate (batch %d)' % r['hf_generate']['batch']:28s} {r['hf_tokens_per_s']:10.1f}")
         print(f"  speedup vs HF: {r['speedup_vs_hf']:.2f}x")
@@ -251,4 +268,7 @@ def add_arguments(p) -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
                    help="TorchEngine's CUDA-graph decode (on a GPU; off: every step eager)")
+    p.add_argument("--compile-decode", choices=["off", "on", "both"], default="off",
+                   help="TorchEngine's decode step compiled by torch.compile; both: eager and compiled runs "
+                        "alternating, the compiled one reported as the engine and the eager one beside it")
     p.add_argument("--json", default=None, help="write the results here")

@@ -101,9 +101,12 @@ class ModelRunner:
         pack_weights: bool = True,
         quantize: str | None = None,
         cuda_graphs: bool = True,
+        compile_decode: bool = False,
     ):
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+        if compile_decode and quantize is not None:
+            raise ValueError("compile_decode runs the float decode step; it does not take quantize='int8'")
         self.quantize = quantize
         self.arch = architecture_of(config)
         self.device = torch.device(device)
@@ -131,7 +134,7 @@ class ModelRunner:
         self._k: list[torch.Tensor] | None = None  # allocated at first use (see k_cache)
         self._v: list[torch.Tensor] | None = None
         self._int8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(matrix) -> (int8 matrix, row scales)
-        can_pack = (pack_weights and quantize is None and self.device.type == "cpu" and dtype == torch.float32
+        can_pack = (pack_weights and not compile_decode and quantize is None and self.device.type == "cpu" and dtype == torch.float32
                     and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
         self.pack_sizes = sorted({max_rows, max_rows // 2} - {0}) if can_pack else []
         self._packs: dict[int, dict[int, torch.Tensor]] = {}
@@ -143,6 +146,13 @@ class ModelRunner:
         # on a CPU), or the decode through its graph and a separate prefill (with CUDA graphs)
         self.separate_admission = self.cuda_graphs
         self.graphs = DecodeGraphs(self) if self.cuda_graphs else None
+        # the decode step compiled by torch.compile (inductor), for every batch size and attended
+        # length in one graph: element-wise work fused, Python and dispatch gone; the first step
+        # compiles (a minute or two on a CPU). Not with CUDA graphs, which replay their own.
+        if compile_decode and self.cuda_graphs:
+            raise ValueError("compile_decode and CUDA graphs both replace the eager decode step: turn the graphs "
+                             "off (rollout.engine_options: {cuda_graphs: false}) to compile it")
+        self.compiled = torch.compile(self._decode, dynamic=True) if compile_decode else None
 
     # ---------------------------------------------------------------- weights
     def _build_params(self, sd: dict[str, torch.Tensor]) -> None:
@@ -406,6 +416,12 @@ class ModelRunner:
         n = tokens.shape[0]
         if self.cuda_graphs:
             return self.graphs.decode(tokens, positions)
+        if self.compiled is not None:  # the attended length as a number: no data-dependent shape inside
+            lk = int(positions.max()) + 1
+            if n == 1 and self.max_rows > 1:  # one row would compile a second graph (size 1 is specialised):
+                # a free row at position 0 rides along; its cache is rewritten before use
+                return self.compiled(F.pad(tokens, (0, 1)), F.pad(positions, (0, 1)), lk)[:1]
+            return self.compiled(tokens, positions, lk)
         pad_to = self._pack_size(n)
         if pad_to is None:
             return self._decode(tokens, positions)

@@ -41,6 +41,10 @@ class TorchEngine(ThreadedEngine):
         they pay depends on the CPU (`rollout.engine_options: {pack_weights: false}` turns them off).
     cuda_graphs: record decode steps as CUDA graphs and replay them, on CUDA (see `rollover.engine.cuda_graphs`;
         `rollout.engine_options: {cuda_graphs: false}` runs every step eagerly).
+    compile_decode: compile the decode step with `torch.compile` (`rollout.engine_options:
+        {compile_decode: true}`; off by default: the first step compiles for a minute or more on a
+        CPU; what it gains is in docs/benchmarks.md). Outputs equal the eager step's up to float
+        rounding (tests/test_engine.py). Not with CUDA graphs (refused: turn them off to compile).
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class TorchEngine(ThreadedEngine):
         quantize: str | None = None,
         pack_weights: bool = True,
         cuda_graphs: bool = True,
+        compile_decode: bool = False,
     ):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -72,7 +77,7 @@ class TorchEngine(ThreadedEngine):
         max_len = max_len or min(getattr(config, "max_position_embeddings", 2048), 2048)
         runner = ModelRunner(
             config, state_dict if state_dict is not None else model.state_dict(), max_rows=max_rows, max_len=max_len, device=device, dtype=dtype,
-            quantize=quantize, pack_weights=pack_weights, cuda_graphs=cuda_graphs,
+            quantize=quantize, pack_weights=pack_weights, cuda_graphs=cuda_graphs, compile_decode=compile_decode,
         )
         eos = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(config, gen_config)
         core = EngineCore(

@@ -27,8 +27,9 @@ future, its routing decision and its completion: about 200 us of Python each, ha
   groups trained.
 
 Async and APRIL run the workers in windows of simulated time, each ending when a quarter of the
-workers have reached their next finish (counted in events, not seconds: a window's length
-follows the finish rate as it changes, at a step's start and in its tail); the finishes of a
+workers (APRIL on 256 workers or more: half; `WINDOW_EVENTS`) have reached their next finish
+(counted in events, not seconds: a window's length follows the finish rate as it changes, at a
+step's start and in its tail); the finishes of a
 window are processed in time order, and a group admitted at a finish reaches its worker at
 that time unless the worker already ran past it inside the window (then at its current
 boundary, a few decode steps late; its load, which the router reads, is then also a few steps
