@@ -158,6 +158,22 @@ def test_bench_learn_fields_and_summary(model_dir, tmp_path):
     assert got["b"]["final_accuracy"]["std"] == pytest.approx(statistics.stdev([0.9, 0.8]))
 
 
+def test_bench_learn_policies_set_what_they_name():
+    import argparse
+
+    from rollover.bench.learn import POLICIES, _overrides
+    from rollover.config import load_config
+
+    args = argparse.Namespace(model="m", steps=40, task="hard", eval_size=64, prompts_per_step=8,
+                              samples_per_prompt=4, eval_every=5, eval_samples=2, overrides=[])
+    cfgs = {p: load_config(None, _overrides(args, p, 0, "runs/x")) for p in POLICIES}
+    assert cfgs["grpo"].selection.dars == "off" and cfgs["grpo"].rollout.samples_per_prompt == 4
+    assert cfgs["dars"].selection.dars == "equal" and cfgs["dars"].selection.dars_max_samples == 8
+    assert cfgs["vade"].selection.policy == "thompson" and cfgs["xrpo"].selection.allocation == "xrpo"
+    assert cfgs["d3s"].rollout.samples_per_prompt == 8 and cfgs["d3s"].downsample.keep == 4
+    assert all(c.steps == 40 and c.seed == 0 for c in cfgs.values())
+
+
 def test_bench_learn_resume_keeps_finished_runs(model_dir, tmp_path):
     from rollover.cli import main
 

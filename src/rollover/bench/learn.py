@@ -16,6 +16,10 @@ Policies (config overrides on top of the task's):
 - `skip`: skip prompts always or never solved, re-probed later (`selection.policy=skip_saturated`).
 - `xrpo`: XRPO-style group sizes (`selection.allocation=xrpo`).
 - `vade_xrpo`: both.
+- `dars`: DARS's second stage, equal-treatment schedule (`selection.dars=equal`): prompts solved
+  by fewer than half their samples get extra samples in the same step, each group capped at
+  twice `--samples-per-prompt` (DARS's own cap, 32, would let one step cost up to 8x a GRPO step
+  at 4 samples a prompt).
 - `d3s`: D3S down-sampling: twice the samples per prompt, the max-variance half trained
   (`downsample.keep`), and of their tokens the top |A| x entropy fraction, relaxed from 0.5 to
   all over the first half of the steps.
@@ -45,6 +49,7 @@ POLICIES = {
     "skip": ["selection.policy=skip_saturated"],
     "xrpo": ["selection.allocation=xrpo"],
     "vade_xrpo": ["selection.policy=thompson", "selection.allocation=xrpo"],
+    "dars": ["selection.dars=equal"],  # its cap is set in _overrides: it depends on the group size
     "d3s": [],  # set in _overrides: it depends on the group size
     "trl": [],  # plain GRPO through TRL's GRPOTrainer (rollover.bench.trl_side.learn_trl)
 }
@@ -60,6 +65,8 @@ def _overrides(args, policy: str, seed: int, run_dir: str) -> list[str]:
         "logging.progress=false", "logging.tensorboard=false",
         *POLICIES[policy],
     ]
+    if policy == "dars":
+        over += [f"selection.dars_max_samples={2 * args.samples_per_prompt}"]
     if policy == "d3s":
         # D3S generates more and trains on a subset: twice the samples, half of them kept
         over += [f"rollout.samples_per_prompt={2 * args.samples_per_prompt}",
