@@ -29,9 +29,9 @@ future, its routing decision and its completion: about 200 us of Python each, ha
 Async and APRIL run the workers in windows of simulated time, each ending when a quarter of the
 workers (APRIL on 256 workers or more: half; `WINDOW_EVENTS`) have reached their next finish
 (counted in events, not seconds: a window's length follows the finish rate as it changes, at a
-step's start and in its tail); the finishes of a
-window are processed in time order, and a group admitted at a finish reaches its worker at
-that time unless the worker already ran past it inside the window (then at its current
+step's start and in its tail); the finishes of a window are processed in time order, and a
+group admitted at a finish reaches its worker at that time unless the worker already ran past
+it inside the window (then at its current
 boundary, a few decode steps late; its load, which the router reads, is then also a few steps
 ahead). A window in which an APRIL step stops is run again up to the stop, so the stop itself
 is exact. The tests bound the effect against the schedulers' path.
@@ -60,7 +60,7 @@ from rollover.sim.fleet import Draws, Fleet
 # 0.5, -4.5% at 1. (Windows measured in seconds, from the last window's finish rate, gave -1.9%
 # at 0.25: a window that began in a sparse stretch ran long into the next burst.) Async keeps
 # 0.25 (there the same draws give the schedulers' schedule exactly at 1,024 workers, in under a
-# minute); APRIL takes 0.5 on clusters of LARGE_CLUSTER workers or more: a quarter less wall
+# minute); APRIL takes 0.5 on clusters of LARGE_CLUSTER workers or more: fewer windows, less wall
 # time for a quarter of a percent there. On a few workers 0.5 is a window of one or two finishes
 # more than 0.25, and step times move by up to 3% (tests/test_sim_fast.py's 4-16 workers); the
 # speed matters only at scale.
