@@ -171,6 +171,9 @@ def test_bench_learn_policies_set_what_they_name():
     assert cfgs["dars"].selection.dars == "equal" and cfgs["dars"].selection.dars_max_samples == 8
     assert cfgs["vade"].selection.policy == "thompson" and cfgs["xrpo"].selection.allocation == "xrpo"
     assert cfgs["d3s"].rollout.samples_per_prompt == 8 and cfgs["d3s"].downsample.keep == 4
+    big = cfgs["large_n"]
+    assert big.partial_rollout.enabled and (big.rollout.samples_per_prompt, big.rollout.prompts_per_step) == (16, 2)
+    assert not cfgs["grpo"].partial_rollout.enabled
     assert all(c.steps == 40 and c.seed == 0 for c in cfgs.values())
 
 

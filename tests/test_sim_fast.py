@@ -66,7 +66,7 @@ def assert_same(a: dict, b: dict) -> None:
         "repeated-prompts", "repeated-prompts-budget"])
 def test_fast_path_gives_the_schedulers_times_exactly(overrides):
     a, b = both(*overrides)
-    assert b["mode"].endswith("[fast path]")
+    assert b["mode"].endswith(" router]") and "[fast path, " in b["mode"]
     assert_same(a, b)
 
 
@@ -105,7 +105,7 @@ def test_april_fast_path_gives_the_schedulers_times_when_routing_sees_the_same_l
     # loads the schedulers' path sees, and the schedule is the same
     a, b = both("partial_rollout.enabled=true", "partial_rollout.carry=resubmit",
                 "simulate.pools=[{workers: 2, max_rows: 8}]")
-    assert b["mode"].startswith("APRIL") and b["mode"].endswith("[fast path]")
+    assert b["mode"].startswith("APRIL") and "[fast path, " in b["mode"]
     assert_same(a, b)
     assert max(map(int, b["staleness"])) > 0  # carried samples trained versions later
 
@@ -217,6 +217,89 @@ def test_cli_runs_the_fast_path_with_report_and_gantt(tmp_path, capsys):
                "--json", str(report), "--gantt", str(png)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "[fast path]" in out and "samples trained/s" in out
+    assert "[fast path, " in out and "samples trained/s" in out
     r = json.loads(report.read_text())
     assert r["steps"] == 8 and r["samples_trained"] == 8 * 12 * 4 and png.stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------- the router's rule
+def test_requests_go_to_the_least_loaded_and_fresh_ones_home_within_slack():
+    """Hand-worked: budget 10, slack 5, three workers. Carried requests fill the least loaded
+    (ties to the lowest index); a fresh one stays home while home is within slack of the least."""
+    from rollover.sim import route
+
+    impls = [route.requests_py] + ([lambda *a: route.requests(*a, fast=True)] if route.NUMBA else [])
+    for impl in impls:
+        loads, home = np.array([0, 0, 0]), np.array([-1, 2])
+        # carried 4 -> w0 (load 6); carried 9 -> w1 (1); fresh, prompt 0 has no home -> the least-loaded
+        # w2 (10), its home; fresh, prompt 1's home w2 is not within slack (10 > 1 + 5) -> w1 (11), its home
+        dest = impl(loads, home, np.array([4, 9, 0, 0]), np.array([0, 0, 0, 1]), 10, 5)
+        assert dest.tolist() == [0, 1, 2, 1], impl
+        assert loads.tolist() == [6, 11, 10] and home.tolist() == [2, 1]
+
+
+def test_groups_split_between_home_and_least_loaded():
+    """Hand-worked: budget 10, slack 20, groups of 4: j of a group's samples stay home while
+    home's load + j x 10 is within 20 of the least-loaded worker's, the rest go there."""
+    from rollover.sim import route
+
+    impls = [route.groups_py] + ([lambda *a: route.groups(*a, fast=True)] if route.NUMBA else [])
+    for impl in impls:
+        loads, home = np.array([0, 30, 10]), np.array([1, 2])
+        h, m, b = impl(loads, home, np.array([0, 1]), 4, 10, 20)
+        # prompt 0 (home w1 at 30, least-loaded w0 at 0): (0 + 20 - 30) // 10 + 1 = 0 stay, 4 go to w0,
+        # its new home; prompt 1: the least-loaded is now w2 (10), its home: all 4 there
+        assert h.tolist() == [1, 2] and m.tolist() == [0, 4] and b.tolist() == [0, 2], impl
+        assert loads.tolist() == [40, 30, 50] and home.tolist() == [0, 2]
+        # a split: prompt 0 (home w0 at 40, least-loaded w1 at 30) keeps (30 + 20 - 40) // 10 + 1 = 2
+        # samples at home, 2 go to w1, which becomes its home
+        h, m, b = impl(loads, home, np.array([0]), 4, 10, 20)
+        assert (h.tolist(), m.tolist(), b.tolist()) == ([0], [2], [1])
+        assert loads.tolist() == [60, 50, 50] and home.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("workers,k", [(7, 40), (64, 500), (1024, 3000)])
+def test_compiled_router_picks_what_the_plain_one_picks(workers, k):
+    """The numba kernels (an indexed heap) against the plain Python rule, pick for pick."""
+    from rollover.sim import route
+
+    if not route.NUMBA:
+        pytest.skip("numba is not installed: only the plain router runs")
+    rng = np.random.default_rng(workers)
+    b, slack, prompts = 100, 400, 50
+    loads = rng.integers(0, 2000, workers)
+    home = np.where(rng.random(prompts) < 0.3, -1, rng.integers(0, workers, prompts))
+    carried = np.where(rng.random(k) < 0.4, 0, rng.integers(1, b, k))
+    ps = rng.integers(0, prompts, k)
+    l1, h1, l2, h2 = loads.copy(), home.copy(), loads.copy(), home.copy()
+    got = route.requests(l1, h1, carried, ps, b, slack, fast=True)
+    assert got.tolist() == route.requests_py(l2, h2, carried, ps, b, slack).tolist()
+    assert l1.tolist() == l2.tolist() and h1.tolist() == h2.tolist()
+    for few in (ps[:5], ps[:200]):  # the plain rule's argmin path (<= 64 groups) and its heap path
+        got = route.groups(l1, h1, few, 8, b, slack, fast=True)
+        want = route.groups_py(l2, h2, few, 8, b, slack)
+        assert [a.tolist() for a in got] == [a.tolist() for a in want]
+        assert l1.tolist() == l2.tolist() and h1.tolist() == h2.tolist()
+
+
+def test_the_compiled_router_gives_the_same_run(monkeypatch):
+    """APRIL with `resubmit` (resumed requests routed one by one) on the fast path: the same
+    schedule with `simulate.router=python` and `=numba`; `numba` without numba is refused."""
+    from rollover.sim import route
+    from rollover.sim.fast import simulate_fast
+    from rollover.sim.run import _with_rows, profile_of
+
+    if route.NUMBA:
+        reports = {}
+        for router in ("python", "numba"):
+            cfg = load_config(None, BASE + ["partial_rollout.enabled=true", "partial_rollout.carry=resubmit",
+                                            "simulate.pools=[{workers: 5, max_rows: 6}]", f"simulate.router={router}"])
+            reports[router] = simulate_fast(_with_rows(cfg), profile_of(cfg))
+        a, b = reports["python"], reports["numba"]
+        assert a["mode"].endswith("[fast path, python router]") and b["mode"].endswith("[fast path, numba router]")
+        assert [r["t_end"] for r in a["step_rows"]] == [r["t_end"] for r in b["step_rows"]]
+        assert a["generated_tokens"] == b["generated_tokens"] and a["staleness"] == b["staleness"]
+    monkeypatch.setattr(route, "NUMBA", False)
+    with pytest.raises(ConfigError, match="simulate.router=numba needs numba"):
+        route.compiled("numba")
+    assert route.compiled("auto") is False

@@ -646,6 +646,13 @@ class SimConfig(Section):
     over workers (1,024 workers x 1,000 steps in a minute or two); sync, async and APRIL; not
     yet adaptive alpha, dynamic sampling, prompt selection, scoring time or a shared device.
     False: run rollover's own schedulers on the simulated workers."""
+    router: Literal["auto", "numba", "python"] = "auto"
+    """The fast path's router (the Ray router's rule over every worker's load,
+    rollover/sim/route.py): `numba` compiles it (needs numba: `pip install rollover[sim]`; vLLM
+    brings it too), `python` runs it in plain Python (slower: at 1,024 workers APRIL with
+    `carry: resubmit` routes about 16,000 resumed requests one by one every step), `auto`
+    compiles when numba is installed. The picks are the same either way; the report names the
+    router that ran."""
 
 
 class Config(Section):

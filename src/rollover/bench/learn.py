@@ -23,6 +23,11 @@ Policies (config overrides on top of the task's):
 - `d3s`: D3S down-sampling: twice the samples per prompt, the max-variance half trained
   (`downsample.keep`), and of their tokens the top |A| x entropy fraction, relaxed from 0.5 to
   all over the first half of the steps.
+- `large_n`: BroRL-style large groups with APRIL's partial rollouts: four times the samples per
+  prompt on a quarter of the prompts (the same samples a step, at least one prompt), with
+  `partial_rollout.enabled=true` (APRIL's defaults: 2x over-provisioning, carry chosen by the
+  engine and loss). BroRL scales the samples a step as well; here the step's budget is held so
+  that the comparison is per second of the same work.
 - `trl`: not a rollover policy: the same run (task, model, batch, length budget, learning rate,
   seed, evaluation prompts) through TRL's GRPOTrainer (`pip install trl`), for the library a
   user would otherwise pick (rollover.bench.trl_side.learn_trl says what is matched).
@@ -51,6 +56,7 @@ POLICIES = {
     "vade_xrpo": ["selection.policy=thompson", "selection.allocation=xrpo"],
     "dars": ["selection.dars=equal"],  # its cap is set in _overrides: it depends on the group size
     "d3s": [],  # set in _overrides: it depends on the group size
+    "large_n": ["partial_rollout.enabled=true"],  # group size and prompts a step set in _overrides
     "trl": [],  # plain GRPO through TRL's GRPOTrainer (rollover.bench.trl_side.learn_trl)
 }
 
@@ -72,6 +78,9 @@ def _overrides(args, policy: str, seed: int, run_dir: str) -> list[str]:
         over += [f"rollout.samples_per_prompt={2 * args.samples_per_prompt}",
                  f"downsample.keep={args.samples_per_prompt}", "downsample.token_fraction_start=0.5",
                  f"downsample.anneal_steps={max(1, args.steps // 2)}"]
+    if policy == "large_n":
+        over += [f"rollout.samples_per_prompt={4 * args.samples_per_prompt}",
+                 f"rollout.prompts_per_step={max(1, args.prompts_per_step // 4)}"]
     return over + list(args.overrides)
 
 

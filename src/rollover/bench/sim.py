@@ -2,7 +2,8 @@
 schedulers' path, on 1,024 simulated workers (examples/sim_1024.yaml).
 
 - speed: `rollover simulate CONFIG steps=N simulate.fast=true` in a fresh process, wall time
-  from start to exit (imports included), in sync mode and in async mode (eta = 2);
+  from start to exit (imports included), in sync, async (eta = 2) and APRIL mode (both carry
+  modes), once per `--routers` entry (`simulate.router`: the compiled or the plain router);
 - agreement: the same cluster for a few steps on both paths, the fast path with the
   schedulers' own per-sample draws (the schedule must be the same: samples/s, simulated time,
   trainer utilization side by side) and with its vectorised draws (the same distribution, other
@@ -12,6 +13,7 @@ schedulers' path, on 1,024 simulated workers (examples/sim_1024.yaml).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -21,15 +23,17 @@ MODES = {"sync": [], "async": ["mode=async", "async.max_staleness=2"],
          "april_keep_kv": ["partial_rollout.enabled=true", "partial_rollout.carry=keep_kv"]}
 
 
-def _speed(config: str, steps: int, mode: str) -> dict:
+def _speed(config: str, steps: int, mode: str, router: str) -> dict:
     cmd = [sys.executable, "-m", "rollover.cli", "simulate", config, f"steps={steps}", "simulate.fast=true",
-           "logging.progress=false", *MODES[mode]]
+           f"simulate.router={router}", "logging.progress=false", *MODES[mode]]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr[-2000:]}")
-    return {"command": "rollover simulate " + " ".join(cmd[4:]), "wall_s": wall, "steps": steps}
+    ran = re.search(r"\[fast path, (\w+) router\]", out.stdout)  # the report's mode names the router that ran
+    return {"command": "rollover simulate " + " ".join(cmd[4:]), "wall_s": wall, "steps": steps,
+            "router": ran.group(1) if ran else router}
 
 
 def _agreement(config: str, steps: int, mode: str) -> dict:
@@ -59,14 +63,16 @@ def _agreement(config: str, steps: int, mode: str) -> dict:
 
 def main(args) -> dict:
     result: dict = {"config": args.config, "speed": [], "agreement": []}
-    for mode in MODES:
-        result["speed"].append({"mode": mode, **_speed(args.config, args.steps, mode)})
+    for mode in args.modes:
+        for router in args.routers:  # side by side, mode by mode
+            result["speed"].append({"mode": mode, **_speed(args.config, args.steps, mode, router)})
     if args.agreement_steps:
         for mode in MODES:
             result["agreement"].append(_agreement(args.config, args.agreement_steps, mode))
     print(f"\nrollover bench sim — {args.config}")
     for s in result["speed"]:
-        print(f"  fast path, {s['mode']}: {s['steps']} steps in {s['wall_s']:.1f} s wall ({s['command']})")
+        print(f"  fast path, {s['mode']}, {s['router']} router: {s['steps']} steps in {s['wall_s']:.1f} s wall "
+              f"({s['command']})")
     for a in result["agreement"]:
         sch, fe, f = a["schedulers"], a["fast_exact_draws"], a["fast"]
         print(f"  {a['mode']}, {a['steps']} steps: samples/s schedulers {sch['samples_per_s']:.3f} "
@@ -86,4 +92,7 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=at_least(1), default=1000, help="steps of the timed fast-path runs")
     p.add_argument("--agreement-steps", type=at_least(0), default=12,
                    help="steps simulated on both paths for the agreement check (0: skip it)")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="the timed runs' modes")
+    p.add_argument("--routers", nargs="+", choices=["auto", "numba", "python"], default=["auto"],
+                   help="simulate.router for the timed runs (several: each mode once per router, side by side)")
     p.add_argument("--json", default=None)

@@ -22,14 +22,17 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
-
 
 class Timer:
     """Accumulates seconds per phase into `timings` (`{"timing_s/<phase>": seconds}`)."""
 
     def __init__(self, *, cuda_sync: bool = False):
-        self.cuda_sync = cuda_sync and torch.cuda.is_available()
+        self._sync = None
+        if cuda_sync:  # torch imported only here: the simulator times its runs without it
+            import torch
+
+            if torch.cuda.is_available():
+                self._sync = torch.cuda.synchronize
         self.timings: dict[str, float] = {}
 
     @contextmanager
@@ -47,6 +50,6 @@ class Timer:
         return timings
 
     def _now(self) -> float:
-        if self.cuda_sync:
-            torch.cuda.synchronize()
+        if self._sync is not None:
+            self._sync()
         return time.perf_counter()

@@ -5,5 +5,7 @@
 - `core.py`: rollout workers doing continuous batching as events on a virtual clock;
 - `engine.py`: `SimEngine`, the engine contract over that core;
 - `run.py`: rollover's own schedulers (sync, APRIL, async) driving it, and the report;
-- `report.py`: the report as text, JSON and a Gantt chart.
+- `report.py`: the report as text, JSON and a Gantt chart;
+- `fast.py`, `fleet.py`, `route.py`: the fast path (`simulate.fast`): the same policies with every
+  worker a row of numpy arrays, and the router's rule (numba-compiled when numba is installed).
 """

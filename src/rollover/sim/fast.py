@@ -495,4 +495,5 @@ def _summary(cfg: Config, profile: Profile, fleet: Fleet, rows: list[dict], trai
     return report(cfg, profile, rows, trainer_tl, pools=[fleet.pool_names[i] for i in fleet.pool_of],
                   busy_s=fleet.busy_s.tolist(), stall_s=fleet.stall_s.tolist(), generated=generated,
                   occupancy=generated / total_rows if total_rows else 0.0,
-                  timelines=fleet.timeline if fleet.timeline is not None else [], mode=" [fast path]")
+                  timelines=fleet.timeline if fleet.timeline is not None else [],
+                  mode=f" [fast path, {'numba' if fleet.compiled else 'python'} router]")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rollover.config import Config
+from rollover.sim import route
 from rollover.sim.costs import DecodeCost, Profile
 
 BIG = np.int64(1 << 60)
@@ -160,6 +161,7 @@ class Fleet:
         self.prompt_tokens = s.prompt_tokens
         self.budget = r.max_new_tokens
         self.slack = r.samples_per_prompt * r.max_new_tokens
+        self.compiled = route.compiled(s.router)  # the router's rule compiled (numba) or in Python
         self.draws = draws
         # per worker
         self.t = np.zeros(W)
@@ -241,45 +243,9 @@ class Fleet:
         self._enqueue(dest, np.arange(base, self.n_samples, dtype=np.int64), at)
 
     def _route(self, prompts: list[int], n: int):
-        """The Ray router's picks for each group's n fresh samples: sample j goes to the prompt's
-        home worker while home's load + j x budget is within `slack` of the least-loaded worker,
-        the rest (and a prompt's first group) to the least-loaded, which becomes its home. Per
-        group: (home, how many go there, the least-loaded)."""
-        import heapq
-
-        b, slack, home_of = self.budget, self.slack, self.home
-        heap = None
-        if len(prompts) > 64:  # many groups at once: a heap of (load, worker); ties to the lowest index
-            loads = self.load.tolist()
-            heap = list(zip(loads, range(self.W)))
-            heapq.heapify(heap)
-        else:  # a few: the loads in place
-            loads = self.load
-        out_h, out_m, out_b = [], [], []
-        for p in prompts:
-            if heap is None:
-                best = int(loads.argmin())
-            else:
-                while heap[0][0] != loads[heap[0][1]]:
-                    heapq.heappop(heap)
-                best = heap[0][1]
-            home = int(home_of[p])
-            if home < 0 or home == best:
-                m, home = n, best
-            else:
-                m = min(n, max(0, (loads[best] + slack - loads[home]) // b + 1))
-            out_h.append(home)
-            out_m.append(m)
-            out_b.append(best)
-            home_of[p] = best if m < n else home
-            for w, c in ((home, m), (best, n - m)):
-                if c:
-                    loads[w] += c * b
-                    if heap is not None:
-                        heapq.heappush(heap, (loads[w], w))
-        if heap is not None:
-            self.load[:] = loads
-        return np.array(out_h, dtype=np.int64), np.array(out_m, dtype=np.int64), np.array(out_b, dtype=np.int64)
+        """The Ray router's picks for each group's n fresh samples (`rollover.sim.route.groups`):
+        per group, (home, how many go there, the least-loaded)."""
+        return route.groups(self.load, self.home, prompts, n, self.budget, self.slack, self.compiled)
 
     def _enqueue(self, dest: np.ndarray, sids: np.ndarray, at) -> None:
         """Queue samples (in routing order) at their workers; `at`: one arrival time, or one per
@@ -399,36 +365,11 @@ class Fleet:
     def add_requests(self, sids: np.ndarray, at: float) -> None:
         """Route existing samples (a carried group's: resumed ones, with tokens, to the
         least-loaded worker; never-started ones by their prompt's home, as the router does
-        request by request) and queue them; their workers replan from `at`."""
-        import heapq
-
-        W, b, slack, home_of, loads = self.W, self.budget, self.slack, self.home.tolist(), self.load.tolist()
-        heap = [load * W + w for w, load in enumerate(loads)]  # load x W + worker: ties to the lowest index
-        heapq.heapify(heap)
-        pop, replace, push = heapq.heappop, heapq.heapreplace, heapq.heappush
-        dest = []
-        for carried, p in zip(self.s_tok[sids].tolist(), self.s_prompt[sids].tolist()):
-            top = heap[0]
-            best = top % W
-            while top != loads[best] * W + best:  # an entry from before the worker's load changed
-                pop(heap)
-                top = heap[0]
-                best = top % W
-            pick = best
-            if not carried:
-                home = home_of[p]
-                if home >= 0 and loads[home] <= loads[best] + slack:
-                    pick = home
-                home_of[p] = pick
-            dest.append(pick)
-            load = loads[pick] = loads[pick] + b - carried
-            if pick == best:  # the heap's top: replaced in one operation
-                replace(heap, load * W + pick)
-            else:
-                push(heap, load * W + pick)
-        self.load[:] = loads
-        self.home[:] = home_of
-        self._enqueue(np.array(dest, dtype=np.int64), sids, at)
+        request by request; `rollover.sim.route.requests`) and queue them; their workers
+        replan from `at`."""
+        dest = route.requests(self.load, self.home, self.s_tok[sids], self.s_prompt[sids], self.budget, self.slack,
+                              self.compiled)
+        self._enqueue(dest, sids, at)
 
     def abort_all(self, T: float) -> np.ndarray:
         """Abort every request at T: each worker at its first boundary at or after T (sequences
