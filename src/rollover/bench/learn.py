@@ -146,7 +146,7 @@ def plot(runs: list[dict], threshold: float, out: str) -> str:
         std = [statistics.stdev(a) if len(a) > 1 else 0.0 for a in acc]
         for ax, key in zip(axes, ("train_seconds", "samples")):
             xs = [statistics.fmean(c[i][key] for c in curves) for i in range(n)]
-            (line,) = ax.plot(xs, mean, marker="o", ms=3, label=f"{policy} ({len(curves)} seeds)")
+            (line,) = ax.plot(xs, mean, marker="o", ms=3, label=f"{policy} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
             ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                             color=line.get_color(), alpha=0.15)
     for ax, label in zip(axes, ("training seconds (mean over seeds)", "samples generated")):
