@@ -148,6 +148,60 @@ def test_a_prefill_budget_admits_the_rest_at_the_next_steps():
         assert e.now == pytest.approx(0.22)
 
 
+def test_a_full_kv_cache_preempts_the_newest_sequence_and_recomputes_it_later():
+    # two rows, K/V for 20 tokens, two requests of 3 prompt tokens stopping at 10: both run
+    # (a free prefill samples token 1) until each holds 7 (3 + 7 + 3 + 7 = 20) at t = 0.06; the
+    # next token does not fit, so the newer one (r1) goes back to the queue with its 7 tokens;
+    # r0 alone runs to 10 (0.09), then r1 comes back (a free prefill of its 10 tokens samples
+    # its 8th) and runs to 10 (0.11). Without the cap both finish at 0.09.
+    cost = DecodeCost(step_s=0.01)
+    core = SimCore([SimWorker(0, cost, 2, kv_tokens=20)], LengthModel(kind="empirical", values=(10,)), max_len=1000,
+                   slack=0)
+    with SimEngine(core) as e:
+        e.release()
+        out = e.generate([req(0), req(1)])
+        e.wait_idle()
+        assert [len(c.response_ids) for c in out] == [10, 10] and [c.finish for c in out] == ["stop", "stop"]
+        assert e.now == pytest.approx(0.11)
+        st = e.stats()
+        assert st.preempted == 1 and st.generated_tokens == 20
+        assert st.prefill_tokens == 3 + 3 + 10  # r1's readmission recomputes its prompt and 7 tokens
+        assert core.workers[0].busy_s == pytest.approx(0.11)
+    with engine(lengths=(10,), rows=2) as e:
+        e.generate([req(0), req(1)])
+        e.wait_idle()
+        assert e.now == pytest.approx(0.09) and e.stats().preempted == 0
+
+
+def test_the_kv_cache_bound_holds_through_a_run_and_costs_time(monkeypatch):
+    """Sync and async runs with a small cache: at every step boundary no worker holds more K/V
+    than it has; sequences were preempted and the run is slower than with room for all rows."""
+    from rollover.config import ConfigError
+
+    held = []
+    advance = SimCore._advance
+
+    def checked(self, w, j):
+        advance(self, w, j)
+        if w.kv_tokens is not None:
+            assert w.context <= w.kv_tokens
+            held.append(w.context)
+
+    monkeypatch.setattr(SimCore, "_advance", checked)
+    for mode in (["mode=sync"], ["mode=async", "async.max_staleness=1"]):
+        lengths = ["simulate.lengths={median: 40, sigma: 0.6}", "simulate.decode={step_s: 0.01, prefill_s: 0.02}"]
+        tight = simulate(*mode, *lengths, "simulate.pools=[{workers: 2, max_rows: 4, kv_tokens: 150}]")
+        roomy = simulate(*mode, *lengths, "simulate.pools=[{workers: 2, max_rows: 4, kv_tokens: 400}]")
+        assert tight["preempted"] > 0 and roomy["preempted"] == 0
+        assert tight["samples_trained"] == roomy["samples_trained"]
+        assert tight["simulated_s"] > roomy["simulated_s"]
+        assert max(held) <= 400
+    with pytest.raises(ConfigError, match="pool 'rollout' has kv_tokens=70, too few for one sequence of 72"):
+        simulate("simulate.pools=[{workers: 2, max_rows: 4, kv_tokens: 70}]")
+    with pytest.raises(ConfigError, match="simulate.fast does not model a K/V-cache capacity"):
+        simulate("simulate.fast=true", "simulate.pools=[{workers: 2, max_rows: 4, kv_tokens: 150}]")
+
+
 def test_requests_spread_over_workers_by_load():
     # one row each, four requests of 10 tokens (a free prefill, then 9 steps): two per worker
     with engine(lengths=(10,), workers=2, rows=1) as e:

@@ -303,3 +303,61 @@ def test_the_compiled_router_gives_the_same_run(monkeypatch):
     with pytest.raises(ConfigError, match="simulate.router=numba needs numba"):
         route.compiled("numba")
     assert route.compiled("auto") is False
+
+
+@pytest.mark.parametrize("overrides", [
+    ["simulate.prompt_tokens=3000", "simulate.pools=[{workers: 2, max_rows: 24}]", "rollout.max_new_tokens=256"],
+    ["simulate.prompts=5", "simulate.pools=[{workers: 1, max_rows: 16}]"],
+    # four prompts fill the 8,192-token budget exactly: the fourth still goes in
+    ["simulate.prompt_tokens=2048", "simulate.pools=[{workers: 1, max_rows: 24}]", "rollout.max_new_tokens=128"],
+    ["partial_rollout.enabled=true", "partial_rollout.carry=resubmit", "simulate.prompt_tokens=1500",
+     "simulate.pools=[{workers: 3, max_rows: 6}]"],
+], ids=["prefill-budget", "repeated-prompts", "exact-budget", "april-resubmit"])
+def test_compiled_admission_decides_what_the_plain_one_decides(monkeypatch, overrides):
+    """At every planning of a run, the numba admission loop (`admission.plan_nb`, `admit`)
+    against the numpy rule (`plan_py`, `admit_py`) on the same fleet state: the same keys,
+    prefill tokens and admissions, and the same rows, queues and samples afterwards."""
+    import copy
+
+    from rollover.sim import admission, route
+    from rollover.sim.fast import simulate_fast
+    from rollover.sim.run import _with_rows, profile_of
+
+    if not route.NUMBA:
+        pytest.skip("numba is not installed: only the plain admission runs")
+    plan_nb, admit_nb = admission.plan_nb, admission.admit
+    changed = ("sid", "born", "entered", "seq", "admitted", "fin", "next_fin", "n_ent", "s_v0", "rows", "ctx",
+               "ent_ctx", "qh", "qn")
+    seen = {"calls": 0, "admitted": 0, "held": 0}
+
+    def plan(f, idx):
+        want = admission.plan_py(f, idx)
+        got = plan_nb(f, idx)
+        for a, b in zip(got[:4], want[:4]):
+            assert a.tolist() == b.tolist()
+        assert not f.seen.any()  # the marks are clear between calls
+        n = got[3]
+        if n.any():
+            F = int(n.max())
+            assert got[4].tolist() == want[4][:, :F].tolist()
+        seen["calls"] += 1
+        seen["admitted"] += int(n.sum())
+        seen["held"] += int((n < np.minimum(f.max_rows[idx] - f.rows[idx], f.qn[idx])).sum())  # the budget stopped it
+        return got
+
+    def admit(f, idx, cand, n):
+        other = copy.copy(f)
+        for name in changed:
+            setattr(other, name, getattr(f, name).copy())
+        admission.admit_py(other, idx, cand, n)
+        admit_nb(f, idx, cand, n)
+        for name in changed:
+            assert getattr(f, name).tolist() == getattr(other, name).tolist(), name
+
+    monkeypatch.setattr(admission, "plan_nb", plan)
+    monkeypatch.setattr(admission, "admit", admit)
+    cfg = load_config(None, BASE + overrides)
+    simulate_fast(_with_rows(cfg), profile_of(cfg))
+    assert seen["calls"] > 10 and seen["admitted"] > 0
+    if "simulate.prompt_tokens=3000" in overrides or "simulate.prompt_tokens=2048" in overrides:
+        assert seen["held"] > 0

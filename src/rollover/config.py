@@ -568,6 +568,12 @@ class SimPoolConfig(Section):
     """Rollout workers (one engine each: a GPU, or a tensor-parallel group)."""
     max_rows: int = Field(64, ge=1)
     """Sequences each worker decodes together."""
+    kv_tokens: int | None = Field(None, ge=1)
+    """K/V-cache capacity of each worker, in tokens (prompt and response tokens of its running
+    sequences, e.g. the memory left after the weights over K/V bytes per token). A request is
+    admitted only with room for it; when the running sequences' growth would overrun the cache,
+    the newest is preempted (its K/V dropped, recomputed when it is readmitted), as vLLM and
+    SGLang do. None: the rows alone limit a worker. The schedulers' path only."""
     gpus_per_worker: int = Field(1, ge=1)
     """GPUs one worker uses (tensor parallel): counted in `rollover simulate plan`'s GPU totals."""
     decode: Annotated[dict[str, Any], _cost_fields("decode")] = {}
@@ -647,12 +653,13 @@ class SimConfig(Section):
     yet adaptive alpha, dynamic sampling, prompt selection, scoring time or a shared device.
     False: run rollover's own schedulers on the simulated workers."""
     router: Literal["auto", "numba", "python"] = "auto"
-    """The fast path's router (the Ray router's rule over every worker's load,
-    rollover/sim/route.py): `numba` compiles it (needs numba: `pip install rollover[sim]`; vLLM
-    brings it too), `python` runs it in plain Python (slower: at 1,024 workers APRIL with
-    `carry: resubmit` routes about 16,000 resumed requests one by one every step), `auto`
-    compiles when numba is installed. The picks are the same either way; the report names the
-    router that ran."""
+    """The fast path's per-event loops: the router (the Ray router's rule over every worker's
+    load, rollover/sim/route.py) and admission at a step boundary (rollover/sim/admission.py).
+    `numba` compiles them (needs numba: `pip install rollover[sim]`; vLLM brings it too),
+    `python` runs the router in plain Python and admission on numpy arrays (slower: at 1,024
+    workers APRIL with `carry: resubmit` routes about 16,000 resumed requests one by one every
+    step), `auto` compiles when numba is installed. The decisions are the same either way; the
+    report names the router that ran."""
 
 
 class Config(Section):

@@ -66,6 +66,7 @@ class EngineStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     recomputed_tokens: int = 0  # K/V recomputed after update_weights
+    preempted: int = 0  # sequences whose K/V was dropped for lack of cache (the simulated engine's)
     finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
 
     def add(self, other: "EngineStats") -> None:

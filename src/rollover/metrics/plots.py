@@ -44,11 +44,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING, Any
 
 from rollover.metrics.logger import read_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ def plot_compare(
 
     `smooth > 1` adds a trailing mean over that many points and draws the raw curve faintly.
     Every run must have logged `metric` and `x`: a silently missing curve would mislead."""
+    from matplotlib.figure import Figure  # imported when drawn: the package imports this module
+
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax = fig.add_subplot()
     for label, run_dir in run_dirs.items():
@@ -172,6 +175,8 @@ def _trailing_mean(values: list[float], window: int) -> list[float]:
 def _draw(panel: _Panel, train: list[dict], train_cols: list[str], evals: list[dict], eval_cols: list[str]) -> Figure:
     if panel.separate:
         return _draw_separate(panel, train, train_cols)
+    from matplotlib.figure import Figure  # imported when drawn: the package imports this module
+
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax = fig.add_subplot()
     if panel.stacked:
@@ -262,6 +267,8 @@ def _draw_stacked(ax, rows: list[dict], cols: list[str]) -> None:
 
 
 def _draw_separate(panel: _Panel, rows: list[dict], cols: list[str]) -> Figure:
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(8, 2.5 * len(cols) + 0.5), layout="constrained")
     axes = fig.subplots(len(cols), 1, sharex=True, squeeze=False)[:, 0]
     for ax, col in zip(axes, cols):

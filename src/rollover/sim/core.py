@@ -83,8 +83,9 @@ class SimWorker:
     """One rollout worker: `max_rows` sequences decoded together, at `cost`."""
 
     def __init__(self, index: int, cost: DecodeCost, max_rows: int, pool: str = "rollout",
-                 max_prefill_tokens: int = 8192):
+                 max_prefill_tokens: int = 8192, kv_tokens: int | None = None):
         self.index, self.cost, self.max_rows, self.pool = index, cost, max_rows, pool
+        self.kv_tokens = kv_tokens  # K/V capacity in tokens (None: the rows alone limit it)
         self.own_cost = cost  # `cost` is this, scaled while the device is shared with training
         self.max_prefill_tokens = max_prefill_tokens
         self.t = 0.0  # its last step boundary
@@ -350,6 +351,17 @@ class SimCore:
         self.stats.finished[finish] += 1
         return s.completion(finish)
 
+    def _preempt(self, w: SimWorker) -> None:
+        """Free K/V for the next step's token of every row: the newest running sequences go back
+        to the front of the queue with their tokens (recomputed when readmitted), as vLLM's and
+        SGLang's schedulers preempt on a full cache."""
+        while w.running and w.context + len(w.running) > w.kv_tokens:
+            s = w.running.pop()
+            w.context -= s.prompt_len + s.n
+            s.entering = False
+            w.waiting.appendleft(s)
+            self.stats.preempted += 1
+
     def _plan(self, w: SimWorker) -> None:
         """Admit waiting sequences into free rows and plan w's next segment from its boundary
         (none while paused or idle)."""
@@ -361,13 +373,19 @@ class SimCore:
             w.extra_recompute = 0
         # the first step's prefill: the rows entering at this boundary (an abort may have taken
         # some since they were admitted), the n samples of a fresh prompt once
+        if w.kv_tokens is not None:
+            self._preempt(w)
         entering = [s for s in w.running if s.entering]
         keys = {s.key if not s.n else ("resumed", id(s)): s.prompt_len + s.n for s in entering}
         budget = w.max_prefill_tokens - sum(keys.values()) - w.extra_recompute
+        held = False  # the prefill budget held a request back (not the K/V capacity)
         while w.waiting and len(w.running) < w.max_rows:
             s = w.waiting[0]
             need = s.prompt_len + s.n
+            if w.kv_tokens is not None and w.context + need + len(w.running) + 1 > w.kv_tokens:
+                break  # no room for it and one more token of every row: it waits for a finish
             if keys and need > budget:
+                held = True
                 break
             w.waiting.popleft()
             s.mark(self.version)
@@ -402,6 +420,8 @@ class SimCore:
         w.extra = decode + w.prefill_part - w.base  # the first step's time less a plain step's
         w.slope = w.cost.per_context_token_s * n
         w.k = min(s.target - s.n for s in w.running)
-        if w.waiting and len(w.running) < w.max_rows:
+        if w.kv_tokens is not None:  # the step after which the K/V would overflow: a preemption
+            w.k = min(w.k, (w.kv_tokens - w.context) // n)
+        if held:
             w.k = 1  # the prefill budget held some back: the next boundary admits more
         heapq.heappush(self.heap, (w.end(w.k), next(self._order), w, w.token))

@@ -91,6 +91,8 @@ def check(cfg: Config) -> None:
         why.append("scoring time (simulate.reward)")
     if cfg.simulate.shared_device:
         why.append("a shared device (simulate.shared_device)")
+    if any(p.kv_tokens is not None for p in cfg.simulate.pools):
+        why.append("a K/V-cache capacity (simulate.pools[].kv_tokens)")
     if cfg.mode == "async":
         a = cfg.async_
         if a.dynamic_samples or a.experience_pool:
@@ -100,7 +102,6 @@ def check(cfg: Config) -> None:
     if why:
         raise ConfigError("simulate.fast does not model " + ", ".join(why) + " yet; set simulate.fast=false to "
                           "run rollover's own schedulers on the simulated cluster")
-
 
 
 # ---------------------------------------------------------------------------- the drivers

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rollover.config import Config
-from rollover.sim import route
+from rollover.sim import admission, route
 from rollover.sim.costs import DecodeCost, Profile
 
 BIG = np.int64(1 << 60)
@@ -161,7 +161,8 @@ class Fleet:
         self.prompt_tokens = s.prompt_tokens
         self.budget = r.max_new_tokens
         self.slack = r.samples_per_prompt * r.max_new_tokens
-        self.compiled = route.compiled(s.router)  # the router's rule compiled (numba) or in Python
+        self.compiled = route.compiled(s.router)  # the router's rule and admission compiled (numba) or not
+        self.seen = None  # admission.plan_nb's marks
         self.draws = draws
         # per worker
         self.t = np.zeros(W)
@@ -497,64 +498,10 @@ class Fleet:
         self.k[idx] = k
         self.t_end[idx] = self.end(idx, k)
 
-    def _keys(self, sids: np.ndarray, carried: np.ndarray) -> np.ndarray:
-        """Prefill keys: a fresh sample's prompt (its group's samples prefill it once), a resumed
-        sample's own (its prompt and tokens)."""
-        return np.where(carried == 0, self.s_prompt[np.maximum(sids, 0)], -10 - sids)
-
     def _plan_full(self, idx: np.ndarray) -> None:
-        P = self.prompt_tokens
-        m = len(idx)
-        n_keys = np.zeros(m, dtype=np.int64)
-        key_tokens = np.zeros(m, dtype=np.int64)
-        longest = np.zeros(m, dtype=np.int64)
-        # the prompts entering at this boundary already (admitted since the last step): their keys
-        rows_ent = np.nonzero(self.n_ent[idx])[0]
-        if len(rows_ent):
-            w = idx[rows_ent]
-            sid = self.sid[w]
-            ent = (self.entered[w] == self.wstep[w][:, None]) & (sid >= 0)
-            ent_carried = np.where(ent, self.entered[w] - self.born[w], 0)
-            ent_keys = np.where(ent, self._keys(sid, ent_carried), -1)
-            order = np.argsort(ent_keys, axis=1, kind="stable")
-            srt = np.take_along_axis(ent_keys, order, axis=1)
-            tok = np.take_along_axis(np.where(ent, P + ent_carried, 0), order, axis=1)
-            first = (srt != -1) & np.concatenate([np.ones((len(w), 1), bool), srt[:, 1:] != srt[:, :-1]], axis=1)
-            n_keys[rows_ent] = first.sum(axis=1)
-            key_tokens[rows_ent] = (first * tok).sum(axis=1)
-            longest[rows_ent] = (first * tok).max(axis=1)
-        budget = self.max_prefill - key_tokens - self.pre_recompute[idx]
-        free = self.max_rows[idx] - self.rows[idx]
-        take = np.minimum(free, self.qn[idx])
-        F = int(take.max()) if m else 0
-        if F > 0:
-            cols = np.arange(F)
-            pos = (self.qh[idx][:, None] + cols[None, :]) % self.qcap
-            cand = self.qs[idx[:, None], pos]
-            valid = cols[None, :] < take[:, None]
-            carried = np.where(valid, self.s_tok[cand], 0)
-            keys = np.where(valid, self._keys(cand, carried), -2 - cols[None, :])
-            need = P + carried
-            # a key's first candidate in each row (by a stable sort: the earliest among equals)
-            order = np.argsort(keys, axis=1, kind="stable")
-            srt = np.take_along_axis(keys, order, axis=1)
-            first = np.ones((m, F), dtype=bool)
-            first[:, 1:] = srt[:, 1:] != srt[:, :-1]
-            new_key = np.empty((m, F), dtype=bool)
-            np.put_along_axis(new_key, order, first, axis=1)
-            new_key &= valid
-            if len(rows_ent):  # not a key already entering
-                new_key[rows_ent] &= ~(keys[rows_ent, :, None] == ent_keys[:, None, :]).any(axis=2)
-            spent = np.cumsum(new_key * need, axis=1) - new_key * need  # budget used before each candidate
-            keys_before = (n_keys[:, None] > 0) | (cols[None, :] > 0)
-            stop = valid & keys_before & (need > budget[:, None] - spent)
-            admit = np.where(stop.any(axis=1), stop.argmax(axis=1), take)
-            got = new_key & (cols[None, :] < admit[:, None])
-            n_keys = n_keys + got.sum(axis=1)
-            key_tokens = key_tokens + (got * need).sum(axis=1)
-            longest = np.maximum(longest, (got * need).max(axis=1))
-            if admit.any():
-                self._admit(idx, cand, admit)
+        n_keys, key_tokens, longest, admit, cand = (admission.plan_nb if self.compiled else admission.plan_py)(self, idx)
+        if admit.any():
+            admission.admit(self, idx, cand, admit)
         rows = self.rows[idx]
         live = rows > 0
         idx, rows = idx[live], rows[live]
@@ -581,32 +528,6 @@ class Fleet:
         k = np.where(held, 1, k)
         self.k[idx] = k
         self.t_end[idx] = self.end(idx, k)
-
-    def _admit(self, idx: np.ndarray, cand: np.ndarray, admit: np.ndarray) -> None:
-        free = (self.sid[idx] < 0) & self.usable[idx]
-        rank = np.cumsum(free, axis=1) - 1
-        put = free & (rank < admit[:, None])
-        r, c = np.nonzero(put)
-        w = idx[r]
-        s = cand[r, rank[r, c]]
-        carried = self.s_tok[s]
-        self.sid[w, c] = s
-        self.born[w, c] = self.wstep[w] - carried
-        self.entered[w, c] = self.wstep[w]
-        order = np.lexsort((c, r))  # rows fill in queue order
-        self.seq[w[order], c[order]] = self.admitted[0] + np.arange(len(order))
-        self.admitted[0] += len(order)
-        self.fin[w, c] = self.born[w, c] + self.s_target[s]
-        np.minimum.at(self.next_fin, w, self.fin[w, c])
-        self.n_ent[idx] += admit
-        first = carried == 0
-        self.s_v0[s[first]] = self.version  # a resumed sample's first token is older
-        self.rows[idx] += admit
-        tokens = np.bincount(w, weights=self.prompt_tokens + carried, minlength=self.W).astype(np.int64)
-        self.ctx += tokens
-        self.ent_ctx += tokens
-        self.qh[idx] = (self.qh[idx] + admit) % self.qcap
-        self.qn[idx] -= admit
 
     # ------------------------------------------------------------ running
     def run_until(self, H: float, inclusive: bool = False) -> None:

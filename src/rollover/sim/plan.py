@@ -217,6 +217,9 @@ def capacity(cfg: Config, profile: Profile, lengths: Lengths | None = None) -> C
         raise ConfigError("plan sizes clusters whose trainer and rollout workers have devices of their own; "
                           "simulate.shared_device=true describes one box")
     pool = s.pools[0]
+    if pool.kv_tokens is not None:
+        raise ConfigError("plan's closed form has no K/V-cache capacity yet: unset simulate.pools[].kv_tokens, or "
+                          "simulate the point it recommends with kv_tokens set")
     if lengths is None:
         lengths = Lengths.of(length_model(cfg), r.samples_per_prompt, r.prompts_per_step, r.max_new_tokens,
                              ignore_eos=r.ignore_eos)

@@ -26,6 +26,8 @@ def text(r: dict) -> str:
         e = r["env"]
         lines.append(f"  environments ({e['slots']} slots): working {e['utilization']:.0%}, {e['calls']} calls, "
                      f"waiting {e['mean_wait_s']:.2f} s for a slot on average, {e['timed_out']} timed out")
+    if "preempted" in r:
+        lines.append(f"  sequences preempted for K/V capacity (recomputed when readmitted): {r['preempted']}")
     if r.get("loss_token_share") is not None and r["loss_token_share"] < 1:
         lines.append(f"  the loss used {r['loss_token_share']:.0%} of the sampled tokens trained "
                      "(the rest older than partial_rollout.max_carry_steps, masked)")

@@ -23,14 +23,14 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import replace
 
-import torch
+from typing import TYPE_CHECKING
 
 from rollover.config import Config, ConfigError
-from rollover.data import PromptIterator
-from rollover.sim.core import SimCore, SimWorker
 from rollover.sim.costs import Profile, RewardCost, RewardPool
-from rollover.sim.engine import SimEngine
 from rollover.sim.workload import LengthModel, SimRewards, SimTokenizer, make_prompts
+
+if TYPE_CHECKING:  # the schedulers' path imports these where it builds its run (the fast path needs none)
+    from rollover.sim.engine import SimEngine
 
 
 def profile_of(cfg: Config) -> Profile:
@@ -51,13 +51,16 @@ def length_model(cfg: Config) -> LengthModel:
 
 
 def build_engine(cfg: Config, profile: Profile) -> SimEngine:
+    from rollover.sim.core import SimCore, SimWorker
+    from rollover.sim.engine import SimEngine
+
     s, r = cfg.simulate, cfg.rollout
     lengths = length_model(cfg)
     workers = []
     for pool in s.pools:
         cost = replace(profile.decode, **pool.decode)
         for _ in range(pool.workers):
-            workers.append(SimWorker(len(workers), cost, pool.max_rows, pool=pool.name))
+            workers.append(SimWorker(len(workers), cost, pool.max_rows, pool=pool.name, kv_tokens=pool.kv_tokens))
     slack = r.samples_per_prompt * r.max_new_tokens
     longest = cfg.env.max_total_tokens if s.env.enabled else s.prompt_tokens + r.max_new_tokens
     core = SimCore(workers, lengths, max_len=longest + 1, slack=slack)
@@ -67,6 +70,9 @@ def build_engine(cfg: Config, profile: Profile) -> SimEngine:
 def build_sim_run(cfg: Config, engine: SimEngine):
     """A `Run` whose parts are simulated: prompts, rewards and tokenizer (the loops' helpers,
     prompt selection included, are the real ones)."""
+    import torch
+
+    from rollover.data import PromptIterator
     from rollover.loops.common import Run, _NoRecord
 
     s = cfg.simulate
@@ -119,6 +125,11 @@ def check(cfg: Config) -> None:
     if episodes and cfg.simulate.prompt_tokens + 2 > cfg.env.max_total_tokens:
         raise ConfigError(f"rollover simulate: simulate.prompt_tokens={cfg.simulate.prompt_tokens} leaves no room "
                           f"to generate within env.max_total_tokens={cfg.env.max_total_tokens}")
+    longest = cfg.env.max_total_tokens if episodes else cfg.simulate.prompt_tokens + cfg.rollout.max_new_tokens
+    for pool in cfg.simulate.pools:
+        if pool.kv_tokens is not None and pool.kv_tokens <= longest:
+            raise ConfigError(f"simulate.pools: pool {pool.name!r} has kv_tokens={pool.kv_tokens}, too few for one "
+                              f"sequence of {longest} tokens (its prompt and response) and its next token")
     if cfg.runtime != "local":
         raise ConfigError("rollover simulate: runtime must be local (the simulated cluster is set in simulate.pools)")
 
@@ -366,6 +377,8 @@ def summarize(cfg: Config, profile: Profile, engine: SimEngine, rows: list[dict]
         if rewards is not None else {}
     if envs is not None:
         extra["env"] = envs.report(end)
+    if any(w.kv_tokens is not None for w in workers):
+        extra["preempted"] = stats.preempted  # sequences preempted for K/V capacity
     return report(cfg, profile, rows, trainer_tl, pools=[w.pool for w in workers],
                   busy_s=[w.busy_s for w in workers], stall_s=[w.stall_s for w in workers],
                   generated=stats.generated_tokens, occupancy=stats.occupancy,

@@ -13,7 +13,9 @@ measured) figure, the settings of the runs it compares (config overrides on top 
 - `useful_tokens_ratio`: response tokens of trained samples per rollout second, `b` over `a`;
 - `useful_tokens_per_s`: the same of run `a` alone (an absolute figure: for this machine);
 - `samples_per_s`: samples trained per simulated second of run `a` (training in the loop);
-- `samples_ratio`: the same, run `b` over run `a`.
+- `samples_ratio`: the same, run `b` over run `a`;
+- `trained_tokens_ratio`: response tokens of trained samples per simulated second, `b` over `a`
+  (AReaL's effective training throughput: generated tokens consumed by updates per second).
 
 Rollout time is the collect phase of each step (sync and APRIL schedules). The first `warmup`
 steps are left out of every metric (a pipeline filling, a carry buffer priming). A row with `measured: {file, key}` reads its reference figure from a
@@ -47,9 +49,9 @@ def _seconds(report: dict, warmup: int) -> float:
     return rows[-1]["t_end"] - (rows[warmup - 1]["t_end"] if warmup else 0.0)
 
 
-def _samples_per_s(report: dict, warmup: int) -> float:
-    """Samples trained per simulated second after the first `warmup` steps."""
-    return sum(r["samples"] for r in report["step_rows"][warmup:]) / _seconds(report, warmup)
+def _per_s(report: dict, warmup: int, key: str = "samples") -> float:
+    """Samples trained (or their response tokens) per simulated second after the first `warmup` steps."""
+    return sum(r[key] for r in report["step_rows"][warmup:]) / _seconds(report, warmup)
 
 
 METRICS = {
@@ -57,8 +59,9 @@ METRICS = {
     "rollout_tokens_ratio": lambda a, b, w: _rollout(b, w, "engine_tokens") / _rollout(a, w, "engine_tokens"),
     "useful_tokens_ratio": lambda a, b, w: _rollout(b, w, "response_tokens") / _rollout(a, w, "response_tokens"),
     "useful_tokens_per_s": lambda a, b, w: _rollout(a, w, "response_tokens"),
-    "samples_per_s": lambda a, b, w: _samples_per_s(a, w),
-    "samples_ratio": lambda a, b, w: _samples_per_s(b, w) / _samples_per_s(a, w),
+    "samples_per_s": lambda a, b, w: _per_s(a, w),
+    "samples_ratio": lambda a, b, w: _per_s(b, w) / _per_s(a, w),
+    "trained_tokens_ratio": lambda a, b, w: _per_s(b, w, "response_tokens") / _per_s(a, w, "response_tokens"),
 }
 
 

@@ -19,9 +19,12 @@ import math
 import random
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rollover.rewards.runner import BatchRewards, SampleReward
 from rollover.types import Prompt, Request
+
+if TYPE_CHECKING:
+    from rollover.rewards.runner import BatchRewards
 
 TOKEN, EOS = 2, 1  # the simulated model's one word and its end of sequence
 
@@ -120,6 +123,8 @@ class SimRewards:
         self.on_score = None  # called with the scored groups' sizes, in order (the simulated scoring time)
 
     def score(self, prompts, texts, sample_ids, completion_ids=None) -> BatchRewards:
+        from rollover.rewards.runner import BatchRewards, SampleReward  # the reward stack: schedulers' path only
+
         if self.on_score is not None:
             sizes: dict[str, int] = {}
             for sid in sample_ids:
