@@ -556,3 +556,32 @@ def test_async_service_keeps_count_of_running_samples_through_aborts_pauses_and_
                  "simulate.prompts=4",  # prompts come back: dynamic samples resizes their groups
                  "simulate.lengths={median: 30, sigma: 1.2, prompt_sigma: 0.5}")
     assert r["steps"] == 8 and len(checked) > 50 and max(checked) > 0
+
+
+def test_validate_rows_compute_their_metric_from_the_simulated_runs(tmp_path):
+    """A row of `rollover simulate validate` runs its two configs and makes its figure from
+    them (here AReaL's effective training throughput: response tokens trained per second, b
+    over a); every built-in row names its source and a known metric."""
+    import yaml
+
+    from rollover.sim import validate
+
+    base = BASE + ["steps=6", "simulate.lengths={median: 30, sigma: 0.5}"]
+    row = {"name": "tiny", "source": "a hand-made row", "published": 2.0, "metric": "trained_tokens_ratio",
+           "warmup": 1, "base": base, "a": ["mode=async", "async.max_staleness=0"],
+           "b": ["mode=async", "async.max_staleness=2"]}
+    path = tmp_path / "rows.yaml"
+    path.write_text(yaml.safe_dump({"rows": [row]}))
+    (got,) = validate.validate(path)
+    a, b = simulate(*base[len(BASE):], *row["a"]), simulate(*base[len(BASE):], *row["b"])
+
+    def rate(r):
+        rows = r["step_rows"][1:]
+        return sum(x["response_tokens"] for x in rows) / (rows[-1]["t_end"] - r["step_rows"][0]["t_end"])
+
+    assert got["simulated"] == pytest.approx(rate(b) / rate(a)) and got["simulated"] > 1.0
+    assert got["relative_error"] == pytest.approx(got["simulated"] / 2.0 - 1)
+    assert got["within"] == (abs(got["relative_error"]) <= validate.TOLERANCE)
+    spec = yaml.safe_load(validate.ROWS.read_text())
+    for r in spec["rows"]:
+        assert r["metric"] in validate.METRICS and r["source"] and ("published" in r) != ("measured" in r), r["name"]
