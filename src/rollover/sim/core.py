@@ -243,6 +243,11 @@ class SimCore:
                 for s in w.running:
                     out.append(self._drop(w, s, "abort"))
                 w.running, w.context = [], 0
+                if w.kv_tokens is not None:  # preempted sequences are in flight too: they hold new tokens
+                    out += [self._drop(w, s, "abort") for s in w.waiting if s.n > s.carried]
+                    w.waiting = deque(s for s in w.waiting if s.n == s.carried)
+            elif w.kv_tokens is not None:
+                self._preempt(w)  # before counting what to recompute: a preempted row recomputes on readmission
             for s in w.running:
                 s.mark(version)
             if inflight == "continue":
