@@ -70,6 +70,25 @@ def test_fast_path_gives_the_schedulers_times_exactly(overrides):
     assert_same(a, b)
 
 
+@pytest.mark.parametrize("overrides", [
+    ["simulate.pools=[{workers: 4, max_rows: 16, kv_tokens: 1500}]"],
+    # one pool with a cache that binds, one without: the ones that fill it preempt, the others never
+    ["simulate.pools=[{workers: 2, max_rows: 16, kv_tokens: 1200}, {name: roomy, workers: 2, max_rows: 8}]"],
+    # long prompts: admission stops for the cache before the prefill budget
+    ["simulate.prompt_tokens=600", "simulate.pools=[{workers: 2, max_rows: 12, kv_tokens: 4000}]",
+     "rollout.max_new_tokens=256"],
+    ["mode=async", "async.max_staleness=0", "simulate.pools=[{workers: 4, max_rows: 16, kv_tokens: 1500}]"],
+    # an update recomputes the running rows' K/V (continue) after preempting what would not fit
+    ["mode=async", "async.max_staleness=1", "simulate.pools=[{workers: 8, max_rows: 64, kv_tokens: 1500}]"],
+], ids=["sync", "heterogeneous", "long-prompts", "async-eta0", "async-continue"])
+def test_fast_path_gives_the_schedulers_times_with_a_kv_cache(overrides):
+    """A K/V capacity that binds: sequences preempted (the newest, to the queue's front, their
+    tokens recomputed on readmission) at the same boundaries as on the schedulers' path."""
+    a, b = both(*overrides)
+    assert_same(a, b)
+    assert b["preempted"] == a["preempted"] > 0
+
+
 def test_async_fast_path_is_exact_when_workers_never_run_ahead():
     # with one admission wave per update (the gate binds, rows are plentiful) nothing is admitted
     # inside a window at a worker that ran past the admission: the schedule is the schedulers'
@@ -118,7 +137,10 @@ def test_april_fast_path_stays_close_to_the_schedulers():
                  ["partial_rollout.carry=resubmit", "partial_rollout.score_lag=0"],
                  ["partial_rollout.carry=keep_kv", "partial_rollout.score_lag=3", "partial_rollout.oversample=1.5"],
                  ["partial_rollout.carry=keep_kv", "simulate.pools=[{workers: 2, max_rows: 8}]"],
-                 ["partial_rollout.carry=resubmit", "simulate.pools=[{workers: 16, max_rows: 64}]"]):
+                 ["partial_rollout.carry=resubmit", "simulate.pools=[{workers: 16, max_rows: 64}]"],
+                 # a cache that binds: preempted rows wait at the front of their worker's queue
+                 ["partial_rollout.carry=keep_kv", "simulate.pools=[{workers: 4, max_rows: 16, kv_tokens: 1500}]"],
+                 ["partial_rollout.carry=resubmit", "simulate.pools=[{workers: 4, max_rows: 16, kv_tokens: 1500}]"]):
         a, b = both("partial_rollout.enabled=true", *over)
         assert b["samples_trained"] == a["samples_trained"]
         assert b["samples_per_s"] == pytest.approx(a["samples_per_s"], rel=0.02)
@@ -312,7 +334,10 @@ def test_the_compiled_router_gives_the_same_run(monkeypatch):
     ["simulate.prompt_tokens=2048", "simulate.pools=[{workers: 1, max_rows: 24}]", "rollout.max_new_tokens=128"],
     ["partial_rollout.enabled=true", "partial_rollout.carry=resubmit", "simulate.prompt_tokens=1500",
      "simulate.pools=[{workers: 3, max_rows: 6}]"],
-], ids=["prefill-budget", "repeated-prompts", "exact-budget", "april-resubmit"])
+    # the K/V capacity stops admission (long prompts: before the prefill budget, too)
+    ["simulate.prompt_tokens=600", "simulate.pools=[{workers: 2, max_rows: 12, kv_tokens: 4000}]",
+     "rollout.max_new_tokens=256"],
+], ids=["prefill-budget", "repeated-prompts", "exact-budget", "april-resubmit", "kv-cache"])
 def test_compiled_admission_decides_what_the_plain_one_decides(monkeypatch, overrides):
     """At every planning of a run, the numba admission loop (`admission.plan_nb`, `admit`)
     against the numpy rule (`plan_py`, `admit_py`) on the same fleet state: the same keys,
@@ -359,5 +384,6 @@ def test_compiled_admission_decides_what_the_plain_one_decides(monkeypatch, over
     cfg = load_config(None, BASE + overrides)
     simulate_fast(_with_rows(cfg), profile_of(cfg))
     assert seen["calls"] > 10 and seen["admitted"] > 0
-    if "simulate.prompt_tokens=3000" in overrides or "simulate.prompt_tokens=2048" in overrides:
-        assert seen["held"] > 0
+    if any(o in overrides for o in ("simulate.prompt_tokens=3000", "simulate.prompt_tokens=2048",
+                                    "simulate.prompt_tokens=600")):
+        assert seen["held"] > 0  # the prefill budget or the K/V capacity stopped admissions

@@ -1,6 +1,7 @@
 """The `rollover bench train` workload through TRL's GRPOTrainer (`--compare trl`).
 
-Same model (loaded by rollover from the GGUF file, fp32), same prompts (the generator, system
+Same model (loaded by rollover from the GGUF file, fp32; with `train.dtype=autocast_bf16` TRL
+trains and generates under bf16 autocast, `bf16=True`), same prompts (the generator, system
 prompt and instruction of the workload's config, given to TRL in chat form so it applies the
 same chat template), same reward (rollover's `numeric`), same batch (8 prompts x 4 samples =
 32 completions and one optimizer step per generation), same length budget (48 new tokens),
@@ -105,7 +106,8 @@ def _grpo(trl, cfg, prompts, **options):
     micro = max(k for k in range(1, 9) if completions % k == 0)  # micro-batches that add up to the batch
     schedule = "constant_with_warmup" if t.schedule == "constant" and t.warmup_steps else t.schedule
     config = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="rollover-bench-trl-"), use_cpu=True, bf16=False, seed=cfg.seed,
+        output_dir=tempfile.mkdtemp(prefix="rollover-bench-trl-"), use_cpu=True, seed=cfg.seed,
+        bf16=t.dtype == "autocast_bf16",  # rollover's mixed precision is TRL's too: fp32 weights, bf16 autocast
         per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
         num_generations=r.samples_per_prompt, max_completion_length=r.max_new_tokens,
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, learning_rate=t.lr, lr_scheduler_type=schedule,

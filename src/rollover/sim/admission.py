@@ -3,7 +3,8 @@ with `SimCore`'s prefill rule: the queue is taken in order into free rows while 
 budget lasts. A prefill key is a fresh sample's prompt (a group's samples prefill it once) or
 a resumed sample's own tokens; the keys already entering at this boundary are paid for; the
 first candidate whose prefill would overrun what is left stops admission, unless nothing
-has been admitted (the first always goes in).
+has been admitted (the first always goes in). Before that, with a K/V-cache capacity, the first
+candidate that leaves no room for its tokens and one more token of every row stops it.
 
 `plan_py` evaluates the rule on numpy arrays for all planned workers at once; `plan_nb` is a
 numba-compiled loop over workers and candidates (no per-worker sorts or key matrices). Both
@@ -71,6 +72,10 @@ def plan_py(fleet, idx: np.ndarray):
     spent = np.cumsum(new_key * need, axis=1) - new_key * need  # budget used before each candidate
     keys_before = (n_keys[:, None] > 0) | (cols[None, :] > 0)
     stop = valid & keys_before & (need > budget[:, None] - spent)
+    if f.has_kv:  # each row holds its own tokens: the K/V taken by the candidates before each
+        held = np.cumsum(valid * need, axis=1) - valid * need
+        stop |= valid & (f.ctx[idx][:, None] + held + need + f.rows[idx][:, None] + cols[None, :] + 1
+                         > f.kv[idx][:, None])
     admit = np.where(stop.any(axis=1), stop.argmax(axis=1), take)
     got = new_key & (cols[None, :] < admit[:, None])
     n_keys = n_keys + got.sum(axis=1)
@@ -81,7 +86,7 @@ def plan_py(fleet, idx: np.ndarray):
 
 @_jit
 def _plan_nb(idx, sid, entered, born, wstep, n_ent, s_prompt, s_tok, qs, qh, qn, max_rows, rows, pre_recompute,
-             max_prefill, P, seen):
+             max_prefill, P, seen, ctx, kv):
     m, R, qcap = idx.shape[0], sid.shape[1], qs.shape[1]
     n_keys = np.zeros(m, np.int64)
     key_tokens = np.zeros(m, np.int64)
@@ -110,10 +115,15 @@ def _plan_nb(idx, sid, entered, born, wstep, n_ent, s_prompt, s_tok, qs, qh, qn,
         take = min(max_rows[w] - rows[w], qn[w])
         a = take
         spent = 0
+        held = 0
         any_before = nk > 0
         for j in range(take):
             s = qs[w, (qh[w] + j) % qcap]
             need = P + s_tok[s]
+            if ctx[w] + held + need + rows[w] + j + 1 > kv[w]:  # no K/V room (kv: BIG without a capacity)
+                a = j
+                break
+            held += need
             if (any_before or j > 0) and need > budget - spent:
                 a = j
                 break
@@ -149,7 +159,7 @@ def plan_nb(fleet, idx: np.ndarray):
         f.seen = np.zeros(len(f.home), dtype=np.bool_)
     n_keys, key_tokens, longest, admit = _plan_nb(
         idx, f.sid, f.entered, f.born, f.wstep, f.n_ent, f.s_prompt, f.s_tok, f.qs, f.qh, f.qn, f.max_rows, f.rows,
-        f.pre_recompute, np.int64(f.max_prefill), np.int64(f.prompt_tokens), f.seen)
+        f.pre_recompute, np.int64(f.max_prefill), np.int64(f.prompt_tokens), f.seen, f.ctx, f.kv)
     F = int(admit.max()) if len(admit) else 0
     if F == 0:
         return n_keys, key_tokens, longest, admit, None

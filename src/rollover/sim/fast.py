@@ -8,7 +8,8 @@ future, its routing decision and its completion: about 200 us of Python each, ha
   one it finishes at). Every worker moves from event to event as `SimCore` does (admission at a
   step boundary with one prefill per prompt and the same prefill budget, closed-form segments
   between finishes, a pure or mixed prefill step, a command taking effect at the first
-  boundary at or after its time), all workers in lockstep: one numpy pass applies each
+  boundary at or after its time, a K/V-cache capacity with the newest sequences preempted to
+  the queue's front and recomputed on readmission), all workers in lockstep: one numpy pass applies each
   worker's next event.
 - **Routing** is the Ray router's rule (least outstanding tokens, prompt affinity within
   `slack`), in closed form per fresh group, request by request for resumed samples.
@@ -52,7 +53,8 @@ import numpy as np
 
 from rollover.config import Config, ConfigError
 from rollover.sim.costs import Profile
-from rollover.sim.fleet import Draws, Fleet
+from rollover.sim.fleet import Fleet
+from rollover.sim.vector import Draws
 
 # finishes per worker in a window of async and APRIL runs: smaller is closer to the schedulers'
 # path and slower. At 1,024 workers (examples/sim_1024.yaml, 12 steps, the schedulers' draws),
@@ -91,8 +93,6 @@ def check(cfg: Config) -> None:
         why.append("scoring time (simulate.reward)")
     if cfg.simulate.shared_device:
         why.append("a shared device (simulate.shared_device)")
-    if any(p.kv_tokens is not None for p in cfg.simulate.pools):
-        why.append("a K/V-cache capacity (simulate.pools[].kv_tokens)")
     if cfg.mode == "async":
         a = cfg.async_
         if a.dynamic_samples or a.experience_pool:
@@ -497,4 +497,5 @@ def _summary(cfg: Config, profile: Profile, fleet: Fleet, rows: list[dict], trai
                   busy_s=fleet.busy_s.tolist(), stall_s=fleet.stall_s.tolist(), generated=generated,
                   occupancy=generated / total_rows if total_rows else 0.0,
                   timelines=fleet.timeline if fleet.timeline is not None else [],
+                  extra={"preempted": int(fleet.preempted[0])} if fleet.has_kv else None,
                   mode=f" [fast path, {'numba' if fleet.compiled else 'python'} router]")

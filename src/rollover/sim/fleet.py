@@ -1,140 +1,23 @@
 """The fast path's workers (`rollover.sim.fast`): every rollout worker of the simulated cluster
-as a row of numpy arrays, its response-length draws and its step costs. `Fleet` moves all
+as a row of numpy arrays (their length draws and step costs: `rollover.sim.vector`). `Fleet` moves all
 workers in lockstep, each to its own next event, with `SimCore`'s semantics (admission at a
 step boundary, one prefill per prompt within the prefill budget, closed-form segments between
-finishes, a command at the first boundary at or after its time) and routes requests by the Ray
-router's rule; the drivers in `rollover.sim.fast` decide what is admitted when."""
+finishes, a command at the first boundary at or after its time, a K/V-cache capacity with the
+newest sequences preempted when it would overflow) and routes requests by the Ray router's
+rule; the drivers in `rollover.sim.fast` decide what is admitted when."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from rollover.config import Config
 from rollover.sim import admission, route
-from rollover.sim.costs import DecodeCost, Profile
+from rollover.sim.costs import Profile
+from rollover.sim.vector import Costs, Draws
 
 BIG = np.int64(1 << 60)
-
-# ---------------------------------------------------------------------------- draws
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 of uint64 values."""
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-
-def _uniform(x: np.ndarray) -> np.ndarray:
-    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
-
-
-def _normal(key: np.ndarray) -> np.ndarray:
-    a = _mix(key)
-    b = _mix(a ^ np.uint64(0xD1B54A32D192ED03))
-    return np.sqrt(-2.0 * np.log(_uniform(a))) * np.cos(2 * math.pi * _uniform(b))
-
-
-class Draws:
-    """Response lengths of samples: `vector` (numpy, the default path's distribution) or
-    `exact` (the default path's own per-sample draws: slow, for comparisons)."""
-
-    def __init__(self, cfg: Config, kind: str = "vector"):
-        from rollover.sim.run import length_model
-        from rollover.sim.workload import make_prompts
-
-        self.kind, self.cfg = kind, cfg
-        self.model = length_model(cfg)
-        s = cfg.simulate
-        self.budget = cfg.rollout.max_new_tokens
-        self.ignore_eos = cfg.rollout.ignore_eos
-        if kind == "exact":
-            _, ids = make_prompts(s.prompts, cfg.seed, s.prompt_tokens, s.solve_alpha, s.solve_beta)
-            self.keys = [hash(tuple(ids[f"sim{i}"])) for i in range(s.prompts)]
-        else:
-            m = self.model
-            self.factor = m.prompt_sigma * _normal(np.arange(s.prompts, dtype=np.uint64) * np.uint64(2654435761)
-                                                   + np.uint64(17))
-            self.values = np.asarray(m.values, dtype=np.int64) if m.kind == "empirical" else None
-
-    def targets(self, prompts: np.ndarray, serials: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens each sample generates (n per group, groups `serials` of `prompts`, in order),
-        and whether it stops on its own (else it runs to its budget)."""
-        from rollover.rollout.groups import sample_seed
-
-        if self.kind == "exact":
-            want = np.array([self.model.draw(self.keys[p], sample_seed(self.cfg.seed, g, j))
-                             for p, g in zip(prompts.tolist(), serials.tolist()) for j in range(n)], dtype=np.int64)
-        else:  # sample_seed, vectorised (exact in int64 for seeds < 2**32)
-            seeds = ((np.int64(self.cfg.seed) * 1_000_003 + np.repeat(serials, n).astype(np.int64)) * 1_009
-                     + np.tile(np.arange(n, dtype=np.int64), len(serials))) % (1 << 62)
-            key = seeds.astype(np.uint64)
-            if self.values is not None:
-                idx = (_uniform(_mix(key)) * len(self.values)).astype(np.int64)
-                want = np.maximum(1, self.values[idx])
-            else:
-                z = _normal(key) * self.model.sigma + np.repeat(self.factor[prompts], n)
-                want = np.maximum(1, np.rint(self.model.median * np.exp(z))).astype(np.int64)
-        stop = want < self.budget
-        if self.ignore_eos:
-            stop[:] = False
-        return np.where(stop, want, self.budget), stop
-
-
-# ---------------------------------------------------------------------------- costs
-@dataclass
-class _Cost:
-    """One pool's DecodeCost over the workers `mask` selects."""
-
-    cost: DecodeCost
-    mask: np.ndarray | None  # None: every worker
-
-    def rows_time(self, rows: np.ndarray) -> np.ndarray:
-        c = self.cost
-        r = rows.astype(np.float64)
-        t = c.rows_table
-        if not t:
-            return c.step_s + c.per_row_s * r
-        xs = np.array([p[0] for p in t], dtype=np.float64)
-        ys = np.array([p[1] for p in t], dtype=np.float64)
-        out = np.interp(r, xs, ys)
-        out = np.where(r < xs[0], ys[0] + c.per_row_s * (r - xs[0]), out)
-        return np.where(r > xs[-1], ys[-1] + c.per_row_s * (r - xs[-1]), out)
-
-    def prefill(self, tokens: np.ndarray) -> np.ndarray:
-        c = self.cost
-        x = tokens.astype(np.float64)
-        return np.where(tokens > 0, c.prefill_s + c.prefill_per_token_s * x + c.prefill_quadratic_s * x * x, 0.0)
-
-
-class _Costs:
-    def __init__(self, costs: list[DecodeCost], pool_of: np.ndarray):
-        self.single = len(set(costs)) == 1
-        self.pools = [_Cost(c, None if self.single else pool_of == i) for i, c in enumerate(costs)]
-        self.pool_of = pool_of
-        self.per_ctx = np.array([c.per_context_token_s for c in costs])[pool_of]
-        self.prefill_s = np.array([c.prefill_s for c in costs])[pool_of]
-        self.padded = np.array([c.prefill_padded for c in costs])[pool_of]
-
-    def _each(self, idx: np.ndarray, fn: str, x: np.ndarray) -> np.ndarray:
-        if self.single:
-            return getattr(self.pools[0], fn)(x)
-        out = np.empty(len(idx))
-        which = self.pool_of[idx]
-        for i, p in enumerate(self.pools):
-            sel = which == i
-            if sel.any():
-                out[sel] = getattr(p, fn)(x[sel])
-        return out
-
-    def step(self, idx, rows, context) -> np.ndarray:
-        return self._each(idx, "rows_time", rows) + self.per_ctx[idx] * context
-
-    def prefill(self, idx, tokens) -> np.ndarray:
-        return self._each(idx, "prefill", tokens)
 
 
 # ---------------------------------------------------------------------------- the workers
@@ -145,18 +28,22 @@ class Fleet:
         from dataclasses import replace
 
         s, r = cfg.simulate, cfg.rollout
-        costs, pool_of, rows, names = [], [], [], []
+        costs, pool_of, rows, names, kv = [], [], [], [], []
         for i, pool in enumerate(s.pools):
             costs.append(replace(profile.decode, **pool.decode))
             pool_of += [i] * pool.workers
             rows += [pool.max_rows] * pool.workers
+            kv += [BIG if pool.kv_tokens is None else pool.kv_tokens] * pool.workers
             names.append(pool.name)
         self.W = W = len(pool_of)
         self.R = R = max(rows)
         self.pool_of = np.array(pool_of)
         self.pool_names = names
-        self.cost = _Costs(costs, self.pool_of)
+        self.cost = Costs(costs, self.pool_of)
         self.max_rows = np.array(rows, dtype=np.int64)
+        self.kv = np.array(kv, dtype=np.int64)  # K/V capacity in tokens (BIG: the rows alone limit it)
+        self.has_kv = any(p.kv_tokens is not None for p in s.pools)
+        self.preempted = np.zeros(1, dtype=np.int64)  # sequences preempted for K/V capacity
         self.max_prefill = 8192  # SimWorker's default
         self.prompt_tokens = s.prompt_tokens
         self.budget = r.max_new_tokens
@@ -419,8 +306,8 @@ class Fleet:
         self.plan(idx)
 
     _STATE = ("t", "rows", "ctx", "load", "k", "extra", "base", "slope", "pre_recompute", "recompute", "busy_s",
-              "stall_s", "wstep", "born", "entered", "fin", "next_fin", "n_ent", "ent_ctx", "seq", "sid", "t_end", "qs", "qh", "qn", "home",
-              "row_steps", "open", "admitted")
+              "stall_s", "wstep", "born", "entered", "fin", "next_fin", "n_ent", "ent_ctx", "seq", "sid", "t_end", "qs", "qh",
+              "qn", "home", "row_steps", "open", "admitted", "preempted")
 
     def snapshot(self) -> dict:
         """The state a window changes (sample arrays only grow: their count is enough)."""
@@ -454,6 +341,7 @@ class Fleet:
         self.stall_s += seconds
         self.t = start + seconds
         self.version = version
+        self._preempt(idx)  # before counting what to recompute: a preempted row recomputes on readmission
         fresh = (self.sid >= 0) & (self.born == self.wstep[:, None])  # no token yet: its first is the new version's
         self.s_v0[self.sid[fresh]] = version
         if inflight == "continue":
@@ -475,6 +363,7 @@ class Fleet:
         self.k[idx] = 0
         if self.paused:
             return
+        self._preempt(idx)
         self.pre_recompute[idx] = np.where(self.rows[idx] > 0, self.pre_recompute[idx], 0)
         # most plans follow a finish with nothing to admit, prefill or recompute: plain decoding
         plain = (self.n_ent[idx] == 0) & ((self.qn[idx] == 0) | (self.rows[idx] == self.max_rows[idx])) \
@@ -494,9 +383,45 @@ class Fleet:
         self.base[idx] = self.cost.step(idx, rows, self.ctx[idx])
         self.extra[idx] = 0.0
         self.slope[idx] = self.cost.per_ctx[idx] * rows
-        k = self.next_fin[idx] - self.wstep[idx]
+        k = self._kv_bound(idx, rows, self.next_fin[idx] - self.wstep[idx])
         self.k[idx] = k
         self.t_end[idx] = self.end(idx, k)
+
+    def _kv_bound(self, idx: np.ndarray, rows: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """At most the steps after which the K/V cache would overflow (then a preemption)."""
+        if not self.has_kv:
+            return k
+        return np.minimum(k, (self.kv[idx] - self.ctx[idx]) // rows)
+
+    def _preempt(self, idx: np.ndarray) -> None:
+        """Free K/V for the next step's token of every row (`SimCore._preempt`): the newest
+        running sequences go back to the front of their worker's queue with their tokens,
+        recomputed when readmitted."""
+        if not self.has_kv or not len(idx):
+            return
+        P = self.prompt_tokens
+        for w in idx[self.ctx[idx] + self.rows[idx] > self.kv[idx]].tolist():
+            out = []
+            while self.rows[w] and self.ctx[w] + self.rows[w] > self.kv[w]:
+                occ = np.nonzero(self.sid[w] >= 0)[0]
+                c = occ[np.argmax(self.seq[w, occ])]
+                s, tok = self.sid[w, c], self.wstep[w] - self.born[w, c]
+                self.s_tok[s] = tok
+                self.ctx[w] -= P + tok
+                if self.entered[w, c] == self.wstep[w]:
+                    self.n_ent[w] -= 1
+                    self.ent_ctx[w] -= P + tok
+                self.rows[w] -= 1
+                self.sid[w, c], self.fin[w, c] = -1, BIG
+                out.append(s)
+            self.next_fin[w] = self.fin[w].min()
+            self.preempted[0] += len(out)
+            if self.qn[w] + len(out) > self.qcap:
+                self._grow_queue(int(self.qn[w]) + len(out))
+            for s in out:  # newest first, each to the front: the oldest ends up first
+                self.qh[w] = (self.qh[w] - 1) % self.qcap
+                self.qs[w, self.qh[w]] = s
+                self.qn[w] += 1
 
     def _plan_full(self, idx: np.ndarray) -> None:
         n_keys, key_tokens, longest, admit, cand = (admission.plan_nb if self.compiled else admission.plan_py)(self, idx)
@@ -523,8 +448,11 @@ class Fleet:
         self.base[idx] = base
         self.extra[idx] = decode + part - base
         self.slope[idx] = self.cost.per_ctx[idx] * rows
-        k = self.next_fin[idx] - self.wstep[idx]
+        k = self._kv_bound(idx, rows, self.next_fin[idx] - self.wstep[idx])
         held = (self.qn[idx] > 0) & (rows < self.max_rows[idx])
+        if self.has_kv:  # held back by the prefill budget, not by the K/V capacity
+            nxt = self.qs[idx, self.qh[idx] % self.qcap]
+            held &= self.ctx[idx] + self.prompt_tokens + self.s_tok[nxt] + rows + 1 <= self.kv[idx]
         k = np.where(held, 1, k)
         self.k[idx] = k
         self.t_end[idx] = self.end(idx, k)

@@ -14,7 +14,9 @@ fraction of groups dynamic sampling keeps). With N workers of R rows each:
 where L̄ is the mean response length (the budget truncating the draw; the budget itself under
 ignore_eos), c̄ = P + E[L²]/(2·L̄) the context a running row holds on average (a row spends more
 steps in long samples), P the prompt tokens, and a group's prompt is prefilled once. Each worker
-may run r_max = min(R, (η+1)·S / N) rows (the gate lets (η+1)·B groups be in flight). For η ≥ 1
+may run r_max = min(R, K / (c̄ + 1), (η+1)·S / N) rows (the gate lets (η+1)·B groups be in flight;
+a K/V cache of K tokens holds about K / (c̄ + 1) rows of average context: preemptions, which
+recompute a row's K/V when it comes back, are not in the closed form). For η ≥ 1
 a training step starts every
 
     cycle = max( T_t + T_s,                                  the trainer's own step and push
@@ -87,10 +89,19 @@ class Capacity:
     prompt_tokens: int
     lengths: Lengths
     kept: float = 1.0  # fraction of groups dynamic sampling keeps
+    kv_tokens: int | None = None  # a worker's K/V capacity (None: the rows alone limit it)
 
     @property
     def samples(self) -> float:
         return self.prompts_per_step * self.group / self.kept
+
+    @property
+    def row_limit(self) -> float:
+        """Rows a worker can run: its rows, or as many rows of average context as its K/V holds."""
+        if self.kv_tokens is None:
+            return self.rows
+        L = self.lengths
+        return max(1.0, min(self.rows, self.kv_tokens / (self.prompt_tokens + L.second / (2 * L.mean) + 1)))
 
     def step_s(self, r: float) -> float:
         P, L = self.prompt_tokens, self.lengths
@@ -118,7 +129,7 @@ class Capacity:
     def bound(self, workers: int, eta: int) -> tuple[float, str]:
         """(seconds between training steps, what sets them: 'trainer', 'rollout' or 'latency')."""
         S, Tt, Ts, L = self.samples, self.train_s(), self.sync.seconds(workers), self.lengths
-        full = min(self.rows, (eta + 1) * S / workers)  # rows a worker may run
+        full = min(self.row_limit, (eta + 1) * S / workers)  # rows a worker may run
         generate = S / (workers * self.worker_rate(full))
         if eta == 0:
             last = L.batch_max * self.step_s(full)
@@ -184,14 +195,14 @@ class Capacity:
                 f"plan: no number of workers reaches trainer utilization {target:g} with eta <= {ETA_MAX}: the best "
                 f"is {u:.3f} (eta={e}, {n} workers, bound by {self.bound(n, e)[1]}); a training step takes "
                 f"{self.train_s():.3g} s, the weight push {self.sync.seconds(n):.3g} s there, and a batch's longest "
-                f"response ({self.lengths.batch_max:.0f} tokens) {self.lengths.batch_max * self.step_s(self.rows):.3g} s "
+                f"response ({self.lengths.batch_max:.0f} tokens) {self.lengths.batch_max * self.step_s(self.row_limit):.3g} s "
                 f"at full rows (lower the target, shorten the tail: rollout.max_new_tokens, or cheapen the push)")
         fewest = min(found.values())
         eta = min(e for e, n in found.items() if n <= math.ceil(1.05 * fewest))
         n = found[eta]
         return {"workers": n, "eta": eta, "utilization": self.utilization(n, eta), "per_eta": per_eta,
                 "train_s": self.train_s(), "sync_s": self.sync.seconds(n), "cycle_s": self.cycle(n, eta),
-                "worker_samples_per_s": self.worker_rate(min(self.rows, (eta + 1) * self.samples / n))}
+                "worker_samples_per_s": self.worker_rate(min(self.row_limit, (eta + 1) * self.samples / n))}
 
 
 def kept_fraction(cfg: Config) -> float:
@@ -217,15 +228,12 @@ def capacity(cfg: Config, profile: Profile, lengths: Lengths | None = None) -> C
         raise ConfigError("plan sizes clusters whose trainer and rollout workers have devices of their own; "
                           "simulate.shared_device=true describes one box")
     pool = s.pools[0]
-    if pool.kv_tokens is not None:
-        raise ConfigError("plan's closed form has no K/V-cache capacity yet: unset simulate.pools[].kv_tokens, or "
-                          "simulate the point it recommends with kv_tokens set")
     if lengths is None:
         lengths = Lengths.of(length_model(cfg), r.samples_per_prompt, r.prompts_per_step, r.max_new_tokens,
                              ignore_eos=r.ignore_eos)
     return Capacity(decode=replace(profile.decode, **pool.decode), rows=pool.max_rows, train=profile.train,
                     sync=profile.sync, prompts_per_step=r.prompts_per_step, group=r.samples_per_prompt,
-                    prompt_tokens=s.prompt_tokens, lengths=lengths, kept=kept_fraction(cfg))
+                    prompt_tokens=s.prompt_tokens, lengths=lengths, kept=kept_fraction(cfg), kv_tokens=pool.kv_tokens)
 
 
 def scaled(cfg: Config, m: int, workers: int, eta: int) -> Config:
