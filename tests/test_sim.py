@@ -479,8 +479,8 @@ def test_closed_form_is_within_15_percent_of_the_simulation():
 def test_closed_form_counts_the_rows_a_kv_cache_holds(tmp_path):
     """A cache of 600 tokens holds about 7 rows of average context (16 prompt tokens and ~70
     of response on average): the closed form runs that many rows a worker. It leaves out the
-    preemptions' recompute, so it is optimistic where rollout binds (measured +10% to +26% on
-    these points), and plan's simulation step corrects its recommendation to the target."""
+    preemptions' recompute, so it reads high (+3.5% to +26% over the points of
+    benchmarks/plan_kv_error.py), and plan's simulation step corrects its recommendation."""
     from rollover.sim.cli import main
     from rollover.sim.plan import capacity, scaled, steady_utilization, warmup
     from rollover.sim.run import profile_of

@@ -96,16 +96,19 @@ class Capacity:
         return self.prompts_per_step * self.group / self.kept
 
     @property
+    def context(self) -> float:
+        """c̄: the tokens a running row holds on average (a row spends more steps in long samples)."""
+        return self.prompt_tokens + self.lengths.second / (2 * self.lengths.mean)
+
+    @property
     def row_limit(self) -> float:
         """Rows a worker can run: its rows, or as many rows of average context as its K/V holds."""
         if self.kv_tokens is None:
             return self.rows
-        L = self.lengths
-        return max(1.0, min(self.rows, self.kv_tokens / (self.prompt_tokens + L.second / (2 * L.mean) + 1)))
+        return max(1.0, min(self.rows, self.kv_tokens / (self.context + 1)))
 
     def step_s(self, r: float) -> float:
-        P, L = self.prompt_tokens, self.lengths
-        ctx = P + L.second / (2 * L.mean)
+        P, L, ctx = self.prompt_tokens, self.lengths, self.context
         d = self.decode
         prefill = (d.prefill_per_token_s * P + d.prefill_quadratic_s * P * P) / self.group
         rows = max(1.0, r)
@@ -114,8 +117,7 @@ class Capacity:
     def recompute_s(self, r: float) -> float:
         """A worker's stall after each weight push beyond the push: the K/V of its r running rows
         computed again under the new weights (a prefill of their context)."""
-        L = self.lengths
-        return self.decode.prefill(max(1.0, r) * (self.prompt_tokens + L.second / (2 * L.mean)))
+        return self.decode.prefill(max(1.0, r) * self.context)
 
     def worker_rate(self, r: float) -> float:
         return r / (self.lengths.mean * self.step_s(r))  # r < 1: a worker idle part of the time
