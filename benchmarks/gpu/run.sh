@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One lease of a lent GPU, in one call: the CUDA paths of the tests, then `bench april
-# --workload longtail`, `bench engine` (135M and a Qwen2.5-0.5B-shaped model, CUDA graphs on and
-# off), `bench train` at three micro-batch sizes and `simulate calibrate --device cuda`, each
-# under its own time limit and all under one deadline, results tarred after every step (a
+# One lease of a lent GPU, in one call: the CUDA paths of the tests, then `bench april`
+# (long-tail and natural lengths), `bench engine` (135M at two batch sizes and a
+# Qwen2.5-0.5B-shaped model), `bench train` at two micro-batch sizes and on the demo workload
+# beside TRL's GRPOTrainer, `simulate calibrate --device cuda` and a profile of the decode
+# step, each under its own time limit and all under one deadline, results tarred after every step (a
 # cut-off call still returns them). docs/benchmarks.md "On a GPU" has the last lease's figures.
 #
 #   bash benchmarks/gpu/run.sh OUTDIR [SECONDS]     (from the repository root)
@@ -13,7 +14,7 @@
 # machine reaches no model hub). SMALL=1 shrinks every size, to try the script on a CPU.
 # Preparing both, on the machine that holds this checkout (both folders git-ignored there, via
 # .git/info/exclude, and carried with the call), for a Python 3.12 x86-64 target:
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl pydantic==2.14.4 #     pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 #     math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 gguf==0.19.0 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl pydantic==2.14.4 #     pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 #     math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 gguf==0.19.0 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 trl==1.16.0
 #   mkdir -p .gpu/smollm2 && cp ~/.cache/rollover/models/smollm2-135m-instruct/{config.json,\
 #     generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/smollm2/
 set -u
@@ -53,23 +54,31 @@ python3 -c "import rollover.cli, rollover.config, rollover.engine.torch_engine, 
   || { echo "rollover does not import here"; exit 1; }
 step stand_ins 90 python3 benchmarks/gpu/stand_ins.py --tokenizer .gpu/smollm2 --cache /tmp/rc --qwen /tmp/qwen05 --device "$DEV" || exit 1
 
-TAIL=30 step tests 110 python3 -m pytest tests/test_cuda.py tests/test_engine.py tests/test_train.py tests/test_april.py \
-  tests/test_async.py tests/test_rollout_core.py tests/test_env_training.py -q -n "${WORKERS:-6}" -p no:cacheprovider \
+TESTS="tests/test_cuda.py tests/test_engine.py tests/test_train.py tests/test_april.py tests/test_async.py
+  tests/test_rollout_core.py tests/test_env_training.py"
+[ "${SMALL:-0}" = 1 ] && TESTS=tests/test_cuda.py  # the rest is CI's, on a CPU
+TAIL=30 step tests 130 python3 -m pytest $TESTS -q -n "${WORKERS:-6}" -p no:cacheprovider \
   --timeout 100 -W ignore
 ENGINE="--dtype bfloat16 --prompts $P --new-tokens $NT --max-rows $ROWS --repeats 2 --device $DEV"
 TRAIN="--steps $ST rollout.prompts_per_step=$TP rollout.samples_per_prompt=$TS rollout.max_new_tokens=$TNT \
   rollout.max_rows=$(( TP * TS )) device=$DEV"
-# in order of what the last lease left open: APRIL with admission apart from the graphed decode,
-# the engine after the host-side work, training micro-batches sized for a GPU
-step april 110 rollover bench april --workload longtail --steps 6 --warmup 1 --prompts-per-step $AP --samples-per-prompt $AS \
-  --max-rows $ARW --max-new-tokens $ANT --json "$RES/april_longtail.json"
-step engine_135m 80 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_135m.json"
-step train 80 rollover bench train $TRAIN --json "$RES/train.json"
-step train_mb16k 80 rollover bench train $TRAIN train.micro_batch_tokens=16384 --json "$RES/train_mb16k.json"
-step train_mb64k 80 rollover bench train $TRAIN train.micro_batch_tokens=65536 --json "$RES/train_mb64k.json"
+# in order of what the last lease left open: APRIL with admission apart from the graphed decode
+# (three repeats), the engine after the host-side work and at a larger batch, training
+# micro-batches sized for a GPU, the simulator's GPU profile, the 0.5B shape, APRIL's natural lengths
+step april 150 rollover bench april --workload longtail --steps 6 --warmup 1 --prompts-per-step $AP --samples-per-prompt $AS \
+  --max-rows $ARW --max-new-tokens $ANT --repeats 3 --json "$RES/april_longtail.json"
+step engine_135m 70 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_135m.json"
+step engine_135m_rows4x 70 rollover bench engine --dtype bfloat16 --prompts $(( 4 * P )) --new-tokens $NT \
+  --max-rows $(( 4 * ROWS )) --repeats 2 --device $DEV --skip-hf --json "$RES/engine_135m_rows4x.json"
+step train 70 rollover bench train $TRAIN --json "$RES/train.json"
+step train_mb64k 70 rollover bench train $TRAIN train.micro_batch_tokens=65536 --json "$RES/train_mb64k.json"
 step calibrate 90 rollover simulate calibrate --device "$DEV" --out "$RES/sim_135m.json" --debug
-step engine_0_5b 80 rollover bench engine --model /tmp/qwen05 $ENGINE --skip-hf --json "$RES/engine_0_5b.json"
-step engine_135m_eager 80 rollover bench engine $ENGINE --cuda-graphs off --skip-hf --json "$RES/engine_135m_eager.json"
+step train_trl 90 rollover bench train --steps $ST device=$DEV --compare trl --json "$RES/train_trl.json"
+step engine_0_5b 70 rollover bench engine --model /tmp/qwen05 $ENGINE --skip-hf --json "$RES/engine_0_5b.json"
+step profile 60 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
+  --out "$RES/profile_decode.txt"
+step april_natural 90 rollover bench april --workload natural --steps 4 --warmup 1 --prompts-per-step $AP \
+  --samples-per-prompt $AS --max-rows $ARW --json "$RES/april_natural.json"
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv > "$RES/env_after.txt" 2>&1
 tar czf "$OUT/results.tgz" -C "$RES" .
 echo "=== done $(date +%T)"

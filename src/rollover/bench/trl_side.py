@@ -1,7 +1,8 @@
 """The `rollover bench train` workload through TRL's GRPOTrainer (`--compare trl`).
 
-Same model (loaded by rollover from the GGUF file, fp32; with `train.dtype=autocast_bf16` TRL
-trains and generates under bf16 autocast, `bf16=True`), same prompts (the generator, system
+Same model (loaded by rollover from the GGUF file, fp32; where rollover's trainer uses bf16
+autocast, `train.dtype=autocast_bf16` or `auto` on CUDA, TRL trains and generates under it too,
+`bf16=True`), on the config's `device`, same prompts (the generator, system
 prompt and instruction of the workload's config, given to TRL in chat form so it applies the
 same chat template), same reward (rollover's `numeric`), same batch (8 prompts x 4 samples =
 32 completions and one optimizer step per generation), same length budget (48 new tokens),
@@ -90,6 +91,7 @@ def _grpo(trl, cfg, prompts, **options):
     from datasets import Dataset
 
     from rollover.data.render import render_messages
+    from rollover.loops.common import pick_device
     from rollover.models import load_hf_model, load_tokenizer
     from rollover.rewards.builtins import numeric_reward
 
@@ -105,9 +107,11 @@ def _grpo(trl, cfg, prompts, **options):
     completions = r.prompts_per_step * r.samples_per_prompt
     micro = max(k for k in range(1, 9) if completions % k == 0)  # micro-batches that add up to the batch
     schedule = "constant_with_warmup" if t.schedule == "constant" and t.warmup_steps else t.schedule
+    device = pick_device(cfg.device)
     config = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="rollover-bench-trl-"), use_cpu=True, seed=cfg.seed,
-        bf16=t.dtype == "autocast_bf16",  # rollover's mixed precision is TRL's too: fp32 weights, bf16 autocast
+        output_dir=tempfile.mkdtemp(prefix="rollover-bench-trl-"), use_cpu=device.type == "cpu", seed=cfg.seed,
+        # rollover's mixed precision is TRL's too: fp32 weights, bf16 autocast (on CUDA by default)
+        bf16=t.dtype == "autocast_bf16" or (t.dtype == "auto" and device.type == "cuda"),
         per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
         num_generations=r.samples_per_prompt, max_completion_length=r.max_new_tokens,
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, learning_rate=t.lr, lr_scheduler_type=schedule,
