@@ -527,3 +527,37 @@ def test_admission_apart_from_decode_gives_the_fused_tokens(model):
     for a, b in zip(outs[False], outs[True]):
         assert a.response_ids == b.response_ids, a.id
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_admission_waits_for_a_batch_while_others_decode(model):
+    """`admit_batch`: while others decode, waiting requests are admitted in batches (fewer
+    admitting steps, each an eager prefill on a GPU), never later than `admit_max_wait` steps;
+    greedy and seeded outputs do not depend on when a request was admitted."""
+    reqs = lambda: [Request(id=f"b{i}", prompt_ids=list(range(4, 7 + i % 5)),  # noqa: E731
+                            sampling=SamplingParams(temperature=float(i % 2), seed=i, ignore_eos=True,
+                                                    max_new_tokens=6 + (7 * i) % 23))
+                    for i in range(24)]
+    outs, stats = {}, {}
+    for batch in (1, 4):
+        with TorchEngine(model, device="cpu", max_rows=8, max_len=96, eos_token_ids=[], admit_batch=batch,
+                         admit_max_wait=6) as eng:
+            assert eng.core.admit_batch == batch
+            outs[batch], stats[batch] = eng.generate(reqs()), eng.stats()
+    for a, b in zip(outs[1], outs[4]):
+        assert a.response_ids == b.response_ids, a.id
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert 0 < stats[4].admission_steps <= stats[1].admission_steps // 2, (stats[4], stats[1])
+    # a deferral costs idle rows: more decode steps, but at most admit_max_wait per admission
+    extra = stats[4].decode_steps - stats[1].decode_steps
+    assert 0 <= extra <= 6 * stats[4].admission_steps, (extra, stats[4].admission_steps)
+
+
+def test_admit_batch_defaults_by_whether_admission_is_separate(model):
+    with TorchEngine(model, device="cpu", max_rows=16, max_len=32, eos_token_ids=[]) as eng:
+        assert eng.core.admit_batch == 1  # the CPU's fused mixed pass: admit every step
+    from rollover.engine.core import EngineCore
+
+    runner = type("R", (), {"max_rows": 64, "separate_admission": True, "device": torch.device("cpu")})()
+    assert EngineCore(runner, eos_token_ids=()).admit_batch == 8
+    with pytest.raises(ValueError, match="admit_batch"):
+        EngineCore(runner, eos_token_ids=(), admit_batch=0)

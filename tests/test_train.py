@@ -162,6 +162,53 @@ def test_micro_batch_split_does_not_change_the_update(model_dir, tmp_path):
         assert torch.allclose(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-7), k
 
 
+def test_running_out_of_device_memory_halves_the_micro_batch_and_redoes_the_update(model_dir, tmp_path):
+    """An update whose micro-batch exceeds what the device holds (here: a forward that raises
+    torch.OutOfMemoryError above 32 tokens) is redone at half the size, down to one row; the
+    gradient is the one a trainer set to that size computes, and the checkpoint keeps the size."""
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float(i % 3) - 1.0) for i in range(9)]
+
+    def trainer(mbt, limit=None):
+        cfg = tiny_cfg(model_dir, tmp_path / f"r{mbt}-{limit}", **{"train.micro_batch_tokens": mbt,
+                                                                    "train.pack_length": 16, "data.max_prompt_tokens": 10})
+        torch.manual_seed(0)
+        tr = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
+        seen, real_step, real_forward = {}, tr.optimizer.step, tr._forward
+
+        def step(*a, **kw):
+            seen.update({n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None})
+            return real_step(*a, **kw)
+
+        def forward(model, mb, *a, **kw):
+            if limit is not None and mb.input_ids.numel() > limit:
+                raise torch.OutOfMemoryError("planted: the micro-batch does not fit")
+            return real_forward(model, mb, *a, **kw)
+
+        tr.optimizer.step, tr._forward = step, forward
+        return tr, seen
+
+    tr, seen = trainer(64, limit=32)
+    m = tr.train_step(batch_of(rolls))
+    assert tr.micro_batch_tokens == 32 and m["skipped_step"] == 0
+    ref, ref_seen = trainer(32)
+    ref.train_step(batch_of(rolls))
+    assert seen.keys() == ref_seen.keys() and seen
+    for k in seen:
+        assert torch.allclose(seen[k], ref_seen[k], rtol=1e-5, atol=1e-8), k
+    fresh, _ = trainer(64)
+    fresh.load_state_dict(tr.state_dict())
+    assert fresh.micro_batch_tokens == 32
+    other, _ = trainer(48)  # a run resumed with another size keeps its own
+    other.load_state_dict(tr.state_dict())
+    assert other.micro_batch_tokens == 48
+    tight, _ = trainer(64, limit=8)  # not even one row of 16 fits: the error stands
+    with pytest.raises(torch.OutOfMemoryError):
+        tight.train_step(batch_of(rolls))
+    assert tight.micro_batch_tokens == 16
+
+
 def test_rollout_kl_is_the_k3_estimate_of_the_sampler_trainer_mismatch(model_dir, tmp_path):
     from rollover.train.trainer import Trainer
 

@@ -283,7 +283,8 @@ class TrainConfig(Section):
     micro_batch_tokens: Annotated[int, Field(ge=1)] | None = None
     """Tokens per forward/backward; sequences are packed into rows up to `pack_length`. Unset:
     on CPU as many whole rows as fit `activation_memory_gb` by the trainer's activation
-    estimate; on CUDA 4096 (or one row if longer)."""
+    estimate; on CUDA 65,536 (or one row if longer). On CUDA an update that runs out of memory
+    is redone at half the size, down to one row (logged)."""
     activation_memory_gb: float = Field(1.0, gt=0, allow_inf_nan=False)
     """Budget for one micro-batch's saved activations when micro_batch_tokens is unset (the
     estimate is in rollover.train.memory; `rollover bench memory` shows what it gives)."""

@@ -86,7 +86,7 @@ def run_mode(args, workload: str, april: bool, carry: str = "resubmit") -> dict:
         longtail_budgets(run, args.seed, cap)
     collector = make_collector(run)
     totals = dict(useful_tokens=0, samples=0, seconds=0.0, busy=0, slots=0, discarded=0, generated=0,
-                  prefill_tokens=0, recomputed_tokens=0, prefill_s=0.0, decode_s=0.0)
+                  prefill_tokens=0, recomputed_tokens=0, prefill_s=0.0, decode_s=0.0, decode_steps=0, admission_steps=0)
     per_step = []
     try:
         for step in range(args.warmup + args.steps):
@@ -108,6 +108,8 @@ def run_mode(args, workload: str, april: bool, carry: str = "resubmit") -> dict:
                 totals["recomputed_tokens"] += s1.recomputed_tokens - s0.recomputed_tokens
                 totals["prefill_s"] += s1.prefill_s - s0.prefill_s
                 totals["decode_s"] += s1.decode_s - s0.decode_s
+                totals["decode_steps"] += s1.decode_steps - s0.decode_steps
+                totals["admission_steps"] += s1.admission_steps - s0.admission_steps
                 per_step.append({"seconds": dt, "useful_tokens": useful,
                                  "occupancy": (s1.busy_row_steps - s0.busy_row_steps) / max(1, s1.total_row_steps - s0.total_row_steps),
                                  **({"off_policy_token_ratio": m["off_policy_token_ratio"],
@@ -128,6 +130,8 @@ def run_mode(args, workload: str, april: bool, carry: str = "resubmit") -> dict:
         "prefill_tokens": totals["prefill_tokens"],  # prompts + resumed prefixes computed
         "prefill_s": totals["prefill_s"],
         "decode_s": totals["decode_s"],
+        "decode_steps": totals["decode_steps"],
+        "admission_steps": totals["admission_steps"],  # decode steps that also admitted (eager prefill with graphs)
         "steps": per_step,
     }
 

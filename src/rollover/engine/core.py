@@ -67,6 +67,7 @@ class EngineStats:
     decode_s: float = 0.0
     recomputed_tokens: int = 0  # K/V recomputed after update_weights
     preempted: int = 0  # sequences whose K/V was dropped for lack of cache (the simulated engine's)
+    admission_steps: int = 0  # decode steps that also admitted sequences (each an eager prefill with graphs)
     finished: dict = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
 
     def add(self, other: "EngineStats") -> None:
@@ -92,12 +93,20 @@ class EngineCore:
         seed: int = 0,
         version: int = 0,
         max_prefill_tokens: int = 8192,
+        admit_batch: int | None = None,
+        admit_max_wait: int = 16,
     ):
         self.runner = runner
         self.sampler = Sampler(runner.device, seed)
         self.eos_token_ids = tuple(eos_token_ids)
         self.version = version
         self.max_prefill_tokens = max_prefill_tokens
+        if admit_batch is None:  # see `_admit`
+            admit_batch = max(1, runner.max_rows // 8) if runner.separate_admission else 1
+        if admit_batch < 1 or admit_max_wait < 0:
+            raise ValueError(f"admit_batch must be >= 1 and admit_max_wait >= 0 (got {admit_batch}, {admit_max_wait})")
+        self.admit_batch, self.admit_max_wait = admit_batch, admit_max_wait
+        self._deferred = 0  # steps admission has waited while sequences decode (see `_admit`)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i].row == i
         self.stats = EngineStats()
@@ -208,6 +217,7 @@ class EngineCore:
             s.cached += 1
         if decoding:
             self.stats.decode_steps += 1
+            self.stats.admission_steps += bool(admitted)
             self.stats.busy_row_steps += len(decoding)
             self.stats.total_row_steps += self.runner.max_rows
         self._append(decoding + admitted, logits, finished, touched)
@@ -243,6 +253,21 @@ class EngineCore:
             s.cached = len(token_lists[i])
 
     def _admit(self) -> list[Sequence]:
+        """Move waiting sequences into free rows, within the prefill token budget.
+
+        While others decode, admission may wait for a batch: a step that admits beside a
+        graphed decode runs an eager prefill pass, whose cost on a GPU is kernel launches, about
+        the same for one sequence as for dozens (docs/benchmarks.md, "On a GPU"). So with
+        `admit_batch` > 1, waiting sequences are admitted once `admit_batch` of them fit, or
+        after `admit_max_wait` steps in which fewer fit; with nothing decoding they are admitted
+        at once. The default is max_rows / 8 where the runner separates admission (CUDA graphs)
+        and 1 (every step) elsewhere."""
+        free = self.runner.max_rows - len(self.running)
+        if self.running and self.admit_batch > 1 and 0 < min(free, len(self.waiting)) < self.admit_batch:
+            if self._deferred < self.admit_max_wait:
+                self._deferred += 1
+                return []
+        self._deferred = 0
         admitted, budget = [], self.max_prefill_tokens
         while self.waiting and len(self.running) < self.runner.max_rows:
             n = len(self.waiting[0].tokens())

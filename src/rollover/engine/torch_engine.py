@@ -45,6 +45,9 @@ class TorchEngine(ThreadedEngine):
         {compile_decode: true}`; off by default: the first step compiles for a minute or more on a
         CPU; what it gains is in docs/benchmarks.md). Outputs equal the eager step's up to float
         rounding (tests/test_engine.py). Not with CUDA graphs (refused: turn them off to compile).
+    admit_batch, admit_max_wait: while sequences decode, admit waiting ones once `admit_batch`
+        fit or after `admit_max_wait` steps (`EngineCore._admit`); None: max_rows / 8 with CUDA
+        graphs, else 1 (every step).
     """
 
     def __init__(
@@ -64,6 +67,8 @@ class TorchEngine(ThreadedEngine):
         pack_weights: bool = True,
         cuda_graphs: bool = True,
         compile_decode: bool = False,
+        admit_batch: int | None = None,
+        admit_max_wait: int = 16,
     ):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -81,7 +86,8 @@ class TorchEngine(ThreadedEngine):
         )
         eos = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(config, gen_config)
         core = EngineCore(
-            runner, eos_token_ids=eos, seed=seed, version=version, max_prefill_tokens=max_prefill_tokens
+            runner, eos_token_ids=eos, seed=seed, version=version, max_prefill_tokens=max_prefill_tokens,
+            admit_batch=admit_batch, admit_max_wait=admit_max_wait,
         )
         self.max_rows, self.max_len, self.device = max_rows, max_len, runner.device
         self._start(core)
