@@ -1,9 +1,14 @@
-"""Where a decode step's time goes on a GPU: TorchEngine (bf16, CUDA graphs) decoding N rows of
-the 135M model under torch.profiler, started and stopped on the engine's thread (where its steps
-run); prints the host and device time of the top operations and the wall time per step, and
-writes the tables to OUT.
+"""Where a decode step's time goes on a GPU: TorchEngine's core (bf16, CUDA graphs) decoding N
+rows of the 135M model under torch.profiler; prints the host and device time of the top
+operations and the wall time per step, and writes the tables to OUT.
 
-    python benchmarks/gpu/profile_decode.py [--rows 128] [--new-tokens 96] [--out FILE]
+    python benchmarks/gpu/profile_decode.py [--rows 128] [--new-tokens 96] [--admit] [--out FILE]
+
+The model runner and engine core run on this script's own thread, not behind TorchEngine's
+engine thread: the profiler's CUDA side must start on the thread that registered it (an H100
+run of a version that started it on the engine thread returned no table). `--admit` feeds
+requests in as rows free up, with twice as many requests as rows, so that steps admit beside
+the graphed decode as under APRIL; `--admit-batch` sets `EngineCore`'s admit_batch there.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rollover.engine.torch_engine import TorchEngine
+from rollover.engine.core import EngineCore
+from rollover.engine.model_runner import ModelRunner
 from rollover.models import load_hf_model
 from rollover.types import Request, SamplingParams
 
@@ -24,37 +30,42 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=96)
-    p.add_argument("--out", default=None)
+    p.add_argument("--admit", action="store_true", help="2 x rows requests of mixed lengths")
+    p.add_argument("--admit-batch", type=int, default=None)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None)
     args = p.parse_args()
-    model = load_hf_model(args.model)
     cuda = args.device.startswith("cuda")
+    model = load_hf_model(args.model)
+    runner = ModelRunner(model.config, model.state_dict(), max_rows=args.rows, max_len=256, device=args.device,
+                         dtype=torch.bfloat16, cuda_graphs=cuda)
+    core = EngineCore(runner, eos_token_ids=(), admit_batch=args.admit_batch)
+    n = 2 * args.rows if args.admit else args.rows
 
-    def sync() -> None:
+    def run(tag: str) -> tuple[float, int]:
+        for i in range(n):  # with --admit, budgets from a quarter of new_tokens up to all of it
+            budget = args.new_tokens if not args.admit else args.new_tokens // 4 + (i * 37) % (3 * args.new_tokens // 4)
+            core.add(Request(id=f"{tag}{i}", prompt_ids=[1, 2, 3 + i % 50] * 14,
+                             sampling=SamplingParams(max_new_tokens=budget, seed=i, ignore_eos=True)))
+        steps0 = core.stats.decode_steps
         if cuda:
             torch.cuda.synchronize()
-
-    def reqs(tag: str) -> list[Request]:
-        return [Request(id=f"{tag}{i}", prompt_ids=[1, 2, 3 + i % 50] * 14,
-                        sampling=SamplingParams(max_new_tokens=args.new_tokens, seed=i, ignore_eos=True))
-                for i in range(args.rows)]
-
-    with TorchEngine(model, device=args.device, dtype=torch.bfloat16, max_rows=args.rows, max_len=256,
-                     eos_token_ids=[]) as eng:
-        eng.generate(reqs("warm"))  # records the graphs of every bucket this run meets
-        sync()
         t0 = time.perf_counter()
-        eng.generate(reqs("plain"))
-        sync()
-        plain = time.perf_counter() - t0
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        prof = profile(activities=activities)
-        eng._run_or_queue(prof.__enter__, wait=True)  # the engine's steps run on its own thread
-        eng.generate(reqs("prof"))
-        eng._run_or_queue(lambda: (sync(), prof.__exit__(None, None, None)), wait=True)
-    steps = args.new_tokens
-    lines = [f"rows {args.rows}, {steps} tokens each: {plain:.3f} s unprofiled, {1e3 * plain / steps:.2f} ms per step, "
-             f"{args.rows * steps / plain:,.0f} tokens/s",
+        while core.has_work():
+            core.step()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, core.stats.decode_steps - steps0
+
+    run("warm")  # records the graphs of every bucket this run meets
+    seconds, steps = run("plain")
+    tokens = core.stats.generated_tokens
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run("prof")
+    lines = [f"rows {args.rows}, {n} requests{' (admitting as rows free)' if args.admit else ''}, admit_batch "
+             f"{core.admit_batch}: {seconds:.3f} s unprofiled, {steps} decode steps, {1e3 * seconds / max(1, steps):.2f} ms "
+             f"per step; engine totals {tokens} tokens, {core.stats.admission_steps} admitting steps",
              prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25),
              prof.key_averages().table(sort_by="self_device_time_total" if cuda else "cpu_time_total", row_limit=15)]
     text = "\n".join(lines)

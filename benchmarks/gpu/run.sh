@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One lease of a lent GPU, in one call: the CUDA paths of the tests, then `bench april`
-# (long-tail and natural lengths), `bench engine` (135M at two batch sizes and a
-# Qwen2.5-0.5B-shaped model), `bench train` at two micro-batch sizes and on the demo workload
-# beside TRL's GRPOTrainer, `simulate calibrate --device cuda` and a profile of the decode
-# step, each under its own time limit and all under one deadline, results tarred after every step (a
+# One lease of a lent GPU, in one call: the CUDA tests, then `bench april` (long-tail and
+# natural lengths), decode-step profiles with admissions (admit_batch 1 and the default),
+# `simulate calibrate --device cuda`, `bench engine` (135M and a Qwen2.5-0.5B-shaped model),
+# `bench train` and the demo workload beside TRL's GRPOTrainer, each under its own time limit
+# and all under one deadline, results tarred after every step (a
 # cut-off call still returns them). docs/benchmarks.md "On a GPU" has the last lease's figures.
 #
 #   bash benchmarks/gpu/run.sh OUTDIR [SECONDS]     (from the repository root)
@@ -54,29 +54,27 @@ python3 -c "import rollover.cli, rollover.config, rollover.engine.torch_engine, 
   || { echo "rollover does not import here"; exit 1; }
 step stand_ins 90 python3 benchmarks/gpu/stand_ins.py --tokenizer .gpu/smollm2 --cache /tmp/rc --qwen /tmp/qwen05 --device "$DEV" || exit 1
 
-TESTS="tests/test_cuda.py tests/test_engine.py tests/test_train.py tests/test_april.py tests/test_async.py
-  tests/test_rollout_core.py tests/test_env_training.py"
-[ "${SMALL:-0}" = 1 ] && TESTS=tests/test_cuda.py  # the rest is CI's, on a CPU
-TAIL=30 step tests 130 python3 -m pytest $TESTS -q -n "${WORKERS:-6}" -p no:cacheprovider \
-  --timeout 100 -W ignore
+TESTS=tests/test_cuda.py  # the CUDA paths; the CPU-pinned rest is CI's (TESTS_MORE="tests/..." adds files)
+TAIL=30 step tests 90 python3 -m pytest $TESTS ${TESTS_MORE:-} -q -n "${WORKERS:-8}" -p no:cacheprovider \
+  --timeout 80 -W ignore
 ENGINE="--dtype bfloat16 --prompts $P --new-tokens $NT --max-rows $ROWS --repeats 2 --device $DEV"
 TRAIN="--steps $ST rollout.prompts_per_step=$TP rollout.samples_per_prompt=$TS rollout.max_new_tokens=$TNT \
   rollout.max_rows=$(( TP * TS )) device=$DEV"
-# in order of what the last lease left open: APRIL with admission apart from the graphed decode
-# (three repeats), the engine after the host-side work and at a larger batch, training
-# micro-batches sized for a GPU, the simulator's GPU profile, the 0.5B shape, APRIL's natural lengths
-step april 150 rollover bench april --workload longtail --steps 6 --warmup 1 --prompts-per-step $AP --samples-per-prompt $AS \
-  --max-rows $ARW --max-new-tokens $ANT --repeats 3 --json "$RES/april_longtail.json"
-step engine_135m 70 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_135m.json"
-step engine_135m_rows4x 70 rollover bench engine --dtype bfloat16 --prompts $(( 4 * P )) --new-tokens $NT \
-  --max-rows $(( 4 * ROWS )) --repeats 2 --device $DEV --skip-hf --json "$RES/engine_135m_rows4x.json"
-step train 70 rollover bench train $TRAIN --json "$RES/train.json"
-step train_mb64k 70 rollover bench train $TRAIN train.micro_batch_tokens=65536 --json "$RES/train_mb64k.json"
+# in order of what the last lease (an H100, docs/benchmarks.md) left open: APRIL with admissions
+# batched beside the graphed decode, and a profile of such steps with and without the batching;
+# the simulator's GPU profile; the 0.5B shape; the engine; training at the new CUDA micro-batch
+# default; TRL beside rollover; APRIL's natural lengths
+step april 130 rollover bench april --workload longtail --steps 6 --warmup 1 --prompts-per-step $AP --samples-per-prompt $AS \
+  --max-rows $ARW --max-new-tokens $ANT --repeats 2 --json "$RES/april_longtail.json"
+step profile_admit1 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
+  --admit --admit-batch 1 --out "$RES/profile_admit1.txt"
+step profile_admit 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
+  --admit --out "$RES/profile_admit.txt"
 step calibrate 90 rollover simulate calibrate --device "$DEV" --out "$RES/sim_135m.json" --debug
-step train_trl 90 rollover bench train --steps $ST device=$DEV --compare trl --json "$RES/train_trl.json"
 step engine_0_5b 70 rollover bench engine --model /tmp/qwen05 $ENGINE --skip-hf --json "$RES/engine_0_5b.json"
-step profile 60 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
-  --out "$RES/profile_decode.txt"
+step engine_135m 70 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_135m.json"
+step train 70 rollover bench train $TRAIN --json "$RES/train.json"
+step train_trl 90 rollover bench train --steps $ST device=$DEV --compare trl --json "$RES/train_trl.json"
 step april_natural 90 rollover bench april --workload natural --steps 4 --warmup 1 --prompts-per-step $AP \
   --samples-per-prompt $AS --max-rows $ARW --json "$RES/april_natural.json"
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv > "$RES/env_after.txt" 2>&1
