@@ -561,3 +561,28 @@ def test_admit_batch_defaults_by_whether_admission_is_separate(model):
     assert EngineCore(runner, eos_token_ids=()).admit_batch == 8
     with pytest.raises(ValueError, match="admit_batch"):
         EngineCore(runner, eos_token_ids=(), admit_batch=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_packed_prefill_equals_the_padded_one(arch, monkeypatch):
+    """Prompts of very different lengths prefill packed (no padding through the linear layers):
+    the same last-token logits and the same K/V in every row as the padded [N, T] batch."""
+    from rollover.engine import model_runner
+    from rollover.engine.model_runner import ModelRunner
+
+    model = tiny_model(arch, seed=3)
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 11, 64, 1, 27)]
+    rows = [4, 0, 5, 2, 1, 3]
+    out = {}
+    for packed in (False, True):
+        monkeypatch.setattr(model_runner, "PACK_PREFILL_ABOVE", 1.0 if packed else 1e9)
+        runner = ModelRunner(model.config, model.state_dict(), max_rows=6, max_len=80)
+        logits = runner.prefill(rows, prompts)
+        kv = [(runner.k_cache[li][r, :, :len(p)].clone(), runner.v_cache[li][r, :, :len(p)].clone())
+              for li in range(runner.n_layers) for r, p in zip(rows, prompts)]
+        out[packed] = logits, kv
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-5)
+    for (k1, v1), (k0, v0) in zip(out[True][1], out[False][1]):
+        assert torch.allclose(k1, k0, atol=1e-5) and torch.allclose(v1, v0, atol=1e-5)
+    ref = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
+    assert torch.allclose(out[True][0], ref, atol=1e-4)

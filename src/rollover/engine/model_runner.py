@@ -88,6 +88,9 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
 
 
+PACK_PREFILL_ABOVE = 1.1  # `prefill` packs its tokens when padding would make the batch this much larger
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -374,13 +377,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, rows: list[int], token_ids: list[list[int]]) -> torch.Tensor:
-        """Run full sequences into cache rows (positions 0..len-1); logits of each last token [N, V]."""
+        """Run full sequences into cache rows (positions 0..len-1); logits of each last token [N, V].
+
+        Sequences of one length run as an [N, T] batch. Where padding them to the longest would
+        waste more than a tenth of the work (APRIL's resumed prefixes, say: prompt plus any part
+        of a response), every token-wise layer runs on the tokens alone, packed, and only
+        attention sees the padded [N, T] layout (the linear layers are most of a prefill)."""
         n = len(rows)
-        lens = torch.tensor([len(t) for t in token_ids], device=self.device)
-        T = int(lens.max())
-        ids = torch.zeros((n, T), dtype=torch.long, device=self.device)
-        for i, t in enumerate(token_ids):
-            ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        lens_l = [len(t) for t in token_ids]
+        lens = torch.tensor(lens_l, device=self.device)
+        T, total = max(lens_l), sum(lens_l)
+        packed = n * T > PACK_PREFILL_ABOVE * total
         pos = torch.arange(T, device=self.device)
         valid = pos[None, :] < lens[:, None]  # [N, T]
         # mask[b, 1, q, k]: causal and key not padding
@@ -388,12 +395,25 @@ class ModelRunner:
         mask = mask[:, None]
         rows_t = torch.tensor(rows, device=self.device)
         contiguous = rows == list(range(rows[0], rows[0] + n))
+        if packed:
+            ids = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long, device=self.device)
+            slot = valid.flatten().nonzero().squeeze(1)  # each token's place in the padded [N * T]
+            tok_pos = slot % T
+            cos, sin = self.cos[tok_pos], self.sin_signed[tok_pos]
+        else:
+            ids = torch.zeros((n, T), dtype=torch.long, device=self.device)
+            for i, t in enumerate(token_ids):
+                ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            cos, sin = self.cos[:T], self.sin_signed[:T]
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [S, heads, D] -> [N, T, heads, D]
+            return t if not packed else t.new_zeros((n * T, *t.shape[1:])).index_copy_(0, slot, t).unflatten(0, (n, T))
+
         x = F.embedding(ids, self.embed)
-        cos, sin = self.cos[:T], self.sin_signed[:T]
         g = self.n_heads // self.n_kv
         for li, L in enumerate(self.layers):
             h = self._norm(x, L["in_norm"])
-            q, k, v = self._qkv(L, h, cos, sin)  # [N, T, H|KV, D]
+            q, k, v = (padded(t) for t in self._qkv(L, h, cos, sin))  # [N, T, H|KV, D]
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [N, KV, T, D]
             if contiguous:
                 self.k_cache[li][rows[0] : rows[0] + n, :, :T] = k
@@ -405,8 +425,12 @@ class ModelRunner:
                 q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=g > 1
             )  # [N, H, T, D]
             o = o.transpose(1, 2).flatten(-2)
+            if packed:
+                o = o.flatten(0, 1)[slot]
             x = x + self._linear(o, L["o"])
             x = self._mlp(L, x)
+        if packed:
+            return self.logits(x[torch.cumsum(lens, 0) - 1])
         last = x[torch.arange(n, device=self.device), lens - 1]
         return self.logits(last)
 
