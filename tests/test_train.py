@@ -207,6 +207,11 @@ def test_running_out_of_device_memory_halves_the_micro_batch_and_redoes_the_upda
     with pytest.raises(torch.OutOfMemoryError):
         tight.train_step(batch_of(rolls))
     assert tight.micro_batch_tokens == 16
+    late, _ = trainer(64)  # in the optimizer step (not repeatable, not helped by smaller micro-batches)
+    late.optimizer.step = lambda *a, **kw: (_ for _ in ()).throw(torch.OutOfMemoryError("planted"))
+    with pytest.raises(torch.OutOfMemoryError):
+        late.train_step(batch_of(rolls))
+    assert late.micro_batch_tokens == 64
 
 
 def test_rollout_kl_is_the_k3_estimate_of_the_sampler_trainer_mismatch(model_dir, tmp_path):

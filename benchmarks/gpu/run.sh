@@ -3,8 +3,9 @@
 # natural lengths), decode-step profiles with admissions (admit_batch 1 and the default),
 # `simulate calibrate --device cuda`, `bench engine` (135M and a Qwen2.5-0.5B-shaped model),
 # `bench train` and the demo workload beside TRL's GRPOTrainer, each under its own time limit
-# and all under one deadline, results tarred after every step (a
-# cut-off call still returns them). docs/benchmarks.md "On a GPU" has the last lease's figures.
+# and all under one deadline (the limits add up to more than the default 560 s: the steps run in
+# order of what is most wanted, and those past the deadline are skipped), results tarred after
+# every step (a cut-off call still returns them). docs/benchmarks.md "On a GPU" has the last lease's figures.
 #
 #   bash benchmarks/gpu/run.sh OUTDIR [SECONDS]     (from the repository root)
 #
@@ -14,7 +15,11 @@
 # machine reaches no model hub). SMALL=1 shrinks every size, to try the script on a CPU.
 # Preparing both, on the machine that holds this checkout (both folders git-ignored there, via
 # .git/info/exclude, and carried with the call), for a Python 3.12 x86-64 target:
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl pydantic==2.14.4 #     pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 #     math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 gguf==0.19.0 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 trl==1.16.0
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl pydantic==2.14.4 \
+#     pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 \
+#     math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 gguf==0.19.0 \
+#     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 trl==1.16.0
 #   mkdir -p .gpu/smollm2 && cp ~/.cache/rollover/models/smollm2-135m-instruct/{config.json,\
 #     generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/smollm2/
 set -u

@@ -164,7 +164,7 @@ def hf_accuracy(model, tokenizer, prompts, cfg, batch: int = 32) -> float:
     correct = total = 0
     try:
         # its own random stream: TRL's training draws the same whether or how often it is evaluated
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
             torch.manual_seed(cfg.seed)
             for i in range(0, len(texts), batch):
                 enc = tokenizer(texts[i:i + batch], return_tensors="pt", padding=True, add_special_tokens=False)

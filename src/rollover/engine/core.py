@@ -2,8 +2,9 @@
 
 `EngineCore.step()` runs one decode step for every running sequence, then admits waiting
 sequences into the free cache rows (one batched prefill, with sequences that share all their
-tokens — the n samples of a prompt — prefilled once). Sequences join and leave the running batch at
-every step. It is single-threaded by design; `TorchEngine` drives it from a background
+tokens — the n samples of a prompt — prefilled once). Sequences leave the running batch at every
+step and join it at every step, or in batches where admitting beside a CUDA-graph decode costs a
+pass of its own (`admit_batch`, see `_admit`). It is single-threaded by design; `TorchEngine` drives it from a background
 thread and is the public API.
 """
 
@@ -101,15 +102,21 @@ class EngineCore:
         self.eos_token_ids = tuple(eos_token_ids)
         self.version = version
         self.max_prefill_tokens = max_prefill_tokens
-        if admit_batch is None:  # see `_admit`
-            admit_batch = max(1, runner.max_rows // 8) if runner.separate_admission else 1
-        if admit_batch < 1 or admit_max_wait < 0:
+        if (admit_batch is not None and admit_batch < 1) or admit_max_wait < 0:
             raise ValueError(f"admit_batch must be >= 1 and admit_max_wait >= 0 (got {admit_batch}, {admit_max_wait})")
-        self.admit_batch, self.admit_max_wait = admit_batch, admit_max_wait
+        self._admit_batch, self.admit_max_wait = admit_batch, admit_max_wait
         self._deferred = 0  # steps admission has waited while sequences decode (see `_admit`)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i].row == i
         self.stats = EngineStats()
+
+    @property
+    def admit_batch(self) -> int:
+        """See `_admit`: as set, or by default max_rows / 8 while the runner admits in a separate
+        pass (CUDA graphs; a failed capture turns that off), else 1."""
+        if self._admit_batch is not None:
+            return self._admit_batch
+        return max(1, self.runner.max_rows // 8) if self.runner.separate_admission else 1
 
     # ------------------------------------------------------------ requests
     def validate(self, req: Request) -> None:
@@ -259,25 +266,32 @@ class EngineCore:
         graphed decode runs an eager prefill pass, whose cost on a GPU is kernel launches, about
         the same for one sequence as for dozens (docs/benchmarks.md, "On a GPU"). So with
         `admit_batch` > 1, waiting sequences are admitted once `admit_batch` of them fit, or
-        after `admit_max_wait` steps in which fewer fit; with nothing decoding they are admitted
-        at once. The default is max_rows / 8 where the runner separates admission (CUDA graphs)
-        and 1 (every step) elsewhere."""
-        free = self.runner.max_rows - len(self.running)
-        if self.running and self.admit_batch > 1 and 0 < min(free, len(self.waiting)) < self.admit_batch:
-            if self._deferred < self.admit_max_wait:
-                self._deferred += 1
-                return []
-        self._deferred = 0
-        admitted, budget = [], self.max_prefill_tokens
-        while self.waiting and len(self.running) < self.runner.max_rows:
-            n = len(self.waiting[0].tokens())
-            if admitted and n > budget:
+        after `admit_max_wait` steps in which fewer fit, or at once where the prefill budget,
+        not the rows or the queue, is what holds them back (waiting would not batch more); with
+        nothing decoding they are admitted at once. The default is max_rows / 8 where the runner
+        separates admission (CUDA graphs) and 1 (every step) elsewhere."""
+        free, batch = self.runner.max_rows - len(self.running), self.admit_batch
+        fit, budget, budget_binds = 0, self.max_prefill_tokens, False
+        for seq in self.waiting:  # how many the prefill budget takes (looking no further than needed)
+            if fit == max(free, batch):
                 break
+            n = len(seq.tokens())
+            if fit and n > budget:
+                budget_binds = True
+                break
+            fit, budget = fit + 1, budget - n
+        take = min(fit, free)
+        if (self.running and 0 < take < batch and not (budget_binds and take == fit)
+                and self._deferred < self.admit_max_wait):
+            self._deferred += 1
+            return []
+        self._deferred = 0
+        admitted = []
+        for _ in range(take):
             seq = self.waiting.popleft()
             seq.row = len(self.running)
             self.running.append(seq)
             admitted.append(seq)
-            budget -= n
         return admitted
 
     def _append(self, seqs, logits, finished, touched) -> None:

@@ -90,7 +90,7 @@ class DecodeGraphs:
                 self.logits[:B].copy_(r._decode(tok_buf, pos_buf, Lk))
         except RuntimeError as e:  # the step's result stands; later steps run eagerly
             log.warning("TorchEngine: CUDA graph capture failed (%s); decoding without CUDA graphs", e)
-            r.cuda_graphs = False
+            r.cuda_graphs = r.separate_admission = False  # eager decode: admit in the fused pass again
             return out
         self.pool = graph.pool()
         self.entries[(B, Lk)] = (graph, tok_buf, pos_buf)

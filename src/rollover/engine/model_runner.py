@@ -397,7 +397,8 @@ class ModelRunner:
         contiguous = rows == list(range(rows[0], rows[0] + n))
         if packed:
             ids = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long, device=self.device)
-            slot = valid.flatten().nonzero().squeeze(1)  # each token's place in the padded [N * T]
+            slot = torch.tensor([i * T + j for i, n_i in enumerate(lens_l) for j in range(n_i)],
+                                device=self.device)  # each token's place in the padded [N * T]
             tok_pos = slot % T
             cos, sin = self.cos[tok_pos], self.sin_signed[tok_pos]
         else:

@@ -257,8 +257,8 @@ class Trainer:
             for k in range(t.mini_batches):
                 chosen = set(groups[k :: t.mini_batches])
                 idx = [i for i, g in enumerate(batch.group_index_B.tolist()) if g in chosen]
-                metrics = self._fitting(self._update, batch.select(idx), None if old_BT is None else old_BT[idx],
-                                        None if ref_BT is None else ref_BT[idx])
+                metrics = self._update(batch.select(idx), None if old_BT is None else old_BT[idx],
+                                       None if ref_BT is None else ref_BT[idx])
                 history.append(metrics)
                 skipped |= metrics.pop("skipped")
         out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
@@ -271,9 +271,9 @@ class Trainer:
         return out
 
     def _fitting(self, fn, *args):
-        """fn(*args); when the device runs out of memory, halve `micro_batch_tokens` (not below
-        one row) and run it again from the start (an update zeroes its gradients first, and
-        nothing else is changed before its optimizer step). Logged; kept in the checkpoint."""
+        """fn(*args), a pass over micro-batches that changes nothing but gradients (which it
+        zeroes first); when the device runs out of memory, halve `micro_batch_tokens` (not below
+        one row) and run it again. Logged; kept in the checkpoint."""
         while True:
             try:
                 return fn(*args)
@@ -311,41 +311,48 @@ class Trainer:
         if a.m2po_tau is not None:
             opts.setdefault("m2po_tau", a.m2po_tau)
         need_entropy = True  # logged every step; cheap next to the forward
-        sums: dict[str, float] = {}
-        entropy_sum, kl_sum, loss_total, rollout_kl_sum = 0.0, 0.0, 0.0, 0.0
-        finite = True
-        self.optimizer.zero_grad(set_to_none=True)
-        micro = self._micro_batches(batch)
-        for mb in micro:
-            sel = torch.tensor(mb.seq_index, device=self.device)
-            logp, entropy = self._forward(self.model, mb, need_entropy)
-            logp_BT = self._to_BT(logp, mb, T)
-            old = logp_BT.detach() if old_BT is None else old_BT[sel.cpu()].to(self.device)
-            m_BT = mask_BT[sel]
-            out = policy_loss(a.loss, logp_BT, old, adv_B[sel], m_BT, behav_BT[sel], **opts)
-            loss_BT = out.loss_BT
-            if ref_BT is not None:
-                kl_BT = kl_penalty(logp_BT, ref_BT[sel.cpu()].to(self.device), a.kl_estimator)
-                loss_BT = loss_BT + a.kl_coef * kl_BT
-                kl_sum += float((kl_BT.detach() * m_BT).sum())
-            ent_BT = self._to_BT(entropy, mb, T)
-            if a.entropy_coef:
-                loss_BT = loss_BT - a.entropy_coef * ent_BT
-            entropy_sum += float((ent_BT.detach() * m_BT).sum())
-            # KL(sampler || trainer), k3 over the sampled tokens: the rollout-training mismatch
-            # (engine precision, and for off-policy tokens their age)
-            log_r = (logp_BT.detach() - behav_BT[sel]).clamp(max=20.0)
-            rollout_kl_sum += float(((log_r.exp() - 1 - log_r) * m_BT).sum())
-            loss = aggregate(loss_BT, out.mask_BT, a.aggregation, num_tokens=max(num_tokens, 1),
-                             num_seqs=num_seqs, max_len=cfg.rollout.max_new_tokens)
-            if not torch.isfinite(loss):
-                finite = False
-                break
-            loss.backward()
-            loss_total += float(loss.detach())
-            w = float(m_BT.sum()) / max(num_tokens, 1)  # token-weighted mean of the loss metrics
-            for k, v in out.metrics.items():
-                sums[k] = sums.get(k, 0.0) + w * float(v)
+
+        def accumulate():
+            """The micro-batches' forward and backward passes: gradients, and the sums for the metrics."""
+            sums: dict[str, float] = {}
+            entropy_sum, kl_sum, loss_total, rollout_kl_sum = 0.0, 0.0, 0.0, 0.0
+            finite = True
+            self.optimizer.zero_grad(set_to_none=True)
+            micro = self._micro_batches(batch)
+            for mb in micro:
+                sel = torch.tensor(mb.seq_index, device=self.device)
+                logp, entropy = self._forward(self.model, mb, need_entropy)
+                logp_BT = self._to_BT(logp, mb, T)
+                old = logp_BT.detach() if old_BT is None else old_BT[sel.cpu()].to(self.device)
+                m_BT = mask_BT[sel]
+                out = policy_loss(a.loss, logp_BT, old, adv_B[sel], m_BT, behav_BT[sel], **opts)
+                loss_BT = out.loss_BT
+                if ref_BT is not None:
+                    kl_BT = kl_penalty(logp_BT, ref_BT[sel.cpu()].to(self.device), a.kl_estimator)
+                    loss_BT = loss_BT + a.kl_coef * kl_BT
+                    kl_sum += float((kl_BT.detach() * m_BT).sum())
+                ent_BT = self._to_BT(entropy, mb, T)
+                if a.entropy_coef:
+                    loss_BT = loss_BT - a.entropy_coef * ent_BT
+                entropy_sum += float((ent_BT.detach() * m_BT).sum())
+                # KL(sampler || trainer), k3 over the sampled tokens: the rollout-training mismatch
+                # (engine precision, and for off-policy tokens their age)
+                log_r = (logp_BT.detach() - behav_BT[sel]).clamp(max=20.0)
+                rollout_kl_sum += float(((log_r.exp() - 1 - log_r) * m_BT).sum())
+                loss = aggregate(loss_BT, out.mask_BT, a.aggregation, num_tokens=max(num_tokens, 1),
+                                 num_seqs=num_seqs, max_len=cfg.rollout.max_new_tokens)
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                loss.backward()
+                loss_total += float(loss.detach())
+                w = float(m_BT.sum()) / max(num_tokens, 1)  # token-weighted mean of the loss metrics
+                for k, v in out.metrics.items():
+                    sums[k] = sums.get(k, 0.0) + w * float(v)
+            return micro, sums, entropy_sum, kl_sum, loss_total, rollout_kl_sum, finite
+
+        # only the passes are redone on running out of memory: the optimizer step is not repeatable
+        micro, sums, entropy_sum, kl_sum, loss_total, rollout_kl_sum, finite = self._fitting(accumulate)
         grad_norm = float("nan")
         if finite:
             params = [p for p in self.model.parameters() if p.grad is not None]
