@@ -299,3 +299,24 @@ def test_plot_errors_are_one_line(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "nowhere")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "no metrics.jsonl there" in err[0] and err[1].startswith("hint:")
+
+
+@pytest.mark.parametrize("env, first, expect", [
+    ({}, "", ("ACTIVE", "100000")),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, "", ("PASSIVE", "100000")),  # the user's setting stands
+    ({"ROLLOVER_OPENMP_DEFAULTS": "0"}, "", (None, None)),
+    ({}, "import torch; ", (None, None)),  # too late: torch has read the environment
+])
+def test_the_command_keeps_openmp_threads_spinning_unless_told_otherwise(env, first, expect):
+    """`rollover` sets OMP_WAIT_POLICY and GOMP_SPINCOUNT before torch loads (cli._openmp_defaults)."""
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "ROLLOVER_OPENMP_DEFAULTS")}
+    code = (first + "import os, rollover.cli; "
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert tuple(None if v == "None" else v for v in out) == expect
