@@ -271,6 +271,9 @@ class EngineCore:
         nothing decoding they are admitted at once. The default is max_rows / 8 where the runner
         separates admission (CUDA graphs) and 1 (every step) elsewhere."""
         free, batch = self.runner.max_rows - len(self.running), self.admit_batch
+        if not free or not self.waiting:  # nothing can join: no need to size the queue's head
+            self._deferred = 0
+            return []
         fit, budget, budget_binds = 0, self.max_prefill_tokens, False
         for seq in self.waiting:  # how many the prefill budget takes (looking no further than needed)
             if fit == max(free, batch):

@@ -289,15 +289,9 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def _update(self, batch: TrainBatch, old_BT, ref_BT) -> dict:
-        cfg, a = self.cfg, self.cfg.algorithm
-        T = batch.mask_BT.shape[1]
-        mask_BT = batch.mask_BT.to(self.device)
-        num_tokens = int(mask_BT.sum())
-        # rows with no loss token (stale-, truncation- or entropy-masked) are not counted (verl)
-        num_seqs = max(int(mask_BT.any(dim=1).sum()), 1)
-        behav_BT = batch.behav_logp_BT.to(self.device)
-        adv_B = batch.adv_B.to(self.device)
+    def _loss_options(self) -> dict:
+        """`policy_loss` keyword arguments from the algorithm section (its `loss_options` first)."""
+        a = self.cfg.algorithm
         opts = dict(a.loss_options)
         if a.loss != "bapo":
             opts.setdefault("eps_low", a.eps_low)
@@ -310,6 +304,18 @@ class Trainer:
             opts.setdefault("is_cap", a.tis_cap)
         if a.m2po_tau is not None:
             opts.setdefault("m2po_tau", a.m2po_tau)
+        return opts
+
+    def _update(self, batch: TrainBatch, old_BT, ref_BT) -> dict:
+        cfg, a = self.cfg, self.cfg.algorithm
+        T = batch.mask_BT.shape[1]
+        mask_BT = batch.mask_BT.to(self.device)
+        num_tokens = int(mask_BT.sum())
+        # rows with no loss token (stale-, truncation- or entropy-masked) are not counted (verl)
+        num_seqs = max(int(mask_BT.any(dim=1).sum()), 1)
+        behav_BT = batch.behav_logp_BT.to(self.device)
+        adv_B = batch.adv_B.to(self.device)
+        opts = self._loss_options()
         need_entropy = True  # logged every step; cheap next to the forward
 
         def accumulate():
