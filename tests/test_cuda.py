@@ -179,3 +179,56 @@ def test_april_and_async_runs_on_cuda(model_dir, tmp_path, over):
     for r in train:
         assert torch.isfinite(torch.tensor([r["actor/grad_norm"], r["actor/pg_loss"]])).all()
         assert 0 <= r["actor/rollout_kl"] < 0.05, r["actor/rollout_kl"]
+
+
+def test_a_real_out_of_memory_halves_the_micro_batch(model_dir, tmp_path):
+    """The device itself runs out of memory (a per-process cap between the peak of the whole
+    update in one micro-batch and that of a quarter of it): the update is redone at smaller
+    micro-batches and goes through, with the gradient of a trainer set to the size it ended at."""
+    import gc
+
+    from rollover.train.batch import TrainBatch
+    from rollover.train.trainer import Trainer
+    from rollover.types import Rollout
+
+    n, resp = 128, 250
+    rolls = [Rollout(group_id=f"g{i % 16}", prompt_ids=[5 + i % 7, 6, 7], response_ids=[8 + i % 9] * resp,
+                     logprobs=[-1.0] * resp, versions=[0] * resp, loss_mask=[1] * resp, finish="length", reward=0.0)
+             for i in range(n)]
+    batch = TrainBatch.from_rollouts(rolls, [float(i % 3) - 1.0 for i in range(n)])
+    whole = n * 256
+
+    def run(mbt):
+        """(trainer, the gradient its optimizer saw, peak reserved bytes) after one update"""
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        cfg = cuda_cfg(model_dir, tmp_path / f"r{mbt}", **{"train.micro_batch_tokens": mbt, "train.pack_length": 256,
+                                                            "train.shared_prefix": False})
+        model = tiny_model("llama", seed=5, hidden_size=256, intermediate_size=512)
+        tr = Trainer(model, cfg, device=torch.device("cuda"))
+        seen, real_step = {}, tr.optimizer.step
+
+        def step(*a, **kw):
+            seen.update({k: p.grad.detach().float().cpu() for k, p in tr.model.named_parameters() if p.grad is not None})
+            return real_step(*a, **kw)
+
+        tr.optimizer.step = step
+        m = tr.train_step(batch)
+        assert m["skipped_step"] == 0
+        return tr, seen, torch.cuda.max_memory_reserved()
+
+    _, _, peak_whole = run(whole)
+    _, _, peak_quarter = run(whole // 4)
+    assert peak_whole > 1.5 * peak_quarter, (peak_whole, peak_quarter)  # the micro-batch is what fills memory
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        torch.cuda.set_per_process_memory_fraction((peak_whole + peak_quarter) / 2 / total)
+        capped, seen, _ = run(whole)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert capped.micro_batch_tokens in (whole // 2, whole // 4), capped.micro_batch_tokens
+    _, ref, _ = run(capped.micro_batch_tokens)
+    assert seen.keys() == ref.keys() and seen
+    for k in seen:
+        assert torch.allclose(seen[k], ref[k], rtol=2e-2, atol=1e-5), k

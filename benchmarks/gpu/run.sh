@@ -67,8 +67,8 @@ TRAIN="--steps $ST rollout.prompts_per_step=$TP rollout.samples_per_prompt=$TS r
   rollout.max_rows=$(( TP * TS )) device=$DEV"
 # in order of what the last lease (an H100, docs/benchmarks.md) left open: APRIL with admissions
 # batched beside the graphed decode, and a profile of such steps with and without the batching;
-# the simulator's GPU profile; the 0.5B shape; the engine; training at the new CUDA micro-batch
-# default; TRL beside rollover; APRIL's natural lengths
+# the simulator's GPU profile; training at the CUDA micro-batch default; APRIL's natural lengths;
+# then what earlier leases measured (the 0.5B shape, the engine, TRL beside rollover)
 step april 130 rollover bench april --workload longtail --steps 6 --warmup 1 --prompts-per-step $AP --samples-per-prompt $AS \
   --max-rows $ARW --max-new-tokens $ANT --repeats 2 --json "$RES/april_longtail.json"
 step profile_admit1 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
@@ -76,12 +76,12 @@ step profile_admit1 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --n
 step profile_admit 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
   --admit --out "$RES/profile_admit.txt"
 step calibrate 90 rollover simulate calibrate --device "$DEV" --out "$RES/sim_135m.json" --debug
-step engine_0_5b 70 rollover bench engine --model /tmp/qwen05 $ENGINE --skip-hf --json "$RES/engine_0_5b.json"
-step engine_135m 70 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_135m.json"
 step train 70 rollover bench train $TRAIN --json "$RES/train.json"
-step train_trl 90 rollover bench train --steps $ST device=$DEV --compare trl --json "$RES/train_trl.json"
 step april_natural 90 rollover bench april --workload natural --steps 4 --warmup 1 --prompts-per-step $AP \
   --samples-per-prompt $AS --max-rows $ARW --json "$RES/april_natural.json"
+step engine_0_5b 70 rollover bench engine --model /tmp/qwen05 $ENGINE --skip-hf --json "$RES/engine_0_5b.json"
+step engine_135m 70 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_135m.json"
+step train_trl 90 rollover bench train --steps $ST device=$DEV --compare trl --json "$RES/train_trl.json"
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv > "$RES/env_after.txt" 2>&1
 tar czf "$OUT/results.tgz" -C "$RES" .
 echo "=== done $(date +%T)"
