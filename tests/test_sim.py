@@ -148,6 +148,56 @@ def test_a_prefill_budget_admits_the_rest_at_the_next_steps():
         assert e.now == pytest.approx(0.22)
 
 
+def graphed(rows: int, **worker) -> SimEngine:
+    """A worker whose mixed steps pay a whole prefill (0.5 s) beside a 0.01 s decode step, as
+    TorchEngine with CUDA graphs; lengths are the requests' budgets."""
+    cost = DecodeCost(step_s=0.01, prefill_s=0.5, separate_admission=True)
+    e = SimEngine(SimCore([SimWorker(0, cost, rows, **worker)], LengthModel(kind="empirical", values=(1000,)),
+                          max_len=2000, slack=0))
+    e.release()
+    return e
+
+
+def run_budgets(e: SimEngine, budgets: list[int]) -> tuple[float, int]:
+    with e:
+        e.generate([req(i, budget=b) for i, b in enumerate(budgets)])
+        e.wait_idle()
+        return e.now, e.stats().admission_steps
+
+
+def test_admissions_beside_decoding_rows_wait_for_a_batch_and_pay_one_prefill():
+    # 3 rows; r0-r2 prefill together (0.5 s, first tokens), r0 finishes at 0.59 and r1 at 0.69;
+    # with admit_batch 2, r3 and r4 wait for the second free row and enter in one mixed step
+    # (0.01 + 0.5 s, to 1.20), finish 4 steps later (1.24), and r2's last 5 tokens end at 1.29
+    now, admitting = run_budgets(graphed(3, admit_batch=2), [10, 20, 30, 5, 5])
+    assert now == pytest.approx(1.29) and admitting == 1
+    now1, admitting1 = run_budgets(graphed(3, admit_batch=1), [10, 20, 30, 5, 5])
+    assert admitting1 == 2 and now1 > now  # one whole prefill more
+
+
+def test_admission_waits_at_most_admit_max_wait_steps_and_never_with_no_row_decoding():
+    # 2 rows, admit_batch 2 (never reached: one request waits). r0 finishes at 0.59 (10 steps);
+    # r2 waits 4 steps, enters at 0.63 in a mixed step (to 1.14), and its 29 more tokens end at 1.43
+    now, admitting = run_budgets(graphed(2, admit_batch=2, admit_max_wait=4), [10, 40, 30])
+    assert now == pytest.approx(1.43) and admitting == 1
+    assert run_budgets(graphed(2, admit_batch=2, admit_max_wait=0), [10, 40, 30]) == (pytest.approx(1.39), 1)
+    # r1 finishes (0.61) while r2 still waits: with no row decoding it enters at once, in a pure
+    # prefill (0.61 to 1.11), and ends 4 steps later
+    assert run_budgets(graphed(2, admit_batch=2, admit_max_wait=4), [10, 12, 5]) == (pytest.approx(1.15), 0)
+    assert run_budgets(graphed(2, admit_batch=1), [10, 12, 5]) == (pytest.approx(1.14), 1)
+
+
+def test_admit_batch_defaults_follow_the_engine():
+    assert SimWorker(0, DecodeCost(separate_admission=True), 256).admit_batch == 32
+    assert SimWorker(0, DecodeCost(separate_admission=True), 4).admit_batch == 1
+    assert SimWorker(0, DecodeCost(), 256).admit_batch == 1
+    # a mixed step without separate admission pays only the prefill's per-token part
+    e = SimEngine(SimCore([SimWorker(0, DecodeCost(step_s=0.01, prefill_s=0.5), 3)],
+                          LengthModel(kind="empirical", values=(1000,)), max_len=2000, slack=0))
+    e.release()
+    assert run_budgets(e, [10, 20, 30, 5, 5])[1] == 2
+
+
 def test_a_full_kv_cache_preempts_the_newest_sequence_and_recomputes_it_later():
     # two rows, K/V for 20 tokens, two requests of 3 prompt tokens stopping at 10: both run
     # (a free prefill samples token 1) until each holds 7 (3 + 7 + 3 + 7 = 20) at t = 0.06; the
@@ -570,6 +620,7 @@ def test_calibrate_fits_a_profile_from_the_real_engine_and_trainer(tmp_path):
                      train_sizes=((2, 2, 8, 8), (2, 2, 8, 24)), command="test")
     d = prof.decode
     assert d.step(4, 100) > 0 and d.prefill(32) > 0 and len(d.rows_table) == 2
+    assert d.separate_admission is False  # the CPU engine admits in its fused decode pass
     assert prof.train.seconds(500) > 0 and len(prof.fit["train_points"]) == 2
     assert prof.sync.latency_s > 0 and len(prof.fit["decode_points"]) == 3
     points = prof.fit["contention_points"]

@@ -62,8 +62,11 @@ def assert_same(a: dict, b: dict) -> None:
     ["simulate.prompts=5", "simulate.pools=[{workers: 1, max_rows: 16}]"],
     ["simulate.prompts=2", "data.shuffle=false", "rollout.prompts_per_step=4", "simulate.prompt_tokens=2500",
      "rollout.max_new_tokens=256", "simulate.pools=[{workers: 1, max_rows: 16}]"],
+    # a graphed engine's mixed steps (a whole prefill beside the decode), admitting at every step
+    ["simulate.pools=[{workers: 2, max_rows: 6, admit_batch: 1, decode: {step_s: 0.01, prefill_s: 0.05, "
+     "separate_admission: true}}]"],
 ], ids=["plain", "rows-bind", "heterogeneous", "prefill-budget", "truncated", "ignore-eos", "async-eta0",
-        "repeated-prompts", "repeated-prompts-budget"])
+        "repeated-prompts", "repeated-prompts-budget", "separate-admission"])
 def test_fast_path_gives_the_schedulers_times_exactly(overrides):
     a, b = both(*overrides)
     assert b["mode"].endswith(" router]") and "[fast path, " in b["mode"]
@@ -171,6 +174,7 @@ def test_fast_path_holds_the_staleness_bound(eta):
     ("simulate.shared_device=true", "shared device"),
     ("selection.policy=thompson", "prompt selection"),
     ("selection.dars=equal", "DARS"),
+    ("simulate.pools=[{workers: 2, max_rows: 8, admit_batch: 2}]", "admission batching"),
     ("simulate.prompts=100001", "the router forgetting prompts"),
     ("mode=async;rollout.inflight_weight_update=abort", "inflight_weight_update=abort"),
     ("mode=async;async.experience_pool=true", "experience_pool"),

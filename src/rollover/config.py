@@ -537,7 +537,7 @@ def _cost_fields(kind: str):
             raise ValueError(f"unknown {kind} cost keys {bad}; known: {', '.join(names)}")
         out = {}
         for k, v in d.items():
-            if k == "prefill_padded":
+            if k in ("prefill_padded", "separate_admission"):
                 if not isinstance(v, bool):
                     raise ValueError(f"{kind}.{k}={v!r}: must be true or false")
                 out[k] = v
@@ -577,6 +577,10 @@ class SimPoolConfig(Section):
     SGLang do. None: the rows alone limit a worker. The schedulers' path only."""
     gpus_per_worker: int = Field(1, ge=1)
     """GPUs one worker uses (tensor parallel): counted in `rollover simulate plan`'s GPU totals."""
+    admit_batch: int | None = Field(None, ge=1)
+    """While rows decode, admit waiting requests once this many fit (or after 16 steps), as
+    TorchEngine's `admit_batch`. None: its default, max_rows / 8 where the decode cost has
+    `separate_admission` (CUDA graphs), else 1. The schedulers' path only."""
     decode: Annotated[dict[str, Any], _cost_fields("decode")] = {}
     """This pool's decode cost, over the profile's (keys of DecodeCost: step_s, per_row_s,
     per_context_token_s, prefill_s, prefill_per_token_s)."""

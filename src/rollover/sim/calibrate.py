@@ -29,6 +29,7 @@ from __future__ import annotations
 import platform
 import random
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -87,8 +88,6 @@ def measure_decode(engine, vocab: int, grid=DECODE_GRID, new_tokens: int = 24, s
 def refit(profile: Profile) -> Profile:
     """The profile's cost models fitted again from the measurements it holds (after a change of
     the fitting rule; nothing is measured)."""
-    from dataclasses import replace
-
     decode, fit = fit_decode(profile.fit["decode_points"])
     train, tfit = fit_train(profile.fit["train_points"]) if "train_points" in profile.fit else (profile.train, {})
     return replace(profile, decode=decode, train=train, fit={**profile.fit, **fit, **tfit})
@@ -238,6 +237,8 @@ def calibrate(model: str, *, name: str | None = None, train: bool = True, grid=N
     engine = open_engine(max(r for r, _ in grid))
     try:
         decode, fit = fit_decode(measure_decode(engine, vocab, grid, new_tokens))
+        # with CUDA graphs a step that admits beside decoding rows prefills in a pass of its own
+        decode = replace(decode, separate_admission=engine.core.runner.separate_admission)
         # one process: the update is a copy of every tensor into the engine
         named = [(k, v.detach().to(device).clone()) for k, v in hf.state_dict().items()]  # as a trainer's, on its device
         times = []

@@ -19,6 +19,10 @@ Semantics, as close to `EngineCore` as an event model allows:
 - A weight update stalls every worker for the dissemination time given with it; tokens after
   it carry the new version; 'continue' recomputes the running sequences' K/V (a prefill),
   'keep' does not, 'abort' aborts them.
+- While rows decode, a worker admits waiting sequences once `admit_batch` of them fit, or after
+  `admit_max_wait` steps, or at once where the prefill budget is what holds them back, as
+  `EngineCore._admit` does (admit_batch defaults to max_rows / 8 where the cost model's
+  `separate_admission` says a mixed step pays a whole prefill, 1 elsewhere).
 
 Requests go to workers through the Ray runtime's `Router` (least outstanding tokens, with
 prompt-prefix affinity), the policy a real multi-worker run uses.
@@ -83,8 +87,15 @@ class SimWorker:
     """One rollout worker: `max_rows` sequences decoded together, at `cost`."""
 
     def __init__(self, index: int, cost: DecodeCost, max_rows: int, pool: str = "rollout",
-                 max_prefill_tokens: int = 8192, kv_tokens: int | None = None):
+                 max_prefill_tokens: int = 8192, kv_tokens: int | None = None, admit_batch: int | None = None,
+                 admit_max_wait: int = 16):
         self.index, self.cost, self.max_rows, self.pool = index, cost, max_rows, pool
+        # TorchEngine's default (EngineCore.admit_batch): batch admissions where each costs a pass
+        self.admit_batch = admit_batch or (max(1, max_rows // 8) if cost.separate_admission else 1)
+        self.admit_max_wait = admit_max_wait
+        self.steps = 0  # steps done (the clock of admission's waiting)
+        self.deferred_from: int | None = None  # `steps` when admission began to wait for a batch
+        self.admitting = False  # the planned segment's first step admits beside decoding rows
         self.kv_tokens = kv_tokens  # K/V capacity in tokens (None: the rows alone limit it)
         self.own_cost = cost  # `cost` is this, scaled while the device is shared with training
         self.max_prefill_tokens = max_prefill_tokens
@@ -322,6 +333,9 @@ class SimCore:
         w.record(w.t, end, "generate")
         st = self.stats
         st.decode_steps += j
+        st.admission_steps += w.admitting
+        w.admitting = False
+        w.steps += j
         st.busy_row_steps += n * j
         st.total_row_steps += w.max_rows * j
         st.generated_tokens += n * j
@@ -367,6 +381,27 @@ class SimCore:
             w.waiting.appendleft(s)
             self.stats.preempted += 1
 
+    @staticmethod
+    def _admissible(w: SimWorker, keys: dict, budget: int) -> tuple[int, bool]:
+        """How many of w's waiting sequences, in queue order, its boundary can admit (free rows,
+        K/V room, the prefill budget; the samples of a prompt prefill once), and whether the
+        prefill budget is what stops it."""
+        n, context, rows, seen = 0, w.context, len(w.running), set(keys)
+        for s in w.waiting:
+            if rows + n == w.max_rows:
+                break
+            need = s.prompt_len + s.n
+            if w.kv_tokens is not None and context + need + rows + n + 1 > w.kv_tokens:
+                break  # no room for it and one more token of every row: it waits for a finish
+            if seen and need > budget:
+                return n, True
+            key = _key(s)
+            if key not in seen:
+                seen.add(key)
+                budget -= need
+            n, context = n + 1, context + need
+        return n, False
+
     def _plan(self, w: SimWorker) -> None:
         """Admit waiting sequences into free rows and plan w's next segment from its boundary
         (none while paused or idle)."""
@@ -381,27 +416,26 @@ class SimCore:
         if w.kv_tokens is not None:
             self._preempt(w)
         entering = [s for s in w.running if s.entering]
-        keys = {s.key if not s.n else ("resumed", id(s)): s.prompt_len + s.n for s in entering}
+        keys = {_key(s): s.prompt_len + s.n for s in entering}
         budget = w.max_prefill_tokens - sum(keys.values()) - w.extra_recompute
-        held = False  # the prefill budget held a request back (not the K/V capacity)
-        while w.waiting and len(w.running) < w.max_rows:
-            s = w.waiting[0]
-            need = s.prompt_len + s.n
-            if w.kv_tokens is not None and w.context + need + len(w.running) + 1 > w.kv_tokens:
-                break  # no room for it and one more token of every row: it waits for a finish
-            if keys and need > budget:
-                held = True
-                break
-            w.waiting.popleft()
+        take, held = self._admissible(w, keys, budget)
+        wait_left = 0  # steps admission may still wait for a batch
+        if take and not entering and len(w.running) and take < w.admit_batch and not held:
+            if w.deferred_from is None:
+                w.deferred_from = w.steps
+            wait_left = w.admit_max_wait - (w.steps - w.deferred_from)
+            if wait_left > 0:
+                take = 0
+        if take or not w.waiting or len(w.running) == w.max_rows:
+            w.deferred_from = None
+        for _ in range(take):
+            s = w.waiting.popleft()
             s.mark(self.version)
             s.entering = True
             w.running.append(s)
-            w.context += need
+            w.context += s.prompt_len + s.n
             entering.append(s)
-            key = s.key if not s.n else ("resumed", id(s))
-            if key not in keys:
-                keys[key] = need
-                budget -= need
+            keys.setdefault(_key(s), s.prompt_len + s.n)
         if not w.running:
             return
         w.extra_fresh = sum(keys.values())
@@ -418,7 +452,9 @@ class SimCore:
         first = cost.prefill(w.extra_recompute)
         if decoding:
             decode = cost.step(decoding, w.context - sum(s.prompt_len + s.n for s in entering))
-            w.prefill_part = first + (cost.prefill(fresh) - cost.prefill_s if fresh else 0.0)
+            mixed = cost.prefill(fresh) - (0.0 if cost.separate_admission else cost.prefill_s)
+            w.prefill_part = first + (mixed if fresh else 0.0)
+            w.admitting = bool(entering)
         else:
             decode, w.prefill_part = 0.0, first + cost.prefill(fresh)
         w.base = cost.step(n, w.context)
@@ -429,4 +465,11 @@ class SimCore:
             w.k = min(w.k, (w.kv_tokens - w.context) // n)
         if held:
             w.k = 1  # the prefill budget held some back: the next boundary admits more
+        elif wait_left > 0 and take == 0 and w.waiting:
+            w.k = min(w.k, wait_left)  # admission waits for a batch at most this long
         heapq.heappush(self.heap, (w.end(w.k), next(self._order), w, w.token))
+
+
+def _key(s: SimSeq):
+    """What a sequence's prefill is shared by: its prompt's key, or itself once it holds tokens."""
+    return s.key if not s.n else ("resumed", id(s))

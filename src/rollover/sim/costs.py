@@ -22,7 +22,10 @@ class DecodeCost:
     which also samples the new rows' first token), or all but prefill_s inside the decode step of
     the rows already running (a mixed step). A prompt its samples share counts once; with
     `prefill_padded`, T is the prefilled rows times the longest of them, as in an engine that
-    pads a step's prompts to one length."""
+    pads a step's prompts to one length. With `separate_admission` a mixed step pays the whole
+    prefill, prefill_s included, on top of the decode step: TorchEngine with CUDA graphs replays
+    the graphed decode and then prefills the entering rows in an eager pass of their own (and so
+    batches admissions, `admit_batch`)."""
 
     step_s: float = 0.02
     per_row_s: float = 0.0
@@ -31,6 +34,7 @@ class DecodeCost:
     prefill_per_token_s: float = 0.0
     prefill_quadratic_s: float = 0.0
     prefill_padded: bool = False  # T counts every prefilled row at the step's longest (TorchEngine pads)
+    separate_admission: bool = False  # a mixed step = the decode step + a whole prefill (CUDA graphs)
     # measured [rows, seconds of a step at no context] points: between them the step time is
     # interpolated (a CPU's or GPU's step time is not linear in rows); beyond them it follows
     # per_row_s from the last point. Empty: step_s + per_row_s * rows.

@@ -84,6 +84,8 @@ def check(cfg: Config) -> None:
         why.append("prompt selection (selection.policy / selection.allocation)")
     if cfg.selection.dars != "off":
         why.append("DARS (selection.dars)")
+    if any(pool.admit_batch not in (None, 1) for pool in cfg.simulate.pools):  # it admits at every boundary
+        why.append("admission batching (simulate.pools[].admit_batch)")
     from rollover.runtime.routing import MAX_PREFIXES
 
     if cfg.simulate.prompts > MAX_PREFIXES:

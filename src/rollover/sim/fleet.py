@@ -442,7 +442,7 @@ class Fleet:
         pf = self.cost.prefill(idx, fresh)
         dec = self.cost.step(idx, decoding, ctx - ent_ctx)
         mixed = decoding > 0
-        part = np.where(mixed, first + np.where(fresh > 0, pf - self.cost.prefill_s[idx], 0.0), first + pf)
+        part = np.where(mixed, first + np.where(fresh > 0, pf - self.cost.mixed_saves[idx], 0.0), first + pf)
         decode = np.where(mixed, dec, 0.0)
         base = self.cost.step(idx, rows, ctx)
         self.base[idx] = base

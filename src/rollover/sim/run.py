@@ -60,7 +60,8 @@ def build_engine(cfg: Config, profile: Profile) -> SimEngine:
     for pool in s.pools:
         cost = replace(profile.decode, **pool.decode)
         for _ in range(pool.workers):
-            workers.append(SimWorker(len(workers), cost, pool.max_rows, pool=pool.name, kv_tokens=pool.kv_tokens))
+            workers.append(SimWorker(len(workers), cost, pool.max_rows, pool=pool.name, kv_tokens=pool.kv_tokens,
+                                     admit_batch=pool.admit_batch))
     slack = r.samples_per_prompt * r.max_new_tokens
     longest = cfg.env.max_total_tokens if s.env.enabled else s.prompt_tokens + r.max_new_tokens
     core = SimCore(workers, lengths, max_len=longest + 1, slack=slack)
