@@ -134,8 +134,10 @@ class ModelRunner:
         half = self.head_dim // 2
         self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
         self._cache_shape = (max_rows, self.n_kv, max_len, self.head_dim)
-        self._k: list[torch.Tensor] | None = None  # allocated at first use (see k_cache)
-        self._v: list[torch.Tensor] | None = None
+        self._k: torch.Tensor | None = None  # [layers, rows, kv heads, max_len, head dim], at first use (k_cache)
+        self._v: torch.Tensor | None = None
+        self._k_layers: list[torch.Tensor] | None = None  # its per-layer views
+        self._v_layers: list[torch.Tensor] | None = None
         self._int8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(matrix) -> (int8 matrix, row scales)
         can_pack = (pack_weights and not compile_decode and quantize is None and self.device.type == "cpu" and dtype == torch.float32
                     and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
@@ -267,26 +269,29 @@ class ModelRunner:
 
     @property
     def k_cache(self) -> list[torch.Tensor]:
-        """Per layer [max_rows, kv_heads, max_len, head_dim]; allocated at first use after
-        start-up or `drop_cache`."""
+        """Per layer [max_rows, kv_heads, max_len, head_dim]: views of one [layers, ...] tensor
+        (`move_row` copies a row of every layer at once); allocated at first use after start-up
+        or `drop_cache`."""
         if self._k is None:
-            self._k = self._new_cache()
-        return self._k
+            self._new_cache()
+        return self._k_layers
 
     @property
     def v_cache(self) -> list[torch.Tensor]:
         if self._v is None:
-            self._v = self._new_cache()
-        return self._v
+            self._new_cache()
+        return self._v_layers
 
-    def _new_cache(self) -> list[torch.Tensor]:
+    def _new_cache(self) -> None:
         with torch.inference_mode(False):  # normal tensors, even when first touched inside a step
-            return [torch.zeros(self._cache_shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layers)]
+            self._k, self._v = (torch.zeros((self.n_layers, *self._cache_shape), device=self.device, dtype=self.dtype)
+                                for _ in range(2))
+            self._k_layers, self._v_layers = list(self._k.unbind(0)), list(self._v.unbind(0))
 
     def drop_cache(self) -> None:
         """Free the KV cache; only when no sequence holds a row (the engine checks). The CUDA
         graphs, which address the cache, go with it."""
-        self._k = self._v = None
+        self._k = self._v = self._k_layers = self._v_layers = None
         if self.graphs is not None:
             self.graphs.drop()
 
@@ -544,10 +549,12 @@ class ModelRunner:
         return self.logits(torch.cat([x[:B], x[last]]))
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy a sequence's cache from row src to row dst (compaction after a row frees)."""
-        for li in range(self.n_layers):
-            self.k_cache[li][dst, :, :length] = self.k_cache[li][src, :, :length]
-            self.v_cache[li][dst, :, :length] = self.v_cache[li][src, :, :length]
+        """Copy a sequence's cache from row src to row dst (compaction after a row frees): one
+        copy for the keys of every layer and one for the values (a launch each on a GPU)."""
+        if self._k is None:
+            self._new_cache()
+        self._k[:, dst, :, :length] = self._k[:, src, :, :length]
+        self._v[:, dst, :, :length] = self._v[:, src, :, :length]
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         self.move_row(src, dst, length)
