@@ -191,11 +191,42 @@ def test_admit_batch_defaults_follow_the_engine():
     assert SimWorker(0, DecodeCost(separate_admission=True), 256).admit_batch == 32
     assert SimWorker(0, DecodeCost(separate_admission=True), 4).admit_batch == 1
     assert SimWorker(0, DecodeCost(), 256).admit_batch == 1
-    # a mixed step without separate admission pays only the prefill's per-token part
+    # a mixed step without separate admission pays only the prefill's per-token part (none
+    # here): r3 enters at 0.59 (0.59-0.60), r4 at 0.64 (to 0.65); r2's 30 tokens end at 0.79
     e = SimEngine(SimCore([SimWorker(0, DecodeCost(step_s=0.01, prefill_s=0.5), 3)],
                           LengthModel(kind="empirical", values=(1000,)), max_len=2000, slack=0))
     e.release()
-    assert run_budgets(e, [10, 20, 30, 5, 5])[1] == 2
+    assert run_budgets(e, [10, 20, 30, 5, 5]) == (pytest.approx(0.79), 2)
+
+
+def test_a_refit_profile_keeps_separate_admission(tmp_path):
+    from dataclasses import replace
+
+    from rollover.sim.calibrate import refit
+    from rollover.sim.costs import Profile
+
+    prof = Profile.load("docs/sim/h100-smollm2-135m-standin.json")
+    assert prof.decode.separate_admission and refit(prof).decode.separate_admission
+    off = replace(prof, decode=replace(prof.decode, separate_admission=False))
+    assert not refit(off).decode.separate_admission
+
+
+def test_a_plan_abandoned_at_its_boundary_does_not_count_an_admitting_step():
+    # r2 is planned to enter beside r1 at 0.59; an abort-mode weight update at that moment takes
+    # r1, so r2's step is a pure prefill (no admitting step)
+    cost = DecodeCost(step_s=0.01, prefill_s=0.5, separate_admission=True)
+    core = SimCore([SimWorker(0, cost, 2, admit_batch=1)], LengthModel(kind="empirical", values=(1000,)),
+                   max_len=2000, slack=0)
+    for i, b in enumerate([10, 20, 5]):
+        core.add(req(i, budget=b))
+    while not core.step()[0]:  # to r0's finish, where r2 is planned in beside r1
+        pass
+    assert core.now == pytest.approx(0.59) and core.workers[0].admitting
+    core.update_weights(None, 1, "abort")
+    core.add(req(3, budget=3))
+    while core.has_work():
+        core.step()
+    assert core.stats.admission_steps == 0 and core.stats.decode_steps > 0
 
 
 def test_a_full_kv_cache_preempts_the_newest_sequence_and_recomputes_it_later():

@@ -175,6 +175,8 @@ def test_fast_path_holds_the_staleness_bound(eta):
     ("selection.policy=thompson", "prompt selection"),
     ("selection.dars=equal", "DARS"),
     ("simulate.pools=[{workers: 2, max_rows: 8, admit_batch: 2}]", "admission batching"),
+    ("simulate.pools=[{workers: 2, max_rows: 16, decode: {step_s: 0.01, separate_admission: true}}]",
+     "admission batching"),  # the default admit_batch of a graphed engine: 16 / 8
     ("simulate.prompts=100001", "the router forgetting prompts"),
     ("mode=async;rollout.inflight_weight_update=abort", "inflight_weight_update=abort"),
     ("mode=async;async.experience_pool=true", "experience_pool"),

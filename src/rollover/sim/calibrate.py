@@ -89,6 +89,7 @@ def refit(profile: Profile) -> Profile:
     """The profile's cost models fitted again from the measurements it holds (after a change of
     the fitting rule; nothing is measured)."""
     decode, fit = fit_decode(profile.fit["decode_points"])
+    decode = replace(decode, separate_admission=profile.decode.separate_admission)  # a fact of the engine, not fitted
     train, tfit = fit_train(profile.fit["train_points"]) if "train_points" in profile.fit else (profile.train, {})
     return replace(profile, decode=decode, train=train, fit={**profile.fit, **fit, **tfit})
 

@@ -91,7 +91,7 @@ class SimWorker:
                  admit_max_wait: int = 16):
         self.index, self.cost, self.max_rows, self.pool = index, cost, max_rows, pool
         # TorchEngine's default (EngineCore.admit_batch): batch admissions where each costs a pass
-        self.admit_batch = admit_batch or (max(1, max_rows // 8) if cost.separate_admission else 1)
+        self.admit_batch = cost.admit_batch(max_rows, admit_batch)
         self.admit_max_wait = admit_max_wait
         self.steps = 0  # steps done (the clock of admission's waiting)
         self.deferred_from: int | None = None  # `steps` when admission began to wait for a batch
@@ -385,7 +385,10 @@ class SimCore:
     def _admissible(w: SimWorker, keys: dict, budget: int) -> tuple[int, bool]:
         """How many of w's waiting sequences, in queue order, its boundary can admit (free rows,
         K/V room, the prefill budget; the samples of a prompt prefill once), and whether the
-        prefill budget is what stops it."""
+        prefill budget is what stops it. Unlike EngineCore, which charges every sample's tokens
+        to the budget, a prompt its samples share is charged once (what it prefills); with
+        kv_tokens, a request waiting for K/V room counts toward admission's wait for a batch
+        (TorchEngine has no such cap to mirror)."""
         n, context, rows, seen = 0, w.context, len(w.running), set(keys)
         for s in w.waiting:
             if rows + n == w.max_rows:
@@ -407,6 +410,7 @@ class SimCore:
         (none while paused or idle)."""
         w.token += 1
         w.k = 0
+        w.admitting = False
         if self.paused:
             return
         if not w.running:  # whatever the first step was to prefill is gone (aborted)

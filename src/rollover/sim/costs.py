@@ -54,6 +54,12 @@ class DecodeCost:
                 return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
         return t[-1][1] + self.per_row_s * (rows - t[-1][0])
 
+    def admit_batch(self, max_rows: int, setting: int | None = None) -> int:
+        """Waiting requests a worker of `max_rows` admits at once beside decoding rows: `setting`,
+        or TorchEngine's default (EngineCore.admit_batch): max_rows / 8 where each admission is a
+        pass of its own, else 1."""
+        return setting or (max(1, max_rows // 8) if self.separate_admission else 1)
+
     def prefill(self, tokens: int) -> float:
         if not tokens:
             return 0.0

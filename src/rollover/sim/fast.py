@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 
@@ -70,7 +71,7 @@ WINDOW_EVENTS = {"async": 0.25, "april": 0.25, "april_large": 0.5}
 LARGE_CLUSTER = 256
 
 
-def check(cfg: Config) -> None:
+def check(cfg: Config, profile: Profile | None = None) -> None:
     """What the fast path does not model yet, named with the way to simulate it."""
     why = []
     p = cfg.partial_rollout
@@ -84,8 +85,12 @@ def check(cfg: Config) -> None:
         why.append("prompt selection (selection.policy / selection.allocation)")
     if cfg.selection.dars != "off":
         why.append("DARS (selection.dars)")
-    if any(pool.admit_batch not in (None, 1) for pool in cfg.simulate.pools):  # it admits at every boundary
-        why.append("admission batching (simulate.pools[].admit_batch)")
+    batching = [pool.name for pool in cfg.simulate.pools  # it admits at every boundary
+                if (pool.admit_batch or 1) > 1 or (profile is not None and pool.admit_batch is None and replace(
+                    profile.decode, **pool.decode).admit_batch(pool.max_rows) > 1)]
+    if batching:
+        why.append(f"admission batching (pool {', '.join(batching)}: admit_batch above 1, or unset with a decode "
+                   "cost whose separate_admission makes it batch; admit_batch: 1 admits at every step)")
     from rollover.runtime.routing import MAX_PREFIXES
 
     if cfg.simulate.prompts > MAX_PREFIXES:
@@ -114,7 +119,7 @@ def simulate_fast(cfg: Config, profile: Profile, progress=None, draws: str = "ve
     from rollover.data import PromptIterator
     from rollover.sim.workload import make_prompts
 
-    check(cfg)
+    check(cfg, profile)
     s = cfg.simulate
     workers = sum(p.workers for p in s.pools)
     if timeline is None:
