@@ -8,7 +8,8 @@ The model runner and engine core run on this script's own thread, not behind Tor
 engine thread: the profiler's CUDA side must start on the thread that registered it (an H100
 run of a version that started it on the engine thread returned no table). `--admit` feeds
 requests in as rows free up, with twice as many requests as rows, so that steps admit beside
-the graphed decode as under APRIL; `--admit-batch` sets `EngineCore`'s admit_batch there.
+the graphed decode as under APRIL; `--admit-batch` sets `EngineCore`'s admit_batch there; `--resumed` gives each request part of
+its response already (APRIL `resubmit`'s resumed prefixes, of mixed lengths).
 The unprofiled timing is printed first; the profiler sees only the first `--profile-steps` steps of
 a third run (an H100 lease that profiled whole runs of 256 requests spent its 50 s limit in the
 profiler's tables and printed nothing).
@@ -35,6 +36,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--admit", action="store_true", help="2 x rows requests of mixed lengths")
     p.add_argument("--admit-batch", type=int, default=None)
+    p.add_argument("--resumed", action="store_true",
+                   help="with --admit: each request carries part of its response, as APRIL's resubmit does")
     p.add_argument("--profile-steps", type=int, default=48)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None)
@@ -49,9 +52,13 @@ def main() -> None:
     def run(tag: str, limit: int | None = None) -> tuple[float, int, int]:
         for i in range(n):  # with --admit, budgets from a quarter of new_tokens up to all of it
             budget = args.new_tokens if not args.admit else args.new_tokens // 4 + (i * 37) % max(1, 3 * args.new_tokens // 4)
+            carried = (i * 53) % budget if args.resumed else 0  # mixed lengths: the prefill packs them
             core.add(Request(id=f"{tag}{i}", prompt_ids=[1, 2, 3 + i % 50] * 14,
-                             sampling=SamplingParams(max_new_tokens=budget, seed=i, ignore_eos=True)))
+                             sampling=SamplingParams(max_new_tokens=budget, seed=i, ignore_eos=True),
+                             response_ids=[5 + (i + j) % 90 for j in range(carried)],
+                             response_logprobs=[-1.0] * carried, response_versions=[0] * carried))
         steps0, admits0 = core.stats.decode_steps, core.stats.admission_steps
+        prefilled0 = core.stats.prefill_tokens
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -59,13 +66,14 @@ def main() -> None:
             core.step()
         if cuda:
             torch.cuda.synchronize()
+        run.prefilled = core.stats.prefill_tokens - prefilled0
         return time.perf_counter() - t0, core.stats.decode_steps - steps0, core.stats.admission_steps - admits0
 
     run("warm")  # records the graphs of every bucket this run meets
     seconds, steps, admits = run("plain")
     head = (f"rows {args.rows}, {n} requests{' (admitting as rows free)' if args.admit else ''}, admit_batch "
             f"{core.admit_batch}: {seconds:.3f} s unprofiled, {steps} decode steps, {1e3 * seconds / max(1, steps):.2f} ms "
-            f"per step, {admits} of them admitting")
+            f"per step, {admits} of them admitting, {run.prefilled} tokens prefilled")
     print(head, flush=True)
     write(args.out, head)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

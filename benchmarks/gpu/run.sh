@@ -75,6 +75,8 @@ step profile_admit1 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --n
   --admit --admit-batch 1 --out "$RES/profile_admit1.txt"
 step profile_admit 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
   --admit --out "$RES/profile_admit.txt"
+step profile_resumed 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
+  --admit --resumed --out "$RES/profile_resumed.txt"
 step calibrate 90 rollover simulate calibrate --device "$DEV" --out "$RES/sim_135m.json" --debug
 step train 70 rollover bench train $TRAIN --json "$RES/train.json"
 step april_natural 90 rollover bench april --workload natural --steps 4 --warmup 1 --prompts-per-step $AP \
