@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One lease of a lent GPU, in one call: the CUDA tests, then `bench april` (long-tail and
-# natural lengths), decode-step profiles with admissions (admit_batch 1 and the default),
-# `simulate calibrate --device cuda`, `bench engine` (135M and a Qwen2.5-0.5B-shaped model),
+# One lease of a lent GPU, in one call: the CUDA tests, then decode-step profiles with admissions
+# (the default admit_batch, resumed prefixes, admit_batch 1), `bench april` (long-tail and natural
+# lengths), `simulate calibrate --device cuda`, `bench engine` (135M and a Qwen2.5-0.5B-shaped model),
 # `bench train` and the demo workload beside TRL's GRPOTrainer, each under its own time limit
 # and all under one deadline (the limits add up to more than the default 560 s: the steps run in
 # order of what is most wanted, and those past the deadline are skipped), results tarred after
@@ -65,22 +65,21 @@ TAIL=30 step tests 90 python3 -m pytest $TESTS ${TESTS_MORE:-} -q -n "${WORKERS:
 ENGINE="--dtype bfloat16 --prompts $P --new-tokens $NT --max-rows $ROWS --repeats 2 --device $DEV"
 TRAIN="--steps $ST rollout.prompts_per_step=$TP rollout.samples_per_prompt=$TS rollout.max_new_tokens=$TNT \
   rollout.max_rows=$(( TP * TS )) device=$DEV"
-# in order of what the last lease (an H100, docs/benchmarks.md) left open: APRIL with admissions
-# batched beside the graphed decode, and a profile of such steps with and without the batching;
-# the simulator's GPU profile; training at the CUDA micro-batch default; APRIL's natural lengths;
-# then what earlier leases measured (the 0.5B shape, the engine, TRL beside rollover)
-step april 130 rollover bench april --workload longtail --steps 6 --warmup 1 --prompts-per-step $AP --samples-per-prompt $AS \
-  --max-rows $ARW --max-new-tokens $ANT --repeats 2 --json "$RES/april_longtail.json"
-step profile_admit1 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
-  --admit --admit-batch 1 --out "$RES/profile_admit1.txt"
+# in order of what the last lease (an H100, docs/benchmarks.md "second lease") left open: the
+# admitting decode profile again (6.77 ms a step then; the K/V cache now moves a row in two
+# copies), where APRIL resubmit's resumed prefixes spend their time, APRIL itself, then the rest
 step profile_admit 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
   --admit --out "$RES/profile_admit.txt"
 step profile_resumed 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
   --admit --resumed --out "$RES/profile_resumed.txt"
-step calibrate 90 rollover simulate calibrate --device "$DEV" --out "$RES/sim_135m.json" --debug
-step train 70 rollover bench train $TRAIN --json "$RES/train.json"
+step april 130 rollover bench april --workload longtail --steps 6 --warmup 1 --prompts-per-step $AP --samples-per-prompt $AS \
+  --max-rows $ARW --max-new-tokens $ANT --repeats 2 --json "$RES/april_longtail.json"
+step profile_admit1 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
+  --admit --admit-batch 1 --out "$RES/profile_admit1.txt"
 step april_natural 90 rollover bench april --workload natural --steps 4 --warmup 1 --prompts-per-step $AP \
   --samples-per-prompt $AS --max-rows $ARW --json "$RES/april_natural.json"
+step calibrate 90 rollover simulate calibrate --device "$DEV" --out "$RES/sim_135m.json" --debug
+step train 70 rollover bench train $TRAIN --json "$RES/train.json"
 step engine_0_5b 70 rollover bench engine --model /tmp/qwen05 $ENGINE --skip-hf --json "$RES/engine_0_5b.json"
 step engine_135m 70 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_135m.json"
 step train_trl 90 rollover bench train --steps $ST device=$DEV --compare trl --json "$RES/train_trl.json"
