@@ -49,7 +49,7 @@ def main() -> None:
     core = EngineCore(runner, eos_token_ids=(), admit_batch=args.admit_batch)
     n = 2 * args.rows if args.admit else args.rows
 
-    def run(tag: str, limit: int | None = None) -> tuple[float, int, int]:
+    def run(tag: str, limit: int | None = None) -> tuple[float, int, int, int]:
         for i in range(n):  # with --admit, budgets from a quarter of new_tokens up to all of it
             budget = args.new_tokens if not args.admit else args.new_tokens // 4 + (i * 37) % max(1, 3 * args.new_tokens // 4)
             carried = (i * 53) % budget if args.resumed else 0  # mixed lengths: the prefill packs them
@@ -57,8 +57,7 @@ def main() -> None:
                              sampling=SamplingParams(max_new_tokens=budget, seed=i, ignore_eos=True),
                              response_ids=[5 + (i + j) % 90 for j in range(carried)],
                              response_logprobs=[-1.0] * carried, response_versions=[0] * carried))
-        steps0, admits0 = core.stats.decode_steps, core.stats.admission_steps
-        prefilled0 = core.stats.prefill_tokens
+        steps0, admits0, prefilled0 = core.stats.decode_steps, core.stats.admission_steps, core.stats.prefill_tokens
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -66,19 +65,19 @@ def main() -> None:
             core.step()
         if cuda:
             torch.cuda.synchronize()
-        run.prefilled = core.stats.prefill_tokens - prefilled0
-        return time.perf_counter() - t0, core.stats.decode_steps - steps0, core.stats.admission_steps - admits0
+        s = core.stats
+        return time.perf_counter() - t0, s.decode_steps - steps0, s.admission_steps - admits0, s.prefill_tokens - prefilled0
 
     run("warm")  # records the graphs of every bucket this run meets
-    seconds, steps, admits = run("plain")
+    seconds, steps, admits, prefilled = run("plain")
     head = (f"rows {args.rows}, {n} requests{' (admitting as rows free)' if args.admit else ''}, admit_batch "
             f"{core.admit_batch}: {seconds:.3f} s unprofiled, {steps} decode steps, {1e3 * seconds / max(1, steps):.2f} ms "
-            f"per step, {admits} of them admitting, {run.prefilled} tokens prefilled")
+            f"per step, {admits} of them admitting, {prefilled} tokens prefilled")
     print(head, flush=True)
     write(args.out, head)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        seconds, steps, admits = run("prof", limit=args.profile_steps)
+        seconds, steps, admits, _ = run("prof", limit=args.profile_steps)
     while core.has_work():
         core.step()
     text = "\n".join([head, f"profiled: the first {steps} steps of another run ({admits} admitting, {seconds:.3f} s)",

@@ -423,13 +423,12 @@ class SimCore:
         keys = {_key(s): s.prompt_len + s.n for s in entering}
         budget = w.max_prefill_tokens - sum(keys.values()) - w.extra_recompute
         take, held = self._admissible(w, keys, budget)
-        wait_left = 0  # steps admission may still wait for a batch
+        wait_left = 0  # steps admission still waits for a batch (0: it does not wait)
         if take and not entering and len(w.running) and take < w.admit_batch and not held:
             if w.deferred_from is None:
                 w.deferred_from = w.steps
-            wait_left = w.admit_max_wait - (w.steps - w.deferred_from)
-            if wait_left > 0:
-                take = 0
+            wait_left = max(0, w.admit_max_wait - (w.steps - w.deferred_from))
+            take = 0 if wait_left else take
         if take or not w.waiting or len(w.running) == w.max_rows:
             w.deferred_from = None
         for _ in range(take):
@@ -456,8 +455,7 @@ class SimCore:
         first = cost.prefill(w.extra_recompute)
         if decoding:
             decode = cost.step(decoding, w.context - sum(s.prompt_len + s.n for s in entering))
-            mixed = cost.prefill(fresh) - (0.0 if cost.separate_admission else cost.prefill_s)
-            w.prefill_part = first + (mixed if fresh else 0.0)
+            w.prefill_part = first + (cost.prefill(fresh) - cost.mixed_saves_s if fresh else 0.0)
             w.admitting = bool(entering)
         else:
             decode, w.prefill_part = 0.0, first + cost.prefill(fresh)
@@ -469,7 +467,7 @@ class SimCore:
             w.k = min(w.k, (w.kv_tokens - w.context) // n)
         if held:
             w.k = 1  # the prefill budget held some back: the next boundary admits more
-        elif wait_left > 0 and take == 0 and w.waiting:
+        elif wait_left:
             w.k = min(w.k, wait_left)  # admission waits for a batch at most this long
         heapq.heappush(self.heap, (w.end(w.k), next(self._order), w, w.token))
 

@@ -65,6 +65,12 @@ class DecodeCost:
             return 0.0
         return self.prefill_s + self.prefill_per_token_s * tokens + self.prefill_quadratic_s * tokens * tokens
 
+    @property
+    def mixed_saves_s(self) -> float:
+        """What a prefill inside a mixed step costs less than alone: its fixed part, unless
+        admission is a pass of its own (`separate_admission`)."""
+        return 0.0 if self.separate_admission else self.prefill_s
+
     def scaled(self, factor: float) -> "DecodeCost":
         """Every time `factor` times longer (the device shared with a training step)."""
         if factor == 1.0:

@@ -53,7 +53,7 @@ from dataclasses import replace
 import numpy as np
 
 from rollover.config import Config, ConfigError
-from rollover.sim.costs import Profile
+from rollover.sim.costs import DecodeCost, Profile
 from rollover.sim.fleet import Fleet
 from rollover.sim.vector import Draws
 
@@ -85,9 +85,9 @@ def check(cfg: Config, profile: Profile | None = None) -> None:
         why.append("prompt selection (selection.policy / selection.allocation)")
     if cfg.selection.dars != "off":
         why.append("DARS (selection.dars)")
+    decode = profile.decode if profile is not None else DecodeCost()
     batching = [pool.name for pool in cfg.simulate.pools  # it admits at every boundary
-                if (pool.admit_batch or 1) > 1 or (profile is not None and pool.admit_batch is None and replace(
-                    profile.decode, **pool.decode).admit_batch(pool.max_rows) > 1)]
+                if replace(decode, **pool.decode).admit_batch(pool.max_rows, pool.admit_batch) > 1]
     if batching:
         why.append(f"admission batching (pool {', '.join(batching)}: admit_batch above 1, or unset with a decode "
                    "cost whose separate_admission makes it batch; admit_batch: 1 admits at every step)")

@@ -113,8 +113,7 @@ class Costs:
         self.pools = [_Cost(c, None if self.single else pool_of == i) for i, c in enumerate(costs)]
         self.pool_of = pool_of
         self.per_ctx = np.array([c.per_context_token_s for c in costs])[pool_of]
-        # what a mixed step leaves out of a prefill's cost: its fixed part, unless admission is a pass of its own
-        self.mixed_saves = np.array([0.0 if c.separate_admission else c.prefill_s for c in costs])[pool_of]
+        self.mixed_saves = np.array([c.mixed_saves_s for c in costs])[pool_of]
         self.padded = np.array([c.prefill_padded for c in costs])[pool_of]
 
     def _each(self, idx: np.ndarray, fn: str, x: np.ndarray) -> np.ndarray:
