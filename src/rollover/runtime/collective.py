@@ -84,16 +84,25 @@ class GlooTransport:
 
     def __init__(self, dtype: torch.dtype, timeout_s: float):
         import ray
-        from torch.distributed import TCPStore
 
         self.dtype, self.timeout_s = dtype, timeout_s
         self.host = ray.util.get_node_ip_address()
-        self.store = TCPStore(self.host, 0, is_master=True, timeout=timeout(timeout_s), wait_for_workers=False)
+        self.store = None
+        self._open_store()
         self.generation = 0
         self.group = None
         self.members: tuple = ()  # the worker slots of the current group, in rank order
         self.slots: list[Slot] = []
         self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def _open_store(self) -> None:
+        """A new store in place of the old one. Closing a store is the one way to end a
+        rendezvous waiting on it: each client waiting on the old store (this process's forming
+        thread, a worker's join) fails at once instead of after the timeout."""
+        from torch.distributed import TCPStore
+
+        self.store = None
+        self.store = TCPStore(self.host, 0, is_master=True, timeout=timeout(self.timeout_s), wait_for_workers=False)
 
     def initial(self, named_tensors) -> dict:
         """Object references of the whole weights (a worker's first weights)."""
@@ -124,29 +133,36 @@ class GlooTransport:
 
         self.group, self.members = None, ()
         self.generation += 1
-        g, world = self.generation, len(workers) + 1
-        refs = [w.handle.join.remote(self.host, self.store.port, g, rank, world, self.slots, self.buffer.numel(),
+        g, world, port = self.generation, len(workers) + 1, self.store.port
+        refs = [w.handle.join.remote(self.host, port, g, rank, world, self.slots, self.buffer.numel(),
                                      self.timeout_s)
                 for rank, w in enumerate(workers, start=1)]
         box: dict = {}
 
         def driver_side() -> None:  # blocks until every member joined (or the timeout)
             try:
-                box["group"] = make_group(self.host, self.store.port, g, 0, world, self.host, self.timeout_s)
+                box["group"] = make_group(self.host, port, g, 0, world, self.host, self.timeout_s)
             except BaseException as e:
                 box["error"] = e
 
         thread = threading.Thread(target=driver_side, name="rollover-weights-group", daemon=True)
         thread.start()
-        while thread.is_alive():  # a join that fails (its worker died) ends the wait early
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.1)
-            for w, ref in zip(workers, refs):
-                if ref in done:
-                    try:
-                        ray.get(ref)
-                    except Exception as e:
-                        raise RuntimeError(f"weights group {g}: rollout worker {w.index} did not join: "
-                                           f"{first_line(e)}") from None
+        try:
+            while thread.is_alive():  # a join that fails (its worker died) ends the wait early
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.1)
+                for w, ref in zip(workers, refs):
+                    if ref in done:
+                        try:
+                            ray.get(ref)
+                        except Exception as e:
+                            raise RuntimeError(f"weights group {g}: rollout worker {w.index} did not join: "
+                                               f"{first_line(e)}") from None
+        except BaseException:
+            # the forming thread would otherwise wait out the timeout in native code, and one
+            # that wakes while the interpreter exits aborts the process
+            self._open_store()
+            thread.join(timeout=10)
+            raise
         if "error" in box:
             raise TimeoutError(f"weights group {g}: not every rollout worker joined within ray.sync_timeout_s="
                                f"{self.timeout_s:g} s ({first_line(box['error'])})")
@@ -173,6 +189,11 @@ class GlooTransport:
     def drop_group(self) -> None:
         """Form a new group before the next update (a member failed)."""
         self.group, self.members = None, ()
+
+    def close(self) -> None:
+        """The group and the store (so no rendezvous is left waiting on it)."""
+        self.drop_group()
+        self.store = None
 
     def _pack(self, named_tensors) -> None:
         named = [(n, t.detach()) for n, t in named_tensors]

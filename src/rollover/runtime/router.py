@@ -496,8 +496,8 @@ class RayEngine(WeightUpdates, EngineAPI):
             if w.thread is not None and w.thread is not threading.current_thread():
                 w.thread.join(timeout=5)
         self._dispatch.close()
-        if hasattr(self.transport, "drop_group"):  # gloo: the group's sockets; the store goes with the transport
-            self.transport.drop_group()
+        if hasattr(self.transport, "close"):  # gloo: the group's sockets and the store
+            self.transport.close()
         with self._lock:
             lives, self._live, self._wire = list(self._live.values()), {}, {}
         for live in lives:
