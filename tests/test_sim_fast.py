@@ -65,8 +65,20 @@ def assert_same(a: dict, b: dict) -> None:
     # a graphed engine's mixed steps (a whole prefill beside the decode), admitting at every step
     ["simulate.pools=[{workers: 2, max_rows: 6, admit_batch: 1, decode: {step_s: 0.01, prefill_s: 0.05, "
      "separate_admission: true}}]"],
+    # admissions batched as a graphed engine batches them: waiting requests enter once 3 fit, or
+    # after 16 steps of waiting
+    ["simulate.pools=[{workers: 2, max_rows: 6, admit_batch: 3, decode: {step_s: 0.01, prefill_s: 0.05, "
+     "separate_admission: true}}]"],
+    # the default batch of a graphed engine (16 rows / 8); a second pool that admits at every step
+    ["simulate.pools=[{workers: 2, max_rows: 16, decode: {step_s: 0.01, prefill_s: 0.05, separate_admission: "
+     "true}}, {name: eager, workers: 2, max_rows: 8}]", "rollout.max_new_tokens=300"],
+    # the prefill budget, not the batch, holds requests back: they enter at the next boundary
+    ["simulate.prompt_tokens=3000", "simulate.pools=[{workers: 2, max_rows: 24, admit_batch: 4}]",
+     "rollout.max_new_tokens=256"],
+    ["mode=async", "async.max_staleness=0", "simulate.pools=[{workers: 2, max_rows: 12, admit_batch: 4}]"],
 ], ids=["plain", "rows-bind", "heterogeneous", "prefill-budget", "truncated", "ignore-eos", "async-eta0",
-        "repeated-prompts", "repeated-prompts-budget", "separate-admission"])
+        "repeated-prompts", "repeated-prompts-budget", "separate-admission", "admit-batch", "admit-batch-default",
+        "admit-batch-budget", "admit-batch-async"])
 def test_fast_path_gives_the_schedulers_times_exactly(overrides):
     a, b = both(*overrides)
     assert b["mode"].endswith(" router]") and "[fast path, " in b["mode"]
@@ -83,7 +95,9 @@ def test_fast_path_gives_the_schedulers_times_exactly(overrides):
     ["mode=async", "async.max_staleness=0", "simulate.pools=[{workers: 4, max_rows: 16, kv_tokens: 1500}]"],
     # an update recomputes the running rows' K/V (continue) after preempting what would not fit
     ["mode=async", "async.max_staleness=1", "simulate.pools=[{workers: 8, max_rows: 64, kv_tokens: 1500}]"],
-], ids=["sync", "heterogeneous", "long-prompts", "async-eta0", "async-continue"])
+    # admission waits for a batch; a request waiting for K/V room is not held back by the budget
+    ["simulate.pools=[{workers: 4, max_rows: 16, kv_tokens: 1500, admit_batch: 4}]"],
+], ids=["sync", "heterogeneous", "long-prompts", "async-eta0", "async-continue", "admit-batch"])
 def test_fast_path_gives_the_schedulers_times_with_a_kv_cache(overrides):
     """A K/V capacity that binds: sequences preempted (the newest, to the queue's front, their
     tokens recomputed on readmission) at the same boundaries as on the schedulers' path."""
@@ -143,7 +157,11 @@ def test_april_fast_path_stays_close_to_the_schedulers():
                  ["partial_rollout.carry=resubmit", "simulate.pools=[{workers: 16, max_rows: 64}]"],
                  # a cache that binds: preempted rows wait at the front of their worker's queue
                  ["partial_rollout.carry=keep_kv", "simulate.pools=[{workers: 4, max_rows: 16, kv_tokens: 1500}]"],
-                 ["partial_rollout.carry=resubmit", "simulate.pools=[{workers: 4, max_rows: 16, kv_tokens: 1500}]"]):
+                 ["partial_rollout.carry=resubmit", "simulate.pools=[{workers: 4, max_rows: 16, kv_tokens: 1500}]"],
+                 # admissions batched (a graphed engine's default): refills wait for a batch
+                 ["partial_rollout.carry=keep_kv", "simulate.pools=[{workers: 4, max_rows: 32, decode: "
+                  "{step_s: 0.01, prefill_s: 0.05, separate_admission: true}}]"],
+                 ["partial_rollout.carry=resubmit", "simulate.pools=[{workers: 4, max_rows: 16, admit_batch: 4}]"]):
         a, b = both("partial_rollout.enabled=true", *over)
         assert b["samples_trained"] == a["samples_trained"]
         assert b["samples_per_s"] == pytest.approx(a["samples_per_s"], rel=0.02)
@@ -174,9 +192,6 @@ def test_fast_path_holds_the_staleness_bound(eta):
     ("simulate.shared_device=true", "shared device"),
     ("selection.policy=thompson", "prompt selection"),
     ("selection.dars=equal", "DARS"),
-    ("simulate.pools=[{workers: 2, max_rows: 8, admit_batch: 2}]", "admission batching"),
-    ("simulate.pools=[{workers: 2, max_rows: 16, decode: {step_s: 0.01, separate_admission: true}}]",
-     "admission batching"),  # the default admit_batch of a graphed engine: 16 / 8
     ("simulate.prompts=100001", "the router forgetting prompts"),
     ("mode=async;rollout.inflight_weight_update=abort", "inflight_weight_update=abort"),
     ("mode=async;async.experience_pool=true", "experience_pool"),
@@ -393,3 +408,13 @@ def test_compiled_admission_decides_what_the_plain_one_decides(monkeypatch, over
     if any(o in overrides for o in ("simulate.prompt_tokens=3000", "simulate.prompt_tokens=2048",
                                     "simulate.prompt_tokens=600")):
         assert seen["held"] > 0  # the prefill budget or the K/V capacity stopped admissions
+
+
+def test_fast_path_batches_admissions_where_the_schedulers_do():
+    # the same run admitting at every step differs: the batched runs above really wait
+    graphed = "decode: {step_s: 0.01, prefill_s: 0.05, separate_admission: true}"
+    waits, eager = (both(f"simulate.pools=[{{workers: 2, max_rows: 6, admit_batch: {n}, {graphed}}}]") for n in (3, 1))
+    assert_same(*waits)
+    assert_same(*eager)
+    assert waits[1]["simulated_s"] != pytest.approx(eager[1]["simulated_s"], rel=1e-3)
+    assert waits[1]["generated_tokens"] == eager[1]["generated_tokens"]

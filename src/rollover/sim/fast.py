@@ -48,12 +48,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import replace
 
 import numpy as np
 
 from rollover.config import Config, ConfigError
-from rollover.sim.costs import DecodeCost, Profile
+from rollover.sim.costs import Profile
 from rollover.sim.fleet import Fleet
 from rollover.sim.vector import Draws
 
@@ -71,7 +70,7 @@ WINDOW_EVENTS = {"async": 0.25, "april": 0.25, "april_large": 0.5}
 LARGE_CLUSTER = 256
 
 
-def check(cfg: Config, profile: Profile | None = None) -> None:
+def check(cfg: Config) -> None:
     """What the fast path does not model yet, named with the way to simulate it."""
     why = []
     p = cfg.partial_rollout
@@ -85,12 +84,6 @@ def check(cfg: Config, profile: Profile | None = None) -> None:
         why.append("prompt selection (selection.policy / selection.allocation)")
     if cfg.selection.dars != "off":
         why.append("DARS (selection.dars)")
-    decode = profile.decode if profile is not None else DecodeCost()
-    batching = [pool.name for pool in cfg.simulate.pools  # it admits at every boundary
-                if replace(decode, **pool.decode).admit_batch(pool.max_rows, pool.admit_batch) > 1]
-    if batching:
-        why.append(f"admission batching (pool {', '.join(batching)}: admit_batch above 1, or unset with a decode "
-                   "cost whose separate_admission makes it batch; admit_batch: 1 admits at every step)")
     from rollover.runtime.routing import MAX_PREFIXES
 
     if cfg.simulate.prompts > MAX_PREFIXES:
@@ -119,7 +112,7 @@ def simulate_fast(cfg: Config, profile: Profile, progress=None, draws: str = "ve
     from rollover.data import PromptIterator
     from rollover.sim.workload import make_prompts
 
-    check(cfg, profile)
+    check(cfg)
     s = cfg.simulate
     workers = sum(p.workers for p in s.pools)
     if timeline is None:

@@ -28,11 +28,12 @@ class Fleet:
         from dataclasses import replace
 
         s, r = cfg.simulate, cfg.rollout
-        costs, pool_of, rows, names, kv = [], [], [], [], []
+        costs, pool_of, rows, names, kv, batch = [], [], [], [], [], []
         for i, pool in enumerate(s.pools):
             costs.append(replace(profile.decode, **pool.decode))
             pool_of += [i] * pool.workers
             rows += [pool.max_rows] * pool.workers
+            batch += [costs[-1].admit_batch(pool.max_rows, pool.admit_batch)] * pool.workers
             kv += [BIG if pool.kv_tokens is None else pool.kv_tokens] * pool.workers
             names.append(pool.name)
         self.W = W = len(pool_of)
@@ -43,6 +44,10 @@ class Fleet:
         self.max_rows = np.array(rows, dtype=np.int64)
         self.kv = np.array(kv, dtype=np.int64)  # K/V capacity in tokens (BIG: the rows alone limit it)
         self.has_kv = any(p.kv_tokens is not None for p in s.pools)
+        # admission waits for a batch (SimWorker.admit_batch, admit_max_wait)
+        self.admit_batch = np.array(batch, dtype=np.int64)
+        self.batching = bool((self.admit_batch > 1).any())
+        self.admit_max_wait = 16
         self.preempted = np.zeros(1, dtype=np.int64)  # sequences preempted for K/V capacity
         self.max_prefill = 8192  # SimWorker's default
         self.prompt_tokens = s.prompt_tokens
@@ -62,6 +67,7 @@ class Fleet:
         self.slope = np.zeros(W)
         self.pre_recompute = np.zeros(W, dtype=np.int64)
         self.recompute = np.zeros(W, dtype=np.int64)
+        self.deferred_from = np.full(W, -1, dtype=np.int64)  # wstep when admission began to wait (-1: it does not)
         self.busy_s = np.zeros(W)
         self.stall_s = np.zeros(W)
         # slots
@@ -368,6 +374,8 @@ class Fleet:
         # most plans follow a finish with nothing to admit, prefill or recompute: plain decoding
         plain = (self.n_ent[idx] == 0) & ((self.qn[idx] == 0) | (self.rows[idx] == self.max_rows[idx])) \
             & (self.pre_recompute[idx] + self.recompute[idx] == 0)
+        if self.batching:  # nothing waits, or no row is free: admission is not waiting for a batch
+            self.deferred_from[idx[plain]] = -1
         if plain.all():
             return self._plan_plain(idx)
         if plain.any():
@@ -425,6 +433,11 @@ class Fleet:
 
     def _plan_full(self, idx: np.ndarray) -> None:
         n_keys, key_tokens, longest, admit, cand = (admission.plan_nb if self.compiled else admission.plan_py)(self, idx)
+        wait_left = self._wait_for_batch(idx, admit, cand) if self.batching else None
+        if wait_left is not None:  # a worker that waits has nothing entering: it prefills nothing
+            waits = wait_left > 0
+            admit = np.where(waits, 0, admit)
+            n_keys, key_tokens, longest = (np.where(waits, 0, a) for a in (n_keys, key_tokens, longest))
         if admit.any():
             admission.admit(self, idx, cand, admit)
         rows = self.rows[idx]
@@ -453,9 +466,36 @@ class Fleet:
         if self.has_kv:  # held back by the prefill budget, not by the K/V capacity
             nxt = self.qs[idx, self.qh[idx] % self.qcap]
             held &= self.ctx[idx] + self.prompt_tokens + self.s_tok[nxt] + rows + 1 <= self.kv[idx]
-        k = np.where(held, 1, k)
+        if wait_left is None:
+            k = np.where(held, 1, k)
+        else:  # a worker waiting for a batch is not held back by the budget
+            wait_left = wait_left[live]
+            k = np.where(held & (wait_left == 0), 1, np.where(wait_left > 0, np.minimum(k, wait_left), k))
         self.k[idx] = k
         self.t_end[idx] = self.end(idx, k)
+
+    def _wait_for_batch(self, idx: np.ndarray, admit: np.ndarray, cand) -> np.ndarray:
+        """SimCore._plan's wait for a batch: with rows decoding and none entering, fewer than
+        admit_batch admissible requests wait, at most admit_max_wait steps from the boundary
+        where the wait began, unless the prefill budget is what holds the rest back. Returns
+        the steps each worker still waits (0: it admits now)."""
+        rows, qn = self.rows[idx], self.qn[idx]
+        free = np.minimum(self.max_rows[idx] - rows, qn)
+        budget_held = (admit > 0) & (admit < free)
+        if budget_held.any() and self.has_kv:  # stopped by the K/V room, not by the budget
+            r = np.nonzero(budget_held)[0]
+            got = np.arange(cand.shape[1])[None, :] < admit[r, None]
+            taken = (got * (self.prompt_tokens + self.s_tok[cand[r]])).sum(axis=1)
+            nxt = self.qs[idx[r], (self.qh[idx[r]] + admit[r]) % self.qcap]
+            need = self.prompt_tokens + self.s_tok[nxt]
+            budget_held[r] = self.ctx[idx[r]] + taken + need + rows[r] + admit[r] + 1 <= self.kv[idx[r]]
+        wait = (admit > 0) & (self.n_ent[idx] == 0) & (rows > 0) & (admit < self.admit_batch[idx]) & ~budget_held
+        began = self.deferred_from[idx]
+        began = np.where(wait & (began < 0), self.wstep[idx], began)
+        left = np.where(wait, np.maximum(0, self.admit_max_wait - (self.wstep[idx] - began)), 0)
+        admits = (left == 0) & (admit > 0)
+        self.deferred_from[idx] = np.where(admits | (qn == 0) | (rows == self.max_rows[idx]), -1, began)
+        return left
 
     # ------------------------------------------------------------ running
     def run_until(self, H: float, inclusive: bool = False) -> None:
