@@ -81,17 +81,24 @@ def test_inflight_keep_goes_on_over_old_kv_within_eta(model_dir, tmp_path, infli
         "async.max_staleness": 1, "rollout.inflight_weight_update": inflight, "rollout.max_new_tokens": 16,
         "rollout.ignore_eos": True, "rollout.max_rows": 8, "checkpoint.every": 0})
     run = build_run(cfg)
-    seen, update = [], run.engine.update_weights
+    seen, update, step = [], run.engine.update_weights, run.engine.core.step
 
     def recording(named, version, inflight="continue"):
+        running = run.engine.num_unfinished()
         out = update(named, version, inflight)
-        seen.append((inflight, run.engine.stats().recomputed_tokens))
+        seen.append((inflight, running, run.engine.stats().recomputed_tokens))
         return out
 
+    def slow_step():  # generation outlasts a training step, so requests run across updates
+        time.sleep(0.01)
+        return step()
+
     run.engine.update_weights = recording
+    run.engine.core.step = slow_step
     train_async(cfg, run=run)
-    assert len(seen) >= 5 and {m for m, _ in seen} == {inflight}
-    recomputed = seen[-1][1]
+    assert len(seen) >= 5 and {m for m, _, _ in seen} == {inflight}
+    assert any(running for _, running, _ in seen)  # some update found requests in flight
+    recomputed = seen[-1][2]
     assert recomputed == 0 if inflight == "keep" else recomputed > 0
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5] and all(r["staleness/max"] <= 1 for r in got)

@@ -22,8 +22,9 @@ def _openmp_defaults() -> None:
     teams hold more threads than there are cores, GNU OpenMP's idle threads stop spinning almost
     at once and sleep; every small element-wise op then waits for them to wake. On a 2-core host
     an RMS norm of 64 x 576 floats took 216 us on the engine's thread against 25 us on the
-    caller's; with these settings 33 us (docs/benchmarks.md, "OpenMP's wait policy").
-    ROLLOVER_OPENMP_DEFAULTS=0 leaves the environment alone."""
+    caller's; with these settings 33 us (docs/benchmarks.md, "OpenMP's wait policy"). A thread
+    about to wait also hands its pool back (`rollover.engine.openmp`), which removes the rest of
+    the cost. ROLLOVER_OPENMP_DEFAULTS=0 leaves the environment alone."""
     if os.environ.get("ROLLOVER_OPENMP_DEFAULTS", "1") == "0" or "torch" in sys.modules:
         return
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterable
 
+from rollover.engine import openmp
 from rollover.types import Completion, Request
 
 
@@ -67,7 +68,9 @@ class EngineAPI:
 
     def generate(self, requests: Iterable[Request]) -> list[Completion]:
         """Blocking: submit and wait for all."""
-        return [f.result() for f in self.submit_many(requests)]
+        futures = self.submit_many(requests)
+        openmp.release()  # this thread waits while the engine's computes
+        return [f.result() for f in futures]
 
     async def agenerate(self, request: Request) -> Completion:
         return await asyncio.wrap_future(self.submit(request))

@@ -23,6 +23,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Iterable
 
+from rollover.engine import openmp
 from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.core import EngineStats
 from rollover.types import Completion, Request
@@ -221,6 +222,7 @@ class ThreadedEngine(EngineAPI):
                         if not self._idle:
                             self._idle = True
                             self._cond.notify_all()
+                            openmp.release()  # the caller's thread computes while this one waits
                         self._cond.wait(self._poll_s)
                     self._idle = False
                     if self._stopped:

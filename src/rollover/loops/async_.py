@@ -42,6 +42,7 @@ import time
 from collections import Counter
 
 from rollover.config import Config
+from rollover.engine import openmp
 from rollover.loops.common import Run, bad_steps_error, build_run, downsample_metrics, ledger_rows, train_batch_from
 from rollover.loops.guard import Interrupts, Stalled, Watchdog, engine_progress, interrupted_result
 from rollover.rollout.async_rollout import ComponentError, DataManager, RolloutService, StalenessGate
@@ -190,6 +191,7 @@ class _Services:
                     m.training = 1  # until its weights are pushed
             if batch is not None:
                 return batch
+            openmp.release()  # the trainer waits while the engine computes
             with self.batches.not_empty:
                 if not self.batches.queue:
                     self.batches.not_empty.wait(0.5)

@@ -51,6 +51,7 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 import time
 from collections import Counter
 
+from rollover.engine import openmp
 from rollover.loops.guard import Stalled, Watchdog, engine_progress
 from rollover.rollout.core import SampleDriver, env_step_metrics
 from rollover.rollout.groups import PendingGroup, keep_group, observe_groups, sampling_from, scored_groups
@@ -135,6 +136,7 @@ class AprilCollector:
                        lambda: (engine_progress(run.engine), driver.events), cfg.rollout.stall_timeout_s,
                        describe=lambda: f"{len(st.ready)} ready, {len(driver.routes)} requests in the engine, "
                                         f"{driver.env_calls} environment calls")
+        openmp.release()  # this thread waits while the engine's computes
         while not st.finished.wait(timeout=0.02 if driver.episodes else 1.0):
             if st.abort_pending:  # the step stopped off the engine thread: abort from here
                 st.abort_pending = False

@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from rollover.engine import openmp
 from rollover.envs.base import EnvLost
 from rollover.envs.episode import EnvPool, LiveEpisode, env_open, env_step
 from rollover.envs.render import ChatRenderer
@@ -352,6 +353,7 @@ def run_groups(run, groups, sampling, seed: int, who: str, busy=None) -> int:
                    lambda: (engine_progress(run.engine), driver.events), run.cfg.rollout.stall_timeout_s,
                    describe=lambda: f"{len(left)} groups unfinished, {len(driver.routes)} requests in the engine, "
                                     f"{driver.env_calls} environment calls")
+    openmp.release()  # this thread waits while the engine's computes
     try:
         while not done.wait(timeout=0.5):
             dog.check()
