@@ -19,8 +19,8 @@ nothing. ROLLOVER_OPENMP_RELEASE=0 turns it off.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import os
+import sys
 import threading
 
 _OMP_PAUSE_SOFT = 1
@@ -54,8 +54,9 @@ def release() -> bool:
     was there to release them. Never call it from inside a parallel region."""
     global _pauses
     if _pauses is None:
+        if "torch" not in sys.modules:  # no torch, no pool of its (the simulator's engines)
+            return False
         with _lock:
             if _pauses is None:
-                importlib.import_module("torch")  # libgomp comes with torch
                 _pauses = _lookup()
     return bool(_pauses) and all(pause(_OMP_PAUSE_SOFT) == 0 for pause in _pauses)
