@@ -101,7 +101,7 @@ class GlooTransport:
         thread, a worker's join) fails at once instead of after the timeout."""
         from torch.distributed import TCPStore
 
-        self.store = None
+        self.store = None  # the old one closes first
         self.store = TCPStore(self.host, 0, is_master=True, timeout=timeout(self.timeout_s), wait_for_workers=False)
 
     def initial(self, named_tensors) -> dict:

@@ -167,6 +167,30 @@ def plan_nb(fleet, idx: np.ndarray):
     return n_keys, key_tokens, longest, admit, f.qs[idx[:, None], pos]
 
 
+def wait_for_batch(fleet, idx: np.ndarray, admit: np.ndarray, cand) -> np.ndarray:
+    """SimCore._plan's wait for a batch: with rows decoding and none entering, fewer than
+    admit_batch admissible requests wait, at most admit_max_wait steps from the boundary
+    where the wait began, unless the prefill budget is what holds the rest back. Returns
+    the steps each worker still waits (0: it admits now)."""
+    rows, qn = fleet.rows[idx], fleet.qn[idx]
+    free = np.minimum(fleet.max_rows[idx] - rows, qn)
+    budget_held = (admit > 0) & (admit < free)
+    if budget_held.any() and fleet.has_kv:  # stopped by the K/V room, not by the budget
+        r = np.nonzero(budget_held)[0]
+        got = np.arange(cand.shape[1])[None, :] < admit[r, None]
+        taken = (got * (fleet.prompt_tokens + fleet.s_tok[cand[r]])).sum(axis=1)
+        nxt = fleet.qs[idx[r], (fleet.qh[idx[r]] + admit[r]) % fleet.qcap]
+        need = fleet.prompt_tokens + fleet.s_tok[nxt]
+        budget_held[r] = fleet.ctx[idx[r]] + taken + need + rows[r] + admit[r] + 1 <= fleet.kv[idx[r]]
+    wait = (admit > 0) & (fleet.n_ent[idx] == 0) & (rows > 0) & (admit < fleet.admit_batch[idx]) & ~budget_held
+    began = fleet.deferred_from[idx]
+    began = np.where(wait & (began < 0), fleet.wstep[idx], began)
+    left = np.where(wait, np.maximum(0, fleet.admit_max_wait - (fleet.wstep[idx] - began)), 0)
+    admits = (left == 0) & (admit > 0)
+    fleet.deferred_from[idx] = np.where(admits | (qn == 0) | (rows == fleet.max_rows[idx]), -1, began)
+    return left
+
+
 # ---------------------------------------------------------------------------- admitting
 def admit_py(fleet, idx: np.ndarray, cand: np.ndarray, admit: np.ndarray) -> None:
     """Put each worker's first `admit` candidates into its free rows, in queue order."""

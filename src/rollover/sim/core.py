@@ -38,7 +38,7 @@ from collections import deque
 from rollover.engine.core import EngineStats
 from rollover.engine.validation import validate_request
 from rollover.runtime.routing import Router
-from rollover.sim.costs import DecodeCost
+from rollover.sim.costs import ADMIT_MAX_WAIT, DecodeCost
 from rollover.sim.workload import EOS, TOKEN, LengthModel, prompt_key
 from rollover.types import Completion, Request
 
@@ -88,7 +88,7 @@ class SimWorker:
 
     def __init__(self, index: int, cost: DecodeCost, max_rows: int, pool: str = "rollout",
                  max_prefill_tokens: int = 8192, kv_tokens: int | None = None, admit_batch: int | None = None,
-                 admit_max_wait: int = 16):
+                 admit_max_wait: int = ADMIT_MAX_WAIT):
         self.index, self.cost, self.max_rows, self.pool = index, cost, max_rows, pool
         # TorchEngine's default (EngineCore.admit_batch): batch admissions where each costs a pass
         self.admit_batch = cost.admit_batch(max_rows, admit_batch)

@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 
+# steps a worker's admission waits at most for a batch (EngineCore's admit_max_wait default)
+ADMIT_MAX_WAIT = 16
+
 @dataclass(frozen=True)
 class DecodeCost:
     """Seconds of one engine step over `rows` running sequences holding `context` tokens in all:

@@ -14,7 +14,7 @@ import numpy as np
 
 from rollover.config import Config
 from rollover.sim import admission, route
-from rollover.sim.costs import Profile
+from rollover.sim.costs import ADMIT_MAX_WAIT, Profile
 from rollover.sim.vector import Costs, Draws
 
 BIG = np.int64(1 << 60)
@@ -47,7 +47,7 @@ class Fleet:
         # admission waits for a batch (SimWorker.admit_batch, admit_max_wait)
         self.admit_batch = np.array(batch, dtype=np.int64)
         self.batching = bool((self.admit_batch > 1).any())
-        self.admit_max_wait = 16
+        self.admit_max_wait = ADMIT_MAX_WAIT
         self.preempted = np.zeros(1, dtype=np.int64)  # sequences preempted for K/V capacity
         self.max_prefill = 8192  # SimWorker's default
         self.prompt_tokens = s.prompt_tokens
@@ -433,7 +433,7 @@ class Fleet:
 
     def _plan_full(self, idx: np.ndarray) -> None:
         n_keys, key_tokens, longest, admit, cand = (admission.plan_nb if self.compiled else admission.plan_py)(self, idx)
-        wait_left = self._wait_for_batch(idx, admit, cand) if self.batching else None
+        wait_left = admission.wait_for_batch(self, idx, admit, cand) if self.batching else None
         if wait_left is not None:  # a worker that waits has nothing entering: it prefills nothing
             waits = wait_left > 0
             admit = np.where(waits, 0, admit)
@@ -473,29 +473,6 @@ class Fleet:
             k = np.where(held & (wait_left == 0), 1, np.where(wait_left > 0, np.minimum(k, wait_left), k))
         self.k[idx] = k
         self.t_end[idx] = self.end(idx, k)
-
-    def _wait_for_batch(self, idx: np.ndarray, admit: np.ndarray, cand) -> np.ndarray:
-        """SimCore._plan's wait for a batch: with rows decoding and none entering, fewer than
-        admit_batch admissible requests wait, at most admit_max_wait steps from the boundary
-        where the wait began, unless the prefill budget is what holds the rest back. Returns
-        the steps each worker still waits (0: it admits now)."""
-        rows, qn = self.rows[idx], self.qn[idx]
-        free = np.minimum(self.max_rows[idx] - rows, qn)
-        budget_held = (admit > 0) & (admit < free)
-        if budget_held.any() and self.has_kv:  # stopped by the K/V room, not by the budget
-            r = np.nonzero(budget_held)[0]
-            got = np.arange(cand.shape[1])[None, :] < admit[r, None]
-            taken = (got * (self.prompt_tokens + self.s_tok[cand[r]])).sum(axis=1)
-            nxt = self.qs[idx[r], (self.qh[idx[r]] + admit[r]) % self.qcap]
-            need = self.prompt_tokens + self.s_tok[nxt]
-            budget_held[r] = self.ctx[idx[r]] + taken + need + rows[r] + admit[r] + 1 <= self.kv[idx[r]]
-        wait = (admit > 0) & (self.n_ent[idx] == 0) & (rows > 0) & (admit < self.admit_batch[idx]) & ~budget_held
-        began = self.deferred_from[idx]
-        began = np.where(wait & (began < 0), self.wstep[idx], began)
-        left = np.where(wait, np.maximum(0, self.admit_max_wait - (self.wstep[idx] - began)), 0)
-        admits = (left == 0) & (admit > 0)
-        self.deferred_from[idx] = np.where(admits | (qn == 0) | (rows == self.max_rows[idx]), -1, began)
-        return left
 
     # ------------------------------------------------------------ running
     def run_until(self, H: float, inclusive: bool = False) -> None:
