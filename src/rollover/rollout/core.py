@@ -376,8 +376,9 @@ def env_step_metrics(run, trajectories, busy_s: float, wall_s: float) -> dict:
     step's wall time times `env.max_concurrent` (the cluster's size)."""
     from rollover.envs.base import episode_metrics
 
-    if not trajectories:
+    if run.cfg.env.name is None:
         return {}
-    out = episode_metrics(trajectories)
+    # a step whose groups all finished in earlier steps (carried) completed no episode: 0, not absent
+    out = episode_metrics(trajectories) or {"env/episodes": 0.0}
     out["env/utilization"] = busy_s / (run.cfg.env.max_concurrent * wall_s) if wall_s > 0 else 0.0
     return out
