@@ -250,29 +250,43 @@ def test_lending_weights_refuses_a_model_that_differs():
         assert engine.lend_weights(model) == sum(p.numel() * 4 for p in model.parameters())
 
 
-def test_the_engine_holds_one_pack_and_replaces_it_only_after_batches_stay_small():
+def test_the_engine_holds_one_pack_and_replaces_it_only_after_batches_stay_on_another_rung():
     from rollover.engine.model_runner import PACK_SWITCH_STEPS, ModelRunner
 
     model = tiny_model("llama", seed=6)
     runner = ModelRunner(model.config, model.state_dict(), max_rows=8, max_len=16)
     if not runner.pack_sizes:
         pytest.skip("no MKL packed GEMM in this torch build")
-    assert runner.pack_sizes == [4, 8]
+    assert runner.pack_sizes == [4, 6, 8]  # 8 x (1, 3/4, 1/2); 3 rows or fewer multiply plainly
+    used = []
+    real_decode = runner._decode
+
+    def spy(tokens, positions, *a):
+        used.append((runner._pack_for, tokens.shape[0]))
+        return real_decode(tokens, positions, *a)
 
     def step(n):
         tokens, positions = torch.arange(3, 3 + n), torch.zeros(n, dtype=torch.long)
+        runner._decode = spy
         packed = runner.decode(tokens, positions)
+        runner._decode = real_decode
         plain = runner._decode(tokens, positions)  # no pack in flight: the plain GEMM
         torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-5)
-        return sorted(runner._packs)
+        return sorted(runner._packs), used[-1]
 
-    assert step(8) == [8]
+    assert step(8) == ([8], (8, 8))
     for _ in range(PACK_SWITCH_STEPS - 1):
-        assert step(3) == [8]  # padded up to the held pack
-    assert step(3) == [4]  # small for long enough: the snug pack replaced it
-    assert step(4) == [4]
-    assert step(6) == [8]  # a batch the held pack cannot take: replaced at once
-    assert step(2) == [8]  # a quarter of the rows or fewer: plain GEMM, the pack is kept
+        assert step(5) == ([8], (8, 8))  # padded up to the held pack
+    assert step(5) == ([6], (6, 6))  # on the 6-row rung for long enough: the snug pack replaced it
+    assert step(6) == ([6], (6, 6))
+    assert step(4) == ([6], (6, 6))  # another rung again: padded to the held pack, which is kept
+    assert step(6) == ([6], (6, 6))  # back on the held rung: the count of steps off it starts again
+    for _ in range(PACK_SWITCH_STEPS - 1):
+        assert step(7) == ([6], (None, 7))  # a batch the held pack cannot take: plain, the pack kept
+    assert step(7) == ([8], (8, 8))  # and replaced once the batch has stayed above it
+    assert step(3) == ([8], (None, 3))  # three rows or fewer: plain GEMM, the pack is kept
+    runner.drop_packs()
+    assert step(5) == ([6], (6, 6))  # nothing held (after a weight update): the snug pack at once
 
 
 def test_bf16_autocast_training_stays_near_the_fp32_step(model_dir, tmp_path):

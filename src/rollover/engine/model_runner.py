@@ -7,16 +7,20 @@ directly.
 
 Packed weights (CPU). MKL's fp32 GEMM repacks the weight matrix on every call, which at
 decode batch sizes costs as much as the multiply. On CPUs with MKL the runner packs the weights
-for one of two decode batch sizes (`max_rows` or `max_rows // 2`) and pads a decode batch up to
-the pack's size (the padding rows are free rows, whose cache entries are overwritten before
-use). Measured on the 2-core CI machine: +50% GEMM rate at batch 64. A pack takes about 0.8
-times the weights' memory for SmolLM2-135M, so only one is held: it is built at the first
-decode step that needs it after a weight update or `drop_packs()` (the synchronous loop drops
-it while it trains, when the engine is idle); batches of half the rows or fewer keep using a
-held full-size pack, padded, until they have stayed that small for `PACK_SWITCH_STEPS` steps
-(the tail of a batch of requests), and only then is the half-size pack built in its place, so
-sizes that hover around the middle do not rebuild a pack every step. Prefill and batches of a
-quarter of the rows or fewer use the plain GEMM.
+for a decode batch size and pads a decode batch up to the pack's size (the padding rows are free
+rows, whose cache entries are overwritten before use). A pack serves one size best, so there is
+a ladder of them, `max_rows` times 1, 3/4, 1/2, 3/8, 1/4 and 1/8, and a batch uses the smallest
+that takes it (its snug pack). Measured on the 2-core Intel host, SmolLM2-135M, one decode step:
+64 rows 104 ms packed against 126 plain; 48 rows 86 ms on the 48-row pack against 100 plain and
+105 padded to 64; 24 rows 60 against 73; 8 rows 42 against 63. One to three rows stay plain:
+MKL multiplies them at the weights' streaming speed (28-33 ms), which no pack beats. A pack takes
+about 0.8 times the weights' memory for SmolLM2-135M and 0.13-0.15 s to build, so only one is
+held: it is built at the first decode step that needs it after a weight update or
+`drop_packs()` (the synchronous loop drops it while it trains, when the engine is idle). When
+the batch size moves to another rung, the held pack stays in use for `PACK_SWITCH_STEPS` steps
+(a smaller batch padded up to it, a larger one plain) and is replaced by the snug one only if
+the batch has stayed there, so sizes that hover around a rung's edge do not rebuild a pack every
+step. Prefill uses the plain GEMM.
 
 int8 (`quantize="int8"`, `rollout.quantize: int8`). Every weight matrix is also held as int8
 rows with one float scale per row (symmetric, rounded to nearest; a quarter of the fp32 bytes),
@@ -45,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from rollover.engine.cuda_graphs import DecodeGraphs, bucket
+from rollover.train.memory import release as release_heap
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
@@ -81,7 +86,9 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scale)
 
 
-PACK_SWITCH_STEPS = 8  # steps a smaller batch pads up to a held larger pack before that pack is replaced
+PACK_SWITCH_STEPS = 8  # steps a batch of another rung uses the held pack (or plain) before the snug one replaces it
+PACK_RUNGS = (1, 3 / 4, 1 / 2, 3 / 8, 1 / 4, 1 / 8)  # pack sizes as fractions of max_rows (module docstring)
+PLAIN_ROWS_AT_MOST = 3  # batches this small multiply plainly (MKL's matrix-vector speed)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -141,10 +148,11 @@ class ModelRunner:
         self._int8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(matrix) -> (int8 matrix, row scales)
         can_pack = (pack_weights and not compile_decode and quantize is None and self.device.type == "cpu" and dtype == torch.float32
                     and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
-        self.pack_sizes = sorted({max_rows, max_rows // 2} - {0}) if can_pack else []
+        self.pack_sizes = sorted({int(max_rows * f) for f in PACK_RUNGS} - set(range(PLAIN_ROWS_AT_MOST + 1))) \
+            if can_pack else []
         self._packs: dict[int, dict[int, torch.Tensor]] = {}
         self._pack_for: int | None = None  # the decode batch size in flight, when packed
-        self._below_held = 0  # consecutive decode steps that a smaller pack would have fitted
+        self._off_held = 0  # consecutive decode steps whose snug pack was not the held one
         self.drop_packs()
         self.cuda_graphs = bool(cuda_graphs and self.device.type == "cuda" and quantize is None)
         # a step that admits sequences while others decode: one fused eager pass (`mixed`, cheaper
@@ -302,19 +310,21 @@ class ModelRunner:
 
     def _pack_size(self, n: int) -> int | None:
         """The pack a decode batch of `n` rows runs on (None: the plain GEMM). One pack is held at
-        a time; a smaller batch pads up to a held larger pack until batches have stayed small for
-        PACK_SWITCH_STEPS steps, then the larger pack is dropped for the snug one."""
-        snug = next((m for m in self.pack_sizes if m // 2 < n <= m), None)
+        a time; while batches fall on another rung, the held pack serves for PACK_SWITCH_STEPS
+        steps (padded up to, or plain for a batch it cannot take), then the snug one replaces it."""
+        if n <= PLAIN_ROWS_AT_MOST:
+            return None  # the held pack, if any, is kept for the batches after
+        snug = next((m for m in self.pack_sizes if n <= m), None)
         held = next(iter(self._packs), None)
         if snug is None or held is None or held == snug:
-            self._below_held = 0
+            self._off_held = 0
             return snug
-        if snug < held:
-            self._below_held += 1
-            if self._below_held < PACK_SWITCH_STEPS:
-                return held
-        self._below_held = 0
+        self._off_held += 1
+        if self._off_held < PACK_SWITCH_STEPS:
+            return held if n <= held else None
+        self._off_held = 0
         self.drop_packs()
+        release_heap()  # the old pack's pages go back before the new one is built: one pack's memory at a time
         return snug
 
     def _ensure_pack(self, m: int) -> None:
