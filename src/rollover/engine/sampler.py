@@ -108,7 +108,7 @@ class Sampler:
             tokens = z.argmax(-1)
             return tokens, torch.log_softmax(z, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         # Inverse-CDF sampling over exp(z - max): one uniform per row (cheap, and seedable per row).
-        zmax = z.max(-1, keepdim=True).values
+        zmax = z.amax(-1, keepdim=True)  # not max(): that also finds the indices, 7x the time here
         cdf = (z - zmax).exp_().cumsum_(-1)  # [B, V]; ATen accumulates a float cumsum in double on CPU
         total = cdf[:, -1]
         u = torch.empty(B, dtype=torch.float64, device=logits.device)
