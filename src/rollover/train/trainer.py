@@ -206,7 +206,9 @@ class Trainer:
         """Logprobs of `targets_N` (and the entropies) from the hidden states before them."""
         with self.autocast:
             logits = head(hidden_N).float()
-        logp_all = torch.log_softmax(logits / self.cfg.rollout.temperature, dim=-1)
+        t = self.cfg.rollout.temperature
+        # dividing by 1 changes nothing but costs a pass over [N, vocab] and one in the backward
+        logp_all = torch.log_softmax(logits if t == 1.0 else logits / t, dim=-1)
         logp = logp_all.gather(1, targets_N[:, None]).squeeze(1)
         if not need_entropy:
             return logp, logp.new_zeros(0)
