@@ -289,6 +289,39 @@ def test_the_engine_holds_one_pack_and_replaces_it_only_after_batches_stay_on_an
     assert step(5) == ([6], (6, 6))  # nothing held (after a weight update): the snug pack at once
 
 
+def test_a_batch_is_padded_to_a_pack_only_where_that_beats_the_plain_gemm():
+    from rollover.engine.model_runner import PACK_SWITCH_STEPS, ModelRunner
+
+    model = tiny_model("llama", seed=6)
+
+    def runner_of(rows):
+        return ModelRunner(model.config, model.state_dict(), max_rows=rows, max_len=16)
+
+    def step(runner, n):
+        runner.decode(torch.arange(3, 3 + n), torch.zeros(n, dtype=torch.long))
+        return sorted(runner._packs)
+
+    r = runner_of(32)
+    if not r.pack_sizes:
+        pytest.skip("no MKL packed GEMM in this torch build")
+    assert r.pack_sizes == [4, 8, 12, 16, 24, 32]
+    assert step(r, 32) == [32]
+    seen, real = [], r._decode
+
+    def spy(tokens, positions, *a):  # which pack each step ran on
+        seen.append((r._pack_for, tokens.shape[0]))
+        return real(tokens, positions, *a)
+
+    r._decode = spy
+    for _ in range(PACK_SWITCH_STEPS - 1):
+        step(r, 20)
+    assert set(seen) == {(None, 20)} and sorted(r._packs) == [32]  # 20 rows padded to 32 would be slower: plain
+    step(r, 20)
+    assert seen[-1] == (24, 24)  # then the snug pack
+    big = runner_of(256)  # its lowest rung is 32 rows
+    assert step(big, 20) == [] and step(big, 28) == [32]  # 20 rows would pad by 60%: plain; 28 by 14%: packed
+
+
 def test_bf16_autocast_training_stays_near_the_fp32_step(model_dir, tmp_path):
     fp32, m32 = step_gradients(model_dir, tmp_path / "a", **{"train.dtype": "float32"})
     bf16, m16 = step_gradients(model_dir, tmp_path / "b", **{"train.dtype": "autocast_bf16"})

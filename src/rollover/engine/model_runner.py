@@ -16,10 +16,12 @@ that takes it (its snug pack). Measured on the 2-core Intel host, SmolLM2-135M, 
 MKL multiplies them at the weights' streaming speed (28-33 ms), which no pack beats. A pack takes
 about 0.8 times the weights' memory for SmolLM2-135M and 0.13-0.15 s to build, so only one is
 held: it is built at the first decode step that needs it after a weight update or
-`drop_packs()` (the synchronous loop drops it while it trains, when the engine is idle). When
-the batch size moves to another rung, the held pack stays in use for `PACK_SWITCH_STEPS` steps
-(a smaller batch padded up to it, a larger one plain) and is replaced by the snug one only if
-the batch has stayed there, so sizes that hover around a rung's edge do not rebuild a pack every
+`drop_packs()` (the synchronous loop drops it while it trains, when the engine is idle). A
+batch is padded up to a pack only where that beats the plain GEMM by the figures above: fewer than a
+third more rows, or than 8 (so a batch further below the lowest rung of a large `max_rows` runs plain).
+When the batch size moves to another rung, the held pack stays in use for `PACK_SWITCH_STEPS`
+steps (padded up to where that pays, else plain) and is replaced by the snug one only if the
+batch has stayed there, so sizes that hover around a rung's edge do not rebuild a pack every
 step. Prefill uses the plain GEMM.
 
 int8 (`quantize="int8"`, `rollout.quantize: int8`). Every weight matrix is also held as int8
@@ -89,6 +91,13 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 PACK_SWITCH_STEPS = 8  # steps a batch of another rung uses the held pack (or plain) before the snug one replaces it
 PACK_RUNGS = (1, 3 / 4, 1 / 2, 3 / 8, 1 / 4, 1 / 8)  # pack sizes as fractions of max_rows (module docstring)
 PLAIN_ROWS_AT_MOST = 3  # batches this small multiply plainly (MKL's matrix-vector speed)
+
+
+def _pads_well(n: int, m: int) -> bool:
+    """Whether a batch of n rows runs faster padded to an m-row pack than plainly: fewer than a
+    third more rows, or than 8 (small batches' plain GEMM is the slow one); measured, module
+    docstring (48 rows: 104.6 ms padded to 64, 100.3 plain)."""
+    return m < max(4 * n / 3, n + 8)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -311,17 +320,20 @@ class ModelRunner:
     def _pack_size(self, n: int) -> int | None:
         """The pack a decode batch of `n` rows runs on (None: the plain GEMM). One pack is held at
         a time; while batches fall on another rung, the held pack serves for PACK_SWITCH_STEPS
-        steps (padded up to, or plain for a batch it cannot take), then the snug one replaces it."""
+        steps (padded up to where that pays, `_pads_well`, else plain), then the snug one replaces
+        it."""
         if n <= PLAIN_ROWS_AT_MOST:
             return None  # the held pack, if any, is kept for the batches after
         snug = next((m for m in self.pack_sizes if n <= m), None)
+        if snug is not None and not _pads_well(n, snug):
+            snug = None  # below the lowest rung of a large max_rows: plain
         held = next(iter(self._packs), None)
         if snug is None or held is None or held == snug:
             self._off_held = 0
             return snug
         self._off_held += 1
         if self._off_held < PACK_SWITCH_STEPS:
-            return held if n <= held else None
+            return held if n <= held and _pads_well(n, held) else None
         self._off_held = 0
         self.drop_packs()
         release_heap()  # the old pack's pages go back before the new one is built: one pack's memory at a time

@@ -376,7 +376,7 @@ def env_step_metrics(run, trajectories, busy_s: float, wall_s: float) -> dict:
     step's wall time times `env.max_concurrent` (the cluster's size)."""
     from rollover.envs.base import episode_metrics
 
-    if run.cfg.env.name is None:
+    if run.env_builder is None:
         return {}
     # a step whose groups all finished in earlier steps (carried) completed no episode: 0, not absent
     out = episode_metrics(trajectories) or {"env/episodes": 0.0}

@@ -37,6 +37,7 @@ import torch
 from rollover.sim.costs import Contention, DecodeCost, Profile, SyncCost, TrainCost
 from rollover.types import Request, SamplingParams
 
+SETTLE_STEPS = 10  # decode steps at a batch size before it is measured (model_runner.PACK_SWITCH_STEPS + 2)
 DECODE_GRID = ((1, 16), (4, 16), (8, 16), (16, 16), (32, 16), (64, 16), (8, 128), (32, 128), (64, 64))  # (rows, prompt tokens)
 # a GPU runs many more rows per step before a step slows down: the grid goes to 256 rows and longer prompts
 GPU_DECODE_GRID = ((1, 64), (8, 64), (32, 64), (64, 64), (128, 64), (256, 64), (32, 512), (128, 256), (256, 256))
@@ -60,11 +61,16 @@ def _fit(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
 def measure_decode(engine, vocab: int, grid=DECODE_GRID, new_tokens: int = 24, seed: int = 0,
                    repeats: int = 2) -> list[dict]:
     """Each grid point `repeats` times, the rounds interleaved; the fastest of each (a shared
-    machine only ever slows a measurement down)."""
+    machine only ever slows a measurement down). Before each measured batch a short one of the
+    same size settles the engine at that size (TorchEngine builds its weight pack for a size only
+    after a few steps there), so the step time is the size's own, not a switch's."""
     rng = random.Random(seed)
     best: dict[tuple, dict] = {}
     for round_ in range(repeats):
         for i, (rows, prompt) in enumerate([grid[0], *grid] if round_ == 0 else grid):  # the first batch warms up
+            engine.generate([Request(id=f"set{round_}-{i}-{j}", prompt_ids=[rng.randrange(3, vocab) for _ in range(prompt)],
+                                     sampling=SamplingParams(max_new_tokens=SETTLE_STEPS, ignore_eos=True, seed=j))
+                             for j in range(rows)])
             reqs = [Request(id=f"cal{round_}-{i}-{j}", prompt_ids=[rng.randrange(3, vocab) for _ in range(prompt)],
                             sampling=SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=j))
                     for j in range(rows)]
