@@ -251,7 +251,8 @@ def test_lending_weights_refuses_a_model_that_differs():
 
 
 def test_the_engine_holds_one_pack_and_replaces_it_only_after_batches_stay_on_another_rung():
-    from rollover.engine.model_runner import PACK_SWITCH_STEPS, ModelRunner
+    from rollover.engine.model_runner import ModelRunner
+    from rollover.engine.weight_packs import PACK_SWITCH_STEPS
 
     model = tiny_model("llama", seed=6)
     runner = ModelRunner(model.config, model.state_dict(), max_rows=8, max_len=16)
@@ -290,7 +291,8 @@ def test_the_engine_holds_one_pack_and_replaces_it_only_after_batches_stay_on_an
 
 
 def test_a_batch_is_padded_to_a_pack_only_where_that_beats_the_plain_gemm():
-    from rollover.engine.model_runner import PACK_SWITCH_STEPS, ModelRunner
+    from rollover.engine.model_runner import ModelRunner
+    from rollover.engine.weight_packs import PACK_SWITCH_STEPS
 
     model = tiny_model("llama", seed=6)
 

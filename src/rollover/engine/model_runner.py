@@ -5,24 +5,8 @@ attention, SwiGLU MLP; Qwen2 adds q/k/v biases, Qwen3 adds per-head q/k RMSNorm)
 taken by their Hugging Face names, so `load_weights` accepts a trainer's `named_parameters()`
 directly.
 
-Packed weights (CPU). MKL's fp32 GEMM repacks the weight matrix on every call, which at
-decode batch sizes costs as much as the multiply. On CPUs with MKL the runner packs the weights
-for a decode batch size and pads a decode batch up to the pack's size (the padding rows are free
-rows, whose cache entries are overwritten before use). A pack serves one size best, so there is
-a ladder of them, `max_rows` times 1, 3/4, 1/2, 3/8, 1/4 and 1/8, and a batch uses the smallest
-that takes it (its snug pack). Measured on the 2-core Intel host, SmolLM2-135M, one decode step:
-64 rows 104 ms packed against 126 plain; 48 rows 86 ms on the 48-row pack against 100 plain and
-105 padded to 64; 24 rows 60 against 73; 8 rows 42 against 63. One to three rows stay plain:
-MKL multiplies them at the weights' streaming speed (28-33 ms), which no pack beats. A pack takes
-about 0.8 times the weights' memory for SmolLM2-135M and 0.13-0.15 s to build, so only one is
-held: it is built at the first decode step that needs it after a weight update or
-`drop_packs()` (the synchronous loop drops it while it trains, when the engine is idle). A
-batch is padded up to a pack only where that beats the plain GEMM by the figures above: fewer than a
-third more rows, or than 8 (so a batch further below the lowest rung of a large `max_rows` runs plain).
-When the batch size moves to another rung, the held pack stays in use for `PACK_SWITCH_STEPS`
-steps (padded up to where that pays, else plain) and is replaced by the snug one only if the
-batch has stayed there, so sizes that hover around a rung's edge do not rebuild a pack every
-step. Prefill uses the plain GEMM.
+Packed weights (CPU, `rollover.engine.weight_packs`): on CPUs with MKL the linear layers of a
+decode step multiply by weights packed for the step's batch size, from a ladder of sizes.
 
 int8 (`quantize="int8"`, `rollout.quantize: int8`). Every weight matrix is also held as int8
 rows with one float scale per row (symmetric, rounded to nearest; a quarter of the fp32 bytes),
@@ -51,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rollover.engine.cuda_graphs import DecodeGraphs, bucket
-from rollover.train.memory import release as release_heap
+from rollover.engine.weight_packs import WeightPacks
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
@@ -86,18 +70,6 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv.float(), float(scale)
-
-
-PACK_SWITCH_STEPS = 8  # steps a batch of another rung uses the held pack (or plain) before the snug one replaces it
-PACK_RUNGS = (1, 3 / 4, 1 / 2, 3 / 8, 1 / 4, 1 / 8)  # pack sizes as fractions of max_rows (module docstring)
-PLAIN_ROWS_AT_MOST = 3  # batches this small multiply plainly (MKL's matrix-vector speed)
-
-
-def _pads_well(n: int, m: int) -> bool:
-    """Whether a batch of n rows runs faster padded to an m-row pack than plainly: fewer than a
-    third more rows, or than 8 (small batches' plain GEMM is the slow one); measured, module
-    docstring (48 rows: 104.6 ms padded to 64, 100.3 plain)."""
-    return m < max(4 * n / 3, n + 8)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -157,12 +129,8 @@ class ModelRunner:
         self._int8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(matrix) -> (int8 matrix, row scales)
         can_pack = (pack_weights and not compile_decode and quantize is None and self.device.type == "cpu" and dtype == torch.float32
                     and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
-        self.pack_sizes = sorted({int(max_rows * f) for f in PACK_RUNGS} - set(range(PLAIN_ROWS_AT_MOST + 1))) \
-            if can_pack else []
-        self._packs: dict[int, dict[int, torch.Tensor]] = {}
+        self.packs = WeightPacks(max_rows if can_pack else 0)
         self._pack_for: int | None = None  # the decode batch size in flight, when packed
-        self._off_held = 0  # consecutive decode steps whose snug pack was not the held one
-        self.drop_packs()
         self.cuda_graphs = bool(cuda_graphs and self.device.type == "cuda" and quantize is None)
         # a step that admits sequences while others decode: one fused eager pass (`mixed`, cheaper
         # on a CPU), or the decode through its graph and a separate prefill (with CUDA graphs)
@@ -312,38 +280,19 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.drop()
 
+    @property
+    def pack_sizes(self) -> list[int]:
+        return self.packs.sizes
+
+    @property
+    def _packs(self) -> dict[int, dict[int, torch.Tensor]]:
+        """The pack held, by batch size (at most one)."""
+        return self.packs.held
+
     def drop_packs(self) -> None:
         """Free the packed (or int8) weights, stale after a weight update, until a step needs them."""
-        self._packs = {}
+        self.packs.drop()
         self._int8 = {}
-
-    def _pack_size(self, n: int) -> int | None:
-        """The pack a decode batch of `n` rows runs on (None: the plain GEMM). One pack is held at
-        a time; while batches fall on another rung, the held pack serves for PACK_SWITCH_STEPS
-        steps (padded up to where that pays, `_pads_well`, else plain), then the snug one replaces
-        it."""
-        if n <= PLAIN_ROWS_AT_MOST:
-            return None  # the held pack, if any, is kept for the batches after
-        snug = next((m for m in self.pack_sizes if n <= m), None)
-        if snug is not None and not _pads_well(n, snug):
-            snug = None  # below the lowest rung of a large max_rows: plain
-        held = next(iter(self._packs), None)
-        if snug is None or held is None or held == snug:
-            self._off_held = 0
-            return snug
-        self._off_held += 1
-        if self._off_held < PACK_SWITCH_STEPS:
-            return held if n <= held and _pads_well(n, held) else None
-        self._off_held = 0
-        self.drop_packs()
-        release_heap()  # the old pack's pages go back before the new one is built: one pack's memory at a time
-        return snug
-
-    def _ensure_pack(self, m: int) -> None:
-        """The pack for decode batches of `m` rows, built the first time one is needed (only
-        the sizes a workload uses take memory)."""
-        if m not in self._packs:
-            self._packs[m] = {id(w): torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in self._matrices()}
 
     def _quantized(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`w` as int8 rows and one scale per row (symmetric, round to nearest), made at its first
@@ -363,7 +312,7 @@ class ModelRunner:
             return y + bias if bias is not None else y
         m = self._pack_for
         if m is not None and x.shape[0] == m:
-            return torch.ops.mkl._mkl_linear(x, self._packs[m][id(w)], w, bias, m)
+            return torch.ops.mkl._mkl_linear(x, self.packs.held[m][id(w)], w, bias, m)
         return F.linear(x, w, bias)
 
     # ---------------------------------------------------------------- forward
@@ -474,11 +423,11 @@ class ModelRunner:
                 # a free row at position 0 rides along; its cache is rewritten before use
                 return self.compiled(F.pad(tokens, (0, 1)), F.pad(positions, (0, 1)), lk)[:1]
             return self.compiled(tokens, positions, lk)
-        pad_to = self._pack_size(n)
+        pad_to = self.packs.size_for(n)
         if pad_to is None:
             return self._decode(tokens, positions)
         pad = pad_to - n  # free rows 0-filled at position 0: their cache is rewritten before use
-        self._ensure_pack(pad_to)
+        self.packs.ensure(pad_to, self._matrices())
         self._pack_for = pad_to
         try:
             return self._decode(F.pad(tokens, (0, pad)), F.pad(positions, (0, pad)))[:n]

@@ -34,10 +34,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from rollover.engine.weight_packs import PACK_SWITCH_STEPS
 from rollover.sim.costs import Contention, DecodeCost, Profile, SyncCost, TrainCost
 from rollover.types import Request, SamplingParams
 
-SETTLE_STEPS = 10  # decode steps at a batch size before it is measured (model_runner.PACK_SWITCH_STEPS + 2)
+SETTLE_STEPS = PACK_SWITCH_STEPS + 2  # decode steps at a batch size before it is measured
 DECODE_GRID = ((1, 16), (4, 16), (8, 16), (16, 16), (32, 16), (64, 16), (8, 128), (32, 128), (64, 64))  # (rows, prompt tokens)
 # a GPU runs many more rows per step before a step slows down: the grid goes to 256 rows and longer prompts
 GPU_DECODE_GRID = ((1, 64), (8, 64), (32, 64), (64, 64), (128, 64), (256, 64), (32, 512), (128, 256), (256, 256))
