@@ -365,6 +365,23 @@ def test_seeded_uniforms_are_the_position_hash_and_uniform():
     assert 0.0 <= u.min() and u.max() < 1.0 and chi2 < 30, chi2  # 9 degrees of freedom: p < 0.001 above 27.9
 
 
+def test_a_seeded_row_samples_alike_in_an_all_seeded_batch_and_a_mixed_one():
+    """The sampler moves an all-seeded batch's uniforms to the device in one copy and places
+    them by index beside unseeded or greedy rows: a seeded row's token and logprob are the same."""
+    from rollover.engine.sampler import Sampler
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    seeded = [SamplingParams(seed=s, temperature=0.8) for s in (11, 12, 13, 14)]
+    positions = [0, 5, 9, 2]
+    tok_all, lp_all = Sampler(torch.device("cpu")).sample(logits.clone(), seeded, positions)
+    mixed = [seeded[0], SamplingParams(temperature=0.8), seeded[2], SamplingParams(temperature=0.0)]
+    tok_mix, lp_mix = Sampler(torch.device("cpu")).sample(logits.clone(), mixed, positions)
+    assert tok_mix[[0, 2]].tolist() == tok_all[[0, 2]].tolist()
+    assert torch.equal(lp_mix[[0, 2]], lp_all[[0, 2]])
+    assert tok_mix[3] == logits[3].argmax()  # the greedy row
+    assert len(set(tok_all.tolist())) > 1  # the uniforms differ from row to row
+
+
 # ------------------------------------------------------------------ int8 weight matrices
 def test_int8_runner_computes_with_its_dequantized_weights(model):
     from rollover.engine.model_runner import ModelRunner

@@ -10,7 +10,7 @@ run of a version that started it on the engine thread returned no table). `--adm
 requests in as rows free up, with twice as many requests as rows, so that steps admit beside
 the graphed decode as under APRIL; `--admit-batch` sets `EngineCore`'s admit_batch there; `--resumed` gives each request part of
 its response already (APRIL `resubmit`'s resumed prefixes, of mixed lengths).
-The unprofiled timing is printed first; the profiler sees only the first `--profile-steps` steps of
+The unprofiled timing is printed first (alone with `--profile-steps 0`); the profiler sees only the first `--profile-steps` steps of
 a third run (an H100 lease that profiled whole runs of 256 requests spent its 50 s limit in the
 profiler's tables and printed nothing).
 """
@@ -75,6 +75,8 @@ def main() -> None:
             f"per step, {admits} of them admitting, {prefilled} tokens prefilled")
     print(head, flush=True)
     write(args.out, head)
+    if args.profile_steps == 0:  # the timing alone
+        return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         seconds, steps, admits, _ = run("prof", limit=args.profile_steps)

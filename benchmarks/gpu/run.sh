@@ -8,6 +8,7 @@
 # every step (a cut-off call still returns them). docs/benchmarks.md "On a GPU" has the last lease's figures.
 #
 #   bash benchmarks/gpu/run.sh OUTDIR [SECONDS]     (from the repository root)
+#   OLD=.ab_old/src bash benchmarks/gpu/run.sh ...   (first, after the tests: the host-work A/B below)
 #
 # Needs: python3 with torch (CUDA) and transformers; the rest of rollover's dependencies as
 # wheels in .whl/ (pydantic, math-verify, datasets, ...); SmolLM2's config and tokenizer files
@@ -63,6 +64,17 @@ TESTS=tests/test_cuda.py  # the CUDA paths; the CPU-pinned rest is CI's (TESTS_M
 TAIL=30 step tests 90 python3 -m pytest $TESTS ${TESTS_MORE:-} -q -n "${WORKERS:-8}" -p no:cacheprovider \
   --timeout 80 -W ignore
 ENGINE="--dtype bfloat16 --prompts $P --new-tokens $NT --max-rows $ROWS --repeats 2 --device $DEV"
+if [ -n "${OLD:-}" ]; then  # host work A/B, alternating: this tree against the rollover package under $OLD (an
+  # earlier commit's src, e.g. `git archive REV src/rollover | tar -x -C .ab_old`, then OLD=.ab_old/src)
+  PYTHONPATH=/tmp/site:$PWD/$OLD python3 -c "import rollover; print('A/B against', rollover.__file__)"
+  PD="python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV --admit --profile-steps 0"
+  for r in 1 2; do
+    step ab_new_$r 45 $PD --out "$RES/ab_new_$r.txt"
+    PYTHONPATH=/tmp/site:$PWD/$OLD step ab_old_$r 45 $PD --out "$RES/ab_old_$r.txt"
+  done
+  step ab_engine_new 70 rollover bench engine $ENGINE --skip-hf --json "$RES/ab_engine_new.json"
+  PYTHONPATH=/tmp/site:$PWD/$OLD step ab_engine_old 70 rollover bench engine $ENGINE --skip-hf --json "$RES/ab_engine_old.json"
+fi
 TRAIN="--steps $ST rollout.prompts_per_step=$TP rollout.samples_per_prompt=$TS rollout.max_new_tokens=$TNT \
   rollout.max_rows=$(( TP * TS )) device=$DEV"
 # in order of what the last lease (an H100, docs/benchmarks.md "second lease") left open: the

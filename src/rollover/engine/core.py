@@ -18,6 +18,7 @@ import torch
 
 from rollover.engine.model_runner import ModelRunner
 from rollover.engine.sampler import Sampler
+from rollover.engine.transfer import to_device, to_host
 from rollover.engine.validation import validate_request
 from rollover.types import Completion, Request, SamplingParams
 
@@ -198,8 +199,10 @@ class EngineCore:
             return finished, touched
         t0 = time.perf_counter()
         if decoding:
-            tokens = torch.tensor([s.response_ids[-1] for s in decoding], device=self.runner.device)
-            positions = torch.tensor([s.cached for s in decoding], device=self.runner.device)
+            dev = self.runner.device
+            tokens = to_device([s.response_ids[-1] for s in decoding], torch.long, dev)
+            positions_l = [s.cached for s in decoding]
+            positions, max_position = to_device(positions_l, torch.long, dev), max(positions_l)
         if admitted:
             all_toks = [s.tokens() for s in admitted]
             uniq, src = self._unique(all_toks)
@@ -208,7 +211,7 @@ class EngineCore:
             if decoding and self.runner.separate_admission:
                 # decode first: a CUDA graph pads its batch with the rows past the running ones,
                 # where the admitted sequences go, and their prefill then overwrites that padding
-                logits = self.runner.decode(tokens, positions)
+                logits = self.runner.decode(tokens, positions, max_position)
                 logits = torch.cat([logits, self.runner.prefill(rows, toks)])
             elif decoding:
                 logits = self.runner.mixed(tokens, positions, rows, toks)
@@ -217,9 +220,11 @@ class EngineCore:
             logits_p = logits[len(decoding):] if decoding else logits
             self._copy_shared(admitted, uniq, src, all_toks)
             self.stats.prefill_tokens += sum(map(len, toks))
-            logits = torch.cat([logits[: len(decoding)], logits_p[torch.tensor(src, device=logits.device)]])
+            if src != list(range(len(src))):  # samples of one prompt share its row's logits
+                logits_p = logits_p[to_device(src, torch.long, logits.device)]
+            logits = torch.cat([logits[: len(decoding)], logits_p]) if decoding else logits_p
         else:
-            logits = self.runner.decode(tokens, positions)
+            logits = self.runner.decode(tokens, positions, max_position)
         for s in decoding:
             s.cached += 1
         if decoding:
@@ -301,7 +306,7 @@ class EngineCore:
         params = [s.request.sampling for s in seqs]
         positions = [len(s.response_ids) for s in seqs]
         tokens, logprobs = self.sampler.sample(logits, params, positions)
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        tokens, logprobs = to_host(tokens, logprobs)
         done = []
         version, max_len = self.version, self.runner.max_len  # per row, every step: kept local
         for s, p, n, tok, lp in zip(seqs, params, positions, tokens, logprobs):

@@ -53,11 +53,11 @@ class DecodeGraphs:
         """Forget every graph (the cache they address is going)."""
         self.entries, self.pool, self.logits = {}, None, None
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_position: int) -> torch.Tensor:
         """The runner's `_decode` through the graph of the step's bucket; logits [n, V]."""
         r, n = self.runner, tokens.shape[0]
         B = bucket(n, 1, r.max_rows)
-        Lk = bucket(int(positions.max()) + 1, 64, r.max_len)
+        Lk = bucket(max_position + 1, 64, r.max_len)
         entry = self.entries.get((B, Lk))
         if entry is None:
             return self._capture(B, Lk, tokens, positions)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rollover.engine.cuda_graphs import DecodeGraphs, bucket
+from rollover.engine.transfer import to_device
 from rollover.engine.weight_packs import WeightPacks
 
 SUPPORTED = {
@@ -361,7 +362,7 @@ class ModelRunner:
         attention sees the padded [N, T] layout (the linear layers are most of a prefill)."""
         n = len(rows)
         lens_l = [len(t) for t in token_ids]
-        lens = torch.tensor(lens_l, device=self.device)
+        lens = to_device(lens_l, torch.long, self.device)
         T, total = max(lens_l), sum(lens_l)
         packed = n * T > PACK_PREFILL_ABOVE * total
         pos = torch.arange(T, device=self.device)
@@ -369,18 +370,16 @@ class ModelRunner:
         # mask[b, 1, q, k]: causal and key not padding
         mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]
         mask = mask[:, None]
-        rows_t = torch.tensor(rows, device=self.device)
+        rows_t = to_device(rows, torch.long, self.device)
         contiguous = rows == list(range(rows[0], rows[0] + n))
         if packed:
-            ids = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long, device=self.device)
-            slot = torch.tensor([i * T + j for i, n_i in enumerate(lens_l) for j in range(n_i)],
-                                device=self.device)  # each token's place in the padded [N * T]
+            ids = to_device([t for seq in token_ids for t in seq], torch.long, self.device)
+            slot = to_device([i * T + j for i, n_i in enumerate(lens_l) for j in range(n_i)],
+                             torch.long, self.device)  # each token's place in the padded [N * T]
             tok_pos = slot % T
             cos, sin = self.cos[tok_pos], self.sin_signed[tok_pos]
         else:
-            ids = torch.zeros((n, T), dtype=torch.long, device=self.device)
-            for i, t in enumerate(token_ids):
-                ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            ids = to_device([[*t, *[0] * (T - len(t))] for t in token_ids], torch.long, self.device)
             cos, sin = self.cos[:T], self.sin_signed[:T]
 
         def padded(t: torch.Tensor) -> torch.Tensor:  # [S, heads, D] -> [N, T, heads, D]
@@ -412,25 +411,29 @@ class ModelRunner:
         return self.logits(last)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token for each of rows 0..B-1 at the given positions; logits [B, V]."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_position: int | None = None) -> torch.Tensor:
+        """One token for each of rows 0..B-1 at the given positions; logits [B, V]. A caller that
+        knows the largest position passes it as `max_position`, which spares a GPU a wait for
+        the device to read it back."""
         n = tokens.shape[0]
+        if max_position is None:
+            max_position = int(positions.max())
         if self.cuda_graphs:
-            return self.graphs.decode(tokens, positions)
+            return self.graphs.decode(tokens, positions, max_position)
         if self.compiled is not None:  # the attended length as a number: no data-dependent shape inside
-            lk = int(positions.max()) + 1
+            lk = max_position + 1
             if n == 1 and self.max_rows > 1:  # one row would compile a second graph (size 1 is specialised):
                 # a free row at position 0 rides along; its cache is rewritten before use
                 return self.compiled(F.pad(tokens, (0, 1)), F.pad(positions, (0, 1)), lk)[:1]
             return self.compiled(tokens, positions, lk)
         pad_to = self.packs.size_for(n)
         if pad_to is None:
-            return self._decode(tokens, positions)
+            return self._decode(tokens, positions, max_position + 1)
         pad = pad_to - n  # free rows 0-filled at position 0: their cache is rewritten before use
         self.packs.ensure(pad_to, self._matrices())
         self._pack_for = pad_to
         try:
-            return self._decode(F.pad(tokens, (0, pad)), F.pad(positions, (0, pad)))[:n]
+            return self._decode(F.pad(tokens, (0, pad)), F.pad(positions, (0, pad)), max_position + 1)[:n]
         finally:
             self._pack_for = None
 
@@ -494,7 +497,7 @@ class ModelRunner:
         B = tokens.shape[0]
         dev = self.device
         lens = [len(t) for t in token_ids]
-        ids_p = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.long, device=dev)
+        ids_p = to_device([t for seq in token_ids for t in seq], torch.long, dev)
         pos_p = torch.cat([torch.arange(n, device=dev) for n in lens])
         x = torch.cat([F.embedding(tokens, self.embed), F.embedding(ids_p, self.embed)])  # [B + Np, hidden]
         all_pos = torch.cat([positions, pos_p])
@@ -516,7 +519,7 @@ class ModelRunner:
                 outs.append(o[0].transpose(0, 1).reshape(n, -1))
             x = x + self._linear(torch.cat(outs), L["o"])
             x = self._mlp(L, x)
-        last = torch.tensor([st + n - 1 for st, n in zip(starts, lens)], device=dev)
+        last = to_device([st + n - 1 for st, n in zip(starts, lens)], torch.long, dev)
         return self.logits(torch.cat([x[:B], x[last]]))
 
     def move_row(self, src: int, dst: int, length: int) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rollover.engine.transfer import to_device
 from rollover.types import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
@@ -99,7 +100,7 @@ class Sampler:
         if all(t == 1.0 for t in temps):
             z = logits
         else:
-            z = logits / torch.tensor(temps, device=logits.device, dtype=logits.dtype)[:, None]
+            z = logits / to_device(temps, logits.dtype, logits.device)[:, None]
         for b in truncated:
             if z is logits:
                 z = logits.clone()
@@ -111,16 +112,21 @@ class Sampler:
         zmax = z.amax(-1, keepdim=True)  # not max(): that also finds the indices, 7x the time here
         cdf = (z - zmax).exp_().cumsum_(-1)  # [B, V]; ATen accumulates a float cumsum in double on CPU
         total = cdf[:, -1]
-        u = torch.empty(B, dtype=torch.float64, device=logits.device)
-        if unseeded:
-            u[unseeded] = torch.rand(len(unseeded), generator=self.gen, dtype=torch.float64, device=logits.device)
-        if seeded:
-            u[seeded] = position_uniforms(seeds, seed_pos).to(logits.device)
+        if len(seeded) == B:  # the RL rollout's case: every row seeded, one copy to the device
+            u = to_device(position_uniforms(seeds, seed_pos), torch.float64, logits.device)
+        else:
+            u = torch.empty(B, dtype=torch.float64, device=logits.device)
+            if unseeded:
+                u[to_device(unseeded, torch.long, logits.device)] = torch.rand(
+                    len(unseeded), generator=self.gen, dtype=torch.float64, device=logits.device)
+            if seeded:
+                u[to_device(seeded, torch.long, logits.device)] = to_device(
+                    position_uniforms(seeds, seed_pos), torch.float64, logits.device)
         # right=True: the first index whose cdf exceeds u*total, never a zero-probability token
         target = (u * total.double()).to(cdf.dtype)
         tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=V - 1)
         if len(seeded) + len(unseeded) < B:
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), z.argmax(-1), tokens)
+            tokens = torch.where(to_device(greedy, torch.bool, logits.device), z.argmax(-1), tokens)
         # log_softmax(z)[token] = z[token] - max - log(sum exp(z - max))
         logprobs = z.gather(1, tokens[:, None]).squeeze(1) - zmax.squeeze(1) - total.log()
         return tokens, logprobs
