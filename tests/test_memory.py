@@ -334,3 +334,22 @@ def test_bf16_autocast_training_stays_near_the_fp32_step(model_dir, tmp_path):
     assert num / den < 0.05  # bf16 rounding (8-bit mantissa), not a different gradient
     assert any(not torch.equal(bf16[k], fp32[k]) for k in fp32)  # and it did run in bf16
     assert m16["actor/pg_loss"] == pytest.approx(m32["actor/pg_loss"], abs=2e-2)
+
+
+def test_large_blocks_come_back_from_the_heap_without_page_faults(monkeypatch):
+    """After `large_blocks_from_the_heap` (the trainer calls it on a CPU), a freed 64 MB block is
+    reused as it is: glibc's default maps each one afresh, and the kernel faults in its 16,384
+    pages again every time."""
+    import resource
+
+    monkeypatch.setenv("ROLLOVER_MALLOC_DEFAULTS", "0")
+    assert memory.large_blocks_from_the_heap() is False  # the opt-out leaves the allocator alone
+    monkeypatch.delenv("ROLLOVER_MALLOC_DEFAULTS")
+    if not memory.large_blocks_from_the_heap():
+        pytest.skip("not glibc")
+    faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # noqa: E731
+    torch.ones(16 * 2**20).sum()  # 64 MB, touched, then freed
+    before = faults()
+    for _ in range(5):
+        torch.ones(16 * 2**20).sum()
+    assert faults() - before < 2_000, faults() - before  # fresh mappings: about 5 x 16,384

@@ -97,6 +97,8 @@ class Trainer:
         self.device = device
         self.pad_id = pad_id
         self.model = model.to(device)
+        if device.type == "cpu":  # process-wide: no fresh mapping, page-faulted in anew, for every large block
+            memory.large_blocks_from_the_heap()
         self.is_peft = hasattr(self.model, "get_base_model")
         if cfg.train.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
