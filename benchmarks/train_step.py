@@ -6,7 +6,7 @@
 A VARIANT is a comma-separated list of config overrides (`""` = the defaults), e.g.
 `train.shared_prefix=false` or `train.dtype=autocast_bf16`, and `dense_embedding_grad` (torch's
 own embedding backward instead of the trainer's row-wise one); variants alternate in one
-process, each step timed after one unmeasured step. `--profile` prints torch.profiler's table for one
+process, each step timed after one unmeasured step, with the seconds its optimizer step took. `--profile` prints torch.profiler's table for one
 step of the first variant instead.
 """
 
@@ -78,13 +78,33 @@ def main() -> None:
             trainers[args.variants[0]].train_step(batch)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         return
+    optimizer_s = {v: time_optimizer(tr) for v, tr in trainers.items()}
     for rep in range(args.repeats):
         for v, tr in trainers.items():
             t0 = time.perf_counter()
             with rows_off(dense[v]):
                 m = tr.train_step(batch)
             print(f"{rep} {v or 'defaults':40s} {time.perf_counter() - t0:6.2f} s  micro-batches "
-                  f"{m['actor/micro_batches']:.0f}", flush=True)
+                  f"{m['actor/micro_batches']:.0f}  optimizer step {sum(optimizer_s[v]):.2f} s", flush=True)
+            optimizer_s[v].clear()
+
+
+def time_optimizer(trainer) -> list[float]:
+    """Seconds of each `optimizer.step()` the trainer makes from now on (appended to the list)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*optimizer.step.*has been overridden")  # the scheduler's notice
+    spent, step = [], trainer.optimizer.step
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return step(*a, **k)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    trainer.optimizer.step = timed
+    return spent
 
 
 if __name__ == "__main__":

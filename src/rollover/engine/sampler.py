@@ -112,16 +112,16 @@ class Sampler:
         zmax = z.amax(-1, keepdim=True)  # not max(): that also finds the indices, 7x the time here
         cdf = (z - zmax).exp_().cumsum_(-1)  # [B, V]; ATen accumulates a float cumsum in double on CPU
         total = cdf[:, -1]
-        if len(seeded) == B:  # the RL rollout's case: every row seeded, one copy to the device
-            u = to_device(position_uniforms(seeds, seed_pos), torch.float64, logits.device)
+        u_seeded = to_device(position_uniforms(seeds, seed_pos), torch.float64, logits.device) if seeded else None
+        if seeded and len(seeded) == B:  # the RL rollout's case: every row seeded, no placing by index
+            u = u_seeded
         else:
             u = torch.empty(B, dtype=torch.float64, device=logits.device)
             if unseeded:
                 u[to_device(unseeded, torch.long, logits.device)] = torch.rand(
                     len(unseeded), generator=self.gen, dtype=torch.float64, device=logits.device)
             if seeded:
-                u[to_device(seeded, torch.long, logits.device)] = to_device(
-                    position_uniforms(seeds, seed_pos), torch.float64, logits.device)
+                u[to_device(seeded, torch.long, logits.device)] = u_seeded
         # right=True: the first index whose cdf exceeds u*total, never a zero-probability token
         target = (u * total.double()).to(cdf.dtype)
         tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=V - 1)

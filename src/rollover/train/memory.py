@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 _VALUES_PER_LAYER_HIDDEN = 18  # norm inputs and outputs, q/k/v/o inputs and outputs, rotary, residuals (x hidden)
@@ -76,8 +77,6 @@ def large_blocks_from_the_heap() -> bool:
     of SmolLM2 on 2 cores faulted about 500,000 pages this way. With these settings the
     blocks come from the heap, and a freed one is reused without a fault until `release()` hands
     the free heap back after the step. Nothing stays resident that `release()` would have freed."""
-    import os
-
     if _LIBC is None or not hasattr(_LIBC, "mallopt") or os.environ.get("ROLLOVER_MALLOC_DEFAULTS", "1") == "0":
         return False
     return bool(_LIBC.mallopt(_M_MMAP_MAX, 0)) and bool(_LIBC.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
