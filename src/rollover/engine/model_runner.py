@@ -15,6 +15,10 @@ made at its first use after each weight update, and every linear layer multiplie
 dtype. The engine's logits then differ from the trainer's: `actor/rollout_kl` measures it and
 `algorithm.tis_cap` corrects it, as for any rollout-training mismatch.
 
+Decode attention (`rollover.engine.decode_attention`): on a CPU in fp32, a C loop compiled at
+first use writes each row's new key and value and attends its query heads over the row's own
+keys; torch's batched ops elsewhere (`native_attention=False` there too).
+
 CUDA graphs (CUDA, `cuda_graphs=True`, the default there): decode steps are recorded once per
 shape bucket and replayed (`rollover.engine.cuda_graphs`); a step that admits new sequences
 while others decode then runs the graphed decode and a separate prefill (`separate_admission`)
@@ -29,12 +33,12 @@ parameters are views into the fused tensors, so loading a named tensor updates t
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 
 from rollover.engine.cuda_graphs import DecodeGraphs, bucket
+from rollover.engine.decode_attention import DecodeAttention, native_for
 from rollover.engine.transfer import to_device
 from rollover.engine.weight_packs import WeightPacks
 
@@ -94,6 +98,7 @@ class ModelRunner:
         quantize: str | None = None,
         cuda_graphs: bool = True,
         compile_decode: bool = False,
+        native_attention: bool | None = None,
     ):
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
@@ -144,6 +149,12 @@ class ModelRunner:
             raise ValueError("compile_decode and CUDA graphs both replace the eager decode step: turn the graphs "
                              "off (rollout.engine_options: {cuda_graphs: false}) to compile it")
         self.compiled = torch.compile(self._decode, dynamic=True) if compile_decode else None
+        # a decode step's attention (`rollover.engine.decode_attention`): the native kernel on a
+        # CPU in fp32 where it builds; torch's ops elsewhere and where the step is compiled or graphed
+        if native_attention and (compile_decode or quantize is not None):
+            raise ValueError("native_attention serves the eager float decode step: not with compile_decode or quantize")
+        native = None if compile_decode or quantize is not None else native_for(self.device, dtype, native_attention)
+        self.attention = DecodeAttention(self.n_heads, self.n_kv, self.head_dim, max_len, dtype, native)
 
     # ---------------------------------------------------------------- weights
     def _build_params(self, sd: dict[str, torch.Tensor]) -> None:
@@ -445,42 +456,14 @@ class ModelRunner:
         """The recorded decode graphs by (rows, attended length); empty without CUDA graphs."""
         return self.graphs.entries if self.graphs is not None else {}
 
-    def _decode_setup(self, positions: torch.Tensor, Lk: int | None = None) -> tuple:
-        """Per-step tensors shared by every layer's decode attention; keys 0..Lk-1 are attended
-        (default: up to the furthest position), those past a row's position masked."""
-        B, KV = positions.shape[0], self.n_kv
-        Lk = Lk or int(positions.max()) + 1
-        dev = self.device
-        # flat cache index of (row b, kv head h, position p): (b * KV + h) * max_len + p
-        slot = ((torch.arange(B, device=dev)[:, None] * KV + torch.arange(KV, device=dev)[None, :]) * self.max_len
-                + positions[:, None]).reshape(-1)
-        keymask = torch.arange(Lk, device=dev)[None, :] <= positions[:, None]  # [B, Lk]
-        bias = torch.zeros((B, Lk), dtype=self.dtype, device=dev).masked_fill_(~keymask, float("-inf"))
-        bias = bias[:, None, None, :].expand(B, KV, 1, Lk).reshape(B * KV, 1, Lk)
-        return slot, bias, Lk
-
-    def _decode_attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setup: tuple) -> torch.Tensor:
-        """Write k, v [B, KV, D] at each row's position; attend q [B, H, D] over the row's cache.
-        Returns [B, H * D]."""
-        slot, bias, Lk = setup
-        B, KV, D = q.shape[0], self.n_kv, self.head_dim
-        kc, vc = self.k_cache[li], self.v_cache[li]
-        kc.view(-1, D).index_copy_(0, slot, k.reshape(B * KV, D))
-        vc.view(-1, D).index_copy_(0, slot, v.reshape(B * KV, D))
-        K = kc[:B, :, :Lk].reshape(B * KV, Lk, D)  # views: rows and heads are adjacent in the cache
-        V = vc[:B, :, :Lk].reshape(B * KV, Lk, D)
-        qg = q.reshape(B * KV, self.n_heads // KV, D)  # the g query heads sharing each kv head
-        s = torch.baddbmm(bias, qg, K.transpose(1, 2), alpha=1.0 / math.sqrt(D))  # [B*KV, g, Lk]
-        return torch.bmm(torch.softmax(s, dim=-1), V).reshape(B, -1)
-
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, Lk: int | None = None) -> torch.Tensor:
         x = F.embedding(tokens, self.embed)  # [B, hidden]
         cos, sin = self.cos[positions], self.sin_signed[positions]
-        setup = self._decode_setup(positions, Lk)
+        setup = self.attention.setup(positions, Lk)
         for li, L in enumerate(self.layers):
             h = self._norm(x, L["in_norm"])
             q, k, v = self._qkv(L, h, cos, sin)  # q [B, H, D]; k, v [B, KV, D]
-            x = x + self._linear(self._decode_attention(li, q, k, v, setup), L["o"])
+            x = x + self._linear(self.attention(self.k_cache[li], self.v_cache[li], q, k, v, setup), L["o"])
             x = self._mlp(L, x)
         return self.logits(x)
 
@@ -503,14 +486,14 @@ class ModelRunner:
         x = torch.cat([F.embedding(tokens, self.embed), F.embedding(ids_p, self.embed)])  # [B + Np, hidden]
         all_pos = torch.cat([positions, pos_p])
         cos, sin = self.cos[all_pos], self.sin_signed[all_pos]
-        setup = self._decode_setup(positions)
+        setup = self.attention.setup(positions)
         g = self.n_heads // self.n_kv
         starts = [B + sum(lens[:i]) for i in range(len(lens))]
         for li, L in enumerate(self.layers):
             h = self._norm(x, L["in_norm"])
             q, k, v = self._qkv(L, h, cos, sin)  # [B + Np, H|KV, D]
             kc, vc = self.k_cache[li], self.v_cache[li]
-            outs = [self._decode_attention(li, q[:B], k[:B], v[:B], setup)]
+            outs = [self.attention(kc, vc, q[:B], k[:B], v[:B], setup)]
             for row, st, n in zip(rows, starts, lens):
                 kp, vp = k[st : st + n].transpose(0, 1), v[st : st + n].transpose(0, 1)  # [KV, n, D]
                 kc[row, :, :n] = kp

@@ -1,0 +1,137 @@
+"""The native decode attention (rollover.engine.decode_attention) against torch's ops: the same
+outputs and cache writes, its refusals, and the runner built on it against the HF forward."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from rollover.engine import decode_attention as da
+from rollover.engine.model_runner import ModelRunner
+from rollover.testing import tiny_model
+
+
+def _native_or_skip():
+    try:
+        return da.load()
+    except RuntimeError as e:  # no C compiler on this machine: the torch path is what runs
+        pytest.skip(str(e))
+
+
+def _case(B, KV, G, D, max_len, positions, seed=0):
+    """A cache with random history and one step's q/k/v as views into a fused projection (the
+    runner's layout: rows strided, heads adjacent)."""
+    g = torch.Generator().manual_seed(seed)
+    H = KV * G
+    kc, vc = (torch.randn(B + 2, KV, max_len, D, generator=g) for _ in range(2))
+    qkv = torch.randn(B, (H + 2 * KV) * D, generator=g)
+    q = qkv[:, : H * D].unflatten(-1, (H, D))
+    k = qkv[:, H * D : (H + KV) * D].unflatten(-1, (KV, D))
+    v = qkv[:, (H + KV) * D :].unflatten(-1, (KV, D))
+    return kc, vc, q, k, v, torch.tensor(positions)
+
+
+@pytest.mark.parametrize("KV,G,D", [(3, 3, 64), (2, 1, 128), (1, 4, 40), (4, 2, 16)])
+def test_native_attention_equals_torch_ops_with_its_cache_writes(KV, G, D):
+    native = _native_or_skip()
+    positions = [0, 7, 30, 12, 31]
+    kc, vc, q, k, v, pos = _case(len(positions), KV, G, D, 48, positions)
+    plain = da.DecodeAttention(KV * G, KV, D, 48, torch.float32, None)
+    fast = da.DecodeAttention(KV * G, KV, D, 48, torch.float32, native)
+    kc2, vc2 = kc.clone(), vc.clone()
+    ref = plain(kc, vc, q, k, v, plain.setup(pos))
+    out = fast(kc2, vc2, q, k, v, fast.setup(pos))
+    assert out.shape == ref.shape == (len(positions), KV * G * D)
+    assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5), (out - ref).abs().max()
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)  # the new keys and values written, nothing else
+    for b, p in enumerate(positions):
+        assert torch.equal(kc2[b, :, p], k[b]) and torch.equal(vc2[b, :, p], v[b])
+
+
+def test_native_attention_takes_a_non_adjacent_head_layout():
+    """q whose heads are not head_dim apart is copied before the kernel reads it."""
+    native = _native_or_skip()
+    kc, vc, q, k, v, pos = _case(3, 2, 2, 16, 20, [4, 9, 2])
+    q_odd = torch.randn(3, 16, 4).transpose(1, 2)  # [B, H, D] with stride(-1) != 1
+    plain = da.DecodeAttention(4, 2, 16, 20, torch.float32, None)
+    fast = da.DecodeAttention(4, 2, 16, 20, torch.float32, native)
+    ref = plain(kc.clone(), vc.clone(), q_odd, k, v, plain.setup(pos))
+    out = fast(kc.clone(), vc.clone(), q_odd, k, v, fast.setup(pos))
+    assert torch.allclose(out, ref, atol=2e-6)
+
+
+def test_native_attention_refuses_positions_it_would_write_outside_the_cache():
+    native = _native_or_skip()
+    kc, vc, q, k, v, pos = _case(2, 1, 2, 16, 20, [3, 5])
+    fast = da.DecodeAttention(2, 1, 16, 20, torch.float32, native)
+    with pytest.raises(ValueError, match="past the cache's 20 tokens"):
+        fast.setup(torch.tensor([3, 20]))
+    before = kc.clone()
+    with pytest.raises(ValueError, match="refused its inputs"):  # a caller's attended length below a position
+        fast(kc, vc, q, k, v, fast.setup(pos, Lk=5))
+    assert torch.equal(kc, before)  # nothing was written
+
+
+def test_without_a_compiler_the_runner_says_why_and_uses_torch_ops(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("ROLLOVER_CACHE", str(tmp_path))
+    da.load.cache_clear()
+    da._unavailable_said.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="rollover.engine.decode_attention"):
+            assert da.native_for(torch.device("cpu"), torch.float32, None) is None
+        assert "no-such-cc" in caplog.text and "could not run" in caplog.text
+        with pytest.raises(RuntimeError, match="no-such-cc"):
+            da.native_for(torch.device("cpu"), torch.float32, True)
+    finally:
+        da.load.cache_clear()
+    assert da.native_for(torch.device("cpu"), torch.float32, False) is None
+    with pytest.raises(ValueError, match="fp32 on a CPU"):
+        da.native_for(torch.device("cpu"), torch.bfloat16, True)
+    assert da.native_for(torch.device("cpu"), torch.bfloat16, None) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_runner_with_native_attention_matches_the_hf_forward(arch):
+    """Decode and the fused admit-while-decoding pass (`mixed`) through the native kernel give
+    the HF forward's next-token logits, and the torch path's."""
+    _native_or_skip()
+    model = tiny_model(arch, seed=3)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13] * 9]
+    runners = {flag: ModelRunner(model.config, model.state_dict(), max_rows=4, max_len=64, native_attention=flag)
+               for flag in (True, False)}
+    assert runners[True].attention.native is not None and runners[False].attention.native is None
+    seqs = [list(p) for p in prompts]
+    logits = {}
+    with torch.inference_mode():
+        for flag, r in runners.items():
+            r.prefill([0, 1], seqs[:2])
+            ids = [list(s) for s in seqs]
+            out = []
+            for step in range(6):
+                toks = torch.tensor([ids[0][-1] + 1 + step, ids[1][-1] + 2])
+                pos = torch.tensor([len(ids[0]), len(ids[1])])
+                if step == 2:  # the third prompt joins while the two decode
+                    lg = r.mixed(toks, pos, [2], [ids[2]])
+                    ids[2].append(int(lg[2].argmax()))
+                elif step > 2:
+                    toks = torch.cat([toks, torch.tensor([ids[2][-1]])])
+                    pos = torch.cat([pos, torch.tensor([len(ids[2]) - 1])])
+                    lg = r.decode(toks, pos)
+                    ids[2].append(int(lg[2].argmax()))
+                else:
+                    lg = r.decode(toks, pos)
+                ids[0].append(int(toks[0]))
+                ids[1].append(int(toks[1]))
+                out.append(lg)
+            logits[flag] = (out, ids)
+    (nat, nat_ids), (ref, ref_ids) = logits[True], logits[False]
+    assert nat_ids == ref_ids
+    for a, b in zip(nat, ref):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the last step's logits against the HF forward over each whole sequence
+        for row, seq in enumerate(nat_ids):
+            hf = model(torch.tensor([seq[:-1] if row == 2 else seq])).logits[0, -1]
+            assert torch.allclose(nat[-1][row], hf, atol=1e-4), (row, (nat[-1][row] - hf).abs().max())
