@@ -1,5 +1,6 @@
-"""The native decode attention (rollover.engine.decode_attention) against torch's ops: the same
-outputs and cache writes, its refusals, and the runner built on it against the HF forward."""
+"""The native kernels (rollover.engine.native) against torch's ops: decode attention with its
+cache writes and rotary embedding, RMSNorm with the residual add, SiLU-and-multiply; their
+refusals; and the runner built on them against the HF forward and the torch path."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import pytest
 import torch
 
 from rollover.engine import decode_attention as da
+from rollover.engine import native as nk
 from rollover.engine.model_runner import ModelRunner
 from rollover.testing import tiny_model
 
 
 def _native_or_skip():
     try:
-        return da.load()
+        return nk.load()
     except RuntimeError as e:  # no C compiler on this machine: the torch path is what runs
         pytest.skip(str(e))
 
@@ -50,6 +52,42 @@ def test_native_attention_equals_torch_ops_with_its_cache_writes(KV, G, D):
         assert torch.equal(kc2[b, :, p], k[b]) and torch.equal(vc2[b, :, p], v[b])
 
 
+def test_native_attention_rotates_q_and_k_as_the_runner_does():
+    """Given the rotary tables, the kernel rotates q and the key it writes: the same as torch's
+    rotation (`ModelRunner._rope`) followed by the kernel without them."""
+    native = _native_or_skip()
+    KV, G, D, max_len = 2, 3, 64, 40
+    kc, vc, q, k, v, pos = _case(4, KV, G, D, max_len, [0, 9, 39, 17])
+    runner_like = torch.randn(max_len, D), torch.randn(max_len, D)  # any tables: the arithmetic is what counts
+    cos, sin = (t[pos].unsqueeze(-2) for t in runner_like)
+    rot = lambda x: torch.addcmul(x * cos, torch.cat([x[..., D // 2 :], x[..., : D // 2]], -1), sin)  # noqa: E731
+    fast = da.DecodeAttention(KV * G, KV, D, max_len, torch.float32, native)
+    kc2, vc2 = kc.clone(), vc.clone()
+    ref = fast(kc, vc, rot(q), rot(k), v, fast.setup(pos))
+    out = fast(kc2, vc2, q, k, v, fast.setup(pos), rope=runner_like)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5) and torch.allclose(kc2, kc, atol=1e-6)
+    plain = da.DecodeAttention(KV * G, KV, D, max_len, torch.float32, None)
+    with pytest.raises(ValueError, match="rotated already"):
+        plain(kc, vc, q, k, v, plain.setup(pos), rope=runner_like)
+
+
+@pytest.mark.parametrize("n,d", [(1, 576), (64, 576), (300, 96), (5, 13)])
+def test_native_norm_and_silu_mul_equal_torch_ops(n, d):
+    native = _native_or_skip()
+    g = torch.Generator().manual_seed(n * d)
+    x, r, w = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g), torch.randn(d, generator=g)
+    x0 = x.clone()
+    h = native.add_rms_norm(x, r, w, 1e-5)
+    assert torch.allclose(x, x0 + r, atol=1e-6)  # the residual added in place
+    assert torch.allclose(h, torch.nn.functional.rms_norm(x0 + r, (d,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    strided = torch.randn(n, 2 * d, generator=g)[:, :d]  # rows apart by more than d
+    assert torch.allclose(native.add_rms_norm(strided, None, w, 1e-5),
+                          torch.nn.functional.rms_norm(strided, (d,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    gu = torch.randn(n, 2 * d, generator=g) * 4
+    out = native.silu_mul(gu)
+    assert torch.allclose(out, torch.nn.functional.silu(gu[:, :d]) * gu[:, d:], atol=1e-5, rtol=1e-5)
+
+
 def test_native_attention_takes_a_non_adjacent_head_layout():
     """q whose heads are not head_dim apart is copied before the kernel reads it."""
     native = _native_or_skip()
@@ -77,32 +115,32 @@ def test_native_attention_refuses_positions_it_would_write_outside_the_cache():
 def test_without_a_compiler_the_runner_says_why_and_uses_torch_ops(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("ROLLOVER_CACHE", str(tmp_path))
-    da.load.cache_clear()
-    da._unavailable_said.cache_clear()
+    nk.load.cache_clear()
+    nk._unavailable_said.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="rollover.engine.decode_attention"):
-            assert da.native_for(torch.device("cpu"), torch.float32, None) is None
+        with caplog.at_level(logging.WARNING, logger="rollover.engine.native"):
+            assert nk.kernels_for(torch.device("cpu"), torch.float32, None) is None
         assert "no-such-cc" in caplog.text and "could not run" in caplog.text
         with pytest.raises(RuntimeError, match="no-such-cc"):
-            da.native_for(torch.device("cpu"), torch.float32, True)
+            nk.kernels_for(torch.device("cpu"), torch.float32, True)
     finally:
-        da.load.cache_clear()
-    assert da.native_for(torch.device("cpu"), torch.float32, False) is None
+        nk.load.cache_clear()
+    assert nk.kernels_for(torch.device("cpu"), torch.float32, False) is None
     with pytest.raises(ValueError, match="fp32 on a CPU"):
-        da.native_for(torch.device("cpu"), torch.bfloat16, True)
-    assert da.native_for(torch.device("cpu"), torch.bfloat16, None) is None
+        nk.kernels_for(torch.device("cpu"), torch.bfloat16, True)
+    assert nk.kernels_for(torch.device("cpu"), torch.bfloat16, None) is None
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_runner_with_native_attention_matches_the_hf_forward(arch):
     """Decode and the fused admit-while-decoding pass (`mixed`) through the native kernel give
     the HF forward's next-token logits, and the torch path's."""
     _native_or_skip()
     model = tiny_model(arch, seed=3)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13] * 9]
-    runners = {flag: ModelRunner(model.config, model.state_dict(), max_rows=4, max_len=64, native_attention=flag)
+    runners = {flag: ModelRunner(model.config, model.state_dict(), max_rows=4, max_len=64, native_kernels=flag)
                for flag in (True, False)}
-    assert runners[True].attention.native is not None and runners[False].attention.native is None
+    assert runners[True].kernels is not None and runners[False].kernels is None
     seqs = [list(p) for p in prompts]
     logits = {}
     with torch.inference_mode():

@@ -288,8 +288,14 @@ def test_a_cancelled_call_frees_its_row_and_leaves_the_engine_running(engine):
     sp = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
 
     async def main():
-        with pytest.raises(asyncio.TimeoutError):  # cancels the call's future mid-generation
-            await asyncio.wait_for(engine.agenerate(Request(id="slow", prompt_ids=[5, 6], sampling=sp)), 0.05)
+        call = asyncio.ensure_future(engine.agenerate(Request(id="slow", prompt_ids=[5, 6], sampling=sp)))
+        while engine.lengths().get("slow", 0) < 2:  # mid-generation...
+            await asyncio.sleep(0.001)
+        engine.pause()  # ...and held there, so a fast engine cannot finish it before the cancel lands
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        engine.resume()
         return await engine.agenerate(Request(id="next", prompt_ids=[5, 6], sampling=SamplingParams(max_new_tokens=4)))
 
     out = asyncio.run(main())

@@ -15,9 +15,11 @@ made at its first use after each weight update, and every linear layer multiplie
 dtype. The engine's logits then differ from the trainer's: `actor/rollout_kl` measures it and
 `algorithm.tis_cap` corrects it, as for any rollout-training mismatch.
 
-Decode attention (`rollover.engine.decode_attention`): on a CPU in fp32, a C loop compiled at
-first use writes each row's new key and value and attends its query heads over the row's own
-keys; torch's batched ops elsewhere (`native_attention=False` there too).
+Native kernels (`rollover.engine.native`, CPU, fp32, where a C compiler builds them; the default
+there). A decode step's attention (`rollover.engine.decode_attention`) is one C loop that rotates
+and writes each row's new key and value and attends its query heads over the row's own keys;
+RMSNorm (fused with the residual add before it in a decode step) and SwiGLU's SiLU-and-multiply
+are one pass each, in decode and prefill. Elsewhere, and with `native_kernels=False`, torch's ops.
 
 CUDA graphs (CUDA, `cuda_graphs=True`, the default there): decode steps are recorded once per
 shape bucket and replayed (`rollover.engine.cuda_graphs`); a step that admits new sequences
@@ -38,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from rollover.engine.cuda_graphs import DecodeGraphs, bucket
-from rollover.engine.decode_attention import DecodeAttention, native_for
+from rollover.engine.decode_attention import DecodeAttention
+from rollover.engine.native import kernels_for
 from rollover.engine.transfer import to_device
 from rollover.engine.weight_packs import WeightPacks
 
@@ -98,7 +101,7 @@ class ModelRunner:
         quantize: str | None = None,
         cuda_graphs: bool = True,
         compile_decode: bool = False,
-        native_attention: bool | None = None,
+        native_kernels: bool | None = None,
     ):
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
@@ -149,12 +152,12 @@ class ModelRunner:
             raise ValueError("compile_decode and CUDA graphs both replace the eager decode step: turn the graphs "
                              "off (rollout.engine_options: {cuda_graphs: false}) to compile it")
         self.compiled = torch.compile(self._decode, dynamic=True) if compile_decode else None
-        # a decode step's attention (`rollover.engine.decode_attention`): the native kernel on a
-        # CPU in fp32 where it builds; torch's ops elsewhere and where the step is compiled or graphed
-        if native_attention and (compile_decode or quantize is not None):
-            raise ValueError("native_attention serves the eager float decode step: not with compile_decode or quantize")
-        native = None if compile_decode or quantize is not None else native_for(self.device, dtype, native_attention)
-        self.attention = DecodeAttention(self.n_heads, self.n_kv, self.head_dim, max_len, dtype, native)
+        # the native kernels (`rollover.engine.native`) on a CPU in fp32 where they build; torch's
+        # ops elsewhere and where the step is compiled (inductor cannot trace a C call)
+        if native_kernels and (compile_decode or quantize is not None):
+            raise ValueError("native_kernels serve the eager float forward: not with compile_decode or quantize")
+        self.kernels = None if compile_decode or quantize is not None else kernels_for(self.device, dtype, native_kernels)
+        self.attention = DecodeAttention(self.n_heads, self.n_kv, self.head_dim, max_len, dtype, self.kernels)
 
     # ---------------------------------------------------------------- weights
     def _build_params(self, sd: dict[str, torch.Tensor]) -> None:
@@ -333,6 +336,8 @@ class ModelRunner:
         fp32 part is one fused op, so bf16 costs 4 kernels rather than 8 (most of a graphed
         decode step's device time on a GPU is its ~1,000 small kernels)."""
         if x.dtype == torch.float32:
+            if self.kernels is not None and x.stride(-1) == 1:
+                return self.kernels.add_rms_norm(x.reshape(-1, x.shape[-1]), None, w, self.eps).view(x.shape)
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         return w * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
@@ -358,6 +363,8 @@ class ModelRunner:
     def _mlp(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         h = self._norm(x, L["post_norm"])
         gu = self._linear(h, L["gate_up"])
+        if self.kernels is not None:
+            return x + self._linear(self.kernels.silu_mul(gu.reshape(-1, gu.shape[-1])).view(*gu.shape[:-1], -1), L["down"])
         g, u = gu.chunk(2, dim=-1)
         return x + self._linear(F.silu(g) * u, L["down"])
 
@@ -457,6 +464,8 @@ class ModelRunner:
         return self.graphs.entries if self.graphs is not None else {}
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, Lk: int | None = None) -> torch.Tensor:
+        if self.kernels is not None:
+            return self._decode_native(tokens, positions, Lk)
         x = F.embedding(tokens, self.embed)  # [B, hidden]
         cos, sin = self.cos[positions], self.sin_signed[positions]
         setup = self.attention.setup(positions, Lk)
@@ -466,6 +475,26 @@ class ModelRunner:
             x = x + self._linear(self.attention(self.k_cache[li], self.v_cache[li], q, k, v, setup), L["o"])
             x = self._mlp(L, x)
         return self.logits(x)
+
+    def _decode_native(self, tokens: torch.Tensor, positions: torch.Tensor, Lk: int | None = None) -> torch.Tensor:
+        """`_decode` through the native kernels: the rotary embedding inside the attention (where
+        no q/k norm comes between), and each residual add fused with the RMSNorm after it."""
+        K, eps = self.kernels, self.eps
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        x = F.embedding(tokens, self.embed)  # [B, hidden], the residual stream, added to in place
+        setup = self.attention.setup(positions, Lk)
+        h = K.add_rms_norm(x, None, self.layers[0]["in_norm"], eps)
+        for li, L in enumerate(self.layers):
+            if L["q_norm"] is None:  # q and k go to the kernel as projected; it rotates them
+                qkv = self._linear(h, L["qkv"], L["qkv_bias"]).unflatten(-1, (H + 2 * KV, D))
+                q, k, v, rope = qkv[:, :H], qkv[:, H : H + KV], qkv[:, H + KV :], (self.cos, self.sin_signed)
+            else:
+                (q, k, v), rope = self._qkv(L, h, self.cos[positions], self.sin_signed[positions]), None
+            o = self._linear(self.attention(self.k_cache[li], self.v_cache[li], q, k, v, setup, rope), L["o"])
+            h = K.add_rms_norm(x, o, L["post_norm"], eps)
+            d = self._linear(K.silu_mul(self._linear(h, L["gate_up"])), L["down"])
+            h = K.add_rms_norm(x, d, self.layers[li + 1]["in_norm"] if li + 1 < self.n_layers else self.final_norm, eps)
+        return self._linear(h, self.lm_head)
 
     @torch.inference_mode()
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[int],

@@ -45,10 +45,10 @@ class TorchEngine(ThreadedEngine):
         {compile_decode: true}`; off by default: the first step compiles for a minute or more on a
         CPU; what it gains is in docs/benchmarks.md). Outputs equal the eager step's up to float
         rounding (tests/test_engine.py). Not with CUDA graphs (refused: turn them off to compile).
-    native_attention: the decode step's attention as a compiled C loop on a CPU in fp32
-        (`rollover.engine.decode_attention`): None (default) where it builds, saying once why
-        not; True requires it; False (`rollout.engine_options: {native_attention: false}`, or
-        `ROLLOVER_NATIVE=0`) keeps torch's ops.
+    native_kernels: on a CPU in fp32, the decode attention, RMSNorm and SiLU-and-multiply as C
+        loops compiled at first use (`rollover.engine.native`): None (default) where they build,
+        saying once why not; True requires them; False (`rollout.engine_options:
+        {native_kernels: false}`, or `ROLLOVER_NATIVE=0`) keeps torch's ops.
     admit_batch, admit_max_wait: while sequences decode, admit waiting ones once `admit_batch`
         fit or after `admit_max_wait` steps (`EngineCore._admit`); None: max_rows / 8 with CUDA
         graphs, else 1 (every step).
@@ -71,7 +71,7 @@ class TorchEngine(ThreadedEngine):
         pack_weights: bool = True,
         cuda_graphs: bool = True,
         compile_decode: bool = False,
-        native_attention: bool | None = None,
+        native_kernels: bool | None = None,
         admit_batch: int | None = None,
         admit_max_wait: int = 16,
     ):
@@ -88,7 +88,7 @@ class TorchEngine(ThreadedEngine):
         runner = ModelRunner(
             config, state_dict if state_dict is not None else model.state_dict(), max_rows=max_rows, max_len=max_len, device=device, dtype=dtype,
             quantize=quantize, pack_weights=pack_weights, cuda_graphs=cuda_graphs, compile_decode=compile_decode,
-            native_attention=native_attention,
+            native_kernels=native_kernels,
         )
         eos = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(config, gen_config)
         core = EngineCore(

@@ -1,0 +1,312 @@
+"""TorchEngine's CPU kernels in C: a decode step's attention, the residual add with RMSNorm, and
+SwiGLU's SiLU-and-multiply, fp32.
+
+Why. On a CPU a decode step of SmolLM2-135M at 64 rows spends about 70 ms in its matrix
+products and, before these kernels, 40 more in work that reads and writes little memory but
+pays for many small calls: MKL's batched GEMMs for each row's [g, head_dim] x [head_dim, Lk]
+attention product, a bias pass, scattered cache writes, and torch's CPU RMSNorm, which runs
+as five separate element-wise ops. Each kernel here is one pass over its data, parallel with
+OpenMP.
+
+Build. The source below is compiled at first use with the system's C compiler (`$CC`, else
+`cc`; `-O3 -march=native`) into `$ROLLOVER_CACHE/native`, once per source, flags, torch version
+and CPU, and loaded with ctypes (which drops the GIL during a call). It links torch's own
+libgomp, so its parallel loops share torch's OpenMP worker pool (and `rollover.engine.openmp`'s
+release of it). `-ffast-math` lets the compiler vectorize the reductions and `expf`; sums then
+run in another order than torch's, so results agree within float rounding (about 1e-6
+relative), not bit for bit.
+
+Use. `kernels_for(device, dtype, wanted)`: `wanted=None` (TorchEngine's default) uses them on a
+CPU in fp32 where they build, and logs once why not where they do not (no compiler, say);
+True requires them; False, or `ROLLOVER_NATIVE=0`, keeps to torch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PREFETCH_ROWS 8  /* cache rows ahead: 2 KB at head_dim 64; the best of 4, 8 and 16 */
+#define PARALLEL_FROM 16384  /* elements below which an element-wise kernel runs on one thread */
+
+static inline __attribute__((always_inline)) void prefetch_row(const float *r, int D) {
+    for (int d = 0; d < D; d += 16) __builtin_prefetch(r + d);
+}
+
+/* x rotated by the rotary table rows c, s (s = sin with its first half negated) */
+static inline __attribute__((always_inline)) void rope(
+    const float *restrict x, const float *restrict c, const float *restrict s, float *restrict out, const int D)
+{
+    int half = D / 2;
+    #pragma omp simd
+    for (int d = 0; d < half; d++) out[d] = x[d] * c[d] + x[d + half] * s[d];
+    #pragma omp simd
+    for (int d = half; d < D; d++) out[d] = x[d] * c[d] + x[d - half] * s[d];
+}
+
+/* one (row, kv head): write the new key (rotated when c is given) and value at position p,
+   attend the G queries over keys 0..p */
+static inline __attribute__((always_inline)) void one_head(
+    const float *restrict qb, const float *restrict kn, const float *restrict vn,
+    const float *restrict c, const float *restrict sn,
+    float *restrict kb, float *restrict vb, int64_t p, float *restrict o, float *restrict s,
+    int G, const int D, float scale)
+{
+    int L = (int)p + 1;
+    float qr[16 * 256];
+    if (c) {
+        rope(kn, c + p * D, sn + p * D, kb + p * D, D);
+        for (int i = 0; i < G; i++) rope(qb + i * D, c + p * D, sn + p * D, qr + i * D, D);
+        qb = qr;
+    } else {
+        memcpy(kb + p * D, kn, D * sizeof(float));
+    }
+    memcpy(vb + p * D, vn, D * sizeof(float));
+    for (int j = 0; j < L; j++) {  /* scores s[i, j] = q_i . k_j * scale */
+        const float *restrict kr = kb + (int64_t)j * D;
+        prefetch_row(kr + PREFETCH_ROWS * D, D);
+        for (int i = 0; i < G; i++) {
+            const float *restrict qi = qb + i * D;
+            float acc = 0.f;
+            #pragma omp simd reduction(+:acc)
+            for (int d = 0; d < D; d++) acc += qi[d] * kr[d];
+            s[i * L + j] = acc * scale;
+        }
+    }
+    float inv[16];
+    for (int i = 0; i < G; i++) {  /* softmax numerators in place; 1 / denominator kept */
+        float *restrict si = s + i * L, m = si[0], sum = 0.f;
+        #pragma omp simd reduction(max:m)
+        for (int j = 0; j < L; j++) m = si[j] > m ? si[j] : m;
+        #pragma omp simd reduction(+:sum)
+        for (int j = 0; j < L; j++) { si[j] = expf(si[j] - m); sum += si[j]; }
+        inv[i] = 1.f / sum;
+    }
+    float acc[16 * 256];
+    memset(acc, 0, G * D * sizeof(float));
+    for (int j = 0; j < L; j++) {  /* o_i = sum_j p[i, j] v_j */
+        const float *restrict vr = vb + (int64_t)j * D;
+        prefetch_row(vr + PREFETCH_ROWS * D, D);
+        for (int i = 0; i < G; i++) {
+            float w = s[i * L + j];
+            float *restrict ai = acc + i * D;
+            #pragma omp simd
+            for (int d = 0; d < D; d++) ai[d] += w * vr[d];
+        }
+    }
+    for (int i = 0; i < G; i++) {
+        #pragma omp simd
+        for (int d = 0; d < D; d++) o[i * D + d] = acc[i * D + d] * inv[i];
+    }
+}
+
+/* q [B, KV * G, D], k and v [B, KV, D] (row strides given, heads adjacent); c, sn the rotary
+   tables [max_len, D] or NULL (q and k already rotated); kc and vc one layer's cache [rows, KV,
+   max_len, D]; out [B, KV * G, D]; scratch B * KV * G * span floats, span > every position.
+   Returns nonzero, touching nothing, where the shapes are out of its range. */
+int rollover_decode_attention(
+    const float *q, int64_t q_row, const float *k, int64_t k_row, const float *v, int64_t v_row,
+    const float *c, const float *sn, float *kc, float *vc, int rows, const int64_t *pos, float *out,
+    float *scratch, int span, int B, int KV, int G, int D, int max_len, float scale, int nthreads)
+{
+    if (G < 1 || G > 16 || D < 2 || D > 256 || D % 2 || B > rows || span > max_len) return 1;
+    for (int b = 0; b < B; b++)
+        if (pos[b] < 0 || pos[b] >= span) return 2;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int bh = 0; bh < B * KV; bh++) {
+        int b = bh / KV, h = bh % KV;
+        const float *qb = q + b * q_row + (int64_t)h * G * D;
+        float *kb = kc + (int64_t)bh * max_len * D, *vb = vc + (int64_t)bh * max_len * D;
+        float *o = out + (int64_t)b * KV * G * D + (int64_t)h * G * D;
+        float *s = scratch + (int64_t)bh * G * span;
+        if (D == 64)  /* the common head sizes get loops of a known length */
+            one_head(qb, k + b * k_row + h * 64, v + b * v_row + h * 64, c, sn, kb, vb, pos[b], o, s, G, 64, scale);
+        else if (D == 128)
+            one_head(qb, k + b * k_row + h * 128, v + b * v_row + h * 128, c, sn, kb, vb, pos[b], o, s, G, 128, scale);
+        else
+            one_head(qb, k + b * k_row + h * D, v + b * v_row + h * D, c, sn, kb, vb, pos[b], o, s, G, D, scale);
+    }
+    return 0;
+}
+
+/* x [n, d] (rows xs apart) += r [n, d] (rows rs apart; NULL: nothing added), in place; then
+   h [n, d] = x * rsqrt(mean(x^2) + eps) * w (HF's RMSNorm) */
+void rollover_add_rms_norm(float *x, int64_t xs, const float *r, int64_t rs, const float *w, float *h,
+                           int n, int d, float eps, int nthreads)
+{
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if((int64_t)n * d >= PARALLEL_FROM)
+    for (int i = 0; i < n; i++) {
+        float *restrict xi = x + i * xs, *restrict hi = h + (int64_t)i * d;
+        float ss = 0.f;
+        if (r) {
+            const float *restrict ri = r + i * rs;
+            #pragma omp simd reduction(+:ss)
+            for (int j = 0; j < d; j++) { xi[j] += ri[j]; ss += xi[j] * xi[j]; }
+        } else {
+            #pragma omp simd reduction(+:ss)
+            for (int j = 0; j < d; j++) ss += xi[j] * xi[j];
+        }
+        float inv = 1.f / sqrtf(ss / d + eps);
+        #pragma omp simd
+        for (int j = 0; j < d; j++) hi[j] = xi[j] * inv * w[j];
+    }
+}
+
+/* gu [n, 2m] (gate, then up): out [n, m] = silu(gate) * up */
+void rollover_silu_mul(const float *gu, float *out, int n, int m, int nthreads)
+{
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if((int64_t)n * m >= PARALLEL_FROM)
+    for (int i = 0; i < n; i++) {
+        const float *restrict g = gu + (int64_t)i * 2 * m, *restrict u = g + m;
+        float *restrict o = out + (int64_t)i * m;
+        #pragma omp simd
+        for (int j = 0; j < m; j++) o[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+    }
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fPIC", "-shared", "-fopenmp"]
+
+
+def _torch_libgomp() -> Path | None:
+    """torch's bundled OpenMP runtime, which the kernels link so both share one worker pool."""
+    found = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    return found[0] if found else None
+
+
+def _cpu_signature() -> str:
+    """What `-march=native` compiled for: a library built on one CPU is not loaded on another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def build(cache: Path | None = None) -> Path:
+    """Compile the kernels (once per source, flags, compiler, torch and CPU) and return the
+    library's path. Raises `RuntimeError` saying why when it cannot."""
+    from rollover.models import cache_dir
+
+    if platform.system() != "Linux":
+        raise RuntimeError(f"the native kernels are built for Linux only (this is {platform.system()})")
+    cc = os.environ.get("CC", "cc")
+    gomp = _torch_libgomp()
+    link = [f"-L{gomp.parent}", f"-l:{gomp.name}", f"-Wl,-rpath,{gomp.parent}"] if gomp else []
+    args = [*_FLAGS, *link, "-lmvec", "-lm"]
+    key = hashlib.sha256("\n".join([_SOURCE, cc, *args, torch.__version__, _cpu_signature()]).encode()).hexdigest()[:16]
+    out_dir = Path(cache or cache_dir() / "native")
+    lib = out_dir / f"kernels-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # built aside, then renamed: concurrent builds are safe
+        src, tmp_lib = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
+        src.write_text(_SOURCE)
+        try:
+            done = subprocess.run([cc, str(src), "-o", str(tmp_lib), *args], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(f"the C compiler {cc!r} could not run: {e}") from None
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build the native kernels: {done.stderr.strip()[-600:]}")
+        os.replace(tmp_lib, lib)
+    return lib
+
+
+class Kernels:
+    """The loaded library, one method a kernel; each takes fp32 CPU tensors in the layout its C
+    comment gives and checks what the C code relies on."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        self._attention = lib.rollover_decode_attention
+        self._attention.argtypes = [P, I64, P, I64, P, I64, P, P, P, P, I, P, P, P, I, I, I, I, I, I, F, I]
+        self._attention.restype = I
+        self._norm = lib.rollover_add_rms_norm
+        self._norm.argtypes = [P, I64, P, I64, P, P, I, I, F, I]
+        self._norm.restype = None
+        self._silu_mul = lib.rollover_silu_mul
+        self._silu_mul.argtypes = [P, P, I, I, I]
+        self._silu_mul.restype = None
+
+    def attention(self, q, k, v, rope, kc, vc, positions, scratch, span: int, max_len: int, scale: float) -> torch.Tensor:
+        """q [B, H, D], k and v [B, KV, D] (heads D apart, last dim contiguous), rope None or the
+        (cos, sin_signed) tables; writes k, v at each row's position in kc, vc [rows, KV,
+        max_len, D] and returns the attention output [B, H * D]. Raises ValueError where the C
+        code refuses its inputs (a position at or past `span`, say)."""
+        B, H, D = q.shape
+        KV = k.shape[1]
+        c, sn = (t.data_ptr() for t in rope) if rope is not None else (None, None)
+        out = torch.empty((B, H * D))
+        err = self._attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                              c, sn, kc.data_ptr(), vc.data_ptr(), kc.shape[0], positions.data_ptr(), out.data_ptr(),
+                              scratch.data_ptr(), span, B, KV, H // KV, D, max_len, scale, torch.get_num_threads())
+        if err:
+            raise ValueError(f"native decode attention refused its inputs (code {err}): {B} rows, {H // KV} query "
+                             f"heads a kv head, head size {D}, positions below {span}")
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """x += r in place (r None: nothing added); returns RMSNorm(x) * w as a new [n, d] tensor.
+        x and r are [n, d] with contiguous rows."""
+        n, d = x.shape
+        h = torch.empty((n, d))
+        self._norm(x.data_ptr(), x.stride(0), None if r is None else r.data_ptr(), 0 if r is None else r.stride(0),
+                   w.data_ptr(), h.data_ptr(), n, d, eps, torch.get_num_threads())
+        return h
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """gu [n, 2m] contiguous (gate, then up) -> silu(gate) * up [n, m]."""
+        n, m2 = gu.shape
+        out = torch.empty((n, m2 // 2))
+        self._silu_mul(gu.data_ptr(), out.data_ptr(), n, m2 // 2, torch.get_num_threads())
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> Kernels:
+    """The kernels (built at the first call in a process). Raises `RuntimeError` saying why when
+    they cannot be built or loaded."""
+    try:
+        return Kernels(ctypes.CDLL(str(build())))
+    except OSError as e:
+        raise RuntimeError(f"the native kernels did not load: {e}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _unavailable_said(why: str) -> None:
+    log.warning("TorchEngine runs torch's CPU ops instead of its native kernels: %s", why)
+
+
+def kernels_for(device: torch.device, dtype: torch.dtype, wanted: bool | None) -> Kernels | None:
+    """The native kernels where a runner should use them, else None. `wanted`: None uses them
+    where they build (saying once why not); True requires them; False never."""
+    if wanted is False or (wanted is None and os.environ.get("ROLLOVER_NATIVE", "1") == "0"):
+        return None
+    if device.type != "cpu" or dtype != torch.float32:
+        if wanted:
+            raise ValueError(f"the native kernels run fp32 on a CPU, not {dtype} on {device.type}")
+        return None
+    try:
+        return load()
+    except RuntimeError as e:
+        if wanted:
+            raise
+        _unavailable_said(str(e))
+        return None
