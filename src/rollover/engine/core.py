@@ -99,7 +99,7 @@ class EngineCore:
         admit_max_wait: int = 16,
     ):
         self.runner = runner
-        self.sampler = Sampler(runner.device, seed)
+        self.sampler = Sampler(runner.device, seed, getattr(runner, "kernels", None))
         self.eos_token_ids = tuple(eos_token_ids)
         self.version = version
         self.max_prefill_tokens = max_prefill_tokens

@@ -168,6 +168,41 @@ void rollover_add_rms_norm(float *x, int64_t xs, const float *r, int64_t rs, con
     }
 }
 
+/* Inverse-CDF sampling, one row per iteration: z = logits[b] / temps[b] (temps NULL: 1), the
+   first token whose cumulative sum of exp(z - max), accumulated in double and compared in float
+   as torch's cumsum and searchsorted do, exceeds u[b] times the total; its logprob
+   z[token] - max - log(total). */
+void rollover_sample(const float *logits, int B, int V, const float *temps, const double *u,
+                     int64_t *tokens, float *logprobs, int nthreads)
+{
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int b = 0; b < B; b++) {
+        const float *restrict z = logits + (int64_t)b * V;
+        float inv_t = temps ? 1.f / temps[b] : 1.f, m = z[0] * inv_t;
+        #pragma omp simd reduction(max:m)
+        for (int j = 0; j < V; j++) m = z[j] * inv_t > m ? z[j] * inv_t : m;
+        double total = 0.0;
+        #pragma omp simd reduction(+:total)
+        for (int j = 0; j < V; j++) total += (double)expf(z[j] * inv_t - m);
+        float total_f = (float)total, target = (float)(u[b] * (double)total_f);
+        double run = 0.0;
+        int tok = V - 1;
+        for (int j0 = 0; j0 < V; j0 += 16) {  /* whole blocks while the sum stays at or below the target */
+            int j1 = j0 + 16 < V ? j0 + 16 : V;
+            double block = 0.0;
+            for (int j = j0; j < j1; j++) block += (double)expf(z[j] * inv_t - m);
+            if ((float)(run + block) <= target) { run += block; continue; }
+            for (int j = j0; j < j1; j++) {
+                run += (double)expf(z[j] * inv_t - m);
+                if ((float)run > target) { tok = j; break; }
+            }
+            break;
+        }
+        tokens[b] = tok;
+        logprobs[b] = z[tok] * inv_t - m - logf(total_f);
+    }
+}
+
 /* gu [n, 2m] (gate, then up): out [n, m] = silu(gate) * up */
 void rollover_silu_mul(const float *gu, float *out, int n, int m, int nthreads)
 {
@@ -244,6 +279,9 @@ class Kernels:
         self._silu_mul = lib.rollover_silu_mul
         self._silu_mul.argtypes = [P, P, I, I, I]
         self._silu_mul.restype = None
+        self._sample = lib.rollover_sample
+        self._sample.argtypes = [P, I, I, P, P, P, P, I]
+        self._sample.restype = None
 
     def attention(self, q, k, v, rope, kc, vc, positions, scratch, span: int, max_len: int, scale: float) -> torch.Tensor:
         """q [B, H, D], k and v [B, KV, D] (heads D apart, last dim contiguous), rope None or the
@@ -277,6 +315,16 @@ class Kernels:
         out = torch.empty((n, m2 // 2))
         self._silu_mul(gu.data_ptr(), out.data_ptr(), n, m2 // 2, torch.get_num_threads())
         return out
+
+
+    def sample(self, logits: torch.Tensor, temps: torch.Tensor | None, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, V] contiguous, temps [B] fp32 or None (all 1), u [B] float64 uniforms ->
+        (tokens [B] int64, logprobs [B] fp32), as `Sampler.sample` draws them."""
+        B, V = logits.shape
+        tokens, logprobs = torch.empty(B, dtype=torch.long), torch.empty(B)
+        self._sample(logits.data_ptr(), B, V, None if temps is None else temps.data_ptr(), u.data_ptr(),
+                     tokens.data_ptr(), logprobs.data_ptr(), torch.get_num_threads())
+        return tokens, logprobs
 
 
 @functools.lru_cache(maxsize=None)

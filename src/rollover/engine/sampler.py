@@ -69,10 +69,15 @@ def _truncate(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    """`kernels`: the runner's native kernels (`rollover.engine.native`) or None. With them, a
+    batch without greedy or top-k / top-p rows (the RL rollout's) is drawn in one C pass per row
+    with the same uniforms and the same arithmetic, up to float rounding."""
+
+    def __init__(self, device: torch.device, seed: int = 0, kernels=None):
         self.device = device
         self.gen = torch.Generator(device=device)
         self.gen.manual_seed(seed)
+        self.kernels = kernels
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
@@ -97,6 +102,9 @@ class Sampler:
                     seeded.append(b)
                     seeds.append(p.seed)
                     seed_pos.append(positions[b])
+        if self.kernels is not None and not truncated and len(seeded) + len(unseeded) == B and logits.is_contiguous():
+            temps_t = None if all(t == 1.0 for t in temps) else torch.tensor(temps, dtype=torch.float32)
+            return self.kernels.sample(logits, temps_t, self._uniforms(B, seeded, seeds, seed_pos, unseeded))
         if all(t == 1.0 for t in temps):
             z = logits
         else:
@@ -112,16 +120,7 @@ class Sampler:
         zmax = z.amax(-1, keepdim=True)  # not max(): that also finds the indices, 7x the time here
         cdf = (z - zmax).exp_().cumsum_(-1)  # [B, V]; ATen accumulates a float cumsum in double on CPU
         total = cdf[:, -1]
-        u_seeded = to_device(position_uniforms(seeds, seed_pos), torch.float64, logits.device) if seeded else None
-        if seeded and len(seeded) == B:  # the RL rollout's case: every row seeded, no placing by index
-            u = u_seeded
-        else:
-            u = torch.empty(B, dtype=torch.float64, device=logits.device)
-            if unseeded:
-                u[to_device(unseeded, torch.long, logits.device)] = torch.rand(
-                    len(unseeded), generator=self.gen, dtype=torch.float64, device=logits.device)
-            if seeded:
-                u[to_device(seeded, torch.long, logits.device)] = u_seeded
+        u = self._uniforms(B, seeded, seeds, seed_pos, unseeded)
         # right=True: the first index whose cdf exceeds u*total, never a zero-probability token
         target = (u * total.double()).to(cdf.dtype)
         tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=V - 1)
@@ -130,3 +129,17 @@ class Sampler:
         # log_softmax(z)[token] = z[token] - max - log(sum exp(z - max))
         logprobs = z.gather(1, tokens[:, None]).squeeze(1) - zmax.squeeze(1) - total.log()
         return tokens, logprobs
+
+    def _uniforms(self, B: int, seeded: list[int], seeds: list[int], seed_pos: list[int], unseeded: list[int]) -> torch.Tensor:
+        """One uniform in [0, 1) per row [B] float64: seeded rows' from (seed, position), the
+        others' from the sampler's generator (greedy rows' are not used)."""
+        dev = self.device
+        u_seeded = to_device(position_uniforms(seeds, seed_pos), torch.float64, dev) if seeded else None
+        if seeded and len(seeded) == B:  # the RL rollout's case: every row seeded, no placing by index
+            return u_seeded
+        u = torch.empty(B, dtype=torch.float64, device=dev)
+        if unseeded:
+            u[to_device(unseeded, torch.long, dev)] = torch.rand(len(unseeded), generator=self.gen, dtype=torch.float64, device=dev)
+        if seeded:
+            u[to_device(seeded, torch.long, dev)] = u_seeded
+        return u
