@@ -106,6 +106,8 @@ def test_native_attention_refuses_positions_it_would_write_outside_the_cache():
     fast = da.DecodeAttention(2, 1, 16, 20, torch.float32, native)
     with pytest.raises(ValueError, match="past the cache's 20 tokens"):
         fast.setup(torch.tensor([3, 20]))
+    with pytest.raises(ValueError, match="contiguous"):  # a cache the C code would misread
+        fast(kc.transpose(2, 3).contiguous().transpose(2, 3), vc, q, k, v, fast.setup(pos))
     before = kc.clone()
     with pytest.raises(ValueError, match="refused its inputs"):  # a caller's attended length below a position
         fast(kc, vc, q, k, v, fast.setup(pos, Lk=5))
@@ -186,13 +188,16 @@ def test_native_sampling_draws_what_the_torch_sampler_draws():
     logits = torch.randn(64, 5000, generator=g) * 3
     params = [SamplingParams(temperature=[1.0, 0.7, 1.3][b % 3], seed=None if b % 4 == 1 else 100 + b) for b in range(64)]
     positions = list(range(64))
-    plain, fast = Sampler(torch.device("cpu"), seed=5), Sampler(torch.device("cpu"), seed=5, kernels=native)
+    counted = _Counting(native)
+    plain, fast = Sampler(torch.device("cpu"), seed=5), Sampler(torch.device("cpu"), seed=5, kernels=counted)
     for step in range(3):  # the unseeded rows draw from each sampler's generator in step
         tok_p, lp_p = plain.sample(logits, params, positions)
         tok_f, lp_f = fast.sample(logits, params, positions)
+        # equal here; in general a uniform within rounding of a boundary can pick the neighbour (Sampler's docstring)
         assert torch.equal(tok_f, tok_p)
         assert torch.allclose(lp_f, lp_p, atol=1e-5, rtol=1e-5)
         logits = logits.roll(1, dims=1)
+    assert counted.calls == 3  # the kernel drew them, not torch's path
 
 
 def test_native_sampling_follows_the_softmax():
@@ -205,8 +210,113 @@ def test_native_sampling_follows_the_softmax():
     z = torch.tensor([2.0, 0.5, -1.0, 1.0, 0.0, -3.0] * 7)  # 42 tokens, repeated mass
     n, T = 20000, 0.8
     probs = torch.softmax(z / T, -1)
-    tokens, lps = Sampler(torch.device("cpu"), kernels=native).sample(
+    counted = _Counting(native)
+    tokens, lps = Sampler(torch.device("cpu"), kernels=counted).sample(
         z.expand(n, -1).contiguous(), [SamplingParams(temperature=T, seed=s) for s in range(n)], [0] * n)
+    assert counted.calls == 1
     freq = torch.bincount(tokens, minlength=z.numel()).float() / n
     assert (freq - probs).abs().max() < 0.01
     assert torch.allclose(lps, torch.log_softmax(z / T, -1)[tokens], atol=1e-5)
+
+
+class _Counting:
+    """Native kernels whose `sample` calls are counted."""
+
+    def __init__(self, kernels):
+        self.kernels, self.calls = kernels, 0
+
+    def sample(self, *args):
+        self.calls += 1
+        return self.kernels.sample(*args)
+
+
+def test_native_sampling_at_a_low_temperature_takes_the_top_token_with_logprob_near_zero():
+    """A fused multiply-add in the exponent once made the top token's weight above 1 (logprob
+    +0.57 at T=1e-6) and sent draws to the last token; every product is now rounded first."""
+    native = _native_or_skip()
+    logits = 10 + 4 * torch.randn(64, 4096, generator=torch.Generator().manual_seed(1))
+    for T in (1e-4, 1e-5, 1e-6):
+        u = torch.rand(64, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        tokens, lps = native.sample(logits, torch.full((64,), T), u)
+        assert torch.equal(tokens, logits.argmax(-1)), T
+        assert (lps <= 0).all() and (lps > -1e-3).all(), (T, lps.min(), lps.max())
+
+
+def test_a_uniform_next_to_one_never_draws_a_token_without_mass():
+    """u * total can round up to the total; both paths then take the last token with mass, not
+    the vocabulary's last (here of probability 0)."""
+    from rollover.engine.sampler import Sampler
+    from rollover.types import SamplingParams
+
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(3))
+    logits[:, -50:] = float("-inf")
+    u = torch.full((4,), 1 - 2.0**-53, dtype=torch.float64)
+    plain = Sampler(torch.device("cpu"))
+    plain._uniforms = lambda *a: u  # noqa: E731 (the draw under test)
+    samplers = [plain]
+    try:
+        fast = Sampler(torch.device("cpu"), kernels=nk.load())
+        fast._uniforms = lambda *a: u  # noqa: E731
+        samplers.append(fast)
+    except RuntimeError:
+        pass
+    for sampler in samplers:
+        tokens, lps = sampler.sample(logits, [SamplingParams(temperature=1.0)] * 4, [0] * 4)
+        assert (tokens < 950).all() and torch.isfinite(lps).all(), (sampler.kernels, tokens, lps)
+
+
+def test_loading_the_kernels_leaves_flush_to_zero_off():
+    """Linked with -ffast-math, GCC adds crtfastmath.o, whose constructor sets flush-to-zero for
+    the whole process: a trainer's denormals would read 0 after the engine loaded."""
+    _native_or_skip()
+    assert (torch.tensor([1e-40]) * 1).item() != 0.0
+
+
+def test_the_wrappers_refuse_what_the_c_code_would_misread():
+    native = _native_or_skip()
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="fp32"):
+        native.add_rms_norm(x.bfloat16(), None, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="fp32"):
+        native.silu_mul(torch.randn(4, 8).bfloat16())
+    with pytest.raises(ValueError, match="V > 0"):
+        native.sample(torch.empty(2, 0), None, torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="temperatures"):
+        native.sample(torch.randn(2, 5), torch.ones(4)[::2], torch.zeros(2, dtype=torch.float64))
+    kc, vc, q, k, v, pos = _case(2, 2, 2, 16, 20, [3, 5])
+    att = da.DecodeAttention(4, 2, 16, 20, torch.float32, native)
+    setup = att.setup(pos)
+    setup.scratch = setup.scratch[:1].expand(setup.scratch.numel())  # one float's storage
+    with pytest.raises(ValueError, match="scratch"):
+        att(kc, vc, q, k, v, setup)
+
+
+def test_a_model_outside_the_attention_kernels_range_runs_on_torch_ops(caplog):
+    """17 query heads a kv head: past the kernel's buffers, so the runner keeps to torch's ops
+    (and says so) rather than failing at its first decode step; requiring them is refused."""
+    model = tiny_model("llama", seed=4, hidden_size=68, num_attention_heads=17, num_key_value_heads=1)
+    nk._unavailable_said.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="rollover.engine.native"):
+        runner = ModelRunner(model.config, model.state_dict(), max_rows=2, max_len=32)
+    assert runner.kernels is None and "17 query heads" in caplog.text
+    with torch.inference_mode():
+        runner.prefill([0], [[5, 6, 7]])
+        out = runner.decode(torch.tensor([8]), torch.tensor([3]))
+    with torch.no_grad():
+        hf = model(torch.tensor([[5, 6, 7, 8]])).logits[0, -1]
+    assert torch.allclose(out[0], hf, atol=1e-4)
+    with pytest.raises(ValueError, match="at most 16 query heads"):
+        ModelRunner(model.config, model.state_dict(), max_rows=2, max_len=32, native_kernels=True)
+
+
+def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, monkeypatch):
+    _native_or_skip()
+    monkeypatch.setenv("ROLLOVER_CACHE", str(tmp_path))
+    nk.load.cache_clear()
+    try:
+        lib = nk.build()
+        lib.write_bytes(b"truncated")
+        kernels = nk.load()
+        assert lib.stat().st_size > 1000 and kernels.silu_mul(torch.zeros(1, 2)).shape == (1, 1)
+    finally:
+        nk.load.cache_clear()

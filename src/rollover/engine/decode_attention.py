@@ -51,7 +51,7 @@ class DecodeAttention:
         if self.native is not None:
             if Lk > self.max_len:
                 raise ValueError(f"a decode position ({Lk - 1}) is past the cache's {self.max_len} tokens")
-            return Setup(positions.contiguous(), Lk, scratch=torch.empty(B * self.n_heads * Lk))
+            return Setup(positions.contiguous(), Lk, scratch=torch.empty(B * self.n_heads * Lk, dtype=torch.float32))
         # flat cache index of (row b, kv head h, position p): (b * KV + h) * max_len + p
         slot = ((torch.arange(B, device=dev)[:, None] * KV + torch.arange(KV, device=dev)[None, :]) * self.max_len
                 + positions[:, None]).reshape(-1)

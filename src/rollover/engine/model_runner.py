@@ -156,7 +156,9 @@ class ModelRunner:
         # ops elsewhere and where the step is compiled (inductor cannot trace a C call)
         if native_kernels and (compile_decode or quantize is not None):
             raise ValueError("native_kernels serve the eager float forward: not with compile_decode or quantize")
-        self.kernels = None if compile_decode or quantize is not None else kernels_for(self.device, dtype, native_kernels)
+        self.kernels = None
+        if not compile_decode and quantize is None:
+            self.kernels = kernels_for(self.device, dtype, native_kernels, self.n_heads // self.n_kv, self.head_dim)
         self.attention = DecodeAttention(self.n_heads, self.n_kv, self.head_dim, max_len, dtype, self.kernels)
 
     # ---------------------------------------------------------------- weights

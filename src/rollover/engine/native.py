@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -168,38 +169,54 @@ void rollover_add_rms_norm(float *x, int64_t xs, const float *r, int64_t rs, con
     }
 }
 
-/* Inverse-CDF sampling, one row per iteration: z = logits[b] / temps[b] (temps NULL: 1), the
-   first token whose cumulative sum of exp(z - max), accumulated in double and compared in float
-   as torch's cumsum and searchsorted do, exceeds u[b] times the total; its logprob
-   z[token] - max - log(total). */
+/* Inverse-CDF sampling, one row per iteration: zt = logits[b] * (1 / temps[b]) (temps NULL: 1),
+   e = exp(zt - max zt) kept in the thread's row of `scratch` ([nthreads, V]), so the total and the
+   scan add the very same numbers; the first token whose cumulative sum (in double, compared in
+   float as torch's cumsum and searchsorted do) exceeds u[b] times the total, the target held
+   below the total so that a zero-probability token is never drawn; its logprob zt - max -
+   log(total). Products and sums are kept apart (no fused multiply-add can make the max row's
+   exponent nonzero). */
 void rollover_sample(const float *logits, int B, int V, const float *temps, const double *u,
-                     int64_t *tokens, float *logprobs, int nthreads)
+                     float *scratch, int64_t *tokens, float *logprobs, int nthreads)
 {
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int b = 0; b < B; b++) {
         const float *restrict z = logits + (int64_t)b * V;
-        float inv_t = temps ? 1.f / temps[b] : 1.f, m = z[0] * inv_t;
+        float *restrict e = scratch + (int64_t)omp_get_thread_num() * V;
+        float inv_t = temps ? 1.f / temps[b] : 1.f, m;
+        #pragma omp simd
+        for (int j = 0; j < V; j++) e[j] = z[j] * inv_t;
+        m = e[0];
         #pragma omp simd reduction(max:m)
-        for (int j = 0; j < V; j++) m = z[j] * inv_t > m ? z[j] * inv_t : m;
+        for (int j = 0; j < V; j++) m = e[j] > m ? e[j] : m;
         double total = 0.0;
         #pragma omp simd reduction(+:total)
-        for (int j = 0; j < V; j++) total += (double)expf(z[j] * inv_t - m);
+        for (int j = 0; j < V; j++) { e[j] = expf(e[j] - m); total += (double)e[j]; }
         float total_f = (float)total, target = (float)(u[b] * (double)total_f);
+        if (target >= total_f) target = nextafterf(total_f, 0.f);
         double run = 0.0;
-        int tok = V - 1;
-        for (int j0 = 0; j0 < V; j0 += 16) {  /* whole blocks while the sum stays at or below the target */
+        int tok = -1;
+        for (int j0 = 0; j0 < V && tok < 0; j0 += 16) {  /* whole blocks while the sum stays at or below the target */
             int j1 = j0 + 16 < V ? j0 + 16 : V;
             double block = 0.0;
-            for (int j = j0; j < j1; j++) block += (double)expf(z[j] * inv_t - m);
+            for (int j = j0; j < j1; j++) block += (double)e[j];
             if ((float)(run + block) <= target) { run += block; continue; }
             for (int j = j0; j < j1; j++) {
-                run += (double)expf(z[j] * inv_t - m);
+                run += (double)e[j];
                 if ((float)run > target) { tok = j; break; }
             }
-            break;
+            if (tok < 0) {  /* the block's sum crossed, its running sums did not (rounding): its last token with mass */
+                tok = j1 - 1;
+                while (e[tok] == 0.f) tok--;
+            }
         }
+        if (tok < 0) {  /* rounding left the target beyond the whole scan: the last token with mass */
+            tok = V - 1;
+            while (tok > 0 && e[tok] == 0.f) tok--;
+        }
+        volatile float zt = z[tok] * inv_t;  /* as rounded in the first pass: no fused multiply-add here */
         tokens[b] = tok;
-        logprobs[b] = z[tok] * inv_t - m - logf(total_f);
+        logprobs[b] = (zt - m) - logf(total_f);
     }
 }
 
@@ -216,7 +233,11 @@ void rollover_silu_mul(const float *gu, float *out, int n, int m, int nthreads)
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fPIC", "-shared", "-fopenmp"]
+_COMPILE = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fPIC", "-fopenmp", "-c"]
+# linked without -ffast-math: GCC would add crtfastmath.o, which sets flush-to-zero for the whole
+# process (the trainer's denormals included); and against torch's libgomp by name where torch
+# bundles one, so the kernels' parallel loops share its worker pool
+_LINK = ["-shared"]
 
 
 def _torch_libgomp() -> Path | None:
@@ -243,25 +264,42 @@ def build(cache: Path | None = None) -> Path:
         raise RuntimeError(f"the native kernels are built for Linux only (this is {platform.system()})")
     cc = os.environ.get("CC", "cc")
     gomp = _torch_libgomp()
-    link = [f"-L{gomp.parent}", f"-l:{gomp.name}", f"-Wl,-rpath,{gomp.parent}"] if gomp else []
-    args = [*_FLAGS, *link, "-lmvec", "-lm"]
-    key = hashlib.sha256("\n".join([_SOURCE, cc, *args, torch.__version__, _cpu_signature()]).encode()).hexdigest()[:16]
+    link = [f"-L{gomp.parent}", f"-l:{gomp.name}", f"-Wl,-rpath,{gomp.parent}"] if gomp else ["-fopenmp"]
+    link = [*_LINK, *link, "-lmvec", "-lm"]
+    key = hashlib.sha256("\n".join([_SOURCE, cc, *_COMPILE, *link, torch.__version__, _cpu_signature()]).encode()).hexdigest()[:16]
     out_dir = Path(cache or cache_dir() / "native")
     lib = out_dir / f"kernels-{key}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # built aside, then renamed: concurrent builds are safe
-        src, tmp_lib = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
+        src, obj, tmp_lib = Path(tmp) / "kernels.c", Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
         src.write_text(_SOURCE)
-        try:
-            done = subprocess.run([cc, str(src), "-o", str(tmp_lib), *args], capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise RuntimeError(f"the C compiler {cc!r} could not run: {e}") from None
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed to build the native kernels: {done.stderr.strip()[-600:]}")
+        for cmd in ([cc, str(src), "-o", str(obj), *_COMPILE], [cc, str(obj), "-o", str(tmp_lib), *link]):
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise RuntimeError(f"the C compiler {cc!r} could not run: {e}") from None
+            if done.returncode != 0:
+                raise RuntimeError(f"{cc} failed to build the native kernels: {done.stderr.strip()[-600:]}")
         os.replace(tmp_lib, lib)
     return lib
+
+
+def _check(ok: bool, what: str) -> None:
+    """The C code trusts its pointers: a layout it does not expect is refused here, loudly."""
+    if not ok:
+        raise ValueError(f"native kernel: {what}")
+
+
+def _f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def fits(group: int, head_dim: int) -> bool:
+    """Whether the attention kernel takes a model's heads: at most 16 query heads a kv head, an
+    even head size of at most 256 (its per-thread buffers)."""
+    return 1 <= group <= 16 and 2 <= head_dim <= 256 and head_dim % 2 == 0
 
 
 class Kernels:
@@ -280,7 +318,7 @@ class Kernels:
         self._silu_mul.argtypes = [P, P, I, I, I]
         self._silu_mul.restype = None
         self._sample = lib.rollover_sample
-        self._sample.argtypes = [P, I, I, P, P, P, P, I]
+        self._sample.argtypes = [P, I, I, P, P, P, P, P, I]
         self._sample.restype = None
 
     def attention(self, q, k, v, rope, kc, vc, positions, scratch, span: int, max_len: int, scale: float) -> torch.Tensor:
@@ -290,8 +328,19 @@ class Kernels:
         code refuses its inputs (a position at or past `span`, say)."""
         B, H, D = q.shape
         KV = k.shape[1]
+        _check(all(_f32(t) for t in (q, k, v, kc, vc, scratch)), "attention runs fp32 CPU tensors")
+        _check(H % KV == 0 and fits(H // KV, D), f"{H} query heads over {KV} kv heads of size {D} are outside the kernel's range")
+        _check(kc.shape == vc.shape == (kc.shape[0], KV, max_len, D) and kc.is_contiguous() and vc.is_contiguous(),
+               f"the cache must be one layer's contiguous [rows, {KV}, {max_len}, {D}], not {tuple(kc.shape)}")
+        _check(k.shape == v.shape == (B, KV, D) and all(t.stride(-1) == 1 and t.stride(-2) == D for t in (q, k, v)),
+               f"q, k, v must be [B, heads, {D}] with heads {D} apart")
+        _check(positions.shape == (B,) and positions.dtype == torch.long and positions.is_contiguous()
+               and scratch.is_contiguous() and scratch.numel() >= B * H * span,
+               "positions must be [B] int64 and scratch B * heads * span contiguous floats")
+        if rope is not None:
+            _check(all(_f32(t) and t.shape == (max_len, D) and t.is_contiguous() for t in rope), f"rope tables must be fp32 [{max_len}, {D}]")
         c, sn = (t.data_ptr() for t in rope) if rope is not None else (None, None)
-        out = torch.empty((B, H * D))
+        out = torch.empty((B, H * D), dtype=torch.float32)
         err = self._attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                               c, sn, kc.data_ptr(), vc.data_ptr(), kc.shape[0], positions.data_ptr(), out.data_ptr(),
                               scratch.data_ptr(), span, B, KV, H // KV, D, max_len, scale, torch.get_num_threads())
@@ -304,7 +353,10 @@ class Kernels:
         """x += r in place (r None: nothing added); returns RMSNorm(x) * w as a new [n, d] tensor.
         x and r are [n, d] with contiguous rows."""
         n, d = x.shape
-        h = torch.empty((n, d))
+        _check(_f32(x) and _f32(w) and x.stride(1) == 1 and w.shape == (d,) and w.is_contiguous()
+               and (r is None or (_f32(r) and r.shape == (n, d) and r.stride(1) == 1)),
+               f"add_rms_norm takes fp32 [n, {d}] rows and a [{d}] weight")
+        h = torch.empty((n, d), dtype=torch.float32)
         self._norm(x.data_ptr(), x.stride(0), None if r is None else r.data_ptr(), 0 if r is None else r.stride(0),
                    w.data_ptr(), h.data_ptr(), n, d, eps, torch.get_num_threads())
         return h
@@ -312,28 +364,40 @@ class Kernels:
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """gu [n, 2m] contiguous (gate, then up) -> silu(gate) * up [n, m]."""
         n, m2 = gu.shape
-        out = torch.empty((n, m2 // 2))
+        _check(_f32(gu) and gu.is_contiguous() and m2 % 2 == 0, "silu_mul takes a contiguous fp32 [n, 2m]")
+        out = torch.empty((n, m2 // 2), dtype=torch.float32)
         self._silu_mul(gu.data_ptr(), out.data_ptr(), n, m2 // 2, torch.get_num_threads())
         return out
 
-
     def sample(self, logits: torch.Tensor, temps: torch.Tensor | None, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [B, V] contiguous, temps [B] fp32 or None (all 1), u [B] float64 uniforms ->
-        (tokens [B] int64, logprobs [B] fp32), as `Sampler.sample` draws them."""
+        """logits [B, V] contiguous fp32, temps [B] fp32 or None (all 1), u [B] float64 uniforms ->
+        (tokens [B] int64, logprobs [B] fp32), drawn as `Sampler.sample` draws them."""
         B, V = logits.shape
-        tokens, logprobs = torch.empty(B, dtype=torch.long), torch.empty(B)
+        _check(_f32(logits) and logits.is_contiguous() and V > 0, "sample takes [B, V > 0] contiguous fp32 logits")
+        _check(u.shape == (B,) and u.dtype == torch.float64 and u.is_contiguous() and u.device.type == "cpu",
+               "sample takes [B] float64 uniforms")
+        _check(temps is None or (temps.shape == (B,) and _f32(temps) and temps.is_contiguous()), "sample takes [B] fp32 temperatures")
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads * V, dtype=torch.float32)
+        tokens, logprobs = torch.empty(B, dtype=torch.long), torch.empty(B, dtype=torch.float32)
         self._sample(logits.data_ptr(), B, V, None if temps is None else temps.data_ptr(), u.data_ptr(),
-                     tokens.data_ptr(), logprobs.data_ptr(), torch.get_num_threads())
+                     scratch.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), threads)
         return tokens, logprobs
 
 
 @functools.lru_cache(maxsize=None)
 def load() -> Kernels:
-    """The kernels (built at the first call in a process). Raises `RuntimeError` saying why when
-    they cannot be built or loaded."""
+    """The kernels (built at the first call in a process; a cached library that does not load,
+    truncated say, is built again once). Raises `RuntimeError` saying why when they cannot be
+    built or loaded."""
+    lib = build()
+    try:
+        return Kernels(ctypes.CDLL(str(lib)))
+    except (OSError, AttributeError):
+        lib.unlink(missing_ok=True)
     try:
         return Kernels(ctypes.CDLL(str(build())))
-    except OSError as e:
+    except (OSError, AttributeError) as e:
         raise RuntimeError(f"the native kernels did not load: {e}") from None
 
 
@@ -342,14 +406,19 @@ def _unavailable_said(why: str) -> None:
     log.warning("TorchEngine runs torch's CPU ops instead of its native kernels: %s", why)
 
 
-def kernels_for(device: torch.device, dtype: torch.dtype, wanted: bool | None) -> Kernels | None:
+def kernels_for(device: torch.device, dtype: torch.dtype, wanted: bool | None, group: int = 1,
+                head_dim: int = 64) -> Kernels | None:
     """The native kernels where a runner should use them, else None. `wanted`: None uses them
-    where they build (saying once why not); True requires them; False never."""
+    where they build (saying once why not); True requires them; False never. `group` (query
+    heads a kv head) and `head_dim` are the model's."""
     if wanted is False or (wanted is None and os.environ.get("ROLLOVER_NATIVE", "1") == "0"):
         return None
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype != torch.float32 or not fits(group, head_dim):
         if wanted:
-            raise ValueError(f"the native kernels run fp32 on a CPU, not {dtype} on {device.type}")
+            raise ValueError(f"the native kernels run fp32 on a CPU with at most 16 query heads a kv head and an even "
+                             f"head size up to 256, not {dtype} on {device.type}, {group} heads of {head_dim}")
+        if device.type == "cpu" and dtype == torch.float32:
+            _unavailable_said(f"{group} query heads a kv head of size {head_dim} are outside the attention kernel's range")
         return None
     try:
         return load()
