@@ -59,7 +59,8 @@ def child(model: str, config: str, overrides: list[str], steps: int, evaluate: b
     phases = []
 
     def mark(name: str, t0: float, **extra) -> None:
-        phases.append({"phase": name, "peak_gb": memory.peak_rss_gb(), "end_gb": memory.rss_gb(),
+        end = memory.rss_gb()  # before the high-water mark: the engine's thread may still be allocating
+        phases.append({"phase": name, "peak_gb": memory.peak_rss_gb(), "end_gb": end,
                        "seconds": time.perf_counter() - t0, **extra})
         memory.reset_peak()
 
