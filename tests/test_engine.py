@@ -590,7 +590,7 @@ def test_admit_batch_defaults_by_whether_admission_is_separate(model):
 def test_packed_prefill_equals_the_padded_one(arch, monkeypatch):
     """Prompts of very different lengths prefill packed (no padding through the linear layers):
     the same last-token logits and the same K/V in every row as the padded [N, T] batch."""
-    from rollover.engine import model_runner
+    from rollover.engine import prefill as prefill_module
     from rollover.engine.model_runner import ModelRunner
 
     model = tiny_model(arch, seed=3)
@@ -598,7 +598,7 @@ def test_packed_prefill_equals_the_padded_one(arch, monkeypatch):
     rows = [4, 0, 5, 2, 1, 3]
     out = {}
     for packed in (False, True):
-        monkeypatch.setattr(model_runner, "PACK_PREFILL_ABOVE", 1.0 if packed else 1e9)
+        monkeypatch.setattr(prefill_module, "PACK_PREFILL_ABOVE", 1.0 if packed else 1e9)
         runner = ModelRunner(model.config, model.state_dict(), max_rows=6, max_len=80)
         logits = runner.prefill(rows, prompts)
         kv = [(runner.k_cache[li][r, :, :len(p)].clone(), runner.v_cache[li][r, :, :len(p)].clone())

@@ -31,6 +31,7 @@ Layout. The cache holds one row per running sequence: `k_cache[layer]` is
 `0..B-1` (it moves the last row into a freed one), so a decode step reads `cache[:B]` as a view
 with no gather. q/k/v and gate/up projections are fused into single matmuls; the per-name
 parameters are views into the fused tensors, so loading a named tensor updates the fused one.
+The passes over prompts, `prefill` and `mixed`, are in `rollover.engine.prefill`.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ import torch.nn.functional as F
 
 from rollover.engine.cuda_graphs import DecodeGraphs, bucket
 from rollover.engine.decode_attention import DecodeAttention
+from rollover.engine import prefill
 from rollover.engine.native import kernels_for
-from rollover.engine.transfer import to_device
 from rollover.engine.weight_packs import WeightPacks
 
 SUPPORTED = {
@@ -82,9 +83,6 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
-
-
-PACK_PREFILL_ABOVE = 1.1  # `prefill` packs its tokens when padding would make the batch this much larger
 
 
 class ModelRunner:
@@ -373,63 +371,10 @@ class ModelRunner:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self._linear(self._norm(h, self.final_norm), self.lm_head).float()
 
-    @torch.inference_mode()
     def prefill(self, rows: list[int], token_ids: list[list[int]]) -> torch.Tensor:
-        """Run full sequences into cache rows (positions 0..len-1); logits of each last token [N, V].
-
-        Sequences of one length run as an [N, T] batch. Where padding them to the longest would
-        waste more than a tenth of the work (APRIL's resumed prefixes, say: prompt plus any part
-        of a response), every token-wise layer runs on the tokens alone, packed, and only
-        attention sees the padded [N, T] layout (the linear layers are most of a prefill)."""
-        n = len(rows)
-        lens_l = [len(t) for t in token_ids]
-        lens = to_device(lens_l, torch.long, self.device)
-        T, total = max(lens_l), sum(lens_l)
-        packed = n * T > PACK_PREFILL_ABOVE * total
-        pos = torch.arange(T, device=self.device)
-        valid = pos[None, :] < lens[:, None]  # [N, T]
-        # mask[b, 1, q, k]: causal and key not padding
-        mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]
-        mask = mask[:, None]
-        rows_t = to_device(rows, torch.long, self.device)
-        contiguous = rows == list(range(rows[0], rows[0] + n))
-        if packed:
-            ids = to_device([t for seq in token_ids for t in seq], torch.long, self.device)
-            slot = to_device([i * T + j for i, n_i in enumerate(lens_l) for j in range(n_i)],
-                             torch.long, self.device)  # each token's place in the padded [N * T]
-            tok_pos = slot % T
-            cos, sin = self.cos[tok_pos], self.sin_signed[tok_pos]
-        else:
-            ids = to_device([[*t, *[0] * (T - len(t))] for t in token_ids], torch.long, self.device)
-            cos, sin = self.cos[:T], self.sin_signed[:T]
-
-        def padded(t: torch.Tensor) -> torch.Tensor:  # [S, heads, D] -> [N, T, heads, D]
-            return t if not packed else t.new_zeros((n * T, *t.shape[1:])).index_copy_(0, slot, t).unflatten(0, (n, T))
-
-        x = F.embedding(ids, self.embed)
-        g = self.n_heads // self.n_kv
-        for li, L in enumerate(self.layers):
-            h = self._norm(x, L["in_norm"])
-            q, k, v = (padded(t) for t in self._qkv(L, h, cos, sin))  # [N, T, H|KV, D]
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [N, KV, T, D]
-            if contiguous:
-                self.k_cache[li][rows[0] : rows[0] + n, :, :T] = k
-                self.v_cache[li][rows[0] : rows[0] + n, :, :T] = v
-            else:
-                self.k_cache[li][rows_t, :, :T] = k
-                self.v_cache[li][rows_t, :, :T] = v
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=g > 1
-            )  # [N, H, T, D]
-            o = o.transpose(1, 2).flatten(-2)
-            if packed:
-                o = o.flatten(0, 1)[slot]
-            x = x + self._linear(o, L["o"])
-            x = self._mlp(L, x)
-        if packed:
-            return self.logits(x[torch.cumsum(lens, 0) - 1])
-        last = x[torch.arange(n, device=self.device), lens - 1]
-        return self.logits(last)
+        """Run full sequences into cache rows (positions 0..len-1); logits of each last token [N, V]
+        (`rollover.engine.prefill`)."""
+        return prefill.prefill(self, rows, token_ids)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_position: int | None = None) -> torch.Tensor:
@@ -498,44 +443,11 @@ class ModelRunner:
             h = K.add_rms_norm(x, d, self.layers[li + 1]["in_norm"] if li + 1 < self.n_layers else self.final_norm, eps)
         return self._linear(h, self.lm_head)
 
-    @torch.inference_mode()
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[int],
               token_ids: list[list[int]]) -> torch.Tensor:
-        """Decode rows 0..B-1 and prefill new sequences into `rows` in one forward pass.
-
-        Every linear layer runs once over the decode tokens and all prefill tokens together, so
-        the weights are read from memory once per step instead of twice — on a CPU, where a
-        small-batch pass costs about as much as a full one, admitting a sequence this way is
-        nearly free. Returns logits [B + len(rows), V]: the decode rows, then the last token of
-        each prefilled sequence.
-        """
-        B = tokens.shape[0]
-        dev = self.device
-        lens = [len(t) for t in token_ids]
-        ids_p = to_device([t for seq in token_ids for t in seq], torch.long, dev)
-        pos_p = torch.cat([torch.arange(n, device=dev) for n in lens])
-        x = torch.cat([F.embedding(tokens, self.embed), F.embedding(ids_p, self.embed)])  # [B + Np, hidden]
-        all_pos = torch.cat([positions, pos_p])
-        cos, sin = self.cos[all_pos], self.sin_signed[all_pos]
-        setup = self.attention.setup(positions)
-        g = self.n_heads // self.n_kv
-        starts = [B + sum(lens[:i]) for i in range(len(lens))]
-        for li, L in enumerate(self.layers):
-            h = self._norm(x, L["in_norm"])
-            q, k, v = self._qkv(L, h, cos, sin)  # [B + Np, H|KV, D]
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            outs = [self.attention(kc, vc, q[:B], k[:B], v[:B], setup)]
-            for row, st, n in zip(rows, starts, lens):
-                kp, vp = k[st : st + n].transpose(0, 1), v[st : st + n].transpose(0, 1)  # [KV, n, D]
-                kc[row, :, :n] = kp
-                vc[row, :, :n] = vp
-                o = F.scaled_dot_product_attention(q[st : st + n].transpose(0, 1)[None], kp[None], vp[None],
-                                                   is_causal=True, enable_gqa=g > 1)  # [1, H, n, D]
-                outs.append(o[0].transpose(0, 1).reshape(n, -1))
-            x = x + self._linear(torch.cat(outs), L["o"])
-            x = self._mlp(L, x)
-        last = to_device([st + n - 1 for st, n in zip(starts, lens)], torch.long, dev)
-        return self.logits(torch.cat([x[:B], x[last]]))
+        """Decode rows 0..B-1 and prefill new sequences into `rows` in one forward pass; logits
+        [B + len(rows), V] (`rollover.engine.prefill`)."""
+        return prefill.mixed(self, tokens, positions, rows, token_ids)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy a sequence's cache from row src to row dst (compaction after a row frees): one
