@@ -36,13 +36,12 @@ The passes over prompts, `prefill` and `mixed`, are in `rollover.engine.prefill`
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
+from rollover.engine import prefill
 from rollover.engine.cuda_graphs import DecodeGraphs, bucket
 from rollover.engine.decode_attention import DecodeAttention
-from rollover.engine import prefill
 from rollover.engine.native import kernels_for
 from rollover.engine.weight_packs import WeightPacks
 
@@ -430,13 +429,15 @@ class ModelRunner:
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         x = F.embedding(tokens, self.embed)  # [B, hidden], the residual stream, added to in place
         setup = self.attention.setup(positions, Lk)
+        # with a q/k norm between projection and rotation (Qwen3) torch rotates: the rows' tables, once a step
+        rows_rope = (self.cos[positions], self.sin_signed[positions]) if self.layers[0]["q_norm"] is not None else None
         h = K.add_rms_norm(x, None, self.layers[0]["in_norm"], eps)
         for li, L in enumerate(self.layers):
-            if L["q_norm"] is None:  # q and k go to the kernel as projected; it rotates them
+            if rows_rope is None:  # q and k go to the kernel as projected; it rotates them
                 qkv = self._linear(h, L["qkv"], L["qkv_bias"]).unflatten(-1, (H + 2 * KV, D))
                 q, k, v, rope = qkv[:, :H], qkv[:, H : H + KV], qkv[:, H + KV :], (self.cos, self.sin_signed)
             else:
-                (q, k, v), rope = self._qkv(L, h, self.cos[positions], self.sin_signed[positions]), None
+                (q, k, v), rope = self._qkv(L, h, *rows_rope), None
             o = self._linear(self.attention(self.k_cache[li], self.v_cache[li], q, k, v, setup, rope), L["o"])
             h = K.add_rms_norm(x, o, L["post_norm"], eps)
             d = self._linear(K.silu_mul(self._linear(h, L["gate_up"])), L["down"])
