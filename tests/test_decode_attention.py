@@ -1,6 +1,6 @@
 """The native kernels (rollover.engine.native) against torch's ops: decode attention with its
-cache writes and rotary embedding, RMSNorm with the residual add, SiLU-and-multiply; their
-refusals; and the runner built on them against the HF forward and the torch path."""
+cache writes and rotary embedding, RMSNorm with the residual add, SiLU-and-multiply, the packed
+GEMM; their refusals; and the runner built on them against the HF forward and the torch path."""
 
 from __future__ import annotations
 
@@ -143,6 +143,7 @@ def test_runner_with_native_attention_matches_the_hf_forward(arch):
     runners = {flag: ModelRunner(model.config, model.state_dict(), max_rows=4, max_len=64, native_kernels=flag)
                for flag in (True, False)}
     assert runners[True].kernels is not None and runners[False].kernels is None
+    assert runners[True].packing == ("native" if runners[True].kernels.gemm_vector_bits >= 512 else "mkl")
     seqs = [list(p) for p in prompts]
     logits = {}
     with torch.inference_mode():
@@ -175,6 +176,56 @@ def test_runner_with_native_attention_matches_the_hf_forward(arch):
         for row, seq in enumerate(nat_ids):
             hf = model(torch.tensor([seq[:-1] if row == 2 else seq])).logits[0, -1]
             assert torch.allclose(nat[-1][row], hf, atol=1e-4), (row, (nat[-1][row] - hf).abs().max())
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 5, 3), (3, 100, 33), (8, 48, 64), (9, 49, 17), (64, 960, 576), (130, 200, 40)])
+def test_the_packed_gemm_equals_f_linear(M, N, K):
+    """Every row count (whole and partial row blocks), widths that fill the last panel or not,
+    with and without a bias, rows strided or not."""
+    native = _native_or_skip()
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    x = torch.randn(M, K + 7, generator=g)[:, 3 : 3 + K]  # rows K + 7 apart
+    packed = native.pack(w)
+    assert packed.data.numel() == -(-N // native.gemm_panel) * native.gemm_panel * K
+    for bias in (None, b):
+        # sums of up to 576 products of N(0, 1) values, in another order than MKL's: within 1e-4
+        torch.testing.assert_close(native.linear(x, packed, bias), torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+
+
+def test_the_packed_gemm_refuses_what_it_would_misread():
+    native = _native_or_skip()
+    packed = native.pack(torch.randn(10, 6))
+    with pytest.raises(ValueError, match=r"\[M, 6\]"):
+        native.linear(torch.randn(4, 5), packed)
+    with pytest.raises(ValueError, match="fp32"):
+        native.linear(torch.randn(4, 6).bfloat16(), packed)
+    with pytest.raises(ValueError, match="rows"):
+        native.linear(torch.randn(6, 4).T, packed)  # columns strided
+    with pytest.raises(ValueError, match="bias"):
+        native.linear(torch.randn(4, 6), packed, torch.randn(9))
+    with pytest.raises(ValueError, match="fp32"):
+        native.pack(torch.randn(10, 6).double())
+
+
+def test_the_runner_repacks_its_weights_after_an_update():
+    """The native GEMM's packs are copies: after `load_weights` a decode step must multiply by the
+    new weights (a runner built on them gives the same logits), not the stale packs."""
+    native = _native_or_skip()
+    if native.gemm_vector_bits < 512:
+        pytest.skip("the native GEMM runs where the CPU has 512-bit vectors")
+    old, new = tiny_model("llama", seed=3), tiny_model("llama", seed=4)
+    runner = ModelRunner(old.config, old.state_dict(), max_rows=4, max_len=32)
+    fresh = ModelRunner(new.config, new.state_dict(), max_rows=4, max_len=32)
+    assert runner.packing == "native" and runner.pack_sizes == []
+    toks, pos = torch.tensor([5, 6, 7]), torch.tensor([0, 0, 0])
+    with torch.inference_mode():
+        stale = runner.decode(toks, pos)
+        assert runner._packs  # the step packed every matrix it multiplied
+        runner.load_weights(new.state_dict().items())
+        assert not runner._packs
+        torch.testing.assert_close(runner.decode(toks, pos), fresh.decode(toks, pos), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(stale, fresh.decode(toks, pos), atol=1e-3)
 
 
 def test_native_sampling_draws_what_the_torch_sampler_draws():

@@ -448,8 +448,12 @@ def test_packed_weights_can_be_turned_off_with_the_same_outputs(model):
     on, off = TorchEngine(model, device="cpu", max_rows=8, max_len=64), TorchEngine(model, max_rows=8, max_len=64, pack_weights=False)
     try:
         mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-        assert off.core.runner.pack_sizes == [] and on.core.runner.pack_sizes == ([4, 6, 8] if mkl else [])
+        kernels = on.core.runner.kernels
+        packing = "native" if kernels is not None and kernels.gemm_vector_bits >= 512 else "mkl" if mkl else None
+        assert off.core.runner.packing is None and on.core.runner.packing == packing
+        assert off.core.runner.pack_sizes == [] and on.core.runner.pack_sizes == ([4, 6, 8] if packing == "mkl" else [])
         a, b = on.generate(reqs), off.generate(reqs)
+        assert bool(on.core.runner._packs) == (packing is not None) and not off.core.runner._packs
         assert [c.response_ids for c in a] == [c.response_ids for c in b]
         assert max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p.logprobs, q.logprobs)) < 1e-4
     finally:

@@ -5,8 +5,12 @@ attention, SwiGLU MLP; Qwen2 adds q/k/v biases, Qwen3 adds per-head q/k RMSNorm)
 taken by their Hugging Face names, so `load_weights` accepts a trainer's `named_parameters()`
 directly.
 
-Packed weights (CPU, `rollover.engine.weight_packs`): on CPUs with MKL the linear layers of a
-decode step multiply by weights packed for the step's batch size, from a ladder of sizes.
+Packed weights (CPU, fp32). With the native kernels on a CPU with 512-bit vectors, every linear
+layer of up to `NATIVE_GEMM_ROWS` rows (every decode step, small prefills) multiplies by one
+packed copy of each weight (`Kernels.pack`), made at its first use after a weight update; it
+serves every batch size. Elsewhere, on CPUs with MKL, the linear layers of a decode step
+multiply by weights packed for the step's batch size, from a ladder of sizes
+(`rollover.engine.weight_packs`).
 
 int8 (`quantize="int8"`, `rollout.quantize: int8`). Every weight matrix is also held as int8
 rows with one float scale per row (symmetric, rounded to nearest; a quarter of the fp32 bytes),
@@ -42,8 +46,13 @@ import torch.nn.functional as F
 from rollover.engine import prefill
 from rollover.engine.cuda_graphs import DecodeGraphs, bucket
 from rollover.engine.decode_attention import DecodeAttention
-from rollover.engine.native import kernels_for
+from rollover.engine.native import PackedWeight, kernels_for
 from rollover.engine.weight_packs import WeightPacks
+
+# rows up to which the native GEMM multiplies (above: MKL's plain GEMM). Measured on the 2-core
+# Intel host, [M, 576] x [576, 3072] over 30 layers' weights, GFLOP/s native / MKL packed for M /
+# MKL plain: 16 rows 169/124/92, 64 rows 283/257/185, 128 rows 300/311/245, 512 rows 332/342/308
+NATIVE_GEMM_ROWS = 512
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
@@ -133,10 +142,7 @@ class ModelRunner:
         self._k_layers: list[torch.Tensor] | None = None  # its per-layer views
         self._v_layers: list[torch.Tensor] | None = None
         self._int8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(matrix) -> (int8 matrix, row scales)
-        can_pack = (pack_weights and not compile_decode and quantize is None and self.device.type == "cpu" and dtype == torch.float32
-                    and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
-        self.packs = WeightPacks(max_rows if can_pack else 0)
-        self._pack_for: int | None = None  # the decode batch size in flight, when packed
+        self._pack_for: int | None = None  # the decode batch size in flight, when MKL-packed
         self.cuda_graphs = bool(cuda_graphs and self.device.type == "cuda" and quantize is None)
         # a step that admits sequences while others decode: one fused eager pass (`mixed`, cheaper
         # on a CPU), or the decode through its graph and a separate prefill (with CUDA graphs)
@@ -157,6 +163,14 @@ class ModelRunner:
         if not compile_decode and quantize is None:
             self.kernels = kernels_for(self.device, dtype, native_kernels, self.n_heads // self.n_kv, self.head_dim)
         self.attention = DecodeAttention(self.n_heads, self.n_kv, self.head_dim, max_len, dtype, self.kernels)
+        # packed weights (module docstring): the native GEMM's where the kernels run with 512-bit
+        # vectors (where it was measured), else MKL's ladder of packs for decode batch sizes
+        self.native_gemm = bool(pack_weights and self.kernels is not None and self.kernels.gemm_vector_bits >= 512)
+        self._native_packs: dict[int, PackedWeight] = {}  # id(matrix) -> its pack
+        can_pack = (pack_weights and not self.native_gemm and not compile_decode and quantize is None
+                    and self.device.type == "cpu" and dtype == torch.float32
+                    and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
+        self.packs = WeightPacks(max_rows if can_pack else 0)
 
     # ---------------------------------------------------------------- weights
     def _build_params(self, sd: dict[str, torch.Tensor]) -> None:
@@ -296,16 +310,24 @@ class ModelRunner:
 
     @property
     def pack_sizes(self) -> list[int]:
+        """The decode batch sizes of MKL's packs (empty with the native GEMM, whose pack serves all)."""
         return self.packs.sizes
 
     @property
-    def _packs(self) -> dict[int, dict[int, torch.Tensor]]:
-        """The pack held, by batch size (at most one)."""
-        return self.packs.held
+    def packing(self) -> str | None:
+        """Which packed weights the linear layers use: "native", "mkl" or None (plain GEMMs)."""
+        return "native" if self.native_gemm else "mkl" if self.packs.sizes else None
+
+    @property
+    def _packs(self) -> dict:
+        """The packed weights held: MKL's pack by batch size (at most one), or the native packs by
+        matrix."""
+        return self.packs.held or self._native_packs
 
     def drop_packs(self) -> None:
         """Free the packed (or int8) weights, stale after a weight update, until a step needs them."""
         self.packs.drop()
+        self._native_packs = {}
         self._int8 = {}
 
     def _quantized(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,6 +346,13 @@ class ModelRunner:
             y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), rows, scale)
             y = y.reshape(*x.shape[:-1], -1)
             return y + bias if bias is not None else y
+        if self.native_gemm and x.numel() <= NATIVE_GEMM_ROWS * x.shape[-1] and x.numel() > 0:
+            p = self._native_packs.get(id(w))
+            if p is None:
+                p = self._native_packs[id(w)] = self.kernels.pack(w)
+            rows = x.reshape(-1, x.shape[-1])
+            rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+            return self.kernels.linear(rows, p, bias).view(*x.shape[:-1], -1)
         m = self._pack_for
         if m is not None and x.shape[0] == m:
             return torch.ops.mkl._mkl_linear(x, self.packs.held[m][id(w)], w, bias, m)

@@ -31,6 +31,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -231,6 +232,113 @@ void rollover_silu_mul(const float *gu, float *out, int n, int m, int nthreads)
         for (int j = 0; j < m; j++) o[j] = g[j] / (1.f + expf(-g[j])) * u[j];
     }
 }
+
+/* A linear layer at decode sizes: y [M, N] = x [M, K] w^T (+ bias), w packed once into panels of
+   GEMM_NR output columns, [ceil(N / NR)][K][NR] (columns past N zero). Each thread takes a run of
+   panels; a panel is read from memory once and reused, from its core's cache, by every block of
+   GEMM_MR rows (the batch fits in cache). The panel after it is prefetched while this one is
+   used, its lines spread over the blocks' inner loops, because the weights stream from memory
+   at every step and the hardware prefetcher alone leaves the multiplies waiting on them. */
+#if defined(__AVX512F__)
+#define GEMM_VL 16
+#define GEMM_MR 8
+#else
+#define GEMM_VL 8
+#define GEMM_MR 4
+#endif
+#define GEMM_NR (3 * GEMM_VL)
+typedef float vecf __attribute__((vector_size(GEMM_VL * 4)));
+typedef float vecf_u __attribute__((vector_size(GEMM_VL * 4), aligned(4)));  /* any float address */
+
+int rollover_gemm_panel(void) { return GEMM_NR; }
+int rollover_gemm_vector_bits(void) { return GEMM_VL * 32; }
+
+/* w [N, K] (rows ws apart, each contiguous) into p, ceil(N / NR) * K * NR floats */
+void rollover_gemm_pack(const float *w, int64_t ws, int N, int K, float *p, int nthreads)
+{
+    int np = (N + GEMM_NR - 1) / GEMM_NR;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int pi = 0; pi < np; pi++) {
+        float *restrict dst = p + (int64_t)pi * K * GEMM_NR;
+        for (int j = 0; j < GEMM_NR; j++) {
+            int n = pi * GEMM_NR + j;
+            const float *restrict src = w + (int64_t)n * ws;
+            for (int k = 0; k < K; k++) dst[(int64_t)k * GEMM_NR + j] = n < N ? src[k] : 0.f;
+        }
+    }
+}
+
+/* MR rows of x (lda apart) times one panel b: c [MR, ncols] (ldc apart), + bias[0..ncols) when
+   given; meanwhile lines first..first+count-1 of the panel at pf are prefetched */
+static inline __attribute__((always_inline)) void gemm_block(
+    const float *restrict a, int64_t lda, const float *restrict b, int K, float *restrict c, int64_t ldc,
+    int ncols, const float *restrict bias, const int MR, const float *pf, int first, int count)
+{
+    vecf acc[GEMM_MR][3];
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = acc[i][2] = (vecf){0};
+    int per = pf ? (count + K - 1) / K : 0;  /* lines to prefetch an iteration */
+    for (int k = 0; k < K; k++) {
+        const float *bk = b + (int64_t)k * GEMM_NR;
+        vecf b0 = *(const vecf_u *)bk, b1 = *(const vecf_u *)(bk + GEMM_VL), b2 = *(const vecf_u *)(bk + 2 * GEMM_VL);
+        for (int l = k * per; l < (k + 1) * per && l < count; l++)
+            __builtin_prefetch(pf + (int64_t)(first + l) * 16, 0, 2);
+        for (int i = 0; i < MR; i++) {
+            vecf av = (vecf){0} + a[i * lda + k];
+            acc[i][0] += av * b0;
+            acc[i][1] += av * b1;
+            acc[i][2] += av * b2;
+        }
+    }
+    if (ncols == GEMM_NR) {
+        vecf z = {0}, bv0 = z, bv1 = z, bv2 = z;
+        if (bias) { bv0 = *(const vecf_u *)bias; bv1 = *(const vecf_u *)(bias + GEMM_VL); bv2 = *(const vecf_u *)(bias + 2 * GEMM_VL); }
+        for (int i = 0; i < MR; i++) {
+            float *ci = c + i * ldc;
+            *(vecf_u *)ci = acc[i][0] + bv0;
+            *(vecf_u *)(ci + GEMM_VL) = acc[i][1] + bv1;
+            *(vecf_u *)(ci + 2 * GEMM_VL) = acc[i][2] + bv2;
+        }
+    } else {  /* the last panel's columns past N are not written */
+        for (int i = 0; i < MR; i++) {
+            float row[GEMM_NR];
+            memcpy(row, &acc[i][0], sizeof(vecf));
+            memcpy(row + GEMM_VL, &acc[i][1], sizeof(vecf));
+            memcpy(row + 2 * GEMM_VL, &acc[i][2], sizeof(vecf));
+            for (int j = 0; j < ncols; j++) c[i * ldc + j] = row[j] + (bias ? bias[j] : 0.f);
+        }
+    }
+}
+
+#define GEMM_CASE(R) case R: gemm_block(a + m0 * lda, lda, b, K, c + (int64_t)m0 * ldc + n0, ldc, ncols, bn, R, next, first, count); break;
+
+/* x [M, K] (rows lda apart) times p (rollover_gemm_pack of an [N, K] w) -> c [M, N] (rows ldc
+   apart), + bias [N] when not NULL */
+void rollover_gemm(const float *a, int64_t lda, int M, int K, const float *p, int N, const float *bias,
+                   float *c, int64_t ldc, int nthreads)
+{
+    int np = (N + GEMM_NR - 1) / GEMM_NR, nb = (M + GEMM_MR - 1) / GEMM_MR;
+    int lines = (int)(((int64_t)K * GEMM_NR * 4 + 63) / 64), per_block = (lines + nb - 1) / nb;
+    #pragma omp parallel num_threads(nthreads) if((int64_t)M * N * K >= (1 << 18))
+    {
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+        int p0 = (int)((int64_t)np * t / T), p1 = (int)((int64_t)np * (t + 1) / T);
+        for (int pi = p0; pi < p1; pi++) {
+            const float *b = p + (int64_t)pi * K * GEMM_NR, *next = pi + 1 < p1 ? b + (int64_t)K * GEMM_NR : 0;
+            int n0 = pi * GEMM_NR, ncols = N - n0 < GEMM_NR ? N - n0 : GEMM_NR;
+            const float *bn = bias ? bias + n0 : 0;
+            for (int mb = 0; mb < nb; mb++) {
+                int m0 = mb * GEMM_MR, first = mb * per_block, count = lines - first;
+                count = count < 0 ? 0 : count > per_block ? per_block : count;
+                switch (M - m0 < GEMM_MR ? M - m0 : GEMM_MR) {
+#if GEMM_MR == 8
+                GEMM_CASE(8) GEMM_CASE(7) GEMM_CASE(6) GEMM_CASE(5)
+#endif
+                GEMM_CASE(4) GEMM_CASE(3) GEMM_CASE(2) default: gemm_block(a + m0 * lda, lda, b, K, c + (int64_t)m0 * ldc + n0, ldc, ncols, bn, 1, next, first, count);
+                }
+            }
+        }
+    }
+}
 """
 
 _COMPILE = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fPIC", "-fopenmp", "-c"]
@@ -302,6 +410,15 @@ def fits(group: int, head_dim: int) -> bool:
     return 1 <= group <= 16 and 2 <= head_dim <= 256 and head_dim % 2 == 0
 
 
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [n, k] in the GEMM's panels (`Kernels.pack`)."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+
+
 class Kernels:
     """The loaded library, one method a kernel; each takes fp32 CPU tensors in the layout its C
     comment gives and checks what the C code relies on."""
@@ -317,6 +434,14 @@ class Kernels:
         self._silu_mul = lib.rollover_silu_mul
         self._silu_mul.argtypes = [P, P, I, I, I]
         self._silu_mul.restype = None
+        self._gemm_pack = lib.rollover_gemm_pack
+        self._gemm_pack.argtypes = [P, I64, I, I, P, I]
+        self._gemm_pack.restype = None
+        self._gemm = lib.rollover_gemm
+        self._gemm.argtypes = [P, I64, I, I, P, I, P, P, I64, I]
+        self._gemm.restype = None
+        self.gemm_panel = lib.rollover_gemm_panel()
+        self.gemm_vector_bits = lib.rollover_gemm_vector_bits()
         self._sample = lib.rollover_sample
         self._sample.argtypes = [P, I, I, P, P, P, P, P, I]
         self._sample.restype = None
@@ -368,6 +493,24 @@ class Kernels:
         out = torch.empty((n, m2 // 2), dtype=torch.float32)
         self._silu_mul(gu.data_ptr(), out.data_ptr(), n, m2 // 2, torch.get_num_threads())
         return out
+
+    def pack(self, w: torch.Tensor) -> "PackedWeight":
+        """An [N, K] weight (rows contiguous) in the GEMM's panel layout, for `linear`."""
+        _check(_f32(w) and w.dim() == 2 and w.stride(1) == 1 and min(w.shape) > 0, "pack takes an fp32 [N, K] weight with contiguous rows")
+        N, K = w.shape
+        data = torch.empty(-(-N // self.gemm_panel) * K * self.gemm_panel, dtype=torch.float32)
+        self._gemm_pack(w.data_ptr(), w.stride(0), N, K, data.data_ptr(), torch.get_num_threads())
+        return PackedWeight(data, N, K)
+
+    def linear(self, x: torch.Tensor, w: "PackedWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] (rows contiguous) times the packed weight -> [M, N] (+ bias [N]), as F.linear."""
+        M, K = x.shape
+        _check(_f32(x) and x.stride(1) == 1 and K == w.k and M > 0, f"linear takes fp32 [M, {w.k}] rows for its weight")
+        _check(bias is None or (_f32(bias) and bias.shape == (w.n,) and bias.is_contiguous()), f"linear takes an fp32 [{w.n}] bias")
+        y = torch.empty((M, w.n), dtype=torch.float32)
+        self._gemm(x.data_ptr(), x.stride(0), M, K, w.data.data_ptr(), w.n, None if bias is None else bias.data_ptr(),
+                   y.data_ptr(), w.n, torch.get_num_threads())
+        return y
 
     def sample(self, logits: torch.Tensor, temps: torch.Tensor | None, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] contiguous fp32, temps [B] fp32 or None (all 1), u [B] float64 uniforms ->
