@@ -1,5 +1,6 @@
-"""TorchEngine with and without MKL-packed weights (`pack_weights`), alternating: seconds to
-generate N requests of 48 tokens (EOS ignored), SmolLM2-135M, fp32 CPU.
+"""TorchEngine with and without packed weights (`pack_weights`), alternating: seconds to
+generate N requests of 48 tokens (EOS ignored), SmolLM2-135M, fp32 CPU. The packs are the native
+GEMM's where it runs (CPUs with 512-bit vectors), else MKL's (`ModelRunner.packing`).
 
     python benchmarks/pack_weights.py [--requests 32] [--rounds 3] [--repack]
 
