@@ -6,7 +6,7 @@ taken by their Hugging Face names, so `load_weights` accepts a trainer's `named_
 directly.
 
 Packed weights (CPU, fp32). With the native kernels on a CPU with 512-bit vectors, every linear
-layer of up to `NATIVE_GEMM_ROWS` rows (every decode step, small prefills) multiplies by one
+layer of 3 to 512 rows (`NATIVE_GEMM_ROWS`: decode steps, small prefills) multiplies by one
 packed copy of each weight (`Kernels.pack`), made at its first use after a weight update; it
 serves every batch size. Elsewhere, on CPUs with MKL, the linear layers of a decode step
 multiply by weights packed for the step's batch size, from a ladder of sizes
@@ -49,10 +49,12 @@ from rollover.engine.decode_attention import DecodeAttention
 from rollover.engine.native import PackedWeight, kernels_for
 from rollover.engine.weight_packs import WeightPacks
 
-# rows up to which the native GEMM multiplies (above: MKL's plain GEMM). Measured on the 2-core
-# Intel host, [M, 576] x [576, 3072] over 30 layers' weights, GFLOP/s native / MKL packed for M /
-# MKL plain: 16 rows 169/124/92, 64 rows 283/257/185, 128 rows 300/311/245, 512 rows 332/342/308
-NATIVE_GEMM_ROWS = 512
+# rows from which and up to which the native GEMM multiplies (elsewhere: MKL's plain GEMM, which
+# reads a weight at memory speed for one or two rows). Measured on the 2-core Intel host, each
+# shape over 30 layers' weights (benchmarks/decode_gemm.py), GFLOP/s native / MKL plain: gate_up
+# [576, 3072] at 1 row 21/21, 3 rows 53/38, 64 rows 282/187, 512 rows 321/304; down [1536, 576]
+# at 1 row 21/26, 2 rows 40/51; MKL's pack for the batch size: 255 at 64 rows, 334 at 512
+NATIVE_GEMM_ROWS = (3, 512)
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
@@ -346,7 +348,8 @@ class ModelRunner:
             y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), rows, scale)
             y = y.reshape(*x.shape[:-1], -1)
             return y + bias if bias is not None else y
-        if self.native_gemm and x.numel() <= NATIVE_GEMM_ROWS * x.shape[-1] and x.numel() > 0:
+        lo, hi = NATIVE_GEMM_ROWS
+        if self.native_gemm and lo * x.shape[-1] <= x.numel() <= hi * x.shape[-1]:
             p = self._native_packs.get(id(w))
             if p is None:
                 p = self._native_packs[id(w)] = self.kernels.pack(w)
