@@ -206,6 +206,8 @@ def test_the_packed_gemm_refuses_what_it_would_misread():
         native.linear(torch.randn(4, 6), packed, torch.randn(9))
     with pytest.raises(ValueError, match="fp32"):
         native.pack(torch.randn(10, 6).double())
+    with pytest.raises(ValueError, match="packed by"):  # a pack of another size would be read past its end
+        native.linear(torch.randn(4, 6), nk.PackedWeight(packed.data[:-1], 10, 6))
 
 
 def test_the_runner_repacks_its_weights_after_an_update():

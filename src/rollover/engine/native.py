@@ -1,12 +1,16 @@
-"""TorchEngine's CPU kernels in C: a decode step's attention, the residual add with RMSNorm, and
-SwiGLU's SiLU-and-multiply, fp32.
+"""TorchEngine's CPU kernels in C: a decode step's attention, the residual add with RMSNorm,
+SwiGLU's SiLU-and-multiply, sampling, and a GEMM for linear layers at decode sizes, fp32.
 
-Why. On a CPU a decode step of SmolLM2-135M at 64 rows spends about 70 ms in its matrix
+Why. On a CPU a decode step of SmolLM2-135M at 64 rows spent about 70 ms in its matrix
 products and, before these kernels, 40 more in work that reads and writes little memory but
 pays for many small calls: MKL's batched GEMMs for each row's [g, head_dim] x [head_dim, Lk]
 attention product, a bias pass, scattered cache writes, and torch's CPU RMSNorm, which runs
 as five separate element-wise ops. Each kernel here is one pass over its data, parallel with
-OpenMP.
+OpenMP. The GEMM (`pack`, `linear`) multiplies by weights packed once into panels, and
+prefetches the next panel while one is used: the weights stream from memory at every decode
+step, and MKL's GEMM, at its peak on weights in cache, lost 10-25% on streamed ones
+(docs/benchmarks.md, "Native packed GEMM"). The runner uses it where the vectors are 512 bits
+wide (`gemm_vector_bits`), where it was measured.
 
 Build. The source below is compiled at first use with the system's C compiler (`$CC`, else
 `cc`; `-O3 -march=native`) into `$ROLLOVER_CACHE/native`, once per source, flags, torch version
@@ -506,6 +510,8 @@ class Kernels:
         """x [M, K] (rows contiguous) times the packed weight -> [M, N] (+ bias [N]), as F.linear."""
         M, K = x.shape
         _check(_f32(x) and x.stride(1) == 1 and K == w.k and M > 0, f"linear takes fp32 [M, {w.k}] rows for its weight")
+        _check(_f32(w.data) and w.data.is_contiguous() and w.data.numel() == -(-w.n // self.gemm_panel) * self.gemm_panel * w.k,
+               "linear takes a weight packed by Kernels.pack")
         _check(bias is None or (_f32(bias) and bias.shape == (w.n,) and bias.is_contiguous()), f"linear takes an fp32 [{w.n}] bias")
         y = torch.empty((M, w.n), dtype=torch.float32)
         self._gemm(x.data_ptr(), x.stride(0), M, K, w.data.data_ptr(), w.n, None if bias is None else bias.data_ptr(),
