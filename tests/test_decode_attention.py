@@ -193,6 +193,25 @@ def test_the_packed_gemm_equals_f_linear(M, N, K):
         torch.testing.assert_close(native.linear(x, packed, bias), torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
 
 
+def test_the_packed_gemm_sums_a_long_row_as_closely_as_mkl():
+    """The products are summed in runs of 256, then the runs: one running sum over K = 8,960 was
+    8.4e-6 of the output's RMS off the float64 product, MKL 1.6e-6."""
+    native = _native_or_skip()
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(8, 8960, generator=g), torch.randn(64, 8960, generator=g)
+    exact = x.double() @ w.double().T
+    err = (native.linear(x, native.pack(w)).double() - exact).abs().max() / exact.pow(2).mean().sqrt()
+    assert err < 3e-6, err
+
+
+def test_the_packed_gemm_takes_no_rows_and_refuses_other_dims():
+    native = _native_or_skip()
+    packed = native.pack(torch.randn(10, 6))
+    assert native.linear(torch.empty(0, 6), packed).shape == (0, 10)  # as F.linear
+    with pytest.raises(ValueError, match="2-D"):
+        native.linear(torch.randn(2, 3, 6), packed)
+
+
 def test_the_packed_gemm_refuses_what_it_would_misread():
     native = _native_or_skip()
     packed = native.pack(torch.randn(10, 6))

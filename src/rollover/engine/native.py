@@ -251,6 +251,8 @@ void rollover_silu_mul(const float *gu, float *out, int n, int m, int nthreads)
 #define GEMM_MR 4
 #endif
 #define GEMM_NR (3 * GEMM_VL)
+#define GEMM_KC 256  /* products summed in registers before they are added to the output: the error of a
+                        long sum grows with its length (one running sum over K = 18,944 was 9x MKL's) */
 typedef float vecf __attribute__((vector_size(GEMM_VL * 4)));
 typedef float vecf_u __attribute__((vector_size(GEMM_VL * 4), aligned(4)));  /* any float address */
 
@@ -278,37 +280,41 @@ static inline __attribute__((always_inline)) void gemm_block(
     const float *restrict a, int64_t lda, const float *restrict b, int K, float *restrict c, int64_t ldc,
     int ncols, const float *restrict bias, const int MR, const float *pf, int first, int count)
 {
-    vecf acc[GEMM_MR][3];
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = acc[i][2] = (vecf){0};
     int per = pf ? (count + K - 1) / K : 0;  /* lines to prefetch an iteration */
-    for (int k = 0; k < K; k++) {
-        const float *bk = b + (int64_t)k * GEMM_NR;
-        vecf b0 = *(const vecf_u *)bk, b1 = *(const vecf_u *)(bk + GEMM_VL), b2 = *(const vecf_u *)(bk + 2 * GEMM_VL);
-        for (int l = k * per; l < (k + 1) * per && l < count; l++)
-            __builtin_prefetch(pf + (int64_t)(first + l) * 16, 0, 2);
-        for (int i = 0; i < MR; i++) {
-            vecf av = (vecf){0} + a[i * lda + k];
-            acc[i][0] += av * b0;
-            acc[i][1] += av * b1;
-            acc[i][2] += av * b2;
+    for (int k0 = 0; k0 < K; k0 += GEMM_KC) {  /* a run of GEMM_KC products summed in registers, then into c */
+        int k1 = k0 + GEMM_KC < K ? k0 + GEMM_KC : K;
+        vecf acc[GEMM_MR][3];
+        for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = acc[i][2] = (vecf){0};
+        for (int k = k0; k < k1; k++) {
+            const float *bk = b + (int64_t)k * GEMM_NR;
+            vecf b0 = *(const vecf_u *)bk, b1 = *(const vecf_u *)(bk + GEMM_VL), b2 = *(const vecf_u *)(bk + 2 * GEMM_VL);
+            for (int l = k * per; l < (k + 1) * per && l < count; l++)
+                __builtin_prefetch(pf + (int64_t)(first + l) * 16, 0, 2);
+            for (int i = 0; i < MR; i++) {
+                vecf av = (vecf){0} + a[i * lda + k];
+                acc[i][0] += av * b0;
+                acc[i][1] += av * b1;
+                acc[i][2] += av * b2;
+            }
         }
-    }
-    if (ncols == GEMM_NR) {
-        vecf z = {0}, bv0 = z, bv1 = z, bv2 = z;
-        if (bias) { bv0 = *(const vecf_u *)bias; bv1 = *(const vecf_u *)(bias + GEMM_VL); bv2 = *(const vecf_u *)(bias + 2 * GEMM_VL); }
-        for (int i = 0; i < MR; i++) {
-            float *ci = c + i * ldc;
-            *(vecf_u *)ci = acc[i][0] + bv0;
-            *(vecf_u *)(ci + GEMM_VL) = acc[i][1] + bv1;
-            *(vecf_u *)(ci + 2 * GEMM_VL) = acc[i][2] + bv2;
-        }
-    } else {  /* the last panel's columns past N are not written */
-        for (int i = 0; i < MR; i++) {
-            float row[GEMM_NR];
-            memcpy(row, &acc[i][0], sizeof(vecf));
-            memcpy(row + GEMM_VL, &acc[i][1], sizeof(vecf));
-            memcpy(row + 2 * GEMM_VL, &acc[i][2], sizeof(vecf));
-            for (int j = 0; j < ncols; j++) c[i * ldc + j] = row[j] + (bias ? bias[j] : 0.f);
+        if (ncols == GEMM_NR) {
+            vecf z = {0}, s0 = z, s1 = z, s2 = z;
+            for (int i = 0; i < MR; i++) {
+                float *ci = c + i * ldc;
+                if (k0) { s0 = *(vecf_u *)ci; s1 = *(vecf_u *)(ci + GEMM_VL); s2 = *(vecf_u *)(ci + 2 * GEMM_VL); }
+                else if (bias) { s0 = *(const vecf_u *)bias; s1 = *(const vecf_u *)(bias + GEMM_VL); s2 = *(const vecf_u *)(bias + 2 * GEMM_VL); }
+                *(vecf_u *)ci = s0 + acc[i][0];
+                *(vecf_u *)(ci + GEMM_VL) = s1 + acc[i][1];
+                *(vecf_u *)(ci + 2 * GEMM_VL) = s2 + acc[i][2];
+            }
+        } else {  /* the last panel's columns past N are not written */
+            for (int i = 0; i < MR; i++) {
+                float row[GEMM_NR];
+                memcpy(row, &acc[i][0], sizeof(vecf));
+                memcpy(row + GEMM_VL, &acc[i][1], sizeof(vecf));
+                memcpy(row + 2 * GEMM_VL, &acc[i][2], sizeof(vecf));
+                for (int j = 0; j < ncols; j++) c[i * ldc + j] = (k0 ? c[i * ldc + j] : bias ? bias[j] : 0.f) + row[j];
+            }
         }
     }
 }
@@ -405,7 +411,7 @@ def _check(ok: bool, what: str) -> None:
 
 
 def _f32(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu"
+    return t.dtype is torch.float32 and t.is_cpu  # (is_cpu: a third of device.type's cost, a check a call)
 
 
 def fits(group: int, head_dim: int) -> bool:
@@ -508,12 +514,15 @@ class Kernels:
 
     def linear(self, x: torch.Tensor, w: "PackedWeight", bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] (rows contiguous) times the packed weight -> [M, N] (+ bias [N]), as F.linear."""
+        _check(x.dim() == 2, f"linear takes a 2-D [M, {w.k}] input, not {x.dim()}-D")
         M, K = x.shape
-        _check(_f32(x) and x.stride(1) == 1 and K == w.k and M > 0, f"linear takes fp32 [M, {w.k}] rows for its weight")
+        _check(_f32(x) and x.stride(1) == 1 and K == w.k, f"linear takes fp32 [M, {w.k}] rows for its weight")
         _check(_f32(w.data) and w.data.is_contiguous() and w.data.numel() == -(-w.n // self.gemm_panel) * self.gemm_panel * w.k,
                "linear takes a weight packed by Kernels.pack")
         _check(bias is None or (_f32(bias) and bias.shape == (w.n,) and bias.is_contiguous()), f"linear takes an fp32 [{w.n}] bias")
         y = torch.empty((M, w.n), dtype=torch.float32)
+        if M == 0:
+            return y
         self._gemm(x.data_ptr(), x.stride(0), M, K, w.data.data_ptr(), w.n, None if bias is None else bias.data_ptr(),
                    y.data_ptr(), w.n, torch.get_num_threads())
         return y

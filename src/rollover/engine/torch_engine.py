@@ -100,8 +100,12 @@ class TorchEngine(ThreadedEngine):
 
     def lend_weights(self, model) -> int:
         """Hold `model`'s weights once (`ModelRunner.lend_weights`): its parameters become views of
-        the engine's. For a trainer that never steps while this engine generates. Returns the
-        bytes saved."""
+        the engine's. For a trainer that never steps while this engine generates. The engine's
+        packed copies of the weights are not views: after each in-place change of the
+        parameters (an optimizer step), call `update_weights` (which skips the tensors already
+        in place) before generating, or the packs hold the old values (the synchronous loop
+        drops them from an optimizer hook, `rollover.train.weight_sync`). Returns the bytes
+        saved."""
         return self._run_or_queue(lambda: self.core.runner.lend_weights(model), wait=True)
 
     def release_memory(self) -> None:
