@@ -131,6 +131,9 @@ def model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
 
 
+BF16 = {"rollout.dtype": "bfloat16", "train.dtype": "autocast_bf16"}  # the opt-in; the defaults are float32
+
+
 def cuda_cfg(model_dir, run_dir, **over):
     from rollover.config import load_config
 
@@ -146,13 +149,13 @@ def cuda_cfg(model_dir, run_dir, **over):
 
 
 def test_a_training_run_on_cuda(model_dir, tmp_path):
-    """bf16 engine, bf16-autocast trainer (the CUDA defaults): the run trains, and the engine's
-    logprobs stay close to the trainer's."""
+    """bf16 engine, bf16-autocast trainer (the opt-in for large models): the run trains, and the
+    engine's logprobs stay close to the trainer's."""
     import json
 
     from rollover.loops.sync import train_sync
 
-    train_sync(cuda_cfg(model_dir, tmp_path / "run", steps=3))
+    train_sync(cuda_cfg(model_dir, tmp_path / "run", steps=3, **BF16))
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
@@ -169,7 +172,7 @@ def deterministic():
     torch.backends.cuda.enable_mem_efficient_sdp(True)
 
 
-@pytest.mark.parametrize("dtypes", [{}, {"rollout.dtype": "float32", "train.dtype": "float32"}])
+@pytest.mark.parametrize("dtypes", [BF16, {}])
 def test_resume_is_exact_on_cuda_with_deterministic_kernels(model_dir, tmp_path, deterministic, dtypes):
     from safetensors.torch import load_file
 

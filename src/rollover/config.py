@@ -154,7 +154,10 @@ class RolloutConfig(Section):
     ignore_eos: bool = False
     """Generate through EOS up to max_new_tokens (benchmark workloads only)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Engine dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
+    """Engine dtype: auto (float32 on every device), float32, bfloat16, float16. On one H200 the
+    real 135M model learned more with float32 rollouts and trainer than with bf16 (3 seeds in each
+    of four modes, docs/gpu.md); bfloat16 halves the engine's memory for large models, with
+    algorithm.tis_cap correcting the rollout-vs-trainer gap (actor/rollout_kl)."""
     quantize: Literal["none", "int8"] = "none"
     """TorchEngine only: "int8" multiplies by int8 copies of the weight matrices (one scale per
     row, remade after every weight update): a quarter of the fp32 bytes read per decode step.
@@ -304,7 +307,7 @@ class TrainConfig(Section):
     mini_batches: int = Field(1, ge=1)
     """Optimizer updates per epoch; with ppo_epochs=1 and mini_batches=1 no extra forward is made for old logprobs."""
     dtype: Literal["auto", "float32", "autocast_bf16"] = "auto"
-    """Trainer weights: auto (float32; bf16 autocast on CUDA), float32, autocast_bf16 (float32
+    """Trainer weights: auto (float32 on every device), float32, autocast_bf16 (float32
     weights, bf16 autocast on every device: on CPUs with bf16 instructions the step's matrix
     multiplies run 2-2.8x faster; the demo learns as in float32, docs/benchmarks.md)."""
     gradient_checkpointing: bool = False

@@ -111,7 +111,7 @@ def _grpo(trl, cfg, prompts, **options):
     config = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="rollover-bench-trl-"), use_cpu=device.type == "cpu", seed=cfg.seed,
         # rollover's mixed precision is TRL's too: fp32 weights, bf16 autocast (on CUDA by default)
-        bf16=t.dtype == "autocast_bf16" or (t.dtype == "auto" and device.type == "cuda"),
+        bf16=t.dtype == "autocast_bf16",
         per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
         num_generations=r.samples_per_prompt, max_completion_length=r.max_new_tokens,
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, learning_rate=t.lr, lr_scheduler_type=schedule,

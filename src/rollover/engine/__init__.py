@@ -79,8 +79,8 @@ def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_i
     and module names; TorchEngine copies it), not the trainer's."""
     r = cfg.rollout
     dtype = r.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype == "auto":  # float32 on every device: on a GPU the real model learned more in float32 (docs/gpu.md)
+        dtype = "float32"
     if r.engine == "vllm":
         from rollover.engine.vllm_engine import VLLMEngine
 

@@ -133,7 +133,7 @@ class Trainer:
             self.micro_batch_tokens = memory.micro_batch_tokens_for(
                 self._base(self.model).config, t.activation_memory_gb, self.pack_length, t.gradient_checkpointing)
         self._micro_batch_start = self.micro_batch_tokens
-        bf16 = t.dtype == "autocast_bf16" or (t.dtype == "auto" and device.type == "cuda")
+        bf16 = t.dtype == "autocast_bf16"  # auto is float32 on every device (docs/gpu.md: it learned more)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     # ------------------------------------------------------------ forward
