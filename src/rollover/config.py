@@ -323,6 +323,20 @@ class TrainConfig(Section):
     """Consecutive steps with a NaN/inf loss that stop the run (after a checkpoint)."""
     lora: Annotated[dict[str, Any] | None, AfterValidator(_lora)] = None
     """LoRA via peft, e.g. {r: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}; None = full fine-tuning."""
+    parallel: Literal["none", "fsdp"] = "none"
+    """How the trainer spreads: none (one trainer in this process) or fsdp (train.ranks processes
+    of PyTorch FSDP2, each holding 1/N of the weights, gradients and optimizer state, each
+    training its share of the step's samples; on GPUs rank r uses cuda:r). docs/gpu.md."""
+    ranks: int = Field(1, ge=1)
+    """Trainer ranks with train.parallel=fsdp (processes this command starts; one per GPU)."""
+    fsdp_offload: bool = False
+    """train.parallel=fsdp: keep the sharded weights, gradients and optimizer state in CPU memory,
+    copying each layer to the GPU for its passes (larger models, slower steps)."""
+    weight_bucket_mb: float = Field(256.0, gt=0)
+    """train.parallel=fsdp: weights go from the ranks to the engine in buckets of about this many
+    MiB (rank 0's extra memory during a push)."""
+    collective_timeout_s: float = Field(600.0, gt=0)
+    """train.parallel=fsdp: a rank waiting this long in a collective (a peer died) gives up."""
 
 
 class EvalConfig(Section):
@@ -792,6 +806,13 @@ class Config(Section):
             if s.dars_max_samples is not None and s.dars_max_samples <= self.rollout.samples_per_prompt:
                 problems.append(f"selection.dars_max_samples={s.dars_max_samples} must be above "
                                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
+        if t.ranks > 1 and t.parallel != "fsdp":
+            problems.append(f"train.ranks={t.ranks} needs train.parallel=fsdp (one trainer cannot use several ranks)")
+        if t.parallel == "fsdp" and self.runtime == "ray":
+            problems.append("train.parallel=fsdp runs its ranks as processes of this machine; with runtime=ray the "
+                            "trainer is one (ray.trainer: driver or actor): a group of Ray trainer actors is not built yet")
+        if t.fsdp_offload and t.parallel != "fsdp":
+            problems.append("train.fsdp_offload applies to train.parallel=fsdp")
         if self.ray.trainer == "actor" and self.device == "cuda" and not self.ray.gpus_for_trainer:
             problems.append("device=cuda with ray.trainer=actor: give the trainer actor its GPU with "
                             "ray.gpus_for_trainer (it trains on the GPUs Ray reserves for it, else on its CPUs)")
@@ -978,6 +999,7 @@ RESUME_FREE_KEYS = (
     "reward.timeout_s", "reward.on_error", "reward.workers",
     "train.micro_batch_tokens", "train.pack_length", "train.shared_prefix", "train.gradient_checkpointing",
     "train.activation_memory_gb", "train.logit_chunk_tokens", "train.max_bad_steps", "train.deterministic",
+    "train.ranks", "train.fsdp_offload", "train.weight_bucket_mb", "train.collective_timeout_s",
 )
 
 

@@ -92,5 +92,7 @@ def masked_mean(x_BT: Tensor, mask_BT: Tensor) -> Tensor:
 def masked_max(x_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """Max of `x` over the masked-in entries; 0 when there are none."""
     mask_BT = mask_BT.bool()
+    if x_BT.numel() == 0:  # no entries at all (a sharded trainer's stand-in pass)
+        return x_BT.new_zeros(())
     best = torch.where(mask_BT, x_BT, torch.full_like(x_BT, float("-inf"))).amax()
     return torch.where(mask_BT.any(), best, torch.zeros_like(best))

@@ -353,6 +353,10 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
 
         trainer = RemoteTrainer(model, cfg, pad_id=tokenizer.pad_token_id or 0)
         del model  # the actor holds it; the driver keeps its config (trainer.model)
+    elif cfg.train.parallel == "fsdp" and record:
+        from rollover.train.ranks import ShardedTrainer
+
+        trainer = ShardedTrainer(model, cfg, pad_id=tokenizer.pad_token_id or 0, checkpoint=ckpt)
     else:
         trainer = Trainer(model, cfg, device=device, pad_id=tokenizer.pad_token_id or 0)
     if engine_factory is None and cfg.runtime == "ray":
@@ -363,7 +367,8 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         from rollover.engine import make_engine
 
         engine_factory = make_engine
-    architecture = trainer.model.get_base_model() if trainer.is_peft else trainer.model
+    architecture = getattr(trainer, "architecture", None) or (
+        trainer.model.get_base_model() if trainer.is_peft else trainer.model)
     try:
         engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device,
                                 max_len=longest + 1, eos_token_ids=eos_token_ids)
@@ -401,7 +406,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
             run.env_builder = run.env_workers
             run.env_workers.start()  # every actor builds the environment now: a setup error stops the run here
         if state is not None:
-            _restore(run, state)
+            _restore(run, state, record)
         if record:  # the run is accepted: from here on it writes into run_dir
             run.lock = _lock_run_dir(run_dir)
             # resuming at step s drops the killed run's rows after s; a restart from scratch under
@@ -476,8 +481,9 @@ def _has_metrics(run_dir: Path) -> bool:
     return path.exists() and path.stat().st_size > 0
 
 
-def _restore(run: Run, state: dict) -> None:
-    run.trainer.load_state_dict(state["trainer"])
+def _restore(run: Run, state: dict, record: bool = True) -> None:
+    if record or not state["trainer"].get("sharded"):  # an evaluation's trainer only holds the checkpoint's model
+        run.trainer.load_state_dict(state["trainer"])
     run.train_iter.load_state_dict(state["data"])
     run.serial = state["serial"]
     if run.turn_budget is not None and state.get("turn_budget"):

@@ -92,27 +92,29 @@ class RowGradEmbedding(torch.autograd.Function):
 
 
 class Trainer:
+    sharded = False  # rollover.train.fsdp.FSDPTrainer: one rank of several, each holding a shard
+
     def __init__(self, model, cfg: Config, *, device: torch.device, pad_id: int = 0):
         self.cfg = cfg
         self.device = device
         self.pad_id = pad_id
-        self.model = model.to(device)
         if device.type == "cpu":  # process-wide: no fresh mapping, page-faulted in anew, for every large block
             memory.large_blocks_from_the_heap()
-        self.is_peft = hasattr(self.model, "get_base_model")
+        self.is_peft = hasattr(model, "get_base_model")
         if cfg.train.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        self.model.train()
+            model.gradient_checkpointing_enable()
+        model.train()
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0 and not self.is_peft:
             import copy
 
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.ref_model = self._place(copy.deepcopy(model).eval().requires_grad_(False))
+        self.model = self._place(model)
         params = [p for p in self.model.parameters() if p.requires_grad]
         t = cfg.train
         # fused: one vectorised pass over each tensor. torch's default on a CPU loops over tensors op by op:
         # 0.8-1.0 s an update for SmolLM2's 135M parameters on 2 cores, against 0.10-0.16 s fused
-        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params) or None
+        fused = (not self.sharded and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)) or None
         self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                                            fused=fused)
         updates_per_step = t.ppo_epochs * t.mini_batches
@@ -135,6 +137,10 @@ class Trainer:
         self._micro_batch_start = self.micro_batch_tokens
         bf16 = t.dtype == "autocast_bf16"  # auto is float32 on every device (docs/gpu.md: it learned more)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+    def _place(self, model):
+        """The model on the trainer's device (FSDPTrainer: sharded over the ranks)."""
+        return model.to(self.device)
 
     # ------------------------------------------------------------ forward
     def _base(self, model):
@@ -184,7 +190,7 @@ class Trainer:
         base = self._base(model)
         ids = {"input_ids": mb.input_ids}
         embedding = base.model.get_input_embeddings()
-        if torch.is_grad_enabled() and row_grad_applies(embedding):
+        if torch.is_grad_enabled() and row_grad_applies(embedding) and not self.sharded:
             ids = {"inputs_embeds": RowGradEmbedding.apply(mb.input_ids, embedding.weight, embedding.padding_idx)}
         with self.autocast:
             hidden = base.model(**ids, position_ids=mb.position_ids, attention_mask=self._attention_mask(mb, model),
@@ -258,7 +264,7 @@ class Trainer:
                     ref_BT = self._fitting(self.logprobs, batch)
             else:
                 ref_BT = self._fitting(self.logprobs, batch, self.ref_model)
-        groups = batch.group_index_B.unique().tolist()
+        groups = self._groups(batch)
         history: list[dict] = []
         skipped = False
         for epoch in range(t.ppo_epochs):
@@ -278,6 +284,10 @@ class Trainer:
             self.bad_steps = 0
         return out
 
+    def _groups(self, batch: TrainBatch) -> list[int]:
+        """The step's groups, in the order mini-batches take them."""
+        return batch.group_index_B.unique().tolist()
+
     def _fitting(self, fn, *args):
         """fn(*args), a pass over micro-batches that changes nothing but gradients (which it
         zeroes first); when the device runs out of memory, halve `micro_batch_tokens` (not below
@@ -286,7 +296,7 @@ class Trainer:
             try:
                 return fn(*args)
             except torch.OutOfMemoryError:
-                if self.micro_batch_tokens <= self.pack_length:
+                if self.micro_batch_tokens <= self.pack_length or self.sharded:  # ranks cannot redo alone
                     raise
             # outside the handler: the failed attempt's tensors are released with its traceback
             smaller = max(self.pack_length, self.micro_batch_tokens // 2)
@@ -318,9 +328,10 @@ class Trainer:
         cfg, a = self.cfg, self.cfg.algorithm
         T = batch.mask_BT.shape[1]
         mask_BT = batch.mask_BT.to(self.device)
-        num_tokens = int(mask_BT.sum())
-        # rows with no loss token (stale-, truncation- or entropy-masked) are not counted (verl)
-        num_seqs = max(int(mask_BT.any(dim=1).sum()), 1)
+        # rows with no loss token (stale-, truncation- or entropy-masked) are not counted (verl);
+        # with ranks, both counts are the whole step's, summed over them
+        num_tokens, num_seqs = self._counts(int(mask_BT.sum()), int(mask_BT.any(dim=1).sum()))
+        num_seqs = max(num_seqs, 1)
         behav_BT = batch.behav_logp_BT.to(self.device)
         adv_B = batch.adv_B.to(self.device)
         opts = self._loss_options()
@@ -334,7 +345,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             micro = self._micro_batches(batch)
             for mb in micro:
-                sel = torch.tensor(mb.seq_index, device=self.device)
+                sel = torch.tensor(mb.seq_index, dtype=torch.long, device=self.device)
                 logp, entropy = self._forward(self.model, mb, need_entropy)
                 logp_BT = self._to_BT(logp, mb, T)
                 old = logp_BT.detach() if old_BT is None else old_BT[sel.cpu()].to(self.device)
@@ -357,8 +368,11 @@ class Trainer:
                                  num_seqs=num_seqs, max_len=cfg.rollout.max_new_tokens)
                 if not torch.isfinite(loss):
                     finite = False
-                    break
+                    if not self.sharded:  # ranks go on: every rank runs the same passes (their collectives)
+                        break
                 loss.backward()
+                if not mb.seq_index:  # a rank's stand-in pass (rollover.train.fsdp): nothing to count
+                    continue
                 loss_total += float(loss.detach())
                 w = float(m_BT.sum()) / max(num_tokens, 1)  # token-weighted mean of the loss metrics
                 for k, v in out.metrics.items():
@@ -367,13 +381,13 @@ class Trainer:
 
         # only the passes are redone on running out of memory: the optimizer step is not repeatable
         micro, sums, entropy_sum, kl_sum, loss_total, rollout_kl_sum, finite = self._fitting(accumulate)
+        pad = sum(mb.pad_tokens for mb in micro)
+        slots = sum(mb.slots for mb in micro)
+        sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, pad, slots), finite = self._reduce(
+            sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, pad, slots), finite)
         grad_norm = float("nan")
         if finite:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            if self.cfg.train.grad_clip > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip))
-            else:
-                grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+            grad_norm = self._clip_grad_norm()
             finite = math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
@@ -381,8 +395,6 @@ class Trainer:
         else:
             warnings.warn("non-finite loss or gradient: this update is skipped", RuntimeWarning, stacklevel=2)
         self.optimizer.zero_grad(set_to_none=True)
-        pad = sum(mb.pad_tokens for mb in micro)
-        slots = sum(mb.slots for mb in micro)
         metrics = {f"actor/{k}": v for k, v in sums.items()}
         metrics.update({
             "actor/pg_loss": loss_total,
@@ -398,6 +410,21 @@ class Trainer:
         if ref_BT is not None:
             metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
         return metrics
+
+    def _counts(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The update's loss tokens and sequences (FSDPTrainer: summed over the ranks)."""
+        return num_tokens, num_seqs
+
+    def _reduce(self, sums: dict, totals: tuple, finite: bool) -> tuple[dict, tuple, bool]:
+        """An update's metric sums, totals and finiteness (FSDPTrainer: over the ranks)."""
+        return sums, totals, finite
+
+    def _clip_grad_norm(self) -> float:
+        """The gradient's norm, clipped to train.grad_clip when that is set."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.cfg.train.grad_clip > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip))
+        return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
 
     # ------------------------------------------------------------ weights & state
     def named_weights(self):
@@ -421,6 +448,11 @@ class Trainer:
                 "bad_steps": self.bad_steps, "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens]}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("sharded"):
+            from rollover.config import ConfigError
+
+            raise ConfigError("the checkpoint was written by sharded trainer ranks (train.parallel=fsdp): resume it "
+                              "with train.parallel=fsdp (any train.ranks)")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.bad_steps = state["bad_steps"]

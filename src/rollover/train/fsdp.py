@@ -1,0 +1,277 @@
+"""One rank of a sharded trainer on PyTorch's FSDP2 (`train.parallel: fsdp`).
+
+`FSDPTrainer` is `rollover.train.trainer.Trainer` with its model sharded over the ranks of the
+default process group: `fully_shard` on every decoder layer and on a root module that holds the
+rest (embeddings, final norm, LM head), so a rank keeps 1/N of the weights, gradients and AdamW
+moments and gathers one layer's weights at a time for its forward and backward. Each rank trains
+its share of the step's sequences (`split_batch`); what makes N ranks train as one:
+
+- **Global normalisers.** An update's loss is normalised by the whole step's loss tokens and
+  sequences, summed over the ranks before any forward (`_counts`), so every aggregation (token
+  mean, sequence mean, Dr.GRPO's constant) is the one-rank loss, split. FSDP's reduce-scatter
+  then *sums* the ranks' gradients (its averaging is turned off): the one-rank gradient.
+- **The same passes on every rank.** A forward gathers weights collectively, so a rank with
+  fewer micro-batches than another runs stand-in passes over one padding token, which select no
+  token and add nothing (`_micro_batches`). A non-finite loss does not stop a rank early; the
+  ranks agree afterwards whether the update is skipped (`_reduce`).
+- **Metrics** are summed over the ranks, so rank 0 reports the step's.
+
+Mixed precision (`train.dtype: autocast_bf16`): bf16 weights in the forward and backward, fp32
+master weights, gradients reduced in fp32 (`MixedPrecisionPolicy`). `train.fsdp_offload`: the
+sharded weights, gradients and optimizer state live on the CPU (`CPUOffloadPolicy`) and each
+layer is copied to the GPU for its passes. Gradient checkpointing, LoRA, shared-prefix packing
+and chunked logprobs work as in one process.
+
+Weights leave the ranks in buckets (`gather_buckets`): every rank takes part in gathering each
+full tensor, rank 0 keeps a bucket of at most `train.weight_bucket_mb` and hands it on before
+gathering the next, so no rank holds a second full copy. Checkpoints are
+`torch.distributed.checkpoint` directories (each rank writes its shards of the weights and the
+optimizer state; `save_sharded` / `load_sharded`), loadable at another world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rollover.train.batch import MicroBatch, TrainBatch
+from rollover.train.trainer import Trainer
+
+log = logging.getLogger("rollover")
+
+
+def decoder_layers(model) -> list[nn.Module]:
+    """The decoder layers FSDP shards one by one (an HF causal LM's `model.layers`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(base, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"train.parallel=fsdp: {type(base).__name__} has no model.layers to shard layer by layer")
+    return list(layers)
+
+
+class _Root(nn.Module):
+    """The root FSDP unit: the model's parameters outside its decoder layers (embeddings, final
+    norm, LM head) are gathered when this module's forward runs. The trainer's forward (trunk,
+    then the LM head on the selected positions, in chunks) runs inside it as `fn(model)`."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.lm = model
+
+    def forward(self, fn):
+        return fn(self.lm)
+
+
+def split_batch(batch: TrainBatch, world: int) -> list[list[int]]:
+    """Sequence indices for each rank: groups whole (their shared prompt packs once), balanced
+    by tokens (largest group first onto the rank with the fewest tokens so far); a step with
+    fewer groups than ranks is split by sequences. A rank may get none (it runs stand-in passes)."""
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(batch.group_index_B.tolist()):
+        groups.setdefault(g, []).append(i)
+    units = list(groups.values()) if len(groups) >= world else [[i] for i in range(len(batch))]
+    units.sort(key=lambda u: (-sum(lengths[i] for i in u), u[0]))
+    shares: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for u in units:
+        r = min(range(world), key=lambda k: (load[k], k))
+        shares[r].extend(u)
+        load[r] += sum(lengths[i] for i in u)
+    return [sorted(s) for s in shares]
+
+
+def _stand_in(pad_id: int, shared_prefix: bool) -> MicroBatch:
+    """A pass over one padding token that selects no token: it gathers and reduces like any
+    micro-batch and contributes nothing."""
+    empty = torch.zeros(0, dtype=torch.long)
+    one = torch.zeros((1, 1), dtype=torch.long)
+    return MicroBatch([], torch.full((1, 1), pad_id, dtype=torch.long), one.clone(), empty, empty.clone(),
+                      empty.clone(), empty.clone(), empty.clone(), pad_tokens=1, slots=1,
+                      segment=torch.full((1, 1), -1, dtype=torch.long) if shared_prefix else None,
+                      response=one.clone() if shared_prefix else None)
+
+
+class FSDPTrainer(Trainer):
+    """A `Trainer` whose model is sharded over the ranks of the default process group."""
+
+    sharded = True
+
+    def __init__(self, model, cfg, *, device: torch.device, pad_id: int = 0):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._global_groups: list[int] | None = None
+        self._roots: dict[int, _Root] = {}
+        super().__init__(model, cfg, device=device, pad_id=pad_id)
+
+    # ------------------------------------------------------------ sharding
+    def _place(self, model):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        t = self.cfg.train
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        kw = {"mesh": mesh}
+        if t.dtype == "autocast_bf16":
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if t.fsdp_offload:
+            kw["offload_policy"] = CPUOffloadPolicy()
+        for layer in decoder_layers(model):
+            fully_shard(layer, **kw)
+        root = _Root(model)
+        fully_shard(root, **kw)
+        # the ranks' losses are parts of one sum (global normalisers): add their gradients, do not average
+        for m in root.modules():
+            if hasattr(m, "set_gradient_divide_factor"):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+        self._roots[id(model)] = root
+        return model
+
+    # ------------------------------------------------------------ passes
+    def _forward(self, model, mb: MicroBatch, need_entropy: bool):
+        root = self._roots[id(model)]
+        return root(lambda lm: Trainer._forward(self, lm, mb, need_entropy))
+
+    def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
+        micro = super()._micro_batches(batch) if len(batch) else []
+        count = torch.tensor([len(micro)], dtype=torch.long)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        while len(micro) < int(count):
+            micro.append(_stand_in(self.pad_id, self.shared_prefix).to(self.device))
+        return micro
+
+    def train_step(self, batch: TrainBatch, groups: list[int] | None = None) -> dict:
+        """`groups`: the whole step's group indices (mini-batches take them in this order on
+        every rank); default: this rank's."""
+        self._global_groups = groups
+        try:
+            return super().train_step(batch)
+        finally:
+            self._global_groups = None
+
+    def _groups(self, batch: TrainBatch) -> list[int]:
+        return self._global_groups if self._global_groups is not None else super()._groups(batch)
+
+    @property
+    def _cpu_group(self):
+        """The group for small CPU tensors and objects (gloo; with NCCL a gloo group beside it)."""
+        if not hasattr(self, "_gloo"):
+            self._gloo = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return self._gloo
+
+    def _counts(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        both = torch.tensor([num_tokens, num_seqs], dtype=torch.long)
+        dist.all_reduce(both, group=self._cpu_group)
+        return int(both[0]), int(both[1])
+
+    def _reduce(self, sums: dict, totals: tuple, finite: bool) -> tuple[dict, tuple, bool]:
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, (sums, totals, finite), group=self._cpu_group)
+        keys = list(dict.fromkeys(k for s, _, _ in parts for k in s))
+        out = {k: sum(s.get(k, 0.0) for s, _, _ in parts) for k in keys}
+        return out, tuple(sum(t[i] for _, t, _ in parts) for i in range(len(totals))), all(f for _, _, f in parts)
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    # ------------------------------------------------------------ weights
+    def gather_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full tensors, in buckets of about `bucket_bytes`, every rank taking part in each gather;
+        rank 0's buckets hold the tensors (on the CPU, LoRA merged, floating ones in `dtype` if
+        given), the other ranks' are empty. Names are the HF model's (as `named_weights`)."""
+        bucket, size = [], 0
+        for name, tensor in self._full_tensors():
+            if self.rank == 0:
+                t = tensor.detach().to("cpu")
+                if dtype is not None and t.is_floating_point():
+                    t = t.to(dtype)
+                bucket.append((name, t))
+                size += t.numel() * t.element_size()
+            del tensor
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket or self.rank != 0:
+            yield bucket
+
+    def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of the policy, one gather at a time (all ranks call it)."""
+        def full(p):
+            return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+        if not self.is_peft:
+            for n, p in self.model.named_parameters():
+                yield n, full(p)
+            return
+        # LoRA: W + scale * B @ A for every adapted weight, merged from gathered tensors
+        lora = {}
+        for n, p in self.model.named_parameters():
+            if "lora_" in n:
+                lora[n] = full(p).detach()
+        scaling = {}
+        for n, m in self.model.named_modules():
+            if hasattr(m, "scaling") and isinstance(getattr(m, "scaling"), dict) and "default" in m.scaling:
+                scaling[n] = m.scaling["default"]
+        for n, p in self.model.named_parameters():
+            if "lora_" in n:
+                continue
+            t = full(p).detach()
+            mod = n.rsplit(".base_layer.", 1)[0] if ".base_layer." in n else None
+            if mod is not None and n.endswith("weight") and f"{mod}.lora_A.default.weight" in lora:
+                a, b = lora[f"{mod}.lora_A.default.weight"], lora[f"{mod}.lora_B.default.weight"]
+                t = t + (b.float() @ a.float()).to(t.dtype) * scaling[mod]
+            yield n.removeprefix("base_model.model.").replace(".base_layer", ""), t
+
+    # ------------------------------------------------------------ checkpoints
+    def save_sharded(self, path) -> None:
+        """Every rank writes its shards of the weights and the optimizer state under `path`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), process_group=self._cpu_group)
+
+    def load_sharded(self, path) -> None:
+        """Weights and optimizer state from `path` (written at any world size), resharded here."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path), process_group=self._cpu_group)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def state_dict(self) -> dict:
+        """What is not sharded: the scheduler and counters (the optimizer's moments go through
+        `save_sharded`)."""
+        return {"scheduler": self.scheduler.state_dict(), "bad_steps": self.bad_steps,
+                "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.bad_steps = state["bad_steps"]
+        start, now = state.get("micro_batch_tokens", (None, None))
+        if start == self._micro_batch_start:
+            self.micro_batch_tokens = now
+
+
+@contextlib.contextmanager
+def process_group(backend: str, rank: int, world: int, init_method: str, timeout_s: float):
+    """The default process group for one rank, destroyed on the way out."""
+    from datetime import timedelta
+
+    dist.init_process_group(backend, rank=rank, world_size=world, init_method=init_method,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()

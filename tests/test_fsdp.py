@@ -1,0 +1,194 @@
+"""The sharded trainer (train.parallel=fsdp): N FSDP2 rank processes on gloo train as one trainer.
+
+One step at world size 2 and 4 gives the one-process trainer's loss, gradient norm and weights
+for every aggregation, with mini-batches, stand-in passes (a rank with fewer micro-batches or no
+sequence at all) and LoRA; runs end with the one-process run's weights; a checkpoint written at
+world size 4 resumes at world size 2; a killed rank ends the call with an error naming it."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollover.config import ConfigError, load_config
+from rollover.loops.common import build_run
+from rollover.loops.sync import train_sync
+from rollover.testing import save_tiny_model, tiny_model
+from rollover.train.batch import TrainBatch
+from rollover.train.fsdp import split_batch
+from rollover.train.ranks import RankLost, ShardedTrainer
+from rollover.train.trainer import Trainer, apply_lora
+from rollover.types import Rollout
+
+
+def cfg_of(**over):
+    base = {"device": "cpu", "model": "unused", "run_dir": "unused", "data.train": "gen:arithmetic?n=10",
+            "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 8, "train.lr": 1e-2, "train.parallel": "fsdp"}
+    base.update(over)
+    return load_config(**base)
+
+
+def batch_of(groups: int, seed: int = 0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    rolls, advs = [], []
+    for gi in range(groups):
+        prompt = torch.randint(3, 60, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(3):
+            n = int(torch.randint(2, 8, (1,), generator=g))
+            mask = [1] * n if gi != 1 else [1] * (n - 1) + [0]  # one group with a masked token
+            rolls.append(Rollout(group_id=f"g{gi}", prompt_ids=prompt, response_ids=torch.randint(3, 60, (n,), generator=g).tolist(),
+                                 logprobs=(-torch.rand(n, generator=g) - 0.5).tolist(), versions=[0] * n, loss_mask=mask,
+                                 finish="stop", reward=0.0))
+            advs.append(float(torch.randn(1, generator=g)))
+    return TrainBatch.from_rollouts(rolls, advs)
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in trainer.named_weights()}
+
+
+def assert_same_update(plain: dict, sharded: dict, start: dict, lr: float) -> None:
+    """The sharded step moved every weight as the one-process step did (Adam's first steps are
+    about lr per element; float sums in another order move tiny-gradient elements a little)."""
+    assert plain.keys() == sharded.keys()
+    moved = max(float((plain[k] - start[k]).abs().max()) for k in plain)
+    assert moved > 0.5 * lr  # the step did something
+    diff = {k: (plain[k] - sharded[k]).abs() for k in plain}
+    assert max(float(d.max()) for d in diff.values()) < 0.05 * lr
+    assert sum(float(d.sum()) for d in diff.values()) / sum(d.numel() for d in diff.values()) < 1e-3 * lr
+
+
+def test_split_batch_keeps_groups_whole_and_balances_tokens():
+    b = batch_of(6)
+    shares = split_batch(b, 2)
+    assert sorted(i for s in shares for i in s) == list(range(len(b)))
+    for s in shares:  # whole groups
+        gs = {int(b.group_index_B[i]) for i in s}
+        assert all(int(b.group_index_B[i]) in gs for i in range(len(b)) if i in s)
+        assert sum(1 for i in range(len(b)) if int(b.group_index_B[i]) in gs) == len(s)
+    tokens = [sum(len(b.prompt_ids[i]) + len(b.response_ids[i]) for i in s) for s in shares]
+    group_tokens = max(sum(len(b.prompt_ids[i]) + len(b.response_ids[i]) for i in range(len(b)) if int(b.group_index_B[i]) == g)
+                       for g in range(6))
+    assert abs(tokens[0] - tokens[1]) <= group_tokens
+    one = batch_of(1)  # fewer groups than ranks: by sequences, one rank left empty
+    assert sorted(map(len, split_batch(one, 4))) == [0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("world,over", [
+    (2, {"algorithm.aggregation": "token-mean"}),
+    (2, {"algorithm.aggregation": "drgrpo", "train.mini_batches": 2}),
+    (4, {"algorithm.aggregation": "seq-mean-token-mean", "train.micro_batch_tokens": 32, "train.pack_length": 16, "data.max_prompt_tokens": 8, "train.shared_prefix": False}),
+])
+def test_a_step_at_world_size_n_equals_one_trainers(world, over):
+    cfg = cfg_of(**{"train.ranks": world, **over})
+    model = tiny_model("llama", seed=3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        # the second batch has one group: at world size 4 one rank trains no sequence (stand-in passes)
+        for b in ([batch_of(5)] if world == 2 else [batch_of(5), batch_of(1, seed=1)]):
+            mp, ms = plain.train_step(b), sharded.train_step(b)
+            for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/rollout_kl", "actor/masked_frac", "actor/clip_frac_high"):
+                assert ms[k] == pytest.approx(mp[k], rel=1e-5, abs=1e-7), k
+            assert ms["actor/loss_tokens"] == mp["actor/loss_tokens"]  # the mean over the step's updates
+            if cfg.train.mini_batches == 1:
+                assert ms["actor/loss_tokens"] == b.num_tokens
+            assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
+            start = weights(plain)
+    finally:
+        sharded.close()
+
+
+def test_lora_step_at_world_size_2_equals_one_trainers():
+    cfg = cfg_of(**{"train.ranks": 2, "train.lora": {"r": 4, "alpha": 8}})
+    model = apply_lora(tiny_model("llama", seed=3), cfg.train.lora)
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    start = weights(plain)
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        assert sharded.is_peft
+        b = batch_of(4)
+        mp, ms = plain.train_step(b), sharded.train_step(b)
+        assert ms["actor/pg_loss"] == pytest.approx(mp["actor/pg_loss"], rel=1e-5)
+        assert ms["actor/grad_norm"] == pytest.approx(mp["actor/grad_norm"], rel=1e-5)
+        got, want = weights(sharded), weights(plain)
+        assert got.keys() == want.keys() and not any("lora_" in k for k in got)
+        assert max(float((got[k] - want[k]).abs().max()) for k in got) < 1e-6  # merged, as the engine gets them
+        assert max(float((want[k] - start[k]).abs().max()) for k in want) > 1e-4
+    finally:
+        sharded.close()
+
+
+def test_a_killed_rank_ends_the_call_with_an_error_naming_it():
+    cfg = cfg_of(**{"train.ranks": 2, "train.collective_timeout_s": 60})
+    sharded = ShardedTrainer(tiny_model("llama", seed=3), cfg, pad_id=0)
+    try:
+        os.kill(sharded.procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RankLost, match=r"trainer rank 1 of 2 died \(killed by signal 9\) during train_step"):
+            sharded.train_step(batch_of(3))
+        assert time.monotonic() - t0 < 20  # not the collective timeout
+        assert not any(p.is_alive() for p in sharded.procs)  # its peer is stopped too
+    finally:
+        sharded.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
+
+
+def run_cfg(model_dir, run_dir, **over):
+    base = {
+        "device": "cpu", "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 7, "resume": "auto",
+        "data.train": "gen:arithmetic?n=120", "data.eval_size": 4, "data.max_prompt_tokens": 64,
+        "rollout.prompts_per_step": 4, "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 6,
+        "rollout.max_rows": 8, "reward.functions": ["numeric"], "train.lr": 1e-3, "eval.every": 0, "eval.at_start": False,
+        "checkpoint.every": 2, "logging.progress": False, "logging.tensorboard": False,
+    }
+    base.update(over)
+    return load_config(**base)
+
+
+def final_weights(run_dir, step=4) -> dict:
+    d = run_dir / "checkpoints" / f"step_{step:06d}" / "model"
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("april", [False, True], ids=["sync", "april"])
+def test_a_run_at_world_size_2_ends_with_one_trainers_weights(model_dir, tmp_path, april):
+    over = {"partial_rollout.enabled": True, "partial_rollout.oversample": 1.5} if april else {}
+    train_sync(run_cfg(model_dir, tmp_path / "one", **over))
+    train_sync(run_cfg(model_dir, tmp_path / "two", **{"train.parallel": "fsdp", "train.ranks": 2, **over}))
+    one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    assert one.keys() == two.keys()
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 5e-5
+    assert (tmp_path / "two" / "checkpoints" / "step_000004" / "sharded" / ".metadata").exists()
+
+
+def test_a_world_size_4_checkpoint_resumes_at_world_size_2(model_dir, tmp_path):
+    whole = tmp_path / "whole"
+    train_sync(run_cfg(model_dir, whole, **{"train.parallel": "fsdp", "train.ranks": 2}))
+    cut = tmp_path / "cut"
+    train_sync(run_cfg(model_dir, cut, steps=2, **{"train.parallel": "fsdp", "train.ranks": 4}))
+    train_sync(run_cfg(model_dir, cut, **{"train.parallel": "fsdp", "train.ranks": 2}))
+    # equal weights need the optimizer's moments back, resharded from 4 ranks to 2 (a fresh AdamW moves further)
+    a, b = final_weights(whole), final_weights(cut)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 5e-5
+    rows = [r for r in map(__import__("json").loads, open(cut / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # a sharded checkpoint needs sharded ranks, even where a config change is allowed
+    with pytest.raises(ConfigError, match=r"train.parallel: \"fsdp\" -> \"none\""):
+        train_sync(run_cfg(model_dir, cut, steps=6))
+    with pytest.raises(ConfigError, match=r"written by sharded trainer ranks \(train.parallel=fsdp\)"):
+        build_run(run_cfg(model_dir, cut, steps=6), allow_config_change=True)
