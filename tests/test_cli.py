@@ -320,3 +320,24 @@ def test_the_command_keeps_openmp_threads_spinning_unless_told_otherwise(env, fi
     out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
                          check=True).stdout.split()
     assert tuple(None if v == "None" else v for v in out) == expect
+
+
+def test_version_and_every_argument_has_help(monkeypatch, capsys):
+    """`rollover --version` prints the version; every argument of every command, tool and bench
+    has a help line."""
+    import argparse
+    import contextlib
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("rollover ")
+    parsers = []
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help", lambda self, file=None: parsers.append(self))
+    for argv in (["train"], ["eval"], ["export"], ["plot"], ["bench"], ["simulate"], ["simulate", "calibrate"],
+                 ["simulate", "validate"], ["simulate", "plan"]):
+        with contextlib.suppress(SystemExit):
+            main(argv + ["--help"])
+    subs = [sp for p in parsers for a in p._actions if isinstance(a, argparse._SubParsersAction) for sp in a.choices.values()]
+    assert len(subs) >= 10  # bench's subcommands
+    missing = [(p.prog, a.dest) for p in parsers + subs for a in p._actions
+               if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help]
+    assert missing == []

@@ -32,6 +32,9 @@ def test_extract_boxed_balances_braces_and_takes_the_last():
         (r"guess 8 then \boxed{9}", "8", 0.0),  # the boxed answer wins over a bare number
         ("The answer is 8", "8", 1.0),  # no box: plain expressions are still read
         ("no idea", "8", 0.0),
+        # a GSM8K solution as gold: its final answer after ####, thousands separators dropped
+        (r"so \boxed{1200}", "She pays 3 * 400 = <<3*400=1200>>1200 dollars.\n#### 1,200", 1.0),
+        (r"so \boxed{400}", "She pays 3 * 400 = <<3*400=1200>>1200 dollars.\n#### 1200", 0.0),
     ],
 )
 def test_math_reward(completion, answer, expected):

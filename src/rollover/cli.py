@@ -42,6 +42,7 @@ def _bench(argv: list[str]) -> int:
     from rollover.bench import engine as bench_engine
     from rollover.bench import envs as bench_envs
     from rollover.bench import faults as bench_faults
+    from rollover.bench import fsdp as bench_fsdp
     from rollover.bench import learn as bench_learn
     from rollover.bench import memory as bench_memory
     from rollover.bench import ray as bench_ray
@@ -50,7 +51,7 @@ def _bench(argv: list[str]) -> int:
 
     benches = {"engine": bench_engine, "april": bench_april, "train": bench_train, "async": bench_async,
                "faults": bench_faults, "envs": bench_envs, "memory": bench_memory,
-               "ray": bench_ray, "learn": bench_learn, "sim": bench_sim}
+               "ray": bench_ray, "learn": bench_learn, "sim": bench_sim, "fsdp": bench_fsdp}
     bench_engine.add_arguments(sub.add_parser("engine", help="TorchEngine vs HF generate vs FLOP limit"))
     bench_april.add_arguments(sub.add_parser("april", help="synchronous rollouts vs APRIL (longtail, natural)"))
     bench_train.add_arguments(sub.add_parser("train", help="seconds per synchronous training step, by phase"))
@@ -58,6 +59,7 @@ def _bench(argv: list[str]) -> int:
     bench_faults.add_arguments(sub.add_parser("faults", help="kill -9 at random moments + resume: hangs, losses, duplicates"))
     bench_envs.add_arguments(sub.add_parser("envs", help="multi-turn episodes, slow envs: rollout-wise vs batch-synchronous turns"))
     bench_memory.add_arguments(sub.add_parser("memory", help="peak resident memory per phase: 135M demo and a ~0.5B model"))
+    bench_fsdp.add_arguments(sub.add_parser("fsdp", help="the sharded trainer at world sizes 1, 2, 4: step time, bytes held per rank, time in collectives"))
     bench_learn.add_arguments(sub.add_parser("learn", help="held-out accuracy vs training time and samples: GRPO vs selection policies, several seeds"))
     bench_ray.add_arguments(sub.add_parser("ray", help="local vs Ray runtime (samples/s), weight-sync time and bytes per update"))
     bench_sim.add_arguments(sub.add_parser("sim", help="the simulator's fast path: 1,024 workers x 1,000 steps, and its agreement with the schedulers' path"))
@@ -219,8 +221,8 @@ def _export(argv: list[str]) -> int:
 
 def _plot(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollover plot", description="PNG curves from a run's metrics.jsonl")
-    p.add_argument("run_dir")
-    p.add_argument("--out", default=None)
+    p.add_argument("run_dir", help="a run directory (with metrics.jsonl) or a metrics.jsonl file")
+    p.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR/plots)")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
     args = p.parse_args(argv)
     from rollover.metrics import plot_run
@@ -292,23 +294,35 @@ def _setup_logging() -> None:
 
 
 COMMANDS = {
-    "train": (_train, "RL-train a model from a YAML config and key.path=value overrides"),
-    "eval": (_eval, "held-out reward and accuracy of a run's latest checkpoint, a checkpoint or a base model"),
+    "train": (_train, "train a model with RL from a YAML config and key.path=value overrides"),
+    "eval": (_eval, "measure held-out reward and accuracy of a run, a checkpoint or a base model"),
     "export": (_export, "write a run's checkpoint as a Hugging Face model directory (LoRA merged)"),
-    "plot": (_plot, "PNG curves from a run's metrics.jsonl"),
-    "simulate": (_simulate, "simulate a run on a cluster (sync, APRIL, async) from a cost profile, on a virtual clock"),
-    "bench": (_bench, "benchmarks: engine, training step, APRIL, async, faults (kill -9 + resume), environments, memory, Ray, learning per second, the simulator (docs/benchmarks.md)"),
+    "plot": (_plot, "draw PNG curves from a run's metrics.jsonl"),
+}
+TOOLS = {  # for measuring and planning, listed apart from the user commands
+    "bench": (_bench, "measure speed, memory, learning and fault recovery (docs/benchmarks.md)"),
+    "simulate": (_simulate, "predict a run's throughput on a cluster without running it (docs/simulator.md)"),
 }
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("rollover")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH
+        return "unknown (not installed)"
+
+
 def usage() -> str:
-    width = max(map(len, COMMANDS))
-    rows = "\n".join(f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items())
+    width = max(map(len, {**COMMANDS, **TOOLS}))
+    rows = lambda table: "\n".join(f"  {name:<{width}}  {desc}" for name, (_, desc) in table.items())  # noqa: E731
     return ("usage: rollover <command> [arguments]\n\n"
             "RL post-training of LLMs: GRPO/DAPO/GSPO, APRIL partial rollouts, async training.\n\n"
-            f"commands:\n{rows}\n\n"
+            f"commands:\n{rows(COMMANDS)}\n\ntools:\n{rows(TOOLS)}\n\n"
             "`rollover <command> --help` describes a command's arguments; "
-            "`rollover train --help-config` lists every config key.")
+            "`rollover train --help-config` lists every config key; `rollover --version` prints the version.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(usage())
         return 0
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"rollover {version()}")
+        return 0
+    if argv and argv[0] in TOOLS:
+        return TOOLS[argv[0]][0](argv[1:])
     if not argv or argv[0] not in COMMANDS:
         print(usage(), file=sys.stderr)
         if argv:

@@ -203,18 +203,19 @@ def print_table(workload: str, r: dict) -> None:
 def add_arguments(p) -> None:
     from rollover.bench import at_least
 
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--engine", choices=["torch", "vllm"], default="torch")
-    p.add_argument("--workload", choices=["longtail", "natural", "both"], default="both")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model: a local path, hub id or alias (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--engine", choices=["torch", "vllm"], default="torch", help="rollout engine: torch (TorchEngine) or vllm")
+    p.add_argument("--workload", choices=["longtail", "natural", "both"], default="both", help="response lengths: longtail (a few very long ones), natural (the model's own), or both")
     p.add_argument("--steps", type=at_least(1), default=10, help="measured steps per mode")
     p.add_argument("--warmup", type=at_least(0), default=2, help="unmeasured steps first")
     p.add_argument("--max-new-tokens", type=at_least(1), default=128, help="longtail cap")
-    p.add_argument("--natural-max-new-tokens", type=at_least(1), default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--natural-max-new-tokens", type=at_least(1), default=128, help="length budget of the natural workload")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--carry", nargs="+", choices=["resubmit", "keep_kv"], default=["resubmit", "keep_kv"],
                    help="APRIL carry modes to measure (partial_rollout.carry)")
     for k, v in DEFAULTS.items():
-        p.add_argument(f"--{k.replace('_', '-')}", type=at_least(1) if isinstance(v, int) else float, default=v)
+        p.add_argument(f"--{k.replace('_', '-')}", type=at_least(1) if isinstance(v, int) else float, default=v,
+                       help=f"the run's {k.replace('_', ' ')} (default {v})")
     p.add_argument("--repeats", type=at_least(1), default=1,
                    help="repeat sync and APRIL this many times; the median repeat is reported, with every run's ratio")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")

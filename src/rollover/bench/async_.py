@@ -108,11 +108,11 @@ def main(args) -> dict:
 def add_arguments(p) -> None:
     from rollover.bench import at_least
 
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--steps", type=at_least(1), default=6)
-    p.add_argument("--warmup", type=at_least(1), default=1)
-    p.add_argument("--max-new-tokens", type=at_least(1), default=48)
-    p.add_argument("--oversample", type=float, default=2.0)
-    p.add_argument("--etas", type=at_least(0), nargs="+", default=[1, 2, 4])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model: a local path, hub id or alias (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--steps", type=at_least(1), default=6, help="measured steps per mode")
+    p.add_argument("--warmup", type=at_least(1), default=1, help="unmeasured steps first")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=48, help="length budget of a response")
+    p.add_argument("--oversample", type=float, default=2.0, help="APRIL's over-provisioning (requests started per group wanted)")
+    p.add_argument("--etas", type=at_least(0), nargs="+", default=[1, 2, 4], help="staleness bounds (eta) to measure in async mode")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")

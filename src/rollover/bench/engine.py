@@ -262,17 +262,17 @@ def print_table(r: dict, engine: str) -> None:
 def add_arguments(p) -> None:
     from rollover.bench import at_least
 
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--engine", choices=["torch", "vllm"], default="torch")
-    p.add_argument("--prompts", type=at_least(1), default=64)
-    p.add_argument("--new-tokens", type=at_least(1), default=128)
-    p.add_argument("--max-rows", type=at_least(1), default=64)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model: a local path, hub id or alias (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--engine", choices=["torch", "vllm"], default="torch", help="rollout engine: torch (TorchEngine) or vllm")
+    p.add_argument("--prompts", type=at_least(1), default=64, help="prompts generated together")
+    p.add_argument("--new-tokens", type=at_least(1), default=128, help="tokens generated per prompt")
+    p.add_argument("--max-rows", type=at_least(1), default=64, help="sequences the engine decodes together")
+    p.add_argument("--dtype", default="float32", help="engine dtype: float32, bfloat16 or float16")
     p.add_argument("--quantize", choices=["int8"], default=None, help="TorchEngine's int8 weight matrices")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     p.add_argument("--hf-batch", type=at_least(1), default=None, help="HF generate batch (default: all prompts)")
     p.add_argument("--repeats", type=at_least(1), default=3, help="engine runs; the median is reported")
-    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="skip the HF generate baseline")
     p.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
                    help="TorchEngine's CUDA-graph decode (on a GPU; off: every step eager)")
     p.add_argument("--compile-decode", choices=["off", "on", "both"], default="off",

@@ -39,7 +39,11 @@ MODES = {
     "april_keep_kv": {"partial_rollout": {"enabled": True, "carry": "keep_kv"}},
     "async_eta1": {"mode": "async", "async": {"max_staleness": 1}},
     "async_eta2": {"mode": "async", "async": {"max_staleness": 2}},
+    # not the driver: one of its two FSDP trainer ranks is killed; the driver must stop with an
+    # error naming the rank (never hang), and the same command resume
+    "fsdp_rank": {"train": {"parallel": "fsdp", "ranks": 2}},
 }
+RANK_MODES = ("fsdp_rank",)
 
 
 def _config(model: str, run_dir: Path, steps: int, seed: int, mode: str) -> dict:
@@ -84,6 +88,19 @@ def _weights(run_dir: Path, steps: int) -> dict:
     return load_file(str(run_dir / "checkpoints" / f"step_{steps:06d}" / "model" / "model.safetensors"))
 
 
+def _rank_pids(pid: int) -> list[int]:
+    """The trainer rank processes the driver `pid` started (multiprocessing spawn children)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return sorted(out)
+
+
 def _wait_rows(proc: subprocess.Popen, run_dir: Path, rows: int, since: float, deadline: float) -> bool:
     """Wait until metrics.jsonl holds `rows` train rows written after `since`; False if the
     process ended first."""
@@ -117,20 +134,36 @@ def _chain(args, mode: str, root: Path, rng: random.Random, kills: int, step_s: 
             rc, hung = None, False
             if kill and _wait_rows(proc, run_dir, rng.randint(1, args.steps - done - 1), started, deadline):
                 time.sleep(rng.uniform(0, 1.2 * step_s))
+            rank_killed = False
             try:
-                rc = proc.wait(timeout=0 if kill else max(0.0, deadline - time.monotonic()))
+                if kill and mode in RANK_MODES and proc.poll() is None and _rank_pids(proc.pid):
+                    import os
+                    import signal
+
+                    os.kill(rng.choice(_rank_pids(proc.pid)), signal.SIGKILL)
+                    rank_killed = True  # the driver must now stop by itself, naming the rank
+                    rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                else:
+                    rc = proc.wait(timeout=0 if kill else max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 hung = time.monotonic() > deadline
                 proc.kill()
                 proc.wait()
             with open(root / "log.txt", errors="replace") as f:
                 f.seek(offset)
-                failed = "Traceback" in f.read()
+                text = f.read()
+                failed = "Traceback" in text
             if killed_before:  # this process resumed a killed run: without an error, hang or bad exit?
                 out["resumed_clean"] += int(rc in (0, None) and not failed and not hung)
             if hung:
                 out["hangs"] += 1
                 break
+            if rank_killed and rc not in (0, None):  # the driver stopped after its rank died
+                out["trials"] += 1
+                out["rank_errors_named"] = out.get("rank_errors_named", 0) + int(
+                    "trainer rank" in text and "died" in text and "Traceback" not in text)
+                killed_before = True
+                continue
             if rc is None:  # killed by us
                 out["trials"] += 1
                 out["kills_mid_checkpoint"] += int(bool(set((run_dir / "checkpoints").glob(".step_*")) - tmp_before))
@@ -191,7 +224,7 @@ def _mode(args, mode: str, rng: random.Random, work: Path) -> dict:
                 a, b = _weights(ref_dir / "run", args.steps), _weights(root / "run", args.steps)
                 res["weights_equal"] = all(a[k].equal(b[k]) for k in a) and a.keys() == b.keys()
         chains.append(res)
-        for k in ("trials", "resumed_clean", "hangs", "kills_mid_checkpoint", "steps_duplicated", "steps_missing",
+        for k in ("trials", "rank_errors_named", "resumed_clean", "hangs", "kills_mid_checkpoint", "steps_duplicated", "steps_missing",
                   "groups_lost", "groups_duplicated", "samples_lost", "samples_duplicated"):
             total[k] += res.get(k, 0)
         total["unfinished_chains"] += int(not res["finished"])
@@ -223,7 +256,8 @@ def main(args) -> dict:
         print(f"  {mode:14s} trials={r['trials']} clean={r['resumed_clean']} hangs={r['hangs']} "
               f"steps dup/missing={r['steps_duplicated']}/{r['steps_missing']} samples lost/dup={r['lost']}/"
               f"{r['duplicated']}" + (f" weights equal {r['weights_equal']}/{r['chains']}" if "weights_equal" in r
-                                      else "") + f" mid-checkpoint kills={r['kills_mid_checkpoint']}", flush=True)
+                                      else "") + f" mid-checkpoint kills={r['kills_mid_checkpoint']}"
+              + (f" rank deaths named={r.get('rank_errors_named', 0)}/{r['trials']}" if mode in RANK_MODES else ""), flush=True)
     for mode, r in result["modes"].items():  # the fields the issue asks for, per mode, at the top
         result[mode] = {k: r[k] for k in ("trials", "hangs", "lost", "duplicated")}
     if args.json:
@@ -236,13 +270,13 @@ def main(args) -> dict:
 def add_arguments(p) -> None:
     from rollover.bench import at_least
 
-    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="modes whose runs are killed and resumed")
     p.add_argument("--trials", type=at_least(1), default=20, help="kill -9 + resume trials per mode")
     p.add_argument("--kills-per-chain", type=at_least(1), default=5, help="kills of one run before it may finish")
-    p.add_argument("--steps", type=at_least(2), default=8)
+    p.add_argument("--steps", type=at_least(2), default=8, help="training steps of each run")
     p.add_argument("--model", default=None, help="default: a tiny random Llama written to the work dir")
     p.add_argument("--hang-s", type=float, default=300.0, help="a process running this long is a hang")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--workdir", default=None, help="keep every run here (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true", help="keep the temp work dir")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")

@@ -245,22 +245,22 @@ def report(result: dict, args) -> dict:
 def add_arguments(p) -> None:
     from rollover.bench import at_least
 
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model: a local path, hub id or alias (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--config", default=None, help="a config file under the task's overrides (optional)")
-    p.add_argument("--task", choices=sorted(TASKS), default="demo")
+    p.add_argument("--task", choices=sorted(TASKS), default="demo", help="demo (1-digit addition) or hard (2-digit addition, prompts that repeat)")
     p.add_argument("--policies", nargs="+", default=["grpo", "vade", "xrpo"],
                    help=f"from: {', '.join(POLICIES)}")
-    p.add_argument("--seeds", type=at_least(1), default=3)
+    p.add_argument("--seeds", type=at_least(1), default=3, help="seeds per policy")
     p.add_argument("--seed", type=int, default=0, help="the first seed")
-    p.add_argument("--steps", type=at_least(1), default=16)
-    p.add_argument("--eval-every", type=at_least(1), default=2)
-    p.add_argument("--eval-size", type=at_least(1), default=32)
-    p.add_argument("--eval-samples", type=at_least(1), default=2)
-    p.add_argument("--prompts-per-step", type=at_least(1), default=8)
-    p.add_argument("--samples-per-prompt", type=at_least(2), default=4)
-    p.add_argument("--threshold", type=float, default=0.8)
+    p.add_argument("--steps", type=at_least(1), default=16, help="training steps of each run")
+    p.add_argument("--eval-every", type=at_least(1), default=2, help="evaluate every this many steps")
+    p.add_argument("--eval-size", type=at_least(1), default=32, help="held-out prompts")
+    p.add_argument("--eval-samples", type=at_least(1), default=2, help="samples per held-out prompt")
+    p.add_argument("--prompts-per-step", type=at_least(1), default=8, help="prompts per step")
+    p.add_argument("--samples-per-prompt", type=at_least(2), default=4, help="samples per prompt (the group size)")
+    p.add_argument("--threshold", type=float, default=0.8, help="held-out accuracy whose time to reach is reported")
     p.add_argument("--plot", default=None, help="PNG of the curves")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("--resume", action="store_true",
                    help="go on from the --json file of an earlier, stopped bench: its runs are kept, not run again "
                         "(the file is written after every run)")

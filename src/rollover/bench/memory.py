@@ -156,7 +156,7 @@ def add_arguments(p) -> None:
     p.add_argument("--half-b-dir", default=str(Path(tempfile.gettempdir()) / "rollover-llama-0.5b"),
                    help="where the random ~0.5B model is saved (reused when present)")
     p.add_argument("--eval-all", action="store_true", help="evaluate the ~0.5B model too (slow on a CPU)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def main(args) -> dict:
 def add_arguments(p) -> None:
     from rollover.bench import at_least
 
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model: a local path, hub id or alias (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--steps", type=at_least(1), default=3, help="measured steps per runtime (one more runs first)")
     p.add_argument("--updates", type=at_least(1), default=5, help="weight updates timed per transport setting")
     p.add_argument("--cpus", type=at_least(1), default=2, help="CPUs of the local Ray instance")
@@ -185,5 +185,5 @@ def add_arguments(p) -> None:
     p.add_argument("--trainer-actor", action="store_true",
                    help="also train with the trainer as a Ray actor (ray.trainer=actor), one worker")
     p.add_argument("--skip-weight-sync", action="store_true", help="skip the weight synchronisation timings")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("overrides", nargs="*", help="extra key.path=value config overrides (both runtimes)")

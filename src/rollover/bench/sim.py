@@ -95,4 +95,4 @@ def add_arguments(p) -> None:
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="the timed runs' modes")
     p.add_argument("--routers", nargs="+", choices=["auto", "numba", "python"], default=["auto"],
                    help="simulate.router for the timed runs (several: each mode once per router, side by side)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")

@@ -100,10 +100,10 @@ def _compare_list(text: str) -> list[str]:
 def add_arguments(p) -> None:
     from rollover.bench import at_least
 
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--engine", choices=["torch", "vllm"], default="torch")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model: a local path, hub id or alias (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--engine", choices=["torch", "vllm"], default="torch", help="rollout engine: torch (TorchEngine) or vllm")
     p.add_argument("--steps", type=at_least(1), default=5, help="measured steps (one more runs first, unmeasured)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("--compare", type=_compare_list, default=None, metavar="plain,trl",
                    help="also measure, in the same invocation (comma-separated): plain = the plain packing "
                         "(train.shared_prefix=false), trl = TRL's GRPOTrainer on the same workload (needs trl)")

@@ -5,7 +5,7 @@ A source is one string:
 - `path/to/file.jsonl` or `path/to/file.parquet`;
 - a directory written by `datasets.Dataset.save_to_disk` (or `DatasetDict.save_to_disk`, then
   `split` picks the split);
-- `hf:owner/name` or `hf:owner/name?name=config`: `datasets.load_dataset` (needs a reachable
+- `hf:owner/name` or `hf:owner/name?name=config&split=test`: `datasets.load_dataset` (needs a reachable
   hub; `split` picks the split);
 - `gen:NAME?n=...&opt=...`: a procedural generator (see `rollover.data.generators`).
 
@@ -252,10 +252,10 @@ def _hub_rows(spec: str, split: str) -> Rows:
 
     name, _, query = spec.partition("?")
     options = _parse_query(query, spec)
-    unknown = set(options) - {"name"}
+    unknown = set(options) - {"name", "split"}
     if unknown:
-        raise DataError(f"hf:{spec}: unknown options {sorted(unknown)} (known: ['name'])")
-    ds = datasets.load_dataset(name, options.get("name"), split=split)
+        raise DataError(f"hf:{spec}: unknown options {sorted(unknown)} (known: ['name', 'split'])")
+    ds = datasets.load_dataset(name, options.get("name"), split=options.get("split", split))
     yield from enumerate(ds)
 
 

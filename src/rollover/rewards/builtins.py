@@ -47,9 +47,12 @@ def math_reward(completion: str, answer, **_) -> float | None:
 
     math-verify's own timeouts use `signal.alarm`, which fails off the main thread; they are
     turned off here. The runner's worker processes stand in for them; called directly, this
-    function has no timeout.
+    function has no timeout. A GSM8K solution as the gold answer ("... #### 72") counts by its
+    final answer, the text after its last `####`.
     """
     gold_text = str(answer)
+    if "####" in gold_text:
+        gold_text = gold_text.rsplit("####", 1)[1].strip().replace(",", "")
     if "\\boxed" not in gold_text and "$" not in gold_text:
         gold_text = f"\\boxed{{{gold_text}}}"
     gold = parse(gold_text, parsing_timeout=None)

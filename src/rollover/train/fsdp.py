@@ -182,6 +182,30 @@ class FSDPTrainer(Trainer):
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
+    # ------------------------------------------------------------ measuring
+    def profiled_step(self, batch: TrainBatch, groups: list[int] | None = None) -> tuple[dict, float, float]:
+        """`train_step` under torch's profiler: (metrics, seconds, seconds inside collectives:
+        the union of the profiler's spans of communication ops and FSDP's waits on them)."""
+        import time
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            metrics = self.train_step(batch, groups)
+            seconds = time.perf_counter() - t0
+        return metrics, seconds, collective_seconds(prof.events())
+
+    def state_bytes(self) -> dict:
+        """Bytes this rank holds of the weights, their gradients (one per trainable shard during a
+        step) and the optimizer's state."""
+        def local(t):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        params = list(self.model.parameters())
+        return {"params": sum(local(p) for p in params), "grads": sum(local(p) for p in params if p.requires_grad),
+                "optimizer": sum(local(v) for s in self.optimizer.state.values() for v in s.values()
+                                 if torch.is_tensor(v) and v.dim() > 0)}
+
     # ------------------------------------------------------------ weights
     def gather_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full tensors, in buckets of about `bucket_bytes`, every rank taking part in each gather;
@@ -261,6 +285,23 @@ class FSDPTrainer(Trainer):
         start, now = state.get("micro_batch_tokens", (None, None))
         if start == self._micro_batch_start:
             self.micro_batch_tokens = now
+
+
+COMM_SPANS = ("c10d::", "_c10d_functional::", "gloo:", "nccl:", "record_param_comms", "FSDP::all_gather (",
+              "FSDP::all_gather_wait", "FSDP::post_backward_reduce", "FSDP::post_backward_rs_wait")
+
+
+def collective_seconds(events) -> float:
+    """Seconds covered by profiler spans of communication (their union: nested spans count once)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.name.startswith(COMM_SPANS) and e.time_range.end > e.time_range.start)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total / 1e6
 
 
 @contextlib.contextmanager

@@ -88,9 +88,16 @@ def _serve(trainer, rank: int, conn) -> None:
                 conn.send(("ok", None))
                 return
             if call == "train_step":
-                batch, groups = args
-                metrics = trainer.train_step(batch, groups)
+                batch, groups, profile = args
+                if profile:
+                    metrics, seconds, comm = trainer.profiled_step(batch, groups)
+                    trainer.last_profile = {"step_s": seconds, "collective_s": comm}
+                else:
+                    metrics = trainer.train_step(batch, groups)
                 conn.send(("ok", (metrics, trainer.bad_steps)))
+            elif call == "stats":
+                conn.send(("ok", {"rank": rank, "pid": os.getpid(), **trainer.state_bytes(), "peak_rss_gb": _peak_rss_gb(),
+                                  **getattr(trainer, "last_profile", {})}))
             elif call == "weights":
                 bucket_bytes, dtype = args
                 n = 0
@@ -116,6 +123,17 @@ def _serve(trainer, rank: int, conn) -> None:
             conn.send(("error", traceback.format_exc()))
             if call in ("train_step", "weights", "save_sharded", "load"):  # its peers may be mid-collective
                 return
+
+
+def _peak_rss_gb() -> float | None:
+    """This process's resident high-water mark (Linux)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        return None
+    return None
 
 
 class ShardedModel:
@@ -190,13 +208,15 @@ class ShardedTrainer:
         log.info("trainer: %d FSDP ranks (%s)", self.world, ", ".join(f"{i['device']} pid {i['pid']}" for i in infos))
 
     # ------------------------------------------------------------ Trainer's calls
-    def train_step(self, batch) -> dict:
+    def train_step(self, batch, profile: bool = False) -> dict:
+        """One step, each rank training its share; `profile`: the ranks time their collectives
+        (`stats` reports them)."""
         from rollover.train.fsdp import split_batch
 
         groups = batch.group_index_B.unique().tolist()
         with self._lock:
             for r, share in enumerate(split_batch(batch, self.world)):
-                self._send(r, ("train_step", batch.select(share), groups), "train_step")
+                self._send(r, ("train_step", batch.select(share), groups, profile), "train_step")
             replies = [self._recv(r, "train_step") for r in range(self.world)]
         metrics, self.bad_steps = replies[0]
         return metrics
@@ -218,6 +238,11 @@ class ShardedTrainer:
         sharded = self.checkpoint / "sharded" if self.checkpoint is not None else None
         state = {k: v for k, v in state.items() if k != "sharded"}
         self.bad_steps = self._all("load", state, None if sharded is None else str(sharded))[0]
+
+    def stats(self) -> list[dict]:
+        """Per rank: bytes of weights, gradients and optimizer state held, peak resident memory,
+        and the last profiled step's seconds and seconds in collectives."""
+        return self._all("stats")
 
     def close(self) -> None:
         for r, (p, c) in enumerate(zip(self.procs, self.conns)):
