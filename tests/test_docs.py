@@ -31,3 +31,10 @@ def test_relative_links_reach_files():
             if path and not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert broken == []
+
+
+def test_the_config_reference_is_current():
+    from rollover.config import markdown_reference
+
+    assert (ROOT / "docs" / "config.md").read_text() == markdown_reference() + "\n", \
+        "docs/config.md is stale: python -m rollover.config docs/config.md"

@@ -1051,6 +1051,37 @@ def _bounds(metadata: list) -> str:
     return f"  ({', '.join(parts)})" if parts else ""
 
 
+def markdown_reference() -> str:
+    """docs/config.md: every key of every section with its default, range and meaning, from the
+    config models (`python -m rollover.config docs/config.md` writes it; a test keeps it current)."""
+    out = ["# Configuration reference", "",
+           "Generated from the config models by `python -m rollover.config docs/config.md`; do not edit by hand.",
+           "Keys are set in a YAML file or as `section.key=value` overrides on the command line "
+           "([configuration.md](configuration.md)).", ""]
+
+    def cell(text: str) -> str:
+        return " ".join(str(text).split()).replace("|", "\\|")
+
+    def walk(section: type[BaseModel], prefix: str) -> None:
+        rows, subs = [], []
+        for name, f in section.model_fields.items():
+            key = prefix + ("async" if name == "async_" else name)
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                subs.append((key, ann))
+            else:
+                rows.append(f"| `{key}` | `{cell(repr(f.default))}` | {cell(_bounds(f.metadata).strip(' ()'))} | "
+                            f"{cell(f.description or '')} |")
+        if rows:
+            out.extend([f"## {prefix.rstrip('.') or 'top level'}", "", "| key | default | range | meaning |",
+                        "| --- | --- | --- | --- |", *rows, ""])
+        for key, ann in subs:
+            walk(ann, key + ".")
+
+    walk(Config, "")
+    return "\n".join(out)
+
+
 def describe(section: type[BaseModel] = Config, prefix: str = "") -> str:
     """Every field with its default and docstring (for `rollover train --help-config`)."""
     lines = []
@@ -1063,3 +1094,9 @@ def describe(section: type[BaseModel] = Config, prefix: str = "") -> str:
         else:
             lines.append(f"  {key} = {f.default!r}{_bounds(f.metadata)}\n      {f.description or ''}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m rollover.config docs/config.md
+    import sys
+
+    Path(sys.argv[1]).write_text(markdown_reference() + "\n")
