@@ -192,3 +192,32 @@ def test_a_world_size_4_checkpoint_resumes_at_world_size_2(model_dir, tmp_path):
         train_sync(run_cfg(model_dir, cut, steps=6))
     with pytest.raises(ConfigError, match=r"written by sharded trainer ranks \(train.parallel=fsdp\)"):
         build_run(run_cfg(model_dir, cut, steps=6), allow_config_change=True)
+
+
+def test_ray_trainer_rank_actors_train_as_one_trainer(model_dir, tmp_path):
+    """runtime=ray: the ranks are Ray actors (counted by the placement check), the run ends with
+    the local one-trainer run's weights."""
+    pytest.importorskip("ray")
+    train_sync(run_cfg(model_dir, tmp_path / "one"))
+    train_sync(run_cfg(model_dir, tmp_path / "ray", runtime="ray", **{
+        "train.parallel": "fsdp", "train.ranks": 2, "ray.rollout_workers": 1, "ray.trainer": "actor",
+        "ray.cpus_for_trainer": 0.5}))
+    one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "ray")
+    assert one.keys() == two.keys()
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) < 5e-5
+    with pytest.raises(ConfigError, match="set ray.trainer=actor"):
+        run_cfg(model_dir, tmp_path / "x", runtime="ray", **{"train.parallel": "fsdp", "train.ranks": 2})
+    # a rank actor killed: the next call ends at once with an error naming it, never waiting on its peer
+    from rollover.runtime.trainer_group import RayShardedTrainer
+
+    cfg = cfg_of(runtime="ray", **{"train.ranks": 2, "ray.trainer": "actor", "ray.cpus_for_trainer": 0.5,
+                                   "train.collective_timeout_s": 60})
+    group = RayShardedTrainer(tiny_model("llama", seed=3), cfg, pad_id=0)
+    try:
+        os.kill(group.pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RankLost, match=r"trainer rank 1 of 2 \(a Ray actor\) died during train_step"):
+            group.train_step(batch_of(3))
+        assert time.monotonic() - t0 < 30
+    finally:
+        group.close()

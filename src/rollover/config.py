@@ -808,9 +808,9 @@ class Config(Section):
                                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
         if t.ranks > 1 and t.parallel != "fsdp":
             problems.append(f"train.ranks={t.ranks} needs train.parallel=fsdp (one trainer cannot use several ranks)")
-        if t.parallel == "fsdp" and self.runtime == "ray":
-            problems.append("train.parallel=fsdp runs its ranks as processes of this machine; with runtime=ray the "
-                            "trainer is one (ray.trainer: driver or actor): a group of Ray trainer actors is not built yet")
+        if t.parallel == "fsdp" and self.runtime == "ray" and self.ray.trainer != "actor":
+            problems.append("train.parallel=fsdp with runtime=ray runs the ranks as Ray actors: set ray.trainer=actor "
+                            "(ray.cpus_for_trainer / ray.gpus_for_trainer are then per rank)")
         if t.fsdp_offload and t.parallel != "fsdp":
             problems.append("train.fsdp_offload applies to train.parallel=fsdp")
         if self.ray.trainer == "actor" and self.device == "cuda" and not self.ray.gpus_for_trainer:

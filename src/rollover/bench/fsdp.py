@@ -72,8 +72,15 @@ def main(args) -> dict:
 
     model = args.model or str(make_half_b(Path(args.half_b_dir)))
     out = {"model": model, "steps": args.steps, "overrides": list(args.set), "worlds": []}
+    from rollover.train.ranks import RankLost
+
     for world in args.ranks:
-        r = measure(model, world, args.steps, list(args.set))
+        try:
+            r = measure(model, world, args.steps, list(args.set))
+        except RankLost as e:  # out of memory at this world size, say: the others still count
+            out["failed"] = {**out.get("failed", {}), str(world): str(e).splitlines()[0]}
+            print(f"  {world} ranks: {str(e).splitlines()[0]}", flush=True)
+            continue
         out["worlds"].append(r)
         print(f"  {world} rank{'s' if world > 1 else ''}: step {r['step_s_median']:.2f} s", flush=True)
     one = next((w for w in out["worlds"] if w["world"] == 1), None)

@@ -348,7 +348,11 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         what = "env.max_total_tokens" if env_builder is not None else "the longest prompt plus rollout.max_new_tokens"
         raise ConfigError(f"{what} is {longest} tokens, more than the model's context of {ctx}")
     eos_token_ids = _eos_ids(tokenizer, model)
-    if remote_trainer:
+    if remote_trainer and cfg.train.parallel == "fsdp":
+        from rollover.runtime.trainer_group import RayShardedTrainer
+
+        trainer = RayShardedTrainer(model, cfg, pad_id=tokenizer.pad_token_id or 0, checkpoint=ckpt)
+    elif remote_trainer:
         from rollover.runtime.trainer import RemoteTrainer
 
         trainer = RemoteTrainer(model, cfg, pad_id=tokenizer.pad_token_id or 0)

@@ -60,20 +60,23 @@ def check_resources(cfg) -> None:
     helpers = [(n, c, role) for n, c, role in ((rc.reward_workers, rc.cpus_per_reward_worker, "reward"),
                                                (rc.env_workers, rc.cpus_per_env_worker, "environment")) if n and c]
     helper_cpus = sum(n * c for n, c, _ in helpers)
-    trainer = (rc.cpus_for_trainer, rc.gpus_for_trainer) if rc.trainer == "actor" else (0.0, 0.0)
+    ranks = cfg.train.ranks if cfg.train.parallel == "fsdp" else 1  # FSDP ranks: one trainer actor each
+    trainer = (rc.cpus_for_trainer, rc.gpus_for_trainer) if rc.trainer == "actor" else (0.0, 0.0)  # one actor's
+    actors = f"{ranks} trainer rank actors x " if ranks > 1 else "the trainer actor: "
     for k, (key, per) in enumerate((("CPU", rc.cpus_per_worker), ("GPU", rc.gpus_per_worker))):
         asked, have = per * rc.rollout_workers, total.get(key, 0.0)
-        extra = (helper_cpus if key == "CPU" else 0.0) + trainer[k]
+        extra = (helper_cpus if key == "CPU" else 0.0) + trainer[k] * ranks
         if asked + extra > have + 1e-9:
             also = "".join(f" + {role} workers: {n} x {c:g} CPU" for n, c, role in helpers) if key == "CPU" else ""
-            also += f" + the trainer actor: {trainer[k]:g} {key}" if trainer[k] else ""
+            also += f" + {actors}{trainer[k]:g} {key}" if trainer[k] else ""
             problems.append(f"rollout workers: {rc.rollout_workers} x {per:g} {key}{also} = {asked + extra:g} {key} "
                             f"asked, the cluster has {have:g} {key} ({free.get(key, 0.0):g} free now)")
         biggest = max((n.get(key, 0.0) for n in nodes), default=0.0)
         if per > biggest + 1e-9:
             problems.append(f"rollout worker: {per:g} {key} each, the largest node has {biggest:g} {key}")
         if trainer[k] > biggest + 1e-9:
-            problems.append(f"trainer actor: {trainer[k]:g} {key}, the largest node has {biggest:g} {key}")
+            problems.append(f"trainer actor: {trainer[k]:g} {key}{' each' if ranks > 1 else ''}, the largest node has "
+                            f"{biggest:g} {key}")
     biggest_cpu = max((n.get("CPU", 0.0) for n in nodes), default=0.0)
     for _, c, role in helpers:
         if c > biggest_cpu + 1e-9:
@@ -92,11 +95,11 @@ def check_resources(cfg) -> None:
                             f"{rc.gpus_per_worker:g} GPU on one node; the nodes ({shapes}) hold {room}")
         elif (helpers or any(trainer)) and not _packs(
                 nodes, [(rc.cpus_per_worker, rc.gpus_per_worker)] * rc.rollout_workers +
-                [(c, 0.0) for n, c, _ in helpers for _ in range(n)] + ([trainer] if any(trainer) else [])):
+                [(c, 0.0) for n, c, _ in helpers for _ in range(n)] + ([trainer] * ranks if any(trainer) else [])):
             # first fit can miss a packing that exists, so this warns rather than refuses
             asked = ", ".join([f"{rc.rollout_workers} rollout x {rc.cpus_per_worker:g} CPU/{rc.gpus_per_worker:g} GPU"] +
                               [f"{n} {role} x {c:g} CPU" for n, c, role in helpers] +
-                              ([f"the trainer x {trainer[0]:g} CPU/{trainer[1]:g} GPU"] if any(trainer) else []))
+                              ([f"{ranks} trainer x {trainer[0]:g} CPU/{trainer[1]:g} GPU"] if any(trainer) else []))
             log.warning("ray placement: the workers (%s) may not fit node by node into the nodes (%s): placing the "
                         "largest first found no room for all of them; a worker that finds none waits up to its "
                         "start timeout", asked, shapes)

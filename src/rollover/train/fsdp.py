@@ -213,17 +213,18 @@ class FSDPTrainer(Trainer):
         given), the other ranks' are empty. Names are the HF model's (as `named_weights`)."""
         bucket, size = [], 0
         for name, tensor in self._full_tensors():
+            cast = dtype is not None and tensor.is_floating_point()
+            # every rank counts the full tensor's bytes, so every rank closes its buckets (each
+            # its own call, for Ray's rank actors) after the same tensors
+            size += tensor.numel() * (torch.empty((), dtype=dtype).element_size() if cast else tensor.element_size())
             if self.rank == 0:
                 t = tensor.detach().to("cpu")
-                if dtype is not None and t.is_floating_point():
-                    t = t.to(dtype)
-                bucket.append((name, t))
-                size += t.numel() * t.element_size()
+                bucket.append((name, t.to(dtype) if cast else t))
             del tensor
             if size >= bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
-        if bucket or self.rank != 0:
+        if size:
             yield bucket
 
     def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

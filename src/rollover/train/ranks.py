@@ -51,13 +51,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int, threads: int, conn) -> None:
-    """One rank: build its FSDPTrainer, then answer the driver's calls until `close`."""
-    try:
+class RankServer:
+    """One rank's side, the same under a pipe (`_rank_main`) and as a Ray actor
+    (`rollover.runtime.trainer_group`): its FSDPTrainer in a process group, and the calls the
+    driver makes."""
+
+    def __init__(self, rank: int, world: int, init_method: str, cfg, model, pad_id: int, threads: int | None):
         from rollover.loops.common import seed_everything, use_deterministic_kernels
         from rollover.train.fsdp import FSDPTrainer, process_group
 
-        torch.set_num_threads(threads)
+        if threads:
+            torch.set_num_threads(threads)
         if cfg.train.deterministic:
             use_deterministic_kernels()
         seed_everything(cfg.seed)
@@ -65,12 +69,62 @@ def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int,
         device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
         if cuda:
             torch.cuda.set_device(device)
-        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-        with process_group(backend, rank, world, init_method, cfg.train.collective_timeout_s):
-            trainer = FSDPTrainer(model, cfg, device=device, pad_id=pad_id)
-            del model
-            conn.send(("ok", {"pid": os.getpid(), "device": str(device), "is_peft": trainer.is_peft}))
-            _serve(trainer, rank, conn)
+        self.rank = rank
+        self._group = process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank, world, init_method,
+                                    cfg.train.collective_timeout_s)
+        self._group.__enter__()
+        self.trainer = FSDPTrainer(model, cfg, device=device, pad_id=pad_id)
+        self.info = {"pid": os.getpid(), "device": str(device), "is_peft": self.trainer.is_peft}
+        self._buckets = None
+
+    def train_step(self, batch, groups, profile: bool = False):
+        t = self.trainer
+        if profile:
+            metrics, seconds, comm = t.profiled_step(batch, groups)
+            t.last_profile = {"step_s": seconds, "collective_s": comm}
+        else:
+            metrics = t.train_step(batch, groups)
+        return metrics, t.bad_steps
+
+    def begin_weights(self, bucket_bytes: int, dtype) -> None:
+        self._buckets = self.trainer.gather_buckets(bucket_bytes, dtype)
+
+    def next_bucket(self):
+        """The next bucket (rank 0's tensors; the other ranks' are empty), None after the last."""
+        bucket = next(self._buckets, None)
+        if bucket is None:
+            self._buckets = None
+        return bucket
+
+    def save_sharded(self, path: str) -> None:
+        self.trainer.save_sharded(path)
+
+    def load(self, state: dict, sharded: str | None) -> int:
+        self.trainer.load_state_dict(state)
+        if sharded is not None:
+            self.trainer.load_sharded(sharded)
+        return self.trainer.bad_steps
+
+    def state_dict(self) -> dict:
+        from rollover.runtime.trainer import _to_cpu
+
+        return _to_cpu(self.trainer.state_dict())
+
+    def stats(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), **self.trainer.state_bytes(), "peak_rss_gb": _peak_rss_gb(),
+                **getattr(self.trainer, "last_profile", {})}
+
+    def close(self) -> None:
+        self._group.__exit__(None, None, None)
+
+
+def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int, threads: int, conn) -> None:
+    """One rank as a process of this machine: answer the driver's calls on `conn` until `close`."""
+    try:
+        server = RankServer(rank, world, init_method, cfg, model, pad_id, threads)
+        del model
+        conn.send(("ok", server.info))
+        _serve(server, conn)
     except (EOFError, KeyboardInterrupt):  # the driver went away
         pass
     except BaseException:
@@ -80,43 +134,24 @@ def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int,
             pass
 
 
-def _serve(trainer, rank: int, conn) -> None:
+def _serve(server: RankServer, conn) -> None:
     while True:
         call, *args = conn.recv()
         try:
             if call == "close":
                 conn.send(("ok", None))
+                server.close()
                 return
-            if call == "train_step":
-                batch, groups, profile = args
-                if profile:
-                    metrics, seconds, comm = trainer.profiled_step(batch, groups)
-                    trainer.last_profile = {"step_s": seconds, "collective_s": comm}
-                else:
-                    metrics = trainer.train_step(batch, groups)
-                conn.send(("ok", (metrics, trainer.bad_steps)))
-            elif call == "stats":
-                conn.send(("ok", {"rank": rank, "pid": os.getpid(), **trainer.state_bytes(), "peak_rss_gb": _peak_rss_gb(),
-                                  **getattr(trainer, "last_profile", {})}))
-            elif call == "weights":
-                bucket_bytes, dtype = args
+            if call == "weights":  # every bucket in turn, rank 0 sending each as it fills
+                server.begin_weights(*args)
                 n = 0
-                for bucket in trainer.gather_buckets(bucket_bytes, dtype):
-                    if rank == 0:
+                while (bucket := server.next_bucket()) is not None:
+                    if server.rank == 0:
                         conn.send(("bucket", bucket))
                         n += len(bucket)
                 conn.send(("ok", n))
-            elif call == "save_sharded":
-                trainer.save_sharded(args[0])
-                conn.send(("ok", None))
-            elif call == "load":
-                state, sharded = args
-                trainer.load_state_dict(state)
-                if sharded is not None:
-                    trainer.load_sharded(sharded)
-                conn.send(("ok", trainer.bad_steps))
-            elif call == "state_dict":
-                conn.send(("ok", trainer.state_dict()))
+            elif call in ("train_step", "save_sharded", "load", "state_dict", "stats"):
+                conn.send(("ok", getattr(server, call)(*args)))
             else:
                 raise ValueError(f"unknown call {call!r}")
         except BaseException:

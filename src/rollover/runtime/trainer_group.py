@@ -1,0 +1,173 @@
+"""The sharded trainer's ranks as a group of Ray actors (`runtime: ray`, `train.parallel: fsdp`,
+`train.ranks: N`, `ray.trainer: actor`): the same ranks as `rollover.train.ranks` (each a
+`RankServer` holding an FSDPTrainer), placed by Ray on any nodes with `ray.cpus_for_trainer`
+CPUs and `ray.gpus_for_trainer` GPUs each, counted by the placement check before anything
+starts. Rank 0's node and a free port there join them into one process group (gloo on CPUs,
+NCCL on GPUs).
+
+`RayShardedTrainer` answers the loops' calls as `rollover.train.ranks.ShardedTrainer` does:
+each rank trains its share of a step; weights come from rank 0 in buckets, one gather per call
+on every rank; checkpoints write the Hugging Face model from those buckets (in the driver's run
+dir) and each rank's shards under the checkpoint's `sharded/` (each rank writes on its own node:
+on several machines the run dir must be on a shared filesystem for a resume to find them).
+
+Faults: a rank actor that dies ends the call waiting on it at once with `RankLost` naming the
+rank; the other ranks are killed, and the run stops at its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+from rollover.runtime.live import first_line, kill_actor
+from rollover.train.ranks import RankLost, RankServer, ShardedModel
+
+log = logging.getLogger("rollover")
+
+
+class TrainerRank:
+    """One rank's actor: a `RankServer` built once the group's address is known."""
+
+    def __init__(self, sys_path: list[str]):
+        for path in reversed(sys_path):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+        self.server = None
+
+    def address(self) -> str:
+        """tcp://IP:PORT on this actor's node (rank 0's is the group's rendezvous)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def start(self, rank: int, world: int, init_method: str, cfg, model, pad_id: int) -> dict:
+        import ray
+        import torch
+
+        threads = None if ray.get_gpu_ids() else max(1, int(cfg.ray.cpus_for_trainer))
+        if not ray.get_gpu_ids() and cfg.device != "cpu":
+            cfg = cfg.model_copy(update={"device": "cpu"})  # no GPU reserved for this rank: its CPUs
+        self.server = RankServer(rank, world, init_method, cfg, model, pad_id, threads)
+        return {**self.server.info, "node": ray.util.get_node_ip_address(), "torch_threads": torch.get_num_threads()}
+
+    def call(self, name: str, *args):
+        return getattr(self.server, name)(*args)
+
+
+class RayShardedTrainer:
+    """`Trainer`'s calls, answered by N `TrainerRank` actors (see the module docstring)."""
+
+    sharded = True
+
+    def __init__(self, model, cfg, *, pad_id: int, checkpoint=None):
+        import ray
+
+        from rollover.runtime import check_resources, start_ray
+
+        self.cfg, self.rc, self.world = cfg, cfg.ray, cfg.train.ranks
+        self.checkpoint, self.bad_steps, self.actors = checkpoint, 0, []
+        self.architecture = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self._lock = threading.RLock()
+        self.owns_ray = start_ray(cfg)
+        try:
+            check_resources(cfg)
+            actor = ray.remote(TrainerRank).options(num_cpus=self.rc.cpus_for_trainer, num_gpus=self.rc.gpus_for_trainer)
+            self.actors = [actor.remote(list(sys.path)) for _ in range(self.world)]
+            init = self._get([self.actors[0].address.remote()], "start")[0]
+            shared = ray.put(model)
+            infos = self._get([a.start.remote(r, self.world, init, cfg, shared, pad_id) for r, a in enumerate(self.actors)],
+                              "start", timeout=self.rc.sync_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.is_peft, self.pids = infos[0]["is_peft"], [i["pid"] for i in infos]
+        self.model = ShardedModel(self, model)
+        log.info("trainer: %d FSDP ranks as Ray actors (%s)", self.world,
+                 ", ".join(f"node {i['node']} {i['device']}" for i in infos))
+
+    # ------------------------------------------------------------ Trainer's calls
+    def train_step(self, batch, profile: bool = False) -> dict:
+        from rollover.train.fsdp import split_batch
+
+        groups = batch.group_index_B.unique().tolist()
+        with self._lock:
+            refs = [a.call.remote("train_step", batch.select(share), groups, profile)
+                    for a, share in zip(self.actors, split_batch(batch, self.world))]
+            metrics, self.bad_steps = self._get(refs, "train_step")[0]
+        return metrics
+
+    def named_weights(self):
+        """The policy's full tensors (LoRA merged), from rank 0 bucket by bucket."""
+        for bucket in self._buckets(None):
+            yield from bucket
+
+    def state_dict(self) -> dict:
+        return {"sharded": True, **self._all("state_dict")[0]}
+
+    def load_state_dict(self, state: dict) -> None:
+        from rollover.config import ConfigError
+
+        if not state.get("sharded"):
+            raise ConfigError("the checkpoint was written by one trainer (train.parallel=none): its optimizer state is "
+                              "not sharded; resume it with train.parallel=none")
+        sharded = self.checkpoint / "sharded" if self.checkpoint is not None else None
+        state = {k: v for k, v in state.items() if k != "sharded"}
+        self.bad_steps = self._all("load", state, None if sharded is None else str(sharded))[0]
+
+    def stats(self) -> list[dict]:
+        return self._all("stats")
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
+            kill_actor(a)
+        self.actors = []
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    # ------------------------------------------------------------ internals
+    def _buckets(self, dtype):
+        bucket_bytes = int(self.cfg.train.weight_bucket_mb * 2**20)
+        with self._lock:
+            self._all("begin_weights", bucket_bytes, dtype)
+            while True:
+                bucket = self._get([a.call.remote("next_bucket") for a in self.actors], "weights")[0]
+                if bucket is None:
+                    return
+                yield bucket
+
+    def _all(self, name: str, *args) -> list:
+        with self._lock:
+            return self._get([a.call.remote(name, *args) for a in self.actors], name)
+
+    def _get(self, refs: list, what: str, timeout: float | None = None) -> list:
+        """Every rank's answer; the first rank to die or fail ends the wait (RankLost)."""
+        import ray
+
+        index = {ref: r for r, ref in enumerate(refs)}
+        pending, out = list(refs), {}
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                self.close()
+                raise RankLost(f"trainer ranks did not answer {what} within {timeout:g} s (ray.sync_timeout_s)")
+            ref = ready[0]
+            try:
+                out[index[ref]] = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self.close()
+                raise RankLost(f"trainer rank {index[ref]} of {self.world} (a Ray actor) died during {what}: "
+                               f"{first_line(e)}; the run stops at its last checkpoint (run the same command to "
+                               "resume from it)") from None
+            except ray.exceptions.RayTaskError as e:
+                self.close()
+                raise RankLost(f"trainer rank {index[ref]} of {self.world} failed during {what}: {first_line(e)}") from None
+        return [out[r] for r in range(len(refs))]
