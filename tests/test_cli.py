@@ -341,3 +341,21 @@ def test_version_and_every_argument_has_help(monkeypatch, capsys):
     missing = [(p.prog, a.dest) for p in parsers + subs for a in p._actions
                if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help]
     assert missing == []
+
+
+def test_a_closed_pipe_and_an_early_ctrl_c_end_without_a_traceback(monkeypatch, capsys):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(f"{sys.executable} -m rollover.cli train --help-config | head -n 2", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert len(proc.stdout.splitlines()) == 2 and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+    import rollover.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "train", (interrupted, "x"))
+    assert main(["train", "steps=1"]) == 130
+    assert capsys.readouterr().err.strip() == "rollover: interrupted; nothing was started"

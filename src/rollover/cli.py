@@ -326,6 +326,19 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a reader that closes the pipe (`| head`) and a Ctrl-C before a command
+    took over end it quietly, never with a traceback."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # stdout's reader went away: say nothing more (and let exit's flush not fail)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:  # before a command's own handling began (importing torch, say)
+        print("\nrollover: interrupted; nothing was started", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(usage())

@@ -806,6 +806,12 @@ class Config(Section):
             if s.dars_max_samples is not None and s.dars_max_samples <= self.rollout.samples_per_prompt:
                 problems.append(f"selection.dars_max_samples={s.dars_max_samples} must be above "
                                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
+        if a.loss_options:  # checked now, not at the first update after the run dir was written
+            from rollover.algos.policy import check_loss_options
+
+            wrong = check_loss_options(a)
+            if wrong:
+                problems.append(f"algorithm.loss_options={a.loss_options} for algorithm.loss={a.loss}: {wrong}")
         if t.ranks > 1 and t.parallel != "fsdp":
             problems.append(f"train.ranks={t.ranks} needs train.parallel=fsdp (one trainer cannot use several ranks)")
         if t.parallel == "fsdp" and self.runtime == "ray" and self.ray.trainer != "actor":

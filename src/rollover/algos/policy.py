@@ -403,6 +403,37 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
 }
 
 
+def loss_options(algorithm) -> dict:
+    """`policy_loss` keyword arguments from a config's algorithm section (its `loss_options`
+    first, then the named keys: clip bounds, dual clip, TIS, M2PO)."""
+    a = algorithm
+    opts = dict(a.loss_options)
+    if a.loss != "bapo":
+        opts.setdefault("eps_low", a.eps_low)
+        opts.setdefault("eps_high", a.eps_high)
+    if a.dual_clip is not None:
+        opts.setdefault("dual_clip", a.dual_clip)
+    if a.tis_cap is not None:
+        opts.setdefault("is_level", "token")
+        opts.setdefault("is_mode", "truncate")
+        opts.setdefault("is_cap", a.tis_cap)
+    if a.m2po_tau is not None:
+        opts.setdefault("m2po_tau", a.m2po_tau)
+    return opts
+
+
+def check_loss_options(algorithm) -> str | None:
+    """None when the loss takes the section's options, else what is wrong with them: the loss
+    runs once on a one-token batch, so an unknown key or a bad value is found before training."""
+    B = torch.zeros((1, 1))
+    try:
+        policy_loss(algorithm.loss, B, B, torch.zeros(1), torch.ones((1, 1), dtype=torch.bool), B.clone(),
+                    **loss_options(algorithm))
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def policy_loss(
     name: str,
     logp_BT: Tensor,

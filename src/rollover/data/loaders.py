@@ -140,10 +140,20 @@ def row_to_prompt(
     return Prompt(id=id, messages=messages, text=text, answer=answer, fields=fields)
 
 
+def _check_text(text: str, what: str) -> None:
+    """Text a tokenizer can take: JSON admits lone surrogates (\\ud800), which no encoder does."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRowError(f"{what} holds {text[exc.start:exc.end].encode('unicode_escape').decode()} at character "
+                          f"{exc.start + 1}, a lone surrogate that is not text") from None
+
+
 def _check_prompt(prompt: object, key: str) -> tuple[str | None, list[dict] | None]:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise BadRowError(f"prompt column {key!r} is an empty string")
+        _check_text(prompt, f"prompt column {key!r}")
         return prompt, None
     if not isinstance(prompt, list) or not prompt:
         raise BadRowError(
@@ -156,6 +166,7 @@ def _check_prompt(prompt: object, key: str) -> tuple[str | None, list[dict] | No
         for part in ("role", "content"):
             if not isinstance(message.get(part), str):
                 raise BadRowError(f"prompt message {i} needs a string {part!r}, got {message!r}")
+            _check_text(message[part], f"prompt message {i}'s {part!r}")
     # Keep only role/content: parquet structs add null columns for keys other rows have.
     return None, [{"role": m["role"], "content": m["content"]} for m in prompt]
 

@@ -50,9 +50,18 @@ log = logging.getLogger("rollover")
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda requested but torch sees no CUDA device")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"device={name!r} is not a device torch knows ({e})") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"device={name!r}: torch sees no CUDA device here")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"device={name!r}: torch sees {count} CUDA device{'s' if count > 1 else ''} "
+                              f"(cuda:0 to cuda:{count - 1})")
+    return device
 
 
 def use_deterministic_kernels() -> None:
@@ -339,6 +348,10 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
     prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts)
     skipped += too_long
+    if cfg.rollout.prompts_per_step > len(train_prompts):
+        log.warning("rollout.prompts_per_step=%d is more than the %d training prompts: every step trains each prompt "
+                    "about %.1f times", cfg.rollout.prompts_per_step, len(train_prompts),
+                    cfg.rollout.prompts_per_step / len(train_prompts))
     model = _load_model(cfg, ckpt)
     ctx = getattr(model.config, "max_position_embeddings", None)
     longest = max(map(len, prompt_ids.values())) + cfg.rollout.max_new_tokens

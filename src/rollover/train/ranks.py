@@ -196,12 +196,15 @@ class ShardedModel:
             for n, t in bucket:
                 index[n] = name
                 total += t.numel() * t.element_size()
-        for old in range(files):  # name the files "-of-" once their count is known, as transformers does
-            src = path / f"model-{old + 1:05d}.safetensors"
-            src.rename(path / f"model-{old + 1:05d}-of-{files:05d}.safetensors")
-        index = {n: f.replace(".safetensors", f"-of-{files:05d}.safetensors") for n, f in index.items()}
-        (path / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
+        if files == 1:  # one file: model.safetensors, no index (as transformers writes it)
+            (path / "model-00001.safetensors").rename(path / "model.safetensors")
+        else:  # name the files "-of-" once their count is known, as transformers does
+            for old in range(files):
+                src = path / f"model-{old + 1:05d}.safetensors"
+                src.rename(path / f"model-{old + 1:05d}-of-{files:05d}.safetensors")
+            index = {n: f.replace(".safetensors", f"-of-{files:05d}.safetensors") for n, f in index.items()}
+            (path / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
         self.config.save_pretrained(path)
         if self.generation_config is not None:
             self.generation_config.save_pretrained(path)

@@ -1,0 +1,56 @@
+"""Bad input named before a run starts: devices, loss options, text rows, oversized steps."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from rollover.config import ConfigError, load_config
+from rollover.data.loaders import DataError, load_prompts
+from rollover.loops.common import pick_device
+
+
+def test_an_unavailable_device_is_a_config_error_naming_it():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with pytest.raises(ConfigError, match=r"device='cuda:7': torch sees no CUDA device here"):
+        pick_device("cuda:7")
+    with pytest.raises(ConfigError, match=r"device='gpu' is not a device torch knows"):
+        pick_device("gpu")
+
+
+def test_an_unknown_loss_option_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"algorithm.loss_options=\{'eps_lo': 0.1\} for algorithm.loss=ppo: .*eps_lo"):
+        load_config(None, ["algorithm.loss_options={eps_lo: 0.1}"])
+    with pytest.raises(ConfigError, match=r"algorithm.loss_options=.*is_mode"):
+        load_config(None, ["algorithm.loss_options={is_level: token, is_mode: sideways, is_cap: 2}"])
+    ok = load_config(None, ["algorithm.loss_options={is_level: sequence, is_mode: truncate, is_cap: 2.0}"])
+    assert ok.algorithm.loss_options["is_cap"] == 2.0
+
+
+def test_a_lone_surrogate_is_a_bad_row_named_by_line_and_skippable(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "ok", "answer": "1"}\n{"prompt": "bad \\ud800", "answer": "2"}\n'
+                    '{"prompt": [{"role": "user", "content": "x \\udfff"}], "answer": "3"}\n')
+    with pytest.raises(DataError, match=r"p.jsonl line 2: prompt column 'prompt' holds \\ud800 at character 5"):
+        load_prompts(path)
+    kept = load_prompts(path, on_bad_row="skip")
+    assert [p.answer for p in kept.prompts] == ["1"]
+    assert [b.where.rsplit(" ", 1)[1] for b in kept.skipped] == ["2", "3"]
+
+
+def test_a_step_larger_than_the_data_warns(tmp_path, caplog):
+    from rollover.loops.common import build_run
+    from rollover.testing import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "m", "llama", seed=3)
+    cfg = load_config(None, [f"model={model}", f"run_dir={tmp_path / 'run'}", "device=cpu", "data.train=gen:arithmetic?n=12",
+                             "data.eval_size=2", "rollout.prompts_per_step=40", "rollout.max_new_tokens=4",
+                             "logging.tensorboard=false"])
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        run = build_run(cfg, record=False)
+        run.close()
+    assert "rollout.prompts_per_step=40 is more than the 10 training prompts" in caplog.text
