@@ -359,3 +359,19 @@ def test_a_closed_pipe_and_an_early_ctrl_c_end_without_a_traceback(monkeypatch, 
     monkeypatch.setitem(cli.COMMANDS, "train", (interrupted, "x"))
     assert main(["train", "steps=1"]) == 130
     assert capsys.readouterr().err.strip() == "rollover: interrupted; nothing was started"
+
+
+def test_eval_of_a_checkpoint_from_another_directory_uses_its_own_model(model_dir, tmp_path, monkeypatch, capsys):
+    """A run trained with a relative model path: its checkpoint is evaluated from elsewhere with
+    the model it holds, not the saved config's (now unreachable) relative path."""
+    import shutil
+
+    shutil.copytree(model_dir, tmp_path / "m")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *overrides("m", "run")]) == 0
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    capsys.readouterr()
+    assert main(["eval", str(ckpt)]) == 0
+    assert printed(capsys.readouterr().out)["weights"] == f"checkpoint {ckpt} (step 2) [--checkpoint]"

@@ -208,7 +208,7 @@ def test_second_signal_exits_at_once_without_saving(model_dir, tmp_path):
     while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.2)
+    time.sleep(0.5)  # past Interrupts.REPEAT_S: a second request, not the first delivered twice
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
@@ -246,3 +246,21 @@ def test_a_second_process_on_the_same_run_dir_is_refused(model_dir, tmp_path):
         first.close()
     train_sync(cfg)  # released: the run dir is usable again
     assert [r["step"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"] == [1, 2]
+
+
+def test_one_signal_delivered_twice_at_once_is_one_request(monkeypatch):
+    """GNU timeout (or anything that signals the process and its group) delivers SIGTERM twice
+    at once: that is one request to stop after the step, not the second that exits unsaved."""
+    import io
+
+    from rollover.loops.guard import Interrupts
+
+    exits = []
+    monkeypatch.setattr("os._exit", lambda code: exits.append(code))
+    guard = Interrupts(stream=io.StringIO())
+    guard._handle(signal.SIGTERM, None)
+    guard._handle(signal.SIGTERM, None)
+    assert guard.requested == "SIGTERM" and exits == []
+    time.sleep(Interrupts.REPEAT_S + 0.05)
+    guard._handle(signal.SIGTERM, None)
+    assert exits == [128 + signal.SIGTERM]

@@ -183,7 +183,11 @@ def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | No
         why = f"latest checkpoint of {run_dir}" if ckpt is not None else f"{run_dir} has no checkpoint"
     else:
         why = "--base" if base else "--checkpoint"
-    run = build_run(cfg.model_copy(update={"resume": str(ckpt) if ckpt is not None else "never"}), record=False)
+    update = {"resume": str(ckpt) if ckpt is not None else "never"}
+    if ckpt is not None and (Path(ckpt) / "model" / "config.json").is_file():
+        # its own full model and tokenizer: the saved config's model path may be relative to another directory
+        update["model"] = str(Path(ckpt) / "model")
+    run = build_run(cfg.model_copy(update=update), record=False)
     try:
         weights = (f"checkpoint {run.checkpoint} (step {run.start_step})" if run.checkpoint
                    else f"base model {cfg.model}")

@@ -60,14 +60,20 @@ def engine_progress(engine) -> tuple:
 class Interrupts:
     """Context manager: the first SIGINT/SIGTERM sets `requested`; a second one exits now.
 
+    A repeat within `REPEAT_S` (a quarter second) of the first is the same request, not a second one: GNU `timeout`,
+    a job scheduler or a terminal that signals the process and its group delivers one signal
+    twice at once.
+
     Installs handlers only in the main thread (Python delivers signals there); elsewhere it is
     inert. The previous handlers come back on exit.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    REPEAT_S = 0.25  # a duplicate arrives within microseconds; a person pressing Ctrl-C again takes longer
 
     def __init__(self, stream=None):
         self.requested: str | None = None  # "SIGINT" / "SIGTERM" once one arrived
+        self._first_at = 0.0
         self.stream = stream
         self._previous: dict = {}
 
@@ -85,8 +91,13 @@ class Interrupts:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         out = self.stream or sys.stderr
+        import time
+
+        if self.requested is not None and time.monotonic() - self._first_at < self.REPEAT_S:
+            return  # the same signal delivered twice (to the process and to its group)
         if self.requested is None:
             self.requested = name
+            self._first_at = time.monotonic()
             print(f"\nrollover: {name} received: finishing this step, then saving a checkpoint and exiting "
                   f"(send it again to exit at once without saving)", file=out, flush=True)
             return
