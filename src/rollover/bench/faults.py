@@ -153,15 +153,16 @@ def _chain(args, mode: str, root: Path, rng: random.Random, kills: int, step_s: 
                 f.seek(offset)
                 text = f.read()
                 failed = "Traceback" in text
-            if killed_before:  # this process resumed a killed run: without an error, hang or bad exit?
-                out["resumed_clean"] += int(rc in (0, None) and not failed and not hung)
+            named = rank_killed and "trainer rank" in text and "died" in text and not failed
+            if killed_before:  # this process resumed a killed run: without an error, hang or bad exit (other than
+                # the one-line stop its own rank's kill asks for)?
+                out["resumed_clean"] += int((rc in (0, None) or named) and not failed and not hung)
             if hung:
                 out["hangs"] += 1
                 break
             if rank_killed and rc not in (0, None):  # the driver stopped after its rank died
                 out["trials"] += 1
-                out["rank_errors_named"] = out.get("rank_errors_named", 0) + int(
-                    "trainer rank" in text and "died" in text and "Traceback" not in text)
+                out["rank_errors_named"] = out.get("rank_errors_named", 0) + int(named)
                 killed_before = True
                 continue
             if rc is None:  # killed by us
