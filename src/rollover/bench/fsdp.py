@@ -3,11 +3,12 @@
 For each world size N (`--ranks 1 2 4`) the trainer's N rank processes (`train.parallel=fsdp`,
 gloo on a CPU) train the same synthetic batch (8 groups x 4 samples, prompts of ~40 tokens,
 responses of ~38, as `benchmarks/train_step.py`) for one unmeasured and `--steps` measured
-steps, the last one under torch's profiler. Reported per world size: the step's seconds (as the
-driver waits for it), and per rank the bytes of weights, gradients and AdamW state it holds
-(against 1/N of world size 1's: FSDP's promise), its resident high-water mark (which also counts
-the full model it received once, through shared memory, before sharding it), and the share of
-its profiled step spent inside collectives. Default model: a ~0.5B Llama with random weights
+steps, then one more with its collectives timed (FSDP's all-gathers and reduce-scatters made
+synchronous, each call clocked: that step may run a little slower than the others). Reported
+per world size: the measured steps' seconds (as the driver waits for them), and per rank the
+bytes of weights, gradients and AdamW state it holds (against 1/N of world size 1's: FSDP's
+promise), its resident high-water mark over all the steps, and the share of the timed step
+spent inside collectives. Default model: a ~0.5B Llama with random weights
 (`rollover bench memory`'s); the ranks split this machine's cores between them.
 """
 
@@ -53,10 +54,11 @@ def measure(model_path: str, world: int, steps: int, overrides: list[str]) -> di
     try:
         trainer.train_step(batch)  # unmeasured
         seconds = []
-        for k in range(steps):
+        for _ in range(steps):
             t0 = time.perf_counter()
-            trainer.train_step(batch, profile=k == steps - 1)
+            trainer.train_step(batch)
             seconds.append(time.perf_counter() - t0)
+        trainer.train_step(batch, profile=True)
         ranks = trainer.stats()
     finally:
         trainer.close()
