@@ -106,6 +106,28 @@ def test_a_step_at_world_size_n_equals_one_trainers(world, over):
         sharded.close()
 
 
+def test_bf16_mixed_precision_and_gradient_checkpointing_at_world_size_2():
+    """train.dtype=autocast_bf16 (FSDP's bf16 passes, fp32 master weights and reductions) with
+    gradient checkpointing: the step's loss and gradient norm within bf16's precision of one
+    trainer's under bf16 autocast, and the weights stay float32."""
+    cfg = cfg_of(**{"train.ranks": 2, "train.dtype": "autocast_bf16", "train.gradient_checkpointing": True})
+    model = tiny_model("llama", seed=3)
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        b = batch_of(4)
+        mp, ms = plain.train_step(b), sharded.train_step(b)
+        assert ms["actor/pg_loss"] == pytest.approx(mp["actor/pg_loss"], rel=0.05, abs=2e-3)
+        assert ms["actor/grad_norm"] == pytest.approx(mp["actor/grad_norm"], rel=0.05)
+        got = weights(sharded)
+        assert all(t.dtype == torch.float32 for t in got.values())
+        # Adam's first step is about lr x sign(gradient): elements whose bf16 gradients differ in sign move apart
+        diff = torch.cat([(got[k] - w).abs().flatten() for k, w in weights(plain).items()])
+        assert float((diff > 0.5 * cfg.train.lr).float().mean()) < 0.05
+    finally:
+        sharded.close()
+
+
 def test_lora_step_at_world_size_2_equals_one_trainers():
     cfg = cfg_of(**{"train.ranks": 2, "train.lora": {"r": 4, "alpha": 8}})
     model = apply_lora(tiny_model("llama", seed=3), cfg.train.lora)

@@ -51,6 +51,7 @@ def measure(model_path: str, world: int, steps: int, overrides: list[str]) -> di
     trainer = ShardedTrainer(model, cfg, pad_id=0)
     started = time.perf_counter() - t0
     del model
+    trainer.architecture = trainer.model = None  # no engine here: the driver lets its copy go
     try:
         trainer.train_step(batch)  # unmeasured
         seconds = []
