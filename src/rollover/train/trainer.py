@@ -99,8 +99,8 @@ class Trainer:
         self.device = device
         self.pad_id = pad_id
         if device.type == "cpu" and not self.sharded:  # process-wide: no fresh mapping for every large block
-            # (not in an FSDP rank: blocks its collectives' threads free stay in their arenas, and a 0.5B model's
-            # rank at 2 ranks peaked at 10.4 GB against 7.5 without it, benchmarks.md "Sharded trainer")
+            # (not in an FSDP rank: blocks its collectives' threads free stay in their arenas; a 0.5B model's rank
+            # at 2 ranks ran out of memory at 11.5 GB with it, 7.5 GB without, benchmarks.md "Sharded trainer")
             memory.large_blocks_from_the_heap()
         self.is_peft = hasattr(model, "get_base_model")
         if cfg.train.gradient_checkpointing:
