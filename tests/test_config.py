@@ -17,7 +17,8 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_parse(path):
     cfg = load_config(path)
-    assert cfg.model == "smollm2-135m-instruct"
+    # examples run offline on the embedded model, unless they say they need the hub
+    assert cfg.model == "smollm2-135m-instruct" or "needs the Hugging Face hub" in path.read_text()
 
 
 def test_overrides_and_types():

@@ -54,3 +54,52 @@ def test_a_step_larger_than_the_data_warns(tmp_path, caplog):
         run = build_run(cfg, record=False)
         run.close()
     assert "rollout.prompts_per_step=40 is more than the 10 training prompts" in caplog.text
+
+
+@pytest.mark.parametrize("damaged", ["state.pt", "model/model.safetensors"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_names_the_file(tmp_path, caplog, damaged):
+    from rollover.loops.sync import train_sync
+    from rollover.testing import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "m", "llama", seed=3)
+    over = [f"model={model}", f"run_dir={tmp_path / 'run'}", "device=cpu", "steps=2", "data.train=gen:arithmetic?n=40",
+            "data.eval_size=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
+            "eval.every=0", "eval.at_start=false", "checkpoint.every=1", "logging.progress=false", "logging.tensorboard=false"]
+    train_sync(load_config(None, over))
+    target = tmp_path / "run" / "checkpoints" / "step_000002" / damaged
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])  # cut short, as a full disk or a crash leaves it
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        result = train_sync(load_config(None, over[:3] + ["steps=3"] + over[4:]))
+    assert f"checkpoint step_000002 is damaged ({target}" in caplog.text
+    assert result["step"] == 3
+    from rollover.metrics import read_metrics
+
+    # step 2 trained again from step 1's checkpoint: its first row was dropped, none repeats
+    assert [r["step"] for r in read_metrics(tmp_path / "run", kind="train")] == [1, 2, 3]
+    # a damaged checkpoint named explicitly is refused, naming the file
+    from rollover.loops.common import build_run
+
+    target = tmp_path / "run" / "checkpoints" / "step_000003" / damaged
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=rf"the checkpoint is damaged: {target}"):
+        build_run(load_config(None, over[:3] + ["steps=4"] + over[4:] + [f"resume={target.parents[len(damaged.split('/')) - 1]}"]),
+                  record=False)
+
+
+def test_a_full_disk_at_checkpoint_time_says_so_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    import torch
+
+    from rollover.testing import tiny_model
+    from rollover.train import checkpoint
+
+    def full(*a, **kw):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 512 vs 0")
+
+    monkeypatch.setattr(torch, "save", full)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: type("U", (), {"free": 1024})())
+    with pytest.raises(OSError, match=r"no space left on the device of .*checkpoints while writing checkpoint step 3") as e:
+        checkpoint.save(tmp_path, 3, model=tiny_model("llama"), tokenizer=None, trainer_state={}, extra={}, keep=2)
+    assert e.value.errno == errno.ENOSPC
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # no temporary directory left behind

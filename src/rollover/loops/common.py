@@ -467,10 +467,13 @@ def _checkpoint_to_resume(cfg: Config) -> Path | None:
     if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
-        return checkpoint.latest(cfg.run_dir)
+        return checkpoint.latest_intact(cfg.run_dir)
     ckpt = Path(cfg.resume)
     if not (ckpt / "DONE").exists():
         raise ConfigError(f"resume={cfg.resume!r}: not a complete checkpoint directory (no DONE marker)")
+    why = checkpoint.damage(ckpt)
+    if why is not None:
+        raise ConfigError(f"resume={cfg.resume!r}: the checkpoint is damaged: {why}")
     return ckpt
 
 

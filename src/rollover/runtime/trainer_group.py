@@ -148,11 +148,27 @@ class RayShardedTrainer:
         with self._lock:
             return self._get([a.call.remote(name, *args) for a in self.actors], name)
 
+    def _dead(self, pending: list) -> int | None:
+        """The rank whose actor died, among the calls still out (waiting up to 3 s for them)."""
+        import ray
+
+        index = {ref: r for r, ref in enumerate(self._refs)}
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=3.0) if pending else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return index.get(ref)
+            except Exception:  # noqa: BLE001 - another failure, not a death
+                continue
+        return None
+
     def _get(self, refs: list, what: str, timeout: float | None = None) -> list:
         """Every rank's answer; the first rank to die or fail ends the wait (RankLost)."""
         import ray
 
         index = {ref: r for r, ref in enumerate(refs)}
+        self._refs = refs
         pending, out = list(refs), {}
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
@@ -168,6 +184,11 @@ class RayShardedTrainer:
                                f"{first_line(e)}; the run stops at its last checkpoint (run the same command to "
                                "resume from it)") from None
             except ray.exceptions.RayTaskError as e:
+                # a peer that died mid-collective fails this rank's collective at once: name the dead one
+                dead = self._dead(pending)
                 self.close()
+                if dead is not None:
+                    raise RankLost(f"trainer rank {dead} of {self.world} (a Ray actor) died during {what}; the run "
+                                   "stops at its last checkpoint (run the same command to resume from it)") from None
                 raise RankLost(f"trainer rank {index[ref]} of {self.world} failed during {what}: {first_line(e)}") from None
         return [out[r] for r in range(len(refs))]

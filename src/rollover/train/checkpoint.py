@@ -72,8 +72,12 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(e, root):
+            raise OSError(28, f"no space left on the device of {root} while writing checkpoint step {step} "
+                              f"({shutil.disk_usage(root).free / 2**20:.0f} MiB free now); nothing of it was kept, the "
+                              "previous checkpoint stands") from None
         raise
     for stale in root.glob(".step_*"):  # left by a process killed mid-save (one writer per run dir)
         shutil.rmtree(stale, ignore_errors=True)
@@ -83,8 +87,69 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
     return final
 
 
+def _disk_full(e: BaseException, root: Path) -> bool:
+    """Whether a failed write ran out of space (torch's zip writer says only "unexpected pos")."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    text = str(e)
+    if "No space left" in text:
+        return True
+    try:
+        return "unexpected pos" in text and shutil.disk_usage(root).free < 64 * 2**20
+    except OSError:
+        return False
+
+
 def load_state(path: str | Path) -> dict:
     path = Path(path)
     if not (path / "DONE").exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no DONE marker)")
-    return torch.load(path / "state.pt", weights_only=False)
+    try:
+        return torch.load(path / "state.pt", weights_only=False)
+    except (RuntimeError, OSError, EOFError) as e:
+        raise RuntimeError(f"{path / 'state.pt'} cannot be read: {' '.join(str(e).split())}") from None
+
+
+def damage(path: str | Path) -> str | None:
+    """What is wrong with a complete checkpoint's files (a file cut short or unreadable, named),
+    or None. Cheap: state.pt is opened memory-mapped, each safetensors file by its header (which
+    is checked against the file's length)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        torch.load(path / "state.pt", weights_only=False, mmap=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure to read it is damage
+        return f"{path / 'state.pt'}: {' '.join(str(e).split())[:200]}"
+    for f in sorted(path.glob("*/*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001
+            return f"{f}: {' '.join(str(e).split())[:200]}"
+    return None
+
+
+def latest_intact(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint whose files read back; a damaged newer one is passed over
+    with a warning naming its damaged file. When every one is damaged, an error (never a silent
+    start from scratch)."""
+    import logging
+
+    from rollover.config import ConfigError
+
+    root = checkpoint_dir(run_dir)
+    done = sorted((p for p in root.glob("step_*") if (p / "DONE").exists()), reverse=True) if root.exists() else []
+    first = None
+    for ckpt in done:
+        why = damage(ckpt)
+        if why is None:
+            return ckpt
+        logging.getLogger("rollover").warning("checkpoint %s is damaged (%s); resuming from the one before it",
+                                              ckpt.name, why)
+        first = first or why
+    if done:
+        raise ConfigError(f"every checkpoint in {root} is damaged (the newest: {first}); resume=never starts over")
+    return None

@@ -329,17 +329,22 @@ class ShardedTrainer:
         conn, proc = self.conns[rank], self.procs[rank]
         while True:
             ready = wait([conn, proc.sentinel] + [p.sentinel for p in self.procs if p is not proc])
-            if conn in ready:
-                try:
-                    kind, value = conn.recv()
-                except EOFError:
-                    self._lost(rank, what)
-                if kind == "error":
-                    self.close()
-                    raise RankLost(f"trainer rank {rank} failed during {what}:\n{value}")
-                return (kind, value) if raw else value
-            dead = next(r for r, p in enumerate(self.procs) if p.sentinel in ready)
-            self._lost(dead, what)
+            dead = next((r for r, p in enumerate(self.procs) if p.sentinel in ready), None)
+            if dead is not None:  # a death first: the errors of its peers' collectives follow from it
+                self._lost(dead, what)
+            try:
+                kind, value = conn.recv()
+            except EOFError:
+                self._lost(rank, what)
+            if kind == "error":
+                # a peer that died mid-collective fails this rank's collective at once: name the dead one
+                wait([p.sentinel for p in self.procs], timeout=2.0)
+                dead = next((r for r, p in enumerate(self.procs) if p.exitcode is not None and p.exitcode != 0), None)
+                if dead is not None and dead != rank:
+                    self._lost(dead, what)
+                self.close()
+                raise RankLost(f"trainer rank {rank} failed during {what}:\n{value}")
+            return (kind, value) if raw else value
 
     def _lost(self, rank: int, what: str):
         proc = self.procs[rank]
