@@ -196,8 +196,8 @@ print("RESULT", train_sync(cfg), flush=True)
 def test_second_signal_exits_at_once_without_saving(model_dir, tmp_path):
     from rollover.config import dump_config
 
-    slow = tmp_path / "slow_judge.py"  # every step takes >= 0.5 s: the second signal lands inside one
-    slow.write_text("import time\ndef judge(completion, answer, **kw):\n    time.sleep(0.5)\n    return 1.0\n")
+    slow = tmp_path / "slow_judge.py"  # every step takes >= 2 s: the second signal lands inside one
+    slow.write_text("import time\ndef judge(completion, answer, **kw):\n    time.sleep(2.0)\n    return 1.0\n")
     cfg = cfg_for(model_dir, tmp_path / "run", steps=200, **{"checkpoint.every": 0,
                                                              "reward.functions": [f"{slow}:judge"]})
     (tmp_path / "c.yaml").write_text(dump_config(cfg))

@@ -83,6 +83,7 @@ def test_split_batch_keeps_groups_whole_and_balances_tokens():
 @pytest.mark.parametrize("world,over", [
     (2, {"algorithm.aggregation": "token-mean"}),
     (2, {"algorithm.aggregation": "drgrpo", "train.mini_batches": 2}),
+    (2, {"algorithm.aggregation": "seq-mean-token-sum", "algorithm.kl_coef": 0.1}),  # and a sharded reference model
     (4, {"algorithm.aggregation": "seq-mean-token-mean", "train.micro_batch_tokens": 32, "train.pack_length": 16, "data.max_prompt_tokens": 8, "train.shared_prefix": False}),
 ])
 def test_a_step_at_world_size_n_equals_one_trainers(world, over):
@@ -95,7 +96,8 @@ def test_a_step_at_world_size_n_equals_one_trainers(world, over):
         # the second batch has one group: at world size 4 one rank trains no sequence (stand-in passes)
         for b in ([batch_of(5)] if world == 2 else [batch_of(5), batch_of(1, seed=1)]):
             mp, ms = plain.train_step(b), sharded.train_step(b)
-            for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/rollout_kl", "actor/masked_frac", "actor/clip_frac_high"):
+            for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/rollout_kl", "actor/masked_frac",
+                      "actor/clip_frac_high", *(["actor/kl"] if cfg.algorithm.kl_coef else [])):
                 assert ms[k] == pytest.approx(mp[k], rel=1e-5, abs=1e-7), k
             assert ms["actor/loss_tokens"] == mp["actor/loss_tokens"]  # the mean over the step's updates
             if cfg.train.mini_batches == 1:
