@@ -14,31 +14,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import random
 import time
 
 import torch
 
+from rollover.bench.fsdp import synthetic_batch  # the workload, shared with bench fsdp
 from rollover.bench.train import WORKLOAD
 from rollover.config import load_config
 from rollover.models import load_hf_model
-from rollover.train.batch import TrainBatch
 from rollover.train.trainer import Trainer
-from rollover.types import Rollout
-
-
-def synthetic_batch(seed: int = 0) -> TrainBatch:
-    rng = random.Random(seed)
-    rolls, adv = [], []
-    for g in range(8):
-        prompt = [rng.randrange(100, 40000) for _ in range(38 + g % 4)]
-        for j in range(4):
-            n = min(48, max(8, int(rng.gauss(38, 8))))
-            resp = [rng.randrange(100, 40000) for _ in range(n)]
-            rolls.append(Rollout(group_id=f"g{g}", prompt_ids=prompt, response_ids=resp, logprobs=[-1.0] * n,
-                                 versions=[0] * n, loss_mask=[1] * n, finish="stop", reward=0.0))
-            adv.append(float(j) - 1.5)
-    return TrainBatch.from_rollouts(rolls, adv)
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ import sys
 import threading
 
 from rollover.runtime.live import first_line, kill_actor
-from rollover.train.ranks import RankLost, RankServer, ShardedModel
+from rollover.train.ranks import RankGroup, RankLost, RankServer, ShardedModel
 
 log = logging.getLogger("rollover")
 
@@ -61,10 +61,8 @@ class TrainerRank:
         return getattr(self.server, name)(*args)
 
 
-class RayShardedTrainer:
+class RayShardedTrainer(RankGroup):
     """`Trainer`'s calls, answered by N `TrainerRank` actors (see the module docstring)."""
-
-    sharded = True
 
     def __init__(self, model, cfg, *, pad_id: int, checkpoint=None):
         import ray
@@ -92,37 +90,11 @@ class RayShardedTrainer:
         log.info("trainer: %d FSDP ranks as Ray actors (%s)", self.world,
                  ", ".join(f"node {i['node']} {i['device']}" for i in infos))
 
-    # ------------------------------------------------------------ Trainer's calls
-    def train_step(self, batch, profile: bool = False) -> dict:
-        from rollover.train.fsdp import split_batch
-
-        groups = batch.group_index_B.unique().tolist()
+    # ------------------------------------------------------------ internals
+    def _step(self, shares, groups, profile):
         with self._lock:
-            refs = [a.call.remote("train_step", batch.select(share), groups, profile)
-                    for a, share in zip(self.actors, split_batch(batch, self.world))]
-            metrics, self.bad_steps = self._get(refs, "train_step")[0]
-        return metrics
-
-    def named_weights(self):
-        """The policy's full tensors (LoRA merged), from rank 0 bucket by bucket."""
-        for bucket in self._buckets(None):
-            yield from bucket
-
-    def state_dict(self) -> dict:
-        return {"sharded": True, **self._all("state_dict")[0]}
-
-    def load_state_dict(self, state: dict) -> None:
-        from rollover.config import ConfigError
-
-        if not state.get("sharded"):
-            raise ConfigError("the checkpoint was written by one trainer (train.parallel=none): its optimizer state is "
-                              "not sharded; resume it with train.parallel=none")
-        sharded = self.checkpoint / "sharded" if self.checkpoint is not None else None
-        state = {k: v for k, v in state.items() if k != "sharded"}
-        self.bad_steps = self._all("load", state, None if sharded is None else str(sharded))[0]
-
-    def stats(self) -> list[dict]:
-        return self._all("stats")
+            refs = [a.call.remote("train_step", share, groups, profile) for a, share in zip(self.actors, shares)]
+            return self._get(refs, "train_step")[0]
 
     def close(self) -> None:
         import ray
@@ -133,7 +105,6 @@ class RayShardedTrainer:
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
 
-    # ------------------------------------------------------------ internals
     def _buckets(self, dtype):
         bucket_bytes = int(self.cfg.train.weight_bucket_mb * 2**20)
         with self._lock:

@@ -175,7 +175,7 @@ class ShardedModel:
     """What the driver holds in place of the policy: its config (and the driver's own copy as
     the engine's architecture), and `save_pretrained` done by the ranks."""
 
-    def __init__(self, owner: "ShardedTrainer", model):
+    def __init__(self, owner: "RankGroup", model):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._owner, self.config, self.generation_config = owner, base.config, getattr(base, "generation_config", None)
 
@@ -211,10 +211,52 @@ class ShardedModel:
         self._owner._all("save_sharded", str(path.parent / "sharded"))
 
 
-class ShardedTrainer:
-    """`Trainer`'s calls, answered by N rank processes (see the module docstring)."""
+class RankGroup:
+    """What the loops call on a sharded trainer, whatever carries the calls to its ranks:
+    subclasses give `_step(shares, groups, profile)` (rank 0's answer), `_buckets(dtype)` (rank
+    0's buckets as they fill) and `_all(call, *args)` (every rank's answer)."""
 
     sharded = True
+    world: int
+    checkpoint = None
+    bad_steps = 0
+
+    def train_step(self, batch, profile: bool = False) -> dict:
+        """One step, each rank training its share (whole groups, balanced by tokens); `profile`:
+        the ranks time their collectives (`stats` reports them)."""
+        from rollover.train.fsdp import split_batch
+
+        groups = batch.group_index_B.unique().tolist()
+        shares = [batch.select(share) for share in split_batch(batch, self.world)]
+        metrics, self.bad_steps = self._step(shares, groups, profile)
+        return metrics
+
+    def named_weights(self):
+        """The policy's full tensors (LoRA merged), streamed from rank 0 bucket by bucket."""
+        for bucket in self._buckets(None):
+            yield from bucket
+
+    def state_dict(self) -> dict:
+        return {"sharded": True, **self._all("state_dict")[0]}
+
+    def load_state_dict(self, state: dict) -> None:
+        from rollover.config import ConfigError
+
+        if not state.get("sharded"):
+            raise ConfigError("the checkpoint was written by one trainer (train.parallel=none): its optimizer state is "
+                              "not sharded; resume it with train.parallel=none")
+        sharded = self.checkpoint / "sharded" if self.checkpoint is not None else None
+        state = {k: v for k, v in state.items() if k != "sharded"}
+        self.bad_steps = self._all("load", state, None if sharded is None else str(sharded))[0]
+
+    def stats(self) -> list[dict]:
+        """Per rank: bytes of weights, gradients and optimizer state held, peak resident memory,
+        and the last profiled step's seconds and seconds in collectives."""
+        return self._all("stats")
+
+
+class ShardedTrainer(RankGroup):
+    """`Trainer`'s calls, answered by N rank processes (see the module docstring)."""
 
     def __init__(self, model, cfg, *, pad_id: int, checkpoint: Path | None = None):
         import torch.multiprocessing as mp
@@ -245,42 +287,12 @@ class ShardedTrainer:
         self.model = ShardedModel(self, model)
         log.info("trainer: %d FSDP ranks (%s)", self.world, ", ".join(f"{i['device']} pid {i['pid']}" for i in infos))
 
-    # ------------------------------------------------------------ Trainer's calls
-    def train_step(self, batch, profile: bool = False) -> dict:
-        """One step, each rank training its share; `profile`: the ranks time their collectives
-        (`stats` reports them)."""
-        from rollover.train.fsdp import split_batch
-
-        groups = batch.group_index_B.unique().tolist()
+    # ------------------------------------------------------------ internals
+    def _step(self, shares, groups, profile):
         with self._lock:
-            for r, share in enumerate(split_batch(batch, self.world)):
-                self._send(r, ("train_step", batch.select(share), groups, profile), "train_step")
-            replies = [self._recv(r, "train_step") for r in range(self.world)]
-        metrics, self.bad_steps = replies[0]
-        return metrics
-
-    def named_weights(self):
-        """The policy's full tensors (LoRA merged), streamed from rank 0 bucket by bucket."""
-        for bucket in self._buckets(None):
-            yield from bucket
-
-    def state_dict(self) -> dict:
-        return {"sharded": True, **self._all("state_dict")[0]}
-
-    def load_state_dict(self, state: dict) -> None:
-        from rollover.config import ConfigError
-
-        if not state.get("sharded"):
-            raise ConfigError("the checkpoint was written by one trainer (train.parallel=none): its optimizer state is "
-                              "not sharded; resume it with train.parallel=none")
-        sharded = self.checkpoint / "sharded" if self.checkpoint is not None else None
-        state = {k: v for k, v in state.items() if k != "sharded"}
-        self.bad_steps = self._all("load", state, None if sharded is None else str(sharded))[0]
-
-    def stats(self) -> list[dict]:
-        """Per rank: bytes of weights, gradients and optimizer state held, peak resident memory,
-        and the last profiled step's seconds and seconds in collectives."""
-        return self._all("stats")
+            for r, share in enumerate(shares):
+                self._send(r, ("train_step", share, groups, profile), "train_step")
+            return [self._recv(r, "train_step") for r in range(self.world)][0]
 
     def close(self) -> None:
         for r, (p, c) in enumerate(zip(self.procs, self.conns)):
@@ -298,7 +310,6 @@ class ShardedTrainer:
             c.close()
         self.procs, self.conns = [], []
 
-    # ------------------------------------------------------------ internals
     def _buckets(self, dtype):
         bucket_bytes = int(self.cfg.train.weight_bucket_mb * 2**20)
         with self._lock:
