@@ -11,8 +11,8 @@ What crosses the seam (one pipe per rank; tensors through shared memory):
 - a step: each rank its share of the `TrainBatch` (whole groups, balanced by tokens) and the
   step's group order; rank 0 answers with the step's metrics, summed over the ranks;
 - weights: every rank takes part in gathering each full tensor, and rank 0 sends them on in
-  buckets of `train.weight_bucket_mb` as they fill, so the engine loads them while the next
-  bucket is gathered and no rank holds a second full copy;
+  buckets of `train.weight_bucket_mb` as they fill, so no rank holds a second full copy (the
+  driver's engine takes the whole set: TorchEngine checks every name and shape before loading);
 - checkpoints: rank 0 writes the Hugging Face model from the gathered buckets (`model/`, what
   `rollover export` and `rollover eval` read) and every rank its shards of the weights and the
   optimizer state (`sharded/`, `torch.distributed.checkpoint`), read back at any world size.
