@@ -119,11 +119,10 @@ class RayShardedTrainer(RankGroup):
         with self._lock:
             return self._get([a.call.remote(name, *args) for a in self.actors], name)
 
-    def _dead(self, pending: list) -> int | None:
+    def _dead(self, pending: list, index: dict) -> int | None:
         """The rank whose actor died, among the calls still out (waiting up to 3 s for them)."""
         import ray
 
-        index = {ref: r for r, ref in enumerate(self._refs)}
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=3.0) if pending else ([], [])
         for ref in ready:
             try:
@@ -139,7 +138,6 @@ class RayShardedTrainer(RankGroup):
         import ray
 
         index = {ref: r for r, ref in enumerate(refs)}
-        self._refs = refs
         pending, out = list(refs), {}
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
@@ -156,7 +154,7 @@ class RayShardedTrainer(RankGroup):
                                "resume from it)") from None
             except ray.exceptions.RayTaskError as e:
                 # a peer that died mid-collective fails this rank's collective at once: name the dead one
-                dead = self._dead(pending)
+                dead = self._dead(pending, index)
                 self.close()
                 if dead is not None:
                     raise RankLost(f"trainer rank {dead} of {self.world} (a Ray actor) died during {what}; the run "

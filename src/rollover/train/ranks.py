@@ -106,9 +106,7 @@ class RankServer:
         return self.trainer.bad_steps
 
     def state_dict(self) -> dict:
-        from rollover.runtime.trainer import _to_cpu
-
-        return _to_cpu(self.trainer.state_dict())
+        return self.trainer.state_dict()  # the scheduler and counters: no tensors
 
     def stats(self) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), **self.trainer.state_bytes(), "peak_rss_gb": _peak_rss_gb(),
@@ -268,8 +266,9 @@ class ShardedTrainer(RankGroup):
         self.architecture = model.get_base_model() if hasattr(model, "get_base_model") else model
         ctx = mp.get_context("spawn")
         init = f"tcp://127.0.0.1:{_free_port()}"
-        threads = max(1, (os.cpu_count() or 1) // self.world) if cfg.device == "cpu" or not torch.cuda.is_available() \
-            else max(1, min(8, (os.cpu_count() or 1) // self.world))
+        threads = max(1, (os.cpu_count() or 1) // self.world)  # the ranks split the cores
+        if cfg.device != "cpu" and torch.cuda.is_available():
+            threads = min(8, threads)  # on a GPU a rank's host threads only feed it
         try:
             for rank in range(self.world):
                 parent, child = ctx.Pipe()
