@@ -246,3 +246,51 @@ def test_ray_trainer_rank_actors_train_as_one_trainer(model_dir, tmp_path):
         assert time.monotonic() - t0 < 30
     finally:
         group.close()
+
+
+@pytest.mark.parametrize("april", [False, True], ids=["sync", "april"])
+def test_colocated_engines_in_the_ranks_generate_and_train_as_one_trainer(model_dir, tmp_path, april):
+    """train.colocate: each rank's own engine generates its share of the step's requests (both
+    ranks get work), loads the new weights from its own gather, and the run trains the weights
+    the one-trainer run with one engine trains (seeded sampling: the same tokens wherever they are
+    generated)."""
+    over = {"partial_rollout.enabled": True, "partial_rollout.oversample": 1.5} if april else {}
+    train_sync(run_cfg(model_dir, tmp_path / "one", **over))
+    cfg = run_cfg(model_dir, tmp_path / "co", **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True,
+                                                   **over})
+    run = build_run(cfg)
+    from rollover.runtime.colocated import ColocatedEngines
+
+    assert isinstance(run.engine, ColocatedEngines)
+    per_rank = []
+    release = run.engine.release_memory
+
+    def before_training():  # what each rank's engine generated so far, as the loop hands the devices to training
+        per_rank.append([st.generated_tokens for st in run.engine._each("stats")])
+        release()
+
+    run.engine.release_memory = before_training
+    train_sync(cfg, run=run)
+    assert len(per_rank) == 4 and all(n > 0 for n in per_rank[-1])
+    one, co = final_weights(tmp_path / "one"), final_weights(tmp_path / "co")
+    assert max(float((one[k] - co[k]).abs().max()) for k in one) < 5e-5
+    rows = [r for r in map(__import__("json").loads, open(tmp_path / "co" / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_colocate_is_refused_where_it_cannot_run(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="train.colocate runs an engine in every trainer rank: it needs train.parallel=fsdp"):
+        run_cfg(model_dir, tmp_path, **{"train.colocate": True})
+    with pytest.raises(ConfigError, match="async mode needs engines of their own"):
+        run_cfg(model_dir, tmp_path, mode="async", **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True})
+
+
+def test_a_rank_killed_with_its_engine_ends_the_run_naming_it(model_dir, tmp_path):
+    cfg = run_cfg(model_dir, tmp_path, **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True,
+                                          "train.collective_timeout_s": 60})
+    run = build_run(cfg)
+    os.kill(run.trainer.procs[1].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"trainer rank 1 of 2 died"):
+        train_sync(cfg, run=run)
+    assert time.monotonic() - t0 < 30

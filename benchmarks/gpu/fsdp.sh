@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The FSDP trainer on one lent GPU, in one call (issue: sharded training): its step time beside
 # the plain trainer's (world size 1, NCCL), a short training run through the rank processes on
-# CUDA, and the largest Qwen2.5-shaped model that trains one step, without and with CPU offload.
+# CUDA (and one with the rank's own engine, train.colocate), and the largest Qwen2.5-shaped model that trains one step, without and with CPU offload.
 # Every step under its own limit; results under OUTDIR as they come.
 #
 #   bash benchmarks/gpu/fsdp.sh OUTDIR        (wheels in .whl/ as benchmarks/gpu/README.md says)
@@ -25,6 +25,11 @@ run train_ranks 45 $PY -m rollover.cli train device=$DEV model=/tmp/fsdp_tiny ru
   "data.train=gen:arithmetic?n=120" data.eval_size=4 rollout.prompts_per_step=4 rollout.samples_per_prompt=3 \
   rollout.max_new_tokens=6 eval.every=0 checkpoint.every=3 logging.progress=false train.parallel=fsdp train.ranks=1
 ls /tmp/fsdp_run/checkpoints/*/ >> "$OUT/train_ranks.log" 2>&1
+rm -rf /tmp/fsdp_colocated   # the rank's own engine on its GPU (train.colocate)
+run colocated 45 $PY -m rollover.cli train device=$DEV model=/tmp/fsdp_tiny run_dir=/tmp/fsdp_colocated steps=3 \
+  "data.train=gen:arithmetic?n=120" data.eval_size=4 rollout.prompts_per_step=4 rollout.samples_per_prompt=3 \
+  rollout.max_new_tokens=6 eval.every=0 checkpoint.every=3 logging.progress=false train.parallel=fsdp train.ranks=1 \
+  train.colocate=true
 TAIL=4 run largest 125 $PY benchmarks/gpu/fsdp_check.py largest --shapes $SHAPES --timeout 60 --json "$OUT/fsdp_largest.json"
 TAIL=4 run largest_offload 80 $PY benchmarks/gpu/fsdp_check.py largest --shapes 3b 7b --offload --timeout 60 \
   --json "$OUT/fsdp_largest_offload.json"

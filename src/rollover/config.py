@@ -337,6 +337,10 @@ class TrainConfig(Section):
     MiB (rank 0's extra memory during a push)."""
     collective_timeout_s: float = Field(600.0, gt=0)
     """train.parallel=fsdp: a rank waiting this long in a collective (a peer died) gives up."""
+    colocate: bool = False
+    """train.parallel=fsdp: every rank also runs a rollout engine on its own device (N GPUs
+    generate, not one), loaded from its own gather of the weights; the engines free their K/V
+    cache while the ranks train. Sync mode (APRIL included), TorchEngine, local runtime."""
 
 
 class EvalConfig(Section):
@@ -819,6 +823,18 @@ class Config(Section):
                             "(ray.cpus_for_trainer / ray.gpus_for_trainer are then per rank)")
         if t.fsdp_offload and t.parallel != "fsdp":
             problems.append("train.fsdp_offload applies to train.parallel=fsdp")
+        if t.colocate:
+            if t.parallel != "fsdp":
+                problems.append("train.colocate runs an engine in every trainer rank: it needs train.parallel=fsdp")
+            if self.mode != "sync":
+                problems.append("train.colocate: the ranks' engines share the devices with training, so they generate "
+                                "only between steps (mode=sync, APRIL included); async mode needs engines of their own")
+            if self.runtime != "local":
+                problems.append("train.colocate runs with runtime=local (with Ray, place rollout workers and trainer "
+                                "ranks with ray.gpus_per_worker / ray.gpus_for_trainer)")
+            if self.rollout.engine != "torch":
+                problems.append("train.colocate runs TorchEngine in the ranks (rollout.engine=torch); vLLM in the "
+                                "ranks is not built yet")
         if self.ray.trainer == "actor" and self.device == "cuda" and not self.ray.gpus_for_trainer:
             problems.append("device=cuda with ray.trainer=actor: give the trainer actor its GPU with "
                             "ray.gpus_for_trainer (it trains on the GPUs Ray reserves for it, else on its CPUs)")
@@ -1005,7 +1021,7 @@ RESUME_FREE_KEYS = (
     "reward.timeout_s", "reward.on_error", "reward.workers",
     "train.micro_batch_tokens", "train.pack_length", "train.shared_prefix", "train.gradient_checkpointing",
     "train.activation_memory_gb", "train.logit_chunk_tokens", "train.max_bad_steps", "train.deterministic",
-    "train.ranks", "train.fsdp_offload", "train.weight_bucket_mb", "train.collective_timeout_s",
+    "train.ranks", "train.fsdp_offload", "train.weight_bucket_mb", "train.collective_timeout_s", "train.colocate",
 )
 
 

@@ -386,9 +386,16 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         engine_factory = make_engine
     architecture = getattr(trainer, "architecture", None) or (
         trainer.model.get_base_model() if trainer.is_peft else trainer.model)
+    colocated = bool(getattr(trainer, "events", None))  # train.colocate: the engines live in the ranks
     try:
-        engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device,
-                                max_len=longest + 1, eos_token_ids=eos_token_ids)
+        if colocated:
+            from rollover.runtime.colocated import ColocatedEngines
+
+            engine = ColocatedEngines(trainer, cfg, max_len=longest + 1, eos_token_ids=eos_token_ids,
+                                      vocab_size=architecture.config.vocab_size)
+        else:
+            engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device,
+                                    max_len=longest + 1, eos_token_ids=eos_token_ids)
     except BaseException:
         getattr(trainer, "close", lambda: None)()  # a trainer actor
         raise
@@ -397,7 +404,12 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
               train_iter=PromptIterator(train_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
               data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder)
-    run.weights = RayWeightSync(engine) if cfg.runtime == "ray" else InProcessWeightSync(engine)
+    if colocated:
+        from rollover.runtime.colocated import ColocatedWeightSync
+
+        run.weights = ColocatedWeightSync(engine)
+    else:
+        run.weights = RayWeightSync(engine) if cfg.runtime == "ray" else InProcessWeightSync(engine)
     if cfg.selection.policy != "uniform" or cfg.selection.allocation != "fixed":
         from rollover.rollout.selection import PromptSelection
 

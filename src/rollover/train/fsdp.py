@@ -227,18 +227,21 @@ class FSDPTrainer(Trainer):
                                  if torch.is_tensor(v) and v.dim() > 0)}
 
     # ------------------------------------------------------------ weights
-    def gather_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def gather_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None,
+                       everyone: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full tensors, in buckets of about `bucket_bytes`, every rank taking part in each gather;
         rank 0's buckets hold the tensors (on the CPU, LoRA merged, floating ones in `dtype` if
-        given), the other ranks' are empty. Names are the HF model's (as `named_weights`)."""
+        given), the other ranks' are empty. With `everyone`, every rank's buckets hold them, on
+        its own device (for its colocated engine). Names are the HF model's (as `named_weights`)."""
         bucket, size = [], 0
+        keep = everyone or self.rank == 0
         for name, tensor in self._full_tensors():
             cast = dtype is not None and tensor.is_floating_point()
             # every rank counts the full tensor's bytes, so every rank closes its buckets (each
             # its own call, for Ray's rank actors) after the same tensors
             size += tensor.numel() * (torch.empty((), dtype=dtype).element_size() if cast else tensor.element_size())
-            if self.rank == 0:
-                t = tensor.detach().to("cpu")
+            if keep:
+                t = tensor.detach() if everyone else tensor.detach().to("cpu")
                 bucket.append((name, t.to(dtype) if cast else t))
             del tensor
             if size >= bucket_bytes:

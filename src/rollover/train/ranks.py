@@ -56,7 +56,10 @@ class RankServer:
     (`rollover.runtime.trainer_group`): its FSDPTrainer in a process group, and the calls the
     driver makes."""
 
-    def __init__(self, rank: int, world: int, init_method: str, cfg, model, pad_id: int, threads: int | None):
+    def __init__(self, rank: int, world: int, init_method: str, cfg, model, pad_id: int, threads: int | None,
+                 events=None):
+        from types import SimpleNamespace
+
         from rollover.loops.common import seed_everything, use_deterministic_kernels
         from rollover.train.fsdp import FSDPTrainer, process_group
 
@@ -73,9 +76,15 @@ class RankServer:
         self._group = process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank, world, init_method,
                                     cfg.train.collective_timeout_s)
         self._group.__enter__()
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self._architecture = SimpleNamespace(config=base.config, generation_config=getattr(base, "generation_config", None))
+        self.cfg, self.device = cfg, device
         self.trainer = FSDPTrainer(model, cfg, device=device, pad_id=pad_id)
         self.info = {"pid": os.getpid(), "device": str(device), "is_peft": self.trainer.is_peft}
         self._buckets = None
+        self.engine = None  # train.colocate: this rank's rollout engine, on its device
+        self._events = events  # where the engine's completions go (a sender thread drains `_outbox`)
+        self._outbox = None
 
     def train_step(self, batch, groups, profile: bool = False):
         t = self.trainer
@@ -112,14 +121,63 @@ class RankServer:
         return {"rank": self.rank, "pid": os.getpid(), **self.trainer.state_bytes(), "peak_rss_gb": _peak_rss_gb(),
                 **getattr(self.trainer, "last_profile", {})}
 
+    # ------------------------------------------------------------ a colocated engine (train.colocate)
+    def engine_start(self, max_len: int, eos_token_ids, bucket_bytes: int) -> None:
+        """Build this rank's engine on its device from the gathered weights (every rank gathers and
+        keeps each tensor). Its completions leave through `events`, sent by a thread of their own so
+        the engine never waits on the pipe."""
+        import queue
+
+        from rollover.engine import make_engine
+
+        weights = [nt for bucket in self.trainer.gather_buckets(bucket_bytes, everyone=True) for nt in bucket]
+        self.engine = make_engine(self.cfg, self._architecture, weights=weights, device=self.device, max_len=max_len,
+                                  eos_token_ids=eos_token_ids)
+        del weights
+        self._outbox = queue.SimpleQueue()
+        threading.Thread(target=self._send_events, name="rollover-rank-events", daemon=True).start()
+
+    def _send_events(self) -> None:
+        while (c := self._outbox.get()) is not None:
+            try:
+                self._events.send(c)
+            except (OSError, BrokenPipeError):  # the driver went away
+                return
+
+    def engine_submit(self, requests) -> None:
+        self.engine.submit_many(requests, on_done=self._outbox.put)
+
+    def engine_load(self, bucket_bytes: int, version: int, inflight: str):
+        """The trainer's weights into this rank's engine, a bucket at a time (no second full
+        copy), the engine paused meanwhile; returns what `inflight='abort'` aborted."""
+        paused = self.engine.paused
+        self.engine.pause()
+        try:
+            for bucket in self.trainer.gather_buckets(bucket_bytes, everyone=True):
+                self.engine.update_weights(bucket, version=version, inflight="keep")
+                del bucket
+            return self.engine.update_weights([], version=version, inflight=inflight)
+        finally:
+            if not paused:
+                self.engine.resume()
+
+    def engine_call(self, method: str, *args):
+        """The rest of the engine contract: abort, pause, resume, stats, reset_stats, lengths,
+        release_memory."""
+        return getattr(self.engine, method)(*args)
+
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self._outbox.put(None)
         self._group.__exit__(None, None, None)
 
 
-def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int, threads: int, conn) -> None:
+def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int, threads: int, conn,
+               events=None) -> None:
     """One rank as a process of this machine: answer the driver's calls on `conn` until `close`."""
     try:
-        server = RankServer(rank, world, init_method, cfg, model, pad_id, threads)
+        server = RankServer(rank, world, init_method, cfg, model, pad_id, threads, events)
         del model
         conn.send(("ok", server.info))
         _serve(server, conn)
@@ -148,13 +206,15 @@ def _serve(server: RankServer, conn) -> None:
                         conn.send(("bucket", bucket))
                         n += len(bucket)
                 conn.send(("ok", n))
-            elif call in ("train_step", "save_sharded", "load", "state_dict", "stats"):
+            elif call in ("train_step", "save_sharded", "load", "state_dict", "stats", "engine_start", "engine_submit",
+                          "engine_load", "engine_call"):
                 conn.send(("ok", getattr(server, call)(*args)))
             else:
                 raise ValueError(f"unknown call {call!r}")
         except BaseException:
             conn.send(("error", traceback.format_exc()))
-            if call in ("train_step", "weights", "save_sharded", "load"):  # its peers may be mid-collective
+            if call in ("train_step", "weights", "save_sharded", "load", "engine_start", "engine_load"):  # its peers
+                # may be mid-collective
                 return
 
 
@@ -262,6 +322,7 @@ class ShardedTrainer(RankGroup):
         self.cfg, self.world = cfg, cfg.train.ranks
         self.checkpoint = checkpoint
         self.bad_steps, self.procs, self.conns = 0, [], []
+        self.events = []  # train.colocate: each rank's engine completions
         self._lock = threading.RLock()  # one call at a time on the pipes (async mode's trainer thread, checkpoints)
         self.architecture = model.get_base_model() if hasattr(model, "get_base_model") else model
         ctx = mp.get_context("spawn")
@@ -272,10 +333,14 @@ class ShardedTrainer(RankGroup):
         try:
             for rank in range(self.world):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_rank_main, args=(rank, self.world, init, cfg, model, pad_id, threads, child),
-                                name=f"rollover-rank-{rank}", daemon=True)
+                events_in, events_out = ctx.Pipe(duplex=False) if cfg.train.colocate else (None, None)
+                p = ctx.Process(target=_rank_main, args=(rank, self.world, init, cfg, model, pad_id, threads, child,
+                                                         events_out), name=f"rollover-rank-{rank}", daemon=True)
                 p.start()
                 child.close()
+                if events_out is not None:
+                    events_out.close()
+                    self.events.append(events_in)
                 self.procs.append(p)
                 self.conns.append(parent)
             infos = [self._recv(r, "start") for r in range(self.world)]
@@ -305,9 +370,9 @@ class ShardedTrainer(RankGroup):
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        for c in self.conns:
+        for c in self.conns + self.events:
             c.close()
-        self.procs, self.conns = [], []
+        self.procs, self.conns, self.events = [], [], []
 
     def _buckets(self, dtype):
         bucket_bytes = int(self.cfg.train.weight_bucket_mb * 2**20)
@@ -328,6 +393,12 @@ class ShardedTrainer(RankGroup):
             for r in range(self.world):
                 self._send(r, (call, *args), call)
             return [self._recv(r, call) for r in range(self.world)]
+
+    def call(self, rank: int, call: str, *args):
+        """One rank's answer to one call (its colocated engine's calls)."""
+        with self._lock:
+            self._send(rank, (call, *args), call)
+            return self._recv(rank, call)
 
     def _send(self, rank: int, message, what: str) -> None:
         try:
