@@ -199,8 +199,8 @@ def test_gloo_transport_carries_updates_exactly_and_regroups_after_a_death():
         same(local.generate(requests(4, 12, prefix="u")), eng.generate(requests(4, 12, prefix="u")))
 
         # a worker killed just before an update: its transfer fails (or, if its death was seen
-        # first, a new group forms without it); its replacement starts at the current version
-        # and joins the group of the update after
+        # first, a new group forms without it); its replacement is not waited for: it pulls the
+        # current version from the object store once up, and joins the group of the update after
         eng.poll_s = 0.02
         eng.kill_worker(0)
         for v, seed in ((5, 7), (6, 8)):
@@ -212,14 +212,21 @@ def test_gloo_transport_carries_updates_exactly_and_regroups_after_a_death():
             deadline = time.time() + 60
             while eng.restarts == 0 and time.time() < deadline:
                 time.sleep(0.01)
-        assert eng.restarts == 1 and eng.transport.generation >= 2
+        assert eng.restarts == 1
+        deadline = time.time() + 60
+        while not (eng.workers()[0]["ready"] and eng.workers()[0]["version"] == 6) and time.time() < deadline:
+            time.sleep(0.01)
+        sd = tiny_model("llama", seed=9).state_dict()
+        eng.update_weights(sd.items(), version=7)
+        local.update_weights(sd.items(), version=7)
+        assert eng.transport.generation >= 2
         # a group given up on leaves no rendezvous waiting out its timeout (one that wakes while
         # the interpreter exits aborts the process)
         assert not [t for t in threading.enumerate() if t.name == "rollover-weights-group"]
         assert eng.last_sync.workers == 2 and eng.last_sync.fallback_workers == 0
         out = eng.generate(requests(6, 12, prefix="d"))
         same(local.generate(requests(6, 12, prefix="d")), out)
-        assert all(c.versions == [6] * 12 for c in out)
+        assert all(c.versions == [7] * 12 for c in out)
         assert {w["index"]: w["restarts"] for w in eng.workers()} == {0: 1, 1: 0}
     finally:
         eng.shutdown()
@@ -273,6 +280,37 @@ def test_a_killed_worker_loses_nothing_and_its_replacement_rejoins_at_the_curren
     assert info[0]["restarts"] == 1 and info[0]["alive"]
     same(local.generate(requests(2, 8, prefix="z")), eng.generate(requests(2, 8, prefix="z")))
     eng.poll_s = 0.5
+
+
+def test_an_update_does_not_wait_for_a_starting_replacement_which_joins_at_the_new_version():
+    """A worker killed just before an eager update: the update goes on with the live worker
+    (the replacement is not waited for), the replacement pulls that version once it is up, and
+    requests routed to it afterwards carry it."""
+    m = tiny_model("llama", seed=3)
+    local = TorchEngine(m, max_rows=2, max_len=512, eos_token_ids=(2,))
+    eng = ray_engine(m, cpus_per_worker=0.5)
+    try:
+        sd = {k: v.clone() for k, v in m.state_dict().items()}
+        sd["lm_head.weight"] += 0.5
+        eng.kill_worker(0)
+        deadline = time.time() + 30
+        while eng.restarts == 0 and time.time() < deadline:  # its death is seen: a replacement is starting
+            time.sleep(0.005)
+        assert not eng.workers()[0]["ready"]
+        eng.update_weights(sd.items(), version=1)
+        assert eng.last_sync.workers == 1 and eng.last_sync.joining_workers == 1
+        assert eng.last_sync.metrics()["weights/joining_workers"] == 1
+        while not (eng.workers()[0]["ready"] and eng.workers()[0]["version"] == 1) and time.time() < deadline:
+            time.sleep(0.01)
+        assert eng.workers()[0] == {**eng.workers()[0], "alive": True, "ready": True, "version": 1, "restarts": 1}
+        local.update_weights(sd.items(), version=1)
+        got = eng.generate(requests(6, 8, prefix="j"))
+        same(local.generate(requests(6, 8, prefix="j")), got)
+        assert all(c.versions == [1] * 8 for c in got)
+        assert eng.stats().generated_tokens > 0 and eng.workers()[0]["load"] == 0
+    finally:
+        eng.shutdown()
+        local.shutdown()
 
 
 def test_placement_that_cannot_fit_is_refused_naming_role_and_numbers():

@@ -161,8 +161,12 @@ def main(args) -> dict:
                   f"   ({result['trainer_actor_over_driver']:.2f}x the trainer in the driver)")
     if "kill" in result:
         k = result["kill"]
-        print(f"  worker killed mid-generation: {k['seconds_with_kill']:.1f} s vs {k['seconds_clean']:.1f} s undisturbed, "
-              f"{k['resubmitted']} requests resumed elsewhere, completions identical: {k['identical']}")
+        if k["killed"]:
+            print(f"  worker killed mid-generation: {k['seconds_with_kill']:.1f} s vs {k['seconds_clean']:.1f} s "
+                  f"undisturbed, {k['resubmitted']} requests resumed elsewhere, completions identical: {k['identical']}")
+        else:  # every request finished before the worker held one mid-way: nothing was measured
+            print(f"  worker kill: not done (the {k['requests']} requests finished before worker 0 held one mid-way; "
+                  "raise --kill-requests)")
     for w in result["weight_sync"]:
         print(f"  weight sync {w['transport']:12s} {w['dtype']:8s} delta={'on ' if w['delta'] else 'off'}  "
               f"{w['seconds_per_update']:.3f} s/update  "

@@ -299,6 +299,8 @@ class RayEngine(WeightUpdates, EngineAPI):
         with self._lock:
             alive = [w for w in self._workers if w.alive]
             ready = [w for w in alive if w.ready] or alive  # a starting replacement only if nothing else
+            if self.rc.weight_sync == "eager":  # a replacement catching up on the weights only if nothing else
+                ready = [w for w in ready if w.version >= self._version] or ready
             for live in lives:
                 if self._live.get(live.req.id) is not live:
                     continue  # finished meanwhile (aborted before it was placed)
@@ -464,10 +466,11 @@ class RayEngine(WeightUpdates, EngineAPI):
         self._each("release_memory")
 
     def workers(self) -> list[dict]:
-        """Each worker's index, pid, node, restarts and outstanding tokens (for tests and logs)."""
+        """Each worker's index, pid, node, restarts, outstanding tokens, whether it has answered, and
+        the weights version it holds (for tests and logs)."""
         with self._lock:
             return [{"index": w.index, "pid": w.pid, "node": w.node, "restarts": w.restarts, "load": w.load,
-                     "alive": w.alive} for w in self._workers]
+                     "alive": w.alive, "ready": w.ready, "version": w.version} for w in self._workers]
 
     def kill_worker(self, index: int) -> None:
         """SIGKILL a worker's process (fault tests and benchmarks): what a crash does."""

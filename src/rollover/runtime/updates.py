@@ -1,6 +1,7 @@
 """Weight updates of `RayEngine` (a mixin: the engine's workers, locks, transport and delivery
 are its state). With `ray.weight_sync=eager` every live worker loads each version before
-`update_weights` returns, through the Ray object store or a gloo group
+`update_weights` returns (a replacement still starting is not waited for: it pulls the newest
+version from the object store once it is up, and is sent requests once it holds it), through the Ray object store or a gloo group
 (`rollover.runtime.collective`), the object store serving any worker a gloo transfer missed.
 With `lazy` the update is put in the object store and each worker is asked to load the newest
 version whenever it has no load on the way; `update_weights` returns at once."""
@@ -31,7 +32,10 @@ class WeightUpdates:
         t0 = time.perf_counter()
         lost, out = [], []
         with self._weights_lock:
-            workers = [w for w in self._workers if w.alive]
+            # a replacement still starting (or catching up) is not waited for: it loads this
+            # version from the object store when it can, and takes requests once it holds it
+            workers = [w for w in self._workers if w.alive and w.ready and not w.pulling]
+            joining = [w for w in self._workers if w.alive and w not in workers]
             if isinstance(self.transport, ObjectStoreTransport):
                 full, deltas, report = self.transport.update(named_tensors, version)
                 self._loaded(workers, [w.handle.load.remote(full, deltas, version, inflight) for w in workers],
@@ -47,7 +51,10 @@ class WeightUpdates:
             self._version = version
             for w in workers:
                 w.version = version
+            for w in joining:
+                self._pull(w)
             report.workers, report.seconds = len(workers) - len(lost), time.perf_counter() - t0
+            report.joining_workers = len(joining)
             self.last_sync = report
         for w, e in lost:
             self._lost(w, e)
@@ -127,8 +134,8 @@ class WeightUpdates:
             if self._stopped:  # shut down under it: nobody waits for this load
                 return
             what = ("did not load" if isinstance(e, ray.exceptions.GetTimeoutError) else "failed to load")
-            self._fail(RuntimeError(f"rollout worker {w.index} {what} weights version {version} (ray.weight_sync=lazy, "
-                                    f"ray.sync_timeout_s={self.rc.sync_timeout_s:g} s): {first_line(e)}"))
+            self._fail(RuntimeError(f"rollout worker {w.index} {what} weights version {version} (ray.weight_sync="
+                                    f"{self.rc.weight_sync}, ray.sync_timeout_s={self.rc.sync_timeout_s:g} s): {first_line(e)}"))
             return
         with self._weights_lock:
             w.pulling = False

@@ -48,6 +48,7 @@ class SyncReport:
     seconds: float = 0.0
     fallback_workers: int = 0  # gloo: workers the transfer missed, served by the object store
     lagging_workers: int = 0  # ray.weight_sync=lazy: workers still short of the previous version at this push
+    joining_workers: int = 0  # eager: replacements still starting, left to pull this version when they are up
 
     def metrics(self) -> dict:
         return {
@@ -59,6 +60,7 @@ class SyncReport:
             "weights/unchanged_tensors": self.unchanged_tensors,
             "weights/fallback_workers": self.fallback_workers,
             "weights/lagging_workers": self.lagging_workers,
+            "weights/joining_workers": self.joining_workers,
             "timing_s/weight_transfer": self.seconds,
         }
 
