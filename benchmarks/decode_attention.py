@@ -14,7 +14,7 @@ import time
 import torch
 
 from rollover.engine.decode_attention import DecodeAttention
-from rollover.engine.native import load
+from rollover.engine.cpu.native import load
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """A linear layer at decode sizes: MKL's plain GEMM, MKL's GEMM on weights packed for the batch
-size, and the native packed GEMM (rollover.engine.native), in GFLOP/s; SmolLM2-135M's shapes by
+size, and the native packed GEMM (rollover.engine.cpu.native), in GFLOP/s; SmolLM2-135M's shapes by
 default, each over 30 layers' own weights (so they stream from memory, as in a decode step).
 
     PYTHONPATH=src python benchmarks/decode_gemm.py [--rows 1 8 16 32 64 128 512] [--threads 2]
@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rollover.engine.native import load
+from rollover.engine.cpu.native import load
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 

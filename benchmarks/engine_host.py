@@ -58,12 +58,12 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--native", action="store_true", help="sample with the native kernels (rollover.engine.native)")
+    p.add_argument("--native", action="store_true", help="sample with the native kernels (rollover.engine.cpu.native)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     kernels = None
     if args.native:
-        from rollover.engine.native import load
+        from rollover.engine.cpu.native import load
 
         kernels = StubRunner.kernels = load()
     sampler = Sampler(torch.device("cpu"), kernels=kernels)

@@ -2,7 +2,7 @@
 could take it (SmolLM2-135M-Instruct, fp32, 64 rows, 60 cached tokens a row); plus the packed
 GEMM's rate with its weights streamed from memory against the same matrix again from cache,
 memory read bandwidth, and the sampler's row maximum by `max` against `amax`. The figures behind
-the pack ladder in `rollover.engine.weight_packs` (docs/benchmarks.md, "Packed weights on a
+the pack ladder in `rollover.engine.cpu.weight_packs` (docs/benchmarks.md, "Packed weights on a
 ladder of batch sizes").
 
     PYTHONPATH=src python benchmarks/pack_rungs.py

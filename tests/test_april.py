@@ -191,7 +191,8 @@ def test_carry_auto_keeps_kv_where_the_engine_can_and_the_objective_corrects(mod
     assert mode == "resubmit" and "does not correct" in why
     mode, why = carry(**{"rollout.engine": "vllm"}).april_carry  # vLLM keeps K/V too (pause mode "keep")
     assert mode == "keep_kv" and why.startswith("vLLM keeps K/V")
-    assert carry(**{"rollout.engine": "vllm", "env.name": "guess_number"}).april_carry[0] == "resubmit"
+    episodes = carry(**{"rollout.engine": "vllm", "env.name": "guess_number", "data.train": "env"})
+    assert episodes.april_carry[0] == "resubmit"
     assert carry(**{"partial_rollout.carry": "resubmit"}).april_carry == ("resubmit", "partial_rollout.carry=resubmit in the config")
     assert load_config(model=model_dir, run_dir=str(tmp_path)).algorithm.loss == "ppo"  # sync without APRIL: unchanged
     # in a run: the metrics say which mode ran
@@ -267,7 +268,7 @@ def test_a_slow_judge_overlaps_decoding_unless_score_lag_is_zero(model_dir, tmp_
 def test_a_score_that_never_comes_ends_the_step_with_an_error_naming_the_group(model_dir, tmp_path):
     import time as _time
 
-    from rollover.loops.guard import Stalled
+    from rollover.rollout.stops import Stalled
 
     run = build_run(april_cfg(model_dir, tmp_path, **{"rollout.stall_timeout_s": 1}))
     score = run.rewards.score

@@ -164,7 +164,7 @@ def test_reward_error_stops_all_components_and_resume_continues(model_dir, tmp_p
                                              "reward.on_error": "zero"})
     train_async(cfg2)
     got = rows(tmp_path)
-    assert got[-1]["step"] == 4 and got[-1]["rollout/reward_errors"] > 0
+    assert got[-1]["step"] == 4 and sum(r["rollout/reward_errors"] for r in got) > 0  # counted per row
 
 
 def test_engine_error_stops_the_run(model_dir, tmp_path, monkeypatch):
@@ -186,7 +186,7 @@ def test_engine_error_stops_the_run(model_dir, tmp_path, monkeypatch):
 
 def test_trainer_nan_skips_then_stops(model_dir, tmp_path, monkeypatch):
     import rollover.train.trainer as trainer_mod
-    from rollover.loops.sync import TooManyBadSteps
+    from rollover.rollout.stops import TooManyBadSteps
 
     real = trainer_mod.aggregate
     monkeypatch.setattr(trainer_mod, "aggregate", lambda *a, **k: real(*a, **k) * float("nan"))
@@ -241,3 +241,31 @@ def test_dynamic_samples_and_entropy_mask():
     (masked_g,), n = top_entropy_mask([g], 2 / 3)
     assert n == 1 and [r.loss_mask for r in masked_g.rollouts] == [[1, 1], [0], [1]]
     assert [r.loss_mask for r in g.rollouts] == [[1, 1], [1], [1]]  # the input is left as it was
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_sigterm_during_the_step_0_eval_then_a_resume_logs_each_row_once(model_dir, tmp_path, monkeypatch, mode):
+    """Async mode stops before its first step and checkpoints step 0, after the evaluation was
+    logged: the resumed run must not evaluate step 0 again (sync finishes step 1 first)."""
+    import os
+    import signal
+
+    from rollover.loops.common import Run
+
+    evaluate, sent = Run.evaluate, []
+
+    def sigterm_then_evaluate(self, step):
+        if not sent:
+            sent.append(step)
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at once, in this (the main) thread
+        return evaluate(self, step)
+
+    monkeypatch.setattr(Run, "evaluate", sigterm_then_evaluate)
+    cfg = async_cfg(model_dir, tmp_path, steps=2, mode=mode, **{"eval.at_start": True, "checkpoint.every": 0})
+    train = train_async if mode == "async" else train_sync
+    first = train(cfg)
+    assert sent == [0] and first["interrupted"] == "SIGTERM"
+    assert first["checkpoint"].endswith(f"step_{first['step']:06d}") and first["step"] == (0 if mode == "async" else 1)
+    assert train(cfg)["step"] == 2
+    keys = [(r["step"], r["kind"]) for r in map(json.loads, open(tmp_path / "metrics.jsonl"))]
+    assert sorted(keys) == [(0, "eval"), (1, "train"), (2, "eval"), (2, "train")]

@@ -162,3 +162,20 @@ def test_bench_ray_trainer_actor_fields(model_dir, tmp_path):
               "--skip-weight-sync")
     assert r["ray_trainer_actor_samples_per_s"] > 0 and r["weight_sync"] == []
     assert r["trainer_actor_over_driver"] == r["ray_trainer_actor_samples_per_s"] / r["ray_samples_per_s"]
+
+
+def test_bench_engine_nanovllm_workload_and_contention(model_dir, tmp_path):
+    from rollover.bench.engine import nanovllm_workload
+
+    prompts, budgets = nanovllm_workload(3)
+    assert prompts == nanovllm_workload(3)[0] and all(100 <= len(p) <= 1024 for p in prompts)
+    assert all(100 <= b <= 1024 and max(p) <= 10000 for p, b in zip(prompts, budgets))
+    r = bench(tmp_path, "engine", "--model", model_dir, "--prompts", "2", "--max-rows", "2", "--repeats", "1",
+              "--workload", "nanovllm")
+    assert r["workload"] == "nanovllm" and "hf_tokens_per_s" not in r
+    assert r["torch_engine"]["tokens"] == sum(nanovllm_workload(2)[1])  # every budget generated, EOS ignored
+    r = bench(tmp_path, "engine", "--model", model_dir, "--prompts", "2", "--new-tokens", "4", "--max-rows", "2",
+              "--repeats", "1", "--contend")
+    assert set(r["tokens_per_s"]) == {"idle", "busy", "busy_niced", "busy_fixed_threads"}
+    assert all(v > 0 for v in r["tokens_per_s"].values()) and set(r["slowdown"]) == {"busy", "busy_niced",
+                                                                                       "busy_fixed_threads"}

@@ -60,7 +60,7 @@ def snapshot(d: Path) -> dict[str, bytes]:
 def test_help_lists_every_command_with_a_description(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name in ("train", "eval", "export", "plot", "bench"):
+    for name in ("train", "eval", "export", "plot", "show", "bench"):
         line = next(x for x in out.splitlines() if x.strip().startswith(name + " "))
         assert len(line.split(None, 1)[1]) > 10, line
     assert main(["frobnicate"]) == 2
@@ -332,7 +332,7 @@ def test_version_and_every_argument_has_help(monkeypatch, capsys):
     assert capsys.readouterr().out.startswith("rollover ")
     parsers = []
     monkeypatch.setattr(argparse.ArgumentParser, "print_help", lambda self, file=None: parsers.append(self))
-    for argv in (["train"], ["eval"], ["export"], ["plot"], ["bench"], ["simulate"], ["simulate", "calibrate"],
+    for argv in (["train"], ["eval"], ["export"], ["plot"], ["show"], ["bench"], ["simulate"], ["simulate", "calibrate"],
                  ["simulate", "validate"], ["simulate", "plan"]):
         with contextlib.suppress(SystemExit):
             main(argv + ["--help"])

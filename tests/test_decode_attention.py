@@ -1,4 +1,4 @@
-"""The native kernels (rollover.engine.native) against torch's ops: decode attention with its
+"""The native kernels (rollover.engine.cpu.native) against torch's ops: decode attention with its
 cache writes and rotary embedding, RMSNorm with the residual add, SiLU-and-multiply, the packed
 GEMM; their refusals; and the runner built on them against the HF forward and the torch path."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollover.engine import decode_attention as da
-from rollover.engine import native as nk
+from rollover.engine.cpu import native as nk
 from rollover.engine.model_runner import ModelRunner
 from rollover.testing import tiny_model
 
@@ -120,7 +120,7 @@ def test_without_a_compiler_the_runner_says_why_and_uses_torch_ops(tmp_path, mon
     nk.load.cache_clear()
     nk._unavailable_said.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="rollover.engine.native"):
+        with caplog.at_level(logging.WARNING, logger="rollover.engine.cpu.native"):
             assert nk.kernels_for(torch.device("cpu"), torch.float32, None) is None
         assert "no-such-cc" in caplog.text and "could not run" in caplog.text
         with pytest.raises(RuntimeError, match="no-such-cc"):
@@ -368,7 +368,7 @@ def test_a_model_outside_the_attention_kernels_range_runs_on_torch_ops(caplog):
     (and says so) rather than failing at its first decode step; requiring them is refused."""
     model = tiny_model("llama", seed=4, hidden_size=68, num_attention_heads=17, num_key_value_heads=1)
     nk._unavailable_said.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="rollover.engine.native"):
+    with caplog.at_level(logging.WARNING, logger="rollover.engine.cpu.native"):
         runner = ModelRunner(model.config, model.state_dict(), max_rows=2, max_len=32)
     assert runner.kernels is None and "17 query heads" in caplog.text
     with torch.inference_mode():

@@ -63,7 +63,7 @@ def test_token_fraction_curriculum():
 
 def test_train_batch_keeps_the_subset_with_whole_group_advantages(tmp_path):
     from rollover.config import load_config
-    from rollover.loops.common import train_batch_from
+    from rollover.loops.batch import train_batch_from
     from rollover.rollout.groups import group_advantages
 
     cfg = load_config(None, ["rollout.samples_per_prompt=4", "downsample.keep=2", f"run_dir={tmp_path}"])
@@ -113,7 +113,7 @@ def test_a_run_trains_the_kept_samples_and_tokens(model_dir, tmp_path):
     assert [r["downsample/samples_kept"] for r in rows] == [6, 6, 6]  # 3 prompts x 2
     assert [r["downsample/samples_generated"] for r in rows] == [12, 12, 12]
     assert [r["downsample/token_fraction"] for r in rows] == [0.5, 0.75, 1.0]
-    assert [r["samples_consumed"] for r in rows] == [6, 12, 18]
+    assert [r["samples_consumed_total"] for r in rows] == [6, 12, 18]
     ledger = [json.loads(x) for x in open(tmp_path / "trained_groups.jsonl")]
     assert all(g["samples"] == 4 for row in ledger for g in row["groups"])  # the groups as generated
 

@@ -44,6 +44,7 @@ def test_episodes_train_on_exactly_the_sampled_tokens(model_dir, tmp_path):
     for r in got:
         assert r["rollout/env/episodes"] == 4 and r["rollout/env/failed"] == 0
         assert r["rollout/env/turns_mean"] >= 1
+        assert 1 <= r["rollout/env/info/guesses"] <= 3 and 0 <= r["rollout/env/info/solved"] <= 1  # GuessNumber's info
         # only sampled tokens carry loss; the environment's (rendered feedback) do not
         assert r["actor/loss_tokens"] == r["rollout/generated_tokens"]
         assert r["response_length/mean"] > r["rollout/generated_tokens"] / 4  # inserted tokens are in the rows
@@ -119,11 +120,19 @@ def test_env_config_conflicts_are_refused(model_dir, tmp_path, over, message):
         env_cfg(model_dir, tmp_path, **over)
 
 
+def test_an_environment_without_data_train_is_refused_naming_what_to_set(model_dir, tmp_path):
+    # the default data.train (single-turn arithmetic prompts) is never handed to an environment silently
+    with pytest.raises(ConfigError, match=r"env.name='guess_number' with data.train unset.*set data.train: env"):
+        load_config(model=model_dir, run_dir=str(tmp_path), **{"env.name": "guess_number"})
+    assert load_config(model=model_dir, run_dir=str(tmp_path), **{"env.name": "arithmetic_retry",
+                       "data.train": "gen:arithmetic?n=50"}).data.train == "gen:arithmetic?n=50"  # a dataset, named
+
+
 def test_a_stalled_engine_ends_the_episode_step_with_an_error_naming_it(model_dir, tmp_path):
     import time
 
     from rollover.loops.common import build_run
-    from rollover.loops.guard import Stalled
+    from rollover.rollout.stops import Stalled
     from rollover.rollout.sync_collect import SyncCollector
 
     run = build_run(env_cfg(model_dir, tmp_path, **{"rollout.stall_timeout_s": 2, "env.step_timeout_s": 1}))

@@ -383,9 +383,12 @@ def test_a_cancelled_episode_aborts_its_request_and_leaves_the_engine_usable(tor
     engine = Recording(torch_engine)
 
     async def cancelled_then_another():
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(
-                run_episode(engine, ScriptedEnv(), ChatRenderer(TOK), long, request_id="c", **LIMITS), timeout=0.05)
+        task = asyncio.ensure_future(run_episode(engine, ScriptedEnv(), ChatRenderer(TOK), long, request_id="c", **LIMITS))
+        while not torch_engine.lengths():  # cancelled while the engine generates for it (however fast it is)
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
         return await run_episode(engine, ScriptedEnv(done_at=1), ChatRenderer(TOK), SamplingParams(temperature=0.0, max_new_tokens=4),
                                  request_id="d", **LIMITS)
 
@@ -393,3 +396,19 @@ def test_a_cancelled_episode_aborts_its_request_and_leaves_the_engine_usable(tor
     assert traj.finish == "done" and len(traj.tokens_T) == traj.turns[0].end
     assert [(c.id, c.finish) for c in engine.completions][-1] == ("d/turn1", traj.turns[0].finish)
     assert torch_engine.stats().finished["abort"] >= 1
+
+
+def test_numeric_info_is_averaged_per_key_over_the_episodes_that_report_it():
+    from rollover.envs.base import Trajectory, Turn
+
+    def episode(*infos):
+        turns = [Turn(start=0, end=0, finish="stop", text="", info=info) for info in infos]
+        return Trajectory("r", 0, [], [], [], [], turns, "done")
+
+    m = episode_metrics([
+        episode({"guesses": 1, "note": "hi"}, {"guesses": 2, "solved": True}),  # later turns win: guesses 2
+        episode({"guesses": 4, "solved": False, "moves": [1, 2]}),
+        episode(),  # reports nothing: not in the means
+    ])
+    assert m["env/info/guesses"] == (2 + 4) / 2 and m["env/info/solved"] == 0.5
+    assert not any(k.startswith(("env/info/note", "env/info/moves")) for k in m)  # not numbers: left out

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from rollover.config import load_config
 from rollover.loops.async_ import train_async
-from rollover.loops.guard import Stalled, Watchdog
+from rollover.rollout.stops import Stalled, Watchdog
 from rollover.loops.sync import train_sync
 from rollover.testing import save_tiny_model
 
@@ -264,3 +264,43 @@ def test_one_signal_delivered_twice_at_once_is_one_request(monkeypatch):
     time.sleep(Interrupts.REPEAT_S + 0.05)
     guard._handle(signal.SIGTERM, None)
     assert exits == [128 + signal.SIGTERM]
+
+
+# ---------------------------------------------------------------- bench faults: env_fail
+
+
+def test_episode_fates_are_a_hash_of_prompt_and_sample():
+    from collections import Counter
+
+    from rollover.bench.faults import TURNS, episode_fate
+
+    fates = [episode_fate(f"envfail-0-{i}", j, 0.2) for i in range(1000) for j in range(4)]
+    assert fates == [episode_fate(f"envfail-0-{i}", j, 0.2) for i in range(1000) for j in range(4)]  # no clock
+    kinds = Counter(kind for kind, _ in fates)
+    assert abs((kinds["raise"] + kinds["hang"]) / 4000 - 0.2) < 0.02 and abs(kinds["raise"] - kinds["hang"]) < 100
+    assert {turn for kind, turn in fates if kind != "ok"} == set(range(1, TURNS + 1))
+    assert episode_fate("envfail-0-1", 2, 0.0) == ("ok", 0)
+
+
+def test_bench_env_fail_runs_on_through_failed_episodes(model_dir, tmp_path):
+    import argparse
+
+    from rollover.bench import faults
+
+    p = argparse.ArgumentParser()
+    faults.add_arguments(p)
+    result = faults.main(p.parse_args([
+        "--modes", "env_fail", "--steps", "2", "--fail-rates", "0.2", "--env-loops", "sync", "async",
+        "--model", model_dir, "--workdir", str(tmp_path), "--json", str(tmp_path / "faults.json")]))
+    runs = result["modes"]["env_fail"]["runs"]
+    assert [(r["loop"], r["fail_rate"]) for r in runs] == [("sync", 0.2), ("async", 0.2)]
+    assert result["env_fail"] == {"aborted": 0, "checks_failed": 0}
+    for r in runs:
+        assert r["aborted"] == 0 and r["steps_done"] == 2, r.get("log_tail")
+        assert r["checks_ok"], r["checks"]  # each failed episode left its group, and nothing else did
+        assert r["raised"] > 0 and r["timed_out"] > 0 and r["raised"] + r["timed_out"] == r["failed"]
+        assert r["failed"] == r["dropped_samples"]
+    sync = runs[0]  # the hash fails no three episodes of one of these groups: none is skipped
+    assert sync["skipped_groups"] == 0 and sync["unused"] == 0
+    assert sync["kept"] + sync["failed"] == sync["episodes"] == 2 * faults.ENV_PROMPTS * faults.ENV_SAMPLES
+    assert json.loads((tmp_path / "faults.json").read_text())["modes"]["env_fail"]["runs"] == runs

@@ -196,7 +196,8 @@ def test_resident_memory_is_read_and_its_peak_restarts():
 
 
 def test_the_sync_loop_holds_one_copy_of_the_weights(model_dir, tmp_path):
-    from rollover.loops.common import build_run, train_batch_from
+    from rollover.loops.batch import train_batch_from
+    from rollover.loops.common import build_run
     from rollover.loops.sync import make_collector
 
     run = build_run(tiny_cfg(model_dir, tmp_path / "run", steps=2, **{"eval.every": 0}))
@@ -252,7 +253,7 @@ def test_lending_weights_refuses_a_model_that_differs():
 
 def test_the_engine_holds_one_pack_and_replaces_it_only_after_batches_stay_on_another_rung():
     from rollover.engine.model_runner import ModelRunner
-    from rollover.engine.weight_packs import PACK_SWITCH_STEPS
+    from rollover.engine.cpu.weight_packs import PACK_SWITCH_STEPS
 
     model = tiny_model("llama", seed=6)
     # MKL's ladder: where the native GEMM does not run (no compiler, no 512-bit vectors, bf16)
@@ -293,7 +294,7 @@ def test_the_engine_holds_one_pack_and_replaces_it_only_after_batches_stay_on_an
 
 def test_a_batch_is_padded_to_a_pack_only_where_that_beats_the_plain_gemm():
     from rollover.engine.model_runner import ModelRunner
-    from rollover.engine.weight_packs import PACK_SWITCH_STEPS
+    from rollover.engine.cpu.weight_packs import PACK_SWITCH_STEPS
 
     model = tiny_model("llama", seed=6)
 

@@ -1,4 +1,4 @@
-"""rollover.engine.openmp: a thread that is about to wait hands its OpenMP workers back."""
+"""rollover.engine.cpu.openmp: a thread that is about to wait hands its OpenMP workers back."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ try:  # a package that bundles a libgomp of its own, loaded first: torch's must 
 except ImportError:
     pass
 import torch
-from rollover.engine import openmp
+from rollover.engine.cpu import openmp
 
 def threads():
     return len(os.listdir("/proc/self/task"))

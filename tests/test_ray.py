@@ -363,7 +363,7 @@ def test_sync_run_on_ray_with_one_worker_ends_with_the_local_weights(model_dir, 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = [json.loads(x) for x in open(tmp_path / "ray" / "metrics.jsonl") if json.loads(x)["kind"] == "train"]
     assert all(r["weights/bytes_per_worker"] > 0 and r["weights/sent_fraction"] <= 1 for r in rows)
-    assert [r["ray/reward_workers_started"] for r in rows] == [1, 1, 1]
+    assert [r["ray/reward_workers_started_total"] for r in rows] == [1, 1, 1]
     if trainer == "actor":  # the first weights came through the driver; every update went from the actor
         assert run.trainer.weight_fetches == 1
 
@@ -680,7 +680,7 @@ def test_episodes_with_env_worker_actors_train_as_on_the_driver(model_dir, tmp_p
     local, remote = ([json.loads(x) for x in open(tmp_path / d / "metrics.jsonl") if json.loads(x)["kind"] == "train"]
                      for d in ("local", "ray"))
     assert [r["rollout/env/episodes"] for r in remote] == [4, 4] and all(r["rollout/env/failed"] == 0 for r in remote)
-    assert [(r["ray/env_workers_started"], r["ray/env_worker_deaths"]) for r in remote] == [(2, 0), (2, 0)]
+    assert [(r["ray/env_workers_started_total"], r["ray/env_worker_deaths_total"]) for r in remote] == [(2, 0), (2, 0)]
     assert [r["reward/mean"] for r in remote] == [r["reward/mean"] for r in local]
 
 
@@ -727,7 +727,7 @@ def test_an_env_worker_that_dies_fails_only_the_episodes_it_held(tmp_path):
         for e in outcomes[4:]:  # beside them, an environment's own error fails only its episode, as on the driver
             assert type(e) is RuntimeError and "simulator crashed on 'hi'" in str(e)
             assert "in the environment worker actor" in "".join(e.__notes__)
-        assert workers.deaths == 1 and later.reward == 1.0 and workers.metrics()["ray/env_worker_deaths"] == 1
+        assert workers.deaths == 1 and later.reward == 1.0 and workers.metrics()["ray/env_worker_deaths_total"] == 1
         deadline = time.monotonic() + 30
         while not (tmp_path / "cancelled").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -778,7 +778,7 @@ def test_an_env_worker_whose_event_loop_freezes_is_killed_and_replaced(monkeypat
         later = asyncio.run(episodes())
         assert later.reward == 1.0 and later.info["pid"] != first
         assert workers.hung == 1 and workers.deaths == 1 and workers.started == 2
-        assert workers.metrics()["ray/env_workers_hung"] == 1 and workers.pids == [later.info["pid"]]
+        assert workers.metrics()["ray/env_workers_hung_total"] == 1 and workers.pids == [later.info["pid"]]
     finally:
         workers.close()
 

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from rollover.envs.code_reward import code_reward, extract_code
-from rollover.envs.sandbox import (
+from rollover.rewards.code import code_reward, extract_code
+from rollover.rewards.sandbox import (
     UID_BASE,
     SandboxLimits,
     format_result,

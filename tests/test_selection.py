@@ -599,7 +599,7 @@ def test_dars_second_stage_grows_unsolved_groups_in_a_run(model_dir, tmp_path):
         assert solved == 0  # what the expected counts rest on
         assert row["rollout/dars_extra_samples"] == 6 and row["rollout/dars_groups"] == 3
         assert row["samples"] == 15 and [g["samples"] for g in led["groups"]] == [5, 5, 5]
-    assert rows[-1]["samples_consumed"] == 30
+    assert rows[-1]["samples_consumed_total"] == 30
 
 
 @pytest.mark.parametrize("over,message", [

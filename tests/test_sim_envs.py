@@ -96,7 +96,7 @@ def test_turns_are_geometric_with_the_given_mean():
 
 def test_environments_the_simulator_cannot_run_are_refused_by_name():
     with pytest.raises(ConfigError, match="describe it in simulate.env"):
-        simulate("steps=1", "env.name=guess_number", "env.max_total_tokens=1024")
+        simulate("steps=1", "env.name=guess_number", "data.train=env", "env.max_total_tokens=1024")
     with pytest.raises(ConfigError, match="schedulers' path"):
         simulate("steps=1", "simulate.fast=true", "simulate.env={turns: 2}")
     with pytest.raises(ConfigError, match="leave simulate.reward unset"):

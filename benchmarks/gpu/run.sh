@@ -5,7 +5,7 @@
 # `bench train` and the demo workload beside TRL's GRPOTrainer, each under its own time limit
 # and all under one deadline (the limits add up to more than the default 560 s: the steps run in
 # order of what is most wanted, and those past the deadline are skipped), results tarred after
-# every step (a cut-off call still returns them). docs/benchmarks.md "On a GPU" has the last lease's figures.
+# every step (a cut-off call still returns them). docs/benchmarks.md has the current figures.
 #
 #   bash benchmarks/gpu/run.sh OUTDIR [SECONDS]     (from the repository root)
 #   OLD=.ab_old/src bash benchmarks/gpu/run.sh ...   (first, after the tests: the host-work A/B below)
@@ -31,8 +31,8 @@ RES=/tmp/gpu-res; rm -rf "$RES"; mkdir -p "$RES" "$OUT"
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ROLLOVER_CACHE=/tmp/rc TOKENIZERS_PARALLELISM=false
 mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m rollover.cli "$@"\n' > /tmp/bin/rollover && chmod +x /tmp/bin/rollover
 export PATH=/tmp/bin:$PATH
-if [ "${SMALL:-0}" = 1 ]; then P=8; NT=16; ROWS=8; AP=2; AS=4; ARW=16; ANT=32; TP=2; TS=4; TNT=16; ST=1;
-else P=128; NT=256; ROWS=128; AP=16; AS=8; ARW=256; ANT=256; TP=32; TS=8; TNT=256; ST=3; fi
+if [ "${SMALL:-0}" = 1 ]; then P=8; NT=16; ROWS=8; AP=2; AS=4; ARW=16; ANT=32; TP=2; TS=4; TNT=16; ST=1; NANO=2;
+else P=128; NT=256; ROWS=128; AP=16; AS=8; ARW=256; ANT=256; TP=32; TS=8; TNT=256; ST=3; NANO=256; fi
 
 step() {  # step NAME LIMIT_S COMMAND...: run under min(LIMIT, time left); its log is $RES/NAME.log
   local name=$1 limit=$2; shift 2
@@ -77,7 +77,7 @@ if [ -n "${OLD:-}" ]; then  # host work A/B, alternating: this tree against the 
 fi
 TRAIN="--steps $ST rollout.prompts_per_step=$TP rollout.samples_per_prompt=$TS rollout.max_new_tokens=$TNT \
   rollout.max_rows=$(( TP * TS )) device=$DEV"
-# in order of what the last lease (an H100, docs/benchmarks.md "second lease") left open: the
+# in order of what the last H100 run (docs/benchmarks.md "Decode on a GPU") left open: the
 # admitting decode profile again (6.77 ms a step then; the K/V cache now moves a row in two
 # copies), where APRIL resubmit's resumed prefixes spend their time, APRIL itself, then the rest
 step profile_admit 50 python3 benchmarks/gpu/profile_decode.py --rows $ROWS --new-tokens $(( NT / 2 )) --device $DEV \
@@ -94,6 +94,9 @@ step calibrate 90 rollover simulate calibrate --device "$DEV" --out "$RES/sim_13
 step train 70 rollover bench train $TRAIN --json "$RES/train.json"
 step engine_0_5b 70 rollover bench engine --model /tmp/qwen05 $ENGINE --skip-hf --json "$RES/engine_0_5b.json"
 step engine_135m 70 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_135m.json"
+# nano-vllm's throughput workload on the 0.5B Qwen shape (256 sequences, 100-1024 tokens in and out; SMALL: 2)
+step engine_nanovllm 120 rollover bench engine --model /tmp/qwen05 --workload nanovllm --prompts $NANO --max-rows $NANO \
+  --dtype bfloat16 --repeats 1 --device $DEV --json "$RES/engine_nanovllm.json"
 step train_trl 90 rollover bench train --steps $ST device=$DEV --compare trl --json "$RES/train_trl.json"
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv > "$RES/env_after.txt" 2>&1
 tar czf "$OUT/results.tgz" -C "$RES" .

@@ -1,4 +1,5 @@
-"""A complete multi-turn environment: spell a word backwards, with one retry.
+"""A complete multi-turn environment: spell a word backwards, in two tries (reward 1 for the
+right answer at the first try, 0.5 at the second). Train on it:
 
     rollover train examples/arith_retry.yaml env.name=examples/envs/spell_backwards.py:SpellBackwardsTask \
         env.options={} run_dir=runs/spell
@@ -27,7 +28,7 @@ class SpellBackwards:  # one episode; its state lives on the object
         return StepResult(retry, float(right) / self.tries, done, info={"tries": self.tries})
 
 
-class SpellBackwardsTask:  # the group builder: n fresh environments per task, and the tasks
+class SpellBackwardsTask:  # the group builder: n fresh environments per task, and the tasks (data.train: env)
     def make_group(self, prompt: Prompt, n: int) -> list[SpellBackwards]:
         return [SpellBackwards(prompt.answer) for _ in range(n)]
 

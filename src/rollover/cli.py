@@ -1,4 +1,4 @@
-"""The `rollover` command: train, eval, export, plot, bench.
+"""The `rollover` command: train, eval, export, plot, show, bench.
 
 Errors in a command's arguments or config are one line (exit 2); an error while a run is built
 or runs is one line plus a hint (exit 1), with the traceback behind `--debug`.
@@ -12,6 +12,8 @@ import signal
 import sys
 from pathlib import Path
 
+from rollover.commands import _guarded, _load_config, _split_config  # noqa: F401 (tools import them here too)
+
 
 def _openmp_defaults() -> None:
     """Keep OpenMP's idle threads spinning between parallel regions (unless the environment
@@ -23,7 +25,7 @@ def _openmp_defaults() -> None:
     at once and sleep; every small element-wise op then waits for them to wake. On a 2-core host
     an RMS norm of 64 x 576 floats took 216 us on the engine's thread against 25 us on the
     caller's; with these settings 33 us (docs/benchmarks.md, "OpenMP's wait policy"). A thread
-    about to wait also hands its pool back (`rollover.engine.openmp`), which removes the rest of
+    about to wait also hands its pool back (`rollover.engine.cpu.openmp`), which removes the rest of
     the cost. ROLLOVER_OPENMP_DEFAULTS=0 leaves the environment alone."""
     if os.environ.get("ROLLOVER_OPENMP_DEFAULTS", "1") == "0" or "torch" in sys.modules:
         return
@@ -241,54 +243,27 @@ def _plot(argv: list[str]) -> int:
     return _guarded("rollover plot", args.debug, plot)
 
 
-def _split_config(path: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
-    """The first positional is a config path unless it is an override (key=value)."""
-    if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
-        return None, [path, *overrides]
-    return path, list(overrides)
+def _show(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rollover show", description="Print the samples a step trained on: per group its prompt, per sample "
+                                          "its reward (and parts), advantage, finish and response.",
+        epilog="A run writes them when logging.samples=N is set (every N-th step, to RUN_DIR/samples/); "
+               "docs/logging.md describes the file.")
+    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("--step", type=int, default=None, help="this step's samples (default: the latest step written)")
+    p.add_argument("--full", action="store_true", help="print prompts and responses whole (default: long ones are "
+                                                       "cut in the middle)")
+    p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
+    args = p.parse_args(argv)
 
+    def show() -> int:
+        from rollover.metrics.samples import read_samples, render, samples_path
 
-def _load_config(prog: str, path, overrides: list[str]):
-    """The config, or None after printing the one-line error."""
-    from rollover.config import ConfigError, load_config
+        step, header, rows = read_samples(args.run_dir, args.step)
+        print(render(step, header, rows, full=args.full, source=str(samples_path(args.run_dir, step))))
+        return 0
 
-    try:
-        return load_config(path, overrides)
-    except ConfigError as e:
-        print(f"{prog}: config error: {e}", file=sys.stderr)
-        return None
-
-
-def _guarded(prog: str, debug: bool, body) -> int:
-    """Run `body`; an exception becomes a short message (a traceback too with --debug) and a
-    nonzero exit. KeyboardInterrupt and SystemExit pass through."""
-    from rollover.config import ConfigError
-
-    try:
-        return body()
-    except KeyboardInterrupt:  # before the loop took over SIGINT (loading data, the model, ...)
-        print(f"\n{prog}: interrupted before the first step; nothing was saved", file=sys.stderr)
-        return 128 + signal.SIGINT
-    except Exception as e:
-        if debug:
-            import traceback
-
-            traceback.print_exc()
-        if isinstance(e, ConfigError):
-            print(f"{prog}: config error: {e}", file=sys.stderr)
-            return 2
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        if not debug:
-            print("hint: rerun with --debug for the traceback", file=sys.stderr)
-        return 1
-
-
-def _one_line(e: Exception) -> str:
-    """An exception as one line; a type from outside rollover is named, since its message
-    was not written to be read alone."""
-    text = " ".join(str(e).split()) or "(no message)"
-    ours = type(e).__module__.startswith("rollover")
-    return text if ours else f"{type(e).__name__}: {text}"
+    return _guarded("rollover show", args.debug, show)
 
 
 def _setup_logging() -> None:
@@ -302,6 +277,7 @@ COMMANDS = {
     "eval": (_eval, "measure held-out reward and accuracy of a run, a checkpoint or a base model"),
     "export": (_export, "write a run's checkpoint as a Hugging Face model directory (LoRA merged)"),
     "plot": (_plot, "draw PNG curves from a run's metrics.jsonl"),
+    "show": (_show, "print the samples a step trained on (prompts, responses, rewards; logging.samples)"),
 }
 TOOLS = {  # for measuring and planning, listed apart from the user commands
     "bench": (_bench, "measure speed, memory, learning and fault recovery (docs/benchmarks.md)"),

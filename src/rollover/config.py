@@ -107,7 +107,9 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 class DataConfig(Section):
     train: NonEmptyStr = "gen:arithmetic?digits=1&n=2000"
     """Training prompts: a .jsonl or .parquet file, a `save_to_disk` directory, `hf:owner/name`
-    (where a hub is reachable) or a generator `gen:NAME?option=value&...` (see docs/data_and_rewards.md)."""
+    (where a hub is reachable) or a generator `gen:NAME?option=value&...` (see docs/data_and_rewards.md).
+    With env.name: `env` (tasks from the environment's own prompts(n, seed)) or a dataset whose
+    rows the environment's make_group(prompt, n) reads; it must then be set explicitly."""
     eval: NonEmptyStr | None = None
     """Held-out prompts (same forms as `train`). When unset, `eval_size` prompts are carved
     from the training data (no overlap)."""
@@ -320,7 +322,8 @@ class TrainConfig(Section):
     deterministic without it. Whether TorchEngine's CUDA graphs still capture under it is not
     checked: if a capture fails the engine logs it and decodes eagerly."""
     max_bad_steps: int = Field(3, ge=1)
-    """Consecutive steps with a NaN/inf loss that stop the run (after a checkpoint)."""
+    """Consecutive steps with a NaN/inf loss, or consecutive collections with no trainable group
+    (all skipped for failed samples or filtered), that stop the run (after a checkpoint)."""
     lora: Annotated[dict[str, Any] | None, AfterValidator(_lora)] = None
     """LoRA via peft, e.g. {r: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}; None = full fine-tuning."""
     parallel: Literal["none", "fsdp"] = "none"
@@ -368,6 +371,10 @@ class LoggingConfig(Section):
     """wandb.init arguments (e.g. {project: rollover, mode: offline}); None = off."""
     progress: bool = True
     """Show a progress bar with the live reward, throughput and ETA."""
+    samples: int = Field(0, ge=0)
+    """Every this many steps, write the step's trained samples (prompt and response text and
+    token ids, loss-mask spans, reward and its parts, advantage, logprobs, versions) to
+    RUN_DIR/samples/step_<N>.jsonl; read them with `rollover show RUN_DIR`. 0 = off."""
 
 
 class EnvConfig(Section):
@@ -902,6 +909,11 @@ class Config(Section):
             out.append("algorithm.overlong_buffer measures one response's length; it has no meaning for episodes")
         if e.name is None:  # simulated: the rest are about a real environment's time and prompts
             return out
+        if "train" not in self.data.model_fields_set:  # the default prompts were not made for this environment
+            out.append(f"env.name={e.name!r} with data.train unset: the default training prompts "
+                       f"({DataConfig.model_fields['train'].default}) were not made for an environment; set "
+                       "data.train: env (tasks from the environment's prompts(n, seed)) or a dataset whose rows "
+                       "its make_group(prompt, n) reads")
         if e.step_timeout_s >= self.rollout.stall_timeout_s:
             out.append(f"env.step_timeout_s={e.step_timeout_s:g} must be below rollout.stall_timeout_s="
                        f"{self.rollout.stall_timeout_s:g} (a slow environment step is not a stalled engine)")

@@ -108,3 +108,14 @@ def load_hf_model(name: str, dtype=None, device: str | None = None):
         resolve_model(name), dtype=dtype or torch.float32
     )
     return model.to(device) if device else model
+
+
+def eos_ids(*sources) -> tuple[int, ...]:
+    """The end-of-sequence token ids named by `sources` (generation configs, model configs,
+    tokenizers; None skipped), in order, each once."""
+    ids: list[int] = []
+    for src in sources:
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if e is not None:
+            ids.extend(e if isinstance(e, (list, tuple)) else [e])
+    return tuple(dict.fromkeys(ids))

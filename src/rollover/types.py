@@ -11,7 +11,7 @@ with `Completion.resume()`, which carries the tokens generated so far.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -99,10 +99,6 @@ class Completion:
         )
 
 
-def with_seed(sampling: SamplingParams, seed: int | None) -> SamplingParams:
-    return replace(sampling, seed=seed)
-
-
 @dataclass
 class Prompt:
     """One task instance from a dataset or generator.
@@ -141,11 +137,13 @@ class Rollout:
     reward: float | None = None  # weighted total; None = unscored (skipped)
     scores: dict = field(default_factory=dict)  # per reward function
     text: str = ""
+    turns: list[dict] | None = None  # multi-turn: what each turn said and was answered (logs only, never trained)
 
 
 @dataclass
 class Group:
-    """The n samples of one prompt; it trains only when all of them are complete."""
+    """The n samples of one prompt, once all of them are complete. A failed sample (no reward)
+    leaves the group when it is filtered (`keep_group`); the group trains on the rest."""
 
     id: str
     prompt: Prompt
@@ -153,6 +151,7 @@ class Group:
     rollouts: list[Rollout]
     start_version: int = 0  # policy version when the group was first submitted
     serial: int = 0  # the order in which the run drew its prompt
+    dropped: int = 0  # failed samples taken out of `rollouts`
 
     @property
     def rewards(self) -> list[float | None]:

@@ -63,7 +63,7 @@ def _measure(args, mode: str, eta: int | None, run_dir: str) -> dict:
     measured = [r for r in rows if r["step"] > args.warmup]
     first = next(r for r in rows if r["step"] == args.warmup)
     wall = measured[-1]["time"] - first["time"]
-    samples = measured[-1]["samples_consumed"] - first["samples_consumed"]
+    samples = measured[-1]["samples_consumed_total"] - first["samples_consumed_total"]
     out = {"samples_per_s": samples / wall, "samples": samples, "seconds": wall,
            "reward_mean": statistics.fmean(r["reward/mean"] for r in measured),
            "response_lengths": _lengths(run_dir)}

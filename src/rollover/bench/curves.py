@@ -22,7 +22,8 @@ def main(runs: str, out: str) -> list[Path]:
     if not modes:
         raise SystemExit(f"no demo runs (arith, arith_april, arith_async) under {runs_p}")
     made = [
-        plot_compare(modes, "reward/mean", x="samples_consumed", out=out_p / "modes_reward_per_sample.png", smooth=3),
+        plot_compare(modes, "reward/mean", x="samples_consumed_total", out=out_p / "modes_reward_per_sample.png",
+                     smooth=3),
         plot_compare(modes, "eval/accuracy", x="step", out=out_p / "modes_eval_accuracy.png", kind="eval"),
     ]
     if "sync" in modes:

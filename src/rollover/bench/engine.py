@@ -13,6 +13,12 @@ kept: on a shared machine a neighbour can slow one measurement, and a peak read 
 the engine look faster than the hardware allows. A fraction above 1 is impossible and is
 flagged (`limit_suspect`) instead of reported as a result.
 
+`--workload nanovllm`: nano-vllm's throughput benchmark, so a figure can be set beside the ones
+it publishes: `--prompts` sequences (theirs: 256) of random token ids (0-10000), prompt and
+output lengths each drawn uniformly from 100-1024 (Python's `random` seeded 0, as theirs),
+temperature 0.6, EOS ignored; tokens/s is the output tokens over the whole generation's wall
+time (prefill included), as theirs. No HF baseline for it.
+
 Prefill (TorchEngine): before each decode run the engine prefills every prompt once
 (one new token each, nothing else running); its rate in FLOP/s over the best GEMM peak is
 `prefill_fraction_of_peak`. A prefill computes the decoder body for every prompt token (2 x the
@@ -22,6 +28,7 @@ parameters outside the LM head) and the LM head for each prompt's last token onl
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
@@ -76,14 +83,28 @@ def matmul_rate(dtype=torch.float32, device="cpu", bursts: int = 10, burst_s: fl
     return rates
 
 
-def run_engine(open_engine, prompts, new_tokens, prefill: bool = False) -> dict:
+def nanovllm_workload(n: int, vocab: int = 10001) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py workload: n prompts of random token ids and each one's output budget
+    (ids taken modulo `vocab` for a model with fewer than 10,001 tokens: the tests' tiny ones)."""
+    import random
+
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) % vocab for _ in range(rng.randint(100, 1024))] for _ in range(n)]
+    return prompts, [rng.randint(100, 1024) for _ in range(n)]
+
+
+def run_engine(open_engine, prompts, new_tokens, prefill: bool = False, budgets: list[int] | None = None,
+               temperature: float = 1.0) -> dict:
     """Time one generation of every prompt on the engine `open_engine()` starts (a context
     manager); start-up and a short warm-up request are not timed. With `prefill`, first time a
     prefill of every prompt alone (one new token each; the engine has no cache across requests),
     twice: the second gives the rate, the first (one-time costs included) is kept beside it."""
     from rollover.types import Request, SamplingParams
 
-    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    from dataclasses import replace
+
+    sp = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    sps = [sp if budgets is None else replace(sp, max_new_tokens=b) for b in (budgets or [None] * len(prompts))]
     t0 = time.perf_counter()
     pre = None
     with open_engine() as eng:
@@ -105,7 +126,7 @@ def run_engine(open_engine, prompts, new_tokens, prefill: bool = False) -> dict:
                       for i, p in enumerate(prompts)])
         eng.reset_stats()
         t0 = time.perf_counter()
-        outs = eng.generate([Request(id=str(i), prompt_ids=p, sampling=sp) for i, p in enumerate(prompts)])
+        outs = eng.generate([Request(id=str(i), prompt_ids=p, sampling=sps[i]) for i, p in enumerate(prompts)])
         dt = time.perf_counter() - t0
         st = eng.stats()
     n = sum(len(o.response_ids) for o in outs)
@@ -115,25 +136,67 @@ def run_engine(open_engine, prompts, new_tokens, prefill: bool = False) -> dict:
 
 
 def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows, quantize=None, cuda_graphs=True,
-                     compile_decode=False) -> dict:
+                     compile_decode=False, adapt_threads=True, prefill=True, budgets=None, temperature=1.0) -> dict:
     from rollover.engine.torch_engine import TorchEngine
 
-    max_len = max(map(len, prompts)) + new_tokens + 1
+    max_len = max(map(len, prompts)) + max(budgets or [new_tokens]) + 1
     out = run_engine(lambda: TorchEngine(model, max_rows=max_rows, max_len=max_len, dtype=dtype, device=device,
-                                         quantize=quantize, cuda_graphs=cuda_graphs, compile_decode=compile_decode),
-                     prompts, new_tokens, prefill=True)
+                                         quantize=quantize, cuda_graphs=cuda_graphs, compile_decode=compile_decode,
+                                         adapt_threads=adapt_threads),
+                     prompts, new_tokens, prefill=prefill, budgets=budgets, temperature=temperature)
     return {**out, "compile_decode": compile_decode}
 
 
-def run_vllm_engine(args, prompts) -> dict:
+def contend(args, model, prompts, dtype, device) -> dict:
+    """`--contend`: the same generation alone, beside one busy process (a Python loop), beside
+    one niced busy process (nice 19), and beside one busy process with the engine's thread
+    count fixed (`adapt_threads=False`: what a busy host did before the engine adapted). The
+    conditions alternate within each repeat, so a drift of the host hits all alike; medians."""
+    import subprocess
+    import sys
+
+    spin = [sys.executable, "-c", "while True: pass"]
+    conditions = {"idle": (None, True), "busy": (spin, True), "busy_niced": (["nice", "-n", "19", *spin], True),
+                  "busy_fixed_threads": (spin, False)}
+    runs: dict[str, list[float]] = {k: [] for k in conditions}
+    for _ in range(args.repeats):
+        for name, (cmd, adapt) in conditions.items():
+            proc = subprocess.Popen(cmd) if cmd else None
+            try:
+                if proc is not None:
+                    time.sleep(1.0)  # the competitor is running before the engine starts
+                r = run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device, max_rows=args.max_rows,
+                                     quantize=args.quantize, adapt_threads=adapt, prefill=False)
+            finally:
+                if proc is not None:
+                    proc.kill()
+                    proc.wait()
+            runs[name].append(r["tokens_per_s"])
+    med = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+    out = {"model": args.model, "device": device, "dtype": args.dtype, "prompts": args.prompts,
+           "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)),
+           "runs_tokens_per_s": runs, "tokens_per_s": med,
+           "slowdown": {k: med["idle"] / med[k] for k in med if k != "idle"}}
+    print(f"\nrollover bench engine --contend  model={args.model} device={device} dtype={args.dtype} "
+          f"prompts={args.prompts} new_tokens={args.new_tokens} threads={out['threads']} cores={out['cores']}")
+    for k, v in med.items():
+        slow = "" if k == "idle" else f"   {out['slowdown'][k]:.2f}x slower than idle"
+        print(f"  {k:20s} {v:8.1f} tokens/s{slow}   (runs {', '.join(f'{x:.1f}' for x in runs[k])})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+def run_vllm_engine(args, prompts, budgets=None, temperature=1.0) -> dict:
     """`--engine vllm`: the same workload on VLLMEngine (the optional extra)."""
     import vllm
 
     from rollover.engine.vllm_engine import VLLMEngine
 
-    max_len = max(map(len, prompts)) + args.new_tokens + 1
+    max_len = max(map(len, prompts)) + max(budgets or [args.new_tokens]) + 1
     out = run_engine(lambda: VLLMEngine(args.model, dtype=args.dtype, max_rows=args.max_rows, max_len=max_len),
-                     prompts, args.new_tokens)
+                     prompts, args.new_tokens, budgets=budgets, temperature=temperature)
     return {**out, "vllm_version": vllm.__version__}
 
 
@@ -161,6 +224,12 @@ def main(args) -> dict:
     model = load_hf_model(args.model, dtype=dtype, device=device).eval()
     tokenizer = load_tokenizer(args.model)
     prompts = bench_prompts(tokenizer, args.prompts)
+    budgets, temperature = None, 1.0
+    if args.workload == "nanovllm":
+        prompts, budgets = nanovllm_workload(args.prompts, model.config.vocab_size)
+        temperature, args.skip_hf = 0.6, True
+    if args.contend:
+        return contend(args, model, prompts, dtype, device)
     n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
     if getattr(model.config, "tie_word_embeddings", False):
         n_params += model.get_input_embeddings().weight.numel()  # the LM head reuses it
@@ -168,7 +237,7 @@ def main(args) -> dict:
     decode_key = next(k for k in shapes if k.startswith("decode"))
     peaks = [matmul_rate(dtype, device, shapes=shapes)]  # before every engine run and after the last (module docstring)
     if args.engine == "vllm":
-        eng = run_vllm_engine(args, prompts)
+        eng = run_vllm_engine(args, prompts, budgets, temperature)
         peaks.append(matmul_rate(dtype, device, shapes=shapes))
     else:
         variants = {"off": [False], "on": [True], "both": [False, True]}[args.compile_decode]
@@ -177,7 +246,8 @@ def main(args) -> dict:
             for v in variants:  # alternating, so a drift of the host's speed hits both alike
                 by_variant[v].append(run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device,
                                                       max_rows=args.max_rows, quantize=args.quantize,
-                                                      cuda_graphs=args.cuda_graphs == "on", compile_decode=v))
+                                                      cuda_graphs=args.cuda_graphs == "on", compile_decode=v,
+                                                      budgets=budgets, temperature=temperature))
                 peaks.append(matmul_rate(dtype, device, shapes=shapes))
         medians = {}
         for v, vruns in by_variant.items():
@@ -192,7 +262,8 @@ def main(args) -> dict:
         "model": args.model, "device": device, "dtype": args.dtype, "quantize": args.quantize, "prompts": args.prompts,
         **({"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "cuda_graphs": args.cuda_graphs}
            if device.startswith("cuda") else {}),
-        "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
+        "new_tokens": args.new_tokens if budgets is None else "100-1024", "workload": args.workload,
+        "threads": torch.get_num_threads(),
         "matmul_flops": rates, "matmul_flops_each": peaks, "flops_per_token": 2 * n_params,
         "flop_limit_tokens_per_s": limit,
         # the same bound at the GEMM shape the decode batch actually runs (less optimistic)
@@ -278,4 +349,10 @@ def add_arguments(p) -> None:
     p.add_argument("--compile-decode", choices=["off", "on", "both"], default="off",
                    help="TorchEngine's decode step compiled by torch.compile; both: eager and compiled runs "
                         "alternating, the compiled one reported as the engine and the eager one beside it")
+    p.add_argument("--workload", choices=["default", "nanovllm"], default="default",
+                   help="default: chat prompts, --new-tokens each; nanovllm: nano-vllm's benchmark (random prompts and "
+                        "outputs of 100-1024 tokens, temperature 0.6; use --prompts 256 for theirs)")
+    p.add_argument("--contend", action="store_true",
+                   help="measure tokens/s alone, beside one busy process, beside one niced busy process, and beside "
+                        "one busy process with the thread count fixed (CPU)")
     p.add_argument("--json", default=None, help="write the results here")

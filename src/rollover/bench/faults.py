@@ -19,10 +19,31 @@ up to `--kills-per-chain` times, and the chain's last process runs to the end. P
 
 A kill that lands while a checkpoint is being written leaves a `.step_*` temporary directory;
 those are counted (`kills_mid_checkpoint`) to show the atomic write was exercised.
+
+`env_fail` is not a kill: a multi-turn environment (`FailingEnvs`, episodes of `TURNS` turns)
+fails a fixed share of its episodes (`--fail-rates`), half raising inside `step()` and half
+hanging there until `env.step_timeout_s` (`--step-timeout-s`) ends the call. Which episodes
+fail, how and at which turn is a hash of the task's prompt id and the sample index, never the
+clock, so every run fails the same episodes. Each loop (`--env-loops`: sync, APRIL, async
+eta = 1) trains `--steps` steps once per rate; per run, from `metrics.jsonl` and
+`trained_groups.jsonl`:
+
+- steps done of those asked, and whether the run aborted (exited nonzero or hung: must not);
+- episodes run (`rollout/env/episodes`), failed (`rollout/env/failed`: raised, and timed out
+  per `rollout/env/timed_out`), kept (trained: `samples`) and unused: run - kept - failed,
+  the survivors of groups skipped with fewer than two samples (`rollout/skipped_groups`) and,
+  in APRIL and async, groups scored but still waiting to train when the run ended;
+- checks that the counts add up: each failed episode left its group (`rollout/dropped_samples`
+  = failed, unless a collection came back empty: its episodes are not in the episode counts);
+  each trained group lost exactly its injected failures (`samples` + `dropped` = n, `dropped`
+  = the hash's count); sync: every scored group trained or was skipped, and unused = the
+  survivors of the skipped groups.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import random
 import shutil
@@ -44,6 +65,60 @@ MODES = {
     "fsdp_rank": {"train": {"parallel": "fsdp", "ranks": 2}},
 }
 RANK_MODES = ("fsdp_rank",)
+ENV_MODES = ("env_fail",)  # not a kill: an environment fails some of its episodes (`FailingEnvs`)
+ENV_LOOPS = {
+    "sync": {},
+    "april": {"partial_rollout": {"enabled": True}},
+    "async": {"mode": "async", "async": {"max_staleness": 1}},
+}
+TURNS = 2  # turns of an env_fail episode; a failing episode fails at one of them
+ENV_PROMPTS, ENV_SAMPLES = 8, 4  # env_fail: prompts per step, samples per prompt (n)
+
+
+def episode_fate(prompt_id: str, j: int, rate: float, hang_share: float = 0.5) -> tuple[str, int]:
+    """What episode j of task `prompt_id` does: ("ok", 0), or ("raise" | "hang", turn) for a
+    failure in its `turn`-th step. A hash of the two, not the clock: every run fails the same."""
+    h = hashlib.sha256(f"{prompt_id}/{j}".encode()).digest()
+    u, v = int.from_bytes(h[:8], "big") / 2**64, int.from_bytes(h[8:16], "big") / 2**64
+    if u >= rate:
+        return "ok", 0
+    return ("hang" if v < hang_share else "raise"), 1 + h[16] % TURNS
+
+
+class FailingEnvs:
+    """`env.name` of the env_fail runs (`rollover.bench.faults:FailingEnvs`): tasks of `TURNS`
+    turns whose reward is the parity of the reply's length, with a share `rate` of episodes
+    failing as `episode_fate` says."""
+
+    def __init__(self, rate: float, hang_share: float = 0.5):
+        self.rate, self.hang_share = rate, hang_share
+
+    def prompts(self, n: int, seed: int = 0) -> list:
+        from rollover.types import Prompt
+
+        return [Prompt(id=f"envfail-{seed}-{i}", text="Say something.") for i in range(n)]
+
+    def make_group(self, prompt, n: int) -> list:
+        return [_FailingEnv(*episode_fate(prompt.id, j, self.rate, self.hang_share)) for j in range(n)]
+
+
+class _FailingEnv:
+    def __init__(self, fate: str, fail_turn: int):
+        self.fate, self.fail_turn, self.turn = fate, fail_turn, 0
+
+    async def initial_observation(self) -> list[dict]:
+        return [{"role": "user", "content": "Say something."}]
+
+    async def step(self, action):
+        from rollover.envs.base import StepResult
+
+        self.turn += 1
+        if self.turn == self.fail_turn:
+            if self.fate == "raise":
+                raise RuntimeError(f"injected failure in step {self.turn}")
+            await asyncio.sleep(3600)  # a call that never answers: env.step_timeout_s ends it
+        done = self.turn == TURNS
+        return StepResult([] if done else [{"role": "user", "content": "Again."}], float(len(action.text) % 2), done)
 
 
 def _config(model: str, run_dir: Path, steps: int, seed: int, mode: str) -> dict:
@@ -64,7 +139,7 @@ def _launch(cfg_path: Path, log) -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT)
 
 
-def _train_steps(run_dir: Path, since: float = 0.0) -> list[int]:
+def _train_rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
@@ -74,7 +149,11 @@ def _train_steps(run_dir: Path, since: float = 0.0) -> list[int]:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             pass  # a line torn by the kill; resume drops it
-    return [r["step"] for r in rows if r.get("kind") == "train" and r["time"] >= since]
+    return [r for r in rows if r.get("kind") == "train"]
+
+
+def _train_steps(run_dir: Path, since: float = 0.0) -> list[int]:
+    return [r["step"] for r in _train_rows(run_dir) if r["time"] >= since]
 
 
 def _ledger(run_dir: Path) -> list[dict]:
@@ -241,6 +320,93 @@ def _mode(args, mode: str, rng: random.Random, work: Path) -> dict:
     return out
 
 
+def _env_config(args, run_dir: Path, loop: str, rate: float) -> dict:
+    cfg = {
+        "model": args.model, "run_dir": str(run_dir), "steps": args.steps, "seed": args.seed,
+        "data": {"train": "env", "eval_size": 0, "max_prompt_tokens": 128},
+        "env": {"name": f"{__name__}:FailingEnvs", "options": {"rate": rate}, "tasks": 4 * args.steps * ENV_PROMPTS,
+                "step_timeout_s": args.step_timeout_s, "max_total_tokens": 256},
+        "rollout": {"prompts_per_step": ENV_PROMPTS, "samples_per_prompt": ENV_SAMPLES, "max_new_tokens": 8,
+                    "max_rows": ENV_PROMPTS * ENV_SAMPLES},
+        "train": {"lr": 1e-3}, "eval": {"every": 0, "at_start": False},
+        "checkpoint": {"every": 0}, "logging": {"progress": False, "tensorboard": False},
+    }
+    for key, value in ENV_LOOPS[loop].items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    return cfg
+
+
+def _env_run(args, loop: str, rate: float, root: Path) -> dict:
+    """One training run of `loop` against `FailingEnvs(rate)`: its counts and their checks."""
+    root.mkdir(parents=True)
+    run_dir, n = root / "run", ENV_SAMPLES
+    (root / "config.json").write_text(json.dumps(_env_config(args, run_dir, loop, rate)))
+    t0 = time.monotonic()
+    with open(root / "log.txt", "w") as log:
+        proc = _launch(root / "config.json", log)
+        try:
+            rc = proc.wait(timeout=args.hang_s)
+        except subprocess.TimeoutExpired:  # a hang: counted as an aborted run
+            proc.kill()
+            proc.wait()
+            rc = None
+    wall = time.monotonic() - t0
+    rows = _train_rows(run_dir)
+
+    def total(key: str) -> int:
+        return int(sum(r.get(key, 0) for r in rows))
+
+    episodes, failed, timed_out = (total(f"rollout/env/{k}") for k in ("episodes", "failed", "timed_out"))
+    dropped, skipped, empty = (total(f"rollout/{k}") for k in ("dropped_samples", "skipped_groups", "empty_collections"))
+    kept = total("samples")  # trained
+    trained = _ledger(run_dir) if (run_dir / "trained_groups.jsonl").exists() else []
+    injected = {g["prompt"]: sum(episode_fate(g["prompt"], j, rate)[0] != "ok" for j in range(n)) for g in trained}
+    unused = episodes - kept - failed
+    checks = {
+        "steps_done": len(rows) == args.steps,
+        # an empty collection's failures are in dropped_samples (folded into the next step) but
+        # its episodes are not in the episode counts
+        "failed_left_their_groups": dropped == failed if empty == 0 else dropped >= failed,
+        "groups_lost_only_their_failures": all(
+            g["samples"] + g["dropped"] == n and g["dropped"] == injected[g["prompt"]] for g in trained),
+        "ledger_matches_metrics": sum(g["samples"] for g in trained) == kept,
+        "unused_not_negative": unused >= 0,
+    }
+    if loop == "sync" and empty == 0:  # every scored group trained this step or was skipped
+        checks["groups_trained_or_skipped"] = episodes == n * (total("groups") + skipped)
+        checks["unused_are_skipped_survivors"] = unused == n * skipped - (dropped - sum(g["dropped"] for g in trained))
+    out = {
+        "loop": loop, "fail_rate": rate, "steps_done": len(rows), "steps": args.steps, "aborted": int(rc != 0),
+        "exit_code": rc, "episodes": episodes, "kept": kept, "failed": failed, "raised": failed - timed_out,
+        "timed_out": timed_out, "unused": unused, "dropped_samples": dropped, "skipped_groups": skipped,
+        "empty_collections": empty, "wall_s": round(wall, 1), "checks": checks, "checks_ok": all(checks.values()),
+    }
+    if rc != 0:
+        out["log_tail"] = (root / "log.txt").read_text(errors="replace")[-2000:]
+    return out
+
+
+ENV_TABLE = (("loop", "{loop}"), ("fail", "{fail_rate:.0%}"), ("steps", "{steps_done}/{steps}"),
+             ("episodes", "{episodes}"), ("kept", "{kept}"), ("failed", "{failed}"), ("raised", "{raised}"),
+             ("hung", "{timed_out}"), ("unused", "{unused}"), ("skipped", "{skipped_groups}"),
+             ("empty", "{empty_collections}"), ("aborted", "{aborted}"), ("wall s", "{wall_s:.1f}"))
+ENV_WIDTH = 9  # characters per column of the env_fail table
+
+
+def _env_fail(args, work: Path) -> dict:
+    runs = []
+    print("  " + "".join(f"{name:>{ENV_WIDTH}s}" for name, _ in ENV_TABLE) + "  checks", flush=True)
+    for rate in args.fail_rates:
+        for loop in args.env_loops:
+            r = _env_run(args, loop, rate, work / f"{loop}_{rate:g}")
+            runs.append(r)
+            bad = [k for k, ok in r["checks"].items() if not ok]
+            print("  " + "".join(f"{fmt.format(**r):>{ENV_WIDTH}s}" for _, fmt in ENV_TABLE) + "  "
+                  + ("ok" if not bad else "FAILED: " + ", ".join(bad)), flush=True)
+    return {"runs": runs, "aborted": sum(r["aborted"] for r in runs),
+            "checks_failed": sum(not r["checks_ok"] for r in runs), "step_timeout_s": args.step_timeout_s}
+
+
 def main(args) -> dict:
     rng = random.Random(args.seed)
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rollover-bench-faults-"))
@@ -252,6 +418,9 @@ def main(args) -> dict:
     args.samples = 4
     result = {"model": args.model, "steps": args.steps, "kills_per_chain": args.kills_per_chain, "modes": {}}
     for mode in args.modes:
+        if mode in ENV_MODES:
+            result["modes"][mode] = _env_fail(args, work / mode)
+            continue
         result["modes"][mode] = _mode(args, mode, rng, work)
         r = result["modes"][mode]
         print(f"  {mode:14s} trials={r['trials']} clean={r['resumed_clean']} hangs={r['hangs']} "
@@ -260,6 +429,9 @@ def main(args) -> dict:
                                       else "") + f" mid-checkpoint kills={r['kills_mid_checkpoint']}"
               + (f" rank deaths named={r.get('rank_errors_named', 0)}/{r['trials']}" if mode in RANK_MODES else ""), flush=True)
     for mode, r in result["modes"].items():  # the fields the issue asks for, per mode, at the top
+        if mode in ENV_MODES:
+            result[mode] = {k: r[k] for k in ("aborted", "checks_failed")}
+            continue
         result[mode] = {k: r[k] for k in ("trials", "hangs", "lost", "duplicated")}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -271,7 +443,8 @@ def main(args) -> dict:
 def add_arguments(p) -> None:
     from rollover.bench import at_least
 
-    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="modes whose runs are killed and resumed")
+    p.add_argument("--modes", nargs="+", choices=[*MODES, *ENV_MODES], default=[*MODES, *ENV_MODES],
+                   help="modes whose runs are killed and resumed; env_fail: runs whose environment fails episodes")
     p.add_argument("--trials", type=at_least(1), default=20, help="kill -9 + resume trials per mode")
     p.add_argument("--kills-per-chain", type=at_least(1), default=5, help="kills of one run before it may finish")
     p.add_argument("--steps", type=at_least(2), default=8, help="training steps of each run")
@@ -281,3 +454,27 @@ def add_arguments(p) -> None:
     p.add_argument("--workdir", default=None, help="keep every run here (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true", help="keep the temp work dir")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    p.add_argument("--fail-rates", nargs="+", type=_rate, default=[0.05, 0.2],
+                   help="env_fail: shares of episodes that fail (half raise in step(), half hang past the timeout)")
+    p.add_argument("--env-loops", nargs="+", choices=list(ENV_LOOPS), default=list(ENV_LOOPS),
+                   help="env_fail: the loops that train against the failing environment")
+    p.add_argument("--step-timeout-s", type=_seconds, default=1.0,
+                   help="env_fail: env.step_timeout_s, what a hang costs")
+
+
+def _rate(text: str) -> float:
+    import argparse
+
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"a fail rate is in [0, 1), got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    import argparse
+
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a step timeout is > 0 s, got {text}")
+    return value

@@ -52,7 +52,8 @@ def child(model: str, config: str, overrides: list[str], steps: int, evaluate: b
     """One model's phases, in this (fresh) process; writes the JSON to `out`."""
     t_start = time.perf_counter()
     from rollover.config import load_config
-    from rollover.loops.common import build_run, train_batch_from
+    from rollover.loops.batch import train_batch_from
+    from rollover.loops.common import build_run
     from rollover.loops.sync import make_collector
     from rollover.train import memory
 

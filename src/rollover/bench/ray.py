@@ -47,7 +47,7 @@ def _train(args, runtime: str, workers: int = 1, cpus: float = 2.0, trainer_acto
         every = read_metrics(run_dir, kind="train")
     rows = every[1:]  # step 1 warms up
     wall = sum(r["timing_s/step"] for r in rows)
-    out = {"samples_per_s": (rows[-1]["samples_consumed"] - every[0]["samples_consumed"]) / wall,
+    out = {"samples_per_s": (rows[-1]["samples_consumed_total"] - every[0]["samples_consumed_total"]) / wall,
            "seconds_per_step": wall / len(rows),
            "weight_sync_s": statistics.fmean(r["timing_s/weight_sync"] for r in rows),
            "generate_s": statistics.fmean(r["timing_s/generate"] for r in rows)}

@@ -37,7 +37,7 @@ def _speed(config: str, steps: int, mode: str, router: str) -> dict:
 
 
 def _agreement(config: str, steps: int, mode: str) -> dict:
-    from rollover.cli import _load_config
+    from rollover.commands import _load_config
     from rollover.sim.fast import simulate_fast
     from rollover.sim.run import _with_rows, profile_of, simulate
 

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterable
 
-from rollover.engine import openmp
+from rollover.engine.cpu import openmp
 from rollover.types import Completion, Request
 
 

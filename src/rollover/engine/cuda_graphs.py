@@ -18,7 +18,7 @@ steps admit something (measured on an H200 before that split: APRIL's decode tim
 its steps almost all eager; on an H100 with the split, APRIL `keep_kv` still at 0.87x sync,
 about 33 ms per 256-row step). So `EngineCore` batches such admissions (`admit_batch`, by
 default max_rows / 8 where admission is separate): on an H100 that took APRIL `keep_kv` to
-1.61-1.67x sync (docs/benchmarks.md, "second lease").
+1.61-1.67x sync (docs/benchmarks.md, "APRIL on a GPU").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Two implementations, with the same inputs and results:
 - **torch** (any device and dtype): the new keys and values go in with one `index_copy_` each;
   scores by `baddbmm` over `cache[:B, :, :Lk]` with a bias that masks keys past a row's
   position, softmax, and `bmm` with the values.
-- **native** (`rollover.engine.native`, CPU, fp32; the default there): one C loop over (row,
+- **native** (`rollover.engine.cpu.native`, CPU, fp32; the default there): one C loop over (row,
   kv head). Each row reads its own keys only up to its position, its g query heads share one
   pass over the keys and one over the values, and the new key and value are written in the same
   loop, rotated there when the caller passes the rotary tables. Why: at decode sizes MKL's
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollover.engine.native import Kernels
+from rollover.engine.cpu.native import Kernels
 
 
 @dataclass

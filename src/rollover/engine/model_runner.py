@@ -10,7 +10,7 @@ layer of 3 to 512 rows (`NATIVE_GEMM_ROWS`: decode steps, small prefills) multip
 packed copy of each weight (`Kernels.pack`), made at its first use after a weight update; it
 serves every batch size. Elsewhere, on CPUs with MKL, the linear layers of a decode step
 multiply by weights packed for the step's batch size, from a ladder of sizes
-(`rollover.engine.weight_packs`).
+(`rollover.engine.cpu.weight_packs`).
 
 int8 (`quantize="int8"`, `rollout.quantize: int8`). Every weight matrix is also held as int8
 rows with one float scale per row (symmetric, rounded to nearest; a quarter of the fp32 bytes),
@@ -19,7 +19,7 @@ made at its first use after each weight update, and every linear layer multiplie
 dtype. The engine's logits then differ from the trainer's: `actor/rollout_kl` measures it and
 `algorithm.tis_cap` corrects it, as for any rollout-training mismatch.
 
-Native kernels (`rollover.engine.native`, CPU, fp32, where a C compiler builds them; the default
+Native kernels (`rollover.engine.cpu.native`, CPU, fp32, where a C compiler builds them; the default
 there). A decode step's attention (`rollover.engine.decode_attention`) is one C loop that rotates
 and writes each row's new key and value and attends its query heads over the row's own keys;
 RMSNorm (fused with the residual add before it in a decode step) and SwiGLU's SiLU-and-multiply
@@ -46,8 +46,8 @@ import torch.nn.functional as F
 from rollover.engine import prefill
 from rollover.engine.cuda_graphs import DecodeGraphs, bucket
 from rollover.engine.decode_attention import DecodeAttention
-from rollover.engine.native import PackedWeight, kernels_for
-from rollover.engine.weight_packs import WeightPacks
+from rollover.engine.cpu.native import PackedWeight, kernels_for
+from rollover.engine.cpu.weight_packs import WeightPacks
 
 # rows from which and up to which the native GEMM multiplies (elsewhere: MKL's plain GEMM, which
 # reads a weight at memory speed for one or two rows). Measured on the 2-core Intel host, each
@@ -157,7 +157,7 @@ class ModelRunner:
             raise ValueError("compile_decode and CUDA graphs both replace the eager decode step: turn the graphs "
                              "off (rollout.engine_options: {cuda_graphs: false}) to compile it")
         self.compiled = torch.compile(self._decode, dynamic=True) if compile_decode else None
-        # the native kernels (`rollover.engine.native`) on a CPU in fp32 where they build; torch's
+        # the native kernels (`rollover.engine.cpu.native`) on a CPU in fp32 where they build; torch's
         # ops elsewhere and where the step is compiled (inductor cannot trace a C call)
         if native_kernels and (compile_decode or quantize is not None):
             raise ValueError("native_kernels serve the eager float forward: not with compile_decode or quantize")

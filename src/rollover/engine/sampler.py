@@ -69,7 +69,7 @@ def _truncate(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 class Sampler:
-    """`kernels`: the runner's native kernels (`rollover.engine.native`) or None. With them, a
+    """`kernels`: the runner's native kernels (`rollover.engine.cpu.native`) or None. With them, a
     batch without greedy or top-k / top-p rows (the RL rollout's) is drawn by a C loop with the
     same uniforms and the same method. Its exp and its sums round differently from torch's, so
     where a uniform falls within rounding of a token boundary the two pick neighbouring tokens

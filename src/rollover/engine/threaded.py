@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Iterable
 
-from rollover.engine import openmp
+from rollover.engine.cpu import openmp
 from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.core import EngineStats
 from rollover.types import Completion, Request
@@ -43,6 +43,7 @@ class ThreadedEngine(EngineAPI):
         self._idle = False
         self._step_lock = None  # a simulated engine's: steps only while it is free (see SimEngine.bind_schedule)
         self._poll_s = None  # a simulated engine's: look for work this often while waiting (see SimEngine.gate)
+        self._share = None  # TorchEngine on a CPU: its threads kept to the free cores (rollover.engine.cpu.share)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -244,6 +245,8 @@ class ThreadedEngine(EngineAPI):
                         continue
                 try:
                     if self.core.has_work() and not self._paused:
+                        if self._share is not None:
+                            self._share.apply()
                         finished, touched = self.core.step()
                         if self._listeners:
                             for s in touched:

@@ -17,16 +17,7 @@ import torch
 from rollover.engine.core import EngineCore
 from rollover.engine.model_runner import ModelRunner
 from rollover.engine.threaded import ThreadedEngine
-
-
-def _eos_ids(config, generation_config) -> tuple[int, ...]:
-    ids: list[int] = []
-    for src in (generation_config, config):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        if e is None:
-            continue
-        ids.extend(e if isinstance(e, (list, tuple)) else [e])
-    return tuple(dict.fromkeys(ids))
+from rollover.models import eos_ids
 
 
 class TorchEngine(ThreadedEngine):
@@ -46,12 +37,15 @@ class TorchEngine(ThreadedEngine):
         CPU; what it gains is in docs/benchmarks.md). Outputs equal the eager step's up to float
         rounding (tests/test_engine.py). Not with CUDA graphs (refused: turn them off to compile).
     native_kernels: on a CPU in fp32, the decode attention, RMSNorm and SiLU-and-multiply as C
-        loops compiled at first use (`rollover.engine.native`): None (default) where they build,
+        loops compiled at first use (`rollover.engine.cpu.native`): None (default) where they build,
         saying once why not; True requires them; False (`rollout.engine_options:
         {native_kernels: false}`, or `ROLLOVER_NATIVE=0`) keeps torch's ops.
     admit_batch, admit_max_wait: while sequences decode, admit waiting ones once `admit_batch`
         fit or after `admit_max_wait` steps (`EngineCore._admit`); None: max_rows / 8 with CUDA
         graphs, else 1 (every step).
+    adapt_threads: on a CPU, decode with as many threads as other processes leave cores free
+        (`rollover.engine.cpu.share`; `rollout.engine_options: {adapt_threads: false}` keeps
+        torch's count).
     """
 
     def __init__(
@@ -74,6 +68,7 @@ class TorchEngine(ThreadedEngine):
         native_kernels: bool | None = None,
         admit_batch: int | None = None,
         admit_max_wait: int = 16,
+        adapt_threads: bool = True,
     ):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -90,13 +85,17 @@ class TorchEngine(ThreadedEngine):
             quantize=quantize, pack_weights=pack_weights, cuda_graphs=cuda_graphs, compile_decode=compile_decode,
             native_kernels=native_kernels,
         )
-        eos = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(config, gen_config)
+        eos = tuple(eos_token_ids) if eos_token_ids is not None else eos_ids(gen_config, config)
         core = EngineCore(
             runner, eos_token_ids=eos, seed=seed, version=version, max_prefill_tokens=max_prefill_tokens,
             admit_batch=admit_batch, admit_max_wait=admit_max_wait,
         )
         self.max_rows, self.max_len, self.device = max_rows, max_len, runner.device
         self._start(core)
+        if adapt_threads and str(runner.device).startswith("cpu"):
+            from rollover.engine.cpu.share import CpuShare
+
+            self._share = CpuShare(torch.get_num_threads())  # fewer threads while other processes hold cores
 
     def lend_weights(self, model) -> int:
         """Hold `model`'s weights once (`ModelRunner.lend_weights`): its parameters become views of

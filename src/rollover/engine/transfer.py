@@ -2,8 +2,8 @@
 
 A plain `torch.tensor(values, device="cuda")` or `tensor.tolist()` waits until the device has
 finished everything queued: on an H100 a graphed decode step of TorchEngine waited so about 8
-times a step (412 `cudaStreamSynchronize` calls in 48 profiled steps, docs/benchmarks.md, "second
-lease"), and each wait leaves the GPU idle while Python prepares the next launch. Here the
+times a step (412 `cudaStreamSynchronize` calls in 48 profiled steps, docs/benchmarks.md, "Decode
+on a GPU"), and each wait leaves the GPU idle while Python prepares the next launch. Here the
 inputs go through page-locked memory without a wait (PyTorch's caching host allocator keeps that
 memory until its copy has run), and a step's outputs come back in one wait. On a CPU both are
 plain tensor operations.

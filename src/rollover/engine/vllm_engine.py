@@ -66,7 +66,7 @@ import torch
 from rollover.engine.core import EngineStats
 from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.sampler import position_seed
-from rollover.engine.torch_engine import _eos_ids
+from rollover.models import eos_ids
 from rollover.engine.validation import validate_request
 from rollover.engine.vllm_control import PauseControl, wait_control
 from rollover.types import Completion, Request
@@ -150,7 +150,7 @@ class VLLMEngine(PauseControl, EngineAPI):
                 gen = GenerationConfig.from_pretrained(path)
             except OSError:  # no generation_config.json
                 gen = None
-            eos_token_ids = _eos_ids(config, gen)
+            eos_token_ids = eos_ids(gen, config)
         self.eos_token_ids = tuple(eos_token_ids)
         # names and shapes update_weights accepts: the HF module's, built on the meta device
         with torch.device("meta"):

@@ -18,6 +18,7 @@ inserted) and `versions_T` (the policy version that sampled it; -1 where inserte
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, Sequence
 
@@ -47,7 +48,7 @@ class StepResult:
     messages: list[dict]  # chat messages to insert: {"role": "user" | "tool" | ..., "content"}
     reward: float
     done: bool
-    info: dict = field(default_factory=dict)  # numbers worth reporting (e.g. {"guesses": 3})
+    info: dict = field(default_factory=dict)  # numbers worth reporting (e.g. {"guesses": 3}): rollout/env/info/<key>
 
 
 class Env(Protocol):
@@ -61,7 +62,13 @@ class Env(Protocol):
 
 
 class EnvGroupBuilder(Protocol):
-    """Makes the n environments of one task; each is used for one episode."""
+    """Makes the n environments of one task; each is used for one episode.
+
+    Optional, for `data.train: env`: `prompts(n, seed) -> list[Prompt]`, the builder's own
+    tasks, the same for the same (n, seed). Training calls `prompts(env.tasks, seed=seed)` and,
+    for held-out tasks when data.eval is unset, `prompts(data.eval_size, seed=seed + 1_000_003)`.
+    It is not one of the protocol's methods because a builder fed by a dataset needs none.
+    """
 
     def make_group(self, prompt: Prompt, n: int) -> Sequence[Env]: ...
 
@@ -174,7 +181,10 @@ class Trajectory:
 
 def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Counts and means over episodes, for the metrics log: episodes, failed (and timed out),
-    turns per episode, the environment's share of the episode time, finish reasons."""
+    turns per episode, the environment's share of the episode time, finish reasons, and
+    `env/info/<key>`: each numeric `info` value averaged over the episodes that reported it
+    (an episode's `Trajectory.info`: its turns' info merged, later turns winning); other values
+    are not metrics and are left out. Training logs these under `rollout/` (`rollout/env/...`)."""
     n = len(trajectories)
     if n == 0:
         return {}
@@ -189,4 +199,11 @@ def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     }
     for reason in ("done", "max_turns", "length", "abort", "error"):
         out[f"env/finish_{reason}"] = sum(t.finish == reason for t in trajectories) / n
+    values: dict[str, list[float]] = {}
+    for t in trajectories:
+        for key, v in t.info.items():
+            if isinstance(v, numbers.Real):  # bools count (a rate); strings, lists, None do not
+                values.setdefault(str(key), []).append(float(v))
+    for key in sorted(values):
+        out[f"env/info/{key}"] = sum(values[key]) / len(values[key])
     return out

@@ -131,7 +131,7 @@ CALCULATOR = Tool(
 
 
 def _run_python(code: str) -> str:
-    from rollover.envs.sandbox import python_tool  # Linux and root only: imported when used
+    from rollover.rewards.sandbox import python_tool  # Linux and root only: imported when used
 
     return python_tool(code)
 

@@ -20,6 +20,13 @@ typed (`PendingGroup`, `Group`, named tensors + version), the same seams a multi
 runtime uses. Objective: decoupled PPO by default (proximal policy = the weights before the
 update, behaviour = the engine's logprobs), so slightly stale samples are weighted correctly.
 
+Failed samples leave their groups, which train on the rest; a group left with fewer than two
+is dropped and the gate admits another in its place. `train.max_bad_steps` collections' worth
+of groups dropped in a row (in start order; a collection is a batch of groups, or
+`algorithm.max_resample_rounds` of them with dynamic sampling) stop the run after a
+checkpoint, as that many empty collections stop the sync loop. The data manager's counters
+(`rollout/*`) count what it did since the previous row.
+
 Failure: an exception in any component stops all of them within about a second, with a
 message naming the component; the trainer saves a checkpoint of the last consistent state
 (between two steps) unless the trainer itself failed, in which case the last periodic
@@ -42,9 +49,12 @@ import time
 from collections import Counter
 
 from rollover.config import Config
-from rollover.engine import openmp
-from rollover.loops.common import Run, bad_steps_error, build_run, downsample_metrics, ledger_rows, train_batch_from
-from rollover.loops.guard import Interrupts, Stalled, Watchdog, engine_progress, interrupted_result
+from rollover.engine.cpu import openmp
+from rollover.loops.batch import bad_steps_error, downsample_metrics, ledger_rows, train_batch_from
+from rollover.loops.common import Run, build_run
+from rollover.loops.guard import Interrupts, interrupted_result
+from rollover.rollout.stops import Stalled, TooManyEmptyCollections, Watchdog, engine_progress
+from rollover.loops.samples import log_samples
 from rollover.rollout.async_rollout import ComponentError, DataManager, RolloutService, StalenessGate
 from rollover.rollout.core import env_step_metrics
 from rollover.rollout.groups import rollout_metrics
@@ -65,13 +75,15 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
     stats = _Throughput(run)
     try:
         with Interrupts() as interrupts:
-            if step == 0 and cfg.eval.at_start:
+            # a checkpoint at step 0 (a signal before the first step) was saved after this
+            # evaluation was logged: resuming from it must not log (0, eval) again
+            if step == 0 and cfg.eval.at_start and run.checkpoint is None:
                 last_eval = run.evaluate(0)
             parts.start()
             while step < cfg.steps:
                 # 1. the next batch, oldest groups first (None: a signal asked us to stop)
                 t_wait = time.perf_counter()
-                groups = parts.next_batch(interrupts)
+                groups = parts.next_batch(interrupts, step)
                 if groups is None:
                     break
                 waited = time.perf_counter() - t_wait
@@ -93,15 +105,15 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                 t_sync = time.perf_counter() - t0
                 parts.service.admit()  # the new version opens the gate for more groups
 
-                # 3. metrics, the ledger of trained groups, the progress bar
+                # 3. metrics, the ledger of trained groups (and, every logging.samples steps, their samples)
                 samples_trained += len(batch)
                 metrics = {
                     **rollout_metrics(groups, cfg, run.primary_reward),
                     **train_metrics,
                     "adv/zero_std_groups": adv_info.get("zero_std_groups", 0),
                     **downsample_metrics(adv_info),
-                    "samples_consumed": samples_trained,
-                    **stats.step(stale, batch, version, t_train, t_sync, samples_trained),
+                    "samples_consumed_total": samples_trained,
+                    **stats.step(stale, batch, version, t_train, t_sync),
                     **parts.metrics(stats.wall()),
                     "timing_s/wait_for_batch": waited,
                     **run.weights.metrics(),
@@ -109,6 +121,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                 }
                 run.logger.log(step, metrics)
                 run.logger.log_groups(step, ledger_rows(groups))
+                log_samples(run, step, groups, batch)
                 if progress:
                     progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
                                     samples_per_s=metrics["perf/samples_trained_per_s"])
@@ -127,8 +140,9 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                 path = parts.checkpoint(step, samples_trained, resume=False)
                 return interrupted_result(step, interrupts.requested, path)
         return {"step": step, **last_eval}
-    except ComponentError:
-        # another component failed while the trainer was between steps: its state is consistent
+    except (ComponentError, TooManyEmptyCollections):
+        # another component failed, or every group came back dropped, while the trainer was
+        # between steps: its state is consistent
         try:
             parts.checkpoint(step, samples_trained, resume=False)
         except Exception as e:  # pragma: no cover - best effort, the original error matters more
@@ -139,6 +153,9 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
         if progress:
             progress.close()
         run.close()
+
+
+DATA_COUNTS = ("skipped_groups", "dropped_samples", "filtered_groups", "reward_errors", "empty_collections")
 
 
 class _Services:
@@ -169,9 +186,10 @@ class _Services:
         self.manager.start()
         self.service.resume()  # submits restored in-flight groups, then admits new ones
 
-    def next_batch(self, interrupts: Interrupts) -> list | None:
-        """The data manager's next batch; raises as soon as any component has failed or nothing
-        has moved for the stall timeout; None once a signal asked the run to stop."""
+    def next_batch(self, interrupts: Interrupts, step: int) -> list | None:
+        """The data manager's next batch; raises as soon as any component has failed, nothing
+        has moved for the stall timeout or `train.max_bad_steps` collections' worth of groups in
+        a row were dropped; None once a signal asked the run to stop."""
         m = self.manager
         dog = Watchdog("the trainer", "a batch from the data manager",
                        lambda: (engine_progress(self.run.engine), m.resolved_count, self.inbox.qsize()),
@@ -191,6 +209,8 @@ class _Services:
                     m.training = 1  # until its weights are pushed
             if batch is not None:
                 return batch
+            if (error := m.empty_collections_error(step)) is not None:
+                raise error
             openmp.release()  # the trainer waits while the engine computes
             with self.batches.not_empty:
                 if not self.batches.queue:
@@ -218,10 +238,11 @@ class _Services:
     def metrics(self, wall: float) -> dict:
         with self.manager.lock:
             trajectories, self.manager.trajectories = self.manager.trajectories, []
+            counts, self.manager.metrics = self.manager.metrics, Counter()
         busy, since = self.service.driver.env_busy_s, self._env_since
         self._env_since = (busy, time.perf_counter())
         return {
-            **{f"rollout/{k}": v for k, v in self.manager.metrics.items()},
+            **{f"rollout/{k}": v for k, v in {**dict.fromkeys(DATA_COUNTS, 0), **counts}.items()},
             **{f"rollout/{k}": v for k, v in env_step_metrics(self.run, trajectories, busy - since[0],
                                                                time.perf_counter() - since[1]).items()},
             "queue/finished_groups": self.inbox.qsize(),
@@ -239,11 +260,12 @@ class _Services:
 
 
 class _Throughput:
-    """Staleness histogram, busy fractions and samples/s since the loop started."""
+    """The step's staleness (and its histogram); busy fractions and samples/s since this
+    process's loop started (a resume starts them again)."""
 
     def __init__(self, run: Run):
         self.run = run
-        self.hist: Counter = Counter()
+        self.samples = 0  # trained by this process: samples_consumed_total also counts the run before a resume
         self.trainer_busy = 0.0
         self.t_start = time.perf_counter()
         self.engine0 = run.engine.stats()
@@ -251,22 +273,22 @@ class _Throughput:
     def wall(self) -> float:
         return time.perf_counter() - self.t_start
 
-    def step(self, stale: list[int], batch, version: int, t_train: float, t_sync: float, samples: int) -> dict:
-        self.hist.update(stale)
+    def step(self, stale: list[int], batch, version: int, t_train: float, t_sync: float) -> dict:
+        self.samples += len(batch)
         self.trainer_busy += t_train + t_sync
         wall, eng, e0 = self.wall(), self.run.engine.stats(), self.engine0
         tok_lag = (version - batch.versions_BT[batch.mask_BT]).float()
         return {
             "staleness/max": max(stale),
             "staleness/mean": sum(stale) / len(stale),
-            **{f"staleness/hist/{k}": v for k, v in sorted(self.hist.items())},
+            **{f"staleness/hist/{k}": v for k, v in sorted(Counter(stale).items())},  # this step's groups
             "staleness/token_lag_mean": float(tok_lag.mean()) if tok_lag.numel() else 0.0,
             "staleness/token_lag_max": float(tok_lag.max()) if tok_lag.numel() else 0.0,
             "busy/rollout": (eng.prefill_s + eng.decode_s - e0.prefill_s - e0.decode_s) / wall,
             "busy/trainer": self.trainer_busy / wall,
             "timing_s/train": t_train,
             "timing_s/weight_sync": t_sync,
-            "perf/samples_trained_per_s": samples / wall,
+            "perf/samples_trained_per_s": self.samples / wall,
         }
 
 

@@ -13,23 +13,20 @@ refused on the way leaves the run dir as it found it.
 from __future__ import annotations
 
 import logging
-import os
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from rollover.config import Config, ConfigError, config_changes, dump_config, read_yaml
 from rollover.data import PromptIterator, load_prompts, render_prompt, split_holdout
+from rollover.models import eos_ids
 from rollover.rewards import RewardRunner, build_rewards
-from rollover.rollout.groups import (
-    PendingGroup, eval_metrics, group_advantages, sampling_from,
-)
+from rollover.rollout.groups import PendingGroup, eval_metrics, sampling_from
 from rollover.train import checkpoint
+from rollover.train.seeding import seed_everything, use_deterministic_kernels
 from rollover.train.weight_sync import InProcessWeightSync, RayWeightSync, WeightSync, share_engine_weights
 from rollover.types import Prompt
 
@@ -62,26 +59,6 @@ def pick_device(name: str) -> torch.device:
             raise ConfigError(f"device={name!r}: torch sees {count} CUDA device{'s' if count > 1 else ''} "
                               f"(cuda:0 to cuda:{count - 1})")
     return device
-
-
-def use_deterministic_kernels() -> None:
-    """`train.deterministic`: the same bits on every run, process-wide. cuBLAS reads its
-    workspace setting when it starts (a process that used cuBLAS before keeps its own);
-    the flash and memory-efficient attention backward passes accumulate with atomics, so
-    attention falls back to the math backend."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
-    if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
-        torch.backends.cuda.enable_cudnn_sdp(False)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 @dataclass
@@ -318,7 +295,6 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     """
     from rollover.metrics import MetricsLogger
     from rollover.models import load_tokenizer
-    from rollover.train.trainer import Trainer
 
     # a trainer actor (ray.trainer: actor) trains wherever Ray puts it: the driver needs no GPU;
     # an evaluation (record=False) builds none (it only samples)
@@ -353,76 +329,17 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
                     "about %.1f times", cfg.rollout.prompts_per_step, len(train_prompts),
                     cfg.rollout.prompts_per_step / len(train_prompts))
     model = _load_model(cfg, ckpt)
-    ctx = getattr(model.config, "max_position_embeddings", None)
-    longest = max(map(len, prompt_ids.values())) + cfg.rollout.max_new_tokens
-    if env_builder is not None:
-        longest = cfg.env.max_total_tokens  # an episode's tokens, all turns included
-    if ctx is not None and longest > ctx:
-        what = "env.max_total_tokens" if env_builder is not None else "the longest prompt plus rollout.max_new_tokens"
-        raise ConfigError(f"{what} is {longest} tokens, more than the model's context of {ctx}")
-    eos_token_ids = _eos_ids(tokenizer, model)
-    if remote_trainer and cfg.train.parallel == "fsdp":
-        from rollover.runtime.trainer_group import RayShardedTrainer
-
-        trainer = RayShardedTrainer(model, cfg, pad_id=tokenizer.pad_token_id or 0, checkpoint=ckpt)
-    elif remote_trainer:
-        from rollover.runtime.trainer import RemoteTrainer
-
-        trainer = RemoteTrainer(model, cfg, pad_id=tokenizer.pad_token_id or 0)
-        del model  # the actor holds it; the driver keeps its config (trainer.model)
-    elif cfg.train.parallel == "fsdp" and record:
-        from rollover.train.ranks import ShardedTrainer
-
-        trainer = ShardedTrainer(model, cfg, pad_id=tokenizer.pad_token_id or 0, checkpoint=ckpt)
-    else:
-        trainer = Trainer(model, cfg, device=device, pad_id=tokenizer.pad_token_id or 0)
-    if engine_factory is None and cfg.runtime == "ray":
-        from rollover.runtime.router import RayEngine
-
-        engine_factory = RayEngine
-    elif engine_factory is None:
-        from rollover.engine import make_engine
-
-        engine_factory = make_engine
-    architecture = getattr(trainer, "architecture", None) or (
-        trainer.model.get_base_model() if trainer.is_peft else trainer.model)
-    colocated = bool(getattr(trainer, "events", None))  # train.colocate: the engines live in the ranks
-    try:
-        if colocated:
-            from rollover.runtime.colocated import ColocatedEngines
-
-            engine = ColocatedEngines(trainer, cfg, max_len=longest + 1, eos_token_ids=eos_token_ids,
-                                      vocab_size=architecture.config.vocab_size)
-        else:
-            engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device,
-                                    max_len=longest + 1, eos_token_ids=eos_token_ids)
-    except BaseException:
-        getattr(trainer, "close", lambda: None)()  # a trainer actor
-        raise
-    share_engine_weights(cfg, engine, trainer)
+    longest = _longest(cfg, model, prompt_ids, env_builder)
+    eos_token_ids = list(eos_ids(getattr(model, "generation_config", None), model.config, tokenizer))
+    trainer = _make_trainer(cfg, model, tokenizer.pad_token_id or 0, device, ckpt, remote_trainer, record)
+    del model  # held by the trainer (or sent to its actor or ranks): no second reference here
+    engine, weights = _make_engine(cfg, trainer, engine_factory, device, longest + 1, eos_token_ids)
     run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
               train_iter=PromptIterator(train_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
               data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder)
-    if colocated:
-        from rollover.runtime.colocated import ColocatedWeightSync
-
-        run.weights = ColocatedWeightSync(engine)
-    else:
-        run.weights = RayWeightSync(engine) if cfg.runtime == "ray" else InProcessWeightSync(engine)
-    if cfg.selection.policy != "uniform" or cfg.selection.allocation != "fixed":
-        from rollover.rollout.selection import PromptSelection
-
-        run.selection = PromptSelection(cfg.selection, seed=cfg.seed, correct=cfg.reward.correct_threshold)
-    if env_builder is not None:
-        from rollover.rollout.core import EnvRunner
-
-        run.env_runner = EnvRunner(cfg.env.max_concurrent, inline=cfg.env.inline)
-        if cfg.env.dynamic_turns:
-            from rollover.rollout.curation import TurnBudget
-
-            e = cfg.env
-            run.turn_budget = TurnBudget(e.max_turns, e.min_turns, e.dynamic_turns_threshold, cfg.reward.correct_threshold)
+    run.weights = weights
+    _attach_parts(run, cfg)
     try:
         if env_builder is not None and cfg.runtime == "ray" and cfg.ray.env_workers:
             from rollover.runtime.envs import RayEnvBuilder
@@ -450,6 +367,91 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     if ckpt is not None:
         log.info("%s from %s at step %d", "resumed" if record else "loaded", ckpt, run.start_step)
     return run
+
+
+def _longest(cfg: Config, model, prompt_ids: dict, env_builder) -> int:
+    """The most tokens a sample can hold (prompt and response, or an episode's turns), checked
+    against the model's context."""
+    ctx = getattr(model.config, "max_position_embeddings", None)
+    longest = max(map(len, prompt_ids.values())) + cfg.rollout.max_new_tokens
+    if env_builder is not None:
+        longest = cfg.env.max_total_tokens  # an episode's tokens, all turns included
+    if ctx is not None and longest > ctx:
+        what = "env.max_total_tokens" if env_builder is not None else "the longest prompt plus rollout.max_new_tokens"
+        raise ConfigError(f"{what} is {longest} tokens, more than the model's context of {ctx}")
+    return longest
+
+
+def _make_trainer(cfg: Config, model, pad_id: int, device, ckpt: Path | None, remote_trainer: bool, record: bool):
+    """One trainer here, a trainer actor, FSDP rank processes or FSDP rank actors."""
+    if remote_trainer and cfg.train.parallel == "fsdp":
+        from rollover.runtime.trainer_group import RayShardedTrainer
+
+        return RayShardedTrainer(model, cfg, pad_id=pad_id, checkpoint=ckpt)
+    if remote_trainer:  # the actor holds the model; the driver keeps its config (trainer.model)
+        from rollover.runtime.trainer import RemoteTrainer
+
+        return RemoteTrainer(model, cfg, pad_id=pad_id)
+    if cfg.train.parallel == "fsdp" and record:
+        from rollover.train.ranks import ShardedTrainer
+
+        return ShardedTrainer(model, cfg, pad_id=pad_id, checkpoint=ckpt)
+    from rollover.train.trainer import Trainer
+
+    return Trainer(model, cfg, device=device, pad_id=pad_id)
+
+
+def _make_engine(cfg: Config, trainer, engine_factory, device, max_len: int, eos_token_ids: list[int]):
+    """The rollout engine (here, Ray workers, or the FSDP ranks' own) and the seam the trainer's
+    weights take to it."""
+    if engine_factory is None and cfg.runtime == "ray":
+        from rollover.runtime.router import RayEngine
+
+        engine_factory = RayEngine
+    elif engine_factory is None:
+        from rollover.engine import make_engine
+
+        engine_factory = make_engine
+    architecture = getattr(trainer, "architecture", None) or (
+        trainer.model.get_base_model() if trainer.is_peft else trainer.model)
+    colocated = bool(getattr(trainer, "events", None))  # train.colocate: the engines live in the ranks
+    try:
+        if colocated:
+            from rollover.runtime.colocated import ColocatedEngines
+
+            engine = ColocatedEngines(trainer, cfg, max_len=max_len, eos_token_ids=eos_token_ids,
+                                      vocab_size=architecture.config.vocab_size)
+        else:
+            engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device,
+                                    max_len=max_len, eos_token_ids=eos_token_ids)
+    except BaseException:
+        getattr(trainer, "close", lambda: None)()  # a trainer actor
+        raise
+    share_engine_weights(cfg, engine, trainer)
+    if colocated:
+        from rollover.runtime.colocated import ColocatedWeightSync
+
+        weights = ColocatedWeightSync(engine)
+    else:
+        weights = RayWeightSync(engine) if cfg.runtime == "ray" else InProcessWeightSync(engine)
+    return engine, weights
+
+
+def _attach_parts(run: Run, cfg: Config) -> None:
+    """The parts some runs have: prompt selection, the environments' runner and turn budgets."""
+    if cfg.selection.policy != "uniform" or cfg.selection.allocation != "fixed":
+        from rollover.rollout.selection import PromptSelection
+
+        run.selection = PromptSelection(cfg.selection, seed=cfg.seed, correct=cfg.reward.correct_threshold)
+    if run.env_builder is not None:
+        from rollover.rollout.core import EnvRunner
+
+        run.env_runner = EnvRunner(cfg.env.max_concurrent, inline=cfg.env.inline)
+        if cfg.env.dynamic_turns:
+            from rollover.rollout.curation import TurnBudget
+
+            e = cfg.env
+            run.turn_budget = TurnBudget(e.max_turns, e.min_turns, e.dynamic_turns_threshold, cfg.reward.correct_threshold)
 
 
 def _lock_run_dir(run_dir: Path):
@@ -548,55 +550,8 @@ class _NoRecord:
     def log_groups(self, step: int, groups: list) -> None:
         pass
 
-    def close(self) -> None:
+    def log_samples(self, step: int, rows: list) -> None:
         pass
 
-
-class TooManyBadSteps(RuntimeError):
-    pass
-
-
-def bad_steps_error(run: Run, step: int) -> TooManyBadSteps | None:
-    """The error that stops a run after `train.max_bad_steps` non-finite steps in a row."""
-    n, limit = run.trainer.bad_steps, run.cfg.train.max_bad_steps
-    if n < limit:
-        return None
-    return TooManyBadSteps(f"{n} steps in a row had a non-finite loss or gradient (train.max_bad_steps={limit}); "
-                           f"stopped at step {step} with a checkpoint in {run.cfg.run_dir}/checkpoints")
-
-
-def _eos_ids(tokenizer, model) -> list[int]:
-    ids = []
-    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
-        e = getattr(src, "eos_token_id", None) if src is not None else None
-        if e is not None:
-            ids.extend(e if isinstance(e, (list, tuple)) else [e])
-    return list(dict.fromkeys(ids))
-
-
-def train_batch_from(groups, cfg: Config, step: int = 1):
-    """Advantages, then the typed tensor batch the trainer takes (for the `step`-th training
-    step: D3S down-sampling, when configured, keeps its subset of samples and tokens)."""
-    from rollover.train.batch import TrainBatch
-
-    adv, info = group_advantages(groups, cfg)
-    rollouts = [r for g in groups for r in g.rollouts]
-    d = cfg.downsample
-    if d.keep or d.token_fraction < 1 or d.token_fraction_start is not None:
-        from rollover.rollout.downsample import downsample
-
-        rollouts, adv, kept = downsample(groups, [float(a) for a in adv], d, step)
-        info = {**info, **kept}
-    return TrainBatch.from_rollouts(rollouts, adv), info
-
-
-def downsample_metrics(adv_info: dict) -> dict:
-    """The down-sampling figures of a step (empty when it is off)."""
-    return {k: v for k, v in adv_info.items() if k.startswith("downsample/")}
-
-
-def ledger_rows(groups) -> list[dict]:
-    """What `trained_groups.jsonl` records of each trained group."""
-    return [{"group": g.id, "prompt": g.prompt.id, "samples": len(g.rollouts), "start_version": g.start_version,
-             "tokens": sum(len(r.response_ids) for r in g.rollouts),
-             "lengths": [len(r.response_ids) for r in g.rollouts]} for g in groups]
+    def close(self) -> None:
+        pass

@@ -17,6 +17,10 @@ Where this departs from the papers:
   `aggregation: seq-mean-token-mean`.
 - A step whose loss or gradient is not finite is skipped with a warning; `train.max_bad_steps`
   in a row stop the run after a checkpoint.
+- A failed sample (a reward error under on_error=skip, a failed episode) leaves its group, which
+  trains on the rest (GRPO's baseline over the survivors, not over n). A collection with no
+  trainable group is counted and collected again from the next prompts at the same step;
+  `train.max_bad_steps` of those in a row also stop the run after a checkpoint.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ import logging
 import time
 
 from rollover.config import Config
-from rollover.loops.common import (  # noqa: F401
-    Run, TooManyBadSteps, bad_steps_error, build_run, downsample_metrics, ledger_rows, train_batch_from,
-)
+from rollover.loops.batch import EmptyCollections, bad_steps_error, downsample_metrics, ledger_rows, train_batch_from
+from rollover.loops.common import Run, build_run
 from rollover.loops.guard import Interrupts, interrupted_result
+from rollover.loops.samples import log_samples
 from rollover.rollout.groups import rollout_metrics
 
 log = logging.getLogger("rollover")
@@ -53,7 +57,7 @@ def step_metrics(run: Run, groups, gen: dict, train_metrics: dict, adv_info: dic
         **{f"rollout/{k}": v for k, v in gen.items() if not k.endswith("_s")},
         "adv/zero_std_groups": adv_info.get("zero_std_groups", 0),
         **downsample_metrics(adv_info),
-        "samples_consumed": samples_consumed,
+        "samples_consumed_total": samples_consumed,
         "timing_s/generate": gen["generate_s"],
         "timing_s/reward": gen["reward_s"],
         **{f"timing_s/{k}": v for k, v in timings.items()},
@@ -76,22 +80,28 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
     last_eval: dict = {}
     progress = Progress(cfg.steps, initial=step, desc="train") if cfg.logging.progress else None
     samples_consumed = run.resumed_extra.get("samples_consumed", 0)
+    empty = EmptyCollections()
 
     def save(step: int):
         return run.save(step, {"collector": collector.state_dict(), "samples_consumed": samples_consumed})
 
     interrupts = Interrupts().__enter__()  # SIGINT/SIGTERM: finish the step, checkpoint, return
     try:
-        if step == 0 and cfg.eval.at_start:
+        if step == 0 and cfg.eval.at_start and run.checkpoint is None:  # a step-0 checkpoint follows it: logged
             last_eval = run.evaluate(0)
         while step < cfg.steps:
             t_step = time.perf_counter()
 
-            # 1. generate and score (sync or APRIL)
+            # 1. generate and score (sync or APRIL); nothing trainable: count it, collect again
             groups, gen = collector.collect(step)
             if not groups:
-                raise RuntimeError(f"step {step + 1}: no trainable group was produced "
-                                   "(all samples skipped or, with dynamic sampling, all groups had equal rewards)")
+                if (error := empty.add(run, step, gen)) is not None:
+                    save(step)
+                    raise error
+                if interrupts.requested:
+                    return interrupted_result(step, interrupts.requested, save(step))
+                continue
+            gen = empty.fold(gen)
 
             # 2. advantages and the typed batch
             t0 = time.perf_counter()
@@ -116,6 +126,7 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
             metrics = step_metrics(run, groups, gen, train_metrics, adv_info, timings, samples_consumed, len(batch))
             run.logger.log(step, metrics)
             run.logger.log_groups(step, ledger_rows(groups))
+            log_samples(run, step, groups, batch, gen)
             if progress:
                 progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
                                 tokens_per_s=metrics["perf/tokens_per_s"])

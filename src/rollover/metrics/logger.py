@@ -16,7 +16,8 @@ The JSONL file is the record of a run; TensorBoard and W&B are views of it. One 
 
 Resume: a run restarted from a checkpoint taken after step `s` passes `resume=s`. Rows with
 step > s (logged by the killed run after its last checkpoint) are removed from metrics.jsonl
-before anything is appended, so an exact resume never leaves a step logged twice; TensorBoard
+before anything is appended (and from trained_groups.jsonl; the samples of later steps, under
+`RUN_DIR/samples`, are removed), so an exact resume never leaves a step logged twice; TensorBoard
 hides the same steps through `SummaryWriter(purge_step=s + 1)`. W&B's server-side history is
 not rewound: configure W&B's own resume options in the `wandb` dict if you need that.
 
@@ -158,8 +159,11 @@ class MetricsLogger:
                     "that run, or log to a new run dir"
                 )
         else:
+            from rollover.metrics.samples import remove_after as remove_samples_after
+
             truncate_after(self.path, resume)
             truncate_after(self.run_dir / GROUPS_FILE, resume)
+            remove_samples_after(self.run_dir, resume)
         self._file = self.path.open("a", encoding="utf-8")
         self._groups_file = (self.run_dir / GROUPS_FILE).open("a" if resume is not None else "w", encoding="utf-8")
         self._tb = _open_tensorboard(self.run_dir / "tb", tensorboard, resume)
@@ -191,6 +195,13 @@ class MetricsLogger:
         metrics, so after any number of kills and resumes it lists every trained group once."""
         self._groups_file.write(json.dumps({"step": int(step), "groups": list(groups)}) + "\n")
         self._groups_file.flush()
+
+    def log_samples(self, step: int, rows: list[Mapping[str, Any]]) -> None:
+        """Write `RUN_DIR/samples/step_<step>.jsonl`: what step `step` trained on, sample by
+        sample (`rollover.metrics.samples`). Resume removes the files of later steps."""
+        from rollover.metrics.samples import write_samples
+
+        write_samples(self.run_dir, step, rows)
 
     def close(self) -> None:
         if self._file.closed:

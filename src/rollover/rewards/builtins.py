@@ -24,6 +24,7 @@ from functools import lru_cache
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from rollover.rewards.code import code_reward  # a sandboxed program run against tests
 from rollover.rewards.countdown import countdown_reward
 from rollover.rewards.extract import final_answer
 
@@ -122,9 +123,6 @@ def format_reward(
     r"^<think>.*?</think>\\s*<answer>.*?</answer>$".
     """
     return 1.0 if _compiled(pattern).search(completion) else 0.0
-
-
-from rollover.envs.code_reward import code_reward  # noqa: E402 - a sandboxed program run against tests
 
 BUILTINS = {
     "math": math_reward,

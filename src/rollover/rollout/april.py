@@ -9,12 +9,14 @@ Each step:
    so the engine's rows stay full: as samples finish, fresh groups take their rows, even while
    the groups those samples belong to wait for their slowest member.
 3. A group completes when all n samples have finished; it is scored on a scoring thread while
-   decoding goes on, and, with dynamic sampling, kept only if its rewards differ. The stop
-   decision at each completion counts the groups whose scores are in, all but the last
-   `score_lag` completed ones: the engine thread waits for a score only when scoring falls
-   further behind than that, so a slow judge overlaps with decoding, and which groups the
-   decision sees is fixed by the order of completions, not by how fast the judge was. When
-   nothing is left in flight every score is awaited before deciding.
+   decoding goes on, trains on its samples that did not fail (skipped with fewer than two; a
+   step that skips `capacity` groups draws no more prompts) and, with dynamic sampling, is
+   kept only if its rewards differ. The stop decision at each completion counts the groups
+   whose scores are in, all but the last `score_lag` completed ones: the engine thread waits
+   for a score only when scoring falls further behind than that, so a slow judge overlaps with
+   decoding, and which groups the decision sees is fixed by the order of completions, not by
+   how fast the judge was. When nothing is left in flight every score is awaited before
+   deciding.
 4. When `target` groups are ready, every in-flight request of the step is aborted at once.
    Aborted samples go back to their groups in the carry buffer; groups that complete in the
    same engine step as the target are kept for the next step. No reward is ever computed for
@@ -51,8 +53,8 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 import time
 from collections import Counter
 
-from rollover.engine import openmp
-from rollover.loops.guard import Stalled, Watchdog, engine_progress
+from rollover.engine.cpu import openmp
+from rollover.rollout.stops import Stalled, Watchdog, engine_progress
 from rollover.rollout.core import SampleDriver, env_step_metrics
 from rollover.rollout.groups import PendingGroup, keep_group, observe_groups, sampling_from, scored_groups
 from rollover.types import Completion, Group
@@ -179,13 +181,18 @@ class AprilCollector:
 
     def _refill(self) -> None:
         """Keep capacity x n samples unfinished in flight: rows freed by finished samples go to
-        fresh groups at once, even while their own groups wait for their slowest member."""
+        fresh groups at once, even while their own groups wait for their slowest member. A step
+        that has skipped `capacity` groups (too few samples left after failures) draws no more:
+        it ends with what is ready, and with nothing ready the loop counts an empty collection
+        (a broken environment stops the run instead of drawing prompts for ever)."""
         st, n = self.st, self.cfg.rollout.samples_per_prompt
         if st is None or st.stopping:
             return
         unfinished = sum(g.n - len(g.done) for g in self.inflight.values())
         want = math.ceil((st.capacity * n - unfinished) / n)
         if want <= 0 or (st.max_started is not None and st.started >= st.max_started):
+            return
+        if st.m["skipped_groups"] >= st.capacity:
             return
         fresh = self.run.next_groups(want, version=st.version)
         st.started += len(fresh)
@@ -354,7 +361,7 @@ class AprilCollector:
             if any(version - v > limit for r in g.rollouts for v in r.versions if v >= 0):
                 m["regenerated_tokens"] += sum(len(r.response_ids) for r in g.rollouts)
                 self.buffer.append(PendingGroup(id=g.id, prompt=g.prompt, prompt_ids=list(g.prompt_ids), serial=g.serial,
-                                                n=len(g.rollouts), start_version=version))
+                                                n=len(g.rollouts) + g.dropped, start_version=version))
             else:
                 out.append(g)
         self.buffer.sort(key=lambda g: g.serial)
@@ -403,6 +410,7 @@ class AprilCollector:
             "filtered_groups": m["filtered_groups"],
             "filtered_tokens": m["filtered_tokens"],
             "skipped_groups": m["skipped_groups"],
+            "dropped_samples": m["dropped_samples"],
             "reward_errors": m["reward_errors"],
             "partial_fraction": sum(bool(vs) and min(vs) < version for vs in sampled) / max(len(samples), 1),
             "off_policy_token_ratio": offp / max(useful, 1),

@@ -7,11 +7,11 @@ trained so far). The rollout service starts a new group only while
     started - dropped < (v + eta + 1) * B
 
 where `started - dropped` counts every group ever started that was not dropped (dynamic
-sampling filter, unscored samples). The data manager forms batches strictly in start order
-among non-dropped groups, so the j-th such group (0-based) trains in batch floor(j / B) at
-version floor(j / B). At admission j <= started - dropped < (v + eta + 1) * B, hence
-floor(j / B) <= v + eta: no group is trained more than eta versions after the version that
-started it. Drops only move later groups earlier, so the bound survives them. eta = 0 admits
+sampling filter, too few samples left after failures). The data manager forms batches
+strictly in start order among non-dropped groups, so the j-th such group (0-based) trains in
+batch floor(j / B) at version floor(j / B). At admission j <= started - dropped <
+(v + eta + 1) * B, hence floor(j / B) <= v + eta: no group is trained more than eta versions
+after the version that started it. Drops only move later groups earlier, so the bound survives them. eta = 0 admits
 exactly one batch per version: the synchronous loop.
 
 Resume: the counter `started - dropped`, the groups still in flight (with their partial
@@ -26,7 +26,7 @@ import threading
 import time
 from collections import Counter
 
-from rollover.loops.guard import Watchdog
+from rollover.rollout.stops import TooManyEmptyCollections, Watchdog
 from rollover.rollout.curation import ExperiencePool, dynamic_samples, top_entropy_mask
 from rollover.rollout.core import SampleDriver
 from rollover.rollout.groups import PendingGroup, keep_group, observe_groups, sampling_from, scored_groups
@@ -186,6 +186,10 @@ class DataManager:
         self.lock = threading.RLock()  # held while processing; checkpoints take it to quiesce
         self.busy_s = 0.0
         self.resolved_count = 0  # groups taken off the inbox and resolved (progress signal)
+        self.dropped_in_row = 0  # groups dropped in a row, in start order
+        # what a sync collection draws at most: `collection` groups dropped in a row are an empty one
+        a = run.cfg.algorithm
+        self.collection = self.B * (a.max_resample_rounds if a.dynamic_sampling else 1)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="rollover-data-manager", daemon=True)
 
@@ -246,9 +250,13 @@ class DataManager:
                 self.gate.live -= 1
             self.service.admit()
         self.resolved[pg.serial] = group if keep else None
-        while self.next_serial in self.resolved:
+        stop_at = cfg.train.max_bad_steps * self.collection  # dropped in a row: no batch forms, the trainer stops
+        while self.next_serial in self.resolved and self.dropped_in_row < stop_at:
             g = self.resolved.pop(self.next_serial)
             self.next_serial += 1
+            self.dropped_in_row = 0 if g is not None else self.dropped_in_row + 1
+            if g is None and self.dropped_in_row % self.collection == 0:
+                self.metrics["empty_collections"] += 1
             if g is not None:
                 self.forming.append(g)
                 if len(self.forming) == self.B:
@@ -257,6 +265,19 @@ class DataManager:
                     self.metrics["entropy_masked_samples"] += masked
                     self.batches.put(batch)
 
+    def empty_collections_error(self, step: int):
+        """The error that stops the run once `train.max_bad_steps` collections' worth of groups
+        in a row (in start order) were all dropped, as the sync loop stops after that many
+        empty collections; None until then. A collection is a batch of groups, or with dynamic
+        sampling `algorithm.max_resample_rounds` of them, as in the sync loop."""
+        limit = self.cfg.train.max_bad_steps
+        if self.dropped_in_row < limit * self.collection:
+            return None  # at the limit the count stays there: no group after it resolves
+        return TooManyEmptyCollections(
+            f"the last {self.dropped_in_row} groups ({limit} collections' worth, train.max_bad_steps={limit}) were "
+            f"all dropped (skipped for failed samples or, with dynamic sampling, filtered for equal rewards); "
+            f"stopped at step {step} with a checkpoint in {self.cfg.run_dir}/checkpoints")
+
     def _train_version_estimate(self) -> int:
         """The version at which the next formed batch will train: the trained version, plus one
         for a batch the trainer is training now, plus the batches queued."""
@@ -264,12 +285,16 @@ class DataManager:
             return self.run.engine.version + self.training + self.batches.qsize()
 
     def state_dict(self) -> dict:
-        return {"next_serial": self.next_serial, "resolved": dict(self.resolved), "forming": list(self.forming),
+        return {"next_serial": self.next_serial, "dropped_in_row": self.dropped_in_row,
+                "resolved": dict(self.resolved), "forming": list(self.forming),
                 "inbox": list(self.inbox.queue), "batches": list(self.batches.queue),
                 "pool": self.pool.state_dict() if self.pool else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_serial = state["next_serial"]
+        self.dropped_in_row = state.get("dropped_in_row", 0)  # absent from checkpoints written before it
+        if self.dropped_in_row >= self.cfg.train.max_bad_steps * self.collection:  # the stop's checkpoint: try again
+            self.dropped_in_row = 0
         self.resolved = dict(state["resolved"])
         self.forming = list(state["forming"])
         for g in state["inbox"]:

@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from rollover.engine import openmp
+from rollover.engine.cpu import openmp
 from rollover.envs.base import EnvLost
 from rollover.envs.episode import EnvPool, LiveEpisode, env_open, env_step
 from rollover.envs.render import ChatRenderer
@@ -319,7 +319,7 @@ def run_groups(run, groups, sampling, seed: int, who: str, busy=None) -> int:
     ran to `busy["env_s"]` when given). A wait that sees neither the engine nor
     an environment make progress for `rollout.stall_timeout_s` ends with `Stalled` (live
     requests aborted); an aborted request (nothing here aborts one) is an error."""
-    from rollover.loops.guard import Watchdog, engine_progress
+    from rollover.rollout.stops import Watchdog, engine_progress
 
     lock, done, errors = threading.RLock(), threading.Event(), []
     left = {g.id for g in groups if not g.complete}

@@ -7,14 +7,15 @@ sampled tokens train); its reward is the environment's (the sum of its step rewa
 as the score `env`.
 
 An episode whose environment raised or timed out has no reward: it is reported with the
-episode and the exception here, counted (`env/failed`, `env/timed_out`, `reward_errors`) and its
-group is skipped, as a group with an unscored sample is in single-turn mode: never a silent 0.
+episode and the exception here, counted (`env/failed`, `env/timed_out`, `reward_errors`) and
+dropped from its group, which trains on the other episodes (`keep_group`), as an unscored
+sample is in single-turn mode: never a silent 0.
 """
 
 from __future__ import annotations
 
 import logging
-from rollover.envs.base import Trajectory
+from rollover.envs.base import Trajectory, Turn
 from rollover.rollout.groups import PendingGroup
 from rollover.types import Group, Rollout
 
@@ -30,9 +31,18 @@ def to_group(pg, trajectories: list[Trajectory]) -> Group:
         r = t.to_rollout(pg.id, failed_ok=True)
         r.scores = {} if r.reward is None else {"env": t.reward}
         r.text = " || ".join(turn.text for turn in t.turns)
+        r.turns = [turn_record(turn, t.prompt_len) for turn in t.turns]
         rollouts.append(r)
     return Group(id=pg.id, prompt=pg.prompt, prompt_ids=trajectories[0].tokens_T[: trajectories[0].prompt_len],
                  rollouts=rollouts, start_version=pg.start_version, serial=pg.serial)
+
+
+def turn_record(turn: Turn, prompt_len: int) -> dict:
+    """One turn as the samples log shows it: the assistant's text and the environment's reply
+    as chat messages, the turn's reward and finish, and where its sampled tokens sit in the
+    response (`[start, end)`)."""
+    return {"messages": [{"role": "assistant", "content": turn.text}, *turn.messages], "reward": turn.reward,
+            "finish": turn.finish, "span": [turn.start - prompt_len, turn.end - prompt_len]}
 
 
 def episode_eval_metrics(pending: list[PendingGroup], cfg) -> dict:

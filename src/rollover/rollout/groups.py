@@ -51,10 +51,6 @@ class PendingGroup:
             return self.partial[j].resume(sp)
         return Request(id=self.request_id(j), prompt_ids=list(self.prompt_ids), sampling=sp)
 
-    def open_requests(self, sampling: SamplingParams, run_seed: int) -> list[Request]:
-        """Requests for every sample not finished yet (fresh, or resuming its partial)."""
-        return [self.request(j, sampling, run_seed) for j in range(self.n) if j not in self.done]
-
     @property
     def complete(self) -> bool:
         return len(self.done) == self.n
@@ -89,8 +85,9 @@ def to_rollouts(group: PendingGroup, cfg: Config, tokenizer) -> Group:
 def scored_groups(pending: list[PendingGroup], run, m) -> list[Group]:
     """Complete pending groups as scored `Group`s: single-turn samples by the reward functions
     (in one batch), episodes by their environment. A sample without a reward (a reward error
-    under on_error=skip, a failed episode) keeps reward None and is counted in
-    `m["reward_errors"]` (and per function); `m["reward_s"]` gets the scoring time."""
+    under on_error=skip, a failed episode) keeps reward None, is counted in
+    `m["reward_errors"]` (and per function) and leaves its group in `keep_group`;
+    `m["reward_s"]` gets the scoring time."""
     from rollover.rollout.episodes import to_group
 
     if run.env_builder is not None:
@@ -122,11 +119,21 @@ def observe_groups(run, pending: list[PendingGroup], groups: list[Group]) -> Non
             run.turn_budget.observe(pg.prompt.id, [pg.done[j] for j in range(pg.n)])
 
 
+MIN_SAMPLES = 2  # a group's baseline compares its samples: fewer survivors leave nothing to compare
+
+
 def keep_group(group: Group, cfg: Config, m, curate=None) -> bool:
-    """The group filters every schedule applies, in order: a group with an unscored sample is
-    skipped (`skipped_groups`: its baseline would be wrong); `curate(group)` may change it
-    (the experience pool); with DAPO dynamic sampling a group whose rewards are all equal is
-    filtered (`filtered_groups`, `filtered_tokens`)."""
+    """The group filters every schedule applies, in order: its failed samples (unscored) leave
+    it (`dropped_samples`) and it trains on the rest, its baseline over them; a group left with
+    fewer than two samples (or a group of one without its sample) is skipped
+    (`skipped_groups`); `curate(group)` may change it (the experience pool); with DAPO dynamic
+    sampling a group whose rewards are all equal is filtered (`filtered_groups`,
+    `filtered_tokens`)."""
+    failed = sum(r.reward is None for r in group.rollouts)
+    if failed:
+        group.rollouts = [r for r in group.rollouts if r.reward is not None]
+        group.dropped += failed
+        m["dropped_samples"] += failed
     if not trainable(group):
         m["skipped_groups"] += 1
         return False
@@ -158,8 +165,10 @@ def score_groups(groups: list[Group], runner: RewardRunner, cfg: Config) -> Batc
 
 
 def trainable(group: Group) -> bool:
-    """Skipped samples (unscored) leave the group out of training: its baseline would be wrong."""
-    return all(r.reward is not None for r in group.rollouts)
+    """Whether enough of the group's samples are scored to train on: two, or all of a group of
+    one (its estimator needs no baseline). Failed samples (unscored) do not count."""
+    scored = sum(r.reward is not None for r in group.rollouts)
+    return scored >= min(MIN_SAMPLES, len(group.rollouts) + group.dropped)
 
 
 def has_variance(group: Group) -> bool:

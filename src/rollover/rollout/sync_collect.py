@@ -30,7 +30,7 @@ class SyncCollector:
         sp = sampling_from(cfg)
         kept: list[Group] = []
         m = Counter({"generate_s": 0.0, "reward_s": 0.0, "filtered_groups": 0, "skipped_groups": 0, "rounds": 0,
-                     "generated_tokens": 0, "reward_errors": 0,
+                     "generated_tokens": 0, "reward_errors": 0, "dropped_samples": 0,
                      **({"dars_extra_samples": 0, "dars_groups": 0} if cfg.selection.dars != "off" else {})})
         trajectories, busy = [], Counter()
         t_start, stats0 = time.perf_counter(), run.engine.stats()

@@ -13,7 +13,7 @@ timeouts, pool slots and failure rules apply unchanged:
   episode, and is cancelled on the actor too;
 - an actor whose event loop stops answering (an environment that blocks it instead of
   awaiting) is found by a ping after an episode's step or first observation times out; one that
-  does not answer within `HANG_PING_S` is killed and counts as dead (`ray/env_workers_hung` as
+  does not answer within `HANG_PING_S` is killed and counts as dead (`ray/env_workers_hung_total` as
   well). (Not after a wait for the group's making: a slow builder blocks the loop legitimately);
 - an actor that dies fails the episodes whose environments it held (`EnvWorkerDied`, counted
   with the failed episodes, during a resumed run's replay as well); a fresh actor is started
@@ -185,8 +185,8 @@ class RayEnvBuilder:
 
     def metrics(self) -> dict:
         """All-time counts for the step's metrics row."""
-        return {"ray/env_workers_started": self.started, "ray/env_worker_deaths": self.deaths,
-                "ray/env_workers_hung": self.hung}
+        return {"ray/env_workers_started_total": self.started, "ray/env_worker_deaths_total": self.deaths,
+                "ray/env_workers_hung_total": self.hung}
 
     def close(self) -> None:
         import ray

@@ -140,7 +140,7 @@ class RayRewardPool:
 
     def metrics(self) -> dict:
         """All-time counts for the step's metrics row: actors started (replacements included)."""
-        return {"ray/reward_workers_started": self.started}
+        return {"ray/reward_workers_started_total": self.started}
 
     def close(self) -> None:
         """Kill every actor; later calls raise."""

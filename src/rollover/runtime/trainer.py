@@ -70,7 +70,7 @@ class TrainerActor:
         import ray
         import torch
 
-        from rollover.loops.common import seed_everything, use_deterministic_kernels
+        from rollover.train.seeding import seed_everything, use_deterministic_kernels
         from rollover.train.trainer import Trainer
 
         if cfg.train.deterministic:  # process-wide: this process trains, not the driver

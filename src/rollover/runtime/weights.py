@@ -53,7 +53,7 @@ class SyncReport:
     def metrics(self) -> dict:
         return {
             "weights/bytes_per_worker": self.bytes_per_worker,
-            "weights/bytes_total": self.bytes_per_worker * self.workers,
+            "weights/bytes_all_workers": self.bytes_per_worker * self.workers,
             "weights/sent_fraction": self.bytes_per_worker / self.dense_bytes if self.dense_bytes else 0.0,
             "weights/full_tensors": self.full_tensors,
             "weights/sparse_tensors": self.sparse_tensors,

@@ -34,7 +34,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from rollover.engine.weight_packs import PACK_SWITCH_STEPS
+from rollover.engine.cpu.weight_packs import PACK_SWITCH_STEPS
 from rollover.sim.costs import Contention, DecodeCost, Profile, SyncCost, TrainCost
 from rollover.types import Request, SamplingParams
 
@@ -118,7 +118,7 @@ def fit_decode(rows: list[dict]) -> tuple[DecodeCost, dict]:
 
 def _batch(cfg, vocab: int, groups: int, n: int, prompt: int, resp: int, rng: random.Random):
     """A synthetic training batch: `groups` prompts of `n` samples, random tokens."""
-    from rollover.loops.common import train_batch_from
+    from rollover.loops.batch import train_batch_from
     from rollover.types import Group, Prompt, Rollout
 
     batch = []

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from rollover.cli import _guarded, _load_config, _split_config
+from rollover.commands import _guarded, _load_config, _split_config
 
 
 def _calibrate(argv: list[str]) -> int:

@@ -517,6 +517,3 @@ class Fleet:
         sids, times, workers, seqs = sids[now], times[now], workers[now], seqs[now]
         order = np.lexsort((seqs, workers, times))  # ties: by worker, then in admission order, as SimCore's rows
         return sids[order], times[order]
-
-    def busy_any(self) -> bool:
-        return bool((self.k > 0).any())

@@ -161,10 +161,6 @@ class Capacity:
     def utilization(self, workers: int, eta: int) -> float:
         return self.train_s() / self.cycle(workers, eta)
 
-    def ceiling(self, workers: int = 1) -> float:
-        Tt = self.train_s()
-        return Tt / (Tt + self.sync.seconds(workers))
-
     def fewest_workers(self, target: float, eta: int, limit: int = 1 << 17) -> int | None:
         """The fewest workers with utilization >= target at this eta (None up to `limit`):
         the first power of two that reaches it, then bisection below it (utilization need not

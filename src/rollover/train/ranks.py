@@ -60,7 +60,7 @@ class RankServer:
                  events=None):
         from types import SimpleNamespace
 
-        from rollover.loops.common import seed_everything, use_deterministic_kernels
+        from rollover.train.seeding import seed_everything, use_deterministic_kernels
         from rollover.train.fsdp import FSDPTrainer, process_group
 
         if threads:

@@ -98,6 +98,11 @@ class Trainer:
         self.cfg = cfg
         self.device = device
         self.pad_id = pad_id
+        self._share = None
+        if device.type == "cpu" and not self.sharded:
+            from rollover.engine.cpu.share import CpuShare
+
+            self._share = CpuShare(torch.get_num_threads())
         if device.type == "cpu" and not self.sharded:  # process-wide: no fresh mapping for every large block
             # (not in an FSDP rank: blocks its collectives' threads free stay in their arenas; a 0.5B model's rank
             # at 2 ranks ran out of memory at 11.5 GB with it, 7.5 GB without, benchmarks.md "Sharded trainer")
@@ -257,6 +262,8 @@ class Trainer:
     # ------------------------------------------------------------ training
     def train_step(self, batch: TrainBatch) -> dict:
         """All the updates of one step; returns metrics (means over updates)."""
+        if self._share is not None:  # on a CPU: as many threads as other processes leave cores free
+            self._share.apply()
         cfg, t = self.cfg, self.cfg.train
         multi = t.ppo_epochs * t.mini_batches > 1
         old_BT = self._fitting(self.logprobs, batch) if multi else None

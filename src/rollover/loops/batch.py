@@ -1,0 +1,97 @@
+"""From a step's groups to what the trainer takes and what the run records of them: the typed
+batch (advantages, D3S down-sampling), the trained-groups ledger, and the rules that stop a run
+after too many bad steps (non-finite losses, collections with nothing to train on)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from rollover.config import Config
+from rollover.rollout.groups import group_advantages
+from rollover.rollout.stops import TooManyBadSteps, TooManyEmptyCollections
+
+if TYPE_CHECKING:
+    from rollover.loops.common import Run
+
+log = logging.getLogger("rollover")
+
+
+def bad_steps_error(run: Run, step: int) -> TooManyBadSteps | None:
+    """The error that stops a run after `train.max_bad_steps` non-finite steps in a row."""
+    n, limit = run.trainer.bad_steps, run.cfg.train.max_bad_steps
+    if n < limit:
+        return None
+    return TooManyBadSteps(f"{n} steps in a row had a non-finite loss or gradient (train.max_bad_steps={limit}); "
+                           f"stopped at step {step} with a checkpoint in {run.cfg.run_dir}/checkpoints")
+
+
+class EmptyCollections:
+    """Collections with no trainable group (every group skipped for failed samples or, with
+    dynamic sampling, filtered for equal rewards), in a row. Each is counted and the step is
+    collected again from the next prompts, at the same step and weights; `train.max_bad_steps`
+    in a row stop the run after a checkpoint. Their losses are reported with the step that
+    trains next (`rollout/empty_collections` and the counts in `FOLDED`)."""
+
+    FOLDED = ("skipped_groups", "dropped_samples", "filtered_groups", "filtered_tokens", "reward_errors",
+              "env/episodes", "env/failed", "env/timed_out")  # counts (an episode's averages are not carried)
+
+    def __init__(self):
+        self.count = 0
+        self.lost: Counter = Counter()
+
+    def add(self, run: Run, step: int, gen: dict) -> TooManyEmptyCollections | None:
+        """Count an empty collection for the (step+1)-th step; the error that stops the run
+        when it is the `train.max_bad_steps`-th in a row."""
+        self.count += 1
+        self.lost.update({k: gen[k] for k in self.FOLDED if k in gen})
+        limit = run.cfg.train.max_bad_steps
+        log.warning("step %d: no trainable group (%d groups skipped, %d filtered, %d samples dropped); collecting "
+                    "again from the next prompts (%d of train.max_bad_steps=%d in a row)", step + 1,
+                    gen.get("skipped_groups", 0), gen.get("filtered_groups", 0), gen.get("dropped_samples", 0),
+                    self.count, limit)
+        if self.count < limit:
+            return None
+        return TooManyEmptyCollections(
+            f"{self.count} collections in a row produced no trainable group (every group skipped for failed "
+            f"samples or, with dynamic sampling, filtered for equal rewards; train.max_bad_steps={limit}); "
+            f"stopped at step {step} with a checkpoint in {run.cfg.run_dir}/checkpoints")
+
+    def fold(self, gen: dict) -> dict:
+        """The training step's collector metrics with the empty collections before it added in."""
+        out = {**gen, "empty_collections": self.count}
+        for k, v in self.lost.items():
+            out[k] = out.get(k, 0) + v
+        self.count, self.lost = 0, Counter()
+        return out
+
+
+def train_batch_from(groups, cfg: Config, step: int = 1):
+    """Advantages, then the typed tensor batch the trainer takes (for the `step`-th training
+    step: D3S down-sampling, when configured, keeps its subset of samples and tokens)."""
+    from rollover.train.batch import TrainBatch
+
+    adv, info = group_advantages(groups, cfg)
+    rollouts = [r for g in groups for r in g.rollouts]
+    d = cfg.downsample
+    if d.keep or d.token_fraction < 1 or d.token_fraction_start is not None:
+        from rollover.rollout.downsample import downsample
+
+        rollouts, adv, kept = downsample(groups, [float(a) for a in adv], d, step)
+        info = {**info, **kept}
+    return TrainBatch.from_rollouts(rollouts, adv), info
+
+
+def downsample_metrics(adv_info: dict) -> dict:
+    """The down-sampling figures of a step (empty when it is off)."""
+    return {k: v for k, v in adv_info.items() if k.startswith("downsample/")}
+
+
+def ledger_rows(groups) -> list[dict]:
+    """What `trained_groups.jsonl` records of each trained group (`samples`: those trained;
+    `dropped`: its failed samples, left out)."""
+    return [{"group": g.id, "prompt": g.prompt.id, "samples": len(g.rollouts), "dropped": g.dropped,
+             "start_version": g.start_version,
+             "tokens": sum(len(r.response_ids) for r in g.rollouts),
+             "lengths": [len(r.response_ids) for r in g.rollouts]} for g in groups]

@@ -1,0 +1,86 @@
+"""A step's samples as rows for `RUN_DIR/samples/` (`logging.samples`; the file format, the
+reading and `rollover show` live in `rollover.metrics.samples`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rollover.metrics.samples import DROP_KEYS, mask_spans
+from rollover.metrics.samples import _number as number
+from rollover.rollout.downsample import max_variance_subset
+from rollover.rollout.groups import group_advantages
+
+if TYPE_CHECKING:
+    from rollover.config import Config
+    from rollover.loops.common import Run
+    from rollover.train.batch import TrainBatch
+    from rollover.types import Group
+
+
+def log_samples(run: Run, step: int, groups: list[Group], batch: TrainBatch, collected: dict | None = None) -> None:
+    """Every `logging.samples`-th step, write the samples of `groups` as `batch` trained them.
+    `collected`: the collector's step figures (sync and APRIL), for the header's `dropped`."""
+    every = run.cfg.logging.samples
+    if not every or step % every:
+        return
+    dropped = None if collected is None else {k: collected[k] for k in DROP_KEYS if k in collected}
+    run.logger.log_samples(step, sample_rows(step, groups, batch, run.tokenizer, run.cfg, dropped))
+
+
+def sample_rows(step: int, groups: list[Group], batch: TrainBatch, tokenizer, cfg: Config,
+                dropped: dict | None = None) -> list[dict]:
+    """The header and one row per sample of `groups` (see the module docstring)."""
+    rows_of, advantages = _batch_rows(groups, batch, cfg)
+    header = {"kind": "step", "step": step, "samples": len(rows_of), "trained_samples": len(batch),
+              "groups": [{"group": g.id, "prompt_id": g.prompt.id, "samples": len(g.rollouts),
+                          "failed_samples": g.dropped} for g in groups]}
+    if dropped is not None:
+        header["dropped"] = dropped
+    out, i = [header], 0
+    for g in groups:
+        prompt = tokenizer.decode(g.prompt_ids, skip_special_tokens=False)
+        for j, r in enumerate(g.rollouts):
+            b = rows_of[i]
+            mask = r.loss_mask if b is None else batch.mask_BT[b, : len(r.response_ids)].tolist()
+            sampled = [k for k, v in enumerate(r.versions) if v >= 0]  # an episode's inserted tokens carry -1
+            logprobs = [r.logprobs[k] for k in sampled]
+            row = {
+                "kind": "sample", "step": step, "group": g.id, "prompt_id": g.prompt.id, "sample": j,
+                "trained": b is not None, "dropped": None if b is not None else "downsample",
+                "reward": number(r.reward), "scores": {k: number(v) for k, v in r.scores.items()},
+                "advantage": number(advantages[i]), "finish": r.finish,
+                "logprob_mean": number(sum(logprobs) / len(logprobs)) if logprobs else None,
+                "logprob_min": number(min(logprobs)) if logprobs else None,
+                "version_min": min(r.versions[k] for k in sampled) if sampled else None,
+                "version_max": max(r.versions[k] for k in sampled) if sampled else None,
+                "loss_mask": mask_spans(mask),
+                "prompt": prompt,
+                "response": tokenizer.decode(r.response_ids, skip_special_tokens=False),
+                "prompt_ids": list(r.prompt_ids), "response_ids": list(r.response_ids),
+            }
+            if r.turns is not None:
+                row["turns"] = r.turns
+            out.append(row)
+            i += 1
+    return out
+
+
+def _batch_rows(groups: list[Group], batch: TrainBatch, cfg: Config) -> tuple[list[int | None], list[float]]:
+    """Each sample's row in `batch` (None: D3S sample-level down-sampling left it out) and its
+    advantage, in group order. The batch keeps every sample in order unless `downsample.keep`
+    cut groups down; then the same choice is made again from the same advantages."""
+    n = sum(len(g.rollouts) for g in groups)
+    if len(batch) == n:
+        return list(range(n)), batch.adv_B.tolist()
+    advantages = group_advantages(groups, cfg)[0].tolist()
+    rows: list[int | None] = []
+    at = b = 0
+    for g in groups:
+        kept = set(max_variance_subset(advantages[at:at + len(g.rollouts)], cfg.downsample.keep))
+        for k in range(len(g.rollouts)):
+            rows.append(b if k in kept else None)
+            b += k in kept
+        at += len(g.rollouts)
+    if b != len(batch):
+        raise AssertionError(f"samples log: {len(batch)} rows in the batch, {b} samples chosen by down-sampling")
+    return rows, advantages

@@ -1,0 +1,178 @@
+"""Failures cost what failed: a failed sample leaves its group, which trains on the rest (its
+baseline over the survivors); a group left with fewer than two is skipped; a collection with
+nothing trainable is counted and collected again, and only `train.max_bad_steps` of them in a
+row stop the run, with a checkpoint. In sync, APRIL and async mode alike."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from rollover.config import load_config
+from rollover.loops.async_ import train_async
+from rollover.loops.batch import ledger_rows, train_batch_from
+from rollover.rollout.stops import TooManyEmptyCollections
+from rollover.loops.sync import train_sync
+from rollover.rollout.groups import group_advantages, keep_group
+from rollover.testing import save_tiny_model
+from rollover.types import Group, Prompt, Rollout
+from test_env_training import env_cfg, rows
+
+
+def _group(rewards: list[float | None]) -> Group:
+    rollouts = [Rollout(group_id="g0", prompt_ids=[1], response_ids=[2, 3], logprobs=[-0.5, -0.5], versions=[0, 0],
+                        loss_mask=[1, 1], finish="stop", reward=r, scores={} if r is None else {"env": r})
+                for r in rewards]
+    return Group(id="g0", prompt=Prompt(id="p0", text="x"), prompt_ids=[1], rollouts=rollouts)
+
+
+def test_a_failed_sample_leaves_its_group_which_trains_on_the_rest():
+    cfg = load_config(None, ["algorithm.advantage=grpo"])
+    group, m = _group([1.0, 0.0, None, 0.5]), Counter()
+    assert keep_group(group, cfg, m)
+    assert [r.reward for r in group.rollouts] == [1.0, 0.0, 0.5] and group.dropped == 1
+    assert m == {"dropped_samples": 1}
+    # baseline over the three: mean 0.5, unbiased std sqrt((0.25 + 0.25 + 0) / 2) = 0.5
+    adv, _ = group_advantages([group], cfg)
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0]), atol=1e-5)
+    batch, _ = train_batch_from([group], cfg)
+    assert len(batch) == 3
+    assert ledger_rows([group])[0]["samples"] == 3 and ledger_rows([group])[0]["dropped"] == 1
+
+
+def test_a_group_left_with_one_sample_is_skipped_but_a_group_of_one_trains():
+    cfg = load_config(None, ["algorithm.advantage=grpo"])
+    m = Counter()
+    assert not keep_group(_group([None, 1.0, None, None]), cfg, m)
+    assert m == {"dropped_samples": 3, "skipped_groups": 1}
+    assert not keep_group(_group([None]), cfg, m)
+    one = load_config(None, ["algorithm.advantage=reinforce_pp_baseline", "rollout.samples_per_prompt=1"])
+    assert keep_group(_group([0.5]), one, Counter())
+
+
+FLAKY_ENV = '''
+from rollover.envs.base import StepResult
+from rollover.types import Prompt
+
+
+class Flaky:
+    """Task k's episode j raises in step() when 4k + j is 3 mod `every` (10: one episode in
+    ten, never two of one group of four; 0: never); every episode of the tasks in `broken`
+    raises."""
+
+    def __init__(self, broken=(), every=10):
+        self.broken, self.every = set(broken), every
+
+    def prompts(self, n, seed=0):
+        return [Prompt(id=f"flaky-{seed}-{i}", text="Say something.", answer=i) for i in range(n)]
+
+    def make_group(self, prompt, n):
+        k = int(prompt.answer)
+        return [FlakyEnv(k in self.broken or bool(self.every) and (4 * k + j) % self.every == 3) for j in range(n)]
+
+
+class FlakyEnv:
+    def __init__(self, fails):
+        self.fails = fails
+
+    async def initial_observation(self):
+        return [{"role": "user", "content": "Say something."}]
+
+    async def step(self, action):
+        if self.fails:
+            raise RuntimeError("simulator crashed")
+        return StepResult([], float(len(action.text) % 2), done=True)
+'''
+
+MODES = {
+    "sync": {},
+    "april": {"partial_rollout.enabled": True, "partial_rollout.oversample": 2.0,
+              "partial_rollout.max_carry_steps": 100, "env.inline": True},
+    "async": {"mode": "async", "async.max_staleness": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=21))
+
+
+def flaky_cfg(model_dir, tmp_path, mode: str, options: dict, **over):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "flaky_env.py"
+    path.write_text(FLAKY_ENV)
+    return env_cfg(model_dir, tmp_path / "run", **{
+        "env.name": f"{path}:Flaky", "env.options": options, "env.tasks": 40, "data.shuffle": False,
+        "data.eval_size": 0, "rollout.samples_per_prompt": 4, "rollout.max_new_tokens": 4, "checkpoint.every": 0,
+        **MODES[mode], **over})
+
+
+def train(cfg):
+    return train_async(cfg) if cfg.mode == "async" else train_sync(cfg)
+
+
+def ledger(run_dir):
+    return [g for line in open(run_dir / "trained_groups.jsonl") for g in json.loads(line)["groups"]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_episode_in_ten_failing_costs_only_those_episodes(model_dir, tmp_path, mode):
+    train(flaky_cfg(model_dir, tmp_path, mode, {}, steps=5))
+    got = rows(tmp_path / "run")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    assert all(r["groups"] == 2 and r["rollout/skipped_groups"] == 0 for r in got)
+    dropped = sum(r["rollout/dropped_samples"] for r in got)
+    assert dropped > 0
+    trained = ledger(tmp_path / "run")
+    assert all(g["samples"] + g["dropped"] == 4 and g["dropped"] <= 1 for g in trained)
+    # APRIL and async also count the groups scored ahead of training (carried, or in the next batch)
+    assert 0 < sum(g["dropped"] for g in trained) <= dropped
+    if mode == "sync":  # every failed episode is the step's own
+        assert sum(g["dropped"] for g in trained) == dropped
+        assert [r["rollout/dropped_samples"] for r in got] == [r["rollout/env/failed"] for r in got]
+        assert [r["samples"] for r in got] == [8 - r["rollout/dropped_samples"] for r in got]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_whose_groups_all_fail_is_collected_again(model_dir, tmp_path, mode):
+    # the tasks of step 2 (2 and 3 in data order) fail every episode
+    train(flaky_cfg(model_dir, tmp_path, mode, {"broken": [2, 3], "every": 0}, steps=3))
+    got = rows(tmp_path / "run")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert sum(r["rollout/skipped_groups"] for r in got) == 2
+    assert sum(r["rollout/dropped_samples"] for r in got) == 8
+    assert "flaky-3-2" not in {g["prompt"] for g in ledger(tmp_path / "run")}
+    if mode == "sync":  # step 2 came again from tasks 4 and 5, at the same weights
+        assert [r["rollout/empty_collections"] for r in got] == [0, 1, 0]
+        assert got[1]["rollout/skipped_groups"] == 2 and got[1]["groups"] == 2
+        # the empty collection's episodes are counted with the step that trained next
+        assert got[1]["rollout/env/failed"] == 8 and got[1]["rollout/env/episodes"] == 16
+        assert [g["prompt"] for g in json.loads(open(tmp_path / "run" / "trained_groups.jsonl").readlines()[1])
+                ["groups"]] == ["flaky-3-4", "flaky-3-5"]
+    if mode == "async":  # two groups in a row dropped, in start order: a batch's worth
+        assert sum(r["rollout/empty_collections"] for r in got) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_environment_that_always_fails_stops_the_run_with_a_checkpoint(model_dir, tmp_path, mode):
+    cfg = flaky_cfg(model_dir, tmp_path, mode, {"broken": list(range(40))}, steps=3, **{"train.max_bad_steps": 2})
+    with pytest.raises(TooManyEmptyCollections, match="train.max_bad_steps=2.*stopped at step 0 with a checkpoint"):
+        train(cfg)
+    assert (tmp_path / "run" / "checkpoints" / "step_000000" / "DONE").exists()
+
+
+@pytest.mark.parametrize("mode", ["sync", "april"])
+def test_a_run_with_failures_resumes_exactly(model_dir, tmp_path, mode):
+    from safetensors.torch import load_file
+
+    over = {"steps": 4, "checkpoint.every": 2}
+    train(flaky_cfg(model_dir, tmp_path / "straight", mode, {}, **over))
+    train(flaky_cfg(model_dir, tmp_path / "split", mode, {}, **{**over, "steps": 2}))
+    train(flaky_cfg(model_dir, tmp_path / "split", mode, {}, **over))  # resume: auto, from step 2
+    weights = [load_file(str(tmp_path / d / "run" / "checkpoints" / "step_000004" / "model" / "model.safetensors"))
+               for d in ("straight", "split")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert ledger(tmp_path / "straight" / "run") == ledger(tmp_path / "split" / "run")

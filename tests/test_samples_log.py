@@ -1,0 +1,201 @@
+"""`logging.samples`: what each step trained on, in RUN_DIR/samples/, and `rollover show`
+(tiny random models, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollover.cli import main
+from rollover.config import load_config
+from rollover.metrics import samples as samples_mod
+from rollover.metrics.samples import mask_spans, read_samples, remove_after, render, written_steps
+from rollover.models import load_tokenizer
+from rollover.testing import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=21))
+
+
+def cfg_for(model_dir, run_dir, **over):
+    base = {
+        "device": "cpu", "model": model_dir, "run_dir": str(run_dir), "steps": 2, "seed": 5,
+        "data.train": "gen:arithmetic?n=60", "data.eval_size": 2, "data.max_prompt_tokens": 64,
+        "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 6,
+        "rollout.max_rows": 4,
+        "reward.functions": ["numeric", {"fn": "format", "weight": 0.5, "kwargs": {"pattern": "[0-9]"}}],
+        "algorithm.mask_truncated": True,  # truncated samples train no token: empty spans
+        "train.lr": 1e-3, "eval.every": 0, "eval.at_start": False, "eval.samples_per_prompt": 1,
+        "checkpoint.every": 0, "logging.progress": False, "logging.tensorboard": False, "logging.samples": 1,
+    }
+    base.update(over)
+    return load_config(**base)
+
+
+def recording(monkeypatch, module) -> dict:
+    """Wrap the loop's `log_samples` to keep each step's (groups, batch) as the loop had them."""
+    seen = {}
+    real = module.log_samples
+
+    def spy(run, step, groups, batch, *rest):
+        seen[step] = (groups, batch)
+        real(run, step, groups, batch, *rest)
+
+    monkeypatch.setattr(module, "log_samples", spy)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def sync_run(model_dir, tmp_path_factory):
+    """A 2-step sync run writing every step's samples: (run_dir, {step: (groups, batch)})."""
+    import rollover.loops.sync as sync
+
+    run_dir = tmp_path_factory.mktemp("sync") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        seen = recording(mp, sync)
+        sync.train_sync(cfg_for(model_dir, run_dir))
+    return run_dir, seen
+
+
+def test_mask_spans_are_runs_of_ones():
+    assert mask_spans([0, 1, 1, 0, 1]) == [[1, 3], [4, 5]]
+    assert mask_spans([1, 1, 1]) == [[0, 3]]
+    assert mask_spans([0, 0]) == [] and mask_spans([]) == []
+
+
+def test_off_by_default():
+    assert load_config(model="m").logging.samples == 0
+
+
+def test_sync_samples_round_trip(model_dir, sync_run):
+    run_dir, seen = sync_run
+    assert written_steps(run_dir) == [1, 2]
+    assert sorted(p.name for p in (run_dir / "samples").iterdir()) == ["step_000001.jsonl", "step_000002.jsonl"]
+    tok = load_tokenizer(model_dir)
+    ledger = [json.loads(x) for x in open(run_dir / "trained_groups.jsonl")]
+    for step in (1, 2):
+        _, header, rows = read_samples(run_dir, step)
+        groups, batch = seen[step]
+        flat = [(g, j, r) for g in groups for j, r in enumerate(g.rollouts)]
+        assert header["step"] == step and header["samples"] == len(rows) == len(flat) == len(batch)
+        assert [g["group"] for g in header["groups"]] == [g["group"] for g in ledger[step - 1]["groups"]]
+        assert set(header["dropped"]) >= {"filtered_groups", "skipped_groups"}
+        for row, (g, j, r), adv in zip(rows, flat, batch.adv_B.tolist()):
+            assert (row["group"], row["sample"], row["prompt_id"]) == (g.id, j, g.prompt.id)
+            assert row["prompt_ids"] == r.prompt_ids and row["response_ids"] == r.response_ids
+            assert tok.decode(row["prompt_ids"], skip_special_tokens=False) == row["prompt"]
+            assert tok.decode(row["response_ids"], skip_special_tokens=False) == row["response"]
+            assert row["loss_mask"] == mask_spans(r.loss_mask)
+            assert row["reward"] == pytest.approx(r.reward) and row["scores"] == pytest.approx(r.scores)
+            assert set(row["scores"]) == {"numeric", "format"}
+            assert row["advantage"] == pytest.approx(adv) and row["trained"] and row["dropped"] is None
+            assert row["finish"] == r.finish
+            assert row["logprob_min"] == pytest.approx(min(r.logprobs))
+            assert row["logprob_mean"] == pytest.approx(sum(r.logprobs) / len(r.logprobs))
+            assert row["version_min"] == row["version_max"] == step - 1  # sync: the weights before the step
+    every = [row for s in (1, 2) for row in read_samples(run_dir, s)[2]]
+    assert any(row["finish"] == "length" for row in every)  # 6 tokens: some were truncated ...
+    assert all(row["loss_mask"] == [] for row in every if row["finish"] == "length")  # ... and train nothing
+
+
+def test_samples_left_out_by_down_sampling_are_marked(model_dir, tmp_path, monkeypatch):
+    import rollover.loops.sync as sync
+
+    seen = recording(monkeypatch, sync)
+    sync.train_sync(cfg_for(model_dir, tmp_path, steps=1, **{"rollout.samples_per_prompt": 4, "downsample.keep": 2}))
+    _, header, rows = read_samples(tmp_path)
+    _, batch = seen[1]
+    trained = [r for r in rows if r["trained"]]
+    assert header["trained_samples"] == len(trained) == len(batch) == 4 and len(rows) == 8
+    assert all(r["dropped"] == "downsample" for r in rows if not r["trained"])
+    assert [r["response_ids"] for r in trained] == batch.response_ids
+    assert [r["advantage"] for r in trained] == pytest.approx(batch.adv_B.tolist())
+
+
+def test_show_prints_the_latest_or_a_chosen_step(sync_run, capsys):
+    run_dir, _ = sync_run
+    assert main(["show", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    _, _, rows = read_samples(run_dir, 2)
+    assert out.startswith("step 2: 2 groups, 4 samples, 4 trained")
+    assert f"=== group {rows[0]['group']}" in out and "reward " in out and "numeric " in out and "adv " in out
+    assert main(["show", str(run_dir), "--step", "1", "--full"]) == 0
+    out = capsys.readouterr().out
+    _, _, rows = read_samples(run_dir, 1)
+    assert out.startswith("step 1:") and rows[0]["prompt"].splitlines()[-1] in out
+    assert main(["show", str(run_dir), "--step", "7"]) == 1
+    assert "no samples of step 7; written: steps 1, 2" in capsys.readouterr().err
+
+
+def test_show_without_samples_names_the_directory_and_the_key(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert main(["show", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'samples'}: no samples written" in err and "logging.samples" in err
+    assert main(["show", str(tmp_path / "nowhere")]) == 1
+    assert "no such run directory" in capsys.readouterr().err
+
+
+def test_show_cuts_long_texts_unless_full():
+    row = {"group": "g0", "prompt_id": "p", "sample": 0, "trained": True, "dropped": None, "reward": 1.0,
+           "scores": {"numeric": 1.0}, "advantage": 0.5, "finish": "stop", "version_min": 0, "version_max": 0,
+           "prompt": "Q" * 1000, "response": "A" * 5000 + "END", "response_ids": [1, 2]}
+    header = {"kind": "step", "step": 3, "samples": 1, "trained_samples": 1,
+              "groups": [{"group": "g0", "prompt_id": "p", "samples": 1, "failed_samples": 0}]}
+    short = render(3, header, [row])
+    assert "not trained this step" not in short
+    assert "filtered_groups 2" in render(3, {**header, "dropped": {"filtered_groups": 2, "skipped_groups": 0}}, [row])
+    assert "chars cut" in short and "END" in short and len(short) < 2000
+    assert "A" * 5000 in render(3, header, [row], full=True)
+
+
+def test_the_file_is_utf8_whatever_the_decoder_gave(tmp_path):
+    path = samples_mod.write_samples(tmp_path, 5, [{"kind": "step", "step": 5, "text": "caf\u00e9 \ufffd \udcff"}])
+    assert path.name == "step_000005.jsonl"
+    assert json.loads(path.read_bytes().decode("utf-8"))["text"] == "caf\u00e9 \ufffd ?"
+
+
+def test_resume_removes_the_samples_of_later_steps(tmp_path):
+    for step in (1, 2, 3):
+        samples_mod.write_samples(tmp_path, step, [{"kind": "step", "step": step}])
+    (tmp_path / "samples" / ".step_000004.jsonl-torn").write_text("{")
+    assert remove_after(tmp_path, 2) == 1
+    assert written_steps(tmp_path) == [1, 2] and len(list((tmp_path / "samples").iterdir())) == 2
+
+
+def test_episode_rows_hold_the_turns(model_dir, tmp_path):
+    from rollover.loops.sync import train_sync
+
+    cfg = cfg_for(model_dir, tmp_path, steps=1, **{
+        "data.train": "env", "data.max_prompt_tokens": 256, "env.name": "guess_number",
+        "env.options": {"low": 1, "high": 8, "max_guesses": 3}, "env.max_total_tokens": 400,
+        "rollout.max_rows": 8, "algorithm.mask_truncated": False})
+    train_sync(cfg)
+    _, header, rows = read_samples(tmp_path)
+    assert len(rows) == 4 and header["samples"] == 4
+    for row in rows:
+        assert row["turns"] and row["scores"] == {"env": row["reward"]}
+        for turn in row["turns"]:
+            assert turn["messages"][0]["role"] == "assistant"
+            assert all({"role", "content"} <= set(m) for m in turn["messages"])
+        # the policy sampled exactly the turns' tokens; the environment's replies train nothing
+        assert row["loss_mask"] == [t["span"] for t in row["turns"] if t["span"][1] > t["span"][0]]
+        assert row["reward"] == pytest.approx(sum(t["reward"] for t in row["turns"]))
+        if len(row["turns"]) > 1:
+            assert any(m["role"] != "assistant" for m in row["turns"][0]["messages"])
+
+
+def test_async_loop_writes_samples_every_n_steps(model_dir, tmp_path, monkeypatch):
+    import rollover.loops.async_ as async_loop
+
+    seen = recording(monkeypatch, async_loop)
+    async_loop.train_async(cfg_for(model_dir, tmp_path, steps=3, mode="async", **{"logging.samples": 2}))
+    assert written_steps(tmp_path) == [2]
+    _, header, rows = read_samples(tmp_path)
+    groups, batch = seen[2]
+    assert "dropped" not in header and len(rows) == len(batch)
+    assert [r["response_ids"] for r in rows] == [r.response_ids for g in groups for r in g.rollouts]
+    assert all(r["version_max"] <= 1 for r in rows)  # trained at step 2: sampled by weights 0 or 1
