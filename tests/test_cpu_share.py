@@ -74,3 +74,16 @@ def test_a_busy_process_takes_a_thread_away_on_this_machine():
             p.kill()
             p.wait()
     assert s.threads < cores and s.others > 0.5
+
+
+def test_one_share_per_process_and_restore_gives_torch_its_count_back():
+    import torch
+
+    s = cpu_share.shared()
+    assert cpu_share.shared() is s and s.max_threads >= 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as an adapting step would
+    s.threads = 1
+    cpu_share.restore()
+    assert torch.get_num_threads() == s.max_threads == s.threads
+    torch.set_num_threads(before)

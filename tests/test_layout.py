@@ -128,3 +128,41 @@ def test_imports_only_run_down_the_layers():
     upward = {(n, t) for n, p in mods.items() if n != "rollover" for t, _, _ in imports(n, p, mods)
               if layer(t) < layer(n)}
     assert upward == KNOWN_UPWARD
+
+
+def test_every_trainer_and_collector_offers_the_calls_the_loops_make():
+    """The loops call trainers and collectors through `TrainerAPI` / `CollectorAPI`, never
+    probing for a method: every implementation has every call."""
+    import inspect
+
+    from rollover.rollout.api import CollectorAPI
+    from rollover.rollout.april import AprilCollector
+    from rollover.rollout.sync_collect import SyncCollector
+    from rollover.runtime.trainer import RemoteTrainer
+    from rollover.runtime.trainer_group import RayShardedTrainer
+    from rollover.train.api import TrainerAPI
+    from rollover.train.ranks import ShardedTrainer
+    from rollover.train.trainer import Trainer
+
+    def calls(protocol):
+        return {n for n, v in vars(protocol).items() if inspect.isfunction(v) and not n.startswith("_")}
+
+    assert calls(TrainerAPI) == {"train_step", "named_weights", "state_dict", "load_state_dict", "close"}
+    for cls in (Trainer, RemoteTrainer, ShardedTrainer, RayShardedTrainer):
+        missing = {n for n in calls(TrainerAPI) | {"architecture"} if not hasattr(cls, n)}
+        assert not missing, f"{cls.__name__} lacks {missing}"
+    for cls in (SyncCollector, AprilCollector):
+        assert not {n for n in calls(CollectorAPI) if not callable(getattr(cls, n, None))}, cls.__name__
+
+
+def test_a_trainer_in_this_process_is_a_trainer_api(tmp_path):
+    import torch
+
+    from rollover.config import load_config
+    from rollover.testing import tiny_model
+    from rollover.train.api import TrainerAPI
+    from rollover.train.trainer import Trainer
+
+    t = Trainer(tiny_model("llama", seed=0), load_config(device="cpu"), device=torch.device("cpu"))
+    assert isinstance(t, TrainerAPI) and t.architecture is t.model and not t.sharded
+    t.close()

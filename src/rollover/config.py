@@ -318,8 +318,10 @@ class TrainConfig(Section):
     """Kernels that give the same bits on every run (torch's deterministic algorithms, a fixed
     cuBLAS workspace, the math attention backend), so that on a GPU a run resumed from a
     checkpoint matches the uninterrupted one bit for bit (checked on an H200). Process-wide (a
-    Ray trainer actor sets it in its own process) and slower on a GPU; CPU runs are
-    deterministic without it. Whether TorchEngine's CUDA graphs still capture under it is not
+    Ray trainer actor sets it in its own process) and slower on a GPU. CPU runs are
+    deterministic without it while their thread count stays the same; by default the engine and
+    trainer on a CPU run fewer threads while other processes hold cores (which can change a
+    sum's last bits), and with this on they keep torch's count. Whether TorchEngine's CUDA graphs still capture under it is not
     checked: if a capture fails the engine logs it and decodes eagerly."""
     max_bad_steps: int = Field(3, ge=1)
     """Consecutive steps with a NaN/inf loss, or consecutive collections with no trainable group

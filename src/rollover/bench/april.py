@@ -115,7 +115,7 @@ def run_mode(args, workload: str, april: bool, carry: str = "resubmit") -> dict:
                                  **({"off_policy_token_ratio": m["off_policy_token_ratio"],
                                      "partial_fraction": m["partial_fraction"]} if april else {})})
             run.engine.update_weights(run.trainer.named_weights(), version=run.engine.version + 1,
-                                      inflight=getattr(collector, "inflight_mode", "continue"))
+                                      inflight=collector.inflight_mode)
     finally:
         run.close()
         shutil.rmtree(cfg.run_dir, ignore_errors=True)

@@ -148,20 +148,32 @@ def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows, qua
 
 
 def contend(args, model, prompts, dtype, device) -> dict:
-    """`--contend`: the same generation alone, beside one busy process (a Python loop), beside
-    one niced busy process (nice 19), and beside one busy process with the engine's thread
-    count fixed (`adapt_threads=False`: what a busy host did before the engine adapted). The
+    """`--contend`: the same generation alone and beside one busy process (a Python loop) bound
+    to one of this process's cores, as a job pinned to a core or a neighbour the OS keeps on one
+    is; the busy process at normal priority and niced (19), each with the engine adapting its
+    threads (the default) and with the thread count fixed (`adapt_threads=False`). The
     conditions alternate within each repeat, so a drift of the host hits all alike; medians."""
     import subprocess
     import sys
 
-    spin = [sys.executable, "-c", "while True: pass"]
-    conditions = {"idle": (None, True), "busy": (spin, True), "busy_niced": (["nice", "-n", "19", *spin], True),
-                  "busy_fixed_threads": (spin, False)}
+    from rollover.engine.cpu import share as cpu_share
+
+    core = max(os.sched_getaffinity(0))
+
+    def competitor(niced: bool):
+        def setup():
+            os.sched_setaffinity(0, {core})
+            if niced:
+                os.nice(19)
+        return subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=setup)
+
+    conditions = {"idle": (None, True), "busy": (False, True), "busy_niced": (True, True),
+                  "busy_fixed_threads": (False, False), "busy_niced_fixed_threads": (True, False)}
     runs: dict[str, list[float]] = {k: [] for k in conditions}
     for _ in range(args.repeats):
-        for name, (cmd, adapt) in conditions.items():
-            proc = subprocess.Popen(cmd) if cmd else None
+        for name, (niced, adapt) in conditions.items():
+            cpu_share.restore()  # every condition starts from torch's own thread count
+            proc = competitor(niced) if niced is not None else None
             try:
                 if proc is not None:
                     time.sleep(1.0)  # the competitor is running before the engine starts
@@ -353,6 +365,6 @@ def add_arguments(p) -> None:
                    help="default: chat prompts, --new-tokens each; nanovllm: nano-vllm's benchmark (random prompts and "
                         "outputs of 100-1024 tokens, temperature 0.6; use --prompts 256 for theirs)")
     p.add_argument("--contend", action="store_true",
-                   help="measure tokens/s alone, beside one busy process, beside one niced busy process, and beside "
-                        "one busy process with the thread count fixed (CPU)")
+                   help="measure tokens/s alone and beside one busy process bound to a core (normal and niced), with "
+                        "the engine adapting its threads and with their count fixed (CPU)")
     p.add_argument("--json", default=None, help="write the results here")

@@ -93,6 +93,7 @@ def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_i
 
         raise ConfigError("rollout.quantize=int8 on a CPU needs rollout.dtype=bfloat16: torch's int8 kernel has no "
                           "fast path for float32 activations there (5-35x slower than the float32 GEMM, measured)")
+    options = {"adapt_threads": not cfg.train.deterministic, **r.engine_options}  # fixed threads: the same bits
     return TorchEngine(architecture, state_dict=dict(weights), device=str(device), dtype=dtype,
                        max_rows=r.max_rows, max_len=max_len, seed=cfg.seed, eos_token_ids=eos_token_ids, version=version,
-                       quantize=None if r.quantize == "none" else r.quantize, **r.engine_options)
+                       quantize=None if r.quantize == "none" else r.quantize, **options)

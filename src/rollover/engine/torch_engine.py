@@ -93,9 +93,9 @@ class TorchEngine(ThreadedEngine):
         self.max_rows, self.max_len, self.device = max_rows, max_len, runner.device
         self._start(core)
         if adapt_threads and str(runner.device).startswith("cpu"):
-            from rollover.engine.cpu.share import CpuShare
+            from rollover.engine.cpu.share import shared
 
-            self._share = CpuShare(torch.get_num_threads())  # fewer threads while other processes hold cores
+            self._share = shared()  # fewer threads while other processes hold cores
 
     def lend_weights(self, model) -> int:
         """Hold `model`'s weights once (`ModelRunner.lend_weights`): its parameters become views of

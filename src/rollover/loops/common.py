@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from rollover.rollout.core import EnvRunner
     from rollover.rollout.curation import TurnBudget
     from rollover.rollout.selection import PromptSelection
-    from rollover.train.trainer import Trainer
+    from rollover.train.api import TrainerAPI
 
 log = logging.getLogger("rollover")
 
@@ -70,7 +70,7 @@ class Run:
     tokenizer: PreTrainedTokenizerBase
     model: torch.nn.Module  # the trainer's policy (HF module, maybe peft-wrapped)
     engine: Engine
-    trainer: Trainer
+    trainer: TrainerAPI  # one process, a Ray actor, or N FSDP ranks
     train_iter: PromptIterator
     eval_prompts: list[Prompt]
     rewards: RewardRunner
@@ -175,8 +175,7 @@ class Run:
             self.rewards.close()
             self.engine.shutdown()
         finally:
-            if hasattr(self.trainer, "close"):  # a trainer actor (ray.trainer: actor), last: it may own Ray
-                self.trainer.close()
+            self.trainer.close()  # last: a trainer actor (ray.trainer: actor) may own Ray
         self.logger.close()
         if self.lock is not None:
             self.lock.close()  # releases the run dir (the kernel does too if the process dies)
@@ -412,9 +411,8 @@ def _make_engine(cfg: Config, trainer, engine_factory, device, max_len: int, eos
         from rollover.engine import make_engine
 
         engine_factory = make_engine
-    architecture = getattr(trainer, "architecture", None) or (
-        trainer.model.get_base_model() if trainer.is_peft else trainer.model)
-    colocated = bool(getattr(trainer, "events", None))  # train.colocate: the engines live in the ranks
+    architecture = trainer.architecture
+    colocated = trainer.sharded and cfg.train.colocate  # the engines live in the ranks
     try:
         if colocated:
             from rollover.runtime.colocated import ColocatedEngines
@@ -425,7 +423,7 @@ def _make_engine(cfg: Config, trainer, engine_factory, device, max_len: int, eos
             engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device,
                                     max_len=max_len, eos_token_ids=eos_token_ids)
     except BaseException:
-        getattr(trainer, "close", lambda: None)()  # a trainer actor
+        trainer.close()  # actors or rank processes
         raise
     share_engine_weights(cfg, engine, trainer)
     if colocated:

@@ -33,12 +33,13 @@ from rollover.loops.batch import EmptyCollections, bad_steps_error, downsample_m
 from rollover.loops.common import Run, build_run
 from rollover.loops.guard import Interrupts, interrupted_result
 from rollover.loops.samples import log_samples
+from rollover.rollout.api import CollectorAPI
 from rollover.rollout.groups import rollout_metrics
 
 log = logging.getLogger("rollover")
 
 
-def make_collector(run: Run):
+def make_collector(run: Run) -> CollectorAPI:
     if run.cfg.partial_rollout.enabled:
         from rollover.rollout.april import AprilCollector
 

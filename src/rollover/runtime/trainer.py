@@ -184,6 +184,8 @@ class RemoteWeights:
 class RemoteTrainer:
     """`Trainer`'s calls, answered by a `TrainerActor` (see the module docstring)."""
 
+    sharded = False
+
     def __init__(self, model, cfg, *, pad_id: int):
         import ray
 
@@ -210,6 +212,11 @@ class RemoteTrainer:
         self.model = (RemotePeftModel if self.is_peft else RemoteModel)(self, config, generation)
 
     # ------------------------------------------------------------ Trainer's calls
+    @property
+    def architecture(self):
+        """The policy's config in the driver (the actor holds the weights): what an engine copies."""
+        return self.model.get_base_model() if self.is_peft else self.model
+
     def train_step(self, batch) -> dict:
         metrics, self.bad_steps = self._call("train_step", batch, timeout=None)
         return metrics

@@ -277,6 +277,7 @@ class RankGroup:
     sharded = True
     world: int
     checkpoint = None
+    architecture = None  # the driver's copy of the policy (set by the subclass): the engine's architecture
     bad_steps = 0
 
     def train_step(self, batch, profile: bool = False) -> dict:

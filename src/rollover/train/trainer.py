@@ -99,10 +99,10 @@ class Trainer:
         self.device = device
         self.pad_id = pad_id
         self._share = None
-        if device.type == "cpu" and not self.sharded:
-            from rollover.engine.cpu.share import CpuShare
+        if device.type == "cpu" and not self.sharded and not cfg.train.deterministic:
+            from rollover.engine.cpu.share import shared
 
-            self._share = CpuShare(torch.get_num_threads())
+            self._share = shared()
         if device.type == "cpu" and not self.sharded:  # process-wide: no fresh mapping for every large block
             # (not in an FSDP rank: blocks its collectives' threads free stay in their arenas; a 0.5B model's rank
             # at 2 ranks ran out of memory at 11.5 GB with it, 7.5 GB without, benchmarks.md "Sharded trainer")
@@ -441,6 +441,14 @@ class Trainer:
             return out
         finally:
             self.model.unmerge_adapter()
+
+    @property
+    def architecture(self):
+        """The policy's HF model (the base model under LoRA): what an engine copies."""
+        return self.model.get_base_model() if self.is_peft else self.model
+
+    def close(self) -> None:
+        """Nothing lives outside this process."""
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

@@ -64,7 +64,7 @@ def share_engine_weights(cfg, engine, trainer) -> None:
     Ray or vLLM (the weights live elsewhere)."""
     from rollover.engine.torch_engine import TorchEngine
 
-    if cfg.mode != "sync" or trainer.is_peft or getattr(trainer, "sharded", False) or not isinstance(engine, TorchEngine):
+    if cfg.mode != "sync" or trainer.is_peft or trainer.sharded or not isinstance(engine, TorchEngine):
         return
     runner = engine.core.runner
     param, held = next(trainer.model.parameters()), runner.views["model.norm.weight"]

@@ -4,22 +4,25 @@ On a CPU the engine's thread runs its parallel regions on a team of OpenMP threa
 core, and waits at the end of every region for the slowest. When another process keeps a core
 busy, the OS shares that core between it and one of the team's threads, so every one of a
 decode step's hundreds of small regions waits for a thread that is not running: on a 2-core
-host TorchEngine decoded 14.3 tokens/s beside one busy process against 190-650 alone (the
-active wait policy rollover sets makes it worse: the waiting threads spin on the cores the
-others need). With one thread per core that is free, a region never waits for a descheduled
+host TorchEngine decoded 53 tokens/s beside one busy process bound to a core against 525 alone,
+and 307 once it ran one thread (docs/benchmarks.md, "Decode on a busy machine"). With one
+thread per core that is free, a region never waits for a descheduled
 teammate, and the engine decodes at the speed of the cores it actually has.
 
 `CpuShare` measures, every half second, how many of this process's allowed cores other
 processes kept busy (the kernel's per-CPU busy time in /proc/stat, less this process's own CPU
-time from /proc/self/stat) and sets the calling thread's torch threads to the cores left
-(at least one, at most the configured count). It lowers the count at once and raises it only
-after two readings agree, so a short burst elsewhere does not make it oscillate. Linux only
-(elsewhere it never changes anything); ROLLOVER_CPU_SHARE=0 turns it off.
+time from /proc/self/stat) and sets torch's thread count to the cores left (at least one, at
+most the count torch had when the process first asked). It lowers the count at once and raises
+it only after two readings agree, so a short burst elsewhere does not make it oscillate.
+torch's count is one setting for the whole process, so there is one `CpuShare` per process
+(`shared()`): the engine's thread consults it before each decode step and the trainer before
+each step. Linux only (elsewhere it never changes anything); ROLLOVER_CPU_SHARE=0 turns it off.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -61,6 +64,7 @@ class CpuShare:
     BUSY = 0.5  # a core counts as taken once others keep it this busy
 
     def __init__(self, threads: int):
+        self._lock = threading.Lock()  # the engine's and the trainer's threads both consult it
         self.max_threads = threads
         self.threads = threads
         try:
@@ -84,6 +88,10 @@ class CpuShare:
         """A new thread count when the share changed (at most every EVERY_S), else None."""
         if not self.enabled:
             return None
+        with self._lock:
+            return self._check()
+
+    def _check(self) -> int | None:
         now = time.monotonic()
         if now < self._next:
             return None
@@ -109,9 +117,35 @@ class CpuShare:
         return want
 
     def apply(self) -> None:
-        """`check`, and set the calling thread's torch threads when it says so."""
+        """`check`, and set torch's thread count when it says so."""
         n = self.check()
         if n is not None:
             import torch
 
             torch.set_num_threads(n)
+
+
+_shared: CpuShare | None = None
+_shared_lock = threading.Lock()
+
+
+def shared() -> CpuShare:
+    """This process's `CpuShare`, made at the first call with torch's thread count then."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            import torch
+
+            _shared = CpuShare(torch.get_num_threads())
+        return _shared
+
+
+def restore() -> None:
+    """torch's thread count back to what it was before any adapting (benchmarks comparing
+    conditions; the next reading adapts again)."""
+    if _shared is not None:
+        import torch
+
+        with _shared._lock:
+            torch.set_num_threads(_shared.max_threads)
+            _shared.threads, _shared._last, _shared._raise_votes = _shared.max_threads, None, 0
