@@ -254,6 +254,9 @@ def test_sync_run_end_to_end_and_engine_matches_trainer(model_dir, tmp_path):
                 "timing_s/weight_sync", "response_length/clip_ratio", "rewards/numeric/mean", "actor/lr",
                 "actor/rollout_kl"):
         assert key in train_rows[0], key
+    # the push into the in-process engine reports what it handed over, as the Ray transports do
+    n_bytes = sum(t.numel() * t.element_size() for t in tiny_model_state(model_dir).values())
+    assert all(r["weights/bytes_per_worker"] == n_bytes and r["weights/full_tensors"] > 0 for r in train_rows)
     # an fp32 engine samples from the trainer's own distribution: no rollout-training mismatch to speak of
     assert all(0 <= r["actor/rollout_kl"] < 1e-6 for r in train_rows)
     assert {r["step"] for r in rows if r["kind"] == "eval"} == {0, 2, 3}
@@ -262,6 +265,12 @@ def test_sync_run_end_to_end_and_engine_matches_trainer(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "checkpoints" / "step_000003" / "model")
+
+
+def tiny_model_state(model_dir) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
 
 
 def _final_weights(run_dir, step):

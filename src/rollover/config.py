@@ -801,6 +801,29 @@ class Config(Section):
             problems.append("partial_rollout.enabled applies to sync mode; async mode already overlaps generation "
                             "with training and carries in-flight requests across weight updates "
                             "(rollout.inflight_weight_update)")
+        problems += self._selection_problems() + self._train_problems() + self._ray_problems()
+        if self.runtime == "local" and self.ray != RayConfig():
+            problems.append("the ray section is set but runtime is local; set runtime: ray")
+        if self.mode == "sync" and self.async_ != AsyncConfig():
+            problems.append("the async section is set but mode is sync; set mode: async")
+        longest, what = self.longest_sequence()
+        if t.micro_batch_tokens is not None and t.micro_batch_tokens < (t.pack_length or longest):
+            problems.append(f"train.micro_batch_tokens={t.micro_batch_tokens} must be >= train.pack_length "
+                            f"({t.pack_length or f'default: {what} = {longest}'})")
+        if t.pack_length is not None and t.pack_length < longest:
+            problems.append(f"train.pack_length={t.pack_length} must hold the longest sequence: {what} = {longest}")
+        problems += self._env_problems()
+        if t.mini_batches > r.prompts_per_step:
+            problems.append(f"train.mini_batches={t.mini_batches} cannot exceed rollout.prompts_per_step="
+                            f"{r.prompts_per_step} (a mini-batch holds whole groups)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _selection_problems(self) -> list[str]:
+        """Prompt selection, down-sampling and the loss's options."""
+        a = self.algorithm
+        problems = []
         s = self.selection
         if s.allocation != "fixed" and s.min_samples > self.rollout.samples_per_prompt:
             problems.append(f"selection.min_samples={s.min_samples} must be <= rollout.samples_per_prompt="
@@ -825,6 +848,12 @@ class Config(Section):
             wrong = check_loss_options(a)
             if wrong:
                 problems.append(f"algorithm.loss_options={a.loss_options} for algorithm.loss={a.loss}: {wrong}")
+        return problems
+
+    def _train_problems(self) -> list[str]:
+        """The trainer's ranks, offload and colocated engines."""
+        t = self.train
+        problems = []
         if t.ranks > 1 and t.parallel != "fsdp":
             problems.append(f"train.ranks={t.ranks} needs train.parallel=fsdp (one trainer cannot use several ranks)")
         if t.parallel == "fsdp" and self.runtime == "ray" and self.ray.trainer != "actor":
@@ -844,6 +873,11 @@ class Config(Section):
             if self.rollout.engine != "torch":
                 problems.append("train.colocate runs TorchEngine in the ranks (rollout.engine=torch); vLLM in the "
                                 "ranks is not built yet")
+        return problems
+
+    def _ray_problems(self) -> list[str]:
+        """The Ray runtime's placement, weight transport and workers."""
+        problems = []
         if self.ray.trainer == "actor" and self.device == "cuda" and not self.ray.gpus_for_trainer:
             problems.append("device=cuda with ray.trainer=actor: give the trainer actor its GPU with "
                             "ray.gpus_for_trainer (it trains on the GPUs Ray reserves for it, else on its CPUs)")
@@ -870,23 +904,7 @@ class Config(Section):
         if self.ray.env_workers and self.env.inline:
             problems.append("ray.env_workers with env.inline=true: environments on actors are awaited on the "
                             "driver's environment loop; set env.inline=false")
-        if self.runtime == "local" and self.ray != RayConfig():
-            problems.append("the ray section is set but runtime is local; set runtime: ray")
-        if self.mode == "sync" and self.async_ != AsyncConfig():
-            problems.append("the async section is set but mode is sync; set mode: async")
-        longest, what = self.longest_sequence()
-        if t.micro_batch_tokens is not None and t.micro_batch_tokens < (t.pack_length or longest):
-            problems.append(f"train.micro_batch_tokens={t.micro_batch_tokens} must be >= train.pack_length "
-                            f"({t.pack_length or f'default: {what} = {longest}'})")
-        if t.pack_length is not None and t.pack_length < longest:
-            problems.append(f"train.pack_length={t.pack_length} must hold the longest sequence: {what} = {longest}")
-        problems += self._env_problems()
-        if t.mini_batches > r.prompts_per_step:
-            problems.append(f"train.mini_batches={t.mini_batches} cannot exceed rollout.prompts_per_step="
-                            f"{r.prompts_per_step} (a mini-batch holds whole groups)")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+        return problems
 
     def longest_sequence(self) -> tuple[int, str]:
         """The longest sequence a run can produce (training rows default to it), and its origin."""

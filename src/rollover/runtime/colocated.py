@@ -35,6 +35,7 @@ from rollover.engine.core import EngineStats
 from rollover.engine.validation import validate_request
 from rollover.runtime.routing import Router
 from rollover.train.ranks import RankLost
+from rollover.train.weight_sync import SyncReport
 from rollover.types import Completion, Request
 
 log = logging.getLogger("rollover")
@@ -273,7 +274,7 @@ class ColocatedWeightSync:
 
     def __init__(self, engine: ColocatedEngines):
         self.engine = engine
-        self._last_s = 0.0
+        self.last_sync = SyncReport()
 
     def push(self, named_tensors, version: int, inflight: str = "continue") -> None:
         import time
@@ -283,7 +284,9 @@ class ColocatedWeightSync:
             close()
         t0 = time.perf_counter()
         self.engine.load_from_ranks(version, inflight)
-        self._last_s = time.perf_counter() - t0
+        # nothing crosses to the driver: the ranks' own gathers are what moved
+        self.last_sync = SyncReport(version=version, workers=self.engine.trainer.world,
+                                    seconds=time.perf_counter() - t0)
 
     def metrics(self) -> dict:
-        return {"weight_sync/ranks_load_s": self._last_s}
+        return self.last_sync.metrics()

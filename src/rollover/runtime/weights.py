@@ -10,9 +10,9 @@ Each update reports what it moved (`SyncReport`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from rollover.train.weight_sync import SyncReport  # noqa: F401 (the transports' report)
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 SPARSE_MAX_FRACTION = 0.25  # past this share of changed elements a tensor goes whole
@@ -21,8 +21,8 @@ SPARSE_MAX_FRACTION = 0.25  # past this share of changed elements a tensor goes 
 def engine_dtype(cfg, device: str) -> torch.dtype:
     """The dtype the rollout engine holds its weights in (as `make_engine` decides it)."""
     d = cfg.rollout.dtype
-    if d == "auto":
-        d = "bfloat16" if device.startswith("cuda") else "float32"
+    if d == "auto":  # float32 on every device, as make_engine: the real model learned more in it on a GPU
+        d = "float32"
     return getattr(torch, d)
 
 
@@ -32,37 +32,6 @@ def changed_mask(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     a = new.reshape(-1).view(bits) if new.is_floating_point() else new.reshape(-1)
     b = old.reshape(-1).view(bits) if old.is_floating_point() else old.reshape(-1)
     return a != b
-
-
-@dataclass
-class SyncReport:
-    """What one weight update moved, per worker (each worker pulls the same payload)."""
-
-    version: int = 0
-    full_tensors: int = 0
-    sparse_tensors: int = 0
-    unchanged_tensors: int = 0
-    bytes_per_worker: int = 0  # payload bytes each worker pulled
-    dense_bytes: int = 0  # what sending every tensor whole would have moved
-    workers: int = 0
-    seconds: float = 0.0
-    fallback_workers: int = 0  # gloo: workers the transfer missed, served by the object store
-    lagging_workers: int = 0  # ray.weight_sync=lazy: workers still short of the previous version at this push
-    joining_workers: int = 0  # eager: replacements still starting, left to pull this version when they are up
-
-    def metrics(self) -> dict:
-        return {
-            "weights/bytes_per_worker": self.bytes_per_worker,
-            "weights/bytes_all_workers": self.bytes_per_worker * self.workers,
-            "weights/sent_fraction": self.bytes_per_worker / self.dense_bytes if self.dense_bytes else 0.0,
-            "weights/full_tensors": self.full_tensors,
-            "weights/sparse_tensors": self.sparse_tensors,
-            "weights/unchanged_tensors": self.unchanged_tensors,
-            "weights/fallback_workers": self.fallback_workers,
-            "weights/lagging_workers": self.lagging_workers,
-            "weights/joining_workers": self.joining_workers,
-            "timing_s/weight_transfer": self.seconds,
-        }
 
 
 class ObjectStoreTransport:

@@ -9,11 +9,44 @@ torch.distributed broadcast, disk) behind the same `push`.
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 import torch
 
 log = logging.getLogger("rollover")
+
+
+@dataclass
+class SyncReport:
+    """What one weight update moved, per worker (each worker pulls the same payload)."""
+
+    version: int = 0
+    full_tensors: int = 0
+    sparse_tensors: int = 0
+    unchanged_tensors: int = 0
+    bytes_per_worker: int = 0  # payload bytes each worker pulled
+    dense_bytes: int = 0  # what sending every tensor whole would have moved
+    workers: int = 0
+    seconds: float = 0.0
+    fallback_workers: int = 0  # gloo: workers the transfer missed, served by the object store
+    lagging_workers: int = 0  # ray.weight_sync=lazy: workers still short of the previous version at this push
+    joining_workers: int = 0  # eager: replacements still starting, left to pull this version when they are up
+
+    def metrics(self) -> dict:
+        return {
+            "weights/bytes_per_worker": self.bytes_per_worker,
+            "weights/bytes_all_workers": self.bytes_per_worker * self.workers,
+            "weights/sent_fraction": self.bytes_per_worker / self.dense_bytes if self.dense_bytes else 0.0,
+            "weights/full_tensors": self.full_tensors,
+            "weights/sparse_tensors": self.sparse_tensors,
+            "weights/unchanged_tensors": self.unchanged_tensors,
+            "weights/fallback_workers": self.fallback_workers,
+            "weights/lagging_workers": self.lagging_workers,
+            "weights/joining_workers": self.joining_workers,
+            "timing_s/weight_transfer": self.seconds,
+        }
 
 
 class WeightSync(Protocol):
@@ -24,7 +57,8 @@ class WeightSync(Protocol):
         ...
 
     def metrics(self) -> dict:
-        """What the last push moved (bytes, tensors, seconds), for the step's metrics row."""
+        """What the last push moved (`SyncReport.metrics`: bytes, tensors, seconds), for the step's
+        metrics row."""
         ...
 
 
@@ -33,15 +67,26 @@ class InProcessWeightSync:
 
     def __init__(self, engine):
         self.engine = engine
+        self.last_sync = SyncReport()
 
     def push(self, named_tensors, version: int, inflight: str = "continue") -> None:
         from rollover.train.memory import release
 
-        self.engine.update_weights(named_tensors, version=version, inflight=inflight)
+        t0, report = time.perf_counter(), SyncReport(version=version, workers=1)
+
+        def counted():
+            for name, t in named_tensors:
+                report.full_tensors += 1
+                report.bytes_per_worker += t.numel() * t.element_size()
+                yield name, t
+
+        self.engine.update_weights(counted(), version=version, inflight=inflight)
         release()  # the engine's old packed weights
+        report.dense_bytes, report.seconds = report.bytes_per_worker, time.perf_counter() - t0
+        self.last_sync = report
 
     def metrics(self) -> dict:
-        return {}
+        return self.last_sync.metrics()
 
 
 class RayWeightSync(InProcessWeightSync):
