@@ -713,3 +713,14 @@ def test_validate_rows_compute_their_metric_from_the_simulated_runs(tmp_path):
     spec = yaml.safe_load(validate.ROWS.read_text())
     for r in spec["rows"]:
         assert r["metric"] in validate.METRICS and r["source"] and ("published" in r) != ("measured" in r), r["name"]
+
+
+def test_the_configs_cost_keys_are_the_cost_models_fields():
+    """config/simulate.py names the cost models' fields (the config does not import the
+    simulator): they must stay the fields of rollover/sim/costs.py's models."""
+    from rollover.config.simulate import COST_FIELDS
+    from rollover.sim import costs
+
+    models = {"decode": costs.DecodeCost, "train": costs.TrainCost, "sync": costs.SyncCost,
+              "contention": costs.Contention, "reward": costs.RewardCost}
+    assert {k: tuple(m.__dataclass_fields__) for k, m in models.items()} == COST_FIELDS

@@ -1,0 +1,49 @@
+"""`algorithm`: advantages, the policy loss and its aggregation, KL and shaping."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from rollover.config.base import Section
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "gapo"] = "grpo"
+    """Advantage estimator over each prompt's group."""
+    loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo"] | None = None
+    """Policy loss; unset: ppo in sync mode, decoupled_ppo in async mode. ppo with
+    eps_high > eps_low is DAPO's clip-higher."""
+    eps_low: float = Field(0.2, ge=0)
+    """Lower clip range (ratio >= 1 - eps_low)."""
+    eps_high: float = Field(0.28, ge=0)
+    """Upper clip range (ratio <= 1 + eps_high); DAPO uses 0.28."""
+    dual_clip: Annotated[float, Field(gt=1)] | None = None
+    """Dual-clip constant c (> 1) for negative advantages; None = off."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo"] = "token-mean"
+    """How per-token losses become the step loss; token-mean divides by the step's global token
+    count, drgrpo by (sequences x max_new_tokens)."""
+    loss_options: dict[str, Any] = {}
+    """Extra keyword options for the policy loss (see docs/algorithms.md)."""
+    tis_cap: Annotated[float, Field(gt=0)] | None = None
+    """Truncated importance sampling against the engine's logprobs (token level): cap on the
+    weight pi_old / pi_behav; None = off."""
+    m2po_tau: Annotated[float, Field(gt=0)] | None = None
+    """M2PO: mask the fewest tokens so the second moment of log(pi_old / pi_behav) is <= tau; None = off."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference (initial) model; > 0 loads a reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator for the penalty."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus weight."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and top up with new prompts."""
+    max_resample_rounds: int = Field(4, ge=1)
+    """Dynamic sampling: generation rounds per step before training on what was kept."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO soft overlong punishment: penalise the last `overlong_buffer` tokens before the cap (0 = off)."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Maximum soft overlong punishment."""
+    mask_truncated: bool = False
+    """Exclude completions cut by max_new_tokens from the loss."""

@@ -1,0 +1,96 @@
+"""The base of every config section, the config error, and the field types several sections share."""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+import math
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key."""
+
+
+def _numeric(annotation: Any) -> bool:
+    """int or float (optionally | None): pydantic would quietly read true/false as 1/0."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    args = [typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a for a in args if a is not type(None)]
+    return bool(args) and all(a in (int, float) for a in args)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in data:
+                if key not in cls.model_fields:
+                    close = difflib.get_close_matches(str(key), list(cls.model_fields), n=1, cutoff=0.5)
+                    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(cls.model_fields)}"
+                    raise ValueError(f"unknown key {key!r}; {hint}")
+                if isinstance(data[key], bool) and _numeric(cls.model_fields[key].annotation):
+                    raise ValueError(f"{key}={str(data[key]).lower()}: must be a number, not true/false")
+        return data
+
+
+def _reward_spec(spec: Any) -> Any:
+    """A `reward.functions` entry: a non-empty name, or a mapping {fn, weight, kwargs, name,
+    isolate} whose weight is a finite number (returned as a float)."""
+    if isinstance(spec, str):
+        if not spec.strip():
+            raise ValueError("a reward name must not be empty")
+        return spec
+    if not isinstance(spec, dict):
+        raise ValueError("must be a reward name or a mapping {fn, weight, kwargs, name, isolate}")
+    unknown = sorted(set(spec) - {"fn", "weight", "kwargs", "name", "isolate"})
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} (known: fn, weight, kwargs, name, isolate)")
+    if spec.get("isolate") is not None and not isinstance(spec["isolate"], bool):
+        raise ValueError(f"isolate={spec['isolate']!r}: must be true or false (run in a killable worker process)")
+    if not isinstance(spec.get("fn"), str) or not spec["fn"].strip():
+        raise ValueError(f"needs `fn`, a reward name, got {spec.get('fn')!r}")
+    weight = spec.get("weight", 1.0)
+    if isinstance(weight, str):
+        try:
+            weight = float(weight)
+        except ValueError:
+            raise ValueError(f"weight={spec['weight']!r}: must be a number") from None
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+        raise ValueError(f"weight={spec.get('weight')!r}: must be a finite number")
+    if not isinstance(spec.get("kwargs", {}), dict):
+        raise ValueError(f"kwargs={spec['kwargs']!r}: must be a mapping")
+    if spec.get("name") is not None and not isinstance(spec["name"], str):
+        raise ValueError(f"name={spec['name']!r}: must be a string")
+    return {**spec, "weight": float(weight)}
+
+
+def _lora(lora: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`train.lora`: known keys only, r and alpha >= 1, dropout in [0, 1)."""
+    if lora is None:
+        return None
+    unknown = sorted(set(lora) - {"r", "alpha", "dropout", "target_modules"})
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} (known: r, alpha, dropout, target_modules)")
+    for key in ("r", "alpha"):
+        if key in lora and (isinstance(lora[key], bool) or not isinstance(lora[key], int) or lora[key] < 1):
+            raise ValueError(f"{key}={lora[key]!r}: must be an integer >= 1")
+    dropout = lora.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise ValueError(f"dropout={dropout!r}: must be a number in [0, 1)")
+    return lora
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+RewardSpecEntry = Annotated[Any, AfterValidator(_reward_spec)]
+
+
+Beta = Annotated[float, Field(ge=0, lt=1)]

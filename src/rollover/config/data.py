@@ -1,0 +1,39 @@
+"""`data`: where prompts come from and how they are read."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rollover.config.base import NonEmptyStr, Section
+
+
+class DataConfig(Section):
+    train: NonEmptyStr = "gen:arithmetic?digits=1&n=2000"
+    """Training prompts: a .jsonl or .parquet file, a `save_to_disk` directory, `hf:owner/name`
+    (where a hub is reachable) or a generator `gen:NAME?option=value&...` (see docs/data_and_rewards.md).
+    With env.name: `env` (tasks from the environment's own prompts(n, seed)) or a dataset whose
+    rows the environment's make_group(prompt, n) reads; it must then be set explicitly."""
+    eval: NonEmptyStr | None = None
+    """Held-out prompts (same forms as `train`). When unset, `eval_size` prompts are carved
+    from the training data (no overlap)."""
+    eval_size: int = Field(48, ge=0)
+    """How many held-out prompts to evaluate on (carved from `train` when `eval` is unset)."""
+    prompt_key: NonEmptyStr = "prompt"
+    """Column holding the prompt: a string or a list of chat messages."""
+    answer_key: NonEmptyStr | None = None
+    """Column holding the ground truth; by default the first of answer, solution,
+    reward_model.ground_truth."""
+    system_prompt: str | None = None
+    """A system message prepended to every prompt."""
+    instruction: str | None = None
+    """Text appended to the last user message (e.g. "Put the final answer in \\boxed{}.")."""
+    chat_template: bool = True
+    """Render prompts with the tokenizer's chat template."""
+    max_prompt_tokens: int = Field(256, ge=1)
+    """Prompts longer than this are rejected at start-up (with the row named)."""
+    on_bad_row: Literal["raise", "skip"] = "raise"
+    """A malformed row stops the run with an error naming file and row, or is skipped and counted."""
+    shuffle: bool = True
+    """Shuffle the training prompts every epoch (deterministic from `seed`)."""

@@ -1,0 +1,45 @@
+"""`env`: multi-turn environments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from rollover.config.base import NonEmptyStr, Section
+
+
+class EnvConfig(Section):
+    name: NonEmptyStr | None = None
+    """Multi-turn environment (rollover.envs): guess_number, arithmetic_retry, tools, or
+    `module:Name` / `path/to/file.py:Name` (a class or factory taking `options` as keyword
+    arguments, returning an object with make_group(prompt, n)). Unset: single-turn, scored by
+    reward.functions. With an environment, the environment gives the reward (reward.functions
+    are not used)."""
+    options: dict[str, Any] = {}
+    """Keyword arguments for the environment (e.g. {low: 1, high: 8, max_guesses: 4})."""
+    max_turns: int = Field(8, ge=1)
+    """Sampled turns per episode at most (rollout.max_new_tokens bounds each turn)."""
+    max_total_tokens: int = Field(512, ge=2)
+    """Bound on an episode's whole token sequence (the opening, every turn, every insertion);
+    training rows default to this length."""
+    step_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
+    """An environment call past this fails its episode (counted, reported; never scored 0)."""
+    tasks: int = Field(2000, ge=1)
+    """With data.train: env, how many tasks the environment's own generator makes."""
+    dynamic_turns: bool = False
+    """DART dynamic trajectory length: a task solved in at least dynamic_turns_threshold of its
+    last group's episodes gets one turn more than its longest success used (at least
+    min_turns); other tasks keep max_turns."""
+    dynamic_turns_threshold: float = Field(0.5, gt=0, le=1)
+    """Success rate from which a task counts as easy for dynamic_turns."""
+    min_turns: int = Field(1, ge=1)
+    """dynamic_turns: the fewest turns a task is given."""
+    max_concurrent: int = Field(64, ge=1)
+    """Environment calls running at once across all episodes (the environment cluster's size);
+    more wait for a slot (the wait does not count against step_timeout_s)."""
+    inline: bool = False
+    """Run environment calls on the engine's thread between decode steps instead of on their
+    own event loop: the schedule then depends on the seeds alone (APRIL and async runs resume
+    bit-exactly), but decoding stops while an environment works. For fast environments (games);
+    off for tools, sandboxes and anything slow."""

@@ -1,0 +1,171 @@
+"""Reading a config (YAML, a dict, `key.path=value` overrides) with one-line errors, writing it
+back, and what a resumed run may change."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rollover.config.base import ConfigError
+from rollover.config.run import Config
+
+
+def _set_path(d: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        if not isinstance(d.get(k, {}), dict):
+            raise ConfigError(f"override {dotted}: {k!r} is not a section")
+        d = d.setdefault(k, {})
+    d[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """`key.path=value` strings as (key, value) pairs; each value is read as YAML."""
+    out = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or e
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
+        out.append((key.strip(), value))
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A YAML mapping from a file; invalid YAML is a ConfigError naming file:line:column."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not a YAML config file")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: invalid YAML: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), **data: Any) -> Config:
+    """Read YAML (optional), apply overrides, validate. Raises ConfigError naming the key."""
+    raw: dict = read_yaml(path) if path is not None else {}
+    for k, v in data.items():
+        _set_path(raw, k, v)
+    for k, v in parse_overrides(list(overrides)):
+        _set_path(raw, k, v)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        where = f"{path}: " if path is not None else ""
+        raise ConfigError(where + "; ".join(_error_line(err) for err in e.errors())) from None
+
+
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"),
+           "less_than_equal": ("le", "<="), "less_than": ("lt", "<")}
+
+
+_TYPE_ERRORS = {"int_parsing": "must be an integer", "int_type": "must be an integer",
+                "int_from_float": "must be an integer", "float_parsing": "must be a number",
+                "float_type": "must be a number", "finite_number": "must be a finite number",
+                "bool_parsing": "must be true or false", "bool_type": "must be true or false",
+                "string_type": "must be a string", "string_too_short": "must not be empty",
+                "too_short": "must not be empty", "dict_type": "must be a mapping", "list_type": "must be a list"}
+
+
+def _number(x: Any) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _error_line(err: dict) -> str:
+    """One pydantic error as `key=value: what is allowed`."""
+    loc = ".".join("async" if x == "async_" else str(x) for x in err["loc"])
+    kind, value = err["type"], err.get("input")
+    if kind in _BOUNDS:
+        name, symbol = _BOUNDS[kind]
+        msg = f"must be {symbol} {_number(err['ctx'][name])}"
+    elif kind == "string_pattern_mismatch" and loc == "device":
+        msg = "must be auto, cpu, cuda, cuda:N or mps"
+    else:
+        msg = _TYPE_ERRORS.get(kind) or err["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+    if not loc:
+        return msg
+    if value is None or isinstance(value, str | int | float):
+        quoted = isinstance(value, str) and kind not in _BOUNDS  # a bound was checked on a number
+        shown = repr(value) if quoted else value if isinstance(value, str) else json.dumps(value)
+        return f"{loc}={shown}: {msg}"
+    return f"{loc}: {msg}"
+
+
+# Keys a resumed run may change freely: how long it runs, where and on what it runs, how it
+# evaluates, checkpoints and logs, knobs that change speed but not the samples' meaning
+# (packing is exact, the engine is behind one contract), and what a failing reward call does
+# (a run stopped by reward.on_error=raise is meant to be resumed with zero or skip). Every other
+# key — model, seed, mode, data, reward functions, algorithm, train, rollout sampling,
+# partial_rollout, async — changes what is trained, and a new key is in that group until it is
+# listed here.
+RESUME_FREE_KEYS = (
+    "run_dir", "steps", "resume", "device", "eval", "checkpoint", "logging", "runtime", "ray", "simulate",
+    "rollout.engine", "rollout.max_rows", "rollout.dtype", "rollout.engine_options", "rollout.stall_timeout_s",
+    "reward.timeout_s", "reward.on_error", "reward.workers",
+    "train.micro_batch_tokens", "train.pack_length", "train.shared_prefix", "train.gradient_checkpointing",
+    "train.activation_memory_gb", "train.logit_chunk_tokens", "train.max_bad_steps", "train.deterministic",
+    "train.ranks", "train.fsdp_offload", "train.weight_bucket_mb", "train.collective_timeout_s", "train.colocate",
+)
+
+
+_SECTIONS = {("async" if n == "async_" else n) for n, f in Config.model_fields.items()
+             if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}
+
+
+def _flat(data: dict, prefix: str = "") -> dict[str, Any]:
+    """A dumped config as {dotted key: value}, descending into sections only."""
+    out = {}
+    for key, value in data.items():
+        key = "async" if key == "async_" else key
+        if isinstance(value, dict) and prefix == "" and key in _SECTIONS:
+            out.update(_flat(value, f"{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def config_changes(saved: dict, cfg: Config) -> list[str]:
+    """`key: old -> new` for each key outside RESUME_FREE_KEYS where `cfg` differs from a
+    saved config (a mapping read from a run's config.yaml; keys it lacks count as defaults)."""
+    old = {**_flat(Config().model_dump(mode="json")), **_flat(saved)}
+    new = _flat(cfg.model_dump(mode="json"))
+    changes = []
+    for key, value in new.items():
+        if any(key == free or key.startswith(free + ".") for free in RESUME_FREE_KEYS):
+            continue
+        if key in old and _plain(old[key]) != _plain(value):
+            changes.append(f"{key}: {json.dumps(old[key])} -> {json.dumps(value)}")
+    return changes
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists (as a YAML round trip gives them back)."""
+    return json.loads(json.dumps(value))
+
+
+def dump_config(cfg: Config) -> str:
+    data = cfg.model_dump(mode="json")
+    data["async"] = data.pop("async_")
+    return yaml.safe_dump(data, sort_keys=False)

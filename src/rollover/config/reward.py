@@ -1,0 +1,25 @@
+"""`reward`: the reward functions and how their calls are run."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rollover.config.base import RewardSpecEntry, Section
+
+
+class RewardConfig(Section):
+    functions: list[RewardSpecEntry] = Field(["numeric"], min_length=1)
+    """Reward functions: built-in names (math, numeric, exact, format, countdown),
+    `module:function` or `file.py:function`, or {fn, weight, kwargs, name} mappings (weight: a
+    number). The first one decides accuracy (see `correct_threshold`)."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Per-call timeout; a call past it counts as an error."""
+    on_error: Literal["raise", "zero", "skip"] = "raise"
+    """A raising or hanging reward: stop the run, score 0 (counted and reported), or skip the sample."""
+    workers: int = Field(4, ge=1)
+    """Worker processes for isolated rewards (built-in `math`, and functions marked `isolate`),
+    started on first use; a call past `timeout_s` is killed with its worker, which is replaced."""
+    correct_threshold: float = 1.0
+    """A sample counts as correct (accuracy metrics) when its first reward function scores at least this."""

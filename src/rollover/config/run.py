@@ -1,0 +1,264 @@
+"""`Config`: a whole run's configuration, its sections, and the checks that involve several fields."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rollover.config.algorithm import AlgorithmConfig
+from rollover.config.base import NonEmptyStr, Section
+from rollover.config.data import DataConfig
+from rollover.config.env import EnvConfig
+from rollover.config.ray import RayConfig
+from rollover.config.reward import RewardConfig
+from rollover.config.rollout import PartialRolloutConfig, RolloutConfig
+from rollover.config.schedule import AsyncConfig, DownsampleConfig, SelectionConfig
+from rollover.config.simulate import SimConfig
+from rollover.config.train import CheckpointConfig, EvalConfig, LoggingConfig, TrainConfig
+
+
+class Config(Section):
+    run_dir: NonEmptyStr = "runs/default"
+    """Where metrics, checkpoints and plots go."""
+    model: NonEmptyStr = "smollm2-135m-instruct"
+    """A local path, a hub id, or the alias smollm2-135m-instruct."""
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seeds data order, sampling (per sample, so resume is exact) and initialisation."""
+    steps: int = Field(20, ge=1)
+    """Training steps."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: generate -> train in turn (loops/sync.py); async: decoupled services (loops/async_.py)."""
+    runtime: Literal["local", "ray"] = "local"
+    """local: one process; ray: rollout workers as Ray actors (section ray), the same loops."""
+    resume: NonEmptyStr = "auto"
+    """auto: continue from the latest checkpoint in run_dir if any; never; or a checkpoint path.
+    Resuming under a config that changes what is trained (anything outside
+    `RESUME_FREE_KEYS`) is refused unless allowed (`rollover train --allow-config-change`)."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:[0-9]+)?)$")
+    """auto (cuda if available), cpu, cuda, cuda:N, mps."""
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    partial_rollout: PartialRolloutConfig = PartialRolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    async_: AsyncConfig = AsyncConfig()
+    env: EnvConfig = EnvConfig()
+    selection: SelectionConfig = SelectionConfig()
+    downsample: DownsampleConfig = DownsampleConfig()
+    ray: RayConfig = RayConfig()
+    simulate: SimConfig = SimConfig()
+    """The cluster `rollover simulate` simulates; training ignores it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "async" in data:
+            data = dict(data)
+            data["async_"] = data.pop("async")
+        if isinstance(data, dict):
+            algo = data.get("algorithm")
+            if not isinstance(algo, dict) or algo.get("loss") is None:
+                data = dict(data)
+                algo = dict(algo) if isinstance(algo, dict) else {}
+                pr = data.get("partial_rollout")
+                april = bool(pr.get("enabled") if isinstance(pr, dict) else getattr(pr, "enabled", False))
+                # async and APRIL train tokens sampled under older weights: correct for them
+                algo["loss"] = "decoupled_ppo" if data.get("mode") == "async" or april else "ppo"
+                data["algorithm"] = algo
+        return data
+
+    @property
+    def april_carry(self) -> tuple[str, str]:
+        """APRIL's carry mode (`resubmit` or `keep_kv`, resolving `auto`) and why."""
+        p, a = self.partial_rollout, self.algorithm
+        if p.carry != "auto":
+            return p.carry, f"partial_rollout.carry={p.carry} in the config"
+        if self.env.name is not None or self.simulate.env.enabled:  # real or simulated episodes
+            return "resubmit", "episodes carry their tokens and environment state"
+        corrected = [n for n, on in (("algorithm.loss=" + str(a.loss), a.loss in ("decoupled_ppo", "bapo")),
+                                     ("algorithm.tis_cap", a.tis_cap is not None),
+                                     ("algorithm.m2po_tau", a.m2po_tau is not None)) if on]
+        if not corrected:
+            return "resubmit", (f"algorithm.loss={a.loss} without tis_cap or m2po_tau does not correct tokens "
+                                "sampled under older weights, so their K/V is recomputed")
+        engine = "TorchEngine" if self.rollout.engine == "torch" else "vLLM"
+        return "keep_kv", (f"{engine} keeps K/V across weight updates and {corrected[0]} corrects the "
+                           "older tokens: no carried prefix is prefilled again")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        """Checks across fields (each field's own range is declared with the field)."""
+        r, a, p, t = self.rollout, self.algorithm, self.partial_rollout, self.train
+        problems = []
+        if a.dynamic_sampling and r.samples_per_prompt < 2:
+            problems.append("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2 (a group of 1 has no variance)")
+        if a.advantage in ("grpo", "drgrpo", "rloo", "gapo") and r.samples_per_prompt < 2:
+            problems.append(f"algorithm.advantage={a.advantage} compares samples of a group: rollout.samples_per_prompt must be >= 2")
+        if a.loss in ("gspo", "gspo_token") and a.aggregation != "seq-mean-token-mean":
+            problems.append("algorithm.loss=gspo is defined with aggregation=seq-mean-token-mean; set it explicitly")
+        if a.overlong_buffer >= r.max_new_tokens:
+            problems.append(f"algorithm.overlong_buffer={a.overlong_buffer} must be smaller than "
+                            f"rollout.max_new_tokens={r.max_new_tokens}")
+        if p.min_oversample > p.max_oversample:
+            problems.append(f"partial_rollout.min_oversample={p.min_oversample} exceeds max_oversample={p.max_oversample}")
+        if p.enabled and p.adaptive and not p.min_oversample <= p.oversample <= p.max_oversample:
+            problems.append(f"partial_rollout.oversample={p.oversample} must lie in [min_oversample, max_oversample] = "
+                            f"[{p.min_oversample}, {p.max_oversample}]")
+        if p.enabled and p.on_stale == "is" and a.loss != "decoupled_ppo" and a.tis_cap is None:
+            problems.append("partial_rollout.on_stale=is weights stale tokens by importance sampling: set "
+                            "algorithm.loss=decoupled_ppo or algorithm.tis_cap")
+        if p.enabled and p.score_lag and p.on_stale != "is" and p.max_carry_steps == 0:
+            problems.append(f"partial_rollout.score_lag={p.score_lag} carries complete groups one version old into the "
+                            f"next step, which max_carry_steps=0 with on_stale={p.on_stale} throws away: set score_lag 0 "
+                            "or max_carry_steps >= 1")
+        if r.quantize != "none" and r.engine != "torch":
+            problems.append(f"rollout.quantize={r.quantize} is TorchEngine's (rollout.engine=torch)")
+        if self.mode == "async" and p.enabled:
+            problems.append("partial_rollout.enabled applies to sync mode; async mode already overlaps generation "
+                            "with training and carries in-flight requests across weight updates "
+                            "(rollout.inflight_weight_update)")
+        problems += self._selection_problems() + self._train_problems() + self._ray_problems()
+        if self.runtime == "local" and self.ray != RayConfig():
+            problems.append("the ray section is set but runtime is local; set runtime: ray")
+        if self.mode == "sync" and self.async_ != AsyncConfig():
+            problems.append("the async section is set but mode is sync; set mode: async")
+        longest, what = self.longest_sequence()
+        if t.micro_batch_tokens is not None and t.micro_batch_tokens < (t.pack_length or longest):
+            problems.append(f"train.micro_batch_tokens={t.micro_batch_tokens} must be >= train.pack_length "
+                            f"({t.pack_length or f'default: {what} = {longest}'})")
+        if t.pack_length is not None and t.pack_length < longest:
+            problems.append(f"train.pack_length={t.pack_length} must hold the longest sequence: {what} = {longest}")
+        problems += self._env_problems()
+        if t.mini_batches > r.prompts_per_step:
+            problems.append(f"train.mini_batches={t.mini_batches} cannot exceed rollout.prompts_per_step="
+                            f"{r.prompts_per_step} (a mini-batch holds whole groups)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _selection_problems(self) -> list[str]:
+        """Prompt selection, down-sampling and the loss's options."""
+        a = self.algorithm
+        problems = []
+        s = self.selection
+        if s.allocation != "fixed" and s.min_samples > self.rollout.samples_per_prompt:
+            problems.append(f"selection.min_samples={s.min_samples} must be <= rollout.samples_per_prompt="
+                            f"{self.rollout.samples_per_prompt} (the mean group size allocation keeps)")
+        d = self.downsample
+        if d.keep and not 2 <= d.keep < self.rollout.samples_per_prompt:
+            problems.append(f"downsample.keep={d.keep} must be >= 2 (a group baseline) and below "
+                            f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (0: train every sample)")
+        if d.token_fraction_start is not None and d.anneal_steps == 0:
+            problems.append("downsample.token_fraction_start needs downsample.anneal_steps >= 1 (the steps it moves over)")
+        if s.dars != "off":
+            episodes = self.env.name is not None or self.simulate.env.enabled
+            if self.mode != "sync" or self.partial_rollout.enabled or episodes:
+                problems.append("selection.dars (a second generation stage inside a step) runs in sync mode "
+                                "without partial_rollout and without env")
+            if s.dars_max_samples is not None and s.dars_max_samples <= self.rollout.samples_per_prompt:
+                problems.append(f"selection.dars_max_samples={s.dars_max_samples} must be above "
+                                f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
+        if a.loss_options:  # checked now, not at the first update after the run dir was written
+            from rollover.algos.policy import check_loss_options
+
+            wrong = check_loss_options(a)
+            if wrong:
+                problems.append(f"algorithm.loss_options={a.loss_options} for algorithm.loss={a.loss}: {wrong}")
+        return problems
+
+    def _train_problems(self) -> list[str]:
+        """The trainer's ranks, offload and colocated engines."""
+        t = self.train
+        problems = []
+        if t.ranks > 1 and t.parallel != "fsdp":
+            problems.append(f"train.ranks={t.ranks} needs train.parallel=fsdp (one trainer cannot use several ranks)")
+        if t.parallel == "fsdp" and self.runtime == "ray" and self.ray.trainer != "actor":
+            problems.append("train.parallel=fsdp with runtime=ray runs the ranks as Ray actors: set ray.trainer=actor "
+                            "(ray.cpus_for_trainer / ray.gpus_for_trainer are then per rank)")
+        if t.fsdp_offload and t.parallel != "fsdp":
+            problems.append("train.fsdp_offload applies to train.parallel=fsdp")
+        if t.colocate:
+            if t.parallel != "fsdp":
+                problems.append("train.colocate runs an engine in every trainer rank: it needs train.parallel=fsdp")
+            if self.mode != "sync":
+                problems.append("train.colocate: the ranks' engines share the devices with training, so they generate "
+                                "only between steps (mode=sync, APRIL included); async mode needs engines of their own")
+            if self.runtime != "local":
+                problems.append("train.colocate runs with runtime=local (with Ray, place rollout workers and trainer "
+                                "ranks with ray.gpus_per_worker / ray.gpus_for_trainer)")
+            if self.rollout.engine != "torch":
+                problems.append("train.colocate runs TorchEngine in the ranks (rollout.engine=torch); vLLM in the "
+                                "ranks is not built yet")
+        return problems
+
+    def _ray_problems(self) -> list[str]:
+        """The Ray runtime's placement, weight transport and workers."""
+        problems = []
+        if self.ray.trainer == "actor" and self.device == "cuda" and not self.ray.gpus_for_trainer:
+            problems.append("device=cuda with ray.trainer=actor: give the trainer actor its GPU with "
+                            "ray.gpus_for_trainer (it trains on the GPUs Ray reserves for it, else on its CPUs)")
+        if self.ray.trainer == "driver" and (self.ray.cpus_for_trainer != 1.0 or self.ray.gpus_for_trainer):
+            problems.append("ray.cpus_for_trainer / ray.gpus_for_trainer place the trainer actor: set ray.trainer=actor "
+                            "(with ray.trainer=driver the trainer uses the driver's own CPUs and GPU)")
+        if self.ray.weight_transport == "gloo" and self.ray.weight_delta:
+            problems.append("ray.weight_delta=true needs ray.weight_transport=object_store (gloo sends whole tensors)")
+        if self.ray.weight_sync == "lazy":
+            if self.mode != "async":
+                problems.append("ray.weight_sync=lazy needs mode: async (a synchronous step generates with the weights "
+                                "it has just trained)")
+            if self.ray.weight_transport != "object_store" or self.ray.weight_delta:
+                problems.append("ray.weight_sync=lazy pulls whole tensors from the object store: needs "
+                                "ray.weight_transport=object_store and ray.weight_delta unset or false")
+            if self.rollout.inflight_weight_update != "continue":
+                problems.append("ray.weight_sync=lazy loads under running requests, which go on with the new weights: "
+                                "needs rollout.inflight_weight_update=continue")
+        if self.ray.reward_workers and self.env.name is not None:
+            problems.append("ray.reward_workers scores reward.functions, which a multi-turn run (env.name) does not "
+                            "call: its environments give the rewards (ray.env_workers moves them to actors)")
+        if self.ray.env_workers and self.env.name is None:
+            problems.append("ray.env_workers needs a multi-turn run (env.name): a single-turn run has no environments")
+        if self.ray.env_workers and self.env.inline:
+            problems.append("ray.env_workers with env.inline=true: environments on actors are awaited on the "
+                            "driver's environment loop; set env.inline=false")
+        return problems
+
+    def longest_sequence(self) -> tuple[int, str]:
+        """The longest sequence a run can produce (training rows default to it), and its origin."""
+        if self.env.name is not None:
+            return self.env.max_total_tokens, "env.max_total_tokens"
+        return self.data.max_prompt_tokens + self.rollout.max_new_tokens, "data.max_prompt_tokens + rollout.max_new_tokens"
+
+    def _env_problems(self) -> list[str]:
+        e = self.env
+        simulated = self.simulate.env.enabled  # `rollover simulate`'s episodes: the schedules' rules hold
+        if e.name is None and not simulated:
+            out = ["env.options are set but env.name is not"] if e.options else []
+            return out + (["data.train: env needs env.name"] if self.data.train == "env" else [])
+        out = []
+        pr = self.partial_rollout
+        if pr.enabled and pr.carry == "keep_kv":
+            out.append("partial_rollout.carry=keep_kv keeps single-turn requests in the engine; episodes carry their "
+                       "tokens and environment state (carry: resubmit)")
+        if pr.enabled and pr.on_stale == "regenerate":
+            out.append("partial_rollout.on_stale=regenerate restarts single-turn samples; for episodes use mask or is")
+        if self.algorithm.overlong_buffer:
+            out.append("algorithm.overlong_buffer measures one response's length; it has no meaning for episodes")
+        if e.name is None:  # simulated: the rest are about a real environment's time and prompts
+            return out
+        if "train" not in self.data.model_fields_set:  # the default prompts were not made for this environment
+            out.append(f"env.name={e.name!r} with data.train unset: the default training prompts "
+                       f"({DataConfig.model_fields['train'].default}) were not made for an environment; set "
+                       "data.train: env (tasks from the environment's prompts(n, seed)) or a dataset whose rows "
+                       "its make_group(prompt, n) reads")
+        if e.step_timeout_s >= self.rollout.stall_timeout_s:
+            out.append(f"env.step_timeout_s={e.step_timeout_s:g} must be below rollout.stall_timeout_s="
+                       f"{self.rollout.stall_timeout_s:g} (a slow environment step is not a stalled engine)")
+        if e.max_total_tokens <= self.data.max_prompt_tokens:
+            out.append(f"env.max_total_tokens={e.max_total_tokens} leaves no room after the opening "
+                       f"(data.max_prompt_tokens={self.data.max_prompt_tokens})")
+        return out

@@ -1,0 +1,116 @@
+"""`train` (the optimizer, micro-batches, the sharded trainer), `eval`, `checkpoint` and `logging`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field
+
+from rollover.config.base import Beta, Section, _lora
+
+
+class TrainConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    """AdamW betas, each in [0, 1)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm (0 = off)."""
+    micro_batch_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Tokens per forward/backward; sequences are packed into rows up to `pack_length`. Unset:
+    on CPU as many whole rows as fit `activation_memory_gb` by the trainer's activation
+    estimate; on CUDA 65,536 (or one row if longer). On CUDA an update that runs out of memory
+    is redone at half the size, down to one row (logged)."""
+    activation_memory_gb: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Budget for one micro-batch's saved activations when micro_batch_tokens is unset (the
+    estimate is in rollover.train.memory; `rollover bench memory` shows what it gives)."""
+    logit_chunk_tokens: int = Field(512, ge=0)
+    """Response tokens whose full-vocabulary logits exist at once in the loss (chunks are
+    recomputed in the backward pass instead of kept); 0 = all tokens of a micro-batch at once."""
+    pack_length: Annotated[int, Field(ge=1)] | None = None
+    """Row length for sequence packing (default: the longest sequence, data.max_prompt_tokens +
+    rollout.max_new_tokens; with shared_prefix, room for a group's prompt and all its responses
+    up to 4 x the longest sequence)."""
+    shared_prefix: bool = True
+    """Pack the samples that share a prompt as one prompt followed by their responses, with an
+    attention mask that keeps responses apart: the prompt's forward runs once per group, not once
+    per sample (same loss and gradients; needs the sdpa or eager attention of transformers)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each step's batch."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer updates per epoch; with ppo_epochs=1 and mini_batches=1 no extra forward is made for old logprobs."""
+    dtype: Literal["auto", "float32", "autocast_bf16"] = "auto"
+    """Trainer weights: auto (float32 on every device), float32, autocast_bf16 (float32
+    weights, bf16 autocast on every device: on CPUs with bf16 instructions the step's matrix
+    multiplies run 2-2.8x faster; the demo learns as in float32, docs/benchmarks.md)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    deterministic: bool = False
+    """Kernels that give the same bits on every run (torch's deterministic algorithms, a fixed
+    cuBLAS workspace, the math attention backend), so that on a GPU a run resumed from a
+    checkpoint matches the uninterrupted one bit for bit (checked on an H200). Process-wide (a
+    Ray trainer actor sets it in its own process) and slower on a GPU. CPU runs are
+    deterministic without it while their thread count stays the same; by default the engine and
+    trainer on a CPU run fewer threads while other processes hold cores (which can change a
+    sum's last bits), and with this on they keep torch's count. Whether TorchEngine's CUDA graphs still capture under it is not
+    checked: if a capture fails the engine logs it and decodes eagerly."""
+    max_bad_steps: int = Field(3, ge=1)
+    """Consecutive steps with a NaN/inf loss, or consecutive collections with no trainable group
+    (all skipped for failed samples or filtered), that stop the run (after a checkpoint)."""
+    lora: Annotated[dict[str, Any] | None, AfterValidator(_lora)] = None
+    """LoRA via peft, e.g. {r: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}; None = full fine-tuning."""
+    parallel: Literal["none", "fsdp"] = "none"
+    """How the trainer spreads: none (one trainer in this process) or fsdp (train.ranks processes
+    of PyTorch FSDP2, each holding 1/N of the weights, gradients and optimizer state, each
+    training its share of the step's samples; on GPUs rank r uses cuda:r). docs/gpu.md."""
+    ranks: int = Field(1, ge=1)
+    """Trainer ranks with train.parallel=fsdp (processes this command starts; one per GPU)."""
+    fsdp_offload: bool = False
+    """train.parallel=fsdp: keep the sharded weights, gradients and optimizer state in CPU memory,
+    copying each layer to the GPU for its passes (larger models, slower steps)."""
+    weight_bucket_mb: float = Field(256.0, gt=0)
+    """train.parallel=fsdp: weights go from the ranks to the engine in buckets of about this many
+    MiB (rank 0's extra memory during a push)."""
+    collective_timeout_s: float = Field(600.0, gt=0)
+    """train.parallel=fsdp: a rank waiting this long in a collective (a peer died) gives up."""
+    colocate: bool = False
+    """train.parallel=fsdp: every rank also runs a rollout engine on its own device (N GPUs
+    generate, not one), loaded from its own gather of the weights; the engines free their K/V
+    cache while the ranks train. Sync mode (APRIL included), TorchEngine, local runtime."""
+
+
+class EvalConfig(Section):
+    every: int = Field(5, ge=0)
+    """Evaluate every this many steps (0 = only at the start and the end)."""
+    samples_per_prompt: int = Field(4, ge=1)
+    """Samples per held-out prompt."""
+    temperature: float = Field(1.0, ge=0)
+    """Evaluation sampling temperature (0 = greedy)."""
+    at_start: bool = True
+    """Evaluate before the first step (the baseline)."""
+
+
+class CheckpointConfig(Section):
+    every: int = Field(10, ge=0)
+    """Save every this many steps (and always at the end); 0 = only at the end."""
+    keep: int = Field(2, ge=1)
+    """Checkpoints kept on disk (oldest removed; the one just written is always kept)."""
+
+
+class LoggingConfig(Section):
+    tensorboard: bool | None = None
+    """Write TensorBoard scalars (None: when the package is installed)."""
+    wandb: dict[str, Any] | None = None
+    """wandb.init arguments (e.g. {project: rollover, mode: offline}); None = off."""
+    progress: bool = True
+    """Show a progress bar with the live reward, throughput and ETA."""
+    samples: int = Field(0, ge=0)
+    """Every this many steps, write the step's trained samples (prompt and response text and
+    token ids, loss-mask spans, reward and its parts, advantage, logprobs, versions) to
+    RUN_DIR/samples/step_<N>.jsonl; read them with `rollover show RUN_DIR`. 0 = off."""
