@@ -224,9 +224,12 @@ def test_ray_trainer_rank_actors_train_as_one_trainer(model_dir, tmp_path):
     the local one-trainer run's weights."""
     pytest.importorskip("ray")
     train_sync(run_cfg(model_dir, tmp_path / "one"))
+    # the ranks' buckets reach the worker as bit-level deltas against the weights it holds
     train_sync(run_cfg(model_dir, tmp_path / "ray", runtime="ray", **{
         "train.parallel": "fsdp", "train.ranks": 2, "ray.rollout_workers": 1, "ray.trainer": "actor",
-        "ray.cpus_for_trainer": 0.5}))
+        "ray.cpus_for_trainer": 0.5, "ray.weight_delta": True}))
+    rows = [r for r in map(__import__("json").loads, open(tmp_path / "ray" / "metrics.jsonl")) if r["kind"] == "train"]
+    assert all(r["weights/sent_fraction"] < 1 for r in rows)  # only what changed went
     one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "ray")
     assert one.keys() == two.keys()
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 5e-5

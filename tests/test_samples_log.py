@@ -35,8 +35,11 @@ def cfg_for(model_dir, run_dir, **over):
     return load_config(**base)
 
 
-def recording(monkeypatch, module) -> dict:
-    """Wrap the loop's `log_samples` to keep each step's (groups, batch) as the loop had them."""
+def recording(monkeypatch) -> dict:
+    """Wrap the loops' `log_samples` (called by `record_step`) to keep each step's (groups, batch)
+    as the loop had them."""
+    import rollover.loops.batch as module
+
     seen = {}
     real = module.log_samples
 
@@ -55,7 +58,7 @@ def sync_run(model_dir, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("sync") / "run"
     with pytest.MonkeyPatch.context() as mp:
-        seen = recording(mp, sync)
+        seen = recording(mp)
         sync.train_sync(cfg_for(model_dir, run_dir))
     return run_dir, seen
 
@@ -104,7 +107,7 @@ def test_sync_samples_round_trip(model_dir, sync_run):
 def test_samples_left_out_by_down_sampling_are_marked(model_dir, tmp_path, monkeypatch):
     import rollover.loops.sync as sync
 
-    seen = recording(monkeypatch, sync)
+    seen = recording(monkeypatch)
     sync.train_sync(cfg_for(model_dir, tmp_path, steps=1, **{"rollout.samples_per_prompt": 4, "downsample.keep": 2}))
     _, header, rows = read_samples(tmp_path)
     _, batch = seen[1]
@@ -191,7 +194,7 @@ def test_episode_rows_hold_the_turns(model_dir, tmp_path):
 def test_async_loop_writes_samples_every_n_steps(model_dir, tmp_path, monkeypatch):
     import rollover.loops.async_ as async_loop
 
-    seen = recording(monkeypatch, async_loop)
+    seen = recording(monkeypatch)
     async_loop.train_async(cfg_for(model_dir, tmp_path, steps=3, mode="async", **{"logging.samples": 2}))
     assert written_steps(tmp_path) == [2]
     _, header, rows = read_samples(tmp_path)

@@ -50,11 +50,10 @@ from collections import Counter
 
 from rollover.config import Config
 from rollover.engine.cpu import openmp
-from rollover.loops.batch import bad_steps_error, downsample_metrics, ledger_rows, train_batch_from
+from rollover.loops.batch import bad_steps_error, downsample_metrics, record_step, train_batch_from
 from rollover.loops.common import Run, build_run
 from rollover.loops.guard import Interrupts, interrupted_result
 from rollover.rollout.stops import Stalled, TooManyEmptyCollections, Watchdog, engine_progress
-from rollover.loops.samples import log_samples
 from rollover.rollout.async_rollout import ComponentError, DataManager, RolloutService, StalenessGate
 from rollover.rollout.core import env_step_metrics
 from rollover.rollout.groups import rollout_metrics
@@ -62,11 +61,18 @@ from rollover.rollout.groups import rollout_metrics
 log = logging.getLogger("rollover")
 
 
+def staleness(groups, version: int, eta: int) -> list[int]:
+    """Each group's staleness at `version`; above `eta` is the gate's failure, never trained silently."""
+    stale = [version - g.start_version for g in groups]
+    if max(stale) > eta:
+        raise AssertionError(f"staleness {max(stale)} exceeds max_staleness={eta} at version {version}")
+    return stale
+
+
 def train_async(cfg: Config, *, run: Run | None = None) -> dict:
     from rollover.metrics import Progress
 
     run = run or build_run(cfg)
-    eta = cfg.async_.max_staleness
     parts = _Services(run)
     step = run.start_step
     samples_trained = run.resumed_extra.get("samples_consumed", 0)
@@ -75,8 +81,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
     stats = _Throughput(run)
     try:
         with Interrupts() as interrupts:
-            # a checkpoint at step 0 (a signal before the first step) was saved after this
-            # evaluation was logged: resuming from it must not log (0, eval) again
+            # a step-0 checkpoint was saved after this evaluation was logged: its resume does not log it again
             if step == 0 and cfg.eval.at_start and run.checkpoint is None:
                 last_eval = run.evaluate(0)
             parts.start()
@@ -88,9 +93,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                     break
                 waited = time.perf_counter() - t_wait
                 version = run.engine.version
-                stale = [version - g.start_version for g in groups]
-                if max(stale) > eta:  # the gate's guarantee; a violation is a bug, never trained silently
-                    raise AssertionError(f"staleness {max(stale)} exceeds max_staleness={eta} at version {version}")
+                stale = staleness(groups, version, cfg.async_.max_staleness)
 
                 # 2. train on it (decoupled PPO by default), then push the weights
                 t0 = time.perf_counter()
@@ -108,20 +111,13 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                 # 3. metrics, the ledger of trained groups (and, every logging.samples steps, their samples)
                 samples_trained += len(batch)
                 metrics = {
-                    **rollout_metrics(groups, cfg, run.primary_reward),
-                    **train_metrics,
-                    "adv/zero_std_groups": adv_info.get("zero_std_groups", 0),
-                    **downsample_metrics(adv_info),
-                    "samples_consumed_total": samples_trained,
-                    **stats.step(stale, batch, version, t_train, t_sync),
-                    **parts.metrics(stats.wall()),
-                    "timing_s/wait_for_batch": waited,
-                    **run.weights.metrics(),
-                    **run.worker_metrics(),
+                    **rollout_metrics(groups, cfg, run.primary_reward), **train_metrics,
+                    "adv/zero_std_groups": adv_info.get("zero_std_groups", 0), **downsample_metrics(adv_info),
+                    "samples_consumed_total": samples_trained, **stats.step(stale, batch, version, t_train, t_sync),
+                    **parts.metrics(stats.wall()), "timing_s/wait_for_batch": waited,
+                    **run.weights.metrics(), **run.worker_metrics(),
                 }
-                run.logger.log(step, metrics)
-                run.logger.log_groups(step, ledger_rows(groups))
-                log_samples(run, step, groups, batch)
+                record_step(run, step, metrics, groups, batch)
                 if progress:
                     progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
                                     samples_per_s=metrics["perf/samples_trained_per_s"])

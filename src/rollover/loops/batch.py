@@ -9,6 +9,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from rollover.config import Config
+from rollover.loops.samples import log_samples
 from rollover.rollout.groups import group_advantages
 from rollover.rollout.stops import TooManyBadSteps, TooManyEmptyCollections
 
@@ -95,3 +96,11 @@ def ledger_rows(groups) -> list[dict]:
              "start_version": g.start_version,
              "tokens": sum(len(r.response_ids) for r in g.rollouts),
              "lengths": [len(r.response_ids) for r in g.rollouts]} for g in groups]
+
+
+def record_step(run: Run, step: int, metrics: dict, groups, batch, collected: dict | None = None) -> None:
+    """A trained step on record: its metrics row, its groups in the ledger, and (every
+    `logging.samples` steps) its samples."""
+    run.logger.log(step, metrics)
+    run.logger.log_groups(step, ledger_rows(groups))
+    log_samples(run, step, groups, batch, collected)

@@ -323,10 +323,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
     prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts)
     skipped += too_long
-    if cfg.rollout.prompts_per_step > len(train_prompts):
-        log.warning("rollout.prompts_per_step=%d is more than the %d training prompts: every step trains each prompt "
-                    "about %.1f times", cfg.rollout.prompts_per_step, len(train_prompts),
-                    cfg.rollout.prompts_per_step / len(train_prompts))
+    _warn_if_a_step_exceeds_the_data(cfg, len(train_prompts))
     model = _load_model(cfg, ckpt)
     longest = _longest(cfg, model, prompt_ids, env_builder)
     eos_token_ids = list(eos_ids(getattr(model, "generation_config", None), model.config, tokenizer))
@@ -366,6 +363,12 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     if ckpt is not None:
         log.info("%s from %s at step %d", "resumed" if record else "loaded", ckpt, run.start_step)
     return run
+
+
+def _warn_if_a_step_exceeds_the_data(cfg: Config, n: int) -> None:
+    if cfg.rollout.prompts_per_step > n:
+        log.warning("rollout.prompts_per_step=%d is more than the %d training prompts: every step trains each prompt "
+                    "about %.1f times", cfg.rollout.prompts_per_step, n, cfg.rollout.prompts_per_step / n)
 
 
 def _longest(cfg: Config, model, prompt_ids: dict, env_builder) -> int:

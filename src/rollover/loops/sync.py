@@ -29,10 +29,11 @@ import logging
 import time
 
 from rollover.config import Config
-from rollover.loops.batch import EmptyCollections, bad_steps_error, downsample_metrics, ledger_rows, train_batch_from
+from rollover.loops.batch import (
+    EmptyCollections, bad_steps_error, downsample_metrics, record_step, train_batch_from,
+)
 from rollover.loops.common import Run, build_run
 from rollover.loops.guard import Interrupts, interrupted_result
-from rollover.loops.samples import log_samples
 from rollover.rollout.api import CollectorAPI
 from rollover.rollout.groups import rollout_metrics
 
@@ -125,23 +126,19 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
             samples_consumed += len(batch)
             timings = {"advantage": t_adv, "train": t_train, "weight_sync": t_sync, "step": time.perf_counter() - t_step}
             metrics = step_metrics(run, groups, gen, train_metrics, adv_info, timings, samples_consumed, len(batch))
-            run.logger.log(step, metrics)
-            run.logger.log_groups(step, ledger_rows(groups))
-            log_samples(run, step, groups, batch, gen)
+            record_step(run, step, metrics, groups, batch, gen)
             if progress:
                 progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
                                 tokens_per_s=metrics["perf/tokens_per_s"])
 
-            # 6. stop on repeated non-finite losses, with a checkpoint
+            # 6. stop, with a checkpoint: repeated non-finite losses (an error) or a signal (the step is done)
             if (error := bad_steps_error(run, step)) is not None:
                 save(step)
                 raise error
-
-            # 7. a signal arrived: the step is done, save it and stop
             if interrupts.requested:
                 return interrupted_result(step, interrupts.requested, save(step))
 
-            # 8. evaluation and checkpoints
+            # 7. evaluation and checkpoints
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 last_eval = run.evaluate(step)
             if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
