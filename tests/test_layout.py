@@ -162,3 +162,22 @@ def test_a_trainer_in_this_process_is_a_trainer_api(tmp_path):
     t = Trainer(tiny_model("llama", seed=0), load_config(device="cpu"), device=torch.device("cpu"))
     assert isinstance(t, TrainerAPI) and t.architecture is t.model and not t.sharded
     t.close()
+
+
+def test_every_weight_push_reports_one_kind_of_report():
+    """The weight seams (in-process, the ranks' own engines, Ray) keep a `SyncReport` of their last
+    push, and each Ray transport delivers an update in one call that returns one."""
+    import inspect
+
+    from rollover.runtime.collective import GlooTransport
+    from rollover.runtime.colocated import ColocatedWeightSync
+    from rollover.runtime.weights import ObjectStoreTransport
+    from rollover.train.weight_sync import InProcessWeightSync, RayWeightSync, SyncReport
+
+    for cls in (InProcessWeightSync, RayWeightSync, ColocatedWeightSync):
+        assert callable(cls.push) and callable(cls.metrics), cls.__name__
+    for cls in (ObjectStoreTransport, GlooTransport):
+        params = list(inspect.signature(cls.deliver).parameters)
+        assert params == ["self", "engine", "workers", "named_tensors", "version", "inflight", "lost", "out"], cls
+        assert inspect.signature(cls.deliver).return_annotation in (SyncReport, "SyncReport")
+    assert set(SyncReport().metrics()) >= {"weights/bytes_per_worker", "timing_s/weight_transfer"}

@@ -18,6 +18,7 @@ timeout). The group is formed again, with the current workers, before the next u
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ import torch
 
 from rollover.runtime.live import first_line
 from rollover.runtime.weights import SyncReport
+
+log = logging.getLogger("rollover")
 
 CHUNK_BYTES = 64 << 20  # one send moves at most this much
 ALIGN = 64  # every tensor starts at a multiple of this many bytes in the buffer
@@ -114,6 +117,49 @@ class GlooTransport:
         self._pack(named_tensors)
         n = self.buffer.numel()
         return SyncReport(version=version, full_tensors=len(self.slots), bytes_per_worker=n, dense_bytes=n)
+
+    def deliver(self, engine, workers: list, named_tensors, version: int, inflight: str, lost: list,
+                out: list) -> SyncReport:
+        """An update to `version` for `workers` over the gloo group; the workers it missed pull it
+        from the object store (`fallback_workers`). `engine.await_loads` collects the deaths into
+        `lost` and the completions the update aborted into `out`."""
+        report = self.update(named_tensors, version)
+        missed = self._transfer(engine, workers, version, inflight, lost, out)
+        if missed:
+            full = self.current_refs()
+            engine.await_loads(missed, [w.handle.load.remote(full, None, version, inflight) for w in missed],
+                               version, lost, out)
+        report.fallback_workers = len(missed)
+        return report
+
+    def _transfer(self, engine, workers: list, version: int, inflight: str, lost: list, out: list) -> list:
+        """The gloo transfer of an update (forming the group first when its members changed);
+        the workers it did not reach. (A missed worker's `receive` ends by itself: its group is
+        gone, or it times out.)"""
+        if not workers:
+            return []
+        try:
+            if self.needs_group(workers):
+                self.form(workers)
+        except Exception as e:  # a worker died or stalled while joining
+            log.warning("ray: the weights group did not form (%s); version %d goes through the object store",
+                        first_line(e), version)
+            self.drop_group()
+            return workers
+        refs = [w.handle.receive.remote(self.generation, version, inflight, engine.rc.sync_timeout_s)
+                for w in workers]
+        failed = dict(self.send())
+        if failed:
+            self.drop_group()
+            for w, e in failed.items():
+                log.warning("ray: weights version %d did not reach rollout worker %d by gloo (%s); it pulls them from "
+                            "the object store", version, w.index, first_line(e))
+        reached = [(w, r) for w, r in zip(workers, refs) if w not in failed]
+        unloaded: list = []  # a receive that failed on the worker's side: the object store serves it
+        engine.await_loads([w for w, _ in reached], [r for _, r in reached], version, lost, out, unloaded)
+        if unloaded:
+            self.drop_group()
+        return [w for w in workers if w in failed or w in unloaded]
 
     def current_refs(self) -> dict:
         """Object references of the weights the workers hold now (each tensor copied out of the

@@ -15,7 +15,6 @@ import time
 from dataclasses import replace
 
 from rollover.runtime.live import WorkerSlot, first_line
-from rollover.runtime.weights import ObjectStoreTransport
 from rollover.types import Completion
 
 log = logging.getLogger("rollover")
@@ -36,18 +35,7 @@ class WeightUpdates:
             # version from the object store when it can, and takes requests once it holds it
             workers = [w for w in self._workers if w.alive and w.ready and not w.pulling]
             joining = [w for w in self._workers if w.alive and w not in workers]
-            if isinstance(self.transport, ObjectStoreTransport):
-                full, deltas, report = self.transport.update(named_tensors, version)
-                self._loaded(workers, [w.handle.load.remote(full, deltas, version, inflight) for w in workers],
-                             version, lost, out)
-            else:
-                report = self.transport.update(named_tensors, version)
-                missed = self._send(workers, version, inflight, lost, out)
-                if missed:  # the object store carries the update to the workers the transfer missed
-                    full = self.transport.current_refs()
-                    self._loaded(missed, [w.handle.load.remote(full, None, version, inflight) for w in missed],
-                                 version, lost, out)
-                report.fallback_workers = len(missed)
+            report = self.transport.deliver(self, workers, named_tensors, version, inflight, lost, out)
             self._version = version
             for w in workers:
                 w.version = version
@@ -147,36 +135,7 @@ class WeightUpdates:
         for callback in list(self._version_listeners):
             self._dispatch.run(callback)
 
-    def _send(self, workers: list[WorkerSlot], version: int, inflight: str, lost: list, out: list) -> list[WorkerSlot]:
-        """The gloo transfer of an update (forming the group first when its members changed);
-        the workers it did not reach. (A missed worker's `receive` ends by itself: its group is
-        gone, or it times out.)"""
-        t = self.transport
-        if not workers:
-            return []
-        try:
-            if t.needs_group(workers):
-                t.form(workers)
-        except Exception as e:  # a worker died or stalled while joining
-            log.warning("ray: the weights group did not form (%s); version %d goes through the object store",
-                        first_line(e), version)
-            t.drop_group()
-            return workers
-        refs = [w.handle.receive.remote(t.generation, version, inflight, self.rc.sync_timeout_s) for w in workers]
-        failed = dict(t.send())
-        if failed:
-            t.drop_group()
-            for w, e in failed.items():
-                log.warning("ray: weights version %d did not reach rollout worker %d by gloo (%s); it pulls them from "
-                            "the object store", version, w.index, first_line(e))
-        reached = [(w, r) for w, r in zip(workers, refs) if w not in failed]
-        unloaded: list[WorkerSlot] = []  # a receive that failed on the worker's side: the object store serves it
-        self._loaded([w for w, _ in reached], [r for _, r in reached], version, lost, out, unloaded)
-        if unloaded:
-            t.drop_group()
-        return [w for w in workers if w in failed or w in unloaded]
-
-    def _loaded(self, workers: list[WorkerSlot], refs: list, version: int, lost: list, out: list,
+    def await_loads(self, workers: list[WorkerSlot], refs: list, version: int, lost: list, out: list,
                 unloaded: list | None = None) -> None:
         """Wait for each worker's weight load; collect the completions it aborted (into `out`) and
         the workers that died (into `lost`: their replacements start at `version`). A load that

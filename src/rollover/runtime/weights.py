@@ -56,6 +56,16 @@ class ObjectStoreTransport:
             self._refs[name] = ray.put(t)
         return dict(self._refs)
 
+    def deliver(self, engine, workers: list, named_tensors, version: int, inflight: str, lost: list,
+                out: list) -> SyncReport:
+        """An update to `version` for `workers`: put once, each worker pulls it (whole tensors and
+        deltas) and loads it; `engine.await_loads` collects the deaths into `lost` and the
+        completions the update aborted into `out`."""
+        full, deltas, report = self.update(named_tensors, version)
+        engine.await_loads(workers, [w.handle.load.remote(full, deltas, version, inflight) for w in workers],
+                           version, lost, out)
+        return report
+
     def update(self, named_tensors, version: int) -> tuple[dict, dict, SyncReport]:
         """(whole-tensor refs, deltas, report) for an update to `version`."""
         import ray

@@ -2,8 +2,12 @@
 
 Loops push weights through a `WeightSync` and never call the engine's `update_weights`
 themselves, so how weights travel is one swappable piece: in one process it is a direct copy
-into the engine (`InProcessWeightSync`); the Ray runtime adds transports (object store,
-torch.distributed broadcast, disk) behind the same `push`.
+into the engine (`InProcessWeightSync`); with the FSDP ranks' own engines each rank loads its
+own gather (`rollover.runtime.colocated.ColocatedWeightSync`); to Ray rollout workers the
+engine's transport carries them (`rollover.runtime.weights.ObjectStoreTransport`: put once,
+pulled by each worker, whole or as bit-level deltas; `rollover.runtime.collective.GlooTransport`:
+a gloo group, the object store serving whom it missed), each with one `deliver` call. Every
+push reports what it moved as a `SyncReport`.
 """
 
 from __future__ import annotations
