@@ -384,16 +384,7 @@ class Trainer:
         slots = sum(mb.slots for mb in micro)
         sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, pad, slots), finite = self._reduce(
             sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, pad, slots), finite)
-        grad_norm = float("nan")
-        if finite:
-            grad_norm = self._clip_grad_norm()
-            finite = math.isfinite(grad_norm)
-        if finite:
-            self.optimizer.step()
-            self.scheduler.step()
-        else:
-            warnings.warn("non-finite loss or gradient: this update is skipped", RuntimeWarning, stacklevel=2)
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm, finite = self._optimizer_step(finite)
         metrics = {f"actor/{k}": v for k, v in sums.items()}
         metrics.update({
             "actor/pg_loss": loss_total,
@@ -409,6 +400,21 @@ class Trainer:
         if ref_BT is not None:
             metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
         return metrics
+
+    def _optimizer_step(self, finite: bool) -> tuple[float, bool]:
+        """Clip and step when the loss and the gradient are finite (else skip this update, with a
+        warning); the gradient's norm (NaN when skipped at the loss) and whether it stepped."""
+        grad_norm = float("nan")
+        if finite:
+            grad_norm = self._clip_grad_norm()
+            finite = math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            warnings.warn("non-finite loss or gradient: this update is skipped", RuntimeWarning, stacklevel=3)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, finite
 
     def _counts(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The update's loss tokens and sequences (FSDPTrainer: summed over the ranks)."""
