@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rollover.rollout.inputs import RolloutInputs
 from rollover.config import load_config
 from rollover.loops.common import build_run
 from rollover.loops.sync import train_sync
@@ -58,7 +59,7 @@ def test_no_sample_lost_or_duplicated_and_budgets_hold(model_dir, tmp_path, seed
         "rollout.ignore_eos": True, "algorithm.advantage": "reinforce_pp_baseline"})
     run = build_run(cfg)
     with_random_budgets(run, rng, cfg.rollout.max_new_tokens)
-    col = AprilCollector(run)
+    col = AprilCollector(RolloutInputs.of(run))
     trained: dict[str, list] = {}
     budgets: dict[str, list[int]] = {}
     try:
@@ -97,7 +98,7 @@ def test_versions_and_logprobs_are_those_of_the_producing_weights(model_dir, tmp
     rng = random.Random(0)
     with_random_budgets(run, rng, cfg.rollout.max_new_tokens)
     models = {0: tiny_model("llama", seed=11)}
-    col = AprilCollector(run)
+    col = AprilCollector(RolloutInputs.of(run))
     seen_resumed = 0
     try:
         for step in range(5):
@@ -120,7 +121,7 @@ def test_stale_prefixes_masked_or_regenerated(model_dir, tmp_path):
                                                         "partial_rollout.oversample": 3.0, "rollout.max_rows": 4})
         run = build_run(cfg)
         with_random_budgets(run, random.Random(1), 16)
-        col = AprilCollector(run)
+        col = AprilCollector(RolloutInputs.of(run))
         regenerated = 0
         try:
             for step in range(5):
@@ -212,7 +213,7 @@ def test_keep_kv_carry_loses_nothing_and_keeps_provenance(model_dir, tmp_path, s
     run = build_run(cfg)
     with_random_budgets(run, rng, 16)
     models = {0: tiny_model("llama", seed=11)}
-    col = AprilCollector(run)
+    col = AprilCollector(RolloutInputs.of(run))
     trained = {}
     try:
         for step in range(5):
@@ -255,7 +256,7 @@ def test_a_slow_judge_overlaps_decoding_unless_score_lag_is_zero(model_dir, tmp_
         return score(*args, **kw)
 
     run.rewards.score = slow_score
-    col = AprilCollector(run)
+    col = AprilCollector(RolloutInputs.of(run))
     try:
         for step in range(2):
             groups, m = col.collect(step)
@@ -278,7 +279,7 @@ def test_a_score_that_never_comes_ends_the_step_with_an_error_naming_the_group(m
         return score(*args, **kw)
 
     run.rewards.score = stuck
-    col = AprilCollector(run)
+    col = AprilCollector(RolloutInputs.of(run))
     try:
         with pytest.raises(Stalled, match=r"waited 1 s for the score of group g\d+"):
             col.collect(0)

@@ -224,7 +224,7 @@ def test_the_pool_version_estimate_counts_the_batch_in_training():
     import threading
 
     manager = DataManager.__new__(DataManager)
-    manager.run, manager.batches, manager.training = SimpleNamespace(engine=SimpleNamespace(version=3)), queue.Queue(), 0
+    manager.inputs, manager.batches, manager.training = SimpleNamespace(engine=SimpleNamespace(version=3)), queue.Queue(), 0
     manager.version_lock = threading.Lock()
     manager.batches.put(["a batch"])
     assert manager._train_version_estimate() == 4  # the queued batch trains at 3, the next formed one at 4

@@ -27,6 +27,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from rollover.rollout.inputs import RolloutInputs
 from rollover.engine.sampler import _truncate  # noqa: E402
 from rollover.engine.torch_engine import TorchEngine  # noqa: E402
 from rollover.engine.vllm_engine import VLLMEngine  # noqa: E402
@@ -554,7 +555,7 @@ def test_april_keep_kv_on_vllm_loses_nothing_and_labels_every_token(tmp_path):
 
     run.next_groups = next_groups
     models = {0: tiny_model("llama", seed=3, **ARCH)}
-    col = AprilCollector(run)
+    col = AprilCollector(RolloutInputs.of(run))
     assert col.keep_kv
     trained = {}
     try:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rollover.rollout.inputs import RolloutInputs
 from rollover.config import ConfigError, load_config
 from rollover.loops.sync import train_sync
 from rollover.testing import save_tiny_model
@@ -140,7 +141,7 @@ def test_a_stalled_engine_ends_the_episode_step_with_an_error_naming_it(model_di
         run.engine.pause()  # alive, but never steps: nothing moves
         t0 = time.monotonic()
         with pytest.raises(Stalled, match="sync collector waited 2 s for 2 groups from the engine and environments"):
-            SyncCollector(run).collect(0)
+            SyncCollector(RolloutInputs.of(run)).collect(0)
         assert time.monotonic() - t0 < 30
         deadline = time.monotonic() + 10
         while run.engine.num_unfinished() and time.monotonic() < deadline:

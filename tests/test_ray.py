@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 ray = pytest.importorskip("ray")
 
+from rollover.rollout.inputs import RolloutInputs
 from rollover.config import ConfigError, load_config  # noqa: E402
 from rollover.engine.torch_engine import TorchEngine  # noqa: E402
 from rollover.loops.async_ import train_async  # noqa: E402
@@ -427,7 +428,7 @@ def test_april_on_ray_keeps_every_tokens_provenance(model_dir, tmp_path, carry):
 
     run.next_groups = next_groups
     models = {0: tiny_model("llama", seed=11)}
-    col = AprilCollector(run)
+    col = AprilCollector(RolloutInputs.of(run))
     spanned = 0
     try:
         for step in range(4):

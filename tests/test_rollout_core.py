@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rollover.rollout.inputs import RolloutInputs
 from rollover.envs.episode import episode_seed, run_episode
 from rollover.envs.render import ChatRenderer
 from rollover.loops.common import build_run
@@ -63,7 +64,7 @@ def test_an_episode_aborted_mid_turn_and_resumed_equals_the_uninterrupted_one(mo
         groups = run.next_groups(2, version=0)
         lock = threading.RLock()
         finished, aborted = [], []
-        driver = SampleDriver(run, lock, on_finished=lambda g, j: finished.append((g.id, j)),
+        driver = SampleDriver(RolloutInputs.of(run), lock, on_finished=lambda g, j: finished.append((g.id, j)),
                               on_aborted=lambda g, j: aborted.append((g.id, j)), on_error=pytest.fail,
                               on_done_callback=lambda c: _locked(lock, driver.completed, c))
         with lock:
@@ -122,7 +123,7 @@ def test_sync_core_episodes_equal_the_asyncio_runner(model_dir, tmp_path):
     try:
         sampling = sampling_from(run.cfg)
         groups = run.next_groups(2, version=0)
-        run_groups(run, groups, sampling, run.cfg.seed, "test")
+        run_groups(RolloutInputs.of(run), groups, sampling, run.cfg.seed, "test")
         straight = straight_trajectories(run, groups, sampling)
         for g in groups:
             for j in range(g.n):
@@ -139,7 +140,7 @@ APRIL = {"partial_rollout.enabled": True, "partial_rollout.oversample": 2.0, "pa
 def test_multi_turn_april_carries_episodes_mid_turn_and_loses_nothing(model_dir, tmp_path):
     cfg = env_cfg(model_dir, tmp_path, **APRIL)
     run = build_run(cfg)
-    col = AprilCollector(run)
+    col = AprilCollector(RolloutInputs.of(run))
     trained, mid_turn = {}, 0
     try:
         for step in range(4):
@@ -183,7 +184,7 @@ def test_multi_turn_april_with_slow_threaded_environments_loses_nothing(model_di
     cfg = env_cfg(model_dir, tmp_path, seed=seed, **{**APRIL, "env.inline": False, "env.step_timeout_s": 5.0,
                                                      "rollout.stall_timeout_s": 30.0})
     run = build_run(cfg)
-    col = AprilCollector(run)
+    col = AprilCollector(RolloutInputs.of(run))
     trained, out_at_stop = {}, 0
     try:
         for step in range(5):
@@ -225,7 +226,7 @@ def test_environment_calls_landing_right_after_a_step_lose_no_group_and_count_ev
     cfg = env_cfg(model_dir, tmp_path, seed=3, **{**APRIL, "env.inline": False, "env.step_timeout_s": 5.0,
                                                   "rollout.stall_timeout_s": 30.0})
     run = build_run(cfg)
-    col = AprilCollector(run)
+    col = AprilCollector(RolloutInputs.of(run))
     mask_stale, landed_late = col._mask_stale, []
 
     def land_first(groups, version):  # runs right after collect's locked section
@@ -334,7 +335,7 @@ def test_dynamic_turns_limit_the_episodes_of_easy_tasks(model_dir, tmp_path):
         run.turn_budget.observe(task, [NS(ok=True, reward=1.0, turns=[0]), NS(ok=False, reward=None, turns=[])])
         assert run.turn_budget.limit(task) == 2
         g = replace(groups[0], id="gx", episodes=None, done={}, max_turns=1)
-        run_groups(run, [g], sampling_from(cfg), cfg.seed, "test")
+        run_groups(RolloutInputs.of(run), [g], sampling_from(cfg), cfg.seed, "test")
         assert all(len(g.done[j].turns) == 1 for j in range(g.n))  # the group's limit, not env.max_turns
         run.save(1)
     finally:

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from rollover.rollout.inputs import RolloutInputs
 from rollover.config import load_config
 from rollover.sim.core import SimCore, SimWorker
 from rollover.sim.costs import DecodeCost
@@ -423,7 +424,7 @@ def test_april_refills_rows_as_samples_finish_not_only_as_groups_do():
     engine = build_engine(cfg, profile_of(cfg))
     run = build_sim_run(cfg, engine)
     one_long_three_short(run)
-    collector = AprilCollector(run)
+    collector = AprilCollector(RolloutInputs.of(run))
     try:
         engine.release()
         groups, m = collector.collect(0)

@@ -54,6 +54,7 @@ from rollover.envs.render import ChatRenderer
 from rollover.rollout.april import AprilCollector
 from rollover.rollout.core import run_groups
 from rollover.rollout.groups import sample_seed, sampling_from
+from rollover.rollout.inputs import RolloutInputs
 from rollover.types import Prompt, Request
 
 SCHEDULES = ("rollout_wise", "batch_sync", "april")
@@ -218,13 +219,13 @@ class Bench:
     # ------------------------------------------------------------ the rollout core
     def rollout_wise(self, step: int) -> tuple[list[Trajectory], dict]:
         groups = self.run.next_groups(self.args.groups, version=0)
-        run_groups(self.run, groups, self.sampling, self.run.cfg.seed, "bench envs")
+        run_groups(RolloutInputs.of(self.run), groups, self.sampling, self.run.cfg.seed, "bench envs")
         return [g.done[j] for g in groups for j in range(g.n)], {}
 
     def start_april(self) -> None:
         """A fresh APRIL collector on the run; the bench notes every episode it finishes (by
         group id) to report the returned groups' trajectories."""
-        self.collector = col = AprilCollector(self.run)
+        self.collector = col = AprilCollector(RolloutInputs.of(self.run))
         self.finished: dict[str, object] = {}
         self.carried: set[str] = set()  # groups carried out of the last step
         finished = col.driver.on_finished
@@ -349,7 +350,7 @@ def main(args) -> dict:
             bench = Bench(args, run)
             run.env_builder.scale = 0.0  # warm-up, unmeasured: one group, no latency
             bench.rewind()
-            run_groups(run, run.next_groups(1, version=0), bench.sampling, args.seed, "bench envs warm-up")
+            run_groups(RolloutInputs.of(run), run.next_groups(1, version=0), bench.sampling, args.seed, "bench envs warm-up")
             run.env_builder.scale = 1.0
             modes = {s: measure(bench, s) for s in args.schedules}
         finally:

@@ -57,6 +57,7 @@ from rollover.rollout.stops import Stalled, TooManyEmptyCollections, Watchdog, e
 from rollover.rollout.async_rollout import ComponentError, DataManager, RolloutService, StalenessGate
 from rollover.rollout.core import env_step_metrics
 from rollover.rollout.groups import rollout_metrics
+from rollover.rollout.inputs import RolloutInputs
 
 log = logging.getLogger("rollover")
 
@@ -167,8 +168,9 @@ class _Services:
         self.batches: queue.Queue = queue.Queue()
         self.failure: dict = {}
         self.stopped = threading.Event()
-        self.service = RolloutService(run, self.gate, self.inbox, self._on_error)
-        self.manager = DataManager(run, self.gate, self.service, self.inbox, self.batches, self._on_error)
+        inputs = RolloutInputs.of(run)  # the rollout side sees these, not the run
+        self.service = RolloutService(inputs, self.gate, self.inbox, self._on_error)
+        self.manager = DataManager(inputs, self.gate, self.service, self.inbox, self.batches, self._on_error)
         self._env_since = (0.0, time.perf_counter())  # environment busy seconds and time at the last metrics row
         _restore(run.resumed_extra.get("async"), self.gate, self.manager, self.service)
 
@@ -239,7 +241,7 @@ class _Services:
         self._env_since = (busy, time.perf_counter())
         return {
             **{f"rollout/{k}": v for k, v in {**dict.fromkeys(DATA_COUNTS, 0), **counts}.items()},
-            **{f"rollout/{k}": v for k, v in env_step_metrics(self.run, trajectories, busy - since[0],
+            **{f"rollout/{k}": v for k, v in env_step_metrics(self.service.inputs, trajectories, busy - since[0],
                                                                time.perf_counter() - since[1]).items()},
             "queue/finished_groups": self.inbox.qsize(),
             "queue/batches": self.batches.qsize(),

@@ -25,6 +25,7 @@ from rollover.data import PromptIterator, load_prompts, render_prompt, split_hol
 from rollover.models import eos_ids
 from rollover.rewards import RewardRunner, build_rewards
 from rollover.rollout.groups import PendingGroup, eval_metrics, sampling_from
+from rollover.rollout.inputs import RolloutInputs
 from rollover.train import checkpoint
 from rollover.train.seeding import seed_everything, use_deterministic_kernels
 from rollover.train.weight_sync import InProcessWeightSync, RayWeightSync, WeightSync, share_engine_weights
@@ -129,7 +130,7 @@ class Run:
         if paused:
             self.engine.resume()
         try:
-            run_groups(self, pending, sp, cfg.seed, "evaluation")
+            run_groups(RolloutInputs.of(self), pending, sp, cfg.seed, "evaluation")
         finally:
             if paused:
                 self.engine.pause()
@@ -138,7 +139,7 @@ class Run:
 
             metrics = episode_eval_metrics(pending, cfg)
         else:
-            metrics = eval_metrics(pending, self)
+            metrics = eval_metrics(pending, RolloutInputs.of(self))
         self.logger.log(step, metrics, kind="eval")
         return metrics
 

@@ -36,18 +36,21 @@ from rollover.loops.common import Run, build_run
 from rollover.loops.guard import Interrupts, interrupted_result
 from rollover.rollout.api import CollectorAPI
 from rollover.rollout.groups import rollout_metrics
+from rollover.rollout.inputs import RolloutInputs
 
 log = logging.getLogger("rollover")
 
 
 def make_collector(run: Run) -> CollectorAPI:
+    """The step's collector, given the run's rollout inputs (not the run)."""
+    inputs = RolloutInputs.of(run)
     if run.cfg.partial_rollout.enabled:
         from rollover.rollout.april import AprilCollector
 
-        return AprilCollector(run)
+        return AprilCollector(inputs)
     from rollover.rollout.sync_collect import SyncCollector
 
-    return SyncCollector(run)
+    return SyncCollector(inputs)
 
 
 def step_metrics(run: Run, groups, gen: dict, train_metrics: dict, adv_info: dict, timings: dict,

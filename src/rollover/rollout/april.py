@@ -58,16 +58,17 @@ from rollover.rollout.stops import Stalled, Watchdog, engine_progress
 from rollover.rollout.core import SampleDriver, env_step_metrics
 from rollover.rollout.groups import PendingGroup, keep_group, observe_groups, sampling_from, scored_groups
 from rollover.types import Completion, Group
+from rollover.rollout.inputs import RolloutInputs
 
 log = logging.getLogger("rollover")
 
 
 class AprilCollector:
-    def __init__(self, run):
-        self.run = run
-        self.cfg = run.cfg
-        self.pcfg = run.cfg.partial_rollout
-        carry, why = run.cfg.april_carry
+    def __init__(self, inputs: RolloutInputs):
+        self.inputs = inputs
+        self.cfg = inputs.cfg
+        self.pcfg = inputs.cfg.partial_rollout
+        carry, why = inputs.cfg.april_carry
         self.keep_kv = carry == "keep_kv"
         log.info("APRIL carries unfinished samples by %s: %s", carry, why)
         # what the loop's weight update does to requests still in flight (keep_kv: they stay)
@@ -82,12 +83,12 @@ class AprilCollector:
         self._late_trajectories: list = []  # and their episodes
         self._lock = threading.RLock()
         self._engine_thread = threading.local()  # .active: inside the engine's done-callback
-        self._sampling = sampling_from(run.cfg)
-        self.driver = SampleDriver(run, self._lock, on_finished=self._finished, on_aborted=lambda g, j: None,
+        self._sampling = sampling_from(inputs.cfg)
+        self.driver = SampleDriver(inputs, self._lock, on_finished=self._finished, on_aborted=lambda g, j: None,
                                    on_error=self._fail, on_done_callback=self._on_done,
                                    on_settled=self._maybe_finish)
         self._late_error: BaseException | None = None  # a failure between steps, raised by the next step
-        self.lag = min(self.pcfg.score_lag, run.cfg.rollout.prompts_per_step - 1)  # a step is never all carried
+        self.lag = min(self.pcfg.score_lag, inputs.cfg.rollout.prompts_per_step - 1)  # a step is never all carried
         self._scorer = ThreadPoolExecutor(1, thread_name_prefix="rollover-scoring") if self.lag > 0 else None
 
     @property
@@ -97,7 +98,7 @@ class AprilCollector:
 
     # ------------------------------------------------------------ one step
     def collect(self, step: int) -> tuple[list[Group], dict]:
-        run, cfg, driver = self.run, self.cfg, self.driver
+        run, cfg, driver = self.inputs, self.cfg, self.driver
         target = cfg.rollout.prompts_per_step
         version = run.engine.version
         t_start = time.perf_counter()
@@ -194,7 +195,7 @@ class AprilCollector:
             return
         if st.m["skipped_groups"] >= st.capacity:
             return
-        fresh = self.run.next_groups(want, version=st.version)
+        fresh = self.inputs.next_groups(want, version=st.version)
         st.started += len(fresh)
         self._submit(fresh)
 
@@ -226,12 +227,12 @@ class AprilCollector:
         st.stopping = True
         self.driver.hold = True
         if self.keep_kv:
-            self.run.engine.pause()  # live requests keep their rows and K/V
+            self.inputs.engine.pause()  # live requests keep their rows and K/V
             st.finished.set()
         elif self.driver.routes:
-            on_engine = getattr(self.run.engine, "on_engine_thread", lambda: False)()
+            on_engine = getattr(self.inputs.engine, "on_engine_thread", lambda: False)()
             if getattr(self._engine_thread, "active", False) or on_engine:  # between decode steps: at once
-                self.run.engine.abort(sorted(self.driver.routes))
+                self.inputs.engine.abort(sorted(self.driver.routes))
             else:  # an engine command waits for the engine thread, which may want this lock
                 st.abort_pending = True
 
@@ -262,7 +263,7 @@ class AprilCollector:
         whether it trains, its counters)."""
         m = Counter()
         t0 = time.perf_counter()
-        group = scored_groups([g], self.run, m)[0]
+        group = scored_groups([g], self.inputs, m)[0]
         keep = keep_group(group, self.cfg, m)
         m["reward_s"] = time.perf_counter() - t0  # the whole scoring time
         return g, group, keep, m
@@ -285,7 +286,7 @@ class AprilCollector:
     def _count(self, st: "_StepState | None", result) -> None:
         """Take in a group's score (under the lock, at a point fixed by the order of events)."""
         pg, group, keep, m = result
-        observe_groups(self.run, [pg], [group])
+        observe_groups(self.inputs, [pg], [group])
         if st is None:  # completed between steps (an environment call landed, or during an evaluation)
             self._late.update(m)  # counted with the next step
             if pg.episodes is not None:
@@ -331,7 +332,7 @@ class AprilCollector:
         old = [g for g in self.inflight.values() if version - g.start_version > self.pcfg.max_carry_steps]
         ids = self.driver.live_ids(old)
         if ids:
-            self.run.engine.abort(ids)  # callbacks put the partials back into their groups
+            self.inputs.engine.abort(ids)  # callbacks put the partials back into their groups
         with self._lock:
             for g in old:
                 del self.inflight[g.id]
@@ -387,7 +388,7 @@ class AprilCollector:
 
     def _metrics(self, out: list[Group], st: "_StepState", stats0, wall: float, carry: dict) -> dict:
         m, version = st.m, st.version
-        stats1 = self.run.engine.stats()
+        stats1 = self.inputs.engine.stats()
         engine_tokens = stats1.generated_tokens - stats0.generated_tokens
         busy = stats1.busy_row_steps - stats0.busy_row_steps
         total = stats1.total_row_steps - stats0.total_row_steps
@@ -418,7 +419,7 @@ class AprilCollector:
             "alpha": self.alpha,
             **{f"carry_age/{a}": n for a, n in sorted(ages.items())},
             **{k: v for k, v in m.items() if k.startswith("rewards/")},
-            **env_step_metrics(self.run, st.trajectories, m["env_busy_s"], wall),
+            **env_step_metrics(self.inputs, st.trajectories, m["env_busy_s"], wall),
         }
 
     def close(self) -> None:

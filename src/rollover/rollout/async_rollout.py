@@ -31,6 +31,7 @@ from rollover.rollout.curation import ExperiencePool, dynamic_samples, top_entro
 from rollover.rollout.core import SampleDriver
 from rollover.rollout.groups import PendingGroup, keep_group, observe_groups, sampling_from, scored_groups
 from rollover.types import Completion, Group
+from rollover.rollout.inputs import RolloutInputs
 
 
 class StalenessGate:
@@ -62,10 +63,10 @@ class RolloutService:
     Samples move through the rollout core's `SampleDriver`.
     """
 
-    def __init__(self, run, gate: StalenessGate, out: "queue.Queue[PendingGroup]", on_error):
-        self.run, self.cfg, self.gate, self.out = run, run.cfg, gate, out
+    def __init__(self, inputs: RolloutInputs, gate: StalenessGate, out: "queue.Queue[PendingGroup]", on_error):
+        self.inputs, self.cfg, self.gate, self.out = inputs, inputs.cfg, gate, out
         self.on_error = on_error
-        self.sampling = sampling_from(run.cfg)
+        self.sampling = sampling_from(inputs.cfg)
         self.inflight: dict[str, PendingGroup] = {}
         self.running = 0  # samples of the groups in flight not finished yet (rows they need)
         self.paused = True  # until `resume()`: nothing is admitted before the restored groups are resubmitted
@@ -73,10 +74,10 @@ class RolloutService:
         self.success_rate: dict[str, float] = {}  # prompt id -> last success rate (dynamic samples)
         self.lock = threading.RLock()
         self.busy_s = 0.0
-        self.driver = SampleDriver(run, self.lock, on_finished=self._finished, on_aborted=self._aborted,
+        self.driver = SampleDriver(inputs, self.lock, on_finished=self._finished, on_aborted=self._aborted,
                                    on_error=lambda e: on_error("rollout service", e), on_done_callback=self._on_done)
         self.driver.hold = True
-        run.engine.on_oldest_version(self._caught_up)
+        inputs.engine.on_oldest_version(self._caught_up)
 
     def _caught_up(self) -> None:
         """A lagging worker loaded a newer version (lazy pulls): the gate may open."""
@@ -91,11 +92,11 @@ class RolloutService:
                 return
             # the oldest version a worker still generates with (the trained one, unless workers
             # load updates lazily): tokens of a group started now carry it or a newer one
-            oldest = self.run.engine.oldest_version
+            oldest = self.inputs.engine.oldest_version
             k = min(self.gate.capacity(oldest), self.room())
             if k <= 0:
                 return
-            groups = self.run.next_groups(k, version=oldest)
+            groups = self.inputs.next_groups(k, version=oldest)
             if self.cfg.async_.dynamic_samples:
                 for g in groups:
                     g.n = dynamic_samples(self.success_rate.get(g.prompt.id), g.n, self.cfg.async_.min_samples)
@@ -170,17 +171,17 @@ class RolloutService:
 class DataManager:
     """Scores finished groups, filters and curates them, and forms batches in start order."""
 
-    def __init__(self, run, gate: StalenessGate, service: RolloutService, inbox: "queue.Queue",
+    def __init__(self, inputs: RolloutInputs, gate: StalenessGate, service: RolloutService, inbox: "queue.Queue",
                  batches: "queue.Queue", on_error):
-        self.run, self.cfg, self.gate, self.service = run, run.cfg, gate, service
+        self.inputs, self.cfg, self.gate, self.service = inputs, inputs.cfg, gate, service
         self.inbox, self.batches, self.on_error = inbox, batches, on_error
         self.training = 0  # batches the trainer has taken and not yet pushed the weights of (0 or 1)
         self.version_lock = threading.Lock()  # taking a batch and counting it, against the estimate below
-        self.B = run.cfg.rollout.prompts_per_step
+        self.B = inputs.cfg.rollout.prompts_per_step
         self.next_serial = 0  # oldest serial not yet resolved
         self.resolved: dict[int, Group | None] = {}  # serial -> scored group, or None if dropped
         self.forming: list[Group] = []
-        self.pool = ExperiencePool(run.cfg.reward.correct_threshold, run.primary_reward) if run.cfg.async_.experience_pool else None
+        self.pool = ExperiencePool(inputs.cfg.reward.correct_threshold, inputs.primary_reward) if inputs.cfg.async_.experience_pool else None
         self.metrics = Counter()
         self.trajectories: list = []  # episodes resolved since the last metrics row (multi-turn)
         self.lock = threading.RLock()  # held while processing; checkpoints take it to quiesce
@@ -188,7 +189,7 @@ class DataManager:
         self.resolved_count = 0  # groups taken off the inbox and resolved (progress signal)
         self.dropped_in_row = 0  # groups dropped in a row, in start order
         # what a sync collection draws at most: `collection` groups dropped in a row are an empty one
-        a = run.cfg.algorithm
+        a = inputs.cfg.algorithm
         self.collection = self.B * (a.max_resample_rounds if a.dynamic_sampling else 1)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="rollover-data-manager", daemon=True)
@@ -229,13 +230,13 @@ class DataManager:
 
     def _process(self, pg: PendingGroup) -> None:
         cfg = self.cfg
-        group = scored_groups([pg], self.run, self.metrics)[0]
-        observe_groups(self.run, [pg], [group])
+        group = scored_groups([pg], self.inputs, self.metrics)[0]
+        observe_groups(self.inputs, [pg], [group])
         if pg.episodes is not None:
             self.trajectories += [pg.done[j] for j in range(pg.n)]
 
         def curate(group: Group) -> None:  # DART: success rates for dynamic samples, the experience pool
-            rewards = [r.scores.get(self.run.primary_reward) or 0.0 for r in group.rollouts]
+            rewards = [r.scores.get(self.inputs.primary_reward) or 0.0 for r in group.rollouts]
             rate = sum(x >= cfg.reward.correct_threshold for x in rewards) / len(rewards)
             with self.service.lock:
                 self.service.success_rate[pg.prompt.id] = rate
@@ -282,7 +283,7 @@ class DataManager:
         """The version at which the next formed batch will train: the trained version, plus one
         for a batch the trainer is training now, plus the batches queued."""
         with self.version_lock:
-            return self.run.engine.version + self.training + self.batches.qsize()
+            return self.inputs.engine.version + self.training + self.batches.qsize()
 
     def state_dict(self) -> dict:
         return {"next_serial": self.next_serial, "dropped_in_row": self.dropped_in_row,

@@ -39,6 +39,7 @@ from rollover.envs.base import EnvLost
 from rollover.envs.episode import EnvPool, LiveEpisode, env_open, env_step
 from rollover.envs.render import ChatRenderer
 from rollover.types import Completion, Request
+from rollover.rollout.inputs import RolloutInputs
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,9 +116,9 @@ class SampleDriver:
     runs under `lock`, which the owning schedule shares; engine completions reach the driver
     through the schedule's own callback (`completed`)."""
 
-    def __init__(self, run, lock, on_finished: Callable, on_aborted: Callable, on_error: Callable,
+    def __init__(self, inputs: RolloutInputs, lock, on_finished: Callable, on_aborted: Callable, on_error: Callable,
                  on_done_callback: Callable[[Completion], None], on_settled: Callable[[], None] = lambda: None):
-        self.run, self.cfg, self.lock = run, run.cfg, lock
+        self.inputs, self.cfg, self.lock = inputs, inputs.cfg, lock
         self.on_finished, self.on_aborted, self.on_error = on_finished, on_aborted, on_error
         self.on_settled = on_settled  # after every environment answer (the schedule may be done now)
         self.engine_callback = on_done_callback  # the schedule's engine done-callback
@@ -129,14 +130,14 @@ class SampleDriver:
         self.events = 0  # completions and environment answers handled (a progress signal)
         self.env_busy_s = 0.0  # seconds environment calls ran (not waiting for a pool slot), all time
         self.hold = False
-        self.episodes = run.env_builder is not None
+        self.episodes = inputs.env_builder is not None
         if self.episodes:
-            self.renderer = ChatRenderer(run.tokenizer)
-            self.envs: EnvRunner = run.env_runner
+            self.renderer = ChatRenderer(inputs.tokenizer)
+            self.envs: EnvRunner = inputs.env_runner
         self._outbox: list[Request] | None = None
         # a simulated engine: its clock waits for this lock (the latest driver's: the simulator
         # runs one schedule at a time)
-        bind = getattr(run.engine, "bind_schedule", None)
+        bind = getattr(inputs.engine, "bind_schedule", None)
         if bind is not None:
             bind(lock)
 
@@ -196,7 +197,7 @@ class SampleDriver:
             return
         if ep.env is None:  # restored from a checkpoint: replay its actions into a fresh environment
             if id(g) not in self._replay_envs:
-                fresh = list(self.run.env_builder.make_group(g.prompt, g.n))
+                fresh = list(self.inputs.env_builder.make_group(g.prompt, g.n))
                 for k in range(g.n):  # samples that need no environment give theirs up now
                     other = g.episodes.get(k)
                     if k in g.done or (other is not None and (other.finished or other.env is not None)):
@@ -222,7 +223,7 @@ class SampleDriver:
         from rollover.envs.episode import episode_seed
         from rollover.rollout.groups import sample_seed
 
-        envs = self.run.env_builder.make_group(g.prompt, g.n)
+        envs = self.inputs.env_builder.make_group(g.prompt, g.n)
         if len(envs) != g.n:
             raise ValueError(f"env {self.cfg.env.name!r}: make_group(prompt, {g.n}) returned {len(envs)} environments")
         base = sample_seed(seed, g.serial, 0)
@@ -242,7 +243,7 @@ class SampleDriver:
 
     def _send(self, reqs: list[Request]) -> None:
         if reqs:
-            self.run.engine.submit_many(reqs, on_done=self.engine_callback)
+            self.inputs.engine.submit_many(reqs, on_done=self.engine_callback)
 
     def completed(self, c: Completion) -> SampleRef:
         """Route a completion from the engine to its sample and move the sample on."""
@@ -273,7 +274,7 @@ class SampleDriver:
         with self.lock:
             ids = sorted(self.routes)
         if ids:
-            self.run.engine.abort(ids)
+            self.inputs.engine.abort(ids)
 
     def live_ids(self, groups) -> list[str]:
         keep = {id(g) for g in groups}

@@ -16,16 +16,17 @@ from collections import Counter
 from rollover.rollout.core import env_step_metrics, run_groups
 from rollover.rollout.groups import keep_group, observe_groups, sampling_from, scored_groups
 from rollover.types import Group
+from rollover.rollout.inputs import RolloutInputs
 
 
 class SyncCollector:
     inflight_mode = "continue"  # nothing is in flight at a weight update
 
-    def __init__(self, run):
-        self.run = run
+    def __init__(self, inputs: RolloutInputs):
+        self.inputs = inputs
 
     def collect(self, step: int) -> tuple[list[Group], dict]:
-        run, cfg = self.run, self.run.cfg
+        run, cfg = self.inputs, self.inputs.cfg
         target = cfg.rollout.prompts_per_step
         sp = sampling_from(cfg)
         kept: list[Group] = []
@@ -64,7 +65,7 @@ class SyncCollector:
 
         from rollover.rollout.allocation import dars_extra_samples
 
-        run, sel = self.run, self.run.cfg.selection
+        run, sel = self.inputs, self.inputs.cfg.selection
         correct = run.cfg.reward.correct_threshold
         grow = []  # (pending group, its scored group, first-stage size)
         for pg, g in zip(pending, groups):

@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rollover.config import Config, ConfigError
+from rollover.rollout.inputs import RolloutInputs
 from rollover.sim.costs import Profile, RewardCost, RewardPool
 from rollover.sim.workload import LengthModel, SimRewards, SimTokenizer, make_prompts
 
@@ -217,7 +218,8 @@ def _sync(cfg: Config, run, engine: SimEngine, profile: Profile, progress, rewar
 
         run.rewards.on_score = score
 
-    collector = AprilCollector(run) if cfg.partial_rollout.enabled else SyncCollector(run)
+    inputs = RolloutInputs.of(run)
+    collector = AprilCollector(inputs) if cfg.partial_rollout.enabled else SyncCollector(inputs)
     if cfg.partial_rollout.enabled:
         # the clock runs only inside a step, which ends at its stop: environment calls a step left
         # out are taken in when the next starts (a real one lands meanwhile and its sample waits,
@@ -315,8 +317,8 @@ def _async(cfg: Config, run, engine: SimEngine, profile: Profile, progress, rewa
     gate = StalenessGate(B, eta, cfg.steps * B)
     inbox = _Inbox(engine, rewards)
     batches = _Batches(engine, inbox)
-    service = RolloutService(run, gate, inbox, on_error)
-    inbox.manager = DataManager(run, gate, service, inbox, batches, on_error)
+    service = RolloutService(RolloutInputs.of(run), gate, inbox, on_error)
+    inbox.manager = DataManager(service.inputs, gate, service, inbox, batches, on_error)
     n_workers = len(engine.workers())
     rows, trainer_tl = [], []
     service.resume()  # opens admission (the service starts held)
