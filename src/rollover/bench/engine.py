@@ -228,6 +228,27 @@ def run_hf_generate(model, tokenizer, prompts, new_tokens, *, batch: int) -> dic
     return {"tokens": n_tok, "seconds": dt, "tokens_per_s": n_tok / dt, "batch": batch}
 
 
+def _torch_repeats(args, model, prompts, dtype, device, shapes, peaks: list, budgets, temperature: float):
+    """TorchEngine `--repeats` times per decode-step variant (eager, compiled), alternating so a
+    drift of the host's speed hits both alike, a GEMM peak read after each run (into `peaks`);
+    each variant's median run (with every run's rate), and all runs."""
+    variants = {"off": [False], "on": [True], "both": [False, True]}[args.compile_decode]
+    by_variant = {v: [] for v in variants}
+    for _ in range(args.repeats):
+        for v in variants:
+            by_variant[v].append(run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device,
+                                                  max_rows=args.max_rows, quantize=args.quantize,
+                                                  cuda_graphs=args.cuda_graphs == "on", compile_decode=v,
+                                                  budgets=budgets, temperature=temperature))
+            peaks.append(matmul_rate(dtype, device, shapes=shapes))
+    medians = {}
+    for v, vruns in by_variant.items():
+        med = dict(sorted(vruns, key=lambda r: r["tokens_per_s"])[len(vruns) // 2])  # the median run
+        med["runs_tokens_per_s"] = [r["tokens_per_s"] for r in vruns]
+        medians[v] = med
+    return medians, [r for vruns in by_variant.values() for r in vruns]
+
+
 def main(args) -> dict:
     from rollover.models import load_hf_model, load_tokenizer
 
@@ -252,22 +273,8 @@ def main(args) -> dict:
         eng = run_vllm_engine(args, prompts, budgets, temperature)
         peaks.append(matmul_rate(dtype, device, shapes=shapes))
     else:
-        variants = {"off": [False], "on": [True], "both": [False, True]}[args.compile_decode]
-        by_variant = {v: [] for v in variants}
-        for _ in range(args.repeats):
-            for v in variants:  # alternating, so a drift of the host's speed hits both alike
-                by_variant[v].append(run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device,
-                                                      max_rows=args.max_rows, quantize=args.quantize,
-                                                      cuda_graphs=args.cuda_graphs == "on", compile_decode=v,
-                                                      budgets=budgets, temperature=temperature))
-                peaks.append(matmul_rate(dtype, device, shapes=shapes))
-        medians = {}
-        for v, vruns in by_variant.items():
-            med = dict(sorted(vruns, key=lambda r: r["tokens_per_s"])[len(vruns) // 2])  # the median run
-            med["runs_tokens_per_s"] = [r["tokens_per_s"] for r in vruns]
-            medians[v] = med
-        runs = [r for vruns in by_variant.values() for r in vruns]
-        eng = medians[variants[-1]]  # the compiled step's when it ran
+        medians, runs = _torch_repeats(args, model, prompts, dtype, device, shapes, peaks, budgets, temperature)
+        eng = medians[max(medians)]  # the compiled step's when it ran
     rates = {shape: max(p[shape] for p in peaks) for shape in peaks[0]}
     limit = max(rates.values()) / (2 * n_params)
     result = {

@@ -109,6 +109,31 @@ class _Seq:
                           sampling=r.sampling)
 
 
+def _engine_args(path: str, config, dtype: str, torch_dtype: torch.dtype, max_rows: int, max_len: int, seed: int,
+                 engine_options: dict) -> dict:
+    """vLLM's engine arguments for rollover's use (token ids in and out, processed logprobs, the
+    weight-loading hook, prefix caching), with what a CPU needs, then the user's options."""
+    args = dict(
+        model=path, dtype=dtype, max_model_len=max_len, max_num_seqs=max_rows, seed=seed,
+        logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enable_prefix_caching=True,
+        worker_extension_cls="rollover.engine.vllm_hooks.WeightLoader", disable_log_stats=True,
+    )
+    if current_platform.is_cpu():
+        if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(engine_options):
+            # vLLM's CPU default reserves 92% of RAM and refuses to start when that much is not free
+            args["kv_cache_memory_bytes"] = _kv_cache_bytes(config, torch_dtype, max_rows, max_len)
+        # A seeded request whose prefill is split across steps crashes vLLM 0.32's CPU worker
+        # ("CPU Generator does not use offset"): prefill whole prompts only.
+        args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 2048))
+        if len(os.sched_getaffinity(0)) <= 4:
+            # vLLM keeps one core for its front end by default; on a small machine that halves
+            # the compute (2 cores, SmolLM2: 149 -> 240 tokens/s with none kept). Read by the
+            # engine-core subprocess at start-up; a value the user set wins.
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    args.update(engine_options)
+    return args
+
+
 class VLLMEngine(PauseControl, EngineAPI):
     """Continuous batching by vLLM, behind rollover's engine contract.
 
@@ -174,24 +199,7 @@ class VLLMEngine(PauseControl, EngineAPI):
         self._vllm_paused = False  # vLLM is paused (loop thread)
         self._generation = 0  # weight loads done: the prefix-cache salt (a version number may be loaded twice)
 
-        args = dict(
-            model=path, dtype=dtype, max_model_len=self.max_len, max_num_seqs=max_rows, seed=seed,
-            logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enable_prefix_caching=True,
-            worker_extension_cls="rollover.engine.vllm_hooks.WeightLoader", disable_log_stats=True,
-        )
-        if current_platform.is_cpu():
-            if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(engine_options):
-                # vLLM's CPU default reserves 92% of RAM and refuses to start when that much is not free
-                args["kv_cache_memory_bytes"] = _kv_cache_bytes(config, self.dtype, max_rows, self.max_len)
-            # A seeded request whose prefill is split across steps crashes vLLM 0.32's CPU worker
-            # ("CPU Generator does not use offset"): prefill whole prompts only.
-            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_len, 2048))
-            if len(os.sched_getaffinity(0)) <= 4:
-                # vLLM keeps one core for its front end by default; on a small machine that halves
-                # the compute (2 cores, SmolLM2: 149 -> 240 tokens/s with none kept). Read by the
-                # engine-core subprocess at start-up; a value the user set wins.
-                os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        args.update(engine_options)
+        args = _engine_args(path, config, dtype, self.dtype, max_rows, self.max_len, seed, engine_options)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollover-vllm", daemon=True)
         self._thread.start()
