@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from rollover.config import Config
 from rollover.loops.samples import log_samples
-from rollover.rollout.groups import group_advantages
+from rollover.rollout.groups import DROP_COUNTS, group_advantages
 from rollover.rollout.stops import TooManyBadSteps, TooManyEmptyCollections
 
 if TYPE_CHECKING:
@@ -35,8 +35,7 @@ class EmptyCollections:
     in a row stop the run after a checkpoint. Their losses are reported with the step that
     trains next (`rollout/empty_collections` and the counts in `FOLDED`)."""
 
-    FOLDED = ("skipped_groups", "dropped_samples", "filtered_groups", "filtered_tokens", "reward_errors",
-              "env/episodes", "env/failed", "env/timed_out")  # counts (an episode's averages are not carried)
+    FOLDED = (*DROP_COUNTS, "env/episodes", "env/failed", "env/timed_out")  # counts (an episode's averages are not carried)
 
     def __init__(self):
         self.count = 0

@@ -20,8 +20,9 @@ from typing import IO, TYPE_CHECKING
 
 import torch
 
-from rollover.config import Config, ConfigError, config_changes, dump_config, read_yaml
+from rollover.config import Config, ConfigError, dump_config
 from rollover.data import PromptIterator, load_prompts, render_prompt, split_holdout
+from rollover.loops.resume import checkpoint_to_resume, config_changes_since, has_metrics, lock_run_dir, record_config
 from rollover.models import eos_ids
 from rollover.rewards import RewardRunner, build_rewards
 from rollover.rollout.groups import PendingGroup, eval_metrics, sampling_from
@@ -303,9 +304,9 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     if cfg.train.deterministic:
         use_deterministic_kernels()
     run_dir = Path(cfg.run_dir)
-    ckpt = _checkpoint_to_resume(cfg)
-    changes = _config_changes(cfg, ckpt, allow_config_change) if record and ckpt is not None else []
-    if record and cfg.resume == "never" and _has_metrics(run_dir):
+    ckpt = checkpoint_to_resume(cfg)
+    changes = config_changes_since(cfg, ckpt, allow_config_change) if record and ckpt is not None else []
+    if record and cfg.resume == "never" and has_metrics(run_dir):
         raise ConfigError(f"run_dir {run_dir} already holds a run (metrics.jsonl) and resume=never starts a new one: "
                           "give another run_dir, or resume=auto to continue it")
     if Path(cfg.model).is_dir() and not (Path(cfg.model) / "config.json").is_file():
@@ -351,13 +352,13 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         if state is not None:
             _restore(run, state, record)
         if record:  # the run is accepted: from here on it writes into run_dir
-            run.lock = _lock_run_dir(run_dir)
+            run.lock = lock_run_dir(run_dir)
             # resuming at step s drops the killed run's rows after s; a restart from scratch under
             # resume=auto drops them all; resume=never was refused above if run_dir has metrics
             resume_step = state["step"] if state else (-1 if cfg.resume == "auto" else None)
             run.logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                        resume=resume_step)
-            _record_config(cfg, run_dir, ckpt, changes)
+            record_config(cfg, run_dir, ckpt, changes)
     except BaseException:
         run.close()
         raise
@@ -456,67 +457,6 @@ def _attach_parts(run: Run, cfg: Config) -> None:
             run.turn_budget = TurnBudget(e.max_turns, e.min_turns, e.dynamic_turns_threshold, cfg.reward.correct_threshold)
 
 
-def _lock_run_dir(run_dir: Path):
-    """Hold RUN_DIR/.lock (an exclusive flock) for the life of the run: a second process on the
-    same run dir would interleave checkpoints and metrics, so it is refused, naming the first."""
-    import fcntl
-    import os
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    f = open(run_dir / ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise ConfigError(f"run_dir {run_dir} is in use by a running rollover process ({holder}); wait for it to "
-                          "finish or stop it, or give another run_dir") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()}")
-    f.flush()
-    return f
-
-
-def _checkpoint_to_resume(cfg: Config) -> Path | None:
-    if cfg.resume == "never":
-        return None
-    if cfg.resume == "auto":
-        return checkpoint.latest_intact(cfg.run_dir)
-    ckpt = Path(cfg.resume)
-    if not (ckpt / "DONE").exists():
-        raise ConfigError(f"resume={cfg.resume!r}: not a complete checkpoint directory (no DONE marker)")
-    why = checkpoint.damage(ckpt)
-    if why is not None:
-        raise ConfigError(f"resume={cfg.resume!r}: the checkpoint is damaged: {why}")
-    return ckpt
-
-
-def _config_changes(cfg: Config, ckpt: Path, allow: bool) -> list[str]:
-    """The differences in what is trained between `cfg` and the config that trained `ckpt`
-    (its own config.yaml, or its run dir's for checkpoints written without one); an error
-    listing them unless `allow`."""
-    saved = next((p for p in (ckpt / "config.yaml", ckpt.parent.parent / "config.yaml") if p.is_file()), None)
-    if saved is None:
-        log.warning("resume: no config.yaml in or beside %s; cannot check that it was trained under this config", ckpt)
-        return []
-    changes = config_changes(read_yaml(saved), cfg)
-    if changes and not allow:
-        raise ConfigError(f"resume from {ckpt} refused: this config changes what is trained (vs {saved}):\n"
-                          + "\n".join(f"  {c}" for c in changes)
-                          + "\nhint: pass --allow-config-change to continue under the new config, "
-                            "or give another run_dir to start a new run")
-    return changes
-
-
-def _has_metrics(run_dir: Path) -> bool:
-    from rollover.metrics.logger import METRICS_FILE
-
-    path = run_dir / METRICS_FILE
-    return path.exists() and path.stat().st_size > 0
-
-
 def _restore(run: Run, state: dict, record: bool = True) -> None:
     if record or not state["trainer"].get("sharded"):  # an evaluation's trainer only holds the checkpoint's model
         run.trainer.load_state_dict(state["trainer"])
@@ -531,16 +471,6 @@ def _restore(run: Run, state: dict, record: bool = True) -> None:
     run.engine.settle()  # lazy pulls: no restored request is sampled before every worker holds the checkpoint's weights
     checkpoint.set_rng_state(state["rng"])
     run.resumed_extra = state
-
-
-def _record_config(cfg: Config, run_dir: Path, ckpt: Path | None, changes: list[str]) -> None:
-    """RUN_DIR/config.yaml is the config the run goes on under; allowed changes are logged
-    and appended to RUN_DIR/config_changes.log."""
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    if changes:
-        log.warning("resume from %s under a changed config (allowed):\n%s", ckpt, "\n".join(f"  {c}" for c in changes))
-        with open(run_dir / "config_changes.log", "a", encoding="utf-8") as f:
-            f.write(f"resumed from {ckpt}:\n" + "".join(f"  {c}\n" for c in changes))
 
 
 class _NoRecord:

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rollover.metrics.samples import DROP_KEYS, mask_spans
+from rollover.metrics.samples import mask_spans
 from rollover.metrics.samples import _number as number
 from rollover.rollout.downsample import max_variance_subset
-from rollover.rollout.groups import group_advantages
+from rollover.rollout.groups import DROP_COUNTS, group_advantages
 
 if TYPE_CHECKING:
     from rollover.config import Config
     from rollover.loops.common import Run
     from rollover.train.batch import TrainBatch
     from rollover.types import Group
+
+
+# the collector's step figures that say what it produced and did not train
+DROP_KEYS = (*DROP_COUNTS, "regenerated_tokens", "empty_collections")
 
 
 def log_samples(run: Run, step: int, groups: list[Group], batch: TrainBatch, collected: dict | None = None) -> None:

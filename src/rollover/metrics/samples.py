@@ -56,9 +56,6 @@ from pathlib import Path
 from rollover.metrics.logger import _encode
 
 SAMPLES_DIR = "samples"
-# the collector's step figures that say what it produced and did not train
-DROP_KEYS = ("filtered_groups", "filtered_tokens", "skipped_groups", "dropped_samples", "reward_errors",
-             "regenerated_tokens", "empty_collections")
 _FILE = re.compile(r"step_(\d+)\.jsonl")
 
 

@@ -122,6 +122,10 @@ def observe_groups(run, pending: list[PendingGroup], groups: list[Group]) -> Non
 MIN_SAMPLES = 2  # a group's baseline compares its samples: fewer survivors leave nothing to compare
 
 
+# What `keep_group` counts of a step's output that does not train (per step, in every mode).
+DROP_COUNTS = ("skipped_groups", "dropped_samples", "filtered_groups", "filtered_tokens", "reward_errors")
+
+
 def keep_group(group: Group, cfg: Config, m, curate=None) -> bool:
     """The group filters every schedule applies, in order: its failed samples (unscored) leave
     it (`dropped_samples`) and it trains on the rest, its baseline over them; a group left with

@@ -1,0 +1,83 @@
+"""A run directory across runs: which checkpoint a run resumes from (and whether it trained the
+same thing), the lock one running process holds, and the config a run goes on under."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from rollover.config import Config, ConfigError, config_changes, dump_config, read_yaml
+from rollover.train import checkpoint
+
+log = logging.getLogger("rollover")
+
+
+def lock_run_dir(run_dir: Path):
+    """Hold RUN_DIR/.lock (an exclusive flock) for the life of the run: a second process on the
+    same run dir would interleave checkpoints and metrics, so it is refused, naming the first."""
+    import fcntl
+    import os
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ConfigError(f"run_dir {run_dir} is in use by a running rollover process ({holder}); wait for it to "
+                          "finish or stop it, or give another run_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}")
+    f.flush()
+    return f
+
+
+def checkpoint_to_resume(cfg: Config) -> Path | None:
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        return checkpoint.latest_intact(cfg.run_dir)
+    ckpt = Path(cfg.resume)
+    if not (ckpt / "DONE").exists():
+        raise ConfigError(f"resume={cfg.resume!r}: not a complete checkpoint directory (no DONE marker)")
+    why = checkpoint.damage(ckpt)
+    if why is not None:
+        raise ConfigError(f"resume={cfg.resume!r}: the checkpoint is damaged: {why}")
+    return ckpt
+
+
+def config_changes_since(cfg: Config, ckpt: Path, allow: bool) -> list[str]:
+    """The differences in what is trained between `cfg` and the config that trained `ckpt`
+    (its own config.yaml, or its run dir's for checkpoints written without one); an error
+    listing them unless `allow`."""
+    saved = next((p for p in (ckpt / "config.yaml", ckpt.parent.parent / "config.yaml") if p.is_file()), None)
+    if saved is None:
+        log.warning("resume: no config.yaml in or beside %s; cannot check that it was trained under this config", ckpt)
+        return []
+    changes = config_changes(read_yaml(saved), cfg)
+    if changes and not allow:
+        raise ConfigError(f"resume from {ckpt} refused: this config changes what is trained (vs {saved}):\n"
+                          + "\n".join(f"  {c}" for c in changes)
+                          + "\nhint: pass --allow-config-change to continue under the new config, "
+                            "or give another run_dir to start a new run")
+    return changes
+
+
+def has_metrics(run_dir: Path) -> bool:
+    from rollover.metrics.logger import METRICS_FILE
+
+    path = run_dir / METRICS_FILE
+    return path.exists() and path.stat().st_size > 0
+
+
+def record_config(cfg: Config, run_dir: Path, ckpt: Path | None, changes: list[str]) -> None:
+    """RUN_DIR/config.yaml is the config the run goes on under; allowed changes are logged
+    and appended to RUN_DIR/config_changes.log."""
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    if changes:
+        log.warning("resume from %s under a changed config (allowed):\n%s", ckpt, "\n".join(f"  {c}" for c in changes))
+        with open(run_dir / "config_changes.log", "a", encoding="utf-8") as f:
+            f.write(f"resumed from {ckpt}:\n" + "".join(f"  {c}\n" for c in changes))
