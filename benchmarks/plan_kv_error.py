@@ -13,15 +13,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_sim import PLAN  # noqa: E402
 
-from rollover.config import load_config  # noqa: E402
+from rollover.sim.config import load_sim_config  # noqa: E402
 from rollover.sim.plan import capacity, scaled, steady_utilization, warmup  # noqa: E402
 from rollover.sim.run import profile_of  # noqa: E402
 from rollover.sim.run import simulate as sim  # noqa: E402
 
 print("kv_tokens  row_limit  workers  eta  bound     closed form  simulated  preempted  error")
 for kv in (600, 900):
-    cfg = load_config(None, PLAN + ["simulate.train={step_s: 2.0}",
-                                    f"simulate.pools=[{{workers: 1, max_rows: 16, kv_tokens: {kv}}}]"])
+    cfg = load_sim_config(None, PLAN + ["simulate.train={step_s: 2.0}",
+                                        f"simulate.pools=[{{workers: 1, max_rows: 16, kv_tokens: {kv}}}]"])
     cap = capacity(cfg, profile_of(cfg))
     for workers, eta in [(1, 2), (2, 2), (3, 1), (4, 2)]:
         report = sim(scaled(cfg, 1, workers, eta))

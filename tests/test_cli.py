@@ -82,6 +82,21 @@ def test_train_help_documents_the_config_change_override(capsys):
     assert "--allow-config-change" in capsys.readouterr().out
 
 
+def test_simulate_section_belongs_to_rollover_simulate(tmp_path, monkeypatch, capsys):
+    """`rollover train` refuses a config with the simulated cluster, saying whose section it is;
+    `rollover simulate --help-config` lists the training keys, then the section's."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sim.yaml").write_text("steps: 1\nsimulate:\n  pools: [{workers: 2}]\n")
+    assert main(["train", "sim.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: sim.yaml: unknown key 'simulate'" in err and "`rollover simulate`" in err
+    assert main(["train", "steps=1", "simulate.fast=true"]) == 2
+    assert "unknown key 'simulate'" in capsys.readouterr().err and list(tmp_path.iterdir()) == [tmp_path / "sim.yaml"]
+    assert main(["simulate", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("  steps = 20") < out.index("\n[simulate]\n") < out.index("  simulate.pools[].kv_tokens = None")
+
+
 # ---------------------------------------------------------------- errors after parsing
 @pytest.mark.parametrize("bad, says", [
     ("data.train={tmp}/missing.jsonl", "missing.jsonl"),
@@ -228,6 +243,24 @@ def test_eval_run_dir_and_its_config_use_the_latest_checkpoint(trained, capsys):
 
     assert snapshot(run_dir) == files_before  # eval writes nothing into the run
     assert sorted(p.name for p in tmp.iterdir() if p.name.startswith("rollover")) == temp_before
+
+
+def test_eval_reads_a_run_recorded_with_the_retired_simulate_section(trained, tmp_path, capsys):
+    """Runs recorded before the simulator's section left the training config hold `simulate:`
+    in their config.yaml: eval drops it from a recorded config (a training config with it is
+    refused, tests above)."""
+    import shutil
+
+    run_dir = tmp_path / "old"
+    shutil.copytree(trained[0], run_dir)
+    for recorded in [run_dir / "config.yaml", *run_dir.glob("checkpoints/*/config.yaml")]:
+        recorded.write_text(recorded.read_text() + "simulate:\n  prompts: 512\n  fast: false\n")
+    assert main(["eval", str(run_dir)]) == 0
+    assert printed(capsys.readouterr().out)["weights"].startswith(f"checkpoint {run_dir / 'checkpoints'}")
+    plain = tmp_path / "train.yaml"
+    plain.write_text((run_dir / "config.yaml").read_text())
+    assert main(["train", str(plain)]) == 2
+    assert "unknown key 'simulate'" in capsys.readouterr().err
 
 
 def test_eval_plain_config_without_checkpoints_uses_the_base_model(model_dir, tmp_path, capsys):

@@ -16,7 +16,14 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_parse(path):
-    cfg = load_config(path)
+    from rollover.sim.config import load_sim_config
+
+    if path.name.startswith("sim_"):  # `rollover simulate`'s: a training config plus the simulated cluster
+        cfg = load_sim_config(path)
+        with pytest.raises(ConfigError, match="unknown key 'simulate': .* read by `rollover simulate`"):
+            load_config(path)
+    else:
+        cfg = load_config(path)
     # examples run offline on the embedded model, unless they say they need the hub
     assert cfg.model == "smollm2-135m-instruct" or "needs the Hugging Face hub" in path.read_text()
 
@@ -178,7 +185,9 @@ def test_every_field_is_documented():
             else:
                 yield f"{model.__name__}.{name}", f.description
 
-    undocumented = [name for name, doc in walk(Config) if not doc]
+    from rollover.sim.config import SimPoolConfig, SimRunConfig
+
+    undocumented = [name for model in (Config, SimRunConfig, SimPoolConfig) for name, doc in walk(model) if not doc]
     assert undocumented == []
     assert "max_staleness" in describe()
     assert "  checkpoint.keep = 2  (>= 1)" in describe()

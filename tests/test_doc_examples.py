@@ -10,7 +10,6 @@ run in seconds and test the code around the model, not what the model writes."""
 
 from __future__ import annotations
 
-import re
 import shlex
 from pathlib import Path
 

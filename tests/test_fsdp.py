@@ -256,11 +256,12 @@ def test_colocated_engines_in_the_ranks_generate_and_train_as_one_trainer(model_
     """train.colocate: each rank's own engine generates its share of the step's requests (both
     ranks get work), loads the new weights from its own gather, and the run trains the weights
     the one-trainer run with one engine trains (seeded sampling: the same tokens wherever they are
-    generated)."""
+    generated). The APRIL run frees the engines' weights while the ranks train (the default), with
+    sequences paused across the step keeping their K/V; the sync run keeps them."""
     over = {"partial_rollout.enabled": True, "partial_rollout.oversample": 1.5} if april else {}
     train_sync(run_cfg(model_dir, tmp_path / "one", **over))
     cfg = run_cfg(model_dir, tmp_path / "co", **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True,
-                                                   **over})
+                                                   "train.colocate_free_weights": april, **over})
     run = build_run(cfg)
     from rollover.runtime.colocated import ColocatedEngines
 
@@ -273,8 +274,18 @@ def test_colocated_engines_in_the_ranks_generate_and_train_as_one_trainer(model_
         release()
 
     run.engine.release_memory = before_training
+    held = []  # each rank's engine weight bytes while it trained, read before the push brings them back
+    push = run.weights.push
+
+    def after_training(*a, **k):
+        held.append([st["engine_weight_bytes_in_step"] for st in run.trainer.stats()])
+        return push(*a, **k)
+
+    run.weights.push = after_training
     train_sync(cfg, run=run)
     assert len(per_rank) == 4 and all(n > 0 for n in per_rank[-1])
+    whole = sum(v.numel() * 4 for v in final_weights(tmp_path / "one").values())
+    assert held == [[0, 0]] * 4 if april else held == [[whole, whole]] * 4
     one, co = final_weights(tmp_path / "one"), final_weights(tmp_path / "co")
     assert max(float((one[k] - co[k]).abs().max()) for k in one) < 5e-5
     rows = [r for r in map(__import__("json").loads, open(tmp_path / "co" / "metrics.jsonl")) if r["kind"] == "train"]
@@ -286,6 +297,8 @@ def test_colocate_is_refused_where_it_cannot_run(model_dir, tmp_path):
         run_cfg(model_dir, tmp_path, **{"train.colocate": True})
     with pytest.raises(ConfigError, match="async mode needs engines of their own"):
         run_cfg(model_dir, tmp_path, mode="async", **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True})
+    with pytest.raises(ConfigError, match="train.colocate_free_weights applies to the ranks' own engines"):
+        run_cfg(model_dir, tmp_path, **{"train.colocate_free_weights": False})
 
 
 def test_a_rank_killed_with_its_engine_ends_the_run_naming_it(model_dir, tmp_path):
@@ -297,3 +310,16 @@ def test_a_rank_killed_with_its_engine_ends_the_run_naming_it(model_dir, tmp_pat
     with pytest.raises(RuntimeError, match=r"trainer rank 1 of 2 died"):
         train_sync(cfg, run=run)
     assert time.monotonic() - t0 < 30
+
+
+def test_a_torchrun_launch_is_turned_away_with_the_command_that_works(monkeypatch, capsys, tmp_path):
+    """rollover starts its ranks itself: N copies of the command under torchrun would be N
+    drivers racing on one run directory."""
+    from rollover.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert main(["train", f"run_dir={tmp_path / 'r'}", "steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "started as one of 4 processes (torchrun?)" in err and "train.parallel=fsdp train.ranks=4" in err
+    assert not (tmp_path / "r").exists()

@@ -251,6 +251,55 @@ def test_lending_weights_refuses_a_model_that_differs():
         assert engine.lend_weights(model) == sum(p.numel() * 4 for p in model.parameters())
 
 
+def test_released_weights_hold_no_memory_refuse_to_generate_and_come_back_with_every_weight():
+    """`release_weights` (colocated engines while their ranks train): the weights' memory goes,
+    a request before every weight is back fails naming a missing one (the engine keeps serving),
+    and once all are loaded the engine generates what an engine built on those weights does."""
+    model, new = tiny_model("llama", seed=6), tiny_model("llama", seed=8)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    ask = Request(id="q", prompt_ids=[5, 6, 7], sampling=greedy)
+    with TorchEngine(new, device="cpu", max_rows=4, max_len=32, eos_token_ids=[]) as fresh:
+        expected = fresh.generate([ask])[0].response_ids
+    with TorchEngine(model, device="cpu", max_rows=4, max_len=32, eos_token_ids=[]) as engine:
+        held = engine.weight_bytes()
+        assert held == sum(p.numel() * 4 for p in model.parameters())
+        engine.generate([ask])  # packs and cache exist
+        assert engine.release_weights() == held and engine.weight_bytes() == 0
+        named = list(new.named_parameters())
+        engine.update_weights(named[:3], version=1, inflight="keep")  # a first bucket only
+        missing = len(engine.core.runner.views) - 3
+        with pytest.raises(RuntimeError, match=rf"and {missing} are not loaded again yet, e.g. 'lm_head\.weight'"):
+            engine.generate([ask])
+        engine.update_weights(named[3:], version=1, inflight="continue")
+        assert engine.weight_bytes() == held
+        assert engine.generate([ask])[0].response_ids == expected
+
+
+def test_weights_lent_to_a_trainer_are_not_released():
+    model = tiny_model("llama", seed=6)
+    with TorchEngine(model, device="cpu", max_rows=4, max_len=32) as engine:
+        engine.lend_weights(model)
+        with pytest.raises(RuntimeError, match="views of these weights"):
+            engine.release_weights()
+
+
+def test_weights_are_not_released_under_running_sequences():
+    model = tiny_model("llama", seed=6)
+    long = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+    with TorchEngine(model, device="cpu", max_rows=4, max_len=420, eos_token_ids=[]) as engine:
+        fut = engine.submit(Request(id="long", prompt_ids=[5, 6], sampling=long))
+        while not engine.lengths():
+            pass
+        with pytest.raises(RuntimeError, match="sequences are decoding; pause the engine first"):
+            engine.release_weights()
+        engine.pause()
+        assert engine.release_weights() > 0  # paused: its K/V stays, the weights go
+        named = list(model.named_parameters())
+        engine.update_weights(named, version=1, inflight="keep")
+        engine.resume()
+        assert len(fut.result(timeout=60).response_ids) == 400
+
+
 def test_the_engine_holds_one_pack_and_replaces_it_only_after_batches_stay_on_another_rung():
     from rollover.engine.model_runner import ModelRunner
     from rollover.engine.cpu.weight_packs import PACK_SWITCH_STEPS

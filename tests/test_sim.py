@@ -9,7 +9,7 @@ import math
 import pytest
 
 from rollover.rollout.inputs import RolloutInputs
-from rollover.config import load_config
+from rollover.sim.config import load_sim_config
 from rollover.sim.core import SimCore, SimWorker
 from rollover.sim.costs import DecodeCost
 from rollover.sim.engine import SimEngine
@@ -314,7 +314,7 @@ BASE = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.m
 def simulate(*overrides):
     from rollover.sim.run import simulate as sim
 
-    return sim(load_config(None, BASE + list(overrides)))
+    return sim(load_sim_config(None, BASE + list(overrides)))
 
 
 def test_sync_step_time_is_its_longest_sample_plus_training_and_sync():
@@ -359,7 +359,7 @@ def test_april_with_scoring_time_is_refused_not_simulated_wrong():
     from rollover.sim.plan import plan
 
     with pytest.raises(ConfigError, match="plan's closed form has no scoring time yet"):
-        plan(load_config(None, BASE + ["simulate.reward={per_group_s: 1.0}"]), 0.8, simulate_points=False)
+        plan(load_sim_config(None, BASE + ["simulate.reward={per_group_s: 1.0}"]), 0.8, simulate_points=False)
 
 
 def test_april_and_async_run_on_the_simulator_deterministically():
@@ -414,13 +414,12 @@ def test_april_refills_rows_as_samples_finish_not_only_as_groups_do():
     # APRIL keeps in flight. Rows freed by the short samples go to fresh groups at once, so the
     # engine stays mostly full; refilling only when a whole group completed left 12 of the 16
     # rows empty for most of the step
-    from rollover.config import load_config
     from rollover.rollout.april import AprilCollector
     from rollover.sim.run import build_engine, build_sim_run, profile_of
 
-    cfg = load_config(None, BASE + ["rollout.samples_per_prompt=4", "rollout.prompts_per_step=2",
-                                    "rollout.ignore_eos=true", "rollout.max_new_tokens=200",
-                                    "simulate.pools=[{workers: 1, max_rows: 16}]", "partial_rollout.enabled=true"])
+    cfg = load_sim_config(None, BASE + ["rollout.samples_per_prompt=4", "rollout.prompts_per_step=2",
+                                        "rollout.ignore_eos=true", "rollout.max_new_tokens=200",
+                                        "simulate.pools=[{workers: 1, max_rows: 16}]", "partial_rollout.enabled=true"])
     engine = build_engine(cfg, profile_of(cfg))
     run = build_sim_run(cfg, engine)
     one_long_three_short(run)
@@ -526,10 +525,10 @@ def test_async_service_refills_rows_a_groups_short_samples_leave():
     # while the long samples ran
     from rollover.sim.run import simulate as sim
 
-    cfg = load_config(None, BASE + ["rollout.samples_per_prompt=4", "rollout.prompts_per_step=8",
-                                    "rollout.ignore_eos=true", "rollout.max_new_tokens=200", "steps=8",
-                                    "simulate.pools=[{workers: 1, max_rows: 16}]", "mode=async",
-                                    "async.max_staleness=3"])
+    cfg = load_sim_config(None, BASE + ["rollout.samples_per_prompt=4", "rollout.prompts_per_step=8",
+                                        "rollout.ignore_eos=true", "rollout.max_new_tokens=200", "steps=8",
+                                        "simulate.pools=[{workers: 1, max_rows: 16}]", "mode=async",
+                                        "async.max_staleness=3"])
     r = sim(cfg, prepare=one_long_three_short)
     assert r["samples_trained"] == 8 * 32 and max(int(k) for k in r["staleness"]) <= 3
     assert r["row_occupancy"] > 0.8
@@ -548,7 +547,7 @@ def test_closed_form_is_within_15_percent_of_the_simulation():
     from rollover.sim.run import profile_of
     from rollover.sim.run import simulate as sim
 
-    cfg = load_config(None, PLAN + ["simulate.train={step_s: 2.0}"])
+    cfg = load_sim_config(None, PLAN + ["simulate.train={step_s: 2.0}"])
     cap = capacity(cfg, profile_of(cfg))
     bounds = set()
     for workers, eta in [(1, 2), (2, 2), (4, 0), (4, 2), (8, 1)]:
@@ -569,8 +568,8 @@ def test_closed_form_counts_the_rows_a_kv_cache_holds(tmp_path):
     from rollover.sim.run import simulate as sim
 
     pool = "simulate.pools=[{workers: 1, max_rows: 16, kv_tokens: 600}]"
-    tight = load_config(None, PLAN + ["simulate.train={step_s: 2.0}", pool])
-    roomy = load_config(None, PLAN + ["simulate.train={step_s: 2.0}"])
+    tight = load_sim_config(None, PLAN + ["simulate.train={step_s: 2.0}", pool])
+    roomy = load_sim_config(None, PLAN + ["simulate.train={step_s: 2.0}"])
     cap, free = capacity(tight, profile_of(tight)), capacity(roomy, profile_of(roomy))
     L = cap.lengths
     assert cap.row_limit == pytest.approx(600 / (16 + L.second / (2 * L.mean) + 1)) and cap.row_limit < 8
@@ -586,7 +585,7 @@ def test_closed_form_counts_the_rows_a_kv_cache_holds(tmp_path):
     out = tmp_path / "plan.json"
     assert main(["plan", *PLAN, "simulate.train={step_s: 3.0}", pool, "--target", "0.7", "--max-gpus", "6",
                  "--json", str(out)]) == 0
-    cfg = load_config(None, PLAN + ["simulate.train={step_s: 3.0}", pool])
+    cfg = load_sim_config(None, PLAN + ["simulate.train={step_s: 3.0}", pool])
     for p in json.loads(out.read_text())["points"]:
         rec = p["recommended"]
         u = steady_utilization(sim(scaled(cfg, p["scale"], rec["rollout_workers"], rec["eta"])), warmup(cfg, rec["eta"]))
@@ -604,7 +603,7 @@ def test_plan_recommendation_reaches_its_target_utilization_in_simulation(tmp_pa
     plan = json.loads(out.read_text())
     points = plan["points"]
     assert [p["scale"] for p in points] == [1, 2, 4] and all(p["gpus"] <= 12 for p in points)
-    cfg = load_config(None, PLAN + ["simulate.train={step_s: 3.0}"])
+    cfg = load_sim_config(None, PLAN + ["simulate.train={step_s: 3.0}"])
     for p in points:
         rec = p["recommended"]
         assert rec["corrections"] <= 2  # the closed form starts close
@@ -622,8 +621,8 @@ def test_shared_device_slows_training_only_while_workers_generate_and_decode_whi
     # the step takes its 1 s
     from rollover.sim.run import _train, profile_of
 
-    cfg = load_config(None, BASE + ["simulate.shared_device=true", "simulate.contention={decode: 2, train: 1.5}",
-                                    "simulate.train={step_s: 1.0}"])
+    cfg = load_sim_config(None, BASE + ["simulate.shared_device=true", "simulate.contention={decode: 2, train: 1.5}",
+                                        "simulate.train={step_s: 1.0}"])
     with engine(lengths=(10_000,), rows=1) as e:
         assert _train(cfg, e, profile_of(cfg), 0.0, 100) == pytest.approx(1.0)  # idle engine
         e.submit_many([req(0, budget=10_000)])
@@ -633,7 +632,7 @@ def test_shared_device_slows_training_only_while_workers_generate_and_decode_whi
         assert e.lengths()["r0"] - n0 == 75
         e.run(until=e.now + 0.1)
         assert e.lengths()["r0"] - n0 == 75 + 10  # back to 0.01 s a step
-    off = load_config(None, BASE + ["simulate.contention={decode: 2, train: 1.5}", "simulate.train={step_s: 1.0}"])
+    off = load_sim_config(None, BASE + ["simulate.contention={decode: 2, train: 1.5}", "simulate.train={step_s: 1.0}"])
     with engine(lengths=(10_000,), rows=1) as e:
         e.submit_many([req(0, budget=10_000)])
         e.run(until=0.5)
@@ -716,12 +715,15 @@ def test_validate_rows_compute_their_metric_from_the_simulated_runs(tmp_path):
         assert r["metric"] in validate.METRICS and r["source"] and ("published" in r) != ("measured" in r), r["name"]
 
 
-def test_the_configs_cost_keys_are_the_cost_models_fields():
-    """config/simulate.py names the cost models' fields (the config does not import the
-    simulator): they must stay the fields of rollover/sim/costs.py's models."""
-    from rollover.config.simulate import COST_FIELDS
+def test_a_cost_key_its_cost_model_lacks_is_refused_naming_the_known_ones():
+    """The cost overrides take the fields of rollover/sim/costs.py's models (`COST_FIELDS`)."""
+    from rollover.config import ConfigError
     from rollover.sim import costs
+    from rollover.sim.config import COST_FIELDS
 
-    models = {"decode": costs.DecodeCost, "train": costs.TrainCost, "sync": costs.SyncCost,
-              "contention": costs.Contention, "reward": costs.RewardCost}
-    assert {k: tuple(m.__dataclass_fields__) for k, m in models.items()} == COST_FIELDS
+    assert COST_FIELDS["train"] == ("step_s", "per_token_s") and "rows_table" in COST_FIELDS["decode"]
+    with pytest.raises(ConfigError, match=r"simulate.train: unknown train cost keys \['step'\]; known: step_s, "
+                                          r"per_token_s"):
+        load_sim_config(None, ["simulate.train={step: 1.0}"])
+    cfg = load_sim_config(None, ["simulate.sync={latency_s: 1e-3, per_worker_s: 2}"])
+    assert costs.SyncCost(**cfg.simulate.sync) == costs.SyncCost(latency_s=1e-3, per_worker_s=2.0)

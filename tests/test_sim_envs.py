@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from rollover.config import ConfigError, load_config
+from rollover.config import ConfigError
+from rollover.sim.config import load_sim_config
 
 # 4 groups of 2 episodes on 2 workers x 8 rows: every episode runs at once, wherever routed. Each turn samples 7
 # tokens: a free prefill samples the first, then 6 decode steps of 0.01 s.
@@ -21,7 +22,7 @@ TURN_S = 6 * 0.01
 def simulate(*overrides):
     from rollover.sim.run import simulate as sim
 
-    return sim(load_config(None, BASE + list(overrides)))
+    return sim(load_sim_config(None, BASE + list(overrides)))
 
 
 def test_an_episode_takes_its_turns_and_its_environment_calls_in_virtual_time():
@@ -104,9 +105,9 @@ def test_environments_the_simulator_cannot_run_are_refused_by_name():
     with pytest.raises(ConfigError, match="no room"):
         simulate("steps=1", "simulate.prompt_tokens=300", "simulate.env={turns: 2}")
     with pytest.raises(ConfigError, match="episodes carry their tokens"):  # as in a real multi-turn run
-        load_config(None, BASE + ["simulate.env={turns: 2}", "partial_rollout.enabled=true",
-                                  "partial_rollout.carry=keep_kv"])
+        load_sim_config(None, BASE + ["simulate.env={turns: 2}", "partial_rollout.enabled=true",
+                                      "partial_rollout.carry=keep_kv"])
     with pytest.raises(ConfigError, match="selection.dars"):
-        load_config(None, BASE + ["simulate.env={turns: 2}", "selection.dars=equal"])
+        load_sim_config(None, BASE + ["simulate.env={turns: 2}", "selection.dars=equal"])
     with pytest.raises(ConfigError, match="obs_tokens"):
-        load_config(None, BASE + ["simulate.env={turns: 2, obs_tokens: 3}"])
+        load_sim_config(None, BASE + ["simulate.env={turns: 2, obs_tokens: 3}"])

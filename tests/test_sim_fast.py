@@ -11,7 +11,8 @@ import statistics
 import numpy as np
 import pytest
 
-from rollover.config import ConfigError, load_config
+from rollover.config import ConfigError
+from rollover.sim.config import load_sim_config
 
 BASE = ["rollout.prompts_per_step=12", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=512",
         "simulate.pools=[{workers: 4, max_rows: 16}]",
@@ -27,7 +28,7 @@ def both(*overrides, draws="exact"):
     from rollover.sim.fast import simulate_fast
     from rollover.sim.run import _with_rows, profile_of, simulate
 
-    cfg = load_config(None, BASE + list(overrides))
+    cfg = load_sim_config(None, BASE + list(overrides))
     return simulate(cfg), simulate_fast(_with_rows(cfg), profile_of(cfg), draws=draws)
 
 
@@ -176,8 +177,8 @@ def test_april_fast_path_stays_close_to_the_schedulers():
 def test_fast_path_holds_the_staleness_bound(eta):
     from rollover.sim.run import simulate
 
-    r = simulate(load_config(None, BASE + ["simulate.fast=true", "mode=async", f"async.max_staleness={eta}",
-                                           "simulate.pools=[{workers: 16, max_rows: 8}]", "steps=12"]))
+    r = simulate(load_sim_config(None, BASE + ["simulate.fast=true", "mode=async", f"async.max_staleness={eta}",
+                                               "simulate.pools=[{workers: 16, max_rows: 8}]", "steps=12"]))
     ages = {int(k): v for k, v in r["staleness"].items()}
     assert max(ages) <= eta and sum(ages.values()) == 12 * 12 * 4
     if eta:
@@ -200,7 +201,7 @@ def test_fast_path_refuses_what_it_does_not_model(override, named):
     from rollover.sim.run import simulate
 
     with pytest.raises(ConfigError, match=f"simulate.fast does not model .*{named}.*simulate.fast=false"):
-        simulate(load_config(None, BASE + ["simulate.fast=true", *override.split(";")]))
+        simulate(load_sim_config(None, BASE + ["simulate.fast=true", *override.split(";")]))
 
 
 def test_free_decoding_does_not_hang_the_windows():
@@ -218,8 +219,8 @@ def test_free_decoding_does_not_hang_the_windows():
 def test_vector_draws_follow_the_length_model():
     from rollover.sim.fast import Draws
 
-    cfg = load_config(None, BASE + ["simulate.lengths={median: 300, sigma: 0.6, prompt_sigma: 0.4}",
-                                    "rollout.max_new_tokens=100000", "simulate.prompts=4000"])
+    cfg = load_sim_config(None, BASE + ["simulate.lengths={median: 300, sigma: 0.6, prompt_sigma: 0.4}",
+                                        "rollout.max_new_tokens=100000", "simulate.prompts=4000"])
     d = Draws(cfg)
     prompts = np.arange(4000)
     t, stop = d.targets(prompts, np.arange(4000), 8)
@@ -229,13 +230,13 @@ def test_vector_draws_follow_the_length_model():
     assert math.exp(np.median(logs)) == pytest.approx(300, rel=0.03)
     assert logs.std() == pytest.approx(math.hypot(0.6, 0.4), rel=0.05)
     assert logs.mean(axis=1).std() == pytest.approx(math.sqrt(0.4 ** 2 + 0.6 ** 2 / 8), rel=0.08)  # per-prompt factor
-    short = Draws(load_config(None, BASE + ["rollout.max_new_tokens=200"]))
+    short = Draws(load_sim_config(None, BASE + ["rollout.max_new_tokens=200"]))
     t, stop = short.targets(prompts[:500] % 200, np.arange(500), 4)
     assert t.max() == 200 and (t[~stop] == 200).all() and (t[stop] < 200).all()
-    eos = Draws(load_config(None, BASE + ["rollout.ignore_eos=true", "rollout.max_new_tokens=50"]))
+    eos = Draws(load_sim_config(None, BASE + ["rollout.ignore_eos=true", "rollout.max_new_tokens=50"]))
     t, stop = eos.targets(prompts[:10], np.arange(10), 4)
     assert (t == 50).all() and not stop.any()
-    emp = Draws(load_config(None, BASE + ["simulate.lengths={kind: empirical, values: [5, 40, 70]}"]))
+    emp = Draws(load_sim_config(None, BASE + ["simulate.lengths={kind: empirical, values: [5, 40, 70]}"]))
     t, _ = emp.targets(prompts[:300] % 200, np.arange(300), 4)
     assert set(t.tolist()) == {5, 40, 70}
 
@@ -244,7 +245,7 @@ def test_vector_draws_agree_with_the_exact_draws_in_distribution():
     from rollover.sim.fast import simulate_fast
     from rollover.sim.run import _with_rows, profile_of
 
-    cfg = _with_rows(load_config(None, BASE + ["steps=30", "simulate.pools=[{workers: 8, max_rows: 16}]"]))
+    cfg = _with_rows(load_sim_config(None, BASE + ["steps=30", "simulate.pools=[{workers: 8, max_rows: 16}]"]))
     exact = simulate_fast(cfg, profile_of(cfg), draws="exact")
     vector = simulate_fast(cfg, profile_of(cfg))
     assert vector["samples_per_s"] == pytest.approx(exact["samples_per_s"], rel=0.1)
@@ -335,8 +336,9 @@ def test_the_compiled_router_gives_the_same_run(monkeypatch):
     if route.NUMBA:
         reports = {}
         for router in ("python", "numba"):
-            cfg = load_config(None, BASE + ["partial_rollout.enabled=true", "partial_rollout.carry=resubmit",
-                                            "simulate.pools=[{workers: 5, max_rows: 6}]", f"simulate.router={router}"])
+            cfg = load_sim_config(None, BASE + ["partial_rollout.enabled=true", "partial_rollout.carry=resubmit",
+                                                "simulate.pools=[{workers: 5, max_rows: 6}]",
+                                                f"simulate.router={router}"])
             reports[router] = simulate_fast(_with_rows(cfg), profile_of(cfg))
         a, b = reports["python"], reports["numba"]
         assert a["mode"].endswith("[fast path, python router]") and b["mode"].endswith("[fast path, numba router]")
@@ -402,7 +404,7 @@ def test_compiled_admission_decides_what_the_plain_one_decides(monkeypatch, over
 
     monkeypatch.setattr(admission, "plan_nb", plan)
     monkeypatch.setattr(admission, "admit", admit)
-    cfg = load_config(None, BASE + overrides)
+    cfg = load_sim_config(None, BASE + overrides)
     simulate_fast(_with_rows(cfg), profile_of(cfg))
     assert seen["calls"] > 10 and seen["admitted"] > 0
     if any(o in overrides for o in ("simulate.prompt_tokens=3000", "simulate.prompt_tokens=2048",

@@ -101,6 +101,12 @@ def _train(argv: list[str]) -> int:
         print("rollover train: nothing to train: give a YAML config and/or key.path=value overrides "
               "(e.g. `rollover train examples/arith.yaml`); nothing was started", file=sys.stderr)
         return 2
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ:  # torchrun / accelerate
+        print(f"rollover train: started as one of {os.environ['WORLD_SIZE']} processes (torchrun?): rollover starts "
+              "its trainer ranks itself; run it once, e.g. `rollover train CONFIG train.parallel=fsdp "
+              f"train.ranks={os.environ['WORLD_SIZE']}` (several machines: runtime=ray, docs/gpu.md); nothing was "
+              "started", file=sys.stderr)
+        return 2
     cfg = _load_config("rollover train", *_split_config(args.config, args.overrides))
     if cfg is None:
         return 2
@@ -162,7 +168,8 @@ def _eval(argv: list[str]) -> int:
         if not path.is_file():
             print(f"rollover eval: error: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
             return 2
-    cfg = _load_config("rollover eval", path, overrides)
+    recorded = path is not None and Path(path).name == "config.yaml"  # a run's own record, maybe an older version's
+    cfg = _load_config("rollover eval", path, overrides, recorded=recorded)
     if cfg is None:
         return 2
     if args.checkpoint is not None and args.base:

@@ -16,12 +16,13 @@ def _split_config(path: str | None, overrides: list[str]) -> tuple[str | None, l
     return path, list(overrides)
 
 
-def _load_config(prog: str, path, overrides: list[str]):
-    """The config, or None after printing the one-line error."""
-    from rollover.config import ConfigError, load_config
+def _load_config(prog: str, path, overrides: list[str], schema=None, recorded: bool = False):
+    """The config (a training config, or a `schema` of the tool's own: rollover.sim.config), or
+    None after printing the one-line error. `recorded`: `path` is a run's own config.yaml."""
+    from rollover.config import Config, ConfigError, load_config
 
     try:
-        return load_config(path, overrides)
+        return load_config(path, overrides, schema=schema or Config, recorded=recorded)
     except ConfigError as e:
         print(f"{prog}: config error: {e}", file=sys.stderr)
         return None

@@ -38,10 +38,12 @@ def _speed(config: str, steps: int, mode: str, router: str) -> dict:
 
 def _agreement(config: str, steps: int, mode: str) -> dict:
     from rollover.commands import _load_config
+    from rollover.sim.config import SimRunConfig
     from rollover.sim.fast import simulate_fast
     from rollover.sim.run import _with_rows, profile_of, simulate
 
-    cfg = _load_config("rollover bench sim", config, [f"steps={steps}", "logging.progress=false", *MODES[mode]])
+    cfg = _load_config("rollover bench sim", config, [f"steps={steps}", "logging.progress=false", *MODES[mode]],
+                       schema=SimRunConfig)
 
     def figures(r: dict, wall: float) -> dict:
         return {"samples_per_s": r["samples_per_s"], "simulated_s": r["simulated_s"],

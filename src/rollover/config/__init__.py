@@ -9,8 +9,9 @@ reported as `key=value: must be >= 1`; `Config._consistent` (rollover.config.run
 the checks that involve more than one field.
 
 One module per section (`data`, `rollout`, `reward`, `algorithm`, `train`, `env`, `schedule`,
-`ray`, `simulate`), the whole run (`run`), reading and writing (`load`), and the generated
-reference (`reference`; `python -m rollover.config docs/config.md` writes docs/config.md).
+`ray`), the whole run (`run`), reading and writing (`load`), and the generated reference
+(`reference`; `python -m rollover.config docs/config.md` writes docs/config.md). The simulated
+cluster, which training never reads, is `rollover simulate`'s own section (rollover.sim.config).
 """
 
 from rollover.config.algorithm import AlgorithmConfig
@@ -24,13 +25,11 @@ from rollover.config.reward import RewardConfig
 from rollover.config.rollout import PartialRolloutConfig, RolloutConfig
 from rollover.config.run import Config
 from rollover.config.schedule import AsyncConfig, DownsampleConfig, SelectionConfig
-from rollover.config.simulate import SimConfig, SimEnvConfig, SimPoolConfig
 from rollover.config.train import CheckpointConfig, EvalConfig, LoggingConfig, TrainConfig
 
 __all__ = [
     "AlgorithmConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DownsampleConfig",
     "EnvConfig", "EvalConfig", "LoggingConfig", "PartialRolloutConfig", "RESUME_FREE_KEYS", "RayConfig",
-    "RewardConfig", "RolloutConfig", "Section", "SelectionConfig", "SimConfig", "SimEnvConfig", "SimPoolConfig",
-    "TrainConfig", "config_changes", "describe", "dump_config", "load_config", "markdown_reference",
-    "parse_overrides", "read_yaml",
+    "RewardConfig", "RolloutConfig", "Section", "SelectionConfig", "TrainConfig", "config_changes", "describe",
+    "dump_config", "load_config", "markdown_reference", "parse_overrides", "read_yaml",
 ]

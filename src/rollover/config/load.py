@@ -63,15 +63,25 @@ def read_yaml(path: str | Path) -> dict:
     return raw
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), **data: Any) -> Config:
-    """Read YAML (optional), apply overrides, validate. Raises ConfigError naming the key."""
+# Sections older versions wrote into every run's config.yaml that training no longer has
+# (`simulate` moved to rollover.sim.config): a recorded config drops them when read back.
+RETIRED_SECTIONS = ("simulate",)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), *, schema: type[Config] = Config,
+                recorded: bool = False, **data: Any) -> Config:
+    """Read YAML (optional), apply overrides, validate as `schema` (a training config, or a
+    subclass with sections of its own: rollover.sim.config). `recorded`: the YAML is a run's own
+    config.yaml, whose `RETIRED_SECTIONS` are dropped. Raises ConfigError naming the key."""
     raw: dict = read_yaml(path) if path is not None else {}
+    if recorded:
+        raw = {k: v for k, v in raw.items() if k not in RETIRED_SECTIONS or k in schema.model_fields}
     for k, v in data.items():
         _set_path(raw, k, v)
     for k, v in parse_overrides(list(overrides)):
         _set_path(raw, k, v)
     try:
-        return Config.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as e:
         where = f"{path}: " if path is not None else ""
         raise ConfigError(where + "; ".join(_error_line(err) for err in e.errors())) from None
@@ -121,12 +131,13 @@ def _error_line(err: dict) -> str:
 # partial_rollout, async — changes what is trained, and a new key is in that group until it is
 # listed here.
 RESUME_FREE_KEYS = (
-    "run_dir", "steps", "resume", "device", "eval", "checkpoint", "logging", "runtime", "ray", "simulate",
+    "run_dir", "steps", "resume", "device", "eval", "checkpoint", "logging", "runtime", "ray",
     "rollout.engine", "rollout.max_rows", "rollout.dtype", "rollout.engine_options", "rollout.stall_timeout_s",
     "reward.timeout_s", "reward.on_error", "reward.workers",
     "train.micro_batch_tokens", "train.pack_length", "train.shared_prefix", "train.gradient_checkpointing",
     "train.activation_memory_gb", "train.logit_chunk_tokens", "train.max_bad_steps", "train.deterministic",
     "train.ranks", "train.fsdp_offload", "train.weight_bucket_mb", "train.collective_timeout_s", "train.colocate",
+    "train.colocate_free_weights",
 )
 
 

@@ -1,7 +1,9 @@
-"""The configuration reference (docs/config.md and `rollover train --help-config`), generated from
-the models."""
+"""The configuration reference (docs/config.md and `rollover train --help-config`; the simulator's
+in rollover.sim.config), generated from the models."""
 
 from __future__ import annotations
+
+import typing
 
 from pydantic import BaseModel
 
@@ -16,13 +18,17 @@ def _bounds(metadata: list) -> str:
     return f"  ({', '.join(parts)})" if parts else ""
 
 
-def markdown_reference() -> str:
-    """docs/config.md: every key of every section with its default, range and meaning, from the
-    config models (`python -m rollover.config docs/config.md` writes it; a test keeps it current)."""
-    out = ["# Configuration reference", "",
-           "Generated from the config models by `python -m rollover.config docs/config.md`; do not edit by hand.",
-           "Keys are set in a YAML file or as `section.key=value` overrides on the command line "
-           "([configuration.md](configuration.md)).", ""]
+TRAINING_LEAD = ("Keys are set in a YAML file or as `section.key=value` overrides on the command line "
+                 "([configuration.md](configuration.md)). `rollover simulate` reads the same keys and a `simulate` "
+                 "section of its own ([simulator_config.md](simulator_config.md)).")
+
+
+def markdown_reference(section: type[BaseModel] = Config, prefix: str = "", *, title: str = "Configuration reference",
+                       command: str = "python -m rollover.config docs/config.md", lead: str = TRAINING_LEAD) -> str:
+    """A markdown page of every key of `section` (its keys named from `prefix`) with its default,
+    range and meaning, from the config models: docs/config.md for the training config
+    (`python -m rollover.config docs/config.md` writes it; a test keeps it current)."""
+    out = [f"# {title}", "", f"Generated from the config models by `{command}`; do not edit by hand.", lead, ""]
 
     def cell(text: str) -> str:
         return " ".join(str(text).split()).replace("|", "\\|")
@@ -31,10 +37,10 @@ def markdown_reference() -> str:
         rows, subs = [], []
         for name, f in section.model_fields.items():
             key = prefix + ("async" if name == "async_" else name)
-            ann = f.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                subs.append((key, ann))
-            else:
+            sub = _subsection(f.annotation)
+            if sub is not None:
+                subs.append((key if sub is f.annotation else key + "[]", sub))
+            if sub is not f.annotation:
                 rows.append(f"| `{key}` | `{cell(repr(f.default))}` | {cell(_bounds(f.metadata).strip(' ()'))} | "
                             f"{cell(f.description or '')} |")
         if rows:
@@ -43,19 +49,34 @@ def markdown_reference() -> str:
         for key, ann in subs:
             walk(ann, key + ".")
 
-    walk(Config, "")
+    walk(section, prefix)
     return "\n".join(out)
 
 
+def _subsection(annotation) -> type[BaseModel] | None:
+    """The section a field holds: its own type, or the items' of a list of sections."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            return item
+    return None
+
+
 def describe(section: type[BaseModel] = Config, prefix: str = "") -> str:
-    """Every field with its default and docstring (for `rollover train --help-config`)."""
-    lines = []
+    """Every field with its default and docstring (`rollover train --help-config`, and `rollover
+    simulate --help-config` with rollover.sim.config's model), a section's own fields before its
+    subsections'."""
+    lines, subs = [], []
     for name, f in section.model_fields.items():
         key = prefix + ("async" if name == "async_" else name)
-        ann = f.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            lines.append(f"\n[{key}]")
-            lines.append(describe(ann, key + "."))
-        else:
+        sub = _subsection(f.annotation)
+        if sub is not None:
+            subs.append((key if sub is f.annotation else key + "[]", sub))
+        if sub is not f.annotation:
             lines.append(f"  {key} = {f.default!r}{_bounds(f.metadata)}\n      {f.description or ''}")
+    for key, sub in subs:
+        lines.append(f"\n[{key}]")
+        lines.append(describe(sub, key + "."))
     return "\n".join(lines)

@@ -14,7 +14,6 @@ from rollover.config.ray import RayConfig
 from rollover.config.reward import RewardConfig
 from rollover.config.rollout import PartialRolloutConfig, RolloutConfig
 from rollover.config.schedule import AsyncConfig, DownsampleConfig, SelectionConfig
-from rollover.config.simulate import SimConfig
 from rollover.config.train import CheckpointConfig, EvalConfig, LoggingConfig, TrainConfig
 
 
@@ -51,8 +50,16 @@ class Config(Section):
     selection: SelectionConfig = SelectionConfig()
     downsample: DownsampleConfig = DownsampleConfig()
     ray: RayConfig = RayConfig()
-    simulate: SimConfig = SimConfig()
-    """The cluster `rollover simulate` simulates; training ignores it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_simulate_section(cls, data: Any) -> Any:
+        """A training config with `rollover simulate`'s section: said plainly, not as a typo."""
+        if isinstance(data, dict) and "simulate" in data and "simulate" not in cls.model_fields:
+            raise ValueError("unknown key 'simulate': that section (a simulated cluster) is read by `rollover "
+                             "simulate` (docs/simulator_config.md); training has none: run the file with `rollover "
+                             "simulate`, or delete the section")
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -73,12 +80,19 @@ class Config(Section):
         return data
 
     @property
+    def simulated_episodes(self) -> bool:
+        """Whether samples are `rollover simulate`'s simulated episodes (its config, a subclass in
+        rollover/sim/config.py, says when); a training run's never are. The checks below that
+        concern episodes hold for them as for a real environment's."""
+        return False
+
+    @property
     def april_carry(self) -> tuple[str, str]:
         """APRIL's carry mode (`resubmit` or `keep_kv`, resolving `auto`) and why."""
         p, a = self.partial_rollout, self.algorithm
         if p.carry != "auto":
             return p.carry, f"partial_rollout.carry={p.carry} in the config"
-        if self.env.name is not None or self.simulate.env.enabled:  # real or simulated episodes
+        if self.env.name is not None or self.simulated_episodes:  # real or simulated episodes
             return "resubmit", "episodes carry their tokens and environment state"
         corrected = [n for n, on in (("algorithm.loss=" + str(a.loss), a.loss in ("decoupled_ppo", "bapo")),
                                      ("algorithm.tis_cap", a.tis_cap is not None),
@@ -156,7 +170,7 @@ class Config(Section):
         if d.token_fraction_start is not None and d.anneal_steps == 0:
             problems.append("downsample.token_fraction_start needs downsample.anneal_steps >= 1 (the steps it moves over)")
         if s.dars != "off":
-            episodes = self.env.name is not None or self.simulate.env.enabled
+            episodes = self.env.name is not None or self.simulated_episodes
             if self.mode != "sync" or self.partial_rollout.enabled or episodes:
                 problems.append("selection.dars (a second generation stage inside a step) runs in sync mode "
                                 "without partial_rollout and without env")
@@ -194,6 +208,8 @@ class Config(Section):
             if self.rollout.engine != "torch":
                 problems.append("train.colocate runs TorchEngine in the ranks (rollout.engine=torch); vLLM in the "
                                 "ranks is not built yet")
+        elif not t.colocate_free_weights:  # the default is true: false asks for engines this run does not have
+            problems.append("train.colocate_free_weights applies to the ranks' own engines: it needs train.colocate=true")
         return problems
 
     def _ray_problems(self) -> list[str]:
@@ -235,7 +251,7 @@ class Config(Section):
 
     def _env_problems(self) -> list[str]:
         e = self.env
-        simulated = self.simulate.env.enabled  # `rollover simulate`'s episodes: the schedules' rules hold
+        simulated = self.simulated_episodes  # `rollover simulate`'s episodes: the schedules' rules hold
         if e.name is None and not simulated:
             out = ["env.options are set but env.name is not"] if e.options else []
             return out + (["data.train: env needs env.name"] if self.data.train == "env" else [])

@@ -121,8 +121,10 @@ class EngineCore:
 
     # ------------------------------------------------------------ requests
     def validate(self, req: Request) -> None:
-        """Raise ValueError naming the request and the problem."""
+        """Raise ValueError naming the request and the problem (RuntimeError while the weights
+        are released: the request is refused, the engine and its other requests go on)."""
         validate_request(req, max_len=self.runner.max_len, vocab_size=self.runner.vocab_size)
+        self.runner._check_weights()
 
     def add(self, req: Request) -> Completion | None:
         """Queue a validated request. A resumed request with no budget left finishes at once."""

@@ -129,6 +129,9 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self._build_params(state_dict)
+        self._lent = False  # a trainer's parameters are views of these weights (`lend_weights`)
+        self._released: list[tuple[torch.Tensor, int]] | None = None  # (tensor, bytes) while released
+        self.missing: set[str] = set()  # weights released and not loaded again (`release_weights`)
         inv_freq, scale = _rope_inv_freq(config, self.head_dim)
         pos = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
@@ -251,13 +254,54 @@ class ModelRunner:
                     f"update_weights: {name!r} has shape {tuple(t.shape)}, "
                     f"expected {tuple(self.views[name].shape)}"
                 )
+        if self._released is not None:  # back from `release_weights`: room first, the values follow
+            for t, nbytes in self._released:
+                t.untyped_storage().resize_(nbytes)
+            self._released = None
         with torch.no_grad():
             for name, t in items:
                 dst = self.views.get(name)
                 if dst is not None and not _same_memory(dst, t):  # a lent weight is already there
                     dst.copy_(t.detach())
+        self.missing.difference_update(name for name, _ in items)
         self.drop_packs()
         return len(items)
+
+    def _weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors that own the weights' memory (every entry of `views` is one of them or a
+        view into one)."""
+        out = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        return out + [t for L in self.layers for t in L.values() if t is not None]
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold now (0 while released)."""
+        return sum(t.untyped_storage().nbytes() for t in self._weight_tensors())
+
+    def release_weights(self) -> int:
+        """Free the weights' memory until `load_weights` brings every weight back (colocated
+        engines while their ranks train: the weights come back with the next update anyway).
+        Until then a forward pass raises, naming a weight still missing. The tensors stay (their
+        storage shrinks to nothing), so the fused layout and the views survive; the decode
+        graphs, which address the old memory, are dropped. Returns the bytes freed."""
+        if self._lent:
+            raise RuntimeError("release_weights: a trainer's parameters are views of these weights (lend_weights)")
+        if self._released is not None:
+            return 0
+        tensors = self._weight_tensors()
+        self._released = [(t, t.untyped_storage().nbytes()) for t in tensors]
+        freed = sum(n for _, n in self._released)
+        for t in tensors:
+            t.untyped_storage().resize_(0)
+        self.missing = set(self.views)
+        self.drop_packs()
+        if self.graphs is not None:
+            self.graphs.drop()
+        return freed
+
+    def _check_weights(self) -> None:
+        if self.missing:
+            raise RuntimeError(f"the engine's weights were released (release_weights) and {len(self.missing)} are not "
+                               f"loaded again yet, e.g. {min(self.missing)!r}: load every weight before generating")
 
     def lend_weights(self, model) -> int:
         """Make `model`'s parameters views of this runner's weights, which must hold the same
@@ -274,9 +318,12 @@ class ModelRunner:
                                  f"on {param.device} named {name!r}")
             if not torch.equal(view, param.detach()):
                 raise ValueError(f"lend_weights: {name!r} holds other values than the engine's weight")
+        if self.missing:
+            raise RuntimeError(f"lend_weights: the engine's weights are released ({min(self.missing)!r} missing)")
         with torch.no_grad():
             for name, param in params:
                 param.data = self.views[name.removeprefix("_orig_mod.")]
+        self._lent = True
         return sum(param.numel() * param.element_size() for _, param in params)
 
     def _matrices(self) -> list[torch.Tensor]:
@@ -405,6 +452,7 @@ class ModelRunner:
     def prefill(self, rows: list[int], token_ids: list[list[int]]) -> torch.Tensor:
         """Run full sequences into cache rows (positions 0..len-1); logits of each last token [N, V]
         (`rollover.engine.prefill`)."""
+        self._check_weights()
         return prefill.prefill(self, rows, token_ids)
 
     @torch.inference_mode()
@@ -412,6 +460,7 @@ class ModelRunner:
         """One token for each of rows 0..B-1 at the given positions; logits [B, V]. A caller that
         knows the largest position passes it as `max_position`, which spares a GPU a wait for
         the device to read it back."""
+        self._check_weights()
         n = tokens.shape[0]
         if max_position is None:
             max_position = int(positions.max())
@@ -480,6 +529,7 @@ class ModelRunner:
               token_ids: list[list[int]]) -> torch.Tensor:
         """Decode rows 0..B-1 and prefill new sequences into `rows` in one forward pass; logits
         [B + len(rows), V] (`rollover.engine.prefill`)."""
+        self._check_weights()
         return prefill.mixed(self, tokens, positions, rows, token_ids)
 
     def move_row(self, src: int, dst: int, length: int) -> None:

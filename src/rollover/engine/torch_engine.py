@@ -123,3 +123,25 @@ class TorchEngine(ThreadedEngine):
 
         self._run_or_queue(drop, wait=True)
         release()
+
+    def release_weights(self) -> int:
+        """Free the weights too, until `update_weights` has loaded every one of them again
+        (`ModelRunner.release_weights`): for an engine whose weights always come back after the
+        trainer's step (`train.colocate`). Only while nothing decodes (idle, or paused with its
+        sequences keeping their K/V); generating before the weights are back fails the requests,
+        naming a missing weight. Returns the bytes freed."""
+        from rollover.train.memory import release
+
+        def drop() -> int:
+            if self.core.running and not self._paused:
+                raise RuntimeError(f"release_weights: {len(self.core.running)} sequences are decoding; "
+                                   "pause the engine first")
+            return self.core.runner.release_weights()
+
+        freed = self._run_or_queue(drop, wait=True)
+        release()
+        return freed
+
+    def weight_bytes(self) -> int:
+        """Bytes the engine's weights hold now (0 while released)."""
+        return self._run_or_queue(self.core.runner.weight_bytes, wait=True)

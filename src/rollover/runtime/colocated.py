@@ -10,13 +10,14 @@ bookkeeping and sync schedule run unchanged on top.
 
 The engines and the ranks' training take turns on the devices, which is why only the
 synchronous schedule (APRIL included) runs colocated: before a step the loop calls
-`release_memory` (each engine frees its K/V cache and packed weights), and after it
-`ColocatedWeightSync` has every rank load the new weights into its own engine from its own
-gather, a bucket at a time, so no weights cross a pipe and no rank holds a second full copy.
-
-Where this departs from verl: the engine keeps its own copy of the weights while the ranks
-train (verl's vLLM sleeps and drops it); a model must fit once sharded plus once whole per
-device. A rank that dies ends the run (`RankLost`, naming it), as with the trainer alone.
+`release_memory` (each engine frees its K/V cache, packed weights and, with
+`train.colocate_free_weights` (the default), the weights themselves, as verl's vLLM sleeps),
+and after it `ColocatedWeightSync` has every rank load the new weights into its own engine
+from its own gather, a bucket at a time, so no weights cross a pipe and no rank holds a second
+full copy while it trains. A model must then fit sharded plus one bucket while training, and
+whole plus its K/V cache while generating. Sequences paused across the step (APRIL's
+`carry: keep_kv`) keep their K/V, not their weights. A rank that dies ends the run (`RankLost`,
+naming it), as with the trainer alone.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class ColocatedEngines(EngineAPI):
         self.max_len, self.vocab_size, self._eos = max_len, vocab_size, tuple(eos_token_ids)
         self._bucket_bytes = int(cfg.train.weight_bucket_mb * 2**20)
         self._timeout_s = cfg.train.collective_timeout_s
+        self._free_weights = cfg.train.colocate_free_weights
         trainer._all("engine_start", max_len, self._eos, self._bucket_bytes)
         self._ranks = [_Rank(r) for r in range(trainer.world)]
         self.router = Router(cfg.rollout.max_new_tokens * cfg.rollout.samples_per_prompt)
@@ -249,7 +251,13 @@ class ColocatedEngines(EngineAPI):
             return {self._wire[wire].req.id: n for wire, n in out.items() if wire in self._wire}
 
     def release_memory(self) -> None:
+        """Before the ranks train: each engine frees its packed weights and idle K/V cache, and
+        with `train.colocate_free_weights` its weights too, which the push after the step loads
+        again (`ColocatedWeightSync`); a model then needs to fit whole on a device only while it
+        generates."""
         self._each("release_memory")
+        if self._free_weights:
+            self._each("release_weights")
 
     def shutdown(self) -> None:
         """Stop delivering; the engines themselves stop with their ranks (the trainer's close)."""

@@ -1,5 +1,6 @@
 """The cluster simulator (`rollover simulate`, docs/simulator.md).
 
+- `config.py`: its config (a training config plus the `simulate` section) and loader;
 - `costs.py`: the cost models (engine step, training step, weight dissemination) and profiles;
 - `workload.py`: simulated prompts, response lengths and rewards;
 - `core.py`: rollout workers doing continuous batching as events on a virtual clock;

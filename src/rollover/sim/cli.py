@@ -83,11 +83,13 @@ def _validate(argv: list[str]) -> int:
 
 def _config(p: argparse.ArgumentParser, args):
     """The config from the positional YAML and overrides (None after a one-line error)."""
+    from rollover.sim.config import SimRunConfig
+
     if args.config is None and not args.overrides:
         p.print_usage(sys.stderr)
         print(f"{p.prog}: give a YAML config and/or key.path=value overrides", file=sys.stderr)
         return None
-    return _load_config(p.prog, *_split_config(args.config, args.overrides))
+    return _load_config(p.prog, *_split_config(args.config, args.overrides), schema=SimRunConfig)
 
 
 def _plan(argv: list[str]) -> int:
@@ -140,17 +142,27 @@ def main(argv: list[str]) -> int:
         description="Simulate a training run on a cluster: rollover's own schedulers (sync, APRIL, async) drive "
                     "simulated rollout workers and a simulated trainer on a virtual clock (docs/simulator.md). "
                     "Subcommands: `rollover simulate calibrate|validate|plan --help`.",
-        epilog="The config is a training config; its `simulate` section describes the cluster (pools of rollout "
-               "workers, a cost profile, response lengths). Example: rollover simulate examples/sim_cluster.yaml "
-               "mode=async async.max_staleness=2 --gantt gantt.png. Add simulate.fast=true for the vectorised fast path "
-               "(sync and async; thousands of workers and steps in seconds).")
+        epilog="The config is a training config plus a `simulate` section that describes the cluster (pools of "
+               "rollout workers, a cost profile, response lengths; docs/simulator_config.md). Example: rollover "
+               "simulate examples/sim_cluster.yaml mode=async async.max_staleness=2 --gantt gantt.png. Add "
+               "simulate.fast=true for the vectorised fast path (sync and async; thousands of workers and steps in "
+               "seconds).")
     p.add_argument("config", nargs="?", help="YAML config (optional when overrides are given)")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. simulate.pools=[{workers: 8}]")
+    p.add_argument("--help-config", action="store_true",
+                   help="list every config key (the training keys, then the simulate section's) with its default "
+                        "and meaning")
     p.add_argument("--json", default=None, help="write the report (throughput, utilization, staleness, steps) here")
     p.add_argument("--timeline", action="store_true", help="include every worker's timeline in the JSON")
     p.add_argument("--gantt", default=None, help="write a Gantt chart PNG of the trainer and workers over time")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
     args = p.parse_args(argv)
+    if args.help_config:
+        from rollover.config import describe
+        from rollover.sim.config import SimRunConfig
+
+        print(describe(SimRunConfig))
+        return 0
     cfg = _config(p, args)
     if cfg is None:
         return 2

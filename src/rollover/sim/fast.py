@@ -51,7 +51,8 @@ from collections import Counter
 
 import numpy as np
 
-from rollover.config import Config, ConfigError
+from rollover.config import ConfigError
+from rollover.sim.config import SimRunConfig
 from rollover.sim.costs import Profile
 from rollover.sim.fleet import Fleet
 from rollover.sim.vector import Draws
@@ -70,7 +71,7 @@ WINDOW_EVENTS = {"async": 0.25, "april": 0.25, "april_large": 0.5}
 LARGE_CLUSTER = 256
 
 
-def check(cfg: Config) -> None:
+def check(cfg: SimRunConfig) -> None:
     """What the fast path does not model yet, named with the way to simulate it."""
     why = []
     p = cfg.partial_rollout
@@ -105,7 +106,7 @@ def check(cfg: Config) -> None:
 
 
 # ---------------------------------------------------------------------------- the drivers
-def simulate_fast(cfg: Config, profile: Profile, progress=None, draws: str = "vector",
+def simulate_fast(cfg: SimRunConfig, profile: Profile, progress=None, draws: str = "vector",
                   window_events: float | None = None, timeline: bool | None = None) -> dict:
     """`cfg.steps` training steps on the fast path; the report `rollover.sim.run.summarize`
     gives on the default path (same keys)."""
@@ -244,138 +245,35 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
     stops is run again from its start up to the stop, so the stop is exact."""
     r, pr = cfg.rollout, cfg.partial_rollout
     B, n = r.prompts_per_step, r.samples_per_prompt
-    capacity = max(B, math.ceil(pr.oversample * B))
     lag = min(pr.score_lag, B - 1)
     keep = cfg.april_carry[0] == "keep_kv"
-    per_window = max(1, round(window_events * fleet.W))
-    groups = _Groups()
-    st = {"unfinished": 0, "completed": []}  # samples of groups in flight not finished; this step's completions
-    inflight: set[int] = set()
+    collector = _AprilCollector(fleet, next_groups, max(B, math.ceil(pr.oversample * B)), n,
+                                max(1, round(window_events * fleet.W)))
     ready_carry: list[int] = []
     carried = np.zeros(0, dtype=np.int64)  # resubmit: the aborted samples, resubmitted first next step
     rows, trainer_tl = [], []
     now = 0.0
-
-    def refill(times: np.ndarray, f: np.ndarray) -> None:
-        """After each event (f: samples finished up to it): fresh groups until capacity x n
-        samples are unfinished in flight."""
-        want = np.maximum.accumulate(np.maximum(-(-(capacity * n - st["unfinished"] + f) // n), 0))
-        new = np.diff(np.concatenate([[0], want]))
-        total = int(new.sum())
-        if total:
-            serials, ps = next_groups(total)
-            groups.add(serials, n)
-            inflight.update(serials)
-            fleet.add_groups(serials, ps, n, at=np.repeat(times, new))
-            st["unfinished"] += n * total
-
-    def take(need: int | None = None, refilling: bool = True, before: float = math.inf,
-             inclusive: bool = False) -> tuple[list[float], bool, int]:
-        """Process the finishes so far (before `before`) in time order, refilling after each;
-        the times of the group completions among them, whether one stopped the step (with
-        `need`, the completions that stop it: refilling stops at that event), how many."""
-        sids, times = fleet.take_finished(before, inclusive)
-        if not len(sids):
-            return [], False, 0
-        g = fleet.s_group[sids]
-        until, stopped = len(sids), False
-        if need is not None:
-            hit = np.nonzero(len(st["completed"]) + np.cumsum(_completions(groups.left, g)) >= need)[0]
-            if len(hit):
-                until, stopped = int(hit[0]), True
-        complete = groups.finish(g, times).astype(bool)
-        if refilling and until:
-            refill(times[:until], np.arange(1, until + 1))
-        st["unfinished"] -= len(sids)
-        for gg in g[complete].tolist():
-            inflight.discard(gg)
-            st["completed"].append(gg)
-        return times[complete].tolist(), stopped, len(sids)
-
-    def window_to(H: float) -> list[float]:
-        """Every event before H (finishes processed as they come, refills included); the
-        completion times."""
-        done = []
-        while True:
-            fleet.run_until(H)
-            more, _, k = take(before=H)
-            if not k:
-                return done
-            done += more
-
-    def save() -> tuple:
-        lo = min(inflight) if inflight else next_groups.serial
-        return (fleet.snapshot(), next_groups.snapshot(), st["unfinished"], len(st["completed"]), set(inflight),
-                lo, groups.left[lo:next_groups.serial].copy(), groups.done[lo:next_groups.serial].copy())
-
-    def load(snap: tuple) -> None:
-        fleet.restore(snap[0])
-        next_groups.restore(snap[1])
-        st["unfinished"] = snap[2]
-        del st["completed"][snap[3]:]
-        inflight.clear()
-        inflight.update(snap[4])
-        lo = snap[5]
-        groups.left[lo:lo + len(snap[6])] = snap[6]
-        groups.done[lo:lo + len(snap[7])] = snap[7]
-
     for step in range(cfg.steps):
         t0, made = now, int(fleet.row_steps.sum())
         ready = sorted(ready_carry)
-        ready_carry, st["completed"] = [], []
+        ready_carry, collector.completed = [], []
         t1 = now
         if len(ready) < B:  # else: enough carried, nothing generated this step
-            need = B - len(ready) + lag  # completions that stop the step
             if len(carried):
                 fleet.add_requests(np.sort(carried), now)
                 carried = carried[:0]
             if keep:
                 fleet.resume(now)
-            refill(np.array([now]), np.zeros(1, dtype=np.int64))
-            step_snap, windows = save(), []  # the state at the step's start, the windows run since
-            most = 1  # the most completions one window has had
-            while True:
-                H = fleet.horizon(per_window)
-                if H == math.inf:
-                    raise RuntimeError(f"fast simulation stalled in step {step + 1}: nothing runs and "
-                                       f"{len(st['completed'])}/{need} completions are in")
-                before = len(st["completed"])
-                snap = save() if before + 2 * most >= need else None  # the stop may come in this window
-                done = window_to(H)
-                most = max(most, len(done))
-                if before + len(done) < need:
-                    windows.append(H)
-                    continue
-                # the step stops inside this window: run it again from its start up to the
-                # time of the stopping completion (finishes of later passes can be earlier
-                # than ones already counted: the count is by time), until that time holds
-                tau = sorted(done)[need - before - 1]
-                while True:
-                    if snap is not None:
-                        load(snap)
-                    else:  # no snapshot of this window: the step again, window by window
-                        load(step_snap)
-                        for h in windows:
-                            window_to(h)
-                    done = window_to(tau)
-                    base = len(st["completed"]) - len(done)
-                    if base + len(done) < need:
-                        break
-                    tau = sorted(done)[need - base - 1]  # earlier than before (all before tau): this ends
-                # the events at tau: those before the stop (SimCore's order) refill, the rest not
-                fleet.run_until(tau, inclusive=True)
-                if take(need, before=tau, inclusive=True)[1]:
-                    break
-                # the stop did not come (a group reached a worker earlier than in the window): go on
-                step_snap, windows = save(), []
+            collector.refill(np.array([now]), np.zeros(1, dtype=np.int64))
+            tau = collector.run_to_stop(step, need=B - len(ready) + lag)  # completions that stop the step
             if keep:  # requests stay in their rows, paused
                 fleet.pause(tau)
                 t1 = tau
             else:  # every request aborted: sequences finishing in the step in progress finish
                 carried = fleet.abort_all(tau)
                 t1 = max([tau] + [float(f[1].max()) for f in fleet.finished])
-            take(None, refilling=False)
-        ready = sorted(ready + st["completed"])
+            collector.take(None, refilling=False)
+        ready = sorted(ready + collector.completed)
         out, ready_carry = ready[:B], ready[B:]
         sids = (np.asarray(out, dtype=np.int64)[:, None] * n + np.arange(n)[None, :]).ravel()
         now = _train_and_push(profile, fleet, step, t0, t1, sids, made, "keep" if keep else "continue", rows,
@@ -384,13 +282,133 @@ def _april(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
     return rows, trainer_tl
 
 
+class _AprilCollector:
+    """APRIL's generation on the fleet: the groups in flight, refills as samples finish, the
+    step's group completions, and the windows up to the completion that stops the step."""
+
+    def __init__(self, fleet: Fleet, next_groups, capacity: int, n: int, per_window: int):
+        self.fleet, self.next_groups = fleet, next_groups
+        self.capacity, self.n, self.per_window = capacity, n, per_window
+        self.groups = _Groups()
+        self.unfinished = 0  # samples of groups in flight not finished
+        self.completed: list[int] = []  # this step's group completions, in order
+        self.inflight: set[int] = set()
+
+    def refill(self, times: np.ndarray, f: np.ndarray) -> None:
+        """After each event (f: samples finished up to it): fresh groups until capacity x n
+        samples are unfinished in flight."""
+        n = self.n
+        want = np.maximum.accumulate(np.maximum(-(-(self.capacity * n - self.unfinished + f) // n), 0))
+        new = np.diff(np.concatenate([[0], want]))
+        total = int(new.sum())
+        if total:
+            serials, ps = self.next_groups(total)
+            self.groups.add(serials, n)
+            self.inflight.update(serials)
+            self.fleet.add_groups(serials, ps, n, at=np.repeat(times, new))
+            self.unfinished += n * total
+
+    def take(self, need: int | None = None, refilling: bool = True, before: float = math.inf,
+             inclusive: bool = False) -> tuple[list[float], bool, int]:
+        """Process the finishes so far (before `before`) in time order, refilling after each;
+        the times of the group completions among them, whether one stopped the step (with
+        `need`, the completions that stop it: refilling stops at that event), how many."""
+        sids, times = self.fleet.take_finished(before, inclusive)
+        if not len(sids):
+            return [], False, 0
+        g = self.fleet.s_group[sids]
+        until, stopped = len(sids), False
+        if need is not None:
+            hit = np.nonzero(len(self.completed) + np.cumsum(_completions(self.groups.left, g)) >= need)[0]
+            if len(hit):
+                until, stopped = int(hit[0]), True
+        complete = self.groups.finish(g, times).astype(bool)
+        if refilling and until:
+            self.refill(times[:until], np.arange(1, until + 1))
+        self.unfinished -= len(sids)
+        for gg in g[complete].tolist():
+            self.inflight.discard(gg)
+            self.completed.append(gg)
+        return times[complete].tolist(), stopped, len(sids)
+
+    def window_to(self, H: float) -> list[float]:
+        """Every event before H (finishes processed as they come, refills included); the
+        completion times."""
+        done = []
+        while True:
+            self.fleet.run_until(H)
+            more, _, k = self.take(before=H)
+            if not k:
+                return done
+            done += more
+
+    def run_to_stop(self, step: int, need: int) -> float:
+        """Windows until the step's `need`-th group completion, which stops it: the events at
+        its time before the stop (SimCore's order) are processed and refill, the rest wait.
+        The stop's time."""
+        step_snap, windows = self.save(), []  # the state at the step's start, the windows run since
+        most = 1  # the most completions one window has had
+        while True:
+            H = self.fleet.horizon(self.per_window)
+            if H == math.inf:
+                raise RuntimeError(f"fast simulation stalled in step {step + 1}: nothing runs and "
+                                   f"{len(self.completed)}/{need} completions are in")
+            before = len(self.completed)
+            snap = self.save() if before + 2 * most >= need else None  # the stop may come in this window
+            done = self.window_to(H)
+            most = max(most, len(done))
+            if before + len(done) < need:
+                windows.append(H)
+                continue
+            tau = self._stop_time(need, sorted(done)[need - before - 1], snap, step_snap, windows)
+            self.fleet.run_until(tau, inclusive=True)
+            if self.take(need, before=tau, inclusive=True)[1]:
+                return tau
+            # the stop did not come (a group reached a worker earlier than in the window): go on
+            step_snap, windows = self.save(), []
+
+    def _stop_time(self, need: int, tau: float, snap, step_snap, windows: list[float]) -> float:
+        """The window in which the step stops, run again from its start (`snap`; without one,
+        the step again from `step_snap` through `windows`) up to the time of the stopping
+        completion, `tau` at first; finishes of later passes can be earlier than ones already
+        counted (the count is by time), so until that time holds. Left at the window's state
+        just before `tau`."""
+        while True:
+            if snap is not None:
+                self.load(snap)
+            else:  # no snapshot of this window: the step again, window by window
+                self.load(step_snap)
+                for h in windows:
+                    self.window_to(h)
+            done = self.window_to(tau)
+            base = len(self.completed) - len(done)
+            if base + len(done) < need:
+                return tau
+            tau = sorted(done)[need - base - 1]  # earlier than before (all before tau): this ends
+
+    def save(self) -> tuple:
+        lo = min(self.inflight) if self.inflight else self.next_groups.serial
+        hi = self.next_groups.serial
+        return (self.fleet.snapshot(), self.next_groups.snapshot(), self.unfinished, len(self.completed),
+                set(self.inflight), lo, self.groups.left[lo:hi].copy(), self.groups.done[lo:hi].copy())
+
+    def load(self, snap: tuple) -> None:
+        self.fleet.restore(snap[0])
+        self.next_groups.restore(snap[1])
+        self.unfinished = snap[2]
+        del self.completed[snap[3]:]
+        self.inflight.clear()
+        self.inflight.update(snap[4])
+        lo = snap[5]
+        self.groups.left[lo:lo + len(snap[6])] = snap[6]
+        self.groups.done[lo:lo + len(snap[7])] = snap[7]
+
+
 def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
     """The async loop (rollover.sim.run._async with RolloutService, DataManager and
     StalenessGate) on the fleet; see the module docstring."""
     r = cfg.rollout
     B, n, eta, steps = r.prompts_per_step, r.samples_per_prompt, cfg.async_.max_staleness, cfg.steps
-    R = int(fleet.max_rows.sum())
-    inflight_mode = r.inflight_weight_update
     sync_s = profile.sync.seconds(fleet.W)
     train_lb = profile.train.seconds(B * n * (fleet.prompt_tokens + 1))
     if train_lb <= 0:
@@ -400,37 +418,15 @@ def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
     # training step (so a batch that forms inside a window is trained after it: the update time
     # is known before workers reach it)
     per_window = max(1, round(window_events * fleet.W))
-    g_left = np.zeros(steps * B, dtype=np.int64)
-    g_done = np.full(steps * B, np.nan)
-    c = {"live": 0, "inflight": 0, "running": 0}
-
-    def admit(at: float, f: np.ndarray, cg: np.ndarray, times: np.ndarray) -> None:
-        """The service's admissions at each event: fill to the level the rows and the batch ask
-        for, within the gate (see the module docstring); f, cg: samples and groups finished up
-        to each event."""
-        cap = min((fleet.version + eta + 1) * B, steps * B)
-        level = c["live"] + np.maximum(B - c["inflight"] + cg, -(-(R - c["running"] + f) // n))
-        level = np.maximum.accumulate(np.minimum(level, cap))
-        new = np.diff(np.concatenate([[c["live"]], np.maximum(level, c["live"])]))
-        k = int(new.sum())
-        if k:
-            serials, ps = next_groups(k)
-            g_left[serials] = n
-            fleet.add_groups(serials, ps, n, at=np.repeat(times, new) if times is not None else at)
-            c["live"] += k
-            c["inflight"] += k
-            c["running"] += n * k
-
-    admit(0.0, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), None)
+    service = _AsyncService(fleet, next_groups, B, n, eta, steps)
+    service.admit_now(0.0)
     rows, trainer_tl = [], []
     T, t_free, step = 0.0, 0.0, 0
     update_at = admit_at = None
-    formed = 0  # batches formed
-    batch_time: list[float] = []
     while step < steps:
-        if update_at is None and formed > step:  # batch `step` formed: its update time is known
+        if update_at is None and service.formed > step:  # batch `step` formed: its update time is known
             sids = np.nonzero((fleet.s_group[: fleet.n_samples] // B) == step)[0]
-            t0 = max(t_free, batch_time[step])
+            t0 = max(t_free, service.batch_time[step])
             tokens, _ = _train_tokens(fleet, sids)
             train_s = profile.train.seconds(tokens)
             update_at, pending = t0 + train_s, (t0, train_s, sids)
@@ -443,35 +439,14 @@ def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
         if H == math.inf:
             raise RuntimeError(f"fast simulation stalled before step {step + 1}: nothing runs and no batch formed")
         H = max(H, T)
-        while True:  # the window: workers to H, then the finishes in time order, until none is left before H
-            fleet.run_until(H)
-            sids_f, times = fleet.take_finished(H)
-            if not len(sids_f):
-                break
-            groups = fleet.s_group[sids_f]
-            np.subtract.at(g_left, groups, 1)
-            np.fmax.at(g_done, groups, times)
-            complete = np.zeros(len(sids_f), dtype=np.int64)
-            last = g_left[groups] == 0
-            # a group completes at the event of its last sample (each group counted once)
-            _, first_idx = np.unique(groups[::-1], return_index=True)
-            mark = np.zeros(len(sids_f), dtype=bool)
-            mark[len(sids_f) - 1 - first_idx] = True
-            complete[last & mark] = 1
-            cg = np.cumsum(complete)
-            admit(H, np.arange(1, len(sids_f) + 1), cg, times)  # counted from the state before these events
-            c["running"] -= len(sids_f)
-            c["inflight"] -= int(cg[-1])
-            while formed < steps and c["live"] >= (formed + 1) * B and not g_left[formed * B:(formed + 1) * B].any():
-                batch_time.append(float(g_done[formed * B:(formed + 1) * B].max()))
-                formed += 1
+        service.window_to(H)
         T = H
         if update_at is not None and T >= update_at:
             t0, train_s, sids = pending
             version = fleet.version
             if len(sids) and int((version - fleet.s_v0[sids]).max()) > eta:
                 raise AssertionError(f"fast simulation: staleness above max_staleness={eta} at version {version}")
-            fleet.stall(update_at, sync_s, step + 1, inflight_mode)
+            fleet.stall(update_at, sync_s, step + 1, r.inflight_weight_update)
             t_wait, t_free = t_free, update_at + sync_s
             trainer_tl += [[t0, t0 + train_s, "train"], [t0 + train_s, t_free, "sync"]]
             rows.append(_row(step, t_wait, t0, t_free, sids, fleet, version, train_s, sync_s, B))
@@ -480,14 +455,82 @@ def _async(cfg, profile, fleet: Fleet, next_groups, progress, window_events):
             step += 1
             update_at, admit_at = None, t_free
         elif admit_at is not None and T >= admit_at:
-            admit(T, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), None)
+            service.admit_now(T)
             admit_at = None
     fleet.cut(np.arange(fleet.W), t_free)  # the run ends: what is in flight is aborted at its boundary
     fleet.close_timeline()
     return rows, trainer_tl
 
 
-def _summary(cfg: Config, profile: Profile, fleet: Fleet, rows: list[dict], trainer_tl: list) -> dict:
+class _AsyncService:
+    """Async mode's rollout service and data manager on the fleet: groups admitted within the
+    staleness gate as rows and the batch ask, their completions, and the batches they form in
+    start order (batch k: groups k x B to (k + 1) x B - 1) with the time each formed."""
+
+    def __init__(self, fleet: Fleet, next_groups, B: int, n: int, eta: int, steps: int):
+        self.fleet, self.next_groups = fleet, next_groups
+        self.B, self.n, self.eta, self.steps = B, n, eta, steps
+        self.R = int(fleet.max_rows.sum())
+        self.g_left = np.zeros(steps * B, dtype=np.int64)  # per group: samples not finished
+        self.g_done = np.full(steps * B, np.nan)  # per group: its last finish
+        self.live = 0  # groups admitted
+        self.inflight = 0  # groups admitted, not complete
+        self.running = 0  # samples admitted, not finished
+        self.formed = 0  # batches formed
+        self.batch_time: list[float] = []
+
+    def admit(self, at: float, f: np.ndarray, cg: np.ndarray, times: np.ndarray | None) -> None:
+        """The service's admissions at each event: fill to the level the rows and the batch ask
+        for, within the gate (see the module docstring); f, cg: samples and groups finished up
+        to each event."""
+        B, n = self.B, self.n
+        cap = min((self.fleet.version + self.eta + 1) * B, self.steps * B)
+        level = self.live + np.maximum(B - self.inflight + cg, -(-(self.R - self.running + f) // n))
+        level = np.maximum.accumulate(np.minimum(level, cap))
+        new = np.diff(np.concatenate([[self.live], np.maximum(level, self.live)]))
+        k = int(new.sum())
+        if k:
+            serials, ps = self.next_groups(k)
+            self.g_left[serials] = n
+            self.fleet.add_groups(serials, ps, n, at=np.repeat(times, new) if times is not None else at)
+            self.live += k
+            self.inflight += k
+            self.running += n * k
+
+    def admit_now(self, at: float) -> None:
+        """Admissions at `at` with nothing finished (the start, a weight update)."""
+        self.admit(at, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), None)
+
+    def window_to(self, H: float) -> None:
+        """The window: workers to H, then the finishes in time order (admitting at each), until
+        none is left before H; batches whose groups all completed are formed."""
+        fleet, B = self.fleet, self.B
+        while True:
+            fleet.run_until(H)
+            sids_f, times = fleet.take_finished(H)
+            if not len(sids_f):
+                return
+            groups = fleet.s_group[sids_f]
+            np.subtract.at(self.g_left, groups, 1)
+            np.fmax.at(self.g_done, groups, times)
+            complete = np.zeros(len(sids_f), dtype=np.int64)
+            last = self.g_left[groups] == 0
+            # a group completes at the event of its last sample (each group counted once)
+            _, first_idx = np.unique(groups[::-1], return_index=True)
+            mark = np.zeros(len(sids_f), dtype=bool)
+            mark[len(sids_f) - 1 - first_idx] = True
+            complete[last & mark] = 1
+            cg = np.cumsum(complete)
+            self.admit(H, np.arange(1, len(sids_f) + 1), cg, times)  # counted from the state before these events
+            self.running -= len(sids_f)
+            self.inflight -= int(cg[-1])
+            while (self.formed < self.steps and self.live >= (self.formed + 1) * B
+                   and not self.g_left[self.formed * B:(self.formed + 1) * B].any()):
+                self.batch_time.append(float(self.g_done[self.formed * B:(self.formed + 1) * B].max()))
+                self.formed += 1
+
+
+def _summary(cfg: SimRunConfig, profile: Profile, fleet: Fleet, rows: list[dict], trainer_tl: list) -> dict:
     from rollover.sim.run import report
 
     fleet.close_timeline()

@@ -12,8 +12,8 @@ import math
 
 import numpy as np
 
-from rollover.config import Config
 from rollover.sim import admission, route
+from rollover.sim.config import SimRunConfig
 from rollover.sim.costs import ADMIT_MAX_WAIT, Profile
 from rollover.sim.vector import Costs, Draws
 
@@ -24,31 +24,9 @@ BIG = np.int64(1 << 60)
 class Fleet:
     """Every rollout worker as a row of arrays (the module docstring of `rollover.sim.fast`)."""
 
-    def __init__(self, cfg: Config, profile: Profile, draws: Draws, timeline: bool):
-        from dataclasses import replace
-
+    def __init__(self, cfg: SimRunConfig, profile: Profile, draws: Draws, timeline: bool):
         s, r = cfg.simulate, cfg.rollout
-        costs, pool_of, rows, names, kv, batch = [], [], [], [], [], []
-        for i, pool in enumerate(s.pools):
-            costs.append(replace(profile.decode, **pool.decode))
-            pool_of += [i] * pool.workers
-            rows += [pool.max_rows] * pool.workers
-            batch += [costs[-1].admit_batch(pool.max_rows, pool.admit_batch)] * pool.workers
-            kv += [BIG if pool.kv_tokens is None else pool.kv_tokens] * pool.workers
-            names.append(pool.name)
-        self.W = W = len(pool_of)
-        self.R = R = max(rows)
-        self.pool_of = np.array(pool_of)
-        self.pool_names = names
-        self.cost = Costs(costs, self.pool_of)
-        self.max_rows = np.array(rows, dtype=np.int64)
-        self.kv = np.array(kv, dtype=np.int64)  # K/V capacity in tokens (BIG: the rows alone limit it)
-        self.has_kv = any(p.kv_tokens is not None for p in s.pools)
-        # admission waits for a batch (SimWorker.admit_batch, admit_max_wait)
-        self.admit_batch = np.array(batch, dtype=np.int64)
-        self.batching = bool((self.admit_batch > 1).any())
-        self.admit_max_wait = ADMIT_MAX_WAIT
-        self.preempted = np.zeros(1, dtype=np.int64)  # sequences preempted for K/V capacity
+        self._from_pools(s.pools, profile)
         self.max_prefill = 8192  # SimWorker's default
         self.prompt_tokens = s.prompt_tokens
         self.budget = r.max_new_tokens
@@ -56,7 +34,45 @@ class Fleet:
         self.compiled = route.compiled(s.router)  # the router's rule and admission compiled (numba) or not
         self.seen = None  # admission.plan_nb's marks
         self.draws = draws
-        # per worker
+        self._worker_arrays()
+        self._slot_arrays()
+        self._sample_arrays(s.prompts)
+        self.version = 0
+        self.paused = False
+        self.finished: list[tuple[np.ndarray, np.ndarray]] = []  # (sample ids, times) not yet taken
+        self.timeline = [[] for _ in range(self.W)] if timeline else None
+        self.open = np.full((self.W, 2), np.nan)  # the worker's open [start, end] timeline interval
+
+    def _from_pools(self, pools: list, profile: Profile) -> None:
+        """Each worker's pool and what it takes from it: decode cost, rows, K/V capacity,
+        admission batch."""
+        from dataclasses import replace
+
+        costs, pool_of, rows, names, kv, batch = [], [], [], [], [], []
+        for i, pool in enumerate(pools):
+            costs.append(replace(profile.decode, **pool.decode))
+            pool_of += [i] * pool.workers
+            rows += [pool.max_rows] * pool.workers
+            batch += [costs[-1].admit_batch(pool.max_rows, pool.admit_batch)] * pool.workers
+            kv += [BIG if pool.kv_tokens is None else pool.kv_tokens] * pool.workers
+            names.append(pool.name)
+        self.W = len(pool_of)
+        self.R = max(rows)
+        self.pool_of = np.array(pool_of)
+        self.pool_names = names
+        self.cost = Costs(costs, self.pool_of)
+        self.max_rows = np.array(rows, dtype=np.int64)
+        self.kv = np.array(kv, dtype=np.int64)  # K/V capacity in tokens (BIG: the rows alone limit it)
+        self.has_kv = any(p.kv_tokens is not None for p in pools)
+        # admission waits for a batch (SimWorker.admit_batch, admit_max_wait)
+        self.admit_batch = np.array(batch, dtype=np.int64)
+        self.batching = bool((self.admit_batch > 1).any())
+        self.admit_max_wait = ADMIT_MAX_WAIT
+        self.preempted = np.zeros(1, dtype=np.int64)  # sequences preempted for K/V capacity
+
+    def _worker_arrays(self) -> None:
+        """Per worker: its clock, running rows and context, the planned segment, time busy and stalled."""
+        W = self.W
         self.t = np.zeros(W)
         self.rows = np.zeros(W, dtype=np.int64)
         self.ctx = np.zeros(W, dtype=np.int64)
@@ -70,7 +86,11 @@ class Fleet:
         self.deferred_from = np.full(W, -1, dtype=np.int64)  # wstep when admission began to wait (-1: it does not)
         self.busy_s = np.zeros(W)
         self.stall_s = np.zeros(W)
-        # slots
+        self.row_steps = np.zeros(W, dtype=np.int64)  # rows x steps: tokens generated
+
+    def _slot_arrays(self) -> None:
+        """Every worker's rows (slots) and its queue of waiting requests."""
+        W, R = self.W, self.R
         self.sid = np.full((W, R), -1, dtype=np.int64)
         # a slot's tokens are counted by its worker's steps: it holds wstep - born tokens (a
         # resumed sample was born before it entered, by the tokens it carried), entered at step
@@ -92,7 +112,9 @@ class Fleet:
         self.qs = np.zeros((W, self.qcap), dtype=np.int64)
         self.qh = np.zeros(W, dtype=np.int64)
         self.qn = np.zeros(W, dtype=np.int64)
-        # samples (grown as groups are admitted)
+
+    def _sample_arrays(self, prompts: int) -> None:
+        """The samples (grown as groups are admitted) and each of the `prompts` prompts' home worker."""
         self.n_samples = 0
         self.s_target = np.zeros(1024, dtype=np.int64)
         self.s_stop = np.zeros(1024, dtype=bool)
@@ -100,13 +122,7 @@ class Fleet:
         self.s_prompt = np.zeros(1024, dtype=np.int64)
         self.s_v0 = np.zeros(1024, dtype=np.int64)
         self.s_tok = np.zeros(1024, dtype=np.int64)  # tokens a sample holds while it waits (carried by APRIL)
-        self.home = np.full(s.prompts, -1, dtype=np.int64)
-        self.version = 0
-        self.paused = False
-        self.row_steps = np.zeros(W, dtype=np.int64)  # rows x steps: tokens generated
-        self.finished: list[tuple[np.ndarray, np.ndarray]] = []  # (sample ids, times) not yet taken
-        self.timeline = [[] for _ in range(W)] if timeline else None
-        self.open = np.full((W, 2), np.nan)  # the worker's open [start, end] timeline interval
+        self.home = np.full(prompts, -1, dtype=np.int64)
 
     # ------------------------------------------------------------ samples and routing
     def _grow(self, need: int) -> None:

@@ -45,7 +45,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from rollover.config import Config, ConfigError
+from rollover.config import ConfigError
+from rollover.sim.config import SimRunConfig
 from rollover.sim.costs import DecodeCost, Profile, SyncCost, TrainCost
 from rollover.sim.workload import LengthModel, make_prompts
 
@@ -203,7 +204,7 @@ class Capacity:
                 "worker_samples_per_s": self.worker_rate(min(self.row_limit, (eta + 1) * self.samples / n))}
 
 
-def kept_fraction(cfg: Config) -> float:
+def kept_fraction(cfg: SimRunConfig) -> float:
     """Groups dynamic sampling keeps: those whose samples are not all solved or all failed."""
     if not cfg.algorithm.dynamic_sampling:
         return 1.0
@@ -213,7 +214,7 @@ def kept_fraction(cfg: Config) -> float:
     return max(1e-6, sum(1 - p ** G - (1 - p) ** G for p in ps) / len(ps))
 
 
-def capacity(cfg: Config, profile: Profile, lengths: Lengths | None = None) -> Capacity:
+def capacity(cfg: SimRunConfig, profile: Profile, lengths: Lengths | None = None) -> Capacity:
     from rollover.sim.run import length_model, reward_cost
 
     s, r = cfg.simulate, cfg.rollout
@@ -234,7 +235,7 @@ def capacity(cfg: Config, profile: Profile, lengths: Lengths | None = None) -> C
                     prompt_tokens=s.prompt_tokens, lengths=lengths, kept=kept_fraction(cfg), kv_tokens=pool.kv_tokens)
 
 
-def scaled(cfg: Config, m: int, workers: int, eta: int) -> Config:
+def scaled(cfg: SimRunConfig, m: int, workers: int, eta: int) -> SimRunConfig:
     """The config as m trainer replicas (data parallel: m times the batch and the prompts, the
     same step time) with `workers` rollout workers, run async at `eta`."""
     s, r = cfg.simulate, cfg.rollout
@@ -264,7 +265,7 @@ def steady_utilization(report: dict, warmup: int) -> float:
     return sum(r["train_s"] for r in rows[warmup:]) / span if span > 0 else 0.0
 
 
-def plan(cfg: Config, target: float, max_gpus: int = 1024, simulate_points: bool = True, rounds: int = 6,
+def plan(cfg: SimRunConfig, target: float, max_gpus: int = 1024, simulate_points: bool = True, rounds: int = 6,
          progress=None) -> dict:
     """The recommendation at the config's scale and over a grid of scales (1, 2, 4, ... trainer
     replicas) up to `max_gpus`. At each: the closed form's workers, eta and utilization; with
@@ -310,7 +311,7 @@ def plan(cfg: Config, target: float, max_gpus: int = 1024, simulate_points: bool
             "points": points}
 
 
-def _check(cfg: Config, cap: Capacity, m: int, workers: int, eta: int, target: float, rounds: int) -> dict:
+def _check(cfg: SimRunConfig, cap: Capacity, m: int, workers: int, eta: int, target: float, rounds: int) -> dict:
     """Simulate the closed form's point; correct it while the simulation falls short."""
     from rollover.sim.run import simulate
 
@@ -331,7 +332,7 @@ def _check(cfg: Config, cap: Capacity, m: int, workers: int, eta: int, target: f
                                    "reaches_target": u >= target, "corrections": tried}}
 
 
-def warmup(cfg: Config, eta: int) -> int:
+def warmup(cfg: SimRunConfig, eta: int) -> int:
     """Steps left out of the steady state: the pipeline fills over about eta + 2 steps."""
     return min(eta + 2, max(cfg.steps // 3, 1))
 

@@ -25,8 +25,9 @@ from dataclasses import replace
 
 from typing import TYPE_CHECKING
 
-from rollover.config import Config, ConfigError
+from rollover.config import ConfigError
 from rollover.rollout.inputs import RolloutInputs
+from rollover.sim.config import SimRunConfig
 from rollover.sim.costs import Profile, RewardCost, RewardPool
 from rollover.sim.workload import LengthModel, SimRewards, SimTokenizer, make_prompts
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:  # the schedulers' path imports these where it builds its run 
     from rollover.sim.engine import SimEngine
 
 
-def profile_of(cfg: Config) -> Profile:
+def profile_of(cfg: SimRunConfig) -> Profile:
     """The profile file (or the built-in defaults) with the config's cost overrides on top."""
     s = cfg.simulate
     base = Profile.load(s.profile) if s.profile else Profile(name="defaults")
@@ -42,7 +43,7 @@ def profile_of(cfg: Config) -> Profile:
                    sync=replace(base.sync, **s.sync), contention=replace(base.contention, **s.contention))
 
 
-def length_model(cfg: Config) -> LengthModel:
+def length_model(cfg: SimRunConfig) -> LengthModel:
     try:
         return LengthModel(**{k: tuple(v) if k == "values" else v for k, v in cfg.simulate.lengths.items()})
     except TypeError as e:
@@ -51,7 +52,7 @@ def length_model(cfg: Config) -> LengthModel:
         raise ConfigError(f"simulate.{e}") from None
 
 
-def build_engine(cfg: Config, profile: Profile) -> SimEngine:
+def build_engine(cfg: SimRunConfig, profile: Profile) -> SimEngine:
     from rollover.sim.core import SimCore, SimWorker
     from rollover.sim.engine import SimEngine
 
@@ -69,7 +70,7 @@ def build_engine(cfg: Config, profile: Profile) -> SimEngine:
     return SimEngine(core)
 
 
-def build_sim_run(cfg: Config, engine: SimEngine):
+def build_sim_run(cfg: SimRunConfig, engine: SimEngine):
     """A `Run` whose parts are simulated: prompts, rewards and tokenizer (the loops' helpers,
     prompt selection included, are the real ones)."""
     import torch
@@ -100,14 +101,14 @@ def build_sim_run(cfg: Config, engine: SimEngine):
     return run
 
 
-def reward_cost(cfg: Config) -> RewardCost:
+def reward_cost(cfg: SimRunConfig) -> RewardCost:
     cost = RewardCost(**cfg.simulate.reward)
     if cost.workers < 1 or cost.workers != int(cost.workers):
         raise ConfigError(f"simulate.reward.workers={cost.workers:g}: must be a whole number >= 1")
     return cost
 
 
-def check(cfg: Config) -> None:
+def check(cfg: SimRunConfig) -> None:
     if not reward_cost(cfg).free and cfg.partial_rollout.enabled:
         raise ConfigError("rollover simulate: scoring time (simulate.reward) is not modelled with APRIL yet (it "
                           "scores on a thread while generation runs); simulate sync or async mode")
@@ -136,7 +137,7 @@ def check(cfg: Config) -> None:
         raise ConfigError("rollover simulate: runtime must be local (the simulated cluster is set in simulate.pools)")
 
 
-def simulate(cfg: Config, progress=None, prepare=None) -> dict:
+def simulate(cfg: SimRunConfig, progress=None, prepare=None) -> dict:
     """Simulate `cfg.steps` training steps; the report (see `summarize`). `prepare(run)` may
     change the simulated run before it starts (a benchmark's workload)."""
     check(cfg)
@@ -151,7 +152,7 @@ def simulate(cfg: Config, progress=None, prepare=None) -> dict:
         return _simulate(cfg, progress, prepare)
 
 
-def _with_rows(cfg: Config) -> Config:
+def _with_rows(cfg: SimRunConfig) -> SimRunConfig:
     """The schedulers size their in-flight work by the engine's rows: the whole simulated cluster's."""
     rows = sum(p.workers * p.max_rows for p in cfg.simulate.pools)
     return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"max_rows": rows})})
@@ -176,7 +177,7 @@ def _lean_gc():
             gc.unfreeze()
 
 
-def _simulate(cfg: Config, progress, prepare) -> dict:
+def _simulate(cfg: SimRunConfig, progress, prepare) -> dict:
     cfg = _with_rows(cfg)
     profile = profile_of(cfg)
     engine = build_engine(cfg, profile)
@@ -206,7 +207,7 @@ def _ages(groups, version: int) -> Counter:
     return Counter(version - r.versions[0] if r.versions else 0 for g in groups for r in g.rollouts)
 
 
-def _sync(cfg: Config, run, engine: SimEngine, profile: Profile, progress, rewards: RewardPool | None):
+def _sync(cfg: SimRunConfig, run, engine: SimEngine, profile: Profile, progress, rewards: RewardPool | None):
     from rollover.rollout.april import AprilCollector
     from rollover.rollout.sync_collect import SyncCollector
 
@@ -249,7 +250,7 @@ def _sync(cfg: Config, run, engine: SimEngine, profile: Profile, progress, rewar
     return rows, trainer_tl
 
 
-def _train(cfg: Config, engine: SimEngine, profile: Profile, t0: float, tokens: int) -> float:
+def _train(cfg: SimRunConfig, engine: SimEngine, profile: Profile, t0: float, tokens: int) -> float:
     """A training step from t0 over `tokens` while the engine runs on; its seconds. On a shared
     device (simulate.shared_device) decode steps run `contention.decode` times slower meanwhile,
     and the step progresses `contention.train` times slower while workers generate (looked at
@@ -304,7 +305,7 @@ class _Batches(queue.Queue):
             self.engine.halt()
 
 
-def _async(cfg: Config, run, engine: SimEngine, profile: Profile, progress, rewards: RewardPool | None):
+def _async(cfg: SimRunConfig, run, engine: SimEngine, profile: Profile, progress, rewards: RewardPool | None):
     from rollover.rollout.async_rollout import DataManager, RolloutService, StalenessGate
 
     B, eta = cfg.rollout.prompts_per_step, cfg.async_.max_staleness
@@ -369,7 +370,7 @@ def _row(step, t_start, t_train, t_end, groups, version, train_s, sync_s, m) -> 
             "discarded_tokens": m.get("discarded_tokens", 0), "engine_tokens": m.get("engine_tokens")}
 
 
-def summarize(cfg: Config, profile: Profile, engine: SimEngine, rows: list[dict], trainer_tl: list,
+def summarize(cfg: SimRunConfig, profile: Profile, engine: SimEngine, rows: list[dict], trainer_tl: list,
               rewards: RewardPool | None = None, envs=None) -> dict:
     """Throughput, utilization per role, the idle-time breakdown and the staleness histogram."""
     workers = engine.workers()
@@ -388,8 +389,9 @@ def summarize(cfg: Config, profile: Profile, engine: SimEngine, rows: list[dict]
                   timelines=[w.timeline for w in workers], extra=extra)
 
 
-def report(cfg: Config, profile: Profile, rows: list[dict], trainer_tl: list, *, pools: list[str], busy_s, stall_s,
-           generated: int, occupancy: float, timelines: list, extra: dict | None = None, mode: str = "") -> dict:
+def report(cfg: SimRunConfig, profile: Profile, rows: list[dict], trainer_tl: list, *, pools: list[str], busy_s,
+           stall_s, generated: int, occupancy: float, timelines: list, extra: dict | None = None,
+           mode: str = "") -> dict:
     """The report of a simulation from its step rows and each worker's pool, generating and
     stalled seconds (both paths write it)."""
     end = rows[-1]["t_end"] if rows else 0.0
@@ -432,7 +434,7 @@ def report(cfg: Config, profile: Profile, rows: list[dict], trainer_tl: list, *,
     }
 
 
-def _mode(cfg: Config) -> str:
+def _mode(cfg: SimRunConfig) -> str:
     if cfg.mode == "async":
         return f"async (eta={cfg.async_.max_staleness})"
     if cfg.partial_rollout.enabled:

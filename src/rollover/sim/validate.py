@@ -72,10 +72,10 @@ def _lookup(data: dict, dotted: str):
 
 
 def _run(overrides: list[str], workload: str | None, root: Path) -> dict:
-    from rollover.config import load_config
+    from rollover.sim.config import load_sim_config
     from rollover.sim.run import simulate
 
-    cfg = load_config(None, [*overrides, "logging.progress=false"])
+    cfg = load_sim_config(None, [*overrides, "logging.progress=false"])
     if cfg.simulate.profile and not Path(cfg.simulate.profile).is_absolute():
         cfg = cfg.model_copy(update={"simulate": cfg.simulate.model_copy(update={"profile": str(root / cfg.simulate.profile)})})
     if workload not in (None, "longtail"):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollover.config import Config
+from rollover.sim.config import SimRunConfig
 from rollover.sim.costs import DecodeCost
 
 
@@ -37,7 +37,7 @@ class Draws:
     """Response lengths of samples: `vector` (numpy, the default path's distribution) or
     `exact` (the default path's own per-sample draws: slow, for comparisons)."""
 
-    def __init__(self, cfg: Config, kind: str = "vector"):
+    def __init__(self, cfg: SimRunConfig, kind: str = "vector"):
         from rollover.sim.run import length_model
         from rollover.sim.workload import make_prompts
 

@@ -85,9 +85,12 @@ class RankServer:
         self.engine = None  # train.colocate: this rank's rollout engine, on its device
         self._events = events  # where the engine's completions go (a sender thread drains `_outbox`)
         self._outbox = None
+        self._engine_bytes_in_step = None
 
     def train_step(self, batch, groups, profile: bool = False):
         t = self.trainer
+        if self.engine is not None:  # what this rank's engine holds while the rank trains
+            self._engine_bytes_in_step = self.engine.weight_bytes()
         if profile:
             metrics, seconds, comm = t.profiled_step(batch, groups)
             t.last_profile = {"step_s": seconds, "collective_s": comm}
@@ -118,8 +121,9 @@ class RankServer:
         return self.trainer.state_dict()  # the scheduler and counters: no tensors
 
     def stats(self) -> dict:
+        engine = {} if self.engine is None else {"engine_weight_bytes_in_step": self._engine_bytes_in_step}
         return {"rank": self.rank, "pid": os.getpid(), **self.trainer.state_bytes(), "peak_rss_gb": _peak_rss_gb(),
-                **getattr(self.trainer, "last_profile", {})}
+                **engine, **getattr(self.trainer, "last_profile", {})}
 
     # ------------------------------------------------------------ a colocated engine (train.colocate)
     def engine_start(self, max_len: int, eos_token_ids, bucket_bytes: int) -> None:
@@ -163,7 +167,7 @@ class RankServer:
 
     def engine_call(self, method: str, *args):
         """The rest of the engine contract: abort, pause, resume, stats, reset_stats, lengths,
-        release_memory."""
+        release_memory, and release_weights (`train.colocate_free_weights`)."""
         return getattr(self.engine, method)(*args)
 
     def close(self) -> None:

@@ -1,26 +1,30 @@
-"""`simulate`: the cluster `rollover simulate` simulates (training ignores it)."""
+"""`rollover simulate`'s config: a training config plus the `simulate` section, the cluster to
+simulate (pools of rollout workers, cost models, response lengths, simulated prompts and
+environments). Training never reads that section, so it lives beside the simulator and a
+training config has none (`rollover train` refuses one).
+
+`load_sim_config` reads it as `load_config` reads a training config. The section's reference,
+docs/simulator_config.md, is generated: `python -m rollover.sim.config docs/simulator_config.md`.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import fields
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
+from rollover.config import Config, load_config, markdown_reference
 from rollover.config.base import NonEmptyStr, Section
+from rollover.sim.costs import Contention, DecodeCost, RewardCost, SyncCost, TrainCost
 
 
-# The fields of the simulator's cost models (rollover/sim/costs.py: DecodeCost, TrainCost,
-# SyncCost, Contention, RewardCost), named here so that the config is checked when it is read
-# without the config importing the simulator; tests/test_sim_costs.py keeps the two in step.
-COST_FIELDS = {
-    "decode": ("step_s", "per_row_s", "per_context_token_s", "prefill_s", "prefill_per_token_s",
-               "prefill_quadratic_s", "prefill_padded", "separate_admission", "rows_table"),
-    "train": ("step_s", "per_token_s"),
-    "sync": ("latency_s", "bytes", "bandwidth_bytes_per_s", "per_worker_s"),
-    "contention": ("decode", "train"),
-    "reward": ("per_sample_s", "per_group_s", "workers"),
-}
+# The keys a cost override may set: the fields of the cost model it overrides.
+COST_FIELDS = {kind: tuple(f.name for f in fields(model)) for kind, model in
+               (("decode", DecodeCost), ("train", TrainCost), ("sync", SyncCost), ("contention", Contention),
+                ("reward", RewardCost))}
 
 
 def _cost_fields(kind: str):
@@ -161,3 +165,36 @@ class SimConfig(Section):
     workers APRIL with `carry: resubmit` routes about 16,000 resumed requests one by one every
     step), `auto` compiles when numba is installed. The decisions are the same either way; the
     report names the router that ran."""
+
+
+class SimRunConfig(Config):
+    """A training config and the cluster it is simulated on (`rollover simulate` reads it)."""
+
+    simulate: SimConfig = SimConfig()
+    """The simulated cluster (docs/simulator_config.md)."""
+
+    @property
+    def simulated_episodes(self) -> bool:  # Config's checks for episodes hold for simulated ones
+        return self.simulate.env.enabled
+
+
+def load_sim_config(path: str | Path | None = None, overrides: list[str] = (), **data: Any) -> SimRunConfig:
+    """`load_config` for `rollover simulate`: the same keys, errors and overrides, plus `simulate`."""
+    return load_config(path, overrides, schema=SimRunConfig, **data)
+
+
+def reference() -> str:
+    """docs/simulator_config.md: every key of the `simulate` section with its default, range and
+    meaning (tests/test_docs.py keeps it current)."""
+    return markdown_reference(
+        SimConfig, "simulate.", title="Simulator configuration reference",
+        command="python -m rollover.sim.config docs/simulator_config.md",
+        lead="The `simulate` section of a `rollover simulate` config: the cluster it simulates "
+             "([simulator.md](simulator.md)). The rest of the config is a training config and means what it means "
+             "in a run ([config.md](config.md)); `rollover simulate --help-config` lists both.")
+
+
+if __name__ == "__main__":  # python -m rollover.sim.config docs/simulator_config.md
+    import sys
+
+    Path(sys.argv[1]).write_text(reference() + "\n")
