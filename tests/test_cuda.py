@@ -141,7 +141,10 @@ def cuda_cfg(model_dir, run_dir, **over):
         "device": "cuda", "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 7, "resume": "auto",
         "data.train": "gen:arithmetic?n=120", "data.eval_size": 4, "data.max_prompt_tokens": 64,
         "rollout.prompts_per_step": 3, "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 12,
-        "rollout.max_rows": 8, "reward.functions": ["numeric"], "train.lr": 1e-3, "eval.every": 0,
+        # a tiny random model never answers right: a reward it earns about half the time (a digit 0-4
+        # in its reply), so advantages are not all zero and the runs below really train
+        "rollout.max_rows": 8, "reward.functions": [{"fn": "format", "kwargs": {"pattern": "[0-4]"}}],
+        "train.lr": 1e-3, "eval.every": 0,
         "eval.at_start": False, "checkpoint.every": 2, "logging.progress": False, "logging.tensorboard": False,
     }
     base.update(over)
@@ -159,6 +162,7 @@ def test_a_training_run_on_cuda(model_dir, tmp_path):
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
+    assert any(r["actor/grad_norm"] > 0 for r in train)  # it trained: the later steps sample from new weights
     for r in train:
         assert torch.isfinite(torch.tensor([r["actor/grad_norm"], r["actor/pg_loss"], r["actor/entropy"]])).all()
         assert 0 <= r["actor/rollout_kl"] < 0.05, r["actor/rollout_kl"]
@@ -189,6 +193,8 @@ def test_resume_is_exact_on_cuda_with_deterministic_kernels(model_dir, tmp_path,
     assert a.keys() == b.keys()
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, differ
+    start = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert max(float((a[k] - start[k]).abs().max()) for k in start) > 1e-3  # the weights compared moved
 
 
 @pytest.mark.parametrize("over", [
@@ -209,6 +215,7 @@ def test_april_and_async_runs_on_cuda(model_dir, tmp_path, over):
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
+    assert any(r["actor/grad_norm"] > 0 for r in train)
     for r in train:
         assert torch.isfinite(torch.tensor([r["actor/grad_norm"], r["actor/pg_loss"]])).all()
         assert 0 <= r["actor/rollout_kl"] < 0.05, r["actor/rollout_kl"]

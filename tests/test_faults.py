@@ -153,7 +153,10 @@ def _weights(run_dir: Path, step: int) -> dict:
 
 @pytest.mark.parametrize("april", [False, True])
 def test_sigint_saves_at_the_step_and_resume_is_exact(model_dir, tmp_path, april):
-    over = {"checkpoint.every": 0, "steps": 6, "partial_rollout.enabled": april}
+    # a tiny random model never answers right (the default reward): one it earns about half the
+    # time (a digit 0-4 in its reply), so the weights move and their equality below means something
+    over = {"checkpoint.every": 0, "steps": 6, "partial_rollout.enabled": april,
+            "reward.functions": [{"fn": "format", "kwargs": {"pattern": "[0-4]"}}]}
     train_sync(cfg_for(model_dir, tmp_path / "straight", **over))
     run_dir = tmp_path / "interrupted"
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)  # SIG_IGN in a background job
@@ -166,6 +169,8 @@ def test_sigint_saves_at_the_step_and_resume_is_exact(model_dir, tmp_path, april
     train_sync(cfg_for(model_dir, run_dir, **over))  # resume: auto
     a, b = _weights(tmp_path / "straight", 6), _weights(run_dir, 6)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    grads = [r["actor/grad_norm"] for r in map(json.loads, open(run_dir / "metrics.jsonl")) if r["kind"] == "train"]
+    assert any(g > 0 for g in grads)  # it trained (Adam's moments then move the weights in every later step)
     assert [r["step"] for r in ledger(run_dir)] == [1, 2, 3, 4, 5, 6]
     assert ledger(run_dir) == ledger(tmp_path / "straight")
 

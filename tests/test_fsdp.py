@@ -11,6 +11,7 @@ import copy
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,8 +131,10 @@ def test_bf16_mixed_precision_and_gradient_checkpointing_at_world_size_2():
         sharded.close()
 
 
-def test_lora_step_at_world_size_2_equals_one_trainers():
-    cfg = cfg_of(**{"train.ranks": 2, "train.lora": {"r": 4, "alpha": 8}})
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj", "embed_tokens"]], ids=["default", "embedding"])
+def test_lora_step_at_world_size_2_equals_one_trainers(targets):
+    lora = {"r": 4, "alpha": 8, **({"target_modules": targets} if targets else {})}
+    cfg = cfg_of(**{"train.ranks": 2, "train.lora": lora})
     model = apply_lora(tiny_model("llama", seed=3), cfg.train.lora)
     plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
     start = weights(plain)
@@ -146,8 +149,22 @@ def test_lora_step_at_world_size_2_equals_one_trainers():
         assert got.keys() == want.keys() and not any("lora_" in k for k in got)
         assert max(float((got[k] - want[k]).abs().max()) for k in got) < 1e-6  # merged, as the engine gets them
         assert max(float((want[k] - start[k]).abs().max()) for k in want) > 1e-4
+        if targets:  # the embedding's own adapter is merged too
+            key = "model.embed_tokens.weight"
+            assert float((want[key] - start[key]).abs().max()) > 1e-4
     finally:
         sharded.close()
+
+
+def test_a_step_with_fewer_groups_than_mini_batches_makes_one_update_per_group():
+    """Dynamic sampling out of rounds or dropped groups can leave a step fewer groups than
+    train.mini_batches: no empty update (it had no loss to report), the same step as one update."""
+    start = tiny_model("llama", seed=3)
+    one = Trainer(copy.deepcopy(start), cfg_of(**{"train.mini_batches": 1}), device=torch.device("cpu"))
+    two = Trainer(copy.deepcopy(start), cfg_of(**{"train.mini_batches": 2}), device=torch.device("cpu"))
+    m1, m2 = one.train_step(batch_of(1)), two.train_step(batch_of(1))
+    assert m1.keys() == m2.keys() and m1["actor/pg_loss"] == m2["actor/pg_loss"]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(one.named_weights(), two.named_weights()))
 
 
 def test_a_killed_rank_ends_the_call_with_an_error_naming_it():
@@ -164,6 +181,28 @@ def test_a_killed_rank_ends_the_call_with_an_error_naming_it():
         sharded.close()
 
 
+def test_a_ranks_own_error_is_the_one_reported_and_every_later_call_says_so():
+    """A rank that raises takes its peers' collectives down with it: the error reported is its
+    own traceback, not a peer's "connection closed"; after it every call raises the same."""
+    from rollover.train.fsdp import split_batch
+
+    cfg = cfg_of(**{"train.ranks": 2, "train.collective_timeout_s": 60})
+    sharded = ShardedTrainer(tiny_model("llama", seed=3), cfg, pad_id=0)
+    try:
+        batch = batch_of(3)
+        shares = [batch.select(ix) for ix in split_batch(batch, 2)]
+        groups = batch.group_index_B.unique().tolist()
+        with sharded._lock:  # rank 1 gets a share it cannot train
+            sharded._send(0, ("train_step", shares[0], groups, False), "train_step")
+            sharded._send(1, ("train_step", "not a batch", groups, False), "train_step")
+            with pytest.raises(RankLost, match=r"(?s)trainer rank 1 failed during train_step:.*AttributeError"):
+                sharded._recv(0, "train_step")
+        with pytest.raises(RankLost, match=r"trainer rank 1 failed during train_step"):
+            sharded.train_step(batch)
+    finally:
+        sharded.close()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
@@ -174,7 +213,10 @@ def run_cfg(model_dir, run_dir, **over):
         "device": "cpu", "model": model_dir, "run_dir": str(run_dir), "steps": 4, "seed": 7, "resume": "auto",
         "data.train": "gen:arithmetic?n=120", "data.eval_size": 4, "data.max_prompt_tokens": 64,
         "rollout.prompts_per_step": 4, "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 6,
-        "rollout.max_rows": 8, "reward.functions": ["numeric"], "train.lr": 1e-3, "eval.every": 0, "eval.at_start": False,
+        "rollout.max_rows": 8,
+        # a tiny random model never answers right: a reward it earns about half the time (a digit 0-4 in
+        # its reply), so advantages are not all zero and the weights move (what the runs below compare)
+        "reward.functions": [{"fn": "format", "kwargs": {"pattern": "[0-4]"}}], "train.lr": 1e-3, "eval.every": 0, "eval.at_start": False,
         "checkpoint.every": 2, "logging.progress": False, "logging.tensorboard": False,
     }
     base.update(over)
@@ -189,6 +231,12 @@ def final_weights(run_dir, step=4) -> dict:
     return out
 
 
+def assert_trained(model_dir, weights: dict) -> None:
+    """The run changed the weights (an equality of two runs' weights means something)."""
+    start = load_file(str(Path(model_dir) / "model.safetensors"))
+    assert max(float((weights[k] - start[k]).abs().max()) for k in start) > 1e-3
+
+
 @pytest.mark.parametrize("april", [False, True], ids=["sync", "april"])
 def test_a_run_at_world_size_2_ends_with_one_trainers_weights(model_dir, tmp_path, april):
     over = {"partial_rollout.enabled": True, "partial_rollout.oversample": 1.5} if april else {}
@@ -196,6 +244,7 @@ def test_a_run_at_world_size_2_ends_with_one_trainers_weights(model_dir, tmp_pat
     train_sync(run_cfg(model_dir, tmp_path / "two", **{"train.parallel": "fsdp", "train.ranks": 2, **over}))
     one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
     assert one.keys() == two.keys()
+    assert_trained(model_dir, one)
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 5e-5
     assert (tmp_path / "two" / "checkpoints" / "step_000004" / "sharded" / ".metadata").exists()
 
@@ -209,6 +258,7 @@ def test_a_world_size_4_checkpoint_resumes_at_world_size_2(model_dir, tmp_path):
     train_sync(run_cfg(model_dir, cut, **{"train.parallel": "fsdp", "train.ranks": 2}))
     # equal weights need the optimizer's moments back, resharded from 4 ranks to 2 (a fresh AdamW moves further)
     a, b = final_weights(whole), final_weights(cut)
+    assert_trained(model_dir, a)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 5e-5
     rows = [r for r in map(__import__("json").loads, open(cut / "metrics.jsonl")) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -217,6 +267,23 @@ def test_a_world_size_4_checkpoint_resumes_at_world_size_2(model_dir, tmp_path):
         train_sync(run_cfg(model_dir, cut, steps=6))
     with pytest.raises(ConfigError, match=r"written by sharded trainer ranks \(train.parallel=fsdp\)"):
         build_run(run_cfg(model_dir, cut, steps=6), allow_config_change=True)
+
+
+@pytest.mark.parametrize("parallel", ["none", "fsdp"])
+def test_a_resumed_run_keeps_its_kl_reference(model_dir, tmp_path, parallel):
+    """algorithm.kl_coef: the reference is the starting model, also after a resume (which loads
+    the checkpoint's policy): the resumed run ends where the uninterrupted one does."""
+    over = {"algorithm.kl_coef": 0.5, "train.lr": 1e-2, "train.parallel": parallel,
+            "train.ranks": 2 if parallel == "fsdp" else 1}
+    train_sync(run_cfg(model_dir, tmp_path / "whole", **over))
+    train_sync(run_cfg(model_dir, tmp_path / "cut", steps=2, **over))
+    train_sync(run_cfg(model_dir, tmp_path / "cut", **over))
+    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "cut")
+    assert_trained(model_dir, a)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 5e-5
+    kl = [[r["actor/kl"] for r in map(__import__("json").loads, open(d / "metrics.jsonl")) if r["kind"] == "train"]
+          for d in (tmp_path / "whole", tmp_path / "cut")]
+    assert kl[0][2] > 0 and kl[0] == pytest.approx(kl[1], rel=1e-4)
 
 
 def test_ray_trainer_rank_actors_train_as_one_trainer(model_dir, tmp_path):
@@ -229,9 +296,12 @@ def test_ray_trainer_rank_actors_train_as_one_trainer(model_dir, tmp_path):
         "train.parallel": "fsdp", "train.ranks": 2, "ray.rollout_workers": 1, "ray.trainer": "actor",
         "ray.cpus_for_trainer": 0.5, "ray.weight_delta": True}))
     rows = [r for r in map(__import__("json").loads, open(tmp_path / "ray" / "metrics.jsonl")) if r["kind"] == "train"]
-    assert all(r["weights/sent_fraction"] < 1 for r in rows)  # only what changed went
+    # every fp32 weight moves in a step, so the deltas carry them all; a wrong delta would change what the
+    # worker generates and so the weights trained, compared with the one-trainer run below
+    assert all(0 < r["weights/sent_fraction"] <= 1 for r in rows)
     one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "ray")
     assert one.keys() == two.keys()
+    assert_trained(model_dir, one)
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 5e-5
     with pytest.raises(ConfigError, match="set ray.trainer=actor"):
         run_cfg(model_dir, tmp_path / "x", runtime="ray", **{"train.parallel": "fsdp", "train.ranks": 2})
@@ -254,14 +324,14 @@ def test_ray_trainer_rank_actors_train_as_one_trainer(model_dir, tmp_path):
 @pytest.mark.parametrize("april", [False, True], ids=["sync", "april"])
 def test_colocated_engines_in_the_ranks_generate_and_train_as_one_trainer(model_dir, tmp_path, april):
     """train.colocate: each rank's own engine generates its share of the step's requests (both
-    ranks get work), loads the new weights from its own gather, and the run trains the weights
-    the one-trainer run with one engine trains (seeded sampling: the same tokens wherever they are
-    generated). The APRIL run frees the engines' weights while the ranks train (the default), with
-    sequences paused across the step keeping their K/V; the sync run keeps them."""
+    ranks get work), frees its weights while the ranks train and loads the new ones from its own
+    gather. Sync: the run trains the weights the one-trainer run with one engine trains (seeded
+    sampling: the same tokens wherever they are generated). APRIL (sequences paused across the
+    step keep their K/V, not their weights): which requests finish before the step's stop depends
+    on how far each engine got, so the run is not the one-engine run's; it trains, every step."""
     over = {"partial_rollout.enabled": True, "partial_rollout.oversample": 1.5} if april else {}
-    train_sync(run_cfg(model_dir, tmp_path / "one", **over))
     cfg = run_cfg(model_dir, tmp_path / "co", **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True,
-                                                   "train.colocate_free_weights": april, **over})
+                                                   **over})
     run = build_run(cfg)
     from rollover.runtime.colocated import ColocatedEngines
 
@@ -284,12 +354,31 @@ def test_colocated_engines_in_the_ranks_generate_and_train_as_one_trainer(model_
     run.weights.push = after_training
     train_sync(cfg, run=run)
     assert len(per_rank) == 4 and all(n > 0 for n in per_rank[-1])
-    whole = sum(v.numel() * 4 for v in final_weights(tmp_path / "one").values())
-    assert held == [[0, 0]] * 4 if april else held == [[whole, whole]] * 4
-    one, co = final_weights(tmp_path / "one"), final_weights(tmp_path / "co")
-    assert max(float((one[k] - co[k]).abs().max()) for k in one) < 5e-5
+    assert held == [[0, 0]] * 4
+    co = final_weights(tmp_path / "co")
+    assert_trained(model_dir, co)
     rows = [r for r in map(__import__("json").loads, open(tmp_path / "co" / "metrics.jsonl")) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    if not april:
+        train_sync(run_cfg(model_dir, tmp_path / "one", **over))
+        one = final_weights(tmp_path / "one")
+        assert max(float((one[k] - co[k]).abs().max()) for k in one) < 5e-5
+
+
+def test_colocated_engines_that_keep_their_weights_hold_them_through_the_step(model_dir, tmp_path):
+    cfg = run_cfg(model_dir, tmp_path, steps=1, **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True,
+                                                   "train.colocate_free_weights": False})
+    run = build_run(cfg)
+    held, push = [], run.weights.push
+
+    def after_training(*a, **k):
+        held.append([st["engine_weight_bytes_in_step"] for st in run.trainer.stats()])
+        return push(*a, **k)
+
+    run.weights.push = after_training
+    train_sync(cfg, run=run)
+    whole = sum(v.numel() * 4 for v in final_weights(tmp_path, step=1).values())
+    assert held == [[whole, whole]]
 
 
 def test_colocate_is_refused_where_it_cannot_run(model_dir, tmp_path):
@@ -312,14 +401,66 @@ def test_a_rank_killed_with_its_engine_ends_the_run_naming_it(model_dir, tmp_pat
     assert time.monotonic() - t0 < 30
 
 
-def test_a_torchrun_launch_is_turned_away_with_the_command_that_works(monkeypatch, capsys, tmp_path):
-    """rollover starts its ranks itself: N copies of the command under torchrun would be N
-    drivers racing on one run directory."""
+def torchrun(model_dir, run_dir, *extra: str, steps: int = 4):
+    """`torchrun --nproc-per-node 2 -m rollover.cli train` with run_cfg's settings, started."""
+    import subprocess
+    import sys
+
+    from rollover.train.ranks import _free_port
+
+    cfg = run_cfg(model_dir, run_dir, steps=steps)
+    args = [f"{k}={v}" for k, v in (("device", "cpu"), ("model", model_dir), ("run_dir", run_dir), ("steps", steps),
+                                     ("seed", cfg.seed), ("data.train", cfg.data.train))]
+    args += ["data.eval_size=4", "data.max_prompt_tokens=64", "rollout.prompts_per_step=4",
+             "rollout.samples_per_prompt=3", "rollout.max_new_tokens=6", "rollout.max_rows=8",
+             "reward.functions=[{fn: format, kwargs: {pattern: '[0-4]'}}]", "train.lr=1e-3", "eval.every=0",
+             "eval.at_start=false", "checkpoint.every=2", "logging.progress=false", "logging.tensorboard=false",
+             "train.parallel=fsdp", *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "-m", "rollover.cli", "train", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_torchrun_ranks_train_as_the_ranks_the_command_starts(model_dir, tmp_path):
+    """Under torchrun, RANK 0 drives and the other process is trainer rank 1 (it builds only the
+    model's structure and takes rank 0's weights): the run ends with the weights of the same run
+    with `train.ranks=2`."""
+    job = torchrun(model_dir, tmp_path / "torchrun")
+    out, _ = job.communicate(timeout=600)
+    assert job.returncode == 0, out
+    assert "trainer: 2 FSDP ranks" in out
+    train_sync(run_cfg(model_dir, tmp_path / "spawned", **{"train.parallel": "fsdp", "train.ranks": 2}))
+    a, b = final_weights(tmp_path / "torchrun"), final_weights(tmp_path / "spawned")
+    assert_trained(model_dir, a)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 5e-5
+
+
+def test_a_killed_torchrun_rank_ends_the_job_naming_it(model_dir, tmp_path):
+    import json
+
+    job = torchrun(model_dir, tmp_path / "r", steps=200)
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and any(json.loads(x)["kind"] == "train" for x in metrics.read_text().splitlines())):
+        assert job.poll() is None and time.monotonic() < deadline, job.stdout.read() if job.poll() is not None else ""
+        time.sleep(0.5)
+    rank1 = next(pid for pid in map(int, os.popen(f"pgrep -f 'rollover.cli train.*{tmp_path}'").read().split())
+                 if b"RANK=1\0" in open(f"/proc/{pid}/environ", "rb").read())
+    os.kill(rank1, signal.SIGKILL)
+    t0 = time.monotonic()
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode != 0 and time.monotonic() - t0 < 60
+    assert "trainer rank 1 of 2 died" in out or "rank: 1" in out, out
+
+
+def test_torchrun_needs_the_sharded_trainer(monkeypatch, capsys, tmp_path):
     from rollover.cli import main
 
     monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
     assert main(["train", f"run_dir={tmp_path / 'r'}", "steps=1"]) == 2
     err = capsys.readouterr().err
-    assert "started as one of 4 processes (torchrun?)" in err and "train.parallel=fsdp train.ranks=4" in err
+    assert "torchrun started 4 processes, which are the trainer's ranks: set train.parallel=fsdp" in err
     assert not (tmp_path / "r").exists()

@@ -101,15 +101,26 @@ def _train(argv: list[str]) -> int:
         print("rollover train: nothing to train: give a YAML config and/or key.path=value overrides "
               "(e.g. `rollover train examples/arith.yaml`); nothing was started", file=sys.stderr)
         return 2
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_RANK" in os.environ:  # torchrun / accelerate
-        print(f"rollover train: started as one of {os.environ['WORLD_SIZE']} processes (torchrun?): rollover starts "
-              "its trainer ranks itself; run it once, e.g. `rollover train CONFIG train.parallel=fsdp "
-              f"train.ranks={os.environ['WORLD_SIZE']}` (several machines: runtime=ray, docs/gpu.md); nothing was "
-              "started", file=sys.stderr)
-        return 2
+    from rollover.train.torchrun import torchrun_env
+
+    job = torchrun_env()  # started by torchrun: RANK 0 drives, the others are trainer ranks
+    if job is not None and job["rank"] > 0:
+        from rollover.train.torchrun import serve_rank
+
+        _setup_logging()
+        return serve_rank(job)
     cfg = _load_config("rollover train", *_split_config(args.config, args.overrides))
     if cfg is None:
         return 2
+    if job is not None:
+        if cfg.train.parallel != "fsdp" or cfg.train.ranks not in (1, job["world"]):
+            print(f"rollover train: torchrun started {job['world']} processes, which are the trainer's ranks: set "
+                  f"train.parallel=fsdp (and train.ranks={job['world']} or leave it unset); nothing was started",
+                  file=sys.stderr)
+            return 2
+        cfg = _load_config("rollover train", *_split_config(args.config, [*args.overrides, f"train.ranks={job['world']}"]))
+        if cfg is None:
+            return 2
     _setup_logging()
     return _guarded("rollover train", args.debug, lambda: _run_training(cfg, args.allow_config_change))
 

@@ -127,16 +127,20 @@ class TorchEngine(ThreadedEngine):
     def release_weights(self) -> int:
         """Free the weights too, until `update_weights` has loaded every one of them again
         (`ModelRunner.release_weights`): for an engine whose weights always come back after the
-        trainer's step (`train.colocate`). Only while nothing decodes (idle, or paused with its
-        sequences keeping their K/V); generating before the weights are back fails the requests,
-        naming a missing weight. Returns the bytes freed."""
+        trainer's step (`train.colocate`), and the K/V cache unless paused sequences hold rows
+        (with CUDA graphs too: the graphs go with the weights). Only while nothing decodes (idle,
+        or paused with its sequences keeping their K/V); a request before the weights are back is
+        refused, naming a missing weight. Returns the bytes of weights freed."""
         from rollover.train.memory import release
 
         def drop() -> int:
             if self.core.running and not self._paused:
                 raise RuntimeError(f"release_weights: {len(self.core.running)} sequences are decoding; "
                                    "pause the engine first")
-            return self.core.runner.release_weights()
+            freed = self.core.runner.release_weights()
+            if not self.core.running:  # the decode graphs went with the weights: nothing keeps the cache now
+                self.core.runner.drop_cache()
+            return freed
 
         freed = self._run_or_queue(drop, wait=True)
         release()

@@ -388,21 +388,35 @@ def _longest(cfg: Config, model, prompt_ids: dict, env_builder) -> int:
 
 def _make_trainer(cfg: Config, model, pad_id: int, device, ckpt: Path | None, remote_trainer: bool, record: bool):
     """One trainer here, a trainer actor, FSDP rank processes or FSDP rank actors."""
+    ref = _reference(cfg, ckpt)
     if remote_trainer and cfg.train.parallel == "fsdp":
         from rollover.runtime.trainer_group import RayShardedTrainer
 
-        return RayShardedTrainer(model, cfg, pad_id=pad_id, checkpoint=ckpt)
+        return RayShardedTrainer(model, cfg, pad_id=pad_id, checkpoint=ckpt, reference=ref)
     if remote_trainer:  # the actor holds the model; the driver keeps its config (trainer.model)
         from rollover.runtime.trainer import RemoteTrainer
 
-        return RemoteTrainer(model, cfg, pad_id=pad_id)
+        return RemoteTrainer(model, cfg, pad_id=pad_id, reference=ref)
     if cfg.train.parallel == "fsdp" and record:
         from rollover.train.ranks import ShardedTrainer
 
-        return ShardedTrainer(model, cfg, pad_id=pad_id, checkpoint=ckpt)
+        return ShardedTrainer(model, cfg, pad_id=pad_id, checkpoint=ckpt, reference=ref)
     from rollover.train.trainer import Trainer
 
-    return Trainer(model, cfg, device=device, pad_id=pad_id)
+    return Trainer(model, cfg, device=device, pad_id=pad_id, reference=ref)
+
+
+def _reference(cfg: Config, ckpt: Path | None):
+    """The KL reference for a resumed run: the starting model (`model`), not the checkpoint's
+    policy the trainer resumes from. None where the trainer's copy of its model is it: a fresh run,
+    or LoRA, whose reference is the base model under the adapter."""
+    if cfg.algorithm.kl_coef <= 0 or cfg.train.lora is not None or ckpt is None or not (ckpt / "model").exists():
+        return None
+    from transformers import AutoModelForCausalLM
+
+    from rollover.models import resolve_model
+
+    return AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=torch.float32)
 
 
 def _make_engine(cfg: Config, trainer, engine_factory, device, max_len: int, eos_token_ids: list[int]):

@@ -94,28 +94,29 @@ class ColocatedEngines(EngineAPI):
         """Deliver the ranks' completions as they come (this thread runs the schedule's
         callbacks, as TorchEngine's engine thread does); a rank that dies fails every live request."""
         conns = list(self.trainer.events)
-        procs = list(self.trainer.procs)
+        watched = self.trainer._watched()  # what becomes ready when a rank's process ends
         while not self._stopped:
             try:
-                ready = wait(conns + [p.sentinel for p in procs], timeout=0.5)
-            except (OSError, ValueError):  # the pipes were closed under us: shutting down
+                ready = wait(conns + list(watched), timeout=0.5)
+            except (OSError, ValueError):  # the pipes were closed under us: shutting down, or the ranks failed
+                if self.trainer.failure is not None and not self._stopped:
+                    self._fail(self.trainer.failure)
                 return
-            for conn in ready:
-                if conn in conns:
+            for x in ready:
+                if x in conns:
                     try:
-                        c = conn.recv()
+                        c = x.recv()
                     except (EOFError, OSError):
-                        conn = procs[conns.index(conn)].sentinel
+                        rank = conns.index(x)
                     else:
                         self._deliver([c])
                         continue
+                else:
+                    rank = watched[x]
                 if self._stopped:
                     return
-                rank = next(r for r, p in enumerate(procs) if p.sentinel == conn)
-                procs[rank].join(timeout=1)
-                code = procs[rank].exitcode
-                self._fail(RankLost(f"trainer rank {rank} of {len(procs)} died (exit code {code}) while its engine "
-                                    "generated; the run stops at its last checkpoint"))
+                self._fail(RankLost(f"trainer rank {rank} of {self.trainer.world} died ({self.trainer.how_ended(rank)}) "
+                                    "while its engine generated; the run stops at its last checkpoint"))
                 return
 
     def _deliver(self, completions: list[Completion]) -> None:

@@ -63,7 +63,7 @@ class TrainerLost(RuntimeError):
 class TrainerActor:
     """The actor's side (wrapped by `ray.remote` in `RemoteTrainer`)."""
 
-    def __init__(self, model, cfg, pad_id: int, sys_path: list[str]):
+    def __init__(self, model, cfg, pad_id: int, sys_path: list[str], reference=None):
         for path in reversed(sys_path):
             if path not in sys.path:
                 sys.path.insert(0, path)
@@ -80,7 +80,7 @@ class TrainerActor:
         device = torch.device("cuda" if cfg.device != "cpu" and ray.get_gpu_ids() else "cpu")
         if device.type == "cpu":
             torch.set_num_threads(max(1, int(cfg.ray.cpus_for_trainer)))
-        self.trainer = Trainer(model, cfg, device=device, pad_id=pad_id)
+        self.trainer = Trainer(model, cfg, device=device, pad_id=pad_id, reference=reference)
 
     def ready(self) -> dict:
         import ray
@@ -186,7 +186,7 @@ class RemoteTrainer:
 
     sharded = False
 
-    def __init__(self, model, cfg, *, pad_id: int):
+    def __init__(self, model, cfg, *, pad_id: int, reference=None):
         import ray
 
         from rollover.runtime import check_resources, start_ray
@@ -201,7 +201,7 @@ class RemoteTrainer:
             config, generation = base.config, getattr(base, "generation_config", None)
             actor = ray.remote(TrainerActor).options(num_cpus=self.rc.cpus_for_trainer,
                                                      num_gpus=self.rc.gpus_for_trainer, name=None)
-            self.handle = actor.remote(model, cfg, pad_id, list(sys.path))
+            self.handle = actor.remote(model, cfg, pad_id, list(sys.path), reference)
             info = self._call("ready", what="start")
         except BaseException:
             self.close()

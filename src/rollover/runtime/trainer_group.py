@@ -47,14 +47,14 @@ class TrainerRank:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def start(self, rank: int, world: int, init_method: str, cfg, model, pad_id: int) -> dict:
+    def start(self, rank: int, world: int, init_method: str, cfg, model, pad_id: int, reference=None) -> dict:
         import ray
         import torch
 
         threads = None if ray.get_gpu_ids() else max(1, int(cfg.ray.cpus_for_trainer))
         if not ray.get_gpu_ids() and cfg.device != "cpu":
             cfg = cfg.model_copy(update={"device": "cpu"})  # no GPU reserved for this rank: its CPUs
-        self.server = RankServer(rank, world, init_method, cfg, model, pad_id, threads)
+        self.server = RankServer(rank, world, init_method, cfg, model, pad_id, threads, reference=reference)
         return {**self.server.info, "node": ray.util.get_node_ip_address(), "torch_threads": torch.get_num_threads()}
 
     def call(self, name: str, *args):
@@ -64,7 +64,7 @@ class TrainerRank:
 class RayShardedTrainer(RankGroup):
     """`Trainer`'s calls, answered by N `TrainerRank` actors (see the module docstring)."""
 
-    def __init__(self, model, cfg, *, pad_id: int, checkpoint=None):
+    def __init__(self, model, cfg, *, pad_id: int, checkpoint=None, reference=None):
         import ray
 
         from rollover.runtime import check_resources, start_ray
@@ -80,7 +80,9 @@ class RayShardedTrainer(RankGroup):
             self.actors = [actor.remote(list(sys.path)) for _ in range(self.world)]
             init = self._get([self.actors[0].address.remote()], "start")[0]
             shared = ray.put(model)
-            infos = self._get([a.start.remote(r, self.world, init, cfg, shared, pad_id) for r, a in enumerate(self.actors)],
+            ref = ray.put(reference) if reference is not None else None
+            infos = self._get([a.start.remote(r, self.world, init, cfg, shared, pad_id, ref)
+                               for r, a in enumerate(self.actors)],
                               "start", timeout=self.rc.sync_timeout_s)
         except BaseException:
             self.close()

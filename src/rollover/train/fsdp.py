@@ -102,11 +102,15 @@ class FSDPTrainer(Trainer):
 
     sharded = True
 
-    def __init__(self, model, cfg, *, device: torch.device, pad_id: int = 0):
+    def __init__(self, model, cfg, *, device: torch.device, pad_id: int = 0, from_rank0: bool = False,
+                 reference=None):
+        """from_rank0: every rank takes rank 0's weights before sharding (ranks that built only the
+        model's structure: started by torchrun, `rollover.train.torchrun`)."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._from_rank0 = from_rank0
         self._global_groups: list[int] | None = None
         self._roots: dict[int, _Root] = {}
-        super().__init__(model, cfg, device=device, pad_id=pad_id)
+        super().__init__(model, cfg, device=device, pad_id=pad_id, reference=reference)
 
     # ------------------------------------------------------------ sharding
     def _place(self, model):
@@ -114,6 +118,8 @@ class FSDPTrainer(Trainer):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         t = self.cfg.train
+        if self._from_rank0:
+            _broadcast_from_rank0(model, self.device)
         mesh = init_device_mesh(self.device.type, (self.world,))
         kw = {"mesh": mesh}
         if t.dtype == "autocast_bf16":
@@ -268,6 +274,11 @@ class FSDPTrainer(Trainer):
         for n, m in self.model.named_modules():
             if hasattr(m, "scaling") and isinstance(getattr(m, "scaling"), dict) and "default" in m.scaling:
                 scaling[n] = m.scaling["default"]
+        known = (".lora_A.default.weight", ".lora_B.default.weight", ".lora_embedding_A.default",
+                 ".lora_embedding_B.default")
+        other = sorted(n for n in lora if not n.endswith(known))
+        if other:  # DoRA's magnitudes and the like: merged by rules this does not know
+            raise ValueError(f"train.parallel=fsdp merges plain LoRA adapters only; {other[0]} is another kind")
         for n, p in self.model.named_parameters():
             if "lora_" in n:
                 continue
@@ -276,6 +287,10 @@ class FSDPTrainer(Trainer):
             if mod is not None and n.endswith("weight") and f"{mod}.lora_A.default.weight" in lora:
                 a, b = lora[f"{mod}.lora_A.default.weight"], lora[f"{mod}.lora_B.default.weight"]
                 t = t + (b.float() @ a.float()).to(t.dtype) * scaling[mod]
+            elif mod is not None and n.endswith("weight") and f"{mod}.lora_embedding_A.default" in lora:
+                # an embedding's adapter: A [r, vocab], B [dim, r]; the delta is (B @ A)^T
+                a, b = lora[f"{mod}.lora_embedding_A.default"], lora[f"{mod}.lora_embedding_B.default"]
+                t = t + (b.float() @ a.float()).T.to(t.dtype) * scaling[mod]
             yield n.removeprefix("base_model.model.").replace(".base_layer", ""), t
 
     # ------------------------------------------------------------ checkpoints
@@ -311,11 +326,28 @@ class FSDPTrainer(Trainer):
             self.micro_batch_tokens = now
 
 
+def _broadcast_from_rank0(model: nn.Module, device: torch.device) -> None:
+    """Rank 0's parameters and buffers into every rank's copy, a tensor at a time (through the
+    device on GPUs, so NCCL carries it and only one tensor is there at once)."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if device.type == "cuda":
+                moved = t.data.to(device)
+                dist.broadcast(moved, src=0)
+                t.data.copy_(moved)
+            else:
+                dist.broadcast(t.data, src=0)
+
+
 @contextlib.contextmanager
 def process_group(backend: str, rank: int, world: int, init_method: str, timeout_s: float):
     """The default process group for one rank, destroyed on the way out."""
+    import os
     from datetime import timedelta
 
+    # under torchrun this would make rank 0 a client of torchrun's store instead of the host of
+    # the group's own (`init_method` names a port of the driver's machine)
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     dist.init_process_group(backend, rank=rank, world_size=world, init_method=init_method,
                             timeout=timedelta(seconds=timeout_s))
     try:

@@ -45,6 +45,15 @@ class RankLost(RuntimeError):
     """A trainer rank died or failed; the run stops at its last checkpoint."""
 
 
+# what a rank's traceback says when a collective failed because a peer stopped (not its own fault)
+_PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo", "ProcessGroupNCCL",
+                 "NCCL error", "Gloo", "timed out", "Timed out", "Broken pipe")
+
+
+def _collective_error(traceback_text: str) -> bool:
+    return any(mark in traceback_text for mark in _PEER_FAILURE)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,7 +66,7 @@ class RankServer:
     driver makes."""
 
     def __init__(self, rank: int, world: int, init_method: str, cfg, model, pad_id: int, threads: int | None,
-                 events=None):
+                 events=None, *, from_rank0: bool = False, local_rank: int | None = None, reference=None):
         from types import SimpleNamespace
 
         from rollover.train.seeding import seed_everything, use_deterministic_kernels
@@ -69,7 +78,8 @@ class RankServer:
             use_deterministic_kernels()
         seed_everything(cfg.seed)
         cuda = cfg.device != "cpu" and torch.cuda.is_available()
-        device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
+        index = rank if local_rank is None else local_rank  # torchrun: this machine's rank
+        device = torch.device(f"cuda:{index % torch.cuda.device_count()}" if cuda else "cpu")
         if cuda:
             torch.cuda.set_device(device)
         self.rank = rank
@@ -79,7 +89,8 @@ class RankServer:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._architecture = SimpleNamespace(config=base.config, generation_config=getattr(base, "generation_config", None))
         self.cfg, self.device = cfg, device
-        self.trainer = FSDPTrainer(model, cfg, device=device, pad_id=pad_id)
+        self.trainer = FSDPTrainer(model, cfg, device=device, pad_id=pad_id, from_rank0=from_rank0,
+                                   reference=reference)
         self.info = {"pid": os.getpid(), "device": str(device), "is_peft": self.trainer.is_peft}
         self._buckets = None
         self.engine = None  # train.colocate: this rank's rollout engine, on its device
@@ -178,11 +189,12 @@ class RankServer:
 
 
 def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int, threads: int, conn,
-               events=None) -> None:
+               events=None, from_rank0: bool = False, reference=None) -> None:
     """One rank as a process of this machine: answer the driver's calls on `conn` until `close`."""
     try:
-        server = RankServer(rank, world, init_method, cfg, model, pad_id, threads, events)
-        del model
+        server = RankServer(rank, world, init_method, cfg, model, pad_id, threads, events, from_rank0=from_rank0,
+                            reference=reference)
+        del model, reference
         conn.send(("ok", server.info))
         _serve(server, conn)
     except (EOFError, KeyboardInterrupt):  # the driver went away
@@ -321,26 +333,39 @@ class RankGroup:
 class ShardedTrainer(RankGroup):
     """`Trainer`'s calls, answered by N rank processes (see the module docstring)."""
 
-    def __init__(self, model, cfg, *, pad_id: int, checkpoint: Path | None = None):
+    def __init__(self, model, cfg, *, pad_id: int, checkpoint: Path | None = None, reference=None):
         import torch.multiprocessing as mp
+
+        from rollover.train.torchrun import RemoteRanks, torchrun_env
 
         self.cfg, self.world = cfg, cfg.train.ranks
         self.checkpoint = checkpoint
         self.bad_steps, self.procs, self.conns = 0, [], []
         self.events = []  # train.colocate: each rank's engine completions
+        self.remote: RemoteRanks | None = None  # torchrun: ranks 1..N-1 are the job's other processes
+        self.failure: RankLost | None = None  # why the ranks stopped, once they have
         self._lock = threading.RLock()  # one call at a time on the pipes (async mode's trainer thread, checkpoints)
         self.architecture = model.get_base_model() if hasattr(model, "get_base_model") else model
+        env = torchrun_env()
+        local = 1 if env is not None else self.world  # rank processes started here
         ctx = mp.get_context("spawn")
-        init = f"tcp://127.0.0.1:{_free_port()}"
-        threads = max(1, (os.cpu_count() or 1) // self.world)  # the ranks split the cores
+        host = env["addr"] if env is not None else "127.0.0.1"
+        init = f"tcp://{host}:{_free_port()}"
+        per_machine = env["local_world"] if env is not None else self.world
+        threads = max(1, (os.cpu_count() or 1) // per_machine)  # the ranks split the cores
         if cfg.device != "cpu" and torch.cuda.is_available():
             threads = min(8, threads)  # on a GPU a rank's host threads only feed it
         try:
-            for rank in range(self.world):
+            if env is not None:
+                if env["world"] != self.world:
+                    raise ValueError(f"torchrun started {env['world']} processes but train.ranks={self.world}")
+                self.remote = RemoteRanks(env, cfg.train.colocate, cfg.train.collective_timeout_s)
+            for rank in range(local):
                 parent, child = ctx.Pipe()
                 events_in, events_out = ctx.Pipe(duplex=False) if cfg.train.colocate else (None, None)
                 p = ctx.Process(target=_rank_main, args=(rank, self.world, init, cfg, model, pad_id, threads, child,
-                                                         events_out), name=f"rollover-rank-{rank}", daemon=True)
+                                                         events_out, env is not None, reference),
+                                name=f"rollover-rank-{rank}", daemon=True)
                 p.start()
                 child.close()
                 if events_out is not None:
@@ -348,6 +373,15 @@ class ShardedTrainer(RankGroup):
                     self.events.append(events_in)
                 self.procs.append(p)
                 self.conns.append(parent)
+            if self.remote is not None:
+                base = self.architecture
+                start = {"init": init, "cfg": cfg, "pad_id": pad_id, "config": base.config,
+                         "dtype": next(model.parameters()).dtype, "reference": reference is not None}
+                for rank in range(1, self.world):
+                    self.conns.append(self.remote.calls[rank])
+                    if cfg.train.colocate:
+                        self.events.append(self.remote.events[rank])
+                    self._send(rank, start, "start")
             infos = [self._recv(r, "start") for r in range(self.world)]
         except BaseException:
             self.close()
@@ -355,6 +389,19 @@ class ShardedTrainer(RankGroup):
         self.is_peft = infos[0]["is_peft"]
         self.model = ShardedModel(self, model)
         log.info("trainer: %d FSDP ranks (%s)", self.world, ", ".join(f"{i['device']} pid {i['pid']}" for i in infos))
+
+    def _watched(self) -> dict:
+        """What becomes ready when a rank's process ends, by rank: a local process's sentinel, a
+        torchrun rank's lifeline."""
+        out = {p.sentinel: r for r, p in enumerate(self.procs)}
+        if self.remote is not None:
+            out.update({conn: r for r, conn in self.remote.lifelines.items()})
+        return out
+
+    def _ended(self, rank: int) -> bool:
+        if rank < len(self.procs):
+            return self.procs[rank].exitcode is not None and self.procs[rank].exitcode != 0
+        return self.remote.lifelines[rank].poll()
 
     # ------------------------------------------------------------ internals
     def _step(self, shares, groups, profile):
@@ -364,8 +411,8 @@ class ShardedTrainer(RankGroup):
             return [self._recv(r, "train_step") for r in range(self.world)][0]
 
     def close(self) -> None:
-        for r, (p, c) in enumerate(zip(self.procs, self.conns)):
-            if p.is_alive():
+        for r, c in enumerate(self.conns):
+            if r >= len(self.procs) or self.procs[r].is_alive():
                 try:
                     c.send(("close",))
                 except (OSError, BrokenPipeError):
@@ -375,8 +422,11 @@ class ShardedTrainer(RankGroup):
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        for c in self.conns + self.events:
+        for c in self.conns[: len(self.procs)] + self.events[: len(self.procs)]:
             c.close()
+        if self.remote is not None:  # a torchrun rank's process ends itself after `close`
+            self.remote.close()
+            self.remote = None
         self.procs, self.conns, self.events = [], [], []
 
     def _buckets(self, dtype):
@@ -406,37 +456,75 @@ class ShardedTrainer(RankGroup):
             return self._recv(rank, call)
 
     def _send(self, rank: int, message, what: str) -> None:
+        if self.failure is not None:  # the ranks are gone: say why, whoever calls next
+            raise RankLost(str(self.failure))
         try:
             self.conns[rank].send(message)
         except (OSError, BrokenPipeError):
-            self._lost(rank, what)
+            self._stopped(rank, what)
 
     def _recv(self, rank: int, what: str, raw: bool = False):
-        conn, proc = self.conns[rank], self.procs[rank]
+        if self.failure is not None:
+            raise RankLost(str(self.failure))
+        conn, watched = self.conns[rank], self._watched()
         while True:
-            ready = wait([conn, proc.sentinel] + [p.sentinel for p in self.procs if p is not proc])
-            dead = next((r for r, p in enumerate(self.procs) if p.sentinel in ready), None)
+            ready = wait([conn, *watched])
+            dead = next((r for x, r in watched.items() if x in ready), None)
             if dead is not None:  # a death first: the errors of its peers' collectives follow from it
-                self._lost(dead, what)
+                self._stopped(dead, what)
             try:
                 kind, value = conn.recv()
-            except EOFError:
-                self._lost(rank, what)
+            except (EOFError, OSError):
+                self._stopped(rank, what)
             if kind == "error":
-                # a peer that died mid-collective fails this rank's collective at once: name the dead one
-                wait([p.sentinel for p in self.procs], timeout=2.0)
-                dead = next((r for r, p in enumerate(self.procs) if p.exitcode is not None and p.exitcode != 0), None)
-                if dead is not None and dead != rank:
-                    self._lost(dead, what)
-                self.close()
-                raise RankLost(f"trainer rank {rank} failed during {what}:\n{value}")
+                self._stopped(rank, what, value)
             return (kind, value) if raw else value
 
-    def _lost(self, rank: int, what: str):
-        proc = self.procs[rank]
-        proc.join(timeout=1)
-        code = proc.exitcode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    def _pending_errors(self) -> dict[int, str]:
+        """The tracebacks ranks sent before they stopped, by rank (read only once the ranks are
+        failing: any other answer waiting on a pipe is dropped)."""
+        out = {}
+        for r, conn in enumerate(self.conns):
+            try:
+                while conn.poll():
+                    kind, value = conn.recv()
+                    if kind == "error":
+                        out.setdefault(r, value)
+            except (EOFError, OSError):
+                continue
+        return out
+
+    def _stopped(self, rank: int, what: str, error: str | None = None):
+        """A rank failed (`error`: its traceback) or its process ended while `what` ran: find the
+        cause among all ranks and raise `RankLost` naming it. A rank killed without a word comes
+        first (its peers' collectives fail because of it), then a rank's own error over the
+        collective errors of its peers, which follow from it."""
+        watched = self._watched()
+        wait(list(watched), timeout=2.0)  # a peer's death reaches the others' collectives first
+        errors = self._pending_errors()
+        if error is not None:
+            errors.setdefault(rank, error)
+        killed = [r for r in range(self.world) if r not in errors and self._ended(r)]
+        if killed or not errors:
+            victim = killed[0] if killed else rank
+            how = self.how_ended(victim)
+            self._fail(RankLost(f"trainer rank {victim} of {self.world} died ({how}) during {what}; the run stops "
+                                f"at its last checkpoint (run the same command to resume from it)"))
+        own = [r for r, tb in sorted(errors.items()) if not _collective_error(tb)]
+        victim = own[0] if own else min(errors)
+        self._fail(RankLost(f"trainer rank {victim} failed during {what}:\n{errors[victim]}"))
+
+    def _fail(self, error: RankLost):
+        self.failure = error
         self.close()
-        raise RankLost(f"trainer rank {rank} of {self.world} died ({how}) during {what}; the run stops at its last "
-                       f"checkpoint (run the same command to resume from it)")
+        raise error
+
+    def how_ended(self, rank: int) -> str:
+        """How a rank's process ended, in words (a torchrun rank elsewhere: only that it did)."""
+        if rank < len(self.procs):
+            proc = self.procs[rank]
+            proc.join(timeout=1)
+            code = proc.exitcode
+            return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return "its torchrun process ended or its machine went away"
+

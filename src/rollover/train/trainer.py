@@ -94,7 +94,9 @@ class RowGradEmbedding(torch.autograd.Function):
 class Trainer:
     sharded = False  # rollover.train.fsdp.FSDPTrainer: one rank of several, each holding a shard
 
-    def __init__(self, model, cfg: Config, *, device: torch.device, pad_id: int = 0):
+    def __init__(self, model, cfg: Config, *, device: torch.device, pad_id: int = 0, reference=None):
+        """reference: the KL reference policy (`algorithm.kl_coef`), where `model` no longer holds
+        the starting weights (a resumed run); None: a copy of `model`."""
         self.cfg = cfg
         self.device = device
         self.pad_id = pad_id
@@ -115,7 +117,8 @@ class Trainer:
         if cfg.algorithm.kl_coef > 0 and not self.is_peft:
             import copy
 
-            self.ref_model = self._place(copy.deepcopy(model).eval().requires_grad_(False))
+            ref = reference if reference is not None else copy.deepcopy(model)
+            self.ref_model = self._place(ref.eval().requires_grad_(False))
         self.model = self._place(model)
         params = [p for p in self.model.parameters() if p.requires_grad]
         t = cfg.train
@@ -277,8 +280,10 @@ class Trainer:
         groups = self._groups(batch)
         history: list[dict] = []
         skipped = False
+        # a step may hold fewer groups than train.mini_batches (dynamic sampling out of rounds, failed
+        # groups dropped, downsampling): one update per group then, none empty
         for epoch in range(t.ppo_epochs):
-            for k in range(t.mini_batches):
+            for k in range(min(t.mini_batches, len(groups))):
                 chosen = set(groups[k :: t.mini_batches])
                 idx = [i for i, g in enumerate(batch.group_index_B.tolist()) if g in chosen]
                 metrics = self._update(batch.select(idx), None if old_BT is None else old_BT[idx],
