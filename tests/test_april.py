@@ -76,7 +76,7 @@ def test_no_sample_lost_or_duplicated_and_budgets_hold(model_dir, tmp_path, seed
                 for j, c in g.partial.items():
                     assert c.finish == "abort" and j not in g.done
                     assert len(c.response_ids) < g.budgets[j]
-            # weights change between steps, as in training
+            # a new weights version at every step, as in training (the values stay: nothing trains here)
             run.engine.update_weights(run.trainer.named_weights(), version=step + 1)
         drawn = {f"g{i}" for i in range(run.serial)}
         carried = {g.id for g in col.buffer} | {g.id for g in col.ready_carry}

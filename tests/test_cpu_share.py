@@ -13,6 +13,13 @@ from rollover.engine.cpu import share as cpu_share
 from rollover.engine.cpu.share import CpuShare
 
 
+@pytest.fixture(autouse=True)
+def adapting(monkeypatch):
+    """On here (tests/conftest.py turns it off for the rest of the session)."""
+    monkeypatch.delenv("ROLLOVER_CPU_SHARE", raising=False)
+    monkeypatch.setattr(cpu_share, "_shared", None)  # a share made under the session's setting is not this one
+
+
 def share_on(cores: int, threads: int) -> CpuShare:
     s = CpuShare(threads)
     s.cpus, s.enabled = set(range(cores)), True

@@ -163,6 +163,7 @@ def test_a_training_run_on_cuda(model_dir, tmp_path):
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert any(r["actor/grad_norm"] > 0 for r in train)  # it trained: the later steps sample from new weights
+    assert all(0 < r["perf/peak_device_gb"] < 80 for r in train)  # the step's GPU high-water mark
     for r in train:
         assert torch.isfinite(torch.tensor([r["actor/grad_norm"], r["actor/pg_loss"], r["actor/entropy"]])).all()
         assert 0 <= r["actor/rollout_kl"] < 0.05, r["actor/rollout_kl"]

@@ -30,6 +30,8 @@ run colocated 45 $PY -m rollover.cli train device=$DEV model=/tmp/fsdp_tiny run_
   "data.train=gen:arithmetic?n=120" data.eval_size=4 rollout.prompts_per_step=4 rollout.samples_per_prompt=3 \
   rollout.max_new_tokens=6 eval.every=0 checkpoint.every=3 logging.progress=false train.parallel=fsdp train.ranks=1 \
   train.colocate=true
+TAIL=4 run colocated_memory 150 $PY benchmarks/gpu/fsdp_check.py colocated --shape 0.5b --timeout 70 \
+  --json "$OUT/fsdp_colocated_memory.json"
 TAIL=4 run largest 125 $PY benchmarks/gpu/fsdp_check.py largest --shapes $SHAPES --timeout 60 --json "$OUT/fsdp_largest.json"
 TAIL=4 run largest_offload 80 $PY benchmarks/gpu/fsdp_check.py largest --shapes 3b 7b --offload --timeout 60 \
   --json "$OUT/fsdp_largest_offload.json"

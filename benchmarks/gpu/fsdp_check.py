@@ -4,6 +4,7 @@ CPU offload, with peak device memory.
 
     python benchmarks/gpu/fsdp_check.py step [--shape 135m] [--repeats 3] [--json OUT]
     python benchmarks/gpu/fsdp_check.py largest --shapes 1.5b 3b 7b [--offload] [--json OUT]
+    python benchmarks/gpu/fsdp_check.py colocated [--shape 0.5b] [--json OUT]
 
 `step`: the demo workload's batch (8 groups x 32 samples, prompts of ~40 tokens, responses of
 ~290; `rollover bench train`'s GPU size) through `Trainer.train_step` and through
@@ -188,6 +189,39 @@ def largest(args) -> dict:
     return {"runs": out}
 
 
+def colocated_memory(args) -> dict:
+    """A colocated run (train.colocate, one rank on the one GPU) of a Qwen2.5 shape with random
+    weights, with the engine freeing its weights while the rank trains and keeping them: the
+    step's peak GPU memory (`perf/peak_device_gb`) of each."""
+    from transformers import AutoModelForCausalLM
+
+    from rollover.testing import char_tokenizer
+
+    shape = "tiny" if SMALL else args.shape
+    model_dir = f"/tmp/colocated_{shape}"
+    if not os.path.exists(f"{model_dir}/config.json"):
+        AutoModelForCausalLM.from_config(qwen_config(shape)).save_pretrained(model_dir)
+        char_tokenizer().save_pretrained(model_dir)
+    out = {"shape": shape, "runs": []}
+    for free in (True, False):
+        run_dir = f"/tmp/colocated_run_{free}"
+        subprocess.run(["rm", "-rf", run_dir], check=True)
+        cmd = [sys.executable, "-m", "rollover.cli", "train", f"device={'cpu' if SMALL else 'cuda'}", f"model={model_dir}",
+               f"run_dir={run_dir}", "steps=2", "data.train=gen:arithmetic?n=120", "data.eval_size=4",
+               "rollout.prompts_per_step=8", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=64",
+               "eval.every=0", "eval.at_start=false", "checkpoint.every=0", "logging.progress=false",
+               "train.parallel=fsdp", "train.ranks=1", "train.colocate=true", f"train.colocate_free_weights={free}"]
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        rows = []
+        if os.path.exists(f"{run_dir}/metrics.jsonl"):
+            rows = [json.loads(x) for x in open(f"{run_dir}/metrics.jsonl") if json.loads(x).get("kind") == "train"]
+        out["runs"].append({"free_weights": free, "rc": done.returncode, "seconds": time.perf_counter() - t0,
+                            "peak_device_gb": [r.get("perf/peak_device_gb") for r in rows],
+                            "error": done.stderr[-600:] if done.returncode else None})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -200,6 +234,10 @@ def main() -> None:
     big.add_argument("--offload", action="store_true", help="CPU offload of weights, gradients and optimizer state")
     big.add_argument("--timeout", type=float, default=240, help="seconds per shape")
     big.add_argument("--json", help="write the result here")
+    co = sub.add_parser("colocated", help="a colocated run's step peak GPU memory, engine weights freed or kept")
+    co.add_argument("--shape", default="0.5b", choices=SHAPES, help="model shape (random weights)")
+    co.add_argument("--timeout", type=float, default=120, help="seconds per run")
+    co.add_argument("--json", help="write the result here")
     c = sub.add_parser("_child")
     c.add_argument("shape")
     c.add_argument("--offload", action="store_true")
@@ -207,7 +245,7 @@ def main() -> None:
     if args.cmd == "_child":
         print(json.dumps(largest_child("tiny" if SMALL else args.shape, args.offload)), flush=True)
         return
-    out = step(args) if args.cmd == "step" else largest(args)
+    out = {"step": step, "largest": largest, "colocated": colocated_memory}[args.cmd](args)
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

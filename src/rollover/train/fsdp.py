@@ -175,6 +175,12 @@ class FSDPTrainer(Trainer):
         dist.all_reduce(both, group=self._cpu_group)
         return int(both[0]), int(both[1])
 
+    def _peak_device_gb(self) -> float:
+        """The largest of the ranks' step peaks (each rank's own GPU)."""
+        peak = torch.tensor([super()._peak_device_gb()])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        return float(peak[0])
+
     def _reduce(self, sums: dict, totals: tuple, finite: bool) -> tuple[dict, tuple, bool]:
         parts: list = [None] * self.world
         dist.all_gather_object(parts, (sums, totals, finite), group=self._cpu_group)

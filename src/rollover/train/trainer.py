@@ -268,6 +268,8 @@ class Trainer:
         if self._share is not None:  # on a CPU: as many threads as other processes leave cores free
             self._share.apply()
         cfg, t = self.cfg, self.cfg.train
+        if self.device.type == "cuda":  # the step's own high-water mark (perf/peak_device_gb)
+            torch.cuda.reset_peak_memory_stats(self.device)
         multi = t.ppo_epochs * t.mini_batches > 1
         old_BT = self._fitting(self.logprobs, batch) if multi else None
         ref_BT = None
@@ -292,12 +294,19 @@ class Trainer:
                 skipped |= metrics.pop("skipped")
         out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
         out["skipped_step"] = float(skipped)
+        if self.device.type == "cuda":
+            out["perf/peak_device_gb"] = self._peak_device_gb()
         memory.release()
         if skipped:
             self.bad_steps += 1
         else:
             self.bad_steps = 0
         return out
+
+    def _peak_device_gb(self) -> float:
+        """The most GPU memory this process's tensors held during the step (an engine sharing the
+        device included), in GB."""
+        return torch.cuda.max_memory_allocated(self.device) / 1e9
 
     def _groups(self, batch: TrainBatch) -> list[int]:
         """The step's groups, in the order mini-batches take them."""
