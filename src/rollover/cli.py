@@ -113,9 +113,10 @@ def _train(argv: list[str]) -> int:
     if cfg is None:
         return 2
     if job is not None:
-        if cfg.train.parallel != "fsdp" or cfg.train.ranks not in (1, job["world"]):
+        if cfg.train.parallel != "fsdp" or cfg.train.ranks not in (1, job["world"]) or cfg.runtime != "local":
             print(f"rollover train: torchrun started {job['world']} processes, which are the trainer's ranks: set "
-                  f"train.parallel=fsdp (and train.ranks={job['world']} or leave it unset); nothing was started",
+                  f"train.parallel=fsdp (and train.ranks={job['world']} or leave it unset) with runtime=local "
+                  "(runtime=ray places rank actors of its own: run it without torchrun); nothing was started",
                   file=sys.stderr)
             return 2
         cfg = _load_config("rollover train", *_split_config(args.config, [*args.overrides, f"train.ranks={job['world']}"]))

@@ -335,8 +335,16 @@ class FSDPTrainer(Trainer):
 def _broadcast_from_rank0(model: nn.Module, device: torch.device) -> None:
     """Rank 0's parameters and buffers into every rank's copy, a tensor at a time (through the
     device on GPUs, so NCCL carries it and only one tensor is there at once)."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for r, theirs in enumerate(every):
+        if theirs != every[0]:  # one broadcast too many or too few would hang every rank
+            diff = next((a, b) for a, b in zip(every[0] + [None], theirs + [None]) if a != b)
+            raise ValueError(f"rank {r} built another model than rank 0: {diff[1]} where rank 0 has {diff[0]}")
     with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
+        for _, t in named:
             if device.type == "cuda":
                 moved = t.data.to(device)
                 dist.broadcast(moved, src=0)

@@ -46,12 +46,14 @@ class RankLost(RuntimeError):
 
 
 # what a rank's traceback says when a collective failed because a peer stopped (not its own fault)
-_PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "ProcessGroupGloo", "ProcessGroupNCCL",
-                 "NCCL error", "Gloo", "timed out", "Timed out", "Broken pipe")
+_PEER_FAILURE = ("DistBackendError", "DistNetworkError", "DistStoreError", "gloo", "Gloo", "NCCL",
+                 "Connection closed by peer", "Connection reset by peer")
 
 
 def _collective_error(traceback_text: str) -> bool:
-    return any(mark in traceback_text for mark in _PEER_FAILURE)
+    """Whether a traceback's exception (its last line) is a collective's or a connection's."""
+    last = next((line for line in reversed(traceback_text.strip().splitlines()) if line.strip()), "")
+    return any(mark in last for mark in _PEER_FAILURE)
 
 
 def _free_port() -> int:
@@ -190,7 +192,14 @@ class RankServer:
 
 def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int, threads: int, conn,
                events=None, from_rank0: bool = False, reference=None) -> None:
-    """One rank as a process of this machine: answer the driver's calls on `conn` until `close`."""
+    """One rank as a process of this machine: answer the driver's calls on `conn` until `close`.
+    A stop signal (Ctrl-C reaches the whole process group; torchrun passes SIGTERM on) is the
+    driver's to act on: it finishes the step, saves it with every rank, then closes them; if the
+    driver dies, the pipe's end ends this process."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         server = RankServer(rank, world, init_method, cfg, model, pad_id, threads, events, from_rank0=from_rank0,
                             reference=reference)
@@ -206,14 +215,15 @@ def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int,
             pass
 
 
-def _serve(server: RankServer, conn) -> None:
+def _serve(server: RankServer, conn) -> bool:
+    """Answer the driver's calls until `close` (True) or a failure its peers may share (False)."""
     while True:
         call, *args = conn.recv()
         try:
             if call == "close":
                 conn.send(("ok", None))
                 server.close()
-                return
+                return True
             if call == "weights":  # every bucket in turn, rank 0 sending each as it fills
                 server.begin_weights(*args)
                 n = 0
@@ -231,7 +241,7 @@ def _serve(server: RankServer, conn) -> None:
             conn.send(("error", traceback.format_exc()))
             if call in ("train_step", "weights", "save_sharded", "load", "engine_start", "engine_load"):  # its peers
                 # may be mid-collective
-                return
+                return False
 
 
 def _peak_rss_gb() -> float | None:

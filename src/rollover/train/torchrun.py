@@ -27,13 +27,18 @@ import logging
 import os
 import pickle
 import secrets
+import signal
 import socket
+import traceback
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener
 
 log = logging.getLogger("rollover")
 
-ADDRESS_KEY = "rollover/driver"
+def _address_key() -> str:
+    """Where the driver's address goes: one key per attempt (torchrun --max-restarts keeps its
+    store across attempts, and a dead driver's address would send the new ranks to nobody)."""
+    return f"rollover/driver/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def torchrun_env() -> dict | None:
@@ -88,7 +93,7 @@ class RemoteRanks:
         port = self._listener.address[1]
         self._store = _store(env, timeout_s)
         # MASTER_ADDR: rank 0's machine, which every rank reaches (torchrun's own rendezvous uses it)
-        self._store.set(ADDRESS_KEY, pickle.dumps((env["addr"], port, key, colocate)))
+        self._store.set(_address_key(), pickle.dumps((env["addr"], port, key, colocate)))
         roles = ("calls", "lifeline", "events") if colocate else ("calls", "lifeline")
         self.calls: dict[int, PlainConnection] = {}
         self.lifelines: dict[int, PlainConnection] = {}
@@ -125,6 +130,8 @@ def _skeleton(config, dtype, lora: dict | None):
         if lora is not None:
             model = apply_lora(model, lora)
     model.to_empty(device="cpu")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.tie_weights()  # to_empty gave the tied LM head a tensor of its own
     return model
 
 
@@ -135,23 +142,30 @@ def serve_rank(env: dict, wait_s: float = 3600.0) -> int:
     from rollover.train.ranks import RankServer, _serve
 
     store = _store(env, wait_s)
-    host, port, key, colocate = pickle.loads(store.get(ADDRESS_KEY))
+    host, port, key, colocate = pickle.loads(store.get(_address_key()))
     conns = {}
     for role in ("calls", "lifeline", "events") if colocate else ("calls", "lifeline"):
         conns[role] = PlainConnection(Client((host, port), authkey=key))
         conns[role].send((env["rank"], role))
+    # from now on the driver decides when this rank ends (its `close`, or its connection's end):
+    # a stop signal torchrun passes on lets the driver finish the step and checkpoint with every rank
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     calls = conns["calls"]
     try:
         start = calls.recv()
-        model = _skeleton(start["config"], start["dtype"], start["cfg"].train.lora)
-        reference = _skeleton(start["config"], start["dtype"], None) if start["reference"] else None
-        server = RankServer(env["rank"], env["world"], start["init"], start["cfg"], model, start["pad_id"],
-                            max(1, (os.cpu_count() or 1) // env["local_world"]), conns.get("events"),
-                            from_rank0=True, local_rank=env["local_rank"], reference=reference)
+        try:
+            model = _skeleton(start["config"], start["dtype"], start["cfg"].train.lora)
+            reference = _skeleton(start["config"], start["dtype"], None) if start["reference"] else None
+            server = RankServer(env["rank"], env["world"], start["init"], start["cfg"], model, start["pad_id"],
+                                max(1, (os.cpu_count() or 1) // env["local_world"]), conns.get("events"),
+                                from_rank0=True, local_rank=env["local_rank"], reference=reference)
+        except Exception:
+            calls.send(("error", traceback.format_exc()))  # the driver reports it, naming this rank
+            return 1
         del model, reference
         calls.send(("ok", server.info))
-        _serve(server, calls)
-    except (EOFError, ConnectionError, KeyboardInterrupt):  # the driver went away
+        return 0 if _serve(server, calls) else 1
+    except (EOFError, ConnectionError):  # the driver went away
         return 1
-    return 0
 
