@@ -104,8 +104,9 @@ class FSDPTrainer(Trainer):
 
     def __init__(self, model, cfg, *, device: torch.device, pad_id: int = 0, from_rank0: bool = False,
                  reference=None):
-        """from_rank0: every rank takes rank 0's weights before sharding (ranks that built only the
-        model's structure: started by torchrun, `rollover.train.torchrun`)."""
+        """from_rank0: the ranks other than 0 built only the model's structure, on the meta device
+        (started by torchrun, `rollover.train.torchrun`): they shard it and take their parts of
+        rank 0's tensors."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._from_rank0 = from_rank0
         self._global_groups: list[int] | None = None
@@ -118,9 +119,11 @@ class FSDPTrainer(Trainer):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         t = self.cfg.train
-        if self._from_rank0:
-            _broadcast_from_rank0(model, self.device)
         mesh = init_device_mesh(self.device.type, (self.world,))
+        if self._from_rank0:
+            shapes = _check_same_model(model)
+            if self.rank == 0:  # its whole tensors to the others, then it shards them as usual
+                _broadcast_whole(model, self.device)
         kw = {"mesh": mesh}
         if t.dtype == "autocast_bf16":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -130,6 +133,11 @@ class FSDPTrainer(Trainer):
             fully_shard(layer, **kw)
         root = _Root(model)
         fully_shard(root, **kw)
+        if self._from_rank0 and self.rank != 0:  # built on the meta device: room for its shards only, then rank 0's values
+            model.to_empty(device="cpu" if t.fsdp_offload else self.device)
+            for b in model.buffers():  # buffers are not sharded or offloaded: they stay where the passes run
+                b.data = b.data.to(self.device)
+            _receive_shards(model, shapes, self.device, self.rank, self.world)
         # the ranks' losses are parts of one sum (global normalisers): add their gradients, do not average
         for m in root.modules():
             if hasattr(m, "set_gradient_divide_factor"):
@@ -332,25 +340,47 @@ class FSDPTrainer(Trainer):
             self.micro_batch_tokens = now
 
 
-def _broadcast_from_rank0(model: nn.Module, device: torch.device) -> None:
-    """Rank 0's parameters and buffers into every rank's copy, a tensor at a time (through the
-    device on GPUs, so NCCL carries it and only one tensor is there at once)."""
-    named = [*model.named_parameters(), *model.named_buffers()]
-    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
+def _check_same_model(model: nn.Module) -> list[tuple]:
+    """Every rank built rank 0's model (names, shapes, dtypes of its parameters and buffers), or
+    all of them raise: one broadcast too many or too few would hang them. Returns them."""
+    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in [*model.named_parameters(), *model.named_buffers()]]
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     for r, theirs in enumerate(every):
-        if theirs != every[0]:  # one broadcast too many or too few would hang every rank
+        if theirs != every[0]:
             diff = next((a, b) for a, b in zip(every[0] + [None], theirs + [None]) if a != b)
             raise ValueError(f"rank {r} built another model than rank 0: {diff[1]} where rank 0 has {diff[0]}")
+    return mine
+
+
+def _broadcast_whole(model: nn.Module, device: torch.device) -> None:
+    """Rank 0: each parameter and buffer, whole, a tensor at a time (through the GPU on GPUs, so
+    NCCL carries it)."""
     with torch.no_grad():
-        for _, t in named:
-            if device.type == "cuda":
-                moved = t.data.to(device)
-                dist.broadcast(moved, src=0)
-                t.data.copy_(moved)
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.detach().to(device), src=0)
+
+
+def _receive_shards(model: nn.Module, shapes: list[tuple], device: torch.device, rank: int, world: int) -> None:
+    """Another rank, its model sharded: each of rank 0's tensors in turn into a buffer of one
+    tensor's size, this rank's part of it (FSDP2's dim-0 chunk) kept; buffers (not sharded) whole."""
+    from torch.distributed.tensor import DTensor
+
+    dtypes = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+    with torch.no_grad():
+        for t, (name, shape, dtype) in zip([*model.parameters(), *model.buffers()], shapes):
+            whole = torch.empty(shape, dtype=dtypes.get(dtype, t.dtype), device=device)
+            dist.broadcast(whole, src=0)
+            if isinstance(t, DTensor):
+                local = t.to_local()
+                chunks = torch.chunk(whole, world, dim=0)
+                part = chunks[rank] if rank < len(chunks) else whole[:0]
+                if tuple(local.shape) != tuple(part.shape):
+                    raise RuntimeError(f"{name}: this rank's shard is {tuple(local.shape)}, its chunk of rank 0's "
+                                       f"{tuple(part.shape)}")
+                local.copy_(part)
             else:
-                dist.broadcast(t.data, src=0)
+                t.copy_(whole)
 
 
 @contextlib.contextmanager

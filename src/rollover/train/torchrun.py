@@ -15,9 +15,10 @@ pickled whole (`PlainConnection`), not through shared memory, so a rank may be o
 machine.
 
 A rank builds only the model's structure (from the driver's model config, on the meta device,
-LoRA included) and takes rank 0's weights by broadcast before sharding
-(`FSDPTrainer(from_rank0=True)`): nothing is read from disk there, and every rank starts from the
-driver's weights. A checkpoint's shards are read by every rank from `run_dir`, which must then
+LoRA included), shards it, makes room for its shards only and keeps its part of each of rank
+0's tensors as they are broadcast one at a time (`FSDPTrainer(from_rank0=True)`): nothing is read
+from disk there, no rank but 0 holds the whole model, and every rank starts from the driver's
+weights. A checkpoint's shards are read by every rank from `run_dir`, which must then
 be on a filesystem every node sees.
 """
 
@@ -119,7 +120,8 @@ class RemoteRanks:
 
 
 def _skeleton(config, dtype, lora: dict | None):
-    """The model's structure with uninitialised weights (rank 0's arrive by broadcast)."""
+    """The model's structure on the meta device: FSDPTrainer(from_rank0=True) shards it, makes
+    room for this rank's shards only and fills them from rank 0's tensors."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -129,9 +131,8 @@ def _skeleton(config, dtype, lora: dict | None):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         if lora is not None:
             model = apply_lora(model, lora)
-    model.to_empty(device="cpu")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.tie_weights()  # to_empty gave the tied LM head a tensor of its own
+    base.tie_weights()
     return model
 
 
