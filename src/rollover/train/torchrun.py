@@ -59,6 +59,7 @@ class PlainConnection:
 
     def __init__(self, conn: Connection):
         self.conn = conn
+        _keepalive(conn.fileno())
 
     def send(self, obj) -> None:
         self.conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
@@ -74,6 +75,19 @@ class PlainConnection:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def _keepalive(fd: int, idle_s: int = 30, every_s: int = 10, probes: int = 3) -> None:
+    """TCP keepalive on a connection: a machine that vanishes without closing it (power, network)
+    ends it within about idle + every * probes seconds, as a process's death would at once."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", every_s), ("TCP_KEEPCNT", probes)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    finally:
+        sock.close()  # the duplicate only: the options stay with the connection's socket
 
 
 def _store(env: dict, timeout_s: float):
