@@ -165,6 +165,8 @@ def test_a_step_with_fewer_groups_than_mini_batches_makes_one_update_per_group()
     m1, m2 = one.train_step(batch_of(1)), two.train_step(batch_of(1))
     assert m1.keys() == m2.keys() and m1["actor/pg_loss"] == m2["actor/pg_loss"]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(one.named_weights(), two.named_weights()))
+    # the schedule counts the update not made: it stands where a full step of 2 updates puts it
+    assert two.scheduler.last_epoch == 2 and one.scheduler.last_epoch == 1
 
 
 def test_a_killed_rank_ends_the_call_with_an_error_naming_it():

@@ -283,15 +283,19 @@ class Trainer:
         history: list[dict] = []
         skipped = False
         # a step may hold fewer groups than train.mini_batches (dynamic sampling out of rounds, failed
-        # groups dropped, downsampling): one update per group then, none empty
+        # groups dropped, downsampling): one update per group then, none empty, and the learning-rate
+        # schedule moved on by the updates not made, so it stays where the step count puts it
+        chunks = min(t.mini_batches, len(groups))
         for epoch in range(t.ppo_epochs):
-            for k in range(min(t.mini_batches, len(groups))):
+            for k in range(chunks):
                 chosen = set(groups[k :: t.mini_batches])
                 idx = [i for i, g in enumerate(batch.group_index_B.tolist()) if g in chosen]
                 metrics = self._update(batch.select(idx), None if old_BT is None else old_BT[idx],
                                        None if ref_BT is None else ref_BT[idx])
                 history.append(metrics)
                 skipped |= metrics.pop("skipped")
+        for _ in range(t.ppo_epochs * (t.mini_batches - chunks)):
+            self.scheduler.step()
         out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
         out["skipped_step"] = float(skipped)
         if self.device.type == "cuda":
