@@ -424,6 +424,17 @@ def torchrun(model_dir, run_dir, *extra: str, steps: int = 4):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def wait_for_a_step(job, run_dir, limit_s: float = 300) -> None:
+    """Until the torchrun job has trained a step (it must not end before)."""
+    import json
+
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + limit_s
+    while not (metrics.exists() and any(json.loads(x)["kind"] == "train" for x in metrics.read_text().splitlines())):
+        assert job.poll() is None and time.monotonic() < deadline, job.stdout.read() if job.poll() is not None else ""
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def tied_model_dir(tmp_path_factory):
     """The LM head is the embedding, as in most small real models (Qwen2.5-0.5B, SmolLM2)."""
@@ -447,14 +458,8 @@ def test_torchrun_ranks_train_as_the_ranks_the_command_starts(tied_model_dir, tm
 def test_a_stop_signal_to_torchrun_ends_the_step_with_a_checkpoint(model_dir, tmp_path):
     """torchrun passes SIGTERM to every process: the trainer ranks wait for the driver, which
     finishes its step and saves it."""
-    import json
-
     job = torchrun(model_dir, tmp_path / "r", steps=200)
-    metrics = tmp_path / "r" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and any(json.loads(x)["kind"] == "train" for x in metrics.read_text().splitlines())):
-        assert job.poll() is None and time.monotonic() < deadline
-        time.sleep(0.5)
+    wait_for_a_step(job, tmp_path / "r")
     job.send_signal(signal.SIGTERM)
     out, _ = job.communicate(timeout=120)
     assert "stopped after step" in out and "with a checkpoint" in out, out
@@ -462,14 +467,8 @@ def test_a_stop_signal_to_torchrun_ends_the_step_with_a_checkpoint(model_dir, tm
 
 
 def test_a_killed_torchrun_rank_ends_the_job_naming_it(model_dir, tmp_path):
-    import json
-
     job = torchrun(model_dir, tmp_path / "r", steps=200)
-    metrics = tmp_path / "r" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and any(json.loads(x)["kind"] == "train" for x in metrics.read_text().splitlines())):
-        assert job.poll() is None and time.monotonic() < deadline, job.stdout.read() if job.poll() is not None else ""
-        time.sleep(0.5)
+    wait_for_a_step(job, tmp_path / "r")
     rank1 = next(pid for pid in map(int, os.popen(f"pgrep -f 'rollover.cli train.*{tmp_path}'").read().split())
                  if b"RANK=1\0" in open(f"/proc/{pid}/environ", "rb").read())
     os.kill(rank1, signal.SIGKILL)

@@ -2,7 +2,7 @@
 
 With `train.parallel: fsdp` and N ranks on N GPUs, one engine on the driver would generate on
 one GPU while N-1 wait. Colocated, each rank process also holds a TorchEngine on its own device
-(`rollover.train.ranks.RankServer.engine_*`), and `ColocatedEngines` is the engine contract the
+(`rollover.train.rank_server.RankServer.engine_*`), and `ColocatedEngines` is the engine contract the
 loops see over those N engines: it validates and routes each request (least outstanding
 tokens, prompt-prefix affinity: `rollover.runtime.routing.Router`), keeps every live request and
 its future, and hands completions to the schedule as the ranks send them. The driver's APRIL

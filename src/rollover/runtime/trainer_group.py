@@ -22,7 +22,8 @@ import sys
 import threading
 
 from rollover.runtime.live import first_line, kill_actor
-from rollover.train.ranks import RankGroup, RankLost, RankServer, ShardedModel
+from rollover.train.rank_server import RankServer
+from rollover.train.ranks import RankGroup, RankLost, ShardedModel
 
 log = logging.getLogger("rollover")
 

@@ -4,7 +4,7 @@ train CONFIG`, one node or several).
 torchrun starts N copies of the command. The one with RANK 0 is the driver, as with
 `train.ranks`: it builds the run (data, engine, partial rollouts, async state) and starts trainer
 rank 0 as its own child process; every other copy is trainer rank RANK and serves the driver's
-calls, exactly as a rank process that `train.ranks` spawns (`rollover.train.ranks._serve`).
+calls, exactly as a rank process that `train.ranks` spawns (`rollover.train.rank_server._serve`).
 
 How they meet: the driver listens on a free port and writes its address (and a key) into
 torchrun's store (MASTER_ADDR:MASTER_PORT); each rank reads it and opens three connections:
@@ -154,10 +154,14 @@ def serve_rank(env: dict, wait_s: float = 3600.0) -> int:
     """Trainer rank RANK of a torchrun job: reach the driver (which first builds its run: data,
     model, engine; up to `wait_s`), build the model's structure, then answer its calls until it
     closes (or goes away). Returns the process's exit code."""
-    from rollover.train.ranks import RankServer, _serve
+    from rollover.train.rank_server import RankServer, _serve
 
     store = _store(env, wait_s)
-    host, port, key, colocate = pickle.loads(store.get(_address_key()))
+    try:
+        host, port, key, colocate = pickle.loads(store.get(_address_key()))
+    except Exception as e:  # the store's own timeout error says nothing of what was awaited
+        raise TimeoutError(f"torchrun rank {env['rank']}: the driver (RANK 0) published no address in "
+                           f"{wait_s:g} s ({type(e).__name__}: {e})") from None
     conns = {}
     for role in ("calls", "lifeline", "events") if colocate else ("calls", "lifeline"):
         conns[role] = PlainConnection(Client((host, port), authkey=key))
