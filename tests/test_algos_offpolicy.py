@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from rollover.algos import importance_weights, m2po_mask, policy_loss
+from rollover.algos import importance_weights, m2po_mask, m2po_update_mask, policy_loss
 
 F64 = torch.float64
 
@@ -129,6 +129,47 @@ def test_m2po_is_minimal_on_random_batches():
             # putting back the smallest dropped token breaks the bound: the mask is minimal
             assert torch.cat([kept, dropped.min()[None]]).mean() > tau
     assert batches_with_drops > 25
+
+
+def ranks_of(old, given, group, shares, tau):
+    """m2po_update_mask on each rank's rows (`shares`), its `gather` over all of them: the mask
+    reassembled [B, T], and each rank's metrics."""
+    mine = {}
+    for r, rows in enumerate(shares):  # what each rank hands to the gather
+        m2po_update_mask(old[rows], torch.zeros_like(old[rows]), given[rows], group[rows], tau=tau,
+                         gather=lambda x, r=r: (mine.setdefault(r, x), 0))
+    every = torch.cat([mine[r] for r in range(len(shares))])
+    starts = [sum(len(mine[q]) for q in range(r)) for r in range(len(shares))]
+    mask, metrics = torch.zeros_like(given), []
+    for r, rows in enumerate(shares):
+        mask[rows], m = m2po_update_mask(old[rows], torch.zeros_like(old[rows]), given[rows], group[rows], tau=tau,
+                                         gather=lambda x, r=r: (every, starts[r]))
+        metrics.append(m)
+    return mask, metrics
+
+
+def test_m2po_update_mask_is_one_mask_whatever_the_ranks():
+    g = torch.Generator().manual_seed(1)
+    old = 0.3 * torch.randn(8, 6, generator=g, dtype=F64)
+    given = torch.rand(8, 6, generator=g) < 0.8
+    group = torch.tensor([2, 0, 0, 1, 3, 2, 1, 3])
+    whole, whole_metrics = m2po_update_mask(old, torch.zeros_like(old), given, group, tau=0.04)
+    assert 0 < whole_metrics["m2po_masked_frac"] < 1 and torch.equal(whole & given, whole)
+    torch.testing.assert_close(whole, m2po_mask(old, torch.zeros_like(old), given, tau=0.04)[0])  # no ties here
+    for shares in ([[0, 3, 5, 6], [1, 2, 4, 7]], [[1, 2], [], [0, 3, 4, 5, 6, 7]]):  # whole groups, a rank empty
+        mask, metrics = ranks_of(old, given, group, [torch.tensor(s, dtype=torch.long) for s in shares], 0.04)
+        assert torch.equal(mask, whole)
+        assert all(torch.equal(m[k], v) for m in metrics for k, v in whole_metrics.items())  # on every rank
+
+
+def test_m2po_update_mask_breaks_ties_by_group_then_row_then_position():
+    # Δ² = [.09, .01], [.01, .09], [.09, .01]: mean .05, without one .09 .042, without two .03
+    old = t([[0.3, 0.1], [0.1, -0.3], [0.3, 0.1]])
+    given = torch.ones_like(old, dtype=torch.bool)
+    mask, _ = m2po_update_mask(old, torch.zeros_like(old), given, torch.tensor([1, 0, 1]), tau=0.04)
+    assert mask.tolist() == [[False, True], [True, False], [True, True]]
+    mask, _ = m2po_update_mask(old, torch.zeros_like(old), given, torch.tensor([0, 1, 0]), tau=0.04)
+    assert mask.tolist() == [[False, True], [True, True], [False, True]]
 
 
 def test_m2po_through_a_policy_loss():

@@ -109,6 +109,35 @@ def test_a_step_at_world_size_n_equals_one_trainers(world, over):
         sharded.close()
 
 
+@pytest.mark.parametrize("world,over", [
+    (2, {"train.mini_batches": 2}),
+    (4, {"train.micro_batch_tokens": 32, "train.pack_length": 16, "data.max_prompt_tokens": 8, "train.shared_prefix": False}),
+])
+def test_an_m2po_step_at_world_size_n_equals_one_trainers(world, over):
+    """algorithm.m2po_tau: the ranks cut one mask over the whole update's tokens, the one a single
+    trainer cuts, and report its metrics once (not summed over the ranks)."""
+    cfg = cfg_of(**{"train.ranks": world, "algorithm.m2po_tau": 0.04, **over})
+    model = tiny_model("llama", seed=3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        # the second batch has one group: at world size 4 one rank trains no sequence
+        for b in [batch_of(5), batch_of(1, seed=1)]:
+            # sampled off-policy: the model's logprobs, perturbed token by token, so some tokens go
+            noise = 0.3 * torch.randn(b.mask_BT.shape, generator=torch.Generator().manual_seed(2))
+            b.behav_logp_BT = torch.where(b.mask_BT, plain.logprobs(b) + noise, 0.0)
+            mp, ms = plain.train_step(b), sharded.train_step(b)
+            assert 0 < mp["actor/m2po_masked_frac"] < 1
+            for k in ("actor/pg_loss", "actor/grad_norm", "actor/masked_frac", "actor/m2po_masked_frac",
+                      "actor/m2po_m2_before", "actor/m2po_m2_after"):
+                assert ms[k] == pytest.approx(mp[k], rel=1e-5, abs=1e-7), k
+            assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
+            start = weights(plain)
+    finally:
+        sharded.close()
+
+
 def test_bf16_mixed_precision_and_gradient_checkpointing_at_world_size_2():
     """train.dtype=autocast_bf16 (FSDP's bf16 passes, fp32 master weights and reductions) with
     gradient checkpointing: the step's loss and gradient norm within bf16's precision of one

@@ -163,6 +163,49 @@ def test_micro_batch_split_does_not_change_the_update(model_dir, tmp_path):
         assert torch.allclose(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-7), k
 
 
+def test_m2po_masks_the_whole_update_whatever_the_micro_batch_split(model_dir, tmp_path):
+    """algorithm.m2po_tau: the mask is the update's, over all its loss tokens, not each micro-batch's:
+    one micro-batch and several give the same gradient, the same weights and the same M2PO metrics."""
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float(i % 3) - 1.0) for i in range(9)]
+    batch = batch_of(rolls)
+    grads, after, metrics = [], [], []
+    for mbt in (64, 16):
+        cfg = tiny_cfg(model_dir, tmp_path / f"r{mbt}", **{"train.micro_batch_tokens": mbt, "train.pack_length": 16,
+                                                             "data.max_prompt_tokens": 10, "algorithm.m2po_tau": 0.04})
+        torch.manual_seed(0)
+        model = tiny_model("llama", seed=5)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        tr = Trainer(model, cfg, device=torch.device("cpu"))
+        if mbt == 64:  # sampled off-policy: the model's logprobs, perturbed token by token
+            noise = 0.3 * torch.randn(batch.mask_BT.shape, generator=torch.Generator().manual_seed(1))
+            batch.behav_logp_BT = torch.where(batch.mask_BT, tr.logprobs(batch) + noise, 0.0)
+        seen, real_step = {}, tr.optimizer.step
+
+        def step(*a, **kw):  # the gradient the optimizer sees (see the test above)
+            seen.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            return real_step(*a, **kw)
+
+        tr.optimizer.step = step
+        m = tr.train_step(batch)
+        assert (m["actor/micro_batches"] == 1) == (mbt == 64)
+        grads.append(seen)
+        after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        metrics.append(m)
+    assert 0 < metrics[0]["actor/m2po_masked_frac"] < 1 and metrics[0]["actor/m2po_m2_after"] <= 0.04
+    for k in ("actor/m2po_masked_frac", "actor/masked_frac"):  # the same tokens dropped
+        assert metrics[1][k] == pytest.approx(metrics[0][k], rel=1e-12), k
+    for k in ("actor/m2po_m2_before", "actor/m2po_m2_after", "actor/pg_loss"):  # old logprobs packed otherwise: ~1e-6
+        assert metrics[1][k] == pytest.approx(metrics[0][k], rel=1e-5, abs=1e-9), k
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for k in grads[0]:
+        assert torch.allclose(grads[0][k], grads[1][k], rtol=1e-4, atol=1e-7), k
+    assert max(float((after[0][k] - start[k]).abs().max()) for k in start) > 0.5 * cfg.train.lr  # the step moved
+    # Adam's first step is about lr x sign(gradient): only near-zero gradient elements may differ
+    assert max(float((after[0][k] - after[1][k]).abs().max()) for k in start) < 0.05 * cfg.train.lr
+
+
 def test_running_out_of_device_memory_halves_the_micro_batch_and_redoes_the_update(model_dir, tmp_path):
     """An update whose micro-batch exceeds what the device holds (here: a forward that raises
     torch.OutOfMemoryError above 32 tokens) is redone at half the size, down to one row; the

@@ -11,7 +11,8 @@ entry. Every loss is to be *minimised*.
 - `advantages`: grpo, drgrpo, rloo, reinforce_pp_baseline, gapo (`ADVANTAGES`).
 - `policy`: ppo, gspo, gspo_token, cispo, decoupled_ppo, bapo (`POLICY_LOSSES`).
 - `offpolicy`: truncated / masked importance sampling and the M2PO mask, as options of every
-  policy loss (`is_level`, `is_mode`, `is_cap`, `is_floor`, `is_seq_ratio`, `m2po_tau`).
+  policy loss (`is_level`, `is_mode`, `is_cap`, `is_floor`, `is_seq_ratio`, `m2po_tau`);
+  `m2po_update_mask` cuts one M2PO mask over an update split into micro-batches and ranks.
 - `regularizers`: KL estimators k1/k2/k3, chunked entropy from logits, entropy bonus.
 - `aggregate`: token-mean, seq-mean-token-mean, seq-mean-token-sum, drgrpo, exact under
   micro-batching when given the step's global counts.
@@ -30,7 +31,13 @@ from rollover.algos.advantages import (
     rloo,
 )
 from rollover.algos.aggregate import AGGREGATIONS, aggregate, masked_max, masked_mean
-from rollover.algos.offpolicy import importance_weights, m2po_mask, off_policy_correction
+from rollover.algos.offpolicy import (
+    importance_weights,
+    m2po_drop,
+    m2po_mask,
+    m2po_update_mask,
+    off_policy_correction,
+)
 from rollover.algos.policy import (
     POLICY_LOSSES,
     PolicyLossOutput,
@@ -67,7 +74,9 @@ __all__ = [
     "gspo_token",
     "importance_weights",
     "kl_penalty",
+    "m2po_drop",
     "m2po_mask",
+    "m2po_update_mask",
     "masked_max",
     "masked_mean",
     "off_policy_correction",

@@ -17,7 +17,9 @@ trainer can compute them once per step on the full batch.
   `[floor, cap]`, the token dropped from the loss mask outside). AReaL's decoupled PPO weight
   `π_prox / π_behav` is the same quantity.
 - **M2PO** (arXiv 2510.01161): drop the fewest tokens with the largest `(log ρ)²` such that the
-  mean `(log ρ)²` of the remaining tokens is <= `tau`.
+  mean `(log ρ)²` of the remaining tokens is <= `tau`. The mean is over the batch given, so the
+  trainer computes the mask once per update, over all its loss tokens (every micro-batch, every
+  rank: `m2po_update_mask`), before any backward pass, and hands it to the loss as its mask.
 
 Departures and library differences:
 - Sequence-level `ρ` is the product `exp(Σ_t log ρ_t)` by default (verl, TRL);
@@ -96,42 +98,77 @@ def importance_weights(
     return weight_BT, mask_BT, metrics
 
 
+def m2po_drop(m2_N: Tensor, tau: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """M2PO's cut over a 1-D tensor of squared log-ratios (double): which to drop, the fewest
+    largest ones such that the mean of the rest is <= `tau`. Ties at the cut go to the earlier
+    entry (a stable sort), so the caller's order is the tie-break. If even the smallest value
+    exceeds `tau`, all are dropped. Returns `(drop_N, metrics)`, the metrics in double."""
+    if not tau >= 0:
+        raise ValueError(f"m2po_tau must be >= 0, got {tau}")
+    n = m2_N.numel()
+    m2_desc_N, order_N = torch.sort(m2_N, descending=True, stable=True)
+    # Mean of what is left after dropping the top k, for k = 0..n (k = n: nothing left, 0).
+    # Suffix sums are accumulated from the small end, which keeps them exact enough to
+    # compare with tau; `total - prefix` would cancel catastrophically.
+    suffix_K = torch.cat([m2_desc_N.flip(0).cumsum(0).flip(0), m2_desc_N.new_zeros(1)])
+    left_K = torch.arange(n, -1, -1, device=m2_N.device)
+    mean_left_K = suffix_K / left_K.clamp(min=1)
+    # mean_left is non-increasing in k (each dropped value is >= the mean it leaves), so the
+    # first k meeting the bound is the smallest.
+    k = int(torch.nonzero(mean_left_K <= tau)[0, 0])
+    drop_N = torch.zeros(n, dtype=torch.bool, device=m2_N.device)
+    drop_N[order_N[:k]] = True
+    metrics = {
+        "m2po_m2_before": mean_left_K[0],
+        "m2po_m2_after": mean_left_K[k],
+        "m2po_masked_frac": m2_N.new_tensor(k / max(n, 1)),
+    }
+    return drop_N, metrics
+
+
 def m2po_mask(
     old_logp_BT: Tensor, behav_logp_BT: Tensor, mask_BT: Tensor, *, tau: float = 0.04
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """M2PO's second-moment mask (arXiv 2510.01161): the loss mask minus the fewest tokens with
     the largest `(old - behav)²` such that the mean `(old - behav)²` of the rest is <= `tau`
-    (0.04 in the paper and AReaL, which the paper reports as insensitive).
+    (0.04 in the paper and AReaL, which the paper reports as insensitive), over the tokens given.
 
     Ties at the cut are broken by position (a stable sort); if even the smallest value exceeds
-    `tau`, every token is masked. Returns `(mask_BT, metrics)`.
+    `tau`, every token is masked. Returns `(mask_BT, metrics)`. The trainer masks each update
+    whole, across micro-batches and ranks, with `m2po_update_mask`.
     """
-    if not tau >= 0:
-        raise ValueError(f"m2po_tau must be >= 0, got {tau}")
     mask_BT = mask_BT.bool()
     with torch.no_grad():
         m2_N = (old_logp_BT - behav_logp_BT)[mask_BT].double().square()
-        n = m2_N.numel()
-        m2_desc_N, order_N = torch.sort(m2_N, descending=True, stable=True)
-        # Mean of what is left after dropping the top k, for k = 0..n (k = n: nothing left, 0).
-        # Suffix sums are accumulated from the small end, which keeps them exact enough to
-        # compare with tau; `total - prefix` would cancel catastrophically.
-        suffix_K = torch.cat([m2_desc_N.flip(0).cumsum(0).flip(0), m2_desc_N.new_zeros(1)])
-        left_K = torch.arange(n, -1, -1, device=m2_N.device)
-        mean_left_K = suffix_K / left_K.clamp(min=1)
-        # mean_left is non-increasing in k (each dropped value is >= the mean it leaves), so the
-        # first k meeting the bound is the smallest.
-        k = int(torch.nonzero(mean_left_K <= tau)[0, 0])
-        keep_N = torch.ones(n, dtype=torch.bool, device=m2_N.device)
-        keep_N[order_N[:k]] = False
+        drop_N, metrics = m2po_drop(m2_N, tau)
         new_mask_BT = torch.zeros_like(mask_BT)
-        new_mask_BT[mask_BT] = keep_N
-        metrics = {
-            "m2po_m2_before": mean_left_K[0].to(old_logp_BT.dtype),
-            "m2po_m2_after": mean_left_K[k].to(old_logp_BT.dtype),
-            "m2po_masked_frac": old_logp_BT.new_tensor(k / max(n, 1)),
-        }
-    return new_mask_BT, metrics
+        new_mask_BT[mask_BT] = ~drop_N
+    return new_mask_BT, {k: v.to(old_logp_BT.dtype) for k, v in metrics.items()}
+
+
+def m2po_update_mask(
+    old_logp_BT: Tensor, behav_logp_BT: Tensor, mask_BT: Tensor, group_B: Tensor, *, tau: float, gather=None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`m2po_mask` over a whole update whose rows may be split over ranks: each rank passes its
+    own rows and gets its part of the one mask (the same metrics on every rank).
+
+    `gather(x_N2)`: every rank's rows of `x` concatenated in rank order, and where this rank's
+    begin (None: one process). Ties at the cut go by group (`group_B`, numbered over the step),
+    then rank, then row, then position: with each group's rows on one rank, in their order, the
+    mask does not depend on how the update is split into micro-batches or ranks.
+    """
+    mask_BT = mask_BT.bool()
+    with torch.no_grad():
+        m2_N = (old_logp_BT - behav_logp_BT)[mask_BT].double().square()
+        group_N = group_B.to(mask_BT.device)[:, None].expand_as(mask_BT)[mask_BT].double()
+        mine_N2 = torch.stack([m2_N, group_N], dim=1).cpu()
+        every_N2, start = gather(mine_N2) if gather is not None else (mine_N2, 0)
+        by_group_N = torch.sort(every_N2[:, 1], stable=True).indices
+        drop_N = torch.empty(len(every_N2), dtype=torch.bool)
+        drop_N[by_group_N], metrics = m2po_drop(every_N2[by_group_N, 0], tau)
+        new_mask_BT = torch.zeros_like(mask_BT)
+        new_mask_BT[mask_BT] = ~drop_N[start: start + len(m2_N)].to(mask_BT.device)
+    return new_mask_BT, {k: v.to(old_logp_BT.dtype) for k, v in metrics.items()}
 
 
 def off_policy_correction(

@@ -14,7 +14,10 @@ its share of the step's sequences (`split_batch`); what makes N ranks train as o
   fewer micro-batches than another runs stand-in passes over one padding token, which select no
   token and add nothing (`_micro_batches`). A non-finite loss does not stop a rank early; the
   ranks agree afterwards whether the update is skipped (`_reduce`).
-- **Metrics** are summed over the ranks, so rank 0 reports the step's.
+- **One M2PO mask.** Every rank gathers all ranks' `(old - behav)²` of the update's loss tokens
+  and cuts the same mask over them (`_gather`), so M2PO drops what one trainer would.
+- **Metrics** are summed over the ranks, so rank 0 reports the step's (M2PO's, the same on
+  every rank, are not summed).
 
 Mixed precision (`train.dtype: autocast_bf16`): bf16 weights in the forward and backward, fp32
 master weights, gradients reduced in fp32 (`MixedPrecisionPolicy`). `train.fsdp_offload`: the
@@ -195,6 +198,11 @@ class FSDPTrainer(Trainer):
         keys = list(dict.fromkeys(k for s, _, _ in parts for k in s))
         out = {k: sum(s.get(k, 0.0) for s, _, _ in parts) for k in keys}
         return out, tuple(sum(t[i] for _, t, _ in parts) for i in range(len(totals))), all(f for _, _, f in parts)
+
+    def _gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        parts: list = [None] * self.world
+        dist.all_gather_object(parts, rows, group=self._cpu_group)
+        return torch.cat(parts), sum(len(p) for p in parts[: self.rank])
 
     def _clip_grad_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -5,9 +5,11 @@ its sequences into micro-batches, accumulates gradients, and normalises by the u
 *global* token (or sequence) count, so the result does not depend on the micro-batch split.
 
 Old (proximal) logprobs: with a single update per step, the current forward's detached
-logprobs serve as the old policy (ratio = 1, no extra forward). With several updates, one
-no-grad pass over the batch records them first. Behaviour logprobs always come from the
-engine; they enter only the off-policy options (TIS, M2PO, decoupled PPO).
+logprobs serve as the old policy (ratio = 1, no extra forward). With several updates, or with
+M2PO, one no-grad pass over the batch records them first. Behaviour logprobs always come from
+the engine; they enter only the off-policy options (TIS, M2PO, decoupled PPO). M2PO's mask is
+cut once per update over all its loss tokens (every micro-batch and rank) before its passes,
+so it does not depend on the split either.
 
 Logits are computed only at the positions that predict response tokens (the LM head on the
 selected hidden states), and divided by the rollout temperature so they match the engine's
@@ -32,6 +34,7 @@ import torch
 import torch.utils.checkpoint
 
 from rollover.algos import aggregate, kl_penalty, policy_loss
+from rollover.algos.offpolicy import m2po_update_mask
 from rollover.config import Config
 from rollover.train import memory
 from rollover.train.batch import MicroBatch, TrainBatch, pack
@@ -259,7 +262,7 @@ class Trainer:
         out = torch.zeros(len(batch), T, device=self.device)
         for mb in self._micro_batches(batch):
             logp, _ = self._forward(model, mb, need_entropy=False)
-            out[torch.tensor(mb.seq_index, device=self.device)] = self._to_BT(logp, mb, T)
+            out[torch.tensor(mb.seq_index, dtype=torch.long, device=self.device)] = self._to_BT(logp, mb, T)
         return out
 
     # ------------------------------------------------------------ training
@@ -271,7 +274,8 @@ class Trainer:
         if self.device.type == "cuda":  # the step's own high-water mark (perf/peak_device_gb)
             torch.cuda.reset_peak_memory_stats(self.device)
         multi = t.ppo_epochs * t.mini_batches > 1
-        old_BT = self._fitting(self.logprobs, batch) if multi else None
+        m2po = self._loss_options().get("m2po_tau") is not None  # its mask needs every token's pi_old first
+        old_BT = self._fitting(self.logprobs, batch) if multi or m2po else None
         ref_BT = None
         if cfg.algorithm.kl_coef > 0:
             if self.is_peft:
@@ -349,9 +353,8 @@ class Trainer:
         # with ranks, both counts are the whole step's, summed over them
         num_tokens, num_seqs = self._counts(int(mask_BT.sum()), int(mask_BT.any(dim=1).sum()))
         num_seqs = max(num_seqs, 1)
-        behav_BT = batch.behav_logp_BT.to(self.device)
-        adv_B = batch.adv_B.to(self.device)
-        opts = self._loss_options()
+        behav_BT, adv_B, opts = batch.behav_logp_BT.to(self.device), batch.adv_B.to(self.device), self._loss_options()
+        loss_mask_BT, m2po_metrics = self._m2po(batch, old_BT, behav_BT, mask_BT, opts.pop("m2po_tau", None))
         need_entropy = True  # logged every step; cheap next to the forward
 
         def accumulate():
@@ -367,7 +370,7 @@ class Trainer:
                 logp_BT = self._to_BT(logp, mb, T)
                 old = logp_BT.detach() if old_BT is None else old_BT[sel.cpu()].to(self.device)
                 m_BT = mask_BT[sel]
-                out = policy_loss(a.loss, logp_BT, old, adv_B[sel], m_BT, behav_BT[sel], **opts)
+                out = policy_loss(a.loss, logp_BT, old, adv_B[sel], loss_mask_BT[sel], behav_BT[sel], **opts)
                 loss_BT = out.loss_BT
                 if ref_BT is not None:
                     kl_BT = kl_penalty(logp_BT, ref_BT[sel.cpu()].to(self.device), a.kl_estimator)
@@ -391,7 +394,9 @@ class Trainer:
                 if not mb.seq_index:  # a rank's stand-in pass (rollover.train.fsdp): nothing to count
                     continue
                 loss_total += float(loss.detach())
-                w = float(m_BT.sum()) / max(num_tokens, 1)  # token-weighted mean of the loss metrics
+                given = float(m_BT.sum())
+                w = given / max(num_tokens, 1)  # token-weighted mean of the loss metrics
+                out.metrics["masked_frac"] = (given - float(out.mask_BT.sum())) / max(given, 1)  # M2PO's drops too
                 for k, v in out.metrics.items():
                     sums[k] = sums.get(k, 0.0) + w * float(v)
             return micro, sums, entropy_sum, kl_sum, loss_total, rollout_kl_sum, finite
@@ -404,6 +409,7 @@ class Trainer:
             sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, pad, slots), finite)
         grad_norm, finite = self._optimizer_step(finite)
         metrics = {f"actor/{k}": v for k, v in sums.items()}
+        metrics.update({f"actor/{k}": float(v) for k, v in m2po_metrics.items()})  # the same on every rank
         metrics.update({
             "actor/pg_loss": loss_total,
             "actor/entropy": entropy_sum / max(num_tokens, 1),
@@ -418,6 +424,13 @@ class Trainer:
         if ref_BT is not None:
             metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
         return metrics
+
+    def _m2po(self, batch: TrainBatch, old_BT, behav_BT, mask_BT, tau: float | None) -> tuple[torch.Tensor, dict]:
+        """The update's loss mask after M2PO (`tau`; None: off) and its metrics: one mask over all the
+        update's loss tokens, every micro-batch and rank, cut before any pass."""
+        if tau is None:
+            return mask_BT, {}
+        return m2po_update_mask(old_BT, behav_BT, mask_BT, batch.group_index_B, tau=tau, gather=self._gather)
 
     def _optimizer_step(self, finite: bool) -> tuple[float, bool]:
         """Clip and step when the loss and the gradient are finite (else skip this update, with a
@@ -441,6 +454,11 @@ class Trainer:
     def _reduce(self, sums: dict, totals: tuple, finite: bool) -> tuple[dict, tuple, bool]:
         """An update's metric sums, totals and finiteness (FSDPTrainer: over the ranks)."""
         return sums, totals, finite
+
+    def _gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every rank's `rows` (a CPU tensor) concatenated in rank order, and where this rank's
+        begin (FSDPTrainer: over the ranks); the M2PO mask is cut over them all."""
+        return rows, 0
 
     def _clip_grad_norm(self) -> float:
         """The gradient's norm, clipped to train.grad_clip when that is set."""
