@@ -222,6 +222,38 @@ def test_april_and_async_runs_on_cuda(model_dir, tmp_path, over):
         assert 0 <= r["actor/rollout_kl"] < 0.05, r["actor/rollout_kl"]
 
 
+@pytest.mark.vllm
+def test_vllm_in_a_rank_sleeps_while_the_rank_trains(tmp_path_factory, tmp_path):
+    """rollout.engine=vllm with train.colocate on the GPU: vLLM runs on the rank's device, sleeps
+    (level 2) while the rank trains, wakes for each step's weights, and the run trains with the
+    engine's logprobs close to the trainer's."""
+    import json
+
+    pytest.importorskip("vllm")
+    from rollover.loops.common import build_run
+    from rollover.loops.sync import train_sync
+
+    model_dir = str(save_tiny_model(tmp_path_factory.mktemp("m") / "vllm", "llama", seed=3, num_attention_heads=2,
+                                    num_key_value_heads=1))
+    cfg = cuda_cfg(model_dir, tmp_path / "run", steps=3, **{
+        "train.parallel": "fsdp", "train.ranks": 1, "train.colocate": True, "rollout.engine": "vllm",
+        "rollout.engine_options": {"enforce_eager": True}})
+    run = build_run(cfg)
+    held, push = [], run.weights.push
+
+    def after_training(*a, **k):  # the engine's weight bytes while the rank trained, before the push
+        held.append([st["engine_weight_bytes_in_step"] for st in run.trainer.stats()])
+        return push(*a, **k)
+
+    run.weights.push = after_training
+    train_sync(cfg, run=run)
+    assert held == [[0]] * 3
+    train = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert any(r["actor/grad_norm"] > 0 for r in train)
+    assert all(0 <= r["actor/rollout_kl"] < 0.05 for r in train), [r["actor/rollout_kl"] for r in train]
+
+
 def test_a_real_out_of_memory_halves_the_micro_batch(model_dir, tmp_path):
     """The device itself runs out of memory (a per-process cap between the peak of the whole
     update in one micro-batch and that of a quarter of it): the update is redone at smaller

@@ -341,6 +341,36 @@ def test_update_weights_rejects_bad_weights(engine, model):
     assert engine.version == v0
 
 
+def test_staged_buckets_load_as_one_update(engine, model, new_model):
+    """A trainer rank's push (`train.colocate`): buckets staged one by one, then one load; the
+    engine generates with the staged weights, each checked as it is staged, and a load that
+    would miss one is refused before anything changes. No sleep mode on CPU: releasing the
+    weights frees nothing and says so."""
+    v0 = engine.version
+    new = [(n, p.detach().clone()) for n, p in new_model.named_parameters()]
+    with pytest.raises(ValueError, match="unknown weight"):
+        engine.stage_weights([("model.nope.weight", torch.zeros(2))])
+    engine.stage_weights(new[:2])
+    engine.stage_weights(new[2:-1])
+    with pytest.raises(ValueError, match="missing"):  # the last tensor was never staged
+        engine.update_weights([], version=v0 + 1)
+    assert engine.version == v0
+    engine.update_weights(new[-1:], version=v0 + 1)  # the staged buckets and this one, in one load
+    out = engine.generate([Request(id="staged", prompt_ids=[30, 31, 32], sampling=GREEDY)])[0]
+    assert out.versions == [v0 + 1] * K
+    want = hf_logprobs(new_model, out.prompt_ids, out.response_ids)
+    assert torch.allclose(torch.tensor(out.logprobs), want, atol=ATOL)
+    held = engine.weight_bytes()
+    assert held == sum(p.numel() for _, p in new) * 4
+    assert engine.release_weights() == 0 and engine.weight_bytes() == held
+    running = engine.submit(Request(id="busy", prompt_ids=[30, 31], sampling=LONG))
+    with pytest.raises(RuntimeError, match="1 requests are unfinished"):
+        engine.release_weights()
+    engine.abort(["busy"])
+    assert running.result(timeout=30).finish == "abort"
+    engine.update_weights(model.named_parameters(), version=v0 + 2)  # back to the module's weights
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [
@@ -489,6 +519,61 @@ def test_untied_model_eos_update_and_shutdown(tmp_path):
         pending.result(timeout=30)
     with pytest.raises(RuntimeError, match="shut down"):
         eng.submit(Request(id="q", prompt_ids=[5]))
+
+
+def test_vllm_processes_end_with_a_killed_owner(tmp_path):
+    """vLLM's engine core outlives the process that started it when that one is SIGKILLed (a
+    killed trainer rank, a killed driver), holding its memory: the watcher VLLMEngine starts kills
+    it then; after a clean shutdown the watcher goes without killing anything."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = save_model(tiny_model("llama", seed=1, **TIED), tmp_path / "tiny")
+    code = (
+        "import sys, time\n"
+        "from rollover.engine.vllm_engine import VLLMEngine\n"
+        "if __name__ == '__main__':\n"
+        f"    e = VLLMEngine({path!r}, max_rows=4, max_len=64, enforce_eager=True)\n"
+        "    pids = [p.pid for p in e._llm.engine_core.resources.engine_manager.processes]\n"
+        "    print('PIDS', *pids, flush=True)\n"
+        "    if sys.argv[1] == 'clean':\n"
+        "        e.shutdown()\n"
+        "        print('down', flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    script = tmp_path / "owner.py"
+    script.write_text(code)
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+        except FileNotFoundError:
+            return False
+
+    for how in ("killed", "clean"):
+        owner = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True)
+        try:
+            line = next(x for x in owner.stdout if x.startswith("PIDS"))  # vLLM logs to stdout too
+            pids = [int(x) for x in line.split()[1:]]
+            assert pids and all(alive(p) for p in pids)
+            if how == "clean":
+                assert any(x.strip() == "down" for x in owner.stdout)
+                assert not any(alive(p) for p in pids)
+                watchers = subprocess.run(["pgrep", "-P", str(owner.pid), "-f", "os.kill.int.pid"], capture_output=True,
+                                          text=True).stdout
+                assert watchers.strip() == "", "the watcher outlived a clean shutdown"
+                continue
+            os.kill(owner.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while any(alive(p) for p in pids) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not any(alive(p) for p in pids), "vLLM's engine core outlived its killed owner"
+        finally:
+            owner.kill()
+            owner.wait()
 
 
 @pytest.mark.parametrize("april", [False, True])

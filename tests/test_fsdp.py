@@ -396,6 +396,37 @@ def test_colocated_engines_in_the_ranks_generate_and_train_as_one_trainer(model_
         assert max(float((one[k] - co[k]).abs().max()) for k in one) < 5e-5
 
 
+@pytest.mark.vllm
+def test_vllm_engines_in_the_ranks_generate_and_train_as_one_vllm_engine(tmp_path_factory, tmp_path):
+    """rollout.engine=vllm with train.colocate: each rank starts vLLM on its device from its own
+    gather (vLLM's random start-up weights replaced), takes its share of the requests, and loads
+    each step's weights from its own gather in staged buckets. Seeded vLLM sampling does not
+    depend on the batch, so the run trains the weights of the run with one vLLM engine beside
+    the same two ranks. (On a CPU vLLM cannot sleep: the weights stay while the ranks train.)"""
+    pytest.importorskip("vllm")
+    model_dir = str(save_tiny_model(tmp_path_factory.mktemp("m") / "vllm", "llama", seed=3, num_attention_heads=2,
+                                    num_key_value_heads=1))  # head_dim 32: vLLM's CPU attention needs >= 32
+    over = {"train.parallel": "fsdp", "train.ranks": 2, "steps": 2, "rollout.engine": "vllm",
+            "rollout.engine_options": {"enforce_eager": True}, "train.weight_bucket_mb": 0.05}
+    cfg = run_cfg(model_dir, tmp_path / "co", **over, **{"train.colocate": True})
+    run = build_run(cfg)
+    per_rank = []
+    release = run.engine.release_memory
+
+    def before_training():
+        per_rank.append([st.generated_tokens for st in run.engine._each("stats")])
+        release()
+
+    run.engine.release_memory = before_training
+    train_sync(cfg, run=run)
+    assert len(per_rank) == 2 and all(n > 0 for n in per_rank[-1])
+    co = final_weights(tmp_path / "co", step=2)
+    assert_trained(model_dir, co)
+    train_sync(run_cfg(model_dir, tmp_path / "one", **over))
+    one = final_weights(tmp_path / "one", step=2)
+    assert max(float((one[k] - co[k]).abs().max()) for k in one) < 5e-5
+
+
 def test_colocated_engines_that_keep_their_weights_hold_them_through_the_step(model_dir, tmp_path):
     cfg = run_cfg(model_dir, tmp_path, steps=1, **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True,
                                                    "train.colocate_free_weights": False})
@@ -419,6 +450,13 @@ def test_colocate_is_refused_where_it_cannot_run(model_dir, tmp_path):
         run_cfg(model_dir, tmp_path, mode="async", **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True})
     with pytest.raises(ConfigError, match="train.colocate_free_weights applies to the ranks' own engines"):
         run_cfg(model_dir, tmp_path, **{"train.colocate_free_weights": False})
+    # vLLM in the ranks sleeps while they train, which frees the K/V that APRIL's keep_kv keeps
+    vllm = {"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True, "rollout.engine": "vllm",
+            "partial_rollout.enabled": True, "algorithm.tis_cap": 2.0}
+    with pytest.raises(ConfigError, match="frees the K/V that keep_kv keeps"):
+        run_cfg(model_dir, tmp_path, **vllm, **{"partial_rollout.carry": "keep_kv"})
+    assert run_cfg(model_dir, tmp_path, **vllm).april_carry[0] == "resubmit"  # auto: what it would have kept
+    assert run_cfg(model_dir, tmp_path, **vllm, **{"train.colocate_free_weights": False}).april_carry[0] == "keep_kv"
 
 
 def test_a_rank_killed_with_its_engine_ends_the_run_naming_it(model_dir, tmp_path):

@@ -94,6 +94,8 @@ class Config(Section):
             return p.carry, f"partial_rollout.carry={p.carry} in the config"
         if self.env.name is not None or self.simulated_episodes:  # real or simulated episodes
             return "resubmit", "episodes carry their tokens and environment state"
+        if self.train.colocate and self.train.colocate_free_weights and self.rollout.engine == "vllm":
+            return "resubmit", "vLLM in the trainer ranks sleeps while they train, which frees every request's K/V"
         corrected = [n for n, on in (("algorithm.loss=" + str(a.loss), a.loss in ("decoupled_ppo", "bapo")),
                                      ("algorithm.tis_cap", a.tis_cap is not None),
                                      ("algorithm.m2po_tau", a.m2po_tau is not None)) if on]
@@ -205,9 +207,10 @@ class Config(Section):
             if self.runtime != "local":
                 problems.append("train.colocate runs with runtime=local (with Ray, place rollout workers and trainer "
                                 "ranks with ray.gpus_per_worker / ray.gpus_for_trainer)")
-            if self.rollout.engine != "torch":
-                problems.append("train.colocate runs TorchEngine in the ranks (rollout.engine=torch); vLLM in the "
-                                "ranks is not built yet")
+            if self.rollout.engine == "vllm" and t.colocate_free_weights and self.partial_rollout.carry == "keep_kv":
+                problems.append("partial_rollout.carry=keep_kv with vLLM in the ranks: vLLM's sleep while the ranks train "
+                                "(train.colocate_free_weights) frees the K/V that keep_kv keeps; use carry: resubmit, "
+                                "or train.colocate_free_weights: false")
         elif not t.colocate_free_weights:  # the default is true: false asks for engines this run does not have
             problems.append("train.colocate_free_weights applies to the ranks' own engines: it needs train.colocate=true")
         return problems

@@ -82,11 +82,13 @@ class TrainConfig(Section):
     colocate: bool = False
     """train.parallel=fsdp: every rank also runs a rollout engine on its own device (N GPUs
     generate, not one), loaded from its own gather of the weights; the engines free their K/V
-    cache while the ranks train. Sync mode (APRIL included), TorchEngine, local runtime."""
+    cache while the ranks train. Sync mode (APRIL included), local runtime; TorchEngine or vLLM
+    (rollout.engine), which on a GPU sleeps while the ranks train."""
     colocate_free_weights: bool = True
     """train.colocate: the engines also free their copy of the weights while the ranks train and
-    load them again after the step (a model needs room for a whole copy only while generating).
-    false: they keep it (no reallocation; on CUDA the decode graphs stay recorded)."""
+    load them again after the step (a model needs room for a whole copy only while generating;
+    vLLM: sleep level 2, on GPUs only). false: they keep it (no reallocation; on CUDA the decode
+    graphs stay recorded)."""
 
 
 class EvalConfig(Section):

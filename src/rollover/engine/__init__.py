@@ -73,10 +73,13 @@ def __getattr__(name):  # lazy: importing rollover.engine does not build anythin
     raise AttributeError(name)
 
 
-def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_ids, version: int = 0):
+def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_ids, version: int = 0,
+                colocated: bool = False):
     """The engine a run's config asks for, holding `weights` (named tensors, LoRA merged) as
-    `version` (0; a Ray worker's replacement starts at the current one). `architecture` is a Hugging Face model of the policy's architecture (its config
-    and module names; TorchEngine copies it), not the trainer's."""
+    `version` (0; a Ray worker's replacement starts at the current one). `architecture` is a
+    Hugging Face model of the policy's architecture (its config and module names; TorchEngine
+    copies it), not the trainer's. `colocated`: the engine of a trainer rank on `device`
+    (`train.colocate`)."""
     r = cfg.rollout
     dtype = r.dtype
     if dtype == "auto":  # float32 on every device: on a GPU the real model learned more in float32 (docs/gpu.md)
@@ -85,7 +88,7 @@ def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_i
         from rollover.engine.vllm_engine import VLLMEngine
 
         return VLLMEngine.from_config(cfg, weights=weights, max_len=max_len, dtype=dtype, eos_token_ids=eos_token_ids,
-                                      version=version, **r.engine_options)
+                                      version=version, colocated=device if colocated else None, **r.engine_options)
     from rollover.engine.torch_engine import TorchEngine
 
     if r.quantize == "int8" and device.type == "cpu" and dtype == "float32":

@@ -52,10 +52,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import itertools
 import math
 import os
-import tempfile
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -68,8 +68,10 @@ from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.sampler import position_seed
 from rollover.models import eos_ids
 from rollover.engine.validation import validate_request
-from rollover.engine.vllm_control import PauseControl, wait_control
+from rollover.engine.vllm_control import PauseControl
 from rollover.types import Completion, Request
+
+log = logging.getLogger("rollover")
 
 try:
     import vllm
@@ -83,6 +85,8 @@ except ImportError as e:  # the optional extra
     ) from e
 
 from rollover.engine.vllm_hooks import _Counters, _StepCounter  # noqa: E402  (needs vLLM)
+from rollover.engine.vllm_process import reap_with_this_process, visible_device  # noqa: E402
+from rollover.engine.vllm_weights import WeightControl  # noqa: E402
 
 
 @dataclass
@@ -110,16 +114,29 @@ class _Seq:
 
 
 def _engine_args(path: str, config, dtype: str, torch_dtype: torch.dtype, max_rows: int, max_len: int, seed: int,
-                 engine_options: dict) -> dict:
+                 engine_options: dict, colocated: torch.device | None = None) -> dict:
     """vLLM's engine arguments for rollover's use (token ids in and out, processed logprobs, the
-    weight-loading hook, prefix caching), with what a CPU needs, then the user's options."""
+    weight-loading hook, prefix caching), with what a CPU needs, what a trainer rank's engine needs
+    (`colocated`: the rank's device), then the user's options."""
     args = dict(
         model=path, dtype=dtype, max_model_len=max_len, max_num_seqs=max_rows, seed=seed,
         logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enable_prefix_caching=True,
         worker_extension_cls="rollover.engine.vllm_hooks.WeightLoader", disable_log_stats=True,
     )
+    sized = {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(engine_options)
+    if colocated is not None:
+        # its weights come from the trainer: vLLM starts from random ones instead of reading the
+        # checkpoint (which a rank of a torchrun job on another machine may not have beside the config)
+        args["load_format"] = "dummy"
+        if colocated.type == "cuda":
+            args["enable_sleep_mode"] = current_platform.is_sleep_mode_available()
+            if not sized:  # the trainer holds part of the device: a K/V cache for max_rows x max_len, and
+                # a budget vLLM's start-up check (free memory >= budget) passes beside the trainer's memory
+                free, total = torch.cuda.mem_get_info(colocated)
+                args["kv_cache_memory_bytes"] = _kv_cache_bytes(config, torch_dtype, max_rows, max_len)
+                args["gpu_memory_utilization"] = round(0.95 * free / total, 3)
     if current_platform.is_cpu():
-        if not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(engine_options):
+        if not sized:
             # vLLM's CPU default reserves 92% of RAM and refuses to start when that much is not free
             args["kv_cache_memory_bytes"] = _kv_cache_bytes(config, torch_dtype, max_rows, max_len)
         # A seeded request whose prefill is split across steps crashes vLLM 0.32's CPU worker
@@ -134,7 +151,7 @@ def _engine_args(path: str, config, dtype: str, torch_dtype: torch.dtype, max_ro
     return args
 
 
-class VLLMEngine(PauseControl, EngineAPI):
+class VLLMEngine(WeightControl, PauseControl, EngineAPI):
     """Continuous batching by vLLM, behind rollover's engine contract.
 
     model: a local directory, a hub id or an alias of `rollover.models.resolve_model` (its
@@ -142,6 +159,10 @@ class VLLMEngine(PauseControl, EngineAPI):
     max_rows: sequences decoded together (vLLM's max_num_seqs).
     max_len: tokens per sequence, prompt + response (vLLM's max_model_len).
     weights: (name, tensor) pairs to load right after start-up, e.g. a trainer's current ones.
+    colocated: the device of the trainer rank this engine shares (`train.colocate`): vLLM runs
+        there, starts from random weights (`weights` replaces them), sizes its K/V cache to
+        max_rows x max_len beside the trainer's memory and, on a GPU, can sleep while the rank
+        trains (`release_weights`).
     engine_options: passed to vLLM's `AsyncEngineArgs` (they override the defaults below).
     """
 
@@ -156,6 +177,7 @@ class VLLMEngine(PauseControl, EngineAPI):
         version: int = 0,
         eos_token_ids: Iterable[int] | None = None,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        colocated: torch.device | None = None,
         **engine_options,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -198,13 +220,18 @@ class VLLMEngine(PauseControl, EngineAPI):
         self._paused = False  # asked to pause (pause() / resume())
         self._vllm_paused = False  # vLLM is paused (loop thread)
         self._generation = 0  # weight loads done: the prefix-cache salt (a version number may be loaded twice)
+        self._staged: list[tuple[str, set[str]]] = []  # stage_weights: files written, not loaded yet
+        self._asleep = False  # release_weights put vLLM to sleep; the next update_weights wakes it
+        self._reaped: Callable[[], None] = lambda: None  # a clean shutdown's word to the watcher of vLLM's processes
 
-        args = _engine_args(path, config, dtype, self.dtype, max_rows, self.max_len, seed, engine_options)
+        args = _engine_args(path, config, dtype, self.dtype, max_rows, self.max_len, seed, engine_options, colocated)
+        self._sleeps = bool(args.get("enable_sleep_mode"))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollover-vllm", daemon=True)
         self._thread.start()
         try:
-            asyncio.run_coroutine_threadsafe(self._start(args), self._loop).result()
+            with visible_device(colocated):  # read by vLLM's engine-core process as it starts
+                asyncio.run_coroutine_threadsafe(self._start(args), self._loop).result()
             if weights is not None:
                 self.update_weights(weights, version)
         except BaseException:
@@ -217,14 +244,17 @@ class VLLMEngine(PauseControl, EngineAPI):
             vllm.AsyncEngineArgs(**args), stat_loggers=[lambda config, idx: _StepCounter(counters, max_rows)]
         )
         await self._llm.update_weight_version(str(self._version))  # stamps every step's tokens
+        manager = getattr(self._llm.engine_core.resources, "engine_manager", None)  # vLLM 0.32's (pinned)
+        self._reaped = reap_with_this_process(p.pid for p in getattr(manager, "processes", ()))
 
     @classmethod
     def from_config(cls, cfg, *, weights, max_len: int, dtype, eos_token_ids, version: int = 0,
-                    **engine_options) -> "VLLMEngine":
+                    colocated: torch.device | None = None, **engine_options) -> "VLLMEngine":
         """An engine for a run: the run's model and settings, holding `weights` (named
-        tensors, LoRA merged) as `version`."""
+        tensors, LoRA merged) as `version`; `colocated`: a trainer rank's device."""
         return cls(cfg.model, dtype=dtype, max_rows=cfg.rollout.max_rows, max_len=max_len, seed=cfg.seed,
-                   version=version, eos_token_ids=eos_token_ids, weights=weights, **engine_options)
+                   version=version, eos_token_ids=eos_token_ids, weights=weights, colocated=colocated,
+                   **engine_options)
 
     # ------------------------------------------------------------------ API
     @property
@@ -265,34 +295,6 @@ class VLLMEngine(PauseControl, EngineAPI):
         idset = None if ids is None else set(ids)
         return self._on_loop(lambda: self._abort_now(idset), wait=True)
 
-    def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, inflight: str = "continue"
-    ) -> list[Completion]:
-        """Load new weights in place, without a restart; later tokens carry `version`.
-
-        inflight='continue': running sequences are resubmitted from their tokens once the new
-        weights are in (their K/V recomputed). inflight='keep': they stay in vLLM, paused while
-        the weights load, and go on over the K/V the old weights computed (a sequence that has
-        not produced a token yet is resubmitted, so no prompt is prefilled under old weights and
-        decoded under new ones). inflight='abort': they are aborted and returned. Every weight
-        of the model must be given (names and shapes are checked here, before anything
-        changes). The tensors are copied before this returns.
-        """
-        if inflight not in ("continue", "keep", "abort"):
-            raise ValueError(f"inflight must be 'continue', 'keep' or 'abort', got {inflight!r}")
-        items = [(k, v.detach()) for k, v in named_tensors]
-        self._check_weights(items)
-        path = self._write_weights(items)
-        loaded: Future = Future()
-        try:
-            aborted = self._on_loop(lambda: self._begin_update(path, version, inflight, loaded), wait=True)
-        except BaseException:
-            _unlink(path)
-            raise
-        if not self._in_loop():
-            wait_control(loaded, "update_weights")
-        return aborted
-
     def stats(self) -> EngineStats:
         """Counters since start or `reset_stats` (see `_StepCounter`); raises if vLLM died."""
         with self._lock:
@@ -332,31 +334,6 @@ class VLLMEngine(PauseControl, EngineAPI):
             raise RuntimeError(f"engine stopped after an error: {self._error!r}") from self._error
         if self._stopped:
             raise RuntimeError("engine is shut down")
-
-    def _check_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        for name, t in items:
-            if name not in self._shapes:
-                raise ValueError(f"unknown weight {name!r}")
-            if tuple(t.shape) != self._shapes[name]:
-                raise ValueError(f"weight {name!r}: shape {tuple(t.shape)}, expected {self._shapes[name]}")
-        missing = self._required - {name for name, _ in items}
-        if missing:
-            raise ValueError(f"update_weights needs every weight of the model (vLLM reloads whole layers); "
-                             f"missing {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
-
-    def _write_weights(self, items: list[tuple[str, torch.Tensor]]) -> str:
-        from safetensors.torch import save_file
-
-        tmp = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="rollover-weights-", suffix=".safetensors", dir=tmp)
-        os.close(fd)
-        try:
-            # a copy per tensor: safetensors refuses tensors that share storage (tied weights)
-            save_file({k: v.to("cpu", self.dtype, copy=True).contiguous() for k, v in items}, path)
-        except BaseException:
-            os.unlink(path)
-            raise
-        return path
 
     def _in_loop(self) -> bool:
         return threading.current_thread() is self._thread
@@ -465,37 +442,6 @@ class VLLMEngine(PauseControl, EngineAPI):
                 out.append(self._finish(seq, "abort"))
         return out
 
-    def _begin_update(self, path: str, version: int, inflight: str, loaded: Future) -> list[Completion]:
-        running = [s for s in self._seqs.values() if s.running]
-        if inflight == "keep":  # a segment with no token yet restarts: its prefill uses the new weights
-            running = [s for s in running if s.segment_tokens == 0]
-        sub_ids = [s.sub_id for s in running]
-        for s in running:
-            self._stop_segment(s)
-        self._version = version
-        done = self._after_control(lambda: self._load(path, version, sub_ids, keep=inflight == "keep"))
-        done.add_done_callback(lambda _: _unlink(path))  # also when a shutdown cancels the load before it ran
-        done.add_done_callback(functools.partial(_pass_on, loaded))
-        if inflight == "abort":
-            return [self._finish(s, "abort") for s in running if s.id in self._seqs]
-        with self._counters.lock:
-            self._counters.stats.recomputed_tokens += sum(len(s.request.prompt_ids) + len(s.response_ids) for s in running)
-        for s in running:  # they wait for the new weights
-            s.task = self._loop.create_task(self._run_segment(s))
-        return []
-
-    async def _load(self, path: str, version: int, sub_ids: list[str], keep: bool) -> None:
-        if sub_ids:
-            await self._llm.abort(sub_ids)
-        hold = keep and not self._vllm_paused
-        if hold:  # nothing runs while the weights change: every step's tokens have one version
-            await self._pause_vllm()
-        await self._llm.collective_rpc("rollover_load_weights", args=(path,))
-        await self._llm.update_weight_version(str(version))
-        self._generation += 1  # a new prefix-cache salt: no block computed before this load is reused
-        if hold:
-            await self._resume_vllm()
-
     def _fail(self, error: BaseException) -> None:
         """vLLM failed: every unfinished request fails with the error, and so does every later call."""
         with self._lock:
@@ -523,26 +469,11 @@ class VLLMEngine(PauseControl, EngineAPI):
         if getattr(self, "_llm", None) is not None:
             self._llm.shutdown()
             self._llm = None  # its __del__ would shut down again at interpreter exit
+            self._reaped()  # its processes have stopped: the watcher may go
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in others:
             t.cancel()
         await asyncio.gather(*others, return_exceptions=True)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _pass_on(to: Future, done: Future) -> None:
-    if done.cancelled():
-        to.set_exception(RuntimeError("engine shut down during a weight update"))
-    elif done.exception() is not None:
-        to.set_exception(done.exception())
-    else:
-        to.set_result(None)
 
 
 def _kv_cache_bytes(config, dtype: torch.dtype, rows: int, max_len: int, block: int = 128) -> int:

@@ -15,13 +15,19 @@ from rollover.engine.core import EngineStats
 class WeightLoader:
     """Mixed into vLLM's worker class (`worker_extension_cls`); called by `collective_rpc`."""
 
-    def rollover_load_weights(self, path: str) -> None:
+    def rollover_load_weights(self, paths: list[str]) -> None:
+        """Every weight, from safetensors files read one at a time (VLLMEngine writes one per
+        update, or one per staged bucket)."""
         from safetensors.torch import load_file
+
+        def tensors():
+            for path in paths:
+                yield from load_file(path).items()
 
         # vLLM's in-place reload: restores the checkpoint-format parameters, loads, then re-runs
         # process_weights_after_loading (plain `model.load_weights` would write into tensors the
         # CPU backend has already repacked and emptied).
-        self.reload_weights(weights_iterator=iter(load_file(path).items()), is_checkpoint_format=True)
+        self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
         # A layer whose weight is another layer's (a tied LM head) loads nothing itself, so the
         # reload does not redo its kernel preparation: on CPU the LM head would go on computing
         # logits from its packed copy of the old embedding. Redo it for every tied layer.

@@ -99,7 +99,7 @@ class RankServer:
 
         weights = [nt for bucket in self.trainer.gather_buckets(bucket_bytes, everyone=True) for nt in bucket]
         self.engine = make_engine(self.cfg, self._architecture, weights=weights, device=self.device, max_len=max_len,
-                                  eos_token_ids=eos_token_ids)
+                                  eos_token_ids=eos_token_ids, colocated=True)
         del weights
         self._outbox = queue.SimpleQueue()
         threading.Thread(target=self._send_events, name="rollover-rank-events", daemon=True).start()
@@ -116,12 +116,17 @@ class RankServer:
 
     def engine_load(self, bucket_bytes: int, version: int, inflight: str):
         """The trainer's weights into this rank's engine, a bucket at a time (no second full
-        copy), the engine paused meanwhile; returns what `inflight='abort'` aborted."""
+        copy; vLLM takes each bucket as a file and loads them all at the end), the engine paused
+        meanwhile; returns what `inflight='abort'` aborted."""
         paused = self.engine.paused
         self.engine.pause()
+        stage = getattr(self.engine, "stage_weights", None)  # VLLMEngine: every weight in one load
         try:
             for bucket in self.trainer.gather_buckets(bucket_bytes, everyone=True):
-                self.engine.update_weights(bucket, version=version, inflight="keep")
+                if stage is not None:
+                    stage(bucket)
+                else:
+                    self.engine.update_weights(bucket, version=version, inflight="keep")
                 del bucket
             return self.engine.update_weights([], version=version, inflight=inflight)
         finally:

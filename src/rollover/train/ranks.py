@@ -28,10 +28,12 @@ gives up after `train.collective_timeout_s`.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
 import threading
+import weakref
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -173,6 +175,11 @@ class ShardedTrainer(RankGroup):
         threads = max(1, (os.cpu_count() or 1) // per_machine)  # the ranks split the cores
         if cfg.device != "cpu" and torch.cuda.is_available():
             threads = min(8, threads)  # on a GPU a rank's host threads only feed it
+        # a rank whose engine is vLLM starts vLLM's engine-core process, which a daemonic process
+        # may not; such ranks are closed before interpreter exit joins them (they would wait on the pipe)
+        daemon = not (cfg.train.colocate and cfg.rollout.engine == "vllm")
+        if not daemon:
+            atexit.register(_close_at_exit, weakref.ref(self))
         try:
             if env is not None:
                 if env["world"] != self.world:
@@ -183,7 +190,7 @@ class ShardedTrainer(RankGroup):
                 events_in, events_out = ctx.Pipe(duplex=False) if cfg.train.colocate else (None, None)
                 p = ctx.Process(target=_rank_main, args=(rank, self.world, init, cfg, model, pad_id, threads, child,
                                                          events_out, env is not None, reference),
-                                name=f"rollover-rank-{rank}", daemon=True)
+                                name=f"rollover-rank-{rank}", daemon=daemon)
                 p.start()
                 child.close()
                 if events_out is not None:
@@ -346,3 +353,8 @@ class ShardedTrainer(RankGroup):
             return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         return "its torchrun process ended or its machine went away"
 
+
+def _close_at_exit(ref) -> None:
+    trainer = ref()
+    if trainer is not None:
+        trainer.close()
