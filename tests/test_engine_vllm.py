@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -351,6 +352,10 @@ def test_staged_buckets_load_as_one_update(engine, model, new_model):
     with pytest.raises(ValueError, match="unknown weight"):
         engine.stage_weights([("model.nope.weight", torch.zeros(2))])
     engine.stage_weights(new[:2])
+    staged = [path for path, _ in engine._staged]
+    engine.discard_staged()  # a push that failed part-way: its buckets are not kept for the next
+    assert staged and not any(os.path.exists(p) for p in staged)
+    engine.stage_weights(new[:2])
     engine.stage_weights(new[2:-1])
     with pytest.raises(ValueError, match="missing"):  # the last tensor was never staged
         engine.update_weights([], version=v0 + 1)
@@ -494,10 +499,20 @@ def test_asyncio_api_and_threads(engine):
 def test_untied_model_eos_update_and_shutdown(tmp_path):
     """A second engine, built from a directory holding an untied model (its own LM head): EOS
     from its config stops generation, a weight update switches the greedy tokens to the new
-    weights', and shutdown fails what is unfinished and refuses later calls."""
+    weights', and shutdown fails what is unfinished, refuses later calls and stops the watcher of
+    vLLM's processes (without killing anything: see the next test)."""
+    import subprocess
+
+    def watchers():
+        out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "rollover: vLLM's watcher"], capture_output=True,
+                             text=True).stdout
+        return set(out.split())
+
     model, new_model = tiny_model("llama", seed=1, **ARCH), tiny_model("llama", seed=99, **ARCH)
     path = save_model(model, tmp_path / "tiny")
+    others = watchers()  # the module's engine's
     with VLLMEngine(path, max_rows=4, max_len=MAX_LEN, **OPTIONS) as eng:
+        assert len(watchers() - others) == 1
         eos = eng.eos_token_ids
         assert eos == (model.config.eos_token_id,)
         with TorchEngine(model, max_rows=2, max_len=MAX_LEN, eos_token_ids=[]) as ref:
@@ -519,13 +534,13 @@ def test_untied_model_eos_update_and_shutdown(tmp_path):
         pending.result(timeout=30)
     with pytest.raises(RuntimeError, match="shut down"):
         eng.submit(Request(id="q", prompt_ids=[5]))
+    assert watchers() == others
 
 
 def test_vllm_processes_end_with_a_killed_owner(tmp_path):
     """vLLM's engine core outlives the process that started it when that one is SIGKILLed (a
     killed trainer rank, a killed driver), holding its memory: the watcher VLLMEngine starts kills
-    it then; after a clean shutdown the watcher goes without killing anything."""
-    import os
+    it then."""
     import signal
     import subprocess
     import sys
@@ -538,9 +553,6 @@ def test_vllm_processes_end_with_a_killed_owner(tmp_path):
         f"    e = VLLMEngine({path!r}, max_rows=4, max_len=64, enforce_eager=True)\n"
         "    pids = [p.pid for p in e._llm.engine_core.resources.engine_manager.processes]\n"
         "    print('PIDS', *pids, flush=True)\n"
-        "    if sys.argv[1] == 'clean':\n"
-        "        e.shutdown()\n"
-        "        print('down', flush=True)\n"
         "    time.sleep(600)\n"
     )
     script = tmp_path / "owner.py"
@@ -553,27 +565,19 @@ def test_vllm_processes_end_with_a_killed_owner(tmp_path):
         except FileNotFoundError:
             return False
 
-    for how in ("killed", "clean"):
-        owner = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True)
-        try:
-            line = next(x for x in owner.stdout if x.startswith("PIDS"))  # vLLM logs to stdout too
-            pids = [int(x) for x in line.split()[1:]]
-            assert pids and all(alive(p) for p in pids)
-            if how == "clean":
-                assert any(x.strip() == "down" for x in owner.stdout)
-                assert not any(alive(p) for p in pids)
-                watchers = subprocess.run(["pgrep", "-P", str(owner.pid), "-f", "os.kill.int.pid"], capture_output=True,
-                                          text=True).stdout
-                assert watchers.strip() == "", "the watcher outlived a clean shutdown"
-                continue
-            os.kill(owner.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 20
-            while any(alive(p) for p in pids) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert not any(alive(p) for p in pids), "vLLM's engine core outlived its killed owner"
-        finally:
-            owner.kill()
-            owner.wait()
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = next(x for x in owner.stdout if x.startswith("PIDS"))  # vLLM logs to stdout too
+        pids = [int(x) for x in line.split()[1:]]
+        assert pids and all(alive(p) for p in pids)
+        os.kill(owner.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids), "vLLM's engine core outlived its killed owner"
+    finally:
+        owner.kill()
+        owner.wait()
 
 
 @pytest.mark.parametrize("april", [False, True])

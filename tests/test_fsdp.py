@@ -427,6 +427,47 @@ def test_vllm_engines_in_the_ranks_generate_and_train_as_one_vllm_engine(tmp_pat
     assert max(float((one[k] - co[k]).abs().max()) for k in one) < 5e-5
 
 
+@pytest.mark.vllm
+def test_ranks_with_vllm_end_when_the_driver_is_killed(tmp_path_factory, tmp_path):
+    """The driver SIGKILLed (out of memory, say) with vLLM in its ranks: each rank sees its pipe
+    end, stops its vLLM (whose engine process would otherwise keep the rank from exiting) and
+    exits; nothing of theirs is left running."""
+    import json
+    import subprocess
+    import sys
+
+    psutil = pytest.importorskip("psutil")
+    pytest.importorskip("vllm")
+    model_dir = str(save_tiny_model(tmp_path_factory.mktemp("m") / "vllm", "llama", seed=3, num_attention_heads=2,
+                                    num_key_value_heads=1))
+    over = {"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True, "rollout.engine": "vllm",
+            "rollout.engine_options": {"enforce_eager": True}}
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "from rollover.config import load_config\n"
+        "from rollover.loops.common import build_run\n"
+        "if __name__ == '__main__':\n"
+        "    run = build_run(load_config(**json.loads(sys.argv[1])))\n"
+        "    print('PIDS', *[p.pid for p in run.trainer.procs], flush=True)\n"
+        "    time.sleep(600)\n")
+    cfg = {"device": "cpu", "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 2, "seed": 7,
+           "data.train": "gen:arithmetic?n=120", "data.max_prompt_tokens": 64, "rollout.max_new_tokens": 6,
+           "rollout.max_rows": 8, "logging.progress": False, "logging.tensorboard": False, **over}
+    driver = subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = next(x for x in driver.stdout if x.startswith("PIDS"))
+        ranks = [psutil.Process(int(x)) for x in line.split()[1:]]
+        theirs = ranks + [c for r in ranks for c in r.children(recursive=True)]
+        assert len(theirs) > len(ranks)  # the ranks' vLLM processes
+        driver.kill()
+        _, alive = psutil.wait_procs(theirs, timeout=60)
+        assert not alive, f"still running after the driver's death: {[p.name() for p in alive]}"
+    finally:
+        driver.kill()
+        driver.wait()
+
+
 def test_colocated_engines_that_keep_their_weights_hold_them_through_the_step(model_dir, tmp_path):
     cfg = run_cfg(model_dir, tmp_path, steps=1, **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True,
                                                    "train.colocate_free_weights": False})

@@ -81,9 +81,9 @@ class TrainConfig(Section):
     """train.parallel=fsdp: a rank waiting this long in a collective (a peer died) gives up."""
     colocate: bool = False
     """train.parallel=fsdp: every rank also runs a rollout engine on its own device (N GPUs
-    generate, not one), loaded from its own gather of the weights; the engines free their K/V
+    generate, not one), loaded from its own gather of the weights; TorchEngine frees its K/V
     cache while the ranks train. Sync mode (APRIL included), local runtime; TorchEngine or vLLM
-    (rollout.engine), which on a GPU sleeps while the ranks train."""
+    (rollout.engine)."""
     colocate_free_weights: bool = True
     """train.colocate: the engines also free their copy of the weights while the ranks train and
     load them again after the step (a model needs room for a whole copy only while generating;

@@ -87,8 +87,11 @@ def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_i
     if r.engine == "vllm":
         from rollover.engine.vllm_engine import VLLMEngine
 
+        # a rank's vLLM sleeps while the rank trains only if it is to free its weights
+        options = {} if cfg.train.colocate_free_weights else {"enable_sleep_mode": False}
         return VLLMEngine.from_config(cfg, weights=weights, max_len=max_len, dtype=dtype, eos_token_ids=eos_token_ids,
-                                      version=version, colocated=device if colocated else None, **r.engine_options)
+                                      version=version, colocated=device if colocated else None,
+                                      **{**options, **r.engine_options})
     from rollover.engine.torch_engine import TorchEngine
 
     if r.quantize == "int8" and device.type == "cpu" and dtype == "float32":

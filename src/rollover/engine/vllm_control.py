@@ -32,7 +32,7 @@ def wait_control(done: Future, what: str):
 
 class PauseControl:
     """Mixed into `VLLMEngine`: needs its `_loop`, `_llm`, `_seqs`, `_on_loop`, `_in_loop`,
-    `_fail`, and the state `_control`, `_paused`, `_vllm_paused`."""
+    `_fail`, and the state `_control`, `_paused`, `_vllm_paused`, `_asleep` (`WeightControl`)."""
 
     @property
     def paused(self) -> bool:
@@ -92,13 +92,16 @@ class PauseControl:
 
     async def _pause_vllm(self) -> None:
         if not self._vllm_paused:
-            await self._llm.pause_generation(mode="keep", clear_cache=False)
+            if not self._asleep:  # asleep nothing runs; the load that wakes it pauses it again
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
             self._vllm_paused = True
-            await self._drain()
+            if not self._asleep:
+                await self._drain()
 
     async def _resume_vllm(self) -> None:
         if self._vllm_paused:
-            await self._llm.resume_generation()
+            if not self._asleep:  # asleep, vLLM resumes itself when the load wakes it
+                await self._llm.resume_generation()
             self._vllm_paused = False
 
     async def _drained_lengths(self) -> dict[str, int]:

@@ -132,9 +132,12 @@ def _engine_args(path: str, config, dtype: str, torch_dtype: torch.dtype, max_ro
             args["enable_sleep_mode"] = current_platform.is_sleep_mode_available()
             if not sized:  # the trainer holds part of the device: a K/V cache for max_rows x max_len, and
                 # a budget vLLM's start-up check (free memory >= budget) passes beside the trainer's memory
+                # (less about 1 GiB for the engine process's own CUDA context); the trainer's optimizer
+                # state, made at its first step, is not there yet: engine_options set it for a tight fit
+                torch.cuda.empty_cache()
                 free, total = torch.cuda.mem_get_info(colocated)
                 args["kv_cache_memory_bytes"] = _kv_cache_bytes(config, torch_dtype, max_rows, max_len)
-                args["gpu_memory_utilization"] = round(0.95 * free / total, 3)
+                args["gpu_memory_utilization"] = math.floor(1000 * max(free - 2**30, 0) / total) / 1000
     if current_platform.is_cpu():
         if not sized:
             # vLLM's CPU default reserves 92% of RAM and refuses to start when that much is not free
@@ -470,6 +473,7 @@ class VLLMEngine(WeightControl, PauseControl, EngineAPI):
             self._llm.shutdown()
             self._llm = None  # its __del__ would shut down again at interpreter exit
             self._reaped()  # its processes have stopped: the watcher may go
+        self.discard_staged()
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in others:
             t.cancel()

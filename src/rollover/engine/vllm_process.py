@@ -19,13 +19,19 @@ import torch
 
 # The watcher: reads its stdin until this process says "done" (a clean shutdown) or dies (end of
 # file without it), and in the second case kills the engine's processes.
-_WATCHER = """
-import os, signal, sys
+_WATCHER = """# rollover: vLLM's watcher
+import sys
+import psutil
 if sys.stdin.buffer.read(1) != b"x":
-    for pid in sys.argv[1:]:
+    for arg in sys.argv[1:]:
+        pid, started = arg.split(":")
         try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            proc = psutil.Process(int(pid))
+            if proc.create_time() != float(started):  # that pid is another process's now
+                continue
+            for p in proc.children(recursive=True) + [proc]:
+                p.kill()
+        except psutil.Error:
             pass
 """
 
@@ -50,21 +56,22 @@ def visible_device(device: torch.device | None):
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-def child_pids() -> set[int]:
-    """This process's child processes now."""
+def reap_with_this_process(pids: Iterable[int]) -> Callable[[], None]:
+    """Start a watcher that kills the processes `pids` and their children (SIGKILL) if this
+    process ends without calling the returned `done()`, which a clean shutdown calls once they
+    have stopped. A pid that another process has taken by then is left alone."""
     import psutil
 
-    return {c.pid for c in psutil.Process().children()}
-
-
-def reap_with_this_process(pids: Iterable[int]) -> Callable[[], None]:
-    """Start a watcher that kills `pids` (SIGKILL) if this process ends without calling the
-    returned `done()`, which a clean shutdown calls once the processes have stopped."""
-    pids = sorted(pids)
-    if not pids:
+    procs = []
+    for pid in sorted(pids):
+        try:
+            procs.append(f"{pid}:{psutil.Process(pid).create_time()!r}")  # the pid, and which process has it
+        except psutil.Error:
+            pass
+    if not procs:
         return lambda: None
     read, write = os.pipe()  # not inherited by any other child: only this process holds `write`
-    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, *map(str, pids)], stdin=read,
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCHER, *procs], stdin=read,
                                start_new_session=True)  # not in this process's group: a Ctrl-C does not end it
     os.close(read)
 

@@ -14,6 +14,7 @@ import functools
 import logging
 import math
 import os
+import shutil
 import tempfile
 from concurrent.futures import Future
 from typing import Iterable
@@ -72,6 +73,13 @@ class WeightControl:
         if items:
             self._staged.append((self._write_weights(items), {k for k, _ in items}))
 
+    def discard_staged(self) -> None:
+        """Drop the weights staged since the last load (their files too): a push that failed
+        part-way, or a shutdown."""
+        staged, self._staged = self._staged, []
+        for path, _ in staged:
+            _unlink(path)
+
     def release_weights(self) -> int:
         """Free the weights and the K/V cache while a trainer that shares the device steps
         (`train.colocate`): vLLM sleeps (level 2: nothing is kept, the next `update_weights` loads
@@ -119,7 +127,9 @@ class WeightControl:
     def _write_weights(self, items: list[tuple[str, torch.Tensor]]) -> str:
         from safetensors.torch import save_file
 
-        tmp = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        need = sum(v.numel() for _, v in items) * self.dtype.itemsize
+        # shared memory where it has room (a container's /dev/shm is often 64 MB), else the temp dir
+        tmp = "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * need else None
         fd, path = tempfile.mkstemp(prefix="rollover-weights-", suffix=".safetensors", dir=tmp)
         os.close(fd)
         try:

@@ -115,9 +115,10 @@ class RankServer:
         self.engine.submit_many(requests, on_done=self._outbox.put)
 
     def engine_load(self, bucket_bytes: int, version: int, inflight: str):
-        """The trainer's weights into this rank's engine, a bucket at a time (no second full
-        copy; vLLM takes each bucket as a file and loads them all at the end), the engine paused
-        meanwhile; returns what `inflight='abort'` aborted."""
+        """The trainer's weights into this rank's engine, a bucket at a time, the engine paused
+        meanwhile; returns what `inflight='abort'` aborted. TorchEngine loads each bucket as it
+        comes (no second full copy); vLLM takes each as a file (in /dev/shm where it has room: a
+        full copy of the weights per rank in host memory) and loads them all at the end."""
         paused = self.engine.paused
         self.engine.pause()
         stage = getattr(self.engine, "stage_weights", None)  # VLLMEngine: every weight in one load
@@ -129,6 +130,10 @@ class RankServer:
                     self.engine.update_weights(bucket, version=version, inflight="keep")
                 del bucket
             return self.engine.update_weights([], version=version, inflight=inflight)
+        except BaseException:
+            if stage is not None:  # what this push staged must not reach a later one
+                self.engine.discard_staged()
+            raise
         finally:
             if not paused:
                 self.engine.resume()
@@ -139,10 +144,16 @@ class RankServer:
         return getattr(self.engine, method)(*args)
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self._outbox.put(None)
+        self.stop_engine()
         self._group.__exit__(None, None, None)
+
+    def stop_engine(self) -> None:
+        """Stop this rank's engine, if it has one (at `close`, and however else the rank ends: a
+        vLLM engine's process would otherwise keep the rank's process from exiting)."""
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.shutdown()
+            self._outbox.put(None)
 
 
 def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int, threads: int, conn,
@@ -155,6 +166,7 @@ def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int,
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    server = None
     try:
         server = RankServer(rank, world, init_method, cfg, model, pad_id, threads, events, from_rank0=from_rank0,
                             reference=reference)
@@ -168,6 +180,9 @@ def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int,
             conn.send(("error", traceback.format_exc()))
         except Exception:
             pass
+    finally:
+        if server is not None:
+            server.stop_engine()
 
 
 def _serve(server: RankServer, conn) -> bool:

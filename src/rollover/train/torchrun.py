@@ -171,6 +171,7 @@ def serve_rank(env: dict, wait_s: float = 3600.0) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     calls = conns["calls"]
+    server = None
     try:
         start = calls.recv()
         try:
@@ -187,4 +188,7 @@ def serve_rank(env: dict, wait_s: float = 3600.0) -> int:
         return 0 if _serve(server, calls) else 1
     except (EOFError, ConnectionError):  # the driver went away
         return 1
+    finally:
+        if server is not None:
+            server.stop_engine()
 
