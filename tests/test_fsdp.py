@@ -405,7 +405,8 @@ def test_vllm_engines_in_the_ranks_generate_and_train_as_one_vllm_engine(tmp_pat
     the same two ranks. (On a CPU vLLM cannot sleep: the weights stay while the ranks train.)"""
     pytest.importorskip("vllm")
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("m") / "vllm", "llama", seed=3, num_attention_heads=2,
-                                    num_key_value_heads=1))  # head_dim 32: vLLM's CPU attention needs >= 32
+                                    num_key_value_heads=1,  # head_dim 32: vLLM's CPU attention needs >= 32
+                                    tie_word_embeddings=True))  # as SmolLM2 and Qwen2.5-0.5B
     over = {"train.parallel": "fsdp", "train.ranks": 2, "steps": 2, "rollout.engine": "vllm",
             "rollout.engine_options": {"enforce_eager": True}, "train.weight_bucket_mb": 0.05}
     cfg = run_cfg(model_dir, tmp_path / "co", **over, **{"train.colocate": True})
