@@ -3,7 +3,17 @@ import math
 import pytest
 import torch
 
-from rollover.algos import POLICY_LOSSES, aggregate, bapo_bounds, policy_loss
+from rollover.algos import (
+    POLICY_LOSSES,
+    aggregate,
+    bapo_bounds,
+    bapo_search,
+    bapo_tables,
+    bapo_update_bounds,
+    policy_loss,
+)
+from rollover.algos.policy import check_loss_options, loss_options, old_logprobs_first
+from rollover.config import ConfigError, load_config
 
 F64 = torch.float64
 
@@ -305,6 +315,97 @@ def test_bapo_gradcheck():
 
     logp = (old + t([[0.1, -0.05, 0.3, 0.02]])).requires_grad_()
     assert torch.autograd.gradcheck(f, (logp,))
+
+
+def random_bapo_batch(seed, B=6, T=7, neg=0.0):
+    g = torch.Generator().manual_seed(seed)
+    ratio = (0.5 * torch.randn(B, T, generator=g, dtype=F64)).exp()  # spread over both bounds' ranges
+    adv = torch.randn(B, T, generator=g, dtype=F64) - neg
+    mask = torch.rand(B, T, generator=g) < 0.8
+    return ratio, adv, mask
+
+
+GRIDS = [{}, {"low_start": 0.5, "low_max": 0.95, "high_start": 1.1, "high_max": 2.0, "step": 0.07, "target_pos_share": 0.6}]
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_bapo_tables_and_search_are_bapo_bounds(grid):
+    moved = 0
+    for seed in range(40):
+        ratio, adv, mask = random_bapo_batch(seed, neg=0.4 * (seed % 3))
+        P, N = bapo_tables(ratio, adv, mask, **grid)
+        assert P.dtype == N.dtype == F64 and P.device.type == N.device.type == "cpu"
+        whole = bapo_bounds(ratio, adv, mask, **grid)
+        assert bapo_search(P, N, **grid) == whole
+        moved += whole[:2] != (grid.get("low_start", 0.6), grid.get("high_start", 1.2))
+        # the tables add up over parts of the batch (micro-batches, ranks): the halves' sum searches to the whole's bounds
+        halves = [bapo_tables(ratio[rows], adv[rows], mask[rows], **grid) for rows in (slice(0, 2), slice(2, None))]
+        P2, N2 = (halves[0][i] + halves[1][i] for i in range(2))
+        torch.testing.assert_close(P2, P)
+        torch.testing.assert_close(N2, N)
+        c_low, c_high, share = bapo_search(P2, N2, **grid)
+        assert (c_low, c_high) == whole[:2] and share == pytest.approx(whole[2], rel=1e-12)
+    assert moved > 10  # the searches went somewhere
+
+
+def test_bapo_tables_by_hand():
+    # the second test above: P over highs 1.2, 1.25, ..., 3.0; N over lows 0.6, ..., 0.9
+    P, N = bapo_tables(t([[1.42, 1.0, 0.95, 0.95]]), t([[1.0, 1.0, -1.0, -1.0]]), ones_mask(1, 4))
+    assert len(P) == 37 and len(N) == 7
+    assert P[:5].tolist() == [1.0] * 5 and P[5:].tolist() == pytest.approx([2.42] * 32)
+    assert N.tolist() == pytest.approx([1.9] * 7)
+    with pytest.raises(ValueError, match="tables of 37 and 7"):
+        bapo_search(P[:-1], N)
+
+
+def test_bapo_with_given_bounds_clips_there_and_update_bounds_split_as_the_whole():
+    g = torch.Generator().manual_seed(6)
+    old = 0.1 * torch.randn(6, 5, generator=g, dtype=F64)
+    logp = old + 0.4 * torch.randn(6, 5, generator=g, dtype=F64)
+    adv = torch.randn(6, generator=g, dtype=F64) - 0.1
+    mask = torch.rand(6, 5, generator=g) < 0.9
+    behav = old + 0.3 * torch.randn(6, 5, generator=g, dtype=F64)
+    opts = {"is_level": "token", "is_mode": "mask", "is_cap": 1.3, "dual_clip": 3.0}  # IS masks some tokens
+    whole = policy_loss("bapo", logp, old, adv, mask, behav, **opts)
+    assert whole.mask_BT.sum() < mask.sum()
+    bounds = (float(whole.metrics["bapo_c_low"]), float(whole.metrics["bapo_c_high"]))
+    assert bounds == (0.9, pytest.approx(1.5))  # both moved, c_high inside its range
+    # the update's bounds from its parts' tables, summed as ranks would: those bapo picks over the whole
+    parts = [slice(0, 3), slice(3, None)]
+    tables = {}
+    for i, rows in enumerate(parts):
+        bapo_update_bounds(logp[rows], old[rows], adv[rows], mask[rows], behav[rows],
+                           reduce=lambda x, i=i: tables.setdefault(i, x), **opts)
+    total = tables[0] + tables[1]
+    for rows in parts:
+        got = bapo_update_bounds(logp[rows], old[rows], adv[rows], mask[rows], behav[rows], reduce=lambda x: total, **opts)
+        assert got[:2] == bounds and got[2] == pytest.approx(float(whole.metrics["bapo_pos_share"]), rel=1e-12)
+    assert bapo_update_bounds(logp, old, adv, mask, behav, **opts)[:2] == bounds
+    # and each part clipped at the given bounds: the parts' losses add up to the whole's
+    given = [policy_loss("bapo", logp[rows], old[rows], adv[rows], mask[rows], behav[rows], bounds=bounds, **opts)
+             for rows in parts]
+    torch.testing.assert_close(torch.cat([o.loss_BT for o in given]), whole.loss_BT)
+    assert all(o.metrics["bapo_c_low"] == bounds[0] and o.metrics["bapo_c_high"] == bounds[1] for o in given)
+    assert all(math.isnan(o.metrics["bapo_pos_share"]) for o in given)
+    # bounds not picked per part: a part alone would pick others
+    assert any(bapo_update_bounds(logp[rows], old[rows], adv[rows], mask[rows], behav[rows], **opts)[:2] != bounds
+               for rows in parts)
+    with pytest.raises(ValueError, match="clip bounds"):
+        policy_loss("bapo", logp, old, adv, mask, bounds=(1.1, 1.5))
+
+
+def test_bapo_bounds_are_not_a_loss_option():
+    """The trainer picks them per update (and would overwrite them): a config setting them is refused."""
+    with pytest.raises(ConfigError, match="chosen by the trainer"):
+        load_config(**{"device": "cpu", "model": "unused", "run_dir": "unused", "algorithm.loss": "bapo",
+                       "algorithm.loss_options": {"bounds": [0.8, 1.5]}})
+    a = load_config(**{"device": "cpu", "model": "unused", "run_dir": "unused", "algorithm.loss": "bapo",
+                       "algorithm.tis_cap": 2.0}).algorithm
+    assert check_loss_options(a) is None
+    assert not old_logprobs_first("bapo", loss_options(a))  # truncating IS masks nothing: r = 1, no pass
+    assert old_logprobs_first("bapo", {"is_level": "token", "is_mode": "mask"})  # its mask is old's
+    assert not old_logprobs_first("ppo", {"is_level": "token", "is_mode": "mask"})
+    assert old_logprobs_first("ppo", {"m2po_tau": 0.04})
 
 
 # ---- shared behaviour ------------------------------------------------------------------------

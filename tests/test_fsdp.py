@@ -24,7 +24,8 @@ from rollover.testing import save_tiny_model, tiny_model
 from rollover.train.batch import TrainBatch
 from rollover.train.fsdp import split_batch
 from rollover.train.ranks import RankLost, ShardedTrainer
-from rollover.train.trainer import Trainer, apply_lora
+from rollover.train.lora import apply_lora
+from rollover.train.trainer import Trainer
 from rollover.types import Rollout
 
 
@@ -131,6 +132,43 @@ def test_an_m2po_step_at_world_size_n_equals_one_trainers(world, over):
             assert 0 < mp["actor/m2po_masked_frac"] < 1
             for k in ("actor/pg_loss", "actor/grad_norm", "actor/masked_frac", "actor/m2po_masked_frac",
                       "actor/m2po_m2_before", "actor/m2po_m2_after"):
+                assert ms[k] == pytest.approx(mp[k], rel=1e-5, abs=1e-7), k
+            assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
+            start = weights(plain)
+    finally:
+        sharded.close()
+
+
+@pytest.mark.parametrize("world,over", [
+    (2, {"train.mini_batches": 2}),
+    (4, {"train.micro_batch_tokens": 32, "train.pack_length": 16, "data.max_prompt_tokens": 8, "train.shared_prefix": False,
+         "train.ppo_epochs": 2, "algorithm.loss_options": {"is_level": "token", "is_mode": "mask", "is_cap": 1.3}}),
+])
+def test_a_bapo_step_at_world_size_n_equals_one_trainers(world, over):
+    """algorithm.loss=bapo: the ranks add up their tables and pick one pair of bounds per update, the
+    one a single trainer picks over all the update's loss tokens, and report them once (not summed).
+    A step's second update (mini-batches, epochs) measures its ratios, off 1, in one no-grad pass
+    (stand-in passes on a rank with no sequence); with IS in mask mode the tables skip its tokens."""
+    cfg = cfg_of(**{"train.ranks": world, "algorithm.loss": "bapo", **over})
+    model = tiny_model("llama", seed=3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        # the second batch has one group: at world size 4 one rank trains no sequence
+        for b in [batch_of(5), batch_of(1, seed=1)]:
+            b.adv_B = b.adv_B - 0.3  # negative advantages dominate: the bounds leave their start
+            noise = 0.3 * torch.randn(b.mask_BT.shape, generator=torch.Generator().manual_seed(2))
+            b.behav_logp_BT = torch.where(b.mask_BT, plain.logprobs(b) + noise, 0.0)
+            mp, ms = plain.train_step(b), sharded.train_step(b)
+            assert mp["actor/bapo_c_low"] > 0.6 or mp["actor/bapo_c_high"] > 1.2
+            assert mp["actor/bapo_c_low"] <= 0.9 and mp["actor/bapo_c_high"] <= 3.0 and 0 <= mp["actor/bapo_pos_share"] <= 1
+            for k in ("actor/bapo_c_low", "actor/bapo_c_high"):
+                assert ms[k] == mp[k], k
+            # (the clip fractions are means over each micro-batch's tokens left after IS masking, weighted
+            # by its tokens before: with IS masking they depend on the split)
+            clip = () if cfg.algorithm.loss_options else ("actor/clip_frac_low", "actor/clip_frac_high")
+            for k in ("actor/pg_loss", "actor/grad_norm", "actor/masked_frac", "actor/bapo_pos_share", *clip):
                 assert ms[k] == pytest.approx(mp[k], rel=1e-5, abs=1e-7), k
             assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
             start = weights(plain)

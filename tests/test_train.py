@@ -206,6 +206,56 @@ def test_m2po_masks_the_whole_update_whatever_the_micro_batch_split(model_dir, t
     assert max(float((after[0][k] - after[1][k]).abs().max()) for k in start) < 0.05 * cfg.train.lr
 
 
+def test_bapo_picks_its_bounds_once_per_update_whatever_the_micro_batch_split(model_dir, tmp_path):
+    """algorithm.loss=bapo: the bounds are chosen once per update over all its loss tokens, not per
+    micro-batch: one micro-batch and several give the same bounds, loss, gradients and weights. Two
+    updates (train.mini_batches=2): the second's ratios are off 1 (the first moved the weights)."""
+    from rollover.train.trainer import Trainer
+
+    # negative advantages dominate the update, not every micro-batch: the bounds leave their start
+    rolls = [rollout(f"g{i % 4}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float((3 * i) % 5) - 2.5) for i in range(12)]
+    batch = batch_of(rolls)
+    grads, after, metrics = [], [], []
+    for mbt in (64, 16):
+        cfg = tiny_cfg(model_dir, tmp_path / f"r{mbt}", **{"train.micro_batch_tokens": mbt, "train.pack_length": 16,
+                                                             "data.max_prompt_tokens": 10, "train.mini_batches": 2,
+                                                             "algorithm.loss": "bapo", "train.lr": 0.02})
+        torch.manual_seed(0)
+        model = tiny_model("llama", seed=5)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        tr = Trainer(model, cfg, device=torch.device("cpu"))
+        seen, real_step = [], tr.optimizer.step
+
+        def step(*a, **kw):  # each update's gradient the optimizer sees (see the tests above)
+            seen.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            return real_step(*a, **kw)
+
+        tr.optimizer.step = step
+        m = tr.train_step(batch)
+        assert (m["actor/micro_batches"] == 1) == (mbt == 64)
+        grads.append(seen)
+        after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        metrics.append(m)
+    # the means over the two updates: off the start bounds (0.6, 1.2) in some update, and inside their ranges
+    assert metrics[0]["actor/bapo_c_low"] > 0.6 or metrics[0]["actor/bapo_c_high"] > 1.2
+    assert 0.6 <= metrics[0]["actor/bapo_c_low"] <= 0.9 and 1.2 <= metrics[0]["actor/bapo_c_high"] <= 3.0
+    assert metrics[0]["actor/ratio_max"] > 1.2 or metrics[0]["actor/clip_frac_low"] > 0  # the second update's r are off 1
+    for k in ("actor/bapo_c_low", "actor/bapo_c_high"):
+        assert metrics[1][k] == metrics[0][k], k
+    for k in ("actor/bapo_pos_share", "actor/pg_loss", "actor/clip_frac_low", "actor/clip_frac_high"):
+        assert metrics[1][k] == pytest.approx(metrics[0][k], rel=1e-5, abs=1e-7), k
+    assert len(grads[0]) == len(grads[1]) == 2
+    (first0, second0), (first1, second1) = grads
+    assert first0.keys() == first1.keys() == second0.keys() == second1.keys() and first0
+    for k in first0:
+        assert torch.allclose(first0[k], first1[k], rtol=1e-4, atol=1e-7), k
+        # the first Adam step (about lr x sign) moved tiny-gradient elements a little apart: the second
+        # update's gradients agree to 1e-3 of their largest (bounds picked per micro-batch: ~1)
+        assert float((second0[k] - second1[k]).abs().max()) <= 1e-3 * float(second0[k].abs().max()), k
+    assert max(float((after[0][k] - start[k]).abs().max()) for k in start) > 0.5 * cfg.train.lr  # the step moved
+    assert max(float((after[0][k] - after[1][k]).abs().max()) for k in start) < 0.05 * cfg.train.lr
+
+
 def test_running_out_of_device_memory_halves_the_micro_batch_and_redoes_the_update(model_dir, tmp_path):
     """An update whose micro-batch exceeds what the device holds (here: a forward that raises
     torch.OutOfMemoryError above 32 tokens) is redone at half the size, down to one row; the

@@ -9,7 +9,8 @@ entry. Every loss is to be *minimised*.
     loss = aggregate(out.loss_BT, out.mask_BT, "token-mean", num_tokens=step_tokens)
 
 - `advantages`: grpo, drgrpo, rloo, reinforce_pp_baseline, gapo (`ADVANTAGES`).
-- `policy`: ppo, gspo, gspo_token, cispo, decoupled_ppo, bapo (`POLICY_LOSSES`).
+- `policy`: ppo, gspo, gspo_token, cispo, decoupled_ppo, bapo (`POLICY_LOSSES`);
+  `bapo_update_bounds` picks BAPO's bounds once over an update split into micro-batches and ranks.
 - `offpolicy`: truncated / masked importance sampling and the M2PO mask, as options of every
   policy loss (`is_level`, `is_mode`, `is_cap`, `is_floor`, `is_seq_ratio`, `m2po_tau`);
   `m2po_update_mask` cuts one M2PO mask over an update split into micro-batches and ranks.
@@ -43,6 +44,9 @@ from rollover.algos.policy import (
     PolicyLossOutput,
     bapo,
     bapo_bounds,
+    bapo_search,
+    bapo_tables,
+    bapo_update_bounds,
     cispo,
     decoupled_ppo,
     gspo,
@@ -62,6 +66,9 @@ __all__ = [
     "aggregate",
     "bapo",
     "bapo_bounds",
+    "bapo_search",
+    "bapo_tables",
+    "bapo_update_bounds",
     "cispo",
     "compute_advantages",
     "decoupled_ppo",

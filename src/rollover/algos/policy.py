@@ -297,6 +297,95 @@ def cispo(
     return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
 
 
+_BAPO_GRID = ("low_start", "low_max", "high_start", "high_max", "step", "target_pos_share")
+
+
+def _bapo_grid(
+    low_start: float, low_max: float, high_start: float, high_max: float, step: float, target_pos_share: float
+) -> tuple[list[float], list[float]]:
+    """BAPO's candidate bounds, in search order: `start + i·step` clamped to the max (not repeated
+    addition, so they hit the max exactly); `(lows, highs)`."""
+    ordered = 0.0 < low_start <= low_max <= 1.0 <= high_start <= high_max
+    if not (ordered and step > 0 and 0.0 <= target_pos_share <= 1.0):
+        raise ValueError(
+            "BAPO needs 0 < low_start <= low_max <= 1 <= high_start <= high_max, step > 0, "
+            f"0 <= target_pos_share <= 1; got {low_start=}, {low_max=}, {high_start=}, {high_max=}, "
+            f"{step=}, {target_pos_share=}"
+        )
+
+    def grid(start: float, top: float) -> list[float]:
+        out = [start]
+        while out[-1] < top:
+            out.append(min(start + len(out) * step, top))
+        return out
+
+    return grid(low_start, low_max), grid(high_start, high_max)
+
+
+def bapo_tables(
+    ratio_BT: Tensor,
+    adv_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    low_start: float = 0.6,
+    low_max: float = 0.9,
+    high_start: float = 1.2,
+    high_max: float = 3.0,
+    step: float = 0.05,
+    target_pos_share: float = 0.5,
+) -> tuple[Tensor, Tensor]:
+    """What `bapo_bounds`' search reads of a batch: `(P_K, N_K)`, float64 on the CPU, with
+    `P_K[j] = Σ r·A` over `A > 0, r <= highs[j]` and `N_K[i] = Σ r·|A|` over `A < 0, r >= lows[i]`
+    (masked), for each candidate bound in search order. They are sums over tokens: the tables of
+    parts of a batch (micro-batches, ranks) add up to the whole batch's, which `bapo_search`
+    turns into its bounds. Ratios are compared with the bounds in their own dtype."""
+    lows, highs = _bapo_grid(low_start, low_max, high_start, high_max, step, target_pos_share)
+    with torch.no_grad():
+        mask_BT = mask_BT.bool()
+        r_BT = ratio_BT.detach()
+        pos, neg = mask_BT & (adv_BT > 0), mask_BT & (adv_BT < 0)
+        r_pos_N, r_neg_N = r_BT[pos], r_BT[neg]
+        pos_N = r_pos_N.double() * adv_BT[pos].double()
+        neg_N = -r_neg_N.double() * adv_BT[neg].double()
+        P_K = torch.stack([torch.where(r_pos_N <= c, pos_N, 0.0).sum() for c in highs])
+        N_K = torch.stack([torch.where(r_neg_N >= c, neg_N, 0.0).sum() for c in lows])
+    return P_K.cpu(), N_K.cpu()
+
+
+def bapo_search(
+    P_K: Tensor,
+    N_K: Tensor,
+    *,
+    low_start: float = 0.6,
+    low_max: float = 0.9,
+    high_start: float = 1.2,
+    high_max: float = 3.0,
+    step: float = 0.05,
+    target_pos_share: float = 0.5,
+) -> tuple[float, float, float]:
+    """`bapo_bounds`' search over tables from `bapo_tables` (summed over the parts of a batch):
+    `(c_low, c_high, positive_share)`. Raise `c_low` while the share `P / (P + N)` is below the
+    target, then `c_high`; with `P + N = 0` the share counts as 1."""
+    lows, highs = _bapo_grid(low_start, low_max, high_start, high_max, step, target_pos_share)
+    if P_K.shape != (len(highs),) or N_K.shape != (len(lows),):
+        raise ValueError(f"BAPO tables of {len(highs)} and {len(lows)} candidates expected, got "
+                         f"{tuple(P_K.shape)} and {tuple(N_K.shape)}")
+    P, N = P_K.tolist(), N_K.tolist()
+
+    def share(i: int, j: int) -> float:
+        return 1.0 if P[j] + N[i] == 0 else P[j] / (P[j] + N[i])
+
+    i = j = 0
+    s = share(i, j)
+    while s < target_pos_share and i < len(lows) - 1:
+        i += 1
+        s = share(i, j)
+    while s < target_pos_share and j < len(highs) - 1:
+        j += 1
+        s = share(i, j)
+    return lows[i], highs[j], s
+
+
 def bapo_bounds(
     ratio_BT: Tensor,
     adv_BT: Tensor,
@@ -315,43 +404,43 @@ def bapo_bounds(
     `P = Σ r·A` over `A > 0, r <= c_high`, `N = Σ r·|A|` over `A < 0, r >= c_low`.
     Raise `c_low` by `step` up to `low_max` until the share reaches `target_pos_share`, then
     `c_high` up to `high_max`. With `P + N = 0` the share counts as 1 (nothing to rebalance).
+    It is `bapo_search(*bapo_tables(...))`: over a batch split into parts, sum the parts' tables.
 
     Departure: the authors' verl recipe measures `min(r, c_high)·A` and `max(r, c_low)·|A|`
     over all tokens, under which raising `c_low` can only lower the share; we count gradient-
     carrying tokens, which is what raising `c_low` is meant to change. The recipe's
     `adv_ratio_target` is on `P/N` (1.0 there is our share 0.5).
     """
-    ordered = 0.0 < low_start <= low_max <= 1.0 <= high_start <= high_max
-    if not (ordered and step > 0 and 0.0 <= target_pos_share <= 1.0):
-        raise ValueError(
-            "BAPO needs 0 < low_start <= low_max <= 1 <= high_start <= high_max, step > 0, "
-            f"0 <= target_pos_share <= 1; got {low_start=}, {low_max=}, {high_start=}, {high_max=}, "
-            f"{step=}, {target_pos_share=}"
-        )
-    with torch.no_grad():
-        mask_BT = mask_BT.bool()
-        r_BT = ratio_BT.detach()
-        pos_BT = torch.where(mask_BT & (adv_BT > 0), r_BT * adv_BT, torch.zeros_like(r_BT))
-        neg_BT = torch.where(mask_BT & (adv_BT < 0), -r_BT * adv_BT, torch.zeros_like(r_BT))
+    grid = dict(low_start=low_start, low_max=low_max, high_start=high_start, high_max=high_max, step=step,
+                target_pos_share=target_pos_share)
+    return bapo_search(*bapo_tables(ratio_BT, adv_BT, mask_BT, **grid), **grid)
 
-        def share(c_low: float, c_high: float) -> float:
-            p = float(torch.where(r_BT <= c_high, pos_BT, 0.0).sum())
-            n = float(torch.where(r_BT >= c_low, neg_BT, 0.0).sum())
-            return 1.0 if p + n == 0 else p / (p + n)
 
-        # Bounds as start + i·step (clamped), not repeated addition, so they hit the max exactly.
-        c_low, c_high = low_start, high_start
-        s, i = share(c_low, c_high), 0
-        while s < target_pos_share and c_low < low_max:
-            i += 1
-            c_low = min(low_start + i * step, low_max)
-            s = share(c_low, c_high)
-        i = 0
-        while s < target_pos_share and c_high < high_max:
-            i += 1
-            c_high = min(high_start + i * step, high_max)
-            s = share(c_low, c_high)
-    return c_low, c_high, s
+def bapo_update_bounds(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    behav_logp_BT: Tensor | None = None,
+    *,
+    reduce: Callable[[Tensor], Tensor] | None = None,
+    **opts,
+) -> tuple[float, float, float]:
+    """`(c_low, c_high, positive_share)` of an update whose loss tokens are split over micro-batches
+    or ranks: the tables of what `bapo(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, **opts)`
+    searches (its ratios, after its importance-sampling mask), summed over the ranks by `reduce`
+    (a float64 CPU tensor in, its sum over the ranks out; None: one process), then searched. Each
+    rank passes its own rows and gets the same bounds; hand them to every micro-batch's `bapo` as
+    `bounds`. `opts` are `bapo`'s (`dual_clip` and `bounds` are ignored)."""
+    grid = {k: opts.pop(k) for k in _BAPO_GRID if k in opts}
+    opts.pop("dual_clip", None)
+    opts.pop("bounds", None)
+    x = _prepare(logp_BT.detach(), old_logp_BT, adv, mask_BT, behav_logp_BT, opts)
+    P_K, N_K = bapo_tables(x.log_ratio_BT.exp(), x.adv_BT, x.mask_BT, **grid)
+    if reduce is not None:
+        both = reduce(torch.cat([P_K, N_K]))
+        P_K, N_K = both[: len(P_K)], both[len(P_K):]
+    return bapo_search(P_K, N_K, **grid)
 
 
 def bapo(
@@ -368,6 +457,7 @@ def bapo(
     step: float = 0.05,
     target_pos_share: float = 0.5,
     dual_clip: float | None = 3.0,
+    bounds: tuple[float, float] | None = None,
     **correction,
 ) -> PolicyLossOutput:
     """BAPO (Xi et al., arXiv 2510.18927): PPO whose ratio bounds `[c_low, c_high]` are chosen
@@ -375,16 +465,25 @@ def bapo(
 
     Bounds are explicit ratios (not epsilons). Defaults are the paper's: ranges [0.6, 0.9] and
     [1.2, 3.0], target share 0.5, step 0.05 (the recipe yaml uses [0.6, 0.8], [1.2, 2.0]).
-    The bounds depend on the whole batch given: call once per mini-batch, or accept that
-    micro-batches pick their own bounds (the recipe shares them across data-parallel ranks
-    but not across gradient-accumulation steps).
+    The bounds depend on the whole batch given, so a batch split into micro-batches would pick
+    bounds per micro-batch (the recipe shares them across data-parallel ranks but not across
+    gradient-accumulation steps). `bounds=(c_low, c_high)` skips the search and clips there:
+    choose them once over the update with `bapo_update_bounds` and pass them to every
+    micro-batch, as rollover's trainer does (the split then changes nothing). With `bounds`
+    given, the metric `bapo_pos_share` is NaN (the share is the whole update's, known to the
+    caller, not to this part of it); `bapo_c_low` / `bapo_c_high` are the bounds given.
     """
+    grid = dict(low_start=low_start, low_max=low_max, high_start=high_start, high_max=high_max, step=step,
+                target_pos_share=target_pos_share)
     x = _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction)
     ratio_BT = x.log_ratio_BT.exp()
-    c_low, c_high, pos_share = bapo_bounds(
-        ratio_BT, x.adv_BT, x.mask_BT, low_start=low_start, low_max=low_max, high_start=high_start,
-        high_max=high_max, step=step, target_pos_share=target_pos_share,
-    )
+    if bounds is None:
+        c_low, c_high, pos_share = bapo_bounds(ratio_BT, x.adv_BT, x.mask_BT, **grid)
+    else:
+        _bapo_grid(**grid)  # still checked
+        c_low, c_high = (float(b) for b in bounds)
+        _check_bounds(c_low, c_high)
+        pos_share = float("nan")
     loss_BT, metrics = _clipped_surrogate(ratio_BT, x, c_low, c_high, dual_clip)
     new = logp_BT.new_tensor
     metrics.update(bapo_c_low=new(c_low), bapo_c_high=new(c_high), bapo_pos_share=new(pos_share))
@@ -422,9 +521,22 @@ def loss_options(algorithm) -> dict:
     return opts
 
 
+def old_logprobs_first(loss: str, opts: dict) -> bool:
+    """Whether a trainer records every token's π_old before an update's passes even with one
+    update per step: M2PO's mask is cut over the update's `(old - behav)²`, and BAPO's bounds are
+    chosen over the update's loss tokens, which importance sampling in mask mode picks by
+    `old - behav` (with one update and no mask, BAPO's ratios are 1 and need no pass)."""
+    if opts.get("m2po_tau") is not None:
+        return True
+    return loss == "bapo" and opts.get("is_level") is not None and opts.get("is_mode", "truncate") == "mask"
+
+
 def check_loss_options(algorithm) -> str | None:
     """None when the loss takes the section's options, else what is wrong with them: the loss
     runs once on a one-token batch, so an unknown key or a bad value is found before training."""
+    if algorithm.loss == "bapo" and "bounds" in algorithm.loss_options:
+        return ("bapo's bounds are chosen by the trainer, once per update over all its loss tokens; "
+                "steer the search with low_start, low_max, high_start, high_max, step, target_pos_share")
     B = torch.zeros((1, 1))
     try:
         policy_loss(algorithm.loss, B, B, torch.zeros(1), torch.ones((1, 1), dtype=torch.bool), B.clone(),

@@ -199,7 +199,7 @@ def _load_model(cfg: Config, ckpt: Path | None):
     from transformers import AutoModelForCausalLM
 
     from rollover.models import resolve_model
-    from rollover.train.trainer import apply_lora
+    from rollover.train.lora import apply_lora
 
     src = resolve_model(cfg.model)
     if ckpt is not None and (ckpt / "adapter").exists() and cfg.train.lora is None:

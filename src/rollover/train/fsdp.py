@@ -16,8 +16,10 @@ its share of the step's sequences (`split_batch`); what makes N ranks train as o
   ranks agree afterwards whether the update is skipped (`_reduce`).
 - **One M2PO mask.** Every rank gathers all ranks' `(old - behav)²` of the update's loss tokens
   and cuts the same mask over them (`_gather`), so M2PO drops what one trainer would.
-- **Metrics** are summed over the ranks, so rank 0 reports the step's (M2PO's, the same on
-  every rank, are not summed).
+- **One pair of BAPO bounds.** Every rank sums its update tokens' candidate tables and the ranks
+  add them up (`_sum`) before the search, so every rank clips where one trainer would.
+- **Metrics** are summed over the ranks, so rank 0 reports the step's (M2PO's and BAPO's, the
+  same on every rank, are not summed).
 
 Mixed precision (`train.dtype: autocast_bf16`): bf16 weights in the forward and backward, fp32
 master weights, gradients reduced in fp32 (`MixedPrecisionPolicy`). `train.fsdp_offload`: the
@@ -203,6 +205,11 @@ class FSDPTrainer(Trainer):
         parts: list = [None] * self.world
         dist.all_gather_object(parts, rows, group=self._cpu_group)
         return torch.cat(parts), sum(len(p) for p in parts[: self.rank])
+
+    def _sum(self, values: torch.Tensor) -> torch.Tensor:
+        values = values.to(torch.float64, copy=True)
+        dist.all_reduce(values, group=self._cpu_group)
+        return values
 
     def _clip_grad_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -139,7 +139,7 @@ def _skeleton(config, dtype, lora: dict | None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollover.train.trainer import apply_lora
+    from rollover.train.lora import apply_lora
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

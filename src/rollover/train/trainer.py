@@ -5,11 +5,13 @@ its sequences into micro-batches, accumulates gradients, and normalises by the u
 *global* token (or sequence) count, so the result does not depend on the micro-batch split.
 
 Old (proximal) logprobs: with a single update per step, the current forward's detached
-logprobs serve as the old policy (ratio = 1, no extra forward). With several updates, or with
-M2PO, one no-grad pass over the batch records them first. Behaviour logprobs always come from
-the engine; they enter only the off-policy options (TIS, M2PO, decoupled PPO). M2PO's mask is
-cut once per update over all its loss tokens (every micro-batch and rank) before its passes,
-so it does not depend on the split either.
+logprobs serve as the old policy (ratio = 1, no extra forward). With several updates, with
+M2PO, or with BAPO over an IS mask, one no-grad pass over the batch records them first.
+Behaviour logprobs always come from the engine; they enter only the off-policy options (TIS,
+M2PO, decoupled PPO). M2PO's mask and BAPO's bounds are chosen once per update over all its
+loss tokens (every micro-batch and rank) before its passes, so they do not depend on the split
+either (BAPO's ratios are 1 at a step's first update; a later one measures them in one no-grad
+pass).
 
 Logits are computed only at the positions that predict response tokens (the LM head on the
 selected hidden states), and divided by the rollout temperature so they match the engine's
@@ -35,6 +37,7 @@ import torch.utils.checkpoint
 
 from rollover.algos import aggregate, kl_penalty, policy_loss
 from rollover.algos.offpolicy import m2po_update_mask
+from rollover.algos.policy import bapo_update_bounds, old_logprobs_first
 from rollover.config import Config
 from rollover.train import memory
 from rollover.train.batch import MicroBatch, TrainBatch, pack
@@ -237,8 +240,8 @@ class Trainer:
         if self.device.type == "cuda":  # the step's own high-water mark (perf/peak_device_gb)
             torch.cuda.reset_peak_memory_stats(self.device)
         multi = t.ppo_epochs * t.mini_batches > 1
-        m2po = self._loss_options().get("m2po_tau") is not None  # its mask needs every token's pi_old first
-        old_BT = self._fitting(self.logprobs, batch) if multi or m2po else None
+        first = old_logprobs_first(cfg.algorithm.loss, self._loss_options())  # M2PO's mask, BAPO's over an IS mask
+        old_BT = self._fitting(self.logprobs, batch) if multi or first else None
         ref_BT = None
         if cfg.algorithm.kl_coef > 0:
             if self.is_peft:
@@ -258,7 +261,7 @@ class Trainer:
                 chosen = set(groups[k :: t.mini_batches])
                 idx = [i for i, g in enumerate(batch.group_index_B.tolist()) if g in chosen]
                 metrics = self._update(batch.select(idx), None if old_BT is None else old_BT[idx],
-                                       None if ref_BT is None else ref_BT[idx])
+                                       None if ref_BT is None else ref_BT[idx], fresh=epoch == k == 0)
                 history.append(metrics)
                 skipped |= metrics.pop("skipped")
         for _ in range(t.ppo_epochs * (t.mini_batches - chunks)):
@@ -308,7 +311,7 @@ class Trainer:
 
         return loss_options(self.cfg.algorithm)
 
-    def _update(self, batch: TrainBatch, old_BT, ref_BT) -> dict:
+    def _update(self, batch: TrainBatch, old_BT, ref_BT, fresh: bool = False) -> dict:
         cfg, a = self.cfg, self.cfg.algorithm
         T = batch.mask_BT.shape[1]
         mask_BT = batch.mask_BT.to(self.device)
@@ -317,7 +320,7 @@ class Trainer:
         num_tokens, num_seqs = self._counts(int(mask_BT.sum()), int(mask_BT.any(dim=1).sum()))
         num_seqs = max(num_seqs, 1)
         behav_BT, adv_B, opts = batch.behav_logp_BT.to(self.device), batch.adv_B.to(self.device), self._loss_options()
-        loss_mask_BT, m2po_metrics = self._m2po(batch, old_BT, behav_BT, mask_BT, opts.pop("m2po_tau", None))
+        loss_mask_BT, whole = self._per_update(batch, old_BT, behav_BT, adv_B, mask_BT, opts, fresh)
         need_entropy = True  # logged every step; cheap next to the forward
 
         def accumulate():
@@ -372,7 +375,7 @@ class Trainer:
             sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, pad, slots), finite)
         grad_norm, finite = self._optimizer_step(finite)
         metrics = {f"actor/{k}": v for k, v in sums.items()}
-        metrics.update({f"actor/{k}": float(v) for k, v in m2po_metrics.items()})  # the same on every rank
+        metrics.update({f"actor/{k}": float(v) for k, v in whole.items()})  # the same on every rank
         metrics.update({
             "actor/pg_loss": loss_total,
             "actor/entropy": entropy_sum / max(num_tokens, 1),
@@ -388,12 +391,21 @@ class Trainer:
             metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
         return metrics
 
-    def _m2po(self, batch: TrainBatch, old_BT, behav_BT, mask_BT, tau: float | None) -> tuple[torch.Tensor, dict]:
-        """The update's loss mask after M2PO (`tau`; None: off) and its metrics: one mask over all the
-        update's loss tokens, every micro-batch and rank, cut before any pass."""
-        if tau is None:
-            return mask_BT, {}
-        return m2po_update_mask(old_BT, behav_BT, mask_BT, batch.group_index_B, tau=tau, gather=self._gather)
+    def _per_update(self, batch: TrainBatch, old_BT, behav_BT, adv_B, mask_BT, opts: dict, fresh: bool):
+        """What is chosen once over all the update's loss tokens, every micro-batch and rank, before any
+        pass: the loss mask after M2PO (opts' m2po_tau, taken out) and BAPO's bounds (put in opts for
+        every micro-batch's loss); and their metrics, the same on every rank. `fresh`: the weights are
+        still those old_BT was recorded under (the step's first update)."""
+        tau, whole = opts.pop("m2po_tau", None), {}
+        if tau is not None:
+            mask_BT, whole = m2po_update_mask(old_BT, behav_BT, mask_BT, batch.group_index_B, tau=tau, gather=self._gather)
+        if self.cfg.algorithm.loss == "bapo":  # r = pi / pi_old is 1 until the weights move: no pass then
+            old = torch.zeros_like(behav_BT) if old_BT is None else old_BT.to(self.device)
+            now = old if old_BT is None or fresh else self._fitting(self.logprobs, batch)
+            bounds = bapo_update_bounds(now, old, adv_B, mask_BT, behav_BT, reduce=self._sum, **opts)
+            opts["bounds"] = bounds[:2]
+            whole = {**whole, **dict(zip(("bapo_c_low", "bapo_c_high", "bapo_pos_share"), bounds))}
+        return mask_BT, whole
 
     def _optimizer_step(self, finite: bool) -> tuple[float, bool]:
         """Clip and step when the loss and the gradient are finite (else skip this update, with a
@@ -422,6 +434,10 @@ class Trainer:
         """Every rank's `rows` (a CPU tensor) concatenated in rank order, and where this rank's
         begin (FSDPTrainer: over the ranks); the M2PO mask is cut over them all."""
         return rows, 0
+
+    def _sum(self, values: torch.Tensor) -> torch.Tensor:
+        """A float64 CPU tensor summed over the ranks (FSDPTrainer); BAPO's tables."""
+        return values
 
     def _clip_grad_norm(self) -> float:
         """The gradient's norm, clipped to train.grad_clip when that is set."""
@@ -490,23 +506,3 @@ def default_pack_length(cfg: Config, shared_prefix: bool) -> int:
         group = cfg.data.max_prompt_tokens + cfg.rollout.samples_per_prompt * cfg.rollout.max_new_tokens
     length = max(longest, min(group, 4 * longest))
     return max(longest, min(length, cfg.train.micro_batch_tokens or length))
-
-
-def apply_lora(model, lora: dict):
-    """Wrap a model with peft LoRA adapters from the config mapping."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise ImportError("train.lora needs peft: pip install 'rollover[lora]'") from e
-    known = {"r", "alpha", "dropout", "target_modules"}
-    unknown = set(lora) - known
-    if unknown:
-        raise ValueError(f"train.lora: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    cfg = LoraConfig(
-        r=int(lora.get("r", 16)),
-        lora_alpha=int(lora.get("alpha", 32)),
-        lora_dropout=float(lora.get("dropout", 0.0)),
-        target_modules=lora.get("target_modules", "all-linear"),
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, cfg)
