@@ -165,10 +165,11 @@ def test_a_bapo_step_at_world_size_n_equals_one_trainers(world, over):
             assert mp["actor/bapo_c_low"] <= 0.9 and mp["actor/bapo_c_high"] <= 3.0 and 0 <= mp["actor/bapo_pos_share"] <= 1
             for k in ("actor/bapo_c_low", "actor/bapo_c_high"):
                 assert ms[k] == mp[k], k
-            # (the clip fractions are means over each micro-batch's tokens left after IS masking, weighted
-            # by its tokens before: with IS masking they depend on the split)
-            clip = () if cfg.algorithm.loss_options else ("actor/clip_frac_low", "actor/clip_frac_high")
-            for k in ("actor/pg_loss", "actor/grad_norm", "actor/masked_frac", "actor/bapo_pos_share", *clip):
+            # every loss metric is a mean over its own tokens (after IS masking, or before), or a max
+            for k in ("actor/pg_loss", "actor/grad_norm", "actor/masked_frac", "actor/bapo_pos_share",
+                      "actor/clip_frac_low", "actor/clip_frac_high", "actor/ratio_mean", "actor/ratio_max",
+                      "actor/approx_kl", *(("actor/is_ratio_mean", "actor/is_ratio_max", "actor/is_clip_frac",
+                                            "actor/is_weight_mean") if cfg.algorithm.loss_options else ())):
                 assert ms[k] == pytest.approx(mp[k], rel=1e-5, abs=1e-7), k
             assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
             start = weights(plain)

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rollover.train.batch import MicroBatch, TrainBatch
+from rollover.train.metric_sums import reduce_sums
 from rollover.train.trainer import Trainer
 
 log = logging.getLogger("rollover")
@@ -197,8 +198,7 @@ class FSDPTrainer(Trainer):
     def _reduce(self, sums: dict, totals: tuple, finite: bool) -> tuple[dict, tuple, bool]:
         parts: list = [None] * self.world
         dist.all_gather_object(parts, (sums, totals, finite), group=self._cpu_group)
-        keys = list(dict.fromkeys(k for s, _, _ in parts for k in s))
-        out = {k: sum(s.get(k, 0.0) for s, _, _ in parts) for k in keys}
+        out = reduce_sums([s for s, _, _ in parts])
         return out, tuple(sum(t[i] for _, t, _ in parts) for i in range(len(totals))), all(f for _, _, f in parts)
 
     def _gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -42,6 +42,7 @@ from rollover.config import Config
 from rollover.train import memory
 from rollover.train.batch import MicroBatch, TrainBatch, pack
 from rollover.train.embedding import RowGradEmbedding, row_grad_applies
+from rollover.train.metric_sums import add_metrics, mean_metrics
 
 log = logging.getLogger(__name__)
 
@@ -360,11 +361,9 @@ class Trainer:
                 if not mb.seq_index:  # a rank's stand-in pass (rollover.train.fsdp): nothing to count
                     continue
                 loss_total += float(loss.detach())
-                given = float(m_BT.sum())
-                w = given / max(num_tokens, 1)  # token-weighted mean of the loss metrics
-                out.metrics["masked_frac"] = (given - float(out.mask_BT.sum())) / max(given, 1)  # M2PO's drops too
-                for k, v in out.metrics.items():
-                    sums[k] = sums.get(k, 0.0) + w * float(v)
+                given, kept = float(m_BT.sum()), float(out.mask_BT.sum())
+                out.metrics["masked_frac"] = (given - kept) / max(given, 1)  # M2PO's drops too
+                add_metrics(sums, out.metrics, {"masked_frac": given, "is": float(loss_mask_BT[sel].sum()), "": kept})
             return micro, sums, entropy_sum, kl_sum, loss_total, rollout_kl_sum, finite
 
         # only the passes are redone on running out of memory: the optimizer step is not repeatable
@@ -374,7 +373,7 @@ class Trainer:
         sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, pad, slots), finite = self._reduce(
             sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, pad, slots), finite)
         grad_norm, finite = self._optimizer_step(finite)
-        metrics = {f"actor/{k}": v for k, v in sums.items()}
+        metrics = {f"actor/{k}": v for k, v in mean_metrics(sums).items()}
         metrics.update({f"actor/{k}": float(v) for k, v in whole.items()})  # the same on every rank
         metrics.update({
             "actor/pg_loss": loss_total,
