@@ -358,7 +358,7 @@ def test_a_resumed_run_keeps_its_kl_reference(model_dir, tmp_path, parallel):
 
 def test_ray_trainer_rank_actors_train_as_one_trainer(model_dir, tmp_path):
     """runtime=ray: the ranks are Ray actors (counted by the placement check), the run ends with
-    the local one-trainer run's weights."""
+    the local one-trainer run's weights, with a rollout worker or with the ranks' own engines."""
     pytest.importorskip("ray")
     train_sync(run_cfg(model_dir, tmp_path / "one"))
     # the ranks' buckets reach the worker as bit-level deltas against the weights it holds
@@ -373,6 +373,13 @@ def test_ray_trainer_rank_actors_train_as_one_trainer(model_dir, tmp_path):
     assert one.keys() == two.keys()
     assert_trained(model_dir, one)
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 5e-5
+    # colocated: each rank actor's own engine generates (its completions over TCP to the driver), no
+    # rollout worker starts, and the run still trains the one-trainer run's weights
+    train_sync(run_cfg(model_dir, tmp_path / "co", runtime="ray", **{
+        "train.parallel": "fsdp", "train.ranks": 2, "ray.trainer": "actor", "ray.cpus_for_trainer": 0.5,
+        "train.colocate": True}))
+    co = final_weights(tmp_path / "co")
+    assert max(float((one[k] - co[k]).abs().max()) for k in one) < 5e-5
     with pytest.raises(ConfigError, match="set ray.trainer=actor"):
         run_cfg(model_dir, tmp_path / "x", runtime="ray", **{"train.parallel": "fsdp", "train.ranks": 2})
     # a rank actor killed: the next call ends at once with an error naming it, never waiting on its peer
@@ -387,6 +394,23 @@ def test_ray_trainer_rank_actors_train_as_one_trainer(model_dir, tmp_path):
         with pytest.raises(RankLost, match=r"trainer rank 1 of 2 \(a Ray actor\) died during train_step"):
             group.train_step(batch_of(3))
         assert time.monotonic() - t0 < 30
+    finally:
+        group.close()
+    # ... and while its own engine generates (train.colocate): the requests fail naming it
+    from rollover.runtime.colocated import ColocatedEngines
+    from rollover.types import Request, SamplingParams
+
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"colocate": True})})
+    group = RayShardedTrainer(tiny_model("llama", seed=3), cfg, pad_id=0)
+    try:
+        engines = ColocatedEngines(group, cfg, max_len=64, eos_token_ids=[], vocab_size=group.architecture.config.vocab_size)
+        os.kill(group.pids[1], signal.SIGKILL)
+        with pytest.raises(RankLost, match=r"trainer rank 1 of 2"):
+            futures = engines.submit_many([Request(id=f"r{i}", prompt_ids=[5, 6, 7],
+                                                   sampling=SamplingParams(max_new_tokens=200, ignore_eos=True))
+                                           for i in range(4)])
+            for f in futures:
+                f.result(timeout=60)
     finally:
         group.close()
 

@@ -204,9 +204,6 @@ class Config(Section):
             if self.mode != "sync":
                 problems.append("train.colocate: the ranks' engines share the devices with training, so they generate "
                                 "only between steps (mode=sync, APRIL included); async mode needs engines of their own")
-            if self.runtime != "local":
-                problems.append("train.colocate runs with runtime=local (with Ray, place rollout workers and trainer "
-                                "ranks with ray.gpus_per_worker / ray.gpus_for_trainer)")
             if self.rollout.engine == "vllm" and t.colocate_free_weights and self.partial_rollout.carry == "keep_kv":
                 problems.append("partial_rollout.carry=keep_kv with vLLM in the ranks: vLLM's sleep while the ranks train "
                                 "(train.colocate_free_weights) frees the K/V that keep_kv keeps; use carry: resubmit, "

@@ -82,8 +82,8 @@ class TrainConfig(Section):
     colocate: bool = False
     """train.parallel=fsdp: every rank also runs a rollout engine on its own device (N GPUs
     generate, not one), loaded from its own gather of the weights; TorchEngine frees its K/V
-    cache while the ranks train. Sync mode (APRIL included), local runtime; TorchEngine or vLLM
-    (rollout.engine)."""
+    cache while the ranks train. Sync mode (APRIL included); TorchEngine or vLLM (rollout.engine);
+    local ranks, torchrun's, or Ray rank actors (runtime=ray: no rollout workers start)."""
     colocate_free_weights: bool = True
     """train.colocate: the engines also free their copy of the weights while the ranks train and
     load them again after the step (a model needs room for a whole copy only while generating;

@@ -54,6 +54,8 @@ def check_resources(cfg) -> None:
     from rollover.config import ConfigError
 
     rc = cfg.ray
+    if cfg.train.colocate:  # the engines live in the trainer ranks: no rollout worker starts
+        rc = rc.model_copy(update={"rollout_workers": 0})
     total, free = ray.cluster_resources(), ray.available_resources()
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     problems = []

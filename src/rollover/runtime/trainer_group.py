@@ -48,14 +48,26 @@ class TrainerRank:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def start(self, rank: int, world: int, init_method: str, cfg, model, pad_id: int, reference=None) -> dict:
+    def start(self, rank: int, world: int, init_method: str, cfg, model, pad_id: int, reference=None,
+              events_at=None) -> dict:
+        """Build this rank's `RankServer`; `events_at` (train.colocate): the driver's (host, port,
+        key), where this rank's engine sends its completions."""
         import ray
         import torch
 
         threads = None if ray.get_gpu_ids() else max(1, int(cfg.ray.cpus_for_trainer))
         if not ray.get_gpu_ids() and cfg.device != "cpu":
             cfg = cfg.model_copy(update={"device": "cpu"})  # no GPU reserved for this rank: its CPUs
-        self.server = RankServer(rank, world, init_method, cfg, model, pad_id, threads, reference=reference)
+        events = None
+        if events_at is not None:
+            from multiprocessing.connection import Client
+
+            from rollover.train.torchrun import PlainConnection
+
+            host, port, key = events_at
+            events = PlainConnection(Client((host, port), authkey=key))
+            events.send(rank)
+        self.server = RankServer(rank, world, init_method, cfg, model, pad_id, threads, events, reference=reference)
         return {**self.server.info, "node": ray.util.get_node_ip_address(), "torch_threads": torch.get_num_threads()}
 
     def call(self, name: str, *args):
@@ -73,6 +85,8 @@ class RayShardedTrainer(RankGroup):
         self.cfg, self.rc, self.world = cfg, cfg.ray, cfg.train.ranks
         self.checkpoint, self.bad_steps, self.actors = checkpoint, 0, []
         self.architecture = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.events: list = []  # train.colocate: each rank's engine completions, over TCP from its node
+        self.failure: RankLost | None = None  # why the ranks stopped, once they have
         self._lock = threading.RLock()
         self.owns_ray = start_ray(cfg)
         try:
@@ -82,9 +96,13 @@ class RayShardedTrainer(RankGroup):
             init = self._get([self.actors[0].address.remote()], "start")[0]
             shared = ray.put(model)
             ref = ray.put(reference) if reference is not None else None
-            infos = self._get([a.start.remote(r, self.world, init, cfg, shared, pad_id, ref)
-                               for r, a in enumerate(self.actors)],
-                              "start", timeout=self.rc.sync_timeout_s)
+            listener = _EventsListener() if cfg.train.colocate else None
+            refs = [a.start.remote(r, self.world, init, cfg, shared, pad_id, ref,
+                                   None if listener is None else listener.address)
+                    for r, a in enumerate(self.actors)]
+            if listener is not None:  # each rank's start reaches back here first
+                self.events = listener.accept(self.world, self.rc.sync_timeout_s)
+            infos = self._get(refs, "start", timeout=self.rc.sync_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -105,8 +123,24 @@ class RayShardedTrainer(RankGroup):
         for a in self.actors:
             kill_actor(a)
         self.actors = []
+        for conn in self.events:
+            conn.close()
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
+
+    # ------------------------------------------------------------ the ranks' engines (train.colocate)
+    def call(self, rank: int, name: str, *args):
+        """One rank's answer to one call (its colocated engine's calls)."""
+        with self._lock:
+            return self._get([self.actors[rank].call.remote(name, *args)], name, ranks=[rank])[0]
+
+    def _watched(self) -> dict:
+        """What becomes ready when a rank ends: nothing besides its events connection, whose end
+        (a dead actor's socket closes; a vanished node's, by TCP keepalive) says so."""
+        return {}
+
+    def how_ended(self, rank: int) -> str:
+        return "its Ray actor or node went away"
 
     def _buckets(self, dtype):
         bucket_bytes = int(self.cfg.train.weight_bucket_mb * 2**20)
@@ -136,11 +170,22 @@ class RayShardedTrainer(RankGroup):
                 continue
         return None
 
-    def _get(self, refs: list, what: str, timeout: float | None = None) -> list:
-        """Every rank's answer; the first rank to die or fail ends the wait (RankLost)."""
+    def _get(self, refs: list, what: str, timeout: float | None = None, ranks: list[int] | None = None) -> list:
+        """Every rank's answer (`refs` from the ranks `ranks`, default all in order); the first rank
+        to die or fail ends the wait (RankLost, kept as `failure`)."""
+        try:
+            return self._answers(refs, what, timeout, ranks)
+        except RankLost as e:
+            self.failure = e
+            raise
+
+    def _answers(self, refs: list, what: str, timeout: float | None, ranks: list[int] | None) -> list:
         import ray
 
-        index = {ref: r for r, ref in enumerate(refs)}
+        if self.failure is not None:  # the ranks are gone: say why, whoever calls next
+            raise RankLost(str(self.failure))
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        index = dict(zip(refs, ranks))
         pending, out = list(refs), {}
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
@@ -163,4 +208,42 @@ class RayShardedTrainer(RankGroup):
                     raise RankLost(f"trainer rank {dead} of {self.world} (a Ray actor) died during {what}; the run "
                                    "stops at its last checkpoint (run the same command to resume from it)") from None
                 raise RankLost(f"trainer rank {index[ref]} of {self.world} failed during {what}: {first_line(e)}") from None
-        return [out[r] for r in range(len(refs))]
+        return [out[r] for r in ranks]
+
+
+class _EventsListener:
+    """Where the ranks' engines connect to send their completions (train.colocate under Ray): a
+    socket on the driver's node that every node reaches, with a key of its own."""
+
+    def __init__(self):
+        import secrets
+        from multiprocessing.connection import Listener
+
+        import ray
+
+        key = secrets.token_bytes(16)
+        self._listener = Listener(("0.0.0.0", 0), authkey=key)
+        self.address = (ray.util.get_node_ip_address(), self._listener.address[1], key)
+
+    def accept(self, world: int, timeout_s: float) -> list:
+        """Each rank's connection, in rank order; a rank that has not connected within
+        `timeout_s` is an error naming it."""
+        import socket
+
+        from rollover.train.torchrun import PlainConnection
+
+        self._listener._listener._socket.settimeout(timeout_s)
+        conns: dict[int, object] = {}
+        try:
+            while len(conns) < world:
+                conn = PlainConnection(self._listener.accept())
+                conns[conn.recv()] = conn
+        except (socket.timeout, TimeoutError):
+            for conn in conns.values():
+                conn.close()
+            missing = sorted(set(range(world)) - set(conns))
+            raise RankLost(f"trainer ranks {missing} (Ray actors) did not connect their engines to the driver within "
+                           f"ray.sync_timeout_s={timeout_s:g} s") from None
+        finally:
+            self._listener.close()
+        return [conns[r] for r in range(world)]
