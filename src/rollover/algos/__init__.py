@@ -11,6 +11,7 @@ entry. Every loss is to be *minimised*.
 - `advantages`: grpo, drgrpo, rloo, reinforce_pp_baseline, gapo (`ADVANTAGES`).
 - `policy`: ppo, gspo, gspo_token, cispo, decoupled_ppo, bapo (`POLICY_LOSSES`);
   `bapo_update_bounds` picks BAPO's bounds once over an update split into micro-batches and ranks.
+- `bapo_bounds`: BAPO's candidate bounds, the tables a batch contributes, the search.
 - `offpolicy`: truncated / masked importance sampling and the M2PO mask, as options of every
   policy loss (`is_level`, `is_mode`, `is_cap`, `is_floor`, `is_seq_ratio`, `m2po_tau`);
   `m2po_update_mask` cuts one M2PO mask over an update split into micro-batches and ranks.
@@ -39,13 +40,11 @@ from rollover.algos.offpolicy import (
     m2po_update_mask,
     off_policy_correction,
 )
+from rollover.algos.bapo_bounds import bapo_bounds, bapo_search, bapo_tables
 from rollover.algos.policy import (
     POLICY_LOSSES,
     PolicyLossOutput,
     bapo,
-    bapo_bounds,
-    bapo_search,
-    bapo_tables,
     bapo_update_bounds,
     cispo,
     decoupled_ppo,
