@@ -561,6 +561,9 @@ def test_colocate_is_refused_where_it_cannot_run(model_dir, tmp_path):
     with pytest.raises(ConfigError, match="frees the K/V that keep_kv keeps"):
         run_cfg(model_dir, tmp_path, **vllm, **{"partial_rollout.carry": "keep_kv"})
     assert run_cfg(model_dir, tmp_path, **vllm).april_carry[0] == "resubmit"  # auto: what it would have kept
+    with pytest.raises(ConfigError, match="the trainer rank actors generate and no rollout worker starts"):
+        run_cfg(model_dir, tmp_path, runtime="ray", **{"train.parallel": "fsdp", "train.ranks": 2, "ray.trainer": "actor",
+                                                       "train.colocate": True, "ray.rollout_workers": 2})
     assert run_cfg(model_dir, tmp_path, **vllm, **{"train.colocate_free_weights": False}).april_carry[0] == "keep_kv"
 
 

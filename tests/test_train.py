@@ -494,3 +494,27 @@ def test_cli_train_eval_plot(model_dir, tmp_path, capsys):
     assert pngs and all(p.endswith(".png") and Path(p).parent == tmp_path / "figs" for p in pngs)
     assert main(["eval", *over, "rollout.max_new_tokenz=4"]) == 2
     assert "max_new_tokens" in capsys.readouterr().err
+
+
+def test_loss_metrics_are_means_over_their_own_tokens_and_maxima_over_any_split():
+    """metric_sums: a split's sums give the whole's metrics, each mean over its own token set
+    (given, IS-looked-at, kept), maxima the largest, a max over no token not reported."""
+    from rollover.train.metric_sums import add_metrics, mean_metrics, reduce_sums
+
+    parts = [({"masked_frac": 0.5, "is_clip_frac": 0.25, "clip_frac_high": 0.5, "ratio_max": 1.5},
+              {"masked_frac": 4, "is": 4, "": 2}),
+             ({"masked_frac": 0.0, "is_clip_frac": 1.0, "clip_frac_high": 0.0, "ratio_max": 9.0},
+              {"masked_frac": 2, "is": 2, "": 0}),  # nothing kept: its ratio_max is no value
+             ({"masked_frac": 0.0, "is_clip_frac": 0.0, "clip_frac_high": 1.0, "ratio_max": 1.2},
+              {"masked_frac": 2, "is": 2, "": 2})]
+    ranks = [{}, {}]
+    for i, (m, n) in enumerate(parts):
+        add_metrics(ranks[i % 2], m, n)
+    got = mean_metrics(reduce_sums(ranks))
+    assert got["masked_frac"] == pytest.approx((0.5 * 4) / 8)
+    assert got["is_clip_frac"] == pytest.approx((0.25 * 4 + 1.0 * 2) / 8)
+    assert got["clip_frac_high"] == pytest.approx((0.5 * 2 + 1.0 * 2) / 4)
+    assert got["ratio_max"] == 1.5
+    none = {}
+    add_metrics(none, {"ratio_max": 3.0, "approx_kl": 0.1}, {"masked_frac": 1, "is": 1, "": 0})
+    assert mean_metrics(none) == {"approx_kl": 0.0}

@@ -204,6 +204,10 @@ class Config(Section):
             if self.mode != "sync":
                 problems.append("train.colocate: the ranks' engines share the devices with training, so they generate "
                                 "only between steps (mode=sync, APRIL included); async mode needs engines of their own")
+            if self.runtime == "ray" and {"rollout_workers", "gpus_per_worker"} & self.ray.model_fields_set:
+                problems.append("train.colocate with runtime=ray: the trainer rank actors generate and no rollout "
+                                "worker starts; leave ray.rollout_workers / ray.gpus_per_worker unset (or set "
+                                "train.colocate=false for workers of their own)")
             if self.rollout.engine == "vllm" and t.colocate_free_weights and self.partial_rollout.carry == "keep_kv":
                 problems.append("partial_rollout.carry=keep_kv with vLLM in the ranks: vLLM's sleep while the ranks train "
                                 "(train.colocate_free_weights) frees the K/V that keep_kv keeps; use carry: resubmit, "

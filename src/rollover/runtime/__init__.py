@@ -41,21 +41,21 @@ def start_ray(cfg) -> bool:
     return True
 
 
-def check_resources(cfg) -> None:
+def check_resources(cfg, rollout_workers: int | None = None) -> None:
     """Refuse, before any worker starts, a placement the cluster cannot hold, naming the role
     and the numbers: the total asked against the cluster's resources, and one worker's share
     against the largest node, then the workers node by node. A trainer in the driver is not
     Ray's to account for (on one machine give Ray the other GPUs, `ray start --num-gpus`, or
     share with fractional ray.gpus_per_worker); a trainer actor (`ray.trainer: actor`) is
     counted like the workers. (Resources other jobs hold are not refused here: workers wait for
-    them, up to ray.sync_timeout_s.)"""
+    them, up to ray.sync_timeout_s.) `rollout_workers`: how many start, when not ray.rollout_workers."""
     import ray
 
     from rollover.config import ConfigError
 
     rc = cfg.ray
-    if cfg.train.colocate:  # the engines live in the trainer ranks: no rollout worker starts
-        rc = rc.model_copy(update={"rollout_workers": 0})
+    if rollout_workers is not None:  # 0: the trainer ranks' own engines generate (train.colocate)
+        rc = rc.model_copy(update={"rollout_workers": rollout_workers})
     total, free = ray.cluster_resources(), ray.available_resources()
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     problems = []
@@ -74,7 +74,7 @@ def check_resources(cfg) -> None:
             problems.append(f"rollout workers: {rc.rollout_workers} x {per:g} {key}{also} = {asked + extra:g} {key} "
                             f"asked, the cluster has {have:g} {key} ({free.get(key, 0.0):g} free now)")
         biggest = max((n.get(key, 0.0) for n in nodes), default=0.0)
-        if per > biggest + 1e-9:
+        if rc.rollout_workers and per > biggest + 1e-9:
             problems.append(f"rollout worker: {per:g} {key} each, the largest node has {biggest:g} {key}")
         if trainer[k] > biggest + 1e-9:
             problems.append(f"trainer actor: {trainer[k]:g} {key}{' each' if ranks > 1 else ''}, the largest node has "

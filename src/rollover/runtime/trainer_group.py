@@ -90,7 +90,7 @@ class RayShardedTrainer(RankGroup):
         self._lock = threading.RLock()
         self.owns_ray = start_ray(cfg)
         try:
-            check_resources(cfg)
+            check_resources(cfg, 0 if cfg.train.colocate else None)  # colocated: the ranks generate
             actor = ray.remote(TrainerRank).options(num_cpus=self.rc.cpus_for_trainer, num_gpus=self.rc.gpus_for_trainer)
             self.actors = [actor.remote(list(sys.path)) for _ in range(self.world)]
             init = self._get([self.actors[0].address.remote()], "start")[0]
@@ -101,7 +101,11 @@ class RayShardedTrainer(RankGroup):
                                    None if listener is None else listener.address)
                     for r, a in enumerate(self.actors)]
             if listener is not None:  # each rank's start reaches back here first
-                self.events = listener.accept(self.world, self.rc.sync_timeout_s)
+                def failed():  # a start that ended before its rank connected: its error
+                    done = ray.wait(refs, num_returns=len(refs), timeout=0)[0]
+                    self._get(done, "start", ranks=[refs.index(ref) for ref in done])
+
+                self.events = listener.accept(self.world, self.rc.sync_timeout_s, failed)
             infos = self._get(refs, "start", timeout=self.rc.sync_timeout_s)
         except BaseException:
             self.close()
@@ -172,14 +176,7 @@ class RayShardedTrainer(RankGroup):
 
     def _get(self, refs: list, what: str, timeout: float | None = None, ranks: list[int] | None = None) -> list:
         """Every rank's answer (`refs` from the ranks `ranks`, default all in order); the first rank
-        to die or fail ends the wait (RankLost, kept as `failure`)."""
-        try:
-            return self._answers(refs, what, timeout, ranks)
-        except RankLost as e:
-            self.failure = e
-            raise
-
-    def _answers(self, refs: list, what: str, timeout: float | None, ranks: list[int] | None) -> list:
+        to die or fail ends the wait: `failure` is set, the ranks stopped, RankLost raised."""
         import ray
 
         if self.failure is not None:  # the ranks are gone: say why, whoever calls next
@@ -190,25 +187,30 @@ class RayShardedTrainer(RankGroup):
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             if not ready:
-                self.close()
-                raise RankLost(f"trainer ranks did not answer {what} within {timeout:g} s (ray.sync_timeout_s)")
+                self._fail(RankLost(f"trainer ranks did not answer {what} within {timeout:g} s (ray.sync_timeout_s)"))
             ref = ready[0]
             try:
                 out[index[ref]] = ray.get(ref)
             except ray.exceptions.RayActorError as e:
-                self.close()
-                raise RankLost(f"trainer rank {index[ref]} of {self.world} (a Ray actor) died during {what}: "
-                               f"{first_line(e)}; the run stops at its last checkpoint (run the same command to "
-                               "resume from it)") from None
+                self._fail(RankLost(f"trainer rank {index[ref]} of {self.world} (a Ray actor) died during {what}: "
+                                    f"{first_line(e)}; the run stops at its last checkpoint (run the same command to "
+                                    "resume from it)"))
             except ray.exceptions.RayTaskError as e:
                 # a peer that died mid-collective fails this rank's collective at once: name the dead one
                 dead = self._dead(pending, index)
-                self.close()
                 if dead is not None:
-                    raise RankLost(f"trainer rank {dead} of {self.world} (a Ray actor) died during {what}; the run "
-                                   "stops at its last checkpoint (run the same command to resume from it)") from None
-                raise RankLost(f"trainer rank {index[ref]} of {self.world} failed during {what}: {first_line(e)}") from None
+                    self._fail(RankLost(f"trainer rank {dead} of {self.world} (a Ray actor) died during {what}; the "
+                                        "run stops at its last checkpoint (run the same command to resume from it)"))
+                self._fail(RankLost(f"trainer rank {index[ref]} of {self.world} failed during {what}: {first_line(e)}"))
         return [out[r] for r in ranks]
+
+    def _fail(self, error: RankLost):
+        """The ranks stop for `error`: recorded first (a colocated reader that sees the connections
+        close asks why), then the actors stopped, then raised."""
+        self.failure = error
+        self.close()
+        error.__suppress_context__ = True  # the Ray error it replaces says less
+        raise error
 
 
 class _EventsListener:
@@ -225,25 +227,37 @@ class _EventsListener:
         self._listener = Listener(("0.0.0.0", 0), authkey=key)
         self.address = (ray.util.get_node_ip_address(), self._listener.address[1], key)
 
-    def accept(self, world: int, timeout_s: float) -> list:
-        """Each rank's connection, in rank order; a rank that has not connected within
-        `timeout_s` is an error naming it."""
+    def accept(self, world: int, timeout_s: float, failed) -> list:
+        """Each rank's connection, in rank order. Between tries `failed()` raises the error of a
+        rank whose start already ended (a rank that died or failed before it connected); a rank
+        that has not connected within `timeout_s` is an error naming it."""
         import socket
+        import time
+        from multiprocessing import AuthenticationError
 
         from rollover.train.torchrun import PlainConnection
 
-        self._listener._listener._socket.settimeout(timeout_s)
+        self._listener._listener._socket.settimeout(1.0)
         conns: dict[int, object] = {}
+        deadline = time.monotonic() + timeout_s
         try:
             while len(conns) < world:
-                conn = PlainConnection(self._listener.accept())
+                try:
+                    conn = PlainConnection(self._listener.accept())
+                except (socket.timeout, TimeoutError):
+                    failed()
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(world)) - set(conns))
+                        raise RankLost(f"trainer ranks {missing} (Ray actors) did not connect their engines to the "
+                                       f"driver within ray.sync_timeout_s={timeout_s:g} s") from None
+                    continue
+                except AuthenticationError:  # not one of the ranks
+                    continue
                 conns[conn.recv()] = conn
-        except (socket.timeout, TimeoutError):
+        except BaseException:
             for conn in conns.values():
                 conn.close()
-            missing = sorted(set(range(world)) - set(conns))
-            raise RankLost(f"trainer ranks {missing} (Ray actors) did not connect their engines to the driver within "
-                           f"ray.sync_timeout_s={timeout_s:g} s") from None
+            raise
         finally:
             self._listener.close()
         return [conns[r] for r in range(world)]

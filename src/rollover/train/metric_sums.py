@@ -3,15 +3,16 @@ pass over the whole update would report, whatever the split.
 
 `policy_loss` reports, per micro-batch, means over three different sets of tokens and a few
 maxima: `masked_frac` over the loss tokens given to the step; the importance-sampling
-statistics (`is_ratio_mean`, `is_clip_frac`) over the tokens the IS correction looks at (after
+statistics (`is_ratio_mean`, `is_ratio_max`, `is_clip_frac`) over the tokens the IS correction looks at (after
 M2PO's mask); every other mean over the tokens that carry the loss (after IS masking). A mean is
-kept as (sum, tokens) over its own set and divided at the end; a `*_max` as the largest.
+kept as (sum, tokens) over its own set and divided at the end; a `*_max` as the largest (and
+not reported by an update with no token in its set).
 FSDPTrainer reduces the sums over the ranks (sums add, `*_max` take the largest).
 """
 
 from __future__ import annotations
 
-OVER_IS_TOKENS = frozenset({"is_ratio_mean", "is_clip_frac"})  # means over the tokens IS looks at
+OVER_IS_TOKENS = frozenset({"is_ratio_mean", "is_ratio_max", "is_clip_frac"})  # over the tokens IS looks at
 
 
 def add_metrics(sums: dict[str, float], metrics: dict, tokens: dict[str, float]) -> None:

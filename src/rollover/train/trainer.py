@@ -267,7 +267,9 @@ class Trainer:
                 skipped |= metrics.pop("skipped")
         for _ in range(t.ppo_epochs * (t.mini_batches - chunks)):
             self.scheduler.step()
-        out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+        # each metric over the updates that report it (a max over no token is not reported)
+        keys = dict.fromkeys(k for h in history for k in h)
+        out = {k: sum(h[k] for h in history if k in h) / sum(k in h for h in history) for k in keys}
         out["skipped_step"] = float(skipped)
         if self.device.type == "cuda":
             out["perf/peak_device_gb"] = self._peak_device_gb()
