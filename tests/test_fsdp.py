@@ -413,6 +413,18 @@ def test_ray_trainer_rank_actors_train_as_one_trainer(model_dir, tmp_path):
                 f.result(timeout=60)
     finally:
         group.close()
+    # ... and one whose engine stops answering is taken for hung past the engines' timeout
+    group = RayShardedTrainer(tiny_model("llama", seed=3), cfg, pad_id=0)
+    try:
+        engines = ColocatedEngines(group, cfg, max_len=64, eos_token_ids=[], vocab_size=group.architecture.config.vocab_size)
+        engines._timeout_s = 3  # train.collective_timeout_s, shortened for the engines' calls only
+        os.kill(group.pids[1], signal.SIGSTOP)
+        with pytest.raises(RankLost, match=r"trainer rank 1 of 2 gave no answer to engine_call stats within 3 s "
+                                           r"\(from train.collective_timeout_s\): taken for hung"):
+            engines.stats()
+    finally:
+        _kill_quietly(group.pids[1])
+        group.close()
 
 
 @pytest.mark.parametrize("april", [False, True], ids=["sync", "april"])
@@ -576,6 +588,62 @@ def test_a_rank_killed_with_its_engine_ends_the_run_naming_it(model_dir, tmp_pat
     with pytest.raises(RuntimeError, match=r"trainer rank 1 of 2 died"):
         train_sync(cfg, run=run)
     assert time.monotonic() - t0 < 30
+
+
+def test_a_rank_whose_engine_hangs_ends_the_call_naming_it(model_dir, tmp_path):
+    """A rank that stops answering (its process stopped here; a hung engine alike) is not waited on
+    for ever: past the engines' timeout (train.collective_timeout_s) the call ends with an error
+    naming the rank and the call, and the ranks are stopped."""
+    cfg = run_cfg(model_dir, tmp_path, **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True,
+                                          "train.collective_timeout_s": 60})
+    run = build_run(cfg)
+    procs = list(run.trainer.procs)
+    run.engine._timeout_s = 3  # the ranks' own collectives keep 60 s: a busy host starts them slowly
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RankLost, match=r"trainer rank 1 of 2 gave no answer to engine_call stats within 3 s "
+                                           r"\(from train.collective_timeout_s\): taken for hung"):
+            run.engine.stats()
+        assert 3 <= time.monotonic() - t0 < 20
+        for p in procs:
+            p.join(timeout=15)
+        assert [p.is_alive() for p in procs] == [False, False]
+        with pytest.raises(RuntimeError, match="gave no answer"):  # whoever calls next is told why
+            run.engine.stats()
+    finally:
+        _kill_quietly(procs[1].pid)
+        run.close()
+
+
+def test_a_rank_hung_in_a_weight_load_is_named_not_the_peer_that_timed_out(model_dir, tmp_path):
+    """A rank stopped while the ranks gather the weights for their engines: its peer's gather
+    gives up after train.collective_timeout_s with a collective error, and the error names the
+    silent rank as hung, not the peer."""
+    cfg = run_cfg(model_dir, tmp_path, **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True,
+                                          "train.collective_timeout_s": 20})
+    run = build_run(cfg)
+    procs = list(run.trainer.procs)
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RankLost, match=r"trainer rank 1 of 2 gave no answer during engine_load while the "
+                                           r"collectives of its peers gave up waiting for it"):
+            run.engine.load_from_ranks(1)
+        assert time.monotonic() - t0 < 40  # the peer's 20 s, before the driver's own 40
+        for p in procs:
+            p.join(timeout=15)
+        assert [p.is_alive() for p in procs] == [False, False]
+    finally:
+        _kill_quietly(procs[1].pid)
+        run.close()
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def torchrun(model_dir, run_dir, *extra: str, steps: int = 4):

@@ -78,7 +78,9 @@ class TrainConfig(Section):
     """train.parallel=fsdp: weights go from the ranks to the engine in buckets of about this many
     MiB (rank 0's extra memory during a push)."""
     collective_timeout_s: float = Field(600.0, gt=0)
-    """train.parallel=fsdp: a rank waiting this long in a collective (a peer died) gives up."""
+    """train.parallel=fsdp: a rank waiting this long in a collective (a peer died) gives up; with
+    train.colocate the driver waits this long for a rank's engine to answer a call (twice it for
+    a weight load), then takes the rank for hung and stops the run at its last checkpoint."""
     colocate: bool = False
     """train.parallel=fsdp: every rank also runs a rollout engine on its own device (N GPUs
     generate, not one), loaded from its own gather of the weights; TorchEngine frees its K/V

@@ -17,7 +17,9 @@ from its own gather, a bucket at a time, so no weights cross a pipe and no rank 
 full copy while it trains. A model must then fit sharded plus one bucket while training, and
 whole plus its K/V cache while generating. Sequences paused across the step (APRIL's
 `carry: keep_kv`) keep their K/V, not their weights. A rank that dies ends the run (`RankLost`,
-naming it), as with the trainer alone.
+naming it), as with the trainer alone; so does a rank whose engine gives no answer to a call
+within `train.collective_timeout_s` (twice that for a weight load, which gathers inside): it is
+taken for hung rather than waited on for ever.
 """
 
 from __future__ import annotations
@@ -115,6 +117,9 @@ class ColocatedEngines(EngineAPI):
                     rank = watched[x]
                 if self._stopped:
                     return
+                if self.trainer.failure is not None:  # the trainer stopped the ranks and said why
+                    self._fail(self.trainer.failure)
+                    return
                 self._fail(RankLost(f"trainer rank {rank} of {self.trainer.world} died ({self.trainer.how_ended(rank)}) "
                                     "while its engine generated; the run stops at its last checkpoint"))
                 return
@@ -182,7 +187,7 @@ class ColocatedEngines(EngineAPI):
                 lives.append(live)
                 batches.setdefault(rank.index, []).append(replace(r, id=wire))
         for index, reqs in batches.items():
-            self.trainer.call(index, "engine_submit", reqs)
+            self.trainer.call(index, "engine_submit", reqs, timeout=self._timeout_s)
         return [live.future for live in lives]
 
     def abort(self, ids: Iterable[str] | None = None) -> list[Completion]:
@@ -196,7 +201,7 @@ class ColocatedEngines(EngineAPI):
             for live in targets:
                 by_rank.setdefault(live.rank.index, []).append(live.wire)
         for index, wires in by_rank.items():
-            self._deliver(self.trainer.call(index, "engine_call", "abort", wires))
+            self._deliver(self.trainer.call(index, "engine_call", "abort", wires, timeout=self._timeout_s))
         if threading.current_thread() is not self._reader:
             _, pending = wait_futures([live.future for live in targets], timeout=self._timeout_s)
             if pending:
@@ -209,7 +214,9 @@ class ColocatedEngines(EngineAPI):
     def load_from_ranks(self, version: int, inflight: str = "continue") -> None:
         """Every rank loads the trainer's current weights into its engine as `version`."""
         self._check_alive()
-        aborted = [c for got in self.trainer._all("engine_load", self._bucket_bytes, version, inflight) for c in got]
+        # the ranks gather inside (collectives that give up after the timeout themselves): twice it here
+        got = self.trainer._all("engine_load", self._bucket_bytes, version, inflight, timeout=2 * self._timeout_s)
+        aborted = [c for part in got for c in part]
         self._version = version
         self._deliver(aborted)
 
@@ -220,7 +227,7 @@ class ColocatedEngines(EngineAPI):
     # ------------------------------------------------------------ the rest of the contract
     def _each(self, method: str, *args) -> list:
         self._check_alive()
-        return [self.trainer.call(r.index, "engine_call", method, *args) for r in self._ranks]
+        return [self.trainer.call(r.index, "engine_call", method, *args, timeout=self._timeout_s) for r in self._ranks]
 
     def stats(self) -> EngineStats:
         total = EngineStats()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 
 from rollover.runtime.live import first_line, kill_actor
 from rollover.train.rank_server import RankServer
@@ -133,10 +134,12 @@ class RayShardedTrainer(RankGroup):
             ray.shutdown()
 
     # ------------------------------------------------------------ the ranks' engines (train.colocate)
-    def call(self, rank: int, name: str, *args):
-        """One rank's answer to one call (its colocated engine's calls)."""
+    def call(self, rank: int, name: str, *args, timeout: float | None = None):
+        """One rank's answer to one call (its colocated engine's calls), within `timeout` if given."""
+        what = f"{name} {args[0]}" if name == "engine_call" else name  # the engine method, in errors
         with self._lock:
-            return self._get([self.actors[rank].call.remote(name, *args)], name, ranks=[rank])[0]
+            return self._get([self.actors[rank].call.remote(name, *args)], what, timeout=timeout, ranks=[rank],
+                             knob="from train.collective_timeout_s")[0]
 
     def _watched(self) -> dict:
         """What becomes ready when a rank ends: nothing besides its events connection, whose end
@@ -156,9 +159,10 @@ class RayShardedTrainer(RankGroup):
                     return
                 yield bucket
 
-    def _all(self, name: str, *args) -> list:
+    def _all(self, name: str, *args, timeout: float | None = None) -> list:
         with self._lock:
-            return self._get([a.call.remote(name, *args) for a in self.actors], name)
+            return self._get([a.call.remote(name, *args) for a in self.actors], name, timeout=timeout,
+                             knob="from train.collective_timeout_s")
 
     def _dead(self, pending: list, index: dict) -> int | None:
         """The rank whose actor died, among the calls still out (waiting up to 3 s for them)."""
@@ -174,9 +178,11 @@ class RayShardedTrainer(RankGroup):
                 continue
         return None
 
-    def _get(self, refs: list, what: str, timeout: float | None = None, ranks: list[int] | None = None) -> list:
+    def _get(self, refs: list, what: str, timeout: float | None = None, ranks: list[int] | None = None,
+             knob: str = "ray.sync_timeout_s") -> list:
         """Every rank's answer (`refs` from the ranks `ranks`, default all in order); the first rank
-        to die or fail ends the wait: `failure` is set, the ranks stopped, RankLost raised."""
+        to die or fail ends the wait, as does `timeout` (the setting `knob`) passing with answers
+        still out: `failure` is set, the ranks stopped, RankLost raised."""
         import ray
 
         if self.failure is not None:  # the ranks are gone: say why, whoever calls next
@@ -184,10 +190,17 @@ class RayShardedTrainer(RankGroup):
         ranks = list(range(len(refs))) if ranks is None else ranks
         index = dict(zip(refs, ranks))
         pending, out = list(refs), {}
+        deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
             if not ready:
-                self._fail(RankLost(f"trainer ranks did not answer {what} within {timeout:g} s (ray.sync_timeout_s)"))
+                silent = sorted(index[ref] for ref in pending)
+                then = "" if what == "start" else ("; the run stops at its last checkpoint (run the same command "
+                                                   "to resume from it)")
+                self._fail(RankLost(f"trainer rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} of "
+                                    f"{self.world} gave no answer to {what} within {timeout:g} s ({knob}): taken for "
+                                    f"hung, the ranks are stopped{then}"))
             ref = ready[0]
             try:
                 out[index[ref]] = ray.get(ref)

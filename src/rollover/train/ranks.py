@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -268,32 +269,62 @@ class ShardedTrainer(RankGroup):
                     self._recv(r, "weights")
                 return
 
-    def _all(self, call: str, *args):
+    def _all(self, call: str, *args, timeout: float | None = None):
+        """Every rank's answer; with `timeout` (seconds from when the calls go out), a rank that has
+        not answered by then is taken for hung (`_hung`)."""
         with self._lock:
+            deadline = None if timeout is None else time.monotonic() + timeout
             for r in range(self.world):
-                self._send(r, (call, *args), call)
-            return [self._recv(r, call) for r in range(self.world)]
+                self._send(r, (call, *args), call, deadline, timeout)
+            return [self._recv(r, call, deadline=deadline, timeout=timeout) for r in range(self.world)]
 
-    def call(self, rank: int, call: str, *args):
-        """One rank's answer to one call (its colocated engine's calls)."""
+    def call(self, rank: int, call: str, *args, timeout: float | None = None):
+        """One rank's answer to one call (its colocated engine's calls), within `timeout` if given."""
+        what = f"{call} {args[0]}" if call == "engine_call" else call  # the engine method, in errors
         with self._lock:
-            self._send(rank, (call, *args), call)
-            return self._recv(rank, call)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._send(rank, (call, *args), what, deadline, timeout)
+            return self._recv(rank, what, deadline=deadline, timeout=timeout)
 
-    def _send(self, rank: int, message, what: str) -> None:
+    def _send(self, rank: int, message, what: str, deadline: float | None = None, timeout: float | None = None) -> None:
+        """Send `message` to a rank. With a deadline the send itself is bounded too: a hung rank
+        stops reading its pipe, and a message larger than the pipe's buffer would block for ever."""
         if self.failure is not None:  # the ranks are gone: say why, whoever calls next
             raise RankLost(str(self.failure))
-        try:
-            self.conns[rank].send(message)
-        except (OSError, BrokenPipeError):
+        if deadline is None:
+            try:
+                self.conns[rank].send(message)
+            except (OSError, BrokenPipeError):
+                self._stopped(rank, what)
+            return
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                self.conns[rank].send(message)
+            except (OSError, BrokenPipeError) as e:  # the rank is gone (or killed as hung meanwhile)
+                failed.append(e)
+
+        sender = threading.Thread(target=send, name=f"rollover-send-{rank}", daemon=True)
+        sender.start()
+        sender.join(max(0.0, deadline - time.monotonic()))
+        if sender.is_alive():
+            self._hung(rank, what, timeout)
+        if failed:
             self._stopped(rank, what)
 
-    def _recv(self, rank: int, what: str, raw: bool = False):
+    def _recv(self, rank: int, what: str, raw: bool = False, deadline: float | None = None,
+              timeout: float | None = None):
+        """Rank `rank`'s answer to `what`. A rank still silent at `deadline` (time.monotonic) is
+        taken for hung (`_hung`)."""
         if self.failure is not None:
             raise RankLost(str(self.failure))
         conn, watched = self.conns[rank], self._watched()
         while True:
-            ready = wait([conn, *watched])
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([conn, *watched], timeout=left)
+            if not ready:
+                self._hung(rank, what, timeout)
             dead = next((r for x, r in watched.items() if x in ready), None)
             if dead is not None:  # a death first: the errors of its peers' collectives follow from it
                 self._stopped(dead, what)
@@ -304,6 +335,16 @@ class ShardedTrainer(RankGroup):
             if kind == "error":
                 self._stopped(rank, what, value)
             return (kind, value) if raw else value
+
+    def _hung(self, rank: int, what: str, timeout: float | None) -> None:
+        """A rank gave no answer in time (an engine stuck in a call, a stopped process): recorded
+        first (its death is this), the rank killed (it may never read a close), the ranks stopped."""
+        self.failure = RankLost(f"trainer rank {rank} of {self.world} gave no answer to {what} within {timeout:g} s "
+                                "(from train.collective_timeout_s): taken for hung, the ranks are stopped; the run "
+                                "stops at its last checkpoint (run the same command to resume from it)")
+        if rank < len(self.procs):
+            self.procs[rank].kill()
+        self._fail(self.failure)
 
     def _pending_errors(self) -> dict[int, str]:
         """The tracebacks ranks sent before they stopped, by rank (read only once the ranks are
@@ -336,6 +377,15 @@ class ShardedTrainer(RankGroup):
             self._fail(RankLost(f"trainer rank {victim} of {self.world} died ({how}) during {what}; the run stops "
                                 f"at its last checkpoint (run the same command to resume from it)"))
         own = [r for r, tb in sorted(errors.items()) if not _collective_error(tb)]
+        silent = [r for r in range(self.world) if r not in errors]
+        if not own and silent:  # its peers' collectives gave up waiting for a rank that says nothing: hung
+            self.failure = RankLost(f"trainer rank {silent[0]} of {self.world} gave no answer during {what} while the "
+                                    "collectives of its peers gave up waiting for it (train.collective_timeout_s): "
+                                    "taken for hung, the ranks are stopped; the run stops at its last checkpoint "
+                                    "(run the same command to resume from it)")
+            if silent[0] < len(self.procs):
+                self.procs[silent[0]].kill()
+            self._fail(self.failure)
         victim = own[0] if own else min(errors)
         self._fail(RankLost(f"trainer rank {victim} failed during {what}:\n{errors[victim]}"))
 
