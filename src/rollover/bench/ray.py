@@ -18,6 +18,10 @@ update moves.
    the engine in float32 (every element changes) and in bfloat16 (most elements keep their
    bits), through the object store with deltas on and off and through a gloo group: seconds per
    update, bytes each worker received, and the share of a whole-model transfer that was sent.
+
+On a GPU, `--gpus-per-worker F` gives every Ray worker (and a trainer actor) that fraction of a
+GPU, its engine on CUDA; with `device=cuda` among the overrides the trainer in the driver trains
+there, so one GPU holds the trainer and the workers (F = 0.5).
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ def _train(args, runtime: str, workers: int = 1, cpus: float = 2.0, trainer_acto
                      f"runtime={runtime}"]
         if runtime == "ray":
             overrides += [f"ray.rollout_workers={workers}", f"ray.cpus_per_worker={cpus:g}",
-                          f"ray.num_cpus={args.cpus * (2 if trainer_actor else 1)}"]
+                          f"ray.num_cpus={args.cpus * (2 if trainer_actor else 1)}",
+                          f"ray.gpus_per_worker={args.gpus_per_worker:g}"]
         if trainer_actor:  # the trainer reserves the cores too: sync steps alternate it with the worker
-            overrides += ["ray.trainer=actor", f"ray.cpus_for_trainer={args.cpus}"]
+            overrides += ["ray.trainer=actor", f"ray.cpus_for_trainer={args.cpus}",
+                          f"ray.gpus_for_trainer={args.gpus_per_worker:g}"]
         train_sync(load_config(None, overrides + list(args.overrides)))
         every = read_metrics(run_dir, kind="train")
     rows = every[1:]  # step 1 warms up
@@ -66,7 +72,8 @@ def _weight_sync(args, dtype: str, delta: bool, transport: str = "object_store")
     model = load_hf_model(args.model)
     cfg = load_config(model=args.model, runtime="ray", **{"rollout.dtype": dtype, "ray.weight_delta": delta,
                                                           "ray.weight_transport": transport,
-                                                          "ray.cpus_per_worker": 1, "ray.num_cpus": args.cpus})
+                                                          "ray.cpus_per_worker": 1, "ray.num_cpus": args.cpus,
+                                                          "ray.gpus_per_worker": args.gpus_per_worker})
     weights = {k: v.detach().clone() for k, v in model.named_parameters()}  # tied weights once, as the trainer sends them
     eng = RayEngine(cfg, model, weights=list(weights.items()), device=torch.device("cpu"), max_len=256,
                     eos_token_ids=(2,))
@@ -97,7 +104,8 @@ def _kill(args) -> dict:
 
     model = load_hf_model(args.model)
     cfg = load_config(model=args.model, runtime="ray", **{"ray.rollout_workers": 2, "ray.cpus_per_worker": 1,
-                                                          "ray.num_cpus": args.cpus, "rollout.max_rows": 64})
+                                                          "ray.num_cpus": args.cpus, "rollout.max_rows": 64,
+                                                          "ray.gpus_per_worker": args.gpus_per_worker})
     eng = RayEngine(cfg, model, weights=[(k, v.detach()) for k, v in model.named_parameters()],
                     device=torch.device("cpu"), max_len=256, eos_token_ids=(2,))
     eng.poll_s = 0.1
@@ -131,7 +139,13 @@ def _kill(args) -> dict:
 
 
 def main(args) -> dict:
-    result: dict = {"model": args.model, "steps_measured": args.steps}
+    result: dict = {"model": args.model, "steps_measured": args.steps, "gpus_per_worker": args.gpus_per_worker}
+
+    def save() -> None:  # after every part, so that a run cut off (a lent GPU's time limit) keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+
     if not args.skip_train:
         local = _train(args, "local")
         ray1 = _train(args, "ray", workers=1, cpus=args.cpus)
@@ -144,12 +158,16 @@ def main(args) -> dict:
             actor = _train(args, "ray", workers=1, cpus=args.cpus, trainer_actor=True)
             result.update(ray_trainer_actor_samples_per_s=actor["samples_per_s"], ray_trainer_actor=actor,
                           trainer_actor_over_driver=actor["samples_per_s"] / ray1["samples_per_s"])
+        save()
     if args.cpus >= 2 and args.kill_requests:
         result["kill"] = _kill(args)
-    result["weight_sync"] = [] if args.skip_weight_sync else [
-        _weight_sync(args, dtype, delta) for dtype in ("float32", "bfloat16") for delta in (True, False)]
+        save()
+    result["weight_sync"] = []
     if not args.skip_weight_sync:
-        result["weight_sync"] += [_weight_sync(args, dtype, False, "gloo") for dtype in ("float32", "bfloat16")]
+        settings = [(dtype, delta, "object_store") for dtype in ("float32", "bfloat16") for delta in (True, False)]
+        for dtype, delta, transport in settings + [(dtype, False, "gloo") for dtype in ("float32", "bfloat16")]:
+            result["weight_sync"].append(_weight_sync(args, dtype, delta, transport))
+            save()
     print(f"\nrollover bench ray — {args.model}, {args.steps} measured sync steps per runtime")
     if "local" in result:
         print(f"  samples/s  local {result['local_samples_per_s']:.3f}   ray, 1 worker {result['ray_samples_per_s']:.3f}"
@@ -171,9 +189,7 @@ def main(args) -> dict:
         print(f"  weight sync {w['transport']:12s} {w['dtype']:8s} delta={'on ' if w['delta'] else 'off'}  "
               f"{w['seconds_per_update']:.3f} s/update  "
               f"{w['bytes_per_worker'] / 2**20:8.1f} MiB per worker ({w['sent_fraction']:.1%} of the model)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    save()
     return result
 
 
@@ -184,6 +200,8 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=at_least(1), default=3, help="measured steps per runtime (one more runs first)")
     p.add_argument("--updates", type=at_least(1), default=5, help="weight updates timed per transport setting")
     p.add_argument("--cpus", type=at_least(1), default=2, help="CPUs of the local Ray instance")
+    p.add_argument("--gpus-per-worker", type=float, default=0.0,
+                   help="GPU share of each Ray worker and trainer actor (0: CPU workers; 0.5 shares one GPU with the trainer)")
     p.add_argument("--skip-train", action="store_true", help="skip the training runs")
     p.add_argument("--kill-requests", type=at_least(0), default=32, help="requests of the kill measurement (0: skip it)")
     p.add_argument("--trainer-actor", action="store_true",

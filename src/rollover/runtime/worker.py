@@ -34,6 +34,10 @@ class RolloutWorker:
 
         if threads is not None and device == "cpu":
             torch.set_num_threads(threads)
+        if cfg.train.deterministic:  # process-wide: the driver's engine runs under it (prefill's attention kernel)
+            from rollover.train.seeding import use_deterministic_kernels
+
+            use_deterministic_kernels()
         self.index = index
         names = list(weight_refs)
         tensors = ray.get([weight_refs[n] for n in names])
