@@ -59,6 +59,63 @@ def test_cuda_graphs_give_the_eager_tokens():
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_compiled_decode_through_graphs_gives_the_eager_tokens():
+    """compile_decode with CUDA graphs: each bucket's graph records the compiled step; greedy
+    tokens equal the eager step's, logprobs to float rounding, and the graphs are the ones used."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", seed=4)
+    outs = {}
+    for compiled in (True, False):
+        frames = counters["frames"]["ok"]
+        with TorchEngine(model, device="cuda", dtype=torch.float32, max_rows=8, max_len=192, eos_token_ids=[],
+                         cuda_graphs=compiled, compile_decode=compiled) as eng:
+            outs[compiled] = eng.generate(requests(7, 100, temperature=0.0) + requests(1, 60, tag="s"))
+            runner = eng.core.runner
+            assert bool(runner._graphs) == compiled and (runner.compiled is not None) == compiled
+            if compiled:
+                assert runner.cuda_graphs  # no capture failed (which would have turned them off)
+                assert counters["frames"]["ok"] > frames  # dynamo compiled the step: it did not fall back to eager
+                assert min(b for b, _ in runner._graphs) == 2  # a batch of one rides in the two-row graph
+    for a, b in zip(outs[True], outs[False]):
+        assert a.response_ids == b.response_ids, a.id
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_triton_attention_through_graphs_gives_the_torch_attentions_tokens():
+    """attention='triton' on CUDA with graphs (one graph per row bucket: the kernel reads each
+    row's length from the device): in fp32 the torch attention's greedy tokens and logprobs; in
+    bf16 the kernel within bf16 rounding of float64 attention over each row's own keys."""
+    import math
+
+    from rollover.engine.triton_attention import decode_attention
+
+    model = tiny_model("llama", seed=4)
+    outs = {}
+    for attention in ("triton", "torch"):
+        with TorchEngine(model, device="cuda", dtype=torch.float32, max_rows=8, max_len=192, eos_token_ids=[],
+                         attention=attention) as eng:
+            outs[attention] = eng.generate(requests(7, 100, temperature=0.0) + requests(1, 60, tag="s"))
+            runner = eng.core.runner
+            assert runner.cuda_graphs and runner.attention.impl == attention
+            if attention == "triton":
+                assert {lk for _, lk in runner._graphs} == {192}  # every length in one graph per bucket
+    for a, b in zip(outs["triton"], outs["torch"]):
+        assert a.response_ids == b.response_ids, a.id
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    torch.manual_seed(0)
+    kc, vc = (torch.randn(6, 3, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(5, 9, 64, device="cuda", dtype=torch.bfloat16)
+    pos = torch.tensor([0, 5, 63, 64, 250], device="cuda")
+    got = decode_attention(q, kc, vc, pos).double().cpu()
+    want = torch.empty(5, 9, 64, dtype=torch.float64)
+    for b in range(5):
+        for h in range(9):
+            k, v = kc[b, h // 3, : int(pos[b]) + 1].double().cpu(), vc[b, h // 3, : int(pos[b]) + 1].double().cpu()
+            want[b, h] = torch.softmax(k @ q[b, h].double().cpu() / math.sqrt(64), 0) @ v
+    assert float((got - want.reshape(5, -1)).abs().max()) < 3e-2
+
+
 def test_admission_beside_graphed_decode_gives_the_eager_tokens():
     """More requests than rows: finished rows are refilled while the others decode, so steps
     admit beside a graphed decode (`separate_admission`); the tokens equal the eager engine's and

@@ -613,3 +613,72 @@ def test_packed_prefill_equals_the_padded_one(arch, monkeypatch):
         assert torch.allclose(k1, k0, atol=1e-5) and torch.allclose(v1, v0, atol=1e-5)
     ref = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
     assert torch.allclose(out[True][0], ref, atol=1e-4)
+
+
+_TRITON_CHECK = r"""
+import math, os
+import torch
+from rollover.engine.triton_attention import decode_attention
+from rollover.engine.torch_engine import TorchEngine
+from rollover.testing import tiny_model
+from rollover.types import Request, SamplingParams
+
+def exact(q, kc, vc, pos):  # float64, each row over its own keys
+    B, H, D = q.shape
+    G = H // kc.shape[1]
+    out = torch.empty(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            k, v = kc[b, h // G, : int(pos[b]) + 1].double(), vc[b, h // G, : int(pos[b]) + 1].double()
+            out[b, h] = torch.softmax(k @ q[b, h].double() / math.sqrt(D), 0) @ v
+    return out.reshape(B, H * D)
+
+torch.manual_seed(0)
+for H, KV, D, dtype, tol in [(9, 3, 64, torch.float32, 1e-5), (14, 2, 64, torch.float32, 1e-5),
+                             (4, 4, 32, torch.float32, 1e-5), (9, 3, 64, torch.float16, 3e-3)]:
+    kc, vc = (torch.randn(6, KV, 200, D, dtype=dtype) for _ in range(2))
+    q = torch.randn(5, H, D, dtype=dtype)
+    pos = torch.tensor([0, 5, 63, 64, 150])  # one key; a block's edge; past one block; three blocks
+    kc[:, :, 151:] = float("nan")  # past every row's keys: never read
+    vc[:, :, 151:] = float("nan")
+    err = float((decode_attention(q, kc, vc, pos).double() - exact(q, kc, vc, pos)).abs().max())
+    assert err < tol, (H, KV, D, dtype, err)
+
+model = tiny_model("llama", seed=4)
+reqs = lambda: [Request(id=f"r{i}", prompt_ids=list(range(5, 8 + 7 * i)),
+                        sampling=SamplingParams(temperature=0.0, max_new_tokens=30 - 3 * i, ignore_eos=True))
+                for i in range(5)]  # five into four rows: admissions beside decoding rows too
+outs = {}
+for attention in ("torch", "triton"):
+    with TorchEngine(model, device="cpu", dtype=torch.float32, max_rows=4, max_len=128, eos_token_ids=[],
+                     attention=attention) as eng:
+        outs[attention] = eng.generate(reqs())
+        assert eng.core.runner.attention.impl == attention
+for a, b in zip(outs["torch"], outs["triton"]):
+    assert a.response_ids == b.response_ids, a.id
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4, a.id
+print("ok")
+"""
+
+
+def test_triton_decode_attention_reads_each_rows_keys_and_gives_the_torch_tokens():
+    """attention='triton' (CUDA; here through Triton's interpreter on the CPU, in its own process):
+    the kernel equals float64 attention over each row's own keys (keys past them, NaN here, are
+    never read) for grouped-query shapes in fp32 and fp16, and an engine using it decodes the
+    torch attention's greedy tokens with the same logprobs. bf16 runs on a GPU only
+    (tests/test_cuda.py): the interpreter's bf16 products are wrong."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_triton_attention_is_refused_where_it_cannot_run(model):
+    with pytest.raises(ValueError, match="attention='triton' runs on CUDA"):
+        TorchEngine(model, device="cpu", max_rows=2, max_len=32, attention="triton")
+    with pytest.raises(ValueError, match="attention must be 'torch' or 'triton'"):
+        TorchEngine(model, device="cpu", max_rows=2, max_len=32, attention="flash")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One lease of a lent GPU, in one call: the CUDA tests, then decode-step profiles with admissions
+# One lease of a lent GPU, in one call: the CUDA tests, the decode step at 512 rows of the
+# Qwen2.5-0.5B shape (torch's attention, the Triton kernel, the compiled step), decode-step profiles with admissions
 # (the default admit_batch, resumed prefixes, admit_batch 1), `bench april` (long-tail and natural
 # lengths), `simulate calibrate --device cuda`, `bench engine` (135M and a Qwen2.5-0.5B-shaped model),
 # `bench train` and the demo workload beside TRL's GRPOTrainer, each under its own time limit
@@ -61,8 +62,8 @@ python3 -c "import rollover.cli, rollover.config, rollover.engine.torch_engine, 
 step stand_ins 90 python3 benchmarks/gpu/stand_ins.py --tokenizer .gpu/smollm2 --cache /tmp/rc --qwen /tmp/qwen05 --device "$DEV" || exit 1
 
 TESTS=tests/test_cuda.py  # the CUDA paths; the CPU-pinned rest is CI's (TESTS_MORE="tests/..." adds files)
-TAIL=30 step tests 90 python3 -m pytest $TESTS ${TESTS_MORE:-} -q -n "${WORKERS:-8}" -p no:cacheprovider \
-  --timeout 80 -W ignore
+TAIL=30 step tests 150 python3 -m pytest $TESTS ${TESTS_MORE:-} -q -n "${WORKERS:-8}" -p no:cacheprovider \
+  --timeout 140 -W ignore  # the compiled-decode test compiles first
 ENGINE="--dtype bfloat16 --prompts $P --new-tokens $NT --max-rows $ROWS --repeats 2 --device $DEV"
 if [ -n "${OLD:-}" ]; then  # host work A/B, alternating: this tree against the rollover package under $OLD (an
   # earlier commit's src, e.g. `git archive REV src/rollover | tar -x -C .ab_old`, then OLD=.ab_old/src)
@@ -75,6 +76,17 @@ if [ -n "${OLD:-}" ]; then  # host work A/B, alternating: this tree against the 
   step ab_engine_new 70 rollover bench engine $ENGINE --skip-hf --json "$RES/ab_engine_new.json"
   PYTHONPATH=/tmp/site:$PWD/$OLD step ab_engine_old 70 rollover bench engine $ENGINE --skip-hf --json "$RES/ab_engine_old.json"
 fi
+# the decode step toward the hardware (issue: the real path on a GPU, item 4): the 0.5B shape at
+# 512 rows through CUDA graphs, eager and compiled (inductor's fused kernels inside the graphs)
+# alternating in one call
+# (the torch attention and the Triton kernel that reads each row's own keys, in turn, then the
+# compiled step beside the eager one, in the same call)
+E512="--model /tmp/qwen05 --dtype bfloat16 --prompts $(( ROWS * 4 )) --new-tokens $NT --max-rows $(( ROWS * 4 )) \
+  --repeats 2 --device $DEV --skip-hf"
+step engine_512 70 rollover bench engine $E512 --json "$RES/engine_512.json"
+[ "$DEV" = cuda ] && step engine_512_triton 70 rollover bench engine $E512 --attention triton \
+  --json "$RES/engine_512_triton.json"
+step engine_compile 200 rollover bench engine $E512 --compile-decode both --json "$RES/engine_compile.json"
 TRAIN="--steps $ST rollout.prompts_per_step=$TP rollout.samples_per_prompt=$TS rollout.max_new_tokens=$TNT \
   rollout.max_rows=$(( TP * TS )) device=$DEV"
 # in order of what the last H100 run (docs/benchmarks.md "Decode on a GPU") left open: the
@@ -97,6 +109,9 @@ step engine_135m 70 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_
 # nano-vllm's throughput workload on the 0.5B Qwen shape (256 sequences, 100-1024 tokens in and out; SMALL: 2)
 step engine_nanovllm 120 rollover bench engine --model /tmp/qwen05 --workload nanovllm --prompts $NANO --max-rows $NANO \
   --dtype bfloat16 --repeats 1 --device $DEV --json "$RES/engine_nanovllm.json"
+[ "$DEV" = cuda ] && step engine_nanovllm_triton 120 rollover bench engine --model /tmp/qwen05 --workload nanovllm \
+  --prompts $NANO --max-rows $NANO --dtype bfloat16 --repeats 1 --device $DEV --attention triton \
+  --json "$RES/engine_nanovllm_triton.json"
 step train_trl 90 rollover bench train --steps $ST device=$DEV --compare trl --json "$RES/train_trl.json"
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv > "$RES/env_after.txt" 2>&1
 tar czf "$OUT/results.tgz" -C "$RES" .

@@ -12,6 +12,12 @@ graphs cost little memory beyond the cache. Weight updates copy in place and kee
 valid; the runner's `drop_cache` drops them. If a capture fails, the step's eager result
 stands and the runner decodes eagerly from then on (logged).
 
+With `compile_decode` the graphs record the runner's compiled step instead (inductor's fused
+kernels: RMSNorm, rotary and SiLU-and-multiply each become one kernel instead of several, so a
+step launches fewer, larger kernels). A bucket's first step, run outside the capture, compiles
+it for the bucket's shape where the compiled graph does not cover it yet and tunes its kernels,
+so nothing compiles or benchmarks while a graph records.
+
 A step that admits new sequences while others decode runs the decode through its graph and the
 prefill eagerly after it (the runner's `separate_admission`): with APRIL's steady refills most
 steps admit something (measured on an H200 before that split: APRIL's decode time 2.6x sync's,
@@ -56,8 +62,10 @@ class DecodeGraphs:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_position: int) -> torch.Tensor:
         """The runner's `_decode` through the graph of the step's bucket; logits [n, V]."""
         r, n = self.runner, tokens.shape[0]
-        B = bucket(n, 1, r.max_rows)
-        Lk = bucket(max_position + 1, 64, r.max_len)
+        # a compiled step specialises a batch of one (a second compile): its smallest bucket is two rows
+        B = bucket(n, 2 if r.compiled is not None and r.max_rows > 1 else 1, r.max_rows)
+        # the triton attention reads each row's length from its position: one graph serves every length
+        Lk = r.max_len if r.attention.impl == "triton" else bucket(max_position + 1, 64, r.max_len)
         entry = self.entries.get((B, Lk))
         if entry is None:
             return self._capture(B, Lk, tokens, positions)
@@ -81,14 +89,15 @@ class DecodeGraphs:
         if self.side is None:
             self.side = torch.cuda.Stream(r.device)
         self.side.wait_stream(torch.cuda.current_stream(r.device))
+        step = r.compiled or r._decode
         with torch.cuda.stream(self.side):
-            out = r._decode(tok_buf, pos_buf, Lk)[:n].clone()
+            out = step(tok_buf, pos_buf, Lk)[:n].clone()
         torch.cuda.current_stream(r.device).wait_stream(self.side)
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: another thread (an async trainer) may use the GPU while this one captures
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.logits[:B].copy_(r._decode(tok_buf, pos_buf, Lk))
+                self.logits[:B].copy_(step(tok_buf, pos_buf, Lk))
         except RuntimeError as e:  # the step's result stands; later steps run eagerly
             log.warning("TorchEngine: CUDA graph capture failed (%s); decoding without CUDA graphs", e)
             r.cuda_graphs = r.separate_admission = False  # eager decode: admit in the fused pass again

@@ -6,6 +6,9 @@ Two implementations, with the same inputs and results:
 - **torch** (any device and dtype): the new keys and values go in with one `index_copy_` each;
   scores by `baddbmm` over `cache[:B, :, :Lk]` with a bias that masks keys past a row's
   position, softmax, and `bmm` with the values.
+- **triton** (`rollover.engine.triton_attention`, CUDA, `rollout.engine_options: {attention:
+  triton}`): the new keys and values go in as for torch, then one kernel attends each row over
+  its own keys only (no bias, no bucket of masked keys).
 - **native** (`rollover.engine.cpu.native`, CPU, fp32; the default there): one C loop over (row,
   kv head). Each row reads its own keys only up to its position, its g query heads share one
   pass over the keys and one over the values, and the new key and value are written in the same
@@ -39,11 +42,19 @@ class Setup:
 
 
 class DecodeAttention:
-    """One layer's decode attention for a runner's shapes; `native` is the kernel or None."""
+    """One layer's decode attention for a runner's shapes; `native` is the kernel or None;
+    `impl` "torch" or "triton" (where `native` is None)."""
 
-    def __init__(self, n_heads: int, n_kv: int, head_dim: int, max_len: int, dtype: torch.dtype, native: Kernels | None = None):
+    def __init__(self, n_heads: int, n_kv: int, head_dim: int, max_len: int, dtype: torch.dtype, native: Kernels | None = None,
+                 impl: str = "torch"):
         self.n_heads, self.n_kv, self.head_dim, self.max_len, self.dtype = n_heads, n_kv, head_dim, max_len, dtype
         self.native = native
+        self.impl = impl
+        self._triton = None
+        if impl == "triton":
+            from rollover.engine import triton_attention
+
+            self._triton = triton_attention.decode_attention
 
     def setup(self, positions: torch.Tensor, Lk: int | None = None) -> Setup:
         B, KV, dev = positions.shape[0], self.n_kv, positions.device
@@ -55,6 +66,8 @@ class DecodeAttention:
         # flat cache index of (row b, kv head h, position p): (b * KV + h) * max_len + p
         slot = ((torch.arange(B, device=dev)[:, None] * KV + torch.arange(KV, device=dev)[None, :]) * self.max_len
                 + positions[:, None]).reshape(-1)
+        if self._triton is not None:  # each row's length comes from its position, on the device
+            return Setup(positions, Lk, slot=slot)
         keymask = torch.arange(Lk, device=dev)[None, :] <= positions[:, None]  # [B, Lk]
         bias = torch.zeros((B, Lk), dtype=self.dtype, device=dev).masked_fill_(~keymask, float("-inf"))
         bias = bias[:, None, None, :].expand(B, KV, 1, Lk).reshape(B * KV, 1, Lk)
@@ -74,6 +87,8 @@ class DecodeAttention:
         Lk = setup.Lk
         kc.view(-1, D).index_copy_(0, setup.slot, k.reshape(B * KV, D))
         vc.view(-1, D).index_copy_(0, setup.slot, v.reshape(B * KV, D))
+        if self._triton is not None:
+            return self._triton(q, kc, vc, setup.positions)
         K = kc[:B, :, :Lk].reshape(B * KV, Lk, D)  # views: rows and heads are adjacent in the cache
         V = vc[:B, :, :Lk].reshape(B * KV, Lk, D)
         qg = q.reshape(B * KV, self.n_heads // KV, D)  # the g query heads sharing each kv head

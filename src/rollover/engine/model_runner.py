@@ -40,6 +40,8 @@ The passes over prompts, `prefill` and `mixed`, are in `rollover.engine.prefill`
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -110,7 +112,14 @@ class ModelRunner:
         cuda_graphs: bool = True,
         compile_decode: bool = False,
         native_kernels: bool | None = None,
+        attention: str = "torch",
     ):
+        if attention not in ("torch", "triton"):
+            raise ValueError(f"attention must be 'torch' or 'triton', got {attention!r}")
+        if attention == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention='triton' runs on CUDA (on a CPU only under TRITON_INTERPRET=1, for tests)")
+        if attention == "triton" and native_kernels:
+            raise ValueError("attention='triton' and native_kernels are two decode attentions: choose one")
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
         if compile_decode and quantize is not None:
@@ -155,19 +164,18 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self) if self.cuda_graphs else None
         # the decode step compiled by torch.compile (inductor), for every batch size and attended
         # length in one graph: element-wise work fused, Python and dispatch gone; the first step
-        # compiles (a minute or two on a CPU). Not with CUDA graphs, which replay their own.
-        if compile_decode and self.cuda_graphs:
-            raise ValueError("compile_decode and CUDA graphs both replace the eager decode step: turn the graphs "
-                             "off (rollout.engine_options: {cuda_graphs: false}) to compile it")
+        # compiles (a minute or two on a CPU). With CUDA graphs each bucket's graph records the
+        # compiled step (its first step, outside the capture, compiles and warms the kernels up).
         self.compiled = torch.compile(self._decode, dynamic=True) if compile_decode else None
         # the native kernels (`rollover.engine.cpu.native`) on a CPU in fp32 where they build; torch's
         # ops elsewhere and where the step is compiled (inductor cannot trace a C call)
         if native_kernels and (compile_decode or quantize is not None):
             raise ValueError("native_kernels serve the eager float forward: not with compile_decode or quantize")
         self.kernels = None
-        if not compile_decode and quantize is None:
+        if not compile_decode and quantize is None and attention == "torch":
             self.kernels = kernels_for(self.device, dtype, native_kernels, self.n_heads // self.n_kv, self.head_dim)
-        self.attention = DecodeAttention(self.n_heads, self.n_kv, self.head_dim, max_len, dtype, self.kernels)
+        self.attention = DecodeAttention(self.n_heads, self.n_kv, self.head_dim, max_len, dtype, self.kernels,
+                                         impl=attention)
         # packed weights (module docstring): the native GEMM's where the kernels run with 512-bit
         # vectors (where it was measured), else MKL's ladder of packs for decode batch sizes
         self.native_gemm = bool(pack_weights and self.kernels is not None and self.kernels.gemm_vector_bits >= 512)

@@ -35,11 +35,15 @@ class TorchEngine(ThreadedEngine):
     compile_decode: compile the decode step with `torch.compile` (`rollout.engine_options:
         {compile_decode: true}`; off by default: the first step compiles for a minute or more on a
         CPU; what it gains is in docs/benchmarks.md). Outputs equal the eager step's up to float
-        rounding (tests/test_engine.py). Not with CUDA graphs (refused: turn them off to compile).
+        rounding (tests/test_engine.py). With CUDA graphs the graphs record the compiled step.
     native_kernels: on a CPU in fp32, the decode attention, RMSNorm and SiLU-and-multiply as C
         loops compiled at first use (`rollover.engine.cpu.native`): None (default) where they build,
         saying once why not; True requires them; False (`rollout.engine_options:
         {native_kernels: false}`, or `ROLLOVER_NATIVE=0`) keeps torch's ops.
+    attention: the decode step's attention on CUDA: "torch" (default: batched matrix products over
+        the step's attended length, masked per row) or "triton" (`rollout.engine_options:
+        {attention: triton}`: one kernel reading each row's own keys only,
+        `rollover.engine.triton_attention`; not yet measured on a GPU).
     admit_batch, admit_max_wait: while sequences decode, admit waiting ones once `admit_batch`
         fit or after `admit_max_wait` steps (`EngineCore._admit`); None: max_rows / 8 with CUDA
         graphs, else 1 (every step).
@@ -66,6 +70,7 @@ class TorchEngine(ThreadedEngine):
         cuda_graphs: bool = True,
         compile_decode: bool = False,
         native_kernels: bool | None = None,
+        attention: str = "torch",
         admit_batch: int | None = None,
         admit_max_wait: int = 16,
         adapt_threads: bool = True,
@@ -83,7 +88,7 @@ class TorchEngine(ThreadedEngine):
         runner = ModelRunner(
             config, state_dict if state_dict is not None else model.state_dict(), max_rows=max_rows, max_len=max_len, device=device, dtype=dtype,
             quantize=quantize, pack_weights=pack_weights, cuda_graphs=cuda_graphs, compile_decode=compile_decode,
-            native_kernels=native_kernels,
+            native_kernels=native_kernels, attention=attention,
         )
         eos = tuple(eos_token_ids) if eos_token_ids is not None else eos_ids(gen_config, config)
         core = EngineCore(
