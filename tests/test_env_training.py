@@ -114,11 +114,135 @@ def test_a_raising_environment_fails_only_its_group_and_is_counted(model_dir, tm
         assert r["rollout/env/failed"] == 4 and r["rollout/skipped_groups"] == 2 and r["groups"] == 2
 
 
+FLAKY_ONCE_ENV = '''
+from rollover.envs.base import StepResult
+from rollover.types import Prompt
+
+
+class FlakyOnce:
+    """Odd tasks: the first step any of their environments takes raises (a crash that a fresh
+    environment does not repeat); every episode ends at its first step, reward 1 or 0 by the
+    reply's length."""
+
+    def __init__(self):
+        self.stepped = {}  # task -> steps taken by its environments, shared by every environment made
+
+    def prompts(self, n, seed=0):
+        return [Prompt(id=f"once-{seed}-{i}", text="Say something.", answer=i) for i in range(n)]
+
+    def make_group(self, prompt, n):
+        return [OnceEnv(int(prompt.answer), self.stepped) for _ in range(n)]
+
+
+class OnceEnv:
+    def __init__(self, k, stepped):
+        self.k, self.stepped = k, stepped
+
+    async def initial_observation(self):
+        return [{"role": "user", "content": "Say something."}]
+
+    async def step(self, action):
+        self.stepped[self.k] = self.stepped.get(self.k, 0) + 1
+        if self.k % 2 and self.stepped[self.k] == 1:
+            raise RuntimeError(f"simulator crashed on task {self.k}")
+        return StepResult([], float(len(action.text) % 2), done=True)
+'''
+
+
+@pytest.mark.parametrize("mode", ["sync", "april", "async"])
+def test_failed_episodes_run_again_so_their_groups_train_at_full_size(model_dir, tmp_path, mode):
+    """env.resample_failed: an episode whose environment crashed runs again in a fresh
+    environment of the same task, in every schedule; its group trains with all its episodes and
+    the failure is counted as resampled, not failed."""
+    from rollover.loops.async_ import train_async
+
+    path = tmp_path / "once_env.py"
+    path.write_text(FLAKY_ONCE_ENV)
+    over = {"sync": {}, "april": {"partial_rollout.enabled": True},
+            "async": {"mode": "async", "async.max_staleness": 1}}[mode]
+    cfg = env_cfg(model_dir, tmp_path / "run", steps=2, **{
+        "env.name": f"{path}:FlakyOnce", "env.options": {}, "data.shuffle": False, "rollout.prompts_per_step": 4,
+        "env.resample_failed": 1, "checkpoint.every": 0}, **over)
+    (train_async if mode == "async" else train_sync)(cfg)
+    got = rows(tmp_path / "run")
+    assert [r["step"] for r in got] == [1, 2]
+    # (a step whose groups all finished in an earlier one (APRIL's carry) completed no episode: no counts)
+    assert sum(r.get("rollout/env/resampled", 0) for r in got) >= 2  # the odd tasks of the steps' groups
+    for r in got:
+        assert r.get("rollout/env/failed", 0) == 0 and r.get("rollout/skipped_groups", 0) == 0
+        assert r.get("rollout/dropped_samples", 0) == 0 and r["groups"] == 4
+    groups = [g for line in open(tmp_path / "run" / "trained_groups.jsonl") for g in json.loads(line)["groups"]]
+    assert all(g["dropped"] == 0 for g in groups)
+
+
+PICKY_ENV = '''
+from rollover.envs.base import StepResult
+from rollover.types import Prompt
+
+
+class Picky:
+    """A deterministic environment that fails on some replies: its answer depends on the task and
+    the actions alone, so a checkpoint's replay rebuilds it exactly."""
+
+    def prompts(self, n, seed=0):
+        return [Prompt(id=f"picky-{seed}-{i}", text="Say something.", answer=i) for i in range(n)]
+
+    def make_group(self, prompt, n):
+        return [PickyEnv() for _ in range(n)]
+
+
+class PickyEnv:
+    async def initial_observation(self):
+        return [{"role": "user", "content": "Say something."}]
+
+    async def step(self, action):
+        if len(action.text) % 3 == 0:
+            raise RuntimeError("cannot parse a reply of a length divisible by 3")
+        return StepResult([{"role": "user", "content": "Again."}], float(len(action.text) % 2),
+                          done=len(action.text) % 2 == 0)
+'''
+
+
+def test_april_with_resampled_episodes_resumes_exactly(model_dir, tmp_path):
+    """APRIL carries episodes across steps, replacements included; with env.inline a run killed
+    after step 1 and resumed from its checkpoint ends with the straight run's weights, and
+    episodes were resampled on the way."""
+    path = tmp_path / "picky_env.py"
+    path.write_text(PICKY_ENV)
+    over = {"env.name": f"{path}:Picky", "env.options": {}, "env.inline": True, "env.resample_failed": 3,
+            "partial_rollout.enabled": True, "rollout.samples_per_prompt": 4, "rollout.prompts_per_step": 2}
+    train_sync(env_cfg(model_dir, tmp_path / "straight", steps=3, **over))
+    train_sync(env_cfg(model_dir, tmp_path / "resumed", steps=1, **over))
+    train_sync(env_cfg(model_dir, tmp_path / "resumed", steps=3, **over))  # resume: auto, from step 1
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    straight = rows(tmp_path / "straight")
+    assert [r["reward/mean"] for r in straight] == [r["reward/mean"] for r in rows(tmp_path / "resumed")]
+    assert sum(r.get("rollout/env/resampled", 0) for r in straight) > 0  # failures happened and were run again
+
+
+def test_resampling_stops_at_its_limit_and_the_failure_stands(model_dir, tmp_path):
+    """An environment that always crashes: its group runs env.resample_failed more episodes, which
+    fail too; then the group is skipped as without resampling, every failure counted."""
+    path = tmp_path / "flaky_env.py"
+    path.write_text(FLAKY_ENV)
+    cfg = env_cfg(model_dir, tmp_path / "run", steps=2, **{"env.name": f"{path}:Flaky", "env.options": {},
+                                                            "data.shuffle": False, "rollout.prompts_per_step": 4,
+                                                            "env.resample_failed": 1, "checkpoint.every": 0})
+    train_sync(cfg)
+    for r in rows(tmp_path / "run"):  # two odd groups a step: one resample each, then both episodes failed
+        assert r["rollout/env/resampled"] == 2 and r["rollout/env/failed"] == 4
+        assert r["rollout/skipped_groups"] == 2 and r["groups"] == 2
+
+
 @pytest.mark.parametrize("over,message", [
     ({"partial_rollout.enabled": True, "partial_rollout.carry": "keep_kv"}, "carry=keep_kv keeps single-turn"),
     ({"partial_rollout.enabled": True, "partial_rollout.on_stale": "regenerate"}, "regenerate restarts single-turn"),
     ({"env.name": None}, "data.train: env needs env.name"),
     ({"env.max_total_tokens": 100}, "env.max_total_tokens=100 leaves no room"),
+    ({"env.name": None, "data.train": "gen:arithmetic?n=50", "env.resample_failed": 1},
+     "env.resample_failed runs failed episodes again: it needs an environment"),
 ])
 def test_env_config_conflicts_are_refused(model_dir, tmp_path, over, message):
     with pytest.raises(ConfigError, match=message):

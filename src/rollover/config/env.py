@@ -25,6 +25,11 @@ class EnvConfig(Section):
     training rows default to this length."""
     step_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
     """An environment call past this fails its episode (counted, reported; never scored 0)."""
+    resample_failed: int = Field(0, ge=0)
+    """Failed episodes (the environment raised or timed out) run again, up to this many per
+    group: the same task in a fresh environment, with another sampling seed, so the group trains
+    at full size. Each is logged and counted (`rollout/env/resampled`). 0: a failed episode
+    leaves its group, which trains on the others."""
     tasks: int = Field(2000, ge=1)
     """With data.train: env, how many tasks the environment's own generator makes."""
     dynamic_turns: bool = False

@@ -258,6 +258,9 @@ class Config(Section):
         simulated = self.simulated_episodes  # `rollover simulate`'s episodes: the schedules' rules hold
         if e.name is None and not simulated:
             out = ["env.options are set but env.name is not"] if e.options else []
+            if e.resample_failed:
+                out.append("env.resample_failed runs failed episodes again: it needs an environment (env.name); "
+                           "single-turn samples a reward function could not score follow reward.on_error")
             return out + (["data.train: env needs env.name"] if self.data.train == "env" else [])
         out = []
         pr = self.partial_rollout

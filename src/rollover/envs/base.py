@@ -127,6 +127,7 @@ class Trajectory:
     finish: EpisodeFinish
     error: EpisodeError | None = None
     initial_env_s: float = 0.0  # wall time in initial_observation
+    resampled: int = 0  # failed episodes of its group's place that ran before it (env.resample_failed)
 
     @property
     def ok(self) -> bool:
@@ -193,6 +194,7 @@ def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     out = {
         "env/episodes": float(n),
         "env/failed": float(sum(not t.ok for t in trajectories)),
+        "env/resampled": float(sum(getattr(t, "resampled", 0) for t in trajectories)),
         "env/timed_out": float(sum(t.error is not None and t.error.timed_out for t in trajectories)),
         "env/turns_mean": sum(len(t.turns) for t in trajectories) / n,
         "env/env_time_share": env_s / (env_s + gen_s) if env_s + gen_s > 0 else 0.0,

@@ -137,6 +137,7 @@ class LiveEpisode:
         self.partial = None  # the aborted turn's Completion, resumed by the next request()
         self.action: Action | None = None  # the action waiting for env.step (phase "step")
         self.turn_started: float | None = None
+        self.replaced = 0  # failed episodes of its place that ran before it (env.resample_failed)
 
     @property
     def finished(self) -> bool:

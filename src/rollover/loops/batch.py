@@ -35,7 +35,7 @@ class EmptyCollections:
     in a row stop the run after a checkpoint. Their losses are reported with the step that
     trains next (`rollout/empty_collections` and the counts in `FOLDED`)."""
 
-    FOLDED = (*DROP_COUNTS, "env/episodes", "env/failed", "env/timed_out")  # counts (an episode's averages are not carried)
+    FOLDED = (*DROP_COUNTS, "env/episodes", "env/failed", "env/timed_out", "env/resampled")  # counts (an episode's averages are not carried)
 
     def __init__(self):
         self.count = 0

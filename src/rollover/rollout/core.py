@@ -30,6 +30,7 @@ next phase, and `idle` says when no request and no environment call is in flight
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -40,6 +41,8 @@ from rollover.envs.episode import EnvPool, LiveEpisode, env_open, env_step
 from rollover.envs.render import ChatRenderer
 from rollover.types import Completion, Request
 from rollover.rollout.inputs import RolloutInputs
+
+log = logging.getLogger("rollover")
 
 
 @dataclass(frozen=True, eq=False)
@@ -191,6 +194,9 @@ class SampleDriver:
             return
         ep: LiveEpisode = g.episodes[j]
         if ep.finished:
+            if not ep.traj.ok and self._resample(g, j):
+                return self.advance(g, j)
+            ep.traj.resampled = getattr(ep, "replaced", 0)
             g.done[j] = ep.traj
             return self.on_finished(g, j)
         if self.hold or (id(g), j) in self._calling:
@@ -231,6 +237,29 @@ class SampleDriver:
         g.episodes = {j: LiveEpisode(f"{g.id}/{j}", replace(sampling, seed=episode_seed(base, j)), env=env,
                                      max_turns=g.max_turns or e.max_turns, max_total_tokens=e.max_total_tokens)
                       for j, env in enumerate(envs)}
+
+    def _resample(self, g, j: int) -> bool:
+        """Put a fresh episode of the same task in place of sample j's failed one, while the group
+        has `env.resample_failed` left: the environment the builder makes for place j (as a replay
+        after a checkpoint would), another sampling seed, its own request id. False: the failure
+        stands."""
+        from dataclasses import replace
+
+        from rollover.envs.episode import episode_seed
+
+        limit, used = self.cfg.env.resample_failed, getattr(g, "resampled", 0)  # a checkpoint from before: none
+        if used >= limit:
+            return False
+        old: LiveEpisode = g.episodes[j]
+        g.resampled = used + 1
+        log.warning("env: episode %s failed: %s; running it again in a fresh environment (%d of "
+                    "env.resample_failed=%d for its group)", old.request_id, old.traj.error.describe(), used + 1, limit)
+        env = self.inputs.env_builder.make_group(g.prompt, g.n)[j]
+        fresh = LiveEpisode(f"{g.request_id(j)}~{used + 1}", replace(old.sampling, seed=episode_seed(old.sampling.seed, used + 1)),
+                            env=env, max_turns=old.max_turns, max_total_tokens=old.max_total_tokens)
+        fresh.replaced = getattr(old, "replaced", 0) + 1
+        g.episodes[j] = fresh
+        return True
 
     # ------------------------------------------------------------ the engine
     def _queue(self, req: Request, g, j: int) -> None:

@@ -37,6 +37,7 @@ class PendingGroup:
     budgets: list[int] | None = None  # per-sample max_new_tokens (benchmark workloads); None: config's
     episodes: dict | None = None  # multi-turn: sample j's LiveEpisode (made when first sent)
     max_turns: int | None = None  # multi-turn: this task's turn limit (dynamic length); None: env.max_turns
+    resampled: int = 0  # multi-turn: failed episodes run again (env.resample_failed)
 
     def request_id(self, j: int) -> str:
         return f"{self.id}/{j}"
