@@ -63,14 +63,22 @@ def test_episode_run_killed_and_resumed_is_exact(model_dir, tmp_path):
     # the tiny random model never finds a number in 1-8: in 1-2, with four episodes a game, it
     # wins some and loses some, so the steps train and the weights compared below move
     over = {"env.options": {"low": 1, "high": 2, "max_guesses": 3}, "rollout.samples_per_prompt": 4}
+    straight_and_resumed(model_dir, tmp_path, over)
+    assert any(r["actor/grad_norm"] > 0 for r in rows(tmp_path / "resumed")[1:])  # the resumed steps trained
+
+
+def straight_and_resumed(model_dir, tmp_path, over) -> list[dict]:
+    """Three steps straight, and one step then two more resumed from its checkpoint: the same
+    weights bit for bit and the same rewards. Returns the straight run's training rows."""
     train_sync(env_cfg(model_dir, tmp_path / "straight", steps=3, **over))
     train_sync(env_cfg(model_dir, tmp_path / "resumed", steps=1, **over))
     train_sync(env_cfg(model_dir, tmp_path / "resumed", steps=3, **over))  # resume: auto, from step 1
     a = load_file(str(tmp_path / "straight" / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
     b = load_file(str(tmp_path / "resumed" / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert [r["reward/mean"] for r in rows(tmp_path / "straight")] == [r["reward/mean"] for r in rows(tmp_path / "resumed")]
-    assert any(r["actor/grad_norm"] > 0 for r in rows(tmp_path / "resumed")[1:])  # the resumed steps trained
+    straight = rows(tmp_path / "straight")
+    assert [r["reward/mean"] for r in straight] == [r["reward/mean"] for r in rows(tmp_path / "resumed")]
+    return straight
 
 
 FLAKY_ENV = '''
@@ -211,14 +219,7 @@ def test_april_with_resampled_episodes_resumes_exactly(model_dir, tmp_path):
     path.write_text(PICKY_ENV)
     over = {"env.name": f"{path}:Picky", "env.options": {}, "env.inline": True, "env.resample_failed": 3,
             "partial_rollout.enabled": True, "rollout.samples_per_prompt": 4, "rollout.prompts_per_step": 2}
-    train_sync(env_cfg(model_dir, tmp_path / "straight", steps=3, **over))
-    train_sync(env_cfg(model_dir, tmp_path / "resumed", steps=1, **over))
-    train_sync(env_cfg(model_dir, tmp_path / "resumed", steps=3, **over))  # resume: auto, from step 1
-    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
-    b = load_file(str(tmp_path / "resumed" / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    straight = rows(tmp_path / "straight")
-    assert [r["reward/mean"] for r in straight] == [r["reward/mean"] for r in rows(tmp_path / "resumed")]
+    straight = straight_and_resumed(model_dir, tmp_path, over)
     assert sum(r.get("rollout/env/resampled", 0) for r in straight) > 0  # failures happened and were run again
 
 
