@@ -84,8 +84,9 @@ def test_compiled_decode_through_graphs_gives_the_eager_tokens():
 
 def test_triton_attention_through_graphs_gives_the_torch_attentions_tokens():
     """attention='triton' on CUDA with graphs (one graph per row bucket: the kernel reads each
-    row's length from the device): in fp32 the torch attention's greedy tokens and logprobs; in
-    bf16 the kernel within bf16 rounding of float64 attention over each row's own keys."""
+    row's length from the device): in fp32 the torch attention's greedy tokens and logprobs; the
+    kernel within rounding of float64 attention over each row's own keys in bf16 and fp32, head
+    dims 64 and 128."""
     import math
 
     from rollover.engine.triton_attention import decode_attention
@@ -104,16 +105,17 @@ def test_triton_attention_through_graphs_gives_the_torch_attentions_tokens():
         assert a.response_ids == b.response_ids, a.id
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     torch.manual_seed(0)
-    kc, vc = (torch.randn(6, 3, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    q = torch.randn(5, 9, 64, device="cuda", dtype=torch.bfloat16)
-    pos = torch.tensor([0, 5, 63, 64, 250], device="cuda")
-    got = decode_attention(q, kc, vc, pos).double().cpu()
-    want = torch.empty(5, 9, 64, dtype=torch.float64)
-    for b in range(5):
-        for h in range(9):
-            k, v = kc[b, h // 3, : int(pos[b]) + 1].double().cpu(), vc[b, h // 3, : int(pos[b]) + 1].double().cpu()
-            want[b, h] = torch.softmax(k @ q[b, h].double().cpu() / math.sqrt(64), 0) @ v
-    assert float((got - want.reshape(5, -1)).abs().max()) < 3e-2
+    for dtype, D, tol in ((torch.bfloat16, 64, 3e-2), (torch.float32, 128, 1e-5), (torch.bfloat16, 128, 3e-2)):
+        kc, vc = (torch.randn(6, 3, 300, D, device="cuda", dtype=dtype) for _ in range(2))
+        q = torch.randn(5, 9, D, device="cuda", dtype=dtype)
+        pos = torch.tensor([0, 5, 63, 64, 250], device="cuda")
+        got = decode_attention(q, kc, vc, pos).double().cpu()
+        want = torch.empty(5, 9, D, dtype=torch.float64)
+        for b in range(5):
+            for h in range(9):
+                k, v = (c[b, h // 3, : int(pos[b]) + 1].double().cpu() for c in (kc, vc))
+                want[b, h] = torch.softmax(k @ q[b, h].double().cpu() / math.sqrt(D), 0) @ v
+        assert float((got - want.reshape(5, -1)).abs().max()) < tol, (dtype, D)
 
 
 def test_admission_beside_graphed_decode_gives_the_eager_tokens():

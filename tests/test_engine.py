@@ -682,3 +682,5 @@ def test_triton_attention_is_refused_where_it_cannot_run(model):
         TorchEngine(model, device="cpu", max_rows=2, max_len=32, attention="triton")
     with pytest.raises(ValueError, match="attention must be 'torch' or 'triton'"):
         TorchEngine(model, device="cpu", max_rows=2, max_len=32, attention="flash")
+    with pytest.raises(ValueError, match="does not yet go with compile_decode"):
+        TorchEngine(model, device="cpu", max_rows=2, max_len=32, attention="triton", compile_decode=True)

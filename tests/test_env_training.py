@@ -128,30 +128,32 @@ from rollover.types import Prompt
 
 
 class FlakyOnce:
-    """Odd tasks: the first step any of their environments takes raises (a crash that a fresh
-    environment does not repeat); every episode ends at its first step, reward 1 or 0 by the
-    reply's length."""
+    """Odd tasks: the first environment made for the task is broken (every step it takes
+    raises); every other works, and its episode ends at its first step, reward 1 or 0 by the
+    reply's length. An episode run again in the broken environment would fail again."""
 
     def __init__(self):
-        self.stepped = {}  # task -> steps taken by its environments, shared by every environment made
+        self.made = set()  # tasks that already have their first environment
 
     def prompts(self, n, seed=0):
         return [Prompt(id=f"once-{seed}-{i}", text="Say something.", answer=i) for i in range(n)]
 
     def make_group(self, prompt, n):
-        return [OnceEnv(int(prompt.answer), self.stepped) for _ in range(n)]
+        k = int(prompt.answer)
+        envs = [OnceEnv(k, broken=k % 2 == 1 and j == 0 and k not in self.made) for j in range(n)]
+        self.made.add(k)
+        return envs
 
 
 class OnceEnv:
-    def __init__(self, k, stepped):
-        self.k, self.stepped = k, stepped
+    def __init__(self, k, broken):
+        self.k, self.broken = k, broken
 
     async def initial_observation(self):
         return [{"role": "user", "content": "Say something."}]
 
     async def step(self, action):
-        self.stepped[self.k] = self.stepped.get(self.k, 0) + 1
-        if self.k % 2 and self.stepped[self.k] == 1:
+        if self.broken:
             raise RuntimeError(f"simulator crashed on task {self.k}")
         return StepResult([], float(len(action.text) % 2), done=True)
 '''
@@ -159,9 +161,9 @@ class OnceEnv:
 
 @pytest.mark.parametrize("mode", ["sync", "april", "async"])
 def test_failed_episodes_run_again_so_their_groups_train_at_full_size(model_dir, tmp_path, mode):
-    """env.resample_failed: an episode whose environment crashed runs again in a fresh
-    environment of the same task, in every schedule; its group trains with all its episodes and
-    the failure is counted as resampled, not failed."""
+    """env.resample_failed: an episode whose environment is broken runs again in a fresh
+    environment of the same task (the broken one would fail it again), in every schedule; its
+    group trains with all its episodes and the failure is counted as resampled, not failed."""
     from rollover.loops.async_ import train_async
 
     path = tmp_path / "once_env.py"
@@ -204,8 +206,8 @@ class PickyEnv:
         return [{"role": "user", "content": "Say something."}]
 
     async def step(self, action):
-        if len(action.text) % 3 == 0:
-            raise RuntimeError("cannot parse a reply of a length divisible by 3")
+        if len(action.text) % 5 == 0:
+            raise RuntimeError("cannot parse a reply of a length divisible by 5")
         return StepResult([{"role": "user", "content": "Again."}], float(len(action.text) % 2),
                           done=len(action.text) % 2 == 0)
 '''
@@ -218,9 +220,14 @@ def test_april_with_resampled_episodes_resumes_exactly(model_dir, tmp_path):
     path = tmp_path / "picky_env.py"
     path.write_text(PICKY_ENV)
     over = {"env.name": f"{path}:Picky", "env.options": {}, "env.inline": True, "env.resample_failed": 3,
-            "partial_rollout.enabled": True, "rollout.samples_per_prompt": 4, "rollout.prompts_per_step": 2}
+            "partial_rollout.enabled": True, "partial_rollout.oversample": 4.0, "rollout.samples_per_prompt": 4,
+            "rollout.prompts_per_step": 2, "rollout.max_rows": 32, "rollout.max_new_tokens": 12, "checkpoint.keep": 3}
     straight = straight_and_resumed(model_dir, tmp_path, over)
     assert sum(r.get("rollout/env/resampled", 0) for r in straight) > 0  # failures happened and were run again
+    # the checkpoint the resumed run started from carried replacements (request ids "g/j~k") mid-episode
+    state = torch.load(tmp_path / "resumed" / "checkpoints" / "step_000001" / "state.pt", weights_only=False)
+    carried = [ep for g in state["collector"]["buffer"] for ep in (g.episodes or {}).values()]
+    assert any("~" in ep.request_id and not ep.finished and ep.replaced >= 1 for ep in carried)
 
 
 def test_resampling_stops_at_its_limit_and_the_failure_stands(model_dir, tmp_path):

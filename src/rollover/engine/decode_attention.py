@@ -54,6 +54,7 @@ class DecodeAttention:
         if impl == "triton":
             from rollover.engine import triton_attention
 
+            triton_attention.check_shape(n_heads, n_kv, head_dim)
             self._triton = triton_attention.decode_attention
 
     def setup(self, positions: torch.Tensor, Lk: int | None = None) -> Setup:

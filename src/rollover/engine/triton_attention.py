@@ -33,8 +33,8 @@ def _decode_attention_kernel(Q, K, V, POS, OUT, scale,
                              stride_ob, stride_oh,
                              G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                              FP32: tl.constexpr):
-    b = tl.program_id(0)
-    kv = tl.program_id(1)
+    b = tl.program_id(0).to(tl.int64)  # 64-bit offsets: a layer's cache may pass 2**31 elements
+    kv = tl.program_id(1).to(tl.int64)
     length = tl.load(POS + b) + 1  # keys 0..position
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
@@ -76,9 +76,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     dtype."""
     B, H, D = q.shape
     KV = k_cache.shape[1]
-    if H % KV or D & (D - 1) or D < 16:
-        raise ValueError(f"triton decode attention: needs query heads a multiple of KV heads and a power-of-two "
-                         f"head dim of at least 16 (got {H} heads, {KV} KV heads, head dim {D})")
+    check_shape(H, KV, D)
     G = H // KV
     q = q if q.stride(-1) == 1 else q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
@@ -89,5 +87,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1),
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n, FP32=q.dtype == torch.float32)
+        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=block_n, FP32=q.dtype == torch.float32,
+        num_warps=4, num_stages=2)  # two stages: an fp32 engine's K and V tiles at head dim 128 are 32 KiB each
     return out.reshape(B, H * D)
+
+
+def check_shape(n_heads: int, n_kv: int, head_dim: int) -> None:
+    """Refuse, when an engine is built, a model the kernel cannot serve."""
+    if n_heads % n_kv or head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"attention='triton' needs query heads a multiple of KV heads and a power-of-two head dim "
+                         f"of at least 16 (the model has {n_heads} heads, {n_kv} KV heads, head dim {head_dim})")

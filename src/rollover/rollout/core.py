@@ -251,10 +251,13 @@ class SampleDriver:
         if used >= limit:
             return False
         old: LiveEpisode = g.episodes[j]
+        envs = self.inputs.env_builder.make_group(g.prompt, g.n)  # what a replay would build for place j
+        if len(envs) != g.n:
+            raise ValueError(f"env {self.cfg.env.name!r}: make_group(prompt, {g.n}) returned {len(envs)} environments")
+        env = envs[j]
         g.resampled = used + 1
         log.warning("env: episode %s failed: %s; running it again in a fresh environment (%d of "
                     "env.resample_failed=%d for its group)", old.request_id, old.traj.error.describe(), used + 1, limit)
-        env = self.inputs.env_builder.make_group(g.prompt, g.n)[j]
         fresh = LiveEpisode(f"{g.request_id(j)}~{used + 1}", replace(old.sampling, seed=episode_seed(old.sampling.seed, used + 1)),
                             env=env, max_turns=old.max_turns, max_total_tokens=old.max_total_tokens)
         fresh.replaced = getattr(old, "replaced", 0) + 1
