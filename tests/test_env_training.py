@@ -242,6 +242,8 @@ def test_resampling_stops_at_its_limit_and_the_failure_stands(model_dir, tmp_pat
     for r in rows(tmp_path / "run"):  # two odd groups a step: one resample each, then both episodes failed
         assert r["rollout/env/resampled"] == 2 and r["rollout/env/failed"] == 4
         assert r["rollout/skipped_groups"] == 2 and r["groups"] == 2
+    ev = rows(tmp_path / "run", "eval")  # held-out episodes are run again too, and said so
+    assert ev and all(e["eval/resampled"] == e["eval/failed"] / 2 for e in ev)
 
 
 @pytest.mark.parametrize("over,message", [

@@ -59,6 +59,8 @@ class DecodeAttention:
 
     def setup(self, positions: torch.Tensor, Lk: int | None = None) -> Setup:
         B, KV, dev = positions.shape[0], self.n_kv, positions.device
+        if self._triton is not None:  # each row's length comes from its position, on the device: no read-back
+            Lk = Lk or self.max_len
         Lk = Lk or int(positions.max()) + 1
         if self.native is not None:
             if Lk > self.max_len:

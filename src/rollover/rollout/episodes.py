@@ -56,5 +56,6 @@ def episode_eval_metrics(pending: list[PendingGroup], cfg) -> dict:
         "eval/response_length": sum(len(t.tokens_T) - t.prompt_len for t in ok) / max(len(ok), 1),
         "eval/samples": len(trajs),
         "eval/failed": len(trajs) - len(ok),
+        "eval/resampled": sum(getattr(t, "resampled", 0) for t in trajs),  # failed ones run again (env.resample_failed)
         "eval/turns_mean": sum(len(t.turns) for t in trajs) / max(len(trajs), 1),
     }
