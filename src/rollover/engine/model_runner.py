@@ -97,6 +97,20 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
 
 
+def _check_attention(attention: str, device, compile_decode: bool, native_kernels: bool | None) -> None:
+    """Refuse a decode attention the runner cannot use with the rest of its options."""
+    if attention not in ("torch", "triton"):
+        raise ValueError(f"attention must be 'torch' or 'triton', got {attention!r}")
+    if attention == "torch":
+        return
+    if compile_decode:  # not yet tried together on a GPU
+        raise ValueError("attention='triton' does not yet go with compile_decode: choose one")
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("attention='triton' runs on CUDA (on a CPU only under TRITON_INTERPRET=1, for tests)")
+    if native_kernels:
+        raise ValueError("attention='triton' and native_kernels are two decode attentions: choose one")
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -114,14 +128,7 @@ class ModelRunner:
         native_kernels: bool | None = None,
         attention: str = "torch",
     ):
-        if attention not in ("torch", "triton"):
-            raise ValueError(f"attention must be 'torch' or 'triton', got {attention!r}")
-        if attention == "triton" and compile_decode:  # not yet tried together on a GPU
-            raise ValueError("attention='triton' does not yet go with compile_decode: choose one")
-        if attention == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("attention='triton' runs on CUDA (on a CPU only under TRITON_INTERPRET=1, for tests)")
-        if attention == "triton" and native_kernels:
-            raise ValueError("attention='triton' and native_kernels are two decode attentions: choose one")
+        _check_attention(attention, device, compile_decode, native_kernels)
         if quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
         if compile_decode and quantize is not None:

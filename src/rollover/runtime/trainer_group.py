@@ -24,7 +24,7 @@ import time
 
 from rollover.runtime.live import first_line, kill_actor
 from rollover.train.rank_server import RankServer
-from rollover.train.ranks import RankGroup, RankLost, ShardedModel
+from rollover.train.ranks import RankGroup, RankLost, ShardedModel, call_name
 
 log = logging.getLogger("rollover")
 
@@ -136,7 +136,7 @@ class RayShardedTrainer(RankGroup):
     # ------------------------------------------------------------ the ranks' engines (train.colocate)
     def call(self, rank: int, name: str, *args, timeout: float | None = None):
         """One rank's answer to one call (its colocated engine's calls), within `timeout` if given."""
-        what = f"{name} {args[0]}" if name == "engine_call" else name  # the engine method, in errors
+        what = call_name(name, args)
         with self._lock:
             return self._get([self.actors[rank].call.remote(name, *args)], what, timeout=timeout, ranks=[rank],
                              knob="from train.collective_timeout_s")[0]

@@ -49,6 +49,11 @@ class RankLost(RuntimeError):
     """A trainer rank died or failed; the run stops at its last checkpoint."""
 
 
+def call_name(call: str, args: tuple) -> str:
+    """A call to a rank as errors name it: a colocated engine's by its method ("engine_call stats")."""
+    return f"{call} {args[0]}" if call == "engine_call" and args else call
+
+
 # what a rank's traceback says when a collective failed because a peer stopped (not its own fault)
 _PEER_FAILURE = ("DistBackendError", "DistNetworkError", "DistStoreError", "gloo", "Gloo", "NCCL",
                  "Connection closed by peer", "Connection reset by peer")
@@ -280,7 +285,7 @@ class ShardedTrainer(RankGroup):
 
     def call(self, rank: int, call: str, *args, timeout: float | None = None):
         """One rank's answer to one call (its colocated engine's calls), within `timeout` if given."""
-        what = f"{call} {args[0]}" if call == "engine_call" else call  # the engine method, in errors
+        what = call_name(call, args)
         with self._lock:
             deadline = None if timeout is None else time.monotonic() + timeout
             self._send(rank, (call, *args), what, deadline, timeout)
@@ -336,12 +341,15 @@ class ShardedTrainer(RankGroup):
                 self._stopped(rank, what, value)
             return (kind, value) if raw else value
 
-    def _hung(self, rank: int, what: str, timeout: float | None) -> None:
-        """A rank gave no answer in time (an engine stuck in a call, a stopped process): recorded
-        first (its death is this), the rank killed (it may never read a close), the ranks stopped."""
-        self.failure = RankLost(f"trainer rank {rank} of {self.world} gave no answer to {what} within {timeout:g} s "
-                                "(from train.collective_timeout_s): taken for hung, the ranks are stopped; the run "
-                                "stops at its last checkpoint (run the same command to resume from it)")
+    def _hung(self, rank: int, what: str, timeout: float | None = None) -> None:
+        """A rank gave no answer in time (an engine stuck in a call, a stopped process; `timeout`
+        None: its peers' collectives gave up waiting for it): recorded first (its death is this),
+        the rank killed (it may never read a close), the ranks stopped."""
+        why = (f"to {what} within {timeout:g} s (from train.collective_timeout_s)" if timeout is not None else
+               f"during {what} while the collectives of its peers gave up waiting for it (train.collective_timeout_s)")
+        self.failure = RankLost(f"trainer rank {rank} of {self.world} gave no answer {why}: taken for hung, the ranks "
+                                "are stopped; the run stops at its last checkpoint (run the same command to resume "
+                                "from it)")
         if rank < len(self.procs):
             self.procs[rank].kill()
         self._fail(self.failure)
@@ -379,13 +387,7 @@ class ShardedTrainer(RankGroup):
         own = [r for r, tb in sorted(errors.items()) if not _collective_error(tb)]
         silent = [r for r in range(self.world) if r not in errors]
         if not own and silent:  # its peers' collectives gave up waiting for a rank that says nothing: hung
-            self.failure = RankLost(f"trainer rank {silent[0]} of {self.world} gave no answer during {what} while the "
-                                    "collectives of its peers gave up waiting for it (train.collective_timeout_s): "
-                                    "taken for hung, the ranks are stopped; the run stops at its last checkpoint "
-                                    "(run the same command to resume from it)")
-            if silent[0] < len(self.procs):
-                self.procs[silent[0]].kill()
-            self._fail(self.failure)
+            self._hung(silent[0], what)
         victim = own[0] if own else min(errors)
         self._fail(RankLost(f"trainer rank {victim} failed during {what}:\n{errors[victim]}"))
 
