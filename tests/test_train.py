@@ -518,3 +518,38 @@ def test_loss_metrics_are_means_over_their_own_tokens_and_maxima_over_any_split(
     none = {}
     add_metrics(none, {"ratio_max": 3.0, "approx_kl": 0.1}, {"masked_frac": 1, "is": 1, "": 0})
     assert mean_metrics(none) == {"approx_kl": 0.0}
+
+
+def test_dropout_is_off_while_training_unless_asked_for(model_dir, tmp_path):
+    """train.disable_dropout (default): a model with attention dropout gives the trainer the same
+    logprobs on every pass (those of the model without dropout), and its config keeps its rate."""
+    from rollover.train.trainer import Trainer, disable_dropout
+
+    batch = batch_of([rollout("g", [5, 6, 7], [8, 9, 10, 11], 1.0), rollout("g", [5, 6, 7], [12, 13], -1.0)])
+    over = {"train.pack_length": 16, "data.max_prompt_tokens": 10}
+    plain = Trainer(tiny_model("llama", seed=5), tiny_cfg(model_dir, tmp_path / "p", **over), device=torch.device("cpu"))
+    model = tiny_model("llama", seed=5, attention_dropout=0.5)
+    tr = Trainer(model, tiny_cfg(model_dir, tmp_path / "a", **over), device=torch.device("cpu"))
+    assert model.training and model.config.attention_dropout == 0.5
+    first = tr.logprobs(batch)
+    assert torch.equal(first, tr.logprobs(batch)) and torch.allclose(first, plain.logprobs(batch), atol=1e-6)
+    kept = Trainer(tiny_model("llama", seed=5, attention_dropout=0.5),
+                   tiny_cfg(model_dir, tmp_path / "k", **over, **{"train.disable_dropout": False}),
+                   device=torch.device("cpu"))
+    torch.manual_seed(0)
+    noisy = kept.logprobs(batch)
+    assert not torch.allclose(noisy, kept.logprobs(batch)) and not torch.allclose(noisy, first)
+
+    class Block(torch.nn.Module):  # a rate kept as a number, as some architectures do
+        def __init__(self):
+            super().__init__()
+            self.hidden_dropout, self.resid_pdrop, self.scale = 0.1, 0.2, 0.5
+            self.drop = torch.nn.Dropout(0.3)
+
+    block = Block()
+    assert disable_dropout(block) == ["hidden_dropout=0.1", "resid_pdrop=0.2", "Dropout=0.3"]
+    assert (block.hidden_dropout, block.resid_pdrop, block.drop.p, block.scale) == (0.0, 0.0, 0.0, 0.5)
+    assert disable_dropout(block) == []
+    with pytest.raises(ValueError, match=r"train.lora.dropout=0.1 would be set to 0 by train.disable_dropout"):
+        tiny_cfg(model_dir, tmp_path / "l", **{"train.lora": {"r": 4, "alpha": 8, "dropout": 0.1}})
+    tiny_cfg(model_dir, tmp_path / "l", **{"train.lora": {"r": 4, "alpha": 8, "dropout": 0.1}, "train.disable_dropout": False})

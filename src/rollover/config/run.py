@@ -196,6 +196,10 @@ class Config(Section):
         if t.parallel == "fsdp" and self.runtime == "ray" and self.ray.trainer != "actor":
             problems.append("train.parallel=fsdp with runtime=ray runs the ranks as Ray actors: set ray.trainer=actor "
                             "(ray.cpus_for_trainer / ray.gpus_for_trainer are then per rank)")
+        lora_dropout = (t.lora or {}).get("dropout", 0.0)
+        if t.disable_dropout and lora_dropout:
+            problems.append(f"train.lora.dropout={lora_dropout} would be set to 0 by train.disable_dropout=true "
+                            "(the default): set train.disable_dropout=false to keep it, or drop it")
         if t.fsdp_offload and t.parallel != "fsdp":
             problems.append("train.fsdp_offload applies to train.parallel=fsdp")
         if t.colocate:

@@ -49,6 +49,10 @@ class TrainConfig(Section):
     """Trainer weights: auto (float32 on every device), float32, autocast_bf16 (float32
     weights, bf16 autocast on every device: on CPUs with bf16 instructions the step's matrix
     multiplies run 2-2.8x faster; the demo learns as in float32, docs/benchmarks.md)."""
+    disable_dropout: bool = True
+    """Set the model's dropout rates to 0 while training (every dropout layer and attention
+    dropout, LoRA's included): the loss compares the trainer's logprobs with the sampler's and
+    with its own earlier pass, which dropout would make noisy. false: the model's own rates."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     deterministic: bool = False

@@ -47,6 +47,26 @@ from rollover.train.metric_sums import add_metrics, mean_metrics
 log = logging.getLogger(__name__)
 
 
+def disable_dropout(model: torch.nn.Module) -> list[str]:
+    """Every dropout rate in `model` set to 0: dropout layers, and the rates modules keep as
+    numbers (transformers' attention reads `self.attention_dropout` while training). The model's
+    config is left as it was, so an exported model keeps its rates. Returns what was nonzero,
+    as `name=rate` with repeated names counted once."""
+    zeroed: dict[str, float] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            if module.p:
+                zeroed.setdefault(type(module).__name__, module.p)
+            module.p = 0.0
+            continue
+        for name, value in vars(module).items():
+            if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+                if value:
+                    zeroed.setdefault(name, value)
+                setattr(module, name, 0.0)
+    return [f"{name}={rate:g}" for name, rate in zeroed.items()]
+
+
 def _lr_lambda(schedule: str, warmup: int, total: int):
     def f(update: int) -> float:
         if warmup and update < warmup:
@@ -82,7 +102,11 @@ class Trainer:
         self.is_peft = hasattr(model, "get_base_model")
         if cfg.train.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        model.train()
+        model.train()  # gradient checkpointing in transformers runs in training mode only
+        if cfg.train.disable_dropout:
+            zeroed = disable_dropout(model)
+            if zeroed:
+                log.info("train.disable_dropout: dropout set to 0 in %s", ", ".join(zeroed))
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0 and not self.is_peft:
             import copy
