@@ -136,6 +136,7 @@ class Rollout:
     finish: FinishReason
     reward: float | None = None  # weighted total; None = unscored (skipped)
     scores: dict = field(default_factory=dict)  # per reward function
+    extras: dict = field(default_factory=dict)  # other numbers the functions returned, as "<function>/<key>"
     text: str = ""
     turns: list[dict] | None = None  # multi-turn: what each turn said and was answered (logs only, never trained)
 

@@ -13,7 +13,8 @@ class AlgorithmConfig(Section):
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "gapo"] = "grpo"
     """Advantage estimator over each prompt's group."""
     loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo"] | None = None
-    """Policy loss; unset: ppo in sync mode, decoupled_ppo in async mode. ppo with
+    """Policy loss; unset: ppo in sync mode, decoupled_ppo in async mode or with APRIL
+    (partial_rollout.enabled). ppo with
     eps_high > eps_low is DAPO's clip-higher."""
     eps_low: float = Field(0.2, ge=0)
     """Lower clip range (ratio >= 1 - eps_low)."""

@@ -62,6 +62,8 @@ def sample_rows(step: int, groups: list[Group], batch: TrainBatch, tokenizer, cf
                 "response": tokenizer.decode(r.response_ids, skip_special_tokens=False),
                 "prompt_ids": list(r.prompt_ids), "response_ids": list(r.response_ids),
             }
+            if r.extras:
+                row["extras"] = {k: number(v) for k, v in r.extras.items()}
             if r.turns is not None:
                 row["turns"] = r.turns
             out.append(row)

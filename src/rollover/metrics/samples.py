@@ -36,6 +36,8 @@ Then one line per sample of those groups, in group order:
   down-sampling left out of the batch; its advantage is the one it would have trained with.
 - `logprob_*` (behaviour logprobs) and `version_*` (policy versions) are over the tokens the
   policy sampled: an episode's tokens inserted by its environment are left out.
+- `extras`, where reward functions returned more than a score: those numbers, as
+  `"<function>/<key>"` (in metrics.jsonl as `rewards/<function>/<key>/mean`).
 - Multi-turn episodes add `turns`: per sampled turn its chat messages (the assistant's text,
   then the environment's reply), reward, finish and `span` (its tokens in the response).
 - Non-finite numbers are written as the strings "NaN", "Infinity", "-Infinity", as in

@@ -1,7 +1,7 @@
 """Naming reward functions from config, and telling the two signatures apart.
 
-A reward is referenced by a built-in name (`math`, `numeric`, `exact`, `format`, `countdown`),
-by `package.module:function`, or by `path/to/file.py:function`.
+A reward is referenced by a built-in name (`math`, `numeric`, `exact`, `format`, `countdown`,
+`code`, `reward_model`), by `package.module:function`, or by `path/to/file.py:function`.
 
 Two signatures are accepted, told apart by parameter names:
 
@@ -49,9 +49,10 @@ class RewardSpec:
 
     def build(self) -> Reward:
         fn = resolve_reward_fn(self.fn)
+        name = self.name or self.fn.rpartition(":")[2]
+        prepare(fn, self.kwargs, f"reward {name!r} ({self.fn})")
         if self.kwargs:
             fn = functools.partial(fn, **self.kwargs)
-        name = self.name or self.fn.rpartition(":")[2]
         return Reward(name, fn, self.weight, isolate=self.isolate, ref=_absolute(self.fn))
 
 
@@ -150,6 +151,18 @@ class Reward:
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in bound
         }
         return {k: v for k, v in available.items() if k in accepted}
+
+
+def prepare(fn: Callable, kwargs: dict, what: str) -> None:
+    """The work a function does once, before its first call, where it has any (a `prepare`
+    attribute taking the bound kwargs: the built-in reward_model checks them and loads its
+    model), so that a wrong setting fails when the rewards are built and no call's timeout pays
+    for it. Here and in every worker process or actor that rebuilds the reward."""
+    if getattr(fn, "prepare", None) is not None:
+        try:
+            fn.prepare(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{what}: {e}") from None
 
 
 def build_rewards(specs: list[RewardSpec | dict | str]) -> list[Reward]:

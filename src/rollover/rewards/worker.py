@@ -53,11 +53,12 @@ def main() -> None:
 
 
 def _rebuild(references: dict[str, tuple[str, dict]]) -> dict:
-    from rollover.rewards.registry import Reward, resolve_reward_fn
+    from rollover.rewards.registry import Reward, prepare, resolve_reward_fn
 
     rewards = {}
     for name, (ref, kwargs) in references.items():
         fn = resolve_reward_fn(ref)
+        prepare(fn, kwargs, f"reward {name!r} ({ref})")
         if kwargs:
             fn = functools.partial(fn, **kwargs)
         rewards[name] = Reward(name, fn, isolate=False)

@@ -162,6 +162,7 @@ def score_groups(groups: list[Group], runner: RewardRunner, cfg: Config) -> Batc
     a = cfg.algorithm
     for r, s in zip(flat, result.samples):
         r.scores = {k: v for k, v in s.scores.items() if v is not None}
+        r.extras = dict(s.extras)
         r.reward = s.total
         if r.reward is not None and a.overlong_buffer:
             r.reward += float(overlong_penalty(torch.tensor([len(r.response_ids)]), max_len=cfg.rollout.max_new_tokens,
@@ -215,6 +216,9 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
         t = torch.tensor(vals, dtype=torch.float32)
         out[f"rewards/{fn}/mean"] = float(t.mean())
         out[f"rewards/{fn}/std"] = float(t.std(unbiased=False))
+    for key in sorted({k for r in flat for k in r.extras}):  # verl's convention for a reward's extra numbers
+        vals = [r.extras[key] for r in flat if key in r.extras]
+        out[f"rewards/{key}/mean"] = sum(vals) / len(vals)
     out["accuracy"] = accuracy(flat, cfg, primary)
     return out
 
