@@ -488,6 +488,7 @@ def test_cli_train_eval_plot(model_dir, tmp_path, capsys):
     assert main(["eval", *over, "--checkpoint", str(ckpt)]) == 0
     lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line)
     assert 0.0 <= float(lines["eval/accuracy"]) <= 1.0 and int(lines["eval/samples"]) == 4
+    assert float(lines["eval/pass_at_k"]) == float(lines["eval/accuracy"])  # k = eval.samples_per_prompt = 1
 
     assert main(["plot", str(run_dir), "--out", str(tmp_path / "figs")]) == 0
     pngs = capsys.readouterr().out.split()
@@ -553,3 +554,10 @@ def test_dropout_is_off_while_training_unless_asked_for(model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"train.lora.dropout=0.1 would be set to 0 by train.disable_dropout"):
         tiny_cfg(model_dir, tmp_path / "l", **{"train.lora": {"r": 4, "alpha": 8, "dropout": 0.1}})
     tiny_cfg(model_dir, tmp_path / "l", **{"train.lora": {"r": 4, "alpha": 8, "dropout": 0.1}, "train.disable_dropout": False})
+
+
+def test_pass_at_k_is_the_share_of_prompts_with_a_correct_sample():
+    from rollover.rollout.groups import pass_at_k
+
+    assert pass_at_k([[False, True, False], [False, False, False], [True, True, True], [False, False, True]]) == 0.75
+    assert pass_at_k([]) == 0.0

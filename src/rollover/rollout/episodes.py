@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from rollover.envs.base import Trajectory, Turn
-from rollover.rollout.groups import PendingGroup
+from rollover.rollout.groups import PendingGroup, pass_at_k
 from rollover.types import Group, Rollout
 
 log = logging.getLogger("rollover")
@@ -52,6 +52,8 @@ def episode_eval_metrics(pending: list[PendingGroup], cfg) -> dict:
     rewards = [t.reward for t in ok]
     return {
         "eval/accuracy": sum(r >= cfg.reward.correct_threshold for r in rewards) / max(len(trajs), 1),
+        "eval/pass_at_k": pass_at_k([[g.done[j].ok and g.done[j].reward >= cfg.reward.correct_threshold
+                                      for j in range(g.n)] for g in pending]),
         "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
         "eval/response_length": sum(len(t.tokens_T) - t.prompt_len for t in ok) / max(len(ok), 1),
         "eval/samples": len(trajs),

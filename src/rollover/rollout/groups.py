@@ -231,10 +231,17 @@ def eval_metrics(pending: list[PendingGroup], run) -> dict:
     rewards = [r.reward for r in flat]
     return {
         "eval/accuracy": accuracy(flat, run.cfg, run.primary_reward),
+        "eval/pass_at_k": pass_at_k([[correct(r, run.cfg, run.primary_reward) for r in g.rollouts] for g in groups]),
         "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
         "eval/response_length": sum(len(r.response_ids) for r in flat) / max(len(flat), 1),
         "eval/samples": len(flat),
     }
+
+
+def pass_at_k(correct_per_prompt: list[list[bool]]) -> float:
+    """The fraction of prompts with at least one correct sample among their k
+    (`eval.samples_per_prompt`); a failed sample counts as wrong."""
+    return sum(any(c) for c in correct_per_prompt) / max(len(correct_per_prompt), 1)
 
 
 def accuracy(rollouts: list[Rollout], cfg: Config, primary: str) -> float:
@@ -242,4 +249,9 @@ def accuracy(rollouts: list[Rollout], cfg: Config, primary: str) -> float:
     `reward.correct_threshold`; a sample where it abstained or failed counts as wrong."""
     if not rollouts:
         return 0.0
-    return sum((r.scores.get(primary) or 0.0) >= cfg.reward.correct_threshold for r in rollouts) / len(rollouts)
+    return sum(correct(r, cfg, primary) for r in rollouts) / len(rollouts)
+
+
+def correct(r: Rollout, cfg: Config, primary: str) -> bool:
+    """Whether the primary reward function scored the sample at least `reward.correct_threshold`."""
+    return (r.scores.get(primary) or 0.0) >= cfg.reward.correct_threshold
