@@ -1,4 +1,6 @@
 import math
+import threading
+from fractions import Fraction
 
 import pytest
 import torch
@@ -131,21 +133,60 @@ def test_m2po_is_minimal_on_random_batches():
     assert batches_with_drops > 25
 
 
+class Ranks:
+    """The ranks' collectives among threads of one process: every rank calls the same ones in
+    the same order, as torch.distributed's ranks do."""
+
+    def __init__(self, world):
+        self.world, self.barrier, self.slots = world, threading.Barrier(world), [None] * world
+
+    def _exchange(self, rank, x):
+        self.slots[rank] = x
+        self.barrier.wait()
+        every = list(self.slots)
+        self.barrier.wait()
+        return every
+
+    def reduce(self, rank):
+        ops = {"sum": lambda xs: torch.stack(xs).sum(0), "min": lambda xs: torch.stack(xs).min(0).values,
+               "max": lambda xs: torch.stack(xs).max(0).values}
+        return lambda x, op: ops[op](self._exchange(rank, x))
+
+    def gather(self, rank):
+        def gather(x):
+            every = self._exchange(rank, x)
+            return torch.cat(every), sum(len(e) for e in every[:rank])
+        return gather
+
+
 def ranks_of(old, given, group, shares, tau):
-    """m2po_update_mask on each rank's rows (`shares`), its `gather` over all of them: the mask
+    """m2po_update_mask on each rank's rows (`shares`), the ranks running side by side: the mask
     reassembled [B, T], and each rank's metrics."""
-    mine = {}
-    for r, rows in enumerate(shares):  # what each rank hands to the gather
-        m2po_update_mask(old[rows], torch.zeros_like(old[rows]), given[rows], group[rows], tau=tau,
-                         gather=lambda x, r=r: (mine.setdefault(r, x), 0))
-    every = torch.cat([mine[r] for r in range(len(shares))])
-    starts = [sum(len(mine[q]) for q in range(r)) for r in range(len(shares))]
+    ranks, out = Ranks(len(shares)), {}
+
+    def rank(r, rows):
+        out[r] = m2po_update_mask(old[rows], torch.zeros_like(old[rows]), given[rows], group[rows], tau=tau,
+                                  reduce=ranks.reduce(r), gather=ranks.gather(r))
+
+    threads = [threading.Thread(target=rank, args=(r, rows)) for r, rows in enumerate(shares)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
     mask, metrics = torch.zeros_like(given), []
     for r, rows in enumerate(shares):
-        mask[rows], m = m2po_update_mask(old[rows], torch.zeros_like(old[rows]), given[rows], group[rows], tau=tau,
-                                         gather=lambda x, r=r: (every, starts[r]))
-        metrics.append(m)
+        mask[rows] = out[r][0]
+        metrics.append(out[r][1])
     return mask, metrics
+
+
+def smallest_cut(m2, tau):
+    """The definition, by brute force in exact arithmetic: how many of the largest values go."""
+    values = sorted((Fraction(float(v)) for v in m2), reverse=True)
+    for k in range(len(values) + 1):
+        rest = values[k:]
+        if not rest or sum(rest) / len(rest) <= Fraction(tau):
+            return k
 
 
 def test_m2po_update_mask_is_one_mask_whatever_the_ranks():
@@ -160,6 +201,35 @@ def test_m2po_update_mask_is_one_mask_whatever_the_ranks():
         mask, metrics = ranks_of(old, given, group, [torch.tensor(s, dtype=torch.long) for s in shares], 0.04)
         assert torch.equal(mask, whole)
         assert all(torch.equal(m[k], v) for m in metrics for k, v in whole_metrics.items())  # on every rank
+
+
+def test_m2po_update_mask_on_ties_across_ranks_and_non_finite_values():
+    """Values on a coarse grid (many ties at the cut), split over three ranks with groups
+    interleaved: the one-process mask, the definition's count, the largest values gone."""
+    g = torch.Generator().manual_seed(2)
+    for trial in range(20):
+        old = torch.randint(0, 6, (9, 5), generator=g).to(F64) / 10
+        given = torch.rand(9, 5, generator=g) < 0.9
+        if trial % 4 == 0:  # a token sampled at logprob -inf, or a NaN from the engine: always dropped
+            old[trial % 9, 0] = float("inf") if trial % 8 else float("nan")
+            given[trial % 9, 0] = True
+        group = torch.tensor([4, 1, 3, 0, 2, 4, 1, 3, 0])
+        tau = float(torch.rand((), generator=g, dtype=F64)) * 0.08
+        whole, whole_metrics = m2po_update_mask(old, torch.zeros_like(old), given, group, tau=tau)
+        m2 = old.square()[given]
+        finite = torch.isfinite(m2)
+        k = smallest_cut(m2[finite], tau) + int((~finite).sum())
+        assert int((given & ~whole).sum()) == k and not (whole & ~given).any()
+        kept, dropped = old.square()[whole], old.square()[given & ~whole]
+        dropped = dropped[torch.isfinite(dropped)]
+        assert kept.numel() == 0 or ((dropped.numel() == 0 or dropped.min() >= kept.max()) and kept.mean() <= tau)
+        assert whole_metrics["m2po_masked_frac"] == pytest.approx(k / m2.numel(), abs=1e-15)
+        shares = [torch.tensor(s) for s in ([0, 3, 6], [1, 4, 8], [2, 5, 7])]  # whole groups per rank
+        mask, metrics = ranks_of(old, given, group, shares, tau)
+        assert torch.equal(mask, whole), trial
+        for m in metrics:
+            for key, v in whole_metrics.items():
+                assert torch.equal(m[key], v) or (v.isnan() and m[key].isnan()), key
 
 
 def test_m2po_update_mask_breaks_ties_by_group_then_row_then_position():

@@ -34,6 +34,8 @@ Departures and library differences:
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import torch
 from torch import Tensor
 
@@ -101,29 +103,9 @@ def importance_weights(
 def m2po_drop(m2_N: Tensor, tau: float) -> tuple[Tensor, dict[str, Tensor]]:
     """M2PO's cut over a 1-D tensor of squared log-ratios (double): which to drop, the fewest
     largest ones such that the mean of the rest is <= `tau`. Ties at the cut go to the earlier
-    entry (a stable sort), so the caller's order is the tie-break. If even the smallest value
-    exceeds `tau`, all are dropped. Returns `(drop_N, metrics)`, the metrics in double."""
-    if not tau >= 0:
-        raise ValueError(f"m2po_tau must be >= 0, got {tau}")
-    n = m2_N.numel()
-    m2_desc_N, order_N = torch.sort(m2_N, descending=True, stable=True)
-    # Mean of what is left after dropping the top k, for k = 0..n (k = n: nothing left, 0).
-    # Suffix sums are accumulated from the small end, which keeps them exact enough to
-    # compare with tau; `total - prefix` would cancel catastrophically.
-    suffix_K = torch.cat([m2_desc_N.flip(0).cumsum(0).flip(0), m2_desc_N.new_zeros(1)])
-    left_K = torch.arange(n, -1, -1, device=m2_N.device)
-    mean_left_K = suffix_K / left_K.clamp(min=1)
-    # mean_left is non-increasing in k (each dropped value is >= the mean it leaves), so the
-    # first k meeting the bound is the smallest.
-    k = int(torch.nonzero(mean_left_K <= tau)[0, 0])
-    drop_N = torch.zeros(n, dtype=torch.bool, device=m2_N.device)
-    drop_N[order_N[:k]] = True
-    metrics = {
-        "m2po_m2_before": mean_left_K[0],
-        "m2po_m2_after": mean_left_K[k],
-        "m2po_masked_frac": m2_N.new_tensor(k / max(n, 1)),
-    }
-    return drop_N, metrics
+    entry, so the caller's order is the tie-break. If even the smallest value exceeds `tau`, all
+    are dropped. Returns `(drop_N, metrics)`, the metrics in double."""
+    return _m2po_cut(m2_N, torch.zeros_like(m2_N), tau, None, None)
 
 
 def m2po_mask(
@@ -133,9 +115,9 @@ def m2po_mask(
     the largest `(old - behav)²` such that the mean `(old - behav)²` of the rest is <= `tau`
     (0.04 in the paper and AReaL, which the paper reports as insensitive), over the tokens given.
 
-    Ties at the cut are broken by position (a stable sort); if even the smallest value exceeds
-    `tau`, every token is masked. Returns `(mask_BT, metrics)`. The trainer masks each update
-    whole, across micro-batches and ranks, with `m2po_update_mask`.
+    Ties at the cut are broken by position; if even the smallest value exceeds `tau`, every
+    token is masked. Returns `(mask_BT, metrics)`. The trainer masks each update whole, across
+    micro-batches and ranks, with `m2po_update_mask`.
     """
     mask_BT = mask_BT.bool()
     with torch.no_grad():
@@ -147,28 +129,140 @@ def m2po_mask(
 
 
 def m2po_update_mask(
-    old_logp_BT: Tensor, behav_logp_BT: Tensor, mask_BT: Tensor, group_B: Tensor, *, tau: float, gather=None
+    old_logp_BT: Tensor, behav_logp_BT: Tensor, mask_BT: Tensor, group_B: Tensor, *, tau: float, reduce=None,
+    gather=None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """`m2po_mask` over a whole update whose rows may be split over ranks: each rank passes its
     own rows and gets its part of the one mask (the same metrics on every rank).
 
-    `gather(x_N2)`: every rank's rows of `x` concatenated in rank order, and where this rank's
-    begin (None: one process). Ties at the cut go by group (`group_B`, numbered over the step),
-    then rank, then row, then position: with each group's rows on one rank, in their order, the
-    mask does not depend on how the update is split into micro-batches or ranks.
+    `reduce(x, op)`: a CPU tensor summed ("sum") or its minimum or maximum taken ("min", "max")
+    element-wise over the ranks; `gather(x_N2)`: every rank's rows of a small CPU tensor
+    concatenated in rank order, and where this rank's begin (None, None: one process). What the
+    ranks exchange is a few kilobytes per bisection step, never the tokens (see `_m2po_cut`).
+    Ties at the cut go by group (`group_B`, numbered over the step), then rank, then row, then
+    position: with each group's rows on one rank, in their order, the mask does not depend on how
+    the update is split into micro-batches or ranks.
     """
     mask_BT = mask_BT.bool()
     with torch.no_grad():
         m2_N = (old_logp_BT - behav_logp_BT)[mask_BT].double().square()
-        group_N = group_B.to(mask_BT.device)[:, None].expand_as(mask_BT)[mask_BT].double()
-        mine_N2 = torch.stack([m2_N, group_N], dim=1).cpu()
-        every_N2, start = gather(mine_N2) if gather is not None else (mine_N2, 0)
-        by_group_N = torch.sort(every_N2[:, 1], stable=True).indices
-        drop_N = torch.empty(len(every_N2), dtype=torch.bool)
-        drop_N[by_group_N], metrics = m2po_drop(every_N2[by_group_N, 0], tau)
+        group_N = group_B.to(mask_BT.device)[:, None].expand_as(mask_BT)[mask_BT]
+        drop_N, metrics = _m2po_cut(m2_N, group_N, tau, reduce, gather)
         new_mask_BT = torch.zeros_like(mask_BT)
-        new_mask_BT[mask_BT] = ~drop_N[start: start + len(m2_N)].to(mask_BT.device)
+        new_mask_BT[mask_BT] = ~drop_N
     return new_mask_BT, {k: v.to(old_logp_BT.dtype) for k, v in metrics.items()}
+
+
+# Exact sums of doubles, the same on every rank whatever the split: a finite double is
+# (hi * 2^26 + lo) * 2^(e - 53) for its frexp exponent e and 53-bit integer mantissa split in two;
+# int64 sums per exponent bin (no overflow below 2^36 values) add up in any order, and the bins'
+# total is a Fraction. The cut compares such sums with tau exactly: the summation order of
+# floats, which differs with the split, cannot move it.
+_EXP0, _EXP_BINS, _HALF = 1100, 2200, 26
+
+
+def _bins(v_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    mant_N, exp_N = torch.frexp(v_N)  # v = mant * 2^exp, mant in [0.5, 1)
+    m_N = (mant_N * 2.0 ** 53).to(torch.int64)  # exact: an integer in [2^52, 2^53)
+    return (exp_N.to(torch.int64) + _EXP0), m_N >> _HALF, m_N & ((1 << _HALF) - 1)
+
+
+def _binned(where_N: Tensor, bins) -> Tensor:
+    """The sums per exponent bin of the values `where_N` picks, and their count (last entry)."""
+    bin_N, hi_N, lo_N = (b[where_N] for b in bins)
+    out = torch.zeros(2 * _EXP_BINS + 1, dtype=torch.int64, device=bin_N.device)
+    out.scatter_add_(0, 2 * bin_N, hi_N)
+    out.scatter_add_(0, 2 * bin_N + 1, lo_N)
+    out[-1] = bin_N.numel()
+    return out.cpu()
+
+
+def _exact(sums: Tensor) -> tuple[Fraction, int]:
+    """A `_binned` table (summed over ranks) as its exact total and count."""
+    total = 0
+    scale = 53 + _EXP0 + 1100  # every bin's exponent e - 53 is >= -scale
+    for b in torch.nonzero(sums[:-1]).flatten().tolist():
+        e, part = b // 2, int(sums[b]) << (_HALF if b % 2 == 0 else 0)
+        total += part << (e - _EXP0 - 53 + scale)
+    return Fraction(total, 1 << scale), int(sums[-1])
+
+
+def _m2po_cut(m2_N: Tensor, group_N: Tensor, tau: float, reduce, gather) -> tuple[Tensor, dict[str, Tensor]]:
+    """The fewest largest values to drop so that the mean of the rest is <= tau, over every rank's
+    values together. The rest is always the smallest values: all up to a level L (the largest
+    whose values' mean is within tau), then as many copies of the next value u as the bound
+    allows. L is found by bisection over the values' bit patterns (ordered as the values are, for
+    non-negative doubles), every step one exact sum over the ranks; of the copies of u, those
+    dropped are the first in the tie order (group, rank, position). Non-finite values are always
+    dropped."""
+    if not tau >= 0:
+        raise ValueError(f"m2po_tau must be >= 0, got {tau}")
+    reduce = reduce or (lambda x, op: x)
+    gather = gather or (lambda x: (x, 0))
+    tau_q = Fraction(tau)
+    finite_N = torch.isfinite(m2_N)
+    bits_N = torch.where(finite_N, m2_N, 0.0).view(torch.int64)
+    bins = _bins(torch.where(finite_N, m2_N, 0.0))
+    counts = reduce(torch.tensor([m2_N.numel(), int(finite_N.sum())], dtype=torch.int64), "sum")
+    n, n_finite = int(counts[0]), int(counts[1])
+    total, _ = _exact(reduce(_binned(finite_N, bins), "sum"))
+
+    def within(s: Fraction, m: int) -> bool:
+        return s <= tau_q * m
+
+    drop_N = ~finite_N
+    if within(total, n_finite):  # every finite value kept
+        kept_sum, kept = total, n_finite
+    else:
+        top = reduce(torch.tensor([int(bits_N[finite_N].max()) if finite_N.any() else -1]), "max")
+        lo, hi = -1, int(top[0])  # within(values <= lo), not within(values <= hi)
+        lo_sum, lo_count = Fraction(0), 0
+        window_N = finite_N.clone()  # this rank's values in (lo, hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            below_N = window_N & (bits_N <= mid)
+            s, c = _exact(reduce(_binned(below_N, bins), "sum"))
+            if within(lo_sum + s, lo_count + c):
+                lo, lo_sum, lo_count = mid, lo_sum + s, lo_count + c
+                window_N &= ~below_N
+            else:
+                hi = mid
+                window_N = below_N
+        # window_N: this rank's copies of u, the smallest value above L (bit pattern hi)
+        u = Fraction(float(torch.tensor([hi], dtype=torch.int64).view(torch.float64)[0]))
+        copies = int(reduce(torch.tensor([int(window_N.sum())]), "sum")[0])
+        keep = min(copies - 1, int((tau_q * lo_count - lo_sum) // (u - tau_q)))  # u > tau: all copies broke it
+        kept_sum, kept = lo_sum + keep * u, lo_count + keep
+        drop_N = drop_N | (finite_N & (bits_N > hi)) | _first_copies(window_N, group_N, copies - keep, gather)
+    metrics = {
+        "m2po_m2_before": torch.tensor(float(total / n_finite) if n_finite == n and n else
+                                       (float("inf") if n else 0.0), dtype=torch.float64),
+        "m2po_m2_after": torch.tensor(float(kept_sum / kept) if kept else 0.0, dtype=torch.float64),
+        "m2po_masked_frac": torch.tensor((n - kept) / max(n, 1), dtype=torch.float64),
+    }
+    return drop_N.to(m2_N.device), metrics
+
+
+def _first_copies(copy_N: Tensor, group_N: Tensor, count: int, gather) -> Tensor:
+    """Of the copies of the cut's value on every rank, the first `count` in the order (group,
+    rank, position): this rank's of them. The ranks exchange one (group, copies) pair per group
+    holding a copy."""
+    where_N = torch.nonzero(copy_N).flatten()
+    groups_C = group_N[where_N].to(torch.int64).cpu()
+    order_C = torch.sort(groups_C, stable=True).indices  # this rank's copies by group, then position
+    uniq, per_group = torch.unique(groups_C, return_counts=True)  # ascending groups
+    every, start = gather(torch.stack([uniq, per_group], dim=1))
+    by_group = torch.sort(every[:, 0], stable=True).indices  # rank order kept within a group
+    before = torch.zeros(len(every), dtype=torch.int64)
+    before[by_group] = torch.cumsum(every[by_group, 1], 0) - every[by_group, 1]  # copies ahead of each pair
+    first = torch.repeat_interleave(before[start: start + len(uniq)], per_group)  # per copy, by group order
+    rank_in_group = torch.arange(len(groups_C)) - torch.repeat_interleave(torch.cumsum(per_group, 0) - per_group,
+                                                                          per_group)
+    dropped_C = torch.zeros(len(groups_C), dtype=torch.bool)
+    dropped_C[order_C] = first + rank_in_group < count
+    out = torch.zeros_like(copy_N)
+    out[where_N] = dropped_C.to(copy_N.device)
+    return out
 
 
 def off_policy_correction(

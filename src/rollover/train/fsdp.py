@@ -14,8 +14,10 @@ its share of the step's sequences (`split_batch`); what makes N ranks train as o
   fewer micro-batches than another runs stand-in passes over one padding token, which select no
   token and add nothing (`_micro_batches`). A non-finite loss does not stop a rank early; the
   ranks agree afterwards whether the update is skipped (`_reduce`).
-- **One M2PO mask.** Every rank gathers all ranks' `(old - behav)²` of the update's loss tokens
-  and cuts the same mask over them (`_gather`), so M2PO drops what one trainer would.
+- **One M2PO mask.** The ranks find M2PO's cut over all the update's loss tokens together, by a
+  bisection whose every step sums exactly over the ranks (`_all_reduce`; a few kilobytes, never
+  the tokens), and break ties at the cut in one order (`_gather`), so M2PO drops what one trainer
+  would.
 - **One pair of BAPO bounds.** Every rank sums its update tokens' candidate tables and the ranks
   add them up (`_sum`) before the search, so every rank clips where one trainer would.
 - **Metrics** are summed over the ranks, so rank 0 reports the step's (M2PO's and BAPO's, the
@@ -205,6 +207,12 @@ class FSDPTrainer(Trainer):
         parts: list = [None] * self.world
         dist.all_gather_object(parts, rows, group=self._cpu_group)
         return torch.cat(parts), sum(len(p) for p in parts[: self.rank])
+
+    def _all_reduce(self, values: torch.Tensor, op: str) -> torch.Tensor:
+        values = values.clone()
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        dist.all_reduce(values, op=ops[op], group=self._cpu_group)
+        return values
 
     def _sum(self, values: torch.Tensor) -> torch.Tensor:
         values = values.to(torch.float64, copy=True)

@@ -423,7 +423,8 @@ class Trainer:
         still those old_BT was recorded under (the step's first update)."""
         tau, whole = opts.pop("m2po_tau", None), {}
         if tau is not None:
-            mask_BT, whole = m2po_update_mask(old_BT, behav_BT, mask_BT, batch.group_index_B, tau=tau, gather=self._gather)
+            mask_BT, whole = m2po_update_mask(old_BT, behav_BT, mask_BT, batch.group_index_B, tau=tau,
+                                              reduce=self._all_reduce, gather=self._gather)
         if self.cfg.algorithm.loss == "bapo":  # r = pi / pi_old is 1 until the weights move: no pass then
             old = torch.zeros_like(behav_BT) if old_BT is None else old_BT.to(self.device)
             now = old if old_BT is None or fresh else self._fitting(self.logprobs, batch)
@@ -456,9 +457,14 @@ class Trainer:
         return sums, totals, finite
 
     def _gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Every rank's `rows` (a CPU tensor) concatenated in rank order, and where this rank's
-        begin (FSDPTrainer: over the ranks); the M2PO mask is cut over them all."""
+        """Every rank's `rows` (a small CPU tensor) concatenated in rank order, and where this
+        rank's begin (FSDPTrainer: over the ranks); M2PO's tie-break at its cut."""
         return rows, 0
+
+    def _all_reduce(self, values: torch.Tensor, op: str) -> torch.Tensor:
+        """A CPU tensor summed, or its minimum or maximum taken, over the ranks (FSDPTrainer);
+        M2PO's exact sums and its bisection."""
+        return values
 
     def _sum(self, values: torch.Tensor) -> torch.Tensor:
         """A float64 CPU tensor summed over the ranks (FSDPTrainer); BAPO's tables."""
