@@ -541,6 +541,21 @@ def test_dropout_is_off_while_training_unless_asked_for(model_dir, tmp_path):
     noisy = kept.logprobs(batch)
     assert not torch.allclose(noisy, kept.logprobs(batch)) and not torch.allclose(noisy, first)
 
+    from transformers import PersimmonConfig, PersimmonForCausalLM
+
+    # Persimmon reads its attention dropout from its config in the forward: the inner modules get a
+    # copy at 0, the model's own config (what save_pretrained writes) keeps the rate
+    persimmon = PersimmonForCausalLM(PersimmonConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=2, num_attention_heads=4, attention_dropout=0.5,
+                                                     max_position_embeddings=64)).train()
+    assert "config.attention_dropout=0.5" in disable_dropout(persimmon)
+    x = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(persimmon(x).logits, persimmon(x).logits)
+    assert persimmon.config.attention_dropout == 0.5 and persimmon.model.config.attention_dropout == 0.0
+    persimmon.save_pretrained(tmp_path / "persimmon")
+    assert json.loads((tmp_path / "persimmon" / "config.json").read_text())["attention_dropout"] == 0.5
+
     class Block(torch.nn.Module):  # a rate kept as a number, as some architectures do
         def __init__(self):
             super().__init__()

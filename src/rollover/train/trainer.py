@@ -28,6 +28,7 @@ device memory is redone at half the size. The heap the step freed is handed back
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import warnings
@@ -48,11 +49,25 @@ log = logging.getLogger(__name__)
 
 
 def disable_dropout(model: torch.nn.Module) -> list[str]:
-    """Every dropout rate in `model` set to 0: dropout layers, and the rates modules keep as
-    numbers (transformers' attention reads `self.attention_dropout` while training). The model's
-    config is left as it was, so an exported model keeps its rates. Returns what was nonzero,
-    as `name=rate` with repeated names counted once."""
+    """Every dropout rate in `model` set to 0: dropout layers, the rates modules keep as numbers
+    (transformers' attention reads `self.attention_dropout` while training), and the rates some
+    architectures read from their config in the forward (Persimmon; the flash-attention classes
+    of GPT-Neo, GPT-J, Falcon): their inner modules get a copy of the config with the rates at 0,
+    while the model's own config, the one `save_pretrained` writes, keeps them, so a checkpoint
+    or an exported model has the rates it came with. Returns what was nonzero, as `name=rate`
+    with repeated names counted once."""
     zeroed: dict[str, float] = {}
+    top = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(top, "config", None)
+    rates = {k: v for k, v in vars(config).items() if _is_rate(k, v) and v} if config is not None else {}
+    if rates:
+        quiet = copy.copy(config)
+        for name in rates:
+            setattr(quiet, name, 0.0)
+        for module in model.modules():
+            if module is not model and module is not top and getattr(module, "config", None) is config:
+                module.config = quiet
+        zeroed.update({f"config.{k}": v for k, v in rates.items()})
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             if module.p:
@@ -60,11 +75,15 @@ def disable_dropout(model: torch.nn.Module) -> list[str]:
             module.p = 0.0
             continue
         for name, value in vars(module).items():
-            if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+            if _is_rate(name, value):
                 if value:
                     zeroed.setdefault(name, value)
                 setattr(module, name, 0.0)
     return [f"{name}={rate:g}" for name, rate in zeroed.items()]
+
+
+def _is_rate(name: str, value) -> bool:
+    return ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float)
 
 
 def _lr_lambda(schedule: str, warmup: int, total: int):
@@ -109,8 +128,6 @@ class Trainer:
                 log.info("train.disable_dropout: dropout set to 0 in %s", ", ".join(zeroed))
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0 and not self.is_peft:
-            import copy
-
             ref = reference if reference is not None else copy.deepcopy(model)
             self.ref_model = self._place(ref.eval().requires_grad_(False))
         self.model = self._place(model)
