@@ -628,6 +628,23 @@ def test_reward_workers_on_ray_score_what_the_driver_scores():
     assert calls == 3 + 3 + 1  # every call ran on an actor, the unisolated `numeric` too (TRL-style: one per batch)
 
 
+def test_a_reward_model_loads_on_the_ray_reward_workers_not_in_the_driver(tmp_path):
+    from rollover.rewards import model
+    from rollover.runtime.rewards import RayRewardPool
+    from test_reward_model import save_reward_model
+
+    specs = [{"fn": "reward_model", "kwargs": {"path": save_reward_model(tmp_path / "rm")}}]
+    prompts, completions = [Prompt(id="a", text="1+1="), Prompt(id="b", text="2+2=")], ["2", "four"]
+    with RewardRunner(build_rewards(specs)) as local:
+        want = [s.scores["reward_model"] for s in local.score(prompts, completions).samples]
+    model._close()
+    rewards = build_rewards(specs, here=False)  # what a run with ray.reward_workers builds
+    assert model._SCORERS == {}
+    with RewardRunner(rewards, timeout_s=60, pool=RayRewardPool(rewards, size=1, timeout_s=60, cpus=0)) as remote:
+        got = [s.scores["reward_model"] for s in remote.score(prompts, completions).samples]
+    assert got == pytest.approx(want, abs=1e-5) and model._SCORERS == {}
+
+
 def test_a_reward_worker_that_dies_or_hangs_fails_only_its_samples_and_is_replaced(tmp_path):
     prompts = [Prompt(id=x, text="?", answer=i) for i, x in enumerate("abcde")]
     with ray_rewards([{"fn": f"{FIXTURES}:misbehaves", "name": "m"}], size=1, timeout_s=3.0) as runner:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +14,14 @@ from rollover.testing import char_tokenizer, save_tiny_model, tiny_config
 from rollover.types import Prompt
 
 
-def save_reward_model(path, *, num_labels=1, template=True, seed=0):
+def save_reward_model(path, *, num_labels=1, template=True, seed=0, pad=True):
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(tiny_config("llama", num_labels=num_labels))
+    config = tiny_config("llama", num_labels=num_labels)
+    if not pad:
+        config.pad_token_id = None
+    model = AutoModelForSequenceClassification.from_config(config)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -25,6 +30,8 @@ def save_reward_model(path, *, num_labels=1, template=True, seed=0):
     tok = char_tokenizer()
     if not template:
         tok.chat_template = None
+    elif isinstance(template, str):
+        tok.chat_template = template
     tok.save_pretrained(path)
     return str(path)
 
@@ -81,6 +88,82 @@ def test_without_a_template_the_prompt_text_and_completion_are_scored_and_long_s
     assert got.samples[0].scores["reward_model"] == pytest.approx(alone(path, tail, False), abs=1e-5)
     assert got.samples[1].scores["reward_model"] == pytest.approx(alone(path, "1+2=3", True), abs=1e-5)
     assert [s.extras["reward_model/truncated"] for s in got.samples] == [1.0, 0.0]
+
+
+def test_without_a_padding_id_each_sample_is_read_at_its_last_token_as_alone(tmp_path):
+    """A classifier whose config names no padding id reads one sample at its last token, an end
+    token included: a batch does the same (padded with an id none of its rows holds)."""
+    ends_in_eos = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>{% endfor %}"
+    path = save_reward_model(tmp_path / "nopad", pad=False, template=ends_in_eos, seed=2)
+    completions = ["2<pad>", "ok<|im_end|>", "", "a<|im_end|><|im_end|>", "a"]
+    prompts = prompts_of("1+1=", "hi", "x", "q", "q")
+    [reward] = build_rewards([{"fn": "reward_model", "kwargs": {"path": path, "batch_size": 5}}])
+    with RewardRunner([reward], timeout_s=60) as runner:
+        got = [s.scores["reward_model"] for s in runner.score(prompts, completions).samples]
+    template = char_tokenizer()
+    template.chat_template = ends_in_eos
+    for score, prompt, completion in zip(got, prompts, completions):
+        text = template.apply_chat_template([{"role": "user", "content": prompt.text},
+                                             {"role": "assistant", "content": completion}], tokenize=False)
+        assert score == pytest.approx(alone(path, text, False), abs=1e-5)
+    assert got[3] != pytest.approx(got[4], abs=1e-4)  # its own end tokens count
+
+
+def test_a_cut_sample_keeps_its_leading_special_tokens_and_its_end(tmp_path):
+    from rollover.testing import CHAT_TEMPLATE
+
+    path = save_reward_model(tmp_path / "bos", template="<bos>" + CHAT_TEMPLATE, seed=4)
+    [reward] = build_rewards([{"fn": "reward_model", "kwargs": {"path": path, "max_length": 16}}])
+    with RewardRunner([reward], timeout_s=60) as runner:
+        got = runner.score(prompts_of("1+1="), ["x" * 40 + " so 2"]).samples[0]
+    tok = char_tokenizer()
+    tok.chat_template = "<bos>" + CHAT_TEMPLATE
+    ids = tok(tok.apply_chat_template([{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "x" * 40 + " so 2"}],
+                                      tokenize=False), add_special_tokens=False)["input_ids"]
+    assert ids[:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("<|im_start|>")]
+    kept = tok.decode(ids[:2] + ids[-14:])
+    assert got.scores["reward_model"] == pytest.approx(alone(path, kept, False), abs=1e-5)
+    assert got.extras["reward_model/truncated"] == 1.0
+
+
+def test_the_model_loads_only_where_the_reward_runs_and_is_let_go_on_close(rm_dir, monkeypatch, tmp_path):
+    from rollover.rewards import model
+
+    monkeypatch.chdir(tmp_path.parent)
+    relative = os.path.relpath(rm_dir, tmp_path.parent)
+    model._close()
+    [isolated] = build_rewards([{"fn": "reward_model", "isolate": True, "kwargs": {"path": relative}}])
+    assert model._SCORERS == {}  # a worker process loads it, not this one
+    assert isolated.reference == ("reward_model", {"path": str(Path(rm_dir).resolve())})  # the same directory there
+    [here] = build_rewards([{"fn": "reward_model", "kwargs": {"path": rm_dir}}])
+    assert len(model._SCORERS) == 1
+    RewardRunner([here], timeout_s=60).close()
+    assert model._SCORERS == {}
+
+
+def test_reward_names_hold_no_slash_and_a_users_prepare_attribute_is_left_alone():
+    with pytest.raises(ValueError, match=r"reward names may not contain '/': \['fmt/len'\]"):
+        build_rewards([{"fn": "numeric", "name": "fmt"}, {"fn": "exact", "name": "fmt/len"}])
+    from rollover.rewards import Reward, RewardSpec
+
+    class Judge:  # a user's callable with a method of its own named prepare
+        def prepare(self):
+            raise AssertionError("not rollover's to call")
+
+        def __call__(self, completion, answer, scale=1.0):
+            return scale
+
+    import sys
+    import types
+
+    module = types.ModuleType("judge_module")
+    module.judge = Judge()
+    sys.modules["judge_module"] = module
+    try:
+        reward = RewardSpec("judge_module:judge", kwargs={"scale": 2.0}).build()
+    finally:
+        del sys.modules["judge_module"]
+    assert isinstance(reward, Reward) and reward.fn("x", "y") == 2.0
 
 
 def test_a_wrong_reward_model_is_refused_when_the_rewards_are_built(tmp_path, rm_dir):

@@ -184,7 +184,8 @@ class Run:
 
 
 def _reward_runner(cfg: Config) -> RewardRunner:
-    functions = build_rewards(cfg.reward.functions)
+    workers = cfg.runtime == "ray" and bool(cfg.ray.reward_workers)
+    functions = build_rewards(cfg.reward.functions, here=not workers)  # Ray reward workers load their own
     pool = None
     if cfg.runtime == "ray" and cfg.ray.reward_workers:
         from rollover.runtime.rewards import RayRewardPool

@@ -47,12 +47,15 @@ class RewardSpec:
     name: str | None = None  # how it is reported; default: the built-in or function name
     isolate: bool | None = None  # run in a killable worker process; None: the function decides
 
-    def build(self) -> Reward:
+    def build(self, *, here: bool = True) -> Reward:
+        """`here`: this process calls the reward (false: Ray reward workers do, and only they
+        load what it needs)."""
         fn = resolve_reward_fn(self.fn)
         name = self.name or self.fn.rpartition(":")[2]
-        prepare(fn, self.kwargs, f"reward {name!r} ({self.fn})")
-        if self.kwargs:
-            fn = functools.partial(fn, **self.kwargs)
+        isolated = self.isolate if self.isolate is not None else bool(getattr(fn, "isolate", False))
+        kwargs = prepare(fn, self.kwargs, f"reward {name!r} ({self.fn})", load=here and not isolated)
+        if kwargs:
+            fn = functools.partial(fn, **kwargs)
         return Reward(name, fn, self.weight, isolate=self.isolate, ref=_absolute(self.fn))
 
 
@@ -153,27 +156,35 @@ class Reward:
         return {k: v for k, v in available.items() if k in accepted}
 
 
-def prepare(fn: Callable, kwargs: dict, what: str) -> None:
-    """The work a function does once, before its first call, where it has any (a `prepare`
-    attribute taking the bound kwargs: the built-in reward_model checks them and loads its
-    model), so that a wrong setting fails when the rewards are built and no call's timeout pays
-    for it. Here and in every worker process or actor that rebuilds the reward."""
-    if getattr(fn, "prepare", None) is not None:
-        try:
-            fn.prepare(**kwargs)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{what}: {e}") from None
+def prepare(fn: Callable, kwargs: dict, what: str, *, load: bool = True) -> dict:
+    """The bound kwargs as a built-in that does work before its first call wants them (its
+    `_rollover_prepare(load, **kwargs)` checks them and returns them, the built-in reward_model
+    with its path made absolute), so that a wrong setting fails when the rewards are built.
+    `load`: this process will call the reward, so the work is done here (reward_model loads its
+    model; no call's timeout pays for it): true in the process that calls it, whether the driver
+    or a worker process or actor rebuilding it."""
+    hook = getattr(fn, "_rollover_prepare", None)
+    if hook is None:
+        return kwargs
+    try:
+        return hook(load, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what}: {e}") from None
 
 
-def build_rewards(specs: list[RewardSpec | dict | str]) -> list[Reward]:
-    """Rewards from config entries: a spec, a dict of RewardSpec fields, or a bare name."""
+def build_rewards(specs: list[RewardSpec | dict | str], *, here: bool = True) -> list[Reward]:
+    """Rewards from config entries: a spec, a dict of RewardSpec fields, or a bare name.
+    `here`: see `RewardSpec.build`."""
     rewards = []
     for spec in specs:
         if isinstance(spec, str):
             spec = RewardSpec(spec)
         elif isinstance(spec, dict):
             spec = RewardSpec(**spec)
-        rewards.append(spec.build())
+        rewards.append(spec.build(here=here))
+    slashed = sorted(r.name for r in rewards if "/" in r.name)
+    if slashed:  # rewards/<name>/<key>/mean names a reward's extra numbers
+        raise ValueError(f"reward names may not contain '/': {slashed}")
     names = [r.name for r in rewards]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

@@ -242,10 +242,16 @@ class RewardRunner:
         self._closed = False
 
     def close(self) -> None:
-        """Kill the worker processes; `score` raises afterwards. Abandoned threads are left."""
+        """Kill the worker processes and let go of what the rewards loaded here (reward_model's
+        models); `score` raises afterwards. Abandoned threads are left."""
         self._closed = True
         if self.pool is not None:
             self.pool.close()
+        for reward in self.rewards:
+            base = reward.fn.func if isinstance(reward.fn, functools.partial) else reward.fn
+            release = getattr(base, "_rollover_close", None)
+            if release is not None:
+                release()
 
     def __enter__(self) -> RewardRunner:
         return self

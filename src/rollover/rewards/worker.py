@@ -58,7 +58,7 @@ def _rebuild(references: dict[str, tuple[str, dict]]) -> dict:
     rewards = {}
     for name, (ref, kwargs) in references.items():
         fn = resolve_reward_fn(ref)
-        prepare(fn, kwargs, f"reward {name!r} ({ref})")
+        kwargs = prepare(fn, kwargs, f"reward {name!r} ({ref})")
         if kwargs:
             fn = functools.partial(fn, **kwargs)
         rewards[name] = Reward(name, fn, isolate=False)

@@ -51,6 +51,8 @@ class RewardActor:
         for path in reversed(self.setup["sys_path"]):
             if path not in sys.path:
                 sys.path.insert(0, path)
+        if not ray.get_gpu_ids():  # Ray hides no GPU from an actor that asked for none: a reward model
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # on `device: auto` would land on one uncounted
         try:
             self.rewards = _rebuild(self.setup["rewards"])
         except BaseException:
