@@ -44,3 +44,29 @@ class FragileEnv:
         if self.task == "raise":
             raise RuntimeError(f"simulator crashed on {action.text!r}")
         return StepResult([], 1.0, done=True, info={"pid": os.getpid()})
+
+
+class Shaped:
+    """Three turns, each rewarded on its own: 0.1 per digit the action holds, plus 1 on the last
+    turn when the action holds a 7 (a reward at every turn, for per-turn credit)."""
+
+    def prompts(self, n, seed=0):
+        return [Prompt(id=f"shaped-{i}", text=f"Write digits ({i}).", answer="7") for i in range(n)]
+
+    def make_group(self, prompt, n):
+        return [ShapedEnv() for _ in range(n)]
+
+
+class ShapedEnv:
+    def __init__(self):
+        self.turn = 0
+
+    async def initial_observation(self):
+        return [{"role": "user", "content": "Digits, please."}]
+
+    async def step(self, action):
+        self.turn += 1
+        reward = 0.1 * sum(ch.isdigit() for ch in action.text)
+        if self.turn == 3:
+            return StepResult([], reward + ("7" in action.text), done=True)
+        return StepResult([{"role": "user", "content": "More."}], reward, done=False)

@@ -255,6 +255,12 @@ def test_resampling_stops_at_its_limit_and_the_failure_stands(model_dir, tmp_pat
     ({"env.max_total_tokens": 100}, "env.max_total_tokens=100 leaves no room"),
     ({"env.name": None, "data.train": "gen:arithmetic?n=50", "env.resample_failed": 1},
      "env.resample_failed runs failed episodes again: it needs an environment"),
+    ({"env.name": None, "data.train": "gen:arithmetic?n=50", "env.credit": "reward_to_go"},
+     "env.credit and env.gamma give the turns of episodes their credit: they need env.name"),
+    ({"env.credit": "reward_to_go", "algorithm.loss": "gspo", "algorithm.aggregation": "seq-mean-token-mean"},
+     "use gspo_token"),
+    ({"env.credit": "reward_to_go", "downsample.keep": 2, "rollout.samples_per_prompt": 4}, "not combined yet"),
+    ({"env.gamma": 0.9}, "with credit=episode it would do nothing"),
 ])
 def test_env_config_conflicts_are_refused(model_dir, tmp_path, over, message):
     with pytest.raises(ConfigError, match=message):
@@ -291,3 +297,64 @@ def test_a_stalled_engine_ends_the_episode_step_with_an_error_naming_it(model_di
         run.close()
     with pytest.raises(ConfigError, match="env.step_timeout_s=30 must be below rollout.stall_timeout_s=20"):
         env_cfg(model_dir, tmp_path, **{"rollout.stall_timeout_s": 20})
+
+
+def test_reward_to_go_equals_episode_credit_when_only_the_last_turn_is_rewarded(model_dir, tmp_path):
+    """guess_number rewards the final guess only: with gamma 1 every turn's reward-to-go is the
+    episode's return, so the run ends with the episode-credit run's weights bit for bit."""
+    over = {"env.options": {"low": 1, "high": 2, "max_guesses": 3}, "rollout.samples_per_prompt": 4, "env.inline": True}
+    for credit in ("episode", "reward_to_go"):
+        train_sync(env_cfg(model_dir, tmp_path / credit, **over, **{"env.credit": credit}))
+    a, b = (load_file(str(tmp_path / c / "checkpoints" / "step_000002" / "model" / "model.safetensors"))
+            for c in ("episode", "reward_to_go"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(r["actor/grad_norm"] > 0 for r in rows(tmp_path / "episode"))  # the steps moved the weights
+
+
+def test_reward_to_go_gives_each_turn_the_advantage_of_what_follows_it(model_dir, tmp_path):
+    """An environment that rewards every turn: each turn's tokens train with A + c (G_t - G_0)
+    (GRPO: c = 1 / (std + eps) over the group's discounted returns G_0), read back from the
+    samples log, and the step's first loss (ratio 1, token mean) is minus their mean."""
+    from pathlib import Path
+
+    from rollover.metrics.samples import samples_path
+
+    fixtures = Path(__file__).with_name("env_fixtures.py")
+    gamma = 0.5
+    cfg = env_cfg(model_dir, tmp_path, steps=1, **{
+        "env.name": f"{fixtures}:Shaped", "env.options": {}, "env.credit": "reward_to_go", "env.gamma": gamma,
+        "rollout.samples_per_prompt": 4, "rollout.max_new_tokens": 4, "logging.samples": 1, "env.inline": True,
+        "algorithm.aggregation": "token-mean", "algorithm.kl_coef": 0.0, "algorithm.entropy_coef": 0.0})
+    train_sync(cfg)
+    samples = [json.loads(x) for x in open(samples_path(tmp_path, 1))][1:]
+    by_group: dict[str, list[dict]] = {}
+    for s in samples:
+        by_group.setdefault(s["group"], []).append(s)
+    loss_sum, loss_tokens, varied = 0.0, 0, 0
+    for group in by_group.values():
+        returns = []
+        for s in group:
+            g = 0.0
+            for turn in reversed(s["turns"]):
+                g = turn["reward"] + gamma * g
+            returns.append(g)
+        mean = sum(returns) / len(returns)
+        std = (sum((x - mean) ** 2 for x in returns) / (len(returns) - 1)) ** 0.5
+        c = 0.0 if max(returns) == min(returns) else 1.0 / (std + 1e-6)
+        for s, g0 in zip(group, returns):
+            assert s["advantage"] == pytest.approx(c * (g0 - mean), abs=1e-5)
+            to_go = 0.0
+            expected = []
+            for turn in reversed(s["turns"]):
+                to_go = turn["reward"] + gamma * to_go
+                expected.append(s["advantage"] + c * (to_go - g0))
+            expected.reverse()
+            assert [t["advantage"] for t in s["turns"]] == pytest.approx(expected, abs=1e-5)
+            varied += len({round(a, 6) for a in expected}) > 1
+            trained = {k for a, b in s["loss_mask"] for k in range(a, b)}
+            for turn, adv in zip(s["turns"], expected):
+                n = len(trained & set(range(*turn["span"])))
+                loss_sum += adv * n
+                loss_tokens += n
+    assert varied > 0  # some episode's turns had different advantages
+    assert rows(tmp_path)[0]["actor/pg_loss"] == pytest.approx(-loss_sum / loss_tokens, abs=1e-5)

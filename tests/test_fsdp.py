@@ -110,6 +110,29 @@ def test_a_step_at_world_size_n_equals_one_trainers(world, over):
         sharded.close()
 
 
+def test_per_token_advantages_train_on_ranks_as_on_one_trainer():
+    """env.credit=reward_to_go hands the trainer an advantage per token (TrainBatch.adv_BT): the
+    ranks take their rows of it and train as one trainer does, over two mini-batches."""
+    cfg = cfg_of(**{"train.ranks": 2, "algorithm.aggregation": "token-mean", "train.mini_batches": 2})
+    model = tiny_model("llama", seed=3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    b = batch_of(5)
+    b.adv_BT = torch.randn(b.mask_BT.shape, generator=torch.Generator().manual_seed(4))
+    per_sample = b.select(list(range(len(b))))
+    per_sample.adv_BT = None
+    ignored = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu")).train_step(per_sample)
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        mp, ms = plain.train_step(b), sharded.train_step(b)
+        assert mp["actor/pg_loss"] != pytest.approx(ignored["actor/pg_loss"], abs=1e-4)  # the per-token ones count
+        for k in ("actor/pg_loss", "actor/grad_norm", "actor/masked_frac"):
+            assert ms[k] == pytest.approx(mp[k], rel=1e-5, abs=1e-7), k
+        assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
+    finally:
+        sharded.close()
+
+
 @pytest.mark.parametrize("world,over", [
     (2, {"train.mini_batches": 2}),
     (4, {"train.micro_batch_tokens": 32, "train.pack_length": 16, "data.max_prompt_tokens": 8, "train.shared_prefix": False}),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -45,6 +45,15 @@ class EnvConfig(Section):
     max_concurrent: int = Field(64, ge=1)
     """Environment calls running at once across all episodes (the environment cluster's size);
     more wait for a slot (the wait does not count against step_timeout_s)."""
+    credit: Literal["episode", "reward_to_go"] = "episode"
+    """How an episode's advantage reaches its turns. episode: every token of the episode gets its
+    advantage (the estimator over episode rewards). reward_to_go: a turn's tokens get the
+    advantage of what follows them, `A + c * (G_t - G_0)` with `G_t` the (discounted, env.gamma)
+    sum of the rewards of turn t and after, `A` the estimator's advantage of `G_0` and `c` its
+    scale (GRPO's 1 / (std + eps)), so a turn is not credited with rewards earned before it
+    (REINFORCE's causality); with rewards only at the last turn and gamma 1 it is `episode`."""
+    gamma: float = Field(1.0, gt=0, le=1)
+    """env.credit=reward_to_go: the discount per turn."""
     inline: bool = False
     """Run environment calls on the engine's thread between decode steps instead of on their
     own event loop: the schedule then depends on the seeds alone (APRIL and async runs resume

@@ -72,7 +72,13 @@ def train_batch_from(groups, cfg: Config, step: int = 1):
     step: D3S down-sampling, when configured, keeps its subset of samples and tokens)."""
     from rollover.train.batch import TrainBatch
 
-    adv, info = group_advantages(groups, cfg)
+    token_adv = None
+    if cfg.env.credit == "reward_to_go":  # each turn its own advantage (downsample is refused with it)
+        from rollover.rollout.episodes import turn_credit
+
+        adv, token_adv, info = turn_credit(groups, cfg)
+    else:
+        adv, info = group_advantages(groups, cfg)
     rollouts = [r for g in groups for r in g.rollouts]
     d = cfg.downsample
     if d.keep or d.token_fraction < 1 or d.token_fraction_start is not None:
@@ -80,7 +86,7 @@ def train_batch_from(groups, cfg: Config, step: int = 1):
 
         rollouts, adv, kept = downsample(groups, [float(a) for a in adv], d, step)
         info = {**info, **kept}
-    return TrainBatch.from_rollouts(rollouts, adv), info
+    return TrainBatch.from_rollouts(rollouts, adv, token_adv), info
 
 
 def downsample_metrics(adv_info: dict) -> dict:

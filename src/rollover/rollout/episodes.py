@@ -15,6 +15,10 @@ sample is in single-turn mode: never a silent 0.
 from __future__ import annotations
 
 import logging
+
+import torch
+
+from rollover.algos.advantages import advantage_scale, compute_advantages, turn_advantages
 from rollover.envs.base import Trajectory, Turn
 from rollover.rollout.groups import PendingGroup, pass_at_k
 from rollover.types import Group, Rollout
@@ -35,6 +39,38 @@ def to_group(pg, trajectories: list[Trajectory]) -> Group:
         rollouts.append(r)
     return Group(id=pg.id, prompt=pg.prompt, prompt_ids=trajectories[0].tokens_T[: trajectories[0].prompt_len],
                  rollouts=rollouts, start_version=pg.start_version, serial=pg.serial)
+
+
+def turn_credit(groups: list[Group], cfg) -> tuple[torch.Tensor, list[list[float]], dict]:
+    """`env.credit: reward_to_go`: each episode's advantage (the estimator over its discounted
+    return `G_0`), and per response token the advantage of its turn (`turn_advantages`; the
+    environment's tokens after a turn carry that turn's, never trained). Each turn record gets
+    its `advantage` (the samples log shows it)."""
+    flat = [r for g in groups for r in g.rollouts]
+    gamma = cfg.env.gamma
+    turn_rewards = [[t["reward"] for t in r.turns] for r in flat]
+    rewards_B = torch.tensor([_g0(rewards, gamma) for rewards in turn_rewards], dtype=torch.float32)
+    gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts], dtype=torch.long)
+    name = cfg.algorithm.advantage
+    adv_B, info = compute_advantages(name, rewards_B, gid)
+    scale_B = advantage_scale(name, rewards_B, gid)
+    per_token = []
+    for r, a, c, rewards in zip(flat, adv_B.tolist(), scale_B.tolist(), turn_rewards):
+        tokens = [a] * len(r.response_ids)
+        for turn, at in zip(r.turns, turn_advantages(a, c, rewards, gamma)):
+            start, end = turn["span"]
+            tokens[start:end] = [at] * (end - start)
+            turn["advantage"] = at
+        per_token.append(tokens)
+    return adv_B, per_token, info
+
+
+def _g0(rewards: list[float], gamma: float) -> float:
+    """The return from the first turn, discounted by `gamma` per turn."""
+    g = 0.0
+    for x in reversed(rewards):
+        g = x + gamma * g
+    return g
 
 
 def turn_record(turn: Turn, prompt_len: int) -> dict:

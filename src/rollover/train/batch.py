@@ -41,18 +41,23 @@ class TrainBatch:
     mask_BT: Tensor  # bool: token is trained
     adv_B: Tensor
     group_index_B: Tensor  # which group each sequence belongs to (0..G-1)
+    adv_BT: Tensor | None = None  # per token (env.credit=reward_to_go), what the loss uses; adv_B: per sample
 
     @classmethod
-    def from_rollouts(cls, rollouts: list[Rollout], advantages) -> "TrainBatch":
+    def from_rollouts(cls, rollouts: list[Rollout], advantages, token_advantages=None) -> "TrainBatch":
         """The batch of `rollouts`, with `advantages[i]` (a sequence or tensor of floats) as
-        rollout i's advantage."""
+        rollout i's advantage, and `token_advantages[i]` (one per response token), when given,
+        as the advantage of each of its tokens in the loss."""
         B = len(rollouts)
         if len(advantages) != B:
             raise ValueError(f"{len(advantages)} advantages for {B} rollouts")
+        if token_advantages is not None and len(token_advantages) != B:
+            raise ValueError(f"{len(token_advantages)} token advantages for {B} rollouts")
         T = max((len(r.response_ids) for r in rollouts), default=0)
         behav = torch.zeros(B, T)
         versions = torch.full((B, T), -1, dtype=torch.long)
         mask = torch.zeros(B, T, dtype=torch.bool)
+        adv_BT = None if token_advantages is None else torch.zeros(B, T)
         groups: dict[str, int] = {}
         for i, r in enumerate(rollouts):
             n = len(r.response_ids)
@@ -61,6 +66,11 @@ class TrainBatch:
             behav[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
             versions[i, :n] = torch.tensor(r.versions, dtype=torch.long)
             mask[i, :n] = torch.tensor(r.loss_mask, dtype=torch.bool)
+            if adv_BT is not None:
+                if len(token_advantages[i]) != n:
+                    raise ValueError(f"rollout {i} of group {r.group_id!r}: {len(token_advantages[i])} token advantages "
+                                     f"for {n} tokens")
+                adv_BT[i, :n] = torch.tensor(token_advantages[i], dtype=torch.float32)
             groups.setdefault(r.group_id, len(groups))
         return cls(
             prompt_ids=[list(r.prompt_ids) for r in rollouts],
@@ -70,6 +80,7 @@ class TrainBatch:
             mask_BT=mask,
             adv_B=torch.as_tensor(advantages, dtype=torch.float32).reshape(len(rollouts)),
             group_index_B=torch.tensor([groups[r.group_id] for r in rollouts], dtype=torch.long),
+            adv_BT=adv_BT,
         )
 
     def __len__(self) -> int:
@@ -90,6 +101,7 @@ class TrainBatch:
             mask_BT=self.mask_BT[t],
             adv_B=self.adv_B[t],
             group_index_B=self.group_index_B[t],
+            adv_BT=None if self.adv_BT is None else self.adv_BT[t],
         )
 
 

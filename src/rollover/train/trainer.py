@@ -363,8 +363,9 @@ class Trainer:
         # with ranks, both counts are the whole step's, summed over them
         num_tokens, num_seqs = self._counts(int(mask_BT.sum()), int(mask_BT.any(dim=1).sum()))
         num_seqs = max(num_seqs, 1)
-        behav_BT, adv_B, opts = batch.behav_logp_BT.to(self.device), batch.adv_B.to(self.device), self._loss_options()
-        loss_mask_BT, whole = self._per_update(batch, old_BT, behav_BT, adv_B, mask_BT, opts, fresh)
+        adv = (batch.adv_B if batch.adv_BT is None else batch.adv_BT).to(self.device)  # [B]; [B, T]: per-turn credit
+        behav_BT, opts = batch.behav_logp_BT.to(self.device), self._loss_options()
+        loss_mask_BT, whole = self._per_update(batch, old_BT, behav_BT, adv, mask_BT, opts, fresh)
         need_entropy = True  # logged every step; cheap next to the forward
 
         def accumulate():
@@ -380,7 +381,7 @@ class Trainer:
                 logp_BT = self._to_BT(logp, mb, T)
                 old = logp_BT.detach() if old_BT is None else old_BT[sel.cpu()].to(self.device)
                 m_BT = mask_BT[sel]
-                out = policy_loss(a.loss, logp_BT, old, adv_B[sel], loss_mask_BT[sel], behav_BT[sel], **opts)
+                out = policy_loss(a.loss, logp_BT, old, adv[sel], loss_mask_BT[sel], behav_BT[sel], **opts)
                 loss_BT = out.loss_BT
                 if ref_BT is not None:
                     kl_BT = kl_penalty(logp_BT, ref_BT[sel.cpu()].to(self.device), a.kl_estimator)
@@ -433,7 +434,7 @@ class Trainer:
             metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
         return metrics
 
-    def _per_update(self, batch: TrainBatch, old_BT, behav_BT, adv_B, mask_BT, opts: dict, fresh: bool):
+    def _per_update(self, batch: TrainBatch, old_BT, behav_BT, adv, mask_BT, opts: dict, fresh: bool):
         """What is chosen once over all the update's loss tokens, every micro-batch and rank, before any
         pass: the loss mask after M2PO (opts' m2po_tau, taken out) and BAPO's bounds (put in opts for
         every micro-batch's loss); and their metrics, the same on every rank. `fresh`: the weights are
@@ -445,7 +446,7 @@ class Trainer:
         if self.cfg.algorithm.loss == "bapo":  # r = pi / pi_old is 1 until the weights move: no pass then
             old = torch.zeros_like(behav_BT) if old_BT is None else old_BT.to(self.device)
             now = old if old_BT is None or fresh else self._fitting(self.logprobs, batch)
-            bounds = bapo_update_bounds(now, old, adv_B, mask_BT, behav_BT, reduce=self._sum, **opts)
+            bounds = bapo_update_bounds(now, old, adv, mask_BT, behav_BT, reduce=self._sum, **opts)
             opts["bounds"] = bounds[:2]
             whole = {**whole, **dict(zip(("bapo_c_low", "bapo_c_high", "bapo_pos_share"), bounds))}
         return mask_BT, whole
