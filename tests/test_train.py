@@ -576,3 +576,33 @@ def test_pass_at_k_is_the_share_of_prompts_with_a_correct_sample():
 
     assert pass_at_k([[False, True, False], [False, False, False], [True, True, True], [False, False, True]]) == 0.75
     assert pass_at_k([]) == 0.0
+
+
+def test_several_held_out_sets_are_reported_together_and_each_on_its_own(model_dir, tmp_path):
+    """data.eval as {name: source}: every set's first eval_size prompts, ids under the set's name
+    (the same file twice does not collide), eval/<name>/* beside the whole's; a single source with
+    a data_source column (verl's) is split by it."""
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "data_source": "even" if i % 2 == 0 else "odd"}
+            for i in range(8)]
+    path = tmp_path / "held.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    over = {"data.eval_size": 3, "eval.samples_per_prompt": 2,
+            "reward.functions": [{"fn": "format", "kwargs": {"pattern": "[0-9]"}}]}
+    run = build_run(tiny_cfg(model_dir, tmp_path / "two", **over, **{"data.eval": {"a": str(path), "b": str(path)}}),
+                    record=False)
+    try:
+        assert [p.id.split("/")[0] for p in run.eval_prompts] == ["a"] * 3 + ["b"] * 3
+        m = run.evaluate(0)
+    finally:
+        run.close()
+    assert m["eval/samples"] == m["eval/a/samples"] + m["eval/b/samples"] == 12
+    for k in ("accuracy", "reward_mean"):  # the whole is the sets' mean, weighted by their samples
+        assert m[f"eval/{k}"] == pytest.approx((m[f"eval/a/{k}"] * 6 + m[f"eval/b/{k}"] * 6) / 12)
+    assert m["eval/pass_at_k"] == pytest.approx((m["eval/a/pass_at_k"] + m["eval/b/pass_at_k"]) / 2)
+    run = build_run(tiny_cfg(model_dir, tmp_path / "one", **{**over, "data.eval": str(path), "data.eval_size": 8}),
+                    record=False)
+    try:
+        m = run.evaluate(0)
+    finally:
+        run.close()
+    assert m["eval/even/samples"] == m["eval/odd/samples"] == 8 and "eval/a/samples" not in m

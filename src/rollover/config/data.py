@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -15,11 +15,14 @@ class DataConfig(Section):
     (where a hub is reachable) or a generator `gen:NAME?option=value&...` (see docs/data_and_rewards.md).
     With env.name: `env` (tasks from the environment's own prompts(n, seed)) or a dataset whose
     rows the environment's make_group(prompt, n) reads; it must then be set explicitly."""
-    eval: NonEmptyStr | None = None
-    """Held-out prompts (same forms as `train`). When unset, `eval_size` prompts are carved
-    from the training data (no overlap)."""
+    eval: NonEmptyStr | Annotated[dict[NonEmptyStr, NonEmptyStr], Field(min_length=1)] | None = None
+    """Held-out prompts (same forms as `train`), or several held-out sets by name ({gsm8k:
+    gsm8k_test.jsonl, math: math500.parquet}), each reported on its own as well
+    (`eval/<name>/accuracy`, ...). When unset, `eval_size` prompts are carved from the training
+    data (no overlap). Rows with a `data_source` column (verl's) are reported per source too."""
     eval_size: int = Field(48, ge=0)
-    """How many held-out prompts to evaluate on (carved from `train` when `eval` is unset)."""
+    """How many held-out prompts to evaluate on (carved from `train` when `eval` is unset; of
+    each set when `eval` names several)."""
     prompt_key: NonEmptyStr = "prompt"
     """Column holding the prompt: a string or a list of chat messages."""
     answer_key: NonEmptyStr | None = None

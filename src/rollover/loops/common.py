@@ -13,7 +13,7 @@ refused on the way leaves the run dir as it found it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, TYPE_CHECKING
@@ -90,6 +90,7 @@ class Run:
     lock: IO | None = None  # the open RUN_DIR/.lock this process holds while it writes there
     weights: WeightSync | None = None  # the trainer -> engine seam
     selection: PromptSelection | None = None  # selection.policy other than uniform
+    eval_sources: dict[str, str] = field(default_factory=dict)  # held-out prompt id -> its source (eval/<source>/...)
 
     # ------------------------------------------------------------ prompts
     def next_groups(self, k: int, version: int) -> list[PendingGroup]:
@@ -114,8 +115,6 @@ class Run:
     # ------------------------------------------------------------ eval
     def evaluate(self, step: int) -> dict:
         """Sample the held-out prompts (or episodes) with the current weights; reward, accuracy."""
-        from dataclasses import replace
-
         self.engine.settle()  # lazy pulls: every worker holds the current weights first
 
         from rollover.rollout.core import run_groups
@@ -138,9 +137,9 @@ class Run:
         if self.env_builder is not None:
             from rollover.rollout.episodes import episode_eval_metrics
 
-            metrics = episode_eval_metrics(pending, cfg)
+            metrics = episode_eval_metrics(pending, cfg, self.eval_sources)
         else:
-            metrics = eval_metrics(pending, RolloutInputs.of(self))
+            metrics = eval_metrics(pending, RolloutInputs.of(self), self.eval_sources)
         self.logger.log(step, metrics, kind="eval")
         return metrics
 
@@ -236,6 +235,13 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
     else:
         train = load_prompts(d.train, **kw)
     skipped = train.num_skipped
+    if isinstance(d.eval, dict):  # several held-out sets: each one's first eval_size, its ids under its name
+        held_out = []
+        for name, source in d.eval.items():
+            held = load_prompts(source, **kw)
+            skipped += held.num_skipped
+            held_out += [replace(p, id=f"{name}/{p.id}") for p in held.prompts[: d.eval_size]]
+        return list(train.prompts), held_out, skipped
     if d.eval is not None:
         held = load_prompts(d.eval, **kw)
         skipped += held.num_skipped
@@ -247,6 +253,16 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
         raise ConfigError(f"data.eval_size={d.eval_size} would take half or more of the {len(train.prompts)} training prompts")
     tr, held = split_holdout(train.prompts, frac, seed=cfg.seed)
     return tr, held[: d.eval_size], skipped
+
+
+def eval_sources(cfg: Config, held_out: list[Prompt]) -> dict[str, str]:
+    """Each held-out prompt's source, which `eval/<source>/...` metrics are reported by: its
+    set's name when `data.eval` names several, else its `data_source` column (verl's) where it
+    has one."""
+    if isinstance(cfg.data.eval, dict):
+        names = sorted(cfg.data.eval, key=len, reverse=True)  # the longest name that prefixes the id
+        return {p.id: next(n for n in names if p.id.startswith(n + "/")) for p in held_out}
+    return {p.id: p.fields["data_source"] for p in held_out if isinstance(p.fields.get("data_source"), str)}
 
 
 def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prompt]
@@ -325,6 +341,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     if skipped:
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
     prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts)
+    sources = eval_sources(cfg, eval_prompts)
     skipped += too_long
     _warn_if_a_step_exceeds_the_data(cfg, len(train_prompts))
     model = _load_model(cfg, ckpt)
@@ -336,7 +353,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
               train_iter=PromptIterator(train_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
-              data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder)
+              data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder, eval_sources=sources)
     run.weights = weights
     _attach_parts(run, cfg)
     try:

@@ -20,7 +20,7 @@ import torch
 
 from rollover.algos.advantages import advantage_scale, compute_advantages, turn_advantages
 from rollover.envs.base import Trajectory, Turn
-from rollover.rollout.groups import PendingGroup, pass_at_k
+from rollover.rollout.groups import PendingGroup, by_source, pass_at_k, per_source
 from rollover.types import Group, Rollout
 
 log = logging.getLogger("rollover")
@@ -81,8 +81,16 @@ def turn_record(turn: Turn, prompt_len: int) -> dict:
             "finish": turn.finish, "span": [turn.start - prompt_len, turn.end - prompt_len]}
 
 
-def episode_eval_metrics(pending: list[PendingGroup], cfg) -> dict:
-    """Held-out metrics of complete groups of episodes: success rate, reward, turns, failures."""
+def episode_eval_metrics(pending: list[PendingGroup], cfg, sources: dict[str, str] | None = None) -> dict:
+    """Held-out metrics of complete groups of episodes: success rate, reward, turns, failures;
+    per held-out source as `eval_metrics` gives them."""
+    out = _episode_summary(pending, cfg)
+    for name, part in by_source(pending, sources):
+        out.update(per_source(name, _episode_summary(part, cfg)))
+    return out
+
+
+def _episode_summary(pending: list[PendingGroup], cfg) -> dict:
     trajs = [g.done[j] for g in pending for j in range(g.n)]
     ok = [t for t in trajs if t.ok]
     rewards = [t.reward for t in ok]

@@ -223,10 +223,38 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
     return out
 
 
-def eval_metrics(pending: list[PendingGroup], run) -> dict:
-    """Held-out metrics of complete single-turn groups: accuracy, mean reward, length."""
+def eval_metrics(pending: list[PendingGroup], run, sources: dict[str, str] | None = None) -> dict:
+    """Held-out metrics of complete single-turn groups: accuracy, mean reward, length; and per
+    held-out source (`sources`: prompt id -> its source) `eval/<source>/...` where there are two
+    or more."""
     groups = [to_rollouts(g, run.cfg, run.tokenizer) for g in pending]
     score_groups(groups, run.rewards, run.cfg)
+    out = _eval_summary(groups, run)
+    for name, part in by_source(groups, sources):
+        out.update(per_source(name, _eval_summary(part, run)))
+    return out
+
+
+PER_SOURCE = ("accuracy", "pass_at_k", "reward_mean", "samples")
+
+
+def by_source(groups: list, sources: dict[str, str] | None) -> list[tuple[str, list]]:
+    """The groups split by their prompt's held-out source, in order of first appearance; none
+    unless there are two sources or more."""
+    parts: dict[str, list] = {}
+    for g in groups:
+        name = (sources or {}).get(g.prompt.id)
+        if name is not None:
+            parts.setdefault(name, []).append(g)
+    return list(parts.items()) if len(parts) > 1 else []
+
+
+def per_source(name: str, metrics: dict) -> dict:
+    """`eval/<name>/<metric>` for the metrics worth a curve per source."""
+    return {f"eval/{name}/{k}": metrics[f"eval/{k}"] for k in PER_SOURCE if f"eval/{k}" in metrics}
+
+
+def _eval_summary(groups: list[Group], run) -> dict:
     flat = [r for g in groups for r in g.rollouts if r.reward is not None]
     rewards = [r.reward for r in flat]
     return {
