@@ -606,3 +606,15 @@ def test_several_held_out_sets_are_reported_together_and_each_on_its_own(model_d
     finally:
         run.close()
     assert m["eval/even/samples"] == m["eval/odd/samples"] == 8 and "eval/a/samples" not in m
+
+
+def test_maj_at_k_scores_each_prompts_most_common_final_answer():
+    from rollover.rollout.groups import maj_at_k
+
+    prompts = [
+        [("so \\boxed{4}", True), ("\\boxed{ 4 }", True), ("\\boxed{5}", False)],  # 4 twice: right
+        [("<answer>7</answer>", False), ("\\boxed{7}", False), ("\\boxed{6}", True)],  # 7 twice: wrong
+        [("\\boxed{1}", False), ("\\boxed{2}", True)],  # a tie: the first seen, wrong
+        [],  # every sample failed: wrong
+    ]
+    assert maj_at_k(prompts) == 0.25

@@ -235,7 +235,7 @@ def eval_metrics(pending: list[PendingGroup], run, sources: dict[str, str] | Non
     return out
 
 
-PER_SOURCE = ("accuracy", "pass_at_k", "reward_mean", "samples")
+PER_SOURCE = ("accuracy", "pass_at_k", "maj_at_k", "reward_mean", "samples")
 
 
 def by_source(groups: list, sources: dict[str, str] | None) -> list[tuple[str, list]]:
@@ -260,6 +260,8 @@ def _eval_summary(groups: list[Group], run) -> dict:
     return {
         "eval/accuracy": accuracy(flat, run.cfg, run.primary_reward),
         "eval/pass_at_k": pass_at_k([[correct(r, run.cfg, run.primary_reward) for r in g.rollouts] for g in groups]),
+        "eval/maj_at_k": maj_at_k([[(r.text, correct(r, run.cfg, run.primary_reward)) for r in g.rollouts
+                                    if r.reward is not None] for g in groups]),
         "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
         "eval/response_length": sum(len(r.response_ids) for r in flat) / max(len(flat), 1),
         "eval/samples": len(flat),
@@ -270,6 +272,24 @@ def pass_at_k(correct_per_prompt: list[list[bool]]) -> float:
     """The fraction of prompts with at least one correct sample among their k
     (`eval.samples_per_prompt`); a failed sample counts as wrong."""
     return sum(any(c) for c in correct_per_prompt) / max(len(correct_per_prompt), 1)
+
+
+def maj_at_k(samples_per_prompt: list[list[tuple[str, bool]]]) -> float:
+    """The fraction of prompts whose most common final answer (the last `\\boxed{}` or
+    `<answer>`, else the whole completion, compared after `normalize_text`; a tie goes to the
+    answer seen first) is correct, among their scored samples: majority voting, `maj@k`."""
+    from collections import Counter
+
+    from rollover.rewards.builtins import normalize_text
+    from rollover.rewards.extract import final_answer
+
+    right = 0
+    for samples in samples_per_prompt:
+        answers = [normalize_text(final_answer(text)) for text, _ in samples]
+        if answers:
+            top = Counter(answers).most_common(1)[0][0]
+            right += samples[answers.index(top)][1]
+    return right / max(len(samples_per_prompt), 1)
 
 
 def accuracy(rollouts: list[Rollout], cfg: Config, primary: str) -> float:
