@@ -101,6 +101,15 @@ def test_m2po_masks_the_fewest_largest_tokens():
     assert mask.tolist() == [[False, True, True, True]]
 
 
+def test_m2po_drop_takes_any_float_and_an_infinite_tau():
+    from rollover.algos import m2po_drop
+
+    drop, _ = m2po_drop(torch.tensor([0.01, 0.25, 0.01, 0.0]), 0.04)  # float32, as a caller may hand it
+    assert drop.tolist() == [False, True, False, False]
+    drop, metrics = m2po_drop(torch.tensor([0.01, 9.0, float("inf")], dtype=F64), float("inf"))
+    assert drop.tolist() == [False, False, True] and float(metrics["m2po_masked_frac"]) == pytest.approx(1 / 3)
+
+
 def test_m2po_masks_everything_when_every_token_exceeds_tau():
     mask, metrics = m2po([0.5, -0.5], tau=0.04)
     assert not mask.any()
@@ -148,8 +157,7 @@ class Ranks:
         return every
 
     def reduce(self, rank):
-        ops = {"sum": lambda xs: torch.stack(xs).sum(0), "min": lambda xs: torch.stack(xs).min(0).values,
-               "max": lambda xs: torch.stack(xs).max(0).values}
+        ops = {"sum": lambda xs: torch.stack(xs).sum(0), "max": lambda xs: torch.stack(xs).max(0).values}
         return lambda x, op: ops[op](self._exchange(rank, x))
 
     def gather(self, rank):

@@ -257,9 +257,11 @@ def test_resampling_stops_at_its_limit_and_the_failure_stands(model_dir, tmp_pat
      "env.resample_failed runs failed episodes again: it needs an environment"),
     ({"env.name": None, "data.train": "gen:arithmetic?n=50", "env.credit": "reward_to_go"},
      "env.credit and env.gamma give the turns of episodes their credit: they need env.name"),
-    ({"env.credit": "reward_to_go", "algorithm.loss": "gspo", "algorithm.aggregation": "seq-mean-token-mean"},
-     "use gspo_token"),
-    ({"env.credit": "reward_to_go", "downsample.keep": 2, "rollout.samples_per_prompt": 4}, "not combined yet"),
+    ({"env.credit": "reward_to_go"}, "with algorithm.advantage=grpo: .* set algorithm.advantage=drgrpo or rloo"),
+    ({"env.credit": "reward_to_go", "algorithm.advantage": "rloo", "algorithm.loss": "gspo",
+      "algorithm.aggregation": "seq-mean-token-mean"}, "use gspo_token"),
+    ({"env.credit": "reward_to_go", "algorithm.advantage": "drgrpo", "downsample.keep": 2,
+      "rollout.samples_per_prompt": 4}, "not combined yet"),
     ({"env.gamma": 0.9}, "with credit=episode it would do nothing"),
 ])
 def test_env_config_conflicts_are_refused(model_dir, tmp_path, over, message):
@@ -302,7 +304,8 @@ def test_a_stalled_engine_ends_the_episode_step_with_an_error_naming_it(model_di
 def test_reward_to_go_equals_episode_credit_when_only_the_last_turn_is_rewarded(model_dir, tmp_path):
     """guess_number rewards the final guess only: with gamma 1 every turn's reward-to-go is the
     episode's return, so the run ends with the episode-credit run's weights bit for bit."""
-    over = {"env.options": {"low": 1, "high": 2, "max_guesses": 3}, "rollout.samples_per_prompt": 4, "env.inline": True}
+    over = {"env.options": {"low": 1, "high": 2, "max_guesses": 3}, "rollout.samples_per_prompt": 4, "env.inline": True,
+            "algorithm.advantage": "rloo"}
     for credit in ("episode", "reward_to_go"):
         train_sync(env_cfg(model_dir, tmp_path / credit, **over, **{"env.credit": credit}))
     a, b = (load_file(str(tmp_path / c / "checkpoints" / "step_000002" / "model" / "model.safetensors"))
@@ -312,9 +315,9 @@ def test_reward_to_go_equals_episode_credit_when_only_the_last_turn_is_rewarded(
 
 
 def test_reward_to_go_gives_each_turn_the_advantage_of_what_follows_it(model_dir, tmp_path):
-    """An environment that rewards every turn: each turn's tokens train with A + c (G_t - G_0)
-    (GRPO: c = 1 / (std + eps) over the group's discounted returns G_0), read back from the
-    samples log, and the step's first loss (ratio 1, token mean) is minus their mean."""
+    """An environment that rewards every turn: each turn's tokens train with A + G_t - G_0 (A:
+    Dr.GRPO's G_0 - mean over the group's discounted returns), read back from the samples log,
+    and the step's first loss (ratio 1, token mean) is minus their mean."""
     from pathlib import Path
 
     from rollover.metrics.samples import samples_path
@@ -324,7 +327,8 @@ def test_reward_to_go_gives_each_turn_the_advantage_of_what_follows_it(model_dir
     cfg = env_cfg(model_dir, tmp_path, steps=1, **{
         "env.name": f"{fixtures}:Shaped", "env.options": {}, "env.credit": "reward_to_go", "env.gamma": gamma,
         "rollout.samples_per_prompt": 4, "rollout.max_new_tokens": 4, "logging.samples": 1, "env.inline": True,
-        "algorithm.aggregation": "token-mean", "algorithm.kl_coef": 0.0, "algorithm.entropy_coef": 0.0})
+        "algorithm.advantage": "drgrpo", "algorithm.aggregation": "token-mean", "algorithm.kl_coef": 0.0,
+        "algorithm.entropy_coef": 0.0})
     train_sync(cfg)
     samples = [json.loads(x) for x in open(samples_path(tmp_path, 1))][1:]
     by_group: dict[str, list[dict]] = {}
@@ -339,15 +343,13 @@ def test_reward_to_go_gives_each_turn_the_advantage_of_what_follows_it(model_dir
                 g = turn["reward"] + gamma * g
             returns.append(g)
         mean = sum(returns) / len(returns)
-        std = (sum((x - mean) ** 2 for x in returns) / (len(returns) - 1)) ** 0.5
-        c = 0.0 if max(returns) == min(returns) else 1.0 / (std + 1e-6)
         for s, g0 in zip(group, returns):
-            assert s["advantage"] == pytest.approx(c * (g0 - mean), abs=1e-5)
+            assert s["advantage"] == pytest.approx(g0 - mean, abs=1e-5)
             to_go = 0.0
             expected = []
             for turn in reversed(s["turns"]):
                 to_go = turn["reward"] + gamma * to_go
-                expected.append(s["advantage"] + c * (to_go - g0))
+                expected.append(s["advantage"] + to_go - g0)
             expected.reverse()
             assert [t["advantage"] for t in s["turns"]] == pytest.approx(expected, abs=1e-5)
             varied += len({round(a, 6) for a in expected}) > 1

@@ -124,15 +124,9 @@ def gapo(rewards_B: Tensor, group_ids_B: Tensor, *, coverage: float = 0.5, eps: 
     As in the authors' verl fork, the window is the highest-density one; the paper speaks of
     the highest signal-to-noise interval.
     """
-    g = _groups(rewards_B, group_ids_B)
-    q_B, scale_B = _gapo_parts(rewards_B, g, coverage)
-    return _zero_degenerate((rewards_B - q_B) / (scale_B + eps), g), g.info
-
-
-def _gapo_parts(rewards_B: Tensor, g: _Groups, coverage: float) -> tuple[Tensor, Tensor]:
-    """GAPO's baseline `Q` and scale per sample."""
     if not 0.0 < coverage <= 1.0:
         raise ValueError(f"coverage must be in (0, 1], got {coverage}")
+    g = _groups(rewards_B, group_ids_B)
     q_G = torch.empty_like(g.mean_G)
     for gi in range(q_G.numel()):  # groups are small; a loop reads better than a padded sort
         sorted_n = torch.sort(rewards_B[g.idx_B == gi]).values
@@ -143,7 +137,7 @@ def _gapo_parts(rewards_B: Tensor, g: _Groups, coverage: float) -> tuple[Tensor,
     dev_B = rewards_B - q_G[g.idx_B]
     n_G = g.count_G.to(rewards_B.dtype)
     scale_G = (dev_B.new_zeros(n_G.numel()).index_add(0, g.idx_B, dev_B.square()) / (n_G - 1).clamp(min=1)).sqrt()
-    return q_G[g.idx_B], scale_G[g.idx_B]
+    return _zero_degenerate(dev_B / (scale_G[g.idx_B] + eps), g), g.info
 
 
 ADVANTAGES: dict[str, AdvantageFn] = {
@@ -162,34 +156,13 @@ def compute_advantages(name: str, rewards_B: Tensor, group_ids_B: Tensor, **opts
     return ADVANTAGES[name](rewards_B, group_ids_B, **opts)
 
 
-def advantage_scale(name: str, rewards_B: Tensor, group_ids_B: Tensor, **opts) -> Tensor:
-    """`c_B`: how much estimator `name`'s advantage of each sample moves per unit of its own
-    reward with the group's statistics held (GRPO 1 / (std_g + eps), REINFORCE++-baseline
-    1 / sqrt(var + eps), GAPO 1 / (scale_g + eps), Dr.GRPO and RLOO 1), 0 where the estimator
-    gives 0 (singleton and all-equal groups). `turn_advantages` moves a turn's advantage by it."""
-    g = _groups(rewards_B, group_ids_B)
-    if name == "grpo":
-        c_B = 1.0 / (g.std_G[g.idx_B] + opts.get("eps", 1e-6))
-    elif name in ("drgrpo", "rloo"):
-        c_B = torch.ones_like(rewards_B)
-    elif name == "reinforce_pp_baseline":
-        x_B = rewards_B - g.mean_G[g.idx_B]
-        if x_B.numel() < 2:
-            return torch.zeros_like(rewards_B)
-        c_B = torch.full_like(rewards_B, float(torch.rsqrt(x_B.var(unbiased=True) + opts.get("eps", 1e-8))))
-    elif name == "gapo":
-        c_B = 1.0 / (_gapo_parts(rewards_B, g, opts.get("coverage", 0.5))[1] + opts.get("eps", 1e-6))
-    else:
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(ADVANTAGES)}")
-    return _zero_degenerate(c_B, g)
-
-
-def turn_advantages(adv: float, scale: float, turn_rewards: list[float], gamma: float = 1.0) -> list[float]:
-    """Each turn's advantage under reward-to-go credit: `adv + scale * (G_t - G_0)`, `G_t` the
-    rewards of turn t and after, discounted by `gamma` per turn; `adv` is the episode's
-    advantage of `G_0`. A turn is not credited with rewards earned before it."""
+def turn_advantages(adv: float, turn_rewards: list[float], gamma: float = 1.0) -> list[float]:
+    """Each turn's advantage under reward-to-go credit: `adv + G_t - G_0`, `G_t` the rewards of
+    turn t and after, discounted by `gamma` per turn; `adv` is the episode's advantage of `G_0`
+    by an estimator that subtracts a baseline and does not scale (Dr.GRPO, RLOO), so this is
+    `G_t` less the same baseline. A turn is not credited with rewards earned before it."""
     to_go, g = [0.0] * len(turn_rewards), 0.0
     for t in range(len(turn_rewards) - 1, -1, -1):
         g = turn_rewards[t] + gamma * g
         to_go[t] = g
-    return [adv + scale * (g_t - to_go[0]) for g_t in to_go]
+    return [adv + (g_t - to_go[0]) for g_t in to_go]  # exactly adv where nothing came before

@@ -47,11 +47,12 @@ class EnvConfig(Section):
     more wait for a slot (the wait does not count against step_timeout_s)."""
     credit: Literal["episode", "reward_to_go"] = "episode"
     """How an episode's advantage reaches its turns. episode: every token of the episode gets its
-    advantage (the estimator over episode rewards). reward_to_go: a turn's tokens get the
-    advantage of what follows them, `A + c * (G_t - G_0)` with `G_t` the (discounted, env.gamma)
-    sum of the rewards of turn t and after, `A` the estimator's advantage of `G_0` and `c` its
-    scale (GRPO's 1 / (std + eps)), so a turn is not credited with rewards earned before it
-    (REINFORCE's causality); with rewards only at the last turn and gamma 1 it is `episode`."""
+    advantage (the estimator over episode rewards). reward_to_go: a turn's tokens get the return
+    that follows them less the group's baseline, `A + G_t - G_0` with `G_t` the (discounted,
+    env.gamma) sum of the rewards of turn t and after and `A` the advantage of `G_0` by
+    algorithm.advantage (drgrpo or rloo: a baseline, no scaling), so a turn is not credited with
+    rewards earned before it (REINFORCE's causality); with rewards only at the last turn and gamma
+    1 it is `episode`."""
     gamma: float = Field(1.0, gt=0, le=1)
     """env.credit=reward_to_go: the discount per turn."""
     inline: bool = False

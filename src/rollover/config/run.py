@@ -270,6 +270,11 @@ class Config(Section):
             return out + (["data.train: env needs env.name"] if self.data.train == "env" else [])
         out = []
         if e.credit == "reward_to_go":
+            if self.algorithm.advantage not in ("drgrpo", "rloo"):
+                out.append(f"env.credit=reward_to_go with algorithm.advantage={self.algorithm.advantage}: a turn's "
+                           "advantage is its return to go less the group's baseline, unscaled; an estimator that "
+                           "divides by the spread of the episodes' returns would scale turn returns by it, which "
+                           "that spread does not bound: set algorithm.advantage=drgrpo or rloo")
             if self.algorithm.loss == "gspo":
                 out.append("env.credit=reward_to_go gives each turn its own advantage; algorithm.loss=gspo clips one "
                            "ratio per sequence against one advantage: use gspo_token, its form for per-token advantages")

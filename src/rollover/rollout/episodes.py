@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from rollover.algos.advantages import advantage_scale, compute_advantages, turn_advantages
+from rollover.algos.advantages import compute_advantages, turn_advantages
 from rollover.envs.base import Trajectory, Turn
 from rollover.rollout.groups import PendingGroup, by_source, pass_at_k, per_source
 from rollover.types import Group, Rollout
@@ -42,22 +42,20 @@ def to_group(pg, trajectories: list[Trajectory]) -> Group:
 
 
 def turn_credit(groups: list[Group], cfg) -> tuple[torch.Tensor, list[list[float]], dict]:
-    """`env.credit: reward_to_go`: each episode's advantage (the estimator over its discounted
-    return `G_0`), and per response token the advantage of its turn (`turn_advantages`; the
-    environment's tokens after a turn carry that turn's, never trained). Each turn record gets
-    its `advantage` (the samples log shows it)."""
+    """`env.credit: reward_to_go`: each episode's advantage (the estimator, Dr.GRPO or RLOO, over
+    its discounted return `G_0`), and per response token the advantage of its turn
+    (`turn_advantages`; the environment's inserted tokens, never trained, carry the episode's).
+    Each turn record gets its `advantage` (the samples log shows it)."""
     flat = [r for g in groups for r in g.rollouts]
     gamma = cfg.env.gamma
     turn_rewards = [[t["reward"] for t in r.turns] for r in flat]
     rewards_B = torch.tensor([_g0(rewards, gamma) for rewards in turn_rewards], dtype=torch.float32)
     gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts], dtype=torch.long)
-    name = cfg.algorithm.advantage
-    adv_B, info = compute_advantages(name, rewards_B, gid)
-    scale_B = advantage_scale(name, rewards_B, gid)
+    adv_B, info = compute_advantages(cfg.algorithm.advantage, rewards_B, gid)
     per_token = []
-    for r, a, c, rewards in zip(flat, adv_B.tolist(), scale_B.tolist(), turn_rewards):
+    for r, a, rewards in zip(flat, adv_B.tolist(), turn_rewards):
         tokens = [a] * len(r.response_ids)
-        for turn, at in zip(r.turns, turn_advantages(a, c, rewards, gamma)):
+        for turn, at in zip(r.turns, turn_advantages(a, rewards, gamma)):
             start, end = turn["span"]
             tokens[start:end] = [at] * (end - start)
             turn["advantage"] = at

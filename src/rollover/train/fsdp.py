@@ -15,8 +15,8 @@ its share of the step's sequences (`split_batch`); what makes N ranks train as o
   token and add nothing (`_micro_batches`). A non-finite loss does not stop a rank early; the
   ranks agree afterwards whether the update is skipped (`_reduce`).
 - **One M2PO mask.** The ranks find M2PO's cut over all the update's loss tokens together, by a
-  bisection whose every step sums exactly over the ranks (`_all_reduce`; a few kilobytes, never
-  the tokens), and break ties at the cut in one order (`_gather`), so M2PO drops what one trainer
+  bisection whose every step sums exactly over the ranks (`_all_reduce`; 35 KB a step, never the
+  tokens), and break ties at the cut in one order (`_gather`), so M2PO drops what one trainer
   would.
 - **One pair of BAPO bounds.** Every rank sums its update tokens' candidate tables and the ranks
   add them up (`_sum`) before the search, so every rank clips where one trainer would.
@@ -210,7 +210,7 @@ class FSDPTrainer(Trainer):
 
     def _all_reduce(self, values: torch.Tensor, op: str) -> torch.Tensor:
         values = values.clone()
-        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
         dist.all_reduce(values, op=ops[op], group=self._cpu_group)
         return values
 

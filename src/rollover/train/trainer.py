@@ -480,7 +480,7 @@ class Trainer:
         return rows, 0
 
     def _all_reduce(self, values: torch.Tensor, op: str) -> torch.Tensor:
-        """A CPU tensor summed, or its minimum or maximum taken, over the ranks (FSDPTrainer);
+        """A CPU tensor summed ("sum") or its maximum taken ("max") over the ranks (FSDPTrainer);
         M2PO's exact sums and its bisection."""
         return values
 
