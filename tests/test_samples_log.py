@@ -164,9 +164,11 @@ def test_the_file_is_utf8_whatever_the_decoder_gave(tmp_path):
 def test_resume_removes_the_samples_of_later_steps(tmp_path):
     for step in (1, 2, 3):
         samples_mod.write_samples(tmp_path, step, [{"kind": "step", "step": step}])
+        samples_mod.write_samples(tmp_path, step, [{"kind": "eval", "step": step}], "eval")
     (tmp_path / "samples" / ".step_000004.jsonl-torn").write_text("{")
-    assert remove_after(tmp_path, 2) == 1
-    assert written_steps(tmp_path) == [1, 2] and len(list((tmp_path / "samples").iterdir())) == 2
+    assert remove_after(tmp_path, 2) == 2
+    assert written_steps(tmp_path) == written_steps(tmp_path, "eval") == [1, 2]
+    assert len(list((tmp_path / "samples").iterdir())) == 4
 
 
 def test_episode_rows_hold_the_turns(model_dir, tmp_path):
@@ -175,8 +177,10 @@ def test_episode_rows_hold_the_turns(model_dir, tmp_path):
     cfg = cfg_for(model_dir, tmp_path, steps=1, **{
         "data.train": "env", "data.max_prompt_tokens": 256, "env.name": "guess_number",
         "env.options": {"low": 1, "high": 8, "max_guesses": 3}, "env.max_total_tokens": 400,
-        "rollout.max_rows": 8, "algorithm.mask_truncated": False})
+        "rollout.max_rows": 8, "algorithm.mask_truncated": False, "logging.eval_samples": 1})
     train_sync(cfg)
+    _, header, held = read_samples(tmp_path, 1, "eval")  # the evaluation at the end: one held-out game
+    assert header["samples"] == len(held) == 1 and held[0]["turns"] and held[0]["correct"] == (held[0]["reward"] >= 1.0)
     _, header, rows = read_samples(tmp_path)
     assert len(rows) == 4 and header["samples"] == 4
     for row in rows:
@@ -202,3 +206,28 @@ def test_async_loop_writes_samples_every_n_steps(model_dir, tmp_path, monkeypatc
     assert "dropped" not in header and len(rows) == len(batch)
     assert [r["response_ids"] for r in rows] == [r.response_ids for g in groups for r in g.rollouts]
     assert all(r["version_max"] <= 1 for r in rows)  # trained at step 2: sampled by weights 0 or 1
+
+
+def test_eval_samples_are_written_at_every_evaluation_and_shown(model_dir, tmp_path, capsys):
+    """logging.eval_samples: the held-out samples of the first N prompts, with the reward, its
+    parts and whether each is correct; their share correct is the evaluation's accuracy when N
+    covers every held-out prompt."""
+    from rollover.loops.sync import train_sync
+
+    train_sync(cfg_for(model_dir, tmp_path, **{"eval.at_start": True, "eval.samples_per_prompt": 2,
+                                               "logging.eval_samples": 2, "logging.samples": 0}))
+    assert written_steps(tmp_path, "eval") == [0, 2] and written_steps(tmp_path) == []
+    evals = {r["step"]: r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["kind"] == "eval"}
+    for step in (0, 2):
+        _, header, rows = read_samples(tmp_path, step, "eval")
+        assert header["kind"] == "eval" and header["samples"] == len(rows) == 4
+        for r in rows:
+            assert r["trained"] is False and r["advantage"] is None and r["loss_mask"] == []
+            assert r["correct"] == (r["scores"]["numeric"] >= 1.0)
+            assert r["reward"] == pytest.approx(r["scores"]["numeric"] + 0.5 * r["scores"]["format"])
+        assert sum(r["correct"] for r in rows) / 4 == pytest.approx(evals[step]["eval/accuracy"])
+    assert main(["show", str(tmp_path), "--eval"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("evaluation after step 2: 2 held-out prompts, 4 samples,") and "correct" in out
+    assert main(["show", str(tmp_path), "--eval", "--step", "1"]) == 1
+    assert "no held-out samples of step 1; written: steps 0, 2" in capsys.readouterr().err

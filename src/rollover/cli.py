@@ -270,6 +270,8 @@ def _show(argv: list[str]) -> int:
                "docs/logging.md describes the file.")
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("--step", type=int, default=None, help="this step's samples (default: the latest step written)")
+    p.add_argument("--eval", action="store_true", help="the held-out samples of an evaluation instead (written "
+                                                       "with logging.eval_samples=N)")
     p.add_argument("--full", action="store_true", help="print prompts and responses whole (default: long ones are "
                                                        "cut in the middle)")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
@@ -278,8 +280,9 @@ def _show(argv: list[str]) -> int:
     def show() -> int:
         from rollover.metrics.samples import read_samples, render, samples_path
 
-        step, header, rows = read_samples(args.run_dir, args.step)
-        print(render(step, header, rows, full=args.full, source=str(samples_path(args.run_dir, step))))
+        kind = "eval" if args.eval else "step"
+        step, header, rows = read_samples(args.run_dir, args.step, kind)
+        print(render(step, header, rows, full=args.full, source=str(samples_path(args.run_dir, step, kind))))
         return 0
 
     return _guarded("rollover show", args.debug, show)

@@ -122,6 +122,10 @@ class LoggingConfig(Section):
     """wandb.init arguments (e.g. {project: rollover, mode: offline}); None = off."""
     progress: bool = True
     """Show a progress bar with the live reward, throughput and ETA."""
+    eval_samples: int = Field(0, ge=0)
+    """At every evaluation, write the samples of the first this many held-out prompts (text, token
+    ids, reward and its parts, correct or not, the prompt's held-out source) to
+    RUN_DIR/samples/eval_step_<N>.jsonl; read them with `rollover show RUN_DIR --eval`. 0 = off."""
     samples: int = Field(0, ge=0)
     """Every this many steps, write the step's trained samples (prompt and response text and
     token ids, loss-mask spans, reward and its parts, advantage, logprobs, versions) to

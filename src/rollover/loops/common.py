@@ -138,9 +138,19 @@ class Run:
             from rollover.rollout.episodes import episode_eval_metrics
 
             metrics = episode_eval_metrics(pending, cfg, self.eval_sources)
+            groups = None
         else:
-            metrics = eval_metrics(pending, RolloutInputs.of(self), self.eval_sources)
+            metrics, groups = eval_metrics(pending, RolloutInputs.of(self), self.eval_sources)
         self.logger.log(step, metrics, kind="eval")
+        if cfg.logging.eval_samples:
+            from rollover.loops.samples import eval_sample_rows
+
+            if groups is None:  # episodes: their rollouts with turns, as training logs them
+                from rollover.rollout.episodes import to_group
+
+                groups = [to_group(pg, [pg.done[j] for j in range(pg.n)]) for pg in pending[: cfg.logging.eval_samples]]
+            self.logger.log_samples(step, eval_sample_rows(step, groups, self.tokenizer, cfg, self.primary_reward,
+                                                           self.eval_sources), kind="eval")
         return metrics
 
     @property
@@ -514,7 +524,7 @@ class _NoRecord:
     def log_groups(self, step: int, groups: list) -> None:
         pass
 
-    def log_samples(self, step: int, rows: list) -> None:
+    def log_samples(self, step: int, rows: list, kind: str = "step") -> None:
         pass
 
     def close(self) -> None:

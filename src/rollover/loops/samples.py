@@ -46,28 +46,56 @@ def sample_rows(step: int, groups: list[Group], batch: TrainBatch, tokenizer, cf
         for j, r in enumerate(g.rollouts):
             b = rows_of[i]
             mask = r.loss_mask if b is None else batch.mask_BT[b, : len(r.response_ids)].tolist()
-            sampled = [k for k, v in enumerate(r.versions) if v >= 0]  # an episode's inserted tokens carry -1
-            logprobs = [r.logprobs[k] for k in sampled]
-            row = {
-                "kind": "sample", "step": step, "group": g.id, "prompt_id": g.prompt.id, "sample": j,
-                "trained": b is not None, "dropped": None if b is not None else "downsample",
-                "reward": number(r.reward), "scores": {k: number(v) for k, v in r.scores.items()},
-                "advantage": number(advantages[i]), "finish": r.finish,
-                "logprob_mean": number(sum(logprobs) / len(logprobs)) if logprobs else None,
-                "logprob_min": number(min(logprobs)) if logprobs else None,
-                "version_min": min(r.versions[k] for k in sampled) if sampled else None,
-                "version_max": max(r.versions[k] for k in sampled) if sampled else None,
-                "loss_mask": mask_spans(mask),
-                "prompt": prompt,
-                "response": tokenizer.decode(r.response_ids, skip_special_tokens=False),
-                "prompt_ids": list(r.prompt_ids), "response_ids": list(r.response_ids),
-            }
-            if r.extras:
-                row["extras"] = {k: number(v) for k, v in r.extras.items()}
-            if r.turns is not None:
-                row["turns"] = r.turns
-            out.append(row)
+            out.append(_row(step, g, j, r, prompt, tokenizer, trained=b is not None,
+                            dropped=None if b is not None else "downsample", advantage=advantages[i], mask=mask))
             i += 1
+    return out
+
+
+def _row(step: int, g: Group, j: int, r, prompt: str, tokenizer, *, trained: bool, dropped: str | None,
+         advantage: float | None, mask: list[int]) -> dict:
+    sampled = [k for k, v in enumerate(r.versions) if v >= 0]  # an episode's inserted tokens carry -1
+    logprobs = [r.logprobs[k] for k in sampled]
+    row = {
+        "kind": "sample", "step": step, "group": g.id, "prompt_id": g.prompt.id, "sample": j,
+        "trained": trained, "dropped": dropped,
+        "reward": number(r.reward), "scores": {k: number(v) for k, v in r.scores.items()},
+        "advantage": number(advantage), "finish": r.finish,
+        "logprob_mean": number(sum(logprobs) / len(logprobs)) if logprobs else None,
+        "logprob_min": number(min(logprobs)) if logprobs else None,
+        "version_min": min(r.versions[k] for k in sampled) if sampled else None,
+        "version_max": max(r.versions[k] for k in sampled) if sampled else None,
+        "loss_mask": mask_spans(mask),
+        "prompt": prompt,
+        "response": tokenizer.decode(r.response_ids, skip_special_tokens=False),
+        "prompt_ids": list(r.prompt_ids), "response_ids": list(r.response_ids),
+    }
+    if r.extras:
+        row["extras"] = {k: number(v) for k, v in r.extras.items()}
+    if r.turns is not None:
+        row["turns"] = r.turns
+    return row
+
+
+def eval_sample_rows(step: int, groups: list[Group], tokenizer, cfg: Config, primary: str,
+                     sources: dict[str, str]) -> list[dict]:
+    """The header and one row per sample of an evaluation's first `logging.eval_samples` groups:
+    the training rows' fields (never trained, no advantage), with `correct` (by the first reward
+    function, `reward.correct_threshold`) and the prompt's held-out `source`."""
+    from rollover.rollout.groups import correct
+
+    groups = groups[: cfg.logging.eval_samples]
+    header = {"kind": "eval", "step": step, "samples": sum(len(g.rollouts) for g in groups),
+              "groups": [{"group": g.id, "prompt_id": g.prompt.id, "samples": len(g.rollouts),
+                          "failed_samples": sum(r.reward is None for r in g.rollouts)} for g in groups]}
+    out = [header]
+    for g in groups:
+        prompt = tokenizer.decode(g.prompt_ids, skip_special_tokens=False)
+        for j, r in enumerate(g.rollouts):
+            row = _row(step, g, j, r, prompt, tokenizer, trained=False, dropped="eval", advantage=None,
+                       mask=[0] * len(r.response_ids))
+            row.update(correct=r.reward is not None and correct(r, cfg, primary), source=sources.get(g.prompt.id))
+            out.append(row)
     return out
 
 

@@ -196,12 +196,13 @@ class MetricsLogger:
         self._groups_file.write(json.dumps({"step": int(step), "groups": list(groups)}) + "\n")
         self._groups_file.flush()
 
-    def log_samples(self, step: int, rows: list[Mapping[str, Any]]) -> None:
+    def log_samples(self, step: int, rows: list[Mapping[str, Any]], kind: str = "step") -> None:
         """Write `RUN_DIR/samples/step_<step>.jsonl`: what step `step` trained on, sample by
-        sample (`rollover.metrics.samples`). Resume removes the files of later steps."""
+        sample (`rollover.metrics.samples`); kind "eval": `eval_step_<step>.jsonl`, the held-out
+        samples of the evaluation after step `step`. Resume removes the files of later steps."""
         from rollover.metrics.samples import write_samples
 
-        write_samples(self.run_dir, step, rows)
+        write_samples(self.run_dir, step, rows, kind)
 
     def close(self) -> None:
         if self._file.closed:

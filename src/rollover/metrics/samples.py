@@ -58,15 +58,17 @@ from pathlib import Path
 from rollover.metrics.logger import _encode
 
 SAMPLES_DIR = "samples"
-_FILE = re.compile(r"step_(\d+)\.jsonl")
+_FILE = {"step": re.compile(r"step_(\d+)\.jsonl"), "eval": re.compile(r"eval_step_(\d+)\.jsonl")}
 
 
 class NoSamples(FileNotFoundError):
     """A run directory without the samples asked for."""
 
 
-def samples_path(run_dir: str | os.PathLike, step: int) -> Path:
-    return Path(run_dir) / SAMPLES_DIR / f"step_{step:06d}.jsonl"
+def samples_path(run_dir: str | os.PathLike, step: int, kind: str = "step") -> Path:
+    """The samples file of step `step`: what it trained on (kind "step"), or the held-out samples
+    of the evaluation after it (kind "eval", `logging.eval_samples`)."""
+    return Path(run_dir) / SAMPLES_DIR / f"{'eval_' if kind == 'eval' else ''}step_{step:06d}.jsonl"
 
 
 def mask_spans(mask: list[int]) -> list[list[int]]:
@@ -86,9 +88,9 @@ def _number(x):
     return None if x is None else _encode(float(x))
 
 
-def write_samples(run_dir: str | os.PathLike, step: int, rows: list[dict]) -> Path:
+def write_samples(run_dir: str | os.PathLike, step: int, rows: list[dict], kind: str = "step") -> Path:
     """Write the rows of step `step` (whole, then renamed into place)."""
-    path = samples_path(run_dir, step)
+    path = samples_path(run_dir, step, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     # a decoded string may still hold a lone surrogate: errors="replace" keeps the file UTF-8
@@ -98,12 +100,12 @@ def write_samples(run_dir: str | os.PathLike, step: int, rows: list[dict]) -> Pa
     return path
 
 
-def written_steps(run_dir: str | os.PathLike) -> list[int]:
-    """The steps whose samples `run_dir` holds, in order."""
+def written_steps(run_dir: str | os.PathLike, kind: str = "step") -> list[int]:
+    """The steps whose samples (of `kind`) `run_dir` holds, in order."""
     root = Path(run_dir) / SAMPLES_DIR
     if not root.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _FILE.fullmatch(p.name)))
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _FILE[kind].fullmatch(p.name)))
 
 
 def remove_after(run_dir: str | os.PathLike, step: int) -> int:
@@ -112,28 +114,35 @@ def remove_after(run_dir: str | os.PathLike, step: int) -> int:
     root = Path(run_dir) / SAMPLES_DIR
     if not root.is_dir():
         return 0
-    for tmp in root.glob(".step_*"):
+    for tmp in [*root.glob(".step_*"), *root.glob(".eval_step_*")]:
         tmp.unlink()
-    later = [s for s in written_steps(run_dir) if s > step]
-    for s in later:
-        samples_path(run_dir, s).unlink()
-    return len(later)
+    removed = 0
+    for kind in _FILE:
+        later = [s for s in written_steps(run_dir, kind) if s > step]
+        for s in later:
+            samples_path(run_dir, s, kind).unlink()
+        removed += len(later)
+    return removed
 
 
-def read_samples(run_dir: str | os.PathLike, step: int | None = None) -> tuple[int, dict, list[dict]]:
-    """(step, header, sample rows) of step `step`, or of the latest step written."""
+def read_samples(run_dir: str | os.PathLike, step: int | None = None, kind: str = "step") -> tuple[int, dict, list[dict]]:
+    """(step, header, sample rows) of step `step`, or of the latest step written (kind "eval":
+    of the evaluations' held-out samples)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise NoSamples(f"{run_dir}: no such run directory")
-    steps = written_steps(run_dir)
+    steps = written_steps(run_dir, kind)
     if not steps:
-        raise NoSamples(f"{run_dir / SAMPLES_DIR}: no samples written; set logging.samples=N in the run's config "
-                        "to write the trained samples of every N-th step")
+        key, what = ("eval_samples", "held-out samples of the first N prompts at every evaluation") \
+            if kind == "eval" else ("samples", "trained samples of every N-th step")
+        raise NoSamples(f"{run_dir / SAMPLES_DIR}: no {'held-out ' if kind == 'eval' else ''}samples written; set "
+                        f"logging.{key}=N in the run's config to write the {what}")
     if step is None:
         step = steps[-1]
     elif step not in steps:
-        raise NoSamples(f"{run_dir / SAMPLES_DIR}: no samples of step {step}; written: {_listing(steps)}")
-    lines = samples_path(run_dir, step).read_text(encoding="utf-8").splitlines()
+        raise NoSamples(f"{run_dir / SAMPLES_DIR}: no {'held-out ' if kind == 'eval' else ''}samples of step {step}; "
+                        f"written: {_listing(steps)}")
+    lines = samples_path(run_dir, step, kind).read_text(encoding="utf-8").splitlines()
     rows = [json.loads(line) for line in lines if line.strip()]
     return step, rows[0], rows[1:]
 
@@ -153,9 +162,14 @@ def render(step: int, header: dict, rows: list[dict], *, full: bool = False, sou
     (and parts), advantage, finish and response (or turns). Long texts are cut in the middle
     unless `full`."""
     trim = (lambda text, limit: text) if full else _trim  # noqa: E731
-    trained = header.get("trained_samples", len(rows))
-    lines = [f"step {step}: {len(header.get('groups', []))} groups, {len(rows)} samples, {trained} trained"
-             + (f" ({source})" if source else "")]
+    if header.get("kind") == "eval":
+        correct = sum(bool(r.get("correct")) for r in rows)
+        lines = [f"evaluation after step {step}: {len(header.get('groups', []))} held-out prompts, {len(rows)} "
+                 f"samples, {correct} correct" + (f" ({source})" if source else "")]
+    else:
+        trained = header.get("trained_samples", len(rows))
+        lines = [f"step {step}: {len(header.get('groups', []))} groups, {len(rows)} samples, {trained} trained"
+                 + (f" ({source})" if source else "")]
     dropped = {k: v for k, v in header.get("dropped", {}).items() if v}
     if dropped:
         lines.append("not trained this step: " + ", ".join(f"{k} {v}" for k, v in dropped.items()))
@@ -165,6 +179,8 @@ def render(step: int, header: dict, rows: list[dict], *, full: bool = False, sou
         if r["group"] != group:
             group = r["group"]
             note = f", {failed[group]} failed samples left out" if failed.get(group) else ""
+            if r.get("source"):
+                note += f" | {r['source']}"
             lines += ["", f"=== group {group} | prompt {r['prompt_id']}{note}", "prompt:",
                       _indent(trim(r["prompt"], PROMPT_CHARS), 4)]
         lines.append(f"  [{r['sample']}] " + _summary(r))
@@ -181,6 +197,8 @@ def render(step: int, header: dict, rows: list[dict], *, full: bool = False, sou
 def _summary(r: dict) -> str:
     parts = ", ".join(f"{k} {_fmt(v)}" for k, v in r["scores"].items())
     out = f"reward {_fmt(r['reward'])}" + (f" ({parts})" if parts else "")
+    if r.get("dropped") == "eval":
+        return out + f" | {'correct' if r['correct'] else 'wrong'} | finish {r['finish']} | {len(r['response_ids'])} tokens"
     out += f" | adv {_fmt(r['advantage'], signed=True)} | finish {r['finish']} | {len(r['response_ids'])} tokens"
     if r["version_min"] is not None:
         v0, v1 = r["version_min"], r["version_max"]

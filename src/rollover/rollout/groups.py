@@ -223,16 +223,16 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
     return out
 
 
-def eval_metrics(pending: list[PendingGroup], run, sources: dict[str, str] | None = None) -> dict:
+def eval_metrics(pending: list[PendingGroup], run, sources: dict[str, str] | None = None) -> tuple[dict, list[Group]]:
     """Held-out metrics of complete single-turn groups: accuracy, mean reward, length; and per
     held-out source (`sources`: prompt id -> its source) `eval/<source>/...` where there are two
-    or more."""
+    or more. Also returns the scored groups (the eval samples log)."""
     groups = [to_rollouts(g, run.cfg, run.tokenizer) for g in pending]
     score_groups(groups, run.rewards, run.cfg)
     out = _eval_summary(groups, run)
     for name, part in by_source(groups, sources):
         out.update(per_source(name, _eval_summary(part, run)))
-    return out
+    return out, groups
 
 
 PER_SOURCE = ("accuracy", "pass_at_k", "maj_at_k", "reward_mean", "samples")
