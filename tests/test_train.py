@@ -606,15 +606,26 @@ def test_several_held_out_sets_are_reported_together_and_each_on_its_own(model_d
     finally:
         run.close()
     assert m["eval/even/samples"] == m["eval/odd/samples"] == 8 and "eval/a/samples" not in m
+    run = build_run(tiny_cfg(model_dir, tmp_path / "named", **{**over, "data.eval": {2024: str(path)}}), record=False)
+    try:  # one named set is reported by its name too (a YAML year is a name)
+        m = run.evaluate(0)
+    finally:
+        run.close()
+    assert m["eval/2024/samples"] == m["eval/samples"] == 6
+    with pytest.raises(ValueError, match=r"held-out set names \['a/b'\]: each must be a non-blank string without '/'"):
+        tiny_cfg(model_dir, tmp_path / "bad", **{"data.eval": {"a/b": str(path)}})
 
 
-def test_maj_at_k_scores_each_prompts_most_common_final_answer():
+def test_maj_at_k_scores_each_prompts_most_common_answer():
     from rollover.rollout.groups import maj_at_k
 
     prompts = [
-        [("so \\boxed{4}", True), ("\\boxed{ 4 }", True), ("\\boxed{5}", False)],  # 4 twice: right
-        [("<answer>7</answer>", False), ("\\boxed{7}", False), ("\\boxed{6}", True)],  # 7 twice: wrong
+        [("so \\boxed{4}", True), ("\\boxed{ 4.0 }", True), ("\\boxed{5}", False)],  # 4 twice: right
+        [("<answer>7</answer>", False), ("it is 7", False), ("\\boxed{6}", True)],  # 7 twice: wrong
+        [("It is 8", False), ("The answer is 7.", True), ("3 + 4 = 7", True), ("So the sum is 7", True)],  # 7 thrice
+        [("\\boxed{yes}", True), ("<answer> Yes. </answer>", True), ("no idea", False), ("none", False)],  # text
         [("\\boxed{1}", False), ("\\boxed{2}", True)],  # a tie: the first seen, wrong
+        [("no number", True)],  # no answer to vote for: wrong
         [],  # every sample failed: wrong
     ]
-    assert maj_at_k(prompts) == 0.25
+    assert maj_at_k(prompts) == pytest.approx(3 / 7)

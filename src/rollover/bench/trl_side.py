@@ -52,7 +52,7 @@ def learn_trl(cfg) -> list[dict]:
     from rollover.loops.common import _prompts
 
     trl = _import_trl("rollover bench learn --policies trl")
-    train, held, _ = _prompts(cfg)
+    train, held, _, _ = _prompts(cfg)
     trainer_of, tokenizer = _grpo(trl, cfg, train, max_steps=cfg.steps, logging_strategy="no")
     completions = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     times: list[float] = []

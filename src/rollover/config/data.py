@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from rollover.config.base import NonEmptyStr, Section
+
+
+def _set_names(sets):
+    """`data.eval`'s set names: strings (a YAML year such as 2024 read as one), without '/'
+    (metrics and prompt ids put one after the name) and not blank."""
+    if not isinstance(sets, dict):
+        return sets
+    names = {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v for k, v in sets.items()}
+    bad = [k for k in names if not isinstance(k, str) or not k.strip() or "/" in k]
+    if bad:
+        raise ValueError(f"held-out set names {bad}: each must be a non-blank string without '/'")
+    return names
 
 
 class DataConfig(Section):
@@ -15,7 +27,7 @@ class DataConfig(Section):
     (where a hub is reachable) or a generator `gen:NAME?option=value&...` (see docs/data_and_rewards.md).
     With env.name: `env` (tasks from the environment's own prompts(n, seed)) or a dataset whose
     rows the environment's make_group(prompt, n) reads; it must then be set explicitly."""
-    eval: NonEmptyStr | Annotated[dict[NonEmptyStr, NonEmptyStr], Field(min_length=1)] | None = None
+    eval: NonEmptyStr | Annotated[dict[str, NonEmptyStr], BeforeValidator(_set_names), Field(min_length=1)] | None = None
     """Held-out prompts (same forms as `train`), or several held-out sets by name ({gsm8k:
     gsm8k_test.jsonl, math: math500.parquet}), each reported on its own as well
     (`eval/<name>/accuracy`, ...). When unset, `eval_size` prompts are carved from the training

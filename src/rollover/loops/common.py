@@ -134,13 +134,14 @@ class Run:
         finally:
             if paused:
                 self.engine.pause()
+        least = 1 if isinstance(cfg.data.eval, dict) else 2  # named sets always; data_source values when several
         if self.env_builder is not None:
             from rollover.rollout.episodes import episode_eval_metrics
 
-            metrics = episode_eval_metrics(pending, cfg, self.eval_sources)
+            metrics = episode_eval_metrics(pending, cfg, self.eval_sources, least)
             groups = None
         else:
-            metrics, groups = eval_metrics(pending, RolloutInputs.of(self), self.eval_sources)
+            metrics, groups = eval_metrics(pending, RolloutInputs.of(self), self.eval_sources, least)
         self.logger.log(step, metrics, kind="eval")
         if cfg.logging.eval_samples:
             from rollover.loops.samples import eval_sample_rows
@@ -228,7 +229,9 @@ def _load_model(cfg: Config, ckpt: Path | None):
     return model
 
 
-def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt], int]:
+def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt], int, dict[str, str]]:
+    """(training prompts, held-out prompts, rows skipped, each held-out prompt's set name when
+    `data.eval` names several)."""
     d = cfg.data
     kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, on_bad_row=d.on_bad_row)
     if d.train == "env":  # the environment's own task generator
@@ -240,39 +243,41 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
         # carving distinct prompt texts out of the training tasks does not apply)
         held = env_builder.prompts(d.eval_size, seed=cfg.seed + 1_000_003) if d.eval_size and d.eval is None else []
         if d.eval is None:
-            return list(train), list(held), 0
+            return list(train), list(held), 0, {}
         train = SimpleNamespace(prompts=train, num_skipped=0)
     else:
         train = load_prompts(d.train, **kw)
     skipped = train.num_skipped
     if isinstance(d.eval, dict):  # several held-out sets: each one's first eval_size, its ids under its name
-        held_out = []
+        held_out, sets = [], {}
         for name, source in d.eval.items():
             held = load_prompts(source, **kw)
             skipped += held.num_skipped
-            held_out += [replace(p, id=f"{name}/{p.id}") for p in held.prompts[: d.eval_size]]
-        return list(train.prompts), held_out, skipped
+            for p in held.prompts[: d.eval_size]:
+                held_out.append(replace(p, id=f"{name}/{p.id}"))
+                sets[held_out[-1].id] = name
+        return list(train.prompts), held_out, skipped, sets
     if d.eval is not None:
         held = load_prompts(d.eval, **kw)
         skipped += held.num_skipped
-        return list(train.prompts), list(held.prompts)[: d.eval_size], skipped
+        return list(train.prompts), list(held.prompts)[: d.eval_size], skipped, {}
     if d.eval_size == 0:
-        return list(train.prompts), [], skipped
+        return list(train.prompts), [], skipped, {}
     frac = d.eval_size / len(train.prompts)
     if frac >= 0.5:
         raise ConfigError(f"data.eval_size={d.eval_size} would take half or more of the {len(train.prompts)} training prompts")
     tr, held = split_holdout(train.prompts, frac, seed=cfg.seed)
-    return tr, held[: d.eval_size], skipped
+    return tr, held[: d.eval_size], skipped, {}
 
 
-def eval_sources(cfg: Config, held_out: list[Prompt]) -> dict[str, str]:
+def eval_sources(cfg: Config, held_out: list[Prompt], sets: dict[str, str]) -> dict[str, str]:
     """Each held-out prompt's source, which `eval/<source>/...` metrics are reported by: its
-    set's name when `data.eval` names several, else its `data_source` column (verl's) where it
-    has one."""
+    set's name when `data.eval` names several (`sets`), else its `data_source` column (verl's)
+    where it has one."""
     if isinstance(cfg.data.eval, dict):
-        names = sorted(cfg.data.eval, key=len, reverse=True)  # the longest name that prefixes the id
-        return {p.id: next(n for n in names if p.id.startswith(n + "/")) for p in held_out}
-    return {p.id: p.fields["data_source"] for p in held_out if isinstance(p.fields.get("data_source"), str)}
+        return {p.id: sets[p.id] for p in held_out}
+    return {p.id: p.fields["data_source"] for p in held_out
+            if isinstance(p.fields.get("data_source"), str) and p.fields["data_source"].strip()}
 
 
 def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prompt]
@@ -347,11 +352,11 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         from rollover.envs.builders import make_env_builder
 
         env_builder = make_env_builder(cfg.env.name, cfg.env.options)
-    train_prompts, eval_prompts, skipped = _prompts(cfg, env_builder)
+    train_prompts, eval_prompts, skipped, sets = _prompts(cfg, env_builder)
     if skipped:
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
     prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts)
-    sources = eval_sources(cfg, eval_prompts)
+    sources = eval_sources(cfg, eval_prompts, sets)
     skipped += too_long
     _warn_if_a_step_exceeds_the_data(cfg, len(train_prompts))
     model = _load_model(cfg, ckpt)

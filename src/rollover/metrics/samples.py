@@ -178,7 +178,10 @@ def render(step: int, header: dict, rows: list[dict], *, full: bool = False, sou
     for r in rows:
         if r["group"] != group:
             group = r["group"]
-            note = f", {failed[group]} failed samples left out" if failed.get(group) else ""
+            note = ""
+            if failed.get(group):
+                note = f", {failed[group]} unscored" if header.get("kind") == "eval" else \
+                    f", {failed[group]} failed samples left out"
             if r.get("source"):
                 note += f" | {r['source']}"
             lines += ["", f"=== group {group} | prompt {r['prompt_id']}{note}", "prompt:",

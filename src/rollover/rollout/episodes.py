@@ -79,11 +79,12 @@ def turn_record(turn: Turn, prompt_len: int) -> dict:
             "finish": turn.finish, "span": [turn.start - prompt_len, turn.end - prompt_len]}
 
 
-def episode_eval_metrics(pending: list[PendingGroup], cfg, sources: dict[str, str] | None = None) -> dict:
+def episode_eval_metrics(pending: list[PendingGroup], cfg, sources: dict[str, str] | None = None,
+                         least: int = 2) -> dict:
     """Held-out metrics of complete groups of episodes: success rate, reward, turns, failures;
     per held-out source as `eval_metrics` gives them."""
     out = _episode_summary(pending, cfg)
-    for name, part in by_source(pending, sources):
+    for name, part in by_source(pending, sources, least):
         out.update(per_source(name, _episode_summary(part, cfg)))
     return out
 

@@ -223,14 +223,15 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
     return out
 
 
-def eval_metrics(pending: list[PendingGroup], run, sources: dict[str, str] | None = None) -> tuple[dict, list[Group]]:
+def eval_metrics(pending: list[PendingGroup], run, sources: dict[str, str] | None = None,
+                 least: int = 2) -> tuple[dict, list[Group]]:
     """Held-out metrics of complete single-turn groups: accuracy, mean reward, length; and per
-    held-out source (`sources`: prompt id -> its source) `eval/<source>/...` where there are two
-    or more. Also returns the scored groups (the eval samples log)."""
+    held-out source (`sources`: prompt id -> its source) `eval/<source>/...` where there are at
+    least `least`. Also returns the scored groups (the eval samples log)."""
     groups = [to_rollouts(g, run.cfg, run.tokenizer) for g in pending]
     score_groups(groups, run.rewards, run.cfg)
     out = _eval_summary(groups, run)
-    for name, part in by_source(groups, sources):
+    for name, part in by_source(groups, sources, least):
         out.update(per_source(name, _eval_summary(part, run)))
     return out, groups
 
@@ -238,15 +239,15 @@ def eval_metrics(pending: list[PendingGroup], run, sources: dict[str, str] | Non
 PER_SOURCE = ("accuracy", "pass_at_k", "maj_at_k", "reward_mean", "samples")
 
 
-def by_source(groups: list, sources: dict[str, str] | None) -> list[tuple[str, list]]:
+def by_source(groups: list, sources: dict[str, str] | None, least: int = 2) -> list[tuple[str, list]]:
     """The groups split by their prompt's held-out source, in order of first appearance; none
-    unless there are two sources or more."""
+    unless there are `least` sources or more."""
     parts: dict[str, list] = {}
     for g in groups:
         name = (sources or {}).get(g.prompt.id)
         if name is not None:
             parts.setdefault(name, []).append(g)
-    return list(parts.items()) if len(parts) > 1 else []
+    return list(parts.items()) if len(parts) >= least else []
 
 
 def per_source(name: str, metrics: dict) -> dict:
@@ -275,21 +276,33 @@ def pass_at_k(correct_per_prompt: list[list[bool]]) -> float:
 
 
 def maj_at_k(samples_per_prompt: list[list[tuple[str, bool]]]) -> float:
-    """The fraction of prompts whose most common final answer (the last `\\boxed{}` or
-    `<answer>`, else the whole completion, compared after `normalize_text`; a tie goes to the
-    answer seen first) is correct, among their scored samples: majority voting, `maj@k`."""
+    """The fraction of prompts whose most common answer (`vote`; a tie goes to the answer seen
+    first) is correct, among their scored samples that give one: majority voting, `maj@k`. A
+    prompt none of whose samples gives an answer counts as wrong."""
     from collections import Counter
-
-    from rollover.rewards.builtins import normalize_text
-    from rollover.rewards.extract import final_answer
 
     right = 0
     for samples in samples_per_prompt:
-        answers = [normalize_text(final_answer(text)) for text, _ in samples]
-        if answers:
-            top = Counter(answers).most_common(1)[0][0]
-            right += samples[answers.index(top)][1]
+        votes = [(key, ok) for key, ok in ((vote(text), ok) for text, ok in samples) if key is not None]
+        if votes:
+            top = Counter(key for key, _ in votes).most_common(1)[0][0]
+            right += next(ok for key, ok in votes if key == top)
     return right / max(len(samples_per_prompt), 1)
+
+
+def vote(completion: str) -> str | None:
+    """The answer a completion votes for: the last number of its final answer (its last
+    `\\boxed{}` or `<answer>`, else the whole text) as a number, so 7, 7.0 and 1,000 vote with
+    their equals; else a boxed or tagged answer's text (after `normalize_text`); else none."""
+    from rollover.rewards.builtins import _NUMBER, normalize_text, parse_number
+    from rollover.rewards.extract import extract_boxed, extract_tagged, final_answer
+
+    answer = final_answer(completion)
+    numbers = _NUMBER.findall(answer)
+    if numbers:
+        return repr(parse_number(numbers[-1]))
+    tagged = extract_boxed(completion) is not None or extract_tagged(completion) is not None
+    return normalize_text(answer) if tagged else None
 
 
 def accuracy(rollouts: list[Rollout], cfg: Config, primary: str) -> float:
