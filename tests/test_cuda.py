@@ -364,3 +364,35 @@ def test_a_real_out_of_memory_halves_the_micro_batch(model_dir, tmp_path):
     assert seen.keys() == ref.keys() and seen
     for k in seen:
         assert torch.allclose(seen[k], ref[k], rtol=2e-2, atol=1e-5), k
+
+
+def test_m2po_cuts_the_same_mask_on_cuda():
+    """M2PO's exact cut with the values on the GPU (bins built there, sums on the CPU)."""
+    from rollover.algos import m2po_update_mask
+
+    g = torch.Generator().manual_seed(3)
+    old = torch.randint(0, 6, (9, 5), generator=g).double() / 10  # ties at the cut
+    given = torch.rand(9, 5, generator=g) < 0.9
+    group = torch.tensor([4, 1, 3, 0, 2, 4, 1, 3, 0])
+    cpu, cpu_m = m2po_update_mask(old, torch.zeros_like(old), given, group, tau=0.03)
+    gpu, gpu_m = m2po_update_mask(old.cuda(), torch.zeros_like(old).cuda(), given.cuda(), group.cuda(), tau=0.03)
+    assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu) and 0 < float(cpu_m["m2po_masked_frac"]) < 1
+    assert all(torch.equal(gpu_m[k].cpu(), v) for k, v in cpu_m.items())
+
+
+def test_a_reward_model_scores_on_cuda_as_on_the_cpu(tmp_path):
+    from rollover.rewards import RewardRunner, build_rewards
+    from rollover.types import Prompt
+    from test_reward_model import save_reward_model
+
+    path = save_reward_model(tmp_path / "rm")
+    prompts = [Prompt(id=str(i), text=f"{i}+{i}=") for i in range(5)]
+    completions = [str(2 * i) * (i + 1) for i in range(5)]
+    scores = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "float32"), ("auto", "auto")):
+        spec = {"fn": "reward_model", "name": "rm", "kwargs": {"path": path, "device": device, "dtype": dtype,
+                                                                "batch_size": 2}}
+        with RewardRunner(build_rewards([spec]), timeout_s=60) as runner:
+            scores[device] = [s.scores["rm"] for s in runner.score(prompts, completions).samples]
+    assert scores["cuda"] == pytest.approx(scores["cpu"], abs=1e-4)
+    assert scores["auto"] == pytest.approx(scores["cpu"], abs=5e-2)  # bf16 on the GPU
