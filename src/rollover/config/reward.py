@@ -12,7 +12,8 @@ from rollover.config.base import RewardSpecEntry, Section
 class RewardConfig(Section):
     functions: list[RewardSpecEntry] = Field(["numeric"], min_length=1)
     """Reward functions: built-in names (math, numeric, exact, format, countdown, code,
-    reward_model: a learned reward model, {fn: reward_model, kwargs: {path: ...}}),
+    reward_model: a learned reward model, {fn: reward_model, kwargs: {path: ...}}; judge: an LLM
+    behind an OpenAI-compatible endpoint, {fn: judge, kwargs: {url: ..., model: ...}}),
     `module:function` or `file.py:function`, or {fn, weight, kwargs, name} mappings (weight: a
     number). The first one decides accuracy (see `correct_threshold`)."""
     timeout_s: float = Field(10.0, gt=0)

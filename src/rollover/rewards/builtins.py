@@ -27,6 +27,7 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 from rollover.rewards.code import code_reward  # a sandboxed program run against tests
 from rollover.rewards.countdown import countdown_reward
 from rollover.rewards.extract import final_answer
+from rollover.rewards.judge import judge  # an LLM behind an OpenAI-compatible endpoint grades
 from rollover.rewards.model import reward_model  # a learned sequence classifier's score
 
 
@@ -133,4 +134,5 @@ BUILTINS = {
     "countdown": countdown_reward,
     "code": code_reward,
     "reward_model": reward_model,
+    "judge": judge,
 }

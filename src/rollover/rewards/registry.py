@@ -1,7 +1,7 @@
 """Naming reward functions from config, and telling the two signatures apart.
 
 A reward is referenced by a built-in name (`math`, `numeric`, `exact`, `format`, `countdown`,
-`code`, `reward_model`), by `package.module:function`, or by `path/to/file.py:function`.
+`code`, `reward_model`, `judge`), by `package.module:function`, or by `path/to/file.py:function`.
 
 Two signatures are accepted, told apart by parameter names:
 

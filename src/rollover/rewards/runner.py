@@ -432,7 +432,8 @@ def _per_sample(outcome: object, call: _Call) -> list[tuple[int, object]]:
         got = f"{len(outcome)} values" if isinstance(outcome, (list, tuple)) else repr(outcome)
         error = ValueError(f"expected a list of {len(call.samples)} scores, got {got}")
         return [(i, error) for i in call.samples]
-    return [(i, _checked(value)) for i, value in zip(call.samples, outcome)]
+    # a batched function may put an exception in a sample's place: that sample fails with it
+    return [(i, value if isinstance(value, Exception) else _checked(value)) for i, value in zip(call.samples, outcome)]
 
 
 def _checked(value: object) -> tuple[float | None, dict[str, float]] | Exception:
