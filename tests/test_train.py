@@ -629,3 +629,41 @@ def test_maj_at_k_scores_each_prompts_most_common_answer():
         [],  # every sample failed: wrong
     ]
     assert maj_at_k(prompts) == pytest.approx(3 / 7)
+
+
+def test_the_best_checkpoint_by_an_evaluation_metric_is_kept_and_exported(model_dir, tmp_path, capsys):
+    """checkpoint.best: every checkpoint holds its step's evaluation; the best one by the metric
+    stays beside the last `keep`, and export / eval --best take it."""
+    from rollover.cli import main
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_cfg(model_dir, run_dir, steps=4, **{"eval.every": 1, "checkpoint.every": 1, "checkpoint.keep": 1,
+                                                    "checkpoint.best": "eval/response_length", "checkpoint.best_mode": "min",
+                                                    "rollout.max_new_tokens": 8})
+    train_sync(cfg)
+    evals = {r["step"]: r for r in map(json.loads, open(run_dir / "metrics.jsonl")) if r["kind"] == "eval"}
+    lengths = {s: evals[s]["eval/response_length"] for s in (1, 2, 3, 4)}
+    best = min(lengths, key=lambda s: (lengths[s], s))
+    assert best != 4  # the best is not the latest here: two checkpoints stay
+    kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert kept == sorted({f"step_{best:06d}", "step_000004"})
+    for name in kept:
+        saved = json.loads((run_dir / "checkpoints" / name / "eval.json").read_text())
+        assert saved["eval/response_length"] == pytest.approx(lengths[int(name[5:])])
+    assert main(["export", str(run_dir), str(tmp_path / "out"), "--best"]) == 0
+    assert f"exported {run_dir / 'checkpoints' / f'step_{best:06d}'}" in capsys.readouterr().out
+    assert main(["eval", str(run_dir), "--best"]) == 0
+    assert f"step_{best:06d} (step {best})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"checkpoint.best": "accuracy"}, "names an evaluation metric"),
+    ({"checkpoint.best": "eval/accuracy", "eval.every": 2, "checkpoint.every": 3}, "must be a multiple of eval.every=2"),
+    ({"checkpoint.best": "eval/accurcy"}, r"checkpoint.best=eval/accurcy is not among the evaluation's metrics: .*eval/accuracy"),
+])
+def test_a_best_metric_that_cannot_be_kept_is_refused_before_the_run(model_dir, tmp_path, over, message):
+    from rollover.config import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match=message):
+        build_run(tiny_cfg(model_dir, tmp_path / "run", **over))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -161,6 +161,8 @@ def _eval(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="key.path=value overrides")
     p.add_argument("--checkpoint", default=None, help="evaluate this checkpoint directory")
     p.add_argument("--base", action="store_true", help="evaluate the config's base model, ignoring checkpoints")
+    p.add_argument("--best", action="store_true", help="evaluate the run's best checkpoint by its checkpoint.best "
+                                                       "metric (unset: eval/accuracy)")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
     args = p.parse_args(argv)
     if args.source is None:
@@ -184,9 +186,19 @@ def _eval(argv: list[str]) -> int:
     cfg = _load_config("rollover eval", path, overrides, recorded=recorded)
     if cfg is None:
         return 2
-    if args.checkpoint is not None and args.base:
-        print("rollover eval: error: --checkpoint and --base exclude each other", file=sys.stderr)
+    if sum((args.checkpoint is not None, args.base, args.best)) > 1:
+        print("rollover eval: error: --checkpoint, --base and --best exclude each other", file=sys.stderr)
         return 2
+    if args.best:
+        from rollover.train.checkpoint import best_of_run
+
+        where = run_dir if run_dir is not None else Path(cfg.run_dir)
+        best, metric, _ = best_of_run(where)
+        if best is None:
+            print(f"rollover eval: error: {where}: no checkpoint holds an evaluation with {metric} (eval.json)",
+                  file=sys.stderr)
+            return 2
+        args.checkpoint = str(best)
     _setup_logging()
     return _guarded("rollover eval", args.debug, lambda: _run_eval(cfg, path, run_dir, args.checkpoint, args.base))
 
@@ -229,6 +241,8 @@ def _export(argv: list[str]) -> int:
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("out", help="output directory (must be empty or absent unless --force)")
     p.add_argument("--checkpoint", default=None, help="this checkpoint directory instead of the run's latest")
+    p.add_argument("--best", action="store_true", help="the run's best checkpoint by its checkpoint.best metric "
+                                                       "(unset: eval/accuracy) instead of its latest")
     p.add_argument("--force", action="store_true", help="replace OUT when it is an existing model directory")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
     args = p.parse_args(argv)
@@ -237,7 +251,9 @@ def _export(argv: list[str]) -> int:
     def run() -> int:
         from rollover.export import export
 
-        used = export(args.run_dir, args.out, checkpoint=args.checkpoint, force=args.force)
+        if args.best and args.checkpoint is not None:
+            raise ValueError("--best and --checkpoint exclude each other")
+        used = export(args.run_dir, args.out, checkpoint=args.checkpoint, force=args.force, best=args.best)
         print(f"exported {used} to {args.out}")
         return 0
 

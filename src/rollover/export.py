@@ -25,14 +25,20 @@ class ExportError(RuntimeError):
 
 
 def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | None = None,
-           force: bool = False) -> Path:
-    """Write the run's latest checkpoint (or `checkpoint`) to `out`; returns the checkpoint used.
+           force: bool = False, best: bool = False) -> Path:
+    """Write the run's latest checkpoint (or `checkpoint`, or with `best` its best by
+    `checkpoint.best`) to `out`; returns the checkpoint used.
 
     A non-empty `out` is refused unless `force`, and even then only when it is a model
     directory (holds config.json) unrelated to the checkpoint.
     """
     run_dir, out = Path(run_dir), Path(out)
-    ckpt = Path(checkpoint) if checkpoint is not None else ckpts.latest(run_dir)
+    if best:
+        ckpt, metric, _ = ckpts.best_of_run(run_dir)
+        if ckpt is None:
+            raise ExportError(f"{run_dir}: no checkpoint holds an evaluation with {metric} (eval.json)")
+    else:
+        ckpt = Path(checkpoint) if checkpoint is not None else ckpts.latest(run_dir)
     if ckpt is None:
         raise ExportError(f"{run_dir} has no complete checkpoint (checkpoints/step_*/DONE); pass --checkpoint DIR")
     if not (ckpt / "DONE").exists():

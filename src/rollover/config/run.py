@@ -150,6 +150,13 @@ class Config(Section):
         if t.pack_length is not None and t.pack_length < longest:
             problems.append(f"train.pack_length={t.pack_length} must hold the longest sequence: {what} = {longest}")
         problems += self._env_problems()
+        c = self.checkpoint
+        if c.best is not None:
+            if not c.best.startswith("eval/"):
+                problems.append(f"checkpoint.best={c.best!r} names an evaluation metric: eval/accuracy, eval/pass_at_k, ...")
+            elif not self.eval.every or not c.every or c.every % self.eval.every:
+                problems.append(f"checkpoint.best needs an evaluation at every checkpoint: checkpoint.every={c.every} "
+                                f"must be a multiple of eval.every={self.eval.every} (both >= 1)")
         if t.mini_batches > r.prompts_per_step:
             problems.append(f"train.mini_batches={t.mini_batches} cannot exceed rollout.prompts_per_step="
                             f"{r.prompts_per_step} (a mini-batch holds whole groups)")

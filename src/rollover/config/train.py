@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
-from rollover.config.base import Beta, Section, _lora
+from rollover.config.base import Beta, NonEmptyStr, Section, _lora
 
 
 class TrainConfig(Section):
@@ -113,6 +113,13 @@ class CheckpointConfig(Section):
     """Save every this many steps (and always at the end); 0 = only at the end."""
     keep: int = Field(2, ge=1)
     """Checkpoints kept on disk (oldest removed; the one just written is always kept)."""
+    best: NonEmptyStr | None = None
+    """An evaluation metric (eval/accuracy, eval/pass_at_k, eval/<set>/accuracy, ...): the
+    checkpoint with its best value so far is kept besides the last `keep`, and `rollover export
+    RUN_DIR OUT --best` / `rollover eval RUN_DIR --best` take it. Every checkpoint holds the
+    evaluation of its step (eval.json); checkpoint.every must then be a multiple of eval.every."""
+    best_mode: Literal["max", "min"] = "max"
+    """checkpoint.best: whether the largest or the smallest value is best."""
 
 
 class LoggingConfig(Section):

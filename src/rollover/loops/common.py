@@ -91,6 +91,7 @@ class Run:
     weights: WeightSync | None = None  # the trainer -> engine seam
     selection: PromptSelection | None = None  # selection.policy other than uniform
     eval_sources: dict[str, str] = field(default_factory=dict)  # held-out prompt id -> its source (eval/<source>/...)
+    last_eval: tuple[int, dict] | None = None  # the latest evaluation's step and metrics (a checkpoint's eval.json)
 
     # ------------------------------------------------------------ prompts
     def next_groups(self, k: int, version: int) -> list[PendingGroup]:
@@ -143,6 +144,7 @@ class Run:
         else:
             metrics, groups = eval_metrics(pending, RolloutInputs.of(self), self.eval_sources, least)
         self.logger.log(step, metrics, kind="eval")
+        self.last_eval = (step, metrics)
         if cfg.logging.eval_samples:
             from rollover.loops.samples import eval_sample_rows
 
@@ -163,9 +165,12 @@ class Run:
         state = {"data": self.train_iter.state_dict(), "serial": self.serial, "version": self.engine.version,
                  "turn_budget": self.turn_budget.state_dict() if self.turn_budget else None,
                  "selection": self.selection.state_dict() if self.selection else None, **(extra or {})}
+        c = self.cfg.checkpoint
         return checkpoint.save(self.cfg.run_dir, step, model=self.model, tokenizer=self.tokenizer,
-                               trainer_state=self.trainer.state_dict(), extra=state, keep=self.cfg.checkpoint.keep,
-                               config=dump_config(self.cfg))
+                               trainer_state=self.trainer.state_dict(), extra=state, keep=c.keep,
+                               config=dump_config(self.cfg),
+                               evaluation=self.last_eval[1] if self.last_eval and self.last_eval[0] == step else None,
+                               best=(c.best, c.best_mode) if c.best else None)
 
     def worker_metrics(self) -> dict:
         """Counts of the Ray reward and environment workers (started, died), when there are any."""
@@ -357,6 +362,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
     prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts)
     sources = eval_sources(cfg, eval_prompts, sets)
+    _check_best(cfg, env_builder, sources, rewards, eval_prompts)
     skipped += too_long
     _warn_if_a_step_exceeds_the_data(cfg, len(train_prompts))
     model = _load_model(cfg, ckpt)
@@ -398,6 +404,30 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     if ckpt is not None:
         log.info("%s from %s at step %d", "resumed" if record else "loaded", ckpt, run.start_step)
     return run
+
+
+def _check_best(cfg: Config, env_builder, sources: dict[str, str], rewards: RewardRunner, held_out: list) -> None:
+    """checkpoint.best names a metric the evaluations will report: refused before anything runs."""
+    from types import SimpleNamespace
+
+    from rollover.rollout.groups import PER_SOURCE, _eval_summary
+
+    best = cfg.checkpoint.best
+    if best is None:
+        return
+    if not held_out:
+        raise ConfigError(f"checkpoint.best={best}: there are no held-out prompts to evaluate (data.eval_size=0)")
+    if env_builder is None:
+        names = set(_eval_summary([], SimpleNamespace(cfg=cfg, primary_reward=rewards.rewards[0].name)))
+    else:
+        from rollover.rollout.episodes import _episode_summary
+
+        names = set(_episode_summary([], cfg))
+    sets = set(sources.values())
+    if len(sets) >= (1 if isinstance(cfg.data.eval, dict) else 2):
+        names |= {f"eval/{s}/{k}" for s in sets for k in PER_SOURCE if f"eval/{k}" in names}
+    if best not in names:
+        raise ConfigError(f"checkpoint.best={best} is not among the evaluation's metrics: {', '.join(sorted(names))}")
 
 
 def _warn_if_a_step_exceeds_the_data(cfg: Config, n: int) -> None:

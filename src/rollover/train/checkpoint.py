@@ -7,15 +7,18 @@
   position, the prompt serial counter, the rollout scheduler's buffers (APRIL partial groups)
   and anything else the loop puts in `extra`;
 - `config.yaml` — the config that trained it (what `resume` compares a new config with);
+- `eval.json` — the evaluation of its step, when there was one (its metrics);
 - `DONE` — written last: a directory without it was interrupted mid-save and is ignored.
 
 A checkpoint is written to a temporary directory and renamed into place, so a kill during a
 save never leaves a half checkpoint that `latest` would pick. `keep` removes the oldest
-checkpoints but never the one just written.
+checkpoints but never the one just written, nor the best by `checkpoint.best` (`best`).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import random
 import shutil
 import tempfile
@@ -50,10 +53,14 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+EVAL_FILE = "eval.json"
+
+
 def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dict, extra: dict, keep: int,
-         config: str | None = None) -> Path:
+         config: str | None = None, evaluation: dict | None = None, best: tuple[str, str] | None = None) -> Path:
     """Write `RUN_DIR/checkpoints/step_{step:06d}`, then remove the oldest complete checkpoints
-    other than it until `keep` remain. `config`: the run's config as YAML text."""
+    other than it until `keep` remain, sparing the best by `best` (metric, "max" or "min").
+    `config`: the run's config as YAML text; `evaluation`: the metrics of the step's evaluation."""
     if keep < 1:
         raise ValueError(f"checkpoint keep={keep}: must be >= 1 (the checkpoint just written is always kept)")
     root = checkpoint_dir(run_dir)
@@ -68,6 +75,9 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
         torch.save({"step": step, "trainer": trainer_state, "rng": rng_state(), **extra}, tmp / "state.pt")
         if config is not None:
             (tmp / "config.yaml").write_text(config)
+        if evaluation is not None:
+            (tmp / EVAL_FILE).write_text(json.dumps({k: v for k, v in evaluation.items()
+                                                     if isinstance(v, (int, float)) and math.isfinite(v)}))
         (tmp / "DONE").write_text(str(step))
         if final.exists():
             shutil.rmtree(final)
@@ -81,10 +91,35 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
         raise
     for stale in root.glob(".step_*"):  # left by a process killed mid-save (one writer per run dir)
         shutil.rmtree(stale, ignore_errors=True)
-    others = sorted(p for p in root.glob("step_*") if (p / "DONE").exists() and p != final)
+    spared = best_checkpoint(run_dir, *best) if best is not None else None
+    others = sorted(p for p in root.glob("step_*") if (p / "DONE").exists() and p not in (final, spared))
     for old in others[: max(0, len(others) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def best_of_run(run_dir: str | Path) -> tuple[Path | None, str, str]:
+    """(checkpoint, metric, mode): the run's best checkpoint by its `checkpoint.best` (from
+    RUN_DIR/config.yaml; unset: eval/accuracy, largest), among those it kept."""
+    import yaml
+
+    saved = Path(run_dir) / "config.yaml"
+    section = (yaml.safe_load(saved.read_text()) or {}).get("checkpoint", {}) if saved.is_file() else {}
+    metric, mode = section.get("best") or "eval/accuracy", section.get("best_mode") or "max"
+    return best_checkpoint(run_dir, metric, mode), metric, mode
+
+
+def best_checkpoint(run_dir: str | Path, metric: str, mode: str = "max") -> Path | None:
+    """The complete checkpoint whose evaluation (eval.json) has the best value of `metric`
+    (largest for "max", smallest for "min"; on a tie the earliest); None when none has it."""
+    found, best = None, None
+    for path in sorted(checkpoint_dir(run_dir).glob("step_*")):
+        if not (path / "DONE").exists() or not (path / EVAL_FILE).exists():
+            continue
+        value = json.loads((path / EVAL_FILE).read_text()).get(metric)
+        if value is not None and (best is None or (value > best if mode == "max" else value < best)):
+            found, best = path, value
+    return found
 
 
 def _disk_full(e: BaseException, root: Path) -> bool:
