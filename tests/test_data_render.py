@@ -157,3 +157,25 @@ def test_build_run_skips_over_long_prompts_before_the_iterator(tmp_path):
         assert all(len(run.prompt_ids[i]) <= TEMPLATE_IDS + 10 for i in served)
     finally:
         run.close()
+
+
+def test_chat_template_arguments_reach_the_template(tmp_path):
+    """data.chat_template_kwargs (Qwen3's enable_thinking, say): prompts are rendered with them,
+    and so is every turn of an episode."""
+    from rollover.envs.render import ChatRenderer
+    from rollover.loops.common import _render_all
+
+    tok = char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                         "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+    plain = tok.decode(render_prompt(tok, Prompt(id="a", text="1+1=")))
+    quiet = tok.decode(render_prompt(tok, Prompt(id="a", text="1+1="), template_kwargs={"enable_thinking": False}))
+    assert quiet == plain + "<think></think>"
+    cfg = length_cfg(tmp_path, "raise", 200, **{"data.chat_template_kwargs": {"enable_thinking": False}})
+    ids, _, _, _ = _render_all(cfg, tok, [Prompt(id="a", text="1+1=")], [])
+    assert tok.decode(ids["a"]).endswith("assistant\n<think></think>")
+    renderer = ChatRenderer(tok, **cfg.data.chat_template_kwargs)
+    assert tok.decode(renderer.initial([{"role": "user", "content": "hi"}])).endswith("<think></think>")
+    with pytest.raises(ValueError, match="chat template arguments need use_chat_template"):
+        render_prompt(tok, Prompt(id="a", text="1+1="), use_chat_template=False, template_kwargs={"enable_thinking": False})

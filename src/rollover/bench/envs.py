@@ -176,7 +176,7 @@ class Bench:
 
     def __init__(self, args, run):
         self.args, self.run = args, run
-        self.renderer = ChatRenderer(run.tokenizer)
+        self.renderer = ChatRenderer(run.tokenizer, **run.cfg.data.chat_template_kwargs)
         self.sampling = sampling_from(run.cfg)
         self._start = run.train_iter.state_dict()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
@@ -46,6 +46,9 @@ class DataConfig(Section):
     """Text appended to the last user message (e.g. "Put the final answer in \\boxed{}.")."""
     chat_template: bool = True
     """Render prompts with the tokenizer's chat template."""
+    chat_template_kwargs: dict[str, Any] = {}
+    """Extra arguments for the chat template, for prompts and every turn of an episode (e.g.
+    {enable_thinking: false} for Qwen3; TRL's chat_template_kwargs, verl's apply_chat_template_kwargs)."""
     max_prompt_tokens: int = Field(256, ge=1)
     """Prompts longer than this are rejected at start-up (with the row named)."""
     on_bad_row: Literal["raise", "skip"] = "raise"

@@ -48,8 +48,10 @@ def render_prompt(
     system_prompt: str | None = None,
     instruction: str | None = None,
     use_chat_template: bool = True,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
-    """Token ids of `prompt` ready for generation (the assistant turn is opened).
+    """Token ids of `prompt` ready for generation (the assistant turn is opened);
+    `template_kwargs` go to the chat template (e.g. `enable_thinking=False`).
 
     With `use_chat_template=False` (base models without a template) a text prompt plus
     instruction is encoded as is, with the tokenizer's usual special tokens; chat-form prompts
@@ -60,9 +62,11 @@ def render_prompt(
             raise ValueError(f"prompt {prompt.id} is in chat form and needs use_chat_template")
         if system_prompt is not None:
             raise ValueError("system_prompt needs use_chat_template")
+        if template_kwargs:
+            raise ValueError("chat template arguments need use_chat_template")
         text = prompt.text + ("\n\n" + instruction if instruction else "")
         return list(tokenizer.encode(text))
     messages = render_messages(prompt, system_prompt, instruction)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
     # The template already wrote any BOS it wants; encoding must not add a second one.
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -298,6 +298,7 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
 
     def fits(p: Prompt) -> bool:
         ids = render_prompt(tokenizer, p, system_prompt=d.system_prompt, instruction=d.instruction,
+                            template_kwargs=d.chat_template_kwargs,
                             use_chat_template=d.chat_template)
         if len(ids) > d.max_prompt_tokens:
             if d.on_bad_row == "raise":

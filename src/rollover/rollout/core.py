@@ -135,7 +135,7 @@ class SampleDriver:
         self.hold = False
         self.episodes = inputs.env_builder is not None
         if self.episodes:
-            self.renderer = ChatRenderer(inputs.tokenizer)
+            self.renderer = ChatRenderer(inputs.tokenizer, **inputs.cfg.data.chat_template_kwargs)
             self.envs: EnvRunner = inputs.env_runner
         self._outbox: list[Request] | None = None
         # a simulated engine: its clock waits for this lock (the latest driver's: the simulator
