@@ -147,6 +147,28 @@ class FlakyOnce:
         return envs
 
 
+class FlakyOnceOne(FlakyOnce):
+    """FlakyOnce with make_one: it writes a line to `log` for every group and every single
+    environment it makes."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def make_group(self, prompt, n):
+        with open(self.log, "a") as f:
+            f.write("group\\n")
+        return super().make_group(prompt, n)
+
+    def make_one(self, prompt, n, j):
+        with open(self.log, "a") as f:
+            f.write("one\\n")
+        k = int(prompt.answer)
+        env = OnceEnv(k, broken=k % 2 == 1 and j == 0 and k not in self.made)
+        self.made.add(k)
+        return env
+
+
 class OnceEnv:
     def __init__(self, k, broken):
         self.k, self.broken = k, broken
@@ -185,6 +207,23 @@ def test_failed_episodes_run_again_so_their_groups_train_at_full_size(model_dir,
         assert r.get("rollout/dropped_samples", 0) == 0 and r["groups"] == 4
     groups = [g for line in open(tmp_path / "run" / "trained_groups.jsonl") for g in json.loads(line)["groups"]]
     assert all(g["dropped"] == 0 for g in groups)
+
+
+def test_a_builder_with_make_one_makes_one_environment_per_resample(model_dir, tmp_path):
+    """A builder's make_one(prompt, n, j) replaces one failed episode: one environment made, not a
+    group's worth."""
+    path = tmp_path / "once_env.py"
+    path.write_text(FLAKY_ONCE_ENV)
+    log = tmp_path / "made.log"
+    cfg = env_cfg(model_dir, tmp_path / "run", steps=2, **{
+        "env.name": f"{path}:FlakyOnceOne", "env.options": {"log": str(log)}, "data.shuffle": False,
+        "rollout.prompts_per_step": 4, "env.resample_failed": 1, "checkpoint.every": 0})
+    train_sync(cfg)
+    made = log.read_text().split()
+    resampled = sum(r.get("rollout/env/resampled", 0) for r in rows(tmp_path / "run"))
+    assert resampled >= 2
+    assert made.count("one") == resampled + sum(r["eval/resampled"] for r in rows(tmp_path / "run", "eval"))
+    assert made.count("group") == 2 * 4 + 2  # each step's groups, and the held-out evaluation's two
 
 
 PICKY_ENV = '''

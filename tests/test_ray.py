@@ -766,6 +766,33 @@ def test_an_env_worker_that_dies_fails_only_the_episodes_it_held(tmp_path):
         RayEnvBuilder(local, f"{gone}:Fragile", {}, workers=1, cpus=0).start()
 
 
+def test_an_env_worker_makes_one_environment_for_a_resample():
+    """RayEnvBuilder.make_one(prompt, n, j): one environment on an actor, by the builder's own
+    make_one (guess_number) or the j-th of a group made there (a builder without one)."""
+    import asyncio
+
+    from rollover.envs.base import Action
+    from rollover.envs.builders import make_env_builder
+    from rollover.runtime.envs import RayEnvBuilder
+
+    for name, prompt in (("guess_number", Prompt(id="g", text="?", answer=3)),
+                         (f"{ENV_FIXTURES}:Fragile", Prompt(id="f", text="?", answer="ok"))):
+        workers = RayEnvBuilder(make_env_builder(name, {}), name, {}, workers=1, cpus=0)
+        workers.start()
+        try:
+            env = workers.make_one(prompt, 4, 2)
+
+            async def episode():
+                opening = await env.initial_observation()
+                return opening, await env.step(Action("3", (5,), "stop"))
+
+            opening, result = asyncio.run(episode())
+            assert opening and workers.groups_made == 1 and env.group.only == 2
+            assert result.reward == 1.0 and result.done  # the right guess; Fragile's "ok" task: one step, reward 1
+        finally:
+            workers.close()
+
+
 def test_an_env_worker_whose_event_loop_freezes_is_killed_and_replaced(monkeypatch):
     import asyncio
 

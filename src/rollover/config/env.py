@@ -29,9 +29,10 @@ class EnvConfig(Section):
     """Failed episodes (the environment raised or timed out) run again, up to this many per
     group: the same task in a fresh environment, with another sampling seed, so the group trains
     at full size. Each is logged and counted (`rollout/env/resampled`; `rollout/env/failed`
-    counts the failures past the limit). The replacement's environment is what the builder's
-    make_group(prompt, n) makes for its place, as after a checkpoint (a costly builder pays a
-    group's worth per resample). 0: a failed episode leaves its group, which trains on the others."""
+    counts the failures past the limit). The replacement's environment is what the builder makes
+    for its place: its make_one(prompt, n, j) where it has one, else make_group(prompt, n)[j] (a
+    costly builder without make_one pays a group's worth per resample). 0: a failed episode leaves
+    its group, which trains on the others."""
     tasks: int = Field(2000, ge=1)
     """With data.train: env, how many tasks the environment's own generator makes."""
     dynamic_turns: bool = False

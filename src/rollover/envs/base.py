@@ -68,9 +68,24 @@ class EnvGroupBuilder(Protocol):
     tasks, the same for the same (n, seed). Training calls `prompts(env.tasks, seed=seed)` and,
     for held-out tasks when data.eval is unset, `prompts(data.eval_size, seed=seed + 1_000_003)`.
     It is not one of the protocol's methods because a builder fed by a dataset needs none.
+
+    Optional: `make_one(prompt, n, j) -> Env`, the environment `make_group(prompt, n)` makes at
+    place j, alone. `env.resample_failed` uses it to replace one failed episode; without it, a
+    whole group is made to use one (what a costly environment, a sandbox, pays n times for).
     """
 
     def make_group(self, prompt: Prompt, n: int) -> Sequence[Env]: ...
+
+
+def make_one(builder, prompt: Prompt, n: int, j: int) -> Env:
+    """The environment `builder` makes at place j of a group of n: by its `make_one` where it
+    has one, else the j-th of a whole group."""
+    if callable(getattr(builder, "make_one", None)):
+        return builder.make_one(prompt, n, j)
+    envs = builder.make_group(prompt, n)
+    if len(envs) != n:
+        raise ValueError(f"make_group(prompt, {n}) returned {len(envs)} environments")
+    return envs[j]
 
 
 class EnvLost(RuntimeError):

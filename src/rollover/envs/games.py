@@ -72,7 +72,10 @@ class GuessNumber:
         )
 
     def make_group(self, prompt: Prompt, n: int) -> list["GuessNumberEnv"]:
-        return [GuessNumberEnv(self, int(prompt.answer)) for _ in range(n)]
+        return [self.make_one(prompt, n, j) for j in range(n)]
+
+    def make_one(self, prompt: Prompt, n: int, j: int) -> "GuessNumberEnv":
+        return GuessNumberEnv(self, int(prompt.answer))
 
 
 class GuessNumberEnv:
@@ -123,7 +126,10 @@ class ArithmeticRetry:
         return arithmetic(n, seed=seed, digits=self.digits, ops=self.ops)
 
     def make_group(self, prompt: Prompt, n: int) -> list["ArithmeticRetryEnv"]:
-        return [ArithmeticRetryEnv(self, prompt.text, int(prompt.answer)) for _ in range(n)]
+        return [self.make_one(prompt, n, j) for j in range(n)]
+
+    def make_one(self, prompt: Prompt, n: int, j: int) -> "ArithmeticRetryEnv":
+        return ArithmeticRetryEnv(self, prompt.text, int(prompt.answer))
 
 
 class ArithmeticRetryEnv:

@@ -231,7 +231,10 @@ class ToolUse:
         )
 
     def make_group(self, prompt: Prompt, n: int) -> list["ToolEnv"]:
-        return [ToolEnv(self, prompt) for _ in range(n)]
+        return [self.make_one(prompt, n, j) for j in range(n)]
+
+    def make_one(self, prompt: Prompt, n: int, j: int) -> "ToolEnv":
+        return ToolEnv(self, prompt)
 
 
 class ToolEnv:

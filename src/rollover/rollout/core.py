@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rollover.engine.cpu import openmp
-from rollover.envs.base import EnvLost
+from rollover.envs.base import EnvLost, make_one
 from rollover.envs.episode import EnvPool, LiveEpisode, env_open, env_step
 from rollover.envs.render import ChatRenderer
 from rollover.types import Completion, Request
@@ -251,10 +251,10 @@ class SampleDriver:
         if used >= limit:
             return False
         old: LiveEpisode = g.episodes[j]
-        envs = self.inputs.env_builder.make_group(g.prompt, g.n)  # what a replay would build for place j
-        if len(envs) != g.n:
-            raise ValueError(f"env {self.cfg.env.name!r}: make_group(prompt, {g.n}) returned {len(envs)} environments")
-        env = envs[j]
+        try:  # what a replay would build for place j
+            env = make_one(self.inputs.env_builder, g.prompt, g.n, j)
+        except ValueError as e:
+            raise ValueError(f"env {self.cfg.env.name!r}: {e}") from None
         g.resampled = used + 1
         log.warning("env: episode %s failed: %s; running it again in a fresh environment (%d of "
                     "env.resample_failed=%d for its group)", old.request_id, old.traj.error.describe(), used + 1, limit)

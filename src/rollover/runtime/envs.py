@@ -43,7 +43,7 @@ import threading
 import traceback
 import weakref
 
-from rollover.envs.base import Action, Env, EnvLost, StepResult
+from rollover.envs.base import Action, Env, EnvLost, StepResult, make_one
 from rollover.rewards.pool import STARTUP_TIMEOUT_S  # the reward workers' bound on a start, too
 from rollover.runtime.live import first_line, kill_actor
 from rollover.types import Prompt
@@ -85,15 +85,19 @@ class EnvActor:
             return "failed", traceback.format_exc()
         return "ready", (ray.util.get_node_ip_address(), os.getpid())
 
-    async def make_group(self, key: int, prompt: Prompt, n: int) -> tuple[str, object]:
+    async def make_group(self, key: int, prompt: Prompt, n: int, only: int | None = None) -> tuple[str, object]:
+        """The group's n environments, or (`only` = j) the one at place j, held as a group of one."""
         try:
-            envs = list(self.builder.make_group(prompt, n))
-            if len(envs) != n:
-                raise ValueError(f"make_group(prompt, {n}) returned {len(envs)} environments")
+            if only is not None:
+                envs = [make_one(self.builder, prompt, n, only)]
+            else:
+                envs = list(self.builder.make_group(prompt, n))
+                if len(envs) != n:
+                    raise ValueError(f"make_group(prompt, {n}) returned {len(envs)} environments")
         except Exception as exc:
             return "error", _portable(exc)
         self.groups[key] = envs
-        return "ok", n
+        return "ok", len(envs)
 
     async def initial_observation(self, key: int, j: int):
         return await _portable_call(self.groups[key][j].initial_observation())
@@ -176,12 +180,24 @@ class RayEnvBuilder:
             raise RuntimeError(f"env {self.name!r}: make_group failed on an environment worker: "
                                f"{type(self.error).__name__}: {self.error}") from self.error
         self._drop_released()
-        group = _RemoteGroup(self, next(self._keys), prompt, n)
+        group = self._group(prompt, n, None)
+        return [RemoteEnv(group, j) for j in range(n)]
+
+    def make_one(self, prompt: Prompt, n: int, j: int) -> Env:
+        """The environment at place j of a group of n, made alone on an actor (a resample)."""
+        if self.error is not None:
+            raise RuntimeError(f"env {self.name!r}: make_group failed on an environment worker: "
+                               f"{type(self.error).__name__}: {self.error}") from self.error
+        self._drop_released()
+        return RemoteEnv(self._group(prompt, n, j), 0)
+
+    def _group(self, prompt: Prompt, n: int, only: int | None) -> _RemoteGroup:
+        group = _RemoteGroup(self, next(self._keys), prompt, n, only)
         slot = self._place(wait=False)  # none alive: the group's first call waits for a replacement
         if slot is not None:
             group.place(slot)
         self.groups_made += 1
-        return [RemoteEnv(group, j) for j in range(n)]
+        return group
 
     def metrics(self) -> dict:
         """All-time counts for the step's metrics row."""
@@ -355,8 +371,8 @@ class RayEnvBuilder:
 class _RemoteGroup:
     """The n environments of one task on one actor."""
 
-    def __init__(self, builder: RayEnvBuilder, key: int, prompt: Prompt, n: int):
-        self.builder, self.key, self.prompt, self.n = builder, key, prompt, n
+    def __init__(self, builder: RayEnvBuilder, key: int, prompt: Prompt, n: int, only: int | None = None):
+        self.builder, self.key, self.prompt, self.n, self.only = builder, key, prompt, n, only
         self._where: list = [None]  # the slot it is placed on, shared with its finalizer (which must not hold the group)
         self._made = None  # the actor's make_group, asked for at once
         self._ready: asyncio.Future | None = None
@@ -369,7 +385,7 @@ class _RemoteGroup:
     def place(self, slot: _Slot) -> None:
         """Ask `slot`'s actor to make the group (an object reference, awaited by the first call)."""
         self._where[0] = slot
-        self._made = slot.handle.make_group.remote(self.key, self.prompt, self.n)
+        self._made = slot.handle.make_group.remote(self.key, self.prompt, self.n, self.only)
 
     async def call(self, method: str, *args):
         import ray
