@@ -112,3 +112,31 @@ def test_holdout_split_is_deterministic_and_disjoint_by_content():
     assert split_holdout(data, fraction=0.1, seed=1)[1] != held
     with pytest.raises(ValueError, match="fraction"):
         split_holdout(data, fraction=1.0)
+
+
+def test_a_mix_draws_sources_at_their_weights_and_resumes_where_it_stopped():
+    from collections import Counter
+
+    from rollover.data import MixedIterator
+
+    small = [Prompt(id=f"a{i}", text=f"a{i}") for i in range(3)]
+    big = [Prompt(id=f"b{i}", text=f"b{i}") for i in range(100)]
+    mix = MixedIterator({"a": small, "b": big}, {"a": 3.0, "b": 1.0}, seed=4)
+    drawn = [p.id for p in mix.next_batch(2000)]
+    share = sum(i.startswith("a") for i in drawn) / len(drawn)
+    assert abs(share - 0.75) < 0.03  # by weight, not by size
+    counts = Counter(i for i in drawn if i.startswith("a"))
+    assert max(counts.values()) - min(counts.values()) <= 1  # the small source goes round its epochs
+    again = MixedIterator({"a": small, "b": big}, {"a": 3.0, "b": 1.0}, seed=4)
+    assert [p.id for p in again.next_batch(2000)] == drawn  # the seed decides
+    first = MixedIterator({"a": small, "b": big}, {"a": 3.0, "b": 1.0}, seed=4)
+    first.next_batch(37)
+    state = first.state_dict()
+    resumed = MixedIterator({"a": small, "b": big}, {"a": 3.0, "b": 1.0}, seed=4)
+    resumed.load_state_dict(state)
+    assert [p.id for p in resumed.next_batch(50)] == [p.id for p in first.next_batch(50)] == drawn[37:87]
+    other = MixedIterator({"a": small, "b": big}, {"a": 1.0, "b": 1.0}, seed=4)
+    with pytest.raises(ValueError, match="weights="):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved by a run mixing several sources"):
+        PromptIterator(small).load_state_dict(state)

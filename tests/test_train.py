@@ -612,7 +612,7 @@ def test_several_held_out_sets_are_reported_together_and_each_on_its_own(model_d
     finally:
         run.close()
     assert m["eval/2024/samples"] == m["eval/samples"] == 6
-    with pytest.raises(ValueError, match=r"held-out set names \['a/b'\]: each must be a non-blank string without '/'"):
+    with pytest.raises(ValueError, match=r"set names \['a/b'\]: each must be a non-blank string without '/'"):
         tiny_cfg(model_dir, tmp_path / "bad", **{"data.eval": {"a/b": str(path)}})
 
 
@@ -667,3 +667,26 @@ def test_a_best_metric_that_cannot_be_kept_is_refused_before_the_run(model_dir, 
     with pytest.raises((ConfigError, ValueError), match=message):
         build_run(tiny_cfg(model_dir, tmp_path / "run", **over))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_named_training_sources_are_mixed_at_their_weights_and_held_out_per_source(model_dir, tmp_path):
+    """data.train: {name: source} with data.train_weights: prompt ids under their source's name,
+    the mix drawn by weight, the held-out prompts carved from each reported per source."""
+    for name, n in (("small", 30), ("big", 300)):
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps({"prompt": f"{name} {i}+1=", "answer": str(i + 1)})
+                                                          for i in range(n)))
+    over = {"data.train": {"small": str(tmp_path / "small.jsonl"), "big": str(tmp_path / "big.jsonl")},
+            "data.train_weights": {"small": 1, "big": 1}, "data.eval_size": 40, "eval.samples_per_prompt": 1}
+    run = build_run(tiny_cfg(model_dir, tmp_path / "run", **over), record=False)
+    try:
+        drawn = [p.id for p in run.train_iter.next_batch(400)]
+        held = {p.id for p in run.eval_prompts}
+        m = run.evaluate(0)
+    finally:
+        run.close()
+    share = sum(i.startswith("small/") for i in drawn) / len(drawn)
+    assert abs(share - 0.5) < 0.08  # equal weights: half each, though one source is ten times the other
+    assert {i.split("/")[0] for i in held} == {"small", "big"} and not held & set(drawn)  # carved from each, apart
+    assert m["eval/small/samples"] + m["eval/big/samples"] == m["eval/samples"] == len(held)
+    with pytest.raises(ValueError, match=r"data.train_weights names \['a'\]; data.train has one source"):
+        tiny_cfg(model_dir, tmp_path / "bad", **{"data.train_weights": {"a": 1}})

@@ -9,25 +9,41 @@ from pydantic import BeforeValidator, Field
 from rollover.config.base import NonEmptyStr, Section
 
 
-def _set_names(sets):
-    """`data.eval`'s set names: strings (a YAML year such as 2024 read as one), without '/'
-    (metrics and prompt ids put one after the name) and not blank."""
-    if not isinstance(sets, dict):
-        return sets
-    names = {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v for k, v in sets.items()}
-    bad = [k for k in names if not isinstance(k, str) or not k.strip() or "/" in k]
+def _sources(value):
+    """`data.train` / `data.eval`: a source, or several by name (a YAML year such as 2024 read as
+    one), each name non-blank and without '/' (metrics and prompt ids put one after it)."""
+    if value is None or isinstance(value, str):
+        if value == "":
+            raise ValueError("must not be empty")
+        return value
+    if not isinstance(value, dict) or not value:
+        raise ValueError("must be a source, or a mapping of names to sources")
+    named = {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v for k, v in value.items()}
+    bad = [k for k in named if not isinstance(k, str) or not k.strip() or "/" in k]
     if bad:
-        raise ValueError(f"held-out set names {bad}: each must be a non-blank string without '/'")
-    return names
+        raise ValueError(f"set names {bad}: each must be a non-blank string without '/'")
+    empty = [k for k, v in named.items() if not isinstance(v, str) or not v]
+    if empty:
+        raise ValueError(f"sets {empty}: each needs a source (a non-empty string)")
+    return named
+
+
+Sources = Annotated[str | dict[str, str], BeforeValidator(_sources)]
 
 
 class DataConfig(Section):
-    train: NonEmptyStr = "gen:arithmetic?digits=1&n=2000"
+    train: Sources = "gen:arithmetic?digits=1&n=2000"
     """Training prompts: a .jsonl or .parquet file, a `save_to_disk` directory, `hf:owner/name`
-    (where a hub is reachable) or a generator `gen:NAME?option=value&...` (see docs/data_and_rewards.md).
-    With env.name: `env` (tasks from the environment's own prompts(n, seed)) or a dataset whose
-    rows the environment's make_group(prompt, n) reads; it must then be set explicitly."""
-    eval: NonEmptyStr | Annotated[dict[str, NonEmptyStr], BeforeValidator(_set_names), Field(min_length=1)] | None = None
+    (where a hub is reachable) or a generator `gen:NAME?option=value&...` (see docs/data_and_rewards.md);
+    or several by name ({math: math.jsonl, code: code.parquet}): all of them, each prompt once an
+    epoch, or mixed at `train_weights`. With env.name: `env` (tasks from the environment's own
+    prompts(n, seed)) or a dataset whose rows the environment's make_group(prompt, n) reads; it
+    must then be set explicitly."""
+    train_weights: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = None
+    """With several training sources: each prompt drawn comes from a source picked in proportion
+    to its weight ({math: 3, code: 1}: three math prompts for each code one, whatever the sizes);
+    each source goes through its own epochs. Unset: the sources together, each prompt once an epoch."""
+    eval: Sources | None = None
     """Held-out prompts (same forms as `train`), or several held-out sets by name ({gsm8k:
     gsm8k_test.jsonl, math: math500.parquet}), each reported on its own as well
     (`eval/<name>/accuracy`, ...). When unset, `eval_size` prompts are carved from the training

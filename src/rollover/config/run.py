@@ -150,6 +150,11 @@ class Config(Section):
         if t.pack_length is not None and t.pack_length < longest:
             problems.append(f"train.pack_length={t.pack_length} must hold the longest sequence: {what} = {longest}")
         problems += self._env_problems()
+        d = self.data
+        if d.train_weights is not None and (not isinstance(d.train, dict) or set(d.train_weights) != set(d.train)):
+            names = sorted(d.train) if isinstance(d.train, dict) else "one source"
+            problems.append(f"data.train_weights names {sorted(d.train_weights)}; data.train has {names}: give a "
+                            "weight to each of several named sources")
         c = self.checkpoint
         if c.best is not None:
             if not c.best.startswith("eval/"):

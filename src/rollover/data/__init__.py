@@ -2,7 +2,7 @@
 chat-template rendering and a resumable batch iterator. See docs/data_and_rewards.md."""
 
 from rollover.data.generators import GENERATORS, arithmetic, countdown, generate
-from rollover.data.iterator import PromptIterator
+from rollover.data.iterator import MixedIterator, PromptIterator
 from rollover.data.loaders import BadRow, DataError, PromptSet, load_prompts, row_to_prompt
 from rollover.data.render import BOXED_INSTRUCTION, render_messages, render_prompt
 from rollover.data.split import split_holdout
@@ -12,6 +12,7 @@ __all__ = [
     "GENERATORS",
     "BadRow",
     "DataError",
+    "MixedIterator",
     "PromptIterator",
     "PromptSet",
     "arithmetic",

@@ -59,6 +59,9 @@ class PromptIterator:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state`; refuses a state saved over other data or another seed."""
+        if state.get("mixed"):
+            raise ValueError("iterator state was saved by a run mixing several sources (data.train_weights); "
+                             "this run draws from one")
         if state["fingerprint"] != self._fingerprint or state["num_prompts"] != len(self.prompts):
             raise ValueError(
                 f"iterator state was saved over different prompts ({state['num_prompts']} "
@@ -89,3 +92,53 @@ def _fingerprint(prompts: list[Prompt]) -> str:
     for p in prompts:
         digest.update(repr((p.id, p.text, p.messages, p.answer)).encode())
     return digest.hexdigest()
+
+
+class MixedIterator:
+    """Prompts from several sources at set weights (`data.train: {name: source}` with
+    `data.train_weights`): each prompt of a batch comes from a source drawn at random in
+    proportion to its weight (the draw depends only on the seed and how many prompts were drawn
+    before it), then is the next of that source's own `PromptIterator` (its own epochs). The
+    state is the draw count and every source's iterator state, so a resumed run draws on as if
+    never stopped. A source's share of the prompts is its weight over the sum, whatever its size."""
+
+    def __init__(self, sources: dict[str, Sequence[Prompt]], weights: dict[str, float], seed: int = 0,
+                 shuffle: bool = True):
+        if set(sources) != set(weights):
+            raise ValueError(f"weights for {sorted(weights)}, sources {sorted(sources)}: name the same sources")
+        self.names = list(sources)
+        self.iters = {n: PromptIterator(sources[n], seed=_seed_of(seed, n), shuffle=shuffle) for n in self.names}
+        self.weights = [float(weights[n]) for n in self.names]
+        self.seed = seed
+        self.prompts_served = 0
+
+    def next_batch(self, k: int) -> list[Prompt]:
+        if k < 1:
+            raise ValueError(f"batch size must be >= 1, got {k}")
+        out = []
+        for _ in range(k):
+            rng = random.Random(f"mix:{self.seed}:{self.prompts_served}")
+            name = rng.choices(self.names, weights=self.weights)[0]
+            out += self.iters[name].next_batch(1)
+            self.prompts_served += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"mixed": True, "seed": self.seed, "weights": dict(zip(self.names, self.weights)),
+                "prompts_served": self.prompts_served, "sources": {n: it.state_dict() for n, it in self.iters.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`; refuses one saved over other sources, weights or seed."""
+        if not state.get("mixed"):
+            raise ValueError("iterator state was saved by a single source; this run mixes several (data.train_weights)")
+        mine = dict(zip(self.names, self.weights))
+        if (state["seed"], state["weights"]) != (self.seed, mine):
+            raise ValueError(f"iterator state has seed={state['seed']} weights={state['weights']}, this iterator "
+                             f"seed={self.seed} weights={mine}")
+        for name, it in self.iters.items():
+            it.load_state_dict(state["sources"][name])
+        self.prompts_served = state["prompts_served"]
+
+
+def _seed_of(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:4], "little")

@@ -21,7 +21,7 @@ from typing import IO, TYPE_CHECKING
 import torch
 
 from rollover.config import Config, ConfigError, dump_config
-from rollover.data import PromptIterator, load_prompts, render_prompt, split_holdout
+from rollover.data import MixedIterator, PromptIterator, load_prompts, render_prompt, split_holdout
 from rollover.loops.resume import checkpoint_to_resume, config_changes_since, has_metrics, lock_run_dir, record_config
 from rollover.models import eos_ids
 from rollover.rewards import RewardRunner, build_rewards
@@ -135,7 +135,7 @@ class Run:
         finally:
             if paused:
                 self.engine.pause()
-        least = 1 if isinstance(cfg.data.eval, dict) else 2  # named sets always; data_source values when several
+        least = 1 if _named_eval(cfg) else 2  # named sets always; data_source values when several
         if self.env_builder is not None:
             from rollover.rollout.episodes import episode_eval_metrics
 
@@ -235,8 +235,8 @@ def _load_model(cfg: Config, ckpt: Path | None):
 
 
 def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt], int, dict[str, str]]:
-    """(training prompts, held-out prompts, rows skipped, each held-out prompt's set name when
-    `data.eval` names several)."""
+    """(training prompts, held-out prompts, rows skipped, the set name of each prompt of a named
+    set: `data.train` or `data.eval` naming several; their ids get the name in front)."""
     d = cfg.data
     kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, on_bad_row=d.on_bad_row)
     if d.train == "env":  # the environment's own task generator
@@ -251,38 +251,65 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
             return list(train), list(held), 0, {}
         train = SimpleNamespace(prompts=train, num_skipped=0)
     else:
-        train = load_prompts(d.train, **kw)
+        train = _load_named(d.train, kw, sets := {})
     skipped = train.num_skipped
     if isinstance(d.eval, dict):  # several held-out sets: each one's first eval_size, its ids under its name
-        held_out, sets = [], {}
-        for name, source in d.eval.items():
-            held = load_prompts(source, **kw)
-            skipped += held.num_skipped
-            for p in held.prompts[: d.eval_size]:
-                held_out.append(replace(p, id=f"{name}/{p.id}"))
-                sets[held_out[-1].id] = name
-        return list(train.prompts), held_out, skipped, sets
+        held = _load_named(d.eval, kw, sets, first=d.eval_size)
+        return list(train.prompts), held.prompts, skipped + held.num_skipped, sets
     if d.eval is not None:
         held = load_prompts(d.eval, **kw)
         skipped += held.num_skipped
-        return list(train.prompts), list(held.prompts)[: d.eval_size], skipped, {}
+        return list(train.prompts), list(held.prompts)[: d.eval_size], skipped, sets
     if d.eval_size == 0:
-        return list(train.prompts), [], skipped, {}
+        return list(train.prompts), [], skipped, sets
     frac = d.eval_size / len(train.prompts)
     if frac >= 0.5:
         raise ConfigError(f"data.eval_size={d.eval_size} would take half or more of the {len(train.prompts)} training prompts")
     tr, held = split_holdout(train.prompts, frac, seed=cfg.seed)
-    return tr, held[: d.eval_size], skipped, {}
+    return tr, held[: d.eval_size], skipped, sets
+
+
+def _load_named(source: str | dict[str, str], kw: dict, sets: dict[str, str], first: int | None = None):
+    """The prompts of one source, or of several by name (the first `first` of each; their ids
+    under the name, recorded in `sets`)."""
+    if not isinstance(source, dict):
+        return load_prompts(source, **kw)
+    prompts, skipped = [], 0
+    for name, each in source.items():
+        loaded = load_prompts(each, **kw)
+        skipped += loaded.num_skipped
+        for p in loaded.prompts[:first]:
+            prompts.append(replace(p, id=f"{name}/{p.id}"))
+            sets[prompts[-1].id] = name
+    return SimpleNamespace(prompts=prompts, num_skipped=skipped)
 
 
 def eval_sources(cfg: Config, held_out: list[Prompt], sets: dict[str, str]) -> dict[str, str]:
     """Each held-out prompt's source, which `eval/<source>/...` metrics are reported by: its
     set's name when `data.eval` names several (`sets`), else its `data_source` column (verl's)
     where it has one."""
-    if isinstance(cfg.data.eval, dict):
-        return {p.id: sets[p.id] for p in held_out}
+    if _named_eval(cfg):
+        return {p.id: sets[p.id] for p in held_out}  # its set's, or the named training source it was carved from
     return {p.id: p.fields["data_source"] for p in held_out
             if isinstance(p.fields.get("data_source"), str) and p.fields["data_source"].strip()}
+
+
+def _named_eval(cfg: Config) -> bool:
+    """Held-out prompts come from named sets: `data.eval`'s, or carved from `data.train`'s."""
+    return isinstance(cfg.data.eval, dict) or (cfg.data.eval is None and isinstance(cfg.data.train, dict))
+
+
+def _train_iterator(cfg: Config, prompts: list[Prompt], sets: dict[str, str]):
+    """The training prompts in order: one stream, or with `data.train_weights` a mix of the
+    named sources."""
+    d = cfg.data
+    if d.train_weights is None:
+        return PromptIterator(prompts, seed=cfg.seed, shuffle=d.shuffle)
+    by_source = {name: [p for p in prompts if sets[p.id] == name] for name in d.train}
+    empty = sorted(name for name, ps in by_source.items() if not ps)
+    if empty:
+        raise ConfigError(f"data.train sources {empty} have no prompt left to train on (too long, held out or bad rows)")
+    return MixedIterator(by_source, d.train_weights, seed=cfg.seed, shuffle=d.shuffle)
 
 
 def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prompt]
@@ -363,6 +390,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
     prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts)
     sources = eval_sources(cfg, eval_prompts, sets)
+    train_iter = _train_iterator(cfg, train_prompts, sets)
     _check_best(cfg, env_builder, sources, rewards, eval_prompts)
     skipped += too_long
     _warn_if_a_step_exceeds_the_data(cfg, len(train_prompts))
@@ -373,7 +401,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     del model  # held by the trainer (or sent to its actor or ranks): no second reference here
     engine, weights = _make_engine(cfg, trainer, engine_factory, device, longest + 1, eos_token_ids)
     run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
-              train_iter=PromptIterator(train_prompts, seed=cfg.seed, shuffle=cfg.data.shuffle),
+              train_iter=train_iter,
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
               data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder, eval_sources=sources)
     run.weights = weights
@@ -425,7 +453,7 @@ def _check_best(cfg: Config, env_builder, sources: dict[str, str], rewards: Rewa
 
         names = set(_episode_summary([], cfg))
     sets = set(sources.values())
-    if len(sets) >= (1 if isinstance(cfg.data.eval, dict) else 2):
+    if len(sets) >= (1 if _named_eval(cfg) else 2):
         names |= {f"eval/{s}/{k}" for s in sets for k in PER_SOURCE if f"eval/{k}" in names}
     if best not in names:
         raise ConfigError(f"checkpoint.best={best} is not among the evaluation's metrics: {', '.join(sorted(names))}")
