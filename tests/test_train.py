@@ -688,5 +688,13 @@ def test_named_training_sources_are_mixed_at_their_weights_and_held_out_per_sour
     assert abs(share - 0.5) < 0.08  # equal weights: half each, though one source is ten times the other
     assert {i.split("/")[0] for i in held} == {"small", "big"} and not held & set(drawn)  # carved from each, apart
     assert m["eval/small/samples"] + m["eval/big/samples"] == m["eval/samples"] == len(held)
+    from rollover.loops.sync import train_sync
+
+    train_sync(tiny_cfg(model_dir, tmp_path / "trained", **over, steps=2))
+    for row in (r for r in map(json.loads, open(tmp_path / "trained" / "metrics.jsonl")) if r["kind"] == "train"):
+        assert row.get("source/small/samples", 0) + row.get("source/big/samples", 0) == row["samples"]
+        parts = [(row[f"source/{n}/reward_mean"], row[f"source/{n}/samples"]) for n in ("small", "big")
+                 if f"source/{n}/samples" in row]
+        assert sum(r * k for r, k in parts) / row["samples"] == pytest.approx(row["reward/mean"], rel=1e-5)
     with pytest.raises(ValueError, match=r"data.train_weights names \['a'\]; data.train has one source"):
         tiny_cfg(model_dir, tmp_path / "bad", **{"data.train_weights": {"a": 1}})

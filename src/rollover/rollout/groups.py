@@ -220,6 +220,13 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
         vals = [r.extras[key] for r in flat if key in r.extras]
         out[f"rewards/{key}/mean"] = sum(vals) / len(vals)
     out["accuracy"] = accuracy(flat, cfg, primary)
+    if isinstance(cfg.data.train, dict):  # named sources: what each gave this step (its name leads the prompt ids)
+        for name in cfg.data.train:
+            mine = [r for g in groups if g.prompt.id.startswith(name + "/") for r in g.rollouts]
+            if mine:
+                out[f"source/{name}/reward_mean"] = sum(r.reward for r in mine) / len(mine)
+                out[f"source/{name}/accuracy"] = accuracy(mine, cfg, primary)
+                out[f"source/{name}/samples"] = len(mine)
     return out
 
 
