@@ -50,3 +50,15 @@ def marked(completion, answer):
 
 
 marked.isolate = True
+
+
+class TwoPartError(Exception):
+    """An exception pickle cannot rebuild (its __init__ takes two arguments)."""
+
+    def __init__(self, part, rest):
+        super().__init__(f"{part}: {rest}")
+
+
+def second_fails(prompts, completions, **kwargs):
+    """TRL signature; the second sample fails with its own exception, the others score 1."""
+    return [TwoPartError("judge", "gave up") if i == 1 else 1.0 for i in range(len(completions))]

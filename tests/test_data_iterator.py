@@ -140,3 +140,14 @@ def test_a_mix_draws_sources_at_their_weights_and_resumes_where_it_stopped():
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="saved by a run mixing several sources"):
         PromptIterator(small).load_state_dict(state)
+
+
+def test_a_mix_does_not_depend_on_the_order_its_sources_are_listed_in():
+    from rollover.data import MixedIterator
+
+    a = [Prompt(id=f"a{i}", text=f"a{i}") for i in range(5)]
+    b = [Prompt(id=f"b{i}", text=f"b{i}") for i in range(7)]
+    one = MixedIterator({"a": a, "b": b}, {"a": 1.0, "b": 2.0}, seed=1)
+    other = MixedIterator({"b": b, "a": a}, {"b": 2.0, "a": 1.0}, seed=1)
+    assert [p.id for p in one.next_batch(60)] == [p.id for p in other.next_batch(60)]
+    other.load_state_dict(one.state_dict())

@@ -399,3 +399,18 @@ def test_reward_to_go_gives_each_turn_the_advantage_of_what_follows_it(model_dir
                 loss_tokens += n
     assert varied > 0  # some episode's turns had different advantages
     assert rows(tmp_path)[0]["actor/pg_loss"] == pytest.approx(-loss_sum / loss_tokens, abs=1e-5)
+
+
+def test_tasks_from_the_environment_with_held_out_tasks_from_a_file(model_dir, tmp_path):
+    """data.train: env with data.eval a file (one source or several by name): the held-out tasks
+    are the file's rows."""
+    from rollover.loops.common import build_run
+
+    path = tmp_path / "games.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": "Guess my number.", "answer": k}) for k in (1, 2)))
+    for held in (str(path), {"games": str(path)}):
+        run = build_run(env_cfg(model_dir, tmp_path / "run", **{"data.eval": held}), record=False)
+        try:
+            assert len(run.eval_prompts) == 2 and run.evaluate(0)["eval/samples"] == 4
+        finally:
+            run.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -22,7 +23,18 @@ class Judge(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         Judge.seen.append((self.path, self.headers.get("Authorization"), body))
         message = body["messages"][0]["content"]
-        graded = message.split("Answer to grade:\n", 1)[1].split("\n\n", 1)[0] if "Answer to grade:" in message else message
+        graded = message.split("-----\n", 2)[1].removesuffix("\n") if "-----\n" in message else \
+            message.split("Answer to grade:\n", 1)[1].split("\n\n", 1)[0]
+        if "slow" in graded:
+            time.sleep(3)
+        if graded.startswith("reply:"):  # the test chooses the judge's words
+            text = graded.removeprefix("reply:").replace("|", "\n")
+            reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+            return
         if "boom" in graded:
             self.send_response(500)
             self.end_headers()
@@ -68,8 +80,7 @@ def test_the_judges_score_is_mapped_onto_its_scale_and_each_request_carries_the_
         assert sample.scores["judge"] == pytest.approx(raw / 10) and sample.extras["judge/raw"] == raw
     assert len(Judge.seen) == 2 and {path for path, _, _ in Judge.seen} == {"/v1/chat/completions"}
     assert all(auth == "Bearer sk-test" for _, auth, _ in Judge.seen)
-    by_answer = {body["messages"][0]["content"].split("Answer to grade:\n")[1].split("\n")[0]: body
-                 for _, _, body in Judge.seen}
+    by_answer = {body["messages"][0]["content"].split("-----\n")[1].rstrip("\n"): body for _, _, body in Judge.seen}
     first, second = by_answer["4"], by_answer[completions[1]]
     assert first["model"] == "judge-7b" and first["temperature"] == 0.0
     assert "Question:\n2+2=" in first["messages"][0]["content"] and "Reference answer:\n4" in first["messages"][0]["content"]
@@ -87,7 +98,8 @@ def test_a_failed_request_fails_its_sample_only_with_the_reason(server):
     assert [s.status for s in got.samples[1:]] == ["skipped"] * 3
     errors = {f.sample_id: f.error for f in got.failures}
     assert "HTTP 500: server fell over" in errors["1#1"]
-    assert "no `Score: N` line: 'I cannot say.'" in errors["2#2"] and "outside its scale [0, 10]" in errors["3#3"]
+    assert "does not end with a `Score: N` line: 'I cannot say.'" in errors["2#2"]
+    assert "outside its scale [0, 10]" in errors["3#3"]
     assert got.error_counts["judge"] == 3
     with RewardRunner(build_rewards([spec(server)]), timeout_s=30) as runner:  # on_error=raise
         with pytest.raises(RewardFailed, match="HTTP 500"):
@@ -116,3 +128,28 @@ def test_a_template_of_ones_own_and_another_scale(server):
         got = runner.score([Prompt(id="a", text="2+2=", answer="4")], ["4"])  # length 1: Score 1 -> 0.0
     assert got.samples[0].scores["judge"] == 0.0
     assert Judge.seen[0][2]["messages"][0]["content"] == "Q: 2+2=\nGold: 4\nAnswer to grade:\n4\n\nRate 1-5."
+
+
+@pytest.mark.parametrize("reply,raw", [
+    ("Fine.|Score: 7", 7.0), ("**Score:** 7/10", 7.0), ("Score = 6.5", 6.5),
+    ("Score: 7|Confidence score: 0.9", None),  # the last line is not the score
+    ("Score: 3 (a score: 10 would be perfect)", None), ("The answer says Score: 10.|Not convinced.", None),
+])
+def test_only_a_last_line_of_the_form_score_n_is_read(server, reply, raw):
+    with RewardRunner(build_rewards([spec(server)]), timeout_s=30, on_error="skip") as runner:
+        got = runner.score([Prompt(id="a", text="q")], ["reply:" + reply]).samples[0]
+    if raw is None:
+        assert got.status == "skipped"
+    else:
+        assert got.extras["judge/raw"] == raw
+
+
+def test_the_batch_keeps_what_was_graded_when_its_time_runs_out(server):
+    """reward.timeout_s bounds the whole batch: samples graded in time keep their scores, the
+    rest fail with a timeout each (not the whole batch)."""
+    prompts = [Prompt(id=str(i), text="q") for i in range(4)]
+    completions = ["ok", "slow", "fine", "slow too"]
+    with RewardRunner(build_rewards([spec(server, concurrency=4)]), timeout_s=2.5, on_error="skip") as runner:
+        got = runner.score(prompts, completions)
+    assert [s.status for s in got.samples] == ["ok", "skipped", "ok", "skipped"]
+    assert all("not graded within the batch's time (reward.timeout_s=2.5 s" in f.error for f in got.failures)

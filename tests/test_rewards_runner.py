@@ -509,3 +509,14 @@ def test_a_reward_no_worker_can_load_stops_scoring_whatever_on_error(tmp_path):
     with RewardRunner(rewards, on_error="zero", workers=1) as runner:
         with pytest.raises(WorkerStartError, match="could not rebuild(.|\n)*FileNotFoundError"):
             runner.score(P, ["x", "y"])
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_batched_reward_may_fail_one_sample_with_an_exception_in_its_place(isolate):
+    """The sample in whose place the list holds an exception fails with it (even one pickle
+    cannot rebuild, from a worker process); the others keep their scores."""
+    spec = {"fn": f"{FIXTURES}:second_fails", "isolate": isolate}
+    with RewardRunner(build_rewards([spec]), timeout_s=30, on_error="skip", workers=1) as runner:
+        got = runner.score([Prompt(id=str(i), text="q") for i in range(3)], ["a", "b", "c"])
+    assert [s.status for s in got.samples] == ["ok", "skipped", "ok"]
+    assert len(got.failures) == 1 and "judge: gave up" in got.failures[0].error

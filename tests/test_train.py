@@ -654,6 +654,10 @@ def test_the_best_checkpoint_by_an_evaluation_metric_is_kept_and_exported(model_
     assert f"exported {run_dir / 'checkpoints' / f'step_{best:06d}'}" in capsys.readouterr().out
     assert main(["eval", str(run_dir), "--best"]) == 0
     assert f"step_{best:06d} (step {best})" in capsys.readouterr().out
+    held = tmp_path / "held.jsonl"  # evaluated on other held-out data than the run carved for itself
+    held.write_text("\n".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) for i in range(3)))
+    assert main(["eval", str(run_dir), f"data.eval={held}"]) == 0
+    assert "eval/samples: " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("over,message", [
@@ -698,3 +702,17 @@ def test_named_training_sources_are_mixed_at_their_weights_and_held_out_per_sour
         assert sum(r * k for r, k in parts) / row["samples"] == pytest.approx(row["reward/mean"], rel=1e-5)
     with pytest.raises(ValueError, match=r"data.train_weights names \['a'\]; data.train has one source"):
         tiny_cfg(model_dir, tmp_path / "bad", **{"data.train_weights": {"a": 1}})
+
+
+def test_checkpoint_retention_counts_the_best_among_the_newest(tmp_path):
+    """keep=2 with checkpoint.best: the best stays, and is one of the two when it is among the newest."""
+    from rollover.train import checkpoint
+
+    model = tiny_model("llama", seed=1)
+    kept = []
+    for step, acc in enumerate((0.1, 0.2, 0.9, 0.5, 0.3, 0.2), start=1):
+        checkpoint.save(tmp_path, step, model=model, tokenizer=None, trainer_state={}, extra={}, keep=2,
+                        evaluation={"eval/accuracy": acc}, best=("eval/accuracy", "max"))
+        kept.append(sorted(int(p.name[5:]) for p in (tmp_path / "checkpoints").glob("step_*")))
+    assert kept == [[1], [1, 2], [2, 3], [3, 4], [3, 4, 5], [3, 5, 6]]
+    assert checkpoint.best_checkpoint(tmp_path, "eval/accuracy").name == "step_000003"

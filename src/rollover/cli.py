@@ -171,6 +171,10 @@ def _eval(argv: list[str]) -> int:
         return 2
     path, overrides = _split_config(args.source, args.overrides)
     run_dir = None
+    if args.best and path is not None and (Path(path) / "DONE").is_file():
+        print(f"rollover eval: error: --best picks among a run's checkpoints: give the run directory, not the "
+              f"checkpoint {path}", file=sys.stderr)
+        return 2
     if path is not None and (Path(path) / "DONE").is_file() and args.checkpoint is None and not args.base:
         args.checkpoint, path = path, Path(path) / "config.yaml"  # a checkpoint dir: its weights, its config
         if not path.is_file():

@@ -4,9 +4,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 
 from rollover.config.base import NonEmptyStr, Section
+
+
+def _template_kwargs(kwargs: dict) -> dict:
+    reserved = sorted(set(kwargs) & {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                                     "continue_final_message", "return_tensors"})
+    if reserved:
+        raise ValueError(f"{reserved} are set by rollover itself")
+    return kwargs
+
+
+def _names(value):
+    """A mapping's keys as strings where YAML read a year (2024) as a number."""
+    if isinstance(value, dict):
+        return {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v for k, v in value.items()}
+    return value
 
 
 def _sources(value):
@@ -18,7 +33,7 @@ def _sources(value):
         return value
     if not isinstance(value, dict) or not value:
         raise ValueError("must be a source, or a mapping of names to sources")
-    named = {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v for k, v in value.items()}
+    named = _names(value)
     bad = [k for k in named if not isinstance(k, str) or not k.strip() or "/" in k]
     if bad:
         raise ValueError(f"set names {bad}: each must be a non-blank string without '/'")
@@ -39,7 +54,8 @@ class DataConfig(Section):
     epoch, or mixed at `train_weights`. With env.name: `env` (tasks from the environment's own
     prompts(n, seed)) or a dataset whose rows the environment's make_group(prompt, n) reads; it
     must then be set explicitly."""
-    train_weights: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = None
+    train_weights: Annotated[dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None,
+                             BeforeValidator(_names)] = None
     """With several training sources: each prompt drawn comes from a source picked in proportion
     to its weight ({math: 3, code: 1}: three math prompts for each code one, whatever the sizes);
     each source goes through its own epochs. Unset: the sources together, each prompt once an epoch."""
@@ -62,7 +78,7 @@ class DataConfig(Section):
     """Text appended to the last user message (e.g. "Put the final answer in \\boxed{}.")."""
     chat_template: bool = True
     """Render prompts with the tokenizer's chat template."""
-    chat_template_kwargs: dict[str, Any] = {}
+    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_template_kwargs)] = {}
     """Extra arguments for the chat template, for prompts and every turn of an episode (e.g.
     {enable_thinking: false} for Qwen3; TRL's chat_template_kwargs, verl's apply_chat_template_kwargs)."""
     max_prompt_tokens: int = Field(256, ge=1)

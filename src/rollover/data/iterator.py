@@ -106,7 +106,7 @@ class MixedIterator:
                  shuffle: bool = True):
         if set(sources) != set(weights):
             raise ValueError(f"weights for {sorted(weights)}, sources {sorted(sources)}: name the same sources")
-        self.names = list(sources)
+        self.names = sorted(sources)  # the order a config lists them in changes nothing
         self.iters = {n: PromptIterator(sources[n], seed=_seed_of(seed, n), shuffle=shuffle) for n in self.names}
         self.weights = [float(weights[n]) for n in self.names]
         self.seed = seed

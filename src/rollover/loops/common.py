@@ -12,6 +12,7 @@ refused on the way leaves the run dir as it found it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -239,6 +240,7 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
     set: `data.train` or `data.eval` naming several; their ids get the name in front)."""
     d = cfg.data
     kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, on_bad_row=d.on_bad_row)
+    sets: dict[str, str] = {}
     if d.train == "env":  # the environment's own task generator
         if not callable(getattr(env_builder, "prompts", None)):
             raise ConfigError(f"data.train=env: the environment {cfg.env.name!r} has no prompts(n, seed) task generator; "
@@ -248,10 +250,10 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
         # carving distinct prompt texts out of the training tasks does not apply)
         held = env_builder.prompts(d.eval_size, seed=cfg.seed + 1_000_003) if d.eval_size and d.eval is None else []
         if d.eval is None:
-            return list(train), list(held), 0, {}
+            return list(train), list(held), 0, sets
         train = SimpleNamespace(prompts=train, num_skipped=0)
     else:
-        train = _load_named(d.train, kw, sets := {})
+        train = _load_named(d.train, kw, sets)
     skipped = train.num_skipped
     if isinstance(d.eval, dict):  # several held-out sets: each one's first eval_size, its ids under its name
         held = _load_named(d.eval, kw, sets, first=d.eval_size)
@@ -265,17 +267,27 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
     frac = d.eval_size / len(train.prompts)
     if frac >= 0.5:
         raise ConfigError(f"data.eval_size={d.eval_size} would take half or more of the {len(train.prompts)} training prompts")
-    tr, held = split_holdout(train.prompts, frac, seed=cfg.seed)
-    return tr, held[: d.eval_size], skipped, sets
+    if not sets:
+        tr, held = split_holdout(train.prompts, frac, seed=cfg.seed)
+        return tr, held[: d.eval_size], skipped, sets
+    # named sources: each gives its share, so a small one is held out (and trained on) too
+    tr, parts = [], []
+    for name in sorted(d.train):
+        mine, held = split_holdout([p for p in train.prompts if sets[p.id] == name], frac, seed=cfg.seed)
+        tr += mine
+        parts.append(held)
+    interleaved = [p for row in itertools.zip_longest(*parts) for p in row if p is not None]
+    return tr, interleaved[: d.eval_size], skipped, sets
 
 
 def _load_named(source: str | dict[str, str], kw: dict, sets: dict[str, str], first: int | None = None):
-    """The prompts of one source, or of several by name (the first `first` of each; their ids
-    under the name, recorded in `sets`)."""
+    """The prompts of one source, or of several by name in the names' order (so a config that
+    lists them in another order has the same data; the first `first` of each; their ids under
+    the name, recorded in `sets`)."""
     if not isinstance(source, dict):
         return load_prompts(source, **kw)
     prompts, skipped = [], 0
-    for name, each in source.items():
+    for name, each in sorted(source.items()):
         loaded = load_prompts(each, **kw)
         skipped += loaded.num_skipped
         for p in loaded.prompts[:first]:
@@ -566,12 +578,13 @@ def _attach_parts(run: Run, cfg: Config) -> None:
 def _restore(run: Run, state: dict, record: bool = True) -> None:
     if record or not state["trainer"].get("sharded"):  # an evaluation's trainer only holds the checkpoint's model
         run.trainer.load_state_dict(state["trainer"])
-    run.train_iter.load_state_dict(state["data"])
+    if record:  # an evaluation draws no training prompt: its data may differ (data.eval=... given to rollover eval)
+        run.train_iter.load_state_dict(state["data"])
+        if run.turn_budget is not None and state.get("turn_budget"):
+            run.turn_budget.load_state_dict(state["turn_budget"])
+        if run.selection is not None and state.get("selection"):
+            run.selection.load_state_dict(state["selection"])
     run.serial = state["serial"]
-    if run.turn_budget is not None and state.get("turn_budget"):
-        run.turn_budget.load_state_dict(state["turn_budget"])
-    if run.selection is not None and state.get("selection"):
-        run.selection.load_state_dict(state["selection"])
     run.start_step = state["step"]
     run.weights.push(run.trainer.named_weights(), version=state["version"])
     run.engine.settle()  # lazy pulls: no restored request is sampled before every worker holds the checkpoint's weights

@@ -14,10 +14,11 @@ and the rubric, asking for a last line `Score: N` with N from `scale` (0 to 10 b
 score is N mapped onto [0, 1]. `template` replaces that message: a string with `{prompt}`,
 `{answer}`, `{completion}`, `{rubric}`, `{low}` and `{high}`.
 
-A request that fails (no answer within `request_timeout_s`, an HTTP error, a reply without a
-score in the scale) fails its sample only, with the reason (`reward.on_error` decides what that
-sample gets); the other samples of the batch keep their scores. Requests go out `concurrency` at
-a time. The API key, if the endpoint wants one, is read from the environment variable
+A request that fails (no answer within `request_timeout_s`, an HTTP error, a reply whose last
+line is not a score in the scale) fails its sample only, with the reason (`reward.on_error`
+decides what that sample gets); the other samples of the batch keep their scores, and so do those
+graded when the batch's time (`reward.timeout_s`, which the runner hands over) runs out: the rest
+fail with a timeout each. Requests go out `concurrency` at a time. The API key, if the endpoint wants one, is read from the environment variable
 `api_key_env` (OPENAI_API_KEY by default; none set: no key sent). Each sample's reply is not
 kept; its raw score is the extra `judge/raw`.
 """
@@ -29,7 +30,8 @@ import os
 import re
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
 
 KWARGS = ("url", "model", "rubric", "template", "scale", "max_tokens", "temperature", "request_timeout_s",
           "concurrency", "api_key_env")
@@ -39,20 +41,28 @@ TEMPLATE = """You are grading an answer to a question.
 Question:
 {prompt}
 {answer}
-Answer to grade:
+Answer to grade (between the lines of dashes):
+-----
 {completion}
+-----
 
 {rubric}
 Think briefly if you need to, then end with a last line of the form `Score: N`, where N is a number from {low} (worst) to {high} (best)."""
-_SCORE = re.compile(r"score\s*[:=]\s*\**\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+# the reply's last non-empty line, and only it: "Score: 7", "**Score:** 7/10"; a score quoted earlier
+# (from the graded answer, or a "confidence score" beside it) is not read
+_SCORE = re.compile(r"^\W*score\W*[:=]\W*(-?\d+(?:\.\d+)?)(?:\s*/\s*\d+(?:\.\d+)?)?\W*$", re.IGNORECASE)
 
 
 def judge(prompts: list, completions: list[str], answer: list, *, url: str, model: str, rubric: str = DEFAULT_RUBRIC,
           template: str | None = None, scale: tuple[float, float] = (0, 10), max_tokens: int = 512,
           temperature: float = 0.0, request_timeout_s: float = 60.0, concurrency: int = 8,
-          api_key_env: str = "OPENAI_API_KEY") -> list:
-    """One dict (`score` in [0, 1], `raw` the judge's N) per sample, or the exception that failed it."""
+          api_key_env: str = "OPENAI_API_KEY", reward_timeout_s: float | None = None) -> list:
+    """One dict (`score` in [0, 1], `raw` the judge's N) per sample, or the exception that failed it.
+    `reward_timeout_s` (the runner's `reward.timeout_s`, which bounds the whole batch): the samples
+    not graded a little before it fail with a timeout of their own; the graded ones keep their
+    scores."""
     low, high = scale
+    started = time.monotonic()
     key = os.environ.get(api_key_env)
     endpoint = url.rstrip("/") + "/chat/completions"
 
@@ -65,18 +75,26 @@ def judge(prompts: list, completions: list[str], answer: list, *, url: str, mode
         try:
             reply = _chat(endpoint, key, {"model": model, "messages": [{"role": "user", "content": message}],
                                           "max_tokens": max_tokens, "temperature": temperature}, request_timeout_s)
-            found = _SCORE.findall(reply)
-            if not found:
-                raise ValueError(f"the judge's reply has no `Score: N` line: {_cut(reply)!r}")
-            raw = float(found[-1])
+            lines = [line for line in reply.splitlines() if line.strip()]
+            found = _SCORE.match(lines[-1]) if lines else None
+            if found is None:
+                raise ValueError(f"the judge's reply does not end with a `Score: N` line: {_cut(reply)!r}")
+            raw = float(found.group(1))
             if not low <= raw <= high:
                 raise ValueError(f"the judge's score {raw:g} is outside its scale [{low:g}, {high:g}]: {_cut(reply)!r}")
             return {"score": (raw - low) / (high - low), "raw": raw}
         except Exception as e:  # this sample fails, with what went wrong; the batch goes on
             return e
 
-    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(completions)))) as pool:
-        return list(pool.map(grade, range(len(completions))))
+    pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(completions))))
+    futures = [pool.submit(grade, i) for i in range(len(completions))]
+    budget = None if reward_timeout_s is None else reward_timeout_s - min(2.0, 0.1 * reward_timeout_s)
+    done, _ = wait(futures, timeout=None if budget is None else max(0.0, budget - (time.monotonic() - started)))
+    pool.shutdown(wait=False, cancel_futures=True)  # requests still out end at their request_timeout_s, unread
+    late = TimeoutError(f"not graded within the batch's time (reward.timeout_s={reward_timeout_s:g} s for "
+                        f"{len(completions)} samples at concurrency {concurrency}): raise reward.timeout_s or "
+                        "concurrency") if budget is not None else None
+    return [f.result() if f in done else late for f in futures]
 
 
 def _prepare(load: bool = True, **kwargs) -> dict:

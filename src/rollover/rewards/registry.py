@@ -123,11 +123,13 @@ class Reward:
         answers: list,
         fields: list[dict],
         completion_ids: list[list[int]] | None,
+        timeout_s: float | None = None,
     ) -> object:
         """TRL signature: f(prompts=..., completions=..., answer=..., <column>=[...], ...).
 
         Every field becomes a per-sample list. `answer` is the list of `Prompt.answer`s, and so
-        is `solution` unless a field has that name, since TRL's own rewards read it.
+        is `solution` unless a field has that name, since TRL's own rewards read it. A function
+        that names a parameter `reward_timeout_s` gets the runner's timeout for the whole call.
         """
         keys = dict.fromkeys(key for f in fields for key in f)
         columns = {key: [f.get(key) for f in fields] for key in keys}
@@ -136,7 +138,11 @@ class Reward:
         available.update(prompts=prompts, completions=completions)
         if completion_ids is not None:
             available["completion_ids"] = completion_ids
-        return self.fn(**self._accepted(available))
+        accepted = self._accepted(available)
+        bound = self.fn.keywords if isinstance(self.fn, functools.partial) else {}
+        if timeout_s is not None and "reward_timeout_s" in self._params and "reward_timeout_s" not in bound:
+            accepted["reward_timeout_s"] = timeout_s
+        return self.fn(**accepted)
 
     @functools.cached_property
     def _params(self) -> dict[str, inspect.Parameter]:

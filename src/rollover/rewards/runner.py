@@ -320,6 +320,7 @@ class RewardRunner:
                     [p.answer for p in prompts],
                     [p.fields for p in prompts],
                     None if completion_ids is None else list(completion_ids),
+                    self.timeout_s,
                 )
                 calls.append(_Call(reward, list(range(n)), self._bind(reward, "call_batch", args)))
             else:

@@ -44,6 +44,8 @@ def main() -> None:
             result = getattr(rewards[name], method)(*args)
             if inspect.iscoroutine(result):
                 result = asyncio.run(result)
+            if isinstance(result, list):  # a batched reward's failed samples: exceptions that must travel
+                result = [_portable(x) if isinstance(x, Exception) else x for x in result]
             reply = ("ok", result)
         except BaseException as exc:  # reported to the parent, which counts the failure
             reply = ("error", _portable(exc))

@@ -67,6 +67,8 @@ class RewardActor:
             result = getattr(self.rewards[name], method)(*args)
             if inspect.iscoroutine(result):
                 result = asyncio.run(result)
+            if isinstance(result, list):  # a batched reward's failed samples: exceptions that must travel
+                result = [_portable(x, "the reward worker actor") if isinstance(x, Exception) else x for x in result]
             reply = ("ok", result)
         except BaseException as exc:
             reply = ("error", _portable(exc, "the reward worker actor"))

@@ -91,10 +91,12 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
         raise
     for stale in root.glob(".step_*"):  # left by a process killed mid-save (one writer per run dir)
         shutil.rmtree(stale, ignore_errors=True)
+    others = sorted(p for p in root.glob("step_*") if (p / "DONE").exists() and p != final)
+    newest = set(others[len(others) - (keep - 1):]) if keep > 1 else set()
     spared = best_checkpoint(run_dir, *best) if best is not None else None
-    others = sorted(p for p in root.glob("step_*") if (p / "DONE").exists() and p not in (final, spared))
-    for old in others[: max(0, len(others) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
+    for old in others:
+        if old not in newest and old != spared:  # the best is kept besides the newest, or is one of them
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
