@@ -26,6 +26,9 @@ def measure_trl(args, workload: tuple[str, ...]) -> dict:
 
     trl = _import_trl("rollover bench train --compare trl")
     cfg = load_config(None, [f"model={args.model}", *workload, *args.overrides])
+    if not isinstance(cfg.data.train, str) or not cfg.data.train.startswith("gen:"):
+        raise ValueError(f"bench train --compare trl generates its prompts: data.train={cfg.data.train!r} must be "
+                         "a gen: source")
     trainer_of, _ = _grpo(trl, cfg, generate_from_spec(cfg.data.train), max_steps=args.steps + 1, logging_steps=1)
     times: list[float] = []
     trainer = trainer_of([_step_clock(times)])
@@ -52,6 +55,8 @@ def learn_trl(cfg) -> list[dict]:
     from rollover.loops.common import _prompts
 
     trl = _import_trl("rollover bench learn --policies trl")
+    if cfg.data.train_weights is not None:
+        raise ValueError("bench learn --policies trl trains on one dataset: data.train_weights has no TRL counterpart here")
     train, held, _, _ = _prompts(cfg)
     trainer_of, tokenizer = _grpo(trl, cfg, train, max_steps=cfg.steps, logging_strategy="no")
     completions = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt

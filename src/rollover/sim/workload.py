@@ -93,7 +93,8 @@ class SimTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return ""
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = False) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = False,
+                            **template_kwargs) -> str:  # data.chat_template_kwargs: a template's own, nothing here
         text = "".join(f"<s>{m['role']} {m['content']}<e>\n" for m in messages)
         return text + ("<s>assistant " if add_generation_prompt else "")
 
