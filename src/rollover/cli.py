@@ -264,6 +264,60 @@ def _export(argv: list[str]) -> int:
     return _guarded("rollover export", args.debug, run)
 
 
+def _filter(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="rollover filter", description="Sample each training prompt of a config with its model (or a "
+                                            "checkpoint), and write the prompts whose pass rate lies in a range as "
+                                            "a dataset (with a pass_rate column) to train on.",
+        epilog="Before RL, drop the prompts the model always or never solves: their groups train nothing under "
+               "GRPO. Samples use rollout.temperature and rollout.max_new_tokens; a sample is correct when the "
+               "first reward function scores it at least reward.correct_threshold.")
+    p.add_argument("config", nargs="?", help="YAML config (its data.train, model and rewards)")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    p.add_argument("--out", required=True, help="the JSONL file to write")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt (default 8)")
+    p.add_argument("--keep", default="0.01:0.99", help="LOW:HIGH, the pass rates kept, inclusive (default "
+                                                        "0.01:0.99: neither never nor always solved)")
+    p.add_argument("--checkpoint", default=None, help="sample with this checkpoint's weights instead of the model")
+    p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
+    args = p.parse_args(argv)
+    try:
+        low, high = (float(x) for x in args.keep.split(":"))
+        if not 0 <= low <= high <= 1 or args.samples < 1:
+            raise ValueError
+    except ValueError:
+        print(f"rollover filter: error: --keep {args.keep!r} must be LOW:HIGH with 0 <= LOW <= HIGH <= 1, and "
+              f"--samples >= 1 (got {args.samples})", file=sys.stderr)
+        return 2
+    path, overrides = _split_config(args.config, args.overrides)
+    cfg = _load_config("rollover filter", path, overrides)
+    if cfg is None:
+        return 2
+    _setup_logging()
+
+    def run() -> int:
+        from rollover.curate import histogram, pass_rates, write_kept
+        from rollover.loops.common import build_run
+
+        data = cfg.data.model_copy(update={"eval": None, "eval_size": 0})  # every training prompt, none held out
+        update = {"data": data, "checkpoint": cfg.checkpoint.model_copy(update={"best": None}),
+                  "resume": args.checkpoint or "never"}
+        run = build_run(cfg.model_copy(update=update), record=False)
+        try:
+            prompts = list(run.train_iter.prompts)
+            print(f"filter: {len(prompts)} prompts x {args.samples} samples with "
+                  f"{f'checkpoint {run.checkpoint}' if run.checkpoint else f'model {cfg.model}'}", flush=True)
+            rates = pass_rates(run, prompts, args.samples, cfg.rollout.temperature)
+        finally:
+            run.close()
+        kept = write_kept(args.out, prompts, rates, low, high, cfg.data.prompt_key)
+        print(histogram(rates))
+        print(f"kept {kept} of {len(prompts)} prompts (pass rate in [{low:g}, {high:g}]) in {args.out}")
+        return 0
+
+    return _guarded("rollover filter", args.debug, run)
+
+
 def _plot(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollover plot", description="PNG curves from a run's metrics.jsonl")
     p.add_argument("run_dir", help="a run directory (with metrics.jsonl) or a metrics.jsonl file")
@@ -318,6 +372,7 @@ COMMANDS = {
     "train": (_train, "train a model with RL from a YAML config and key.path=value overrides"),
     "eval": (_eval, "measure held-out reward and accuracy of a run, a checkpoint or a base model"),
     "export": (_export, "write a run's checkpoint as a Hugging Face model directory (LoRA merged)"),
+    "filter": (_filter, "keep the training prompts a model neither always nor never solves (pass rates by sampling)"),
     "plot": (_plot, "draw PNG curves from a run's metrics.jsonl"),
     "show": (_show, "print the samples a step trained on (prompts, responses, rewards; logging.samples)"),
 }

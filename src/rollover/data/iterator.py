@@ -112,6 +112,11 @@ class MixedIterator:
         self.seed = seed
         self.prompts_served = 0
 
+    @property
+    def prompts(self) -> list[Prompt]:
+        """Every source's prompts, the sources in name order."""
+        return [p for name in self.names for p in self.iters[name].prompts]
+
     def next_batch(self, k: int) -> list[Prompt]:
         if k < 1:
             raise ValueError(f"batch size must be >= 1, got {k}")

@@ -115,27 +115,31 @@ class Run:
         return out
 
     # ------------------------------------------------------------ eval
-    def evaluate(self, step: int) -> dict:
-        """Sample the held-out prompts (or episodes) with the current weights; reward, accuracy."""
-        self.engine.settle()  # lazy pulls: every worker holds the current weights first
-
+    def sample(self, prompts: list[Prompt], n: int, temperature: float, tag: str) -> list[PendingGroup]:
+        """`n` samples (or episodes) of each of `prompts` with the current weights, outside
+        training (evaluation, `rollover filter`): complete groups, not yet scored."""
         from rollover.rollout.core import run_groups
 
-        cfg = self.cfg
-        if not self.eval_prompts:
-            return {}
-        sp = replace(sampling_from(cfg), temperature=cfg.eval.temperature)
-        pending = [PendingGroup(id=f"eval-{step}-{i}", prompt=p, prompt_ids=self.prompt_ids[p.id], serial=10**9 + i,
-                                n=cfg.eval.samples_per_prompt, start_version=self.engine.version)
-                   for i, p in enumerate(self.eval_prompts)]
+        self.engine.settle()  # lazy pulls: every worker holds the current weights first
+        sp = replace(sampling_from(self.cfg), temperature=temperature)
+        pending = [PendingGroup(id=f"{tag}-{i}", prompt=p, prompt_ids=self.prompt_ids[p.id], serial=10**9 + i,
+                                n=n, start_version=self.engine.version) for i, p in enumerate(prompts)]
         paused = self.engine.paused  # APRIL keep_kv pauses it between steps
         if paused:
             self.engine.resume()
         try:
-            run_groups(RolloutInputs.of(self), pending, sp, cfg.seed, "evaluation")
+            run_groups(RolloutInputs.of(self), pending, sp, self.cfg.seed, "evaluation")
         finally:
             if paused:
                 self.engine.pause()
+        return pending
+
+    def evaluate(self, step: int) -> dict:
+        """Sample the held-out prompts (or episodes) with the current weights; reward, accuracy."""
+        cfg = self.cfg
+        if not self.eval_prompts:
+            return {}
+        pending = self.sample(self.eval_prompts, cfg.eval.samples_per_prompt, cfg.eval.temperature, f"eval-{step}")
         least = 1 if _named_eval(cfg) else 2  # named sets always; data_source values when several
         if self.env_builder is not None:
             from rollover.rollout.episodes import episode_eval_metrics
