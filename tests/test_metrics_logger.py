@@ -146,6 +146,20 @@ def test_wandb_offline_run_records_metrics(tmp_path):
     assert b"reward/mean" in data and b"0.125" in data and b"0.375" in data
 
 
+def test_wandb_gets_the_samples_as_a_table(tmp_path):
+    wandb = pytest.importorskip("wandb")
+    config = {"project": "rollover-test", "mode": "offline", "settings": {"silent": True}}
+    row = {"kind": "sample", "group": "g0", "sample": 0, "prompt": "What is 2+2?", "response": "four, I think",
+           "reward": 1.0, "correct": True}
+    with MetricsLogger(tmp_path, tensorboard=False, wandb=config) as logger:
+        logger.log_samples(3, [{"kind": "eval", "step": 3}, row], kind="eval")
+    wandb.teardown()
+    (table,) = tmp_path.glob("wandb/offline-run-*/files/media/table/samples/eval_*.table.json")
+    data = json.loads(table.read_text())
+    assert data["columns"] == ["group", "sample", "prompt", "response", "reward", "correct"]
+    assert data["data"] == [["g0", 0, "What is 2+2?", "four, I think", 1.0, True]]
+
+
 def test_timer_accumulates_per_phase(monkeypatch):
     clock = iter([0.0, 2.0, 2.0, 2.5, 3.0, 4.0, 10.0, 11.0])
     monkeypatch.setattr(timer_module.time, "perf_counter", lambda: next(clock))

@@ -203,6 +203,13 @@ class MetricsLogger:
         from rollover.metrics.samples import write_samples
 
         write_samples(self.run_dir, step, rows, kind)
+        if self._wandb_run is not None:  # a table to read beside the curves (verl's generations table)
+            import wandb
+
+            score = "correct" if kind == "eval" else "advantage"
+            columns = ["group", "sample", "prompt", "response", "reward", score]
+            table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows[1:]])
+            self._wandb_run.log({f"samples/{'eval' if kind == 'eval' else 'train'}": table}, step=step)
 
     def close(self) -> None:
         if self._file.closed:
