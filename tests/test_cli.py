@@ -410,32 +410,46 @@ def test_eval_of_a_checkpoint_from_another_directory_uses_its_own_model(model_di
     assert printed(capsys.readouterr().out)["weights"] == f"checkpoint {ckpt} (step 2) [--checkpoint]"
 
 
-def test_filter_keeps_the_prompts_whose_pass_rate_lies_in_the_range(tmp_path, capsys):
+def test_filter_keeps_the_prompts_whose_pass_rate_lies_in_the_band(tmp_path, capsys):
     """rollover filter: each training prompt sampled --samples times, its pass rate by the first
-    reward function; the rows in --keep written with pass_rate, a data.train as they are."""
+    reward function; the rows in the band written with pass_rate, the answer under the config's
+    answer key (a stray `answer` column does not take its place): a data.train as they are."""
     import json
 
     from rollover.testing import save_tiny_model
 
     model = save_tiny_model(tmp_path / "m", "llama", seed=3)
-    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "level": i % 3} for i in range(12)]
+    rows = [{"prompt": f"{i}+{i}=", "solution": str(2 * i), "answer": "B", "level": i % 3} for i in range(12)]
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    over = [f"model={model}", f"data.train={data}", "data.max_prompt_tokens=64", "rollout.max_new_tokens=4",
-            "rollout.max_rows=16", "reward.functions=[{fn: format, kwargs: {pattern: '[0-9]'}}]"]
+    over = [f"model={model}", f"data.train={data}", "data.answer_key=solution", "data.max_prompt_tokens=64",
+            "rollout.max_new_tokens=4", "rollout.max_rows=16", "reward.functions=[{fn: format, kwargs: {pattern: '[0-9]'}}]"]
     out = tmp_path / "kept.jsonl"
     assert main(["filter", *over, "--samples", "4", "--keep", "0:1", "--out", str(out)]) == 0
     every = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["prompt"] for r in every) == sorted(r["prompt"] for r in rows)  # 0:1 keeps all, with rates
-    assert all(r["answer"] == str(2 * int(r["prompt"].split("+")[0])) and "level" in r for r in every)
-    assert all(r["pass_rate"] in (0, 0.25, 0.5, 0.75, 1) for r in every)
+    for r in every:
+        assert r["solution"] == str(2 * int(r["prompt"].split("+")[0])) and r["answer"] == "B" and "level" in r
+        assert r["pass_rate"] in (0, 0.25, 0.5, 0.75, 1)
     printed = capsys.readouterr().out
     assert "filter: 12 prompts x 4 samples with model" in printed and "kept 12 of 12" in printed
     middle = [r for r in every if 0 < r["pass_rate"] < 1]
     assert middle and len(middle) < len(every)  # the band cuts something, and keeps something
-    assert main(["filter", *over, "--samples", "4", "--keep", "0.01:0.99", "--out", str(out)]) == 0
+    assert main(["filter", *over, "--samples", "4", "--out", str(out)]) == 0  # default: neither 0 nor 1
     again = [json.loads(line) for line in out.read_text().splitlines()]
     # the same seed samples the same: the middle band is what the first run rated so
     assert sorted((r["prompt"], r["pass_rate"]) for r in again) == sorted((r["prompt"], r["pass_rate"]) for r in middle)
+    assert "0 < pass rate < 1" in capsys.readouterr().out
+    from rollover.config import load_config
+    from rollover.loops.common import build_run
+
+    run = build_run(load_config(None, [*over, f"data.train={out}", "data.eval_size=0", f"run_dir={tmp_path / 'again'}"]),
+                    record=False)
+    try:  # the kept rows are a data.train of the same config
+        assert len(run.train_iter.prompts) + len(run.eval_prompts) == len(again)
+    finally:
+        run.close()
     assert main(["filter", *over, "--keep", "0.9:0.1", "--out", str(out)]) == 2
     assert "--keep '0.9:0.1' must be LOW:HIGH" in capsys.readouterr().err
+    assert main(["filter", *over, "--out", str(tmp_path / "nowhere" / "k.jsonl")]) == 2
+    assert "must be a .jsonl file in an existing directory" in capsys.readouterr().err

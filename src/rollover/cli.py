@@ -276,18 +276,25 @@ def _filter(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="key.path=value overrides")
     p.add_argument("--out", required=True, help="the JSONL file to write")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (default 8)")
-    p.add_argument("--keep", default="0.01:0.99", help="LOW:HIGH, the pass rates kept, inclusive (default "
-                                                        "0.01:0.99: neither never nor always solved)")
+    p.add_argument("--keep", default=None, help="LOW:HIGH, the pass rates kept, inclusive (default: every rate "
+                                                 "but 0 and 1, neither never nor always solved)")
     p.add_argument("--checkpoint", default=None, help="sample with this checkpoint's weights instead of the model")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
     args = p.parse_args(argv)
+    low = high = None
     try:
-        low, high = (float(x) for x in args.keep.split(":"))
-        if not 0 <= low <= high <= 1 or args.samples < 1:
+        if args.keep is not None:
+            low, high = (float(x) for x in args.keep.split(":"))
+        if (args.keep is not None and not 0 <= low <= high <= 1) or args.samples < 1:
             raise ValueError
     except ValueError:
         print(f"rollover filter: error: --keep {args.keep!r} must be LOW:HIGH with 0 <= LOW <= HIGH <= 1, and "
               f"--samples >= 1 (got {args.samples})", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if out.suffix != ".jsonl" or not out.parent.is_dir():
+        print(f"rollover filter: error: --out {args.out}: must be a .jsonl file in an existing directory",
+              file=sys.stderr)
         return 2
     path, overrides = _split_config(args.config, args.overrides)
     cfg = _load_config("rollover filter", path, overrides)
@@ -296,23 +303,30 @@ def _filter(argv: list[str]) -> int:
     _setup_logging()
 
     def run() -> int:
-        from rollover.curate import histogram, pass_rates, write_kept
+        from rollover.curate import histogram, pass_rates, rows_of, write_kept
         from rollover.loops.common import build_run
 
         data = cfg.data.model_copy(update={"eval": None, "eval_size": 0})  # every training prompt, none held out
         update = {"data": data, "checkpoint": cfg.checkpoint.model_copy(update={"best": None}),
                   "resume": args.checkpoint or "never"}
+        if args.checkpoint is not None and (Path(args.checkpoint) / "model" / "config.json").is_file():
+            update["model"] = str(Path(args.checkpoint) / "model")  # its own model and tokenizer, as rollover eval
         run = build_run(cfg.model_copy(update=update), record=False)
         try:
             prompts = list(run.train_iter.prompts)
+            rows = rows_of(prompts, cfg.data.prompt_key, cfg.data.answer_key)  # a column JSON cannot hold: now
             print(f"filter: {len(prompts)} prompts x {args.samples} samples with "
-                  f"{f'checkpoint {run.checkpoint}' if run.checkpoint else f'model {cfg.model}'}", flush=True)
+                  f"{f'checkpoint {run.checkpoint}' if run.checkpoint else f'model {cfg.model}'}"
+                  + (f" ({run.data_skipped} rows skipped: data.on_bad_row=skip)" if run.data_skipped else ""), flush=True)
             rates = pass_rates(run, prompts, args.samples, cfg.rollout.temperature)
         finally:
             run.close()
-        kept = write_kept(args.out, prompts, rates, low, high, cfg.data.prompt_key)
+        kept = write_kept(args.out, rows, rates, low, high)
         print(histogram(rates))
-        print(f"kept {kept} of {len(prompts)} prompts (pass rate in [{low:g}, {high:g}]) in {args.out}")
+        band = "0 < pass rate < 1" if low is None else f"pass rate in [{low:g}, {high:g}]"
+        print(f"kept {kept} of {len(prompts)} prompts ({band}) in {args.out}")
+        if not kept:
+            print("rollover filter: warning: no prompt was kept", file=sys.stderr)
         return 0
 
     return _guarded("rollover filter", args.debug, run)

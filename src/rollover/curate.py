@@ -1,16 +1,19 @@
 """`rollover filter`: the training prompts' pass rates under a model, and the rows whose rate
-lies in a range, written as a dataset to train on.
+lies in a band, written as a dataset to train on.
 
 Before RL, practitioners drop the prompts a model always or never solves (DAPO, Polaris,
 Skywork-OR1): under GRPO a group whose samples all score alike has no advantage and trains
 nothing, so such prompts cost generation and teach nothing. `rollover filter CONFIG --samples 8
---keep 0.05:0.95 --out kept.jsonl` samples each training prompt of CONFIG `samples` times with
-its model (or `--checkpoint DIR`), at `rollout.temperature` and `rollout.max_new_tokens`, scores
-the samples as training would, and writes every prompt whose pass rate (the share of samples
-the first reward function scores at least `reward.correct_threshold`; an episode's reward for
-an environment) lies in the range, inclusive. A row holds the prompt under `data.prompt_key`
-(text, or chat messages), `answer`, the dataset's other columns, and `pass_rate`, so the file
-is a `data.train` as it is, and the rates can be read for other cuts. Nothing else is written.
+--out kept.jsonl` samples each training prompt of CONFIG `samples` times with its model (or
+`--checkpoint DIR`), at `rollout.temperature` and `rollout.max_new_tokens`, scores the samples
+as training would, and writes every prompt whose pass rate lies in the band: by default neither
+0 nor 1, with `--keep LOW:HIGH` between the two, inclusive. A pass rate is the share of a
+prompt's scored samples that the first reward function scores at least
+`reward.correct_threshold` (an episode: its environment's reward), as `eval/accuracy` counts;
+a prompt none of whose samples could be scored (its reward failed under `reward.on_error:
+skip`) has none and is not written. A row holds the dataset's other columns, the prompt under
+`data.prompt_key` and the answer under `data.answer_key` (`answer` by default), and
+`pass_rate`, so the file is a `data.train` of the same config as it is.
 """
 
 from __future__ import annotations
@@ -24,45 +27,77 @@ log = logging.getLogger("rollover")
 CHUNK = 256  # prompts sampled at a time: progress is reported between chunks
 
 
-def pass_rates(run, prompts: list, samples: int, temperature: float) -> list[float]:
-    """Each prompt's share of `samples` samples that are correct (the first reward function at
-    least `reward.correct_threshold`; an episode's own reward for an environment)."""
+def pass_rates(run, prompts: list, samples: int, temperature: float) -> list[float | None]:
+    """Each prompt's share of its scored samples that are correct (None: none was scored)."""
     from rollover.rollout.groups import correct, eval_metrics
     from rollover.rollout.inputs import RolloutInputs
 
     cfg, rates = run.cfg, []
     for start in range(0, len(prompts), CHUNK):
-        pending = run.sample(prompts[start:start + CHUNK], samples, temperature, f"filter-{start}")
+        pending = run.sample(prompts[start:start + CHUNK], samples, temperature, f"filter-{start}", first=start)
         if run.env_builder is not None:
             threshold = cfg.reward.correct_threshold
-            rates += [sum(t.ok and t.reward >= threshold for t in (g.done[j] for j in range(g.n))) / g.n for g in pending]
+            scored = [[t.reward >= threshold for t in (g.done[j] for j in range(g.n)) if t.ok] for g in pending]
         else:
             _, groups = eval_metrics(pending, RolloutInputs.of(run))
-            rates += [sum(correct(r, cfg, run.primary_reward) for r in g.rollouts) / len(g.rollouts) for g in groups]
+            scored = [[correct(r, cfg, run.primary_reward) for r in g.rollouts if r.reward is not None] for g in groups]
+        rates += [sum(s) / len(s) if s else None for s in scored]
         log.info("filter: %d of %d prompts sampled", min(start + CHUNK, len(prompts)), len(prompts))
     return rates
 
 
-def write_kept(path: str | Path, prompts: list, rates: list[float], low: float, high: float, prompt_key: str) -> int:
-    """The prompts whose rate lies in [low, high] as JSONL rows (see the module docstring),
-    written whole then renamed; returns how many."""
+def rows_of(prompts: list, prompt_key: str, answer_key: str | None) -> list[dict]:
+    """Each prompt as the dataset row it came from: its other columns, then the prompt and the
+    answer under the keys the config reads them from (a dotted key as nested mappings). Checked
+    to be JSON now, before any sampling: a column JSON cannot hold is named."""
+    rows = []
+    for p in prompts:
+        row = dict(p.fields)
+        _put(row, prompt_key, p.messages if p.messages is not None else p.text)
+        _put(row, answer_key or "answer", p.answer)
+        try:
+            json.dumps(row, ensure_ascii=False)
+        except TypeError as e:
+            raise ValueError(f"prompt {p.id}: a column cannot be written as JSON ({e})") from None
+        rows.append(row)
+    return rows
+
+
+def write_kept(path: str | Path, rows: list[dict], rates: list[float | None], low: float | None,
+               high: float | None) -> int:
+    """The rows whose rate lies in the band (None: 0 < rate < 1; else [low, high]) with their
+    `pass_rate`, as JSON lines written whole then renamed; returns how many."""
     path = Path(path)
-    kept = [(p, r) for p, r in zip(prompts, rates) if low <= r <= high]
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for p, r in kept:
-            row = {prompt_key: p.messages if p.messages is not None else p.text, "answer": p.answer, **p.fields,
-                   "pass_rate": r}
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tmp.replace(path)
-    return len(kept)
+    kept = 0
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row, rate in zip(rows, rates):
+                if rate is None or not (0 < rate < 1 if low is None else low <= rate <= high):
+                    continue
+                f.write(json.dumps({**row, "pass_rate": rate}, ensure_ascii=False) + "\n")
+                kept += 1
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return kept
 
 
-def histogram(rates: list[float], bins: int = 5) -> str:
-    """`[0, 0.2): 12 | ... | [0.8, 1]: 3`, with the prompts never and always solved apart."""
-    never, always = sum(r == 0 for r in rates), sum(r == 1 for r in rates)
-    inner = [r for r in rates if 0 < r < 1]
+def histogram(rates: list[float | None], bins: int = 5) -> str:
+    """`never solved: 12 | (0, 0.2): 3 | ... | always solved: 4`, and the unscored when any."""
+    scored = [r for r in rates if r is not None]
+    never, always = sum(r == 0 for r in scored), sum(r == 1 for r in scored)
+    inner = [r for r in scored if 0 < r < 1]
     counts = [sum(k / bins <= r < (k + 1) / bins for r in inner) for k in range(bins)]
-    middle = " | ".join(f"({k / bins:g}, {(k + 1) / bins:g}): {c}" if k == 0 else
-                        f"[{k / bins:g}, {(k + 1) / bins:g}): {c}" for k, c in enumerate(counts))
-    return f"never solved: {never} | {middle} | always solved: {always}"
+    middle = " | ".join(f"{'(' if k == 0 else '['}{k / bins:g}, {(k + 1) / bins:g}): {c}" for k, c in enumerate(counts))
+    unscored = len(rates) - len(scored)
+    return f"never solved: {never} | {middle} | always solved: {always}" + (f" | unscored: {unscored}" if unscored else "")
+
+
+def _put(row: dict, key: str, value) -> None:
+    *outer, last = key.split(".")
+    for part in outer:
+        if not isinstance(row.get(part), dict):
+            row[part] = {}
+        row = row[part]
+    row[last] = value

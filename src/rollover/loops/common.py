@@ -115,14 +115,15 @@ class Run:
         return out
 
     # ------------------------------------------------------------ eval
-    def sample(self, prompts: list[Prompt], n: int, temperature: float, tag: str) -> list[PendingGroup]:
+    def sample(self, prompts: list[Prompt], n: int, temperature: float, tag: str, first: int = 0) -> list[PendingGroup]:
         """`n` samples (or episodes) of each of `prompts` with the current weights, outside
-        training (evaluation, `rollover filter`): complete groups, not yet scored."""
+        training (evaluation, `rollover filter`): complete groups, not yet scored. `first`: the
+        place of `prompts[0]` in a longer list sampled in parts, which seeds its samples apart."""
         from rollover.rollout.core import run_groups
 
         self.engine.settle()  # lazy pulls: every worker holds the current weights first
         sp = replace(sampling_from(self.cfg), temperature=temperature)
-        pending = [PendingGroup(id=f"{tag}-{i}", prompt=p, prompt_ids=self.prompt_ids[p.id], serial=10**9 + i,
+        pending = [PendingGroup(id=f"{tag}-{i}", prompt=p, prompt_ids=self.prompt_ids[p.id], serial=10**9 + first + i,
                                 n=n, start_version=self.engine.version) for i, p in enumerate(prompts)]
         paused = self.engine.paused  # APRIL keep_kv pauses it between steps
         if paused:
@@ -137,6 +138,7 @@ class Run:
     def evaluate(self, step: int) -> dict:
         """Sample the held-out prompts (or episodes) with the current weights; reward, accuracy."""
         cfg = self.cfg
+        self.engine.settle()  # lazy pulls: every worker holds the current weights, evaluated or not
         if not self.eval_prompts:
             return {}
         pending = self.sample(self.eval_prompts, cfg.eval.samples_per_prompt, cfg.eval.temperature, f"eval-{step}")
