@@ -1,7 +1,7 @@
 """The package's layout: no import cycles among rollover's modules, and imports only downward
 through the layers (docs/layout.md):
 
-    cli > bench, sim > loops > runtime, rollout > envs, engine, train > config, rewards, data > algos, metrics, types
+    cli > bench, sim > loops, curate > runtime, rollout > envs, engine, train > config, rewards, data > algos, metrics, types
 
 Module-level imports are checked for cycles and direction; an import inside a function is
 checked for direction too (it is where an upward dependency hides), but may close a cycle
@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "rollover"
 LAYERS = [
     {"cli", "__main__"},
     {"bench", "sim"},
-    {"loops"},
+    {"loops", "curate"},
     {"runtime", "rollout"},
     {"envs", "engine", "train", "export"},
     {"config", "rewards", "data", "models", "commands", "testing"},

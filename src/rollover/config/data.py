@@ -63,7 +63,8 @@ class DataConfig(Section):
     """Held-out prompts (same forms as `train`), or several held-out sets by name ({gsm8k:
     gsm8k_test.jsonl, math: math500.parquet}), each reported on its own as well
     (`eval/<name>/accuracy`, ...). When unset, `eval_size` prompts are carved from the training
-    data (no overlap). Rows with a `data_source` column (verl's) are reported per source too."""
+    data (no overlap; from each named training source its share). One unnamed source whose rows
+    have two or more `data_source` values (verl's column) is reported per value too."""
     eval_size: int = Field(48, ge=0)
     """How many held-out prompts to evaluate on (carved from `train` when `eval` is unset; of
     each set when `eval` names several)."""
