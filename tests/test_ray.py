@@ -325,6 +325,9 @@ def test_placement_that_cannot_fit_is_refused_naming_role_and_numbers():
         ray_engine(m, workers=1, cpus_per_worker=1, reward_workers=2)
     with pytest.raises(ConfigError, match=r"reward worker: 4 CPU each, the largest node has 2 CPU"):
         ray_engine(m, workers=1, cpus_per_worker=0.5, reward_workers=1, cpus_per_reward_worker=4)
+    with pytest.raises(ConfigError, match=r"rollout workers: 1 x 0 GPU \+ reward workers: 2 x 0.5 GPU = 1 GPU asked, "
+                                          r"the cluster has 0 GPU.*reward worker: 0.5 GPU each, the largest node has 0"):
+        ray_engine(m, workers=1, cpus_per_worker=0.5, reward_workers=2, cpus_per_reward_worker=0, gpus_per_reward_worker=0.5)
 
 
 

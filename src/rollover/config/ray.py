@@ -42,6 +42,9 @@ class RayConfig(Section):
     processes, reward.workers of them)."""
     cpus_per_reward_worker: float = Field(1.0, ge=0)
     """CPUs each reward worker reserves (0: none, for light rewards that share a node's CPUs)."""
+    gpus_per_reward_worker: float = Field(0.0, ge=0)
+    """GPUs (or a fraction) each reward worker reserves, for a reward that runs a model (the
+    built-in reward_model on `device: auto` uses it). 0: the worker sees no GPU."""
     env_workers: int = Field(0, ge=0)
     """Environment workers, Ray actors that hold the environments of a multi-turn run (env.name)
     and answer their calls (any node; an actor that dies fails only the episodes it held, and

@@ -213,6 +213,7 @@ def _reward_runner(cfg: Config) -> RewardRunner:
         from rollover.runtime.rewards import RayRewardPool
 
         pool = RayRewardPool(functions, size=cfg.ray.reward_workers, timeout_s=cfg.reward.timeout_s,
+                             gpus=cfg.ray.gpus_per_reward_worker,
                              cpus=cfg.ray.cpus_per_reward_worker)
     return RewardRunner(functions, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error,
                         workers=cfg.reward.workers, pool=pool)

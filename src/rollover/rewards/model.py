@@ -30,8 +30,9 @@ failing (TRL does not truncate). dtype `auto` is float32 on a CPU and bfloat16 o
 Where it loads: once per process, when the reward is built where it runs (the driver's process
 by default, at the run's start, so a wrong path fails there and no call's timeout pays for the
 load; each worker process with `isolate: true`, each Ray reward worker with
-`ray.reward_workers`, on the CPU there, as those actors hold no GPU). The driver only checks the
-arguments when the model runs elsewhere. Calls from several threads take turns on one model.
+`ray.reward_workers`, on the GPU `ray.gpus_per_reward_worker` gives it, else on its CPU). The
+driver only checks the arguments when the model runs elsewhere. Calls from several threads take
+turns on one model.
 """
 
 from __future__ import annotations

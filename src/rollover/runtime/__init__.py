@@ -62,14 +62,16 @@ def check_resources(cfg, rollout_workers: int | None = None) -> None:
     helpers = [(n, c, role) for n, c, role in ((rc.reward_workers, rc.cpus_per_reward_worker, "reward"),
                                                (rc.env_workers, rc.cpus_per_env_worker, "environment")) if n and c]
     helper_cpus = sum(n * c for n, c, _ in helpers)
+    reward_gpus = rc.reward_workers * rc.gpus_per_reward_worker
     ranks = cfg.train.ranks if cfg.train.parallel == "fsdp" else 1  # FSDP ranks: one trainer actor each
     trainer = (rc.cpus_for_trainer, rc.gpus_for_trainer) if rc.trainer == "actor" else (0.0, 0.0)  # one actor's
     actors = f"{ranks} trainer rank actors x " if ranks > 1 else "the trainer actor: "
     for k, (key, per) in enumerate((("CPU", rc.cpus_per_worker), ("GPU", rc.gpus_per_worker))):
         asked, have = per * rc.rollout_workers, total.get(key, 0.0)
-        extra = (helper_cpus if key == "CPU" else 0.0) + trainer[k] * ranks
+        extra = (helper_cpus if key == "CPU" else reward_gpus) + trainer[k] * ranks
         if asked + extra > have + 1e-9:
-            also = "".join(f" + {role} workers: {n} x {c:g} CPU" for n, c, role in helpers) if key == "CPU" else ""
+            also = "".join(f" + {role} workers: {n} x {c:g} CPU" for n, c, role in helpers) if key == "CPU" else \
+                (f" + reward workers: {rc.reward_workers} x {rc.gpus_per_reward_worker:g} GPU" if reward_gpus else "")
             also += f" + {actors}{trainer[k]:g} {key}" if trainer[k] else ""
             problems.append(f"rollout workers: {rc.rollout_workers} x {per:g} {key}{also} = {asked + extra:g} {key} "
                             f"asked, the cluster has {have:g} {key} ({free.get(key, 0.0):g} free now)")
@@ -83,6 +85,9 @@ def check_resources(cfg, rollout_workers: int | None = None) -> None:
     for _, c, role in helpers:
         if c > biggest_cpu + 1e-9:
             problems.append(f"{role} worker: {c:g} CPU each, the largest node has {biggest_cpu:g} CPU")
+    biggest_gpu = max((n.get("GPU", 0.0) for n in nodes), default=0.0)
+    if reward_gpus and rc.gpus_per_reward_worker > biggest_gpu + 1e-9:
+        problems.append(f"reward worker: {rc.gpus_per_reward_worker:g} GPU each, the largest node has {biggest_gpu:g} GPU")
     if any(trainer) and not problems and not any(n.get("CPU", 0.0) + 1e-9 >= trainer[0] and
                                                  n.get("GPU", 0.0) + 1e-9 >= trainer[1] for n in nodes):
         problems.append(f"trainer actor: {trainer[0]:g} CPU and {trainer[1]:g} GPU on one node, no node has both")
@@ -97,7 +102,8 @@ def check_resources(cfg, rollout_workers: int | None = None) -> None:
                             f"{rc.gpus_per_worker:g} GPU on one node; the nodes ({shapes}) hold {room}")
         elif (helpers or any(trainer)) and not _packs(
                 nodes, [(rc.cpus_per_worker, rc.gpus_per_worker)] * rc.rollout_workers +
-                [(c, 0.0) for n, c, _ in helpers for _ in range(n)] + ([trainer] * ranks if any(trainer) else [])):
+                [(c, rc.gpus_per_reward_worker if role == "reward" else 0.0) for n, c, role in helpers for _ in range(n)]
+                + ([trainer] * ranks if any(trainer) else [])):
             # first fit can miss a packing that exists, so this warns rather than refuses
             asked = ", ".join([f"{rc.rollout_workers} rollout x {rc.cpus_per_worker:g} CPU/{rc.gpus_per_worker:g} GPU"] +
                               [f"{n} {role} x {c:g} CPU" for n, c, role in helpers] +
@@ -108,7 +114,7 @@ def check_resources(cfg, rollout_workers: int | None = None) -> None:
     if problems:
         raise ConfigError("ray placement does not fit: " + "; ".join(problems) +
                           " (ray.rollout_workers, ray.cpus_per_worker, ray.gpus_per_worker, ray.reward_workers, "
-                          "ray.cpus_per_reward_worker, ray.env_workers, ray.cpus_per_env_worker, ray.trainer, "
+                          "ray.cpus_per_reward_worker, ray.gpus_per_reward_worker, ray.env_workers, ray.cpus_per_env_worker, ray.trainer, "
                           "ray.cpus_for_trainer, ray.gpus_for_trainer)")
 
 

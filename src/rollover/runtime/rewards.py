@@ -92,7 +92,8 @@ class _Actor:
 class RayRewardPool:
     """`WorkerPool`'s contract on Ray actors (see the module docstring)."""
 
-    def __init__(self, rewards: Sequence[Reward], *, size: int, timeout_s: float, cpus: float = 1.0):
+    def __init__(self, rewards: Sequence[Reward], *, size: int, timeout_s: float, cpus: float = 1.0,
+                 gpus: float = 0.0):
         if size < 1:
             raise ValueError(f"a reward worker pool needs at least one worker, got size={size}")
         references = {}
@@ -102,7 +103,7 @@ class RayRewardPool:
                 pickle.dumps(reward.reference)
             except Exception as exc:
                 raise TypeError(f"reward {reward.name!r}: its kwargs cannot be sent to a reward worker: {exc}") from exc
-        self.size, self.timeout_s, self.cpus = size, timeout_s, cpus
+        self.size, self.timeout_s, self.cpus, self.gpus = size, timeout_s, cpus, gpus
         self._setup = {"rewards": references}
         self._slots: queue.LifoQueue[_Actor | None] = queue.LifoQueue()
         for _ in range(size):
@@ -178,7 +179,8 @@ class RayRewardPool:
                 raise RuntimeError("the reward worker pool is closed" if self._closed else
                                    "Ray is shut down: no reward worker actor can score this call")
             try:
-                remote = ray.remote(RewardActor).options(num_cpus=self.cpus, max_restarts=0, max_concurrency=1)
+                remote = ray.remote(RewardActor).options(num_cpus=self.cpus, num_gpus=self.gpus, max_restarts=0,
+                                                         max_concurrency=1)
                 actor = _Actor(remote.remote({**self._setup, "sys_path": list(sys.path)}))
             except BaseException:
                 self._slots.put(None)
