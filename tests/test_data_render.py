@@ -81,7 +81,7 @@ def prompts_of_lengths(prefix, lengths):
 
 def test_render_all_raise_names_the_over_long_prompt(tok, tmp_path):
     from rollover.config import ConfigError
-    from rollover.loops.common import _render_all
+    from rollover.loops.prompts import _render_all
 
     train = prompts_of_lengths("t", [5, 30, 6])
     cfg = length_cfg(tmp_path, "raise", TEMPLATE_IDS + 10)
@@ -94,7 +94,7 @@ def test_render_all_raise_names_the_over_long_prompt(tok, tmp_path):
 
 
 def test_render_all_skip_drops_over_long_train_and_eval_prompts(tok, tmp_path, caplog):
-    from rollover.loops.common import _render_all
+    from rollover.loops.prompts import _render_all
 
     train = prompts_of_lengths("t", [5, 30, 6, 11])
     held_out = prompts_of_lengths("e", [40, 3])
@@ -111,7 +111,7 @@ def test_render_all_skip_drops_over_long_train_and_eval_prompts(tok, tmp_path, c
 
 def test_render_all_skip_with_no_train_prompt_left_is_an_error(tok, tmp_path):
     from rollover.config import ConfigError
-    from rollover.loops.common import _render_all
+    from rollover.loops.prompts import _render_all
 
     limit = TEMPLATE_IDS + 5
     with pytest.raises(ConfigError, match=rf"no training prompt fits in data.max_prompt_tokens={limit} \(2 skipped"):
@@ -121,7 +121,7 @@ def test_render_all_skip_with_no_train_prompt_left_is_an_error(tok, tmp_path):
 
 def test_render_all_refuses_one_id_for_two_different_prompts(tok, tmp_path):
     from rollover.config import ConfigError
-    from rollover.loops.common import _render_all
+    from rollover.loops.prompts import _render_all
 
     cfg = length_cfg(tmp_path, "raise", 100)
     same = prompts_of_lengths("d", [3, 4])
@@ -163,7 +163,7 @@ def test_chat_template_arguments_reach_the_template(tmp_path):
     """data.chat_template_kwargs (Qwen3's enable_thinking, say): prompts are rendered with them,
     and so is every turn of an episode."""
     from rollover.envs.render import ChatRenderer
-    from rollover.loops.common import _render_all
+    from rollover.loops.prompts import _render_all
 
     tok = char_tokenizer()
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

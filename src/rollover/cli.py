@@ -220,11 +220,7 @@ def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | No
         why = f"latest checkpoint of {run_dir}" if ckpt is not None else f"{run_dir} has no checkpoint"
     else:
         why = "--base" if base else "--checkpoint"
-    update = {"resume": str(ckpt) if ckpt is not None else "never"}
-    if ckpt is not None and (Path(ckpt) / "model" / "config.json").is_file():
-        # its own full model and tokenizer: the saved config's model path may be relative to another directory
-        update["model"] = str(Path(ckpt) / "model")
-    run = build_run(cfg.model_copy(update=update), record=False)
+    run = build_run(cfg.model_copy(update=_weights_of(ckpt)), record=False)
     try:
         weights = (f"checkpoint {run.checkpoint} (step {run.start_step})" if run.checkpoint
                    else f"base model {cfg.model}")
@@ -235,6 +231,16 @@ def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | No
     for k, v in metrics.items():
         print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
     return 0
+
+
+def _weights_of(ckpt: str | Path | None) -> dict:
+    """Config updates that sample with `ckpt`'s weights (None: the config's model): resume from
+    it, and where it holds a full model, its own model and tokenizer (the saved config's model
+    path may be relative to another directory)."""
+    update = {"resume": str(ckpt) if ckpt is not None else "never"}
+    if ckpt is not None and (Path(ckpt) / "model" / "config.json").is_file():
+        update["model"] = str(Path(ckpt) / "model")
+    return update
 
 
 def _export(argv: list[str]) -> int:
@@ -308,9 +314,7 @@ def _filter(argv: list[str]) -> int:
 
         data = cfg.data.model_copy(update={"eval": None, "eval_size": 0})  # every training prompt, none held out
         update = {"data": data, "checkpoint": cfg.checkpoint.model_copy(update={"best": None}),
-                  "resume": args.checkpoint or "never"}
-        if args.checkpoint is not None and (Path(args.checkpoint) / "model" / "config.json").is_file():
-            update["model"] = str(Path(args.checkpoint) / "model")  # its own model and tokenizer, as rollover eval
+                  **_weights_of(args.checkpoint)}
         run = build_run(cfg.model_copy(update=update), record=False)
         try:
             prompts = list(run.train_iter.prompts)

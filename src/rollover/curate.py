@@ -29,18 +29,18 @@ CHUNK = 256  # prompts sampled at a time: progress is reported between chunks
 
 def pass_rates(run, prompts: list, samples: int, temperature: float) -> list[float | None]:
     """Each prompt's share of its scored samples that are correct (None: none was scored)."""
+    from rollover.rollout.episodes import to_group
     from rollover.rollout.groups import correct, eval_metrics
     from rollover.rollout.inputs import RolloutInputs
 
-    cfg, rates = run.cfg, []
+    rates = []
     for start in range(0, len(prompts), CHUNK):
         pending = run.sample(prompts[start:start + CHUNK], samples, temperature, f"filter-{start}", first=start)
-        if run.env_builder is not None:
-            threshold = cfg.reward.correct_threshold
-            scored = [[t.reward >= threshold for t in (g.done[j] for j in range(g.n)) if t.ok] for g in pending]
+        if run.env_builder is not None:  # episodes as rollouts scored `env` (a failed one unscored)
+            groups = [to_group(g, [g.done[j] for j in range(g.n)]) for g in pending]
         else:
             _, groups = eval_metrics(pending, RolloutInputs.of(run))
-            scored = [[correct(r, cfg, run.primary_reward) for r in g.rollouts if r.reward is not None] for g in groups]
+        scored = [[correct(r, run.cfg, run.primary_reward) for r in g.rollouts if r.reward is not None] for g in groups]
         rates += [sum(s) / len(s) if s else None for s in scored]
         log.info("filter: %d of %d prompts sampled", min(start + CHUNK, len(prompts)), len(prompts))
     return rates

@@ -52,7 +52,7 @@ def learn_trl(cfg) -> list[dict]:
     only (generation, scoring, update), never the evaluations."""
     from transformers import TrainerCallback
 
-    from rollover.loops.common import _prompts
+    from rollover.loops.prompts import _prompts
 
     trl = _import_trl("rollover bench learn --policies trl")
     if cfg.data.train_weights is not None:

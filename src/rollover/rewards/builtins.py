@@ -81,14 +81,19 @@ def parse_number(text: str) -> float:
     return float(cleaned)
 
 
+def final_number(completion: str) -> float | None:
+    """The last number in the completion's final answer, or None when it holds none."""
+    numbers = _NUMBER.findall(final_answer(completion))
+    return parse_number(numbers[-1]) if numbers else None
+
+
 def numeric_reward(completion: str, answer, **_) -> float:
     """1.0 if the last number in the completion's final answer equals `answer` (8 == 8.0 ==
     "8"; commas are thousands separators), else 0.0. A non-numeric gold answer raises."""
     gold = parse_number(answer)
-    numbers = _NUMBER.findall(final_answer(completion))
-    if not numbers:
+    value = final_number(completion)
+    if value is None:
         return 0.0
-    value = parse_number(numbers[-1])
     return 1.0 if math.isclose(value, gold, rel_tol=1e-9, abs_tol=1e-9) else 0.0
 
 

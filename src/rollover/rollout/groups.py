@@ -301,15 +301,14 @@ def vote(completion: str) -> str | None:
     """The answer a completion votes for: the last number of its final answer (its last
     `\\boxed{}` or `<answer>`, else the whole text) as a number, so 7, 7.0 and 1,000 vote with
     their equals; else a boxed or tagged answer's text (after `normalize_text`); else none."""
-    from rollover.rewards.builtins import _NUMBER, normalize_text, parse_number
+    from rollover.rewards.builtins import final_number, normalize_text
     from rollover.rewards.extract import extract_boxed, extract_tagged, final_answer
 
-    answer = final_answer(completion)
-    numbers = _NUMBER.findall(answer)
-    if numbers:
-        return repr(parse_number(numbers[-1]))
+    number = final_number(completion)
+    if number is not None:
+        return repr(number)
     tagged = extract_boxed(completion) is not None or extract_tagged(completion) is not None
-    return normalize_text(answer) if tagged else None
+    return normalize_text(final_answer(completion)) if tagged else None
 
 
 def accuracy(rollouts: list[Rollout], cfg: Config, primary: str) -> float:

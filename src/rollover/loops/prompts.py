@@ -1,0 +1,175 @@
+"""The prompts of a run: read from its sources (one, or several by name, mixed by weight),
+held out, rendered and length-checked at start-up, and the checks that need them
+(`checkpoint.best`'s metric). `build_run` calls these before anything is written."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import replace
+from types import SimpleNamespace
+
+from rollover.config import Config, ConfigError
+from rollover.data import MixedIterator, PromptIterator, load_prompts, render_prompt, split_holdout
+from rollover.rewards import RewardRunner
+from rollover.types import Prompt
+
+log = logging.getLogger("rollover")
+
+
+def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt], int, dict[str, str]]:
+    """(training prompts, held-out prompts, rows skipped, the set name of each prompt of a named
+    set: `data.train` or `data.eval` naming several; their ids get the name in front)."""
+    d = cfg.data
+    kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, on_bad_row=d.on_bad_row)
+    sets: dict[str, str] = {}
+    if d.train == "env":  # the environment's own task generator
+        if not callable(getattr(env_builder, "prompts", None)):
+            raise ConfigError(f"data.train=env: the environment {cfg.env.name!r} has no prompts(n, seed) task generator; "
+                              "give data.train a dataset instead")
+        train = env_builder.prompts(cfg.env.tasks, seed=cfg.seed)
+        # held-out tasks: new instances from another seed (a game's task is its hidden state, so
+        # carving distinct prompt texts out of the training tasks does not apply)
+        held = env_builder.prompts(d.eval_size, seed=cfg.seed + 1_000_003) if d.eval_size and d.eval is None else []
+        if d.eval is None:
+            return list(train), list(held), 0, sets
+        train = SimpleNamespace(prompts=train, num_skipped=0)
+    else:
+        train = _load_named(d.train, kw, sets)
+    skipped = train.num_skipped
+    if isinstance(d.eval, dict):  # several held-out sets: each one's first eval_size, its ids under its name
+        held = _load_named(d.eval, kw, sets, first=d.eval_size)
+        return list(train.prompts), held.prompts, skipped + held.num_skipped, sets
+    if d.eval is not None:
+        held = load_prompts(d.eval, **kw)
+        skipped += held.num_skipped
+        return list(train.prompts), list(held.prompts)[: d.eval_size], skipped, sets
+    if d.eval_size == 0:
+        return list(train.prompts), [], skipped, sets
+    frac = d.eval_size / len(train.prompts)
+    if frac >= 0.5:
+        raise ConfigError(f"data.eval_size={d.eval_size} would take half or more of the {len(train.prompts)} training prompts")
+    if not sets:
+        tr, held = split_holdout(train.prompts, frac, seed=cfg.seed)
+        return tr, held[: d.eval_size], skipped, sets
+    # named sources: each gives its share, so a small one is held out (and trained on) too
+    tr, parts = [], []
+    for name in sorted(d.train):
+        mine, held = split_holdout([p for p in train.prompts if sets[p.id] == name], frac, seed=cfg.seed)
+        tr += mine
+        parts.append(held)
+    interleaved = [p for row in itertools.zip_longest(*parts) for p in row if p is not None]
+    return tr, interleaved[: d.eval_size], skipped, sets
+
+
+def _load_named(source: str | dict[str, str], kw: dict, sets: dict[str, str], first: int | None = None):
+    """The prompts of one source, or of several by name in the names' order (so a config that
+    lists them in another order has the same data; the first `first` of each; their ids under
+    the name, recorded in `sets`)."""
+    if not isinstance(source, dict):
+        return load_prompts(source, **kw)
+    prompts, skipped = [], 0
+    for name, each in sorted(source.items()):
+        loaded = load_prompts(each, **kw)
+        skipped += loaded.num_skipped
+        for p in loaded.prompts[:first]:
+            prompts.append(replace(p, id=f"{name}/{p.id}"))
+            sets[prompts[-1].id] = name
+    return SimpleNamespace(prompts=prompts, num_skipped=skipped)
+
+
+def eval_sources(cfg: Config, held_out: list[Prompt], sets: dict[str, str]) -> dict[str, str]:
+    """Each held-out prompt's source, which `eval/<source>/...` metrics are reported by: its
+    set's name when `data.eval` names several (`sets`), else its `data_source` column (verl's)
+    where it has one."""
+    if _named_eval(cfg):
+        return {p.id: sets[p.id] for p in held_out}  # its set's, or the named training source it was carved from
+    return {p.id: p.fields["data_source"] for p in held_out
+            if isinstance(p.fields.get("data_source"), str) and p.fields["data_source"].strip()}
+
+
+def _named_eval(cfg: Config) -> bool:
+    """Held-out prompts come from named sets: `data.eval`'s, or carved from `data.train`'s."""
+    return isinstance(cfg.data.eval, dict) or (cfg.data.eval is None and isinstance(cfg.data.train, dict))
+
+
+def _train_iterator(cfg: Config, prompts: list[Prompt], sets: dict[str, str]):
+    """The training prompts in order: one stream, or with `data.train_weights` a mix of the
+    named sources."""
+    d = cfg.data
+    if d.train_weights is None:
+        return PromptIterator(prompts, seed=cfg.seed, shuffle=d.shuffle)
+    by_source = {name: [p for p in prompts if sets[p.id] == name] for name in d.train}
+    empty = sorted(name for name, ps in by_source.items() if not ps)
+    if empty:
+        raise ConfigError(f"data.train sources {empty} have no prompt left to train on (too long, held out or bad rows)")
+    return MixedIterator(by_source, d.train_weights, seed=cfg.seed, shuffle=d.shuffle)
+
+
+def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prompt]
+                ) -> tuple[dict[str, list[int]], list[Prompt], list[Prompt], int]:
+    """Render every prompt once: (token ids by prompt id, train, held_out, number dropped).
+
+    A prompt over data.max_prompt_tokens is an error naming it, or under data.on_bad_row=skip
+    is dropped from whichever list holds it, so neither the iterator nor eval ever sees it.
+    """
+    d = cfg.data
+    out: dict[str, list[int]] = {}
+    too_long: list[str] = []
+
+    def fits(p: Prompt) -> bool:
+        ids = render_prompt(tokenizer, p, system_prompt=d.system_prompt, instruction=d.instruction,
+                            template_kwargs=d.chat_template_kwargs,
+                            use_chat_template=d.chat_template)
+        if len(ids) > d.max_prompt_tokens:
+            if d.on_bad_row == "raise":
+                raise ConfigError(f"prompt {p.id!r} renders to {len(ids)} tokens, more than data.max_prompt_tokens="
+                                  f"{d.max_prompt_tokens}; raise the limit, drop the row or set data.on_bad_row=skip")
+            too_long.append(f"{p.id} ({len(ids)} tokens)")
+            return False
+        # the loop looks prompts up by id: two different prompts under one id (two generator
+        # sources with the same seed, two files with the same stem) would train on the wrong one
+        if out.setdefault(p.id, ids) != ids:
+            raise ConfigError(f"prompt id {p.id!r} names two different prompts in data.train and data.eval; "
+                              "give the eval file another name or the generator another seed")
+        return True
+
+    train = [p for p in train if fits(p)]
+    held_out = [p for p in held_out if fits(p)]
+    if too_long:
+        log.warning("data: skipped %d prompts longer than data.max_prompt_tokens=%d (data.on_bad_row=skip): %s%s",
+                    len(too_long), d.max_prompt_tokens, ", ".join(too_long[:5]), ", ..." if len(too_long) > 5 else "")
+    if not train:
+        raise ConfigError(f"no training prompt fits in data.max_prompt_tokens={d.max_prompt_tokens} "
+                          f"({len(too_long)} skipped as too long)")
+    return out, train, held_out, len(too_long)
+
+
+def _check_best(cfg: Config, env_builder, sources: dict[str, str], rewards: RewardRunner, held_out: list) -> None:
+    """checkpoint.best names a metric the evaluations will report: refused before anything runs."""
+    from types import SimpleNamespace
+
+    from rollover.rollout.groups import PER_SOURCE, _eval_summary
+
+    best = cfg.checkpoint.best
+    if best is None:
+        return
+    if not held_out:
+        raise ConfigError(f"checkpoint.best={best}: there are no held-out prompts to evaluate (data.eval_size=0)")
+    if env_builder is None:
+        names = set(_eval_summary([], SimpleNamespace(cfg=cfg, primary_reward=rewards.rewards[0].name)))
+    else:
+        from rollover.rollout.episodes import _episode_summary
+
+        names = set(_episode_summary([], cfg))
+    sets = set(sources.values())
+    if len(sets) >= (1 if _named_eval(cfg) else 2):
+        names |= {f"eval/{s}/{k}" for s in sets for k in PER_SOURCE if f"eval/{k}" in names}
+    if best not in names:
+        raise ConfigError(f"checkpoint.best={best} is not among the evaluation's metrics: {', '.join(sorted(names))}")
+
+
+def _warn_if_a_step_exceeds_the_data(cfg: Config, n: int) -> None:
+    if cfg.rollout.prompts_per_step > n:
+        log.warning("rollout.prompts_per_step=%d is more than the %d training prompts: every step trains each prompt "
+                    "about %.1f times", cfg.rollout.prompts_per_step, n, cfg.rollout.prompts_per_step / n)
