@@ -396,3 +396,16 @@ def test_a_reward_model_scores_on_cuda_as_on_the_cpu(tmp_path):
             scores[device] = [s.scores["rm"] for s in runner.score(prompts, completions).samples]
     assert scores["cuda"] == pytest.approx(scores["cpu"], abs=1e-4)
     assert scores["auto"] == pytest.approx(scores["cpu"], abs=5e-2)  # bf16 on the GPU
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt2"])
+def test_transformers_forward_on_cuda_matches_the_models_forward(arch):
+    """Architectures outside rollover's own forward run on the GPU through transformers' forward
+    over the engine's cache (`rollover.engine.hf_runner`): fp32 logprobs equal the model's."""
+    model = tiny_model(arch, seed=2)
+    with TorchEngine(model, device="cuda", max_rows=4, max_len=160, eos_token_ids=[]) as eng:
+        assert eng.core.runner.arch == "generic"
+        outs = eng.generate(requests(6, 40))
+    for out in outs:
+        ref = hf_logprobs(model, out.prompt_ids, out.response_ids)
+        assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), ref, atol=2e-4), (arch, out.id)

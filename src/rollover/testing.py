@@ -38,9 +38,26 @@ def char_tokenizer():
     return tok
 
 
+# architectures TorchEngine runs through transformers' own forward (rollover.engine.hf_runner), with
+# what their tiny configs need beside the common keys: Gemma 2 caps its logits and mixes sliding and
+# full layers, Gemma 3 too (sliding window 8: shorter than a test's sequences), Cohere scales its
+# logits, Granite divides them, GPT-2 learns absolute positions, Qwen3-MoE routes to experts, OPT
+# builds its own masks (packed sequences would see each other without explicit ones)
+GENERIC = {
+    "gemma2": dict(head_dim=16, sliding_window=8, final_logit_softcapping=5.0),
+    "gemma3_text": dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "cohere": dict(logit_scale=0.5),
+    "granite": dict(logits_scaling=2.0),
+    "phi3": dict(),
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "gpt2": dict(),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64),  # its masks ignore packed position ids
+}
+
+
 def tiny_config(arch: str = "llama", vocab_size: int | None = None, **overrides):
-    """A 2-layer config of the Llama, Qwen2 or Qwen3 family with GQA."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A 2-layer config of the Llama, Mistral, Qwen2 or Qwen3 family with GQA, or of one of `GENERIC`."""
+    from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     vocab_size = vocab_size or len(SPECIALS) + len(ALPHABET)
     common = dict(
@@ -58,7 +75,15 @@ def tiny_config(arch: str = "llama", vocab_size: int | None = None, **overrides)
         pad_token_id=0,
     )
     common.update(overrides)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    if arch == "gpt2":  # its own key names; no GQA
+        return AutoConfig.for_model("gpt2", vocab_size=vocab_size, n_embd=common["hidden_size"], n_inner=128,
+                                    n_layer=common["num_hidden_layers"], n_head=common["num_attention_heads"],
+                                    n_positions=common["max_position_embeddings"], bos_token_id=1,
+                                    eos_token_id=common["eos_token_id"], pad_token_id=0,
+                                    **{k: v for k, v in overrides.items() if k not in common or k == "tie_word_embeddings"})
+    if arch in GENERIC:
+        return AutoConfig.for_model(arch, **{**GENERIC[arch], **common})
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
     if arch == "qwen3":
         common.setdefault("head_dim", 16)
     return cls(**common)

@@ -137,13 +137,13 @@ def run_engine(open_engine, prompts, new_tokens, prefill: bool = False, budgets:
 
 def run_torch_engine(model, prompts, new_tokens, *, dtype, device, max_rows, quantize=None, cuda_graphs=True,
                      compile_decode=False, adapt_threads=True, prefill=True, budgets=None, temperature=1.0,
-                     attention="torch") -> dict:
+                     attention="torch", forward="auto") -> dict:
     from rollover.engine.torch_engine import TorchEngine
 
     max_len = max(map(len, prompts)) + max(budgets or [new_tokens]) + 1
     out = run_engine(lambda: TorchEngine(model, max_rows=max_rows, max_len=max_len, dtype=dtype, device=device,
                                          quantize=quantize, cuda_graphs=cuda_graphs, compile_decode=compile_decode,
-                                         adapt_threads=adapt_threads, attention=attention),
+                                         adapt_threads=adapt_threads, attention=attention, forward=forward),
                      prompts, new_tokens, prefill=prefill, budgets=budgets, temperature=temperature)
     return {**out, "compile_decode": compile_decode}
 
@@ -240,7 +240,8 @@ def _torch_repeats(args, model, prompts, dtype, device, shapes, peaks: list, bud
             by_variant[v].append(run_torch_engine(model, prompts, args.new_tokens, dtype=dtype, device=device,
                                                   max_rows=args.max_rows, quantize=args.quantize,
                                                   cuda_graphs=args.cuda_graphs == "on", compile_decode=v,
-                                                  budgets=budgets, temperature=temperature, attention=args.attention))
+                                                  budgets=budgets, temperature=temperature, attention=args.attention,
+                                                  forward=args.forward))
             peaks.append(matmul_rate(dtype, device, shapes=shapes))
     medians = {}
     for v, vruns in by_variant.items():
@@ -282,7 +283,7 @@ def main(args) -> dict:
         "model": args.model, "device": device, "dtype": args.dtype, "quantize": args.quantize, "prompts": args.prompts,
         **({"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "cuda_graphs": args.cuda_graphs}
            if device.startswith("cuda") else {}),
-        "attention": args.attention,
+        "attention": args.attention, "forward": args.forward,
         "new_tokens": args.new_tokens if budgets is None else "100-1024", "workload": args.workload,
         "threads": torch.get_num_threads(),
         "matmul_flops": rates, "matmul_flops_each": peaks, "flops_per_token": 2 * n_params,
@@ -373,6 +374,9 @@ def add_arguments(p) -> None:
     p.add_argument("--attention", choices=["torch", "triton"], default="torch",
                    help="TorchEngine's decode attention on CUDA: torch's batched products, or the Triton kernel "
                         "reading each row's own keys (rollover.engine.triton_attention)")
+    p.add_argument("--forward", choices=["auto", "rollover", "transformers"], default="auto",
+                   help="TorchEngine's decoder forward: rollover's own (Llama / Mistral / Qwen2 / Qwen3), the model's "
+                        "transformers forward over the same cache, or auto (rollover's where it serves the model)")
     p.add_argument("--workload", choices=["default", "nanovllm"], default="default",
                    help="default: chat prompts, --new-tokens each; nanovllm: nano-vllm's benchmark (random prompts and "
                         "outputs of 100-1024 tokens, temperature 0.6; use --prompts 256 for theirs)")

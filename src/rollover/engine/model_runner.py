@@ -97,6 +97,39 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
 
 
+def free_storage(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    """Shrink each tensor's storage to nothing (`release_weights`); (tensor, bytes) to restore."""
+    released = [(t, t.untyped_storage().nbytes()) for t in tensors]
+    for t in tensors:
+        t.untyped_storage().resize_(0)
+    return released
+
+
+def restore_storage(released: list[tuple[torch.Tensor, int]]) -> None:
+    """Room again for the tensors `free_storage` emptied (their values are loaded after)."""
+    for t, nbytes in released:
+        t.untyped_storage().resize_(nbytes)
+
+
+def lend_views(views: dict[str, torch.Tensor], model, missing: set[str]) -> int:
+    """`model`'s parameters rebound to the engine's tensors of the same names (`lend_weights`),
+    after checking each one's shape, dtype, device and values; the bytes no longer held twice."""
+    params = list(model.named_parameters())
+    for name, param in params:
+        view = views.get(name.removeprefix("_orig_mod."))
+        if view is None or view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
+            raise ValueError(f"lend_weights: the engine has no {param.dtype} weight of shape {tuple(param.shape)} "
+                             f"on {param.device} named {name!r}")
+        if not torch.equal(view, param.detach()):
+            raise ValueError(f"lend_weights: {name!r} holds other values than the engine's weight")
+    if missing:
+        raise RuntimeError(f"lend_weights: the engine's weights are released ({min(missing)!r} missing)")
+    with torch.no_grad():
+        for name, param in params:
+            param.data = views[name.removeprefix("_orig_mod.")]
+    return sum(param.numel() * param.element_size() for _, param in params)
+
+
 def _check_attention(attention: str, device, compile_decode: bool, native_kernels: bool | None) -> None:
     """Refuse a decode attention the runner cannot use with the rest of its options."""
     if attention not in ("torch", "triton"):
@@ -272,8 +305,7 @@ class ModelRunner:
                     f"expected {tuple(self.views[name].shape)}"
                 )
         if self._released is not None:  # back from `release_weights`: room first, the values follow
-            for t, nbytes in self._released:
-                t.untyped_storage().resize_(nbytes)
+            restore_storage(self._released)
             self._released = None
         with torch.no_grad():
             for name, t in items:
@@ -304,11 +336,8 @@ class ModelRunner:
             raise RuntimeError("release_weights: a trainer's parameters are views of these weights (lend_weights)")
         if self._released is not None:
             return 0
-        tensors = self._weight_tensors()
-        self._released = [(t, t.untyped_storage().nbytes()) for t in tensors]
+        self._released = free_storage(self._weight_tensors())
         freed = sum(n for _, n in self._released)
-        for t in tensors:
-            t.untyped_storage().resize_(0)
         self.missing = set(self.views)
         self.drop_packs()
         if self.graphs is not None:
@@ -327,21 +356,9 @@ class ModelRunner:
         for a trainer in this process that never steps while this runner generates (the
         synchronous loop); `load_weights` then skips the tensors already in place. Returns the
         bytes no longer held twice."""
-        params = list(model.named_parameters())
-        for name, param in params:
-            view = self.views.get(name.removeprefix("_orig_mod."))
-            if view is None or view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
-                raise ValueError(f"lend_weights: the engine has no {param.dtype} weight of shape {tuple(param.shape)} "
-                                 f"on {param.device} named {name!r}")
-            if not torch.equal(view, param.detach()):
-                raise ValueError(f"lend_weights: {name!r} holds other values than the engine's weight")
-        if self.missing:
-            raise RuntimeError(f"lend_weights: the engine's weights are released ({min(self.missing)!r} missing)")
-        with torch.no_grad():
-            for name, param in params:
-                param.data = self.views[name.removeprefix("_orig_mod.")]
+        saved = lend_views(self.views, model, self.missing)
         self._lent = True
-        return sum(param.numel() * param.element_size() for _, param in params)
+        return saved
 
     def _matrices(self) -> list[torch.Tensor]:
         return [L[k] for L in self.layers for k in ("qkv", "o", "gate_up", "down")] + [self.lm_head]

@@ -10,14 +10,45 @@ step; `agenerate` and `stream` wrap the same futures for asyncio.
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
 
 from rollover.engine.core import EngineCore
-from rollover.engine.model_runner import ModelRunner
+from rollover.engine.hf_runner import HFRunner, fast_path, sliding_window
+from rollover.engine.model_runner import SUPPORTED, ModelRunner
 from rollover.engine.threaded import ThreadedEngine
 from rollover.models import eos_ids
+
+
+log = logging.getLogger("rollover")
+
+
+def _generic(config, forward: str, max_len: int, **fast_options) -> bool:
+    """Whether the model's own forward runs (`HFRunner`) rather than `ModelRunner`'s; refuses the
+    fast path's options where it does not run, and an architecture the fast path lacks when it
+    is asked for."""
+    if forward not in ("auto", "rollover", "transformers"):
+        raise ValueError(f"forward must be 'auto', 'rollover' or 'transformers', got {forward!r}")
+    fast = fast_path(config, max_len)
+    window = sliding_window(config)
+    if forward == "rollover" and fast_path(config, None if window is None else window) and not fast:
+        raise ValueError(f"forward='rollover' has no sliding window: {config.model_type!r} attends over "
+                         f"{window} tokens and max_len is {max_len} (forward='transformers', or max_len <= {window})")
+    if forward == "rollover" or (forward == "auto" and fast):
+        return False  # ModelRunner names the supported architectures if this one is not
+    asked = {k: v for k, v in fast_options.items()
+             if v not in (None, False, "torch")}  # the defaults: no int8, no compile, native kernels where they build
+    if asked:
+        raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in asked.items())}: options of rollover's own forward, which "
+                         f"serves {', '.join(sorted(SUPPORTED))}; {getattr(config, 'model_type', '?')!r} runs through "
+                         "transformers' forward (forward='transformers')")
+    if forward == "auto":
+        log.info("TorchEngine: %s runs through transformers' forward (rollover's own serves %s%s)",
+                 getattr(config, "model_type", "this model"), ", ".join(sorted(SUPPORTED)),
+                 f", without a sliding window shorter than max_len ({window} < {max_len})" if window else "")
+    return True
 
 
 class TorchEngine(ThreadedEngine):
@@ -44,6 +75,11 @@ class TorchEngine(ThreadedEngine):
         the step's attended length, masked per row) or "triton" (`rollout.engine_options:
         {attention: triton}`: one kernel reading each row's own keys only,
         `rollover.engine.triton_attention`; not yet measured on a GPU).
+    forward: whose decoder forward runs: "rollover" (the hand-written Llama / Mistral / Qwen2 /
+        Qwen3 forward of `ModelRunner`, which the options above tune), "transformers" (the model's
+        own forward over the same cache, `rollover.engine.hf_runner`: any decoder-only model
+        transformers loads, none of the options above), or "auto" (default: "rollover" where
+        the architecture is one of those, else "transformers").
     admit_batch, admit_max_wait: while sequences decode, admit waiting ones once `admit_batch`
         fit or after `admit_max_wait` steps (`EngineCore._admit`); None: max_rows / 8 with CUDA
         graphs, else 1 (every step).
@@ -74,6 +110,7 @@ class TorchEngine(ThreadedEngine):
         admit_batch: int | None = None,
         admit_max_wait: int = 16,
         adapt_threads: bool = True,
+        forward: str = "auto",
     ):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -85,11 +122,16 @@ class TorchEngine(ThreadedEngine):
         config = model.config
         gen_config = getattr(model, "generation_config", None)
         max_len = max_len or min(getattr(config, "max_position_embeddings", 2048), 2048)
-        runner = ModelRunner(
-            config, state_dict if state_dict is not None else model.state_dict(), max_rows=max_rows, max_len=max_len, device=device, dtype=dtype,
-            quantize=quantize, pack_weights=pack_weights, cuda_graphs=cuda_graphs, compile_decode=compile_decode,
-            native_kernels=native_kernels, attention=attention,
-        )
+        if _generic(config, forward, max_len, quantize=quantize, compile_decode=compile_decode, native_kernels=native_kernels,
+                    attention=attention):
+            runner = HFRunner(config, state_dict if state_dict is not None else model.state_dict(), max_rows=max_rows,
+                              max_len=max_len, device=device, dtype=dtype)
+        else:
+            runner = ModelRunner(
+                config, state_dict if state_dict is not None else model.state_dict(), max_rows=max_rows, max_len=max_len,
+                device=device, dtype=dtype, quantize=quantize, pack_weights=pack_weights, cuda_graphs=cuda_graphs,
+                compile_decode=compile_decode, native_kernels=native_kernels, attention=attention,
+            )
         eos = tuple(eos_token_ids) if eos_token_ids is not None else eos_ids(gen_config, config)
         core = EngineCore(
             runner, eos_token_ids=eos, seed=seed, version=version, max_prefill_tokens=max_prefill_tokens,

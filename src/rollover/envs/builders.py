@@ -1,7 +1,8 @@
 """The environment a run's config names (`env.name` + `env.options`), as an `EnvGroupBuilder`.
 
 Built-ins: `guess_number` (`GuessNumber`), `arithmetic_retry` (`ArithmeticRetry`), `tools`
-(`ToolUse`, tools named in `options.tools`: calculator, python). Anything else is a reference,
+(`ToolUse`, tools named in `options.tools`: calculator, python), `agent` (`AgentBuilder`: an
+agent written against an OpenAI-style chat client, `options.fn`). Anything else is a reference,
 `module:Name` or `path/to/file.py:Name`, to a class or factory that takes the options as
 keyword arguments and returns an object with `make_group(prompt, n)` (and `prompts(n, seed)`
 if the run draws its tasks from the environment: `data.train: env`).
@@ -25,9 +26,10 @@ def _tools(tools: list[str] = ("calculator", "python"), **options: Any):
 
 
 def _builtins() -> dict:
+    from rollover.envs.agent import AgentBuilder
     from rollover.envs.games import ArithmeticRetry, GuessNumber
 
-    return {"guess_number": GuessNumber, "arithmetic_retry": ArithmeticRetry, "tools": _tools}
+    return {"guess_number": GuessNumber, "arithmetic_retry": ArithmeticRetry, "tools": _tools, "agent": AgentBuilder}
 
 
 def make_env_builder(name: str, options: dict[str, Any]) -> EnvGroupBuilder:

@@ -241,7 +241,11 @@ class LiveEpisode:
         then a step for every turn the environment has answered. An answer that differs from
         the recorded one is an error naming the episode and the step."""
         if self.phase != "open":
-            await asyncio.wait_for(env.initial_observation(), timeout_s)
+            opening = list(await asyncio.wait_for(env.initial_observation(), timeout_s))
+            if opening != self.history[:len(opening)]:
+                raise ValueError(f"episode {self.request_id}: a fresh environment opened differently from the recorded "
+                                 f"run ({opening!r:.120} vs {self.history!r:.120}); resuming a checkpoint needs an "
+                                 "environment that is deterministic given its task and actions")
             t = self.traj
             answered = t.turns[:-1] if self.phase == "step" else t.turns
             for k, turn in enumerate(answered, start=1):

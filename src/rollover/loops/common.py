@@ -222,6 +222,7 @@ def _reward_runner(cfg: Config) -> RewardRunner:
 def _load_model(cfg: Config, ckpt: Path | None):
     from transformers import AutoModelForCausalLM
 
+
     from rollover.models import resolve_model
     from rollover.train.lora import apply_lora
 
@@ -303,7 +304,8 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
 
             from rollover.rewards.registry import _absolute
 
-            run.env_workers = RayEnvBuilder(env_builder, _absolute(cfg.env.name), cfg.env.options,
+            options = env_builder.worker_options() if hasattr(env_builder, "worker_options") else cfg.env.options
+            run.env_workers = RayEnvBuilder(env_builder, _absolute(cfg.env.name), options,
                                             workers=cfg.ray.env_workers, cpus=cfg.ray.cpus_per_env_worker,
                                             concurrency=max(16, cfg.env.max_concurrent))
             run.env_builder = run.env_workers

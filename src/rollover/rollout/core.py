@@ -194,6 +194,7 @@ class SampleDriver:
             return
         ep: LiveEpisode = g.episodes[j]
         if ep.finished:
+            ep.env = None  # let go at once: an environment's resources (an agent, a sandbox) end with it
             if not ep.traj.ok and self._resample(g, j):
                 return self.advance(g, j)
             ep.traj.resampled = getattr(ep, "replaced", 0)

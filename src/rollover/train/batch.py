@@ -147,9 +147,11 @@ class MicroBatch:
 
 
 def pack(batch: TrainBatch, *, pack_length: int, micro_batch_tokens: int, pad_id: int = 0,
-         shared_prefix: bool = False) -> list[MicroBatch]:
+         shared_prefix: bool = False, one_per_row: bool = False) -> list[MicroBatch]:
     """First-fit-decreasing packing of segments into rows, rows into micro-batches. A segment is
-    one sequence, or with `shared_prefix` one prompt followed by responses that share it."""
+    one sequence, or with `shared_prefix` one prompt followed by responses that share it.
+    `one_per_row`: each segment a row of its own (a model that would let packed sequences see
+    each other, `Trainer`)."""
     for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
         if not p:
             raise ValueError(f"sequence {i} has an empty prompt: its first response token has nothing to follow")
@@ -161,7 +163,7 @@ def pack(batch: TrainBatch, *, pack_length: int, micro_batch_tokens: int, pad_id
     rows: list[list[int]] = []
     room: list[int] = []
     for i in order:
-        for r, free in enumerate(room):
+        for r, free in enumerate(room if not one_per_row else ()):
             if lengths[i] <= free:
                 rows[r].append(i)
                 room[r] -= lengths[i]

@@ -54,12 +54,21 @@ log = logging.getLogger("rollover")
 
 
 def decoder_layers(model) -> list[nn.Module]:
-    """The decoder layers FSDP shards one by one (an HF causal LM's `model.layers`)."""
+    """The decoder layers FSDP shards one by one: the modules of the classes the model names as
+    not to be split (`_no_split_modules`: `LlamaDecoderLayer`, `GPT2Block`, ...), outermost
+    ones only, else its trunk's `layers`."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = getattr(getattr(base, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"train.parallel=fsdp: {type(base).__name__} has no model.layers to shard layer by layer")
-    return list(layers)
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers, inside = [], set()
+    for name, module in base.named_modules():
+        if type(module).__name__ in names and not any(name.startswith(p + ".") for p in inside):
+            layers.append(module)
+            inside.add(name)
+    if not layers:
+        layers = list(getattr(base.base_model, "layers", None) or ())
+    if not layers:
+        raise ValueError(f"train.parallel=fsdp: {type(base).__name__} names no decoder layers to shard one by one")
+    return layers
 
 
 class _Root(nn.Module):

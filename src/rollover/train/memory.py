@@ -35,7 +35,7 @@ _CHECKPOINTED_SHARE = 0.45  # measured, SmolLM2-135M (see the module docstring)
 def activation_bytes_per_token(config, row_length: int, checkpointing: bool, dtype_bytes: int = 4) -> int:
     """Estimated bytes of saved activations per trained token (see the module docstring)."""
     h = config.hidden_size
-    inter = getattr(config, "intermediate_size", 4 * h)
+    inter = getattr(config, "intermediate_size", None) or 4 * h  # GPT-2's n_inner may be None
     layers = config.num_hidden_layers
     heads = config.num_attention_heads
     one_layer = _VALUES_PER_LAYER_HIDDEN * h + _VALUES_PER_LAYER_MLP * inter + 2 * heads * row_length

@@ -40,9 +40,11 @@ from rollover.algos import aggregate, kl_penalty, policy_loss
 from rollover.algos.offpolicy import m2po_update_mask
 from rollover.algos.policy import bapo_update_bounds, old_logprobs_first
 from rollover.config import Config
+from rollover.engine.hf_runner import fast_path, sliding_window
 from rollover.train import memory
 from rollover.train.batch import MicroBatch, TrainBatch, pack
 from rollover.train.embedding import RowGradEmbedding, row_grad_applies
+from rollover.train.heads import LogitHead, check_model
 from rollover.train.metric_sums import add_metrics, mean_metrics
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,12 @@ class Trainer:
             zeroed = disable_dropout(model)
             if zeroed:
                 log.info("train.disable_dropout: dropout set to 0 in %s", ", ".join(zeroed))
+        # an architecture outside rollover's own forward: its logits checked to be the sampler's (on the
+        # model as loaded: not on a torchrun rank that holds only its structure), its sequences one to a
+        # row unless explicit masks keep them apart (some models' masks ignore packed position ids)
+        self.generic = not fast_path(self._base(model).config)
+        if self.generic and not any(p.is_meta for p in model.parameters()):
+            check_model(self._base(model), training=cfg.train.disable_dropout)
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0 and not self.is_peft:
             ref = reference if reference is not None else copy.deepcopy(model)
@@ -147,6 +155,7 @@ class Trainer:
         shared_row = t.pack_length or self._fit_row(default_pack_length(cfg, shared_prefix=True))
         self.shared_prefix = t.shared_prefix and self._explicit_masks_work(shared_row)
         self.pack_length = shared_row if self.shared_prefix else t.pack_length or default_pack_length(cfg, False)
+        self.one_per_row = self.generic and not self.shared_prefix
         if t.micro_batch_tokens is not None:
             self.micro_batch_tokens = t.micro_batch_tokens
         elif device.type == "cuda":  # the CPU's activation estimate is far above what a GPU needs
@@ -187,7 +196,7 @@ class Trainer:
         the window). Those models keep the plain packing, with a warning."""
         config = self._base(self.model).config
         impl = getattr(config, "_attn_implementation", None)
-        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        window = sliding_window(config.get_text_config() if hasattr(config, "get_text_config") else config)
         if impl in ("sdpa", "eager") and (window is None or window >= row):
             return True
         why = f"{impl} attention" if impl not in ("sdpa", "eager") else f"a sliding window of {window} < rows of {row}"
@@ -211,13 +220,14 @@ class Trainer:
         """logp [N] of the response tokens (and their entropy [N] when asked)."""
         base = self._base(model)
         ids = {"input_ids": mb.input_ids}
-        embedding = base.model.get_input_embeddings()
+        embedding = base.get_input_embeddings()
         if torch.is_grad_enabled() and row_grad_applies(embedding) and not self.sharded:
             ids = {"inputs_embeds": RowGradEmbedding.apply(mb.input_ids, embedding.weight, embedding.padding_idx)}
         with self.autocast:
-            hidden = base.model(**ids, position_ids=mb.position_ids, attention_mask=self._attention_mask(mb, model),
+            hidden = base.base_model(**ids, position_ids=mb.position_ids, attention_mask=self._attention_mask(mb, model),
                                 use_cache=False).last_hidden_state
         selected = hidden[mb.sel_row, mb.sel_col]  # [N, H]
+        head = LogitHead(base)  # the model's own: the policy's or the KL reference's
         # with no entropy bonus the entropy is only logged: keep it out of the graph
         entropy_grad = torch.is_grad_enabled() and self.cfg.algorithm.entropy_coef != 0
         chunk = self.cfg.train.logit_chunk_tokens or max(len(selected), 1)
@@ -227,7 +237,7 @@ class Trainer:
         recompute = torch.is_grad_enabled() and len(selected) > chunk
         parts = []
         for i in range(0, max(len(selected), 1), chunk):  # an empty selection still makes a graph
-            args = (base.lm_head, selected[i: i + chunk], mb.targets[i: i + chunk], need_entropy, entropy_grad)
+            args = (head, selected[i: i + chunk], mb.targets[i: i + chunk], need_entropy, entropy_grad)
             if recompute:
                 parts.append(torch.utils.checkpoint.checkpoint(self._token_logp, *args, use_reentrant=False))
             else:
@@ -259,7 +269,7 @@ class Trainer:
         return [
             mb.to(self.device)
             for mb in pack(batch, pack_length=self.pack_length, micro_batch_tokens=self.micro_batch_tokens,
-                           pad_id=self.pad_id, shared_prefix=self.shared_prefix)
+                           pad_id=self.pad_id, shared_prefix=self.shared_prefix, one_per_row=self.one_per_row)
         ]
 
     @torch.no_grad()

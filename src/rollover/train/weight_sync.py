@@ -116,7 +116,10 @@ def share_engine_weights(cfg, engine, trainer) -> None:
     if cfg.mode != "sync" or trainer.is_peft or trainer.sharded or not isinstance(engine, TorchEngine):
         return
     runner = engine.core.runner
-    param, held = next(trainer.model.parameters()), runner.views["model.norm.weight"]
+    name, param = next(iter(trainer.model.named_parameters()))
+    held = runner.views.get(name.removeprefix("_orig_mod."))
+    if held is None:
+        return
     if held.dtype != param.dtype or held.device != param.device:
         return
     try:

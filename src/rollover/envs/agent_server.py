@@ -1,0 +1,105 @@
+"""An OpenAI-compatible endpoint per agent episode, for agents that run as separate programs.
+
+An agent (`rollover.envs.agent`) gets `client.base_url`, e.g.
+`http://127.0.0.1:PORT/episodes/<token>/v1`: a program given that URL as its OpenAI base URL
+(`openai.OpenAI(base_url=..., api_key="-")`, curl, any language's client) talks to the same
+episode as `client.chat.completions.create` does. One server per process, on the agents' event
+loop, bound to 127.0.0.1 on a free port, started with the first agent episode.
+
+It serves `POST <base_url>/chat/completions` (JSON in, a chat completion out; keep-alive
+connections) and nothing else. A request the agent client would refuse (`stream`, `tools`, `n`,
+a second call while one waits, malformed messages) is answered 400 with the reason and fails
+the episode, as a raising in-process call fails it; a call to an episode that has ended is
+answered 410. Only standard-library asyncio streams: no web framework to install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict
+
+MAX_BODY = 64 * 1024 * 1024
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class AgentServer:
+    """The process's endpoint: routes `/episodes/<token>/v1/chat/completions` to the episode's
+    channel (`register`)."""
+
+    def __init__(self):
+        self.channels: dict = {}  # token -> the episode's _Channel
+        self.server: asyncio.AbstractServer | None = None
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        if self.server is None:
+            self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+            self.port = self.server.sockets[0].getsockname()[1]
+
+    def url(self, token: str) -> str:
+        return f"http://127.0.0.1:{self.port}/episodes/{token}/v1"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    return
+                method, path, _ = (line.decode("latin-1").split(" ", 2) + ["", ""])[:3]
+                headers = {}
+                while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    k, _, v = h.decode("latin-1").partition(":")
+                    headers[k.strip().lower()] = v.strip()
+                n = int(headers.get("content-length", "0") or 0)
+                if n > MAX_BODY:
+                    return await self._send(writer, 413, {"error": {"message": "request body too large"}})
+                body = await reader.readexactly(n) if n else b""
+                status, payload = await self._answer(method, path, body)
+                await self._send(writer, status, payload)
+                if headers.get("connection", "").lower() == "close":
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            writer.close()
+
+    async def _answer(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
+        parts = path.split("?")[0].strip("/").split("/")
+        if len(parts) != 5 or parts[0] != "episodes" or parts[2:] != ["v1", "chat", "completions"]:
+            return 404, {"error": {"message": f"no such endpoint: {path} (POST <base_url>/chat/completions)"}}
+        if method != "POST":
+            return 405, {"error": {"message": f"{method} {path}: only POST"}}
+        channel = self.channels.get(parts[1])
+        if channel is None or channel.ended is not None:  # (unknown tokens too: nothing to tell them apart by)
+            return 410, {"error": {"message": "this episode has ended"}}
+        try:
+            request = json.loads(body or b"{}")
+            if not isinstance(request, dict):
+                raise _HTTPError(400, "the body must be a JSON object")
+            from rollover.envs.agent import refused_arguments
+
+            refused = refused_arguments({k: v for k, v in request.items() if k not in ("messages", "model")})
+            if refused:
+                raise _HTTPError(400, refused)
+            completion = await channel.call(request.get("messages"))
+        except asyncio.CancelledError:
+            return 410, {"error": {"message": "this episode has ended"}}
+        except (ValueError, RuntimeError, _HTTPError) as e:  # the agent's mistake: it fails its episode too
+            channel.fail(e if not isinstance(e, _HTTPError) else ValueError(str(e)))
+            return getattr(e, "status", 400), {"error": {"message": str(e)}}
+        return 200, asdict(completion)
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 410: "Gone",
+                  413: "Payload Too Large"}[status]
+        writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\nConnection: keep-alive\r\n\r\n".encode() + data)
+        await writer.drain()

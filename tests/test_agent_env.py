@@ -1,0 +1,343 @@
+"""Agents written against an OpenAI-style chat client as environments (`env.name: agent`,
+`rollover.envs.agent`): the conversation an agent builds is the episode, its return value the
+reward, and whatever it does wrong fails its own episode with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollover.config import load_config
+from rollover.envs.agent import AgentBuilder
+from rollover.envs.base import Action
+from rollover.loops.sync import train_sync
+from rollover.testing import save_tiny_model
+from rollover.types import Prompt
+
+EXAMPLE = str(Path(__file__).parents[1] / "examples" / "agent_arith.py")
+
+AGENTS = '''
+import asyncio
+
+CANCELLED = []
+
+
+async def edits_history(client, prompt):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
+    reply = await client.chat.completions.create(messages=msgs)
+    msgs[0]["content"] = "Be verbose."  # rewriting what the model already saw
+    await client.chat.completions.create(messages=msgs + [reply.choices[0].message, {"role": "user", "content": "?"}])
+
+
+async def wants_tools(client, prompt):
+    await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}], tools=[{"type": "function"}])
+
+
+async def never_calls(client, prompt):
+    return 1.0
+
+
+async def says_yes(client, prompt):
+    await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}])
+    return "yes"
+
+
+async def calls_twice_at_once(client, prompt):
+    msgs = [{"role": "user", "content": "Hi."}]
+    await asyncio.gather(client.chat.completions.create(messages=msgs), client.chat.completions.create(messages=msgs))
+
+
+async def waits_forever(client, prompt):
+    msgs = [{"role": "user", "content": "Hi."}]
+    try:
+        while True:
+            reply = await client.chat.completions.create(messages=msgs)
+            msgs += [reply.choices[0].message, {"role": "user", "content": "More."}]
+    finally:
+        CANCELLED.append(prompt.id)
+
+
+def not_async(client, prompt):
+    return 0.0
+
+
+async def exits(client, prompt):
+    await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}])
+    raise SystemExit("giving up")
+
+
+async def cancels_itself(client, prompt):
+    await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}])
+    raise asyncio.CancelledError()
+
+
+async def wants_stop(client, prompt):
+    await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}], stop=["Observation:"])
+
+
+async def raises(client, prompt):
+    await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}])
+    raise KeyError("no such tool")
+
+
+async def loops_until_cut(client, prompt, record):
+    msgs = [{"role": "user", "content": prompt.text}]
+    try:
+        while True:
+            reply = await client.chat.completions.create(messages=msgs)
+            msgs += [reply.choices[0].message, {"role": "user", "content": "Go on."}]
+    except asyncio.CancelledError:
+        with open(record, "a") as f:
+            f.write(prompt.id + " ")
+        raise
+
+
+async def via_openai(client, prompt):  # the conversation through the episode's endpoint, with OpenAI's SDK
+    from openai import AsyncOpenAI
+
+    api = AsyncOpenAI(base_url=client.base_url, api_key="-", max_retries=0)
+    msgs = [{"role": "user", "content": "Hi."}]
+    reply = await api.chat.completions.create(model="policy", messages=msgs)
+    msgs += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "Again."}]
+    reply = await api.chat.completions.create(model="policy", messages=msgs)
+    return {"reward": float(len(reply.choices[0].message.content)), "tokens": float(reply.usage.completion_tokens)}
+
+
+PROGRAM = """
+import json, sys, urllib.request
+url, msgs = sys.argv[1] + "/chat/completions", [{"role": "user", "content": "Count."}]
+for _ in range(2):
+    req = urllib.request.Request(url, json.dumps({"model": "p", "messages": msgs}).encode(),
+                                 {"Content-Type": "application/json"})
+    text = json.load(urllib.request.urlopen(req))["choices"][0]["message"]["content"]
+    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "More."}]
+print(len(msgs))
+"""
+
+
+async def runs_a_program(client, prompt):  # another process, given only the URL
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", PROGRAM, client.base_url,
+                                                stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    return float(out)
+
+
+async def streams(client, prompt):
+    import json, urllib.error, urllib.request
+
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi."}], "stream": True}).encode()
+    try:
+        await asyncio.to_thread(urllib.request.urlopen, urllib.request.Request(client.base_url + "/chat/completions", body))
+    except urllib.error.HTTPError as e:
+        return {"reward": 0.0, "status": float(e.code)}
+'''
+
+
+@pytest.fixture(scope="module")
+def agents(tmp_path_factory):
+    path = tmp_path_factory.mktemp("agents") / "agents.py"
+    path.write_text(AGENTS)
+    return str(path)
+
+
+def act(text: str, finish: str = "stop") -> Action:
+    return Action(text=text, token_ids=tuple(range(len(text))), finish=finish)
+
+
+def test_an_agents_conversation_is_the_episode_and_its_return_the_reward():
+    """Each call on its own event loop, as `env.inline` makes them: the agent keeps running on
+    its own loop between them."""
+    env = AgentBuilder(f"{EXAMPLE}:retry_agent", attempt_penalty=0.3).make_one(
+        Prompt(id="p", text="What is 1 + 2?", answer=3), 1, 0)
+    opening = asyncio.run(env.initial_observation())
+    assert opening == [{"role": "user", "content": "What is 1 + 2? Answer with just the number."}]
+    wrong = asyncio.run(env.step(act("It is 5.")))
+    assert wrong.messages == [{"role": "user", "content": "That is not right. Try again."}]
+    assert not wrong.done and wrong.reward == 0.0
+    right = asyncio.run(env.step(act(" 3\n")))
+    assert right.done and right.reward == pytest.approx(0.7) and right.info == {"attempts": 2}
+
+
+@pytest.mark.parametrize("name, where, message", [
+    ("edits_history", "step", "call 2: message 0 differs from the conversation so far"),
+    ("wants_tools", "open", "tools not supported by rollover's agent client"),
+    ("never_calls", "open", "returned 1.0 without calling chat.completions.create"),
+    ("says_yes", "step", "returned 'yes': expected a number"),
+    ("calls_twice_at_once", "step", "a call is already waiting for the policy"),
+    ("wants_stop", "open", "stop not supported"),
+    ("exits", "step", "the agent raised SystemExit: giving up"),
+    ("cancels_itself", "step", "the agent ended with a CancelledError"),
+])
+def test_what_an_agent_does_wrong_fails_its_episode_with_the_reason(agents, name, where, message):
+    env = AgentBuilder(f"{agents}:{name}").make_one(Prompt(id=name, text="x"), 1, 0)
+    if where == "step":
+        assert asyncio.run(env.initial_observation())[-1] == {"role": "user", "content": "Hi."}
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        asyncio.run(env.initial_observation() if where == "open" else env.step(act("Hello.")))
+
+
+@pytest.mark.parametrize("name, reward", [("via_openai", 7.0), ("runs_a_program", 5.0)])
+def test_a_program_talks_to_its_episode_through_an_openai_compatible_endpoint(agents, name, reward):
+    """`client.base_url`: OpenAI's own SDK on the agent's loop, or another process given only
+    the URL, drive the same episode as the in-process client."""
+    env = AgentBuilder(f"{agents}:{name}").make_one(Prompt(id=name, text="x"), 1, 0)
+    first = asyncio.run(env.initial_observation())
+    second = asyncio.run(env.step(act("Hello.")))
+    assert len(first) == 1 and first[0]["role"] == "user"
+    assert not second.done and second.messages[0]["role"] == "user"
+    last = asyncio.run(env.step(act("Bye now")))
+    assert last.done and last.reward == reward
+
+
+def test_a_request_the_endpoint_cannot_serve_is_answered_with_the_reason_and_fails_the_episode(agents):
+    import urllib.error
+    import urllib.request
+
+    env = AgentBuilder(f"{agents}:streams").make_one(Prompt(id="s", text="x"), 1, 0)
+    with pytest.raises(ValueError, match="stream not supported"):
+        asyncio.run(env.initial_observation())
+    from rollover.envs import agent
+
+    base = f"http://127.0.0.1:{agent._SERVER.port}/episodes/{env.token}/v1"
+    for method, path, status in (("POST", "/chat/completions", 410), ("GET", "/chat/completions", 405),
+                                 ("POST", "/nowhere", 404)):
+        req = urllib.request.Request(base + path, b"{}" if method == "POST" else None, method=method)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=5)
+        assert info.value.code == status, (method, path)  # (the episode is over: its endpoint answers 410)
+
+
+def test_an_agent_must_be_async_importable_and_take_its_options(agents):
+    with pytest.raises(ValueError, match="must be an async function"):
+        AgentBuilder(f"{agents}:not_async")
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        AgentBuilder(f"{agents}:nope")
+    with pytest.raises(ValueError, match="env.options for the agent .*unexpected keyword argument 'max_attemps'"):
+        AgentBuilder(f"{EXAMPLE}:retry_agent", max_attemps=3)
+
+
+def test_after_an_agent_fails_the_next_one_runs_and_the_failed_one_is_let_go(agents):
+    """SystemExit in one agent does not stop the agents' loop; an agent that raised does not
+    keep its environment alive (its traceback holds the environment's frames)."""
+    import weakref
+
+    env = AgentBuilder(f"{agents}:exits").make_one(Prompt(id="e", text="x"), 1, 0)
+    asyncio.run(env.initial_observation())
+    with pytest.raises(RuntimeError, match="SystemExit"):
+        asyncio.run(env.step(act("Hi.")))
+    failed = AgentBuilder(f"{agents}:raises").make_one(Prompt(id="r", text="x"), 1, 0)
+    asyncio.run(failed.initial_observation())
+    with pytest.raises(KeyError, match="no such tool"):
+        asyncio.run(failed.step(act("Hi.")))
+    from rollover.envs import agent
+
+    gone, token = weakref.ref(failed), failed.token
+    del failed
+    deadline = time.monotonic() + 5  # the episode's endpoint is removed on the agents' loop, soon after
+    while token in agent._SERVER.channels and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gc.collect()
+    assert gone() is None
+    healthy = AgentBuilder(f"{EXAMPLE}:retry_agent").make_one(Prompt(id="h", text="1 + 1 =", answer=2), 1, 0)
+    asyncio.run(healthy.initial_observation())
+    assert asyncio.run(healthy.step(act("2"))).reward == 1.0
+
+
+def test_an_episode_cut_short_cancels_its_agent(agents):
+    """env.max_turns ends the episode while the agent waits for a reply: once the episode lets
+    its environment go, the agent is cancelled."""
+    builder = AgentBuilder(f"{agents}:waits_forever")
+    cancelled = builder.agent().__globals__["CANCELLED"]  # the agent's module as the builder loaded it
+    env = builder.make_one(Prompt(id="cut", text="x"), 1, 0)
+    asyncio.run(env.initial_observation())
+    assert not asyncio.run(env.step(act("Hi."))).done
+    del env
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while "cut" not in cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cancelled == ["cut"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=21))
+
+
+def agent_cfg(model_dir, run_dir, **over):
+    base = {
+        "device": "cpu", "model": model_dir, "run_dir": str(run_dir), "steps": 2, "seed": 3, "resume": "auto",
+        "data.train": "gen:arithmetic?n=40", "data.eval_size": 2, "data.max_prompt_tokens": 128,
+        "env.name": "agent", "env.options": {"fn": f"{EXAMPLE}:retry_agent", "max_attempts": 2},
+        "env.max_turns": 2, "env.max_total_tokens": 300, "rollout.prompts_per_step": 2,
+        "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 6, "rollout.max_rows": 8, "train.lr": 1e-3,
+        "eval.every": 0, "eval.at_start": False, "checkpoint.every": 1, "logging.progress": False,
+        "logging.tensorboard": False,
+    }
+    base.update(over)
+    return load_config(**base)
+
+
+def rows(run_dir):
+    return [r for r in map(json.loads, open(run_dir / "metrics.jsonl")) if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_run_trains_on_the_agents_conversations(model_dir, tmp_path, mode):
+    from rollover.loops.async_ import train_async
+
+    over = {"mode": "async", "async.max_staleness": 1} if mode == "async" else {}
+    (train_async if mode == "async" else train_sync)(agent_cfg(model_dir, tmp_path, **over))
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [1, 2]
+    # (async mode counts episodes as its rollout service finishes them, in whichever step's row)
+    assert sum(r.get("rollout/env/episodes", 0) for r in got) >= 8
+    assert sum(r.get("rollout/env/failed", 0) for r in got) == 0
+    counted = [r for r in got if r.get("rollout/env/episodes")]
+    assert all(1 <= r["rollout/env/info/attempts"] <= 2 for r in counted)  # the agent's own numbers are reported
+    assert all(r["rollout/env/turns_mean"] > 1 for r in counted)  # the tiny model answers wrong: the agent asks again
+    if mode == "sync":
+        assert all(r["actor/loss_tokens"] == r["rollout/generated_tokens"] for r in got)  # its feedback is not trained
+        # step 1 trains on the engine's own samples: nothing re-tokenised between turns
+        assert got[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_episodes_cut_by_the_turn_limit_cancel_their_agents_during_the_run(model_dir, tmp_path, agents):
+    record = tmp_path / "cancelled.txt"
+    cfg = agent_cfg(model_dir, tmp_path / "run", steps=1, **{
+        "env.options": {"fn": f"{agents}:loops_until_cut", "record": str(record)}, "env.max_turns": 2,
+        "checkpoint.every": 0})
+    train_sync(cfg)
+    assert rows(tmp_path / "run")[0]["rollout/env/finish_max_turns"] == 1.0  # every episode was cut
+    evaluated = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "eval"]
+    episodes = 4 + sum(r["eval/samples"] for r in evaluated)  # the final evaluation's are cut too
+    deadline = time.monotonic() + 5
+    while (not record.exists() or len(record.read_text().split()) < episodes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(record.read_text().split()) == episodes  # each cut episode's agent was cancelled
+
+
+def test_april_carries_agents_across_steps_and_resumes_exactly(model_dir, tmp_path):
+    """APRIL stops mid-episode and carries live episodes in its checkpoint; a resumed run
+    replays their turns into fresh agents and ends with the straight run's weights."""
+    over = {"env.inline": True, "partial_rollout.enabled": True, "partial_rollout.oversample": 4.0,
+            "rollout.samples_per_prompt": 4, "rollout.max_rows": 32, "checkpoint.keep": 3}
+    train_sync(agent_cfg(model_dir, tmp_path / "straight", steps=3, **over))
+    train_sync(agent_cfg(model_dir, tmp_path / "resumed", steps=1, **over))
+    state = torch.load(tmp_path / "resumed" / "checkpoints" / "step_000001" / "state.pt", weights_only=False)
+    carried = [ep for g in state["collector"]["buffer"] for ep in (g.episodes or {}).values()]
+    assert any(not ep.finished and ep.traj is not None and ep.traj.turns for ep in carried)  # mid-conversation
+    train_sync(agent_cfg(model_dir, tmp_path / "resumed", steps=3, **over))
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "checkpoints" / "step_000003" / "model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["reward/mean"] for r in rows(tmp_path / "straight")] == [r["reward/mean"] for r in rows(tmp_path / "resumed")]
