@@ -36,8 +36,30 @@ async def edits_history(client, prompt):
     await client.chat.completions.create(messages=msgs + [reply.choices[0].message, {"role": "user", "content": "?"}])
 
 
-async def wants_tools(client, prompt):
-    await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}], tools=[{"type": "function"}])
+ADD = {"type": "function", "function": {"name": "add", "description": "a + b",
+                                        "parameters": {"type": "object", "properties": {"a": {}, "b": {}}}}}
+
+
+async def uses_tools(client, prompt):  # OpenAI's function-calling loop
+    import json
+
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+    while True:
+        reply = await client.chat.completions.create(messages=msgs, tools=[ADD])
+        message = reply.choices[0].message
+        if not message.tool_calls:
+            return {"reward": float(message.content.strip() == "5"), "finish_stop": float(reply.choices[0].finish_reason == "stop")}
+        msgs.append(message)
+        for call in message.tool_calls:
+            args = json.loads(call.function.arguments)
+            msgs.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
+                         "content": str(args["a"] + args["b"])})
+
+
+async def changes_tools(client, prompt):
+    reply = await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}], tools=[ADD])
+    await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}, reply.choices[0].message,
+                                                   {"role": "user", "content": "?"}])
 
 
 async def never_calls(client, prompt):
@@ -110,6 +132,18 @@ async def via_openai(client, prompt):  # the conversation through the episode's 
     return {"reward": float(len(reply.choices[0].message.content)), "tokens": float(reply.usage.completion_tokens)}
 
 
+async def tools_via_openai(client, prompt):  # OpenAI's SDK parses the tool calls out of the endpoint's JSON
+    from openai import AsyncOpenAI
+
+    api = AsyncOpenAI(base_url=client.base_url, api_key="-", max_retries=0)
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+    reply = await api.chat.completions.create(model="policy", messages=msgs, tools=[ADD])
+    message = reply.choices[0].message
+    msgs += [message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}]
+    reply = await api.chat.completions.create(model="policy", messages=msgs, tools=[ADD])
+    return float(reply.choices[0].message.content == "5")
+
+
 PROGRAM = """
 import json, sys, urllib.request
 url, msgs = sys.argv[1] + "/chat/completions", [{"role": "user", "content": "Count."}]
@@ -169,7 +203,7 @@ def test_an_agents_conversation_is_the_episode_and_its_return_the_reward():
 
 @pytest.mark.parametrize("name, where, message", [
     ("edits_history", "step", "call 2: message 0 differs from the conversation so far"),
-    ("wants_tools", "open", "tools not supported by rollover's agent client"),
+    ("changes_tools", "step", "call 2: tools= differs from the first call's"),
     ("never_calls", "open", "returned 1.0 without calling chat.completions.create"),
     ("says_yes", "step", "returned 'yes': expected a number"),
     ("calls_twice_at_once", "step", "a call is already waiting for the policy"),
@@ -214,6 +248,28 @@ def test_a_request_the_endpoint_cannot_serve_is_answered_with_the_reason_and_fai
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=5)
         assert info.value.code == status, (method, path)  # (the episode is over: its endpoint answers 410)
+
+
+def test_tool_calls_come_back_as_openai_tool_calls_and_results_go_in_as_tool_messages(agents):
+    """tools=: the opening describes them to the model (a system message), a reply's
+    `<tool_call>` blocks come back as `tool_calls`, the agent's tool messages are the next
+    insertion, and its final answer ends the episode."""
+    env = AgentBuilder(f"{agents}:uses_tools").make_one(Prompt(id="t", text="x"), 1, 0)
+    opening = asyncio.run(env.initial_observation())
+    assert [m["role"] for m in opening] == ["system", "user"] and '"name": "add"' in opening[0]["content"]
+    result = asyncio.run(env.step(act('Let me add. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')))
+    assert not result.done
+    assert [(m["role"], m["content"], m["name"]) for m in result.messages] == [("tool", "5", "add")]
+    final = asyncio.run(env.step(act(" 5")))
+    assert final.done and final.reward == 1.0 and final.info == {"finish_stop": 1.0}
+
+
+def test_tool_calls_through_the_endpoint_with_openais_sdk(agents):
+    env = AgentBuilder(f"{agents}:tools_via_openai").make_one(Prompt(id="o", text="x"), 1, 0)
+    asyncio.run(env.initial_observation())
+    result = asyncio.run(env.step(act('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')))
+    assert [(m["role"], m["content"]) for m in result.messages] == [("tool", "5")]
+    assert asyncio.run(env.step(act("5"))).reward == 1.0
 
 
 def test_an_agent_must_be_async_importable_and_take_its_options(agents):

@@ -26,8 +26,14 @@ re-tokenised: the reply text the agent sees is only for the agent (`rollover.env
 
 Refused, each failing its episode with the reason: a call whose messages do not continue the
 conversation (an edited history, a second conversation, a sub-agent on the same client), two
-calls at once, and arguments rollover cannot honour (`tools`, `n`, `stream`, `stop`,
-`logprobs`, `response_format`). Sampling settings (temperature, max_tokens, ...) are ignored:
+calls at once, and arguments rollover cannot honour (`n`, `stream`, `stop`, `logprobs`,
+`response_format`, a `tools=` other than the first call's).
+
+Tools (`tools=`, OpenAI's function schemas): the opening gets a system message describing them
+in Hermes' format (`<tools>` JSON, calls written as `<tool_call>{"name", "arguments"}</tool_call>`,
+as `rollover.envs.tools.ToolUse` does, so any chat template carries it); a reply's well-formed
+`<tool_call>` blocks come back as `tool_calls` (finish_reason "tool_calls") with the text around
+them as the content; the agent's `tool` messages are inserted as the chat template renders them. Sampling settings (temperature, max_tokens, ...) are ignored:
 the run samples with `rollout.*` so that the behaviour logprobs are the ones trained on.
 Anything the agent raises (even SystemExit or a CancelledError of its own) fails its episode
 only. An episode that ends (done, failed, timed out, or cut by `env.max_turns` /
@@ -46,32 +52,49 @@ import numbers
 import secrets
 import threading
 import weakref
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 
 from rollover.envs.base import Action, StepResult
 from rollover.types import Prompt
 
 # create() arguments rollover cannot honour, with the values that ask for nothing
-ALLOWED = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"), "n": (None, 1),
+ALLOWED = {"functions": (None, []), "tool_choice": (None, "none", "auto"), "n": (None, 1),
            "stream": (None, False), "stop": (None, [], ""), "logprobs": (None, False), "top_logprobs": (None, 0),
            "response_format": (None, {"type": "text"})}
 
 
 @dataclass
+class Function:
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+@dataclass
+class ToolCallObject:
+    id: str
+    function: Function
+    type: str = "function"
+
+
+@dataclass
 class ChatMessage:
     role: str
-    content: str
-    tool_calls: None = None
+    content: str | None
+    tool_calls: list[ToolCallObject] | None = None
 
-    def model_dump(self) -> dict:
-        return {"role": self.role, "content": self.content}
+    def model_dump(self, **_) -> dict:
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [asdict(c) for c in self.tool_calls]
+        return out
 
 
 @dataclass
 class Choice:
     index: int
     message: ChatMessage
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length" or "tool_calls"
 
 
 @dataclass
@@ -101,8 +124,7 @@ def refused_arguments(kwargs: dict) -> str | None:
                      if k in ALLOWED and not any(v is a or (type(v) is type(a) and v == a) for a in ALLOWED[k]))
     if refused:
         return (f"chat.completions.create: {', '.join(refused)} not supported by rollover's agent client "
-                "(tools: describe them in the messages or in data.chat_template_kwargs; the reply is the policy's "
-                "whole turn, sampled with rollout.*)")
+                "(the reply is the policy's whole turn, sampled with rollout.*; tools go in tools=)")
     return None
 
 
@@ -110,12 +132,12 @@ class _Completions:
     def __init__(self, channel: "_Channel"):
         self._channel = channel
 
-    async def create(self, *, messages, model: str | None = None, **kwargs) -> ChatCompletion:
+    async def create(self, *, messages, model: str | None = None, tools=None, **kwargs) -> ChatCompletion:
         """The policy's next turn in this conversation (see the module docstring)."""
         refused = refused_arguments(kwargs)
         if refused:
             raise ValueError(refused)
-        return await self._channel.call(messages)
+        return await self._channel.call(messages, tools)
 
 
 @dataclass
@@ -165,12 +187,67 @@ async def _server():
 
 def _as_message(m, where: str) -> dict:
     """A chat message as {"role", "content"} (a dict, or a message object an agent appended as
-    the SDK returned it)."""
+    the SDK returned it); an assistant message's tool calls as [(name, arguments)], and a tool
+    result's `name` / `tool_call_id`, kept."""
     if not isinstance(m, dict):
-        m = {"role": getattr(m, "role", None), "content": getattr(m, "content", None)}
-    if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        m = m.model_dump() if hasattr(m, "model_dump") else {"role": getattr(m, "role", None),
+                                                             "content": getattr(m, "content", None)}
+    out = {"role": m.get("role"), "content": m.get("content")}
+    calls = m.get("tool_calls") or []
+    if out["content"] is None and calls:
+        out["content"] = ""
+    if not isinstance(out["role"], str) or not isinstance(out["content"], str):
         raise ValueError(f"{where}: a chat message needs a string role and content, got {m!r:.120}")
-    return {"role": m["role"], "content": m["content"]}
+    if calls:
+        try:
+            out["tool_calls"] = [_call_key(c) for c in calls]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{where}: malformed tool_calls ({e})") from None
+    for key in ("name", "tool_call_id"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    return out
+
+
+def _call_key(call) -> tuple[str, str]:
+    """(name, arguments as canonical JSON) of a tool call in OpenAI's form (dict or object)."""
+    fn = call["function"] if isinstance(call, dict) else call.function
+    name, args = (fn["name"], fn["arguments"]) if isinstance(fn, dict) else (fn.name, fn.arguments)
+    return name, json.dumps(json.loads(args) if isinstance(args, str) else args, sort_keys=True)
+
+
+def tools_prompt(tools: list) -> str:
+    """The tools, described for the model in a system message (Hermes' format, as
+    `rollover.envs.tools.ToolUse` writes it: any chat template carries it)."""
+    schemas = "\n".join(json.dumps(t.get("function", t) if isinstance(t, dict) else t) for t in tools)
+    return ("You can call tools. They are described here as JSON:\n"
+            f"<tools>\n{schemas}\n</tools>\n"
+            'To call a tool, write <tool_call>{"name": "<tool name>", "arguments": {...}}</tool_call> and stop; '
+            "the result comes back in the next message.")
+
+
+def with_tools(messages: list[dict], tools: list | None) -> list[dict]:
+    """The opening as the model sees it: the tools' description first in the system message."""
+    if not tools:
+        return messages
+    head = tools_prompt(tools)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{head}\n\n{messages[0]['content']}"}, *messages[1:]]
+    return [{"role": "system", "content": head}, *messages]
+
+
+def reply_message(text: str, tools: list | None) -> tuple[ChatMessage, bool]:
+    """The policy's turn as the agent receives it: with tools, its well-formed `<tool_call>` blocks
+    as `tool_calls` and the text around them as the content; (message, whether it calls tools)."""
+    from rollover.envs.tools import _TOOL_CALL, parse_tool_calls
+
+    if tools:
+        calls, problems = parse_tool_calls(text)
+        if calls and not problems:
+            content = _TOOL_CALL.sub("", text).strip() or None
+            objects = [ToolCallObject(f"call_{next(_IDS)}", Function(c.name, json.dumps(c.arguments))) for c in calls]
+            return ChatMessage("assistant", content, objects), True
+    return ChatMessage("assistant", text), False
 
 
 @dataclass
@@ -183,10 +260,11 @@ class _Channel:
     reply: asyncio.Future | None = None  # the pending call's answer, on the agents' loop
     sent: list[dict] = field(default_factory=list)  # the conversation so far, as the agent sent it
     calls: int = 0
+    tools: list | None = None  # the first call's tools=, which every later call must repeat
     ended: tuple | None = None  # ("done", value) or ("error", exception) once the agent has returned or raised
     task: asyncio.Task | None = None  # the agent, once started
 
-    async def call(self, messages) -> ChatCompletion:
+    async def call(self, messages, tools=None) -> ChatCompletion:
         if self.reply is not None and not self.reply.done():
             raise RuntimeError("chat.completions.create: a call is already waiting for the policy; an episode is one "
                                "conversation, one call at a time")
@@ -194,6 +272,11 @@ class _Channel:
         where = f"call {self.calls}"
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"{where}: messages must be a non-empty list")
+        tools = list(tools) if tools else None
+        if self.calls == 1:
+            self.tools = tools
+        elif tools != self.tools:
+            raise ValueError(f"{where}: tools= differs from the first call's: the model saw those in its opening")
         msgs = [_as_message(m, f"{where}, message {i}") for i, m in enumerate(messages)]
         self.reply = asyncio.get_running_loop().create_future()
         _settle(self.next, ("call", msgs))
@@ -295,7 +378,7 @@ class AgentEnv:
         kind, value = await self._wait(ch.next)
         if kind == "call":
             ch.sent = value
-            return value
+            return with_tools(value, ch.tools)
         self._end()
         if kind == "error":
             raise value
@@ -312,9 +395,10 @@ class AgentEnv:
     async def step(self, action: Action) -> StepResult:
         loop, ch = _agent_loop(), self.channel
         nxt = ch.expect()  # before the reply: the agent's next event lands here
+        message, calls = reply_message(action.text, ch.tools)
+        finish = "length" if action.finish == "length" else "tool_calls" if calls else "stop"
         completion = ChatCompletion(
-            id=f"rollover-{next(_IDS)}",
-            choices=[Choice(0, ChatMessage("assistant", action.text), "length" if action.finish == "length" else "stop")],
+            id=f"rollover-{next(_IDS)}", choices=[Choice(0, message, finish)],
             usage=Usage(completion_tokens=len(action.token_ids), total_tokens=len(action.token_ids)))
         reply = ch.reply
         loop.call_soon_threadsafe(lambda: reply.done() or reply.set_result(completion))
@@ -325,7 +409,7 @@ class AgentEnv:
             if kind == "done":
                 self._end()  # its endpoint goes with it
                 return _final(value)
-            new = _continuation(ch.sent, action.text, value, ch.calls)
+            new = _continuation(ch.sent, message, action.text, value, ch.calls)
         except BaseException:
             self._end()
             raise
@@ -333,17 +417,23 @@ class AgentEnv:
         return StepResult(messages=new, reward=0.0, done=False)
 
 
-def _continuation(sent: list[dict], reply: str, messages: list[dict], call: int) -> list[dict]:
+def _continuation(sent: list[dict], reply: ChatMessage, text: str, messages: list[dict], call: int) -> list[dict]:
     """The messages a call adds after the conversation so far and the model's reply; an error
-    naming the first difference where it does not continue it."""
+    naming the first difference where it does not continue it. The reply may come back as
+    returned (its content, surrounding whitespace aside, and its tool calls) or as the whole
+    text the model wrote."""
     k = len(sent)
     for i, (old, new) in enumerate(zip(sent, messages)):
         if old != new:
             raise ValueError(f"call {call}: message {i} differs from the conversation so far ({new!r:.80} vs "
                              f"{old!r:.80}); an episode trains one conversation that only grows")
-    if len(messages) <= k or messages[k]["role"] != "assistant" or messages[k]["content"].strip() != reply.strip():
-        got = messages[k] if len(messages) > k else "nothing"
-        raise ValueError(f"call {call}: message {k} must be the model's reply as an assistant message, got {got!r:.80}")
+    got = messages[k] if len(messages) > k else None
+    expected_calls = [_call_key(asdict(c)) for c in reply.tool_calls or []]
+    as_sent = (got["content"].strip(), got.get("tool_calls", [])) if got is not None else None
+    if got is None or got["role"] != "assistant" or as_sent not in (((reply.content or "").strip(), expected_calls),
+                                                                    (text.strip(), [])):
+        raise ValueError(f"call {call}: message {k} must be the model's reply as an assistant message, got "
+                         f"{got or 'nothing'!r:.80}")
     return messages[k + 1:]
 
 

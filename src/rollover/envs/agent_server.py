@@ -84,10 +84,10 @@ class AgentServer:
                 raise _HTTPError(400, "the body must be a JSON object")
             from rollover.envs.agent import refused_arguments
 
-            refused = refused_arguments({k: v for k, v in request.items() if k not in ("messages", "model")})
+            refused = refused_arguments({k: v for k, v in request.items() if k not in ("messages", "model", "tools")})
             if refused:
                 raise _HTTPError(400, refused)
-            completion = await channel.call(request.get("messages"))
+            completion = await channel.call(request.get("messages"), request.get("tools"))
         except asyncio.CancelledError:
             return 410, {"error": {"message": "this episode has ended"}}
         except (ValueError, RuntimeError, _HTTPError) as e:  # the agent's mistake: it fails its episode too
