@@ -56,6 +56,33 @@ async def uses_tools(client, prompt):  # OpenAI's function-calling loop
                          "content": str(args["a"] + args["b"])})
 
 
+async def worked_example(client, prompt):
+    msgs = [{"role": "user", "content": "1 + 1?"},
+            {"role": "assistant", "content": "Adding.", "tool_calls": [
+                {"id": "ex", "type": "function", "function": {"name": "add", "arguments": '{"b": 1, "a": 1}'}}]},
+            {"role": "tool", "tool_call_id": "ex", "content": "2"}, {"role": "user", "content": "2 + 3?"}]
+    await client.chat.completions.create(messages=msgs, tools=[ADD])
+
+
+async def child_exits(client, prompt):  # a task the agent starts raises SystemExit
+    async def child():
+        raise SystemExit("from a child task")
+
+    asyncio.ensure_future(child())
+    await asyncio.sleep(0.05)
+    await client.chat.completions.create(messages=[{"role": "user", "content": "Still here?"}])
+    return 1.0
+
+
+async def retries(client, prompt):  # a client that gave up waiting and sent the same call again
+    msgs = [{"role": "user", "content": "Hi."}]
+    first = asyncio.ensure_future(client.chat.completions.create(messages=msgs))
+    await asyncio.sleep(0.05)
+    first.cancel()
+    reply = await client.chat.completions.create(messages=msgs)
+    return float(reply.choices[0].message.content == "Hello.")
+
+
 async def changes_tools(client, prompt):
     reply = await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}], tools=[ADD])
     await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}, reply.choices[0].message,
@@ -71,9 +98,10 @@ async def says_yes(client, prompt):
     return "yes"
 
 
-async def calls_twice_at_once(client, prompt):
+async def calls_twice_at_once(client, prompt):  # (the same call twice is a retry: it waits for the same reply)
     msgs = [{"role": "user", "content": "Hi."}]
-    await asyncio.gather(client.chat.completions.create(messages=msgs), client.chat.completions.create(messages=msgs))
+    await asyncio.gather(client.chat.completions.create(messages=msgs),
+                         client.chat.completions.create(messages=msgs + [{"role": "user", "content": "And?"}]))
 
 
 async def waits_forever(client, prompt):
@@ -264,6 +292,64 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_results_go_in_as_tool_mes
     assert [(m["role"], m["content"], m["name"]) for m in result.messages] == [("tool", "5", "add")]
     final = asyncio.run(env.step(act(" 5")))
     assert final.done and final.reward == 1.0 and final.info == {"finish_stop": 1.0}
+
+
+def test_a_tool_using_agent_replays_into_a_fresh_one_and_earlier_tool_calls_render_as_the_model_writes_them(agents):
+    """Tool-call ids are the same in a replay (a resumed checkpoint's), and an assistant message
+    with tool calls that the agent supplies itself (a worked example) reaches the chat template
+    as `<tool_call>` text, not as objects a template might drop."""
+    from rollover.envs.base import Action as A
+    from rollover.envs.episode import LiveEpisode
+    from rollover.envs.render import ChatRenderer
+    from rollover.testing import char_tokenizer
+    from rollover.types import SamplingParams
+
+    builder = AgentBuilder(f"{agents}:uses_tools")
+    env = builder.make_one(Prompt(id="t", text="x"), 1, 0)
+    ep = LiveEpisode("g/0", SamplingParams(max_new_tokens=40), max_turns=4, max_total_tokens=4000, env=env)
+    renderer = ChatRenderer(char_tokenizer())
+    ep.opened(asyncio.run(env.initial_observation()), None, 0.0, renderer)
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    ep.traj.turns.append(type("T", (), {})())  # stand-in turn: replay reads start/end/text/finish/messages/reward
+    ids = renderer.tokenizer.encode(call, add_special_tokens=False)
+    ep.traj.tokens_T += ids
+    turn = ep.traj.turns[-1]
+    turn.start, turn.end, turn.text, turn.finish = len(ep.traj.tokens_T) - len(ids), len(ep.traj.tokens_T), call, "stop"
+    result = asyncio.run(env.step(A(call, tuple(ids), "stop")))
+    turn.messages, turn.reward = list(result.messages), result.reward
+    ep.phase = "generate"
+    asyncio.run(ep.replay(builder.make_one(Prompt(id="t", text="x"), 1, 0), timeout_s=5))  # raises on any difference
+
+    worked = AgentBuilder(f"{agents}:worked_example").make_one(Prompt(id="w", text="x"), 1, 0)
+    opening = asyncio.run(worked.initial_observation())
+    assert opening[2] == {"role": "assistant", "content": 'Adding.\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'}
+    assert "<tool_call>" in renderer._text(opening, add_generation_prompt=True)
+
+
+def test_a_call_retried_while_it_waits_gets_the_same_reply(agents):
+    env = AgentBuilder(f"{agents}:retries").make_one(Prompt(id="r", text="x"), 1, 0)
+    asyncio.run(env.initial_observation())
+    time.sleep(0.3)  # the policy takes its time: the agent gives up on its first call and sends it again
+    assert asyncio.run(env.step(act("Hello."))).reward == 1.0
+
+
+def test_the_agents_loop_outlives_a_system_exit_and_the_endpoint_outlives_bad_http(agents):
+    import socket
+
+    from rollover.envs import agent
+
+    env = AgentBuilder(f"{agents}:child_exits").make_one(Prompt(id="c", text="x"), 1, 0)
+    assert asyncio.run(env.initial_observation())[0]["content"] == "Still here?"
+    assert asyncio.run(env.step(act("Yes."))).reward == 1.0
+    port = agent._SERVER.port
+    for raw, status in ((b"POST /episodes/x/v1/chat/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
+                        (b"POST /episodes/x/v1/chat/completions HTTP/1.1\r\nContent-Length: 12abc\r\n\r\n", 400)):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(raw)
+            assert sock.recv(4096).split(b" ")[1] == str(status).encode()
+    healthy = AgentBuilder(f"{EXAMPLE}:retry_agent").make_one(Prompt(id="h", text="1 + 1 =", answer=2), 1, 0)
+    asyncio.run(healthy.initial_observation())
+    assert asyncio.run(healthy.step(act("2"))).reward == 1.0
 
 
 def test_tool_calls_through_the_endpoint_with_openais_sdk(agents):

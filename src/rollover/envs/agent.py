@@ -53,6 +53,7 @@ import secrets
 import threading
 import weakref
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 
 from rollover.envs.base import Action, StepResult
@@ -89,6 +90,8 @@ class ChatMessage:
             out["tool_calls"] = [asdict(c) for c in self.tool_calls]
         return out
 
+    to_dict = model_dump
+
 
 @dataclass
 class Choice:
@@ -117,6 +120,11 @@ class ChatCompletion:
     object: str = "chat.completion"
     created: int = 0
 
+    def model_dump(self, **_) -> dict:
+        return asdict(self)
+
+    to_dict = model_dump
+
 
 def refused_arguments(kwargs: dict) -> str | None:
     """Why a call's arguments cannot be honoured (None: they can)."""
@@ -136,7 +144,9 @@ class _Completions:
         """The policy's next turn in this conversation (see the module docstring)."""
         refused = refused_arguments(kwargs)
         if refused:
-            raise ValueError(refused)
+            error = ValueError(refused)
+            self._channel.fail(error)  # caught by the agent or not, the episode fails with it
+            raise error
         return await self._channel.call(messages, tools)
 
 
@@ -162,15 +172,27 @@ def _agent_loop() -> asyncio.AbstractEventLoop:
     with _LOOP_LOCK:
         if _LOOP is None or _THREAD is None or not _THREAD.is_alive():
             _LOOP, _SERVER = asyncio.new_event_loop(), None
-            _THREAD = threading.Thread(target=_LOOP.run_forever, name="rollover-agents", daemon=True)
+            _THREAD = threading.Thread(target=_serve_forever, args=(_LOOP,), name="rollover-agents", daemon=True)
             _THREAD.start()
     return _LOOP
+
+
+def _serve_forever(loop: asyncio.AbstractEventLoop) -> None:
+    """The agents' loop, which goes on after a SystemExit or KeyboardInterrupt out of some task an
+    agent started (asyncio lets those two out of `run_forever`): other agents keep their loop."""
+    while True:
+        try:
+            loop.run_forever()
+            return  # stopped on purpose
+        except BaseException as e:  # noqa: BLE001 - one agent's task: logged, the loop goes on
+            log.warning("an agent's task raised %s out of the agents' event loop: %s", type(e).__name__, e)
 
 
 _LOOP: asyncio.AbstractEventLoop | None = None
 _THREAD: threading.Thread | None = None
 _LOOP_LOCK = threading.Lock()
 _IDS = itertools.count()
+log = logging.getLogger("rollover")
 _SERVER = None  # the process's AgentServer, on the agents' loop
 
 
@@ -187,15 +209,21 @@ async def _server():
 
 def _as_message(m, where: str) -> dict:
     """A chat message as {"role", "content"} (a dict, or a message object an agent appended as
-    the SDK returned it); an assistant message's tool calls as [(name, arguments)], and a tool
-    result's `name` / `tool_call_id`, kept."""
+    the SDK returned it): content given as parts joined into text, OpenAI's `developer` role as
+    `system`, an assistant message's tool calls as [(name, arguments as canonical JSON)], a tool
+    result's `name` / `tool_call_id` kept. The form calls are compared in; `_rendered` is the
+    form the chat template gets."""
     if not isinstance(m, dict):
         m = m.model_dump() if hasattr(m, "model_dump") else {"role": getattr(m, "role", None),
                                                              "content": getattr(m, "content", None)}
-    out = {"role": m.get("role"), "content": m.get("content")}
-    calls = m.get("tool_calls") or []
-    if out["content"] is None and calls:
-        out["content"] = ""
+    content, calls = m.get("content"), m.get("tool_calls") or []
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise ValueError(f"{where}: only text parts are supported in a message's content, got {content!r:.120}")
+        content = "".join(p["text"] for p in content)
+    if content is None and calls:
+        content = ""
+    out = {"role": "system" if m.get("role") == "developer" else m.get("role"), "content": content}
     if not isinstance(out["role"], str) or not isinstance(out["content"], str):
         raise ValueError(f"{where}: a chat message needs a string role and content, got {m!r:.120}")
     if calls:
@@ -206,6 +234,20 @@ def _as_message(m, where: str) -> dict:
     for key in ("name", "tool_call_id"):
         if isinstance(m.get(key), str):
             out[key] = m[key]
+    return out
+
+
+def _rendered(messages: list[dict]) -> list[dict]:
+    """Messages for the chat template: an assistant message's tool calls written into its text
+    as the model writes them (`<tool_call>` blocks, the format the tools' description asks for)."""
+    out = []
+    for m in messages:
+        if "tool_calls" in m:
+            blocks = "\n".join(f'<tool_call>{{"name": {json.dumps(name)}, "arguments": {args}}}</tool_call>'
+                               for name, args in m["tool_calls"])
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = f"{m['content']}\n{blocks}" if m["content"] else blocks
+        out.append(m)
     return out
 
 
@@ -236,16 +278,18 @@ def with_tools(messages: list[dict], tools: list | None) -> list[dict]:
     return [{"role": "system", "content": head}, *messages]
 
 
-def reply_message(text: str, tools: list | None) -> tuple[ChatMessage, bool]:
+def reply_message(text: str, tools: list | None, turn: int = 1) -> tuple[ChatMessage, bool]:
     """The policy's turn as the agent receives it: with tools, its well-formed `<tool_call>` blocks
-    as `tool_calls` and the text around them as the content; (message, whether it calls tools)."""
+    as `tool_calls` (ids by turn and place: the same in a replay) and the text around them as the
+    content; (message, whether it calls tools)."""
     from rollover.envs.tools import _TOOL_CALL, parse_tool_calls
 
     if tools:
         calls, problems = parse_tool_calls(text)
         if calls and not problems:
             content = _TOOL_CALL.sub("", text).strip() or None
-            objects = [ToolCallObject(f"call_{next(_IDS)}", Function(c.name, json.dumps(c.arguments))) for c in calls]
+            objects = [ToolCallObject(f"call{turn}x{i}", Function(c.name, json.dumps(c.arguments)))
+                       for i, c in enumerate(calls)]
             return ChatMessage("assistant", content, objects), True
     return ChatMessage("assistant", text), False
 
@@ -263,24 +307,37 @@ class _Channel:
     tools: list | None = None  # the first call's tools=, which every later call must repeat
     ended: tuple | None = None  # ("done", value) or ("error", exception) once the agent has returned or raised
     task: asyncio.Task | None = None  # the agent, once started
+    pending: tuple | None = None  # (messages, tools) of the call the reply answers
 
     async def call(self, messages, tools=None) -> ChatCompletion:
-        if self.reply is not None and not self.reply.done():
-            raise RuntimeError("chat.completions.create: a call is already waiting for the policy; an episode is one "
-                               "conversation, one call at a time")
+        """The policy's reply to this call. What is wrong with it fails the episode (and raises
+        into the caller); the same call again while it waits (a client's retry after a timeout)
+        waits for the same reply."""
+        try:
+            where = f"call {self.calls + 1}"
+            if not isinstance(messages, (list, tuple)) or not messages:
+                raise ValueError(f"{where}: messages must be a non-empty list")
+            if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+                raise ValueError(f"{where}: tools must be a list of function schemas, got {tools!r:.80}")
+            tools = list(tools) if tools else None
+            msgs = [_as_message(m, f"{where}, message {i}") for i, m in enumerate(messages)]
+            if self.reply is not None and not self.reply.done():
+                if (msgs, tools) == self.pending:
+                    return await asyncio.shield(self.reply)
+                raise RuntimeError("chat.completions.create: a call is already waiting for the policy; an episode is "
+                                   "one conversation, one call at a time")
+            if self.calls and tools != self.tools:
+                raise ValueError(f"{where}: tools= differs from the first call's: the model saw those in its opening")
+        except (ValueError, RuntimeError) as e:
+            self.fail(e)
+            raise
         self.calls += 1
-        where = f"call {self.calls}"
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError(f"{where}: messages must be a non-empty list")
-        tools = list(tools) if tools else None
         if self.calls == 1:
             self.tools = tools
-        elif tools != self.tools:
-            raise ValueError(f"{where}: tools= differs from the first call's: the model saw those in its opening")
-        msgs = [_as_message(m, f"{where}, message {i}") for i, m in enumerate(messages)]
+        self.pending = (msgs, tools)
         self.reply = asyncio.get_running_loop().create_future()
         _settle(self.next, ("call", msgs))
-        return await self.reply
+        return await asyncio.shield(self.reply)
 
     def finished(self, task: asyncio.Task) -> None:
         if self.ended is None:  # else: failed through the endpoint, or closed, first
@@ -356,7 +413,8 @@ class AgentEnv:
         self._end = None  # closes the episode's agent and endpoint (a finalizer: also when the env is let go)
 
     async def initial_observation(self) -> list[dict]:
-        loop, ch = _agent_loop(), self.channel
+        self.loop = loop = _agent_loop()  # the loop this agent lives on (a restarted one is another's)
+        ch = self.channel
         server = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_server(), loop))
         server.channels[self.token] = ch
         client = AgentClient(_Chat(_Completions(ch)), base_url=server.url(self.token))
@@ -378,7 +436,7 @@ class AgentEnv:
         kind, value = await self._wait(ch.next)
         if kind == "call":
             ch.sent = value
-            return with_tools(value, ch.tools)
+            return with_tools(_rendered(value), ch.tools)
         self._end()
         if kind == "error":
             raise value
@@ -393,9 +451,9 @@ class AgentEnv:
             raise
 
     async def step(self, action: Action) -> StepResult:
-        loop, ch = _agent_loop(), self.channel
+        loop, ch = self.loop, self.channel
         nxt = ch.expect()  # before the reply: the agent's next event lands here
-        message, calls = reply_message(action.text, ch.tools)
+        message, calls = reply_message(action.text, ch.tools, ch.calls)
         finish = "length" if action.finish == "length" else "tool_calls" if calls else "stop"
         completion = ChatCompletion(
             id=f"rollover-{next(_IDS)}", choices=[Choice(0, message, finish)],
@@ -414,7 +472,7 @@ class AgentEnv:
             self._end()
             raise
         ch.sent = value
-        return StepResult(messages=new, reward=0.0, done=False)
+        return StepResult(messages=_rendered(new), reward=0.0, done=False)
 
 
 def _continuation(sent: list[dict], reply: ChatMessage, text: str, messages: list[dict], call: int) -> list[dict]:

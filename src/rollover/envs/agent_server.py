@@ -7,16 +7,21 @@ episode as `client.chat.completions.create` does. One server per process, on the
 loop, bound to 127.0.0.1 on a free port, started with the first agent episode.
 
 It serves `POST <base_url>/chat/completions` (JSON in, a chat completion out; keep-alive
-connections) and nothing else. A request the agent client would refuse (`stream`, `tools`, `n`,
-a second call while one waits, malformed messages) is answered 400 with the reason and fails
-the episode, as a raising in-process call fails it; a call to an episode that has ended is
-answered 410. Only standard-library asyncio streams: no web framework to install.
+connections; bodies with a Content-Length) and nothing else. A request the agent client would
+refuse (`stream`, `n`, `stop`, a second call while one waits, malformed messages or tools) is
+answered 400 with the reason and fails the episode, as a raising in-process call fails it; the
+same call again while it waits (a client retrying after its timeout) gets the same reply; a call
+to an episode that has ended is answered 410; a request that is not HTTP this server reads (no
+Content-Length, a bad header) is answered 400 or 411 and the connection closed. Starting it adds
+127.0.0.1 to NO_PROXY, so clients of this process and its children reach it past an HTTP proxy.
+Only standard-library asyncio streams: no web framework to install.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 from dataclasses import asdict
 
 MAX_BODY = 64 * 1024 * 1024
@@ -41,6 +46,10 @@ class AgentServer:
         if self.server is None:
             self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
             self.port = self.server.sockets[0].getsockname()[1]
+            for key in ("NO_PROXY", "no_proxy"):  # a proxy between an agent and this endpoint would break it
+                hosts = [h for h in os.environ.get(key, "").split(",") if h]
+                if "127.0.0.1" not in hosts:
+                    os.environ[key] = ",".join(hosts + ["127.0.0.1"])
 
     def url(self, token: str) -> str:
         return f"http://127.0.0.1:{self.port}/episodes/{token}/v1"
@@ -48,18 +57,13 @@ class AgentServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                line = await reader.readline()
-                if not line:
+                try:
+                    request = await self._read(reader)
+                except _HTTPError as e:  # not HTTP this server reads: answered, the connection closed
+                    return await self._send(writer, e.status, {"error": {"message": str(e)}}, close=True)
+                if request is None:
                     return
-                method, path, _ = (line.decode("latin-1").split(" ", 2) + ["", ""])[:3]
-                headers = {}
-                while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                    k, _, v = h.decode("latin-1").partition(":")
-                    headers[k.strip().lower()] = v.strip()
-                n = int(headers.get("content-length", "0") or 0)
-                if n > MAX_BODY:
-                    return await self._send(writer, 413, {"error": {"message": "request body too large"}})
-                body = await reader.readexactly(n) if n else b""
+                method, path, headers, body = request
                 status, payload = await self._answer(method, path, body)
                 await self._send(writer, status, payload)
                 if headers.get("connection", "").lower() == "close":
@@ -68,6 +72,29 @@ class AgentServer:
             return
         finally:
             writer.close()
+
+    @staticmethod
+    async def _read(reader: asyncio.StreamReader):
+        """(method, path, headers, body) of the next request; None at the end of the connection."""
+        try:
+            line = await reader.readline()
+            if not line:
+                return None
+            method, path, _ = (line.decode("latin-1").split(" ", 2) + ["", ""])[:3]
+            headers = {}
+            while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                k, _, v = h.decode("latin-1").partition(":")
+                headers[k.strip().lower()] = v.strip()
+        except (ValueError, asyncio.LimitOverrunError) as e:  # a line past the stream's limit
+            raise _HTTPError(400, f"unreadable request: {e}") from None
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            raise _HTTPError(411, "send the body with a Content-Length (chunked bodies are not read)")
+        length = headers.get("content-length", "0") or "0"
+        if not length.isdigit():
+            raise _HTTPError(400, f"bad Content-Length {length!r}")
+        if int(length) > MAX_BODY:
+            raise _HTTPError(413, "request body too large")
+        return method, path, headers, (await reader.readexactly(int(length)) if int(length) else b"")
 
     async def _answer(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
         parts = path.split("?")[0].strip("/").split("/")
@@ -90,16 +117,16 @@ class AgentServer:
             completion = await channel.call(request.get("messages"), request.get("tools"))
         except asyncio.CancelledError:
             return 410, {"error": {"message": "this episode has ended"}}
-        except (ValueError, RuntimeError, _HTTPError) as e:  # the agent's mistake: it fails its episode too
+        except (ValueError, RuntimeError, TypeError, _HTTPError) as e:  # the agent's mistake: it fails its episode too
             channel.fail(e if not isinstance(e, _HTTPError) else ValueError(str(e)))
             return getattr(e, "status", 400), {"error": {"message": str(e)}}
         return 200, asdict(completion)
 
     @staticmethod
-    async def _send(writer: asyncio.StreamWriter, status: int, payload: dict) -> None:
+    async def _send(writer: asyncio.StreamWriter, status: int, payload: dict, close: bool = False) -> None:
         data = json.dumps(payload).encode()
         reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 410: "Gone",
-                  413: "Payload Too Large"}[status]
-        writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(data)}\r\nConnection: keep-alive\r\n\r\n".encode() + data)
+                  411: "Length Required", 413: "Payload Too Large"}[status]
+        writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
+                     f"\r\nConnection: {'close' if close else 'keep-alive'}\r\n\r\n".encode() + data)
         await writer.drain()
