@@ -704,6 +704,25 @@ def test_named_training_sources_are_mixed_at_their_weights_and_held_out_per_sour
         tiny_cfg(model_dir, tmp_path / "bad", **{"data.train_weights": {"a": 1}})
 
 
+def test_resuming_from_an_earlier_checkpoint_sets_the_later_ones_aside(model_dir, tmp_path):
+    """A run resumed at step 2 of 4 drops the metrics after step 2 and sets checkpoints 3 and 4
+    aside (moved, not deleted): the continuation's own step 3 and its best are what the run dir
+    holds, never the abandoned branch's."""
+    from rollover.train.checkpoint import best_checkpoint, checkpoint_dir
+
+    run = tmp_path / "run"
+    over = {"checkpoint.every": 1, "checkpoint.keep": 10, "eval.every": 1}
+    train_sync(tiny_cfg(model_dir, run, steps=4, **over))
+    old_3 = (checkpoint_dir(run) / "step_000003" / "state.pt").read_bytes()
+    train_sync(tiny_cfg(model_dir, run, steps=3, resume=str(checkpoint_dir(run) / "step_000002"), **over))
+    assert sorted(p.name for p in checkpoint_dir(run).glob("step_*")) == ["step_000001", "step_000002", "step_000003"]
+    aside = list((run / "checkpoints_set_aside").glob("after_step_2-*"))
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step_000003", "step_000004"]
+    assert (aside[0] / "step_000003" / "state.pt").read_bytes() == old_3  # the old branch's, kept whole
+    assert best_checkpoint(run, "eval/accuracy").parent == checkpoint_dir(run)
+    assert [r["step"] for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"] == [1, 2, 3]
+
+
 def test_checkpoint_retention_counts_the_best_among_the_newest(tmp_path):
     """keep=2 with checkpoint.best: the best stays, and is one of the two when it is among the newest."""
     from rollover.train import checkpoint

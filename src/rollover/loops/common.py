@@ -22,7 +22,8 @@ import torch
 from rollover.config import Config, ConfigError, dump_config
 from rollover.loops.prompts import (_check_best, _named_eval, _prompts, _render_all, _train_iterator,
                                     _warn_if_a_step_exceeds_the_data, eval_sources)
-from rollover.loops.resume import checkpoint_to_resume, config_changes_since, has_metrics, lock_run_dir, record_config
+from rollover.loops.resume import (checkpoint_to_resume, config_changes_since, has_metrics, lock_run_dir, record_config,
+                                   set_aside_later_checkpoints)
 from rollover.models import eos_ids
 from rollover.rewards import RewardRunner, build_rewards
 from rollover.rollout.groups import PendingGroup, eval_metrics, sampling_from
@@ -319,6 +320,8 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
             resume_step = state["step"] if state else (-1 if cfg.resume == "auto" else None)
             run.logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                                        resume=resume_step)
+            if state is not None:  # a resume from an earlier checkpoint than the newest: the later ones go aside
+                set_aside_later_checkpoints(run_dir, state["step"])
             record_config(cfg, run_dir, ckpt, changes)
     except BaseException:
         run.close()

@@ -49,6 +49,28 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
     return ckpt
 
 
+def set_aside_later_checkpoints(run_dir: Path, step: int) -> list[Path]:
+    """Move the run dir's checkpoints past `step` (the step a run resumes at, from an earlier
+    checkpoint than the newest) to RUN_DIR/checkpoints_set_aside/after_step_N/: they belong to
+    the abandoned continuation whose metrics the resume drops, so neither `resume=auto`,
+    `--best` nor retention may take them for this run's. Nothing is deleted. Returns the moved
+    directories' new paths."""
+    import re
+    import shutil
+    import time
+
+    root = checkpoint.checkpoint_dir(run_dir)
+    later = [p for p in sorted(root.glob("step_*")) if (m := re.fullmatch(r"step_(\d+)", p.name)) and int(m[1]) > step]
+    if not later:
+        return []
+    dest = run_dir / "checkpoints_set_aside" / f"after_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    dest.mkdir(parents=True, exist_ok=True)
+    moved = [Path(shutil.move(str(p), str(dest / p.name))) for p in later]
+    log.warning("resume at step %d: %d later checkpoint(s) of the abandoned continuation (%s) set aside in %s",
+                step, len(moved), ", ".join(p.name for p in later), dest)
+    return moved
+
+
 def config_changes_since(cfg: Config, ckpt: Path, allow: bool) -> list[str]:
     """The differences in what is trained between `cfg` and the config that trained `ckpt`
     (its own config.yaml, or its run dir's for checkpoints written without one); an error
