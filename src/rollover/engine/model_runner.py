@@ -76,7 +76,7 @@ def architecture_of(config) -> str:
         return "llama" if mt == "mistral" else mt
     raise ValueError(
         f"TorchEngine does not support architecture {archs or mt!r}; supported: "
-        f"{', '.join(sorted(SUPPORTED))} (use engine: vllm for others)"
+        f"{', '.join(sorted(SUPPORTED))} (rollout.engine_options: {{forward: transformers}} runs others)"
     )
 
 

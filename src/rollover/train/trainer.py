@@ -131,7 +131,7 @@ class Trainer:
         # an architecture outside rollover's own forward: its logits checked to be the sampler's (on the
         # model as loaded: not on a torchrun rank that holds only its structure), its sequences one to a
         # row unless explicit masks keep them apart (some models' masks ignore packed position ids)
-        self.generic = not fast_path(self._base(model).config)
+        self.generic = not fast_path(self._base(model).config, cfg.longest_sequence()[0])
         if self.generic and not any(p.is_meta for p in model.parameters()):
             check_model(self._base(model), training=cfg.train.disable_dropout)
         self.ref_model = None
