@@ -295,3 +295,70 @@ def test_a_gemma3_run_trains_evaluates_checkpoints_and_exports(tmp_path):
     export(run_dir, tmp_path / "out")
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(exported).__name__ == "Gemma3ForCausalLM"
+
+
+def test_a_sharded_step_on_another_architecture_equals_one_trainers():
+    """FSDP over two ranks, sharding Gemma 2's own layers (its logit cap in the head): one
+    trainer's update, as for the Llama family (tests/test_fsdp.py)."""
+    import copy
+
+    from rollover.train.ranks import ShardedTrainer
+    from rollover.train.trainer import Trainer
+    from rollover.types import Rollout
+    from rollover.train.batch import TrainBatch
+
+    cfg = load_config(**{"device": "cpu", "model": "unused", "run_dir": "unused", "data.train": "gen:arithmetic?n=10",
+                         "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 8, "train.lr": 1e-2,
+                         "train.parallel": "fsdp", "train.ranks": 2})
+    g = torch.Generator().manual_seed(0)
+    rolls, advs = [], []
+    for gi in range(4):
+        prompt = torch.randint(3, 60, (5,), generator=g).tolist()
+        for _ in range(3):
+            n = int(torch.randint(2, 8, (1,), generator=g))
+            rolls.append(Rollout(group_id=f"g{gi}", prompt_ids=prompt, response_ids=torch.randint(3, 60, (n,), generator=g).tolist(),
+                                 logprobs=[-1.0] * n, versions=[0] * n, loss_mask=[1] * n, finish="stop", reward=0.0))
+            advs.append(float(torch.randn(1, generator=g)))
+    batch = TrainBatch.from_rollouts(rolls, advs)
+    model = tiny_model("gemma2", seed=3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        mp, ms = plain.train_step(batch), sharded.train_step(batch)
+        assert ms["actor/pg_loss"] == pytest.approx(mp["actor/pg_loss"], rel=1e-5, abs=1e-7)
+        a, b = dict(plain.named_weights()), dict(sharded.named_weights())
+        moved = max(float((a[k] - start[k]).abs().max()) for k in a)
+        assert moved > 0.5 * cfg.train.lr and max(float((a[k] - b[k]).abs().max()) for k in a) < 0.05 * cfg.train.lr
+    finally:
+        sharded.close()
+
+
+def test_lora_on_another_architecture_trains_and_syncs_merged_weights(tmp_path):
+    pytest.importorskip("peft")
+    from rollover.loops.batch import train_batch_from
+    from rollover.loops.common import build_run
+    from rollover.loops.sync import make_collector
+
+    model_dir = save_tiny_model(tmp_path / "phi3", "phi3", seed=3)
+    cfg = load_config(**{
+        "device": "cpu", "model": str(model_dir), "run_dir": str(tmp_path / "run"), "steps": 2, "seed": 7,
+        "data.train": "gen:arithmetic?n=40", "data.eval_size": 4, "data.max_prompt_tokens": 64,
+        "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 8,
+        "rollout.max_rows": 8, "reward.functions": ["numeric"], "train.lr": 5e-2, "train.lora": {"r": 4, "alpha": 8},
+        "logging.progress": False, "logging.tensorboard": False,
+    })
+    run = build_run(cfg)
+    try:
+        collector = make_collector(run)
+        groups, _ = collector.collect(0)
+        batch, _ = train_batch_from(groups, cfg)
+        run.trainer.train_step(batch)
+        run.engine.update_weights(run.trainer.named_weights(), version=1)
+        groups, _ = collector.collect(1)
+        batch, _ = train_batch_from(groups, cfg)
+        assert torch.allclose(run.trainer.logprobs(batch)[batch.mask_BT], batch.behav_logp_BT[batch.mask_BT], atol=1e-4)
+        trainable = [n for n, p in run.trainer.model.named_parameters() if p.requires_grad]
+        assert trainable and all("lora_" in n for n in trainable)
+    finally:
+        run.close()
