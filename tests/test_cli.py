@@ -449,6 +449,10 @@ def test_filter_keeps_the_prompts_whose_pass_rate_lies_in_the_band(tmp_path, cap
         assert len(run.train_iter.prompts) + len(run.eval_prompts) == len(again)
     finally:
         run.close()
+    named = [o for o in over if not o.startswith("data.train=")] + [f"data.train={{a: {data}, b: {data}}}"]
+    assert main(["filter", *named, "--samples", "1", "--keep", "0:1", "--out", str(out)]) == 0
+    both = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["source"] for r in both) == ["a"] * 12 + ["b"] * 12  # which source each row came from
     assert main(["filter", *over, "--keep", "0.9:0.1", "--out", str(out)]) == 2
     assert "--keep '0.9:0.1' must be LOW:HIGH" in capsys.readouterr().err
     assert main(["filter", *over, "--out", str(tmp_path / "nowhere" / "k.jsonl")]) == 2

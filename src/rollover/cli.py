@@ -318,7 +318,8 @@ def _filter(argv: list[str]) -> int:
         run = build_run(cfg.model_copy(update=update), record=False)
         try:
             prompts = list(run.train_iter.prompts)
-            rows = rows_of(prompts, cfg.data.prompt_key, cfg.data.answer_key)  # a column JSON cannot hold: now
+            rows = rows_of(prompts, cfg.data.prompt_key, cfg.data.answer_key,  # a column JSON cannot hold: now
+                           sources=isinstance(cfg.data.train, dict))
             print(f"filter: {len(prompts)} prompts x {args.samples} samples with "
                   f"{f'checkpoint {run.checkpoint}' if run.checkpoint else f'model {cfg.model}'}"
                   + (f" ({run.data_skipped} rows skipped: data.on_bad_row=skip)" if run.data_skipped else ""), flush=True)

@@ -13,7 +13,9 @@ prompt's scored samples that the first reward function scores at least
 a prompt none of whose samples could be scored (its reward failed under `reward.on_error:
 skip`) has none and is not written. A row holds the dataset's other columns, the prompt under
 `data.prompt_key` and the answer under `data.answer_key` (`answer` by default), and
-`pass_rate`, so the file is a `data.train` of the same config as it is.
+`pass_rate`, so the file is a `data.train` of the same config as it is; with several named
+training sources (`data.train: {name: source}`) each row also says which under `source`, for
+splitting the file back.
 """
 
 from __future__ import annotations
@@ -46,13 +48,17 @@ def pass_rates(run, prompts: list, samples: int, temperature: float) -> list[flo
     return rates
 
 
-def rows_of(prompts: list, prompt_key: str, answer_key: str | None) -> list[dict]:
+def rows_of(prompts: list, prompt_key: str, answer_key: str | None, sources: bool = False) -> list[dict]:
     """Each prompt as the dataset row it came from: its other columns, then the prompt and the
-    answer under the keys the config reads them from (a dotted key as nested mappings). Checked
-    to be JSON now, before any sampling: a column JSON cannot hold is named."""
+    answer under the keys the config reads them from (a dotted key as nested mappings), and with
+    `sources` (several named training sources) the name of its source under `source` (unless a
+    column has that name). Checked to be JSON now, before any sampling: a column JSON cannot
+    hold is named."""
     rows = []
     for p in prompts:
         row = dict(p.fields)
+        if sources:  # a named source's prompt ids lead with its name
+            row.setdefault("source", p.id.split("/", 1)[0])
         _put(row, prompt_key, p.messages if p.messages is not None else p.text)
         _put(row, answer_key or "answer", p.answer)
         try:
