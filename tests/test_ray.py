@@ -706,6 +706,23 @@ def test_episodes_with_env_worker_actors_train_as_on_the_driver(model_dir, tmp_p
     assert any(r["actor/grad_norm"] > 0 for r in local)  # the runs trained: equal weights mean something
 
 
+def test_agents_on_env_worker_actors_train_as_on_the_driver(model_dir, tmp_path, monkeypatch):
+    """env.name: agent, its file named relative to the driver's directory: the actors load it by
+    its absolute path (their own directory differs) and train as the driver's episodes do."""
+    monkeypatch.chdir(Path(__file__).parents[1])
+    over = {"data.train": "gen:arithmetic?n=40", "env.name": "agent", "env.max_turns": 2,
+            "env.options": {"fn": "examples/agent_arith.py:retry_agent", "max_attempts": 2}}
+    train_sync(env_run_cfg(model_dir, tmp_path / "local", **over))
+    run = build_run(env_run_cfg(model_dir, tmp_path / "ray", runtime="ray", **over, **{
+        "ray.rollout_workers": 1, "ray.env_workers": 1, "ray.cpus_per_env_worker": 0.25}))
+    train_sync(run.cfg, run=run)
+    assert run.env_builder is run.env_workers and run.env_workers.groups_made == 2 * 2
+    a, b = final_weights(tmp_path / "local", 2), final_weights(tmp_path / "ray", 2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    remote = [json.loads(x) for x in open(tmp_path / "ray" / "metrics.jsonl") if json.loads(x)["kind"] == "train"]
+    assert all(r["rollout/env/failed"] == 0 and r["rollout/env/info/attempts"] >= 1 for r in remote)
+
+
 def test_an_env_worker_that_dies_fails_only_the_episodes_it_held(tmp_path):
     import asyncio
 
