@@ -352,6 +352,31 @@ def test_the_agents_loop_outlives_a_system_exit_and_the_endpoint_outlives_bad_ht
     assert asyncio.run(healthy.step(act("2"))).reward == 1.0
 
 
+def test_tools_in_the_chat_templates_own_words(agents):
+    """tools_in: template hands the tools to the chat template (an `Opening`), for models trained
+    on its format; a template that ignores them fails the episode rather than train a model
+    never shown its tools."""
+    from rollover.envs.episode import LiveEpisode
+    from rollover.envs.render import ChatRenderer
+    from rollover.testing import CHAT_TEMPLATE, char_tokenizer
+    from rollover.types import SamplingParams
+
+    with_tools = char_tokenizer()
+    with_tools.chat_template = ("{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t['function']['name'] }} "
+                                "{% endfor %}<|im_end|>\n{% endif %}" + CHAT_TEMPLATE)
+    for tokenizer, works in ((with_tools, True), (char_tokenizer(), False)):
+        env = AgentBuilder(f"{agents}:uses_tools", tools_in="template").make_one(Prompt(id="t", text="x"), 1, 0)
+        ep = LiveEpisode("g/0", SamplingParams(max_new_tokens=8), max_turns=4, max_total_tokens=4000, env=env)
+        opening = asyncio.run(env.initial_observation())
+        assert [t["function"]["name"] for t in opening.template_kwargs["tools"]] == ["add"]
+        assert opening.messages[0]["role"] == "user"  # no description of its own
+        ep.opened(opening, None, 0.0, ChatRenderer(tokenizer))
+        if works:
+            assert ep.phase == "generate" and "Tools: add" in tokenizer.decode(ep.traj.tokens_T)
+        else:
+            assert ep.finished and "the chat template ignores tools=" in ep.traj.error.message
+
+
 def test_tool_calls_through_the_endpoint_with_openais_sdk(agents):
     pytest.importorskip("openai")
     env = AgentBuilder(f"{agents}:tools_via_openai").make_one(Prompt(id="o", text="x"), 1, 0)

@@ -29,9 +29,10 @@ conversation (an edited history, a second conversation, a sub-agent on the same 
 calls at once, and arguments rollover cannot honour (`n`, `stream`, `stop`, `logprobs`,
 `response_format`, a `tools=` other than the first call's).
 
-Tools (`tools=`, OpenAI's function schemas): the opening gets a system message describing them
-in Hermes' format (`<tools>` JSON, calls written as `<tool_call>{"name", "arguments"}</tool_call>`,
-as `rollover.envs.tools.ToolUse` does, so any chat template carries it); a reply's well-formed
+Tools (`tools=`, OpenAI's function schemas): the opening describes them to the model, by default
+in a system message in Hermes' format (`<tools>` JSON, calls written as `<tool_call>{"name", "arguments"}</tool_call>`,
+as `rollover.envs.tools.ToolUse` does, so any chat template carries it; with `tools_in:
+template`, through the chat template's own tools rendering, an `Opening`); a reply's well-formed
 `<tool_call>` blocks come back as `tool_calls` (finish_reason "tool_calls") with the text around
 them as the content; the agent's `tool` messages are inserted as the chat template renders them. Sampling settings (temperature, max_tokens, ...) are ignored:
 the run samples with `rollout.*` so that the behaviour logprobs are the ones trained on.
@@ -56,7 +57,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 
-from rollover.envs.base import Action, StepResult
+from rollover.envs.base import Action, Opening, StepResult
 from rollover.types import Prompt
 
 # create() arguments rollover cannot honour, with the values that ask for nothing
@@ -406,13 +407,13 @@ def _close(loop: asyncio.AbstractEventLoop, channel: _Channel, token: str) -> No
 class AgentEnv:
     """One episode: the agent `fn(client, prompt, **options)` as an `Env` (module docstring)."""
 
-    def __init__(self, fn, prompt: Prompt, options: dict):
-        self.fn, self.prompt, self.options = fn, prompt, options
+    def __init__(self, fn, prompt: Prompt, options: dict, tools_in: str = "system"):
+        self.fn, self.prompt, self.options, self.tools_in = fn, prompt, options, tools_in
         self.channel = _Channel()
         self.token = secrets.token_hex(12)  # the episode's endpoint path
         self._end = None  # closes the episode's agent and endpoint (a finalizer: also when the env is let go)
 
-    async def initial_observation(self) -> list[dict]:
+    async def initial_observation(self) -> list[dict] | Opening:
         self.loop = loop = _agent_loop()  # the loop this agent lives on (a restarted one is another's)
         ch = self.channel
         server = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_server(), loop))
@@ -436,6 +437,8 @@ class AgentEnv:
         kind, value = await self._wait(ch.next)
         if kind == "call":
             ch.sent = value
+            if self.tools_in == "template" and ch.tools:  # the chat template describes them, in its own words
+                return Opening(_rendered(value), {"tools": ch.tools})
             return with_tools(_rendered(value), ch.tools)
         self._end()
         if kind == "error":
@@ -510,10 +513,18 @@ def _final(value) -> StepResult:
 
 class AgentBuilder:
     """`env.name: agent`: `env.options.fn` names the agent (`module:function` or
-    `path/to/file.py:function`, an `async def`); the other options are passed to it."""
+    `path/to/file.py:function`, an `async def`); `env.options.tools_in` says where an agent's
+    `tools=` are described to the model: "system" (default: a system message in Hermes' format,
+    for any chat template) or "template" (the chat template's own `tools` rendering, for models
+    trained on it whose calls are `<tool_call>` JSON: Qwen2.5 / Qwen3, Hermes); the other options
+    are passed to the agent."""
 
-    def __init__(self, fn: str, **options):
+    def __init__(self, fn: str, tools_in: str = "system", **options):
         from rollover.rewards.registry import _absolute
+
+        if tools_in not in ("system", "template"):
+            raise ValueError(f"env.options.tools_in must be 'system' or 'template', got {tools_in!r}")
+        self.tools_in = tools_in
 
         if not isinstance(fn, str):
             raise ValueError("env.options.fn: the agent as 'module:function' or 'path/to/file.py:function'")
@@ -531,7 +542,7 @@ class AgentBuilder:
     def worker_options(self) -> dict:
         """`env.options` for the same builder in another process (a Ray environment worker, whose
         working directory may differ): the agent's file by its absolute path."""
-        return {"fn": self.ref, **self.options}
+        return {"fn": self.ref, "tools_in": self.tools_in, **self.options}
 
     def agent(self):
         if self._fn is None:
@@ -541,10 +552,10 @@ class AgentBuilder:
         return self._fn
 
     def __getstate__(self):
-        return {"ref": self.ref, "options": self.options, "_fn": None}
+        return {"ref": self.ref, "options": self.options, "tools_in": self.tools_in, "_fn": None}
 
     def make_group(self, prompt: Prompt, n: int) -> list[AgentEnv]:
         return [self.make_one(prompt, n, j) for j in range(n)]
 
     def make_one(self, prompt: Prompt, n: int, j: int) -> AgentEnv:
-        return AgentEnv(self.agent(), prompt, dict(self.options))
+        return AgentEnv(self.agent(), prompt, dict(self.options), self.tools_in)

@@ -42,6 +42,18 @@ class Action:
 
 
 @dataclass
+class Opening:
+    """What `initial_observation` may return instead of a message list: the messages, and
+    keyword arguments for the chat template when it renders this episode's opening (e.g.
+    `{"tools": [...]}` for a template that describes tools itself, per episode). Later
+    insertions render only what follows an assistant turn, which those arguments do not
+    change for the templates this is meant for (Qwen's, Hermes')."""
+
+    messages: list[dict]
+    template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
 class StepResult:
     """What `Env.step` returns. `messages` are ignored when `done` (nothing follows them)."""
 
@@ -56,7 +68,7 @@ class Env(Protocol):
     loop: run blocking work (a subprocess, a sandbox) with `asyncio.to_thread`, or the episode
     runner's step timeout cannot fire."""
 
-    async def initial_observation(self) -> list[dict]: ...
+    async def initial_observation(self) -> list[dict] | Opening: ...
 
     async def step(self, action: Action) -> StepResult: ...
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from jinja2.exceptions import TemplateError
 
-from rollover.envs.base import INSERTED_VERSION, Action, Env, EpisodeError, StepResult, Trajectory, Turn
+from rollover.envs.base import INSERTED_VERSION, Action, Env, EpisodeError, Opening, StepResult, Trajectory, Turn
 from rollover.envs.render import ChatRenderer
 from rollover.types import Request, SamplingParams
 
@@ -150,10 +150,13 @@ class LiveEpisode:
 
     # ------------------------------------------------------------ transitions
     def opened(self, messages, error: EpisodeError | None, env_s: float, renderer: ChatRenderer) -> None:
-        """The initial observation came back (or failed)."""
+        """The initial observation came back (or failed): messages, or an `Opening`."""
+        kwargs = {}
+        if isinstance(messages, Opening):
+            messages, kwargs = messages.messages, dict(messages.template_kwargs)
         if error is None:
             try:
-                prompt_ids = renderer.initial(messages)
+                prompt_ids = renderer.initial(messages, **kwargs)
             except TemplateError as e:  # the chat template refuses the environment's messages
                 error = _error(0, e)
         if error is not None:
@@ -241,7 +244,8 @@ class LiveEpisode:
         then a step for every turn the environment has answered. An answer that differs from
         the recorded one is an error naming the episode and the step."""
         if self.phase != "open":
-            opening = list(await asyncio.wait_for(env.initial_observation(), timeout_s))
+            opening = await asyncio.wait_for(env.initial_observation(), timeout_s)
+            opening = list(opening.messages if isinstance(opening, Opening) else opening)
             if opening != self.history[:len(opening)]:
                 raise ValueError(f"episode {self.request_id}: a fresh environment opened differently from the recorded "
                                  f"run ({opening!r:.120} vs {self.history!r:.120}); resuming a checkpoint needs an "
@@ -416,7 +420,8 @@ def _is_messages(value) -> bool:
 
 
 def _not_messages(value) -> str | None:
-    if _is_messages(value):
+    if _is_messages(value) or (isinstance(value, Opening) and _is_messages(value.messages)
+                               and isinstance(value.template_kwargs, dict)):
         return None
     return f"initial_observation returned {value!r:.200}, not a list of message dicts"
 

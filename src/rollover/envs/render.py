@@ -67,10 +67,19 @@ class ChatRenderer:
                 "from the sampled ones exactly (see rollover.envs.render)"
             )
 
-    def initial(self, messages: list[dict]) -> list[int]:
+    def initial(self, messages: list[dict], **template_kwargs) -> list[int]:
         """Token ids of the opening messages with the assistant turn opened (as
-        `rollover.data.render_prompt`: the template writes any BOS, encoding adds none)."""
-        return self._encode(self._text(messages, add_generation_prompt=True))
+        `rollover.data.render_prompt`: the template writes any BOS, encoding adds none);
+        `template_kwargs`: this episode's own, over the renderer's (an `Opening`'s); a template
+        that writes the same text without them ignores them, which is refused (the episode fails
+        saying so: a model never shown its tools would be trained as if it had been)."""
+        text = self._text(messages, add_generation_prompt=True, **template_kwargs)
+        if template_kwargs and text == self._text(messages, add_generation_prompt=True):
+            from jinja2.exceptions import TemplateError
+
+            raise TemplateError(f"the chat template ignores {', '.join(sorted(template_kwargs))}= (it renders the "
+                                "opening the same without them)")
+        return self._encode(text)
 
     def insertion(self, history: list[dict], sampled_ids: list[int], new_messages: list[dict]) -> list[int]:
         """The ids to append after an assistant turn: the rest of its closing, `new_messages`,
@@ -114,9 +123,9 @@ class ChatRenderer:
             )
         return text[text.index(sentinel) + len(sentinel) :]
 
-    def _text(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
+    def _text(self, messages: list[dict], *, add_generation_prompt: bool, **extra) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **self.template_kwargs
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **{**self.template_kwargs, **extra}
         )
 
     def _encode(self, text: str) -> list[int]:
