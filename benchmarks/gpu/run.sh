@@ -2,7 +2,8 @@
 # One lease of a lent GPU, in one call: the CUDA tests, the decode step at 512 rows of the
 # Qwen2.5-0.5B shape (torch's attention, the Triton kernel, the compiled step), decode-step profiles with admissions
 # (the default admit_batch, resumed prefixes, admit_batch 1), `bench april` (long-tail and natural
-# lengths), `simulate calibrate --device cuda`, `bench engine` (135M and a Qwen2.5-0.5B-shaped model),
+# lengths), `simulate calibrate --device cuda`, `bench engine` (135M, also through transformers' forward, and a
+# Qwen2.5-0.5B-shaped model),
 # `bench train` and the demo workload beside TRL's GRPOTrainer, each under its own time limit
 # and all under one deadline (the limits add up to more than the default 560 s: the steps run in
 # order of what is most wanted, and those past the deadline are skipped), results tarred after
@@ -106,6 +107,10 @@ step calibrate 90 rollover simulate calibrate --device "$DEV" --out "$RES/sim_13
 step train 70 rollover bench train $TRAIN --json "$RES/train.json"
 step engine_0_5b 70 rollover bench engine --model /tmp/qwen05 $ENGINE --skip-hf --json "$RES/engine_0_5b.json"
 step engine_135m 70 rollover bench engine $ENGINE --skip-hf --json "$RES/engine_135m.json"
+# the same through the model's own transformers forward (what architectures outside Llama / Mistral / Qwen run):
+# its cost on a GPU, with no CUDA graphs (docs/models.md)
+step engine_135m_transformers 70 rollover bench engine $ENGINE --skip-hf --forward transformers \
+  --json "$RES/engine_135m_transformers.json"
 # nano-vllm's throughput workload on the 0.5B Qwen shape (256 sequences, 100-1024 tokens in and out; SMALL: 2)
 step engine_nanovllm 120 rollover bench engine --model /tmp/qwen05 --workload nanovllm --prompts $NANO --max-rows $NANO \
   --dtype bfloat16 --repeats 1 --device $DEV --json "$RES/engine_nanovllm.json"
