@@ -110,6 +110,12 @@ def load_hf_model(name: str, dtype=None, device: str | None = None):
     return model.to(device) if device else model
 
 
+def text_config(config):
+    """A model config's language-model part (a multimodal config's text config; others as they
+    are): where its layers, window and vocabulary are."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def eos_ids(*sources) -> tuple[int, ...]:
     """The end-of-sequence token ids named by `sources` (generation configs, model configs,
     tokenizers; None skipped), in order, each once."""

@@ -36,7 +36,9 @@ import inspect
 
 import torch
 
-from rollover.engine.model_runner import SUPPORTED, _same_memory, free_storage, lend_views, restore_storage
+from rollover.engine.held_weights import check_named, free_storage, lend_views, restore_storage, same_memory
+from rollover.engine.model_runner import SUPPORTED
+from rollover.models import text_config
 
 # the attention kinds of `config.layer_types` this runner masks
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -47,7 +49,7 @@ def check_generic(config, max_len: int) -> None:
     name = getattr(config, "model_type", "?")
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"TorchEngine runs decoder-only models; {name!r} is an encoder-decoder")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     kinds = set(getattr(text, "layer_types", None) or ())
     if kinds - set(LAYER_KINDS):
         raise ValueError(
@@ -115,7 +117,7 @@ class HFRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_rows, self.max_len = max_rows, max_len
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         self.vocab_size = text.vocab_size
         self.max_prefill_tokens = max_prefill_tokens
         # the module of the config, its weights left uninitialised (all of them are loaded next); its buffers
@@ -180,20 +182,14 @@ class HFRunner:
     def load_weights(self, named_tensors) -> int:
         """Copy named tensors (HF names) into the module; returns how many. Unknown names and shape
         mismatches raise ValueError before anything is modified."""
-        items = [(k.removeprefix("_orig_mod.").removeprefix("module."), v) for k, v in named_tensors]
-        for name, t in items:
-            if name not in self.views:
-                raise ValueError(f"update_weights: unknown weight {name!r}")
-            if tuple(t.shape) != tuple(self.views[name].shape):
-                raise ValueError(f"update_weights: {name!r} has shape {tuple(t.shape)}, "
-                                 f"expected {tuple(self.views[name].shape)}")
+        items = check_named(self.views, named_tensors)
         if self._released is not None:
             restore_storage(self._released)
             self._released = None
         with torch.no_grad():
             for name, t in items:
                 dst = self.views[name]
-                if not _same_memory(dst, t):
+                if not same_memory(dst, t):
                     dst.copy_(t.detach())
         self.missing.difference_update(name for name, _ in items)
         if self.missing:  # a tied head is loaded with the embedding it shares its memory with
@@ -276,19 +272,24 @@ class HFRunner:
         self.move_row(src, dst, length)
 
     # ---------------------------------------------------------------- masks
-    def _masks(self, allowed_full: torch.Tensor, allowed_window: torch.Tensor | None):
-        """The model's attention_mask argument from boolean [.., q, k] maps: one additive 4-D mask,
-        or one per layer kind."""
-        def additive(allowed):
-            m = torch.zeros(allowed.shape, device=self.device, dtype=self.dtype)
-            return m.masked_fill_(~allowed, self._neg)
+    def _masks(self, q: torch.Tensor, k: torch.Tensor, same: torch.Tensor | None = None):
+        """The model's attention_mask argument for queries at positions `q` over keys at positions
+        `k` (broadcast to [..., Q, K]; `same`: which pairs may see each other at all, the packed
+        sequences' blocks): causal, and for sliding-window layers also no further back than the
+        window; one additive 4-D mask, or one per layer kind."""
+        allowed = k <= q if same is None else (k <= q) & same
 
-        full = additive(allowed_full)
+        def additive(ok):
+            m = torch.zeros(ok.shape, device=self.device, dtype=self.dtype)
+            return m.masked_fill_(~ok, self._neg)[(None,) * (4 - ok.dim())]
+
+        windowed = additive(allowed & (k > q - self.window)) if self.window else None
+        full = additive(allowed)
         if not self.layer_kinds:
-            return additive(allowed_window) if allowed_window is not None else full
+            return windowed if windowed is not None else full
         out = {"full_attention": full}
         if "sliding_attention" in self.layer_kinds:
-            out["sliding_attention"] = additive(allowed_window) if allowed_window is not None else full
+            out["sliding_attention"] = windowed if windowed is not None else full
         return out
 
     def _forward(self, input_ids, position_ids, mask, plan, keep, cache_position):
@@ -310,11 +311,8 @@ class HFRunner:
             max_position = int(positions.max())
         lk = max_position + 1
         keys = torch.arange(lk, device=self.device)
-        pos = positions[:, None, None, None]
-        allowed = keys <= pos  # [B, 1, 1, lk]
-        window = allowed & (keys > pos - self.window) if self.window else None
-        # cache_position: one entry per input position (one here), the furthest row's
-        logits = self._forward(tokens[:, None], positions[:, None], self._masks(allowed, window),
+        # masks [B, 1, 1, lk]; cache_position: one entry per input position (one here), the furthest row's
+        logits = self._forward(tokens[:, None], positions[:, None], self._masks(positions[:, None, None, None], keys),
                                ("decode", positions, lk), 1, keys[-1:])
         return logits[:, -1].float()
 
@@ -345,12 +343,8 @@ class HFRunner:
         for start in range(0, len(toks), step):
             end = min(start + step, len(toks))
             pos = torch.arange(start, end, device=dev)
-            keys = torch.arange(end, device=dev)
-            allowed = keys[None, :] <= pos[:, None]
-            window = allowed & (keys[None, :] > pos[:, None] - self.window) if self.window else None
             ids = torch.tensor([toks[start:end]], dtype=torch.long, device=dev)
-            logits = self._forward(ids, pos[None], self._masks(allowed[None, None],
-                                                               None if window is None else window[None, None]),
+            logits = self._forward(ids, pos[None], self._masks(pos[:, None], torch.arange(end, device=dev)),
                                    ("chunk", row, start, end), 1, pos)
         return logits[:, -1].float()
 
@@ -365,12 +359,10 @@ class HFRunner:
         ids = torch.tensor([flat], dtype=torch.long, device=dev)
         pos = torch.cat([torch.arange(n, device=dev) for _, _, n in segs])[None]
         seg = torch.repeat_interleave(torch.arange(len(segs), device=dev), torch.tensor([n for *_, n in segs], device=dev))
-        q, k = torch.arange(T, device=dev)[:, None], torch.arange(T, device=dev)[None, :]
-        allowed = (seg[:, None] == seg[None, :]) & (k <= q)
-        window = allowed & (k > q - self.window) if self.window else None
+        index = torch.arange(T, device=dev)  # within one sequence, packed distances are its own
         last = torch.tensor([s + n - 1 for _, s, n in segs], device=dev)
         keep = last if self._keep_arg else 0
-        logits = self._forward(ids, pos, self._masks(allowed[None, None], None if window is None else window[None, None]),
+        logits = self._forward(ids, pos, self._masks(index[:, None], index, seg[:, None] == seg[None, :]),
                                ("prefill", segs), keep, pos[0])
         logits = logits[0] if self._keep_arg else logits[0, last]
         return logits.float()
@@ -385,6 +377,7 @@ def sliding_window(config) -> int | None:
     """The window of the model's sliding-window layers, if it has any (Mistral's config window
     applies to every layer, whatever its `layer_types` say; Qwen2 / Qwen3 / Gemma name their
     sliding layers in `layer_types`)."""
+    config = text_config(config)
     window = getattr(config, "sliding_window", None)
     kinds = _layer_kinds(config)
     if kinds:

@@ -50,6 +50,7 @@ from rollover.engine.cuda_graphs import DecodeGraphs, bucket
 from rollover.engine.decode_attention import DecodeAttention
 from rollover.engine.cpu.native import PackedWeight, kernels_for
 from rollover.engine.cpu.weight_packs import WeightPacks
+from rollover.engine.held_weights import check_named, free_storage, lend_views, restore_storage, same_memory
 
 # rows from which and up to which the native GEMM multiplies (elsewhere: MKL's plain GEMM, which
 # reads a weight at memory speed for one or two rows). Measured on the 2-core Intel host, each
@@ -91,43 +92,6 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv.float(), float(scale)
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
-
-
-def free_storage(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-    """Shrink each tensor's storage to nothing (`release_weights`); (tensor, bytes) to restore."""
-    released = [(t, t.untyped_storage().nbytes()) for t in tensors]
-    for t in tensors:
-        t.untyped_storage().resize_(0)
-    return released
-
-
-def restore_storage(released: list[tuple[torch.Tensor, int]]) -> None:
-    """Room again for the tensors `free_storage` emptied (their values are loaded after)."""
-    for t, nbytes in released:
-        t.untyped_storage().resize_(nbytes)
-
-
-def lend_views(views: dict[str, torch.Tensor], model, missing: set[str]) -> int:
-    """`model`'s parameters rebound to the engine's tensors of the same names (`lend_weights`),
-    after checking each one's shape, dtype, device and values; the bytes no longer held twice."""
-    params = list(model.named_parameters())
-    for name, param in params:
-        view = views.get(name.removeprefix("_orig_mod."))
-        if view is None or view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
-            raise ValueError(f"lend_weights: the engine has no {param.dtype} weight of shape {tuple(param.shape)} "
-                             f"on {param.device} named {name!r}")
-        if not torch.equal(view, param.detach()):
-            raise ValueError(f"lend_weights: {name!r} holds other values than the engine's weight")
-    if missing:
-        raise RuntimeError(f"lend_weights: the engine's weights are released ({min(missing)!r} missing)")
-    with torch.no_grad():
-        for name, param in params:
-            param.data = views[name.removeprefix("_orig_mod.")]
-    return sum(param.numel() * param.element_size() for _, param in params)
 
 
 def _check_attention(attention: str, device, compile_decode: bool, native_kernels: bool | None) -> None:
@@ -293,24 +257,15 @@ class ModelRunner:
 
         Unknown names and shape mismatches raise ValueError before anything is modified.
         """
-        items = [(k.removeprefix("_orig_mod.").removeprefix("module."), v) for k, v in named_tensors]
-        for name, t in items:
-            if name == "lm_head.weight" and self.lm_head is self.embed:
-                continue
-            if name not in self.views:
-                raise ValueError(f"update_weights: unknown weight {name!r}")
-            if tuple(t.shape) != tuple(self.views[name].shape):
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {tuple(t.shape)}, "
-                    f"expected {tuple(self.views[name].shape)}"
-                )
+        tied = ("lm_head.weight",) if self.lm_head is self.embed else ()
+        items = check_named(self.views, named_tensors, skip=tied)
         if self._released is not None:  # back from `release_weights`: room first, the values follow
             restore_storage(self._released)
             self._released = None
         with torch.no_grad():
             for name, t in items:
                 dst = self.views.get(name)
-                if dst is not None and not _same_memory(dst, t):  # a lent weight is already there
+                if dst is not None and not same_memory(dst, t):  # a lent weight is already there
                     dst.copy_(t.detach())
         self.missing.difference_update(name for name, _ in items)
         self.drop_packs()

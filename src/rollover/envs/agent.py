@@ -53,88 +53,13 @@ import numbers
 import secrets
 import threading
 import weakref
-import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from rollover.envs.base import Action, Opening, StepResult
+from rollover.envs.chat_api import (ChatCompletion, Choice, Usage, as_message, continuation, refused_arguments,
+                                    rendered, reply_message, with_tools)
 from rollover.types import Prompt
-
-# create() arguments rollover cannot honour, with the values that ask for nothing
-ALLOWED = {"functions": (None, []), "tool_choice": (None, "none", "auto"), "n": (None, 1),
-           "stream": (None, False), "stop": (None, [], ""), "logprobs": (None, False), "top_logprobs": (None, 0),
-           "response_format": (None, {"type": "text"})}
-
-
-@dataclass
-class Function:
-    name: str
-    arguments: str  # a JSON object, as OpenAI sends it
-
-
-@dataclass
-class ToolCallObject:
-    id: str
-    function: Function
-    type: str = "function"
-
-
-@dataclass
-class ChatMessage:
-    role: str
-    content: str | None
-    tool_calls: list[ToolCallObject] | None = None
-
-    def model_dump(self, **_) -> dict:
-        out = {"role": self.role, "content": self.content}
-        if self.tool_calls:
-            out["tool_calls"] = [asdict(c) for c in self.tool_calls]
-        return out
-
-    to_dict = model_dump
-
-
-@dataclass
-class Choice:
-    index: int
-    message: ChatMessage
-    finish_reason: str  # "stop", "length" or "tool_calls"
-
-
-@dataclass
-class Usage:
-    """Counts the reply's tokens only: the environment does not see the prompt's (0 there)."""
-
-    completion_tokens: int
-    prompt_tokens: int = 0
-    total_tokens: int = 0
-
-
-@dataclass
-class ChatCompletion:
-    """The fields of an OpenAI chat completion that agents read."""
-
-    id: str
-    choices: list[Choice]
-    usage: Usage
-    model: str = "rollover-policy"
-    object: str = "chat.completion"
-    created: int = 0
-
-    def model_dump(self, **_) -> dict:
-        return asdict(self)
-
-    to_dict = model_dump
-
-
-def refused_arguments(kwargs: dict) -> str | None:
-    """Why a call's arguments cannot be honoured (None: they can)."""
-    refused = sorted(k for k, v in kwargs.items()
-                     if k in ALLOWED and not any(v is a or (type(v) is type(a) and v == a) for a in ALLOWED[k]))
-    if refused:
-        return (f"chat.completions.create: {', '.join(refused)} not supported by rollover's agent client "
-                "(the reply is the policy's whole turn, sampled with rollout.*; tools go in tools=)")
-    return None
 
 
 class _Completions:
@@ -143,12 +68,7 @@ class _Completions:
 
     async def create(self, *, messages, model: str | None = None, tools=None, **kwargs) -> ChatCompletion:
         """The policy's next turn in this conversation (see the module docstring)."""
-        refused = refused_arguments(kwargs)
-        if refused:
-            error = ValueError(refused)
-            self._channel.fail(error)  # caught by the agent or not, the episode fails with it
-            raise error
-        return await self._channel.call(messages, tools)
+        return await self._channel.call(messages, tools, **kwargs)
 
 
 @dataclass
@@ -208,93 +128,6 @@ async def _server():
     return _SERVER
 
 
-def _as_message(m, where: str) -> dict:
-    """A chat message as {"role", "content"} (a dict, or a message object an agent appended as
-    the SDK returned it): content given as parts joined into text, OpenAI's `developer` role as
-    `system`, an assistant message's tool calls as [(name, arguments as canonical JSON)], a tool
-    result's `name` / `tool_call_id` kept. The form calls are compared in; `_rendered` is the
-    form the chat template gets."""
-    if not isinstance(m, dict):
-        m = m.model_dump() if hasattr(m, "model_dump") else {"role": getattr(m, "role", None),
-                                                             "content": getattr(m, "content", None)}
-    content, calls = m.get("content"), m.get("tool_calls") or []
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise ValueError(f"{where}: only text parts are supported in a message's content, got {content!r:.120}")
-        content = "".join(p["text"] for p in content)
-    if content is None and calls:
-        content = ""
-    out = {"role": "system" if m.get("role") == "developer" else m.get("role"), "content": content}
-    if not isinstance(out["role"], str) or not isinstance(out["content"], str):
-        raise ValueError(f"{where}: a chat message needs a string role and content, got {m!r:.120}")
-    if calls:
-        try:
-            out["tool_calls"] = [_call_key(c) for c in calls]
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"{where}: malformed tool_calls ({e})") from None
-    for key in ("name", "tool_call_id"):
-        if isinstance(m.get(key), str):
-            out[key] = m[key]
-    return out
-
-
-def _rendered(messages: list[dict]) -> list[dict]:
-    """Messages for the chat template: an assistant message's tool calls written into its text
-    as the model writes them (`<tool_call>` blocks, the format the tools' description asks for)."""
-    out = []
-    for m in messages:
-        if "tool_calls" in m:
-            blocks = "\n".join(f'<tool_call>{{"name": {json.dumps(name)}, "arguments": {args}}}</tool_call>'
-                               for name, args in m["tool_calls"])
-            m = {k: v for k, v in m.items() if k != "tool_calls"}
-            m["content"] = f"{m['content']}\n{blocks}" if m["content"] else blocks
-        out.append(m)
-    return out
-
-
-def _call_key(call) -> tuple[str, str]:
-    """(name, arguments as canonical JSON) of a tool call in OpenAI's form (dict or object)."""
-    fn = call["function"] if isinstance(call, dict) else call.function
-    name, args = (fn["name"], fn["arguments"]) if isinstance(fn, dict) else (fn.name, fn.arguments)
-    return name, json.dumps(json.loads(args) if isinstance(args, str) else args, sort_keys=True)
-
-
-def tools_prompt(tools: list) -> str:
-    """The tools, described for the model in a system message (Hermes' format, as
-    `rollover.envs.tools.ToolUse` writes it: any chat template carries it)."""
-    schemas = "\n".join(json.dumps(t.get("function", t) if isinstance(t, dict) else t) for t in tools)
-    return ("You can call tools. They are described here as JSON:\n"
-            f"<tools>\n{schemas}\n</tools>\n"
-            'To call a tool, write <tool_call>{"name": "<tool name>", "arguments": {...}}</tool_call> and stop; '
-            "the result comes back in the next message.")
-
-
-def with_tools(messages: list[dict], tools: list | None) -> list[dict]:
-    """The opening as the model sees it: the tools' description first in the system message."""
-    if not tools:
-        return messages
-    head = tools_prompt(tools)
-    if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{head}\n\n{messages[0]['content']}"}, *messages[1:]]
-    return [{"role": "system", "content": head}, *messages]
-
-
-def reply_message(text: str, tools: list | None, turn: int = 1) -> tuple[ChatMessage, bool]:
-    """The policy's turn as the agent receives it: with tools, its well-formed `<tool_call>` blocks
-    as `tool_calls` (ids by turn and place: the same in a replay) and the text around them as the
-    content; (message, whether it calls tools)."""
-    from rollover.envs.tools import _TOOL_CALL, parse_tool_calls
-
-    if tools:
-        calls, problems = parse_tool_calls(text)
-        if calls and not problems:
-            content = _TOOL_CALL.sub("", text).strip() or None
-            objects = [ToolCallObject(f"call{turn}x{i}", Function(c.name, json.dumps(c.arguments)))
-                       for i, c in enumerate(calls)]
-            return ChatMessage("assistant", content, objects), True
-    return ChatMessage("assistant", text), False
-
-
 @dataclass
 class _Channel:
     """Between the agent (on the agents' loop) and its `AgentEnv` (on the environment's loop).
@@ -310,18 +143,22 @@ class _Channel:
     task: asyncio.Task | None = None  # the agent, once started
     pending: tuple | None = None  # (messages, tools) of the call the reply answers
 
-    async def call(self, messages, tools=None) -> ChatCompletion:
-        """The policy's reply to this call. What is wrong with it fails the episode (and raises
-        into the caller); the same call again while it waits (a client's retry after a timeout)
-        waits for the same reply."""
+    async def call(self, messages, tools=None, **kwargs) -> ChatCompletion:
+        """The policy's reply to this call (`chat.completions.create`'s arguments, from the client
+        or the endpoint). What is wrong with it fails the episode, caught by the agent or not, and
+        raises into the caller; the same call again while it waits (a client's retry after a
+        timeout) waits for the same reply."""
         try:
+            refused = refused_arguments(kwargs)
+            if refused:
+                raise ValueError(refused)
             where = f"call {self.calls + 1}"
             if not isinstance(messages, (list, tuple)) or not messages:
                 raise ValueError(f"{where}: messages must be a non-empty list")
             if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
                 raise ValueError(f"{where}: tools must be a list of function schemas, got {tools!r:.80}")
             tools = list(tools) if tools else None
-            msgs = [_as_message(m, f"{where}, message {i}") for i, m in enumerate(messages)]
+            msgs = [as_message(m, f"{where}, message {i}") for i, m in enumerate(messages)]
             if self.reply is not None and not self.reply.done():
                 if (msgs, tools) == self.pending:
                     return await asyncio.shield(self.reply)
@@ -351,8 +188,7 @@ class _Channel:
         _settle(self.next, self.ended)
 
     def fail(self, exc: BaseException) -> None:
-        """A call the agent made wrong through the endpoint: the episode fails with it, as a raising
-        in-process call fails it."""
+        """A call the agent made wrong: the episode fails with it."""
         if self.ended is None:
             self.ended = ("error", exc)
         _settle(self.next, self.ended)
@@ -438,8 +274,8 @@ class AgentEnv:
         if kind == "call":
             ch.sent = value
             if self.tools_in == "template" and ch.tools:  # the chat template describes them, in its own words
-                return Opening(_rendered(value), {"tools": ch.tools})
-            return with_tools(_rendered(value), ch.tools)
+                return Opening(rendered(value), {"tools": ch.tools})
+            return with_tools(rendered(value), ch.tools)
         self._end()
         if kind == "error":
             raise value
@@ -470,32 +306,12 @@ class AgentEnv:
             if kind == "done":
                 self._end()  # its endpoint goes with it
                 return _final(value)
-            new = _continuation(ch.sent, message, action.text, value, ch.calls)
+            new = continuation(ch.sent, message, action.text, value, ch.calls)
         except BaseException:
             self._end()
             raise
         ch.sent = value
-        return StepResult(messages=_rendered(new), reward=0.0, done=False)
-
-
-def _continuation(sent: list[dict], reply: ChatMessage, text: str, messages: list[dict], call: int) -> list[dict]:
-    """The messages a call adds after the conversation so far and the model's reply; an error
-    naming the first difference where it does not continue it. The reply may come back as
-    returned (its content, surrounding whitespace aside, and its tool calls) or as the whole
-    text the model wrote."""
-    k = len(sent)
-    for i, (old, new) in enumerate(zip(sent, messages)):
-        if old != new:
-            raise ValueError(f"call {call}: message {i} differs from the conversation so far ({new!r:.80} vs "
-                             f"{old!r:.80}); an episode trains one conversation that only grows")
-    got = messages[k] if len(messages) > k else None
-    expected_calls = [_call_key(asdict(c)) for c in reply.tool_calls or []]
-    as_sent = (got["content"].strip(), got.get("tool_calls", [])) if got is not None else None
-    if got is None or got["role"] != "assistant" or as_sent not in (((reply.content or "").strip(), expected_calls),
-                                                                    (text.strip(), [])):
-        raise ValueError(f"call {call}: message {k} must be the model's reply as an assistant message, got "
-                         f"{got or 'nothing'!r:.80}")
-    return messages[k + 1:]
+        return StepResult(messages=rendered(new), reward=0.0, done=False)
 
 
 def _final(value) -> StepResult:
@@ -520,22 +336,19 @@ class AgentBuilder:
     are passed to the agent."""
 
     def __init__(self, fn: str, tools_in: str = "system", **options):
-        from rollover.rewards.registry import _absolute
+        from rollover.rewards.registry import _absolute, load_reference
 
         if tools_in not in ("system", "template"):
             raise ValueError(f"env.options.tools_in must be 'system' or 'template', got {tools_in!r}")
-        self.tools_in = tools_in
-
         if not isinstance(fn, str):
             raise ValueError("env.options.fn: the agent as 'module:function' or 'path/to/file.py:function'")
-        self.ref, self.options = _absolute(fn), options  # a worker process loads the same function
-        self._fn = None
-        agent = self.agent()
-        if not inspect.iscoroutinefunction(agent):
+        self.ref, self.tools_in, self.options = _absolute(fn), tools_in, options
+        self.fn = load_reference(self.ref, "env.options.fn")
+        if not inspect.iscoroutinefunction(self.fn):
             raise ValueError(f"env.options.fn={fn!r}: the agent must be an async function "
                              "(async def agent(client, prompt, **options))")
         try:
-            inspect.signature(agent).bind(None, None, **options)
+            inspect.signature(self.fn).bind(None, None, **options)
         except TypeError as e:
             raise ValueError(f"env.options for the agent {fn!r}: {e}") from None
 
@@ -545,17 +358,11 @@ class AgentBuilder:
         return {"fn": self.ref, "tools_in": self.tools_in, **self.options}
 
     def agent(self):
-        if self._fn is None:
-            from rollover.rewards.registry import load_reference
-
-            self._fn = load_reference(self.ref, "env.options.fn")
-        return self._fn
-
-    def __getstate__(self):
-        return {"ref": self.ref, "options": self.options, "tools_in": self.tools_in, "_fn": None}
+        """The agent function, as loaded."""
+        return self.fn
 
     def make_group(self, prompt: Prompt, n: int) -> list[AgentEnv]:
         return [self.make_one(prompt, n, j) for j in range(n)]
 
     def make_one(self, prompt: Prompt, n: int, j: int) -> AgentEnv:
-        return AgentEnv(self.agent(), prompt, dict(self.options), self.tools_in)
+        return AgentEnv(self.fn, prompt, dict(self.options), self.tools_in)

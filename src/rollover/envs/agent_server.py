@@ -109,16 +109,12 @@ class AgentServer:
             request = json.loads(body or b"{}")
             if not isinstance(request, dict):
                 raise _HTTPError(400, "the body must be a JSON object")
-            from rollover.envs.agent import refused_arguments
-
-            refused = refused_arguments({k: v for k, v in request.items() if k not in ("messages", "model", "tools")})
-            if refused:
-                raise _HTTPError(400, refused)
-            completion = await channel.call(request.get("messages"), request.get("tools"))
+            arguments = {k: v for k, v in request.items() if k not in ("messages", "model", "tools")}
+            completion = await channel.call(request.get("messages"), request.get("tools"), **arguments)
         except asyncio.CancelledError:
             return 410, {"error": {"message": "this episode has ended"}}
         except (ValueError, RuntimeError, TypeError, _HTTPError) as e:  # the agent's mistake: it fails its episode too
-            channel.fail(e if not isinstance(e, _HTTPError) else ValueError(str(e)))
+            channel.fail(e if not isinstance(e, _HTTPError) else ValueError(str(e)))  # (a call's own already did)
             return getattr(e, "status", 400), {"error": {"message": str(e)}}
         return 200, asdict(completion)
 

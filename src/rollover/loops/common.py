@@ -301,16 +301,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     _attach_parts(run, cfg)
     try:
         if env_builder is not None and cfg.runtime == "ray" and cfg.ray.env_workers:
-            from rollover.runtime.envs import RayEnvBuilder
-
-            from rollover.rewards.registry import _absolute
-
-            options = env_builder.worker_options() if hasattr(env_builder, "worker_options") else cfg.env.options
-            run.env_workers = RayEnvBuilder(env_builder, _absolute(cfg.env.name), options,
-                                            workers=cfg.ray.env_workers, cpus=cfg.ray.cpus_per_env_worker,
-                                            concurrency=max(16, cfg.env.max_concurrent))
-            run.env_builder = run.env_workers
-            run.env_workers.start()  # every actor builds the environment now: a setup error stops the run here
+            _start_env_workers(run, cfg, env_builder)
         if state is not None:
             _restore(run, state, record)
         if record:  # the run is accepted: from here on it writes into run_dir
@@ -329,6 +320,20 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     if ckpt is not None:
         log.info("%s from %s at step %d", "resumed" if record else "loaded", ckpt, run.start_step)
     return run
+
+
+def _start_env_workers(run: Run, cfg: Config, env_builder) -> None:
+    """The run's environments on Ray actors (`ray.env_workers`), each building the environment
+    now from the driver's options (a builder's `worker_options` where it has them: paths made
+    absolute), so a setup error stops the run here."""
+    from rollover.rewards.registry import _absolute
+    from rollover.runtime.envs import RayEnvBuilder
+
+    options = env_builder.worker_options() if hasattr(env_builder, "worker_options") else cfg.env.options
+    run.env_workers = RayEnvBuilder(env_builder, _absolute(cfg.env.name), options, workers=cfg.ray.env_workers,
+                                    cpus=cfg.ray.cpus_per_env_worker, concurrency=max(16, cfg.env.max_concurrent))
+    run.env_builder = run.env_workers
+    run.env_workers.start()
 
 
 def _longest(cfg: Config, model, prompt_ids: dict, env_builder) -> int:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from rollover.models import text_config
+
 
 class LogitHead:
     """`head(hidden) -> logits`: the model's output embedding and what its forward does after it."""
 
     def __init__(self, base):
-        config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+        config = text_config(base.config)
         self.module = base.get_output_embeddings()
         if self.module is None:
             raise ValueError(f"{type(base).__name__} has no output embeddings: not a causal LM the trainer can train")
@@ -48,7 +50,7 @@ def check_model(base, *, training: bool) -> None:
     training: the trainer's logprobs would not be the sampler's)."""
     import warnings
 
-    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    config = text_config(base.config)
     device = next(base.parameters()).device
     ids = (torch.arange(1, 33, device=device)[None] * 7) % config.vocab_size  # enough tokens to route to every expert
     name, was_training = type(base).__name__, base.training

@@ -43,49 +43,12 @@ from rollover.config import Config
 from rollover.engine.hf_runner import fast_path, sliding_window
 from rollover.train import memory
 from rollover.train.batch import MicroBatch, TrainBatch, pack
+from rollover.train.dropout import disable_dropout
 from rollover.train.embedding import RowGradEmbedding, row_grad_applies
 from rollover.train.heads import LogitHead, check_model
 from rollover.train.metric_sums import add_metrics, mean_metrics
 
 log = logging.getLogger(__name__)
-
-
-def disable_dropout(model: torch.nn.Module) -> list[str]:
-    """Every dropout rate in `model` set to 0: dropout layers, the rates modules keep as numbers
-    (transformers' attention reads `self.attention_dropout` while training), and the rates some
-    architectures read from their config in the forward (Persimmon; the flash-attention classes
-    of GPT-Neo, GPT-J, Falcon): their inner modules get a copy of the config with the rates at 0,
-    while the model's own config, the one `save_pretrained` writes, keeps them, so a checkpoint
-    or an exported model has the rates it came with. Returns what was nonzero, as `name=rate`
-    with repeated names counted once."""
-    zeroed: dict[str, float] = {}
-    top = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(top, "config", None)
-    rates = {k: v for k, v in vars(config).items() if _is_rate(k, v) and v} if config is not None else {}
-    if rates:
-        quiet = copy.copy(config)
-        for name in rates:
-            setattr(quiet, name, 0.0)
-        for module in model.modules():
-            if module is not model and module is not top and getattr(module, "config", None) is config:
-                module.config = quiet
-        zeroed.update({f"config.{k}": v for k, v in rates.items()})
-    for module in model.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-            if module.p:
-                zeroed.setdefault(type(module).__name__, module.p)
-            module.p = 0.0
-            continue
-        for name, value in vars(module).items():
-            if _is_rate(name, value):
-                if value:
-                    zeroed.setdefault(name, value)
-                setattr(module, name, 0.0)
-    return [f"{name}={rate:g}" for name, rate in zeroed.items()]
-
-
-def _is_rate(name: str, value) -> bool:
-    return ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float)
 
 
 def _lr_lambda(schedule: str, warmup: int, total: int):
@@ -196,7 +159,7 @@ class Trainer:
         the window). Those models keep the plain packing, with a warning."""
         config = self._base(self.model).config
         impl = getattr(config, "_attn_implementation", None)
-        window = sliding_window(config.get_text_config() if hasattr(config, "get_text_config") else config)
+        window = sliding_window(config)
         if impl in ("sdpa", "eager") and (window is None or window >= row):
             return True
         why = f"{impl} attention" if impl not in ("sdpa", "eager") else f"a sliding window of {window} < rows of {row}"
