@@ -2,7 +2,8 @@
 
 The output holds full weights (a LoRA adapter is merged into its base model), the tokenizer
 and its chat template, so `AutoModelForCausalLM.from_pretrained(OUT)` and
-`AutoTokenizer.from_pretrained(OUT)` load it with no rollover and no peft. Weights are saved in
+`AutoTokenizer.from_pretrained(OUT)` load it with no rollover and no peft (a vision-language
+model: `AutoModelForImageTextToText` and `AutoProcessor`, its processor saved too). Weights are saved in
 the checkpoint's dtype (float32). `data.system_prompt` and `data.instruction` are applied by
 rollover when it renders prompts; they are not part of the exported chat template.
 
@@ -80,13 +81,13 @@ def _load(ckpt: Path, run_dir: Path):
     """(model with full weights, tokenizer) from a checkpoint: its `model/` directory, or its
     LoRA `adapter/` merged into the base model its config names."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from rollover.models import load_tokenizer, resolve_model
+    from rollover.models import load_hf_model, resolve_model, text_processor
 
     if (ckpt / "model").exists():
         src = str(ckpt / "model")
-        return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), load_tokenizer(src)
+        model = load_hf_model(src, dtype=torch.float32)
+        return model, text_processor(src, model)
     if not (ckpt / "adapter").exists():
         raise ExportError(f"{ckpt} holds neither model/ nor adapter/")
     saved = next((p for p in (ckpt / "config.yaml", run_dir / "config.yaml") if p.is_file()), None)
@@ -98,6 +99,6 @@ def _load(ckpt: Path, run_dir: Path):
         raise ExportError(f"{saved} names no base model (`model:`)")
     from peft import PeftModel
 
-    base = AutoModelForCausalLM.from_pretrained(resolve_model(base_name), dtype=torch.float32)
+    base = load_hf_model(resolve_model(base_name), dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(ckpt / "adapter")).merge_and_unload()
-    return merged, load_tokenizer(base_name)
+    return merged, text_processor(base_name, merged)

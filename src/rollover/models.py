@@ -101,13 +101,39 @@ def load_tokenizer(name: str):
 
 
 def load_hf_model(name: str, dtype=None, device: str | None = None):
+    """The causal LM `name` resolves to (a vision-language model with its vision tower)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model(name), dtype=dtype or torch.float32
-    )
+    path = resolve_model(name)
+    vision = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=dtype or torch.float32)
     return model.to(device) if device else model
+
+
+def text_processor(name: str, model):
+    """What saves a model's text handling beside its weights: its processor for a
+    vision-language model (chat template, image processor, tokenizer), else its tokenizer."""
+    if getattr(model.config, "vision_config", None) is not None:
+        return load_processor(name)
+    return load_tokenizer(name)
+
+
+def load_processor(name: str):
+    """The processor of a vision-language model (its chat template, image processor and
+    tokenizer); a ValueError naming the model where it has none."""
+    from transformers import AutoProcessor
+
+    path = resolve_model(name)
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers raises several kinds here
+        raise ValueError(f"model {name!r}: its processor does not load ({type(e).__name__}: {e}); prompts with "
+                         "images need a vision-language model's processor") from e
+    if not hasattr(processor, "image_processor"):
+        raise ValueError(f"model {name!r} has no image processor: prompts with images need a vision-language model")
+    return processor
 
 
 def text_config(config):

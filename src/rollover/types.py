@@ -59,6 +59,8 @@ class Request:
     response_ids: list[int] = field(default_factory=list)
     response_logprobs: list[float] = field(default_factory=list)
     response_versions: list[int] = field(default_factory=list)
+    # a prompt's images as the model's forward takes them (`rollover.data.media.Media`); None: text only
+    media: object = None
 
     @property
     def remaining_tokens(self) -> int:
@@ -114,6 +116,7 @@ class Prompt:
     text: str | None = None
     answer: object = None
     fields: dict = field(default_factory=dict)
+    images: list | None = None  # the row's images (paths, bytes or PIL images; `rollover.data.media`)
 
 
 @dataclass
@@ -139,6 +142,7 @@ class Rollout:
     extras: dict = field(default_factory=dict)  # other numbers the functions returned, as "<function>/<key>"
     text: str = ""
     turns: list[dict] | None = None  # multi-turn: what each turn said and was answered (logs only, never trained)
+    media: object = None  # the prompt's images as the forward takes them (`rollover.data.media.Media`)
 
 
 @dataclass

@@ -4,7 +4,7 @@ chat-template rendering and a resumable batch iterator. See docs/data_and_reward
 from rollover.data.generators import GENERATORS, arithmetic, countdown, generate
 from rollover.data.iterator import MixedIterator, PromptIterator
 from rollover.data.loaders import BadRow, DataError, PromptSet, load_prompts, row_to_prompt
-from rollover.data.render import BOXED_INSTRUCTION, render_messages, render_prompt
+from rollover.data.render import BOXED_INSTRUCTION, render_media_prompt, render_messages, render_prompt
 from rollover.data.split import split_holdout
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "countdown",
     "generate",
     "load_prompts",
+    "render_media_prompt",
     "render_messages",
     "render_prompt",
     "row_to_prompt",

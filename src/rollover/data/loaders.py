@@ -16,6 +16,8 @@ Row conventions (both TRL-style and verl-style rows work without options):
 - the answer is in column `answer_key`; the default `None` looks, in order, for "answer",
   "solution" (TRL) and "reward_model.ground_truth" (verl). A dotted key reads into a nested
   dict or parquet struct;
+- images (vision-language models) are in column `images` or `image`, and a message's content may
+  be a list of `{"type": "text"|"image"}` parts (`rollover.data.media`);
 - every other column goes to `Prompt.fields`, except the top-level column the answer came from
   (verl's `reward_model` would otherwise hand the answer to rewards a second time).
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal
 
+from rollover.data.media import IMAGE_COLUMNS, row_images
 from rollover.types import Prompt
 
 OnBadRow = Literal["raise", "skip"]
@@ -83,6 +86,7 @@ def load_prompts(
         return PromptSet(source, generate_from_spec(source))
 
     rows, label, where = _open_rows(source, split)
+    base = Path(source).expanduser().parent if Path(source).expanduser().is_file() else None  # of relative image paths
     prompts: list[Prompt] = []
     skipped: list[BadRow] = []
     for index, row in rows:
@@ -96,6 +100,7 @@ def load_prompts(
                     prompt_key=prompt_key,
                     answer_key=answer_key,
                     require_answer=require_answer,
+                    base=base,
                 )
             )
         except BadRowError as exc:
@@ -119,8 +124,10 @@ def row_to_prompt(
     prompt_key: str = "prompt",
     answer_key: str | None = None,
     require_answer: bool = True,
+    base: Path | None = None,
 ) -> Prompt:
-    """One row as a `Prompt`; raises BadRowError saying what is wrong with it."""
+    """One row as a `Prompt`; raises BadRowError saying what is wrong with it. `base`: the
+    directory relative image paths start from."""
     if not isinstance(row, dict):
         raise BadRowError(f"expected an object with columns, got {type(row).__name__}")
     prompt = _get(row, prompt_key)
@@ -133,11 +140,15 @@ def row_to_prompt(
         looked = [answer_key] if answer_key else list(DEFAULT_ANSWER_KEYS)
         raise BadRowError(f"missing answer (looked for {looked}; columns: {sorted(row)})")
 
-    excluded = {prompt_key.split(".")[0]}
+    try:
+        images = row_images(row, base)
+    except ValueError as e:
+        raise BadRowError(str(e)) from None
+    excluded = {prompt_key.split(".")[0], *(IMAGE_COLUMNS if images else ())}
     if used_key is not None:
         excluded.add(used_key.split(".")[0])
     fields = {k: v for k, v in row.items() if k not in excluded}
-    return Prompt(id=id, messages=messages, text=text, answer=answer, fields=fields)
+    return Prompt(id=id, messages=messages, text=text, answer=answer, fields=fields, images=images)
 
 
 def _check_text(text: str, what: str) -> None:
@@ -163,12 +174,26 @@ def _check_prompt(prompt: object, key: str) -> tuple[str | None, list[dict] | No
     for i, message in enumerate(prompt):
         if not isinstance(message, dict):
             raise BadRowError(f"prompt message {i} is a {type(message).__name__}, not a dict")
-        for part in ("role", "content"):
+        if isinstance(message.get("content"), list):  # parts: text and image (a vision-language prompt)
+            _check_parts(message["content"], i)
+        for part in ("role", "content") if not isinstance(message.get("content"), list) else ("role",):
             if not isinstance(message.get(part), str):
                 raise BadRowError(f"prompt message {i} needs a string {part!r}, got {message!r}")
             _check_text(message[part], f"prompt message {i}'s {part!r}")
     # Keep only role/content: parquet structs add null columns for keys other rows have.
-    return None, [{"role": m["role"], "content": m["content"]} for m in prompt]
+    return None, [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else [
+        {"type": "image"} if q["type"] == "image" else {"type": "text", "text": q["text"]} for q in m["content"]]}
+        for m in prompt]
+
+
+def _check_parts(parts: list, i: int) -> None:
+    for k, p in enumerate(parts):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            _check_text(p["text"], f"prompt message {i}'s part {k}")
+        elif kind != "image":
+            raise BadRowError(f"prompt message {i}'s part {k} must be {{'type': 'text', 'text': ...}} or "
+                              f"{{'type': 'image'}}, got {p!r}")
 
 
 def _find_answer(row: dict, answer_key: str | None) -> tuple[object, str | None]:

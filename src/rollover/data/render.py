@@ -31,7 +31,11 @@ def render_messages(
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
         if last_user is None:
             raise ValueError(f"prompt {prompt.id}: no user message to append the instruction to")
-        messages[last_user]["content"] += "\n\n" + instruction
+        content = messages[last_user]["content"]
+        if isinstance(content, str):
+            messages[last_user]["content"] = content + "\n\n" + instruction
+        else:  # parts (a prompt with images): the instruction is the last text
+            messages[last_user]["content"] = [*content, {"type": "text", "text": "\n\n" + instruction}]
     if system_prompt is not None:
         if any(m["role"] == "system" for m in messages):
             raise ValueError(
@@ -40,6 +44,13 @@ def render_messages(
             )
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
+
+
+def render_media_prompt(renderer, prompt: Prompt, system_prompt: str | None = None, instruction: str | None = None,
+                        template_kwargs: dict | None = None):
+    """Token ids and `Media` of a prompt with images, through `renderer` (a `MediaRenderer`)."""
+    messages = render_messages(prompt, system_prompt, instruction)
+    return renderer.render(messages, prompt.images or [], where=f"prompt {prompt.id}", template_kwargs=template_kwargs)
 
 
 def render_prompt(
@@ -57,6 +68,8 @@ def render_prompt(
     instruction is encoded as is, with the tokenizer's usual special tokens; chat-form prompts
     need a template and are refused.
     """
+    if prompt.images:
+        raise ValueError(f"prompt {prompt.id} has images: render it with rollover.data.media.MediaRenderer")
     if not use_chat_template:
         if prompt.text is None:
             raise ValueError(f"prompt {prompt.id} is in chat form and needs use_chat_template")

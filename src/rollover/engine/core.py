@@ -123,7 +123,8 @@ class EngineCore:
     def validate(self, req: Request) -> None:
         """Raise ValueError naming the request and the problem (RuntimeError while the weights
         are released: the request is refused, the engine and its other requests go on)."""
-        validate_request(req, max_len=self.runner.max_len, vocab_size=self.runner.vocab_size)
+        validate_request(req, max_len=self.runner.max_len, vocab_size=self.runner.vocab_size,
+                         media=getattr(self.runner, "takes_media", False))
         self.runner._check_weights()
 
     def add(self, req: Request) -> Completion | None:
@@ -180,8 +181,8 @@ class EngineCore:
         if self.running and inflight == "continue":
             t0 = time.perf_counter()
             toks = [s.tokens()[: s.cached] for s in self.running]
-            uniq, src = self._unique(toks)
-            self.runner.prefill([self.running[i].row for i in uniq], [toks[i] for i in uniq])
+            uniq, src = self._unique(toks, self.running)
+            self._prefill([self.running[i] for i in uniq], [toks[i] for i in uniq])
             self._copy_shared(self.running, uniq, src, toks)
             self.stats.recomputed_tokens += sum(len(toks[i]) for i in uniq)
             self.stats.prefill_s += time.perf_counter() - t0
@@ -207,18 +208,19 @@ class EngineCore:
             positions, max_position = to_device(positions_l, torch.long, dev), max(positions_l)
         if admitted:
             all_toks = [s.tokens() for s in admitted]
-            uniq, src = self._unique(all_toks)
+            uniq, src = self._unique(all_toks, admitted)
             rows = [admitted[i].row for i in uniq]
             toks = [all_toks[i] for i in uniq]
+            media = self._media([admitted[i] for i in uniq])
             if decoding and self.runner.separate_admission:
                 # decode first: a CUDA graph pads its batch with the rows past the running ones,
                 # where the admitted sequences go, and their prefill then overwrites that padding
                 logits = self.runner.decode(tokens, positions, max_position)
-                logits = torch.cat([logits, self.runner.prefill(rows, toks)])
+                logits = torch.cat([logits, self._prefill([admitted[i] for i in uniq], toks)])
             elif decoding:
-                logits = self.runner.mixed(tokens, positions, rows, toks)
+                logits = self.runner.mixed(tokens, positions, rows, toks, **media)
             else:
-                logits = self.runner.prefill(rows, toks)
+                logits = self._prefill([admitted[i] for i in uniq], toks)
             logits_p = logits[len(decoding):] if decoding else logits
             self._copy_shared(admitted, uniq, src, all_toks)
             self.stats.prefill_tokens += sum(map(len, toks))
@@ -243,13 +245,25 @@ class EngineCore:
         return finished, touched
 
     @staticmethod
-    def _unique(token_lists: list[list[int]]) -> tuple[list[int], list[int]]:
-        """Indices of the first occurrence of each distinct token list, and for every list the
-        position of its representative among them (the n samples of a prompt prefill once)."""
+    def _media(seqs: list[Sequence]) -> dict:
+        """The runner's `media` argument for prefilling `seqs`: none where none has images (the
+        fast path's runner takes none)."""
+        media = [s.request.media for s in seqs]
+        return {"media": media} if any(m is not None for m in media) else {}
+
+    def _prefill(self, seqs: list[Sequence], toks: list[list[int]]) -> torch.Tensor:
+        return self.runner.prefill([s.row for s in seqs], toks, **self._media(seqs))
+
+    @staticmethod
+    def _unique(token_lists: list[list[int]], seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """Indices of the first occurrence of each distinct sequence (its tokens and images), and
+        for every one the position of its representative among them (the n samples of a prompt
+        prefill once)."""
         first: dict[tuple, int] = {}
         uniq, src = [], []
         for i, toks in enumerate(token_lists):
-            key = tuple(toks)
+            media = seqs[i].request.media
+            key = (tuple(toks), media.key if media is not None else None)
             if key not in first:
                 first[key] = len(uniq)
                 uniq.append(i)

@@ -37,6 +37,7 @@ import inspect
 import torch
 
 from rollover.engine.held_weights import check_named, free_storage, lend_views, restore_storage, same_memory
+from rollover.data.media import placeholder_ids, rope_index_of, rope_positions
 from rollover.engine.model_runner import SUPPORTED
 from rollover.models import text_config
 
@@ -108,7 +109,7 @@ class HFRunner:
     def __init__(self, config, state_dict: dict[str, torch.Tensor], *, max_rows: int, max_len: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  max_prefill_tokens: int = 2048):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
         from transformers.initialization import no_init_weights
 
         check_generic(config, max_len)
@@ -123,9 +124,9 @@ class HFRunner:
         # the module of the config, its weights left uninitialised (all of them are loaded next); its buffers
         # (rotary tables) are computed as it is built. Flash / flex attention take no 4-D mask: SDPA stands in
         impl = getattr(config, "_attn_implementation", None)
+        auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
         with self.device, no_init_weights():
-            self.module = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                           attn_implementation=impl if impl in ("eager", "sdpa") else "sdpa")
+            self.module = auto.from_config(config, dtype=dtype, attn_implementation=impl if impl in ("eager", "sdpa") else "sdpa")
         self.module.tie_weights()
         self.module.eval().requires_grad_(False)
         self.n_layers = text.num_hidden_layers
@@ -143,6 +144,12 @@ class HFRunner:
         self._v: list[torch.Tensor | None] = [None] * self.n_layers
         self.cache = _row_cache_class()(self)
         self._neg = torch.finfo(dtype).min
+        # a vision-language model with 3-D rotary positions: each row's text runs at its index plus an
+        # offset its images set (`rollover.data.media.rope_positions`), which decoding adds
+        self.rope_3d = rope_index_of(self.module) is not None
+        self.delta = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self.takes_media = is_vision_language(config)
+        self.banned = placeholder_ids(config) if self.takes_media else []  # image placeholders: never sampled
         self._check_positions()
         self._probe()
 
@@ -150,7 +157,7 @@ class HFRunner:
         """Refuse a cache longer than a learned position table (GPT-2's `wpe`, OPT's positions):
         the first sequence past it would stop the engine."""
         inputs = self.module.get_input_embeddings()
-        for name, m in self.module.named_modules():
+        for name, m in self.module.get_decoder().named_modules():  # a vision tower's patch positions are its own
             if isinstance(m, torch.nn.Embedding) and m is not inputs and ("pos" in name or name.endswith("wpe")):
                 room = m.num_embeddings - int(getattr(m, "offset", 0))
                 if room < self.max_len:
@@ -172,6 +179,8 @@ class HFRunner:
             raise ValueError(f"TorchEngine cannot run {name} through transformers' forward over its cache "
                              f"({type(e).__name__}: {e}); use rollout.engine: vllm") from e
         ref = self.module(input_ids=torch.tensor([toks], device=self.device), use_cache=False).logits[0, -1].float()
+        ref[self.banned] = float("-inf")
+        got, ref = got[ref.isfinite()], ref[ref.isfinite()]
         tol = (1e-3 if self.dtype == torch.float32 else 5e-2) * max(1.0, ref.abs().max().item())
         gap = (got - ref).abs().max().item()
         if not gap <= tol:
@@ -263,6 +272,7 @@ class HFRunner:
         self._v = [None] * self.n_layers
 
     def move_row(self, src: int, dst: int, length: int) -> None:
+        self.delta[dst] = self.delta[src]
         for K, V in zip(self._k, self._v):
             if K is not None:
                 K[dst, :, :length] = K[src, :, :length]
@@ -292,14 +302,17 @@ class HFRunner:
             out["sliding_attention"] = windowed if windowed is not None else full
         return out
 
-    def _forward(self, input_ids, position_ids, mask, plan, keep, cache_position):
+    def _forward(self, input_ids, position_ids, mask, plan, keep, cache_position, media: dict | None = None):
         self.cache.plan, self.cache.seen = plan, set()
         kw = {"logits_to_keep": keep} if self._keep_arg else {}
         out = self.module(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                          past_key_values=self.cache, use_cache=True, cache_position=cache_position, **kw)
+                          past_key_values=self.cache, use_cache=True, cache_position=cache_position, **kw,
+                          **(media or {}))
         if len(self.cache.seen) != self.n_layers:
             raise ValueError(f"{type(self.module).__name__} did not read its K/V through the cache in "
                              f"{self.n_layers - len(self.cache.seen)} of {self.n_layers} layers")
+        if self.banned:
+            out.logits[..., self.banned] = float("-inf")
         return out.logits
 
     # ---------------------------------------------------------------- passes
@@ -311,22 +324,30 @@ class HFRunner:
             max_position = int(positions.max())
         lk = max_position + 1
         keys = torch.arange(lk, device=self.device)
+        rope = positions + self.delta[: len(positions)] if self.rope_3d else positions  # the cache index stays
         # masks [B, 1, 1, lk]; cache_position: one entry per input position (one here), the furthest row's
-        logits = self._forward(tokens[:, None], positions[:, None], self._masks(positions[:, None, None, None], keys),
+        logits = self._forward(tokens[:, None], rope[:, None], self._masks(positions[:, None, None, None], keys),
                                ("decode", positions, lk), 1, keys[-1:])
         return logits[:, -1].float()
 
     @torch.inference_mode()
-    def prefill(self, rows: list[int], token_ids: list[list[int]]) -> torch.Tensor:
+    def prefill(self, rows: list[int], token_ids: list[list[int]], media: list | None = None) -> torch.Tensor:
         """Run full sequences into cache rows (positions 0..len-1); logits of each last token [N, V].
         Sequences are packed into passes of at most `max_prefill_tokens` tokens (one longer
-        sequence is a pass alone)."""
+        sequence is a pass alone); `media[i]`: sequence i's images (`Media`), a pass alone."""
         self._check_weights()
+        media = media or [None] * len(rows)
+        if any(m is not None for m in media) and not self.takes_media:
+            raise ValueError(f"{type(self.module).__name__} takes no images")
+        self.delta[rows] = 0
         out, batch, size = [], [], 0
-        for row, toks in zip(rows, token_ids):
-            if batch and size + len(toks) > self.max_prefill_tokens:
+        for row, toks, m in zip(rows, token_ids, media):
+            if batch and (m is not None or size + len(toks) > self.max_prefill_tokens):
                 out.append(self._prefill_packed(batch))
                 batch, size = [], 0
+            if m is not None:  # with its images, in one pass
+                out.append(self._prefill_media(row, toks, m))
+                continue
             if len(toks) > self.max_prefill_tokens:  # alone, in parts: masks of [part, row so far], not [T, T]
                 out.append(self._prefill_chunked(row, toks))
                 continue
@@ -346,6 +367,21 @@ class HFRunner:
             ids = torch.tensor([toks[start:end]], dtype=torch.long, device=dev)
             logits = self._forward(ids, pos[None], self._masks(pos[:, None], torch.arange(end, device=dev)),
                                    ("chunk", row, start, end), 1, pos)
+        return logits[:, -1].float()
+
+    def _prefill_media(self, row: int, toks: list[int], media) -> torch.Tensor:
+        """One sequence with its images (the model's forward puts them in at their placeholders);
+        the logits of its last token [1, V]."""
+        dev, n = self.device, len(toks)
+        index = torch.arange(n, device=dev)
+        pos = index[None]
+        if self.rope_3d:
+            rope, delta = rope_positions(self.module, self.config, toks, media)
+            pos = rope[:, None].to(dev)
+            self.delta[row] = delta
+        ids = torch.tensor([toks], dtype=torch.long, device=dev)
+        logits = self._forward(ids, pos, self._masks(index[:, None], index), ("prefill", [(row, 0, n)]),
+                               1, index, media.to(dev, self.dtype))
         return logits[:, -1].float()
 
     def _prefill_packed(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
@@ -368,9 +404,14 @@ class HFRunner:
         return logits.float()
 
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, rows: list[int],
-              token_ids: list[list[int]]) -> torch.Tensor:
+              token_ids: list[list[int]], media: list | None = None) -> torch.Tensor:
         """Decode rows 0..B-1, then prefill new sequences into `rows`; logits [B + len(rows), V]."""
-        return torch.cat([self.decode(tokens, positions), self.prefill(rows, token_ids)])
+        return torch.cat([self.decode(tokens, positions), self.prefill(rows, token_ids, media)])
+
+
+def is_vision_language(config) -> bool:
+    """Whether the config is a vision-language model's (a vision tower beside its language model)."""
+    return getattr(config, "vision_config", None) is not None
 
 
 def sliding_window(config) -> int | None:

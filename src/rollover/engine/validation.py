@@ -5,9 +5,13 @@ from __future__ import annotations
 from rollover.types import Request
 
 
-def validate_request(req: Request, *, max_len: int, vocab_size: int) -> None:
-    """Raise ValueError naming the request and the problem; nothing is queued."""
+def validate_request(req: Request, *, max_len: int, vocab_size: int, media: bool = False) -> None:
+    """Raise ValueError naming the request and the problem; nothing is queued. `media`: whether
+    the engine takes images."""
     where = f"request {req.id!r}"
+    if req.media is not None and not media:
+        raise ValueError(f"{where} has images: only TorchEngine with a vision-language model takes them "
+                         "(not vLLM, Ray workers or colocated ranks yet)")
     try:
         req.sampling.validate()
     except ValueError as e:

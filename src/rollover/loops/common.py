@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING
 import torch
 
 from rollover.config import Config, ConfigError, dump_config
-from rollover.loops.prompts import (_check_best, _named_eval, _prompts, _render_all, _train_iterator,
+from rollover.loops.prompts import (MediaStore, _check_best, _named_eval, _prompts, _render_all, _train_iterator,
                                     _warn_if_a_step_exceeds_the_data, eval_sources)
 from rollover.loops.resume import (checkpoint_to_resume, config_changes_since, has_metrics, lock_run_dir, record_config,
                                    set_aside_later_checkpoints)
@@ -94,6 +94,7 @@ class Run:
     selection: PromptSelection | None = None  # selection.policy other than uniform
     eval_sources: dict[str, str] = field(default_factory=dict)  # held-out prompt id -> its source (eval/<source>/...)
     last_eval: tuple[int, dict] | None = None  # the latest evaluation's step and metrics (a checkpoint's eval.json)
+    media: MediaStore | None = None  # prompts with images: their pixel values by prompt (a vision-language model)
 
     # ------------------------------------------------------------ prompts
     def next_groups(self, k: int, version: int) -> list[PendingGroup]:
@@ -110,7 +111,7 @@ class Run:
         for p, size in zip(prompts, sizes):
             gid = f"g{self.serial}"
             out.append(PendingGroup(id=gid, prompt=p, prompt_ids=self.prompt_ids[p.id], serial=self.serial,
-                                    n=size, start_version=version,
+                                    n=size, start_version=version, media=self.media(p) if self.media else None,
                                     max_turns=self.turn_budget.limit(p.id) if self.turn_budget else None))
             self.serial += 1
         return out
@@ -125,7 +126,8 @@ class Run:
         self.engine.settle()  # lazy pulls: every worker holds the current weights first
         sp = replace(sampling_from(self.cfg), temperature=temperature)
         pending = [PendingGroup(id=f"{tag}-{i}", prompt=p, prompt_ids=self.prompt_ids[p.id], serial=10**9 + first + i,
-                                n=n, start_version=self.engine.version) for i, p in enumerate(prompts)]
+                                n=n, start_version=self.engine.version, media=self.media(p) if self.media else None)
+                   for i, p in enumerate(prompts)]
         paused = self.engine.paused  # APRIL keep_kv pauses it between steps
         if paused:
             self.engine.resume()
@@ -174,7 +176,8 @@ class Run:
                  "turn_budget": self.turn_budget.state_dict() if self.turn_budget else None,
                  "selection": self.selection.state_dict() if self.selection else None, **(extra or {})}
         c = self.cfg.checkpoint
-        return checkpoint.save(self.cfg.run_dir, step, model=self.model, tokenizer=self.tokenizer,
+        return checkpoint.save(self.cfg.run_dir, step, model=self.model,
+                               tokenizer=self.media.renderer.processor if self.media else self.tokenizer,
                                trainer_state=self.trainer.state_dict(), extra=state, keep=c.keep,
                                config=dump_config(self.cfg),
                                evaluation=self.last_eval[1] if self.last_eval and self.last_eval[0] == step else None,
@@ -206,6 +209,26 @@ class Run:
             self.lock.close()  # releases the run dir (the kernel does too if the process dies)
 
 
+def _media_store(cfg: Config, prompts: list[Prompt], env_builder) -> MediaStore | None:
+    """The run's `MediaStore` when a prompt has images, with the parts that take them checked
+    (so far: one process, TorchEngine, single-turn; sync, APRIL or async)."""
+    with_images = sum(bool(p.images) for p in prompts)
+    if not with_images:
+        return None
+    from rollover.models import load_processor
+
+    parts = {"runtime=ray": cfg.runtime == "ray", "rollout.engine=vllm": cfg.rollout.engine == "vllm",
+             "train.parallel=fsdp": cfg.train.parallel != "none", "env.name": env_builder is not None}
+    refused = [k for k, v in parts.items() if v]
+    if refused:
+        raise ConfigError(f"{with_images} prompts have images; prompts with images train with TorchEngine in one "
+                          f"process so far, not with {', '.join(refused)}")
+    try:
+        return MediaStore(cfg, load_processor(cfg.model))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _reward_runner(cfg: Config) -> RewardRunner:
     workers = cfg.runtime == "ray" and bool(cfg.ray.reward_workers)
     functions = build_rewards(cfg.reward.functions, here=not workers)  # Ray reward workers load their own
@@ -221,10 +244,7 @@ def _reward_runner(cfg: Config) -> RewardRunner:
 
 
 def _load_model(cfg: Config, ckpt: Path | None):
-    from transformers import AutoModelForCausalLM
-
-
-    from rollover.models import resolve_model
+    from rollover.models import load_hf_model, resolve_model
     from rollover.train.lora import apply_lora
 
     src = resolve_model(cfg.model)
@@ -233,7 +253,7 @@ def _load_model(cfg: Config, ckpt: Path | None):
                           "wrote it did")
     if ckpt is not None and (ckpt / "model").exists():
         src = str(ckpt / "model")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model = load_hf_model(src, dtype=torch.float32)
     if cfg.train.lora is not None:
         if ckpt is not None and (ckpt / "adapter").exists():
             from peft import PeftModel
@@ -281,7 +301,8 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     train_prompts, eval_prompts, skipped, sets = _prompts(cfg, env_builder)
     if skipped:
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
-    prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts)
+    media = _media_store(cfg, train_prompts + eval_prompts, env_builder)
+    prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts, media)
     sources = eval_sources(cfg, eval_prompts, sets)
     train_iter = _train_iterator(cfg, train_prompts, sets)
     _check_best(cfg, env_builder, sources, rewards, eval_prompts)
@@ -296,7 +317,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
               train_iter=train_iter,
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
-              data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder, eval_sources=sources)
+              data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder, eval_sources=sources, media=media)
     run.weights = weights
     _attach_parts(run, cfg)
     try:
@@ -375,11 +396,9 @@ def _reference(cfg: Config, ckpt: Path | None):
     or LoRA, whose reference is the base model under the adapter."""
     if cfg.algorithm.kl_coef <= 0 or cfg.train.lora is not None or ckpt is None or not (ckpt / "model").exists():
         return None
-    from transformers import AutoModelForCausalLM
+    from rollover.models import load_hf_model
 
-    from rollover.models import resolve_model
-
-    return AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=torch.float32)
+    return load_hf_model(cfg.model, dtype=torch.float32)
 
 
 def _make_engine(cfg: Config, trainer, engine_factory, device, max_len: int, eos_token_ids: list[int]):

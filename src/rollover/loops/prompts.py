@@ -106,9 +106,10 @@ def _train_iterator(cfg: Config, prompts: list[Prompt], sets: dict[str, str]):
     return MixedIterator(by_source, d.train_weights, seed=cfg.seed, shuffle=d.shuffle)
 
 
-def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prompt]
+def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prompt], media: "MediaStore | None" = None
                 ) -> tuple[dict[str, list[int]], list[Prompt], list[Prompt], int]:
-    """Render every prompt once: (token ids by prompt id, train, held_out, number dropped).
+    """Render every prompt once: (token ids by prompt id, train, held_out, number dropped);
+    prompts with images through `media` (their pixel values are made again when drawn).
 
     A prompt over data.max_prompt_tokens is an error naming it, or under data.on_bad_row=skip
     is dropped from whichever list holds it, so neither the iterator nor eval ever sees it.
@@ -116,11 +117,20 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
     d = cfg.data
     out: dict[str, list[int]] = {}
     too_long: list[str] = []
+    unusable: list[str] = []  # prompts whose images do not render (data.on_bad_row=skip)
 
     def fits(p: Prompt) -> bool:
-        ids = render_prompt(tokenizer, p, system_prompt=d.system_prompt, instruction=d.instruction,
-                            template_kwargs=d.chat_template_kwargs,
-                            use_chat_template=d.chat_template)
+        if p.images:
+            try:
+                ids = media.render(p)[0]
+            except ConfigError as e:
+                if d.on_bad_row == "raise":
+                    raise
+                unusable.append(str(e))
+                return False
+        else:
+            ids = render_prompt(tokenizer, p, system_prompt=d.system_prompt, instruction=d.instruction,
+                                template_kwargs=d.chat_template_kwargs, use_chat_template=d.chat_template)
         if len(ids) > d.max_prompt_tokens:
             if d.on_bad_row == "raise":
                 raise ConfigError(f"prompt {p.id!r} renders to {len(ids)} tokens, more than data.max_prompt_tokens="
@@ -139,10 +149,13 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
     if too_long:
         log.warning("data: skipped %d prompts longer than data.max_prompt_tokens=%d (data.on_bad_row=skip): %s%s",
                     len(too_long), d.max_prompt_tokens, ", ".join(too_long[:5]), ", ..." if len(too_long) > 5 else "")
+    if unusable:
+        log.warning("data: skipped %d prompts whose images do not render (data.on_bad_row=skip): %s%s",
+                    len(unusable), "; ".join(unusable[:3]), "; ..." if len(unusable) > 3 else "")
     if not train:
         raise ConfigError(f"no training prompt fits in data.max_prompt_tokens={d.max_prompt_tokens} "
-                          f"({len(too_long)} skipped as too long)")
-    return out, train, held_out, len(too_long)
+                          f"({len(too_long)} skipped as too long, {len(unusable)} for their images)")
+    return out, train, held_out, len(too_long) + len(unusable)
 
 
 def _check_best(cfg: Config, env_builder, sources: dict[str, str], rewards: RewardRunner, held_out: list) -> None:
@@ -173,3 +186,38 @@ def _warn_if_a_step_exceeds_the_data(cfg: Config, n: int) -> None:
     if cfg.rollout.prompts_per_step > n:
         log.warning("rollout.prompts_per_step=%d is more than the %d training prompts: every step trains each prompt "
                     "about %.1f times", cfg.rollout.prompts_per_step, n, cfg.rollout.prompts_per_step / n)
+
+
+class MediaStore:
+    """The images of a run's prompts as the model takes them (`Media`), made through the model's
+    processor when a prompt is drawn and kept for the `keep` prompts drawn last (pixel values of
+    a whole dataset would not fit in memory)."""
+
+    def __init__(self, cfg: Config, processor, keep: int = 256):
+        from rollover.data.media import MediaRenderer
+
+        if not cfg.data.chat_template:
+            raise ConfigError("prompts with images need data.chat_template: true (the processor's template places them)")
+        self.renderer, self.cfg, self.keep = MediaRenderer(processor), cfg, keep
+        self._kept: dict[str, object] = {}
+
+    def render(self, prompt: Prompt):
+        """(token ids, Media) of a prompt with images."""
+        from rollover.data import render_media_prompt
+
+        d = self.cfg.data
+        try:
+            return render_media_prompt(self.renderer, prompt, system_prompt=d.system_prompt, instruction=d.instruction,
+                                       template_kwargs=d.chat_template_kwargs)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def __call__(self, prompt: Prompt):
+        """The prompt's `Media`, or None for a prompt without images."""
+        if not prompt.images:
+            return None
+        media = self._kept.pop(prompt.id, None) or self.render(prompt)[1]
+        self._kept[prompt.id] = media  # the newest last
+        while len(self._kept) > self.keep:
+            self._kept.pop(next(iter(self._kept)))
+        return media

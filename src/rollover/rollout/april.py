@@ -362,7 +362,8 @@ class AprilCollector:
             if any(version - v > limit for r in g.rollouts for v in r.versions if v >= 0):
                 m["regenerated_tokens"] += sum(len(r.response_ids) for r in g.rollouts)
                 self.buffer.append(PendingGroup(id=g.id, prompt=g.prompt, prompt_ids=list(g.prompt_ids), serial=g.serial,
-                                                n=len(g.rollouts) + g.dropped, start_version=version))
+                                                n=len(g.rollouts) + g.dropped, start_version=version,
+                                                media=g.rollouts[0].media if g.rollouts else None))
             else:
                 out.append(g)
         self.buffer.sort(key=lambda g: g.serial)

@@ -38,6 +38,7 @@ class PendingGroup:
     episodes: dict | None = None  # multi-turn: sample j's LiveEpisode (made when first sent)
     max_turns: int | None = None  # multi-turn: this task's turn limit (dynamic length); None: env.max_turns
     resampled: int = 0  # multi-turn: failed episodes run again (env.resample_failed)
+    media: object = None  # the prompt's images as the model takes them (`Media`); None: text only
 
     def request_id(self, j: int) -> str:
         return f"{self.id}/{j}"
@@ -49,8 +50,8 @@ class PendingGroup:
         if self.budgets is not None:
             sp = replace(sp, max_new_tokens=self.budgets[j])
         if j in self.partial:
-            return self.partial[j].resume(sp)
-        return Request(id=self.request_id(j), prompt_ids=list(self.prompt_ids), sampling=sp)
+            return replace(self.partial[j].resume(sp), media=self.media)
+        return Request(id=self.request_id(j), prompt_ids=list(self.prompt_ids), sampling=sp, media=self.media)
 
     @property
     def complete(self) -> bool:
@@ -77,7 +78,7 @@ def to_rollouts(group: PendingGroup, cfg: Config, tokenizer) -> Group:
         rollouts.append(Rollout(
             group_id=group.id, prompt_ids=prompt_ids, response_ids=c.response_ids, logprobs=c.logprobs,
             versions=c.versions, loss_mask=mask, finish=c.finish,
-            text=tokenizer.decode(c.response_ids, skip_special_tokens=True),
+            text=tokenizer.decode(c.response_ids, skip_special_tokens=True), media=group.media,
         ))
     return Group(id=group.id, prompt=group.prompt, prompt_ids=prompt_ids, rollouts=rollouts,
                  start_version=group.start_version, serial=group.serial)

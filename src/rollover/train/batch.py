@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rollover.data.media import Media, rope_index_of, rope_positions
 from rollover.types import Rollout
 
 
@@ -42,6 +43,7 @@ class TrainBatch:
     adv_B: Tensor
     group_index_B: Tensor  # which group each sequence belongs to (0..G-1)
     adv_BT: Tensor | None = None  # per token (env.credit=reward_to_go), what the loss uses; adv_B: per sample
+    media: list | None = None  # per sequence its prompt's images (`Media` or None); None: no sequence has any
 
     @classmethod
     def from_rollouts(cls, rollouts: list[Rollout], advantages, token_advantages=None) -> "TrainBatch":
@@ -81,6 +83,7 @@ class TrainBatch:
             adv_B=torch.as_tensor(advantages, dtype=torch.float32).reshape(len(rollouts)),
             group_index_B=torch.tensor([groups[r.group_id] for r in rollouts], dtype=torch.long),
             adv_BT=adv_BT,
+            media=[r.media for r in rollouts] if any(r.media is not None for r in rollouts) else None,
         )
 
     def __len__(self) -> int:
@@ -102,6 +105,7 @@ class TrainBatch:
             adv_B=self.adv_B[t],
             group_index_B=self.group_index_B[t],
             adv_BT=None if self.adv_BT is None else self.adv_BT[t],
+            media=None if self.media is None else [self.media[i] for i in idx],
         )
 
 
@@ -123,6 +127,8 @@ class MicroBatch:
     # which response of the segment it belongs to (0: the prompt or padding)
     segment: Tensor | None = None
     response: Tensor | None = None
+    # images: what the model's forward takes beside the ids (`Media.concat`, one sequence a row)
+    media: dict | None = None
 
     def to(self, device) -> "MicroBatch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -130,6 +136,7 @@ class MicroBatch:
             self.seq_index, *(t.to(device) for t in (self.input_ids, self.position_ids, self.sel_row,
                                                      self.sel_col, self.targets, self.tok_seq, self.tok_pos)),
             self.pad_tokens, self.slots, move(self.segment), move(self.response),
+            None if self.media is None else {k: v.to(device) for k, v in self.media.items()},
         )
 
     def allow(self) -> Tensor | None:
@@ -259,3 +266,20 @@ def _build(batch: TrainBatch, rows: list[list[list[int]]], pad_id: int, shared_p
         seq_index, ids, pos, as_t(sel_row), as_t(sel_col), as_t(targets), as_t(tok_seq), as_t(tok_pos),
         pad_tokens=R * L - used, slots=R * L, segment=segment, response=response,
     )
+
+
+def with_media(mb: MicroBatch, batch: TrainBatch, model) -> MicroBatch:
+    """`mb` (one sequence a row) with its sequences' images, and for a model with 3-D rotary
+    positions (Qwen2-VL) its positions as the model's forward takes packed ones: [4, R, L], the
+    text positions (which keep padding apart) above the three rotary ones."""
+    media = [batch.media[i] for i in mb.seq_index]
+    mb.media = Media.concat(media) or None
+    if rope_index_of(model) is None:
+        return mb
+    R, L = mb.input_ids.shape
+    pos = mb.position_ids[None].repeat(4, 1, 1)
+    for r, i in enumerate(mb.seq_index):
+        ids = batch.prompt_ids[i] + batch.response_ids[i]
+        pos[1:, r, : len(ids)] = rope_positions(model, model.config, ids, media[r])[0]
+    mb.position_ids = pos
+    return mb

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from rollover.data.media import placeholder_ids
 from rollover.models import text_config
 
 
@@ -29,6 +30,14 @@ class LogitHead:
         self.scale = scale if isinstance(scale, (int, float)) else None
         self.divide = getattr(config, "logits_scaling", None)
         self.cap = getattr(config, "final_logit_softcapping", None)
+        # a vision-language model's image placeholders are never sampled (the engine's `placeholder_ids`)
+        self.banned = placeholder_ids(base.config) if getattr(base.config, "vision_config", None) is not None else []
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model forward's `logits` with what this head leaves out of the distribution left out."""
+        if not self.banned:
+            return logits
+        return logits.index_fill(-1, torch.tensor(self.banned, device=logits.device), float("-inf"))
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.module(hidden)
@@ -38,7 +47,7 @@ class LogitHead:
             logits = logits / self.divide
         if self.cap is not None:
             logits = torch.tanh(logits / self.cap) * self.cap
-        return logits
+        return self.masked(logits)
 
 
 @torch.no_grad()
@@ -56,13 +65,18 @@ def check_model(base, *, training: bool) -> None:
     name, was_training = type(base).__name__, base.training
 
     def close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
-        gap = (a.float() - b.float()).abs().max().item()
-        return gap <= 1e-3 * max(1.0, b.float().abs().max().item()), gap
+        kept = b.isfinite()  # what the head leaves out (-inf) it leaves out on both sides
+        if not torch.equal(a.isfinite(), kept):
+            return False, float("inf")
+        a, b = a.float()[kept], b.float()[kept]
+        gap = (a - b).abs().max().item()
+        return gap <= 1e-3 * max(1.0, b.abs().max().item()), gap
 
     try:
         base.eval()
-        ref = base(input_ids=ids, use_cache=False).logits
-        ok, gap = close(LogitHead(base)(base.base_model(input_ids=ids, use_cache=False).last_hidden_state), ref)
+        head = LogitHead(base)
+        ref = head.masked(base(input_ids=ids, use_cache=False).logits)
+        ok, gap = close(head(base.base_model(input_ids=ids, use_cache=False).last_hidden_state), ref)
         if not ok:
             raise ValueError(f"{name}: the trainer's head (output embedding, logit scale, soft cap) gives logits "
                              f"{gap:.3g} away from the model's forward; this architecture does more after its head "
@@ -71,7 +85,7 @@ def check_model(base, *, training: bool) -> None:
             base.train()
             with warnings.catch_warnings():  # gradient checkpointing, under no_grad here, warns
                 warnings.simplefilter("ignore")
-                ok, gap = close(base(input_ids=ids, use_cache=False).logits, ref)
+                ok, gap = close(head.masked(base(input_ids=ids, use_cache=False).logits), ref)
             if not ok:
                 raise ValueError(f"{name} computes logits {gap:.3g} apart in training and in evaluation mode, "
                                  "dropout off (its routing or noise depends on the mode): the trainer's logprobs "

@@ -33,7 +33,9 @@ _CHECKPOINTED_SHARE = 0.45  # measured, SmolLM2-135M (see the module docstring)
 
 
 def activation_bytes_per_token(config, row_length: int, checkpointing: bool, dtype_bytes: int = 4) -> int:
-    """Estimated bytes of saved activations per trained token (see the module docstring)."""
+    """Estimated bytes of saved activations per trained token (see the module docstring); a
+    vision-language model's by its language model (its images' tokens are a row's tokens too)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     h = config.hidden_size
     inter = getattr(config, "intermediate_size", None) or 4 * h  # GPT-2's n_inner may be None
     layers = config.num_hidden_layers

@@ -42,7 +42,7 @@ from rollover.algos.policy import bapo_update_bounds, old_logprobs_first
 from rollover.config import Config
 from rollover.engine.hf_runner import fast_path, sliding_window
 from rollover.train import memory
-from rollover.train.batch import MicroBatch, TrainBatch, pack
+from rollover.train.batch import MicroBatch, TrainBatch, pack, with_media
 from rollover.train.dropout import disable_dropout
 from rollover.train.embedding import RowGradEmbedding, row_grad_applies
 from rollover.train.heads import LogitHead, check_model
@@ -182,9 +182,9 @@ class Trainer:
     def _forward(self, model, mb: MicroBatch, need_entropy: bool):
         """logp [N] of the response tokens (and their entropy [N] when asked)."""
         base = self._base(model)
-        ids = {"input_ids": mb.input_ids}
+        ids = {"input_ids": mb.input_ids, **(mb.media or {})}
         embedding = base.get_input_embeddings()
-        if torch.is_grad_enabled() and row_grad_applies(embedding) and not self.sharded:
+        if torch.is_grad_enabled() and row_grad_applies(embedding) and not self.sharded and mb.media is None:
             ids = {"inputs_embeds": RowGradEmbedding.apply(mb.input_ids, embedding.weight, embedding.padding_idx)}
         with self.autocast:
             hidden = base.base_model(**ids, position_ids=mb.position_ids, attention_mask=self._attention_mask(mb, model),
@@ -219,8 +219,8 @@ class Trainer:
         logp = logp_all.gather(1, targets_N[:, None]).squeeze(1)
         if not need_entropy:
             return logp, logp.new_zeros(0)
-        with torch.set_grad_enabled(entropy_grad):
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        with torch.set_grad_enabled(entropy_grad):  # tokens left out (-inf: image placeholders) add 0, not nan
+            entropy = -(logp_all.exp() * logp_all.clamp(min=torch.finfo(logp_all.dtype).min)).sum(-1)
         return logp, entropy
 
     @staticmethod
@@ -229,11 +229,12 @@ class Trainer:
         return out.index_put((mb.tok_seq, mb.tok_pos), values_N)
 
     def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
-        return [
-            mb.to(self.device)
-            for mb in pack(batch, pack_length=self.pack_length, micro_batch_tokens=self.micro_batch_tokens,
-                           pad_id=self.pad_id, shared_prefix=self.shared_prefix, one_per_row=self.one_per_row)
-        ]
+        images = batch.media is not None  # one sequence a row, with its images and the model's positions for them
+        mbs = pack(batch, pack_length=self.pack_length, micro_batch_tokens=self.micro_batch_tokens, pad_id=self.pad_id,
+                   shared_prefix=self.shared_prefix and not images, one_per_row=self.one_per_row or images)
+        if images:
+            mbs = [with_media(mb, batch, self._base(self.model)) for mb in mbs]
+        return [mb.to(self.device) for mb in mbs]
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, model=None) -> torch.Tensor:

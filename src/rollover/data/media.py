@@ -1,0 +1,210 @@
+"""Images in prompts, for vision-language models.
+
+A row brings its images in an `images` (a list) or `image` column: PIL images, file paths
+(relative to the data file), `data:image/...;base64,` strings, raw bytes, or the
+`{"bytes": ..., "path": ...}` dicts of Hugging Face's `Image` feature. Its prompt says where
+they go with `{"type": "image"}` parts in a message's content (TRL's conversational form) or
+`<image>` in the text (verl's); a prompt that names none gets them before its first user text,
+in order. `MediaRenderer` renders the messages through the model's processor (its chat template,
+its image placeholders expanded, its pixel values) into token ids and a `Media`: what the
+model's forward takes beside the ids, the same for the engine's prefill and the trainer's pass.
+
+Models with 3-D rotary positions (Qwen2-VL, Qwen2.5-VL) place an image's tokens on its grid:
+`rope_positions` asks the model for them (its own `get_rope_index`), and text after the image
+continues at a fixed offset from its index (`delta`), which decoding adds.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+IMAGE_COLUMNS = ("images", "image")
+PLACEHOLDER = "<image>"
+# what the processor returns that is not an input of the forward beside the ids (the mask and the
+# modality types rollover derives itself)
+_NOT_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids")
+
+
+@dataclass(eq=False)
+class Media:
+    """A prompt's processed images: `inputs` (pixel values, grids) for the model's forward, CPU
+    tensors; `key` a digest of them, equal for equal images (samples of one prompt prefill once)."""
+
+    inputs: dict[str, torch.Tensor]
+    key: str
+    count: int
+
+    @classmethod
+    def of(cls, inputs: dict[str, torch.Tensor], count: int) -> "Media":
+        h = hashlib.sha1()
+        for name in sorted(inputs):
+            t = inputs[name].detach().contiguous().cpu()
+            h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return cls(inputs={k: v.detach().cpu() for k, v in inputs.items()}, key=h.hexdigest(), count=count)
+
+    def to(self, device, dtype=None) -> dict[str, torch.Tensor]:
+        """The inputs on `device`, floating ones in `dtype`."""
+        return {k: v.to(device=device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
+                for k, v in self.inputs.items()}
+
+    @staticmethod
+    def concat(items: list["Media | None"]) -> dict[str, torch.Tensor]:
+        """The inputs of several sequences' media for one forward, in sequence order (images are
+        matched to their placeholders in that order)."""
+        present = [m for m in items if m is not None]
+        if not present:
+            return {}
+        names = set(present[0].inputs)
+        if any(set(m.inputs) != names for m in present):
+            raise ValueError("media of one batch carry different inputs: " + ", ".join(sorted({
+                ",".join(sorted(m.inputs)) for m in present})))
+        return {n: torch.cat([m.inputs[n] for m in present]) for n in sorted(names)}
+
+
+def row_images(row: dict, base: Path | None) -> list | None:
+    """The row's images (opened, so a bad one fails its row here), or None; raises ValueError
+    naming the column and image."""
+    for col in IMAGE_COLUMNS:
+        if col in row and row[col] is not None:
+            value = row[col]
+            items = list(value) if isinstance(value, (list, tuple)) else [value]
+            out = []
+            for i, item in enumerate(items):
+                try:
+                    out.append(_as_ref(item, base))
+                    open_image(out[-1])
+                except Exception as e:  # noqa: BLE001 - any reason a file or bytes do not open
+                    raise ValueError(f"column {col!r} image {i}: {type(e).__name__}: {e}") from None
+            return out or None
+    return None
+
+
+def _as_ref(item, base: Path | None):
+    """A loadable reference to one image: the PIL image, its bytes, or an absolute path."""
+    if isinstance(item, dict):
+        if item.get("bytes"):
+            return bytes(item["bytes"])
+        item = item.get("path")
+        if not item:
+            raise ValueError("an image dict needs 'bytes' or 'path'")
+    if isinstance(item, (bytes, bytearray)):
+        return bytes(item)
+    if isinstance(item, str):
+        if item.startswith("data:"):
+            return base64.b64decode(item.split(",", 1)[1])
+        path = Path(item).expanduser()
+        if not path.is_absolute() and base is not None:
+            path = base / path
+        if not path.is_file():
+            raise FileNotFoundError(f"no file {str(path)!r}")
+        return str(path)
+    if hasattr(item, "convert") and hasattr(item, "size"):  # a PIL image
+        return item
+    raise TypeError(f"an image is a path, data URL, bytes, {{'bytes'|'path'}} dict or PIL image, not {type(item).__name__}")
+
+
+def open_image(ref):
+    """The image `ref` names, as RGB."""
+    from PIL import Image
+
+    if isinstance(ref, bytes):
+        img = Image.open(io.BytesIO(ref))
+    elif isinstance(ref, str):
+        img = Image.open(ref)
+    else:
+        img = ref
+    return img.convert("RGB")
+
+
+def place_images(messages: list[dict], count: int, where: str) -> list[dict]:
+    """`messages` with content as parts and exactly `count` image parts: those it names
+    (`{"type": "image"}` parts or `<image>` in text), or else `count` before the first user
+    message's text. Raises ValueError when the prompt names another number of images."""
+    out, named = [], 0
+    for m in messages:
+        content = m["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else [dict(p) for p in content]
+        split = []
+        for p in parts:
+            if p.get("type") == "text" and PLACEHOLDER in p.get("text", ""):
+                pieces = p["text"].split(PLACEHOLDER)
+                for k, piece in enumerate(pieces):
+                    if k:
+                        split.append({"type": "image"})
+                    if piece:
+                        split.append({"type": "text", "text": piece})
+            else:
+                split.append(p)
+        named += sum(p.get("type") == "image" for p in split)
+        out.append({**m, "content": split})
+    if named == 0 and count:
+        first = next((m for m in out if m["role"] == "user"), None)
+        if first is None:
+            raise ValueError(f"{where}: {count} images but no user message to put them in")
+        first["content"] = [{"type": "image"} for _ in range(count)] + first["content"]
+    elif named != count:
+        raise ValueError(f"{where}: the prompt names {named} images ({{'type': 'image'}} parts or {PLACEHOLDER!r}) "
+                         f"but the row has {count}")
+    return out
+
+
+class MediaRenderer:
+    """Prompts with images as token ids and `Media`, through the model's processor."""
+
+    def __init__(self, processor):
+        if not hasattr(processor, "image_processor"):
+            raise ValueError(f"{type(processor).__name__} processes no images: the model's processor is needed "
+                             "for prompts with images (a vision-language model's directory has one)")
+        self.processor = processor
+
+    def render(self, messages: list[dict], images: list, *, where: str,
+               template_kwargs: dict | None = None) -> tuple[list[int], Media]:
+        messages = place_images(messages, len(images), where)
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  **(template_kwargs or {}))
+        out = self.processor(text=[text], images=[open_image(r) for r in images], return_tensors="pt",
+                             add_special_tokens=False)
+        ids = out["input_ids"][0].tolist()
+        inputs = {k: v for k, v in out.items() if k not in _NOT_INPUTS and isinstance(v, torch.Tensor)}
+        return ids, Media.of(inputs, len(images))
+
+
+def placeholder_ids(config) -> list[int]:
+    """Token ids that stand for an image or video in the ids (the forward puts features there):
+    never sampled, so a response cannot hold one the images do not fill. The engine and the
+    trainer both leave them out of the distribution (their logits -inf)."""
+    ids = {getattr(config, k, None) for k in ("image_token_id", "image_token_index", "video_token_id")}
+    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
+
+
+def rope_index_of(model):
+    """The model's `get_rope_index` (3-D rotary positions of image tokens), or None."""
+    for m in (model, getattr(model, "model", None)):
+        if m is not None and callable(getattr(m, "get_rope_index", None)):
+            return m.get_rope_index
+    return None
+
+
+def rope_positions(model, config, ids: list[int], media: Media | None) -> tuple[torch.Tensor, int] | None:
+    """Positions [3, len(ids)] of a sequence for a model with 3-D rotary positions, and the
+    offset of text past its images (position = index + delta); None for other models."""
+    index = rope_index_of(model)
+    if index is None:
+        return None
+    ids_t = torch.tensor([ids], dtype=torch.long)
+    types = torch.zeros_like(ids_t, dtype=torch.int)
+    image_token = getattr(config, "image_token_id", None)
+    if media is None or image_token is None:
+        n = len(ids)
+        return torch.arange(n)[None].expand(3, n).clone(), 0
+    types[ids_t == image_token] = 1
+    grid = media.inputs.get("image_grid_thw")
+    pos, delta = index(input_ids=ids_t, mm_token_type_ids=types, image_grid_thw=grid)
+    return pos[:, 0].cpu(), int(delta.reshape(-1)[0])

@@ -1,0 +1,250 @@
+"""Prompts with images and vision-language models (`rollover.data.media`): rows with images load
+and render through the model's processor, TorchEngine samples from the model's own distribution
+given the images, the trainer's logprobs are the engine's, and a sync run trains, evaluates,
+checkpoints and exports. Tiny Qwen2.5-VL (3-D rotary positions) and LLaVA models, CPU."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import json
+
+import pytest
+import torch
+
+from rollover.config import ConfigError, load_config
+from rollover.data import load_prompts
+from rollover.data.media import MediaRenderer, place_images, placeholder_ids
+from rollover.engine.torch_engine import TorchEngine
+from rollover.testing import save_tiny_vl_model, tiny_model, tiny_vl_model, vl_processor
+from rollover.types import Request, Rollout, SamplingParams
+
+ARCHS = ["qwen2_5_vl", "llava"]
+
+
+def image(seed: int, size: int = 56):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray((torch.rand(size, size, 3, generator=g) * 255).to(torch.uint8).numpy())
+
+
+def own_logprobs(model, ids: list[int], response: list[int], media, image_token: int | None = None) -> torch.Tensor:
+    """The model's own forward over prompt + response, as transformers' generate runs it (Qwen's
+    modality types let it place the image tokens on their grid)."""
+    full = torch.tensor([ids + response])
+    kw = dict(media.inputs) if media is not None else {}
+    if media is not None and image_token is not None and "image_grid_thw" in kw:
+        kw["mm_token_type_ids"] = (full == image_token).int()
+    with torch.no_grad():
+        logits = model(input_ids=full, **kw).logits[0].float()
+    logits[:, placeholder_ids(model.config)] = float("-inf")  # never sampled (the engine and trainer leave them out)
+    lp = torch.log_softmax(logits, -1)[len(ids) - 1: -1]
+    return lp.gather(1, torch.tensor(response)[:, None]).squeeze(1)
+
+
+def rendered(arch: str, seeds: list[int], text: str = "Which color?"):
+    renderer = MediaRenderer(vl_processor(arch))
+    return [renderer.render([{"role": "user", "content": text}], [image(s)], where=f"prompt {s}") for s in seeds]
+
+
+def test_rows_with_images_load_from_paths_data_urls_and_bytes(tmp_path):
+    img = image(1)
+    img.save(tmp_path / "a.png")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    raw = buf.getvalue()
+    rows = [
+        {"prompt": "one", "images": ["a.png"], "answer": "x"},  # relative to the file
+        {"prompt": "two <image> here", "image": "data:image/png;base64," + base64.b64encode(raw).decode(), "answer": "y"},
+        {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "three"}]}],
+         "images": [{"bytes": list(raw), "path": None}], "answer": "z"},
+        {"prompt": "bad", "images": ["missing.png"], "answer": "w"},
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(Exception, match=r"rows.jsonl.*(line|row) 4.*images.*image 0.*missing.png"):
+        load_prompts(path)
+    got = load_prompts(path, on_bad_row="skip")
+    assert [len(p.images) for p in got.prompts] == [1, 1, 1] and got.num_skipped == 1
+    assert "images" not in got.prompts[0].fields and "image" not in got.prompts[1].fields
+    renderer = MediaRenderer(vl_processor("llava"))
+    out = [renderer.render(p.messages or [{"role": "user", "content": p.text}], p.images, where=p.id)
+           for p in got.prompts]
+    assert out[0][1].key == out[1][1].key == out[2][1].key  # one image, three ways in
+    assert all(ids.count(renderer.processor.image_token_id) == 4 for ids, _ in out)
+
+
+def test_the_prompt_must_name_as_many_images_as_the_row_has():
+    two = place_images([{"role": "user", "content": "a <image> b <image>"}], 2, where="p")
+    assert [p["type"] for p in two[0]["content"]] == ["text", "image", "text", "image"]
+    first = place_images([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], 2, where="p")
+    assert [p["type"] for p in first[1]["content"]] == ["image", "image", "text"]
+    with pytest.raises(ValueError, match="prompt 7: the prompt names 1 images .* row has 2"):
+        place_images([{"role": "user", "content": "a <image>"}], 2, where="prompt 7")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_engine_samples_from_the_models_own_distribution_given_the_images(arch):
+    model = tiny_vl_model(arch, seed=1)
+    (ids0, m0), (ids1, m1) = rendered(arch, [0, 1])
+    assert ids0 == ids1 and m0.key != m1.key  # the same tokens, other images: no prefill shared between them
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
+    reqs = [Request(id=f"r{i}-{j}", prompt_ids=ids, sampling=SamplingParams(**{**sp.__dict__, "seed": 10 * i + j}),
+                    media=m) for i, (ids, m) in enumerate([(ids0, m0), (ids1, m1)]) for j in range(2)]
+    text = Request(id="text", prompt_ids=ids0[:5], sampling=SamplingParams(**{**sp.__dict__, "seed": 9}))
+    with TorchEngine(model, max_rows=4, max_len=96, forward="transformers") as engine:
+        outs = engine.generate(reqs + [text])
+    token = model.config.image_token_id
+    for req, c in zip(reqs + [text], outs):
+        ref = own_logprobs(model, req.prompt_ids, c.response_ids, req.media, token)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (arch, req.id)
+    # the images matter: the first sample under the other prompt's image has other logprobs
+    other = own_logprobs(model, ids0, outs[0].response_ids, m1, token)
+    assert (other - torch.tensor(outs[0].logprobs)).abs().max() > 1e-2
+
+
+def test_a_weight_update_recomputes_a_running_sequences_images():
+    model = tiny_vl_model("qwen2_5_vl", seed=2)
+    (ids, media), = rendered("qwen2_5_vl", [3])
+    newer = tiny_vl_model("qwen2_5_vl", seed=4)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, ignore_eos=True)
+    with TorchEngine(model, max_rows=2, max_len=96) as engine:
+        core = engine.core
+        core.add(Request(id="a", prompt_ids=ids, sampling=sp, media=media))
+        for _ in range(4):
+            core.step()
+        core.update_weights(newer.state_dict().items(), version=1, inflight="continue")
+        while core.has_work():
+            done, _ = core.step()
+            if done:
+                c = done[0]
+    later = [j for j, v in enumerate(c.versions) if v == 1]
+    assert later and later[0] >= 4
+    ref = own_logprobs(newer, ids, c.response_ids, media, newer.config.image_token_id)
+    assert torch.allclose(torch.tensor(c.logprobs)[later], ref[later], atol=1e-4)
+
+
+def test_images_are_refused_by_engines_and_models_that_do_not_take_them():
+    from rollover.engine.validation import validate_request
+
+    (ids, media), = rendered("llava", [0])
+    req = Request(id="img", prompt_ids=ids, sampling=SamplingParams(max_new_tokens=4), media=media)
+    with pytest.raises(ValueError, match="request 'img' has images: only TorchEngine with a vision-language model"):
+        validate_request(req, max_len=128, vocab_size=200)  # vLLM, Ray workers, colocated ranks
+    with TorchEngine(tiny_model("llama"), max_rows=2, max_len=128) as engine:
+        with pytest.raises(ValueError, match="request 'img' has images"):
+            engine.submit(req)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_trainers_logprobs_are_the_engines_and_its_update_reaches_the_vision_tower(arch):
+    from rollover.train.batch import TrainBatch
+    from rollover.train.trainer import Trainer
+
+    model = tiny_vl_model(arch, seed=1)
+    prompts = rendered(arch, [0, 1, 2])
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    reqs = [Request(id=f"g{i}/{j}", prompt_ids=ids, sampling=SamplingParams(**{**sp.__dict__, "seed": 3 * i + j}),
+                    media=m) for i, (ids, m) in enumerate(prompts) for j in range(3)]
+    with TorchEngine(model, max_rows=8, max_len=96) as engine:
+        outs = engine.generate(reqs)
+    rolls = [Rollout(group_id=r.id.split("/")[0], prompt_ids=r.prompt_ids, response_ids=c.response_ids,
+                     logprobs=c.logprobs, versions=c.versions, loss_mask=[1] * len(c.response_ids), finish=c.finish,
+                     reward=0.0, media=r.media) for r, c in zip(reqs, outs)]
+    batch = TrainBatch.from_rollouts(rolls, [float(i % 3) - 1.0 for i in range(len(rolls))])
+    cfg = load_config(**{"device": "cpu", "model": "unused", "run_dir": "unused", "data.train": "gen:arithmetic?n=10",
+                         "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 8, "train.lr": 1e-2})
+    trainer = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    m = batch.mask_BT
+    assert torch.allclose(trainer.logprobs(batch)[m], batch.behav_logp_BT[m], atol=1e-4)
+    blind = copy.copy(batch)
+    blind.media = None  # the same tokens without their images: other logprobs
+    assert (trainer.logprobs(blind)[m] - batch.behav_logp_BT[m]).abs().max() > 1e-2
+    vision = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "vision" in n or "visual" in n}
+    assert vision
+    trainer.train_step(batch)
+    moved = {n for n, p in trainer.model.named_parameters() if n in vision and not torch.equal(p, vision[n])}
+    assert len(moved) > len(vision) // 2
+
+
+def _color_rows(tmp_path, n: int = 24) -> str:
+    from PIL import Image
+
+    colors = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
+    lines = []
+    for i in range(n):
+        name = list(colors)[i % 3]
+        Image.new("RGB", (28, 28), colors[name]).save(tmp_path / f"img{i}.png")
+        lines.append(json.dumps({"prompt": f"Which color? ({i})", "images": [f"img{i}.png"], "answer": name}))
+    (tmp_path / "colors.jsonl").write_text("\n".join(lines) + "\n")
+    return str(tmp_path / "colors.jsonl")
+
+
+def _cfg(tmp_path, model_dir, **over):
+    return load_config(**{
+        "device": "cpu", "model": str(model_dir), "run_dir": str(tmp_path / "run"), "steps": 2, "seed": 7,
+        "data.train": _color_rows(tmp_path), "data.eval_size": 4, "data.max_prompt_tokens": 64,
+        "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 8,
+        "rollout.max_rows": 8, "reward.functions": ["exact"], "train.lr": 1e-3, "eval.every": 2,
+        "checkpoint.every": 2, "logging.progress": False, "logging.tensorboard": False, **over})
+
+
+def test_a_run_with_images_trains_evaluates_checkpoints_and_exports(tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from rollover.export import export
+    from rollover.loops.sync import train_sync
+
+    model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
+    result = train_sync(_cfg(tmp_path, model_dir))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2] and result["eval/samples"] == 16
+    assert all(0 <= r["actor/rollout_kl"] < 1e-6 for r in train)
+    export(tmp_path / "run", tmp_path / "out")
+    assert type(AutoModelForImageTextToText.from_pretrained(tmp_path / "out")).__name__ == "LlavaForConditionalGeneration"
+    assert hasattr(AutoProcessor.from_pretrained(tmp_path / "out"), "image_processor")
+
+
+@pytest.mark.parametrize("mode", ["april", "async"])
+def test_april_and_async_runs_carry_images_with_their_requests(tmp_path, mode):
+    """APRIL resubmits cut samples, which prefill again with their images (also after a resume
+    from a checkpoint holding them); async mode draws prompts on its own thread. No sample is
+    right here (all rewards 0), so the weights stay as they are and every token's logprob must
+    be the trainer's: one prefilled without its images would not be."""
+    from rollover.loops.async_ import train_async
+    from rollover.loops.sync import train_sync
+
+    model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
+    over = ({"partial_rollout.enabled": True, "partial_rollout.carry": "resubmit", "rollout.max_new_tokens": 24,
+             "steps": 3} if mode == "april" else {"mode": "async", "steps": 3})
+    cfg = _cfg(tmp_path, model_dir, **over)
+    (train_sync if mode == "april" else train_async)(cfg)
+    if mode == "april":
+        train_sync(cfg.model_copy(update={"steps": 4}))  # resumed from step 2's checkpoint, its carried samples
+    train = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == ([1, 2, 3, 4] if mode == "april" else [1, 2, 3])
+    assert all(r["reward/mean"] == 0 and r["actor/rollout_kl"] < 1e-6 for r in train)
+    if mode == "april":
+        assert sum(r["rollout/carried_partial_samples"] for r in train) > 0
+
+
+def test_modes_that_do_not_take_images_yet_are_refused_before_anything_starts(tmp_path):
+    from rollover.loops.common import build_run
+
+    model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
+    with pytest.raises(ConfigError, match=r"24 prompts have images; .* not with rollout.engine=vllm$"):
+        build_run(_cfg(tmp_path, model_dir, **{"rollout.engine": "vllm"}))
+    with pytest.raises(ConfigError, match=r"not with runtime=ray, train.parallel=fsdp$"):
+        build_run(_cfg(tmp_path, model_dir, runtime="ray", **{"train.parallel": "fsdp", "train.ranks": 2}))
+    with pytest.raises(ConfigError, match="no image processor|processor does not load"):
+        build_run(_cfg(tmp_path, save_tiny_model_dir(tmp_path)))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def save_tiny_model_dir(tmp_path):
+    from rollover.testing import save_tiny_model
+
+    return save_tiny_model(tmp_path / "text", "llama")
