@@ -409,3 +409,49 @@ def test_transformers_forward_on_cuda_matches_the_models_forward(arch):
     for out in outs:
         ref = hf_logprobs(model, out.prompt_ids, out.response_ids)
         assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), ref, atol=2e-4), (arch, out.id)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llava"])
+def test_prompts_with_images_on_cuda_match_the_models_forward_and_the_trainer(arch):
+    """A vision-language model on the GPU: the engine's fp32 logprobs given the images are the
+    model's own forward's (Qwen's 3-D positions included) and the trainer's."""
+    import copy
+
+    from rollover.config import load_config
+    from rollover.data.media import MediaRenderer, placeholder_ids
+    from rollover.testing import tiny_vl_model, vl_processor
+    from rollover.train.batch import TrainBatch
+    from rollover.train.trainer import Trainer
+    from rollover.types import Rollout
+    from PIL import Image
+
+    model = tiny_vl_model(arch, seed=1)
+    renderer = MediaRenderer(vl_processor(arch))
+    g = torch.Generator().manual_seed(0)
+    prompts = [renderer.render([{"role": "user", "content": "Which color?"}],
+                               [Image.fromarray((torch.rand(56, 56, 3, generator=g) * 255).to(torch.uint8).numpy())],
+                               where=str(i)) for i in range(3)]
+    reqs = [Request(id=f"g{i}/{j}", prompt_ids=ids, media=m,
+                    sampling=SamplingParams(temperature=1.0, max_new_tokens=16, seed=3 * i + j, ignore_eos=True))
+            for i, (ids, m) in enumerate(prompts) for j in range(2)]
+    with TorchEngine(model, device="cuda", max_rows=8, max_len=128) as eng:
+        outs = eng.generate(reqs)
+    for r, c in zip(reqs, outs):
+        full = torch.tensor([r.prompt_ids + c.response_ids])
+        kw = dict(r.media.inputs)
+        if "image_grid_thw" in kw:
+            kw["mm_token_type_ids"] = (full == model.config.image_token_id).int()
+        with torch.no_grad():
+            logits = model(input_ids=full, **kw).logits[0].float()
+        logits[:, placeholder_ids(model.config)] = float("-inf")
+        lp = torch.log_softmax(logits, -1)[len(r.prompt_ids) - 1: -1].gather(1, torch.tensor(c.response_ids)[:, None])
+        assert torch.allclose(torch.tensor(c.logprobs), lp.squeeze(1), atol=2e-4), (arch, r.id)
+    rolls = [Rollout(group_id=r.id.split("/")[0], prompt_ids=r.prompt_ids, response_ids=c.response_ids,
+                     logprobs=c.logprobs, versions=c.versions, loss_mask=[1] * len(c.response_ids), finish=c.finish,
+                     reward=0.0, media=r.media) for r, c in zip(reqs, outs)]
+    batch = TrainBatch.from_rollouts(rolls, [0.0] * len(rolls))
+    cfg = load_config(**{"device": "cuda", "model": "unused", "run_dir": "unused", "data.train": "gen:arithmetic?n=10",
+                         "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 16})
+    trainer = Trainer(copy.deepcopy(model), cfg, device=torch.device("cuda"))
+    m = batch.mask_BT
+    assert torch.allclose(trainer.logprobs(batch)[m].cpu(), batch.behav_logp_BT[m], atol=2e-4)
