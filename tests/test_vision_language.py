@@ -237,8 +237,8 @@ def test_modes_that_do_not_take_images_yet_are_refused_before_anything_starts(tm
     model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
     with pytest.raises(ConfigError, match=r"24 prompts have images; .* not with rollout.engine=vllm$"):
         build_run(_cfg(tmp_path, model_dir, **{"rollout.engine": "vllm"}))
-    with pytest.raises(ConfigError, match=r"not with runtime=ray, train.parallel=fsdp$"):
-        build_run(_cfg(tmp_path, model_dir, runtime="ray", **{"train.parallel": "fsdp", "train.ranks": 2}))
+    with pytest.raises(ConfigError, match=r"not with train.parallel=fsdp$"):
+        build_run(_cfg(tmp_path, model_dir, **{"train.parallel": "fsdp", "train.ranks": 2}))
     with pytest.raises(ConfigError, match="no image processor|processor does not load"):
         build_run(_cfg(tmp_path, save_tiny_model_dir(tmp_path)))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -248,3 +248,36 @@ def save_tiny_model_dir(tmp_path):
     from rollover.testing import save_tiny_model
 
     return save_tiny_model(tmp_path / "text", "llama")
+
+
+def test_rows_and_processors_that_cannot_work_are_named(tmp_path):
+    from rollover.data.media import Media
+
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+             "answer": "x"},  # parts without images: the text as it reads
+            {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what"}]}],
+             "answer": "y"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(Exception, match="line 2: the prompt has image parts but the row no images"):
+        load_prompts(path)
+    assert load_prompts(path, on_bad_row="skip").prompts[0].messages == [{"role": "user", "content": "ab"}]
+    renderer = MediaRenderer(vl_processor("qwen2_5_vl"))
+    with pytest.raises(ValueError, match=r"prompt 9: the processor refused its 1 images \(StopIteration"):
+        renderer.render([{"role": "user", "content": "a <|image_pad|> b"}], [image(0)], where="prompt 9")
+
+    class PerToken:  # Gemma 3's processor: token types that make its image tokens attend both ways
+        image_processor = None
+
+        def apply_chat_template(self, messages, **kw):
+            return "x"
+
+        def __call__(self, **kw):
+            return {"input_ids": torch.ones(1, 6, dtype=torch.long), "pixel_values": torch.zeros(1, 3, 4, 4),
+                    "token_type_ids": torch.zeros(1, 6, dtype=torch.long)}
+
+    with pytest.raises(ValueError, match=r"per-token inputs \(token_type_ids\)"):
+        MediaRenderer(PerToken()).render([{"role": "user", "content": "q"}], [image(0)], where="p")
+    a, b = Media.of({"pixel_values": torch.zeros(1, 2, 3)}, 1), Media.of({"pixel_values": torch.zeros(1, 3, 3)}, 1)
+    with pytest.raises(ValueError, match=r"pixel_values of shapes \[\(2, 3\), \(3, 3\)\]"):
+        Media.concat([a, None, b])

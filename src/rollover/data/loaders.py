@@ -144,6 +144,11 @@ def row_to_prompt(
         images = row_images(row, base)
     except ValueError as e:
         raise BadRowError(str(e)) from None
+    if messages is not None and not images:  # parts without images: the text as it reads, or a missing image
+        if any(isinstance(m["content"], list) and any(q["type"] == "image" for q in m["content"]) for m in messages):
+            raise BadRowError(f"the prompt has image parts but the row no images (columns: {sorted(row)})")
+        messages = [{**m, "content": "".join(q["text"] for q in m["content"])} if isinstance(m["content"], list) else m
+                    for m in messages]
     excluded = {prompt_key.split(".")[0], *(IMAGE_COLUMNS if images else ())}
     if used_key is not None:
         excluded.add(used_key.split(".")[0])

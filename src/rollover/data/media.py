@@ -65,6 +65,11 @@ class Media:
         if any(set(m.inputs) != names for m in present):
             raise ValueError("media of one batch carry different inputs: " + ", ".join(sorted({
                 ",".join(sorted(m.inputs)) for m in present})))
+        for n in names:
+            shapes = {tuple(m.inputs[n].shape[1:]) for m in present}
+            if len(shapes) > 1:  # LLaVA-NeXT: patches per image follow its aspect ratio
+                raise ValueError(f"images of one batch have {n} of shapes {sorted(shapes)}, which one forward cannot "
+                                 "take: this model's images need the same size (resize them in the data)")
         return {n: torch.cat([m.inputs[n] for m in present]) for n in sorted(names)}
 
 
@@ -105,8 +110,10 @@ def _as_ref(item, base: Path | None):
         if not path.is_file():
             raise FileNotFoundError(f"no file {str(path)!r}")
         return str(path)
-    if hasattr(item, "convert") and hasattr(item, "size"):  # a PIL image
-        return item
+    if hasattr(item, "convert") and hasattr(item, "size"):  # a PIL image: kept encoded (a dataset's decoded pixels
+        buf = io.BytesIO()                                  # would stay in memory for the whole run)
+        item.convert("RGB").save(buf, format="PNG")
+        return buf.getvalue()
     raise TypeError(f"an image is a path, data URL, bytes, {{'bytes'|'path'}} dict or PIL image, not {type(item).__name__}")
 
 
@@ -169,10 +176,18 @@ class MediaRenderer:
         messages = place_images(messages, len(images), where)
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                   **(template_kwargs or {}))
-        out = self.processor(text=[text], images=[open_image(r) for r in images], return_tensors="pt",
-                             add_special_tokens=False)
+        try:
+            out = self.processor(text=[text], images=[open_image(r) for r in images], return_tensors="pt",
+                                 add_special_tokens=False)
+        except Exception as e:  # noqa: BLE001 - a processor raises what it likes (StopIteration on a count mismatch)
+            raise ValueError(f"{where}: the processor refused its {len(images)} images "
+                             f"({type(e).__name__}: {str(e) or 'its placeholders and images do not match'})") from None
         ids = out["input_ids"][0].tolist()
         inputs = {k: v for k, v in out.items() if k not in _NOT_INPUTS and isinstance(v, torch.Tensor)}
+        per_token = sorted(k for k, v in inputs.items() if v.dim() == 2 and v.shape == (1, len(ids)))
+        if per_token:  # Gemma 3's token types: its image tokens attend both ways, which the engine does not mask
+            raise ValueError(f"{type(self.processor).__name__} gives per-token inputs ({', '.join(per_token)}) that "
+                             "change the model's attention; rollover does not run this model with images yet")
         return ids, Media.of(inputs, len(images))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -200,6 +201,7 @@ class MediaStore:
             raise ConfigError("prompts with images need data.chat_template: true (the processor's template places them)")
         self.renderer, self.cfg, self.keep = MediaRenderer(processor), cfg, keep
         self._kept: dict[str, object] = {}
+        self._lock = threading.Lock()  # async mode draws prompts on the engine's thread while the loop evaluates
 
     def render(self, prompt: Prompt):
         """(token ids, Media) of a prompt with images."""
@@ -216,8 +218,11 @@ class MediaStore:
         """The prompt's `Media`, or None for a prompt without images."""
         if not prompt.images:
             return None
-        media = self._kept.pop(prompt.id, None) or self.render(prompt)[1]
-        self._kept[prompt.id] = media  # the newest last
-        while len(self._kept) > self.keep:
-            self._kept.pop(next(iter(self._kept)))
+        with self._lock:
+            media = self._kept.pop(prompt.id, None)
+        media = media or self.render(prompt)[1]
+        with self._lock:
+            self._kept[prompt.id] = media  # the newest last
+            while len(self._kept) > self.keep:
+                self._kept.pop(next(iter(self._kept)))
         return media
