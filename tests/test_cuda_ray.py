@@ -27,7 +27,7 @@ from rollover.testing import save_tiny_model  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def one_gpu_ray():
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

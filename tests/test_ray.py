@@ -36,7 +36,7 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -868,3 +868,28 @@ def test_env_workers_need_a_multi_turn_run_and_lazy_pulls_need_async():
         load_config(runtime="ray", mode="async", **{"ray.weight_sync": "lazy", "rollout.inflight_weight_update": "abort"})
     with pytest.raises(ConfigError, match="ray.reward_workers scores reward.functions"):
         load_config(runtime="ray", **{"ray.reward_workers": 1, "env.name": "guess_number", "data.train": "env"})
+
+
+def test_a_local_instance_starts_beside_a_dead_clusters_record(tmp_path):
+    """ray.init() without an address joins the cluster Ray last recorded on this machine
+    (/tmp/ray/ray_current_cluster) and waits forever where it has died; an unset ray.address
+    starts a local instance instead."""
+    import subprocess
+    import sys
+
+    record = Path("/tmp/ray/ray_current_cluster")
+    saved = record.read_text() if record.exists() else None
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("192.0.2.1:6379")  # nothing answers there
+    script = ("from types import SimpleNamespace\nimport ray\nfrom rollover.runtime import start_ray\n"
+              "started = start_ray(SimpleNamespace(ray=SimpleNamespace(address=None, num_cpus=1, dashboard=False)))\n"
+              "print(started, ray.cluster_resources().get('CPU'))\nray.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        if saved is None:
+            record.unlink(missing_ok=True)
+        else:
+            record.write_text(saved)
+    assert out.stdout.split() == ["True", "1.0"], out.stderr[-2000:]

@@ -12,7 +12,7 @@ from rollover.config.base import Section
 class RayConfig(Section):
     address: str | None = None
     """Where the Ray cluster is: unset starts a local instance (or uses the one this process
-    already started); "auto" joins the cluster `ray start` runs on this machine; "HOST:PORT"
+    already started, or RAY_ADDRESS's); "auto" joins the cluster `ray start` runs on this machine; "HOST:PORT"
     joins that head node. Used with runtime=ray."""
     rollout_workers: int = Field(1, ge=1)
     """Rollout workers, each a Ray actor owning one engine (rollout.engine)."""
