@@ -893,3 +893,21 @@ def test_a_local_instance_starts_beside_a_dead_clusters_record(tmp_path):
         else:
             record.write_text(saved)
     assert out.stdout.split() == ["True", "1.0"], out.stderr[-2000:]
+
+
+def test_prompts_with_images_on_a_ray_worker_train_as_in_the_driver(tmp_path):
+    """A vision-language model's rollout worker gets each request's images (also when a request
+    moves): a run ends with the weights of the same run whose engine is in the driver."""
+    from test_vision_language import _cfg
+
+    from rollover.testing import save_tiny_vl_model
+
+    model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
+    (tmp_path / "rw.py").write_text("def varied(completion, answer, **_):\n    return float(len(completion) % 3)\n")
+    over = {"reward.functions": [f"{tmp_path / 'rw.py'}:varied"], "eval.every": 0, "train.lr": 1e-2}
+    train_sync(_cfg(tmp_path / "local", model_dir, **over))
+    train_sync(_cfg(tmp_path / "ray", model_dir, runtime="ray", **over, **{"ray.rollout_workers": 1}))
+    a, b = final_weights(tmp_path / "local" / "run", 2), final_weights(tmp_path / "ray" / "run", 2)
+    start = load_file(str(model_dir / "model.safetensors"))
+    assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-3  # it trained
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5

@@ -173,6 +173,7 @@ def _color_rows(tmp_path, n: int = 24) -> str:
     from PIL import Image
 
     colors = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
+    tmp_path.mkdir(parents=True, exist_ok=True)
     lines = []
     for i in range(n):
         name = list(colors)[i % 3]
@@ -237,8 +238,8 @@ def test_modes_that_do_not_take_images_yet_are_refused_before_anything_starts(tm
     model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
     with pytest.raises(ConfigError, match=r"24 prompts have images; .* not with rollout.engine=vllm$"):
         build_run(_cfg(tmp_path, model_dir, **{"rollout.engine": "vllm"}))
-    with pytest.raises(ConfigError, match=r"not with train.parallel=fsdp$"):
-        build_run(_cfg(tmp_path, model_dir, **{"train.parallel": "fsdp", "train.ranks": 2}))
+    with pytest.raises(ConfigError, match=r"not with train.colocate$"):
+        build_run(_cfg(tmp_path, model_dir, **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True}))
     with pytest.raises(ConfigError, match="no image processor|processor does not load"):
         build_run(_cfg(tmp_path, save_tiny_model_dir(tmp_path)))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -281,3 +282,39 @@ def test_rows_and_processors_that_cannot_work_are_named(tmp_path):
     a, b = Media.of({"pixel_values": torch.zeros(1, 2, 3)}, 1), Media.of({"pixel_values": torch.zeros(1, 3, 3)}, 1)
     with pytest.raises(ValueError, match=r"pixel_values of shapes \[\(2, 3\), \(3, 3\)\]"):
         Media.concat([a, None, b])
+
+
+def test_a_sharded_step_with_images_equals_one_trainers():
+    """FSDP over two ranks with images in the batch (Qwen2.5-VL: the ranks compute its 3-D
+    positions too): one trainer's update."""
+    from rollover.train.batch import TrainBatch
+    from rollover.train.ranks import ShardedTrainer
+    from rollover.train.trainer import Trainer
+
+    model = tiny_vl_model("qwen2_5_vl", seed=1)
+    prompts = rendered("qwen2_5_vl", [0, 1])
+    g = torch.Generator().manual_seed(0)
+    rolls, advs = [], []
+    for i, (ids, media) in enumerate(prompts):
+        for _ in range(3):
+            n = int(torch.randint(2, 8, (1,), generator=g))
+            rolls.append(Rollout(group_id=f"g{i}", prompt_ids=ids, response_ids=torch.randint(5, 90, (n,), generator=g).tolist(),
+                                 logprobs=[-1.0] * n, versions=[0] * n, loss_mask=[1] * n, finish="stop", reward=0.0,
+                                 media=media))
+            advs.append(float(torch.randn(1, generator=g)))
+    batch = TrainBatch.from_rollouts(rolls, advs)
+    cfg = load_config(**{"device": "cpu", "model": "unused", "run_dir": "unused", "data.train": "gen:arithmetic?n=10",
+                         "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 8, "train.lr": 1e-2,
+                         "train.parallel": "fsdp", "train.ranks": 2})
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        mp, ms = plain.train_step(batch), sharded.train_step(batch)
+        assert ms["actor/pg_loss"] == pytest.approx(mp["actor/pg_loss"], rel=1e-5, abs=1e-7)
+        a, b = dict(plain.named_weights()), dict(sharded.named_weights())
+        visual = [k for k in a if "visual" in k]
+        assert max(float((a[k] - start[k]).abs().max()) for k in visual) > 0.5 * cfg.train.lr
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) < 0.05 * cfg.train.lr
+    finally:
+        sharded.close()

@@ -51,7 +51,7 @@ class LiveRequest:
         r = self.req
         return Request(id=wire or r.id, prompt_ids=r.prompt_ids, sampling=r.sampling,
                        response_ids=r.response_ids + self.ids, response_logprobs=r.response_logprobs + self.lps,
-                       response_versions=r.response_versions + self.vers)
+                       response_versions=r.response_versions + self.vers, media=r.media)
 
 
 def already_finished(req: Request, eos: tuple[int, ...], max_len: int) -> str | None:

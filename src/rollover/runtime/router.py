@@ -29,7 +29,9 @@ from typing import Callable, Iterable
 
 from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.core import EngineStats
+from rollover.engine.hf_runner import is_vision_language
 from rollover.engine.validation import validate_request
+from rollover.models import text_config
 from rollover.runtime.dispatch import Dispatcher
 from rollover.runtime.live import LiveRequest, WorkerSlot, already_finished, first_line
 from rollover.runtime.routing import Router
@@ -59,7 +61,9 @@ class RayEngine(WeightUpdates, EngineAPI):
         self._owns_ray = start_ray(cfg)
         self.worker_device = "cuda" if self.rc.gpus_per_worker > 0 else "cpu"
         check_resources(cfg)
-        self.max_len, self.vocab_size = max_len, architecture.config.vocab_size
+        self.max_len, self.vocab_size = max_len, text_config(architecture.config).vocab_size
+        # the workers' TorchEngines prefill images with a vision-language model
+        self.takes_media = is_vision_language(architecture.config) and cfg.rollout.engine == "torch"
         self._eos = tuple(eos_token_ids)
         self._arch = (architecture.config, getattr(architecture, "generation_config", None))
         self._version = 0
@@ -284,7 +288,7 @@ class RayEngine(WeightUpdates, EngineAPI):
                 if r.id in self._live or r.id in seen:
                     raise ValueError(f"request {r.id!r}: an unfinished request has this id")
                 seen.add(r.id)
-                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size)
+                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size, media=self.takes_media)
             for live in lives:
                 self._live[live.req.id] = live
         self._place(lives)
