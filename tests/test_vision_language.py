@@ -238,8 +238,8 @@ def test_modes_that_do_not_take_images_yet_are_refused_before_anything_starts(tm
     model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
     with pytest.raises(ConfigError, match=r"24 prompts have images; .* not with rollout.engine=vllm$"):
         build_run(_cfg(tmp_path, model_dir, **{"rollout.engine": "vllm"}))
-    with pytest.raises(ConfigError, match=r"not with train.colocate$"):
-        build_run(_cfg(tmp_path, model_dir, **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True}))
+    with pytest.raises(ConfigError, match=r"not with env.name$"):
+        build_run(_cfg(tmp_path, model_dir, **{"env.name": "guess_number"}))
     with pytest.raises(ConfigError, match="no image processor|processor does not load"):
         build_run(_cfg(tmp_path, save_tiny_model_dir(tmp_path)))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -318,3 +318,27 @@ def test_a_sharded_step_with_images_equals_one_trainers():
         assert max(float((a[k] - b[k]).abs().max()) for k in a) < 0.05 * cfg.train.lr
     finally:
         sharded.close()
+
+
+def test_the_trainer_ranks_own_engines_take_images_and_train_as_one_trainer(tmp_path):
+    """train.colocate: each FSDP rank's TorchEngine gets its requests' images; the run trains the
+    weights of the one-trainer run with one engine (seeded sampling: the same tokens wherever
+    they are generated), up to the ranks' summation order."""
+    from transformers import AutoModelForImageTextToText
+
+    from rollover.loops.sync import train_sync
+
+    model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
+    (tmp_path / "rw.py").write_text("def varied(completion, answer, **_):\n    return float(len(completion) % 3)\n")
+    over = {"reward.functions": [f"{tmp_path / 'rw.py'}:varied"], "eval.every": 0, "train.lr": 1e-2}
+    train_sync(_cfg(tmp_path / "one", model_dir, **over))
+    train_sync(_cfg(tmp_path / "co", model_dir, **over, **{"train.parallel": "fsdp", "train.ranks": 2,
+                                                             "train.colocate": True}))
+    rows = [json.loads(x) for x in open(tmp_path / "co" / "run" / "metrics.jsonl")]
+    assert all(r["actor/rollout_kl"] < 1e-6 for r in rows if r["kind"] == "train")
+    # rank 0 writes the model's own parameter names, the one trainer transformers' saved ones: both load
+    a, b = (AutoModelForImageTextToText.from_pretrained(tmp_path / d / "run" / "checkpoints" / "step_000002" / "model")
+            .state_dict() for d in ("one", "co"))
+    start = tiny_vl_model("llava", seed=3).state_dict()
+    assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-3
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 0.05 * 1e-2

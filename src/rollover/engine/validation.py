@@ -11,7 +11,7 @@ def validate_request(req: Request, *, max_len: int, vocab_size: int, media: bool
     where = f"request {req.id!r}"
     if req.media is not None and not media:
         raise ValueError(f"{where} has images: only TorchEngine with a vision-language model takes them "
-                         "(not vLLM or the engines in trainer ranks yet)")
+                         "(not vLLM yet)")
     try:
         req.sampling.validate()
     except ValueError as e:
