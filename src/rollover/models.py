@@ -151,3 +151,16 @@ def eos_ids(*sources) -> tuple[int, ...]:
         if e is not None:
             ids.extend(e if isinstance(e, (list, tuple)) else [e])
     return tuple(dict.fromkeys(ids))
+
+
+def restore_output_capture(model) -> None:
+    """Let a model that reached this process pickled record its inner outputs again.
+    transformers notes at construction which outputs each model class can record (LLaVA reads
+    its CLIP tower's hidden states that way); an unpickled model was not constructed here, and
+    without the note its vision tower returns no hidden states."""
+    from transformers import PreTrainedModel
+    from transformers.utils import output_capturing
+
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            output_capturing._CAN_RECORD_REGISTRY.setdefault(str(m.__class__), m._can_record_outputs)

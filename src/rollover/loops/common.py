@@ -24,7 +24,6 @@ from rollover.loops.prompts import (MediaStore, _check_best, _named_eval, _promp
                                     _warn_if_a_step_exceeds_the_data, eval_sources)
 from rollover.loops.resume import (checkpoint_to_resume, config_changes_since, has_metrics, lock_run_dir, record_config,
                                    set_aside_later_checkpoints)
-from rollover.engine.hf_runner import is_vision_language
 from rollover.models import eos_ids, text_config
 from rollover.rewards import RewardRunner, build_rewards
 from rollover.rollout.groups import PendingGroup, eval_metrics, sampling_from
@@ -212,14 +211,17 @@ class Run:
 
 def _media_store(cfg: Config, prompts: list[Prompt], env_builder) -> MediaStore | None:
     """The run's `MediaStore` when a prompt has images, with the parts that take them checked
-    (so far: TorchEngine, in the driver, on Ray rollout workers or in the trainer ranks;
-    single-turn; sync, APRIL or async; one trainer or FSDP ranks)."""
+    (so far: TorchEngine in the driver or on Ray rollout workers; single-turn; sync, APRIL or
+    async; one trainer, in the driver or a Ray actor)."""
     with_images = sum(bool(p.images) for p in prompts)
     if not with_images:
         return None
     from rollover.models import load_processor
 
-    parts = {"rollout.engine=vllm": cfg.rollout.engine == "vllm", "env.name": env_builder is not None}
+    # FSDP ranks: a rank whose pass holds no image does not run the vision tower, and its gradient
+    # reduction would not match the others'
+    parts = {"rollout.engine=vllm": cfg.rollout.engine == "vllm", "train.parallel=fsdp": cfg.train.parallel != "none",
+             "env.name": env_builder is not None}
     refused = [k for k, v in parts.items() if v]
     if refused:
         raise ConfigError(f"{with_images} prompts have images; prompts with images train with TorchEngine so far, "
@@ -420,8 +422,7 @@ def _make_engine(cfg: Config, trainer, engine_factory, device, max_len: int, eos
             from rollover.runtime.colocated import ColocatedEngines
 
             engine = ColocatedEngines(trainer, cfg, max_len=max_len, eos_token_ids=eos_token_ids,
-                                      vocab_size=text_config(architecture.config).vocab_size,
-                                      takes_media=is_vision_language(architecture.config) and cfg.rollout.engine == "torch")
+                                      vocab_size=text_config(architecture.config).vocab_size)
         else:
             engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device,
                                     max_len=max_len, eos_token_ids=eos_token_ids)

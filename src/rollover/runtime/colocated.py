@@ -68,9 +68,8 @@ class ColocatedEngines(EngineAPI):
     """The engine contract over the engines of a `ShardedTrainer`'s ranks (see the module
     docstring)."""
 
-    def __init__(self, trainer, cfg, *, max_len: int, eos_token_ids, vocab_size: int, takes_media: bool = False):
-        """`takes_media`: the ranks' engines prefill images (TorchEngine with a vision-language model)."""
-        self.trainer, self.cfg, self.takes_media = trainer, cfg, takes_media
+    def __init__(self, trainer, cfg, *, max_len: int, eos_token_ids, vocab_size: int):
+        self.trainer, self.cfg = trainer, cfg
         self.max_len, self.vocab_size, self._eos = max_len, vocab_size, tuple(eos_token_ids)
         self._bucket_bytes = int(cfg.train.weight_bucket_mb * 2**20)
         self._timeout_s = cfg.train.collective_timeout_s
@@ -174,7 +173,7 @@ class ColocatedEngines(EngineAPI):
                 if r.id in self._live or r.id in seen:
                     raise ValueError(f"request {r.id!r}: an unfinished request has this id")
                 seen.add(r.id)
-                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size, media=self.takes_media)
+                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size)
             for r in requests:
                 f = Future()
                 if on_done is not None:

@@ -41,6 +41,7 @@ from rollover.algos.offpolicy import m2po_update_mask
 from rollover.algos.policy import bapo_update_bounds, old_logprobs_first
 from rollover.config import Config
 from rollover.engine.hf_runner import fast_path, sliding_window
+from rollover.models import restore_output_capture
 from rollover.train import memory
 from rollover.train.batch import MicroBatch, TrainBatch, pack, with_media
 from rollover.train.dropout import disable_dropout
@@ -83,6 +84,9 @@ class Trainer:
             # (not in an FSDP rank: blocks its collectives' threads free stay in their arenas; a 0.5B model's rank
             # at 2 ranks ran out of memory at 11.5 GB with it, 7.5 GB without, benchmarks.md "Sharded trainer")
             memory.large_blocks_from_the_heap()
+        restore_output_capture(model)  # a trainer actor or a rank gets the model pickled
+        if reference is not None:
+            restore_output_capture(reference)
         self.is_peft = hasattr(model, "get_base_model")
         if cfg.train.gradient_checkpointing:
             model.gradient_checkpointing_enable()
