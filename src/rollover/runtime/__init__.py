@@ -38,10 +38,12 @@ def start_ray(cfg) -> bool:
             raise ConnectionError(f"ray.address={rc.address!r}: no Ray cluster answered ({e}); start one with "
                                   "`ray start --head` or leave ray.address unset for a local instance") from None
         return False
+    if os.environ.get("RAY_ADDRESS"):  # `ray job submit` sets it: the job's cluster, whose resources are its own
+        ray.init(**quiet)
+        return False
     # a new local instance: ray.init() without an address would join the cluster /tmp/ray/ray_current_cluster
-    # last recorded, and wait forever where that cluster has died (RAY_ADDRESS, as `ray job submit` sets it, is kept)
-    ray.init(address=os.environ.get("RAY_ADDRESS") or "local", num_cpus=rc.num_cpus, include_dashboard=rc.dashboard,
-             **quiet)
+    # last recorded, and wait forever where that cluster has died
+    ray.init(address="local", num_cpus=rc.num_cpus, include_dashboard=rc.dashboard, **quiet)
     return True
 
 
