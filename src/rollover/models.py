@@ -100,22 +100,33 @@ def load_tokenizer(name: str):
     return tok
 
 
+def is_vision_language(config) -> bool:
+    """Whether the config is a vision-language model's (a vision tower beside its language model)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def auto_model_class(config):
+    """The transformers auto class that builds a model of `config`: a vision-language model's
+    with its vision tower, else the causal LM's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
 def load_hf_model(name: str, dtype=None, device: str | None = None):
     """The causal LM `name` resolves to (a vision-language model with its vision tower)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     path = resolve_model(name)
-    vision = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
-    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=dtype or torch.float32)
+    model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype or torch.float32)
     return model.to(device) if device else model
 
 
 def text_processor(name: str, model):
     """What saves a model's text handling beside its weights: its processor for a
     vision-language model (chat template, image processor, tokenizer), else its tokenizer."""
-    if getattr(model.config, "vision_config", None) is not None:
+    if is_vision_language(model.config):
         return load_processor(name)
     return load_tokenizer(name)
 

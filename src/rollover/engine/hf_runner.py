@@ -39,7 +39,7 @@ import torch
 from rollover.engine.held_weights import check_named, free_storage, lend_views, restore_storage, same_memory
 from rollover.data.media import placeholder_ids, rope_index_of, rope_positions
 from rollover.engine.model_runner import SUPPORTED
-from rollover.models import text_config
+from rollover.models import auto_model_class, is_vision_language, text_config
 
 # the attention kinds of `config.layer_types` this runner masks
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -109,7 +109,6 @@ class HFRunner:
     def __init__(self, config, state_dict: dict[str, torch.Tensor], *, max_rows: int, max_len: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  max_prefill_tokens: int = 2048):
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
         from transformers.initialization import no_init_weights
 
         check_generic(config, max_len)
@@ -124,9 +123,8 @@ class HFRunner:
         # the module of the config, its weights left uninitialised (all of them are loaded next); its buffers
         # (rotary tables) are computed as it is built. Flash / flex attention take no 4-D mask: SDPA stands in
         impl = getattr(config, "_attn_implementation", None)
-        auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
         with self.device, no_init_weights():
-            self.module = auto.from_config(config, dtype=dtype, attn_implementation=impl if impl in ("eager", "sdpa") else "sdpa")
+            self.module = auto_model_class(config).from_config(config, dtype=dtype, attn_implementation=impl if impl in ("eager", "sdpa") else "sdpa")
         self.module.tie_weights()
         self.module.eval().requires_grad_(False)
         self.n_layers = text.num_hidden_layers
@@ -408,10 +406,6 @@ class HFRunner:
         """Decode rows 0..B-1, then prefill new sequences into `rows`; logits [B + len(rows), V]."""
         return torch.cat([self.decode(tokens, positions), self.prefill(rows, token_ids, media)])
 
-
-def is_vision_language(config) -> bool:
-    """Whether the config is a vision-language model's (a vision tower beside its language model)."""
-    return getattr(config, "vision_config", None) is not None
 
 
 def sliding_window(config) -> int | None:

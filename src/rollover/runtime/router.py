@@ -29,9 +29,8 @@ from typing import Callable, Iterable
 
 from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.core import EngineStats
-from rollover.engine.hf_runner import is_vision_language
 from rollover.engine.validation import validate_request
-from rollover.models import text_config
+from rollover.models import is_vision_language, text_config
 from rollover.runtime.dispatch import Dispatcher
 from rollover.runtime.live import LiveRequest, WorkerSlot, already_finished, first_line
 from rollover.runtime.routing import Router

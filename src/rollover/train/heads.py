@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from rollover.data.media import placeholder_ids
-from rollover.models import text_config
+from rollover.models import is_vision_language, text_config
 
 
 class LogitHead:
@@ -31,13 +31,17 @@ class LogitHead:
         self.divide = getattr(config, "logits_scaling", None)
         self.cap = getattr(config, "final_logit_softcapping", None)
         # a vision-language model's image placeholders are never sampled (the engine's `placeholder_ids`)
-        self.banned = placeholder_ids(base.config) if getattr(base.config, "vision_config", None) is not None else []
+        self.banned = placeholder_ids(base.config) if is_vision_language(base.config) else []
+        self._banned_on: dict = {}  # device -> the banned ids as a tensor there
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """The model forward's `logits` with what this head leaves out of the distribution left out."""
         if not self.banned:
             return logits
-        return logits.index_fill(-1, torch.tensor(self.banned, device=logits.device), float("-inf"))
+        ids = self._banned_on.get(logits.device)
+        if ids is None:  # made once per device: this runs on every chunk of every pass
+            ids = self._banned_on[logits.device] = torch.tensor(self.banned, device=logits.device)
+        return logits.index_fill(-1, ids, float("-inf"))
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.module(hidden)

@@ -137,13 +137,12 @@ def _skeleton(config, dtype, lora: dict | None):
     """The model's structure on the meta device: FSDPTrainer(from_rank0=True) shards it, makes
     room for this rank's shards only and fills them from rank 0's tensors."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from rollover.models import auto_model_class
     from rollover.train.lora import apply_lora
 
-    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = auto.from_config(config, dtype=dtype)
+        model = auto_model_class(config).from_config(config, dtype=dtype)
         if lora is not None:
             model = apply_lora(model, lora)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
