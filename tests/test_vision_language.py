@@ -15,7 +15,7 @@ import torch
 
 from rollover.config import ConfigError, load_config
 from rollover.data import load_prompts
-from rollover.data.media import MediaRenderer, place_images, placeholder_ids
+from rollover.data.media import MediaRenderer, place_images, placeholder_ids, stand_in_image
 from rollover.engine.torch_engine import TorchEngine
 from rollover.testing import save_tiny_vl_model, tiny_model, tiny_vl_model, vl_processor
 from rollover.types import Request, Rollout, SamplingParams
@@ -169,6 +169,58 @@ def test_the_trainers_logprobs_are_the_engines_and_its_update_reaches_the_vision
     assert len(moved) > len(vision) // 2
 
 
+def _mixed_batch(arch: str, image_groups: int, text_groups: int, seed: int):
+    """Groups of 3 samples: some prompts with an image, some with text only."""
+    from rollover.train.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = rendered(arch, list(range(seed, seed + image_groups)))
+    units = prompts + [([5, 6, 7, 8, 9 + k], None) for k in range(text_groups)]
+    rolls, advs = [], []
+    for gi, (ids, m) in enumerate(units):
+        for _ in range(3):
+            n = int(torch.randint(2, 7, (1,), generator=g))
+            rolls.append(Rollout(group_id=f"g{gi}", prompt_ids=ids, response_ids=torch.randint(3, 20, (n,), generator=g).tolist(),
+                                 logprobs=(-torch.rand(n, generator=g) - 0.5).tolist(), versions=[0] * n,
+                                 loss_mask=[1] * n, finish="stop", reward=0.0, media=m))
+            advs.append(float(torch.randn(1, generator=g)))
+    return TrainBatch.from_rollouts(rolls, advs)
+
+
+@pytest.mark.parametrize("arch,over", [("llava", {}), ("qwen2_5_vl", {"train.mini_batches": 2})])
+def test_sharded_ranks_train_on_images_as_one_trainer(arch, over):
+    """train.parallel=fsdp: a rank whose pass has no image of its own runs the vision tower on a
+    stand-in image at zero weight (its peers' passes gather and reduce the tower's layers; without
+    it gloo aborts), and N ranks train as one trainer. An update with no image anywhere (the second
+    mini-batch of a step) runs no tower, so its weights get no gradient there either."""
+    from test_fsdp import assert_same_update, cfg_of, weights
+
+    from rollover.train.fsdp import split_batch
+    from rollover.train.ranks import ShardedTrainer
+    from rollover.train.trainer import Trainer
+
+    cfg = cfg_of(**{"train.ranks": 2, **over})
+    model = tiny_vl_model(arch, seed=3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        for b in [_mixed_batch(arch, 1, 3, seed=0), _mixed_batch(arch, 2, 0, seed=1), _mixed_batch(arch, 0, 2, seed=2)]:
+            if b.media is not None and any(m is None for m in b.media):  # one rank's share holds no image
+                assert any(all(b.media[i] is None for i in share) for share in split_batch(b, 2))
+            mp, ms = plain.train_step(b), sharded.train_step(b)
+            for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+                assert ms[k] == pytest.approx(mp[k], rel=1e-5, abs=1e-7), k
+            got, want = weights(sharded), weights(plain)
+            # a key's bias has no gradient in exact arithmetic (it adds one constant to a query's scores):
+            # Adam turns the two orders of summing its rounding noise into lr-sized steps of either sign
+            keep = [k for k in want if not k.endswith("k_proj.bias")]
+            assert_same_update(*({k: w[k] for k in keep} for w in (want, got, start)), cfg.train.lr)
+            start = want
+    finally:
+        sharded.close()
+
+
 def _color_rows(tmp_path, n: int = 24) -> str:
     from PIL import Image
 
@@ -232,14 +284,43 @@ def test_april_and_async_runs_carry_images_with_their_requests(tmp_path, mode):
         assert sum(r["rollout/carried_partial_samples"] for r in train) > 0
 
 
+def test_a_sharded_run_with_images_on_the_ranks_engines_ends_with_one_trainers_weights(tmp_path):
+    """train.parallel=fsdp with train.colocate: each rank's own engine prefills its requests'
+    images, and the run trains what the one-trainer run trains, step by step."""
+    from test_fsdp import assert_same_update
+    from transformers import AutoModelForImageTextToText
+
+    from rollover.loops.sync import train_sync
+
+    model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
+    (tmp_path / "parity.py").write_text(  # a tiny random model never names a colour: a reward it earns about half the time
+        "def parity(completion, answer=None, **_):\n    return float(sum(map(ord, completion)) % 2)\n")
+    over = {"reward.functions": [f"{tmp_path / 'parity.py'}:parity"], "train.lr": 1e-2}
+    train_sync(_cfg(tmp_path / "one", model_dir, **over))
+    train_sync(_cfg(tmp_path / "two", model_dir, **over, **{"train.parallel": "fsdp", "train.ranks": 2,
+                                                             "train.colocate": True}))
+    rows = [[r for r in map(json.loads, open(tmp_path / d / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+            for d in ("one", "two")]
+    assert all(r["actor/grad_norm"] > 0 and r["actor/rollout_kl"] < 1e-6 for r in rows[1])
+    for a, b in zip(*rows):
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
+    # the ranks write the modules' own names, transformers' save_pretrained its older ones: both load
+    one, two = (AutoModelForImageTextToText.from_pretrained(tmp_path / d / "run" / "checkpoints" / "step_000002" / "model")
+                .state_dict() for d in ("one", "two"))
+    start = AutoModelForImageTextToText.from_pretrained(model_dir).state_dict()
+    assert_same_update(one, two, start, over["train.lr"])
+
+
 def test_modes_that_do_not_take_images_yet_are_refused_before_anything_starts(tmp_path):
     from rollover.loops.common import build_run
 
     model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
     with pytest.raises(ConfigError, match=r"24 prompts have images; .* not with rollout.engine=vllm$"):
         build_run(_cfg(tmp_path, model_dir, **{"rollout.engine": "vllm"}))
-    with pytest.raises(ConfigError, match=r"not with train.parallel=fsdp, env.name$"):
+    with pytest.raises(ConfigError, match=r"not with env.name$"):
         build_run(_cfg(tmp_path, model_dir, **{"train.parallel": "fsdp", "train.ranks": 2, "env.name": "guess_number"}))
+    with pytest.raises(ValueError, match="no stand-in image is known"):  # a sharded trainer's rank needs one
+        stand_in_image(tiny_model("llama").config)
     with pytest.raises(ConfigError, match="no image processor|processor does not load"):
         build_run(_cfg(tmp_path, save_tiny_model_dir(tmp_path)))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

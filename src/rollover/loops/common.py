@@ -211,17 +211,14 @@ class Run:
 
 def _media_store(cfg: Config, prompts: list[Prompt], env_builder) -> MediaStore | None:
     """The run's `MediaStore` when a prompt has images, with the parts that take them checked
-    (so far: TorchEngine in the driver or on Ray rollout workers; single-turn; sync, APRIL or
-    async; one trainer, in the driver or a Ray actor)."""
+    (so far: TorchEngine in the driver, on Ray rollout workers or on the trainer's ranks;
+    single-turn; sync, APRIL or async; any trainer)."""
     with_images = sum(bool(p.images) for p in prompts)
     if not with_images:
         return None
     from rollover.models import load_processor
 
-    # FSDP ranks: a rank whose pass holds no image does not run the vision tower, and its gradient
-    # reduction would not match the others'
-    parts = {"rollout.engine=vllm": cfg.rollout.engine == "vllm", "train.parallel=fsdp": cfg.train.parallel != "none",
-             "env.name": env_builder is not None}
+    parts = {"rollout.engine=vllm": cfg.rollout.engine == "vllm", "env.name": env_builder is not None}
     refused = [k for k, v in parts.items() if v]
     if refused:
         raise ConfigError(f"{with_images} prompts have images; prompts with images train with TorchEngine so far, "
@@ -230,6 +227,18 @@ def _media_store(cfg: Config, prompts: list[Prompt], env_builder) -> MediaStore 
         return MediaStore(cfg, load_processor(cfg.model))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_stand_in(model) -> None:
+    """Sharded ranks run the vision tower on a stand-in image in a pass with no image of its own
+    (`rollover.train.fsdp`): the model's tower must have one."""
+    from rollover.data.media import stand_in_image
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        stand_in_image(base.config)
+    except ValueError as e:
+        raise ConfigError(f"train.parallel=fsdp with prompts with images: {e}") from None
 
 
 def _reward_runner(cfg: Config) -> RewardRunner:
@@ -312,6 +321,8 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     skipped += too_long
     _warn_if_a_step_exceeds_the_data(cfg, len(train_prompts))
     model = _load_model(cfg, ckpt)
+    if media is not None and cfg.train.parallel != "none":
+        _check_stand_in(model)
     longest = _longest(cfg, model, prompt_ids, env_builder)
     eos_token_ids = list(eos_ids(getattr(model, "generation_config", None), model.config, tokenizer))
     trainer = _make_trainer(cfg, model, tokenizer.pad_token_id or 0, device, ckpt, remote_trainer, record)

@@ -36,6 +36,7 @@ from typing import Callable, Iterable
 from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.core import EngineStats
 from rollover.engine.validation import validate_request
+from rollover.models import is_vision_language
 from rollover.runtime.routing import Router
 from rollover.train.ranks import RankLost
 from rollover.train.weight_sync import SyncReport
@@ -75,6 +76,8 @@ class ColocatedEngines(EngineAPI):
         self._timeout_s = cfg.train.collective_timeout_s
         self._free_weights = cfg.train.colocate_free_weights
         trainer._all("engine_start", max_len, self._eos, self._bucket_bytes)
+        # the ranks' TorchEngines prefill images with a vision-language model
+        self.takes_media = cfg.rollout.engine == "torch" and is_vision_language(trainer.architecture.config)
         self._ranks = [_Rank(r) for r in range(trainer.world)]
         self.router = Router(cfg.rollout.max_new_tokens * cfg.rollout.samples_per_prompt)
         self._lock = threading.Lock()  # _live, _wire, the ranks' loads, the router
@@ -173,7 +176,7 @@ class ColocatedEngines(EngineAPI):
                 if r.id in self._live or r.id in seen:
                     raise ValueError(f"request {r.id!r}: an unfinished request has this id")
                 seen.add(r.id)
-                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size)
+                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size, media=self.takes_media)
             for r in requests:
                 f = Future()
                 if on_done is not None:

@@ -129,6 +129,9 @@ class MicroBatch:
     response: Tensor | None = None
     # images: what the model's forward takes beside the ids (`Media.concat`, one sequence a row)
     media: dict | None = None
+    # a sharded rank's pass with no image of its own while its peers' have: a stand-in image the
+    # pass runs through the vision tower at zero weight (`FSDPTrainer`), on the pass's device
+    stand_in_image: dict | None = None
 
     def to(self, device) -> "MicroBatch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731

@@ -12,7 +12,9 @@ its share of the step's sequences (`split_batch`); what makes N ranks train as o
   then *sums* the ranks' gradients (its averaging is turned off): the one-rank gradient.
 - **The same passes on every rank.** A forward gathers weights collectively, so a rank with
   fewer micro-batches than another runs stand-in passes over one padding token, which select no
-  token and add nothing (`_micro_batches`). A non-finite loss does not stop a rank early; the
+  token and add nothing (`_micro_batches`). With images, every pass of an update in which any
+  rank has one runs the vision tower once: a pass with no image of its own runs it on a stand-in
+  image (`rollover.data.media.stand_in_image`) whose features join the embeddings at zero weight. A non-finite loss does not stop a rank early; the
   ranks agree afterwards whether the update is skipped (`_reduce`).
 - **One M2PO mask.** The ranks find M2PO's cut over all the update's loss tokens together, by a
   bisection whose every step sums exactly over the ranks (`_all_reduce`; 35 KB a step, never the
@@ -168,13 +170,44 @@ class FSDPTrainer(Trainer):
         root = self._roots[id(model)]
         return root(lambda lm: Trainer._forward(self, lm, mb, need_entropy))
 
+    def _inputs(self, base, mb: MicroBatch) -> dict:
+        if mb.stand_in_image is None:
+            return super()._inputs(base, mb)
+        # the tower runs on the stand-in image before the trunk, as it does on a real one, and its
+        # output joins the embeddings at zero weight: the same gathers and reductions as the
+        # peers' passes, and nothing added to any gradient
+        features = base.base_model.get_image_features(**mb.stand_in_image)
+        zero = sum(t.float().sum() for t in _tensors(features)) * 0.0
+        embeds = base.get_input_embeddings()(mb.input_ids)
+        return {"inputs_embeds": embeds + zero.to(embeds.dtype)}
+
     def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
         micro = super()._micro_batches(batch) if len(batch) else []
         count = torch.tensor([len(micro)], dtype=torch.long)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._cpu_group)
         while len(micro) < int(count):
             micro.append(_stand_in(self.pad_id, self.shared_prefix).to(self.device))
+        if batch.media is not None and self._images_anywhere(batch):
+            for mb in micro:  # every rank's every pass runs the vision tower once
+                if mb.media is None:
+                    mb.stand_in_image = self._stand_in_image()
         return micro
+
+    def _images_anywhere(self, batch: TrainBatch) -> bool:
+        """Whether any rank's share of these sequences has an image. `batch.media` is a list on
+        every rank when the step has images (None on every rank when not), so all ranks ask.
+        Asked per pass set (an update's mini-batch may hold none): an update whose sequences have
+        no image runs no tower anywhere, so its weights get no gradient, as with one trainer."""
+        mine = torch.tensor([int(any(m is not None for m in batch.media))], dtype=torch.long)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        return bool(mine)
+
+    def _stand_in_image(self) -> dict:
+        if not hasattr(self, "_stand_in_inputs"):
+            from rollover.data.media import stand_in_image
+
+            self._stand_in_inputs = {k: v.to(self.device) for k, v in stand_in_image(self._base(self.model).config).items()}
+        return self._stand_in_inputs
 
     def train_step(self, batch: TrainBatch, groups: list[int] | None = None) -> dict:
         """`groups`: the whole step's group indices (mini-batches take them in this order on
@@ -370,6 +403,14 @@ class FSDPTrainer(Trainer):
         start, now = state.get("micro_batch_tokens", (None, None))
         if start == self._micro_batch_start:
             self.micro_batch_tokens = now
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The floating tensors in a model output (a tensor, a tuple or list, or a `ModelOutput`)."""
+    if torch.is_tensor(out):
+        return [out] if out.is_floating_point() else []
+    values = out.values() if hasattr(out, "values") and callable(out.values) else out if isinstance(out, (list, tuple)) else []
+    return [t for v in values for t in _tensors(v)]
 
 
 def _check_same_model(model: nn.Module) -> list[tuple]:

@@ -186,13 +186,9 @@ class Trainer:
     def _forward(self, model, mb: MicroBatch, need_entropy: bool):
         """logp [N] of the response tokens (and their entropy [N] when asked)."""
         base = self._base(model)
-        ids = {"input_ids": mb.input_ids, **(mb.media or {})}
-        embedding = base.get_input_embeddings()
-        if torch.is_grad_enabled() and row_grad_applies(embedding) and not self.sharded and mb.media is None:
-            ids = {"inputs_embeds": RowGradEmbedding.apply(mb.input_ids, embedding.weight, embedding.padding_idx)}
         with self.autocast:
-            hidden = base.base_model(**ids, position_ids=mb.position_ids, attention_mask=self._attention_mask(mb, model),
-                                use_cache=False).last_hidden_state
+            hidden = base.base_model(**self._inputs(base, mb), position_ids=mb.position_ids,
+                                     attention_mask=self._attention_mask(mb, model), use_cache=False).last_hidden_state
         selected = hidden[mb.sel_row, mb.sel_col]  # [N, H]
         head = LogitHead(base)  # the model's own: the policy's or the KL reference's
         # with no entropy bonus the entropy is only logged: keep it out of the graph
@@ -212,6 +208,13 @@ class Trainer:
         logp = torch.cat([p[0] for p in parts])
         entropy = torch.cat([p[1] for p in parts]) if need_entropy else None
         return logp, entropy
+
+    def _inputs(self, base, mb: MicroBatch) -> dict:
+        """What the trunk's forward takes besides positions and mask: the ids and the images."""
+        embedding = base.get_input_embeddings()
+        if torch.is_grad_enabled() and row_grad_applies(embedding) and not self.sharded and mb.media is None:
+            return {"inputs_embeds": RowGradEmbedding.apply(mb.input_ids, embedding.weight, embedding.padding_idx)}
+        return {"input_ids": mb.input_ids, **(mb.media or {})}
 
     def _token_logp(self, head, hidden_N, targets_N, need_entropy: bool, entropy_grad: bool):
         """Logprobs of `targets_N` (and the entropies) from the hidden states before them."""
