@@ -70,3 +70,18 @@ class ShapedEnv:
         if self.turn == 3:
             return StepResult([], reward + ("7" in action.text), done=True)
         return StepResult([{"role": "user", "content": "More."}], reward, done=False)
+
+
+class ShapedStates(Shaped):
+    """Shaped, whose steps name the state they leave: the turn and whether the action held a 7
+    (env.credit=gigpo compares the next turns of episodes in equal states)."""
+
+    def make_group(self, prompt, n):
+        return [ShapedStatesEnv() for _ in range(n)]
+
+
+class ShapedStatesEnv(ShapedEnv):
+    async def step(self, action):
+        result = await super().step(action)
+        result.state = (self.turn, "7" in action.text)
+        return result

@@ -295,13 +295,16 @@ def test_resampling_stops_at_its_limit_and_the_failure_stands(model_dir, tmp_pat
     ({"env.name": None, "data.train": "gen:arithmetic?n=50", "env.resample_failed": 1},
      "env.resample_failed runs failed episodes again: it needs an environment"),
     ({"env.name": None, "data.train": "gen:arithmetic?n=50", "env.credit": "reward_to_go"},
-     "env.credit and env.gamma give the turns of episodes their credit: they need env.name"),
+     "env.credit, env.gamma and env.step_weight give the turns of episodes their credit: they need env.name"),
     ({"env.credit": "reward_to_go"}, "with algorithm.advantage=grpo: .* set algorithm.advantage=drgrpo or rloo"),
     ({"env.credit": "reward_to_go", "algorithm.advantage": "rloo", "algorithm.loss": "gspo",
       "algorithm.aggregation": "seq-mean-token-mean"}, "use gspo_token"),
     ({"env.credit": "reward_to_go", "algorithm.advantage": "drgrpo", "downsample.keep": 2,
       "rollout.samples_per_prompt": 4}, "not combined yet"),
     ({"env.gamma": 0.9}, "with credit=episode it would do nothing"),
+    ({"env.step_weight": 0.5}, "env.step_weight=0.5 weighs GiGPO's .* it needs env.credit=gigpo"),
+    ({"env.credit": "gigpo", "algorithm.loss": "gspo", "algorithm.aggregation": "seq-mean-token-mean"},
+     "env.credit=gigpo gives each turn its own advantage; .* use gspo_token"),
 ])
 def test_env_config_conflicts_are_refused(model_dir, tmp_path, over, message):
     with pytest.raises(ConfigError, match=message):
@@ -399,6 +402,103 @@ def test_reward_to_go_gives_each_turn_the_advantage_of_what_follows_it(model_dir
                 loss_tokens += n
     assert varied > 0  # some episode's turns had different advantages
     assert rows(tmp_path)[0]["actor/pg_loss"] == pytest.approx(-loss_sum / loss_tokens, abs=1e-5)
+
+
+def _turns(rewards: list[float], states: list) -> list[dict]:
+    out, at = [], 0
+    for r, s in zip(rewards, states):
+        out.append({"reward": r, "state": s, "span": [at, at + 2]})
+        at += 3  # two sampled tokens, one inserted
+    return out
+
+
+def test_gigpo_compares_each_turn_with_the_turns_of_its_group_from_the_same_state():
+    """env.credit=gigpo by hand: two groups (the second's episodes must not join the first's
+    states), Dr.GRPO's baselines (no scaling), gamma 0.5, step weight 2."""
+    from types import SimpleNamespace
+
+    from rollover.rollout.episodes import gigpo_credit
+    from rollover.types import Group, Prompt, Rollout
+
+    def episode(rewards, states):
+        n = 3 * len(rewards)
+        return Rollout(group_id="g", prompt_ids=[1], response_ids=[5] * n, logprobs=[0.0] * n, versions=[0] * n,
+                       loss_mask=[1] * n, finish="stop", reward=sum(rewards), turns=_turns(rewards, states))
+
+    first = [episode([0.0, 1.0], ["a", "x"]), episode([0.0, 0.0, 1.0], ["a", "b", "x"]), episode([1.0], ["x"])]
+    second = [episode([0.0, 1.0], ["a", "x"]), episode([0.0, 0.0], ["a", "b"])]
+    groups = [Group(id=f"g{i}", prompt=Prompt(id=f"p{i}", text="t"), prompt_ids=[1], rollouts=rs)
+              for i, rs in enumerate([first, second])]
+    cfg = SimpleNamespace(algorithm=SimpleNamespace(advantage="drgrpo"), env=SimpleNamespace(gamma=0.5, step_weight=2.0))
+    adv, per_token, info = gigpo_credit(groups, cfg)
+    # returns from each turn: first group [0.5, 1], [0.25, 0.5, 1], [1]; second [0.5, 1], [0, 0]
+    assert adv.tolist() == pytest.approx([0.5 - 7 / 12, 0.25 - 7 / 12, 1 - 7 / 12, 0.25, -0.25])
+    # first group: opening {0.5, 0.25, 1} (mean 7/12), after "a" {1, 0.5} (mean 0.75), "b" and the
+    # second group's states alone; second group: opening {0.5, 0}, after "a" {1, 0}
+    step = [[0.5 - 7 / 12, 0.25], [0.25 - 7 / 12, -0.25, 0.0], [1 - 7 / 12], [0.25, 0.5], [-0.25, -0.5]]
+    for b, (a, turns) in enumerate(zip(adv.tolist(), step)):
+        want = [a + 2.0 * s for s in turns]
+        assert [groups[b // 3].rollouts[b % 3].turns[t]["advantage"] for t in range(len(turns))] == pytest.approx(want)
+        assert per_token[b] == pytest.approx(sum(([w, w, a] for w in want), []))  # inserted tokens: the episode's
+    assert info["step_groups"] == 5 and info["step_singleton_turns"] == 1  # 3 states in the first group, 2 in the second
+
+
+def test_gigpo_trains_each_turn_on_its_state_groups_advantage(model_dir, tmp_path):
+    """A run with env.credit=gigpo on an environment that names its states: each turn's logged
+    advantage is GRPO's over its group's episodes plus GRPO's over the group's turns from the
+    same state (worked out here from the turns' own texts), and the step's first loss (ratio 1,
+    token mean) is minus their mean over the trained tokens."""
+    from pathlib import Path
+
+    from rollover.metrics.samples import samples_path
+
+    def grpo(values: list[float]) -> list[float]:
+        mean = sum(values) / len(values)
+        if len(values) < 2 or max(values) == min(values):
+            return [0.0] * len(values)
+        std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+        return [(v - mean) / (std + 1e-6) for v in values]
+
+    fixtures = Path(__file__).with_name("env_fixtures.py")
+    train_sync(env_cfg(model_dir, tmp_path, steps=1, **{
+        "env.name": f"{fixtures}:ShapedStates", "env.options": {}, "env.credit": "gigpo", "rollout.samples_per_prompt": 4,
+        "rollout.max_new_tokens": 4, "logging.samples": 1, "env.inline": True, "algorithm.aggregation": "token-mean",
+        "algorithm.kl_coef": 0.0, "algorithm.entropy_coef": 0.0}))
+    samples = [json.loads(x) for x in open(samples_path(tmp_path, 1))][1:]
+    groups: dict[str, list[dict]] = {}
+    for s in samples:
+        groups.setdefault(s["group"], []).append(s)
+    loss_sum, loss_tokens, shared, states = 0.0, 0, 0, 0
+    for group in groups.values():
+        to_go = []
+        for s in group:
+            g, out = 0.0, []
+            for turn in reversed(s["turns"]):
+                g = turn["reward"] + g
+                out.append(g)
+            to_go.append(out[::-1])
+        episode = grpo([g[0] for g in to_go])
+        by_state: dict = {}
+        for b, s in enumerate(group):
+            for t, turn in enumerate(s["turns"]):
+                state = None if t == 0 else (t, "7" in s["turns"][t - 1]["messages"][0]["content"])
+                by_state.setdefault(state, []).append((b, t))
+        step, states = {}, states + len(by_state)
+        for members in by_state.values():
+            shared += len(members) > 1
+            step.update(zip(members, grpo([to_go[b][t] for b, t in members])))
+        for b, s in enumerate(group):
+            expected = [episode[b] + step[(b, t)] for t in range(len(s["turns"]))]
+            assert [t["advantage"] for t in s["turns"]] == pytest.approx(expected, abs=1e-4)
+            trained = {k for a, c in s["loss_mask"] for k in range(a, c)}
+            for turn, adv in zip(s["turns"], expected):
+                n = len(trained & set(range(*turn["span"])))
+                loss_sum += adv * n
+                loss_tokens += n
+    assert shared > len(groups)  # states after the opening were shared too
+    row = rows(tmp_path)[0]
+    assert row["actor/pg_loss"] == pytest.approx(-loss_sum / loss_tokens, abs=1e-4)
+    assert row["adv/step_groups"] == states
 
 
 def test_tasks_from_the_environment_with_held_out_tasks_from_a_file(model_dir, tmp_path):

@@ -47,16 +47,21 @@ class EnvConfig(Section):
     max_concurrent: int = Field(64, ge=1)
     """Environment calls running at once across all episodes (the environment cluster's size);
     more wait for a slot (the wait does not count against step_timeout_s)."""
-    credit: Literal["episode", "reward_to_go"] = "episode"
+    credit: Literal["episode", "reward_to_go", "gigpo"] = "episode"
     """How an episode's advantage reaches its turns. episode: every token of the episode gets its
     advantage (the estimator over episode rewards). reward_to_go: a turn's tokens get the return
     that follows them less the group's baseline, `A + G_t - G_0` with `G_t` the (discounted,
     env.gamma) sum of the rewards of turn t and after and `A` the advantage of `G_0` by
     algorithm.advantage (drgrpo or rloo: a baseline, no scaling), so a turn is not credited with
     rewards earned before it (REINFORCE's causality); with rewards only at the last turn and gamma
-    1 it is `episode`."""
+    1 it is `episode`. gigpo (GiGPO): a turn's tokens get `A + env.step_weight * A_step`, where
+    `A_step` is algorithm.advantage over the turns of the group that start from the same state
+    (the same opening, or the same state left by the step before: `StepResult.state`, else the
+    environment's messages), each valued by its (discounted) return from there."""
     gamma: float = Field(1.0, gt=0, le=1)
-    """env.credit=reward_to_go: the discount per turn."""
+    """env.credit=reward_to_go or gigpo: the discount per turn."""
+    step_weight: float = Field(1.0, ge=0)
+    """env.credit=gigpo: the weight of a turn's advantage within its state's group (GiGPO's ω)."""
     inline: bool = False
     """Run environment calls on the engine's thread between decode steps instead of on their
     own event loop: the schedule then depends on the seeds alone (APRIL and async runs resume

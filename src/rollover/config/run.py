@@ -274,8 +274,9 @@ class Config(Section):
         simulated = self.simulated_episodes  # `rollover simulate`'s episodes: the schedules' rules hold
         if e.name is None and not simulated:
             out = ["env.options are set but env.name is not"] if e.options else []
-            if e.credit != "episode" or e.gamma != 1.0:
-                out.append("env.credit and env.gamma give the turns of episodes their credit: they need env.name")
+            if e.credit != "episode" or e.gamma != 1.0 or e.step_weight != 1.0:
+                out.append("env.credit, env.gamma and env.step_weight give the turns of episodes their credit: "
+                           "they need env.name")
             if e.resample_failed:
                 out.append("env.resample_failed runs failed episodes again: it needs an environment (env.name); "
                            "single-turn samples a reward function could not score follow reward.on_error")
@@ -287,15 +288,18 @@ class Config(Section):
                            "advantage is its return to go less the group's baseline, unscaled; an estimator that "
                            "divides by the spread of the episodes' returns would scale turn returns by it, which "
                            "that spread does not bound: set algorithm.advantage=drgrpo or rloo")
+        if e.credit != "episode":
             if self.algorithm.loss == "gspo":
-                out.append("env.credit=reward_to_go gives each turn its own advantage; algorithm.loss=gspo clips one "
+                out.append(f"env.credit={e.credit} gives each turn its own advantage; algorithm.loss=gspo clips one "
                            "ratio per sequence against one advantage: use gspo_token, its form for per-token advantages")
             if self.downsample.keep or self.downsample.token_fraction < 1 or self.downsample.token_fraction_start is not None:
-                out.append("env.credit=reward_to_go with downsample: D3S picks samples and tokens by one advantage per "
+                out.append(f"env.credit={e.credit} with downsample: D3S picks samples and tokens by one advantage per "
                            "sample; not combined yet")
         elif e.gamma != 1.0:
-            out.append(f"env.gamma={e.gamma:g} discounts turns for env.credit=reward_to_go; with credit=episode it "
-                       "would do nothing")
+            out.append(f"env.gamma={e.gamma:g} discounts turns for env.credit=reward_to_go or gigpo; with "
+                       "credit=episode it would do nothing")
+        if e.step_weight != 1.0 and e.credit != "gigpo":
+            out.append(f"env.step_weight={e.step_weight:g} weighs GiGPO's per-state advantages: it needs env.credit=gigpo")
         pr = self.partial_rollout
         if pr.enabled and pr.carry == "keep_kv":
             out.append("partial_rollout.carry=keep_kv keeps single-turn requests in the engine; episodes carry their "

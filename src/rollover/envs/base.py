@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence
+from typing import Hashable, Literal, Protocol, Sequence
 
 from rollover.types import FinishReason, Prompt, Rollout
 
@@ -61,6 +61,9 @@ class StepResult:
     reward: float
     done: bool
     info: dict = field(default_factory=dict)  # numbers worth reporting (e.g. {"guesses": 3}): rollout/env/info/<key>
+    # what the step left the environment in, for env.credit=gigpo: turns that start from equal
+    # states (within a group) are compared with each other. None: the messages stand for it
+    state: Hashable | None = None
 
 
 class Env(Protocol):
@@ -136,6 +139,7 @@ class Turn:
     reward: float = 0.0  # 0.0 until the environment has stepped (never stepped: error, abort)
     messages: list[dict] = field(default_factory=list)  # the environment's reply to the turn
     info: dict = field(default_factory=dict)
+    state: Hashable | None = None  # StepResult.state
     gen_s: float = 0.0  # wall time waiting for the engine
     env_s: float = 0.0  # wall time in env.step
 

@@ -223,6 +223,7 @@ class LiveEpisode:
             traj.finish, traj.error = "error", error
             return
         turn.reward, turn.messages, turn.info = float(result.reward), list(result.messages), dict(result.info)
+        turn.state = result.state
         k = len(traj.turns)
         if result.done or k >= self.max_turns:
             traj.finish = "done" if result.done else "max_turns"
@@ -428,6 +429,10 @@ def _not_messages(value) -> str | None:
 
 def _not_step_result(value) -> str | None:
     if isinstance(value, StepResult) and _is_messages(value.messages) and isinstance(value.info, dict):
+        try:
+            hash(value.state)
+        except TypeError:
+            return f"step returned a state that cannot be hashed ({value.state!r:.200}): give a tuple, a string or a number"
         r = value.reward
         if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r):
             return None

@@ -83,6 +83,7 @@ class GuessNumberEnv:
         if not game.low <= secret <= game.high:
             raise ValueError(f"secret {secret} is outside [{game.low}, {game.high}]")
         self.game, self.secret, self.guesses, self.no_number = game, secret, 0, 0
+        self.low, self.high = game.low, game.high  # what the answers so far tell the player
 
     async def initial_observation(self) -> list[dict]:
         return [_user(self.game.rules())]
@@ -99,9 +100,12 @@ class GuessNumberEnv:
             return StepResult([_user(f"Out of guesses. My number was {self.secret}.")], 0.0, done=True, info=info)
         if guess is None or not g.low <= guess <= g.high:
             feedback = f"Please answer with a number between {g.low} and {g.high}."
+        elif self.secret > guess:
+            feedback, self.low = "Higher.", max(self.low, guess + 1)
         else:
-            feedback = "Higher." if self.secret > guess else "Lower."
-        return StepResult([_user(feedback)], 0.0, done=False, info=info)
+            feedback, self.high = "Lower.", min(self.high, guess - 1)
+        # the player's state (env.credit=gigpo compares turns from equal ones): guesses left and the range still open
+        return StepResult([_user(feedback)], 0.0, done=False, info=info, state=(self.guesses, self.low, self.high))
 
 
 # --- arithmetic with a retry --------------------------------------------------------------------
@@ -149,4 +153,4 @@ class ArithmeticRetryEnv:
         if self.attempts >= self.task.max_attempts:
             return StepResult([_user(f"The answer was {self.answer}.")], 0.0, done=True, info=info)
         feedback = "Please answer with a number." if value is None else "That is not right. Try again."
-        return StepResult([_user(feedback)], 0.0, done=False, info=info)
+        return StepResult([_user(feedback)], 0.0, done=False, info=info, state=self.attempts)  # attempts made

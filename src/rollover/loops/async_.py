@@ -50,7 +50,7 @@ from collections import Counter
 
 from rollover.config import Config
 from rollover.engine.cpu import openmp
-from rollover.loops.batch import bad_steps_error, downsample_metrics, record_step, train_batch_from
+from rollover.loops.batch import bad_steps_error, advantage_metrics, record_step, train_batch_from
 from rollover.loops.common import Run, build_run
 from rollover.loops.guard import Interrupts, interrupted_result
 from rollover.rollout.stops import Stalled, TooManyEmptyCollections, Watchdog, engine_progress
@@ -113,7 +113,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                 samples_trained += len(batch)
                 metrics = {
                     **rollout_metrics(groups, cfg, run.primary_reward), **train_metrics,
-                    "adv/zero_std_groups": adv_info.get("zero_std_groups", 0), **downsample_metrics(adv_info),
+                    **advantage_metrics(adv_info),
                     "samples_consumed_total": samples_trained, **stats.step(stale, batch, version, t_train, t_sync),
                     **parts.metrics(stats.wall()), "timing_s/wait_for_batch": waited,
                     **run.weights.metrics(), **run.worker_metrics(),

@@ -73,10 +73,10 @@ def train_batch_from(groups, cfg: Config, step: int = 1):
     from rollover.train.batch import TrainBatch
 
     token_adv = None
-    if cfg.env.credit == "reward_to_go":  # each turn its own advantage (downsample is refused with it)
-        from rollover.rollout.episodes import turn_credit
+    if cfg.env.credit != "episode":  # each turn its own advantage (downsample is refused with it)
+        from rollover.rollout.episodes import gigpo_credit, turn_credit
 
-        adv, token_adv, info = turn_credit(groups, cfg)
+        adv, token_adv, info = (gigpo_credit if cfg.env.credit == "gigpo" else turn_credit)(groups, cfg)
     else:
         adv, info = group_advantages(groups, cfg)
     rollouts = [r for g in groups for r in g.rollouts]
@@ -89,9 +89,13 @@ def train_batch_from(groups, cfg: Config, step: int = 1):
     return TrainBatch.from_rollouts(rollouts, adv, token_adv), info
 
 
-def downsample_metrics(adv_info: dict) -> dict:
-    """The down-sampling figures of a step (empty when it is off)."""
-    return {k: v for k, v in adv_info.items() if k.startswith("downsample/")}
+def advantage_metrics(adv_info: dict) -> dict:
+    """A step's advantage figures: flat groups, GiGPO's step groups (env.credit=gigpo: how many,
+    their mean size, the turns alone in theirs), and the down-sampling's (when on)."""
+    out = {"adv/zero_std_groups": adv_info.get("zero_std_groups", 0)}
+    out.update({f"adv/{k}": v for k, v in adv_info.items() if k.startswith("step_")})
+    out.update({k: v for k, v in adv_info.items() if k.startswith("downsample/")})
+    return out
 
 
 def ledger_rows(groups) -> list[dict]:

@@ -30,7 +30,7 @@ import time
 
 from rollover.config import Config
 from rollover.loops.batch import (
-    EmptyCollections, bad_steps_error, downsample_metrics, record_step, train_batch_from,
+    EmptyCollections, bad_steps_error, advantage_metrics, record_step, train_batch_from,
 )
 from rollover.loops.common import Run, build_run
 from rollover.loops.guard import Interrupts, interrupted_result
@@ -60,8 +60,7 @@ def step_metrics(run: Run, groups, gen: dict, train_metrics: dict, adv_info: dic
         **rollout_metrics(groups, run.cfg, run.primary_reward),
         **train_metrics,
         **{f"rollout/{k}": v for k, v in gen.items() if not k.endswith("_s")},
-        "adv/zero_std_groups": adv_info.get("zero_std_groups", 0),
-        **downsample_metrics(adv_info),
+        **advantage_metrics(adv_info),
         "samples_consumed_total": samples_consumed,
         "timing_s/generate": gen["generate_s"],
         "timing_s/reward": gen["reward_s"],

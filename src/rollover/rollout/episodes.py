@@ -14,6 +14,8 @@ sample is in single-turn mode: never a silent 0.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 
 import torch
@@ -63,6 +65,55 @@ def turn_credit(groups: list[Group], cfg) -> tuple[torch.Tensor, list[list[float
     return adv_B, per_token, info
 
 
+def gigpo_credit(groups: list[Group], cfg) -> tuple[torch.Tensor, list[list[float]], dict]:
+    """`env.credit: gigpo` (GiGPO, Feng et al., arXiv 2505.10978): each episode's advantage `A`
+    (algorithm.advantage over its discounted return `G_0`, within its group), and each turn's
+    `A + w * A_step`, where `A_step` is the same estimator over the turns of the group that
+    start from the same state (the opening for every first turn; after that the state the
+    previous step left, `turn_record`'s `state`), each turn's value its discounted return from
+    there `G_t`. A turn from a state no other episode of its group reached has `A_step` 0."""
+    flat = [r for g in groups for r in g.rollouts]
+    gamma, weight = cfg.env.gamma, cfg.env.step_weight
+    to_go = [_returns([t["reward"] for t in r.turns], gamma) for r in flat]
+    rewards_B = torch.tensor([g[0] if g else 0.0 for g in to_go], dtype=torch.float32)
+    gid = [i for i, g in enumerate(groups) for _ in g.rollouts]
+    adv_B, info = compute_advantages(cfg.algorithm.advantage, rewards_B, torch.tensor(gid, dtype=torch.long))
+    anchors: dict[tuple, int] = {}
+    step_ids, step_values = [], []
+    for b, r in enumerate(flat):
+        for t in range(len(r.turns)):
+            key = (gid[b], r.turns[t - 1]["state"] if t else None)
+            step_ids.append(anchors.setdefault(key, len(anchors)))
+            step_values.append(to_go[b][t])
+    step_adv = []
+    if step_ids:
+        step_adv = compute_advantages(cfg.algorithm.advantage, torch.tensor(step_values, dtype=torch.float32),
+                                      torch.tensor(step_ids, dtype=torch.long))[0].tolist()
+    sizes = torch.bincount(torch.tensor(step_ids, dtype=torch.long)) if step_ids else torch.zeros(0)
+    info = {**info, "step_groups": len(anchors), "step_group_size": float(sizes.float().mean()) if len(sizes) else 0.0,
+            "step_singleton_turns": int((sizes == 1).sum())}
+    per_token, k = [], 0
+    for r, a in zip(flat, adv_B.tolist()):
+        tokens = [a] * len(r.response_ids)
+        for turn in r.turns:
+            at = a + weight * step_adv[k]
+            k += 1
+            start, end = turn["span"]
+            tokens[start:end] = [at] * (end - start)
+            turn["advantage"] = at
+        per_token.append(tokens)
+    return adv_B, per_token, info
+
+
+def _returns(rewards: list[float], gamma: float) -> list[float]:
+    """Each turn's discounted return: its reward and those after it, discounted by `gamma` per turn."""
+    out, g = [0.0] * len(rewards), 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        g = rewards[t] + gamma * g
+        out[t] = g
+    return out
+
+
 def _g0(rewards: list[float], gamma: float) -> float:
     """The return from the first turn, discounted by `gamma` per turn."""
     g = 0.0
@@ -73,10 +124,13 @@ def _g0(rewards: list[float], gamma: float) -> float:
 
 def turn_record(turn: Turn, prompt_len: int) -> dict:
     """One turn as the samples log shows it: the assistant's text and the environment's reply
-    as chat messages, the turn's reward and finish, and where its sampled tokens sit in the
-    response (`[start, end)`)."""
+    as chat messages, the turn's reward and finish, where its sampled tokens sit in the
+    response (`[start, end)`), and a digest of the state the step left (`state`: the step's
+    own, else its messages; env.credit=gigpo groups the next turns by it)."""
+    state = turn.state if turn.state is not None else turn.messages
+    digest = hashlib.sha1(json.dumps(state, sort_keys=True, default=repr).encode()).hexdigest()[:16]
     return {"messages": [{"role": "assistant", "content": turn.text}, *turn.messages], "reward": turn.reward,
-            "finish": turn.finish, "span": [turn.start - prompt_len, turn.end - prompt_len]}
+            "finish": turn.finish, "span": [turn.start - prompt_len, turn.end - prompt_len], "state": digest}
 
 
 def episode_eval_metrics(pending: list[PendingGroup], cfg, sources: dict[str, str] | None = None,
