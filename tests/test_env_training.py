@@ -432,15 +432,33 @@ def test_gigpo_compares_each_turn_with_the_turns_of_its_group_from_the_same_stat
     cfg = SimpleNamespace(algorithm=SimpleNamespace(advantage="drgrpo"), env=SimpleNamespace(gamma=0.5, step_weight=2.0))
     adv, per_token, info = gigpo_credit(groups, cfg)
     # returns from each turn: first group [0.5, 1], [0.25, 0.5, 1], [1]; second [0.5, 1], [0, 0]
-    assert adv.tolist() == pytest.approx([0.5 - 7 / 12, 0.25 - 7 / 12, 1 - 7 / 12, 0.25, -0.25])
-    # first group: opening {0.5, 0.25, 1} (mean 7/12), after "a" {1, 0.5} (mean 0.75), "b" and the
-    # second group's states alone; second group: opening {0.5, 0}, after "a" {1, 0}
+    # the episodes' (undiscounted) returns: 1, 1, 1 in the first group (no advantage), 1 and 0 in the second
+    assert adv.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.5, -0.5])
+    # returns from each turn: first group [0.5, 1], [0.25, 0.5, 1], [1]; second [0.5, 1], [0, 0]. The
+    # first group's turns: opening {0.5, 0.25, 1} (mean 7/12), after "a" {1, 0.5} (mean 0.75), after
+    # "b" alone; the second group's: opening {0.5, 0}, after "a" {1, 0}
     step = [[0.5 - 7 / 12, 0.25], [0.25 - 7 / 12, -0.25, 0.0], [1 - 7 / 12], [0.25, 0.5], [-0.25, -0.5]]
     for b, (a, turns) in enumerate(zip(adv.tolist(), step)):
         want = [a + 2.0 * s for s in turns]
         assert [groups[b // 3].rollouts[b % 3].turns[t]["advantage"] for t in range(len(turns))] == pytest.approx(want)
         assert per_token[b] == pytest.approx(sum(([w, w, a] for w in want), []))  # inserted tokens: the episode's
     assert info["step_groups"] == 5 and info["step_singleton_turns"] == 1  # 3 states in the first group, 2 in the second
+
+
+def test_without_a_named_state_turns_are_grouped_by_the_whole_conversation_before_them():
+    from rollover.envs.base import Trajectory, Turn
+    from rollover.rollout.episodes import _state
+
+    def episode(tokens, states=(None, None)):
+        # opening [1, 2]; turn 1 samples tokens[2:4], the environment inserts tokens[4]; turn 2 samples the rest
+        turns = [Turn(2, 4, "stop", "x", state=states[0]), Turn(5, len(tokens), "stop", "y", state=states[1])]
+        return Trajectory("e", 2, tokens, [0] * len(tokens), [None] * len(tokens), [0] * len(tokens), turns, "done")
+
+    same, other_reply, other_action = episode([1, 2, 7, 8, 9, 3]), episode([1, 2, 7, 8, 5, 3]), episode([1, 2, 6, 8, 9, 3])
+    assert _state(same, 0) == _state(episode([1, 2, 7, 8, 9, 4]), 0)  # what follows does not count
+    assert len({_state(e, 0) for e in (same, other_reply, other_action)}) == 3
+    named = [episode([1, 2, 7, 8, 9, 3], ("s", None)), episode([1, 2, 6, 8, 5, 3], ("s", None))]
+    assert _state(named[0], 0) == _state(named[1], 0) != _state(same, 0)  # a named state stands for the tokens
 
 
 def test_gigpo_trains_each_turn_on_its_state_groups_advantage(model_dir, tmp_path):

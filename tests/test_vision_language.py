@@ -192,7 +192,9 @@ def test_sharded_ranks_train_on_images_as_one_trainer(arch, over):
     """train.parallel=fsdp: a rank whose pass has no image of its own runs the vision tower on a
     stand-in image at zero weight (its peers' passes gather and reduce the tower's layers; without
     it gloo aborts), and N ranks train as one trainer. An update with no image anywhere (the second
-    mini-batch of a step) runs no tower, so its weights get no gradient there either."""
+    mini-batch of a step) runs no tower, so its weights get no gradient there either. LLaVA takes
+    the features of CLIP's last layer but one (its default): the last layer, which no real image's
+    pass trains, must get no gradient from a stand-in pass either."""
     from test_fsdp import assert_same_update, cfg_of, weights
 
     from rollover.train.fsdp import split_batch
@@ -201,6 +203,8 @@ def test_sharded_ranks_train_on_images_as_one_trainer(arch, over):
 
     cfg = cfg_of(**{"train.ranks": 2, **over})
     model = tiny_vl_model(arch, seed=3)
+    if arch == "llava":
+        model.config.vision_feature_layer = -2
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
     sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)

@@ -57,7 +57,8 @@ class EnvConfig(Section):
     1 it is `episode`. gigpo (GiGPO): a turn's tokens get `A + env.step_weight * A_step`, where
     `A_step` is algorithm.advantage over the turns of the group that start from the same state
     (the same opening, or the same state left by the step before: `StepResult.state`, else the
-    environment's messages), each valued by its (discounted) return from there."""
+    whole conversation before the turn), each valued by its (discounted) return from there; `A`
+    is algorithm.advantage over the episodes' undiscounted returns."""
     gamma: float = Field(1.0, gt=0, le=1)
     """env.credit=reward_to_go or gigpo: the discount per turn."""
     step_weight: float = Field(1.0, ge=0)

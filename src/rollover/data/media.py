@@ -225,20 +225,28 @@ def rope_positions(model, config, ids: list[int], media: Media | None) -> tuple[
     return pos[:, 0].cpu(), int(delta.reshape(-1)[0])
 
 
+# the models whose image features reach the text model through `get_image_features(...)
+# .pooler_output` alone, so a stand-in pass through it uses exactly the weights a real image's does
+# (Qwen3-VL's deepstack features and LLaVA-NeXT's image sizes take other paths)
+STAND_IN_MODELS = ("qwen2_vl", "qwen2_5_vl", "llava")
+
+
 def stand_in_image(config) -> dict[str, torch.Tensor]:
     """The smallest input the model's vision tower takes (one black image), for a pass that must
     run the tower without an image of its own: a sharded trainer's rank whose pass holds none
-    (its peers' passes gather and reduce the tower's weights). Raises ValueError for a tower this
-    does not know."""
-    v = getattr(config, "vision_config", None)
-    if v is not None and hasattr(v, "spatial_merge_size") and hasattr(v, "temporal_patch_size"):
+    (its peers' passes gather and reduce the tower's weights). Raises ValueError for a model
+    this does not know (`STAND_IN_MODELS`)."""
+    kind = getattr(config, "model_type", type(config).__name__)
+    if kind not in STAND_IN_MODELS:
+        raise ValueError(f"{kind}: no stand-in image is known for its vision tower (known: {', '.join(STAND_IN_MODELS)})")
+    v = config.vision_config
+    if hasattr(v, "spatial_merge_size") and hasattr(v, "temporal_patch_size"):
         # Qwen2-VL's patches: one merge window of patches, one frame
         m, p, t = v.spatial_merge_size, v.patch_size, v.temporal_patch_size
         channels = getattr(v, "in_channels", None) or getattr(v, "in_chans", 3)
         return {"pixel_values": torch.zeros(m * m, channels * t * p * p),
                 "image_grid_thw": torch.tensor([[1, m, m]], dtype=torch.long)}
-    if v is not None and isinstance(getattr(v, "image_size", None), int) and hasattr(v, "num_channels"):
+    if isinstance(getattr(v, "image_size", None), int) and hasattr(v, "num_channels"):
         # a CLIP or SigLIP tower (LLaVA): one image of its size
         return {"pixel_values": torch.zeros(1, v.num_channels, v.image_size, v.image_size)}
-    raise ValueError(f"{getattr(config, 'model_type', type(config).__name__)}: no stand-in image is known for its "
-                     "vision tower (Qwen2-VL's and CLIP-like ones are)")
+    raise ValueError(f"{kind}: its vision tower ({getattr(v, 'model_type', type(v).__name__)}) has no known stand-in image")

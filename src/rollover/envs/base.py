@@ -61,8 +61,9 @@ class StepResult:
     reward: float
     done: bool
     info: dict = field(default_factory=dict)  # numbers worth reporting (e.g. {"guesses": 3}): rollout/env/info/<key>
-    # what the step left the environment in, for env.credit=gigpo: turns that start from equal
-    # states (within a group) are compared with each other. None: the messages stand for it
+    # what the step left the environment in (a tuple, a string, a number), for env.credit=gigpo:
+    # turns that start from equal states (within a group) are compared with each other. None:
+    # the whole conversation so far stands for it
     state: Hashable | None = None
 
 

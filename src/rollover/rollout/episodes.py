@@ -37,7 +37,7 @@ def to_group(pg, trajectories: list[Trajectory]) -> Group:
         r = t.to_rollout(pg.id, failed_ok=True)
         r.scores = {} if r.reward is None else {"env": t.reward}
         r.text = " || ".join(turn.text for turn in t.turns)
-        r.turns = [turn_record(turn, t.prompt_len) for turn in t.turns]
+        r.turns = [turn_record(turn, t.prompt_len, _state(t, k)) for k, turn in enumerate(t.turns)]
         rollouts.append(r)
     return Group(id=pg.id, prompt=pg.prompt, prompt_ids=trajectories[0].tokens_T[: trajectories[0].prompt_len],
                  rollouts=rollouts, start_version=pg.start_version, serial=pg.serial)
@@ -67,22 +67,23 @@ def turn_credit(groups: list[Group], cfg) -> tuple[torch.Tensor, list[list[float
 
 def gigpo_credit(groups: list[Group], cfg) -> tuple[torch.Tensor, list[list[float]], dict]:
     """`env.credit: gigpo` (GiGPO, Feng et al., arXiv 2505.10978): each episode's advantage `A`
-    (algorithm.advantage over its discounted return `G_0`, within its group), and each turn's
-    `A + w * A_step`, where `A_step` is the same estimator over the turns of the group that
-    start from the same state (the opening for every first turn; after that the state the
-    previous step left, `turn_record`'s `state`), each turn's value its discounted return from
+    (algorithm.advantage over its return, the undiscounted sum of its turns' rewards, within its
+    group), and each turn's `A + w * A_step`, where `A_step` is the same estimator over the turns
+    of the group that start from the same state (the opening for every first turn; after that
+    the state the previous step left, `_state`), each turn's value its discounted return from
     there `G_t`. A turn from a state no other episode of its group reached has `A_step` 0."""
     flat = [r for g in groups for r in g.rollouts]
     gamma, weight = cfg.env.gamma, cfg.env.step_weight
     to_go = [_returns([t["reward"] for t in r.turns], gamma) for r in flat]
-    rewards_B = torch.tensor([g[0] if g else 0.0 for g in to_go], dtype=torch.float32)
+    rewards_B = torch.tensor([sum(t["reward"] for t in r.turns) for r in flat], dtype=torch.float32)
     gid = [i for i, g in enumerate(groups) for _ in g.rollouts]
     adv_B, info = compute_advantages(cfg.algorithm.advantage, rewards_B, torch.tensor(gid, dtype=torch.long))
     anchors: dict[tuple, int] = {}
     step_ids, step_values = [], []
     for b, r in enumerate(flat):
         for t in range(len(r.turns)):
-            key = (gid[b], r.turns[t - 1]["state"] if t else None)
+            # the opening, or the state left before (a record from an older checkpoint has none: alone)
+            key = (gid[b], (r.turns[t - 1].get("state") or f"{b}/{t}") if t else None)
             step_ids.append(anchors.setdefault(key, len(anchors)))
             step_values.append(to_go[b][t])
     step_adv = []
@@ -122,15 +123,25 @@ def _g0(rewards: list[float], gamma: float) -> float:
     return g
 
 
-def turn_record(turn: Turn, prompt_len: int) -> dict:
+def turn_record(turn: Turn, prompt_len: int, state: str = "") -> dict:
     """One turn as the samples log shows it: the assistant's text and the environment's reply
     as chat messages, the turn's reward and finish, where its sampled tokens sit in the
-    response (`[start, end)`), and a digest of the state the step left (`state`: the step's
-    own, else its messages; env.credit=gigpo groups the next turns by it)."""
-    state = turn.state if turn.state is not None else turn.messages
-    digest = hashlib.sha1(json.dumps(state, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+    response (`[start, end)`), and `state`, a digest of the state its step left (`_state`)."""
     return {"messages": [{"role": "assistant", "content": turn.text}, *turn.messages], "reward": turn.reward,
-            "finish": turn.finish, "span": [turn.start - prompt_len, turn.end - prompt_len], "state": digest}
+            "finish": turn.finish, "span": [turn.start - prompt_len, turn.end - prompt_len], "state": state}
+
+
+def _state(t: Trajectory, k: int) -> str:
+    """A digest of the state turn k's step left, which env.credit=gigpo groups the next turns by:
+    the state the environment named (`StepResult.state`), else the whole conversation up to the
+    next turn (its tokens), so turns are only compared where everything before them is equal."""
+    turn = t.turns[k]
+    if turn.state is not None:
+        data = b"s" + json.dumps(turn.state, sort_keys=True, default=repr).encode()
+    else:
+        end = t.turns[k + 1].start if k + 1 < len(t.turns) else len(t.tokens_T)
+        data = b"t" + ",".join(map(str, t.tokens_T[:end])).encode()
+    return hashlib.sha1(data).hexdigest()[:16]
 
 
 def episode_eval_metrics(pending: list[PendingGroup], cfg, sources: dict[str, str] | None = None,

@@ -173,11 +173,12 @@ class FSDPTrainer(Trainer):
     def _inputs(self, base, mb: MicroBatch) -> dict:
         if mb.stand_in_image is None:
             return super()._inputs(base, mb)
-        # the tower runs on the stand-in image before the trunk, as it does on a real one, and its
-        # output joins the embeddings at zero weight: the same gathers and reductions as the
-        # peers' passes, and nothing added to any gradient
+        # the tower runs on the stand-in image before the trunk, as it does on a real one, and the
+        # features the model's forward takes of it (`pooler_output`: not the other layers' states,
+        # which a real pass leaves unused) join the embeddings at zero weight: the same gathers and
+        # reductions as the peers' passes, and nothing added to any gradient
         features = base.base_model.get_image_features(**mb.stand_in_image)
-        zero = sum(t.float().sum() for t in _tensors(features)) * 0.0
+        zero = sum(t.float().sum() for t in _tensors(features.pooler_output)) * 0.0
         embeds = base.get_input_embeddings()(mb.input_ids)
         return {"inputs_embeds": embeds + zero.to(embeds.dtype)}
 
