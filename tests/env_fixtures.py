@@ -85,3 +85,37 @@ class ShapedStatesEnv(ShapedEnv):
         result = await super().step(action)
         result.state = (self.turn, "7" in action.text)
         return result
+
+
+class SeeColors:
+    """Name the colour of a square: the opening shows one image, and a wrong answer is told so
+    with a second image of the same colour (images in the opening and in an insertion)."""
+
+    COLORS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
+
+    def prompts(self, n, seed=0):
+        return [Prompt(id=f"see-{i}", text="Which colour?", answer=list(self.COLORS)[(seed + i) % 3]) for i in range(n)]
+
+    def make_group(self, prompt, n):
+        return [SeeColorsEnv(prompt.answer) for _ in range(n)]
+
+
+class SeeColorsEnv:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def image(self, shade: int):
+        from PIL import Image
+
+        r, g, b = SeeColors.COLORS[self.answer]
+        return Image.new("RGB", (28, 28), (min(r + shade, 255), min(g + shade, 255), min(b + shade, 255)))
+
+    async def initial_observation(self):
+        return [{"role": "user", "content": [{"type": "image", "image": self.image(0)},
+                                             {"type": "text", "text": "Which colour is this?"}]}]
+
+    async def step(self, action):
+        if self.answer in action.text:
+            return StepResult([], 1.0, done=True)
+        return StepResult([{"role": "user", "content": [{"type": "text", "text": "No. Look again:"},
+                                                        {"type": "image", "image": self.image(30)}]}], 0.0, done=False)

@@ -315,13 +315,63 @@ def test_a_sharded_run_with_images_on_the_ranks_engines_ends_with_one_trainers_w
     assert_same_update(one, two, start, over["train.lr"])
 
 
+def test_episodes_whose_environment_shows_images_train_on_them(tmp_path):
+    """An environment whose opening and replies hold images: each turn prefills the episode's
+    images so far, the trainer runs the episode with all of them, and every sampled token's
+    logprob is the trainer's (a turn prefilled without an image, or the trainer without one,
+    would not be); the samples log writes "<image>" for each image. APRIL carries cut turns
+    into the next step, resumed with the episode's images."""
+    from pathlib import Path
+
+    from rollover.loops.sync import train_sync
+    from rollover.metrics.samples import samples_path
+
+    model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
+    fixtures = Path(__file__).with_name("env_fixtures.py")
+    over = {"partial_rollout.enabled": True, "partial_rollout.carry": "resubmit", "steps": 3}
+    cfg = load_config(**{
+        "device": "cpu", "model": str(model_dir), "run_dir": str(tmp_path / "run"), "steps": 2, "seed": 7,
+        "data.train": "env", "data.eval_size": 2, "data.max_prompt_tokens": 64, "env.name": f"{fixtures}:SeeColors",
+        "env.max_turns": 2, "env.max_total_tokens": 160, "env.inline": True, "rollout.prompts_per_step": 2,
+        "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 8, "rollout.max_rows": 8, "train.lr": 1e-3,
+        "eval.every": 2, "eval.samples_per_prompt": 2, "checkpoint.every": 2, "logging.progress": False,
+        "logging.tensorboard": False, "logging.samples": 1, **over})
+    train_sync(cfg)
+    train = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
+    assert all(r["actor/rollout_kl"] < 1e-6 for r in train)
+    assert max(r["rollout/env/turns_mean"] for r in train) > 1  # a second turn, after an image in the reply
+    samples = [json.loads(x) for x in open(samples_path(tmp_path / "run", 1))][1:]
+    replies = [t["messages"][1] for s in samples for t in s["turns"] if len(t["messages"]) > 1]
+    assert replies and all(p == {"type": "image", "image": "<image>"} for m in replies for p in m["content"]
+                           if p["type"] == "image")
+    assert sum(r["rollout/carried_partial_samples"] for r in train) > 0
+
+
+def test_images_in_an_environments_messages_that_cannot_be_shown_fail_its_episode():
+    """A model without images (the text renderer) or an image part without its image: the
+    renderer raises TemplateError, which fails the episode naming it (not the run)."""
+    from jinja2.exceptions import TemplateError
+
+    from rollover.envs.render import ChatRenderer, MediaChatRenderer
+
+    processor = vl_processor("llava")
+    shown = [{"role": "user", "content": [{"type": "image", "image": image(0)}, {"type": "text", "text": "Which?"}]}]
+    with pytest.raises(TemplateError, match="hold images, which this model does not take"):
+        ChatRenderer(processor.tokenizer).initial_media(shown)
+    media = MediaChatRenderer(processor)
+    ids, m = media.initial_media(shown)
+    assert m.count == 1 and ids.count(processor.image_token_id) == 4
+    with pytest.raises(TemplateError, match="message 0: an image part without its image"):
+        media.insertion_media(shown, [5, 6], [{"role": "user", "content": [{"type": "image"}]}])
+
+
 def test_modes_that_do_not_take_images_yet_are_refused_before_anything_starts(tmp_path):
     from rollover.loops.common import build_run
 
     model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
     with pytest.raises(ConfigError, match=r"24 prompts have images; .* not with rollout.engine=vllm$"):
         build_run(_cfg(tmp_path, model_dir, **{"rollout.engine": "vllm"}))
-    with pytest.raises(ConfigError, match=r"not with env.name$"):
+    with pytest.raises(ConfigError, match=r"24 prompts have images, which an environment \(env.name\) is not given yet"):
         build_run(_cfg(tmp_path, model_dir, **{"train.parallel": "fsdp", "train.ranks": 2, "env.name": "guess_number"}))
     with pytest.raises(ValueError, match="no stand-in image is known"):  # a sharded trainer's rank needs one
         stand_in_image(tiny_model("llama").config)

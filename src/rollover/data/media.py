@@ -54,6 +54,13 @@ class Media:
         return {k: v.to(device=device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
                 for k, v in self.inputs.items()}
 
+    @classmethod
+    def join(cls, a: "Media | None", b: "Media | None") -> "Media | None":
+        """The images of `a`, then those of `b`, as one sequence's (an episode's so far)."""
+        if a is None or b is None:
+            return a if b is None else b
+        return cls.of(cls.concat([a, b]), a.count + b.count)
+
     @staticmethod
     def concat(items: list["Media | None"]) -> dict[str, torch.Tensor]:
         """The inputs of several sequences' media for one forward, in sequence order (images are
@@ -176,6 +183,11 @@ class MediaRenderer:
         messages = place_images(messages, len(images), where)
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                   **(template_kwargs or {}))
+        return self.process(text, images, where=where)
+
+    def process(self, text: str, images: list, *, where: str) -> tuple[list[int], Media]:
+        """The ids of rendered `text`, its image placeholders expanded for `images` (loadable
+        references or PIL images, in order), and their `Media`."""
         try:
             out = self.processor(text=[text], images=[open_image(r) for r in images], return_tensors="pt",
                                  add_special_tokens=False)
@@ -189,6 +201,37 @@ class MediaRenderer:
             raise ValueError(f"{type(self.processor).__name__} gives per-token inputs ({', '.join(per_token)}) that "
                              "change the model's attention; rollover does not run this model with images yet")
         return ids, Media.of(inputs, len(images))
+
+
+def message_images(messages: list[dict]) -> tuple[list[dict], list]:
+    """Messages whose content parts hold their images (`{"type": "image", "image": ref}`: a
+    path, data URL, bytes or PIL image), as a chat template takes them (`{"type": "image"}`),
+    and the images in order. Raises ValueError for an image part without its image."""
+    out, images = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") == "image":
+                ref = p.get("image", p.get("url", p.get("path")))
+                if ref is None:
+                    raise ValueError(f"message {i}: an image part without its image ({{'type': 'image', 'image': ...}})")
+                images.append(ref)
+                parts.append({"type": "image"})
+            else:
+                parts.append(p)
+        out.append({**m, "content": parts})
+    return out, images
+
+
+def without_images(messages: list[dict]) -> list[dict]:
+    """`messages` as a log can write them: each image part's image replaced by "<image>"."""
+    return [{**m, "content": [{"type": "image", "image": PLACEHOLDER} if isinstance(p, dict) and p.get("type") == "image"
+                              else p for p in m["content"]]}
+            if isinstance(m.get("content"), list) else m for m in messages]
 
 
 def placeholder_ids(config) -> list[int]:

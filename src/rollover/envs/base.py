@@ -160,6 +160,7 @@ class Trajectory:
     error: EpisodeError | None = None
     initial_env_s: float = 0.0  # wall time in initial_observation
     resampled: int = 0  # failed episodes of its group's place that ran before it (env.resample_failed)
+    media: object = None  # the images in its messages so far, in order, as the forward takes them (`Media`)
 
     @property
     def ok(self) -> bool:
@@ -209,6 +210,7 @@ class Trajectory:
             loss_mask=self.loss_mask_T[p:],
             finish="stop" if self.finish == "done" else ("abort" if self.finish == "abort" else "length"),
             reward=self.reward,
+            media=self.media,
         )
 
 

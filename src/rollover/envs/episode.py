@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 from jinja2.exceptions import TemplateError
 
 from rollover.envs.base import INSERTED_VERSION, Action, Env, EpisodeError, Opening, StepResult, Trajectory, Turn
+from rollover.data.media import Media
 from rollover.envs.render import ChatRenderer
 from rollover.types import Request, SamplingParams
 
@@ -156,8 +157,8 @@ class LiveEpisode:
             messages, kwargs = messages.messages, dict(messages.template_kwargs)
         if error is None:
             try:
-                prompt_ids = renderer.initial(messages, **kwargs)
-            except TemplateError as e:  # the chat template refuses the environment's messages
+                prompt_ids, media = renderer.initial_media(messages, **kwargs)
+            except TemplateError as e:  # the chat template refuses the environment's messages (or images)
                 error = _error(0, e)
         if error is not None:
             self.traj = _trajectory(self.request_id, 0, finish="error", error=error, initial_env_s=env_s)
@@ -166,7 +167,7 @@ class LiveEpisode:
         if len(prompt_ids) >= self.max_total_tokens:
             raise ValueError(f"episode {self.request_id}: the initial observation is {len(prompt_ids)} tokens, "
                              f"max_total_tokens={self.max_total_tokens} leaves no room to generate")
-        self.traj = _trajectory(self.request_id, len(prompt_ids), finish="max_turns", initial_env_s=env_s)
+        self.traj = _trajectory(self.request_id, len(prompt_ids), finish="max_turns", initial_env_s=env_s, media=media)
         _append_inserted(self.traj, prompt_ids)
         self.history = list(messages)
         self.phase = "generate"
@@ -186,11 +187,12 @@ class LiveEpisode:
         if self.turn_started is None:
             self.turn_started = clock()
         if self.partial is not None:
-            return self.partial.resume()
+            return replace(self.partial.resume(), media=self.traj.media)
         room = self.max_total_tokens - len(self.traj.tokens_T)
         sampling = replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, room),
                            seed=_turn_seed(self.sampling.seed, self.turn))
-        return Request(id=f"{self.request_id}/turn{self.turn}", prompt_ids=list(self.traj.tokens_T), sampling=sampling)
+        return Request(id=f"{self.request_id}/turn{self.turn}", prompt_ids=list(self.traj.tokens_T), sampling=sampling,
+                       media=self.traj.media)
 
     def sampled(self, completion, renderer: ChatRenderer, clock: Clock = time.monotonic, *, resume: bool = True) -> None:
         """A turn's completion. Aborted: kept as `partial` for the next request (`resume`), or
@@ -229,7 +231,7 @@ class LiveEpisode:
             traj.finish = "done" if result.done else "max_turns"
             return
         try:
-            inserted = renderer.insertion(self.history, traj.tokens_T[turn.start:turn.end], result.messages)
+            inserted, media = renderer.insertion_media(self.history, traj.tokens_T[turn.start:turn.end], result.messages)
         except TemplateError as e:
             traj.finish, traj.error = "error", _error(k, e)
             return
@@ -237,6 +239,7 @@ class LiveEpisode:
             traj.finish = "length"
             return
         _append_inserted(traj, inserted)
+        traj.media = Media.join(traj.media, media)
         self.history += [{"role": "assistant", "content": turn.text}, *result.messages]
         self.phase = "generate"
 

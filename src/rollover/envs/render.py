@@ -40,6 +40,10 @@ from __future__ import annotations
 
 import secrets
 
+from jinja2.exceptions import TemplateError
+
+from rollover.data.media import Media, MediaRenderer, message_images
+
 _PROBE = [{"role": "user", "content": "probe"}]  # a conversation to check the template with
 
 
@@ -52,10 +56,10 @@ class ChatRenderer:
     """
 
     def __init__(self, tokenizer, **template_kwargs):
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("multi-turn episodes need a tokenizer with a chat template")
         self.tokenizer = tokenizer
         self.template_kwargs = template_kwargs
+        if not getattr(self._templater, "chat_template", None):
+            raise ValueError("multi-turn episodes need a tokenizer with a chat template")
         closing = self._closing(_PROBE)
         closing_ids = self._encode(closing)
         # Added tokens (special or not) are split off before any merge, so all of them qualify.
@@ -66,6 +70,22 @@ class ChatRenderer:
                 "with a special token: the environment's tokens could not be rendered separately "
                 "from the sampled ones exactly (see rollover.envs.render)"
             )
+
+    @property
+    def _templater(self):
+        """What renders the chat template."""
+        return self.tokenizer
+
+    def initial_media(self, messages: list[dict], **template_kwargs) -> tuple[list[int], Media | None]:
+        """`initial`, and the images of the messages as the forward takes them (None: none)."""
+        _refuse_images(messages)
+        return self.initial(messages, **template_kwargs), None
+
+    def insertion_media(self, history: list[dict], sampled_ids: list[int],
+                        new_messages: list[dict]) -> tuple[list[int], Media | None]:
+        """`insertion`, and the images of `new_messages` as the forward takes them (None: none)."""
+        _refuse_images(new_messages)
+        return self.insertion(history, sampled_ids, new_messages), None
 
     def initial(self, messages: list[dict], **template_kwargs) -> list[int]:
         """Token ids of the opening messages with the assistant turn opened (as
@@ -124,12 +144,73 @@ class ChatRenderer:
         return text[text.index(sentinel) + len(sentinel) :]
 
     def _text(self, messages: list[dict], *, add_generation_prompt: bool, **extra) -> str:
-        return self.tokenizer.apply_chat_template(
+        return self._templater.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **{**self.template_kwargs, **extra}
         )
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+class MediaChatRenderer(ChatRenderer):
+    """A `ChatRenderer` for a vision-language model: the processor's chat template renders the
+    messages, and the images in them (`{"type": "image", "image": ...}` parts, in the opening and
+    in any insertion) get their placeholders expanded by the processor, which also makes their
+    pixel values. The insertion's rules hold as for text: its images' placeholders are special
+    tokens, so the suffix still tokenises on its own."""
+
+    def __init__(self, processor, **template_kwargs):
+        self.media = MediaRenderer(processor)
+        super().__init__(processor.tokenizer, **template_kwargs)
+
+    @property
+    def _templater(self):
+        return self.media.processor
+
+    def initial_media(self, messages: list[dict], **template_kwargs) -> tuple[list[int], Media | None]:
+        messages, images = _split_images(messages)
+        if not images:
+            return self.initial(messages, **template_kwargs), None
+        text = self._text(messages, add_generation_prompt=True, **template_kwargs)
+        return self._process(text, images, "the opening")
+
+    def insertion_media(self, history: list[dict], sampled_ids: list[int],
+                        new_messages: list[dict]) -> tuple[list[int], Media | None]:
+        history, _ = _split_images(history)
+        new_messages, images = _split_images(new_messages)
+        if not images:
+            return self.insertion(history, sampled_ids, new_messages), None
+        closing, suffix = self._closing(history), self._suffix(history, new_messages)
+        suffix_ids, media = self._process(suffix, images, "the environment's messages")
+        closing_ids = self._encode(closing)
+        if not suffix.startswith(closing) or suffix_ids[: len(closing_ids)] != closing_ids:
+            raise ValueError(f"the chat template closes an assistant turn with {closing!r}, which the continuation "
+                             f"with images does not start with as tokens ({suffix[:len(closing) + 20]!r}...)")
+        return suffix_ids[_overlap(sampled_ids, closing_ids):], media
+
+    def _process(self, text: str, images: list, where: str) -> tuple[list[int], Media]:
+        try:
+            return self.media.process(text, images, where=where)
+        except ValueError as e:  # the environment's images: its episode fails, not the run
+            raise TemplateError(str(e)) from None
+
+
+def _split_images(messages: list[dict]) -> tuple[list[dict], list]:
+    try:
+        return message_images(messages)
+    except ValueError as e:
+        raise TemplateError(str(e)) from None
+
+
+def _refuse_images(messages: list[dict]) -> None:
+    if _has_image_parts(messages):
+        raise TemplateError("the environment's messages hold images, which this model does not take (a "
+                            "vision-language model does, with TorchEngine)")
+
+
+def _has_image_parts(messages: list[dict]) -> bool:
+    return any(isinstance(p, dict) and p.get("type") == "image" for m in messages
+               if isinstance(m.get("content"), list) for p in m["content"])
 
 
 def _overlap(sampled_ids: list[int], closing_ids: list[int]) -> int:

@@ -95,6 +95,7 @@ class Run:
     eval_sources: dict[str, str] = field(default_factory=dict)  # held-out prompt id -> its source (eval/<source>/...)
     last_eval: tuple[int, dict] | None = None  # the latest evaluation's step and metrics (a checkpoint's eval.json)
     media: MediaStore | None = None  # prompts with images: their pixel values by prompt (a vision-language model)
+    env_processor: object | None = None  # episodes with a vision-language model: its processor renders their images
 
     # ------------------------------------------------------------ prompts
     def next_groups(self, k: int, version: int) -> list[PendingGroup]:
@@ -212,19 +213,35 @@ class Run:
 def _media_store(cfg: Config, prompts: list[Prompt], env_builder) -> MediaStore | None:
     """The run's `MediaStore` when a prompt has images, with the parts that take them checked
     (so far: TorchEngine in the driver, on Ray rollout workers or on the trainer's ranks;
-    single-turn; sync, APRIL or async; any trainer)."""
+    single-turn (environments show their own images); sync, APRIL or async; any trainer)."""
     with_images = sum(bool(p.images) for p in prompts)
     if not with_images:
         return None
     from rollover.models import load_processor
 
-    parts = {"rollout.engine=vllm": cfg.rollout.engine == "vllm", "env.name": env_builder is not None}
-    refused = [k for k, v in parts.items() if v]
-    if refused:
+    if cfg.rollout.engine == "vllm":
         raise ConfigError(f"{with_images} prompts have images; prompts with images train with TorchEngine so far, "
-                          f"not with {', '.join(refused)}")
+                          "not with rollout.engine=vllm")
+    if env_builder is not None:
+        raise ConfigError(f"{with_images} prompts have images, which an environment (env.name) is not given yet; an "
+                          "environment shows images in its own messages ({'type': 'image', 'image': ...} parts)")
     try:
         return MediaStore(cfg, load_processor(cfg.model))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _env_processor(cfg: Config, model):
+    """Episodes with a vision-language model on TorchEngine: the processor that renders the
+    images their environments' messages may hold (None for other models and engines, whose
+    episodes fail naming an image they are given)."""
+    from rollover.models import is_vision_language, load_processor
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not is_vision_language(base.config) or cfg.rollout.engine != "torch":
+        return None
+    try:
+        return load_processor(cfg.model)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -323,6 +340,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     model = _load_model(cfg, ckpt)
     if media is not None and cfg.train.parallel != "none":
         _check_stand_in(model)
+    env_processor = _env_processor(cfg, model) if env_builder is not None else None
     longest = _longest(cfg, model, prompt_ids, env_builder)
     eos_token_ids = list(eos_ids(getattr(model, "generation_config", None), model.config, tokenizer))
     trainer = _make_trainer(cfg, model, tokenizer.pad_token_id or 0, device, ckpt, remote_trainer, record)
@@ -331,7 +349,8 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
               train_iter=train_iter,
               eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
-              data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder, eval_sources=sources, media=media)
+              data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder, eval_sources=sources, media=media,
+              env_processor=env_processor)
     run.weights = weights
     _attach_parts(run, cfg)
     try:

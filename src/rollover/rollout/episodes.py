@@ -21,6 +21,7 @@ import logging
 import torch
 
 from rollover.algos.advantages import compute_advantages, turn_advantages
+from rollover.data.media import without_images
 from rollover.envs.base import Trajectory, Turn
 from rollover.rollout.groups import PendingGroup, by_source, pass_at_k, per_source
 from rollover.types import Group, Rollout
@@ -127,7 +128,7 @@ def turn_record(turn: Turn, prompt_len: int, state: str = "") -> dict:
     """One turn as the samples log shows it: the assistant's text and the environment's reply
     as chat messages, the turn's reward and finish, where its sampled tokens sit in the
     response (`[start, end)`), and `state`, a digest of the state its step left (`_state`)."""
-    return {"messages": [{"role": "assistant", "content": turn.text}, *turn.messages], "reward": turn.reward,
+    return {"messages": [{"role": "assistant", "content": turn.text}, *without_images(turn.messages)], "reward": turn.reward,
             "finish": turn.finish, "span": [turn.start - prompt_len, turn.end - prompt_len], "state": state}
 
 

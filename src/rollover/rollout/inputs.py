@@ -30,10 +30,12 @@ class RolloutInputs:
     env_runner: Any = None  # where environment calls run
     selection: Any = None  # selection.policy's per-prompt history (observes scored groups)
     turn_budget: Any = None  # env.dynamic_turns (observes finished episodes)
+    processor: Any = None  # episodes with a vision-language model: renders the images in their messages
 
     @classmethod
     def of(cls, run) -> "RolloutInputs":
         """The inputs of a built run (`rollover.loops.common.Run`), once its parts are attached."""
         return cls(cfg=run.cfg, engine=run.engine, tokenizer=run.tokenizer, rewards=run.rewards,
                    primary_reward=run.primary_reward, next_groups=run.next_groups, env_builder=run.env_builder,
-                   env_runner=run.env_runner, selection=run.selection, turn_budget=run.turn_budget)
+                   env_runner=run.env_runner, selection=run.selection, turn_budget=run.turn_budget,
+                   processor=run.env_processor)

@@ -224,6 +224,9 @@ class Trainer:
         # dividing by 1 changes nothing but costs a pass over [N, vocab] and one in the backward
         logp_all = torch.log_softmax(logits if t == 1.0 else logits / t, dim=-1)
         logp = logp_all.gather(1, targets_N[:, None]).squeeze(1)
+        left_out = head.left_out(targets_N)
+        if left_out is not None:  # inserted image placeholders: a finite 0 (masked, never trained), not -inf
+            logp = logp.masked_fill(left_out, 0.0)
         if not need_entropy:
             return logp, logp.new_zeros(0)
         with torch.set_grad_enabled(entropy_grad):  # tokens left out (-inf: image placeholders) add 0, not nan
