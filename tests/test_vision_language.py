@@ -347,6 +347,54 @@ def test_episodes_whose_environment_shows_images_train_on_them(tmp_path):
     assert sum(r["rollout/carried_partial_samples"] for r in train) > 0
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_episodes_images_are_the_whole_conversations_and_the_engine_and_trainer_see_them(arch):
+    """An opening with an image, a sampled turn, a reply with another image of another size: the
+    episode's images equal the processor's for the whole conversation at once (same order, same
+    pixels, Qwen's grids), and the next turn, prefilled with both, samples from the model's own
+    distribution given both (Qwen's 3-D positions after the second image included), which the
+    trainer's logprobs equal."""
+    from rollover.data.media import Media
+    from rollover.envs.render import MediaChatRenderer
+    from rollover.train.batch import TrainBatch
+    from rollover.train.trainer import Trainer
+
+    processor, model = vl_processor(arch), tiny_vl_model(arch, seed=1)
+    renderer = MediaChatRenderer(processor)
+    opening = [{"role": "user", "content": [{"type": "image", "image": image(0)}, {"type": "text", "text": "Which?"}]}]
+    reply = [{"role": "user", "content": [{"type": "text", "text": "No. This:"}, {"type": "image", "image": image(1, 84)}]}]
+    ids, media = renderer.initial_media(opening)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=1)
+    with TorchEngine(model, max_rows=4, max_len=400) as engine:
+        first = engine.generate([Request(id="t1", prompt_ids=ids, sampling=sp, media=media)])[0]
+        inserted, more = renderer.insertion_media(opening, first.response_ids, reply)
+        ids, media = ids + first.response_ids + inserted, Media.join(media, more)
+        second = engine.generate([Request(id="t2", prompt_ids=ids, sampling=SamplingParams(**{**sp.__dict__, "seed": 2}),
+                                          media=media)])[0]
+    whole = processor(text=[processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which?"}]},
+         {"role": "assistant", "content": "x"},
+         {"role": "user", "content": [{"type": "text", "text": "No. This:"}, {"type": "image"}]}],
+        add_generation_prompt=True, tokenize=False)], images=[image(0), image(1, 84)], return_tensors="pt")
+    assert media.count == 2 and set(media.inputs) <= set(whole)
+    assert all(torch.equal(media.inputs[k], whole[k]) for k in media.inputs)
+    token = processor.image_token_id
+    assert ids.count(token) == whole["input_ids"][0].tolist().count(token)
+    ref = own_logprobs(model, ids, second.response_ids, media, token)
+    assert torch.allclose(torch.tensor(second.logprobs), ref, atol=1e-4)
+    n = len(first.response_ids) + len(inserted)
+    roll = Rollout(group_id="g", prompt_ids=ids[:-n], response_ids=ids[-n:] + second.response_ids,
+                   logprobs=first.logprobs + [0.0] * len(inserted) + second.logprobs, versions=[0] * (n + 4),
+                   loss_mask=[1] * len(first.response_ids) + [0] * len(inserted) + [1] * 4, finish="length",
+                   reward=0.0, media=media)
+    batch = TrainBatch.from_rollouts([roll], [1.0])
+    cfg = load_config(**{"device": "cpu", "model": "unused", "run_dir": "unused", "data.train": "gen:arithmetic?n=10",
+                         "rollout.max_new_tokens": 400})
+    got = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu")).logprobs(batch)[0]
+    m = batch.mask_BT[0]
+    assert torch.allclose(got[m], batch.behav_logp_BT[0][m], atol=1e-4) and bool(torch.isfinite(got).all())
+
+
 def test_images_in_an_environments_messages_that_cannot_be_shown_fail_its_episode():
     """A model without images (the text renderer) or an image part without its image: the
     renderer raises TemplateError, which fails the episode naming it (not the run)."""
@@ -363,6 +411,15 @@ def test_images_in_an_environments_messages_that_cannot_be_shown_fail_its_episod
     assert m.count == 1 and ids.count(processor.image_token_id) == 4
     with pytest.raises(TemplateError, match="message 0: an image part without its image"):
         media.insertion_media(shown, [5, 6], [{"role": "user", "content": [{"type": "image"}]}])
+    with pytest.raises(TemplateError, match="1 image placeholders in the rendered text for 0 images"):
+        media.insertion_media(shown, [5, 6], [{"role": "tool", "content": "it said <image>"}])
+    with pytest.raises(TemplateError, match="image 0: .*no file"):
+        media.initial_media([{"role": "user", "content": [{"type": "image", "image": "missing.png"}]}])
+    raw = io.BytesIO()
+    image(2).save(raw, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(raw.getvalue()).decode()
+    _, m2 = media.initial_media([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+    assert m2.key == media.initial_media([{"role": "user", "content": [{"type": "image", "image": image(2)}]}])[1].key
 
 
 def test_modes_that_do_not_take_images_yet_are_refused_before_anything_starts(tmp_path):

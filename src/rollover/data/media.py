@@ -203,10 +203,15 @@ class MediaRenderer:
         return ids, Media.of(inputs, len(images))
 
 
+IMAGE_PARTS = ("image", "image_url")  # content part types that carry an image (OpenAI's is image_url)
+
+
 def message_images(messages: list[dict]) -> tuple[list[dict], list]:
-    """Messages whose content parts hold their images (`{"type": "image", "image": ref}`: a
-    path, data URL, bytes or PIL image), as a chat template takes them (`{"type": "image"}`),
-    and the images in order. Raises ValueError for an image part without its image."""
+    """Messages whose content parts hold their images (`{"type": "image", "image": ref}` with a
+    path, data URL, bytes or PIL image, or OpenAI's `{"type": "image_url", "image_url": {"url":
+    data URL}}`), as a chat template takes them (`{"type": "image"}`), and the images in order
+    (loadable references). Raises ValueError naming the message for an image part without its
+    image, one that does not load, or a part that is neither text nor an image."""
     out, images = [], []
     for i, m in enumerate(messages):
         content = m.get("content")
@@ -215,22 +220,41 @@ def message_images(messages: list[dict]) -> tuple[list[dict], list]:
             continue
         parts = []
         for p in content:
-            if isinstance(p, dict) and p.get("type") == "image":
-                ref = p.get("image", p.get("url", p.get("path")))
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind in IMAGE_PARTS:
+                ref = p.get("image") if kind == "image" else (p.get("image_url") or {}).get("url")
                 if ref is None:
                     raise ValueError(f"message {i}: an image part without its image ({{'type': 'image', 'image': ...}})")
-                images.append(ref)
+                try:
+                    images.append(_as_ref(ref, None))
+                except Exception as e:  # noqa: BLE001 - any reason bytes, a path or a URL do not load
+                    raise ValueError(f"message {i}: image {len(images)}: {type(e).__name__}: {e}") from None
                 parts.append({"type": "image"})
-            else:
+            elif kind == "text":
                 parts.append(p)
+            else:
+                raise ValueError(f"message {i}: a content part of type {kind!r}; parts are text or image")
         out.append({**m, "content": parts})
     return out, images
 
 
+def blank_images(messages: list[dict]) -> list[dict]:
+    """`messages` with each image part as a chat template takes it (`{"type": "image"}`), its
+    image left out unread (a conversation's earlier messages, rendered only for context)."""
+    return [{**m, "content": [{"type": "image"} if isinstance(p, dict) and p.get("type") in IMAGE_PARTS else p
+                              for p in m["content"]]}
+            if isinstance(m.get("content"), list) else m for m in messages]
+
+
+def has_image_parts(messages: list[dict]) -> bool:
+    return any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for m in messages
+               if isinstance(m.get("content"), list) for p in m["content"])
+
+
 def without_images(messages: list[dict]) -> list[dict]:
-    """`messages` as a log can write them: each image part's image replaced by "<image>"."""
-    return [{**m, "content": [{"type": "image", "image": PLACEHOLDER} if isinstance(p, dict) and p.get("type") == "image"
-                              else p for p in m["content"]]}
+    """`messages` as a log can write them: each image part replaced by `{"type": "image", "image": "<image>"}`."""
+    return [{**m, "content": [{"type": "image", "image": PLACEHOLDER}
+                              if isinstance(p, dict) and p.get("type") in IMAGE_PARTS else p for p in m["content"]]}
             if isinstance(m.get("content"), list) else m for m in messages]
 
 

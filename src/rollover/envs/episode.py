@@ -235,11 +235,16 @@ class LiveEpisode:
         except TemplateError as e:
             traj.finish, traj.error = "error", _error(k, e)
             return
+        try:
+            media = Media.join(traj.media, media)
+        except ValueError as e:  # images one forward cannot take together (their shapes differ)
+            traj.finish, traj.error = "error", _error(k, e)
+            return
         if len(traj.tokens_T) + len(inserted) >= self.max_total_tokens:
             traj.finish = "length"
             return
         _append_inserted(traj, inserted)
-        traj.media = Media.join(traj.media, media)
+        traj.media = media
         self.history += [{"role": "assistant", "content": turn.text}, *result.messages]
         self.phase = "generate"
 

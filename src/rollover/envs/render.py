@@ -42,7 +42,7 @@ import secrets
 
 from jinja2.exceptions import TemplateError
 
-from rollover.data.media import Media, MediaRenderer, message_images
+from rollover.data.media import Media, MediaRenderer, blank_images, has_image_parts, message_images
 
 _PROBE = [{"role": "user", "content": "probe"}]  # a conversation to check the template with
 
@@ -157,10 +157,13 @@ class MediaChatRenderer(ChatRenderer):
     messages, and the images in them (`{"type": "image", "image": ...}` parts, in the opening and
     in any insertion) get their placeholders expanded by the processor, which also makes their
     pixel values. The insertion's rules hold as for text: its images' placeholders are special
-    tokens, so the suffix still tokenises on its own."""
+    tokens, so the suffix still tokenises on its own. A placeholder the environment wrote as text
+    (`<image>`) has no image: the episode fails saying so."""
 
     def __init__(self, processor, **template_kwargs):
         self.media = MediaRenderer(processor)
+        self._placeholders = [t for t in (getattr(processor, "image_token", None), getattr(processor, "video_token", None))
+                              if isinstance(t, str) and t]
         super().__init__(processor.tokenizer, **template_kwargs)
 
     @property
@@ -169,26 +172,31 @@ class MediaChatRenderer(ChatRenderer):
 
     def initial_media(self, messages: list[dict], **template_kwargs) -> tuple[list[int], Media | None]:
         messages, images = _split_images(messages)
-        if not images:
-            return self.initial(messages, **template_kwargs), None
         text = self._text(messages, add_generation_prompt=True, **template_kwargs)
+        if template_kwargs and text == self._text(messages, add_generation_prompt=True):
+            raise TemplateError(f"the chat template ignores {', '.join(sorted(template_kwargs))}= (it renders the "
+                                "opening the same without them)")
         return self._process(text, images, "the opening")
 
     def insertion_media(self, history: list[dict], sampled_ids: list[int],
                         new_messages: list[dict]) -> tuple[list[int], Media | None]:
-        history, _ = _split_images(history)
+        history = blank_images(history)
         new_messages, images = _split_images(new_messages)
-        if not images:
-            return self.insertion(history, sampled_ids, new_messages), None
         closing, suffix = self._closing(history), self._suffix(history, new_messages)
         suffix_ids, media = self._process(suffix, images, "the environment's messages")
         closing_ids = self._encode(closing)
         if not suffix.startswith(closing) or suffix_ids[: len(closing_ids)] != closing_ids:
-            raise ValueError(f"the chat template closes an assistant turn with {closing!r}, which the continuation "
-                             f"with images does not start with as tokens ({suffix[:len(closing) + 20]!r}...)")
+            raise ValueError(f"the chat template closes an assistant turn with {closing!r} when it is last but "
+                             f"not as tokens when messages follow it ({suffix[:len(closing) + 20]!r}...)")
         return suffix_ids[_overlap(sampled_ids, closing_ids):], media
 
-    def _process(self, text: str, images: list, where: str) -> tuple[list[int], Media]:
+    def _process(self, text: str, images: list, where: str) -> tuple[list[int], Media | None]:
+        written = sum(text.count(t) for t in self._placeholders)
+        if written != len(images):  # the environment typed a placeholder, or the template dropped an image
+            raise TemplateError(f"{where}: {written} image placeholders in the rendered text for {len(images)} images "
+                                f"(a message may not write {' or '.join(map(repr, self._placeholders))} as text)")
+        if not images:
+            return self._encode(text), None
         try:
             return self.media.process(text, images, where=where)
         except ValueError as e:  # the environment's images: its episode fails, not the run
@@ -203,14 +211,9 @@ def _split_images(messages: list[dict]) -> tuple[list[dict], list]:
 
 
 def _refuse_images(messages: list[dict]) -> None:
-    if _has_image_parts(messages):
+    if has_image_parts(messages):
         raise TemplateError("the environment's messages hold images, which this model does not take (a "
                             "vision-language model does, with TorchEngine)")
-
-
-def _has_image_parts(messages: list[dict]) -> bool:
-    return any(isinstance(p, dict) and p.get("type") == "image" for m in messages
-               if isinstance(m.get("content"), list) for p in m["content"])
 
 
 def _overlap(sampled_ids: list[int], closing_ids: list[int]) -> int:

@@ -233,17 +233,24 @@ def _media_store(cfg: Config, prompts: list[Prompt], env_builder) -> MediaStore 
 
 def _env_processor(cfg: Config, model):
     """Episodes with a vision-language model on TorchEngine: the processor that renders the
-    images their environments' messages may hold (None for other models and engines, whose
-    episodes fail naming an image they are given)."""
+    images their environments' messages may hold. None for other models and engines, and where
+    the processor does not load or has no chat template (warned): the tokenizer renders the
+    episodes then, and one given an image fails saying so."""
     from rollover.models import is_vision_language, load_processor
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not is_vision_language(base.config) or cfg.rollout.engine != "torch":
         return None
     try:
-        return load_processor(cfg.model)
+        processor = load_processor(cfg.model)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        log.warning("env: %s; episodes render text only (an image in their messages fails the episode)", e)
+        return None
+    if not getattr(processor, "chat_template", None):
+        log.warning("env: model %r's processor has no chat template; episodes render text only with the tokenizer's "
+                    "(an image in their messages fails the episode)", cfg.model)
+        return None
+    return processor
 
 
 def _check_stand_in(model) -> None:

@@ -43,16 +43,6 @@ class LogitHead:
             ids = self._banned_on[logits.device] = torch.tensor(self.banned, device=logits.device)
         return logits.index_fill(-1, ids, float("-inf"))
 
-    def left_out(self, targets: torch.Tensor) -> torch.Tensor | None:
-        """Which `targets` this head leaves out (image placeholders an environment inserted: never
-        sampled, never trained, their logprob -inf), or None where it leaves none out."""
-        if not self.banned:
-            return None
-        ids = self._banned_on.get(targets.device)
-        if ids is None:
-            ids = self._banned_on[targets.device] = torch.tensor(self.banned, device=targets.device)
-        return torch.isin(targets, ids)
-
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.module(hidden)
         if self.scale is not None:

@@ -224,9 +224,6 @@ class Trainer:
         # dividing by 1 changes nothing but costs a pass over [N, vocab] and one in the backward
         logp_all = torch.log_softmax(logits if t == 1.0 else logits / t, dim=-1)
         logp = logp_all.gather(1, targets_N[:, None]).squeeze(1)
-        left_out = head.left_out(targets_N)
-        if left_out is not None:  # inserted image placeholders: a finite 0 (masked, never trained), not -inf
-            logp = logp.masked_fill(left_out, 0.0)
         if not need_entropy:
             return logp, logp.new_zeros(0)
         with torch.set_grad_enabled(entropy_grad):  # tokens left out (-inf: image placeholders) add 0, not nan
@@ -255,7 +252,7 @@ class Trainer:
         for mb in self._micro_batches(batch):
             logp, _ = self._forward(model, mb, need_entropy=False)
             out[torch.tensor(mb.seq_index, dtype=torch.long, device=self.device)] = self._to_BT(logp, mb, T)
-        return out
+        return out.masked_fill(~batch.mask_BT.to(self.device), 0.0)  # untrained tokens: 0, as `_update` has them
 
     # ------------------------------------------------------------ training
     def train_step(self, batch: TrainBatch) -> dict:
@@ -362,9 +359,11 @@ class Trainer:
             for mb in micro:
                 sel = torch.tensor(mb.seq_index, dtype=torch.long, device=self.device)
                 logp, entropy = self._forward(self.model, mb, need_entropy)
-                logp_BT = self._to_BT(logp, mb, T)
-                old = logp_BT.detach() if old_BT is None else old_BT[sel.cpu()].to(self.device)
                 m_BT = mask_BT[sel]
+                # untrained tokens count nowhere; an image placeholder an environment inserted is
+                # one, and the head's -inf for it (never sampled) would make the masked sums nan
+                logp_BT = self._to_BT(logp, mb, T).masked_fill(~m_BT, 0.0)
+                old = logp_BT.detach() if old_BT is None else old_BT[sel.cpu()].to(self.device)
                 out = policy_loss(a.loss, logp_BT, old, adv[sel], loss_mask_BT[sel], behav_BT[sel], **opts)
                 loss_BT = out.loss_BT
                 if ref_BT is not None:
