@@ -97,12 +97,12 @@ class SeeColors:
         return [Prompt(id=f"see-{i}", text="Which colour?", answer=list(self.COLORS)[(seed + i) % 3]) for i in range(n)]
 
     def make_group(self, prompt, n):
-        return [SeeColorsEnv(prompt.answer) for _ in range(n)]
+        return [SeeColorsEnv(prompt.answer, prompt.images[0] if prompt.images else None) for _ in range(n)]
 
 
 class SeeColorsEnv:
-    def __init__(self, answer):
-        self.answer = answer
+    def __init__(self, answer, shown=None):
+        self.answer, self.shown = answer, shown  # shown: the row's own image (a dataset with images), else drawn
 
     def image(self, shade: int):
         from PIL import Image
@@ -111,7 +111,7 @@ class SeeColorsEnv:
         return Image.new("RGB", (28, 28), (min(r + shade, 255), min(g + shade, 255), min(b + shade, 255)))
 
     async def initial_observation(self):
-        return [{"role": "user", "content": [{"type": "image", "image": self.image(0)},
+        return [{"role": "user", "content": [{"type": "image", "image": self.shown or self.image(0)},
                                              {"type": "text", "text": "Which colour is this?"}]}]
 
     async def step(self, action):

@@ -320,7 +320,8 @@ def test_episodes_whose_environment_shows_images_train_on_them(tmp_path):
     images so far, the trainer runs the episode with all of them, and every sampled token's
     logprob is the trainer's (a turn prefilled without an image, or the trainer without one,
     would not be); the samples log writes "<image>" for each image. APRIL carries cut turns
-    into the next step, resumed with the episode's images."""
+    into the next step, resumed with the episode's images. The tasks are dataset rows with
+    images, which the environment shows in its opening (`Prompt.images`)."""
     from pathlib import Path
 
     from rollover.loops.sync import train_sync
@@ -331,7 +332,8 @@ def test_episodes_whose_environment_shows_images_train_on_them(tmp_path):
     over = {"partial_rollout.enabled": True, "partial_rollout.carry": "resubmit", "steps": 3}
     cfg = load_config(**{
         "device": "cpu", "model": str(model_dir), "run_dir": str(tmp_path / "run"), "steps": 2, "seed": 7,
-        "data.train": "env", "data.eval_size": 2, "data.max_prompt_tokens": 64, "env.name": f"{fixtures}:SeeColors",
+        "data.train": _color_rows(tmp_path, 8), "data.eval_size": 2, "data.max_prompt_tokens": 64,
+        "env.name": f"{fixtures}:SeeColors",
         "env.max_turns": 2, "env.max_total_tokens": 160, "env.inline": True, "rollout.prompts_per_step": 2,
         "rollout.samples_per_prompt": 2, "rollout.max_new_tokens": 8, "rollout.max_rows": 8, "train.lr": 1e-3,
         "eval.every": 2, "eval.samples_per_prompt": 2, "checkpoint.every": 2, "logging.progress": False,
@@ -428,8 +430,6 @@ def test_modes_that_do_not_take_images_yet_are_refused_before_anything_starts(tm
     model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
     with pytest.raises(ConfigError, match=r"24 prompts have images; .* not with rollout.engine=vllm$"):
         build_run(_cfg(tmp_path, model_dir, **{"rollout.engine": "vllm"}))
-    with pytest.raises(ConfigError, match=r"24 prompts have images, which an environment \(env.name\) is not given yet"):
-        build_run(_cfg(tmp_path, model_dir, **{"train.parallel": "fsdp", "train.ranks": 2, "env.name": "guess_number"}))
     with pytest.raises(ValueError, match="no stand-in image is known"):  # a sharded trainer's rank needs one
         stand_in_image(tiny_model("llama").config)
     with pytest.raises(ConfigError, match="no image processor|processor does not load"):

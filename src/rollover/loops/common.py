@@ -212,8 +212,9 @@ class Run:
 
 def _media_store(cfg: Config, prompts: list[Prompt], env_builder) -> MediaStore | None:
     """The run's `MediaStore` when a prompt has images, with the parts that take them checked
-    (so far: TorchEngine in the driver, on Ray rollout workers or on the trainer's ranks;
-    single-turn (environments show their own images); sync, APRIL or async; any trainer)."""
+    (so far: TorchEngine in the driver, on Ray rollout workers or on the trainer's ranks; sync,
+    APRIL or async; any trainer). An environment gets its task's images in `Prompt.images` and
+    shows them in its own messages."""
     with_images = sum(bool(p.images) for p in prompts)
     if not with_images:
         return None
@@ -222,9 +223,6 @@ def _media_store(cfg: Config, prompts: list[Prompt], env_builder) -> MediaStore 
     if cfg.rollout.engine == "vllm":
         raise ConfigError(f"{with_images} prompts have images; prompts with images train with TorchEngine so far, "
                           "not with rollout.engine=vllm")
-    if env_builder is not None:
-        raise ConfigError(f"{with_images} prompts have images, which an environment (env.name) is not given yet; an "
-                          "environment shows images in its own messages ({'type': 'image', 'image': ...} parts)")
     try:
         return MediaStore(cfg, load_processor(cfg.model))
     except ValueError as e:
