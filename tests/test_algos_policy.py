@@ -408,6 +408,40 @@ def test_bapo_bounds_are_not_a_loss_option():
     assert old_logprobs_first("ppo", {"m2po_tau": 0.04})
 
 
+# ---- SAPO ------------------------------------------------------------------------------------
+
+
+def test_sapo_by_hand_and_its_gradient_is_the_on_policy_one_at_ratio_one():
+    log_r = [[0.0, math.log(1.5), math.log(0.5), math.log(3.0)]]
+    adv = t([[1.0, 1.0, -1.0, -2.0]])
+    out, grad = loss_and_grad("sapo", log_r, adv, mode="seq-mean-token-sum", tau_pos=1.0, tau_neg=2.0)
+    r, a = torch.tensor(log_r, dtype=F64).exp(), adv
+    tau = torch.where(a > 0, 1.0, 2.0)
+    gate = torch.sigmoid(tau * (r - 1))
+    assert torch.allclose(out.loss_BT, -a * gate * 4 / tau)
+    assert torch.allclose(grad, -a * 4 * gate * (1 - gate) * r)  # d/dlog r
+    assert grad[0, 0].item() == pytest.approx(-1.0)  # r = 1: the policy gradient itself
+    assert (grad != 0).all()  # no token loses its gradient
+    weight = (grad / -a)[0].tolist()  # 1, then r's own growth (1.41 at r = 1.5), then the gate's decay
+    assert weight[1] == pytest.approx(1.41, abs=0.01) and weight[3] == pytest.approx(0.212, abs=0.001)
+    # the gate halves (or more) the weight of r = 0.5 and r = 3, both with A < 0
+    assert out.metrics["clip_frac_low"].item() == pytest.approx(0.5)
+    assert out.metrics["clip_frac_high"].item() == 0.0
+    far, far_grad = loss_and_grad("sapo", [[math.log(20.0)]], t([1.0]))
+    assert 0 < far_grad.abs().item() < 1e-5  # far off-policy: damped smoothly, not cut
+
+
+def test_sapo_takes_no_clip_bounds_and_gradchecks():
+    a = load_config(model="unused", run_dir="unused", **{"algorithm.loss": "sapo"}).algorithm
+    assert "eps_low" not in loss_options(a) and check_loss_options(a) is None
+    logp = leaf([[-0.3, -1.2, -0.7]])
+    old, adv = t([[-0.5, -0.9, -0.7]]), t([[0.5, -1.5, 1.0]])
+    torch.autograd.gradcheck(lambda lp: policy_loss("sapo", lp, old, adv, ones_mask(1, 3), tau_neg=1.5).loss_BT.sum(),
+                             (logp,))
+    with pytest.raises(ValueError, match="temperatures must be positive"):
+        policy_loss("sapo", logp, old, adv, ones_mask(1, 3), tau_pos=0.0)
+
+
 # ---- shared behaviour ------------------------------------------------------------------------
 
 

@@ -52,6 +52,7 @@ from rollover.algos.policy import (
     gspo_token,
     policy_loss,
     ppo,
+    sapo,
 )
 from rollover.algos.regularizers import KL_ESTIMATORS, entropy_bonus, entropy_from_logits, kl_penalty
 from rollover.algos.shaping import overlong_penalty, truncated_mask
@@ -91,5 +92,6 @@ __all__ = [
     "ppo",
     "reinforce_pp_baseline",
     "rloo",
+    "sapo",
     "truncated_mask",
 ]

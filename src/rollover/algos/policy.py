@@ -298,6 +298,45 @@ def cispo(
     return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
 
 
+def sapo(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    behav_logp_BT: Tensor | None = None,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    **correction,
+) -> PolicyLossOutput:
+    """SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347): a smooth gate in place of the
+    clip. `ℓ = -A · (4/τ) · σ(τ (r - 1))`, `τ = tau_pos` where `A > 0` and `tau_neg` where
+    `A < 0`. Its gradient is `-A · w · ∇log π` with `w = 4 σ(1 - σ) r`: 1 at `r = 1` (the
+    on-policy gradient); near 1 it follows `r` as the unclipped ratio does, and farther off it
+    decays smoothly to 0, sooner for the larger `τ` (the defaults, 1.0 and 1.05 as in SkyRL's
+    SAPO example, damp negative advantages a little more). No token's gradient is cut to 0; the clip fractions
+    count those whose weight is below 1/2 (`clip_frac_high`: `A > 0`, `clip_frac_low`: `A < 0`),
+    and `gate_mean` is the mean weight.
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"sapo's temperatures must be positive, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    x = _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction)
+    ratio_BT = x.log_ratio_BT.exp()
+    tau_BT = torch.where(x.adv_BT > 0, torch.full_like(ratio_BT, tau_pos), torch.full_like(ratio_BT, tau_neg))
+    gate_BT = torch.sigmoid(tau_BT * (ratio_BT - 1))
+    loss_BT = -x.adv_BT * gate_BT * (4.0 / tau_BT)
+    with torch.no_grad():
+        g = gate_BT.detach()
+        weight = 4 * g * (1 - g) * ratio_BT.detach()
+        halved = (weight < 0.5).to(weight.dtype)
+        metrics = {
+            "clip_frac_low": masked_mean(halved * (x.adv_BT < 0), x.mask_BT),
+            "clip_frac_high": masked_mean(halved * (x.adv_BT > 0), x.mask_BT),
+            "gate_mean": masked_mean(weight, x.mask_BT),
+        }
+    return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
+
+
 def bapo_update_bounds(
     logp_BT: Tensor,
     old_logp_BT: Tensor,
@@ -381,6 +420,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "cispo": cispo,
     "decoupled_ppo": decoupled_ppo,
     "bapo": bapo,
+    "sapo": sapo,
 }
 
 
@@ -389,7 +429,7 @@ def loss_options(algorithm) -> dict:
     first, then the named keys: clip bounds, dual clip, TIS, M2PO)."""
     a = algorithm
     opts = dict(a.loss_options)
-    if a.loss != "bapo":
+    if a.loss not in ("bapo", "sapo"):  # BAPO finds its bounds, SAPO has none (a gate)
         opts.setdefault("eps_low", a.eps_low)
         opts.setdefault("eps_high", a.eps_high)
     if a.dual_clip is not None:

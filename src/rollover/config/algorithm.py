@@ -12,10 +12,11 @@ from rollover.config.base import Section
 class AlgorithmConfig(Section):
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "gapo"] = "grpo"
     """Advantage estimator over each prompt's group."""
-    loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo"] | None = None
+    loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo", "sapo"] | None = None
     """Policy loss; unset: ppo in sync mode, decoupled_ppo in async mode or with APRIL
     (partial_rollout.enabled). ppo with
-    eps_high > eps_low is DAPO's clip-higher."""
+    eps_high > eps_low is DAPO's clip-higher. sapo: a soft gate instead of the clip (loss_options:
+    tau_pos, tau_neg; eps_low and eps_high do not apply)."""
     eps_low: float = Field(0.2, ge=0)
     """Lower clip range (ratio >= 1 - eps_low)."""
     eps_high: float = Field(0.28, ge=0)
