@@ -26,6 +26,15 @@ def test_grpo_eps_is_an_option():
     close(adv[1], (-2 / 3) / (math.sqrt(1 / 3) + 1e-4))
 
 
+def test_grpo_batch_std_scales_every_group_by_the_steps_spread():
+    rewards, groups = torch.tensor([1.0, 0.0, 1.0, 0.2, 0.1, 0.5, 0.5]), torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    adv, info = compute_advantages("grpo_batch_std", rewards, groups)
+    std = float(rewards.std(unbiased=True))
+    close(adv, [(1 / 3) / (std + 1e-6), (-2 / 3) / (std + 1e-6), (1 / 3) / (std + 1e-6),
+                0.05 / (std + 1e-6), -0.05 / (std + 1e-6), 0.0, 0.0])  # the flat group: 0
+    assert info["zero_std_groups"] == 1
+
+
 def test_drgrpo_by_hand():
     adv, _ = compute_advantages("drgrpo", R3, G3)
     close(adv, [1 / 3, -2 / 3, 1 / 3])

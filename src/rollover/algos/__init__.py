@@ -8,7 +8,7 @@ entry. Every loss is to be *minimised*.
     out = policy_loss("ppo", logp_BT, old_logp_BT, adv_B, mask_BT, behav_logp_BT, eps_high=0.28)
     loss = aggregate(out.loss_BT, out.mask_BT, "token-mean", num_tokens=step_tokens)
 
-- `advantages`: grpo, drgrpo, rloo, reinforce_pp_baseline, gapo (`ADVANTAGES`).
+- `advantages`: grpo, grpo_batch_std, drgrpo, rloo, reinforce_pp_baseline, gapo (`ADVANTAGES`).
 - `policy`: ppo, gspo, gspo_token, cispo, decoupled_ppo, bapo (`POLICY_LOSSES`);
   `bapo_update_bounds` picks BAPO's bounds once over an update split into micro-batches and ranks.
 - `bapo_bounds`: BAPO's candidate bounds, the tables a batch contributes, the search.

@@ -78,6 +78,17 @@ def grpo(rewards_B: Tensor, group_ids_B: Tensor, *, eps: float = 1e-6) -> tuple[
     return _zero_degenerate(adv_B, g), g.info
 
 
+def grpo_batch_std(rewards_B: Tensor, group_ids_B: Tensor, *, eps: float = 1e-6) -> tuple[Tensor, dict]:
+    """GRPO's group baseline scaled by the spread of the whole step's rewards:
+    `A = (r - mean_g) / (std_batch + eps)`, `std_batch` the unbiased std over every sample of
+    the step (TRL's `scale_rewards="batch"`; the "group mean, batch std" normalisation of Lite
+    PPO). A group with a small spread is not blown up by its own std."""
+    g = _groups(rewards_B, group_ids_B)
+    std = rewards_B.std(unbiased=True) if rewards_B.numel() > 1 else rewards_B.new_zeros(())
+    adv_B = (rewards_B - g.mean_G[g.idx_B]) / (std + eps)
+    return _zero_degenerate(adv_B, g), g.info
+
+
 def drgrpo(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, dict]:
     """Dr.GRPO (Liu et al., arXiv 2503.20783): `A = r - mean_g`, no std normalisation.
 
@@ -142,6 +153,7 @@ def gapo(rewards_B: Tensor, group_ids_B: Tensor, *, coverage: float = 0.5, eps: 
 
 ADVANTAGES: dict[str, AdvantageFn] = {
     "grpo": grpo,
+    "grpo_batch_std": grpo_batch_std,
     "drgrpo": drgrpo,
     "rloo": rloo,
     "reinforce_pp_baseline": reinforce_pp_baseline,

@@ -10,7 +10,7 @@ from rollover.config.base import Section
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "gapo"] = "grpo"
+    advantage: Literal["grpo", "grpo_batch_std", "drgrpo", "rloo", "reinforce_pp_baseline", "gapo"] = "grpo"
     """Advantage estimator over each prompt's group."""
     loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo", "sapo"] | None = None
     """Policy loss; unset: ppo in sync mode, decoupled_ppo in async mode or with APRIL
