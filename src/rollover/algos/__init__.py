@@ -9,7 +9,7 @@ entry. Every loss is to be *minimised*.
     loss = aggregate(out.loss_BT, out.mask_BT, "token-mean", num_tokens=step_tokens)
 
 - `advantages`: grpo, grpo_batch_std, drgrpo, rloo, reinforce_pp_baseline, gapo (`ADVANTAGES`).
-- `policy`: ppo, gspo, gspo_token, cispo, decoupled_ppo, bapo (`POLICY_LOSSES`);
+- `policy`: ppo, gspo, gspo_token, cispo, sapo, decoupled_ppo, bapo (`POLICY_LOSSES`);
   `bapo_update_bounds` picks BAPO's bounds once over an update split into micro-batches and ranks.
 - `bapo_bounds`: BAPO's candidate bounds, the tables a batch contributes, the search.
 - `offpolicy`: truncated / masked importance sampling and the M2PO mask, as options of every

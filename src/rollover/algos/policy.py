@@ -313,10 +313,11 @@ def sapo(
     clip. `ℓ = -A · (4/τ) · σ(τ (r - 1))`, `τ = tau_pos` where `A > 0` and `tau_neg` where
     `A < 0`. Its gradient is `-A · w · ∇log π` with `w = 4 σ(1 - σ) r`: 1 at `r = 1` (the
     on-policy gradient); near 1 it follows `r` as the unclipped ratio does, and farther off it
-    decays smoothly to 0, sooner for the larger `τ` (the defaults, 1.0 and 1.05 as in SkyRL's
-    SAPO example, damp negative advantages a little more). No token's gradient is cut to 0; the clip fractions
-    count those whose weight is below 1/2 (`clip_frac_high`: `A > 0`, `clip_frac_low`: `A < 0`),
-    and `gate_mean` is the mean weight.
+    decays smoothly to 0, sooner for the larger `τ` (the defaults, 1.0 and 1.05, damp negative
+    advantages a little more). No bound cuts a token's gradient (far off, the gate's slope
+    underflows to 0 in float32 as it nears 0 in exact arithmetic). The clip fractions count the
+    tokens whose gate factor `4σ(1 - σ)` is below 1/2 (`clip_frac_high`: `A > 0`,
+    `clip_frac_low`: `A < 0`), and `gate_mean` is that factor's mean.
     """
     if tau_pos <= 0 or tau_neg <= 0:
         raise ValueError(f"sapo's temperatures must be positive, got tau_pos={tau_pos}, tau_neg={tau_neg}")
@@ -327,12 +328,12 @@ def sapo(
     loss_BT = -x.adv_BT * gate_BT * (4.0 / tau_BT)
     with torch.no_grad():
         g = gate_BT.detach()
-        weight = 4 * g * (1 - g) * ratio_BT.detach()
-        halved = (weight < 0.5).to(weight.dtype)
+        damping = 4 * g * (1 - g)  # the gate's own factor of the gradient weight (r aside)
+        halved = (damping < 0.5).to(damping.dtype)
         metrics = {
             "clip_frac_low": masked_mean(halved * (x.adv_BT < 0), x.mask_BT),
             "clip_frac_high": masked_mean(halved * (x.adv_BT > 0), x.mask_BT),
-            "gate_mean": masked_mean(weight, x.mask_BT),
+            "gate_mean": masked_mean(damping, x.mask_BT),
         }
     return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
 

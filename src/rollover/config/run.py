@@ -113,7 +113,7 @@ class Config(Section):
         problems = []
         if a.dynamic_sampling and r.samples_per_prompt < 2:
             problems.append("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2 (a group of 1 has no variance)")
-        if a.advantage in ("grpo", "drgrpo", "rloo", "gapo") and r.samples_per_prompt < 2:
+        if a.advantage in ("grpo", "grpo_batch_std", "drgrpo", "rloo", "gapo") and r.samples_per_prompt < 2:
             problems.append(f"algorithm.advantage={a.advantage} compares samples of a group: rollout.samples_per_prompt must be >= 2")
         if a.loss in ("gspo", "gspo_token") and a.aggregation != "seq-mean-token-mean":
             problems.append("algorithm.loss=gspo is defined with aggregation=seq-mean-token-mean; set it explicitly")
@@ -191,12 +191,13 @@ class Config(Section):
             if s.dars_max_samples is not None and s.dars_max_samples <= self.rollout.samples_per_prompt:
                 problems.append(f"selection.dars_max_samples={s.dars_max_samples} must be above "
                                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
-        if a.loss_options:  # checked now, not at the first update after the run dir was written
+        if a.loss_options or (a.dual_clip is not None and a.loss is not None):  # now, not at the first update
             from rollover.algos.policy import check_loss_options
 
             wrong = check_loss_options(a)
             if wrong:
-                problems.append(f"algorithm.loss_options={a.loss_options} for algorithm.loss={a.loss}: {wrong}")
+                given = f"algorithm.loss_options={a.loss_options}" if a.loss_options else f"algorithm.dual_clip={a.dual_clip}"
+                problems.append(f"{given} for algorithm.loss={a.loss}: {wrong}")
         return problems
 
     def _train_problems(self) -> list[str]:
