@@ -83,11 +83,12 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
             shutil.rmtree(final)
         tmp.rename(final)
     except BaseException as e:
+        full = _disk_full(e, root)  # asked before the partial write goes: it holds the space that ran out
         shutil.rmtree(tmp, ignore_errors=True)
-        if _disk_full(e, root):
+        if full:
             raise OSError(28, f"no space left on the device of {root} while writing checkpoint step {step} "
-                              f"({shutil.disk_usage(root).free / 2**20:.0f} MiB free now); nothing of it was kept, the "
-                              "previous checkpoint stands") from None
+                              f"({shutil.disk_usage(root).free / 2**20:.0f} MiB free once its partial files were "
+                              "removed); nothing of it was kept, the previous checkpoint stands") from None
         raise
     for stale in root.glob(".step_*"):  # left by a process killed mid-save (one writer per run dir)
         shutil.rmtree(stale, ignore_errors=True)
