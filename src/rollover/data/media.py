@@ -241,7 +241,12 @@ def message_images(messages: list[dict]) -> tuple[list[dict], list]:
 def blank_images(messages: list[dict]) -> list[dict]:
     """`messages` with each image part as a chat template takes it (`{"type": "image"}`), its
     image left out unread (a conversation's earlier messages, rendered only for context)."""
-    return [{**m, "content": [{"type": "image"} if isinstance(p, dict) and p.get("type") in IMAGE_PARTS else p
+    return _images_as(messages, {"type": "image"})
+
+
+def _images_as(messages: list[dict], part: dict) -> list[dict]:
+    """`messages` with each image part replaced by (a copy of) `part`."""
+    return [{**m, "content": [dict(part) if isinstance(p, dict) and p.get("type") in IMAGE_PARTS else p
                               for p in m["content"]]}
             if isinstance(m.get("content"), list) else m for m in messages]
 
@@ -253,9 +258,7 @@ def has_image_parts(messages: list[dict]) -> bool:
 
 def without_images(messages: list[dict]) -> list[dict]:
     """`messages` as a log can write them: each image part replaced by `{"type": "image", "image": "<image>"}`."""
-    return [{**m, "content": [{"type": "image", "image": PLACEHOLDER}
-                              if isinstance(p, dict) and p.get("type") in IMAGE_PARTS else p for p in m["content"]]}
-            if isinstance(m.get("content"), list) else m for m in messages]
+    return _images_as(messages, {"type": "image", "image": PLACEHOLDER})
 
 
 def placeholder_ids(config) -> list[int]:

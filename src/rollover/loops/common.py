@@ -20,8 +20,9 @@ from typing import IO, TYPE_CHECKING
 import torch
 
 from rollover.config import Config, ConfigError, dump_config
-from rollover.loops.prompts import (MediaStore, _check_best, _named_eval, _prompts, _render_all, _train_iterator,
-                                    _warn_if_a_step_exceeds_the_data, eval_sources)
+from rollover.loops.prompts import (MediaStore, _check_best, _check_stand_in, _env_processor, _media_store, _named_eval,
+                                    _prompts, _render_all, _train_iterator, _warn_if_a_step_exceeds_the_data,
+                                    eval_sources)
 from rollover.loops.resume import (checkpoint_to_resume, config_changes_since, has_metrics, lock_run_dir, record_config,
                                    set_aside_later_checkpoints)
 from rollover.models import eos_ids, text_config
@@ -210,59 +211,6 @@ class Run:
             self.lock.close()  # releases the run dir (the kernel does too if the process dies)
 
 
-def _media_store(cfg: Config, prompts: list[Prompt], env_builder) -> MediaStore | None:
-    """The run's `MediaStore` when a prompt has images, with the parts that take them checked
-    (so far: TorchEngine in the driver, on Ray rollout workers or on the trainer's ranks; sync,
-    APRIL or async; any trainer). An environment gets its task's images in `Prompt.images` and
-    shows them in its own messages."""
-    with_images = sum(bool(p.images) for p in prompts)
-    if not with_images:
-        return None
-    from rollover.models import load_processor
-
-    if cfg.rollout.engine == "vllm":
-        raise ConfigError(f"{with_images} prompts have images; prompts with images train with TorchEngine so far, "
-                          "not with rollout.engine=vllm")
-    try:
-        return MediaStore(cfg, load_processor(cfg.model))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _env_processor(cfg: Config, model):
-    """Episodes with a vision-language model on TorchEngine: the processor that renders the
-    images their environments' messages may hold. None for other models and engines, and where
-    the processor does not load or has no chat template (warned): the tokenizer renders the
-    episodes then, and one given an image fails saying so."""
-    from rollover.models import is_vision_language, load_processor
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not is_vision_language(base.config) or cfg.rollout.engine != "torch":
-        return None
-    try:
-        processor = load_processor(cfg.model)
-    except ValueError as e:
-        log.warning("env: %s; episodes render text only (an image in their messages fails the episode)", e)
-        return None
-    if not getattr(processor, "chat_template", None):
-        log.warning("env: model %r's processor has no chat template; episodes render text only with the tokenizer's "
-                    "(an image in their messages fails the episode)", cfg.model)
-        return None
-    return processor
-
-
-def _check_stand_in(model) -> None:
-    """Sharded ranks run the vision tower on a stand-in image in a pass with no image of its own
-    (`rollover.train.fsdp`): the model's tower must have one."""
-    from rollover.data.media import stand_in_image
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    try:
-        stand_in_image(base.config)
-    except ValueError as e:
-        raise ConfigError(f"train.parallel=fsdp with prompts with images: {e}") from None
-
-
 def _reward_runner(cfg: Config) -> RewardRunner:
     workers = cfg.runtime == "ray" and bool(cfg.ray.reward_workers)
     functions = build_rewards(cfg.reward.functions, here=not workers)  # Ray reward workers load their own
@@ -335,7 +283,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     train_prompts, eval_prompts, skipped, sets = _prompts(cfg, env_builder)
     if skipped:
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
-    media = _media_store(cfg, train_prompts + eval_prompts, env_builder)
+    media = _media_store(cfg, train_prompts + eval_prompts)
     prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts, media)
     sources = eval_sources(cfg, eval_prompts, sets)
     train_iter = _train_iterator(cfg, train_prompts, sets)
