@@ -77,6 +77,24 @@ def test_ppo_dual_clip_caps_negative_advantages_with_zero_gradient():
         loss_and_grad("ppo", [[0.0]], t([1.0]), dual_clip=1.0)
 
 
+def test_dual_clip_is_trls_two_sided_delta():
+    """TRL's `delta` (the unclipped ratio capped at delta, then PPO's min) written out here, against
+    ppo with dual_clip=delta: the same per-token loss and gradient when delta > 1 + eps_high."""
+    g = torch.Generator().manual_seed(3)
+    log_ratio = (torch.rand(5, 40, generator=g, dtype=F64) * 3 - 1.5)  # r in [0.22, 4.5]
+    adv = torch.randn(5, 40, generator=g, dtype=F64)
+    delta, low, high = 2.0, 0.2, 0.28
+    out, grad = loss_and_grad("ppo", log_ratio.tolist(), adv, eps_low=low, eps_high=high, dual_clip=delta,
+                              mode="seq-mean-token-sum")
+    logp = leaf(log_ratio.tolist())
+    r = logp.exp()
+    trl_BT = -torch.min(r.clamp(max=delta) * adv, r.clamp(1 - low, 1 + high) * adv)
+    trl_BT.sum(dim=1).mean().backward()
+    assert ((adv < 0) & (r.detach() > delta)).sum() > 5  # tokens the cap acts on
+    torch.testing.assert_close(out.loss_BT, trl_BT.detach())
+    torch.testing.assert_close(grad, logp.grad)
+
+
 def test_ppo_zero_gradient_exactly_where_clipped():
     g = torch.Generator().manual_seed(0)
     log_ratio = (torch.rand(6, 50, generator=g, dtype=F64) - 0.5)  # r in [0.61, 1.65]

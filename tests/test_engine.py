@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -327,18 +328,77 @@ def test_sampler_draws_from_the_reported_distribution():
 
     sampler = Sampler(torch.device("cpu"))
     logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, -30.0]])
-    for temp, top_k, top_p in [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 2, 1.0), (1.0, 0, 0.8)]:
+    for temp, top_k, top_p, min_p in [(1.0, 0, 1.0, 0), (0.5, 0, 1.0, 0), (1.0, 2, 1.0, 0), (1.0, 0, 0.8, 0),
+                                      (1.0, 0, 1.0, 0.3)]:
         counts = torch.zeros(5)
         probs = torch.zeros(5)
         for i in range(3000):
-            sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=i)
+            sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=i)
             tok, lp = sampler.sample(logits.clone(), [sp], [0])
             counts[tok] += 1
             probs[tok] = lp.exp()  # the probability the engine reports for this token
-        assert (counts / 3000 - probs).abs().max() < 0.035, (temp, top_k, top_p)
+        assert (counts / 3000 - probs).abs().max() < 0.035, (temp, top_k, top_p, min_p)
         assert counts[4] == 0
-        if top_k == 2:
-            assert counts[[0, 3]].sum() == 0  # outside the top-2 set
+        if top_k == 2 or min_p == 0.3:
+            assert counts[[0, 3]].sum() == 0  # outside the top-2 set; below 0.3 x the likeliest
+
+
+def processed_logprobs(model, prompt_ids, response_ids, temperature=1.0, min_p=0.0, repetition_penalty=1.0):
+    """The log-probabilities of the tokens taken under transformers' own logits processors (the
+    reference for the engine's min-p and repetition penalty): penalty, temperature, min-p."""
+    from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    out = []
+    for i, tok in enumerate(response_ids):
+        z = logits[len(prompt_ids) - 1 + i][None]
+        z = RepetitionPenaltyLogitsProcessor(repetition_penalty)(ids[:, : len(prompt_ids) + i], z) / temperature
+        if min_p:
+            z = MinPLogitsWarper(min_p)(None, z)
+        out.append(torch.log_softmax(z[0], -1)[tok])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("temperature, min_p, penalty", [(1.0, 0.2, 1.0), (0.8, 0.0, 1.5), (1.2, 0.1, 0.7)])
+def test_min_p_and_repetition_penalty_report_the_processed_distribution(model, temperature, min_p, penalty):
+    sp = SamplingParams(temperature=temperature, min_p=min_p, repetition_penalty=penalty, max_new_tokens=20,
+                        seed=5, ignore_eos=True)
+    with TorchEngine(model, device="cpu", max_rows=4, max_len=64, eos_token_ids=[]) as eng:
+        outs = eng.generate([Request(id=f"m{i}", prompt_ids=[7 + i, 8, 9, 8], sampling=sp) for i in range(3)])
+        plain = eng.generate([Request(id="p", prompt_ids=[7, 8, 9, 8], sampling=replace(sp, min_p=0.0, repetition_penalty=1.0))])[0]
+    for o in outs:
+        want = processed_logprobs(model, o.prompt_ids, o.response_ids, temperature, min_p, penalty)
+        assert torch.allclose(torch.tensor(o.logprobs), want, atol=1e-4), o.id
+        assert all(lp > float("-inf") for lp in o.logprobs)  # never a token the processing removed
+    # the same seed without them draws other tokens or reports other logprobs: the settings act
+    assert (plain.response_ids, plain.logprobs) != (outs[0].response_ids, outs[0].logprobs)
+
+
+def test_repetition_penalty_greedy_matches_hf_generate_and_survives_abort(model, engine):
+    from transformers import GenerationConfig
+
+    prompt = [20, 21, 22, 21]
+    sp = SamplingParams(temperature=0.0, repetition_penalty=1.8, max_new_tokens=16, ignore_eos=True)
+    full = engine.generate([Request(id="full", prompt_ids=prompt, sampling=sp)])[0]
+    gen = GenerationConfig(do_sample=False, repetition_penalty=1.8, max_new_tokens=16, min_new_tokens=16,
+                           pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), generation_config=gen)[0, len(prompt):].tolist()
+    assert full.response_ids == want
+    assert full.response_ids != hf_greedy(model, prompt, 16)  # the penalty changed the greedy path
+    # seeded sampling with a penalty, aborted after 6 tokens and resumed: the prompt then holds the
+    # first tokens, and the penalty, which looks at prompt and response alike, gives the same draws
+    sampled = replace(sp, temperature=1.0, seed=11)
+    alone = engine.generate([Request(id="a", prompt_ids=prompt, sampling=sampled)])[0]
+    timer, fire, _ = abort_after(engine, 6, ["a"])
+    futs = engine.submit_many([timer, Request(id="a", prompt_ids=prompt, sampling=sampled)], on_done=fire)
+    part = futs[1].result()
+    assert part.finish == "abort" and len(part.response_ids) == 6
+    resumed = engine.generate([part.resume()])[0]
+    assert resumed.response_ids == alone.response_ids
+    assert resumed.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
 
 
 def test_seeded_uniforms_are_the_position_hash_and_uniform():

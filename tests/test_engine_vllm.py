@@ -47,11 +47,21 @@ LONG = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
 ATOL = 1e-4
 
 
-def hf_logprobs(model, prompt_ids, response_ids, temperature=1.0, top_k=0):
+def hf_logprobs(model, prompt_ids, response_ids, temperature=1.0, top_k=0, min_p=0.0, penalty=1.0):
+    """The tokens' log-probabilities under the processing vLLM documents: transformers' repetition
+    penalty, the temperature, transformers' min-p, then top-k."""
+    from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
     ids = torch.tensor([prompt_ids + response_ids])
     with torch.no_grad():
-        logits = model(ids).logits[0].float() / temperature
+        logits = model(ids).logits[0].float()
     z = logits[len(prompt_ids) - 1 : -1]
+    if penalty != 1.0:
+        z = torch.cat([RepetitionPenaltyLogitsProcessor(penalty)(ids[:, : len(prompt_ids) + i], row[None])
+                       for i, row in enumerate(z)])
+    z = z / temperature
+    if min_p:
+        z = MinPLogitsWarper(min_p)(None, z)
     if top_k:
         z = torch.stack([_truncate(row, top_k, 1.0) for row in z])
     return torch.log_softmax(z, -1).gather(1, torch.tensor(response_ids)[:, None]).squeeze(1)
@@ -121,12 +131,14 @@ def test_greedy_and_logprobs_match_torch_engine(engine, ref, model):
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=ATOL), g.id
 
 
-@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 0), (1.3, 5)])
-def test_sampled_logprobs_are_those_of_the_sampling_distribution(engine, model, temperature, top_k):
-    sp = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=16, seed=3, ignore_eos=True)
+@pytest.mark.parametrize("temperature, top_k, min_p, penalty", [(1.0, 0, 0, 1), (0.7, 0, 0, 1), (1.3, 5, 0, 1),
+                                                                (1.0, 0, 0.1, 1.5)])
+def test_sampled_logprobs_are_those_of_the_sampling_distribution(engine, model, temperature, top_k, min_p, penalty):
+    sp = SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p, repetition_penalty=penalty,
+                        max_new_tokens=16, seed=3, ignore_eos=True)
     outs = engine.generate([Request(id=f"s{i}", prompt_ids=p, sampling=sp) for i, p in enumerate(prompts(4))])
     for o in outs:
-        want = hf_logprobs(model, o.prompt_ids, o.response_ids, temperature, top_k)
+        want = hf_logprobs(model, o.prompt_ids, o.response_ids, temperature, top_k, min_p, penalty)
         assert torch.allclose(torch.tensor(o.logprobs), want, atol=ATOL), o.id
     again = engine.generate([Request(id="s0", prompt_ids=prompts(1)[0], sampling=sp)])[0]
     assert again.response_ids == outs[0].response_ids  # seeded: reproducible, batch-independent

@@ -26,11 +26,18 @@ class SamplingParams:
     independent of batching: the noise for the token at response position `i` depends only on
     `(seed, i)`, so a sequence aborted and resumed samples exactly what it would have sampled
     uninterrupted.
+
+    The logits are processed as vLLM does: the repetition penalty (a logit `l` of a token in the
+    prompt or the response so far becomes `l / p` if positive, `l * p` if not), then the
+    temperature, then `min_p`, then top-k and top-p. The penalty looks at prompt and response
+    alike, so a resumed request (its earlier tokens in its prompt) samples as it would have.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off; drop tokens less likely than min_p x the likeliest
+    repetition_penalty: float = 1.0  # 1: off; > 1 makes tokens of the prompt and response so far less likely
     max_new_tokens: int = 256
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
@@ -44,6 +51,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
 

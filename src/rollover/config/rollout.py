@@ -25,6 +25,14 @@ class RolloutConfig(Section):
     """Nucleus sampling mass (1 = off)."""
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0 = off)."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Min-p sampling (0 = off): drop the tokens less likely than min_p times the likeliest one
+    (applied before top-k / top-p, as vLLM)."""
+    repetition_penalty: float = Field(1.0, gt=0)
+    """Repetition penalty (1 = off), HF's and vLLM's rule: the logit l of a token that is in the
+    prompt or the response so far becomes l / p when positive, l * p otherwise. With min_p,
+    top-k, top-p or a penalty the behaviour logprobs are the processed distribution's, which the
+    trainer does not reproduce: actor/rollout_kl shows the gap, algorithm.tis_cap corrects it."""
     max_rows: int = Field(64, ge=1)
     """Sequences the engine decodes together (its slot limit). The engine admits samples one at
     a time as rows free up, so a group need not fit at once: any value >= 1 runs."""

@@ -321,7 +321,7 @@ class EngineCore:
     def _append(self, seqs, logits, finished, touched) -> None:
         params = [s.request.sampling for s in seqs]
         positions = [len(s.response_ids) for s in seqs]
-        tokens, logprobs = self.sampler.sample(logits, params, positions)
+        tokens, logprobs = self.sampler.sample(logits, params, positions, lambda b: seqs[b].tokens())
         tokens, logprobs = to_host(tokens, logprobs)
         done = []
         version, max_len = self.version, self.runner.max_len  # per row, every step: kept local

@@ -3,10 +3,11 @@
 The reported logprob is the log-probability of the token under the distribution it was
 actually drawn from:
 
-- temperature T > 0: `log_softmax(logits / T)`, restricted to the top-k / top-p set and
-  renormalised over it when either is active. With `top_k=0, top_p=1` (the RL default) this is
-  exactly `log_softmax(logits / T)[token]`, which is what a trainer computes when it divides its
-  logits by the same temperature.
+- temperature T > 0: `log_softmax(logits / T)`, restricted to the min-p / top-k / top-p set and
+  renormalised over it when one is active, after the repetition penalty when one is set. With
+  none of them (the RL default) this is exactly `log_softmax(logits / T)[token]`, which is what
+  a trainer computes when it divides its logits by the same temperature; with them the trainer's
+  logprob differs from the behaviour logprob, and `actor/rollout_kl` shows by how much.
 - greedy (T = 0): the distribution is a point mass, so its logprob would be 0 for every token
   and useless as a behaviour logprob; greedy tokens report `log_softmax(logits)[token]`
   (temperature 1) instead.
@@ -53,8 +54,22 @@ def position_uniforms(seeds: list[int], positions: list[int]) -> torch.Tensor:
     return torch.from_numpy((x >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
-def _truncate(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k / nucleus set of one row [V] to -inf."""
+def penalise(z: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+    """One row's logits [V] with the repetition penalty on the tokens in `seen` (HF's and vLLM's
+    rule: a positive logit divided by `penalty`, any other multiplied by it); a new tensor."""
+    ids = torch.tensor(sorted(set(seen)), dtype=torch.long, device=z.device)
+    row = z[ids]
+    z = z.clone()
+    z[ids] = torch.where(row > 0, row / penalty, row * penalty)
+    return z
+
+
+def _truncate(z: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Set logits outside the min-p, top-k and nucleus sets of one row [V] to -inf (min-p
+    first, as vLLM: it keeps the tokens at least `min_p` times as likely as the likeliest)."""
+    if min_p > 0.0:
+        probs = torch.softmax(z, -1)
+        z = z.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if top_k and top_k < z.shape[-1]:
         kth = torch.topk(z, top_k).values[-1]
         z = z.masked_fill(z < kth, float("-inf"))
@@ -84,13 +99,21 @@ class Sampler:
         self.kernels = kernels
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+        self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int], tokens_of=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] float32 -> (tokens [B], logprobs [B]).
 
         `positions[b]` is the response index of the token being sampled (for seeded noise).
+        `tokens_of(b)`: row b's prompt and response so far, asked for rows with a repetition penalty.
         """
         B, V = logits.shape
+        penalised = [b for b, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if penalised:
+            if tokens_of is None:
+                raise ValueError("a repetition penalty needs the rows' tokens (tokens_of)")
+            logits = logits.clone()
+            for b in penalised:
+                logits[b] = penalise(logits[b], tokens_of(b), params[b].repetition_penalty)
         # one pass over the rows (the per-step host cost matters on a GPU, where the rest is fast)
         temps, greedy, truncated, seeded, seeds, seed_pos, unseeded = [], [], [], [], [], [], []
         for b, p in enumerate(params):
@@ -98,7 +121,7 @@ class Sampler:
             temps.append(t if t > 0 else 1.0)  # greedy rows keep temperature-1 logits (module docstring)
             greedy.append(t == 0)
             if t > 0:
-                if p.top_k or p.top_p < 1.0:
+                if p.top_k or p.top_p < 1.0 or p.min_p > 0.0:
                     truncated.append(b)
                 if p.seed is None:
                     unseeded.append(b)
@@ -116,7 +139,7 @@ class Sampler:
         for b in truncated:
             if z is logits:
                 z = logits.clone()
-            z[b] = _truncate(z[b], params[b].top_k, params[b].top_p)
+            z[b] = _truncate(z[b], params[b].top_k, params[b].top_p, params[b].min_p)
         if not seeded and not unseeded:  # every row greedy
             tokens = z.argmax(-1)
             return tokens, torch.log_softmax(z, dim=-1).gather(1, tokens[:, None]).squeeze(1)

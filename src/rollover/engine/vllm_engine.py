@@ -15,8 +15,8 @@ Where it departs from TorchEngine (docs/vllm.md has the details):
 - Sampling RNG is vLLM's. A seeded request is reproducible and does not depend on its batch,
   but a resumed one draws from a generator seeded by (seed, resume position), so abort +
   resume of a *sampled* sequence does not repeat the uninterrupted sample (greedy does).
-- Logprobs are vLLM's "processed_logprobs": log_softmax of the logits after temperature and
-  top-k/top-p, i.e. TorchEngine's convention; greedy requests get log_softmax(logits) at
+- Logprobs are vLLM's "processed_logprobs": log_softmax of the logits after the repetition
+  penalty, temperature, min-p and top-k/top-p, i.e. TorchEngine's convention; greedy requests get log_softmax(logits) at
   temperature 1, as in TorchEngine.
 - `abort` returns the tokens received so far. vLLM may have computed a few more that had not
   reached this process yet; they are dropped and counted nowhere (not in `generated_tokens`).
@@ -386,7 +386,8 @@ class VLLMEngine(WeightControl, PauseControl, EngineAPI):
         tokens = seq.request.prompt_ids + seq.response_ids
         stop = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.eos_token_ids))
         params = vllm.SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
             max_tokens=min(s.max_new_tokens - len(seq.response_ids), self.max_len - len(tokens)),
             seed=None if s.seed is None else position_seed(s.seed, len(seq.response_ids)),
             stop_token_ids=sorted(stop), ignore_eos=True,  # EOS is in `stop` unless ignored

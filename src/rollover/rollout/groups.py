@@ -60,7 +60,8 @@ class PendingGroup:
 
 def sampling_from(cfg: Config) -> SamplingParams:
     r = cfg.rollout
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+                          repetition_penalty=r.repetition_penalty, max_new_tokens=r.max_new_tokens,
                           ignore_eos=r.ignore_eos)
 
 
