@@ -1,0 +1,143 @@
+"""The trainer's forward passes over packed micro-batches: per-token logprobs and entropies.
+
+Logits are computed only at the positions that predict response tokens (the LM head on the
+selected hidden states), and divided by the rollout temperature so they match the engine's
+sampling distribution. They are computed `train.logit_chunk_tokens` tokens at a time: each
+chunk's full-vocabulary logits exist only while its logprobs (and entropies) are taken, and are
+recomputed in the backward pass instead of kept, so the loss holds [chunk, vocab] floats at
+most, not [tokens, vocab]. A micro-batch with one chunk or less keeps its logits (recomputing
+them would save nothing: the backward starts there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.utils.checkpoint
+
+from rollover.engine.hf_runner import sliding_window
+from rollover.train import memory
+from rollover.train.batch import MicroBatch, TrainBatch, pack, with_media
+from rollover.train.embedding import RowGradEmbedding, row_grad_applies
+from rollover.train.heads import LogitHead
+
+
+class PolicyForward:
+    """The forward half of `rollover.train.trainer.Trainer` (which sets `cfg`, `device`, `model`,
+    `autocast`, `pack_length`, `micro_batch_tokens`, `shared_prefix`, `one_per_row`, `pad_id` and
+    `sharded`); `rollover.train.fsdp.FSDPTrainer` overrides the inputs and micro-batches."""
+
+    def _base(self, model):
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def _fit_row(self, row: int) -> int:
+        """A default row length no longer than what one micro-batch of `train.activation_memory_gb`
+        holds by the activation estimate (a micro-batch is at least one row), and never shorter
+        than the longest sequence."""
+        longest = self.cfg.longest_sequence()[0]
+        t = self.cfg.train
+        config = self._base(self.model).config
+        while row > longest and memory.activation_bytes_per_token(config, row, t.gradient_checkpointing) * row \
+                > t.activation_memory_gb * 1e9:
+            row = max(longest, int(row * 0.9))
+        return row
+
+    def _explicit_masks_work(self, row: int) -> bool:
+        """Whether the model takes the shared-prefix packing's [L, L] masks, over rows of `row`
+        tokens, as they are: the sdpa and eager attention of transformers do; flash-attention
+        kernels do not, nor does a sliding window shorter than a row (an explicit mask overrides
+        the window). Those models keep the plain packing, with a warning."""
+        config = self._base(self.model).config
+        impl = getattr(config, "_attn_implementation", None)
+        window = sliding_window(config)
+        if impl in ("sdpa", "eager") and (window is None or window >= row):
+            return True
+        why = f"{impl} attention" if impl not in ("sdpa", "eager") else f"a sliding window of {window} < rows of {row}"
+        warnings.warn(f"train.shared_prefix: the model's {why} does not take an explicit mask; packing each sample "
+                      "with its own prompt", RuntimeWarning, stacklevel=3)
+        return False
+
+    def _attention_mask(self, mb: MicroBatch, model):
+        """The micro-batch's 4-D mask in the form the attention kernel reads, or None (plain packing:
+        transformers builds the block-diagonal mask from the position ids)."""
+        allow = mb.allow()
+        if allow is None:
+            return None
+        allow = allow[:, None]  # [R, 1, L, L]
+        if self._base(model).config._attn_implementation == "sdpa":
+            return allow
+        dtype = torch.bfloat16 if not isinstance(self.autocast, contextlib.nullcontext) else model.dtype
+        return torch.zeros(allow.shape, dtype=dtype, device=allow.device).masked_fill(~allow, torch.finfo(dtype).min)
+
+    def _forward(self, model, mb: MicroBatch, need_entropy: bool):
+        """logp [N] of the response tokens (and their entropy [N] when asked)."""
+        base = self._base(model)
+        with self.autocast:
+            hidden = base.base_model(**self._inputs(base, mb), position_ids=mb.position_ids,
+                                     attention_mask=self._attention_mask(mb, model), use_cache=False).last_hidden_state
+        selected = hidden[mb.sel_row, mb.sel_col]  # [N, H]
+        head = LogitHead(base)  # the model's own: the policy's or the KL reference's
+        # with no entropy bonus the entropy is only logged: keep it out of the graph
+        entropy_grad = torch.is_grad_enabled() and self.cfg.algorithm.entropy_coef != 0
+        chunk = self.cfg.train.logit_chunk_tokens or max(len(selected), 1)
+        # Recomputing chunks in the backward bounds the loss's memory only when there are several:
+        # a lone chunk's logits would be alive at the backward's start either way (it is where
+        # the recomputation runs), so it is kept instead of computed twice.
+        recompute = torch.is_grad_enabled() and len(selected) > chunk
+        parts = []
+        for i in range(0, max(len(selected), 1), chunk):  # an empty selection still makes a graph
+            args = (head, selected[i: i + chunk], mb.targets[i: i + chunk], need_entropy, entropy_grad)
+            if recompute:
+                parts.append(torch.utils.checkpoint.checkpoint(self._token_logp, *args, use_reentrant=False))
+            else:
+                parts.append(self._token_logp(*args))
+        logp = torch.cat([p[0] for p in parts])
+        entropy = torch.cat([p[1] for p in parts]) if need_entropy else None
+        return logp, entropy
+
+    def _inputs(self, base, mb: MicroBatch) -> dict:
+        """What the trunk's forward takes besides positions and mask: the ids and the images."""
+        embedding = base.get_input_embeddings()
+        if torch.is_grad_enabled() and row_grad_applies(embedding) and not self.sharded and mb.media is None:
+            return {"inputs_embeds": RowGradEmbedding.apply(mb.input_ids, embedding.weight, embedding.padding_idx)}
+        return {"input_ids": mb.input_ids, **(mb.media or {})}
+
+    def _token_logp(self, head, hidden_N, targets_N, need_entropy: bool, entropy_grad: bool):
+        """Logprobs of `targets_N` (and the entropies) from the hidden states before them."""
+        with self.autocast:
+            logits = head(hidden_N).float()
+        t = self.cfg.rollout.temperature
+        # dividing by 1 changes nothing but costs a pass over [N, vocab] and one in the backward
+        logp_all = torch.log_softmax(logits if t == 1.0 else logits / t, dim=-1)
+        logp = logp_all.gather(1, targets_N[:, None]).squeeze(1)
+        if not need_entropy:
+            return logp, logp.new_zeros(0)
+        with torch.set_grad_enabled(entropy_grad):  # tokens left out (-inf: image placeholders) add 0, not nan
+            entropy = -(logp_all.exp() * logp_all.clamp(min=torch.finfo(logp_all.dtype).min)).sum(-1)
+        return logp, entropy
+
+    @staticmethod
+    def _to_BT(values_N: torch.Tensor, mb: MicroBatch, T: int) -> torch.Tensor:
+        out = values_N.new_zeros((len(mb.seq_index), T))
+        return out.index_put((mb.tok_seq, mb.tok_pos), values_N)
+
+    def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
+        images = batch.media is not None  # one sequence a row, with its images and the model's positions for them
+        mbs = pack(batch, pack_length=self.pack_length, micro_batch_tokens=self.micro_batch_tokens, pad_id=self.pad_id,
+                   shared_prefix=self.shared_prefix and not images, one_per_row=self.one_per_row or images)
+        if images:
+            mbs = [with_media(mb, batch, self._base(self.model)) for mb in mbs]
+        return [mb.to(self.device) for mb in mbs]
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, model=None) -> torch.Tensor:
+        """Per-token logprobs [B, T] of the batch's responses under `model` (default: policy)."""
+        model = model or self.model
+        T = batch.mask_BT.shape[1]
+        out = torch.zeros(len(batch), T, device=self.device)
+        for mb in self._micro_batches(batch):
+            logp, _ = self._forward(model, mb, need_entropy=False)
+            out[torch.tensor(mb.seq_index, dtype=torch.long, device=self.device)] = self._to_BT(logp, mb, T)
+        return out.masked_fill(~batch.mask_BT.to(self.device), 0.0)  # untrained tokens: 0, as `_update` has them
