@@ -116,3 +116,28 @@ def test_entropy_of_bf16_logits_is_computed_in_float32():
 
 def test_entropy_bonus_lowers_the_loss_as_entropy_rises():
     torch.testing.assert_close(entropy_bonus(t([[1.0, 2.0]]), 0.01), t([[-0.01, -0.02]]))
+
+
+def test_top_entropy_mask_keeps_the_tokens_at_or_above_the_quantile():
+    from rollover.algos import top_entropy_mask
+
+    ent = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)  # 7.0 is not a loss token
+    loss_ent = ent[mask]  # 0.1 0.9 0.5 0.3 0.7 0.2 0.0
+    for q in (0.0, 0.25, 0.5, 0.9, 1.0):
+        keep, m = top_entropy_mask(ent, mask, q)
+        threshold = torch.quantile(loss_ent, 1 - q)
+        assert torch.equal(keep, mask & (ent >= threshold)), q
+        assert float(m["entropy_threshold"]) == pytest.approx(float(threshold))
+        assert float(m["entropy_kept_frac"]) == pytest.approx(float((loss_ent >= threshold).double().mean()))
+    keep, _ = top_entropy_mask(ent, mask, 0.5)  # 7 loss tokens: the median is 0.3
+    assert keep.tolist() == [[False, True, True, False], [True, True, False, False]]
+    assert top_entropy_mask(ent, mask, 0.0)[0].sum() == 1  # the highest-entropy loss token only
+    assert torch.equal(top_entropy_mask(ent, mask, 1.0)[0], mask)
+    # two ranks, each with its rows: the threshold over both, the rows each rank kept
+    halves = [(ent[:1], mask[:1]), (ent[1:], mask[1:])]
+    every = torch.cat([e[m] for e, m in halves])
+    got = [top_entropy_mask(e, m, 0.5, gather=lambda x: (every, 0))[0] for e, m in halves]
+    assert torch.equal(torch.cat(got), keep)
+    with pytest.raises(ValueError, match="quantile"):
+        top_entropy_mask(ent, mask, 1.5)

@@ -162,6 +162,26 @@ def test_an_m2po_step_at_world_size_n_equals_one_trainers(world, over):
         sharded.close()
 
 
+def test_a_top_entropy_step_at_world_size_2_equals_one_trainers():
+    """algorithm.top_entropy_quantile: the ranks share one entropy threshold over the whole update's
+    tokens, the one a single trainer finds, and keep the same tokens."""
+    cfg = cfg_of(**{"train.ranks": 2, "train.mini_batches": 2, "algorithm.top_entropy_quantile": 0.25})
+    model = tiny_model("llama", seed=3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        b = batch_of(6)
+        mp, ms = plain.train_step(b), sharded.train_step(b)
+        assert 0.2 < mp["actor/entropy_kept_frac"] < 0.35
+        for k in ("actor/pg_loss", "actor/masked_frac", "actor/entropy_threshold", "actor/entropy_kept_frac"):
+            assert ms[k] == pytest.approx(mp[k], rel=1e-5, abs=1e-7), k
+        assert ms["actor/grad_norm"] == pytest.approx(mp["actor/grad_norm"], rel=1e-4)  # sums in another order
+        assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
+    finally:
+        sharded.close()
+
+
 @pytest.mark.parametrize("world,over", [
     (2, {"train.mini_batches": 2}),
     (4, {"train.micro_batch_tokens": 32, "train.pack_length": 16, "data.max_prompt_tokens": 8, "train.shared_prefix": False,

@@ -206,6 +206,54 @@ def test_m2po_masks_the_whole_update_whatever_the_micro_batch_split(model_dir, t
     assert max(float((after[0][k] - after[1][k]).abs().max()) for k in start) < 0.05 * cfg.train.lr
 
 
+def test_top_entropy_quantile_trains_the_high_entropy_tokens_only(model_dir, tmp_path):
+    """algorithm.top_entropy_quantile: the gradient is the policy gradient over the tokens whose
+    entropy (the model's own, from a plain forward) is at least torch.quantile's 1 - q quantile of
+    the update's tokens, divided by all its tokens (TRL's normaliser); one micro-batch or several."""
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i, 3 * i % 11, 9] * (1 + i % 3), float(i % 3) - 1.0)
+             for i in range(9)]
+    batch = batch_of(rolls)
+    q, temperature = 0.3, 0.8
+    model = tiny_model("llama", seed=5)
+    # the reference, by hand: entropies and logprobs per sequence, threshold over all loss tokens
+    logps, ents = [], []
+    for r, _ in rolls:
+        logits = model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, len(r.prompt_ids) - 1: -1]
+        lp_all = torch.log_softmax(logits / temperature, -1)
+        logps.append(lp_all.gather(1, torch.tensor(r.response_ids)[:, None]).squeeze(1))
+        ents.append(-(lp_all.exp() * lp_all).sum(-1).detach())
+    threshold = torch.quantile(torch.cat(ents), 1 - q)
+    kept = [e >= threshold for e in ents]
+    n_tokens = sum(len(e) for e in ents)
+    loss = sum(-(adv * lp * k).sum() for (_, adv), lp, k in zip(rolls, logps, kept)) / n_tokens
+    model.zero_grad()
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert 0 < sum(int(k.sum()) for k in kept) < n_tokens
+    for mbt in (256, 16):
+        cfg = tiny_cfg(model_dir, tmp_path / f"r{mbt}", **{"train.micro_batch_tokens": mbt, "train.pack_length": 16,
+                                                             "data.max_prompt_tokens": 10, "rollout.temperature": temperature,
+                                                             "algorithm.top_entropy_quantile": q, "train.grad_clip": 0.0})
+        m = tiny_model("llama", seed=5)
+        tr = Trainer(m, cfg, device=torch.device("cpu"))
+        seen, real_step = {}, tr.optimizer.step
+
+        def step(*a, **kw):  # the gradient the optimizer sees
+            seen.update({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+            return real_step(*a, **kw)
+
+        tr.optimizer.step = step
+        metrics = tr.train_step(batch)
+        assert (metrics["actor/micro_batches"] == 1) == (mbt == 256)
+        assert metrics["actor/entropy_threshold"] == pytest.approx(float(threshold), rel=1e-5)
+        assert metrics["actor/entropy_kept_frac"] == pytest.approx(sum(int(k.sum()) for k in kept) / n_tokens)
+        assert seen.keys() == want.keys()
+        for k in want:
+            assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-7), (mbt, k)
+
+
 def test_bapo_picks_its_bounds_once_per_update_whatever_the_micro_batch_split(model_dir, tmp_path):
     """algorithm.loss=bapo: the bounds are chosen once per update over all its loss tokens, not per
     micro-batch: one micro-batch and several give the same bounds, loss, gradients and weights. Two

@@ -54,7 +54,7 @@ from rollover.algos.policy import (
     ppo,
     sapo,
 )
-from rollover.algos.regularizers import KL_ESTIMATORS, entropy_bonus, entropy_from_logits, kl_penalty
+from rollover.algos.regularizers import KL_ESTIMATORS, entropy_bonus, entropy_from_logits, kl_penalty, top_entropy_mask
 from rollover.algos.shaping import overlong_penalty, truncated_mask
 
 __all__ = [
@@ -93,5 +93,7 @@ __all__ = [
     "reinforce_pp_baseline",
     "rloo",
     "sapo",
+    "top_entropy_mask",
+    "top_entropy_mask",
     "truncated_mask",
 ]

@@ -10,6 +10,8 @@ and adding (every mode is linear), which is what verl and TRL do.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -114,3 +116,31 @@ def entropy_bonus(entropy_BT: Tensor, coef: float) -> Tensor:
     verl subtracts `entropy_coeff · agg(H)` from the loss (default 0 in recent versions).
     """
     return -coef * entropy_BT
+
+
+def top_entropy_mask(entropy_BT: Tensor, mask_BT: Tensor, quantile: float, gather=None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss tokens whose entropy is among the top `quantile` fraction ("Beyond the 80/20
+    Rule", Wang et al., arXiv 2506.01939: train on the high-entropy "forking" tokens only).
+
+    The threshold is the `1 - quantile` quantile of the entropies of every loss token, linearly
+    interpolated between order statistics as `torch.quantile` does (TRL's rule), and a token is
+    kept when its entropy is at least that. `gather(x_N)`: every rank's values concatenated and
+    where this rank's begin (None: one process), so ranks share one threshold. Returns the kept
+    tokens (a subset of `mask_BT`) and the threshold and kept fraction over all ranks.
+    """
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"quantile must be in [0, 1], got {quantile}")
+    mask_BT = mask_BT.bool()
+    with torch.no_grad():
+        local_N = entropy_BT.detach()[mask_BT].double().cpu()
+        all_N = local_N if gather is None else gather(local_N)[0]
+        if all_N.numel() == 0:
+            return mask_BT.clone(), {}
+        x_N = all_N.sort().values  # no torch.quantile: it refuses inputs over 16M elements
+        pos = (1.0 - quantile) * (len(x_N) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(x_N) - 1)
+        threshold = x_N[lo] + (pos - lo) * (x_N[hi] - x_N[lo])
+        keep_BT = mask_BT & (entropy_BT.detach().double() >= threshold.to(entropy_BT.device))
+        metrics = {"entropy_threshold": threshold.float(), "entropy_kept_frac": (all_N >= threshold).float().mean()}
+    return keep_BT, metrics

@@ -39,6 +39,12 @@ class AlgorithmConfig(Section):
     """KL estimator for the penalty."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus weight."""
+    top_entropy_quantile: float = Field(1.0, ge=0, le=1)
+    """Train only the highest-entropy fraction of each update's loss tokens ("Beyond the 80/20
+    rule", arXiv 2506.01939, which uses 0.2; TRL's top_entropy_quantile): the threshold is that
+    quantile of the trainer's entropies over the update's tokens on every rank, measured under
+    the policy before the step in one no-grad pass. 1 = every token; 0 = the likeliest-to-vary
+    token only."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal and top up with new prompts."""
     max_resample_rounds: int = Field(4, ge=1)

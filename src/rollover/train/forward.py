@@ -132,12 +132,19 @@ class PolicyForward:
         return [mb.to(self.device) for mb in mbs]
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch, model=None) -> torch.Tensor:
-        """Per-token logprobs [B, T] of the batch's responses under `model` (default: policy)."""
+    def logprobs(self, batch: TrainBatch, model=None, entropy: bool = False):
+        """Per-token logprobs [B, T] of the batch's responses under `model` (default: policy); with
+        `entropy`, (logprobs, entropies), both [B, T]."""
         model = model or self.model
         T = batch.mask_BT.shape[1]
         out = torch.zeros(len(batch), T, device=self.device)
+        ent = torch.zeros(len(batch), T, device=self.device) if entropy else None
         for mb in self._micro_batches(batch):
-            logp, _ = self._forward(model, mb, need_entropy=False)
-            out[torch.tensor(mb.seq_index, dtype=torch.long, device=self.device)] = self._to_BT(logp, mb, T)
-        return out.masked_fill(~batch.mask_BT.to(self.device), 0.0)  # untrained tokens: 0, as `_update` has them
+            logp, h = self._forward(model, mb, need_entropy=entropy)
+            rows = torch.tensor(mb.seq_index, dtype=torch.long, device=self.device)
+            out[rows] = self._to_BT(logp, mb, T)
+            if entropy:
+                ent[rows] = self._to_BT(h, mb, T)
+        untrained = ~batch.mask_BT.to(self.device)  # untrained tokens: 0, as `_update` has them
+        out = out.masked_fill(untrained, 0.0)
+        return (out, ent.masked_fill(untrained, 0.0)) if entropy else out

@@ -31,7 +31,7 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
-from rollover.algos import aggregate, kl_penalty, policy_loss
+from rollover.algos import aggregate, kl_penalty, policy_loss, top_entropy_mask
 from rollover.algos.offpolicy import m2po_update_mask
 from rollover.algos.policy import bapo_update_bounds, old_logprobs_first
 from rollover.config import Config
@@ -145,7 +145,12 @@ class Trainer(PolicyForward):
             torch.cuda.reset_peak_memory_stats(self.device)
         multi = t.ppo_epochs * t.mini_batches > 1
         first = old_logprobs_first(cfg.algorithm.loss, self._loss_options())  # M2PO's mask, BAPO's over an IS mask
-        old_BT = self._fitting(self.logprobs, batch) if multi or first else None
+        old_BT = ent_BT = None
+        if cfg.algorithm.top_entropy_quantile < 1.0:  # one pass gives both
+            old_BT, ent_BT = self._fitting(self.logprobs, batch, None, True)
+            old_BT = old_BT if multi or first else None
+        elif multi or first:
+            old_BT = self._fitting(self.logprobs, batch)
         ref_BT = None
         if cfg.algorithm.kl_coef > 0:
             if self.is_peft:
@@ -165,7 +170,8 @@ class Trainer(PolicyForward):
                 chosen = set(groups[k :: t.mini_batches])
                 idx = [i for i, g in enumerate(batch.group_index_B.tolist()) if g in chosen]
                 metrics = self._update(batch.select(idx), None if old_BT is None else old_BT[idx],
-                                       None if ref_BT is None else ref_BT[idx], fresh=epoch == k == 0)
+                                       None if ref_BT is None else ref_BT[idx], fresh=epoch == k == 0,
+                                       ent_BT=None if ent_BT is None else ent_BT[idx])
                 history.append(metrics)
                 skipped |= metrics.pop("skipped")
         for _ in range(t.ppo_epochs * (t.mini_batches - chunks)):
@@ -217,7 +223,7 @@ class Trainer(PolicyForward):
 
         return loss_options(self.cfg.algorithm)
 
-    def _update(self, batch: TrainBatch, old_BT, ref_BT, fresh: bool = False) -> dict:
+    def _update(self, batch: TrainBatch, old_BT, ref_BT, fresh: bool = False, ent_BT=None) -> dict:
         cfg, a = self.cfg, self.cfg.algorithm
         T = batch.mask_BT.shape[1]
         mask_BT = batch.mask_BT.to(self.device)
@@ -227,7 +233,7 @@ class Trainer(PolicyForward):
         num_seqs = max(num_seqs, 1)
         adv = (batch.adv_B if batch.adv_BT is None else batch.adv_BT).to(self.device)  # [B]; [B, T]: per-turn credit
         behav_BT, opts = batch.behav_logp_BT.to(self.device), self._loss_options()
-        loss_mask_BT, whole = self._per_update(batch, old_BT, behav_BT, adv, mask_BT, opts, fresh)
+        loss_mask_BT, whole = self._per_update(batch, old_BT, behav_BT, adv, mask_BT, opts, fresh, ent_BT)
         need_entropy = True  # logged every step; cheap next to the forward
 
         def accumulate():
@@ -298,15 +304,20 @@ class Trainer(PolicyForward):
             metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
         return metrics
 
-    def _per_update(self, batch: TrainBatch, old_BT, behav_BT, adv, mask_BT, opts: dict, fresh: bool):
+    def _per_update(self, batch: TrainBatch, old_BT, behav_BT, adv, mask_BT, opts: dict, fresh: bool, ent_BT=None):
         """What is chosen once over all the update's loss tokens, every micro-batch and rank, before any
-        pass: the loss mask after M2PO (opts' m2po_tau, taken out) and BAPO's bounds (put in opts for
-        every micro-batch's loss); and their metrics, the same on every rank. `fresh`: the weights are
-        still those old_BT was recorded under (the step's first update)."""
+        pass: the loss mask after the entropy quantile (`ent_BT`: the tokens' entropies) and M2PO
+        (opts' m2po_tau, taken out) and BAPO's bounds (put in opts for every micro-batch's loss); and
+        their metrics, the same on every rank. `fresh`: the weights are still those old_BT was
+        recorded under (the step's first update)."""
         tau, whole = opts.pop("m2po_tau", None), {}
+        if ent_BT is not None:
+            mask_BT, whole = top_entropy_mask(ent_BT.to(self.device), mask_BT, self.cfg.algorithm.top_entropy_quantile,
+                                              gather=self._gather)
         if tau is not None:
-            mask_BT, whole = m2po_update_mask(old_BT, behav_BT, mask_BT, batch.group_index_B, tau=tau,
-                                              reduce=self._all_reduce, gather=self._gather)
+            mask_BT, m2po = m2po_update_mask(old_BT, behav_BT, mask_BT, batch.group_index_B, tau=tau,
+                                             reduce=self._all_reduce, gather=self._gather)
+            whole = {**whole, **m2po}
         if self.cfg.algorithm.loss == "bapo":  # r = pi / pi_old is 1 until the weights move: no pass then
             old = torch.zeros_like(behav_BT) if old_BT is None else old_BT.to(self.device)
             now = old if old_BT is None or fresh else self._fitting(self.logprobs, batch)
