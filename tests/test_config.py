@@ -59,6 +59,10 @@ def test_overrides_and_types():
     ("rollout.top_p=2", "rollout.top_p=2: must be <= 1"),
     ("rollout.top_p=0", "rollout.top_p=0: must be > 0"),
     ("rollout.top_k=-1", "rollout.top_k=-1: must be >= 0"),
+    ("rollout.min_p=1.5", "rollout.min_p=1.5: must be <= 1"),
+    ("rollout.repetition_penalty=0", "rollout.repetition_penalty=0: must be > 0"),
+    ("algorithm.top_entropy_quantile=-0.1", "algorithm.top_entropy_quantile=-0.1: must be >= 0"),
+    ("algorithm.ref_mixup_alpha=0", "algorithm.ref_mixup_alpha=0: must be > 0"),
     ("rollout.temperature=0", "rollout.temperature=0: must be > 0"),
     ("rollout.dtype=fp8", "rollout.dtype='fp8': must be 'auto', 'float32', 'bfloat16' or 'float16'"),
     ("reward.timeout_s=0", "reward.timeout_s=0: must be > 0"),
@@ -167,6 +171,9 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["partial_rollout.enabled=true", "partial_rollout.on_stale=is", "algorithm.loss=ppo"], "decoupled_ppo or algorithm.tis_cap"),
     (["train.pack_length=64", "data.max_prompt_tokens=64"], "must hold the longest sequence"),
     (["algorithm.overlong_buffer=300"], "overlong_buffer"),
+    (["algorithm.ref_sync_every=4"], "ref_sync_every=4 has no reference to move: algorithm.kl_coef=0 loads no reference"),
+    (["algorithm.ref_sync_every=4", "algorithm.kl_coef=0.1", "train.lora={r: 8}"],
+     "ref_sync_every=4 has no reference to move: with train.lora the reference is the base model"),
 ])
 def test_conflicts_rejected_not_repaired(over, match):
     with pytest.raises(ConfigError, match=match):

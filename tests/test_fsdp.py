@@ -182,6 +182,30 @@ def test_a_top_entropy_step_at_world_size_2_equals_one_trainers():
         sharded.close()
 
 
+def test_a_reference_sync_at_world_size_2_moves_the_reference_as_one_trainer():
+    """algorithm.ref_sync_every: the ranks move their shards of the KL reference as one trainer moves
+    its reference: the same KL to it on the next steps, the same weights."""
+    cfg = cfg_of(**{"train.ranks": 2, "algorithm.kl_coef": 0.5, "algorithm.ref_sync_every": 1,
+                    "algorithm.ref_mixup_alpha": 0.5})
+    model = tiny_model("llama", seed=3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        for seed in range(3):
+            b = batch_of(4, seed=seed)
+            mp, ms = plain.train_step(b), sharded.train_step(b)
+            assert ms["actor/kl"] == pytest.approx(mp["actor/kl"], rel=1e-4, abs=1e-9)
+            assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
+            start = weights(plain)
+        # one trainer's reference is the hand-computed mix, and not the starting model
+        assert mp["actor/kl"] > 0
+        ref = dict(plain.ref_model.named_parameters())
+        assert max(float((ref[n] - model.state_dict()[n]).abs().max()) for n in ref) > 1e-3
+    finally:
+        sharded.close()
+
+
 @pytest.mark.parametrize("world,over", [
     (2, {"train.mini_batches": 2}),
     (4, {"train.micro_batch_tokens": 32, "train.pack_length": 16, "data.max_prompt_tokens": 8, "train.shared_prefix": False,
@@ -382,12 +406,15 @@ def test_a_world_size_4_checkpoint_resumes_at_world_size_2(model_dir, tmp_path):
         build_run(run_cfg(model_dir, cut, steps=6), allow_config_change=True)
 
 
-@pytest.mark.parametrize("parallel", ["none", "fsdp"])
-def test_a_resumed_run_keeps_its_kl_reference(model_dir, tmp_path, parallel):
+@pytest.mark.parametrize("parallel,sync", [("none", False), ("fsdp", False), ("none", True), ("fsdp", True)])
+def test_a_resumed_run_keeps_its_kl_reference(model_dir, tmp_path, parallel, sync):
     """algorithm.kl_coef: the reference is the starting model, also after a resume (which loads
-    the checkpoint's policy): the resumed run ends where the uninterrupted one does."""
+    the checkpoint's policy): the resumed run ends where the uninterrupted one does. With
+    algorithm.ref_sync_every the reference moves every step and the checkpoint keeps it."""
     over = {"algorithm.kl_coef": 0.5, "train.lr": 1e-2, "train.parallel": parallel,
             "train.ranks": 2 if parallel == "fsdp" else 1}
+    if sync:
+        over.update({"algorithm.ref_sync_every": 1, "algorithm.ref_mixup_alpha": 0.5})
     train_sync(run_cfg(model_dir, tmp_path / "whole", **over))
     train_sync(run_cfg(model_dir, tmp_path / "cut", steps=2, **over))
     train_sync(run_cfg(model_dir, tmp_path / "cut", **over))

@@ -254,6 +254,29 @@ def test_top_entropy_quantile_trains_the_high_entropy_tokens_only(model_dir, tmp
             assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-7), (mbt, k)
 
 
+def test_ref_sync_mixes_the_policy_into_the_reference_every_n_steps(model_dir, tmp_path):
+    """algorithm.ref_sync_every=2, ref_mixup_alpha=0.3: after step 2 (not step 1) the reference is
+    0.3 x the policy + 0.7 x the old reference; the trainer's state carries it to a new trainer."""
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float(i % 3) - 1.0) for i in range(9)]
+    cfg = tiny_cfg(model_dir, tmp_path / "r", **{"algorithm.kl_coef": 0.2, "algorithm.ref_sync_every": 2,
+                                                  "algorithm.ref_mixup_alpha": 0.3})
+    start = {n: p.detach().clone() for n, p in tiny_model("llama", seed=5).named_parameters()}
+    tr = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
+    ref = lambda trainer: {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}  # noqa: E731
+    tr.train_step(batch_of(rolls))
+    assert all(torch.equal(ref(tr)[n], start[n]) for n in start)
+    tr.train_step(batch_of(rolls))
+    policy = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    assert max(float((policy[n] - start[n]).abs().max()) for n in start) > 1e-4  # the policy moved
+    for n in start:
+        torch.testing.assert_close(ref(tr)[n], 0.3 * policy[n] + 0.7 * start[n])
+    resumed = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
+    resumed.load_state_dict(tr.state_dict())
+    assert resumed.steps_trained == 2 and all(torch.equal(ref(resumed)[n], ref(tr)[n]) for n in start)
+
+
 def test_bapo_picks_its_bounds_once_per_update_whatever_the_micro_batch_split(model_dir, tmp_path):
     """algorithm.loss=bapo: the bounds are chosen once per update over all its loss tokens, not per
     micro-batch: one micro-batch and several give the same bounds, loss, gradients and weights. Two

@@ -37,6 +37,13 @@ class AlgorithmConfig(Section):
     """Weight of the KL penalty to the reference (initial) model; > 0 loads a reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the penalty."""
+    ref_sync_every: Annotated[int, Field(ge=1)] | None = None
+    """Move the KL reference toward the policy every this many steps (TR-DPO, arXiv 2404.09656;
+    TRL's sync_ref_model): ref = ref_mixup_alpha * policy + (1 - ref_mixup_alpha) * ref, after
+    the step's updates. None = the reference stays the starting model. The reference then goes
+    into every checkpoint (a resumed run keeps the moved one). Needs kl_coef > 0; not with LoRA."""
+    ref_mixup_alpha: float = Field(0.6, gt=0, le=1)
+    """The policy's weight in each reference sync (TRL's ref_model_mixup_alpha; 1 copies it)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus weight."""
     top_entropy_quantile: float = Field(1.0, ge=0, le=1)

@@ -191,6 +191,10 @@ class Config(Section):
             if s.dars_max_samples is not None and s.dars_max_samples <= self.rollout.samples_per_prompt:
                 problems.append(f"selection.dars_max_samples={s.dars_max_samples} must be above "
                                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
+        if a.ref_sync_every is not None and (a.kl_coef <= 0 or self.train.lora is not None):
+            why = "algorithm.kl_coef=0 loads no reference" if a.kl_coef <= 0 else \
+                "with train.lora the reference is the base model under the adapter, which a sync would move"
+            problems.append(f"algorithm.ref_sync_every={a.ref_sync_every} has no reference to move: {why}")
         if a.loss_options or (a.dual_clip is not None and a.loss is not None):  # now, not at the first update
             from rollover.algos.policy import check_loss_options
 

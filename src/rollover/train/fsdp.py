@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from typing import Iterator
 
 import torch
@@ -130,6 +131,7 @@ class FSDPTrainer(Trainer):
         self._from_rank0 = from_rank0
         self._global_groups: list[int] | None = None
         self._roots: dict[int, _Root] = {}
+        self._reference_saved = False  # the checkpoint being resumed holds a moved KL reference
         super().__init__(model, cfg, device=device, pad_id=pad_id, reference=reference)
 
     # ------------------------------------------------------------ sharding
@@ -375,35 +377,56 @@ class FSDPTrainer(Trainer):
 
     # ------------------------------------------------------------ checkpoints
     def save_sharded(self, path) -> None:
-        """Every rank writes its shards of the weights and the optimizer state under `path`."""
+        """Every rank writes its shards of the weights and the optimizer state under `path` (and of
+        the KL reference, when `algorithm.ref_sync_every` moves it)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), process_group=self._cpu_group)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.cfg.algorithm.ref_sync_every is not None:
+            state["reference"] = get_model_state_dict(self.ref_model)
+        dcp.save(state, checkpoint_id=str(path), process_group=self._cpu_group)
 
     def load_sharded(self, path) -> None:
         """Weights and optimizer state from `path` (written at any world size), resharded here."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        if self._reference_saved:
+            state["reference"] = get_model_state_dict(self.ref_model)
         dcp.load(state, checkpoint_id=str(path), process_group=self._cpu_group)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self._reference_saved:
+            set_model_state_dict(self.ref_model, state["reference"])
+
+    def _sync_reference(self, alpha: float) -> None:
+        for model in (self.model, self.ref_model):  # each its own shards: a root kept whole after its
+            self._roots[id(model)].reshard()        # forward would take the update in a passing copy
+        super()._sync_reference(alpha)
 
     def state_dict(self) -> dict:
-        """What is not sharded: the scheduler and counters (the optimizer's moments go through
-        `save_sharded`)."""
+        """What is not sharded: the scheduler and counters (the optimizer's moments, and a moved KL
+        reference, go through `save_sharded`)."""
         return {"scheduler": self.scheduler.state_dict(), "bad_steps": self.bad_steps,
+                "steps_trained": self.steps_trained, "reference_saved": self.cfg.algorithm.ref_sync_every is not None,
                 "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens]}
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.bad_steps = state["bad_steps"]
+        self.steps_trained = state.get("steps_trained", 0)
         start, now = state.get("micro_batch_tokens", (None, None))
         if start == self._micro_batch_start:
             self.micro_batch_tokens = now
+        # read before load_sharded (rank_server.load): a reference is loaded only from a checkpoint that has one
+        self._reference_saved = self.cfg.algorithm.ref_sync_every is not None and state.get("reference_saved", False)
+        if self.cfg.algorithm.ref_sync_every is not None and not self._reference_saved:
+            warnings.warn("algorithm.ref_sync_every: the checkpoint holds no moved KL reference; the reference "
+                          "starts again from the starting model", RuntimeWarning, stacklevel=2)
 
 
 def _tensors(out) -> list[torch.Tensor]:

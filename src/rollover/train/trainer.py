@@ -114,6 +114,7 @@ class Trainer(PolicyForward):
             self.optimizer, _lr_lambda(t.schedule, t.warmup_steps * updates_per_step, cfg.steps * updates_per_step)
         )
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss
+        self.steps_trained = 0  # train_step calls: algorithm.ref_sync_every counts them
         shared_row = t.pack_length or self._fit_row(default_pack_length(cfg, shared_prefix=True))
         self.shared_prefix = t.shared_prefix and self._explicit_masks_work(shared_row)
         self.pack_length = shared_row if self.shared_prefix else t.pack_length or default_pack_length(cfg, False)
@@ -187,7 +188,19 @@ class Trainer(PolicyForward):
             self.bad_steps += 1
         else:
             self.bad_steps = 0
+        self.steps_trained += 1
+        every = cfg.algorithm.ref_sync_every
+        if every is not None and self.steps_trained % every == 0:
+            self._sync_reference(cfg.algorithm.ref_mixup_alpha)
         return out
+
+    @torch.no_grad()
+    def _sync_reference(self, alpha: float) -> None:
+        """TR-DPO's soft update of the KL reference: ref = alpha * policy + (1 - alpha) * ref."""
+        ref = dict(self.ref_model.named_parameters())
+        for name, p in self.model.named_parameters():
+            ref[name].mul_(1.0 - alpha).add_(p.detach(), alpha=alpha)
+        log.info("KL reference moved toward the policy (alpha %g) after step %d", alpha, self.steps_trained)
 
     def _peak_device_gb(self) -> float:
         """The most GPU memory this process's tensors held during the step (an engine sharing the
@@ -396,8 +409,12 @@ class Trainer(PolicyForward):
         """Nothing lives outside this process."""
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "bad_steps": self.bad_steps, "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens]}
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "bad_steps": self.bad_steps, "steps_trained": self.steps_trained,
+                 "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens]}
+        if self.cfg.algorithm.ref_sync_every is not None:  # moved off the starting model: kept
+            state["reference"] = {n: p.detach().clone() for n, p in self.ref_model.named_parameters()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("sharded"):
@@ -408,9 +425,23 @@ class Trainer(PolicyForward):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.bad_steps = state["bad_steps"]
+        self.steps_trained = state.get("steps_trained", 0)  # older checkpoints lack it
         start, now = state.get("micro_batch_tokens", (None, None))  # older checkpoints lack it
         if start == self._micro_batch_start:  # halved after running out of memory: stays halved
             self.micro_batch_tokens = now
+        if self.cfg.algorithm.ref_sync_every is not None:
+            self._load_reference(state.get("reference"))
+
+    @torch.no_grad()
+    def _load_reference(self, saved: dict | None) -> None:
+        """The moved KL reference a checkpoint holds (none: it was written before the run synced its
+        reference, which then starts from the starting model, with a warning)."""
+        if saved is None:
+            warnings.warn("algorithm.ref_sync_every: the checkpoint holds no moved KL reference; the reference "
+                          "starts again from the starting model", RuntimeWarning, stacklevel=3)
+            return
+        for name, p in self.ref_model.named_parameters():
+            p.copy_(saved[name])
 
 
 CUDA_MICRO_BATCH_TOKENS = 65536
