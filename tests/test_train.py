@@ -254,6 +254,67 @@ def test_top_entropy_quantile_trains_the_high_entropy_tokens_only(model_dir, tmp
             assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-7), (mbt, k)
 
 
+def test_opsm_in_a_step_drops_what_the_hand_computed_mask_drops(model_dir, tmp_path):
+    """algorithm.opsm_delta: the trainer drops the negative-advantage tokens of the sequences whose
+    mean log(behav / pi) is above delta, computed here from the policy's own logprobs, whatever the
+    micro-batch split."""
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float(i % 3) - 1.0) for i in range(9)]
+    batch = batch_of(rolls)
+    got = []
+    for mbt in (64, 16):
+        cfg = tiny_cfg(model_dir, tmp_path / f"r{mbt}", **{"train.micro_batch_tokens": mbt, "train.pack_length": 16,
+                                                             "data.max_prompt_tokens": 10, "algorithm.opsm_delta": 0.2})
+        tr = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
+        if mbt == 64:  # sampled off-policy: each sequence shifted by its own amount
+            shift_B = torch.linspace(-0.5, 0.6, len(batch))[:, None]
+            logp = tr.logprobs(batch)
+            batch.behav_logp_BT = torch.where(batch.mask_BT, logp + shift_B, 0.0)
+            mean_B = ((batch.behav_logp_BT - logp) * batch.mask_BT).sum(1) / batch.mask_BT.sum(1)
+            dropped = ((mean_B > 0.2) & (batch.adv_B < 0))[:, None] & batch.mask_BT
+            want = float(dropped.sum() / batch.mask_BT.sum())
+            assert 0 < want < 0.5
+        got.append(tr.train_step(batch)["actor/opsm_masked_frac"])
+    assert got == pytest.approx([want, want], rel=1e-6)
+
+
+@pytest.mark.parametrize("corrected", [False, True])
+def test_kl_gradient_with_and_without_the_importance_weight_is_the_hand_computed_one(model_dir, tmp_path, corrected):
+    """algorithm.kl_is_correction: the KL term's gradient is that of mean(r x k3), r = pi / pi_old
+    with its gradient (DeepSeek-V3.2), against mean(k3) without; zero advantages leave the KL alone."""
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i, 4, 2 + i][: 2 + i % 2], 0.0) for i in range(6)]
+    model, ref = tiny_model("llama", seed=5), tiny_model("llama", seed=6)
+    total, n = 0.0, 0
+    for r, _ in rolls:
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        pick = lambda m: torch.log_softmax(m(ids).logits[0, len(r.prompt_ids) - 1: -1], -1).gather(  # noqa: E731
+            1, torch.tensor(r.response_ids)[:, None]).squeeze(1)
+        logp, ref_logp = pick(model), pick(ref).detach()
+        k3 = (ref_logp - logp).exp() - (ref_logp - logp) - 1
+        total = total + ((logp - logp.detach()).exp() * k3 if corrected else k3).sum()
+        n += len(r.response_ids)
+    (0.3 * total / n).backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    cfg = tiny_cfg(model_dir, tmp_path / "r", **{"algorithm.kl_coef": 0.3, "algorithm.kl_is_correction": corrected,
+                                                  "train.grad_clip": 0.0})
+    m = tiny_model("llama", seed=5)
+    tr = Trainer(m, cfg, device=torch.device("cpu"), reference=ref)
+    seen, real_step = {}, tr.optimizer.step
+
+    def step(*a, **kw):
+        seen.update({k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None})
+        return real_step(*a, **kw)
+
+    tr.optimizer.step = step
+    tr.train_step(batch_of(rolls))
+    assert seen.keys() == want.keys()
+    for k in want:
+        assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-7), k
+
+
 def test_ref_sync_mixes_the_policy_into_the_reference_every_n_steps(model_dir, tmp_path):
     """algorithm.ref_sync_every=2, ref_mixup_alpha=0.3: after step 2 (not step 1) the reference is
     0.3 x the policy + 0.7 x the old reference; the trainer's state carries it to a new trainer."""

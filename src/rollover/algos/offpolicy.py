@@ -268,6 +268,25 @@ def _first_copies(copy_N: Tensor, group_N: Tensor, count: int, gather) -> Tensor
     return out
 
 
+def opsm_mask(logp_BT: Tensor, behav_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *, delta: float
+              ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, Eq. 9; TRL's
+    `off_policy_mask_threshold`): a sequence whose mean `log(π_behav / π)` over its loss tokens
+    exceeds `delta` (the policy has moved far from what sampled it) keeps none of its tokens with a
+    negative advantage; positive ones stay (the paper: learning from one's own mistakes off-policy
+    is what destabilises). `logp_BT` is the current policy, detached here. Returns the tokens kept
+    (a subset of `mask_BT`) and the fraction of loss tokens dropped."""
+    if not delta >= 0.0:
+        raise ValueError(f"opsm_delta must be >= 0, got {delta}")
+    mask_BT = mask_BT.bool()
+    with torch.no_grad():
+        gap_BT = torch.where(mask_BT, behav_logp_BT - logp_BT.detach(), torch.zeros_like(logp_BT))
+        kl_B = gap_BT.sum(dim=1) / mask_BT.sum(dim=1).clamp(min=1)
+        drop_BT = mask_BT & (adv_BT < 0) & (kl_B[:, None] > delta)
+        dropped = drop_BT.sum() / mask_BT.sum().clamp(min=1)
+    return mask_BT & ~drop_BT, {"opsm_masked_frac": dropped.to(logp_BT.dtype)}
+
+
 def off_policy_correction(
     old_logp_BT: Tensor,
     behav_logp_BT: Tensor | None,

@@ -33,10 +33,18 @@ class AlgorithmConfig(Section):
     weight pi_old / pi_behav; None = off."""
     m2po_tau: Annotated[float, Field(gt=0)] | None = None
     """M2PO: mask the fewest tokens so the second moment of log(pi_old / pi_behav) is <= tau; None = off."""
+    opsm_delta: Annotated[float, Field(ge=0)] | None = None
+    """Off-policy sequence masking (DeepSeek-V3.2; TRL's off_policy_mask_threshold): a sequence
+    whose mean log(pi_behav / pi) over its tokens exceeds this drops its negative-advantage tokens
+    from the loss (TRL's example value: 0.5); None = off."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the reference (initial) model; > 0 loads a reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the penalty."""
+    kl_is_correction: bool = False
+    """Weight each token's KL estimate by pi / pi_old, gradient included (DeepSeek-V3.2's unbiased
+    KL estimate; TRL's use_bias_correction_kl): an unbiased estimate of the KL's gradient when the
+    tokens were sampled from pi_old."""
     ref_sync_every: Annotated[int, Field(ge=1)] | None = None
     """Move the KL reference toward the policy every this many steps (TR-DPO, arXiv 2404.09656;
     TRL's sync_ref_model): ref = ref_mixup_alpha * policy + (1 - ref_mixup_alpha) * ref, after

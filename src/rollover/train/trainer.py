@@ -32,7 +32,7 @@ import torch
 import torch.utils.checkpoint
 
 from rollover.algos import aggregate, kl_penalty, policy_loss, top_entropy_mask
-from rollover.algos.offpolicy import m2po_update_mask
+from rollover.algos.offpolicy import MAX_LOG_RATIO, m2po_update_mask
 from rollover.algos.policy import bapo_update_bounds, old_logprobs_first
 from rollover.config import Config
 from rollover.engine.hf_runner import fast_path
@@ -268,6 +268,8 @@ class Trainer(PolicyForward):
                 loss_BT = out.loss_BT
                 if ref_BT is not None:
                     kl_BT = kl_penalty(logp_BT, ref_BT[sel.cpu()].to(self.device), a.kl_estimator)
+                    if a.kl_is_correction:  # pi / pi_old, with its gradient (0 outside the loss tokens: 1)
+                        kl_BT = kl_BT * (logp_BT - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
                     loss_BT = loss_BT + a.kl_coef * kl_BT
                     kl_sum += float((kl_BT.detach() * m_BT).sum())
                 ent_BT = self._to_BT(entropy, mb, T)
