@@ -119,3 +119,35 @@ def test_turn_advantages_are_the_episode_advantage_less_the_reward_before_the_tu
     assert turn_advantages(0.5, [0.2, 0.0, 1.0], gamma=0.5) == pytest.approx([0.5, 0.55, 1.05])
     assert turn_advantages(-0.3, [0.0, 0.0, 1.0]) == [-0.3] * 3  # a reward at the end only
     assert turn_advantages(1.0, []) == []
+
+
+def test_gdpo_normalises_each_function_in_its_group_then_the_sum_over_the_batch():
+    """By hand with statistics.stdev: group 0 has a function that abstains once; group 1 is a
+    singleton; group 2 is flat in both functions (both get 0, as every estimator gives them)."""
+    import statistics
+
+    from rollover.algos.advantages import gdpo
+
+    nan = float("nan")
+    scores = torch.tensor([[1.0, 0.0], [0.0, 10.0], [1.0, nan], [0.0, 0.0], [1.0, 3.0], [1.0, 3.0]], dtype=torch.float64)
+    weights = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    adv, info = gdpo(scores, weights, torch.tensor([7, 7, 7, 3, 5, 5]))
+
+    def z(values):
+        m, s = statistics.mean(values), statistics.stdev(values)
+        return [(v - m) / (s + 1e-6) for v in values]
+
+    f0, f1 = z([1.0, 0.0, 1.0]), z([0.0, 10.0])
+    x = [f0[0] + 0.5 * f1[0], f0[1] + 0.5 * f1[1], f0[2], 0.0, 0.0, 0.0]
+    m, s = statistics.mean(x), statistics.stdev(x)
+    want = [(v - m) / (s + 1e-6) for v in x[:3]] + [0.0, 0.0, 0.0]
+    assert adv.tolist() == pytest.approx(want, rel=1e-9)
+    assert info == {"num_groups": 3, "singleton_groups": 1, "zero_std_groups": 1}
+    # one function: GRPO's group normalisation, then a batch whitening (a rescaled GRPO)
+    one = torch.tensor([[0.0], [1.0], [1.0], [2.0], [5.0], [2.0]], dtype=torch.float64)
+    gid = torch.tensor([0, 0, 0, 1, 1, 1])
+    grpo_adv, _ = compute_advantages("grpo", one[:, 0], gid)
+    got, _ = gdpo(one, torch.tensor([1.0], dtype=torch.float64), gid)
+    assert got.tolist() == pytest.approx((grpo_adv / grpo_adv.std()).tolist(), rel=1e-5)  # eps apart
+    with pytest.raises(ValueError, match="infinite"):
+        gdpo(torch.tensor([[float("inf")], [1.0]]), torch.tensor([1.0]), torch.tensor([0, 0]))

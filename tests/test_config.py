@@ -171,6 +171,8 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["partial_rollout.enabled=true", "partial_rollout.on_stale=is", "algorithm.loss=ppo"], "decoupled_ppo or algorithm.tis_cap"),
     (["train.pack_length=64", "data.max_prompt_tokens=64"], "must hold the longest sequence"),
     (["algorithm.overlong_buffer=300"], "overlong_buffer"),
+    (["algorithm.advantage=gdpo", "algorithm.overlong_buffer=16"], "gdpo normalises each reward function's scores; algorithm.overlong_buffer=16 adds"),
+    (["algorithm.advantage=gdpo", "env.name=guess_number"], "gdpo normalises each reward function's scores; env.name='guess_number' scores episodes"),
     (["algorithm.ref_sync_every=4"], "ref_sync_every=4 has no reference to move: algorithm.kl_coef=0 loads no reference"),
     (["algorithm.ref_sync_every=4", "algorithm.kl_coef=0.1", "train.lora={r: 8}"],
      "ref_sync_every=4 has no reference to move: with train.lora the reference is the base model"),

@@ -231,3 +231,29 @@ def test_eval_samples_are_written_at_every_evaluation_and_shown(model_dir, tmp_p
     assert out.startswith("evaluation after step 2: 2 held-out prompts, 4 samples,") and "correct" in out
     assert main(["show", str(tmp_path), "--eval", "--step", "1"]) == 1
     assert "no held-out samples of step 1; written: steps 0, 2" in capsys.readouterr().err
+
+
+def test_a_gdpo_run_trains_on_the_advantages_of_its_functions_scores(model_dir, tmp_path):
+    """algorithm.advantage=gdpo: each logged sample's advantage is GDPO recomputed from the logged
+    per-function scores and the config's weights (the wiring: scores, names, weights, groups)."""
+    import math
+
+    import torch
+
+    import rollover.loops.sync as sync
+    from rollover.algos.advantages import gdpo
+
+    run_dir = tmp_path / "gdpo"
+    sync.train_sync(cfg_for(model_dir, run_dir, **{"algorithm.advantage": "gdpo", "rollout.prompts_per_step": 3,
+                                                   "rollout.samples_per_prompt": 4, "algorithm.mask_truncated": False}))
+    moved = 0
+    for step in (1, 2):
+        _, _, rows = read_samples(run_dir, step)
+        names = {"numeric": 1.0, "format": 0.5}
+        scores = torch.tensor([[r["scores"].get(n, math.nan) for n in names] for r in rows], dtype=torch.float32)
+        groups = sorted({r["group"] for r in rows})
+        gid = torch.tensor([groups.index(r["group"]) for r in rows])
+        want, _ = gdpo(scores, torch.tensor(list(names.values())), gid)
+        assert [r["advantage"] for r in rows] == pytest.approx(want.tolist(), abs=1e-5)
+        moved += int((want != 0).sum())
+    assert moved > 0  # some group's scores moved: the check compared non-zero advantages

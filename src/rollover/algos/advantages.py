@@ -151,6 +151,46 @@ def gapo(rewards_B: Tensor, group_ids_B: Tensor, *, coverage: float = 0.5, eps: 
     return _zero_degenerate(dev_B / (scale_G[g.idx_B] + eps), g), g.info
 
 
+def gdpo(scores_BK: Tensor, weights_K: Tensor, group_ids_B: Tensor, *, eps: float = 1e-6) -> tuple[Tensor, dict]:
+    """GDPO (arXiv 2601.05242; TRL's `multi_objective_aggregation="normalize_then_sum"`): with
+    several reward functions, normalise each one within the group before they are added, so a
+    function with a wide range does not drown the others; then normalise the sum over the batch.
+
+    `scores_BK`: each sample's score from each of K functions, NaN where a function abstained.
+    Per function k, `z_k = (s_k - mean_g(s_k)) / (std_g(s_k) + eps)` over the group's samples it
+    scored (unbiased std; 0 where it abstained or its scores in the group are all equal);
+    `x = Σ_k w_k z_k`; `A = (x - mean(x)) / (std(x) + eps)` over the batch.
+
+    As every estimator here, a group that carries no signal (a singleton, or every function flat
+    in it) gets exactly 0; TRL leaves such samples at the batch-normalised value of 0.
+    """
+    if scores_BK.dim() != 2 or weights_K.shape != scores_BK.shape[1:] or group_ids_B.shape != scores_BK.shape[:1]:
+        raise ValueError(f"scores_BK {tuple(scores_BK.shape)}, weights_K {tuple(weights_K.shape)} and group_ids_B "
+                         f"{tuple(group_ids_B.shape)} must be [B, K], [K] and [B]")
+    if bool(torch.isinf(scores_BK).any()):
+        raise ValueError("scores_BK has infinite values (NaN marks an abstention)")
+    x_B = scores_BK.new_zeros(scores_BK.shape[0])
+    flat_B = torch.ones_like(x_B, dtype=torch.bool)  # every function flat (or absent) in the sample's group
+    for k in range(scores_BK.shape[1]):
+        present_B = ~torch.isnan(scores_BK[:, k])
+        if not present_B.any():
+            continue
+        s_B = scores_BK[present_B, k]
+        g = _groups(s_B, group_ids_B[present_B])
+        z_B = _zero_degenerate((s_B - g.mean_G[g.idx_B]) / (g.std_G[g.idx_B] + eps), g)
+        x_B[present_B] += weights_K[k] * z_B
+        flat_B[present_B] &= g.degenerate_B
+    g = _groups(x_B, group_ids_B)
+    moved_G = torch.zeros_like(g.count_G, dtype=torch.bool)
+    moved_G[g.idx_B[~flat_B]] = True  # some function moved within the group
+    degenerate_B = ~moved_G[g.idx_B]
+    info = {**g.info, "zero_std_groups": int((~moved_G & (g.count_G > 1)).sum())}
+    if x_B.numel() < 2:
+        return torch.zeros_like(x_B), info
+    adv_B = (x_B - x_B.mean()) / (x_B.std(unbiased=True) + eps)
+    return torch.where(degenerate_B, torch.zeros_like(adv_B), adv_B), info
+
+
 ADVANTAGES: dict[str, AdvantageFn] = {
     "grpo": grpo,
     "grpo_batch_std": grpo_batch_std,

@@ -10,8 +10,10 @@ from rollover.config.base import Section
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo", "grpo_batch_std", "drgrpo", "rloo", "reinforce_pp_baseline", "gapo"] = "grpo"
-    """Advantage estimator over each prompt's group."""
+    advantage: Literal["grpo", "grpo_batch_std", "drgrpo", "rloo", "reinforce_pp_baseline", "gapo", "gdpo"] = "grpo"
+    """Advantage estimator over each prompt's group. gdpo (several reward functions): each
+    function's scores normalised within the group, then their weighted sum over the batch (TRL's
+    multi_objective_aggregation=normalize_then_sum)."""
     loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo", "sapo"] | None = None
     """Policy loss; unset: ppo in sync mode, decoupled_ppo in async mode or with APRIL
     (partial_rollout.enabled). ppo with

@@ -113,7 +113,7 @@ class Config(Section):
         problems = []
         if a.dynamic_sampling and r.samples_per_prompt < 2:
             problems.append("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2 (a group of 1 has no variance)")
-        if a.advantage in ("grpo", "grpo_batch_std", "drgrpo", "rloo", "gapo") and r.samples_per_prompt < 2:
+        if a.advantage in ("grpo", "grpo_batch_std", "drgrpo", "rloo", "gapo", "gdpo") and r.samples_per_prompt < 2:
             problems.append(f"algorithm.advantage={a.advantage} compares samples of a group: rollout.samples_per_prompt must be >= 2")
         if a.loss in ("gspo", "gspo_token") and a.aggregation != "seq-mean-token-mean":
             problems.append("algorithm.loss=gspo is defined with aggregation=seq-mean-token-mean; set it explicitly")
@@ -191,6 +191,11 @@ class Config(Section):
             if s.dars_max_samples is not None and s.dars_max_samples <= self.rollout.samples_per_prompt:
                 problems.append(f"selection.dars_max_samples={s.dars_max_samples} must be above "
                                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
+        if a.advantage == "gdpo" and (self.env.name is not None or a.overlong_buffer):
+            what = f"env.name={self.env.name!r} scores episodes" if self.env.name is not None else \
+                f"algorithm.overlong_buffer={a.overlong_buffer} adds to their total"
+            problems.append(f"algorithm.advantage=gdpo normalises each reward function's scores; {what}, not the "
+                            "reward functions (for a length penalty, give it as a reward function)")
         if a.ref_sync_every is not None and (a.kl_coef <= 0 or self.train.lora is not None):
             why = "algorithm.kl_coef=0 loads no reference" if a.kl_coef <= 0 else \
                 "with train.lora the reference is the base model under the adapter, which a sync would move"

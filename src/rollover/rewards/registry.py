@@ -47,11 +47,16 @@ class RewardSpec:
     name: str | None = None  # how it is reported; default: the built-in or function name
     isolate: bool | None = None  # run in a killable worker process; None: the function decides
 
+    @property
+    def label(self) -> str:
+        """How the reward is reported (its `name`, else the built-in or function name)."""
+        return self.name or self.fn.rpartition(":")[2]
+
     def build(self, *, here: bool = True) -> Reward:
         """`here`: this process calls the reward (false: Ray reward workers do, and only they
         load what it needs)."""
         fn = resolve_reward_fn(self.fn)
-        name = self.name or self.fn.rpartition(":")[2]
+        name = self.label
         isolated = self.isolate if self.isolate is not None else bool(getattr(fn, "isolate", False))
         kwargs = prepare(fn, self.kwargs, f"reward {name!r} ({self.fn})", load=here and not isolated)
         if kwargs:
@@ -178,16 +183,21 @@ def prepare(fn: Callable, kwargs: dict, what: str, *, load: bool = True) -> dict
         raise ValueError(f"{what}: {e}") from None
 
 
+def _spec(spec: RewardSpec | dict | str) -> RewardSpec:
+    if isinstance(spec, str):
+        return RewardSpec(spec)
+    return RewardSpec(**spec) if isinstance(spec, dict) else spec
+
+
+def reward_weights(specs: list[RewardSpec | dict | str]) -> dict[str, float]:
+    """Each configured reward's name and weight, without loading any function."""
+    return {s.label: s.weight for s in map(_spec, specs)}
+
+
 def build_rewards(specs: list[RewardSpec | dict | str], *, here: bool = True) -> list[Reward]:
     """Rewards from config entries: a spec, a dict of RewardSpec fields, or a bare name.
     `here`: see `RewardSpec.build`."""
-    rewards = []
-    for spec in specs:
-        if isinstance(spec, str):
-            spec = RewardSpec(spec)
-        elif isinstance(spec, dict):
-            spec = RewardSpec(**spec)
-        rewards.append(spec.build(here=here))
+    rewards = [_spec(spec).build(here=here) for spec in specs]
     slashed = sorted(r.name for r in rewards if "/" in r.name)
     if slashed:  # rewards/<name>/<key>/mean names a reward's extra numbers
         raise ValueError(f"reward names may not contain '/': {slashed}")

@@ -6,14 +6,17 @@ messages (`Completion`, `Group`, `Rollout`) and return typed messages.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from rollover.algos import compute_advantages, overlong_penalty
+from rollover.algos.advantages import gdpo
 from rollover.config import Config
 from rollover.rewards import BatchRewards, RewardRunner
+from rollover.rewards.registry import reward_weights
 from rollover.types import Completion, Group, Prompt, Request, Rollout, SamplingParams
 
 
@@ -191,8 +194,12 @@ def group_advantages(groups: list[Group], cfg: Config) -> tuple[torch.Tensor, di
     flat = [r for g in groups for r in g.rollouts]
     if not flat:
         return torch.zeros(0), {}
-    rewards = torch.tensor([r.reward for r in flat], dtype=torch.float32)
     gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts], dtype=torch.long)
+    if cfg.algorithm.advantage == "gdpo":  # each function's scores, not their total
+        weights = reward_weights(cfg.reward.functions)
+        scores = torch.tensor([[r.scores.get(name, math.nan) for name in weights] for r in flat], dtype=torch.float32)
+        return gdpo(scores, torch.tensor(list(weights.values()), dtype=torch.float32), gid)
+    rewards = torch.tensor([r.reward for r in flat], dtype=torch.float32)
     return compute_advantages(cfg.algorithm.advantage, rewards, gid)
 
 
