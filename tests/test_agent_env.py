@@ -326,6 +326,25 @@ def test_a_tool_using_agent_replays_into_a_fresh_one_and_earlier_tool_calls_rend
     assert "<tool_call>" in renderer._text(opening, add_generation_prompt=True)
 
 
+@pytest.mark.parametrize("fmt, reply", [
+    ("mistral", '[{"name": "add", "arguments": {"a": 2, "b": 3}}]'),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 2, "b": 3}}'),
+])
+def test_tool_calls_in_llama3_and_mistral_formats(agents, fmt, reply):
+    """env.options.tool_format: the tools are described in the format's words, the model's calls
+    are read in it, and an assistant message the agent supplies is written as the model writes it."""
+    env = AgentBuilder(f"{agents}:uses_tools", tool_format=fmt).make_one(Prompt(id="t", text="x"), 1, 0)
+    opening = asyncio.run(env.initial_observation())
+    assert "<tool_call>" not in opening[0]["content"] and '"name": "add"' in opening[0]["content"]
+    result = asyncio.run(env.step(act(reply)))
+    assert [(m["role"], m["content"], m["name"]) for m in result.messages] == [("tool", "5", "add")]
+    worked = AgentBuilder(f"{agents}:worked_example", tool_format=fmt).make_one(Prompt(id="w", text="x"), 1, 0)
+    assistant = asyncio.run(worked.initial_observation())[2]["content"]
+    assert "<tool_call>" not in assistant and env.format.parse(assistant.removeprefix("Adding.\n")).calls[0].name == "add"
+    with pytest.raises(ValueError, match="env.options.tool_format must be one of hermes, llama3_json, mistral"):
+        AgentBuilder(f"{agents}:uses_tools", tool_format="xml")
+
+
 def test_a_call_retried_while_it_waits_gets_the_same_reply(agents):
     env = AgentBuilder(f"{agents}:retries").make_one(Prompt(id="r", text="x"), 1, 0)
     asyncio.run(env.initial_observation())

@@ -144,6 +144,57 @@ def test_parse_tool_calls_on_hand_written_replies():
     ]
 
 
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_each_tool_format_reads_back_the_calls_it_writes(name):
+    from rollover.envs.tool_formats import tool_format
+
+    fmt = tool_format(name)
+    written = fmt.write([("calculator", '{"expression": "17 * 23"}'), ("python", "{}")])
+    parsed = fmt.parse(written)
+    assert parsed.calls == [ToolCall("calculator", {"expression": "17 * 23"}), ToolCall("python", {})]
+    assert parsed.problems == [] and parsed.content == ""
+    assert fmt.parse("The answer is \\boxed{391}.").calls == []  # a final answer is no call
+    assert '"name": "calculator"' in fmt.instructions([CALCULATOR.schema()])
+    with pytest.raises(ValueError, match="unknown tool_format 'xml'; known: hermes, llama3_json, mistral"):
+        tool_format("xml")
+
+
+def test_llama3_and_mistral_calls_as_their_models_write_them():
+    """Llama 3.1's reply is the call ({"name", "parameters"}; <|python_tag|> when decoding kept
+    it; several joined by ;). Mistral's calls follow [TOOL_CALLS], a special token the decoded
+    turn may have lost."""
+    from rollover.envs.tool_formats import tool_format
+
+    llama, mistral = tool_format("llama3_json"), tool_format("mistral")
+    got = llama.parse('<|python_tag|>{"name": "calculator", "parameters": {"expression": "2+2"}}; '
+                      '{"name": "python", "arguments": "{\\"code\\": \\"1\\"}"}')
+    assert got.calls == [ToolCall("calculator", {"expression": "2+2"}), ToolCall("python", {"code": "1"})]
+    assert got.problems == []
+    assert llama.parse('I think {"name": "x"} is it.').calls == []  # not at the start: text
+    bad = llama.parse('{"name": "calculator", "parameters": {"expression": "1"}} and then')
+    assert bad.problems == ["tool call: unexpected text after the call: 'and then'"]
+    assert llama.parse('{"name": "calculator", "parameters": [1]}').problems == ["tool call 1: arguments must be an object"]
+    assert llama.parse('{"name": "calculator", "parameters": {').problems[0].startswith("tool call: not valid JSON")
+    got = mistral.parse('Let me see.[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "3*3"}}]')
+    assert got.calls == [ToolCall("calculator", {"expression": "3*3"})] and got.content == "Let me see."
+    got = mistral.parse('[{"name": "calculator", "arguments": {"expression": "3*3"}}, {"name": "python"}]')
+    assert got.calls == [ToolCall("calculator", {"expression": "3*3"}), ToolCall("python", {})]
+    assert mistral.parse("[1, 2] are the roots").calls == []
+    assert mistral.parse('[TOOL_CALLS]{"name": 3}').problems == ['tool call 1: expected {"name": ..., "arguments": {...}}']
+
+
+def test_tool_env_in_llama3_format():
+    spec = ToolUse(tools=(CALCULATOR,), tool_format="llama3_json")
+    env = spec.make_group(Prompt(id="t", text="What is 17 * 23?", answer="391"), 1)[0]
+    opening = asyncio.run(env.initial_observation())
+    assert '"parameters": {...}' in opening[0]["content"] and "<tool_call>" not in opening[0]["content"]
+    results = play(env, ['{"name": "calculator", "parameters": {"expression": "17 * 23"}}', "It is \\boxed{391}."])
+    assert results[0].messages == [{"role": "tool", "name": "calculator", "content": "391"}]
+    assert results[1].done and results[1].reward == 1.0
+    with pytest.raises(ValueError, match="unknown tool_format"):
+        ToolUse(tool_format="json")
+
+
 def fake_python(code: str) -> str:
     if "boom" in code:
         raise RuntimeError("the sandbox itself failed")

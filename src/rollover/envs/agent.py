@@ -30,11 +30,12 @@ calls at once, and arguments rollover cannot honour (`n`, `stream`, `stop`, `log
 `response_format`, a `tools=` other than the first call's).
 
 Tools (`tools=`, OpenAI's function schemas): the opening describes them to the model, by default
-in a system message in Hermes' format (`<tools>` JSON, calls written as `<tool_call>{"name", "arguments"}</tool_call>`,
-as `rollover.envs.tools.ToolUse` does, so any chat template carries it; with `tools_in:
-template`, through the chat template's own tools rendering, an `Opening`); a reply's well-formed
-`<tool_call>` blocks come back as `tool_calls` (finish_reason "tool_calls") with the text around
-them as the content; the agent's `tool` messages are inserted as the chat template renders them. Sampling settings (temperature, max_tokens, ...) are ignored:
+in a system message in the words of `tool_format` (`rollover.envs.tool_formats`; Hermes' by
+default: `<tools>` JSON, calls written as `<tool_call>{"name", "arguments"}</tool_call>`, as
+`rollover.envs.tools.ToolUse` does, so any chat template carries it; with `tools_in: template`,
+through the chat template's own tools rendering, an `Opening`); a reply's well-formed calls in
+that format come back as `tool_calls` (finish_reason "tool_calls") with the text around them as
+the content; the agent's `tool` messages are inserted as the chat template renders them. Sampling settings (temperature, max_tokens, ...) are ignored:
 the run samples with `rollout.*` so that the behaviour logprobs are the ones trained on.
 Anything the agent raises (even SystemExit or a CancelledError of its own) fails its episode
 only. An episode that ends (done, failed, timed out, or cut by `env.max_turns` /
@@ -56,6 +57,7 @@ import weakref
 import logging
 from dataclasses import dataclass, field
 
+from rollover.envs import tool_formats
 from rollover.envs.base import Action, Opening, StepResult
 from rollover.envs.chat_api import (ChatCompletion, Choice, Usage, as_message, continuation, refused_arguments,
                                     rendered, reply_message, with_tools)
@@ -243,8 +245,9 @@ def _close(loop: asyncio.AbstractEventLoop, channel: _Channel, token: str) -> No
 class AgentEnv:
     """One episode: the agent `fn(client, prompt, **options)` as an `Env` (module docstring)."""
 
-    def __init__(self, fn, prompt: Prompt, options: dict, tools_in: str = "system"):
+    def __init__(self, fn, prompt: Prompt, options: dict, tools_in: str = "system", tool_format: str = "hermes"):
         self.fn, self.prompt, self.options, self.tools_in = fn, prompt, options, tools_in
+        self.format = tool_formats.tool_format(tool_format)
         self.channel = _Channel()
         self.token = secrets.token_hex(12)  # the episode's endpoint path
         self._end = None  # closes the episode's agent and endpoint (a finalizer: also when the env is let go)
@@ -274,8 +277,8 @@ class AgentEnv:
         if kind == "call":
             ch.sent = value
             if self.tools_in == "template" and ch.tools:  # the chat template describes them, in its own words
-                return Opening(rendered(value), {"tools": ch.tools})
-            return with_tools(rendered(value), ch.tools)
+                return Opening(rendered(value, self.format), {"tools": ch.tools})
+            return with_tools(rendered(value, self.format), ch.tools, self.format)
         self._end()
         if kind == "error":
             raise value
@@ -292,7 +295,7 @@ class AgentEnv:
     async def step(self, action: Action) -> StepResult:
         loop, ch = self.loop, self.channel
         nxt = ch.expect()  # before the reply: the agent's next event lands here
-        message, calls = reply_message(action.text, ch.tools, ch.calls)
+        message, calls = reply_message(action.text, ch.tools, ch.calls, self.format)
         finish = "length" if action.finish == "length" else "tool_calls" if calls else "stop"
         completion = ChatCompletion(
             id=f"rollover-{next(_IDS)}", choices=[Choice(0, message, finish)],
@@ -311,7 +314,7 @@ class AgentEnv:
             self._end()
             raise
         ch.sent = value
-        return StepResult(messages=rendered(new), reward=0.0, done=False)
+        return StepResult(messages=rendered(new, self.format), reward=0.0, done=False)
 
 
 def _final(value) -> StepResult:
@@ -330,16 +333,21 @@ def _final(value) -> StepResult:
 class AgentBuilder:
     """`env.name: agent`: `env.options.fn` names the agent (`module:function` or
     `path/to/file.py:function`, an `async def`); `env.options.tools_in` says where an agent's
-    `tools=` are described to the model: "system" (default: a system message in Hermes' format,
-    for any chat template) or "template" (the chat template's own `tools` rendering, for models
-    trained on it whose calls are `<tool_call>` JSON: Qwen2.5 / Qwen3, Hermes); the other options
-    are passed to the agent."""
+    `tools=` are described to the model: "system" (default: a system message, for any chat
+    template) or "template" (the chat template's own `tools` rendering, for models trained on
+    it); `env.options.tool_format` how calls are described and read: "hermes" (default; Qwen2.5 /
+    Qwen3, Hermes), "llama3_json" (Llama 3.1-3.3) or "mistral"; the other options are passed to
+    the agent."""
 
-    def __init__(self, fn: str, tools_in: str = "system", **options):
+    def __init__(self, fn: str, tools_in: str = "system", tool_format: str = "hermes", **options):
         from rollover.rewards.registry import _absolute, load_reference
 
         if tools_in not in ("system", "template"):
             raise ValueError(f"env.options.tools_in must be 'system' or 'template', got {tools_in!r}")
+        if tool_format not in tool_formats.FORMATS:
+            raise ValueError(f"env.options.tool_format must be one of {', '.join(tool_formats.FORMATS)}, "
+                             f"got {tool_format!r}")
+        self.tool_format = tool_format
         if not isinstance(fn, str):
             raise ValueError("env.options.fn: the agent as 'module:function' or 'path/to/file.py:function'")
         self.ref, self.tools_in, self.options = _absolute(fn), tools_in, options
@@ -355,7 +363,7 @@ class AgentBuilder:
     def worker_options(self) -> dict:
         """`env.options` for the same builder in another process (a Ray environment worker, whose
         working directory may differ): the agent's file by its absolute path."""
-        return {"fn": self.ref, "tools_in": self.tools_in, **self.options}
+        return {"fn": self.ref, "tools_in": self.tools_in, "tool_format": self.tool_format, **self.options}
 
     def agent(self):
         """The agent function, as loaded."""
@@ -365,4 +373,4 @@ class AgentBuilder:
         return [self.make_one(prompt, n, j) for j in range(n)]
 
     def make_one(self, prompt: Prompt, n: int, j: int) -> AgentEnv:
-        return AgentEnv(self.fn, prompt, dict(self.options), self.tools_in)
+        return AgentEnv(self.fn, prompt, dict(self.options), self.tools_in, self.tool_format)

@@ -2,12 +2,16 @@
 response objects an agent reads (the fields agents use, `model_dump` and `to_dict` as the SDK
 has them), the arguments rollover refuses, messages in the form calls are compared in and the
 form the chat template gets, tools described to the model and tool calls read back from its
-text (Hermes' `<tool_call>` format), and the check that a call continues the conversation."""
+text (in a `rollover.envs.tool_formats` format, Hermes' by default), and the check that a call continues the conversation."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+
+from rollover.envs.tool_formats import FORMATS, ToolFormat
+
+HERMES = FORMATS["hermes"]
 
 # create() arguments rollover cannot honour, with the values that ask for nothing
 ALLOWED = {"functions": (None, []), "tool_choice": (None, "none", "auto"), "n": (None, 1),
@@ -116,14 +120,13 @@ def as_message(m, where: str) -> dict:
     return out
 
 
-def rendered(messages: list[dict]) -> list[dict]:
+def rendered(messages: list[dict], fmt: ToolFormat = HERMES) -> list[dict]:
     """Messages for the chat template: an assistant message's tool calls written into its text
-    as the model writes them (`<tool_call>` blocks, the format the tools' description asks for)."""
+    as the model writes them (in `fmt`, the format the tools' description asks for)."""
     out = []
     for m in messages:
         if "tool_calls" in m:
-            blocks = "\n".join(f'<tool_call>{{"name": {json.dumps(name)}, "arguments": {args}}}</tool_call>'
-                               for name, args in m["tool_calls"])
+            blocks = fmt.write(m["tool_calls"])
             m = {k: v for k, v in m.items() if k != "tool_calls"}
             m["content"] = f"{m['content']}\n{blocks}" if m["content"] else blocks
         out.append(m)
@@ -137,38 +140,28 @@ def call_key(call) -> tuple[str, str]:
     return name, json.dumps(json.loads(args) if isinstance(args, str) else args, sort_keys=True)
 
 
-def tools_prompt(tools: list) -> str:
-    """The tools, described for the model in a system message (Hermes' format, as
-    `rollover.envs.tools.ToolUse` writes it: any chat template carries it)."""
-    schemas = "\n".join(json.dumps(t.get("function", t) if isinstance(t, dict) else t) for t in tools)
-    return ("You can call tools. They are described here as JSON:\n"
-            f"<tools>\n{schemas}\n</tools>\n"
-            'To call a tool, write <tool_call>{"name": "<tool name>", "arguments": {...}}</tool_call> and stop; '
-            "the result comes back in the next message.")
-
-
-def with_tools(messages: list[dict], tools: list | None) -> list[dict]:
-    """The opening as the model sees it: the tools' description first in the system message."""
+def with_tools(messages: list[dict], tools: list | None, fmt: ToolFormat = HERMES) -> list[dict]:
+    """The opening as the model sees it: the tools' description (in `fmt`'s words, as
+    `rollover.envs.tools.ToolUse` writes it: any chat template carries it) first in the system
+    message."""
     if not tools:
         return messages
-    head = tools_prompt(tools)
+    head = fmt.instructions(tools)
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": f"{head}\n\n{messages[0]['content']}"}, *messages[1:]]
     return [{"role": "system", "content": head}, *messages]
 
 
-def reply_message(text: str, tools: list | None, turn: int = 1) -> tuple[ChatMessage, bool]:
-    """The policy's turn as the agent receives it: with tools, its well-formed `<tool_call>` blocks
-    as `tool_calls` (ids by turn and place: the same in a replay) and the text around them as the
-    content; (message, whether it calls tools)."""
-    from rollover.envs.tools import _TOOL_CALL, parse_tool_calls
-
+def reply_message(text: str, tools: list | None, turn: int = 1, fmt: ToolFormat = HERMES) -> tuple[ChatMessage, bool]:
+    """The policy's turn as the agent receives it: with tools, its calls (read in `fmt`, all
+    well-formed) as `tool_calls` (ids by turn and place: the same in a replay) and the text
+    around them as the content; (message, whether it calls tools)."""
     if tools:
-        calls, problems = parse_tool_calls(text)
-        if calls and not problems:
-            content = _TOOL_CALL.sub("", text).strip() or None
+        parsed = fmt.parse(text)
+        if parsed.calls and not parsed.problems:
+            content = parsed.content or None
             objects = [ToolCallObject(f"call{turn}x{i}", Function(c.name, json.dumps(c.arguments)))
-                       for i, c in enumerate(calls)]
+                       for i, c in enumerate(parsed.calls)]
             return ChatMessage("assistant", content, objects), True
     return ChatMessage("assistant", text), False
 

@@ -13,6 +13,9 @@ and the model calls them inside its reply, one JSON object (or a list of them) p
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>
 
+`tool_format` picks another format models are trained on (Llama 3's JSON reply, Mistral's
+`[TOOL_CALLS]` list; `rollover.envs.tool_formats`).
+
 Each result comes back as a message with role `tool` (and the tool's `name`). In ChatML the role
 is written out (`<|im_start|>tool\\n391<|im_end|>`), so the model can tell a result from the
 user, and templates with tool support (Qwen2.5, Llama 3.1) render `tool` messages in their own
@@ -33,15 +36,14 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import json
 import math
 import operator
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 from rollover.data.render import render_messages
 from rollover.envs.base import Action, StepResult
+from rollover.envs.tool_formats import Hermes, ToolCall, tool_format
 from rollover.rewards.builtins import numeric_reward
 from rollover.types import Prompt
 
@@ -147,55 +149,12 @@ PYTHON = Tool(
 
 # --- parsing tool calls -------------------------------------------------------------------------
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict
-
-
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
-    """The calls in a reply, and what was wrong with the blocks that are not calls.
-
-    A block is `<tool_call>JSON</tool_call>`, the JSON one call or a list of calls; a call is
-    `{"name": str, "arguments": object}`, where `arguments` may also be a JSON string of an
-    object (OpenAI's form) or absent (no arguments). A `<tool_call>` without its closing tag
-    is a problem, not ignored text.
-    """
-    calls: list[ToolCall] = []
-    problems: list[str] = []
-    blocks = _TOOL_CALL.findall(text)
-    for i, block in enumerate(blocks, 1):
-        try:
-            payload = json.loads(block)
-        except json.JSONDecodeError as e:
-            problems.append(f"tool call {i} is not valid JSON ({e.msg})")
-            continue
-        for item in payload if isinstance(payload, list) else [payload]:
-            call = _as_call(item)
-            if isinstance(call, str):
-                problems.append(f"tool call {i}: {call}")
-            else:
-                calls.append(call)
-    if text.count("<tool_call>") > len(blocks):
-        problems.append("a <tool_call> is not closed with </tool_call>")
-    return calls, problems
-
-
-def _as_call(item) -> ToolCall | str:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        return 'expected {"name": ..., "arguments": {...}}'
-    arguments = item.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return "arguments are a string that is not JSON"
-    if not isinstance(arguments, dict):
-        return "arguments must be an object"
-    return ToolCall(item["name"], arguments)
+    """The Hermes-format calls in a reply, and what was wrong with the blocks that are not calls
+    (`rollover.envs.tool_formats.Hermes`: a block is `<tool_call>JSON</tool_call>`, the JSON one
+    call or a list of calls; a `<tool_call>` without its closing tag is a problem)."""
+    parsed = Hermes().parse(text)
+    return parsed.calls, parsed.problems
 
 
 # --- the environment ----------------------------------------------------------------------------
@@ -209,8 +168,10 @@ class ToolUse:
     max_tool_calls: int = 4
     result_role: str = "tool"  # or "user" (results wrapped in <tool_response> tags)
     score: Callable[[str, object], float] = field(default=numeric_reward)  # (final reply, answer)
+    tool_format: str = "hermes"  # how calls are written: hermes, llama3_json, mistral (rollover.envs.tool_formats)
 
     def __post_init__(self):
+        tool_format(self.tool_format)  # a name it knows
         if self.max_tool_calls < 1:
             raise ValueError(f"ToolUse: max_tool_calls must be >= 1, got {self.max_tool_calls}")
         if self.result_role not in ("tool", "user"):
@@ -220,15 +181,9 @@ class ToolUse:
             raise ValueError(f"ToolUse: tools must be non-empty with distinct names, got {names}")
 
     def system_prompt(self) -> str:
-        tools = "\n".join(json.dumps(t.schema()) for t in self.tools)
-        return (
-            "You can call tools. They are described here as JSON:\n"
-            f"<tools>\n{tools}\n</tools>\n"
-            'To call a tool, write <tool_call>{"name": "<tool name>", "arguments": {...}}</tool_call> '
-            "and stop; the result comes back in the next message. You may call tools at most "
-            f"{self.max_tool_calls} times. When you know the answer, reply without a tool call and put "
-            "the final answer in \\boxed{}."
-        )
+        return (tool_format(self.tool_format).instructions([t.schema() for t in self.tools])
+                + f" You may call tools at most {self.max_tool_calls} times. When you know the answer, reply "
+                "without a tool call and put the final answer in \\boxed{}.")
 
     def make_group(self, prompt: Prompt, n: int) -> list["ToolEnv"]:
         return [self.make_one(prompt, n, j) for j in range(n)]
@@ -246,7 +201,8 @@ class ToolEnv:
         return render_messages(self.prompt, system_prompt=self.spec.system_prompt())
 
     async def step(self, action: Action) -> StepResult:
-        calls, problems = parse_tool_calls(action.text)
+        parsed = tool_format(self.spec.tool_format).parse(action.text)
+        calls, problems = parsed.calls, parsed.problems
         if not calls and not problems:
             reward = float(self.spec.score(action.text, self.prompt.answer))
             return StepResult([], reward, done=True, info=self._info(solved=reward))

@@ -1,0 +1,183 @@
+"""How a model writes its tool calls, and how the tools are described to it.
+
+A model calls tools in the format it was trained on. `ToolFormat` reads calls out of a reply,
+writes calls back as the model would (an assistant message of an agent's conversation), and
+describes the tools in a system message for templates that do not describe them themselves.
+
+- `hermes` (Qwen2.5 / Qwen3, Hermes, SmolLM2's function-calling data): the tools as JSON inside
+  `<tools>...</tools>`; each call a `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  block (one call or a list per block), anywhere in the reply.
+- `llama3_json` (Llama 3.1 to 3.3's JSON tool calling; vLLM's `llama3_json` parser): the reply
+  *is* the call, a JSON object `{"name": ..., "parameters": {...}}` (`arguments` is read too),
+  several separated by `;`. A reply is read as calls when it starts with `{"name"`; any other
+  reply is the final answer.
+- `mistral` (Mistral's `[TOOL_CALLS]`): a JSON list of `{"name": ..., "arguments": {...}}` after
+  the `[TOOL_CALLS]` marker. The marker is a special token, which the decoded turn leaves out
+  (`rollover.envs.base.Action.text`), so a reply that starts with `[{"name"` is read as calls
+  too. The text before the marker is the message's content.
+
+What is not read: Mistral's newer `[TOOL_CALLS]name[ARGS]{...}` form (its markers are special
+tokens too, and without them the name and arguments run together), and Llama's built-in tools
+(`<|python_tag|>` code for its code interpreter).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+@dataclass(frozen=True)
+class Parsed:
+    calls: list[ToolCall]
+    problems: list[str]  # what was wrong with what was meant as a call (the model's mistakes)
+    content: str  # the reply without its calls
+
+
+def as_call(item) -> ToolCall | str:
+    """A call from its JSON (`arguments`, or Llama's `parameters`, an object or a JSON string of
+    one, or absent), or what is wrong with it."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return 'expected {"name": ..., "arguments": {...}}'
+    arguments = item.get("arguments", item.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return "arguments are a string that is not JSON"
+    if not isinstance(arguments, dict):
+        return "arguments must be an object"
+    return ToolCall(item["name"], arguments)
+
+
+def _calls_of(payload, where: str, calls: list[ToolCall], problems: list[str]) -> None:
+    for item in payload if isinstance(payload, list) else [payload]:
+        call = as_call(item)
+        if isinstance(call, str):
+            problems.append(f"{where}: {call}")
+        else:
+            calls.append(call)
+
+
+def _schemas(tools: list) -> str:
+    """One JSON line per tool: OpenAI's `{"type": "function", "function": {...}}` or the function itself."""
+    return "\n".join(json.dumps(t.get("function", t) if isinstance(t, dict) else t) for t in tools)
+
+
+class Hermes:
+    name = "hermes"
+    BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def parse(self, text: str) -> Parsed:
+        calls: list[ToolCall] = []
+        problems: list[str] = []
+        blocks = self.BLOCK.findall(text)
+        for i, block in enumerate(blocks, 1):
+            try:
+                payload = json.loads(block)
+            except json.JSONDecodeError as e:
+                problems.append(f"tool call {i} is not valid JSON ({e.msg})")
+                continue
+            _calls_of(payload, f"tool call {i}", calls, problems)
+        if text.count("<tool_call>") > len(blocks):
+            problems.append("a <tool_call> is not closed with </tool_call>")
+        return Parsed(calls, problems, self.BLOCK.sub("", text).strip())
+
+    def write(self, calls: list[tuple[str, str]]) -> str:
+        return "\n".join(f'<tool_call>{{"name": {json.dumps(n)}, "arguments": {args}}}</tool_call>' for n, args in calls)
+
+    def instructions(self, tools: list) -> str:
+        return ("You can call tools. They are described here as JSON:\n"
+                f"<tools>\n{_schemas(tools)}\n</tools>\n"
+                'To call a tool, write <tool_call>{"name": "<tool name>", "arguments": {...}}</tool_call> and stop; '
+                "the result comes back in the next message.")
+
+
+def _json_sequence(text: str, sep: str) -> tuple[list, str | None]:
+    """The JSON values at the start of `text`, separated by `sep`, and what is wrong after them."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            return values, f"not valid JSON at character {e.pos} ({e.msg})"
+        values.append(value)
+        rest = text[i:].lstrip()
+        if not rest:
+            return values, None
+        if not rest.startswith(sep):
+            return values, f"unexpected text after the call: {rest[:40]!r}"
+        i = len(text) - len(rest) + len(sep)
+        while i < len(text) and text[i].isspace():
+            i += 1
+
+
+def _read(body: str, sep: str, content: str) -> Parsed:
+    """The calls of a reply whose calls are JSON values (calls or lists of calls) joined by `sep`."""
+    values, wrong = _json_sequence(body, sep)
+    calls: list[ToolCall] = []
+    problems = [f"tool call: {wrong}"] if wrong else []
+    for i, value in enumerate(values, 1):
+        _calls_of(value, f"tool call {i}", calls, problems)
+    return Parsed(calls, problems, content)
+
+
+class Llama3Json:
+    name = "llama3_json"
+    START = re.compile(r'^\s*(<\|python_tag\|>)?\s*\{\s*"name"')
+
+    def parse(self, text: str) -> Parsed:
+        if not self.START.match(text):
+            return Parsed([], [], text.strip())
+        body = text.strip().removeprefix("<|python_tag|>").lstrip()
+        return _read(body, ";", "")
+
+    def write(self, calls: list[tuple[str, str]]) -> str:
+        return "; ".join(f'{{"name": {json.dumps(n)}, "parameters": {args}}}' for n, args in calls)
+
+    def instructions(self, tools: list) -> str:
+        return ("You can call functions. They are described here as JSON:\n"
+                f"{_schemas(tools)}\n"
+                'To call one, reply with only a JSON object {"name": "<function name>", "parameters": {...}} '
+                "(several calls separated by ;) and stop; the result comes back in the next message.")
+
+
+class Mistral:
+    name = "mistral"
+    MARK = "[TOOL_CALLS]"
+    START = re.compile(r'^\s*\[\s*\{\s*"name"')
+
+    def parse(self, text: str) -> Parsed:
+        if self.MARK in text:
+            content, _, body = text.partition(self.MARK)
+        elif self.START.match(text):  # the marker was a special token, left out of the decoded turn
+            content, body = "", text
+        else:
+            return Parsed([], [], text.strip())
+        return _read(body.strip(), self.MARK, content.strip())
+
+    def write(self, calls: list[tuple[str, str]]) -> str:
+        return self.MARK + "[" + ", ".join(f'{{"name": {json.dumps(n)}, "arguments": {args}}}' for n, args in calls) + "]"
+
+    def instructions(self, tools: list) -> str:
+        return ("You can call tools. They are described here as JSON:\n"
+                f"{_schemas(tools)}\n"
+                f'To call tools, write {self.MARK} and then a JSON list [{{"name": "<tool name>", "arguments": {{...}}}}] '
+                "and stop; the results come back in the next messages.")
+
+
+ToolFormat = Hermes | Llama3Json | Mistral
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral())}
+
+
+def tool_format(name: str) -> ToolFormat:
+    if name not in FORMATS:
+        raise ValueError(f"unknown tool_format {name!r}; known: {', '.join(FORMATS)}")
+    return FORMATS[name]
