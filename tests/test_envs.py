@@ -195,6 +195,68 @@ def test_tool_env_in_llama3_format():
         ToolUse(tool_format="json")
 
 
+USER_TOOLS = """
+import asyncio
+
+
+def lookup(city: str) -> dict:
+    \"\"\"Find a city's population.
+
+    Args:
+        city: The city's name.
+    \"\"\"
+    if city not in ("Paris", "Lyon"):
+        raise ValueError(f"no city {city}")
+    return {"city": city, "population": 2100000 if city == "Paris" else 520000}
+
+
+async def add(a: int, b: int) -> int:
+    \"\"\"Add two numbers.
+
+    Args:
+        a: The first.
+        b: The second.
+    \"\"\"
+    await asyncio.sleep(0)
+    return a + b
+
+
+def untyped(x):
+    \"\"\"No types.
+
+    Args:
+        x: Something.
+    \"\"\"
+"""
+
+
+def test_tools_from_your_own_functions(tmp_path, monkeypatch):
+    """env.options.tools names functions (TRL's tools=[fn]): their docstrings and type hints describe
+    them, what they return is the result (a dict as JSON), what they raise is shown as an error."""
+    import json
+
+    from rollover.envs.builders import make_env_builder
+
+    (tmp_path / "my_tools.py").write_text(USER_TOOLS)
+    monkeypatch.chdir(tmp_path)
+    builder = make_env_builder("tools", {"tools": ["calculator", "my_tools.py:lookup", "my_tools.py:add"],
+                                         "max_tool_calls": 5})
+    assert builder.worker_options() == {"tools": ["calculator", f"{tmp_path / 'my_tools.py'}:lookup",
+                                                  f"{tmp_path / 'my_tools.py'}:add"], "max_tool_calls": 5}
+    env = builder.make_one(Prompt(id="t", text="How many live in Paris?", answer="2100000"), 1, 0)
+    system = asyncio.run(env.initial_observation())[0]["content"]
+    assert '"description": "Find a city\'s population."' in system and '"city": {"type": "string"' in system
+    results = play(env, [call("lookup", city="Paris") + call("add", a=2, b=3), call("lookup", city="Nice"),
+                         "\\boxed{2100000}"])
+    assert [m["content"] for m in results[0].messages] == [json.dumps({"city": "Paris", "population": 2100000}), "5"]
+    assert results[1].messages[0]["content"] == "error: ValueError: no city Nice"
+    assert results[2].reward == 1.0 and results[2].info["tool_errors"] == 1
+    with pytest.raises(ValueError, match="tool 'untyped'"):
+        make_env_builder("tools", {"tools": ["my_tools.py:untyped"]})
+    with pytest.raises(ValueError, match="unknown tools \\['search'\\]"):
+        make_env_builder("tools", {"tools": ["search"]})
+
+
 def fake_python(code: str) -> str:
     if "boom" in code:
         raise RuntimeError("the sandbox itself failed")

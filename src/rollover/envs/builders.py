@@ -1,7 +1,7 @@
 """The environment a run's config names (`env.name` + `env.options`), as an `EnvGroupBuilder`.
 
 Built-ins: `guess_number` (`GuessNumber`), `arithmetic_retry` (`ArithmeticRetry`), `tools`
-(`ToolUse`, tools named in `options.tools`: calculator, python), `agent` (`AgentBuilder`: an
+(`ToolUse`, tools named in `options.tools`: calculator, python, or your functions), `agent` (`AgentBuilder`: an
 agent written against an OpenAI-style chat client, `options.fn`). Anything else is a reference,
 `module:Name` or `path/to/file.py:Name`, to a class or factory that takes the options as
 keyword arguments and returns an object with `make_group(prompt, n)` (and `prompts(n, seed)`
@@ -15,21 +15,39 @@ from typing import Any
 from rollover.envs.base import EnvGroupBuilder
 
 
-def _tools(tools: list[str] = ("calculator", "python"), **options: Any):
-    from rollover.envs.tools import CALCULATOR, PYTHON, ToolUse
+class ConfiguredTools:
+    """`env.name: tools`: a `ToolUse` made from `env.options` (`tools`: built-in names, calculator
+    and python, or functions as `module:function` / `path/to/file.py:function`), and those options
+    for the same builder in another process (a Ray environment worker: files by absolute path)."""
 
-    known = {"calculator": CALCULATOR, "python": PYTHON}
-    unknown = [t for t in tools if t not in known]
-    if unknown:
-        raise ValueError(f"env.options.tools: unknown tools {unknown}; known: {sorted(known)}")
-    return ToolUse(tools=tuple(known[t] for t in tools), **options)
+    def __init__(self, tools: list[str] = ("calculator", "python"), **options: Any):
+        from rollover.envs.tools import CALCULATOR, PYTHON, ToolUse, function_tool
+        from rollover.rewards.registry import _absolute, load_reference
+
+        known = {"calculator": CALCULATOR, "python": PYTHON}
+        unknown = [t for t in tools if t not in known and ":" not in t]
+        if unknown:
+            raise ValueError(f"env.options.tools: unknown tools {unknown}; known: {sorted(known)}, or a function "
+                             "as 'module:function' or 'path/to/file.py:function'")
+        self.sources = [t if t in known else _absolute(t) for t in tools]
+        made = [known[t] if t in known else function_tool(load_reference(t, "env.options.tools")) for t in self.sources]
+        self.options, self.spec = options, ToolUse(tools=tuple(made), **options)
+
+    def worker_options(self) -> dict:
+        return {"tools": list(self.sources), **self.options}
+
+    def make_group(self, prompt, n: int):
+        return self.spec.make_group(prompt, n)
+
+    def make_one(self, prompt, n: int, j: int):
+        return self.spec.make_one(prompt, n, j)
 
 
 def _builtins() -> dict:
     from rollover.envs.agent import AgentBuilder
     from rollover.envs.games import ArithmeticRetry, GuessNumber
 
-    return {"guess_number": GuessNumber, "arithmetic_retry": ArithmeticRetry, "tools": _tools, "agent": AgentBuilder}
+    return {"guess_number": GuessNumber, "arithmetic_retry": ArithmeticRetry, "tools": ConfiguredTools, "agent": AgentBuilder}
 
 
 def make_env_builder(name: str, options: dict[str, Any]) -> EnvGroupBuilder:

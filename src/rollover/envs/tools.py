@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import inspect
+import json
 import math
 import operator
 from dataclasses import dataclass, field
@@ -57,10 +59,45 @@ class Tool:
     name: str
     description: str
     parameters: dict  # JSON schema of the arguments object
-    run: Callable[..., str]  # called with the arguments as keywords, in a worker thread
+    run: Callable[..., str]  # called with the arguments as keywords, in a worker thread (awaited if async)
 
     def schema(self) -> dict:
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+
+def function_tool(fn: Callable) -> Tool:
+    """A Python function (or `async def`) as a tool, TRL's `tools=[fn]`: its name, its docstring's
+    first part and its typed arguments (Google-style `Args:` descriptions) make the schema, as
+    transformers' `get_json_schema` reads them. Whatever it raises (an `Exception`) is shown to the
+    model as `error: <type>: <message>` and counted in the episode's `tool_errors`; what it returns
+    is shown as text (a dict or list as JSON)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        schema = get_json_schema(fn)["function"]
+    except Exception as e:  # transformers' docstring and type-hint parsing errors
+        raise ValueError(f"tool {getattr(fn, '__name__', fn)!r}: {e}") from None
+
+    def shown(result) -> str:
+        return result if isinstance(result, str) else json.dumps(result) if isinstance(result, (dict, list)) else str(result)
+
+    if inspect.iscoroutinefunction(fn):
+        async def run(**arguments):
+            try:
+                return shown(await fn(**arguments))
+            except ToolError:
+                raise
+            except Exception as e:
+                raise ToolError(f"{type(e).__name__}: {e}") from e
+    else:
+        def run(**arguments):
+            try:
+                return shown(fn(**arguments))
+            except ToolError:
+                raise
+            except Exception as e:
+                raise ToolError(f"{type(e).__name__}: {e}") from e
+    return Tool(schema["name"], schema.get("description", ""), schema["parameters"], run)
 
 
 # --- the calculator -----------------------------------------------------------------------------
@@ -225,6 +262,8 @@ class ToolEnv:
         if wrong:
             return f"error: {call.name}: {wrong}", False
         try:
+            if inspect.iscoroutinefunction(tool.run):
+                return await tool.run(**call.arguments), True
             return await asyncio.to_thread(tool.run, **call.arguments), True
         except ToolError as e:
             return f"error: {e}", False
