@@ -279,8 +279,7 @@ def test_m2po_paper_objective_is_unclipped_ppo_with_the_mask():
 
 def test_opsm_drops_the_negative_tokens_of_sequences_far_off_policy():
     """DeepSeek-V3.2's mask by hand: sequence 0 is far off (mean log(behav / pi) 0.6 > 0.5), sequence
-    1 is near (0.1); only sequence 0's negative-advantage tokens go, through every loss."""
-    from rollover.algos import policy_loss
+    1 is near (0.1); only sequence 0's negative-advantage tokens go."""
     from rollover.algos.offpolicy import opsm_mask
 
     logp = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
@@ -293,9 +292,5 @@ def test_opsm_drops_the_negative_tokens_of_sequences_far_off_policy():
     # a masked token does not count in its sequence's mean: without the 0.8 gap, sequence 0 is at 0.5
     keep, _ = opsm_mask(logp, behav, adv, torch.tensor([[False, True, True], [True, True, True]]), delta=0.5)
     assert keep[0].tolist() == [False, True, True]
-    for loss in ("ppo", "cispo", "sapo", "decoupled_ppo"):
-        out = policy_loss(loss, logp, logp.clone(), adv, mask, behav, opsm_delta=0.5)
-        assert out.mask_BT.tolist() == [[True, False, False], [True, True, True]], loss
-        assert float(out.metrics["masked_frac"]) == pytest.approx(2 / 6), loss
     with pytest.raises(ValueError, match="opsm_delta must be >= 0"):
         opsm_mask(logp, behav, adv, mask, delta=-1.0)

@@ -206,38 +206,50 @@ def test_m2po_masks_the_whole_update_whatever_the_micro_batch_split(model_dir, t
     assert max(float((after[0][k] - after[1][k]).abs().max()) for k in start) < 0.05 * cfg.train.lr
 
 
-def test_top_entropy_quantile_trains_the_high_entropy_tokens_only(model_dir, tmp_path):
-    """algorithm.top_entropy_quantile: the gradient is the policy gradient over the tokens whose
-    entropy (the model's own, from a plain forward) is at least torch.quantile's 1 - q quantile of
-    the update's tokens, divided by all its tokens (TRL's normaliser); one micro-batch or several."""
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_top_entropy_quantile_trains_the_high_entropy_tokens_only(model_dir, tmp_path, aggregation):
+    """algorithm.top_entropy_quantile: the policy term counts the tokens whose entropy (the model's
+    own, from a plain forward) is at least torch.quantile's 1 - q quantile of the update's tokens,
+    while the KL term and the denominators (the step's tokens, or each sequence's) count every
+    token, as in TRL; one micro-batch or several."""
     from rollover.train.trainer import Trainer
 
     rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i, 3 * i % 11, 9] * (1 + i % 3), float(i % 3) - 1.0)
              for i in range(9)]
     batch = batch_of(rolls)
-    q, temperature = 0.3, 0.8
-    model = tiny_model("llama", seed=5)
+    q, temperature, kl_coef = 0.3, 0.8, 0.5
+    model, ref = tiny_model("llama", seed=5), tiny_model("llama", seed=6)
     # the reference, by hand: entropies and logprobs per sequence, threshold over all loss tokens
-    logps, ents = [], []
+    logps, ref_logps, ents = [], [], []
     for r, _ in rolls:
-        logits = model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, len(r.prompt_ids) - 1: -1]
-        lp_all = torch.log_softmax(logits / temperature, -1)
-        logps.append(lp_all.gather(1, torch.tensor(r.response_ids)[:, None]).squeeze(1))
+        ids, pick = torch.tensor([r.prompt_ids + r.response_ids]), torch.tensor(r.response_ids)[:, None]
+        lp_all = torch.log_softmax(model(ids).logits[0, len(r.prompt_ids) - 1: -1] / temperature, -1)
+        logps.append(lp_all.gather(1, pick).squeeze(1))
         ents.append(-(lp_all.exp() * lp_all).sum(-1).detach())
+        with torch.no_grad():
+            ref_all = torch.log_softmax(ref(ids).logits[0, len(r.prompt_ids) - 1: -1] / temperature, -1)
+        ref_logps.append(ref_all.gather(1, pick).squeeze(1))
     threshold = torch.quantile(torch.cat(ents), 1 - q)
     kept = [e >= threshold for e in ents]
     n_tokens = sum(len(e) for e in ents)
-    loss = sum(-(adv * lp * k).sum() for (_, adv), lp, k in zip(rolls, logps, kept)) / n_tokens
+    per_token = [-(adv * (lp - lp.detach()).exp() * k) + kl_coef * ((rl - lp).exp() - (rl - lp) - 1)  # ratio 1
+                 for (_, adv), lp, rl, k in zip(rolls, logps, ref_logps, kept)]
+    if aggregation == "token-mean":
+        loss = sum(t.sum() for t in per_token) / n_tokens
+    else:
+        loss = sum(t.sum() / len(t) for t in per_token) / len(per_token)
     model.zero_grad()
     loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert 0 < sum(int(k.sum()) for k in kept) < n_tokens
+    assert any(not k.any() for k in kept)  # a sequence keeps no token: its KL still counts
     for mbt in (256, 16):
-        cfg = tiny_cfg(model_dir, tmp_path / f"r{mbt}", **{"train.micro_batch_tokens": mbt, "train.pack_length": 16,
-                                                             "data.max_prompt_tokens": 10, "rollout.temperature": temperature,
-                                                             "algorithm.top_entropy_quantile": q, "train.grad_clip": 0.0})
+        cfg = tiny_cfg(model_dir, tmp_path / f"r{mbt}", **{
+            "train.micro_batch_tokens": mbt, "train.pack_length": 16, "data.max_prompt_tokens": 10,
+            "rollout.temperature": temperature, "algorithm.top_entropy_quantile": q, "train.grad_clip": 0.0,
+            "algorithm.kl_coef": kl_coef, "algorithm.aggregation": aggregation})
         m = tiny_model("llama", seed=5)
-        tr = Trainer(m, cfg, device=torch.device("cpu"))
+        tr = Trainer(m, cfg, device=torch.device("cpu"), reference=ref)
         seen, real_step = {}, tr.optimizer.step
 
         def step(*a, **kw):  # the gradient the optimizer sees
@@ -249,15 +261,16 @@ def test_top_entropy_quantile_trains_the_high_entropy_tokens_only(model_dir, tmp
         assert (metrics["actor/micro_batches"] == 1) == (mbt == 256)
         assert metrics["actor/entropy_threshold"] == pytest.approx(float(threshold), rel=1e-5)
         assert metrics["actor/entropy_kept_frac"] == pytest.approx(sum(int(k.sum()) for k in kept) / n_tokens)
+        assert metrics["actor/pg_loss"] == pytest.approx(float(loss), rel=1e-4)
         assert seen.keys() == want.keys()
         for k in want:
-            assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-7), (mbt, k)
+            assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-6), (mbt, k, float((seen[k] - want[k]).abs().max()))
 
 
 def test_opsm_in_a_step_drops_what_the_hand_computed_mask_drops(model_dir, tmp_path):
     """algorithm.opsm_delta: the trainer drops the negative-advantage tokens of the sequences whose
-    mean log(behav / pi) is above delta, computed here from the policy's own logprobs, whatever the
-    micro-batch split."""
+    mean log(behav / pi) over the whole response is above delta (computed here from the policy's own
+    logprobs), whatever the micro-batch split, and whatever M2PO leaves of the response."""
     from rollover.train.trainer import Trainer
 
     rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float(i % 3) - 1.0) for i in range(9)]
@@ -265,7 +278,8 @@ def test_opsm_in_a_step_drops_what_the_hand_computed_mask_drops(model_dir, tmp_p
     got = []
     for mbt in (64, 16):
         cfg = tiny_cfg(model_dir, tmp_path / f"r{mbt}", **{"train.micro_batch_tokens": mbt, "train.pack_length": 16,
-                                                             "data.max_prompt_tokens": 10, "algorithm.opsm_delta": 0.2})
+                                                             "data.max_prompt_tokens": 10, "algorithm.opsm_delta": 0.2,
+                                                             "algorithm.m2po_tau": 0.01})
         tr = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
         if mbt == 64:  # sampled off-policy: each sequence shifted by its own amount
             shift_B = torch.linspace(-0.5, 0.6, len(batch))[:, None]
@@ -275,7 +289,9 @@ def test_opsm_in_a_step_drops_what_the_hand_computed_mask_drops(model_dir, tmp_p
             dropped = ((mean_B > 0.2) & (batch.adv_B < 0))[:, None] & batch.mask_BT
             want = float(dropped.sum() / batch.mask_BT.sum())
             assert 0 < want < 0.5
-        got.append(tr.train_step(batch)["actor/opsm_masked_frac"])
+        metrics = tr.train_step(batch)
+        assert metrics["actor/m2po_masked_frac"] > 0  # M2PO dropped tokens; OPSM still averages over all
+        got.append(metrics["actor/opsm_masked_frac"])
     assert got == pytest.approx([want, want], rel=1e-6)
 
 

@@ -53,8 +53,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 and finite (1 = off), got {self.repetition_penalty}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
 

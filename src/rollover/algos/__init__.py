@@ -94,6 +94,5 @@ __all__ = [
     "rloo",
     "sapo",
     "top_entropy_mask",
-    "top_entropy_mask",
     "truncated_mask",
 ]

@@ -271,11 +271,14 @@ def _first_copies(copy_N: Tensor, group_N: Tensor, count: int, gather) -> Tensor
 def opsm_mask(logp_BT: Tensor, behav_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor, *, delta: float
               ) -> tuple[Tensor, dict[str, Tensor]]:
     """Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, Eq. 9; TRL's
-    `off_policy_mask_threshold`): a sequence whose mean `log(π_behav / π)` over its loss tokens
-    exceeds `delta` (the policy has moved far from what sampled it) keeps none of its tokens with a
-    negative advantage; positive ones stay (the paper: learning from one's own mistakes off-policy
-    is what destabilises). `logp_BT` is the current policy, detached here. Returns the tokens kept
-    (a subset of `mask_BT`) and the fraction of loss tokens dropped."""
+    `off_policy_mask_threshold`): a sequence whose mean `log(π_behav / π)` over its tokens
+    (`mask_BT`: the whole response's, not a subset another mask left) exceeds `delta` (the policy
+    has moved far from what sampled it) keeps none of its tokens with a negative advantage;
+    positive ones stay (the paper: learning from one's own mistakes off-policy is what
+    destabilises). `logp_BT` is the current policy, detached here. Returns the tokens kept (a
+    subset of `mask_BT`) and the fraction of `mask_BT`'s tokens dropped. As in TRL, the trainer
+    multiplies the policy term by it (`algorithm.opsm_delta`): the dropped tokens keep their KL
+    term and still count in the loss's denominators."""
     if not delta >= 0.0:
         raise ValueError(f"opsm_delta must be >= 0, got {delta}")
     mask_BT = mask_BT.bool()

@@ -10,10 +10,8 @@ Every loss has the signature
   log-probs, needed only by the off-policy options.
 - `adv`: `[B]` (broadcast over tokens) or `[B, T]`.
 - `**correction`: `is_level`, `is_mode`, `is_cap`, `is_floor`, `is_seq_ratio` (truncated or
-  masked importance sampling against the engine), `m2po_tau` (M2PO mask) and `opsm_delta`
-  (DeepSeek-V3.2's off-policy sequence mask); every loss takes them (see
-  `offpolicy.off_policy_correction`, `offpolicy.opsm_mask`). M2PO, TIS and OPSM are options,
-  not loss names.
+  masked importance sampling against the engine) and `m2po_tau` (M2PO mask); every loss takes
+  them (see `offpolicy.off_policy_correction`). M2PO and TIS are options, not loss names.
 - Returns `loss_BT` (to be *minimised*, i.e. the negated objective, 0 outside `mask_BT`),
   `mask_BT` (the tokens that count, after M2PO / IS masking) and detached scalar `metrics`.
 
@@ -43,7 +41,7 @@ from torch import Tensor
 
 from rollover.algos.aggregate import masked_max, masked_mean
 from rollover.algos.bapo_bounds import BAPO_GRID, bapo_bounds, bapo_grid, bapo_search, bapo_tables
-from rollover.algos.offpolicy import MAX_LOG_RATIO, off_policy_correction, opsm_mask
+from rollover.algos.offpolicy import MAX_LOG_RATIO, off_policy_correction
 
 
 @dataclass(frozen=True)
@@ -76,15 +74,7 @@ def _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction) -> _
     else:
         raise ValueError(f"adv must be [B] or [B, T] = {tuple(logp_BT.shape)}, got {tuple(adv.shape)}")
     given_BT = mask_BT.bool()
-    correction = dict(correction)
-    opsm_delta = correction.pop("opsm_delta", None)
     weight_BT, mask_BT, metrics = off_policy_correction(old_logp_BT.detach(), behav_logp_BT, given_BT, **correction)
-    if opsm_delta is not None:
-        if behav_logp_BT is None:
-            raise ValueError("opsm_delta needs behav_logp_BT (the engine's sampling log-probs)")
-        keep_BT, opsm_metrics = opsm_mask(logp_BT, behav_logp_BT, adv_BT, given_BT, delta=opsm_delta)
-        mask_BT = mask_BT & keep_BT
-        metrics.update(opsm_metrics)
     given = given_BT.sum()
     metrics["masked_frac"] = ((given - mask_BT.sum()) / given.clamp(min=1)).to(logp_BT.dtype)
     zeros_BT = torch.zeros_like(logp_BT)
@@ -185,7 +175,6 @@ def decoupled_ppo(
     is_floor: float | None = None,
     is_seq_ratio: str = "geo_mean",
     m2po_tau: float | None = None,
-    opsm_delta: float | None = None,
 ) -> PolicyLossOutput:
     """Decoupled PPO (AReaL, arXiv 2505.24298, Eq. 5): PPO clipped around the *proximal* policy
     `old_logp_BT`, times the detached behaviour weight `w = π_prox / π_behav`:
@@ -204,7 +193,7 @@ def decoupled_ppo(
         logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT,
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
         is_level=is_level, is_mode=is_mode, is_cap=is_cap, is_floor=is_floor,
-        is_seq_ratio=is_seq_ratio, m2po_tau=m2po_tau, opsm_delta=opsm_delta,
+        is_seq_ratio=is_seq_ratio, m2po_tau=m2po_tau,
     )
 
 
@@ -452,8 +441,6 @@ def loss_options(algorithm) -> dict:
         opts.setdefault("is_cap", a.tis_cap)
     if a.m2po_tau is not None:
         opts.setdefault("m2po_tau", a.m2po_tau)
-    if a.opsm_delta is not None:
-        opts.setdefault("opsm_delta", a.opsm_delta)
     return opts
 
 

@@ -119,7 +119,8 @@ def _grpo(trl, cfg, prompts, **options):
         bf16=t.dtype == "autocast_bf16",
         per_device_train_batch_size=micro, gradient_accumulation_steps=completions // micro,
         num_generations=r.samples_per_prompt, max_completion_length=r.max_new_tokens,
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, learning_rate=t.lr, lr_scheduler_type=schedule,
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p or None,
+        repetition_penalty=r.repetition_penalty, learning_rate=t.lr, lr_scheduler_type=schedule,
         warmup_steps=t.warmup_steps, max_grad_norm=t.grad_clip, weight_decay=t.weight_decay,
         adam_beta1=t.betas[0], adam_beta2=t.betas[1], beta=0.0, num_iterations=1,
         gradient_checkpointing=t.gradient_checkpointing,  # TRL's default is on; rollover's is off
@@ -177,6 +178,7 @@ def hf_accuracy(model, tokenizer, prompts, cfg, batch: int = 32) -> float:
                 with torch.no_grad():
                     out = model.generate(**enc, do_sample=not greedy, temperature=None if greedy else e.temperature,
                                          top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,  # 0: off, as in rollover
+                                         min_p=cfg.rollout.min_p or None, repetition_penalty=cfg.rollout.repetition_penalty,
                                          max_new_tokens=cfg.rollout.max_new_tokens, num_return_sequences=n,
                                          pad_token_id=tokenizer.pad_token_id)
                 new = out[:, enc["input_ids"].shape[1]:]

@@ -38,7 +38,7 @@ class AlgorithmConfig(Section):
     opsm_delta: Annotated[float, Field(ge=0)] | None = None
     """Off-policy sequence masking (DeepSeek-V3.2; TRL's off_policy_mask_threshold): a sequence
     whose mean log(pi_behav / pi) over its tokens exceeds this drops its negative-advantage tokens
-    from the loss (TRL's example value: 0.5); None = off."""
+    from the policy term (their KL term stays; TRL's example value: 0.5); None = off."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the reference (initial) model; > 0 loads a reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -60,8 +60,9 @@ class AlgorithmConfig(Section):
     """Train only the highest-entropy fraction of each update's loss tokens ("Beyond the 80/20
     rule", arXiv 2506.01939, which uses 0.2; TRL's top_entropy_quantile): the threshold is that
     quantile of the trainer's entropies over the update's tokens on every rank, measured under
-    the policy before the step in one no-grad pass. 1 = every token; 0 = the likeliest-to-vary
-    token only."""
+    the policy before the step in one no-grad pass. It weighs the policy term and the entropy
+    bonus; the KL term and the denominators count every token (TRL). 1 = every token; 0 = the
+    highest-entropy token only."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal and top up with new prompts."""
     max_resample_rounds: int = Field(4, ge=1)

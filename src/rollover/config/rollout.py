@@ -32,7 +32,8 @@ class RolloutConfig(Section):
     """Repetition penalty (1 = off), HF's and vLLM's rule: the logit l of a token that is in the
     prompt or the response so far becomes l / p when positive, l * p otherwise. With min_p,
     top-k, top-p or a penalty the behaviour logprobs are the processed distribution's, which the
-    trainer does not reproduce: actor/rollout_kl shows the gap, algorithm.tis_cap corrects it."""
+    trainer does not reproduce: actor/rollout_kl shows the gap, algorithm.tis_cap corrects it.
+    Evaluation samples with min_p, top-k, top-p and the penalty too."""
     max_rows: int = Field(64, ge=1)
     """Sequences the engine decodes together (its slot limit). The engine admits samples one at
     a time as rows free up, so a group need not fit at once: any value >= 1 runs."""

@@ -196,6 +196,11 @@ class Config(Section):
                 f"algorithm.overlong_buffer={a.overlong_buffer} adds to their total"
             problems.append(f"algorithm.advantage=gdpo normalises each reward function's scores; {what}, not the "
                             "reward functions (for a length penalty, give it as a reward function)")
+        if a.kl_is_correction and a.kl_coef <= 0:
+            problems.append("algorithm.kl_is_correction weighs the KL term, which algorithm.kl_coef=0 leaves out")
+        if a.ref_mixup_alpha != type(a).model_fields["ref_mixup_alpha"].default and a.ref_sync_every is None:
+            problems.append(f"algorithm.ref_mixup_alpha={a.ref_mixup_alpha} is the weight of a reference sync: set "
+                            "algorithm.ref_sync_every too")
         if a.ref_sync_every is not None and (a.kl_coef <= 0 or self.train.lora is not None):
             why = "algorithm.kl_coef=0 loads no reference" if a.kl_coef <= 0 else \
                 "with train.lora the reference is the base model under the adapter, which a sync would move"

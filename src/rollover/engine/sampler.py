@@ -54,14 +54,16 @@ def position_uniforms(seeds: list[int], positions: list[int]) -> torch.Tensor:
     return torch.from_numpy((x >> np.uint64(11)).astype(np.float64) * 2.0**-53)
 
 
-def penalise(z: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
-    """One row's logits [V] with the repetition penalty on the tokens in `seen` (HF's and vLLM's
-    rule: a positive logit divided by `penalty`, any other multiplied by it); a new tensor."""
-    ids = torch.tensor(sorted(set(seen)), dtype=torch.long, device=z.device)
-    row = z[ids]
-    z = z.clone()
-    z[ids] = torch.where(row > 0, row / penalty, row * penalty)
-    return z
+def penalise(z_RV: torch.Tensor, seen: list[list[int]], penalties: list[float]) -> torch.Tensor:
+    """Rows' logits [R, V] with the repetition penalty on the tokens each has seen (HF's and
+    vLLM's rule: a positive logit divided by the row's penalty, any other multiplied by it); a
+    new tensor. One scatter over all the rows' tokens, repeats and all."""
+    rows = torch.tensor([r for r, ids in enumerate(seen) for _ in ids], dtype=torch.long)
+    cols = torch.tensor([t for ids in seen for t in ids], dtype=torch.long)
+    hit_RV = torch.zeros(z_RV.shape, dtype=torch.bool, device=z_RV.device)
+    hit_RV[rows.to(z_RV.device), cols.to(z_RV.device)] = True
+    p_R1 = torch.tensor(penalties, dtype=z_RV.dtype, device=z_RV.device)[:, None]
+    return torch.where(hit_RV, torch.where(z_RV > 0, z_RV / p_R1, z_RV * p_R1), z_RV)
 
 
 def _truncate(z: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -112,8 +114,9 @@ class Sampler:
             if tokens_of is None:
                 raise ValueError("a repetition penalty needs the rows' tokens (tokens_of)")
             logits = logits.clone()
-            for b in penalised:
-                logits[b] = penalise(logits[b], tokens_of(b), params[b].repetition_penalty)
+            index = torch.tensor(penalised, dtype=torch.long, device=logits.device)
+            logits[index] = penalise(logits[index], [tokens_of(b) for b in penalised],
+                                     [params[b].repetition_penalty for b in penalised])
         # one pass over the rows (the per-step host cost matters on a GPU, where the rest is fast)
         temps, greedy, truncated, seeded, seeds, seed_pos, unseeded = [], [], [], [], [], [], []
         for b, p in enumerate(params):

@@ -32,7 +32,7 @@ import torch
 import torch.utils.checkpoint
 
 from rollover.algos import aggregate, kl_penalty, policy_loss, top_entropy_mask
-from rollover.algos.offpolicy import MAX_LOG_RATIO, m2po_update_mask
+from rollover.algos.offpolicy import MAX_LOG_RATIO, m2po_update_mask, opsm_mask
 from rollover.algos.policy import bapo_update_bounds, old_logprobs_first
 from rollover.config import Config
 from rollover.engine.hf_runner import fast_path
@@ -240,13 +240,13 @@ class Trainer(PolicyForward):
         cfg, a = self.cfg, self.cfg.algorithm
         T = batch.mask_BT.shape[1]
         mask_BT = batch.mask_BT.to(self.device)
-        # rows with no loss token (stale-, truncation- or entropy-masked) are not counted (verl);
+        # rows with no loss token (stale- or truncation-masked) are not counted (verl);
         # with ranks, both counts are the whole step's, summed over them
         num_tokens, num_seqs = self._counts(int(mask_BT.sum()), int(mask_BT.any(dim=1).sum()))
         num_seqs = max(num_seqs, 1)
         adv = (batch.adv_B if batch.adv_BT is None else batch.adv_BT).to(self.device)  # [B]; [B, T]: per-turn credit
         behav_BT, opts = batch.behav_logp_BT.to(self.device), self._loss_options()
-        loss_mask_BT, whole = self._per_update(batch, old_BT, behav_BT, adv, mask_BT, opts, fresh, ent_BT)
+        loss_mask_BT, top_BT, whole = self._per_update(batch, old_BT, behav_BT, adv, mask_BT, opts, fresh, ent_BT)
         need_entropy = True  # logged every step; cheap next to the forward
 
         def accumulate():
@@ -265,7 +265,15 @@ class Trainer(PolicyForward):
                 logp_BT = self._to_BT(logp, mb, T).masked_fill(~m_BT, 0.0)
                 old = logp_BT.detach() if old_BT is None else old_BT[sel.cpu()].to(self.device)
                 out = policy_loss(a.loss, logp_BT, old, adv[sel], loss_mask_BT[sel], behav_BT[sel], **opts)
-                loss_BT = out.loss_BT
+                # the entropy quantile's and OPSM's choices weigh the policy term only, as in TRL: the
+                # tokens they drop keep their KL term and count in every denominator
+                top = keep = None if top_BT is None else top_BT[sel]
+                if a.opsm_delta is not None:
+                    adv_BT = adv[sel] if adv.dim() == 2 else adv[sel][:, None].expand_as(logp_BT)
+                    ok_BT, opsm = opsm_mask(logp_BT, behav_BT[sel], adv_BT, m_BT, delta=a.opsm_delta)
+                    keep = ok_BT if keep is None else keep & ok_BT
+                    out.metrics.update(opsm)
+                loss_BT = out.loss_BT if keep is None else out.loss_BT * keep
                 if ref_BT is not None:
                     kl_BT = kl_penalty(logp_BT, ref_BT[sel.cpu()].to(self.device), a.kl_estimator)
                     if a.kl_is_correction:  # pi / pi_old, with its gradient (0 outside the loss tokens: 1)
@@ -273,8 +281,8 @@ class Trainer(PolicyForward):
                     loss_BT = loss_BT + a.kl_coef * kl_BT
                     kl_sum += float((kl_BT.detach() * m_BT).sum())
                 ent_BT = self._to_BT(entropy, mb, T)
-                if a.entropy_coef:
-                    loss_BT = loss_BT - a.entropy_coef * ent_BT
+                if a.entropy_coef:  # on the tokens the entropy quantile keeps (TRL)
+                    loss_BT = loss_BT - a.entropy_coef * (ent_BT if top is None else ent_BT * top)
                 entropy_sum += float((ent_BT.detach() * m_BT).sum())
                 # KL(sampler || trainer), k3 over the sampled tokens: the rollout-training mismatch
                 # (engine precision, and for off-policy tokens their age)
@@ -321,14 +329,14 @@ class Trainer(PolicyForward):
 
     def _per_update(self, batch: TrainBatch, old_BT, behav_BT, adv, mask_BT, opts: dict, fresh: bool, ent_BT=None):
         """What is chosen once over all the update's loss tokens, every micro-batch and rank, before any
-        pass: the loss mask after the entropy quantile (`ent_BT`: the tokens' entropies) and M2PO
-        (opts' m2po_tau, taken out) and BAPO's bounds (put in opts for every micro-batch's loss); and
-        their metrics, the same on every rank. `fresh`: the weights are still those old_BT was
-        recorded under (the step's first update)."""
-        tau, whole = opts.pop("m2po_tau", None), {}
+        pass: the loss mask after M2PO (opts' m2po_tau, taken out), the tokens whose policy term the
+        entropy quantile keeps (`ent_BT`: the tokens' entropies; None: every token) and BAPO's bounds
+        (put in opts for every micro-batch's loss); and their metrics, the same on every rank.
+        `fresh`: the weights are still those old_BT was recorded under (the step's first update)."""
+        tau, whole, top_BT = opts.pop("m2po_tau", None), {}, None
         if ent_BT is not None:
-            mask_BT, whole = top_entropy_mask(ent_BT.to(self.device), mask_BT, self.cfg.algorithm.top_entropy_quantile,
-                                              gather=self._gather)
+            top_BT, whole = top_entropy_mask(ent_BT.to(self.device), mask_BT, self.cfg.algorithm.top_entropy_quantile,
+                                             gather=self._gather)
         if tau is not None:
             mask_BT, m2po = m2po_update_mask(old_BT, behav_BT, mask_BT, batch.group_index_B, tau=tau,
                                              reduce=self._all_reduce, gather=self._gather)
@@ -339,7 +347,7 @@ class Trainer(PolicyForward):
             bounds = bapo_update_bounds(now, old, adv, mask_BT, behav_BT, reduce=self._sum, **opts)
             opts["bounds"] = bounds[:2]
             whole = {**whole, **dict(zip(("bapo_c_low", "bapo_c_high", "bapo_pos_share"), bounds))}
-        return mask_BT, whole
+        return mask_BT, top_BT, whole
 
     def _optimizer_step(self, finite: bool) -> tuple[float, bool]:
         """Clip and step when the loss and the gradient are finite (else skip this update, with a
@@ -415,7 +423,7 @@ class Trainer(PolicyForward):
                  "bad_steps": self.bad_steps, "steps_trained": self.steps_trained,
                  "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens]}
         if self.cfg.algorithm.ref_sync_every is not None:  # moved off the starting model: kept
-            state["reference"] = {n: p.detach().clone() for n, p in self.ref_model.named_parameters()}
+            state["reference"] = {n: p.detach().to("cpu", copy=True) for n, p in self.ref_model.named_parameters()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
