@@ -181,6 +181,11 @@ def test_llama3_and_mistral_calls_as_their_models_write_them():
     assert got.calls == [ToolCall("calculator", {"expression": "3*3"}), ToolCall("python", {})]
     assert mistral.parse("[1, 2] are the roots").calls == []
     assert mistral.parse('[TOOL_CALLS]{"name": 3}').problems == ['tool call 1: expected {"name": ..., "arguments": {...}}']
+    # text before calls whose marker decoding left out; the id a Mistral model writes is kept
+    got = mistral.parse('Let me compute. [{"name": "calculator", "arguments": {"expression": "1"}, "id": "a1b2c3d4e"}]')
+    assert got.calls == [ToolCall("calculator", {"expression": "1"}, "a1b2c3d4e")] and got.content == "Let me compute."
+    assert llama.parse('{"name": "Alice", "age": 3}').calls == []  # a JSON answer, not a call
+    assert llama.parse('{"name": "calculator", "parameters": {"expression": "1"}};').problems == []  # a trailing ;
 
 
 def test_tool_env_in_llama3_format():
@@ -193,6 +198,16 @@ def test_tool_env_in_llama3_format():
     assert results[1].done and results[1].reward == 1.0
     with pytest.raises(ValueError, match="unknown tool_format"):
         ToolUse(tool_format="json")
+
+
+def test_tool_env_in_mistral_format_gives_results_the_ids_its_templates_need():
+    spec = ToolUse(tools=(CALCULATOR,), tool_format="mistral")
+    env = spec.make_group(Prompt(id="t", text="What is 17 * 23?", answer="391"), 1)[0]
+    asyncio.run(env.initial_observation())
+    (result,) = play(env, ['[{"name": "calculator", "arguments": {"expression": "17 * 23"}, "id": "a1b2c3d4e"}, '
+                           '{"name": "calculator", "arguments": {"expression": "1 + 1"}}]'])
+    assert [(m["content"], m["tool_call_id"]) for m in result.messages] == [("391", "a1b2c3d4e"), ("2", "c0001x001")]
+    assert all(len(m["tool_call_id"]) == 9 and m["tool_call_id"].isalnum() for m in result.messages)
 
 
 USER_TOOLS = """
@@ -219,6 +234,32 @@ async def add(a: int, b: int) -> int:
     \"\"\"
     await asyncio.sleep(0)
     return a + b
+
+
+def greet(name: str, title: str | None = None) -> str:
+    \"\"\"Greet someone.
+
+    Args:
+        name: Who.
+        title: Their title, if any.
+    \"\"\"
+    return f"hello {title or ''} {name}".replace("  ", " ")
+
+
+def when() -> dict:
+    \"\"\"The date.\"\"\"
+    import datetime
+
+    return {"date": datetime.date(2026, 11, 29)}
+
+
+def quits(code: int) -> str:
+    \"\"\"Exits.
+
+    Args:
+        code: The exit status.
+    \"\"\"
+    raise SystemExit(code)
 
 
 def untyped(x):
@@ -251,8 +292,18 @@ def test_tools_from_your_own_functions(tmp_path, monkeypatch):
     assert [m["content"] for m in results[0].messages] == [json.dumps({"city": "Paris", "population": 2100000}), "5"]
     assert results[1].messages[0]["content"] == "error: ValueError: no city Nice"
     assert results[2].reward == 1.0 and results[2].info["tool_errors"] == 1
+    more = make_env_builder("tools", {"tools": ["my_tools.py:greet", "my_tools.py:when", "my_tools.py:quits"]})
+    env = more.make_one(Prompt(id="t", text="q", answer="1"), 1, 0)
+    greet = '<tool_call>{"name": "greet", "arguments": {"name": "bo", "title": null}}</tool_call>'
+    results = play(env, [greet + call("when") + call("quits", code=2)])
+    assert [m["content"] for m in results[0].messages] == ["hello bo", '{"date": "2026-11-29"}', "error: SystemExit: 2"]
+    assert results[0].info["tool_errors"] == 1  # a None for an optional argument and a date are no mistakes
     with pytest.raises(ValueError, match="tool 'untyped'"):
         make_env_builder("tools", {"tools": ["my_tools.py:untyped"]})
+    with pytest.raises(ValueError, match="env.options.tools: .*has no attribute 'nothing'"):
+        make_env_builder("tools", {"tools": ["my_tools.py:nothing"]})
+    with pytest.raises(ValueError, match="a list of tool names"):
+        make_env_builder("tools", {"tools": "calculator"})
     with pytest.raises(ValueError, match="unknown tools \\['search'\\]"):
         make_env_builder("tools", {"tools": ["search"]})
 

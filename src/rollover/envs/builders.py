@@ -25,12 +25,18 @@ class ConfiguredTools:
         from rollover.rewards.registry import _absolute, load_reference
 
         known = {"calculator": CALCULATOR, "python": PYTHON}
+        if isinstance(tools, str) or not all(isinstance(t, str) for t in tools):
+            raise ValueError(f"env.options.tools={tools!r}: a list of tool names or 'file.py:function' references")
         unknown = [t for t in tools if t not in known and ":" not in t]
         if unknown:
             raise ValueError(f"env.options.tools: unknown tools {unknown}; known: {sorted(known)}, or a function "
                              "as 'module:function' or 'path/to/file.py:function'")
         self.sources = [t if t in known else _absolute(t) for t in tools]
-        made = [known[t] if t in known else function_tool(load_reference(t, "env.options.tools")) for t in self.sources]
+        try:
+            made = [known[t] if t in known else function_tool(load_reference(t, "env.options.tools"))
+                    for t in self.sources]
+        except (AttributeError, FileNotFoundError, ImportError) as e:
+            raise ValueError(f"env.options.tools: {e}") from None
         self.options, self.spec = options, ToolUse(tools=tuple(made), **options)
 
     def worker_options(self) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from rollover.envs.tool_formats import FORMATS, ToolFormat
+from rollover.envs.tool_formats import FORMATS, ToolFormat, call_id
 
 HERMES = FORMATS["hermes"]
 
@@ -160,7 +160,7 @@ def reply_message(text: str, tools: list | None, turn: int = 1, fmt: ToolFormat 
         parsed = fmt.parse(text)
         if parsed.calls and not parsed.problems:
             content = parsed.content or None
-            objects = [ToolCallObject(f"call{turn}x{i}", Function(c.name, json.dumps(c.arguments)))
+            objects = [ToolCallObject(c.id or call_id(turn, i), Function(c.name, json.dumps(c.arguments)))
                        for i, c in enumerate(parsed.calls)]
             return ChatMessage("assistant", content, objects), True
     return ChatMessage("assistant", text), False

@@ -9,12 +9,15 @@ describes the tools in a system message for templates that do not describe them 
   block (one call or a list per block), anywhere in the reply.
 - `llama3_json` (Llama 3.1 to 3.3's JSON tool calling; vLLM's `llama3_json` parser): the reply
   *is* the call, a JSON object `{"name": ..., "parameters": {...}}` (`arguments` is read too),
-  several separated by `;`. A reply is read as calls when it starts with `{"name"`; any other
-  reply is the final answer.
+  several separated by `;`. A reply is read as calls when it starts with `{"name"` and its first
+  object has `parameters` or `arguments`; any other reply is the final answer.
 - `mistral` (Mistral's `[TOOL_CALLS]`): a JSON list of `{"name": ..., "arguments": {...}}` after
   the `[TOOL_CALLS]` marker. The marker is a special token, which the decoded turn leaves out
-  (`rollover.envs.base.Action.text`), so a reply that starts with `[{"name"` is read as calls
-  too. The text before the marker is the message's content.
+  (`rollover.envs.base.Action.text`), so a reply with a `[{"name"` list in it is read as calls
+  from there too. The text before is the message's content. The calls' `id`s (Mistral's
+  models write them) are kept; results must carry them back (`tool_call_id`), and its
+  templates refuse ids other than nine letters and digits, so calls without one get such an id
+  (`call_id`).
 
 What is not read: Mistral's newer `[TOOL_CALLS]name[ARGS]{...}` form (its markers are special
 tokens too, and without them the name and arguments run together), and Llama's built-in tools
@@ -32,6 +35,13 @@ from dataclasses import dataclass
 class ToolCall:
     name: str
     arguments: dict
+    id: str | None = None  # the id the model wrote for it (Mistral's), else None
+
+
+def call_id(turn: int, place: int) -> str:
+    """A call's id where the model wrote none: by turn and place (the same in a replay), nine
+    letters and digits (Mistral's templates refuse other ids)."""
+    return f"c{turn % 10_000:04d}x{place % 1000:03d}"
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,7 @@ class Parsed:
 
 def as_call(item) -> ToolCall | str:
     """A call from its JSON (`arguments`, or Llama's `parameters`, an object or a JSON string of
-    one, or absent), or what is wrong with it."""
+    one, or absent; Mistral's `id` kept), or what is wrong with it."""
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return 'expected {"name": ..., "arguments": {...}}'
     arguments = item.get("arguments", item.get("parameters", {}))
@@ -54,7 +64,8 @@ def as_call(item) -> ToolCall | str:
             return "arguments are a string that is not JSON"
     if not isinstance(arguments, dict):
         return "arguments must be an object"
-    return ToolCall(item["name"], arguments)
+    given = item.get("id")
+    return ToolCall(item["name"], arguments, given if isinstance(given, str) and given else None)
 
 
 def _calls_of(payload, where: str, calls: list[ToolCall], problems: list[str]) -> None:
@@ -101,7 +112,8 @@ class Hermes:
 
 
 def _json_sequence(text: str, sep: str) -> tuple[list, str | None]:
-    """The JSON values at the start of `text`, separated by `sep`, and what is wrong after them."""
+    """The JSON values at the start of `text`, separated by `sep` (one after the last is allowed),
+    and what is wrong after them."""
     decoder, values, i = json.JSONDecoder(), [], 0
     while True:
         try:
@@ -114,9 +126,10 @@ def _json_sequence(text: str, sep: str) -> tuple[list, str | None]:
             return values, None
         if not rest.startswith(sep):
             return values, f"unexpected text after the call: {rest[:40]!r}"
-        i = len(text) - len(rest) + len(sep)
-        while i < len(text) and text[i].isspace():
-            i += 1
+        rest = rest[len(sep):].lstrip()
+        if not rest:
+            return values, None
+        i = len(text) - len(rest)
 
 
 def _read(body: str, sep: str, content: str) -> Parsed:
@@ -137,6 +150,12 @@ class Llama3Json:
         if not self.START.match(text):
             return Parsed([], [], text.strip())
         body = text.strip().removeprefix("<|python_tag|>").lstrip()
+        try:
+            first, _ = json.JSONDecoder().raw_decode(body)
+        except json.JSONDecodeError:
+            first = None
+        if isinstance(first, dict) and "parameters" not in first and "arguments" not in first:
+            return Parsed([], [], text.strip())  # a JSON answer with a "name" field, not a call
         return _read(body, ";", "")
 
     def write(self, calls: list[tuple[str, str]]) -> str:
@@ -152,13 +171,13 @@ class Llama3Json:
 class Mistral:
     name = "mistral"
     MARK = "[TOOL_CALLS]"
-    START = re.compile(r'^\s*\[\s*\{\s*"name"')
+    START = re.compile(r'\[\s*\{\s*"name"')
 
     def parse(self, text: str) -> Parsed:
         if self.MARK in text:
             content, _, body = text.partition(self.MARK)
-        elif self.START.match(text):  # the marker was a special token, left out of the decoded turn
-            content, body = "", text
+        elif found := self.START.search(text):  # the marker was a special token, left out of the decoded turn
+            content, body = text[:found.start()], text[found.start():]
         else:
             return Parsed([], [], text.strip())
         return _read(body.strip(), self.MARK, content.strip())

@@ -45,7 +45,7 @@ from typing import Callable
 
 from rollover.data.render import render_messages
 from rollover.envs.base import Action, StepResult
-from rollover.envs.tool_formats import Hermes, ToolCall, tool_format
+from rollover.envs.tool_formats import Hermes, ToolCall, call_id, tool_format
 from rollover.rewards.builtins import numeric_reward
 from rollover.types import Prompt
 
@@ -69,8 +69,9 @@ def function_tool(fn: Callable) -> Tool:
     """A Python function (or `async def`) as a tool, TRL's `tools=[fn]`: its name, its docstring's
     first part and its typed arguments (Google-style `Args:` descriptions) make the schema, as
     transformers' `get_json_schema` reads them. Whatever it raises (an `Exception`) is shown to the
-    model as `error: <type>: <message>` and counted in the episode's `tool_errors`; what it returns
-    is shown as text (a dict or list as JSON)."""
+    model as `error: <type>: <message>` and counted in the episode's `tool_errors` (a
+    `SystemExit` too; not a `KeyboardInterrupt`); what it returns is shown as text (a dict or list
+    as JSON, values JSON cannot hold as their `str`)."""
     from transformers.utils import get_json_schema
 
     try:
@@ -78,25 +79,40 @@ def function_tool(fn: Callable) -> Tool:
     except Exception as e:  # transformers' docstring and type-hint parsing errors
         raise ValueError(f"tool {getattr(fn, '__name__', fn)!r}: {e}") from None
 
-    def shown(result) -> str:
-        return result if isinstance(result, str) else json.dumps(result) if isinstance(result, (dict, list)) else str(result)
+    def shown(result) -> str:  # outside the calls' try: a result that does not serialise is the tool's fault
+        if isinstance(result, str):
+            return result
+        return json.dumps(result, default=str) if isinstance(result, (dict, list)) else str(result)
+
+    def refused(e: BaseException) -> ToolError:
+        return ToolError(f"{type(e).__name__}: {e}")
 
     if inspect.iscoroutinefunction(fn):
         async def run(**arguments):
             try:
-                return shown(await fn(**arguments))
+                result = await fn(**arguments)
             except ToolError:
                 raise
-            except Exception as e:
-                raise ToolError(f"{type(e).__name__}: {e}") from e
+            except asyncio.CancelledError as e:
+                if asyncio.current_task().cancelling():  # the episode is being cancelled, not the tool failing
+                    raise
+                raise refused(e) from e
+            except (KeyboardInterrupt, GeneratorExit):
+                raise
+            except BaseException as e:  # SystemExit from argparse or sys.exit too: the tool's, shown
+                raise refused(e) from e
+            return shown(result)
     else:
         def run(**arguments):
             try:
-                return shown(fn(**arguments))
+                result = fn(**arguments)
             except ToolError:
                 raise
-            except Exception as e:
-                raise ToolError(f"{type(e).__name__}: {e}") from e
+            except (KeyboardInterrupt, GeneratorExit):
+                raise
+            except BaseException as e:
+                raise refused(e) from e
+            return shown(result)
     return Tool(schema["name"], schema.get("description", ""), schema["parameters"], run)
 
 
@@ -231,7 +247,7 @@ class ToolUse:
 
 class ToolEnv:
     def __init__(self, spec: ToolUse, prompt: Prompt):
-        self.spec, self.prompt, self.calls, self.errors = spec, prompt, 0, 0
+        self.spec, self.prompt, self.calls, self.errors, self.turn = spec, prompt, 0, 0, 0
         self.tools = {t.name: t for t in spec.tools}
 
     async def initial_observation(self) -> list[dict]:
@@ -246,11 +262,14 @@ class ToolEnv:
         self.calls += len(calls)
         if self.calls > self.spec.max_tool_calls:
             return StepResult([], 0.0, done=True, info=self._info(tool_limit=1.0))
+        self.turn += 1
         results = [(None, f"error: {p}", False) for p in problems]
         for call in calls:
             results.append((call.name, *await self._run(call)))
         self.errors += sum(not ok for _, _, ok in results)
-        messages = [self._message(text, name) for name, text, _ in results]
+        ids = [None] * len(problems) + [c.id for c in calls]
+        messages = [self._message(text, name, ids[i] or call_id(self.turn, i))
+                    for i, (name, text, _) in enumerate(results)]
         return StepResult(messages, 0.0, done=False, info=self._info())
 
     async def _run(self, call: ToolCall) -> tuple[str, bool]:
@@ -268,10 +287,13 @@ class ToolEnv:
         except ToolError as e:
             return f"error: {e}", False
 
-    def _message(self, content: str, name: str | None = None) -> dict:
+    def _message(self, content: str, name: str | None, call: str) -> dict:
         if self.spec.result_role == "user":
             return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
-        return {"role": "tool", "content": content} | ({"name": name} if name else {})
+        message = {"role": "tool", "content": content} | ({"name": name} if name else {})
+        if self.spec.tool_format == "mistral":  # its templates match results to calls by a 9-character id
+            message["tool_call_id"] = call
+        return message
 
     def _info(self, **extra: float) -> dict:
         return {"tool_calls": self.calls, "tool_errors": self.errors, **extra}
@@ -285,6 +307,10 @@ def _check_arguments(tool: Tool, arguments: dict) -> str | None:
     if missing or unknown:
         return f"missing arguments {missing}, unknown arguments {unknown} (expected {sorted(properties)})"
     for k, v in arguments.items():
-        if properties[k].get("type") == "string" and not isinstance(v, str):
+        kind = properties[k].get("type")
+        nullable = properties[k].get("nullable") or (isinstance(kind, list) and "null" in kind)
+        if v is None and nullable:
+            continue
+        if (kind == "string" or (isinstance(kind, list) and kind == ["string", "null"])) and not isinstance(v, str):
             return f"argument {k!r} must be a string"
     return None

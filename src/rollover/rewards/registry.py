@@ -252,7 +252,7 @@ def _importable_name(fn: Callable) -> str | None:
 def _load_file(path_text: str):
     path = Path(path_text).resolve()
     if not path.is_file():
-        raise FileNotFoundError(f"reward file not found: {path}")
+        raise FileNotFoundError(f"file not found: {path}")
     # A name unique to the path, so two files called rewards.py do not collide.
     name = f"rollover_user_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     spec = importlib.util.spec_from_file_location(name, path)
