@@ -331,6 +331,34 @@ def test_kl_gradient_with_and_without_the_importance_weight_is_the_hand_computed
         assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-7), k
 
 
+@pytest.mark.parametrize("target", [100.0, 0.0])
+def test_adaptive_entropy_control_moves_the_coefficient_and_gates_the_bonus(model_dir, tmp_path, target):
+    """algorithm.entropy_target (Skywork-OR1): the bonus is off until an update measures an entropy at
+    or below the target; each update moves the coefficient by the delta toward more bonus (entropy
+    at or below the target) or less, within the bounds; the trainer's state carries it. Zero
+    advantages: the loss is the bonus alone, -coefficient x mean entropy."""
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), 0.0) for i in range(9)]
+    cfg = tiny_cfg(model_dir, tmp_path / "r", **{"algorithm.entropy_coef": 0.1, "algorithm.entropy_target": target,
+                                                  "algorithm.entropy_coef_delta": 0.05, "algorithm.entropy_coef_max": 0.2})
+    tr = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
+    applied, coefs = [], []
+    for _ in range(4):
+        m = tr.train_step(batch_of(rolls))
+        applied.append(m["actor/entropy_coef"])
+        coefs.append(tr.entropy_coef)
+        assert tr.last_entropy == pytest.approx(m["actor/entropy"], rel=1e-6)
+        assert m["actor/pg_loss"] == pytest.approx(-applied[-1] * m["actor/entropy"], rel=1e-5, abs=1e-9)
+    if target:  # the entropy is below 100: up to the bound, and on from the second update
+        assert applied == pytest.approx([0.0, 0.15, 0.2, 0.2]) and coefs == pytest.approx([0.15, 0.2, 0.2, 0.2])
+    else:  # above 0: down to the lower bound, never on
+        assert applied == [0.0] * 4 and coefs == pytest.approx([0.05, 0.0, 0.0, 0.0])
+    resumed = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
+    resumed.load_state_dict(tr.state_dict())
+    assert (resumed.entropy_coef, resumed.last_entropy) == (tr.entropy_coef, tr.last_entropy)
+
+
 def test_ref_sync_mixes_the_policy_into_the_reference_every_n_steps(model_dir, tmp_path):
     """algorithm.ref_sync_every=2, ref_mixup_alpha=0.3: after step 2 (not step 1) the reference is
     0.3 x the policy + 0.7 x the old reference; the trainer's state carries it to a new trainer."""

@@ -55,7 +55,19 @@ class AlgorithmConfig(Section):
     ref_mixup_alpha: float = Field(0.6, gt=0, le=1)
     """The policy's weight in each reference sync (TRL's ref_model_mixup_alpha; 1 copies it)."""
     entropy_coef: float = Field(0.0, ge=0)
-    """Entropy bonus weight."""
+    """Entropy bonus weight (with entropy_target: its starting value)."""
+    entropy_target: Annotated[float, Field(ge=0)] | None = None
+    """Adaptive entropy control (Skywork-OR1, arXiv 2505.22312; TRL's use_adaptive_entropy): after
+    each update the coefficient moves up by entropy_coef_delta when the update's mean entropy (over
+    the tokens the bonus acts on) is at or below this target, down otherwise, within
+    [entropy_coef_min, entropy_coef_max]; the bonus applies only while the entropy last measured is
+    at or below the target. None = a fixed entropy_coef."""
+    entropy_coef_delta: float = Field(0.005, gt=0)
+    """Adaptive entropy control's step."""
+    entropy_coef_min: float = Field(0.0, ge=0)
+    """Adaptive entropy control's lower bound."""
+    entropy_coef_max: float = Field(1.0, ge=0)
+    """Adaptive entropy control's upper bound."""
     top_entropy_quantile: float = Field(1.0, ge=0, le=1)
     """Train only the highest-entropy fraction of each update's loss tokens ("Beyond the 80/20
     rule", arXiv 2506.01939, which uses 0.2; TRL's top_entropy_quantile): the threshold is that

@@ -196,6 +196,9 @@ class Config(Section):
                 f"algorithm.overlong_buffer={a.overlong_buffer} adds to their total"
             problems.append(f"algorithm.advantage=gdpo normalises each reward function's scores; {what}, not the "
                             "reward functions (for a length penalty, give it as a reward function)")
+        if a.entropy_target is not None and not a.entropy_coef_min <= a.entropy_coef <= a.entropy_coef_max:
+            problems.append(f"algorithm.entropy_coef={a.entropy_coef} is where adaptive entropy control starts: it must "
+                            f"lie in [entropy_coef_min, entropy_coef_max] = [{a.entropy_coef_min}, {a.entropy_coef_max}]")
         if a.kl_is_correction and a.kl_coef <= 0:
             problems.append("algorithm.kl_is_correction weighs the KL term, which algorithm.kl_coef=0 leaves out")
         if a.ref_mixup_alpha != type(a).model_fields["ref_mixup_alpha"].default and a.ref_sync_every is None:

@@ -26,8 +26,8 @@ from rollover.train.heads import LogitHead
 
 class PolicyForward:
     """The forward half of `rollover.train.trainer.Trainer` (which sets `cfg`, `device`, `model`,
-    `autocast`, `pack_length`, `micro_batch_tokens`, `shared_prefix`, `one_per_row`, `pad_id` and
-    `sharded`); `rollover.train.fsdp.FSDPTrainer` overrides the inputs and micro-batches."""
+    `autocast`, `pack_length`, `micro_batch_tokens`, `shared_prefix`, `one_per_row`, `pad_id`,
+    `entropy_coef_now` and `sharded`); `rollover.train.fsdp.FSDPTrainer` overrides the inputs and micro-batches."""
 
     def _base(self, model):
         return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -80,7 +80,7 @@ class PolicyForward:
         selected = hidden[mb.sel_row, mb.sel_col]  # [N, H]
         head = LogitHead(base)  # the model's own: the policy's or the KL reference's
         # with no entropy bonus the entropy is only logged: keep it out of the graph
-        entropy_grad = torch.is_grad_enabled() and self.cfg.algorithm.entropy_coef != 0
+        entropy_grad = torch.is_grad_enabled() and self.entropy_coef_now != 0
         chunk = self.cfg.train.logit_chunk_tokens or max(len(selected), 1)
         # Recomputing chunks in the backward bounds the loss's memory only when there are several:
         # a lone chunk's logits would be alive at the backward's start either way (it is where

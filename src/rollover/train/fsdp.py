@@ -413,12 +413,14 @@ class FSDPTrainer(Trainer):
         reference, go through `save_sharded`)."""
         return {"scheduler": self.scheduler.state_dict(), "bad_steps": self.bad_steps,
                 "steps_trained": self.steps_trained, "reference_saved": self.cfg.algorithm.ref_sync_every is not None,
+                "entropy_control": [self.entropy_coef, self.last_entropy],
                 "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens]}
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.bad_steps = state["bad_steps"]
         self.steps_trained = state.get("steps_trained", 0)
+        self.entropy_coef, self.last_entropy = state.get("entropy_control", (self.entropy_coef, self.last_entropy))
         start, now = state.get("micro_batch_tokens", (None, None))
         if start == self._micro_batch_start:
             self.micro_batch_tokens = now

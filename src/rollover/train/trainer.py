@@ -115,6 +115,10 @@ class Trainer(PolicyForward):
         )
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss
         self.steps_trained = 0  # train_step calls: algorithm.ref_sync_every counts them
+        # the entropy bonus's coefficient, which adaptive control (algorithm.entropy_target) moves, the
+        # entropy it last measured, and the coefficient the update in progress applies
+        self.entropy_coef, self.last_entropy = cfg.algorithm.entropy_coef, math.inf
+        self.entropy_coef_now = cfg.algorithm.entropy_coef
         shared_row = t.pack_length or self._fit_row(default_pack_length(cfg, shared_prefix=True))
         self.shared_prefix = t.shared_prefix and self._explicit_masks_work(shared_row)
         self.pack_length = shared_row if self.shared_prefix else t.pack_length or default_pack_length(cfg, False)
@@ -248,11 +252,14 @@ class Trainer(PolicyForward):
         behav_BT, opts = batch.behav_logp_BT.to(self.device), self._loss_options()
         loss_mask_BT, top_BT, whole = self._per_update(batch, old_BT, behav_BT, adv, mask_BT, opts, fresh, ent_BT)
         need_entropy = True  # logged every step; cheap next to the forward
+        adaptive = a.entropy_target is not None  # Skywork-OR1: on while the entropy is at or below the target
+        self.entropy_coef_now = (self.entropy_coef if self.last_entropy <= a.entropy_target else 0.0) if adaptive \
+            else a.entropy_coef
 
         def accumulate():
             """The micro-batches' forward and backward passes: gradients, and the sums for the metrics."""
             sums: dict[str, float] = {}
-            entropy_sum, kl_sum, loss_total, rollout_kl_sum = 0.0, 0.0, 0.0, 0.0
+            entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
             finite = True
             self.optimizer.zero_grad(set_to_none=True)
             micro = self._micro_batches(batch)
@@ -281,9 +288,12 @@ class Trainer(PolicyForward):
                     loss_BT = loss_BT + a.kl_coef * kl_BT
                     kl_sum += float((kl_BT.detach() * m_BT).sum())
                 ent_BT = self._to_BT(entropy, mb, T)
-                if a.entropy_coef:  # on the tokens the entropy quantile keeps (TRL)
-                    loss_BT = loss_BT - a.entropy_coef * (ent_BT if top is None else ent_BT * top)
+                bonus_BT = m_BT if top is None else m_BT & top  # the tokens the bonus acts on (TRL)
+                if self.entropy_coef_now:
+                    loss_BT = loss_BT - self.entropy_coef_now * ent_BT * bonus_BT
                 entropy_sum += float((ent_BT.detach() * m_BT).sum())
+                bonus_sum += float((ent_BT.detach() * bonus_BT).sum())
+                bonus_tokens += float(bonus_BT.sum())
                 # KL(sampler || trainer), k3 over the sampled tokens: the rollout-training mismatch
                 # (engine precision, and for off-policy tokens their age)
                 log_r = (logp_BT.detach() - behav_BT[sel]).clamp(max=20.0)
@@ -301,15 +311,20 @@ class Trainer(PolicyForward):
                 given, kept = float(m_BT.sum()), float(out.mask_BT.sum())
                 out.metrics["masked_frac"] = (given - kept) / max(given, 1)  # M2PO's drops too
                 add_metrics(sums, out.metrics, {"masked_frac": given, "is": float(loss_mask_BT[sel].sum()), "": kept})
-            return micro, sums, entropy_sum, kl_sum, loss_total, rollout_kl_sum, finite
+            return micro, sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens), finite
 
         # only the passes are redone on running out of memory: the optimizer step is not repeatable
-        micro, sums, entropy_sum, kl_sum, loss_total, rollout_kl_sum, finite = self._fitting(accumulate)
+        micro, sums, totals, finite = self._fitting(accumulate)
         pad = sum(mb.pad_tokens for mb in micro)
         slots = sum(mb.slots for mb in micro)
-        sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, pad, slots), finite = self._reduce(
-            sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, pad, slots), finite)
+        sums, totals, finite = self._reduce(sums, (*totals, pad, slots), finite)
+        entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens, pad, slots = totals
         grad_norm, finite = self._optimizer_step(finite)
+        applied = self.entropy_coef_now
+        if adaptive and finite:  # the next update's coefficient, from this one's entropy over the bonus's tokens
+            self.last_entropy = bonus_sum / max(bonus_tokens, 1.0)
+            step = a.entropy_coef_delta if self.last_entropy <= a.entropy_target else -a.entropy_coef_delta
+            self.entropy_coef = min(max(self.entropy_coef + step, a.entropy_coef_min), a.entropy_coef_max)
         metrics = {f"actor/{k}": v for k, v in mean_metrics(sums).items()}
         metrics.update({f"actor/{k}": float(v) for k, v in whole.items()})  # the same on every rank
         metrics.update({
@@ -323,6 +338,8 @@ class Trainer(PolicyForward):
             "actor/loss_tokens": num_tokens,
             "skipped": not finite,
         })
+        if adaptive:
+            metrics["actor/entropy_coef"] = applied
         if ref_BT is not None:
             metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
         return metrics
@@ -421,6 +438,7 @@ class Trainer(PolicyForward):
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "bad_steps": self.bad_steps, "steps_trained": self.steps_trained,
+                 "entropy_control": [self.entropy_coef, self.last_entropy],
                  "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens]}
         if self.cfg.algorithm.ref_sync_every is not None:  # moved off the starting model: kept
             state["reference"] = {n: p.detach().to("cpu", copy=True) for n, p in self.ref_model.named_parameters()}
@@ -436,6 +454,7 @@ class Trainer(PolicyForward):
         self.scheduler.load_state_dict(state["scheduler"])
         self.bad_steps = state["bad_steps"]
         self.steps_trained = state.get("steps_trained", 0)  # older checkpoints lack it
+        self.entropy_coef, self.last_entropy = state.get("entropy_control", (self.entropy_coef, self.last_entropy))
         start, now = state.get("micro_batch_tokens", (None, None))  # older checkpoints lack it
         if start == self._micro_batch_start:  # halved after running out of memory: stays halved
             self.micro_batch_tokens = now
