@@ -174,6 +174,7 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["algorithm.advantage=gdpo", "algorithm.overlong_buffer=16"], "gdpo normalises each reward function's scores; algorithm.overlong_buffer=16 adds"),
     (["algorithm.advantage=gdpo", "env.name=guess_number"], "gdpo normalises each reward function's scores; env.name='guess_number' scores episodes"),
     (["algorithm.entropy_target=1.0", "algorithm.entropy_coef=2.0"], r"entropy_coef=2.0 is where adaptive entropy control starts"),
+    (["algorithm.entropy_coef_max=0.5"], "algorithm.entropy_coef_max steer adaptive entropy control: set algorithm.entropy_target"),
     (["algorithm.kl_is_correction=true"], "kl_is_correction weighs the KL term, which algorithm.kl_coef=0 leaves out"),
     (["algorithm.kl_coef=0.1", "algorithm.ref_mixup_alpha=0.5"], "ref_mixup_alpha=0.5 is the weight of a reference sync"),
     (["algorithm.ref_sync_every=4"], "ref_sync_every=4 has no reference to move: algorithm.kl_coef=0 loads no reference"),

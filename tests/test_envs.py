@@ -163,7 +163,7 @@ def test_llama3_and_mistral_calls_as_their_models_write_them():
     """Llama 3.1's reply is the call ({"name", "parameters"}; <|python_tag|> when decoding kept
     it; several joined by ;). Mistral's calls follow [TOOL_CALLS], a special token the decoded
     turn may have lost."""
-    from rollover.envs.tool_formats import tool_format
+    from rollover.envs.tool_formats import Parsed, tool_format
 
     llama, mistral = tool_format("llama3_json"), tool_format("mistral")
     got = llama.parse('<|python_tag|>{"name": "calculator", "parameters": {"expression": "2+2"}}; '
@@ -185,6 +185,9 @@ def test_llama3_and_mistral_calls_as_their_models_write_them():
     got = mistral.parse('Let me compute. [{"name": "calculator", "arguments": {"expression": "1"}, "id": "a1b2c3d4e"}]')
     assert got.calls == [ToolCall("calculator", {"expression": "1"}, "a1b2c3d4e")] and got.content == "Let me compute."
     assert llama.parse('{"name": "Alice", "age": 3}').calls == []  # a JSON answer, not a call
+    answer = 'The people are [{"name": "Alice", "age": 3}], so \\boxed{1}.'
+    assert mistral.parse(answer) == Parsed([], [], answer)  # nor here
+    assert mistral.parse('[{"name": "f", "arguments": {}, "id": "call_1"}]').calls == [ToolCall("f", {})]  # not 9
     assert llama.parse('{"name": "calculator", "parameters": {"expression": "1"}};').problems == []  # a trailing ;
 
 

@@ -354,6 +354,9 @@ def test_adaptive_entropy_control_moves_the_coefficient_and_gates_the_bonus(mode
         assert applied == pytest.approx([0.0, 0.15, 0.2, 0.2]) and coefs == pytest.approx([0.15, 0.2, 0.2, 0.2])
     else:  # above 0: down to the lower bound, never on
         assert applied == [0.0] * 4 and coefs == pytest.approx([0.05, 0.0, 0.0, 0.0])
+    before = (tr.entropy_coef, tr.last_entropy)  # an update with no loss token measures nothing
+    tr.train_step(batch_of([rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * 2, 0.0, mask=[0, 0]) for i in range(9)]))
+    assert (tr.entropy_coef, tr.last_entropy) == before
     resumed = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
     resumed.load_state_dict(tr.state_dict())
     assert (resumed.entropy_coef, resumed.last_entropy) == (tr.entropy_coef, tr.last_entropy)

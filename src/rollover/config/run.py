@@ -196,12 +196,16 @@ class Config(Section):
                 f"algorithm.overlong_buffer={a.overlong_buffer} adds to their total"
             problems.append(f"algorithm.advantage=gdpo normalises each reward function's scores; {what}, not the "
                             "reward functions (for a length penalty, give it as a reward function)")
+        fields = type(a).model_fields
+        moved = [k for k in ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max") if getattr(a, k) != fields[k].default]
+        if a.entropy_target is None and moved:
+            problems.append(f"algorithm.{', '.join(moved)} steer adaptive entropy control: set algorithm.entropy_target too")
         if a.entropy_target is not None and not a.entropy_coef_min <= a.entropy_coef <= a.entropy_coef_max:
             problems.append(f"algorithm.entropy_coef={a.entropy_coef} is where adaptive entropy control starts: it must "
                             f"lie in [entropy_coef_min, entropy_coef_max] = [{a.entropy_coef_min}, {a.entropy_coef_max}]")
         if a.kl_is_correction and a.kl_coef <= 0:
             problems.append("algorithm.kl_is_correction weighs the KL term, which algorithm.kl_coef=0 leaves out")
-        if a.ref_mixup_alpha != type(a).model_fields["ref_mixup_alpha"].default and a.ref_sync_every is None:
+        if a.ref_mixup_alpha != fields["ref_mixup_alpha"].default and a.ref_sync_every is None:
             problems.append(f"algorithm.ref_mixup_alpha={a.ref_mixup_alpha} is the weight of a reference sync: set "
                             "algorithm.ref_sync_every too")
         if a.ref_sync_every is not None and (a.kl_coef <= 0 or self.train.lora is not None):

@@ -13,9 +13,9 @@ describes the tools in a system message for templates that do not describe them 
   object has `parameters` or `arguments`; any other reply is the final answer.
 - `mistral` (Mistral's `[TOOL_CALLS]`): a JSON list of `{"name": ..., "arguments": {...}}` after
   the `[TOOL_CALLS]` marker. The marker is a special token, which the decoded turn leaves out
-  (`rollover.envs.base.Action.text`), so a reply with a `[{"name"` list in it is read as calls
-  from there too. The text before is the message's content. The calls' `id`s (Mistral's
-  models write them) are kept; results must carry them back (`tool_call_id`), and its
+  (`rollover.envs.base.Action.text`), so a reply with a `[{"name"` list in it whose first object
+  has `arguments` is read as calls from there too. The text before is the message's content. The calls' `id`s (Mistral's
+  models write them, nine letters and digits) are kept; results must carry them back (`tool_call_id`), and its
   templates refuse ids other than nine letters and digits, so calls without one get such an id
   (`call_id`).
 
@@ -64,8 +64,9 @@ def as_call(item) -> ToolCall | str:
             return "arguments are a string that is not JSON"
     if not isinstance(arguments, dict):
         return "arguments must be an object"
-    given = item.get("id")
-    return ToolCall(item["name"], arguments, given if isinstance(given, str) and given else None)
+    given = item.get("id")  # kept where Mistral's templates take it: nine letters and digits
+    valid = isinstance(given, str) and re.fullmatch(r"[A-Za-z0-9]{9}", given)
+    return ToolCall(item["name"], arguments, given if valid else None)
 
 
 def _calls_of(payload, where: str, calls: list[ToolCall], problems: list[str]) -> None:
@@ -178,6 +179,12 @@ class Mistral:
             content, _, body = text.partition(self.MARK)
         elif found := self.START.search(text):  # the marker was a special token, left out of the decoded turn
             content, body = text[:found.start()], text[found.start():]
+            try:
+                first, _ = json.JSONDecoder().raw_decode(body)
+            except json.JSONDecodeError:
+                first = None
+            if isinstance(first, list) and first and isinstance(first[0], dict) and "arguments" not in first[0]:
+                return Parsed([], [], text.strip())  # a JSON answer with names in it, not calls
         else:
             return Parsed([], [], text.strip())
         return _read(body.strip(), self.MARK, content.strip())

@@ -311,6 +311,6 @@ def _check_arguments(tool: Tool, arguments: dict) -> str | None:
         nullable = properties[k].get("nullable") or (isinstance(kind, list) and "null" in kind)
         if v is None and nullable:
             continue
-        if (kind == "string" or (isinstance(kind, list) and kind == ["string", "null"])) and not isinstance(v, str):
+        if (kind == "string" or (isinstance(kind, list) and "string" in kind)) and not isinstance(v, str):
             return f"argument {k!r} must be a string"
     return None

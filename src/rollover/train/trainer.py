@@ -288,7 +288,9 @@ class Trainer(PolicyForward):
                     loss_BT = loss_BT + a.kl_coef * kl_BT
                     kl_sum += float((kl_BT.detach() * m_BT).sum())
                 ent_BT = self._to_BT(entropy, mb, T)
-                bonus_BT = m_BT if top is None else m_BT & top  # the tokens the bonus acts on (TRL)
+                # the tokens the bonus acts on: the loss's (M2PO or an IS mask may have left some) that the
+                # entropy quantile keeps (TRL's), where adaptive control also measures the entropy
+                bonus_BT = out.mask_BT if top is None else out.mask_BT & top
                 if self.entropy_coef_now:
                     loss_BT = loss_BT - self.entropy_coef_now * ent_BT * bonus_BT
                 entropy_sum += float((ent_BT.detach() * m_BT).sum())
@@ -321,7 +323,7 @@ class Trainer(PolicyForward):
         entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens, pad, slots = totals
         grad_norm, finite = self._optimizer_step(finite)
         applied = self.entropy_coef_now
-        if adaptive and finite:  # the next update's coefficient, from this one's entropy over the bonus's tokens
+        if adaptive and finite and bonus_tokens > 0:  # the next update's coefficient, from this one's entropy
             self.last_entropy = bonus_sum / max(bonus_tokens, 1.0)
             step = a.entropy_coef_delta if self.last_entropy <= a.entropy_target else -a.entropy_coef_delta
             self.entropy_coef = min(max(self.entropy_coef + step, a.entropy_coef_min), a.entropy_coef_max)
