@@ -53,6 +53,28 @@ def test_a_group_left_with_one_sample_is_skipped_but_a_group_of_one_trains():
     assert keep_group(_group([0.5]), one, Counter())
 
 
+def test_dynamic_sampling_with_gdpo_keeps_a_group_whose_functions_differ_though_its_totals_do_not():
+    """Two functions weighted alike that swap between the samples: every total is 1 (GRPO has no
+    signal, the group is filtered), but each function's scores differ (GDPO learns from them)."""
+    def group():
+        g = _group([1.0, 1.0])
+        for r, (a, b) in zip(g.rollouts, [(1.0, 0.0), (0.0, 1.0)]):
+            r.scores = {"numeric": a, "format": b}
+        return g
+
+    funcs = "reward.functions=[numeric, format]"
+    for advantage, kept in (("grpo", False), ("gdpo", True)):
+        cfg = load_config(None, [funcs, "algorithm.dynamic_sampling=true", f"algorithm.advantage={advantage}"])
+        m = Counter()
+        assert keep_group(group(), cfg, m) is kept, advantage
+        assert m.get("filtered_groups", 0) == (not kept)
+    one_absent = group()  # a function that scored one sample only has no spread in the group
+    one_absent.rollouts[1].scores = {"numeric": 1.0}
+    one_absent.rollouts[0].scores = {"numeric": 1.0, "format": 0.0}
+    gdpo = load_config(None, [funcs, "algorithm.dynamic_sampling=true", "algorithm.advantage=gdpo"])
+    assert not keep_group(one_absent, gdpo, Counter())
+
+
 FLAKY_ENV = '''
 from rollover.envs.base import StepResult
 from rollover.types import Prompt

@@ -137,8 +137,8 @@ def keep_group(group: Group, cfg: Config, m, curate=None) -> bool:
     it (`dropped_samples`) and it trains on the rest, its baseline over them; a group left with
     fewer than two samples (or a group of one without its sample) is skipped
     (`skipped_groups`); `curate(group)` may change it (the experience pool); with DAPO dynamic
-    sampling a group whose rewards are all equal is filtered (`filtered_groups`,
-    `filtered_tokens`)."""
+    sampling a group whose rewards are all equal (with GDPO: each function's scores) is filtered
+    (`filtered_groups`, `filtered_tokens`)."""
     failed = sum(r.reward is None for r in group.rollouts)
     if failed:
         group.rollouts = [r for r in group.rollouts if r.reward is not None]
@@ -149,7 +149,7 @@ def keep_group(group: Group, cfg: Config, m, curate=None) -> bool:
         return False
     if curate is not None:
         curate(group)
-    if cfg.algorithm.dynamic_sampling and not has_variance(group):
+    if cfg.algorithm.dynamic_sampling and not has_variance(group, by_function=cfg.algorithm.advantage == "gdpo"):
         m["filtered_groups"] += 1
         m["filtered_tokens"] += sum(len(r.response_ids) for r in group.rollouts)
         return False
@@ -182,8 +182,12 @@ def trainable(group: Group) -> bool:
     return scored >= min(MIN_SAMPLES, len(group.rollouts) + group.dropped)
 
 
-def has_variance(group: Group) -> bool:
-    """DAPO dynamic sampling keeps groups whose rewards are not all equal."""
+def has_variance(group: Group, by_function: bool = False) -> bool:
+    """DAPO dynamic sampling keeps groups whose rewards are not all equal (`by_function`, for GDPO,
+    which normalises each reward function in the group: where some function's scores differ)."""
+    if by_function:
+        names = {k for r in group.rollouts for k in r.scores}
+        return any(len({r.scores[k] for r in group.rollouts if k in r.scores}) > 1 for k in names)
     rewards = [r.reward for r in group.rollouts]
     return len(set(rewards)) > 1
 
