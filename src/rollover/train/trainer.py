@@ -272,14 +272,8 @@ class Trainer(PolicyForward):
                 logp_BT = self._to_BT(logp, mb, T).masked_fill(~m_BT, 0.0)
                 old = logp_BT.detach() if old_BT is None else old_BT[sel.cpu()].to(self.device)
                 out = policy_loss(a.loss, logp_BT, old, adv[sel], loss_mask_BT[sel], behav_BT[sel], **opts)
-                # the entropy quantile's and OPSM's choices weigh the policy term only, as in TRL: the
-                # tokens they drop keep their KL term and count in every denominator
-                top = keep = None if top_BT is None else top_BT[sel]
-                if a.opsm_delta is not None:
-                    adv_BT = adv[sel] if adv.dim() == 2 else adv[sel][:, None].expand_as(logp_BT)
-                    ok_BT, opsm = opsm_mask(logp_BT, behav_BT[sel], adv_BT, m_BT, delta=a.opsm_delta)
-                    keep = ok_BT if keep is None else keep & ok_BT
-                    out.metrics.update(opsm)
+                top = None if top_BT is None else top_BT[sel]
+                keep = self._policy_term_kept(top, logp_BT, behav_BT[sel], adv[sel], m_BT, out.metrics)
                 loss_BT = out.loss_BT if keep is None else out.loss_BT * keep
                 if ref_BT is not None:
                     kl_BT = kl_penalty(logp_BT, ref_BT[sel.cpu()].to(self.device), a.kl_estimator)
@@ -345,6 +339,18 @@ class Trainer(PolicyForward):
         if ref_BT is not None:
             metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
         return metrics
+
+    def _policy_term_kept(self, top_BT, logp_BT, behav_BT, adv, mask_BT, metrics: dict):
+        """The tokens whose policy term counts in a pass (None: all): those the entropy quantile kept
+        (`top_BT`) and OPSM keeps (its metric into `metrics`). They weigh the policy term only, as in
+        TRL: the tokens they drop keep their KL term and count in every denominator."""
+        keep = top_BT
+        if self.cfg.algorithm.opsm_delta is not None:
+            adv_BT = adv if adv.dim() == 2 else adv[:, None].expand_as(logp_BT)
+            ok_BT, opsm = opsm_mask(logp_BT, behav_BT, adv_BT, mask_BT, delta=self.cfg.algorithm.opsm_delta)
+            keep = ok_BT if keep is None else keep & ok_BT
+            metrics.update(opsm)
+        return keep
 
     def _per_update(self, batch: TrainBatch, old_BT, behav_BT, adv, mask_BT, opts: dict, fresh: bool, ent_BT=None):
         """What is chosen once over all the update's loss tokens, every micro-batch and rank, before any
