@@ -462,6 +462,92 @@ def test_sapo_takes_no_clip_bounds_and_gradchecks():
         load_config(model="unused", run_dir="unused", **{"algorithm.loss": "sapo", "algorithm.dual_clip": 3.0})
 
 
+# ---- VESPO -----------------------------------------------------------------------------------
+
+
+def vespo_weight(log_w, adv, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0):
+    """φ(w) = e^λ · w^k · e^{-λw} for one sequence (arXiv 2602.10693), by hand."""
+    k, lam = (k_pos, lam_pos) if adv >= 0 else (k_neg, lam_neg)
+    w = math.exp(log_w)
+    return math.exp(lam) * w ** k * math.exp(-lam * w)
+
+
+def test_vespo_by_hand_each_sequence_weighted_by_its_ratio():
+    log_r = [[0.1, -0.3, 0.05], [0.4, 0.2, 0.0], [0.0, 0.0, 0.0]]
+    adv = t([1.0, -2.0, 0.5])
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
+    out, grad = loss_and_grad("vespo", log_r, adv, mask=mask, mode="seq-mean-token-sum")
+    phi = [vespo_weight(-0.2, 1.0), vespo_weight(0.6, -2.0), 1.0]  # the last is on-policy: φ(1) = 1
+    for i in range(3):
+        for j in range(3):
+            expected = -phi[i] * adv[i].item() * log_r[i][j] if mask[i, j] else 0.0
+            assert out.loss_BT[i, j].item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+            # φ carries no gradient: d/dlogp is -φ·A (over 3 sequences: seq-mean)
+            assert grad[i, j].item() == pytest.approx(-phi[i] * adv[i].item() / 3 if mask[i, j] else 0.0, rel=1e-9)
+    assert phi[0] > 1.1 and phi[1] > 1.1  # φ peaks at w = k/λ (2/3 for A >= 0, 3/2 for A < 0), not at 1
+    assert out.metrics["phi_mean"].item() == pytest.approx((2 * phi[0] + 3 * phi[1] + 3) / 8)
+
+
+def test_vespo_folds_token_importance_weights_into_the_sequence_ratio():
+    logp = leaf([[-0.5, -1.0]])
+    old, behav, adv = t([[-0.6, -1.0]]), t([[-0.4, -1.5]]), t([1.0])
+    out = policy_loss("vespo", logp, old, adv, ones_mask(1, 2), behav, is_level="token", is_mode="truncate",
+                      is_cap=1.5)
+    rho = [min(math.exp(-0.6 + 0.4), 1.5), min(math.exp(-1.0 + 1.5), 1.5)]  # π_old/π_behav, capped
+    log_w = (0.1 + 0.0) + math.log(rho[0]) + math.log(rho[1])
+    phi = vespo_weight(log_w, 1.0)
+    torch.testing.assert_close(out.loss_BT, t([[-phi * -0.5, -phi * -1.0]]))  # not multiplied by ρ again
+    plain = policy_loss("vespo", logp, old, adv, ones_mask(1, 2), behav)  # no options: w = π/π_behav, uncapped
+    phi = vespo_weight((-0.5 + 0.4) + (-1.0 + 1.5), 1.0)
+    torch.testing.assert_close(plain.loss_BT, t([[-phi * -0.5, -phi * -1.0]]))
+    with pytest.raises(ValueError, match="token level only"):
+        policy_loss("vespo", logp, old, adv, ones_mask(1, 2), behav, is_level="sequence")
+    with pytest.raises(ValueError, match="k_neg must be >= 0"):
+        policy_loss("vespo", logp, old, adv, ones_mask(1, 2), k_neg=-1.0)
+
+
+def test_vespo_takes_no_clip_bounds_and_far_sequences_fade():
+    a = load_config(model="unused", run_dir="unused", **{"algorithm.loss": "vespo"}).algorithm
+    assert "eps_low" not in loss_options(a) and check_loss_options(a) is None
+    a = load_config(model="unused", run_dir="unused", **{"algorithm.loss": "vespo", "algorithm.tis_cap": 2.0}).algorithm
+    assert check_loss_options(a) is None
+    with pytest.raises(ConfigError, match="algorithm.dual_clip=3.0 for algorithm.loss=vespo"):
+        load_config(model="unused", run_dir="unused", **{"algorithm.loss": "vespo", "algorithm.dual_clip": 3.0})
+    _, near = loss_and_grad("vespo", [[0.01] * 4], t([1.0]))
+    _, far = loss_and_grad("vespo", [[0.5] * 4], t([1.0]))  # w = e^2
+    assert near.abs().min() > 0.9 * 0.25 and 0 < far.abs().max() < 1e-3 * 0.25
+    out = policy_loss("vespo", leaf([[0.5, 0.5], [-2.0, -2.0], [0.0, 0.0]]), torch.zeros(3, 2, dtype=F64),
+                      t([1.0, 1.0, 1.0]), ones_mask(3, 2))
+    assert out.metrics["clip_frac_high"].item() == pytest.approx(1 / 3)  # w = e: φ = 0.04
+    assert out.metrics["clip_frac_low"].item() == pytest.approx(1 / 3)  # w = e^-4: φ = 0.006
+
+
+# ---- LUSPO -----------------------------------------------------------------------------------
+
+
+def test_luspo_is_gspo_summed_over_each_sequences_tokens():
+    """TRL's loss_type="luspo" (arXiv 2602.05261): GSPO's sequence loss times the sequence's length,
+    averaged over sequences, which is rollover's gspo under the seq-mean-token-sum aggregation."""
+    g = torch.Generator().manual_seed(0)
+    logp0, old = -torch.rand(4, 6, generator=g, dtype=F64), -torch.rand(4, 6, generator=g, dtype=F64)
+    adv = torch.randn(4, generator=g, dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]]).bool()
+    ours = logp0.clone().requires_grad_()
+    out = policy_loss("gspo", ours, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    aggregate(out.loss_BT, out.mask_BT, "seq-mean-token-sum", num_seqs=4).backward()
+    theirs = logp0.clone().requires_grad_()  # TRL's formula, written out
+    m = mask.to(F64)
+    s = torch.exp(((theirs - old) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True))
+    per_seq = -torch.min(s * adv[:, None], s.clamp(0.8, 1.28) * adv[:, None])
+    (per_seq * m.sum(1, keepdim=True)).mean().backward()
+    torch.testing.assert_close(ours.grad, theirs.grad)
+    assert ours.grad.abs().sum() > 0
+    luspo = {"algorithm.loss": "gspo", "algorithm.aggregation": "seq-mean-token-sum"}
+    assert load_config(model="unused", run_dir="unused", **luspo).algorithm.aggregation == "seq-mean-token-sum"
+    with pytest.raises(ConfigError, match="seq-mean-token-mean \\(GSPO\\) or seq-mean-token-sum \\(LUSPO"):
+        load_config(model="unused", run_dir="unused", **{**luspo, "algorithm.aggregation": "token-mean"})
+
+
 # ---- shared behaviour ------------------------------------------------------------------------
 
 

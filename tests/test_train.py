@@ -59,6 +59,18 @@ def packed_logprobs(model, mb):
         return torch.log_softmax(model.lm_head(hidden[mb.sel_row, mb.sel_col]), -1).gather(1, mb.targets[:, None]).squeeze(1)
 
 
+def step_seeing_gradient(tr, batch):
+    """`tr.train_step(batch)` and the gradient its optimizer step saw: (metrics, {name: grad})."""
+    seen, real_step = {}, tr.optimizer.step
+
+    def step(*a, **kw):
+        seen.update({n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None})
+        return real_step(*a, **kw)
+
+    tr.optimizer.step = step
+    return tr.train_step(batch), seen
+
+
 @pytest.mark.parametrize("shared,impl", [(False, "sdpa"), (True, "sdpa"), (True, "eager")])
 def test_packing_keeps_sequences_apart(shared, impl):
     model = tiny_model("llama", seed=4)
@@ -181,14 +193,7 @@ def test_m2po_masks_the_whole_update_whatever_the_micro_batch_split(model_dir, t
         if mbt == 64:  # sampled off-policy: the model's logprobs, perturbed token by token
             noise = 0.3 * torch.randn(batch.mask_BT.shape, generator=torch.Generator().manual_seed(1))
             batch.behav_logp_BT = torch.where(batch.mask_BT, tr.logprobs(batch) + noise, 0.0)
-        seen, real_step = {}, tr.optimizer.step
-
-        def step(*a, **kw):  # the gradient the optimizer sees (see the test above)
-            seen.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-            return real_step(*a, **kw)
-
-        tr.optimizer.step = step
-        m = tr.train_step(batch)
+        m, seen = step_seeing_gradient(tr, batch)
         assert (m["actor/micro_batches"] == 1) == (mbt == 64)
         grads.append(seen)
         after.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -250,17 +255,49 @@ def test_top_entropy_quantile_trains_the_high_entropy_tokens_only(model_dir, tmp
             "algorithm.kl_coef": kl_coef, "algorithm.aggregation": aggregation})
         m = tiny_model("llama", seed=5)
         tr = Trainer(m, cfg, device=torch.device("cpu"), reference=ref)
-        seen, real_step = {}, tr.optimizer.step
-
-        def step(*a, **kw):  # the gradient the optimizer sees
-            seen.update({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
-            return real_step(*a, **kw)
-
-        tr.optimizer.step = step
-        metrics = tr.train_step(batch)
+        metrics, seen = step_seeing_gradient(tr, batch)
         assert (metrics["actor/micro_batches"] == 1) == (mbt == 256)
         assert metrics["actor/entropy_threshold"] == pytest.approx(float(threshold), rel=1e-5)
         assert metrics["actor/entropy_kept_frac"] == pytest.approx(sum(int(k.sum()) for k in kept) / n_tokens)
+        assert metrics["actor/pg_loss"] == pytest.approx(float(loss), rel=1e-4)
+        assert seen.keys() == want.keys()
+        for k in want:
+            assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-6), (mbt, k, float((seen[k] - want[k]).abs().max()))
+
+
+def test_vespo_step_weights_each_sequence_by_its_ratio_to_the_engine(model_dir, tmp_path):
+    """algorithm.loss=vespo with tis_cap: each sequence's REINFORCE term is weighted by φ(w), w the
+    product of its tokens' capped π_old/π_behav (the engine's logprobs are -1 here), computed by
+    hand; one micro-batch or several give that gradient."""
+    import math
+
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout(f"g{i % 2}", [5 + i, 6, 7], [8 + i, 3 * i % 11, 9][: 1 + i % 3], float(i % 2) - 0.5)
+             for i in range(6)]
+    model, cap = tiny_model("llama", seed=5), 1.5
+    loss, n_tokens, phis = 0.0, sum(len(r.response_ids) for r, _ in rolls), []
+    for i, (r, adv) in enumerate(rolls):
+        ids, pick = torch.tensor([r.prompt_ids + r.response_ids]), torch.tensor(r.response_ids)[:, None]
+        lp = torch.log_softmax(model(ids).logits[0, len(r.prompt_ids) - 1: -1], -1).gather(1, pick).squeeze(1)
+        r.logprobs = [x + 0.4 * ((i + j) % 3 - 1) for j, x in enumerate(lp.tolist())]  # the engine's, off a little
+        log_w = sum(math.log(min(math.exp(x - b), cap)) for x, b in zip(lp.tolist(), r.logprobs))
+        k, lam = (2.0, 3.0) if adv >= 0 else (3.0, 2.0)
+        phis.append(math.exp(lam + k * log_w - lam * math.exp(log_w)))
+        loss = loss - (phis[-1] * adv * lp).sum() / n_tokens
+    model.zero_grad()
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert max(phis) - min(phis) > 0.1  # the sequences are weighted differently
+    batch = batch_of(rolls)
+    for mbt in (256, 8):
+        cfg = tiny_cfg(model_dir, tmp_path / f"r{mbt}", **{
+            "train.micro_batch_tokens": mbt, "train.pack_length": 8, "data.max_prompt_tokens": 4,
+            "rollout.max_new_tokens": 4, "algorithm.loss": "vespo", "algorithm.tis_cap": cap, "train.grad_clip": 0.0})
+        m = tiny_model("llama", seed=5)
+        tr = Trainer(m, cfg, device=torch.device("cpu"))
+        metrics, seen = step_seeing_gradient(tr, batch)
+        assert (metrics["actor/micro_batches"] == 1) == (mbt == 256)
         assert metrics["actor/pg_loss"] == pytest.approx(float(loss), rel=1e-4)
         assert seen.keys() == want.keys()
         for k in want:
@@ -318,14 +355,7 @@ def test_kl_gradient_with_and_without_the_importance_weight_is_the_hand_computed
                                                   "train.grad_clip": 0.0})
     m = tiny_model("llama", seed=5)
     tr = Trainer(m, cfg, device=torch.device("cpu"), reference=ref)
-    seen, real_step = {}, tr.optimizer.step
-
-    def step(*a, **kw):
-        seen.update({k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None})
-        return real_step(*a, **kw)
-
-    tr.optimizer.step = step
-    tr.train_step(batch_of(rolls))
+    _, seen = step_seeing_gradient(tr, batch_of(rolls))
     assert seen.keys() == want.keys()
     for k in want:
         assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-7), k

@@ -9,7 +9,7 @@ entry. Every loss is to be *minimised*.
     loss = aggregate(out.loss_BT, out.mask_BT, "token-mean", num_tokens=step_tokens)
 
 - `advantages`: grpo, grpo_batch_std, drgrpo, rloo, reinforce_pp_baseline, gapo (`ADVANTAGES`).
-- `policy`: ppo, gspo, gspo_token, cispo, sapo, decoupled_ppo, bapo (`POLICY_LOSSES`);
+- `policy`: ppo, gspo, gspo_token, cispo, sapo, vespo, decoupled_ppo, bapo (`POLICY_LOSSES`);
   `bapo_update_bounds` picks BAPO's bounds once over an update split into micro-batches and ranks.
 - `bapo_bounds`: BAPO's candidate bounds, the tables a batch contributes, the search.
 - `offpolicy`: truncated / masked importance sampling and the M2PO mask, as options of every
@@ -53,6 +53,7 @@ from rollover.algos.policy import (
     policy_loss,
     ppo,
     sapo,
+    vespo,
 )
 from rollover.algos.regularizers import KL_ESTIMATORS, entropy_bonus, entropy_from_logits, kl_penalty, top_entropy_mask
 from rollover.algos.shaping import overlong_penalty, truncated_mask
@@ -93,6 +94,7 @@ __all__ = [
     "reinforce_pp_baseline",
     "rloo",
     "sapo",
+    "vespo",
     "top_entropy_mask",
     "truncated_mask",
 ]

@@ -33,6 +33,7 @@ Common departures:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -338,6 +339,70 @@ def sapo(
     return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
 
 
+def vespo(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    behav_logp_BT: Tensor | None = None,
+    *,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+    **correction,
+) -> PolicyLossOutput:
+    """VESPO (Variational Sequence-Level Soft Policy Optimization, arXiv 2602.10693; TRL's
+    `loss_type="vespo"`): no clip; each sequence's REINFORCE term is scaled by a smooth weight of
+    its importance ratio against the policy that sampled it, `w = Π_t π/π_behav`
+    (`Π_t π/π_old` when no `behav_logp_BT` is given):
+
+    `ℓ_it = -sg(φ(w_i)) · A_i · log π_it`, `φ(w) = e^λ · w^k · e^{-λw}` (so `φ(1) = 1`), with
+    `(k, λ) = (k_pos, lambda_pos)` where `A ≥ 0` and `(k_neg, lambda_neg)` where `A < 0`: a
+    sequence far from the old policy on either side gets little weight.
+
+    `w` is `Π_t π/π_old · Π_t π_old/π_behav`. Token-level importance sampling options
+    (`tis_cap`, or `is_level="token"`) shape the second factor (capped, or masked tokens left
+    out) instead of multiplying the loss, as TRL does with vLLM's weights; sequence-level
+    importance sampling is refused. Token log-ratios are clamped (`π/π_old` to ±20, `π_old/π_behav`
+    to `[log 1e-8, 20]`), then `log w` to `[log 1e-8, 20]` (TRL's bounds). `phi_mean` is
+    the mean weight over loss tokens; the clip fractions count the tokens whose weight is below
+    1/2, `clip_frac_low` those of sequences with `w < 1`, `clip_frac_high` with `w > 1`.
+    """
+    if correction.get("is_level") not in (None, "token"):
+        raise ValueError(f"vespo takes importance sampling at token level only (its weights go into the sequence "
+                         f"ratio), got is_level={correction['is_level']!r}")
+    for name, v in (("k_pos", k_pos), ("lambda_pos", lambda_pos), ("k_neg", k_neg), ("lambda_neg", lambda_neg)):
+        if not v >= 0:
+            raise ValueError(f"vespo's {name} must be >= 0, got {v}")
+    x = _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction)
+    with torch.no_grad():
+        floor = math.log(1e-8)
+        log_w_BT = x.log_ratio_BT.detach()
+        if x.weight_BT is not None:  # π_old/π_behav as the correction options made it (capped, say)
+            is_log_BT = x.weight_BT.clamp(min=1e-30).log()
+        elif behav_logp_BT is not None:  # π_old/π_behav as it is
+            is_log_BT = old_logp_BT.detach() - behav_logp_BT
+        if x.weight_BT is not None or behav_logp_BT is not None:
+            is_log_BT = torch.where(x.mask_BT, is_log_BT.clamp(floor, MAX_LOG_RATIO), torch.zeros_like(log_w_BT))
+            log_w_BT = log_w_BT + is_log_BT
+        log_w_B = log_w_BT.sum(dim=1).clamp(floor, MAX_LOG_RATIO)
+        pos_BT = x.adv_BT >= 0
+        k_BT = torch.where(pos_BT, torch.full_like(log_w_BT, k_pos), torch.full_like(log_w_BT, k_neg))
+        lam_BT = torch.where(pos_BT, torch.full_like(log_w_BT, lambda_pos), torch.full_like(log_w_BT, lambda_neg))
+        lam_BT = lam_BT.clamp(min=1e-4)
+        log_w_BT = log_w_B[:, None].expand_as(log_w_BT)
+        phi_BT = (lam_BT + k_BT * log_w_BT - lam_BT * log_w_BT.exp()).exp().nan_to_num(0.0, 0.0, 0.0)
+        halved_BT = (phi_BT < 0.5).to(phi_BT.dtype)
+        metrics = {
+            "clip_frac_low": masked_mean(halved_BT * (log_w_BT < 0), x.mask_BT),
+            "clip_frac_high": masked_mean(halved_BT * (log_w_BT > 0), x.mask_BT),
+            "phi_mean": masked_mean(phi_BT, x.mask_BT),
+        }
+    loss_BT = -phi_BT * x.adv_BT * x.logp_BT
+    return _finish(loss_BT, x._replace(weight_BT=None), {**metrics, **_ratio_metrics(x.log_ratio_BT.exp(), x)})
+
+
 def bapo_update_bounds(
     logp_BT: Tensor,
     old_logp_BT: Tensor,
@@ -422,6 +487,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "decoupled_ppo": decoupled_ppo,
     "bapo": bapo,
     "sapo": sapo,
+    "vespo": vespo,
 }
 
 
@@ -430,7 +496,7 @@ def loss_options(algorithm) -> dict:
     first, then the named keys: clip bounds, dual clip, TIS, M2PO)."""
     a = algorithm
     opts = dict(a.loss_options)
-    if a.loss not in ("bapo", "sapo"):  # BAPO finds its bounds, SAPO has none (a gate)
+    if a.loss not in ("bapo", "sapo", "vespo"):  # BAPO finds its bounds, SAPO and VESPO have none (a gate, a weight)
         opts.setdefault("eps_low", a.eps_low)
         opts.setdefault("eps_high", a.eps_high)
     if a.dual_clip is not None:

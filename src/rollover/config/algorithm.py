@@ -14,11 +14,13 @@ class AlgorithmConfig(Section):
     """Advantage estimator over each prompt's group. gdpo (several reward functions): each
     function's scores normalised within the group, then their weighted sum over the batch (TRL's
     multi_objective_aggregation=normalize_then_sum)."""
-    loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo", "sapo"] | None = None
+    loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo", "sapo", "vespo"] | None = None
     """Policy loss; unset: ppo in sync mode, decoupled_ppo in async mode or with APRIL
     (partial_rollout.enabled). ppo with
     eps_high > eps_low is DAPO's clip-higher. sapo: a soft gate instead of the clip (loss_options:
-    tau_pos, tau_neg; eps_low and eps_high do not apply)."""
+    tau_pos, tau_neg; eps_low and eps_high do not apply). vespo: no clip, each sequence weighted by
+    a smooth function of its importance ratio (loss_options: k_pos, lambda_pos, k_neg, lambda_neg;
+    eps_low and eps_high do not apply)."""
     eps_low: float = Field(0.2, ge=0)
     """Lower clip range (ratio >= 1 - eps_low)."""
     eps_high: float = Field(0.28, ge=0)

@@ -115,8 +115,9 @@ class Config(Section):
             problems.append("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2 (a group of 1 has no variance)")
         if a.advantage in ("grpo", "grpo_batch_std", "drgrpo", "rloo", "gapo", "gdpo") and r.samples_per_prompt < 2:
             problems.append(f"algorithm.advantage={a.advantage} compares samples of a group: rollout.samples_per_prompt must be >= 2")
-        if a.loss in ("gspo", "gspo_token") and a.aggregation != "seq-mean-token-mean":
-            problems.append("algorithm.loss=gspo is defined with aggregation=seq-mean-token-mean; set it explicitly")
+        if a.loss in ("gspo", "gspo_token") and a.aggregation not in ("seq-mean-token-mean", "seq-mean-token-sum"):
+            problems.append(f"algorithm.loss={a.loss} is defined with aggregation=seq-mean-token-mean (GSPO) or "
+                            "seq-mean-token-sum (LUSPO: each sequence's loss times its length); set one explicitly")
         if a.overlong_buffer >= r.max_new_tokens:
             problems.append(f"algorithm.overlong_buffer={a.overlong_buffer} must be smaller than "
                             f"rollout.max_new_tokens={r.max_new_tokens}")
