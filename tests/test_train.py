@@ -33,6 +33,8 @@ def tiny_cfg(model_dir, run_dir, **over):
         "logging.progress": False, "logging.tensorboard": False,
     }
     base.update(over)
+    if "epochs" in over:
+        del base["steps"]
     return load_config(**base)
 
 
@@ -594,6 +596,21 @@ def test_resume_is_exact(model_dir, tmp_path, extra):
     ra, rb = rows(straight), rows(split)
     assert [(r["step"], r["kind"]) for r in ra] == [(r["step"], r["kind"]) for r in rb]  # no duplicate steps
     assert [r.get("reward/mean") for r in ra] == [r.get("reward/mean") for r in rb]
+
+
+def test_epochs_set_the_steps_from_the_training_prompts(model_dir, tmp_path):
+    """epochs=0.1 over 114 training prompts (120 less 6 held out), 3 a step: ceil(11.4 / 3) = 4
+    steps, recorded as steps; the same run given more epochs goes on from its checkpoint."""
+    import yaml
+
+    run = tmp_path / "r"
+    train_sync(tiny_cfg(model_dir, run, epochs=0.1, **{"eval.every": 0}))
+    steps = lambda: [r["step"] for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"]  # noqa: E731
+    assert steps() == [1, 2, 3, 4]
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    assert recorded["steps"] == 4 and recorded["epochs"] is None
+    train_sync(tiny_cfg(model_dir, run, epochs=0.2, **{"eval.every": 0}))  # ceil(22.8 / 3) = 8
+    assert steps() == list(range(1, 9))
 
 
 def test_reward_errors_raise_zero_skip(model_dir, tmp_path, monkeypatch):

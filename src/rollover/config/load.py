@@ -131,7 +131,7 @@ def _error_line(err: dict) -> str:
 # partial_rollout, async — changes what is trained, and a new key is in that group until it is
 # listed here.
 RESUME_FREE_KEYS = (
-    "run_dir", "steps", "resume", "device", "eval", "checkpoint", "logging", "runtime", "ray",
+    "run_dir", "steps", "epochs", "resume", "device", "eval", "checkpoint", "logging", "runtime", "ray",
     "rollout.engine", "rollout.max_rows", "rollout.dtype", "rollout.engine_options", "rollout.stall_timeout_s",
     "reward.timeout_s", "reward.on_error", "reward.workers",
     "train.micro_batch_tokens", "train.pack_length", "train.shared_prefix", "train.gradient_checkpointing",

@@ -26,6 +26,11 @@ class Config(Section):
     """Seeds data order, sampling (per sample, so resume is exact) and initialisation."""
     steps: int = Field(20, ge=1)
     """Training steps."""
+    epochs: float | None = Field(None, gt=0)
+    """Passes over the training prompts, instead of steps (TRL's num_train_epochs, verl's
+    total_epochs): once the data is loaded, steps = ceil(epochs x training prompts /
+    rollout.prompts_per_step), the held-out prompts and skipped rows not counted. The run logs
+    the figure and records it as steps in RUN_DIR/config.yaml. Give steps or epochs, not both."""
     mode: Literal["sync", "async"] = "sync"
     """sync: generate -> train in turn (loops/sync.py); async: decoupled services (loops/async_.py)."""
     runtime: Literal["local", "ray"] = "local"
@@ -111,6 +116,8 @@ class Config(Section):
         """Checks across fields (each field's own range is declared with the field)."""
         r, a, p, t = self.rollout, self.algorithm, self.partial_rollout, self.train
         problems = []
+        if self.epochs is not None and "steps" in self.model_fields_set:
+            problems.append(f"steps={self.steps} and epochs={self.epochs:g} both say how long to train: give one")
         if a.dynamic_sampling and r.samples_per_prompt < 2:
             problems.append("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2 (a group of 1 has no variance)")
         if a.advantage in ("grpo", "grpo_batch_std", "drgrpo", "rloo", "gapo", "gdpo") and r.samples_per_prompt < 2:

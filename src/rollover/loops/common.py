@@ -21,8 +21,8 @@ import torch
 
 from rollover.config import Config, ConfigError, dump_config
 from rollover.loops.prompts import (MediaStore, _check_best, _check_stand_in, _env_processor, _media_store, _named_eval,
-                                    _prompts, _render_all, _train_iterator, _warn_if_a_step_exceeds_the_data,
-                                    eval_sources)
+                                    _prompts, _render_all, _steps_from_epochs, _train_iterator,
+                                    _warn_if_a_step_exceeds_the_data, eval_sources)
 from rollover.loops.resume import (checkpoint_to_resume, config_changes_since, has_metrics, lock_run_dir, record_config,
                                    set_aside_later_checkpoints)
 from rollover.models import eos_ids, text_config
@@ -290,6 +290,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     _check_best(cfg, env_builder, sources, rewards, eval_prompts)
     skipped += too_long
     _warn_if_a_step_exceeds_the_data(cfg, len(train_prompts))
+    _steps_from_epochs(cfg, len(train_prompts))
     model = _load_model(cfg, ckpt)
     if media is not None and cfg.train.parallel != "none":
         _check_stand_in(model)

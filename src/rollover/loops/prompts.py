@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 from dataclasses import replace
 from types import SimpleNamespace
@@ -187,6 +188,17 @@ def _warn_if_a_step_exceeds_the_data(cfg: Config, n: int) -> None:
     if cfg.rollout.prompts_per_step > n:
         log.warning("rollout.prompts_per_step=%d is more than the %d training prompts: every step trains each prompt "
                     "about %.1f times", cfg.rollout.prompts_per_step, n, cfg.rollout.prompts_per_step / n)
+
+
+def _steps_from_epochs(cfg: Config, n: int) -> None:
+    """With `epochs` set: the run's steps from the number of training prompts, written into `cfg`
+    (which then records steps, not epochs)."""
+    if cfg.epochs is None:
+        return
+    B = cfg.rollout.prompts_per_step
+    steps = max(1, math.ceil(cfg.epochs * n / B - 1e-9))
+    log.info("epochs=%g: %g x %d training prompts / %d prompts a step = %d steps", cfg.epochs, cfg.epochs, n, B, steps)
+    cfg.__dict__.update(steps=steps, epochs=None)  # as given; an assignment would validate the whole config again
 
 
 class MediaStore:
