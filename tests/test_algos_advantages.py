@@ -76,7 +76,16 @@ def test_gapo_takes_the_first_of_equally_short_windows():
     close(adv, dev / math.sqrt((dev**2).sum() / 3))
 
 
-@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_reinforce_pp_whitens_over_the_batch_without_a_group_baseline():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 1.0, 2.0], dtype=torch.float64)
+    adv, info = compute_advantages("reinforce_pp", rewards, torch.arange(5))  # one sample a prompt
+    close(adv, (rewards - 1.4) / math.sqrt(((rewards - 1.4) ** 2).sum() / 4 + 1e-8))
+    assert info["singleton_groups"] == 5 and (adv != 0).all()  # singletons keep their signal
+    flat, _ = compute_advantages("reinforce_pp", torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1]))
+    assert flat[0] > 0 > flat[2]  # an all-equal group still compares with the batch
+
+
+@pytest.mark.parametrize("name", sorted(set(ADVANTAGES) - {"reinforce_pp"}))
 def test_singleton_and_flat_groups_get_zero_and_are_counted(name):
     # group 7: informative; group 3: all equal (0.1 is not exact in binary); group 9: one sample
     rewards = torch.tensor([0.1, 1.0, 0.1, 0.0, 0.1, 0.4, 2.0])

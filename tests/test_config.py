@@ -159,6 +159,7 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
 @pytest.mark.parametrize("over, match", [
     (["algorithm.loss=gspo"], "seq-mean-token-mean"),
     (["rollout.samples_per_prompt=1"], "samples_per_prompt must be >= 2"),
+    (["rollout.samples_per_prompt=1", "algorithm.advantage=reinforce_pp_baseline"], "samples_per_prompt must be >= 2"),
     (["algorithm.dynamic_sampling=true", "rollout.samples_per_prompt=1", "algorithm.advantage=reinforce_pp_baseline"], "dynamic_sampling"),
     (["partial_rollout.enabled=true", "partial_rollout.adaptive=true", "partial_rollout.oversample=5"],
      r"oversample=5.0 must lie in \[min_oversample, max_oversample\] = \[1.0, 4.0\]"),

@@ -613,6 +613,19 @@ def test_epochs_set_the_steps_from_the_training_prompts(model_dir, tmp_path):
     assert steps() == list(range(1, 9))
 
 
+def test_reinforce_pp_trains_one_sample_a_prompt(model_dir, tmp_path):
+    """algorithm.advantage=reinforce_pp with samples_per_prompt=1: every group is a singleton, and
+    each still trains (its reward against the step's)."""
+    run = tmp_path / "r"
+    train_sync(tiny_cfg(model_dir, run, steps=2, **{"rollout.samples_per_prompt": 1, "rollout.prompts_per_step": 6,
+                                                    "algorithm.advantage": "reinforce_pp", "eval.every": 0,
+                                                    "rollout.temperature": 1.5}))
+    rows = [r for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert any(r["actor/pg_loss"] != 0 for r in rows)  # the singletons carried a signal
+    assert any(r["reward/std"] > 0 for r in rows) and all(r["actor/grad_norm"] > 0 for r in rows if r["reward/std"] > 0)
+
+
 def test_reward_errors_raise_zero_skip(model_dir, tmp_path, monkeypatch):
     import rollover.rewards.builtins as builtins
 

@@ -8,7 +8,8 @@ entry. Every loss is to be *minimised*.
     out = policy_loss("ppo", logp_BT, old_logp_BT, adv_B, mask_BT, behav_logp_BT, eps_high=0.28)
     loss = aggregate(out.loss_BT, out.mask_BT, "token-mean", num_tokens=step_tokens)
 
-- `advantages`: grpo, grpo_batch_std, drgrpo, rloo, reinforce_pp_baseline, gapo (`ADVANTAGES`).
+- `advantages`: grpo, grpo_batch_std, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, gapo, gdpo
+  (`ADVANTAGES`, gdpo apart: it takes each reward function's scores).
 - `policy`: ppo, gspo, gspo_token, cispo, sapo, vespo, decoupled_ppo, bapo (`POLICY_LOSSES`);
   `bapo_update_bounds` picks BAPO's bounds once over an update split into micro-batches and ranks.
 - `bapo_bounds`: BAPO's candidate bounds, the tables a batch contributes, the search.
@@ -29,6 +30,7 @@ from rollover.algos.advantages import (
     drgrpo,
     gapo,
     grpo,
+    reinforce_pp,
     reinforce_pp_baseline,
     rloo,
 )
@@ -91,6 +93,7 @@ __all__ = [
     "overlong_penalty",
     "policy_loss",
     "ppo",
+    "reinforce_pp",
     "reinforce_pp_baseline",
     "rloo",
     "sapo",

@@ -7,7 +7,8 @@ prompt) and returns `(adv_B, info)`. `info` counts the groups that carry no lear
 - `zero_std_groups`: groups of two or more samples whose rewards are all equal;
 - `num_groups`.
 
-Both kinds get advantage exactly 0 under every estimator. This departs from verl, where a
+Both kinds get advantage exactly 0 under every estimator but `reinforce_pp` (no group
+baseline: it compares each sample with the batch). This departs from verl, where a
 singleton GRPO group gets mean 0 and std 1 (so `A = r`) and where REINFORCE++-baseline's batch
 whitening shifts all-equal groups away from 0; and from floating point, where `r - mean(r)` of
 equal rewards need not be exactly 0.
@@ -125,6 +126,23 @@ def reinforce_pp_baseline(rewards_B: Tensor, group_ids_B: Tensor, *, eps: float 
     return _zero_degenerate(adv_B, g), g.info
 
 
+def reinforce_pp(rewards_B: Tensor, group_ids_B: Tensor, *, eps: float = 1e-8) -> tuple[Tensor, dict]:
+    """REINFORCE++ (Hu, arXiv 2501.03262; verl's `reinforce_plus_plus`, OpenRLHF's
+    `reinforce`): no per-prompt baseline, the rewards whitened over the batch,
+    `A = (r - mean(r)) / sqrt(var(r) + eps)`, unbiased var. Made for one sample per prompt.
+
+    The one estimator here that does not zero singleton or all-equal groups: without a group
+    baseline, a prompt's samples are compared with the whole batch. Departures: statistics are
+    over sequences (verl whitens the token-broadcast returns, weighting long responses more);
+    verl's discount `gamma` and KL-in-reward are not here (its default: gamma 1, no KL), so
+    every token of a response gets its sequence's advantage.
+    """
+    g = _groups(rewards_B, group_ids_B)
+    if rewards_B.numel() < 2:
+        return torch.zeros_like(rewards_B), g.info
+    return (rewards_B - rewards_B.mean()) * torch.rsqrt(rewards_B.var(unbiased=True) + eps), g.info
+
+
 def gapo(rewards_B: Tensor, group_ids_B: Tensor, *, coverage: float = 0.5, eps: float = 1e-6) -> tuple[Tensor, dict]:
     """GAPO (arXiv 2510.21830): a robust group baseline for noisy or skewed rewards.
 
@@ -196,6 +214,7 @@ ADVANTAGES: dict[str, AdvantageFn] = {
     "grpo_batch_std": grpo_batch_std,
     "drgrpo": drgrpo,
     "rloo": rloo,
+    "reinforce_pp": reinforce_pp,
     "reinforce_pp_baseline": reinforce_pp_baseline,
     "gapo": gapo,
 }

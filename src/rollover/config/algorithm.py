@@ -10,8 +10,10 @@ from rollover.config.base import Section
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo", "grpo_batch_std", "drgrpo", "rloo", "reinforce_pp_baseline", "gapo", "gdpo"] = "grpo"
-    """Advantage estimator over each prompt's group. gdpo (several reward functions): each
+    advantage: Literal["grpo", "grpo_batch_std", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gapo",
+                       "gdpo"] = "grpo"
+    """Advantage estimator over each prompt's group. reinforce_pp: no group baseline, the rewards
+    whitened over the step (REINFORCE++; works with samples_per_prompt 1). gdpo (several reward functions): each
     function's scores normalised within the group, then their weighted sum over the batch (TRL's
     multi_objective_aggregation=normalize_then_sum)."""
     loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo", "sapo", "vespo"] | None = None

@@ -120,7 +120,7 @@ class Config(Section):
             problems.append(f"steps={self.steps} and epochs={self.epochs:g} both say how long to train: give one")
         if a.dynamic_sampling and r.samples_per_prompt < 2:
             problems.append("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2 (a group of 1 has no variance)")
-        if a.advantage in ("grpo", "grpo_batch_std", "drgrpo", "rloo", "gapo", "gdpo") and r.samples_per_prompt < 2:
+        if a.advantage not in ("reinforce_pp",) and r.samples_per_prompt < 2:
             problems.append(f"algorithm.advantage={a.advantage} compares samples of a group: rollout.samples_per_prompt must be >= 2")
         if a.loss in ("gspo", "gspo_token") and a.aggregation not in ("seq-mean-token-mean", "seq-mean-token-sum"):
             problems.append(f"algorithm.loss={a.loss} is defined with aggregation=seq-mean-token-mean (GSPO) or "
