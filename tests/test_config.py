@@ -181,6 +181,10 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["algorithm.ref_sync_every=4"], "ref_sync_every=4 has no reference to move: algorithm.kl_coef=0 loads no reference"),
     (["algorithm.ref_sync_every=4", "algorithm.kl_coef=0.1", "train.lora={r: 8}"],
      "ref_sync_every=4 has no reference to move: with train.lora the reference is the base model"),
+    (["train.sequence_parallel=2"], r"sequence_parallel=2 splits rows over ranks .* train.parallel=fsdp and train.ranks a multiple"),
+    (["train.sequence_parallel=2", "train.parallel=fsdp", "train.ranks=3"], r"train.ranks a multiple of it \(train.ranks=3\)"),
+    (["train.sequence_parallel=2", "train.parallel=fsdp", "train.ranks=2", "train.colocate=true"], "sequence_parallel with train.colocate"),
+    (["steps=5", "epochs=2"], "steps=5 and epochs=2 both say how long to train"),
 ])
 def test_conflicts_rejected_not_repaired(over, match):
     with pytest.raises(ConfigError, match=match):

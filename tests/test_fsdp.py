@@ -110,6 +110,33 @@ def test_a_step_at_world_size_n_equals_one_trainers(world, over):
         sharded.close()
 
 
+@pytest.mark.parametrize("world,sp,over", [
+    (2, 2, {"algorithm.kl_coef": 0.1}),  # one sequence-parallel group; shared-prefix rows; a sharded reference
+    (4, 2, {"algorithm.loss": "gspo", "algorithm.aggregation": "seq-mean-token-mean", "train.mini_batches": 2,
+            "train.shared_prefix": False, "train.gradient_checkpointing": True}),  # two groups of two
+    (4, 4, {"train.micro_batch_tokens": 32, "train.pack_length": 16, "data.max_prompt_tokens": 8,
+            "train.shared_prefix": False}),  # 2 K/V heads over 4 ranks: repeated; several micro-batches
+])
+def test_a_sequence_parallel_step_equals_one_trainers(world, sp, over):
+    """train.sequence_parallel: each rank runs 1/sp of every row, attention trades heads for
+    positions, and the step is the one-process trainer's (loss, metrics, update)."""
+    cfg = cfg_of(**{"train.ranks": world, "train.sequence_parallel": sp, **over})
+    model = tiny_model("llama", seed=3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        for b in (batch_of(5), batch_of(1, seed=1)):  # the second: one group, so one sequence-parallel group idles
+            mp, ms = plain.train_step(b), sharded.train_step(b)
+            for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/rollout_kl", "actor/masked_frac",
+                      "actor/loss_tokens", *(["actor/kl"] if cfg.algorithm.kl_coef else [])):
+                assert ms[k] == pytest.approx(mp[k], rel=1e-4, abs=1e-7), k
+            assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
+            start = weights(plain)
+    finally:
+        sharded.close()
+
+
 def test_per_token_advantages_train_on_ranks_as_on_one_trainer():
     """env.credit=reward_to_go hands the trainer an advantage per token (TrainBatch.adv_BT): the
     ranks take their rows of it and train as one trainer does, over two mini-batches."""
@@ -374,16 +401,23 @@ def assert_trained(model_dir, weights: dict) -> None:
     assert max(float((weights[k] - start[k]).abs().max()) for k in start) > 1e-3
 
 
-@pytest.mark.parametrize("april", [False, True], ids=["sync", "april"])
-def test_a_run_at_world_size_2_ends_with_one_trainers_weights(model_dir, tmp_path, april):
+@pytest.mark.parametrize("april,sp", [(False, 1), (True, 1), (False, 2)], ids=["sync", "april", "sequence-parallel"])
+def test_a_run_at_world_size_2_ends_with_one_trainers_weights(model_dir, tmp_path, april, sp):
     over = {"partial_rollout.enabled": True, "partial_rollout.oversample": 1.5} if april else {}
     train_sync(run_cfg(model_dir, tmp_path / "one", **over))
-    train_sync(run_cfg(model_dir, tmp_path / "two", **{"train.parallel": "fsdp", "train.ranks": 2, **over}))
+    train_sync(run_cfg(model_dir, tmp_path / "two", **{"train.parallel": "fsdp", "train.ranks": 2,
+                                                      "train.sequence_parallel": sp, **over}))
     one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
     assert one.keys() == two.keys()
     assert_trained(model_dir, one)
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 5e-5
     assert (tmp_path / "two" / "checkpoints" / "step_000004" / "sharded" / ".metadata").exists()
+
+
+def test_sequence_parallel_refuses_a_model_whose_heads_do_not_split(model_dir, tmp_path):
+    cfg = run_cfg(model_dir, tmp_path / "r", **{"train.parallel": "fsdp", "train.ranks": 3, "train.sequence_parallel": 3})
+    with pytest.raises(ConfigError, match="sequence_parallel=3: the model's 4 attention heads do not split evenly over 3"):
+        build_run(cfg)
 
 
 def test_a_world_size_4_checkpoint_resumes_at_world_size_2(model_dir, tmp_path):

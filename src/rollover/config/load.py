@@ -136,8 +136,8 @@ RESUME_FREE_KEYS = (
     "reward.timeout_s", "reward.on_error", "reward.workers",
     "train.micro_batch_tokens", "train.pack_length", "train.shared_prefix", "train.gradient_checkpointing",
     "train.activation_memory_gb", "train.logit_chunk_tokens", "train.max_bad_steps", "train.deterministic",
-    "train.ranks", "train.fsdp_offload", "train.weight_bucket_mb", "train.collective_timeout_s", "train.colocate",
-    "train.colocate_free_weights",
+    "train.ranks", "train.sequence_parallel", "train.fsdp_offload", "train.weight_bucket_mb",
+    "train.collective_timeout_s", "train.colocate", "train.colocate_free_weights",
 )
 
 

@@ -242,6 +242,14 @@ class Config(Section):
         if t.disable_dropout and lora_dropout:
             problems.append(f"train.lora.dropout={lora_dropout} would be set to 0 by train.disable_dropout=true "
                             "(the default): set train.disable_dropout=false to keep it, or drop it")
+        if t.sequence_parallel > 1:
+            if t.parallel != "fsdp" or t.ranks % t.sequence_parallel:
+                problems.append(f"train.sequence_parallel={t.sequence_parallel} splits rows over ranks of the sharded "
+                                f"trainer: it needs train.parallel=fsdp and train.ranks a multiple of it (train.ranks="
+                                f"{t.ranks})")
+            if t.colocate:
+                problems.append("train.sequence_parallel with train.colocate: not yet (the ranks' engines would each "
+                                "hold a share of a row)")
         if t.fsdp_offload and t.parallel != "fsdp":
             problems.append("train.fsdp_offload applies to train.parallel=fsdp")
         if t.colocate:

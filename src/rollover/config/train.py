@@ -75,6 +75,12 @@ class TrainConfig(Section):
     training its share of the step's samples; on GPUs rank r uses cuda:r). docs/gpu.md."""
     ranks: int = Field(1, ge=1)
     """Trainer ranks with train.parallel=fsdp (processes this command starts; one per GPU)."""
+    sequence_parallel: int = Field(1, ge=1)
+    """train.parallel=fsdp: split each packed row's tokens over this many ranks (Ulysses sequence
+    parallelism, verl's ulysses_sequence_parallel_size): a rank holds 1/N of every row's
+    activations, and attention exchanges heads for sequence (an all-to-all before and after each
+    layer's attention). train.ranks must be a multiple; the step's samples are split over
+    ranks / N groups of ranks. For sequences too long for one device's activations."""
     fsdp_offload: bool = False
     """train.parallel=fsdp: keep the sharded weights, gradients and optimizer state in CPU memory,
     copying each layer to the GPU for its passes (larger models, slower steps)."""

@@ -359,6 +359,13 @@ def _longest(cfg: Config, model, prompt_ids: dict, env_builder) -> int:
 
 def _make_trainer(cfg: Config, model, pad_id: int, device, ckpt: Path | None, remote_trainer: bool, record: bool):
     """One trainer here, a trainer actor, FSDP rank processes or FSDP rank actors."""
+    if cfg.train.sequence_parallel > 1:  # before any rank starts
+        from rollover.train.ulysses import check
+
+        try:
+            check(text_config(model.config), cfg.train.sequence_parallel)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     ref = _reference(cfg, ckpt)
     if remote_trainer and cfg.train.parallel == "fsdp":
         from rollover.runtime.trainer_group import RayShardedTrainer

@@ -22,6 +22,7 @@ from rollover.train import memory
 from rollover.train.batch import MicroBatch, TrainBatch, pack, with_media
 from rollover.train.embedding import RowGradEmbedding, row_grad_applies
 from rollover.train.heads import LogitHead
+from rollover.train.ulysses import ATTENTION as ULYSSES
 
 
 class PolicyForward:
@@ -52,7 +53,7 @@ class PolicyForward:
         config = self._base(self.model).config
         impl = getattr(config, "_attn_implementation", None)
         window = sliding_window(config)
-        if impl in ("sdpa", "eager") and (window is None or window >= row):
+        if impl in ("sdpa", "eager", ULYSSES) and (window is None or window >= row):
             return True
         why = f"{impl} attention" if impl not in ("sdpa", "eager") else f"a sliding window of {window} < rows of {row}"
         warnings.warn(f"train.shared_prefix: the model's {why} does not take an explicit mask; packing each sample "
@@ -71,13 +72,18 @@ class PolicyForward:
         dtype = torch.bfloat16 if not isinstance(self.autocast, contextlib.nullcontext) else model.dtype
         return torch.zeros(allow.shape, dtype=dtype, device=allow.device).masked_fill(~allow, torch.finfo(dtype).min)
 
-    def _forward(self, model, mb: MicroBatch, need_entropy: bool):
-        """logp [N] of the response tokens (and their entropy [N] when asked)."""
-        base = self._base(model)
+    def _trunk(self, model, base, mb: MicroBatch):
+        """The hidden states [N, H] before the response tokens this process predicts, and those
+        tokens [N] (all of the micro-batch's; a sequence-parallel rank overrides this)."""
         with self.autocast:
             hidden = base.base_model(**self._inputs(base, mb), position_ids=mb.position_ids,
                                      attention_mask=self._attention_mask(mb, model), use_cache=False).last_hidden_state
-        selected = hidden[mb.sel_row, mb.sel_col]  # [N, H]
+        return hidden[mb.sel_row, mb.sel_col], mb.targets
+
+    def _forward(self, model, mb: MicroBatch, need_entropy: bool):
+        """logp [N] of the response tokens (and their entropy [N] when asked)."""
+        base = self._base(model)
+        selected, targets = self._trunk(model, base, mb)  # [N, H], [N]
         head = LogitHead(base)  # the model's own: the policy's or the KL reference's
         # with no entropy bonus the entropy is only logged: keep it out of the graph
         entropy_grad = torch.is_grad_enabled() and self.entropy_coef_now != 0
@@ -88,7 +94,7 @@ class PolicyForward:
         recompute = torch.is_grad_enabled() and len(selected) > chunk
         parts = []
         for i in range(0, max(len(selected), 1), chunk):  # an empty selection still makes a graph
-            args = (head, selected[i: i + chunk], mb.targets[i: i + chunk], need_entropy, entropy_grad)
+            args = (head, selected[i: i + chunk], targets[i: i + chunk], need_entropy, entropy_grad)
             if recompute:
                 parts.append(torch.utils.checkpoint.checkpoint(self._token_logp, *args, use_reentrant=False))
             else:

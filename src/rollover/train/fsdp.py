@@ -31,6 +31,10 @@ sharded weights, gradients and optimizer state live on the CPU (`CPUOffloadPolic
 layer is copied to the GPU for its passes. Gradient checkpointing, LoRA, shared-prefix packing
 and chunked logprobs work as in one process.
 
+With `train.sequence_parallel` N, each N consecutive ranks train one share together, each on
+1/N of every row (`rollover.train.ulysses`); the sums above are taken over one rank of each such
+group (`_peers`), since its ranks hold the same sequences.
+
 Weights leave the ranks in buckets (`gather_buckets`): every rank takes part in gathering each
 full tensor, rank 0 keeps a bucket of at most `train.weight_bucket_mb` and hands it on before
 gathering the next, so no rank holds a second full copy. Checkpoints are
@@ -106,6 +110,24 @@ def split_batch(batch: TrainBatch, world: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
+def _sequence_parallel_groups(rank: int, world: int, size: int):
+    """(this rank's sequence-parallel group: `size` consecutive ranks, its data-parallel peers:
+    the ranks at its place in every such group, on gloo), or (None, None) for size 1. Every
+    rank makes every group, in one order, as torch.distributed requires."""
+    if size == 1:
+        return None, None
+    mine = None, None
+    for start in range(0, world, size):
+        g = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = g, mine[1]
+    for index in range(size):
+        g = dist.new_group(list(range(index, world, size)), backend="gloo")
+        if rank % size == index:
+            mine = mine[0], g
+    return mine
+
+
 def _stand_in(pad_id: int, shared_prefix: bool) -> MicroBatch:
     """A pass over one padding token that selects no token: it gathers and reduces like any
     micro-batch and contributes nothing."""
@@ -128,6 +150,8 @@ class FSDPTrainer(Trainer):
         (started by torchrun, `rollover.train.torchrun`): they shard it and take their parts of
         rank 0's tensors."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.sp = cfg.train.sequence_parallel
+        self._sp_group, self._dp_group = _sequence_parallel_groups(self.rank, self.world, self.sp)
         self._from_rank0 = from_rank0
         self._global_groups: list[int] | None = None
         self._roots: dict[int, _Root] = {}
@@ -150,6 +174,10 @@ class FSDPTrainer(Trainer):
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if t.fsdp_offload:
             kw["offload_policy"] = CPUOffloadPolicy()
+        if self.sp > 1:
+            from rollover.train import ulysses
+
+            ulysses.use(self._base(model).config, self.sp)
         for layer in decoder_layers(model):
             fully_shard(layer, **kw)
         root = _Root(model)
@@ -170,7 +198,41 @@ class FSDPTrainer(Trainer):
     # ------------------------------------------------------------ passes
     def _forward(self, model, mb: MicroBatch, need_entropy: bool):
         root = self._roots[id(model)]
-        return root(lambda lm: Trainer._forward(self, lm, mb, need_entropy))
+        logp, entropy = root(lambda lm: Trainer._forward(self, lm, mb, need_entropy))
+        if self.sp == 1:
+            return logp, entropy
+        from rollover.train.ulysses import gather_tokens
+
+        p, owner = self._sp_pass, mb.sel_col // self._sp_slice
+        return gather_tokens(logp, owner, p), None if entropy is None else gather_tokens(entropy, owner, p)
+
+    def _trunk(self, model, base, mb: MicroBatch):
+        """With train.sequence_parallel: the trunk over this rank's slice of every row (the rows
+        padded to a multiple of the group's size), and the response tokens predicted there."""
+        if self.sp == 1:
+            return super()._trunk(model, base, mb)
+        from rollover.train import ulysses
+
+        if mb.media is not None or mb.stand_in_image is not None:
+            raise ValueError("train.sequence_parallel: prompts with images are not supported yet")
+        L = mb.input_ids.shape[1]
+        width = -(-L // self.sp)  # each rank's slice of a row
+        extra = width * self.sp - L
+        ids = torch.nn.functional.pad(mb.input_ids, (0, extra), value=self.pad_id)
+        positions = torch.cat([mb.position_ids, torch.arange(extra, device=ids.device).expand(len(ids), extra)], 1)
+        allow = mb.allow()
+        if allow is not None and extra:  # the padding attends to itself (it is never selected)
+            allow = torch.nn.functional.pad(allow, (0, extra, 0, extra)) | torch.eye(L + extra, dtype=torch.bool,
+                                                                                    device=allow.device)
+        self._sp_slice = width
+        self._sp_pass = ulysses.Pass(self._sp_group, self.sp, self.rank % self.sp, ulysses.row_mask(positions, allow))
+        ulysses.set_pass(self._sp_pass)
+        lo = self._sp_pass.index * width
+        with self.autocast:
+            hidden = base.base_model(input_ids=ids[:, lo: lo + width], position_ids=positions[:, lo: lo + width],
+                                     use_cache=False).last_hidden_state
+        mine = (mb.sel_col // width) == self._sp_pass.index
+        return hidden[mb.sel_row[mine], mb.sel_col[mine] - lo], mb.targets[mine]
 
     def _inputs(self, base, mb: MicroBatch) -> dict:
         if mb.stand_in_image is None:
@@ -231,9 +293,16 @@ class FSDPTrainer(Trainer):
             self._gloo = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         return self._gloo
 
+    @property
+    def _peers(self):
+        """The group over which the step's sums are taken: every rank, or with
+        train.sequence_parallel one rank of each sequence-parallel group (its ranks hold the
+        same sequences)."""
+        return self._dp_group if self.sp > 1 else self._cpu_group
+
     def _counts(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         both = torch.tensor([num_tokens, num_seqs], dtype=torch.long)
-        dist.all_reduce(both, group=self._cpu_group)
+        dist.all_reduce(both, group=self._peers)
         return int(both[0]), int(both[1])
 
     def _peak_device_gb(self) -> float:
@@ -243,25 +312,25 @@ class FSDPTrainer(Trainer):
         return float(peak[0])
 
     def _reduce(self, sums: dict, totals: tuple, finite: bool) -> tuple[dict, tuple, bool]:
-        parts: list = [None] * self.world
-        dist.all_gather_object(parts, (sums, totals, finite), group=self._cpu_group)
+        parts: list = [None] * (self.world // self.sp)
+        dist.all_gather_object(parts, (sums, totals, finite), group=self._peers)
         out = reduce_sums([s for s, _, _ in parts])
         return out, tuple(sum(t[i] for _, t, _ in parts) for i in range(len(totals))), all(f for _, _, f in parts)
 
     def _gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
-        parts: list = [None] * self.world
-        dist.all_gather_object(parts, rows, group=self._cpu_group)
-        return torch.cat(parts), sum(len(p) for p in parts[: self.rank])
+        parts: list = [None] * (self.world // self.sp)
+        dist.all_gather_object(parts, rows, group=self._peers)
+        return torch.cat(parts), sum(len(p) for p in parts[: self.rank // self.sp])
 
     def _all_reduce(self, values: torch.Tensor, op: str) -> torch.Tensor:
         values = values.clone()
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-        dist.all_reduce(values, op=ops[op], group=self._cpu_group)
+        dist.all_reduce(values, op=ops[op], group=self._peers)
         return values
 
     def _sum(self, values: torch.Tensor) -> torch.Tensor:
         values = values.to(torch.float64, copy=True)
-        dist.all_reduce(values, group=self._cpu_group)
+        dist.all_reduce(values, group=self._peers)
         return values
 
     def _clip_grad_norm(self) -> float:

@@ -128,7 +128,8 @@ class RankGroup:
         from rollover.train.fsdp import split_batch
 
         groups = batch.group_index_B.unique().tolist()
-        shares = [batch.select(share) for share in split_batch(batch, self.world)]
+        sp = self.cfg.train.sequence_parallel  # the ranks of a sequence-parallel group train one share together
+        shares = [batch.select(share) for share in split_batch(batch, self.world // sp) for _ in range(sp)]
         metrics, self.bad_steps = self._step(shares, groups, profile)
         return metrics
 
