@@ -102,16 +102,29 @@ def test_state_from_other_data_or_seed_is_refused():
 def test_holdout_split_is_deterministic_and_disjoint_by_content():
     data = arithmetic(300, seed=0)  # 1-digit sums: many questions repeat
     train, held = split_holdout(data, fraction=0.1, seed=0)
-    assert len(train) + len(held) == 300
     train_questions = {p.text for p in train}
     held_questions = {p.text for p in held}
     assert not train_questions & held_questions
+    assert len(held) == len(held_questions)  # each held-out question once
+    assert len(train) == sum(p.text not in held_questions for p in data)  # and none of its copies trained on
     distinct = len(train_questions | held_questions)
     assert len(held_questions) == -(-distinct // 10)  # ceil(0.1 * distinct)
     assert split_holdout(data, fraction=0.1, seed=0) == (train, held)
     assert split_holdout(data, fraction=0.1, seed=1)[1] != held
     with pytest.raises(ValueError, match="fraction"):
         split_holdout(data, fraction=1.0)
+
+
+def test_the_demos_held_out_prompts_are_as_many_distinct_questions():
+    """examples/arith.yaml: 2000 rows of 100 distinct 1-digit sums; eval_size 48 is 48 questions,
+    none of them (nor a copy) in training."""
+    from rollover.config import load_config
+    from rollover.loops.prompts import _prompts
+
+    train, held, _, _ = _prompts(load_config("examples/arith.yaml"), None)
+    assert len(held) == len({p.text for p in held}) == 48
+    assert not {p.text for p in train} & {p.text for p in held}
+    assert len({p.text for p in train}) == 52
 
 
 def test_a_mix_draws_sources_at_their_weights_and_resumes_where_it_stopped():

@@ -49,7 +49,7 @@ def test_a_group_left_with_one_sample_is_skipped_but_a_group_of_one_trains():
     assert not keep_group(_group([None, 1.0, None, None]), cfg, m)
     assert m == {"dropped_samples": 3, "skipped_groups": 1}
     assert not keep_group(_group([None]), cfg, m)
-    one = load_config(None, ["algorithm.advantage=reinforce_pp_baseline", "rollout.samples_per_prompt=1"])
+    one = load_config(None, ["algorithm.advantage=reinforce_pp", "rollout.samples_per_prompt=1"])
     assert keep_group(_group([0.5]), one, Counter())
 
 

@@ -66,8 +66,9 @@ class DataConfig(Section):
     data (no overlap; from each named training source its share). One unnamed source whose rows
     have two or more `data_source` values (verl's column) is reported per value too."""
     eval_size: int = Field(48, ge=0)
-    """How many held-out prompts to evaluate on (carved from `train` when `eval` is unset; of
-    each set when `eval` names several)."""
+    """How many held-out prompts to evaluate on (of each set when `eval` names several). Carved
+    from `train` when `eval` is unset: that many distinct questions, each once, and every copy of
+    them left out of training."""
     prompt_key: NonEmptyStr = "prompt"
     """Column holding the prompt: a string or a list of chat messages."""
     answer_key: NonEmptyStr | None = None

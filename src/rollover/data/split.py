@@ -2,7 +2,8 @@
 
 Prompts are grouped by content (the rendered question, not the id), so a question that occurs
 several times, which is common in generated data, lands wholly on one side. A seeded shuffle of
-the distinct questions picks `ceil(fraction * distinct)` of them for the held-out side.
+the distinct questions picks `ceil(fraction * distinct)` of them for the held-out side, which
+holds each once (its first occurrence): an evaluation of N held-out prompts asks N questions.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from rollover.types import Prompt
 def split_holdout(
     prompts: Sequence[Prompt], fraction: float, seed: int = 0
 ) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, held_out): both keep the input order; no question appears on both sides."""
+    """(train, held_out): both keep the input order; no question appears on both sides, and the
+    held-out side has each of its questions once. `fraction` is of the distinct questions."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"held-out fraction must be in (0, 1), got {fraction}")
     keys = [_content_key(p) for p in prompts]
@@ -29,8 +31,17 @@ def split_holdout(
     n_held = min(len(distinct) - 1, math.ceil(fraction * len(distinct)))
     held_keys = set(distinct[:n_held])
     train = [p for p, k in zip(prompts, keys) if k not in held_keys]
-    held = [p for p, k in zip(prompts, keys) if k in held_keys]
+    held, seen = [], set()
+    for p, k in zip(prompts, keys):
+        if k in held_keys and k not in seen:
+            seen.add(k)
+            held.append(p)
     return train, held
+
+
+def distinct_questions(prompts: Sequence[Prompt]) -> int:
+    """How many different questions `prompts` ask (by content, as `split_holdout` counts them)."""
+    return len({_content_key(p) for p in prompts})
 
 
 def _content_key(prompt: Prompt) -> str:

@@ -12,7 +12,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from rollover.config import Config, ConfigError
-from rollover.data import MixedIterator, PromptIterator, load_prompts, render_prompt, split_holdout
+from rollover.data import (MixedIterator, PromptIterator, distinct_questions, load_prompts, render_prompt,
+                           split_holdout)
 from rollover.rewards import RewardRunner
 from rollover.types import Prompt
 
@@ -48,9 +49,12 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
         return list(train.prompts), list(held.prompts)[: d.eval_size], skipped, sets
     if d.eval_size == 0:
         return list(train.prompts), [], skipped, sets
-    frac = d.eval_size / len(train.prompts)
+    distinct = distinct_questions(train.prompts)  # the held-out prompts are distinct questions, none trained on
+    frac = d.eval_size / distinct
     if frac >= 0.5:
-        raise ConfigError(f"data.eval_size={d.eval_size} would take half or more of the {len(train.prompts)} training prompts")
+        rows = f" (in {len(train.prompts)} rows)" if distinct < len(train.prompts) else ""
+        raise ConfigError(f"data.eval_size={d.eval_size} would hold out half or more of the {distinct} distinct "
+                          f"training questions{rows}")
     if not sets:
         tr, held = split_holdout(train.prompts, frac, seed=cfg.seed)
         return tr, held[: d.eval_size], skipped, sets
