@@ -56,3 +56,12 @@ def test_tty_uses_a_tqdm_bar_with_the_reward():
     progress.close()
     text = out.getvalue()
     assert "\r" in text and "2/4" in text and "reward=0.750" in text and "samples/s=3.50" in text
+
+
+def test_a_step_whose_rewards_failed_says_so_on_the_progress_line():
+    out = io.StringIO()
+    with Progress(4, desc="train", file=out, min_interval_s=0.0) as progress:
+        for step, failed in ((1, 0), (2, 36)):
+            progress.update(step, reward=0.0, **progress_module.reward_errors({"rollout/reward_errors": failed}))
+    first, second = out.getvalue().splitlines()
+    assert "reward_errors" not in first and "| reward_errors=36 |" in second

@@ -4,6 +4,7 @@ import asyncio
 import faulthandler
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -147,6 +148,25 @@ def test_on_error_zero_scores_zero_but_counts_and_logs(caplog):
     assert (failure.fn, failure.sample_id) == ("fails_on_b", "b#1")
     assert failure.error == "ValueError: boom" and not failure.timed_out
     assert "'fails_on_b' failed on sample b#1: ValueError: boom" in caplog.text
+
+
+def test_failures_name_the_prompt_and_a_batch_logs_a_few_then_a_count(caplog):
+    """A loop's sample ids (group/index) name the prompt too; a function failing on every sample
+    of a batch logs three lines and a count, not one line each."""
+    def always(completion, answer, **_):
+        raise ValueError(f"no answer in {completion!r}")
+
+    prompts = [Prompt(id=f"math:{i}", text="q", answer="1") for i in range(10)]
+    with pytest.raises(RewardFailed, match=r"failed on sample g7/0 \(prompt math:0\): ValueError"):
+        RewardRunner([Reward("always", always)], on_error="raise").score(prompts[:1], ["x"], sample_ids=["g7/0"])
+    runner = RewardRunner([Reward("always", always)], on_error="zero")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rollover.rewards"):
+        out = runner.score(prompts, [f"c{i}" for i in range(10)], sample_ids=[f"g{i}/0" for i in range(10)])
+    assert out.error_counts == {"always": 10}  # every failure counted
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4 and all(re.search(r"failed on sample g(\d)/0 \(prompt math:\1\)", x) for x in lines[:3])
+    assert lines[-1] == "reward 'always' failed on 7 more sample(s) of this batch (on_error=zero)"
 
 
 def test_on_error_skip_marks_the_sample_unscored():
@@ -294,6 +314,24 @@ def test_file_reference_with_bound_kwargs_and_weights(tmp_path):
         resolve_reward_fn(f"{tmp_path}/missing.py:f")
     with pytest.raises(ValueError, match="unique"):
         build_rewards(["exact", "exact"])
+    # a built-in's options are checked (every dataset field also reaches it, so a typo would pass)
+    with pytest.raises(ValueError, match="reward 'format' \\(format\\) has no option 'patern'; its options: pattern"):
+        build_rewards([{"fn": "format", "kwargs": {"patern": "x"}}])
+    with pytest.raises(ValueError, match="'numeric' \\(numeric\\) has no option 'tolerance'; its options: none"):
+        build_rewards([{"fn": "numeric", "kwargs": {"tolerance": 0.1}}])
+    path.write_text("def any_options(completion, answer, **kw):\n    return float(kw['level'])\n")
+    assert build_rewards([{"fn": f"{path}:any_options", "kwargs": {"level": 2}}])[0].fn("x", "y") == 2.0  # yours: as given
+
+
+def test_a_module_reference_to_a_file_off_the_path_says_how_to_load_it(tmp_path, monkeypatch):
+    (tmp_path / "my_grades.py").write_text("def correct(completion, answer, **_):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])  # as the rollover command
+    with pytest.raises(ModuleNotFoundError, match=r"reward 'my_grades:correct': no module named 'my_grades' on the "
+                                                  r"Python path \(my_grades.py is in the current directory: write "
+                                                  r"'my_grades.py:correct'"):
+        resolve_reward_fn("my_grades:correct")
+    assert resolve_reward_fn("my_grades.py:correct")("x", "y") == 1.0
 
 
 # --- isolated rewards: worker processes killed at the timeout --------------------------------

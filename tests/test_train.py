@@ -626,6 +626,27 @@ def test_reinforce_pp_trains_one_sample_a_prompt(model_dir, tmp_path):
     assert any(r["reward/std"] > 0 for r in rows) and all(r["actor/grad_norm"] > 0 for r in rows if r["reward/std"] > 0)
 
 
+def test_a_misspelt_engine_option_is_named_with_the_engines_options(model_dir, tmp_path):
+    from rollover.config import ConfigError
+
+    with pytest.raises(ConfigError, match="TorchEngine has no option 'gpu_mem'; its options: max_prefill_tokens"):
+        build_run(tiny_cfg(model_dir, tmp_path / "r", **{"rollout.engine_options": {"gpu_mem": 0.5}}))
+
+
+def test_a_model_name_that_names_nothing_fails_at_once_saying_why(tmp_path, monkeypatch):
+    from rollover.models import resolve_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without the hub: no download's retries
+    with pytest.raises(ValueError, match=r"'models/tiny': no such local path \(.*models/tiny\), and as a hub id it is "
+                                         "not in the Hugging Face cache and the hub cannot be reached"):
+        resolve_model("models/tiny")
+    with pytest.raises(ValueError, match="the embedded smollm2-135m-instruct is this model"):
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ValueError, match="'nothing' is no local path .* no hub id .* and no alias"):
+        resolve_model("nothing")
+    assert resolve_model(str(tmp_path)) == str(tmp_path)
+
+
 def test_reward_errors_raise_zero_skip(model_dir, tmp_path, monkeypatch):
     import rollover.rewards.builtins as builtins
 

@@ -22,18 +22,52 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ROLLOVER_CACHE", Path.home() / ".cache" / "rollover"))
 
 
+# hub ids of the embedded models: named in an error when the hub cannot give them
+EMBEDDED_AS = {"huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct"}
+
+
 def resolve_model(name: str) -> str:
-    """Return something `from_pretrained` accepts: a local directory or a hub id."""
-    if name in ALIASES:
-        return str(_converted_alias(name))
+    """Return something `from_pretrained` accepts: a local directory or a hub id (one in the
+    local Hugging Face cache, or with the hub reachable: else a ValueError at once, not a
+    download's retries)."""
+    if name.lower() in ALIASES:
+        return str(_converted_alias(name.lower()))
     if Path(name).exists():
         return str(Path(name))
     if name.count("/") == 1 and not name.startswith((".", "/")):
-        return name  # hub id: loads where a hub is reachable
-    raise ValueError(
-        f"model {name!r} is neither a local path, a hub id (owner/name) nor an alias "
-        f"({', '.join(ALIASES)})"
-    )
+        if _in_hub_cache(name) or _hub_reachable():
+            return name  # hub id: loads from the cache or the hub
+        alias = EMBEDDED_AS.get(name.lower())
+        hint = f"; the embedded {alias} is this model (quantized to 4 bits, then dequantized)" if alias else ""
+        raise ValueError(f"model {name!r}: no such local path ({Path(name).absolute()}), and as a hub id it is not in "
+                         f"the Hugging Face cache and the hub cannot be reached to download it{hint}")
+    raise ValueError(f"model {name!r} is no local path ({Path(name).absolute()}), no hub id (owner/name) and no "
+                     f"alias ({', '.join(ALIASES)})")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # not a valid repo id, say: from_pretrained will say what is wrong
+        return True
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub's host answers a TCP connection (HF_ENDPOINT's, default huggingface.co);
+    False at once under HF_HUB_OFFLINE."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 def _find_gguf(package: str, filename: str) -> Path:

@@ -33,6 +33,7 @@ Common departures:
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -527,12 +528,27 @@ def check_loss_options(algorithm) -> str | None:
         return ("bapo's bounds are chosen by the trainer, once per update over all its loss tokens; "
                 "steer the search with low_start, low_max, high_start, high_max, step, target_pos_share")
     B = torch.zeros((1, 1))
+    opts = loss_options(algorithm)
+    known = loss_option_names(algorithm.loss)
+    unknown = [k for k in opts if k not in known]
+    if unknown:
+        return f"unknown option {', '.join(map(repr, unknown))}; {algorithm.loss} takes {', '.join(known)}"
     try:
-        policy_loss(algorithm.loss, B, B, torch.zeros(1), torch.ones((1, 1), dtype=torch.bool), B.clone(),
-                    **loss_options(algorithm))
+        policy_loss(algorithm.loss, B, B, torch.zeros(1), torch.ones((1, 1), dtype=torch.bool), B.clone(), **opts)
     except (TypeError, ValueError) as e:
         return str(e)
     return None
+
+
+def loss_option_names(name: str) -> list[str]:
+    """The options a policy loss takes: its own, and the off-policy corrections every loss takes
+    through `**correction`."""
+    params = list(inspect.signature(POLICY_LOSSES[name]).parameters.values())
+    own = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        own += [p.name for p in inspect.signature(off_policy_correction).parameters.values()
+                if p.kind == p.KEYWORD_ONLY]
+    return own
 
 
 def policy_loss(

@@ -32,12 +32,35 @@ class Section(BaseModel):
         if isinstance(data, dict):
             for key in data:
                 if key not in cls.model_fields:
-                    close = difflib.get_close_matches(str(key), list(cls.model_fields), n=1, cutoff=0.5)
-                    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(cls.model_fields)}"
+                    names = ["async" if n == "async_" else n for n in cls.model_fields]
+                    close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+                    if key in FOREIGN_KEYS:
+                        hint = f"that is {FOREIGN_KEYS[key][0]}'s name: rollover's is {FOREIGN_KEYS[key][1]}"
+                    else:
+                        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(names)}"
                     raise ValueError(f"unknown key {key!r}; {hint}")
                 if isinstance(data[key], bool) and _numeric(cls.model_fields[key].annotation):
                     raise ValueError(f"{key}={str(data[key]).lower()}: must be a number, not true/false")
         return data
+
+
+# Settings a TRL or verl user writes first, with the rollover key that does the same (the whole
+# table: docs/migrating.md).
+FOREIGN_KEYS = {
+    "learning_rate": ("TRL", "train.lr"), "num_generations": ("TRL", "rollout.samples_per_prompt"),
+    "max_completion_length": ("TRL", "rollout.max_new_tokens"), "beta": ("TRL", "algorithm.kl_coef"),
+    "epsilon": ("TRL", "algorithm.eps_low"), "epsilon_high": ("TRL", "algorithm.eps_high"),
+    "loss_type": ("TRL", "algorithm.aggregation (or algorithm.loss)"), "max_steps": ("TRL", "steps"),
+    "num_train_epochs": ("TRL", "epochs"), "output_dir": ("TRL", "run_dir"),
+    "per_device_train_batch_size": ("TRL", "rollout.prompts_per_step"), "use_vllm": ("TRL", "rollout.engine: vllm"),
+    "model_name_or_path": ("TRL", "model"), "save_steps": ("TRL", "checkpoint.every"),
+    "total_training_steps": ("verl", "steps"), "total_epochs": ("verl", "epochs"),
+    "adv_estimator": ("verl", "algorithm.advantage"), "kl_loss_coef": ("verl", "algorithm.kl_coef"),
+    "clip_ratio_low": ("verl", "algorithm.eps_low"), "clip_ratio_high": ("verl", "algorithm.eps_high"),
+    "loss_agg_mode": ("verl", "algorithm.aggregation"), "ppo_epochs": ("verl", "train.ppo_epochs"),
+    "max_response_length": ("verl", "rollout.max_new_tokens"), "max_prompt_length": ("verl", "data.max_prompt_tokens"),
+    "train_batch_size": ("verl", "rollout.prompts_per_step"),
+}
 
 
 def _reward_spec(spec: Any) -> Any:

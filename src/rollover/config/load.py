@@ -96,7 +96,8 @@ _TYPE_ERRORS = {"int_parsing": "must be an integer", "int_type": "must be an int
                 "float_type": "must be a number", "finite_number": "must be a finite number",
                 "bool_parsing": "must be true or false", "bool_type": "must be true or false",
                 "string_type": "must be a string", "string_too_short": "must not be empty",
-                "too_short": "must not be empty", "dict_type": "must be a mapping", "list_type": "must be a list"}
+                "too_short": "must not be empty", "dict_type": "must be a mapping", "list_type": "must be a list",
+                "model_type": "must be a mapping of this section's keys (its key: value lines), not one value"}
 
 
 def _number(x: Any) -> str:

@@ -100,6 +100,17 @@ def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_i
         raise ConfigError("rollout.quantize=int8 on a CPU needs rollout.dtype=bfloat16: torch's int8 kernel has no "
                           "fast path for float32 activations there (5-35x slower than the float32 GEMM, measured)")
     options = {"adapt_threads": not cfg.train.deterministic, **r.engine_options}  # fixed threads: the same bits
+    import inspect
+
+    params = inspect.signature(TorchEngine).parameters
+    taken = {"model", "state_dict", "device", "dtype", "max_rows", "max_len", "seed", "eos_token_ids", "version",
+             "quantize"}  # set from the config's own keys
+    wrong = [k for k in r.engine_options if k not in params or k in taken]
+    if wrong:
+        from rollover.config import ConfigError
+
+        raise ConfigError(f"rollout.engine_options: TorchEngine has no option {', '.join(map(repr, wrong))}; its "
+                          f"options: {', '.join(k for k in params if k not in taken)}")
     return TorchEngine(architecture, state_dict=dict(weights), device=str(device), dtype=dtype,
                        max_rows=r.max_rows, max_len=max_len, seed=cfg.seed, eos_token_ids=eos_token_ids, version=version,
                        quantize=None if r.quantize == "none" else r.quantize, **options)

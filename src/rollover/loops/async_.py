@@ -52,6 +52,7 @@ from rollover.config import Config
 from rollover.engine.cpu import openmp
 from rollover.loops.batch import bad_steps_error, advantage_metrics, record_step, train_batch_from
 from rollover.loops.common import Run, build_run
+from rollover.metrics.progress import reward_errors
 from rollover.loops.guard import Interrupts, interrupted_result
 from rollover.rollout.stops import Stalled, TooManyEmptyCollections, Watchdog, engine_progress
 from rollover.rollout.async_rollout import ComponentError, DataManager, RolloutService, StalenessGate
@@ -121,7 +122,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                 record_step(run, step, metrics, groups, batch)
                 if progress:
                     progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
-                                    samples_per_s=metrics["perf/samples_trained_per_s"])
+                                    samples_per_s=metrics["perf/samples_trained_per_s"], **reward_errors(metrics))
 
                 # 4. stop on repeated non-finite losses; evaluation; checkpoints
                 if (error := bad_steps_error(run, step)) is not None:

@@ -33,6 +33,7 @@ from rollover.loops.batch import (
     EmptyCollections, bad_steps_error, advantage_metrics, record_step, train_batch_from,
 )
 from rollover.loops.common import Run, build_run
+from rollover.metrics.progress import reward_errors
 from rollover.loops.guard import Interrupts, interrupted_result
 from rollover.rollout.api import CollectorAPI
 from rollover.rollout.groups import rollout_metrics
@@ -131,7 +132,7 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
             record_step(run, step, metrics, groups, batch, gen)
             if progress:
                 progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
-                                tokens_per_s=metrics["perf/tokens_per_s"])
+                                tokens_per_s=metrics["perf/tokens_per_s"], **reward_errors(metrics))
 
             # 6. stop, with a checkpoint: repeated non-finite losses (an error) or a signal (the step is done)
             if (error := bad_steps_error(run, step)) is not None:

@@ -113,3 +113,10 @@ def _postfix(reward: float | None, tokens_per_s: float | None, samples_per_s: fl
     for name, value in extra.items():
         items.append(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}")
     return items
+
+
+def reward_errors(metrics: dict) -> dict:
+    """`{"reward_errors": n}` for a step whose reward calls failed n times (zero or skip kept the
+    run going), else nothing: the progress line shows it only when there is something to see."""
+    n = int(metrics.get("rollout/reward_errors", 0))
+    return {"reward_errors": n} if n else {}

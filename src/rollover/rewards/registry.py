@@ -57,6 +57,8 @@ class RewardSpec:
         load what it needs)."""
         fn = resolve_reward_fn(self.fn)
         name = self.label
+        if self.fn in BUILTINS and not hasattr(fn, "_rollover_prepare"):  # a built-in's options are its named parameters
+            _check_options(fn, self.kwargs, f"reward {name!r} ({self.fn})")
         isolated = self.isolate if self.isolate is not None else bool(getattr(fn, "isolate", False))
         kwargs = prepare(fn, self.kwargs, f"reward {name!r} ({self.fn})", load=here and not isolated)
         if kwargs:
@@ -167,6 +169,17 @@ class Reward:
         return {k: v for k, v in available.items() if k in accepted}
 
 
+def _check_options(fn: Callable, kwargs: dict, what: str) -> None:
+    """A built-in takes every dataset field through `**_`, so a misspelt option would pass
+    unnoticed: its options are the parameters it names after the completion and the answer."""
+    params = list(inspect.signature(fn).parameters.values())[2:]
+    options = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    wrong = [k for k in kwargs if k not in options]
+    if wrong:
+        raise ValueError(f"{what} has no option {', '.join(map(repr, wrong))}; its options: "
+                         f"{', '.join(options) or 'none'}")
+
+
 def prepare(fn: Callable, kwargs: dict, what: str, *, load: bool = True) -> dict:
     """The bound kwargs as a built-in that does work before its first call wants them (its
     `_rollover_prepare(load, **kwargs)` checks them and returns them, the built-in reward_model
@@ -227,7 +240,15 @@ def load_reference(ref: str, what: str):
     target, sep, attr = ref.rpartition(":")
     if not sep or not target or not attr:
         raise ValueError(f"{what} {ref!r}: expected 'module:name' or 'path/to/file.py:name'")
-    module = _load_file(target) if target.endswith(".py") else importlib.import_module(target)
+    try:
+        module = _load_file(target) if target.endswith(".py") else importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        if target.endswith(".py") or e.name != target.partition(".")[0]:
+            raise  # a module the file or module itself imports is missing: its own message says which
+        file = Path(*target.split(".")).with_suffix(".py")
+        there = f" ({file} is in the current directory: write '{file}:{attr}' to load that file)" if file.is_file() else ""
+        raise ModuleNotFoundError(f"{what} {ref!r}: no module named {target!r} on the Python path{there}",
+                                  name=e.name) from None
     if not hasattr(module, attr):
         raise AttributeError(f"{what} {ref!r}: {target} has no attribute {attr!r}")
     return getattr(module, attr)

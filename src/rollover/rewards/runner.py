@@ -159,9 +159,17 @@ class _Call:
 class _Tally:
     """Scores and failures collected while a batch's calls come back."""
 
-    def __init__(self, sample_ids: Sequence[str], names: list[str], on_error: OnError):
+    LOGGED = 3  # failures of one function logged one by one in a batch; the rest are summed up
+
+    def __init__(self, sample_ids: Sequence[str], names: list[str], on_error: OnError,
+                 prompt_ids: Sequence[str] | None = None):
         n = len(sample_ids)
         self.sample_ids = sample_ids
+        # how a failure names its sample: with the prompt (the data row) it answers
+        self.where = [s if p is None or p in s else f"{s} (prompt {p})"
+                      for s, p in zip(sample_ids, prompt_ids or [None] * n)]
+        self.logged: dict[str, int] = {}
+        self.unlogged: dict[str, int] = {}
         self.on_error = on_error
         self.scores: list[dict[str, float | None]] = [dict.fromkeys(names) for _ in range(n)]
         self.extras: list[dict[str, float]] = [{} for _ in range(n)]
@@ -176,9 +184,13 @@ class _Tally:
         by_error: dict[int, tuple[BaseException, list[str]]] = {}
         for i, result in results:
             if isinstance(result, BaseException):
-                by_error.setdefault(id(result), (result, []))[1].append(self.sample_ids[i])
+                by_error.setdefault(id(result), (result, []))[1].append(self.where[i])
         for error, ids in by_error.values():
-            _log_failure(name, ids, error)
+            if self.logged.get(name, 0) < self.LOGGED:
+                self.logged[name] = self.logged.get(name, 0) + 1
+                _log_failure(name, ids, error)
+            else:
+                self.unlogged[name] = self.unlogged.get(name, 0) + len(ids)
 
         for i, result in results:
             if not isinstance(result, BaseException):
@@ -187,7 +199,7 @@ class _Tally:
                 continue
             failure = RewardFailure(name, self.sample_ids[i], _describe(result), timed_out)
             if self.on_error == "raise":
-                raise RewardFailed(name, self.sample_ids[i], failure.error) from result
+                raise RewardFailed(name, self.where[i], failure.error) from result
             self.failures.append(failure)
             self.failed[i].append(name)
 
@@ -287,13 +299,16 @@ class RewardRunner:
             raise RuntimeError("this RewardRunner is closed")
 
         names = [r.name for r in self.rewards]
-        tally = _Tally(sample_ids, names, self.on_error)
+        tally = _Tally(sample_ids, names, self.on_error, [p.id for p in prompts])
         calls = self._calls(prompts, completions, completion_ids)
         with contextlib.closing(self._run(calls)) as outcomes:
             for call, outcome in outcomes:
                 if isinstance(outcome, WorkerStartError):
                     raise outcome  # no worker: every isolated call would fail, not one sample
                 tally.add(call, outcome)
+        for name, count in tally.unlogged.items():
+            logger.warning("reward %r failed on %d more sample(s) of this batch (on_error=%s)", name, count,
+                           self.on_error)
 
         failures = tally.failures
         return BatchRewards(
