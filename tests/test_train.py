@@ -913,7 +913,7 @@ def test_the_best_checkpoint_by_an_evaluation_metric_is_kept_and_exported(model_
     assert main(["export", str(run_dir), str(tmp_path / "out"), "--best"]) == 0
     assert f"exported {run_dir / 'checkpoints' / f'step_{best:06d}'}" in capsys.readouterr().out
     assert main(["eval", str(run_dir), "--best"]) == 0
-    assert f"step_{best:06d} (step {best})" in capsys.readouterr().out
+    assert f"step_{best:06d} (step {best}) [--best]" in capsys.readouterr().out
     held = tmp_path / "held.jsonl"  # evaluated on other held-out data than the run carved for itself
     held.write_text("\n".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) for i in range(3)))
     assert main(["eval", str(run_dir), f"data.eval={held}"]) == 0

@@ -204,10 +204,12 @@ def _eval(argv: list[str]) -> int:
             return 2
         args.checkpoint = str(best)
     _setup_logging()
-    return _guarded("rollover eval", args.debug, lambda: _run_eval(cfg, path, run_dir, args.checkpoint, args.base))
+    given = "--best" if args.best else "--checkpoint"
+    return _guarded("rollover eval", args.debug, lambda: _run_eval(cfg, path, run_dir, args.checkpoint, args.base, given))
 
 
-def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | None, base: bool) -> int:
+def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | None, base: bool,
+              given: str = "--checkpoint") -> int:
     """Evaluate the weights the arguments name; print which, then the metrics."""
     from rollover.loops.common import build_run
     from rollover.train import checkpoint
@@ -219,7 +221,7 @@ def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | No
         ckpt = checkpoint.latest(run_dir)
         why = f"latest checkpoint of {run_dir}" if ckpt is not None else f"{run_dir} has no checkpoint"
     else:
-        why = "--base" if base else "--checkpoint"
+        why = "--base" if base else given
     run = build_run(cfg.model_copy(update=_weights_of(ckpt)), record=False)
     try:
         weights = (f"checkpoint {run.checkpoint} (step {run.start_step})" if run.checkpoint
