@@ -22,7 +22,6 @@ pass that implementation is plain sdpa.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +29,8 @@ import torch.nn.functional as F
 
 ATTENTION = "rollover_ulysses"
 
-_local = threading.local()
+_current: "Pass | None" = None  # module-wide, not per thread: on CUDA the backward pass (and the layers
+# gradient checkpointing recomputes in it) runs on autograd's own device thread
 _registered = False
 
 
@@ -78,7 +78,8 @@ def use(model_config, size: int) -> None:
 def set_pass(p: Pass | None) -> None:
     """The pass the attention layers run in. It stays set after the forward (until the next one):
     layers recomputed in the backward pass (gradient checkpointing) read it again."""
-    _local.current = p
+    global _current
+    _current = p
 
 
 def row_mask(position_ids: torch.Tensor, allow: torch.Tensor | None) -> torch.Tensor:
@@ -97,7 +98,7 @@ def row_mask(position_ids: torch.Tensor, allow: torch.Tensor | None) -> torch.Te
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention-interface signature: query [B, H, l, D], key and value [B, KV, l, D]
     (l: this rank's slice of the row); returns ([B, l, H, D], None)."""
-    p = getattr(_local, "current", None)
+    p = _current
     if p is None:  # not in a sequence-parallel pass: the model's plain sdpa
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
