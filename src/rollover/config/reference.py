@@ -75,7 +75,8 @@ def describe(section: type[BaseModel] = Config, prefix: str = "") -> str:
         if sub is not None:
             subs.append((key if sub is f.annotation else key + "[]", sub))
         if sub is not f.annotation:
-            lines.append(f"  {key} = {f.default!r}{_bounds(f.metadata)}\n      {f.description or ''}")
+            text = "\n      ".join((f.description or "").splitlines())  # every line of the docstring indented
+            lines.append(f"  {key} = {f.default!r}{_bounds(f.metadata)}\n      {text}")
     for key, sub in subs:
         lines.append(f"\n[{key}]")
         lines.append(describe(sub, key + "."))
