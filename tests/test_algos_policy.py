@@ -497,6 +497,9 @@ def test_vespo_folds_token_importance_weights_into_the_sequence_ratio():
     log_w = (0.1 + 0.0) + math.log(rho[0]) + math.log(rho[1])
     phi = vespo_weight(log_w, 1.0)
     torch.testing.assert_close(out.loss_BT, t([[-phi * -0.5, -phi * -1.0]]))  # not multiplied by ρ again
+    masked = policy_loss("vespo", logp, old, adv, ones_mask(1, 2), behav, is_level="token", is_mode="mask", is_cap=1.5)
+    assert masked.mask_BT.tolist() == [[True, False]]  # ρ = e^0.5 > 1.5 leaves the mask ...
+    assert masked.metrics["phi_mean"].item() < 1e-9  # ... with ratio 0 in w, as TRL's token_mask: the sequence fades
     plain = policy_loss("vespo", logp, old, adv, ones_mask(1, 2), behav)  # no options: w = π/π_behav, uncapped
     phi = vespo_weight((-0.5 + 0.4) + (-1.0 + 1.5), 1.0)
     torch.testing.assert_close(plain.loss_BT, t([[-phi * -0.5, -phi * -1.0]]))

@@ -152,8 +152,9 @@ def test_yaml_file_errors_name_the_file_and_key(tmp_path):
                                        ("trian.lr=1", "did you mean 'train'"),
                                        ("algorithm.eps_hihg=0.3", "did you mean 'eps_high'"),
                                        ("asyn.max_staleness=2", "did you mean 'async'"),
-                                       ("learning_rate=1e-5", "that is TRL's name: rollover's is train.lr"),
-                                       ("algorithm.adv_estimator=grpo", "verl's name: rollover's is algorithm.advantage"),
+                                       ("learning_rate=1e-5", "learning_rate is TRL's name for rollover's train.lr"),
+                                       ("algorithm.adv_estimator=grpo", "adv_estimator is verl's name for rollover's algorithm.advantage"),
+                                       ("train.beta=0.9", r"did you mean 'betas'\? \(beta is TRL's name for rollover's algorithm.kl_coef\)"),
                                        ("data=x.jsonl", "data='x.jsonl': must be a mapping of this section's keys")])
 def test_unknown_keys_suggest_the_nearest(key, hint):
     with pytest.raises(ConfigError, match=hint):
@@ -189,6 +190,7 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["train.sequence_parallel=2", "train.parallel=fsdp", "train.ranks=3"], r"train.ranks a multiple of it \(train.ranks=3\)"),
     (["train.sequence_parallel=2", "train.parallel=fsdp", "train.ranks=2", "train.colocate=true"], "sequence_parallel with train.colocate"),
     (["steps=5", "epochs=2"], "steps=5 and epochs=2 both say how long to train"),
+    (["env.name=guess_number", "env.credit=gigpo", "algorithm.advantage=reinforce_pp"], "reinforce_pp has no group baseline"),
     (["algorithm.loss_options={is_levle: sequence}"], "unknown option 'is_levle'; ppo takes eps_low, eps_high, dual_clip, is_level"),
 ])
 def test_conflicts_rejected_not_repaired(over, match):

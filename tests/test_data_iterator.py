@@ -127,6 +127,32 @@ def test_the_demos_held_out_prompts_are_as_many_distinct_questions():
     assert len({p.text for p in train}) == 52
 
 
+@pytest.mark.parametrize("weights", [None, {"a": 1.0, "b": 1.0}])
+def test_named_sources_that_share_questions_hold_each_out_of_both(tmp_path, weights):
+    """A question held out of one source is trained on through none; a source of one question is
+    not split; held-out questions are distinct and exactly eval_size (no rounded-up extra lost)."""
+    import json
+
+    from rollover.config import load_config
+    from rollover.loops.prompts import _prompts
+
+    def write(name, questions):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("\n".join(json.dumps({"prompt": q, "answer": "1"}) for q in questions))
+        return str(path)
+
+    a = write("a", [f"q{i}" for i in range(25)])
+    b = write("b", [f"q{i}" for i in range(10, 35)] * 2)  # shares q10-q24 with a, each twice
+    one = write("one", ["lonely"] * 3)
+    cfg = load_config(**{"data.train": {"a": a, "b": b, "one": one}, "data.eval_size": 7,
+                         **({"data.train_weights": {**weights, "one": 1.0}} if weights else {})})
+    train, held, _, _ = _prompts(cfg, None)
+    asked = {p.text for p in held}
+    assert len(held) == len(asked) == 7
+    assert not asked & {p.text for p in train}
+    assert {p.text for p in train} | asked == {f"q{i}" for i in range(35)} | {"lonely"}  # nothing lost
+
+
 def test_a_mix_draws_sources_at_their_weights_and_resumes_where_it_stopped():
     from collections import Counter
 

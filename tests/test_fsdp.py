@@ -110,18 +110,19 @@ def test_a_step_at_world_size_n_equals_one_trainers(world, over):
         sharded.close()
 
 
-@pytest.mark.parametrize("world,sp,over", [
-    (2, 2, {"algorithm.kl_coef": 0.1}),  # one sequence-parallel group; shared-prefix rows; a sharded reference
-    (4, 2, {"algorithm.loss": "gspo", "algorithm.aggregation": "seq-mean-token-mean", "train.mini_batches": 2,
-            "train.shared_prefix": False, "train.gradient_checkpointing": True}),  # two groups of two
-    (4, 4, {"train.micro_batch_tokens": 32, "train.pack_length": 16, "data.max_prompt_tokens": 8,
-            "train.shared_prefix": False}),  # 2 K/V heads over 4 ranks: repeated; several micro-batches
+@pytest.mark.parametrize("world,sp,arch,over", [
+    (2, 2, "llama", {"algorithm.kl_coef": 0.1}),  # one sequence-parallel group; shared-prefix rows; a sharded reference
+    (4, 2, "llama", {"algorithm.loss": "gspo", "algorithm.aggregation": "seq-mean-token-mean", "train.mini_batches": 2,
+                     "train.shared_prefix": False, "train.gradient_checkpointing": True}),  # two groups of two
+    (4, 4, "llama", {"train.micro_batch_tokens": 32, "train.pack_length": 16, "data.max_prompt_tokens": 8,
+                     "train.shared_prefix": False}),  # 2 K/V heads over 4 ranks: repeated; several micro-batches
+    (2, 2, "gpt2", {}),  # dropout rates in its config: its modules read a copy (train.disable_dropout)
 ])
-def test_a_sequence_parallel_step_equals_one_trainers(world, sp, over):
+def test_a_sequence_parallel_step_equals_one_trainers(world, sp, arch, over):
     """train.sequence_parallel: each rank runs 1/sp of every row, attention trades heads for
     positions, and the step is the one-process trainer's (loss, metrics, update)."""
     cfg = cfg_of(**{"train.ranks": world, "train.sequence_parallel": sp, **over})
-    model = tiny_model("llama", seed=3)
+    model = tiny_model(arch, seed=3)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
     sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
@@ -131,7 +132,10 @@ def test_a_sequence_parallel_step_equals_one_trainers(world, sp, over):
             for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/rollout_kl", "actor/masked_frac",
                       "actor/loss_tokens", *(["actor/kl"] if cfg.algorithm.kl_coef else [])):
                 assert ms[k] == pytest.approx(mp[k], rel=1e-4, abs=1e-7), k
-            assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
+            # GPT-2's key bias cannot change the attention (softmax ignores a shift): its gradient is
+            # float noise, which Adam moves by about lr either way (so also at sequence_parallel 1)
+            noise = (lambda w: {k: v for k, v in w.items() if not k.endswith("attn.c_attn.bias")})
+            assert_same_update(noise(weights(plain)), noise(weights(sharded)), noise(start), cfg.train.lr)
             start = weights(plain)
     finally:
         sharded.close()

@@ -393,6 +393,7 @@ def test_simulate_cli_writes_report_and_gantt(tmp_path):
     assert r["steps"] == 2 and r["mode"] == "async (eta=1)" and "timeline" not in r
     assert png.stat().st_size > 5000
     assert main(["simulate", *BASE, "simulate.decode={stepp: 1}"]) == 2
+    assert main(["simulate", *BASE, "epochs=1"]) == 2  # no data to count passes over
     assert math.isfinite(r["samples_per_s"]) and r["samples_per_s"] > 0
 
 

@@ -645,6 +645,9 @@ def test_a_model_name_that_names_nothing_fails_at_once_saying_why(tmp_path, monk
     with pytest.raises(ValueError, match="'nothing' is no local path .* no hub id .* and no alias"):
         resolve_model("nothing")
     assert resolve_model(str(tmp_path)) == str(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # the hub may be reachable only through it
+    assert resolve_model("owner/model") == "owner/model"
 
 
 def test_reward_errors_raise_zero_skip(model_dir, tmp_path, monkeypatch):

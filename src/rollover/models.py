@@ -56,12 +56,15 @@ def _in_hub_cache(repo_id: str) -> bool:
 
 def _hub_reachable(timeout_s: float = 3.0) -> bool:
     """Whether the hub's host answers a TCP connection (HF_ENDPOINT's, default huggingface.co);
-    False at once under HF_HUB_OFFLINE."""
+    False at once under HF_HUB_OFFLINE; True with a proxy set (the hub may be reachable only
+    through it, as huggingface_hub's client goes)."""
     import socket
     from urllib.parse import urlparse
 
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
         return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # through a proxy: only the download itself can tell
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()

@@ -363,9 +363,10 @@ def vespo(
     sequence far from the old policy on either side gets little weight.
 
     `w` is `Π_t π/π_old · Π_t π_old/π_behav`. Token-level importance sampling options
-    (`tis_cap`, or `is_level="token"`) shape the second factor (capped, or masked tokens left
-    out) instead of multiplying the loss, as TRL does with vLLM's weights; sequence-level
-    importance sampling is refused. Token log-ratios are clamped (`π/π_old` to ±20, `π_old/π_behav`
+    (`tis_cap`, or `is_level="token"`) shape the second factor instead of multiplying the loss,
+    as TRL does with vLLM's weights: truncated, each token's ratio is capped; masked, a token
+    outside the bounds has ratio 0 (`1e-8`), so its whole sequence gets a weight of about 0.
+    Sequence-level importance sampling is refused. Token log-ratios are clamped (`π/π_old` to ±20, `π_old/π_behav`
     to `[log 1e-8, 20]`), then `log w` to `[log 1e-8, 20]` (TRL's bounds). `phi_mean` is
     the mean weight over loss tokens; the clip fractions count the tokens whose weight is below
     1/2, `clip_frac_low` those of sequences with `w < 1`, `clip_frac_high` with `w > 1`.
@@ -387,6 +388,14 @@ def vespo(
         if x.weight_BT is not None or behav_logp_BT is not None:
             is_log_BT = torch.where(x.mask_BT, is_log_BT.clamp(floor, MAX_LOG_RATIO), torch.zeros_like(log_w_BT))
             log_w_BT = log_w_BT + is_log_BT
+        if correction.get("is_level") == "token" and correction.get("is_mode", "truncate") == "mask":
+            # a token the mask drops has weight 0, as in TRL: log 1e-8, so its sequence's φ is about 0
+            given_BT = mask_BT.bool()
+            rho_BT = torch.where(given_BT, old_logp_BT.detach() - behav_logp_BT, 0.0).clamp(
+                -MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+            lo = correction.get("is_floor")
+            out_BT = given_BT & ((rho_BT > correction.get("is_cap", 2.0)) | ((rho_BT < lo) if lo is not None else False))
+            log_w_BT = log_w_BT + torch.where(out_BT, floor, 0.0)
         log_w_B = log_w_BT.sum(dim=1).clamp(floor, MAX_LOG_RATIO)
         pos_BT = x.adv_BT >= 0
         k_BT = torch.where(pos_BT, torch.full_like(log_w_BT, k_pos), torch.full_like(log_w_BT, k_neg))

@@ -34,10 +34,11 @@ class Section(BaseModel):
                 if key not in cls.model_fields:
                     names = ["async" if n == "async_" else n for n in cls.model_fields]
                     close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-                    if key in FOREIGN_KEYS:
-                        hint = f"that is {FOREIGN_KEYS[key][0]}'s name: rollover's is {FOREIGN_KEYS[key][1]}"
-                    else:
-                        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(names)}"
+                    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(names)}"
+                    if key in FOREIGN_KEYS:  # a close key of this section may be what was meant: both
+                        system, ours = FOREIGN_KEYS[key]
+                        foreign = f"{key} is {system}'s name for rollover's {ours}"
+                        hint = f"{hint} ({foreign})" if close else foreign
                     raise ValueError(f"unknown key {key!r}; {hint}")
                 if isinstance(data[key], bool) and _numeric(cls.model_fields[key].annotation):
                     raise ValueError(f"{key}={str(data[key]).lower()}: must be a number, not true/false")

@@ -326,6 +326,10 @@ class Config(Section):
                            "advantage is its return to go less the group's baseline, unscaled; an estimator that "
                            "divides by the spread of the episodes' returns would scale turn returns by it, which "
                            "that spread does not bound: set algorithm.advantage=drgrpo or rloo")
+        if e.credit == "gigpo" and self.algorithm.advantage == "reinforce_pp":
+            out.append("env.credit=gigpo compares turns from the same state within their group; algorithm.advantage="
+                       "reinforce_pp has no group baseline (it whitens over the whole step): use a group estimator "
+                       "(grpo, drgrpo, rloo, ...)")
         if e.credit != "episode":
             if self.algorithm.loss == "gspo":
                 out.append(f"env.credit={e.credit} gives each turn its own advantage; algorithm.loss=gspo clips one "

@@ -5,7 +5,7 @@ from rollover.data.generators import GENERATORS, arithmetic, countdown, generate
 from rollover.data.iterator import MixedIterator, PromptIterator
 from rollover.data.loaders import BadRow, DataError, PromptSet, load_prompts, row_to_prompt
 from rollover.data.render import BOXED_INSTRUCTION, render_media_prompt, render_messages, render_prompt
-from rollover.data.split import distinct_questions, split_holdout
+from rollover.data.split import content_key, distinct_questions, split_holdout
 
 __all__ = [
     "BOXED_INSTRUCTION",
@@ -23,6 +23,7 @@ __all__ = [
     "render_messages",
     "render_prompt",
     "row_to_prompt",
+    "content_key",
     "distinct_questions",
     "split_holdout",
 ]

@@ -41,7 +41,12 @@ def split_holdout(
 
 def distinct_questions(prompts: Sequence[Prompt]) -> int:
     """How many different questions `prompts` ask (by content, as `split_holdout` counts them)."""
-    return len({_content_key(p) for p in prompts})
+    return len({content_key(p) for p in prompts})
+
+
+def content_key(prompt: Prompt) -> str:
+    """What makes two prompts the same question: their text or messages, not their ids."""
+    return _content_key(prompt)
 
 
 def _content_key(prompt: Prompt) -> str:

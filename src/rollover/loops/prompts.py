@@ -12,8 +12,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from rollover.config import Config, ConfigError
-from rollover.data import (MixedIterator, PromptIterator, distinct_questions, load_prompts, render_prompt,
-                           split_holdout)
+from rollover.data import (MixedIterator, PromptIterator, content_key, distinct_questions, load_prompts,
+                           render_prompt, split_holdout)
 from rollover.rewards import RewardRunner
 from rollover.types import Prompt
 
@@ -56,16 +56,20 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
         raise ConfigError(f"data.eval_size={d.eval_size} would hold out half or more of the {distinct} distinct "
                           f"training questions{rows}")
     if not sets:
-        tr, held = split_holdout(train.prompts, frac, seed=cfg.seed)
-        return tr, held[: d.eval_size], skipped, sets
-    # named sources: each gives its share, so a small one is held out (and trained on) too
-    tr, parts = [], []
-    for name in sorted(d.train):
-        mine, held = split_holdout([p for p in train.prompts if sets[p.id] == name], frac, seed=cfg.seed)
-        tr += mine
-        parts.append(held)
-    interleaved = [p for row in itertools.zip_longest(*parts) for p in row if p is not None]
-    return tr, interleaved[: d.eval_size], skipped, sets
+        parts = [split_holdout(train.prompts, frac, seed=cfg.seed)[1]]
+    else:  # named sources: each gives its share, so a small one is held out (and trained on) too
+        parts = []
+        for name in sorted(d.train):
+            mine = [p for p in train.prompts if sets[p.id] == name]
+            parts.append(split_holdout(mine, frac, seed=cfg.seed)[1] if distinct_questions(mine) > 1 else [])
+    # each question once, and none of them trained on from any source (sources may share
+    # questions); one past eval_size (a share rounded up) goes back to training
+    held, keys = [], set()
+    for p in (p for row in itertools.zip_longest(*parts) for p in row if p is not None):
+        if len(held) < d.eval_size and (k := content_key(p)) not in keys:
+            keys.add(k)
+            held.append(p)
+    return [p for p in train.prompts if content_key(p) not in keys], held, skipped, sets
 
 
 def _load_named(source: str | dict[str, str], kw: dict, sets: dict[str, str], first: int | None = None):

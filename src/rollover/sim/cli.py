@@ -89,7 +89,12 @@ def _config(p: argparse.ArgumentParser, args):
         p.print_usage(sys.stderr)
         print(f"{p.prog}: give a YAML config and/or key.path=value overrides", file=sys.stderr)
         return None
-    return _load_config(p.prog, *_split_config(args.config, args.overrides), schema=SimRunConfig)
+    cfg = _load_config(p.prog, *_split_config(args.config, args.overrides), schema=SimRunConfig)
+    if cfg is not None and cfg.epochs is not None:
+        print(f"{p.prog}: config error: epochs={cfg.epochs:g} counts passes over training data, which a simulation "
+              "has none of: give steps", file=sys.stderr)
+        return None
+    return cfg
 
 
 def _plan(argv: list[str]) -> int:

@@ -177,7 +177,7 @@ class FSDPTrainer(Trainer):
         if self.sp > 1:
             from rollover.train import ulysses
 
-            ulysses.use(self._base(model).config, self.sp)
+            ulysses.use(model, self.sp)
         for layer in decoder_layers(model):
             fully_shard(layer, **kw)
         root = _Root(model)

@@ -68,11 +68,19 @@ def check(model_config, size: int) -> None:
         raise ValueError(f"train.sequence_parallel={size}: models with sliding-window attention are not supported yet")
 
 
-def use(model_config, size: int) -> None:
-    """Switch a model's attention to Ulysses over `size` ranks (checked first)."""
-    check(model_config, size)
+def use(model, size: int) -> None:
+    """Switch a model's attention to Ulysses over `size` ranks (checked first): on every config
+    its modules read, which is not always the model's own (`train.disable_dropout` gives the
+    inner modules a copy; a vision-language model has one per tower)."""
+    from rollover.models import text_config
+
+    top = model.get_base_model() if hasattr(model, "get_base_model") else model
+    check(text_config(top.config), size)
     register()
-    model_config._attn_implementation = ATTENTION
+    configs = {id(c): c for m in model.modules() for c in [getattr(m, "config", None)]
+               if c is not None and hasattr(c, "_attn_implementation")}
+    for c in [top.config, *configs.values()]:
+        c._attn_implementation = ATTENTION
 
 
 def set_pass(p: Pass | None) -> None:
