@@ -56,7 +56,7 @@ def test_no_sample_lost_or_duplicated_and_budgets_hold(model_dir, tmp_path, seed
     cfg = april_cfg(model_dir, tmp_path, seed=seed, **{
         "rollout.samples_per_prompt": n, "rollout.prompts_per_step": rng.choice([1, 2, 3]),
         "rollout.max_rows": rng.choice([2, 4, 7]), "partial_rollout.oversample": rng.choice([1.0, 1.5, 2.0, 3.0]),
-        "rollout.ignore_eos": True, "algorithm.advantage": "reinforce_pp_baseline"})
+        "rollout.ignore_eos": True, "algorithm.advantage": "reinforce_pp"})
     run = build_run(cfg)
     with_random_budgets(run, rng, cfg.rollout.max_new_tokens)
     col = AprilCollector(RolloutInputs.of(run))

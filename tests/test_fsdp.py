@@ -636,11 +636,13 @@ def test_ranks_with_vllm_end_when_the_driver_is_killed(tmp_path_factory, tmp_pat
         "    print('PIDS', *[p.pid for p in run.trainer.procs], flush=True)\n"
         "    time.sleep(600)\n")
     cfg = {"device": "cpu", "model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 2, "seed": 7,
-           "data.train": "gen:arithmetic?n=120", "data.max_prompt_tokens": 64, "rollout.max_new_tokens": 6,
-           "rollout.max_rows": 8, "logging.progress": False, "logging.tensorboard": False, **over}
+           "data.train": "gen:arithmetic?n=120", "data.eval_size": 6, "data.max_prompt_tokens": 64,
+           "rollout.max_new_tokens": 6, "rollout.max_rows": 8, "logging.progress": False,
+           "logging.tensorboard": False, **over}
     driver = subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], stdout=subprocess.PIPE, text=True)
     try:
-        line = next(x for x in driver.stdout if x.startswith("PIDS"))
+        line = next((x for x in driver.stdout if x.startswith("PIDS")), None)
+        assert line is not None, f"the driver ended without starting its ranks (exit {driver.wait()}; its stderr above)"
         ranks = [psutil.Process(int(x)) for x in line.split()[1:]]
         theirs = ranks + [c for r in ranks for c in r.children(recursive=True)]
         assert len(theirs) > len(ranks)  # the ranks' vLLM processes
