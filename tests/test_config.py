@@ -164,6 +164,13 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
 @pytest.mark.parametrize("over, match", [
     (["algorithm.loss=gspo"], "seq-mean-token-mean"),
     (["rollout.samples_per_prompt=1"], "samples_per_prompt must be >= 2"),
+    (["critic.lr=1e-4", "algorithm.lam=0.95"], r"algorithm.lam, critic.lr set the critic of algorithm.advantage=gae, "
+                                               "which algorithm.advantage=grpo does not use"),
+    (["algorithm.advantage=gae", "train.parallel=fsdp", "train.ranks=2"], "gae with train.parallel=fsdp: not yet"),
+    (["algorithm.advantage=gae", "train.lora={r: 4}"], "gae with train.lora: not yet"),
+    (["algorithm.advantage=gae", "algorithm.loss=gspo", "algorithm.aggregation=seq-mean-token-mean"],
+     "use gspo_token"),
+    (["algorithm.advantage=gae", "downsample.keep=2"], "gae with downsample"),
     (["rollout.samples_per_prompt=1", "algorithm.advantage=reinforce_pp_baseline"], "samples_per_prompt must be >= 2"),
     (["algorithm.dynamic_sampling=true", "rollout.samples_per_prompt=1", "algorithm.advantage=reinforce_pp_baseline"], "dynamic_sampling"),
     (["partial_rollout.enabled=true", "partial_rollout.adaptive=true", "partial_rollout.oversample=5"],

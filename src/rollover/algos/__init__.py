@@ -9,7 +9,9 @@ entry. Every loss is to be *minimised*.
     loss = aggregate(out.loss_BT, out.mask_BT, "token-mean", num_tokens=step_tokens)
 
 - `advantages`: grpo, grpo_batch_std, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, gapo, gdpo
-  (`ADVANTAGES`, gdpo apart: it takes each reward function's scores).
+  (`ADVANTAGES`, gdpo apart: it takes each reward function's scores), gae (the rewards, for the critic).
+- `gae`: PPO with a critic: generalised advantage estimation over the trained tokens, whitening,
+  the clipped value loss, explained variance.
 - `policy`: ppo, gspo, gspo_token, cispo, sapo, vespo, decoupled_ppo, bapo (`POLICY_LOSSES`);
   `bapo_update_bounds` picks BAPO's bounds once over an update split into micro-batches and ranks.
 - `bapo_bounds`: BAPO's candidate bounds, the tables a batch contributes, the search.

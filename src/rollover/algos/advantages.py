@@ -143,6 +143,14 @@ def reinforce_pp(rewards_B: Tensor, group_ids_B: Tensor, *, eps: float = 1e-8) -
     return (rewards_B - rewards_B.mean()) * torch.rsqrt(rewards_B.var(unbiased=True) + eps), g.info
 
 
+def gae_rewards(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, dict]:
+    """`algorithm.advantage: gae` (PPO with a critic): the rewards themselves, which the trainer's
+    critic turns into each token's advantage (`rollover.algos.gae`); no group baseline, so no
+    group is degenerate."""
+    g = _groups(rewards_B, group_ids_B)
+    return rewards_B.clone(), {**g.info, "zero_std_groups": 0}
+
+
 def gapo(rewards_B: Tensor, group_ids_B: Tensor, *, coverage: float = 0.5, eps: float = 1e-6) -> tuple[Tensor, dict]:
     """GAPO (arXiv 2510.21830): a robust group baseline for noisy or skewed rewards.
 
@@ -217,6 +225,7 @@ ADVANTAGES: dict[str, AdvantageFn] = {
     "reinforce_pp": reinforce_pp,
     "reinforce_pp_baseline": reinforce_pp_baseline,
     "gapo": gapo,
+    "gae": gae_rewards,
 }
 
 

@@ -11,11 +11,18 @@ from rollover.config.base import Section
 
 class AlgorithmConfig(Section):
     advantage: Literal["grpo", "grpo_batch_std", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gapo",
-                       "gdpo"] = "grpo"
+                       "gdpo", "gae"] = "grpo"
     """Advantage estimator over each prompt's group. reinforce_pp: no group baseline, the rewards
     whitened over the step (REINFORCE++; works with samples_per_prompt 1). gdpo (several reward functions): each
     function's scores normalised within the group, then their weighted sum over the batch (TRL's
-    multi_objective_aggregation=normalize_then_sum)."""
+    multi_objective_aggregation=normalize_then_sum). gae: PPO with a learned critic (verl's default), each
+    token's advantage by generalised advantage estimation from the critic's values (section critic; gamma,
+    lam; works with samples_per_prompt 1)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """advantage=gae: discount per token (verl's algorithm.gamma)."""
+    lam: float = Field(1.0, ge=0, le=1)
+    """advantage=gae: GAE's lambda (verl's algorithm.lam); 1 with gamma 1 makes each token's advantage
+    the reward less the critic's value there."""
     loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo", "sapo", "vespo"] | None = None
     """Policy loss; unset: ppo in sync mode, decoupled_ppo in async mode or with APRIL
     (partial_rollout.enabled). ppo with

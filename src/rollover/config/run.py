@@ -14,7 +14,7 @@ from rollover.config.ray import RayConfig
 from rollover.config.reward import RewardConfig
 from rollover.config.rollout import PartialRolloutConfig, RolloutConfig
 from rollover.config.schedule import AsyncConfig, DownsampleConfig, SelectionConfig
-from rollover.config.train import CheckpointConfig, EvalConfig, LoggingConfig, TrainConfig
+from rollover.config.train import CheckpointConfig, CriticConfig, EvalConfig, LoggingConfig, TrainConfig
 
 
 class Config(Section):
@@ -47,6 +47,7 @@ class Config(Section):
     reward: RewardConfig = RewardConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     train: TrainConfig = TrainConfig()
+    critic: CriticConfig = CriticConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -120,7 +121,7 @@ class Config(Section):
             problems.append(f"steps={self.steps} and epochs={self.epochs:g} both say how long to train: give one")
         if a.dynamic_sampling and r.samples_per_prompt < 2:
             problems.append("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2 (a group of 1 has no variance)")
-        if a.advantage not in ("reinforce_pp",) and r.samples_per_prompt < 2:
+        if a.advantage not in ("reinforce_pp", "gae") and r.samples_per_prompt < 2:
             problems.append(f"algorithm.advantage={a.advantage} compares samples of a group: rollout.samples_per_prompt must be >= 2")
         if a.loss in ("gspo", "gspo_token") and a.aggregation not in ("seq-mean-token-mean", "seq-mean-token-sum"):
             problems.append(f"algorithm.loss={a.loss} is defined with aggregation=seq-mean-token-mean (GSPO) or "
@@ -204,6 +205,7 @@ class Config(Section):
                 f"algorithm.overlong_buffer={a.overlong_buffer} adds to their total"
             problems.append(f"algorithm.advantage=gdpo normalises each reward function's scores; {what}, not the "
                             "reward functions (for a length penalty, give it as a reward function)")
+        problems += self._critic_problems()
         fields = type(a).model_fields
         moved = [k for k in ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max") if getattr(a, k) != fields[k].default]
         if a.entropy_target is None and moved:
@@ -228,6 +230,33 @@ class Config(Section):
                 given = f"algorithm.loss_options={a.loss_options}" if a.loss_options else f"algorithm.dual_clip={a.dual_clip}"
                 problems.append(f"{given} for algorithm.loss={a.loss}: {wrong}")
         return problems
+
+    def _critic_problems(self) -> list[str]:
+        """PPO with a critic (algorithm.advantage=gae) and what it does not combine with yet."""
+        a, out = self.algorithm, []
+        if a.advantage != "gae":
+            fields = type(self.critic).model_fields
+            moved = [f"algorithm.{k}" for k in ("gamma", "lam") if getattr(a, k) != 1.0]
+            moved += [f"critic.{k}" for k in fields if getattr(self.critic, k) != fields[k].default]
+            if moved:
+                out.append(f"{', '.join(moved)} set the critic of algorithm.advantage=gae, which "
+                           f"algorithm.advantage={a.advantage} does not use")
+            return out
+        if self.train.parallel == "fsdp":
+            out.append("algorithm.advantage=gae with train.parallel=fsdp: not yet (the critic trains in one process)")
+        if self.train.lora is not None:
+            out.append("algorithm.advantage=gae with train.lora: not yet (the critic is a full copy of the model)")
+        if self.env.credit != "episode":
+            out.append(f"algorithm.advantage=gae gives each token its own advantage from the critic; env.credit="
+                       f"{self.env.credit} gives each turn one: leave env.credit at episode")
+        if a.loss == "gspo":
+            out.append("algorithm.advantage=gae gives each token its own advantage; algorithm.loss=gspo clips one ratio "
+                       "per sequence against one advantage: use gspo_token, its form for per-token advantages")
+        d = self.downsample
+        if d.keep or d.token_fraction < 1 or d.token_fraction_start is not None:
+            out.append("algorithm.advantage=gae with downsample: D3S picks samples and tokens by one advantage per "
+                       "sample, which the critic's per-token advantages are not")
+        return out
 
     def _train_problems(self) -> list[str]:
         """The trainer's ranks, offload and colocated engines."""

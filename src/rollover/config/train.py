@@ -103,6 +103,19 @@ class TrainConfig(Section):
     graphs stay recorded)."""
 
 
+class CriticConfig(Section):
+    """The learned value model of algorithm.advantage=gae (PPO with a critic)."""
+
+    lr: float = Field(1e-5, gt=0)
+    """The critic's AdamW learning rate (verl's critic.optim.lr); betas, weight decay, warm-up,
+    schedule, gradient clipping, ppo_epochs and mini_batches are the train section's."""
+    value_clip: Annotated[float, Field(gt=0)] | None = 0.5
+    """A value prediction moves at most this far from the one recorded before the step's updates
+    (verl's critic.cliprange_value); None: the plain squared error."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps in which only the critic trains, the policy left as it is (verl's trainer.critic_warmup)."""
+
+
 class EvalConfig(Section):
     every: int = Field(5, ge=0)
     """Evaluate every this many steps (0 = only at the start and the end)."""

@@ -99,13 +99,13 @@ def eval_sample_rows(step: int, groups: list[Group], tokenizer, cfg: Config, pri
     return out
 
 
-def _batch_rows(groups: list[Group], batch: TrainBatch, cfg: Config) -> tuple[list[int | None], list[float]]:
+def _batch_rows(groups: list[Group], batch: TrainBatch, cfg: Config) -> tuple[list[int | None], list[float | None]]:
     """Each sample's row in `batch` (None: D3S sample-level down-sampling left it out) and its
     advantage, in group order. The batch keeps every sample in order unless `downsample.keep`
     cut groups down; then the same choice is made again from the same advantages."""
     n = sum(len(g.rollouts) for g in groups)
-    if len(batch) == n:
-        return list(range(n)), batch.adv_B.tolist()
+    if len(batch) == n:  # gae: the critic gives each token its own, in the trainer (adv_B holds the rewards)
+        return list(range(n)), [None] * n if cfg.algorithm.advantage == "gae" else batch.adv_B.tolist()
     advantages = group_advantages(groups, cfg)[0].tolist()
     rows: list[int | None] = []
     at = b = 0

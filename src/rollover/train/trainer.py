@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import warnings
@@ -32,6 +33,7 @@ import torch
 import torch.utils.checkpoint
 
 from rollover.algos import aggregate, kl_penalty, policy_loss, top_entropy_mask
+from rollover.algos.gae import explained_variance, gae, masked_whiten
 from rollover.algos.offpolicy import MAX_LOG_RATIO, m2po_update_mask, opsm_mask
 from rollover.algos.policy import bapo_update_bounds, old_logprobs_first
 from rollover.config import Config
@@ -101,6 +103,7 @@ class Trainer(PolicyForward):
             ref = reference if reference is not None else copy.deepcopy(model)
             self.ref_model = self._place(ref.eval().requires_grad_(False))
         self.model = self._place(model)
+        self.critic = None  # algorithm.advantage=gae: set below, once the packing is known
         params = [p for p in self.model.parameters() if p.requires_grad]
         t = cfg.train
         # fused: one vectorised pass over each tensor. torch's default on a CPU loops over tensors op by op:
@@ -110,9 +113,8 @@ class Trainer(PolicyForward):
         self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                                            fused=fused)
         updates_per_step = t.ppo_epochs * t.mini_batches
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _lr_lambda(t.schedule, t.warmup_steps * updates_per_step, cfg.steps * updates_per_step)
-        )
+        schedule = _lr_lambda(t.schedule, t.warmup_steps * updates_per_step, cfg.steps * updates_per_step)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss
         self.steps_trained = 0  # train_step calls: algorithm.ref_sync_every counts them
         # the entropy bonus's coefficient, which adaptive control (algorithm.entropy_target) moves, the
@@ -135,6 +137,10 @@ class Trainer(PolicyForward):
         self._micro_batch_start = self.micro_batch_tokens
         bf16 = t.dtype == "autocast_bf16"  # auto is float32 on every device (docs/gpu.md: it learned more)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        if cfg.algorithm.advantage == "gae":
+            from rollover.train.critic import Critic
+
+            self.critic = Critic(self, self.model, schedule)
 
     def _place(self, model):
         """The model on the trainer's device (FSDPTrainer: sharded over the ranks)."""
@@ -163,28 +169,35 @@ class Trainer(PolicyForward):
                     ref_BT = self._fitting(self.logprobs, batch)
             else:
                 ref_BT = self._fitting(self.logprobs, batch, self.ref_model)
+        critic = None
+        if self.critic is not None:  # PPO with a critic: each token's advantage from its values
+            batch, critic = self._critic_advantages(batch)
         groups = self._groups(batch)
         history: list[dict] = []
         skipped = False
+        warming = self.critic is not None and self.steps_trained < cfg.critic.warmup_steps
         # a step may hold fewer groups than train.mini_batches (dynamic sampling out of rounds, failed
         # groups dropped, downsampling): one update per group then, none empty, and the learning-rate
         # schedule moved on by the updates not made, so it stays where the step count puts it
         chunks = min(t.mini_batches, len(groups))
-        for epoch in range(t.ppo_epochs):
-            for k in range(chunks):
-                chosen = set(groups[k :: t.mini_batches])
-                idx = [i for i, g in enumerate(batch.group_index_B.tolist()) if g in chosen]
-                metrics = self._update(batch.select(idx), None if old_BT is None else old_BT[idx],
-                                       None if ref_BT is None else ref_BT[idx], fresh=epoch == k == 0,
-                                       ent_BT=None if ent_BT is None else ent_BT[idx])
-                history.append(metrics)
-                skipped |= metrics.pop("skipped")
-        for _ in range(t.ppo_epochs * (t.mini_batches - chunks)):
+        for epoch, k, idx in [] if warming else self._update_rows(batch, groups, chunks):
+            metrics = self._update(batch.select(idx), None if old_BT is None else old_BT[idx],
+                                   None if ref_BT is None else ref_BT[idx], fresh=epoch == k == 0,
+                                   ent_BT=None if ent_BT is None else ent_BT[idx])
+            history.append(metrics)
+            skipped |= metrics.pop("skipped")
+        for _ in range(t.ppo_epochs * (t.mini_batches - chunks) * (not warming)):  # warm-up: the policy's waits
             self.scheduler.step()
+        if critic is not None:
+            history += self._critic_updates(batch, groups, chunks, *critic)
         # each metric over the updates that report it (a max over no token is not reported)
         keys = dict.fromkeys(k for h in history for k in h)
         out = {k: sum(h[k] for h in history if k in h) / sum(k in h for h in history) for k in keys}
         out["skipped_step"] = float(skipped)
+        if critic is not None:
+            out.update(critic[2])
+            if warming:
+                out["critic/warmup"] = 1.0
         if self.device.type == "cuda":
             out["perf/peak_device_gb"] = self._peak_device_gb()
         memory.release()
@@ -196,6 +209,41 @@ class Trainer(PolicyForward):
         every = cfg.algorithm.ref_sync_every
         if every is not None and self.steps_trained % every == 0:
             self._sync_reference(cfg.algorithm.ref_mixup_alpha)
+        return out
+
+    def _critic_advantages(self, batch: TrainBatch):
+        """The batch with each token's advantage from the critic's values (GAE, whitened over the
+        step's loss tokens; `batch.adv_B` holds the rewards), and what the critic's updates need:
+        its values before them, the returns, and the step's critic/ metrics."""
+        a = self.cfg.algorithm
+        values_BT = self._fitting(self.critic.values, batch)
+        mask_BT = batch.mask_BT.to(self.device)
+        adv_BT, returns_BT = gae(batch.adv_B.to(self.device), values_BT, mask_BT, gamma=a.gamma, lam=a.lam)
+        whitened_BT = masked_whiten(adv_BT, mask_BT)
+        n = max(int(mask_BT.sum()), 1)
+        metrics = {"critic/values/mean": float(values_BT.sum()) / n, "critic/returns/mean": float(returns_BT.sum()) / n,
+                   "critic/advantages/mean": float(adv_BT.sum()) / n,
+                   "critic/vf_explained_var": explained_variance(values_BT, returns_BT, mask_BT)}
+        return dataclasses.replace(batch, adv_BT=whitened_BT.cpu()), (values_BT, returns_BT, metrics)
+
+    def _update_rows(self, batch: TrainBatch, groups: list[int], chunks: int):
+        """(epoch, mini-batch, its sequences) of each update: `ppo_epochs` passes over `chunks`
+        mini-batches of whole groups."""
+        t, index_B = self.cfg.train, batch.group_index_B.tolist()
+        for epoch in range(t.ppo_epochs):
+            for k in range(chunks):
+                chosen = set(groups[k :: t.mini_batches])
+                yield epoch, k, [i for i, g in enumerate(index_B) if g in chosen]
+
+    def _critic_updates(self, batch: TrainBatch, groups: list[int], chunks: int, values_BT, returns_BT,
+                        _metrics) -> list[dict]:
+        """The critic's updates over the step's batch: the policy's epochs and mini-batches."""
+        out = []
+        for _, _, idx in self._update_rows(batch, groups, chunks):
+            rows = torch.tensor(idx, dtype=torch.long, device=self.device)
+            out.append(self.critic.update(batch.select(idx), values_BT[rows], returns_BT[rows]))
+        for _ in range(self.cfg.train.ppo_epochs * (self.cfg.train.mini_batches - chunks)):
+            self.critic.scheduler.step()
         return out
 
     @torch.no_grad()
@@ -448,6 +496,8 @@ class Trainer(PolicyForward):
                  "bad_steps": self.bad_steps, "steps_trained": self.steps_trained,
                  "entropy_control": [self.entropy_coef, self.last_entropy],
                  "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens]}
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
         if self.cfg.algorithm.ref_sync_every is not None:  # moved off the starting model: kept
             state["reference"] = {n: p.detach().to("cpu", copy=True) for n, p in self.ref_model.named_parameters()}
         return state
@@ -466,6 +516,13 @@ class Trainer(PolicyForward):
         start, now = state.get("micro_batch_tokens", (None, None))  # older checkpoints lack it
         if start == self._micro_batch_start:  # halved after running out of memory: stays halved
             self.micro_batch_tokens = now
+        if self.critic is not None:
+            if "critic" not in state:
+                from rollover.config import ConfigError
+
+                raise ConfigError("the checkpoint holds no critic (it was written with another algorithm.advantage "
+                                  "than gae): a run cannot switch to PPO with a critic when it resumes")
+            self.critic.load_state_dict(state["critic"])
         if self.cfg.algorithm.ref_sync_every is not None:
             self._load_reference(state.get("reference"))
 

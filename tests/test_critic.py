@@ -1,0 +1,151 @@
+"""PPO with a critic (algorithm.advantage=gae) in the trainer: the advantages a step trains on,
+the critic's updates, their independence of the micro-batch split, warm-up, and a run's resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollover.algos.gae import masked_whiten
+from rollover.testing import tiny_model
+from rollover.train.trainer import Trainer
+
+from test_train import (_final_weights, batch_of, model_dir, rollout, step_seeing_gradient,  # noqa: F401 (a fixture)
+                        tiny_cfg, train_sync)
+
+
+def rewarded_batch():
+    """Six sequences of two prompts; their rewards (what the gae estimator hands the trainer)."""
+    pairs = []
+    for i in range(6):
+        r, _ = rollout(f"g{i % 2}", [5 + i % 2, 6, 7], [8 + i, 3 * i % 11, 9, 4][: 2 + i % 3], 0.0)
+        r.reward = [1.0, 0.0, 0.5, 1.0, -0.5, 0.0][i]
+        pairs.append((r, r.reward))
+    return batch_of(pairs)
+
+
+def trainer(model_dir, run_dir, **over):
+    cfg = tiny_cfg(model_dir, run_dir, **{"algorithm.advantage": "gae", "data.max_prompt_tokens": 4,
+                                          "rollout.max_new_tokens": 4, "train.pack_length": 8, **over})
+    return Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
+
+
+def test_a_fresh_critic_gives_the_whitened_rewards_and_then_learns_the_returns(model_dir, tmp_path):
+    """The head starts at 0, so the first step trains each token on its sequence's reward,
+    whitened over the step's tokens. Repeated steps on one batch bring the value loss down to the
+    least it can be: before a response's first token the critic has seen only the prompt, which
+    the group's samples share, so there its best value is the group's mean reward; after that
+    each token's prefix tells the samples apart."""
+    batch = rewarded_batch()
+    tr = trainer(model_dir, tmp_path / "r", **{"critic.lr": 1e-2, "critic.value_clip": None, "train.lr": 1e-6})
+    shaped, (values, returns, metrics) = tr._critic_advantages(batch)
+    assert values.eq(0).all() and metrics["critic/values/mean"] == 0.0
+    want = masked_whiten(batch.adv_B[:, None].expand_as(batch.mask_BT) * batch.mask_BT, batch.mask_BT)
+    torch.testing.assert_close(shaped.adv_BT, want)
+    torch.testing.assert_close(returns, batch.adv_B[:, None] * batch.mask_BT)  # gamma = lam = 1
+    losses = [tr.train_step(batch)["critic/vf_loss"] for _ in range(30)]
+    rewards, group = batch.adv_B, batch.group_index_B
+    first = sum(float((rewards[group == g] - rewards[group == g].mean()).square().sum()) for g in (0, 1))
+    floor = 0.5 * first / batch.num_tokens  # 0.5 x squared error at the first tokens, over all tokens
+    assert losses[0] > 2 * floor and losses[-1] < 1.05 * floor, (floor, losses)
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_the_critics_update_does_not_depend_on_the_micro_batch_split(model_dir, tmp_path):
+    """One micro-batch or several: the same value loss and the same gradient for the critic (its
+    head set off zero first, so the trunk's gradient is not 0) and for the policy."""
+    batch = rewarded_batch()
+    seen = []
+    for mbt in (256, 8):
+        tr = trainer(model_dir, tmp_path / f"r{mbt}", **{"train.micro_batch_tokens": mbt, "train.grad_clip": 0.0})
+        with torch.no_grad():
+            tr.critic.head.weight.copy_(torch.linspace(-1, 1, tr.critic.head.weight.numel()).view_as(tr.critic.head.weight))
+        grads, real_step = {}, tr.critic.optimizer.step
+
+        def step(*a, tr=tr, grads=grads, real_step=real_step, **kw):
+            grads.update({n: p.grad.clone() for n, p in tr.critic.trunk.named_parameters()})
+            grads["head"] = tr.critic.head.weight.grad.clone()
+            return real_step(*a, **kw)
+
+        tr.critic.optimizer.step = step
+        metrics, policy = step_seeing_gradient(tr, batch)
+        assert (metrics["actor/micro_batches"] == 1) == (mbt == 256)
+        seen.append((metrics, grads, policy))
+    (m1, c1, p1), (m2, c2, p2) = seen
+    assert m1["critic/vf_loss"] == pytest.approx(m2["critic/vf_loss"], rel=1e-5)
+    assert m1["actor/pg_loss"] == pytest.approx(m2["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    assert float(c1["layers.0.self_attn.q_proj.weight"].abs().max()) > 0
+    for grads_1, grads_2 in ((c1, c2), (p1, p2)):
+        assert grads_1.keys() == grads_2.keys()
+        for name in grads_1:
+            torch.testing.assert_close(grads_1[name], grads_2[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_critic_warmup_trains_the_critic_alone_first(model_dir, tmp_path):
+    batch = rewarded_batch()
+    tr = trainer(model_dir, tmp_path / "r", **{"critic.warmup_steps": 1, "critic.lr": 1e-2})
+    policy = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    head = tr.critic.head.weight.detach().clone()
+    metrics = tr.train_step(batch)
+    assert metrics["critic/warmup"] == 1.0 and "actor/pg_loss" not in metrics
+    assert all(torch.equal(p, policy[n]) for n, p in tr.model.named_parameters())
+    assert not torch.equal(tr.critic.head.weight, head)
+    metrics = tr.train_step(batch)
+    assert "critic/warmup" not in metrics and "actor/pg_loss" in metrics
+    assert any(not torch.equal(p, policy[n]) for n, p in tr.model.named_parameters())
+
+
+def test_a_gae_run_trains_one_sample_a_prompt_and_resumes_exactly(model_dir, tmp_path):
+    """PPO with a critic needs no group: one sample a prompt trains. Killed after its step-2
+    checkpoint and resumed, the run ends with the weights of a run never stopped (the critic and
+    its optimizer come back from the checkpoint: without them steps 3-4 would differ)."""
+    over = {"algorithm.advantage": "gae", "rollout.samples_per_prompt": 1, "rollout.prompts_per_step": 6,
+            "critic.lr": 1e-2, "rollout.temperature": 1.5, "eval.every": 0}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train_sync(tiny_cfg(model_dir, straight, steps=4, **over))
+    train_sync(tiny_cfg(model_dir, split, steps=2, **over))
+    train_sync(tiny_cfg(model_dir, split, steps=4, **over))
+    rows = [r for r in map(json.loads, open(straight / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["critic/grad_norm"] > 0 for r in rows) and rows[-1]["critic/values/mean"] != 0
+
+    a, b = _final_weights(straight, 4), _final_weights(split, 4)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_episodes_train_with_a_critic_over_their_sampled_tokens_only(model_dir, tmp_path, monkeypatch):
+    """A multi-turn run with gae: the environment's replies inside a response are out of the loss,
+    and the critic's values, advantages and returns are 0 there (they are not states); on the
+    sampled tokens each advantage is the return less the value, whitened (gamma = lam = 1). The
+    head is set off zero so that the values differ from token to token."""
+    from rollover.train.critic import Critic
+    from test_env_training import env_cfg
+
+    seen, real_advantages, real_init = [], Trainer._critic_advantages, Critic.__init__
+
+    def init(self, *args):
+        real_init(self, *args)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.randn(self.head.weight.shape, generator=torch.Generator().manual_seed(0)))
+
+    def spy(self, batch):
+        shaped, critic = real_advantages(self, batch)
+        seen.append((batch.mask_BT.clone(), batch.versions_BT.clone(), shaped.adv_BT.clone(), critic[0].clone(),
+                     critic[1].clone()))
+        return shaped, critic
+
+    monkeypatch.setattr(Critic, "__init__", init)
+    monkeypatch.setattr(Trainer, "_critic_advantages", spy)
+    train_sync(env_cfg(model_dir, tmp_path, **{"algorithm.advantage": "gae", "rollout.samples_per_prompt": 1,
+                                               "rollout.prompts_per_step": 4}))
+    assert len(seen) == 2
+    inserted = 0
+    for mask, versions, adv, values, returns in seen:
+        inserted += int(((versions < 0) & ~mask).sum())  # an environment's reply inside a response
+        for x in (adv, values, returns):
+            assert x[~mask].eq(0).all()
+        assert values[mask].std() > 0
+        torch.testing.assert_close(adv, masked_whiten(returns - values, mask))
+    assert inserted > 0
