@@ -61,12 +61,13 @@ def test_the_critics_update_does_not_depend_on_the_micro_batch_split(model_dir, 
     for mbt in (256, 8):
         tr = trainer(model_dir, tmp_path / f"r{mbt}", **{"train.micro_batch_tokens": mbt, "train.grad_clip": 0.0})
         with torch.no_grad():
-            tr.critic.head.weight.copy_(torch.linspace(-1, 1, tr.critic.head.weight.numel()).view_as(tr.critic.head.weight))
+            head = tr.critic.value.head.weight
+            head.copy_(torch.linspace(-1, 1, head.numel()).view_as(head))
         grads, real_step = {}, tr.critic.optimizer.step
 
         def step(*a, tr=tr, grads=grads, real_step=real_step, **kw):
-            grads.update({n: p.grad.clone() for n, p in tr.critic.trunk.named_parameters()})
-            grads["head"] = tr.critic.head.weight.grad.clone()
+            grads.update({n: p.grad.clone() for n, p in tr.critic.value.trunk.named_parameters()})
+            grads["head"] = tr.critic.value.head.weight.grad.clone()
             return real_step(*a, **kw)
 
         tr.critic.optimizer.step = step
@@ -87,11 +88,11 @@ def test_critic_warmup_trains_the_critic_alone_first(model_dir, tmp_path):
     batch = rewarded_batch()
     tr = trainer(model_dir, tmp_path / "r", **{"critic.warmup_steps": 1, "critic.lr": 1e-2})
     policy = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
-    head = tr.critic.head.weight.detach().clone()
+    head = tr.critic.value.head.weight.detach().clone()
     metrics = tr.train_step(batch)
     assert metrics["critic/warmup"] == 1.0 and "actor/pg_loss" not in metrics
     assert all(torch.equal(p, policy[n]) for n, p in tr.model.named_parameters())
-    assert not torch.equal(tr.critic.head.weight, head)
+    assert not torch.equal(tr.critic.value.head.weight, head)
     metrics = tr.train_step(batch)
     assert "critic/warmup" not in metrics and "actor/pg_loss" in metrics
     assert any(not torch.equal(p, policy[n]) for n, p in tr.model.named_parameters())
@@ -128,7 +129,7 @@ def test_episodes_train_with_a_critic_over_their_sampled_tokens_only(model_dir, 
     def init(self, *args):
         real_init(self, *args)
         with torch.no_grad():
-            self.head.weight.copy_(torch.randn(self.head.weight.shape, generator=torch.Generator().manual_seed(0)))
+            self.value.head.weight.copy_(torch.randn(self.value.head.weight.shape, generator=torch.Generator().manual_seed(0)))
 
     def spy(self, batch):
         shaped, critic = real_advantages(self, batch)

@@ -164,6 +164,31 @@ def test_per_token_advantages_train_on_ranks_as_on_one_trainer():
         sharded.close()
 
 
+def test_ppo_with_a_critic_at_world_size_2_equals_one_trainers():
+    """algorithm.advantage=gae on the ranks: the critic sharded as the policy is, its values over
+    each rank's sequences, the advantages whitened and the value loss normalised over both
+    ranks' tokens. Two steps (the second's values come from the first's critic update) give one
+    trainer's critic and policy metrics and the same policy update."""
+    cfg = cfg_of(**{"train.ranks": 2, "algorithm.advantage": "gae", "critic.lr": 1e-2, "train.mini_batches": 2})
+    model = tiny_model("llama", seed=3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        b = batch_of(5)  # its advantages stand for the rewards the gae estimator hands the trainer
+        for step in (1, 2):
+            mp, ms = plain.train_step(b), sharded.train_step(b)
+            for k in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/values/mean",
+                      "critic/returns/mean", "critic/advantages/mean", "critic/grad_norm", "actor/pg_loss",
+                      "actor/grad_norm", *(["critic/vf_explained_var"] if step == 2 else [])):
+                assert ms[k] == pytest.approx(mp[k], rel=1e-4, abs=1e-6), (step, k)
+            assert (mp["critic/values/mean"] != 0) == (step == 2)
+            assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
+            start = weights(plain)
+    finally:
+        sharded.close()
+
+
 @pytest.mark.parametrize("world,over", [
     (2, {"train.mini_batches": 2}),
     (4, {"train.micro_batch_tokens": 32, "train.pack_length": 16, "data.max_prompt_tokens": 8, "train.shared_prefix": False}),
@@ -442,6 +467,24 @@ def test_a_world_size_4_checkpoint_resumes_at_world_size_2(model_dir, tmp_path):
         train_sync(run_cfg(model_dir, cut, steps=6))
     with pytest.raises(ConfigError, match=r"written by sharded trainer ranks \(train.parallel=fsdp\)"):
         build_run(run_cfg(model_dir, cut, steps=6), allow_config_change=True)
+
+
+@pytest.mark.parametrize("colocate", [False, True], ids=["driver-engine", "colocated"])
+def test_a_gae_run_on_ranks_resumes_its_critic_and_ends_with_one_trainers_weights(model_dir, tmp_path, colocate):
+    """PPO with a critic at world size 2, killed after its step-2 checkpoint and resumed (the
+    critic's shards and optimizer state from the sharded checkpoint, its schedule from the
+    trainer state), ends with the weights of one trainer that ran straight through; with the
+    ranks' own engines too."""
+    over = {"algorithm.advantage": "gae", "critic.lr": 1e-2}
+    train_sync(run_cfg(model_dir, tmp_path / "one", **over))
+    ranks = {"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": colocate, **over}
+    train_sync(run_cfg(model_dir, tmp_path / "cut", steps=2, **ranks))
+    train_sync(run_cfg(model_dir, tmp_path / "cut", **ranks))
+    one, cut = final_weights(tmp_path / "one"), final_weights(tmp_path / "cut")
+    assert_trained(model_dir, one)
+    assert max(float((one[k] - cut[k]).abs().max()) for k in one) < 5e-5
+    rows = [r for r in map(__import__("json").loads, open(tmp_path / "cut" / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["critic/values/mean"] != 0
 
 
 @pytest.mark.parametrize("parallel,sync", [("none", False), ("fsdp", False), ("none", True), ("fsdp", True)])
@@ -794,15 +837,17 @@ def tied_model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("m") / "tied", "llama", seed=3, tie_word_embeddings=True))
 
 
-def test_torchrun_ranks_train_as_the_ranks_the_command_starts(tied_model_dir, tmp_path):
+@pytest.mark.parametrize("critic", [False, True], ids=["grpo", "gae"])
+def test_torchrun_ranks_train_as_the_ranks_the_command_starts(tied_model_dir, tmp_path, critic):
     """Under torchrun, RANK 0 drives and the other process is trainer rank 1 (it builds only the
-    model's structure, tied LM head included, and takes rank 0's weights): the run ends with the
-    weights of the same run with `train.ranks=2`."""
-    job = torchrun(tied_model_dir, tmp_path / "torchrun")
+    model's structure, tied LM head included, and takes rank 0's weights; with a critic, the
+    critic's too): the run ends with the weights of the same run with `train.ranks=2`."""
+    over = {"algorithm.advantage": "gae", "critic.lr": 1e-2} if critic else {}
+    job = torchrun(tied_model_dir, tmp_path / "torchrun", *(f"{k}={v}" for k, v in over.items()))
     out, _ = job.communicate(timeout=600)
     assert job.returncode == 0, out
     assert "trainer: 2 FSDP ranks" in out
-    train_sync(run_cfg(tied_model_dir, tmp_path / "spawned", **{"train.parallel": "fsdp", "train.ranks": 2}))
+    train_sync(run_cfg(tied_model_dir, tmp_path / "spawned", **{"train.parallel": "fsdp", "train.ranks": 2, **over}))
     a, b = final_weights(tmp_path / "torchrun"), final_weights(tmp_path / "spawned")
     assert_trained(tied_model_dir, a)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 5e-5

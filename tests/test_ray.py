@@ -372,15 +372,18 @@ def test_sync_run_on_ray_with_one_worker_ends_with_the_local_weights(model_dir, 
         assert run.trainer.weight_fetches == 1
 
 
-def test_a_killed_trainer_actor_stops_the_run_and_the_run_resumes_exactly(model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("critic", [False, True], ids=["grpo", "gae"])
+def test_a_killed_trainer_actor_stops_the_run_and_the_run_resumes_exactly(model_dir, tmp_path, monkeypatch, critic):
     """ray.trainer=actor: the trainer's process SIGKILLed during step 3 stops the run with an
     error naming the trainer actor; the same command resumes from the step-2 checkpoint and ends
-    with the weights of a run that was never interrupted (here the local one)."""
+    with the weights of a run that was never interrupted (here the local one). With PPO's critic,
+    the critic comes back from the checkpoint the actor wrote."""
     from rollover.runtime.trainer import RemoteTrainer, TrainerLost
 
-    train_sync(run_cfg(model_dir, tmp_path / "local", steps=4, **{"checkpoint.every": 2}))
+    over = {"algorithm.advantage": "gae", "critic.lr": 1e-2} if critic else {}
+    train_sync(run_cfg(model_dir, tmp_path / "local", steps=4, **{"checkpoint.every": 2, **over}))
     cfg = run_cfg(model_dir, tmp_path / "ray", runtime="ray", steps=4, resume="auto", **{
-        "checkpoint.every": 2, "ray.rollout_workers": 1, "ray.trainer": "actor", "ray.cpus_for_trainer": 0.5})
+        "checkpoint.every": 2, "ray.rollout_workers": 1, "ray.trainer": "actor", "ray.cpus_for_trainer": 0.5, **over})
     real, calls = RemoteTrainer.train_step, []
 
     def dying(self, batch):

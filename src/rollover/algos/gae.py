@@ -20,6 +20,8 @@ The value loss is PPO's clipped one (verl's `compute_value_loss`): a prediction 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -57,43 +59,51 @@ def gae(rewards_B: Tensor, values_BT: Tensor, mask_BT: Tensor, *, gamma: float =
     return adv_out, ret_out
 
 
-def masked_whiten(x_BT: Tensor, mask_BT: Tensor, eps: float = 1e-8) -> Tensor:
+def _moments(x_BT: Tensor, mask_BT: Tensor, reduce) -> tuple[float, float, float]:
+    """(count, mean, unbiased variance) of `x` over the mask, the sums taken by `reduce` (a float64
+    tensor summed over the ranks that hold parts of the step; None: this one alone)."""
+    vals = x_BT[mask_BT.bool()].double()
+    sums = torch.tensor([float(vals.numel()), float(vals.sum()), float(vals.square().sum())], dtype=torch.float64)
+    n, s, ss = (sums if reduce is None else reduce(sums)).tolist()
+    mean = s / n if n else 0.0
+    var = max(ss - n * mean * mean, 0.0) / (n - 1) if n > 1 else 0.0
+    return n, mean, var
+
+
+def masked_whiten(x_BT: Tensor, mask_BT: Tensor, eps: float = 1e-8, reduce=None) -> Tensor:
     """`x` less its mean over the mask, divided by its (unbiased) standard deviation there; 0
-    off the mask. One token: only centred."""
-    mask_BT = mask_BT.bool()
-    n = int(mask_BT.sum())
-    if n == 0:
-        return torch.zeros_like(x_BT)
-    vals = x_BT[mask_BT]
-    centred = x_BT - vals.mean()
+    off the mask. One token: only centred. `reduce`: the moments over every rank's tokens."""
+    n, mean, var = _moments(x_BT, mask_BT, reduce)
+    centred = x_BT - mean
     if n > 1:
-        centred = centred * torch.rsqrt(vals.var(unbiased=True) + eps)
-    return centred * mask_BT
+        centred = centred / math.sqrt(var + eps)
+    return centred * mask_BT.bool()
 
 
 def value_loss(v_BT: Tensor, old_v_BT: Tensor, returns_BT: Tensor, mask_BT: Tensor,
                clip: float | None) -> tuple[Tensor, dict]:
     """PPO's clipped value loss per token [B, T] (0 off the mask), and its metrics: the share of
-    tokens where the clipped term is the larger (`vf_clipfrac`) and the mean prediction
-    (`vpred_mean`). `clip` None: the plain squared error."""
+    tokens where the clipped term is the larger (`vf_clipfrac`: the prediction moved more than
+    `clip`, away from the return) and the mean prediction (`vpred_mean`). `clip` None: the plain
+    squared error."""
     err_BT = (v_BT - returns_BT) ** 2
     if clip is None:
         loss_BT, clipped_BT = 0.5 * err_BT, torch.zeros_like(err_BT, dtype=torch.bool)
     else:
-        v_clip_BT = old_v_BT + (v_BT - old_v_BT).clamp(-clip, clip)
-        err_clip_BT = (v_clip_BT - returns_BT) ** 2
-        loss_BT, clipped_BT = 0.5 * torch.maximum(err_BT, err_clip_BT), err_clip_BT > err_BT
+        moved_BT = v_BT - old_v_BT
+        err_clip_BT = (old_v_BT + moved_BT.clamp(-clip, clip) - returns_BT) ** 2
+        # counted where the clip took hold: a prediction equal to the old value up to rounding is not clipped
+        loss_BT, clipped_BT = 0.5 * torch.maximum(err_BT, err_clip_BT), (moved_BT.abs() > clip) & (err_clip_BT > err_BT)
     mask_BT = mask_BT.bool()
     metrics = {"vf_clipfrac": masked_mean(clipped_BT.to(v_BT.dtype), mask_BT).detach(),
                "vpred_mean": masked_mean(v_BT.detach(), mask_BT)}
     return loss_BT * mask_BT, metrics
 
 
-def explained_variance(values_BT: Tensor, returns_BT: Tensor, mask_BT: Tensor) -> float:
+def explained_variance(values_BT: Tensor, returns_BT: Tensor, mask_BT: Tensor, reduce=None) -> float:
     """1 - Var(returns - values) / Var(returns) over the mask (verl's vf_explained_var): 1 when the
-    critic predicts every return, 0 when it does no better than their mean. NaN under 2 tokens."""
-    mask_BT = mask_BT.bool()
-    r, v = returns_BT[mask_BT].float(), values_BT[mask_BT].float()
-    if r.numel() < 2:
-        return float("nan")
-    return float(1.0 - (r - v).var() / (r.var() + 1e-8))
+    critic predicts every return, 0 when it does no better than their mean. NaN under 2 tokens.
+    `reduce`: over every rank's tokens."""
+    n, _, var_r = _moments(returns_BT, mask_BT, reduce)
+    _, _, var_d = _moments(returns_BT - values_BT, mask_BT, reduce)
+    return 1.0 - var_d / (var_r + 1e-8) if n > 1 else float("nan")

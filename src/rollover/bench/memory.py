@@ -82,7 +82,7 @@ def child(model: str, config: str, overrides: list[str], steps: int, evaluate: b
                 batch, _ = train_batch_from(groups, cfg)
                 run.engine.release_memory()
                 m = run.trainer.train_step(batch)
-                mark(f"train {step + 1}", t0, micro_batches=m["actor/micro_batches"], loss_tokens=m["actor/loss_tokens"])
+                mark(f"train {step + 1}", t0, micro_batches=m.get("actor/micro_batches", 0), loss_tokens=m.get("actor/loss_tokens", 0))
                 t0 = time.perf_counter()
                 run.weights.push(run.trainer.named_weights(), version=step + 1, inflight=collector.inflight_mode)
                 mark(f"push {step + 1}", t0)

@@ -38,7 +38,11 @@ def measure(args, extra: tuple[str, ...] = ()) -> dict:
         overrides = [f"model={args.model}", f"run_dir={run_dir}", f"steps={args.steps + 1}", *WORKLOAD,
                      f"rollout.engine={args.engine}", *args.overrides, *extra]
         train_sync(load_config(None, overrides))
-        rows = [r for r in read_metrics(run_dir, kind="train") if r["step"] > 1]
+        # the steps that trained the policy (critic.warmup_steps trains the critic alone first)
+        rows = [r for r in read_metrics(run_dir, kind="train") if r["step"] > 1 and "actor/micro_batches" in r]
+        if not rows:
+            raise SystemExit("bench train: no measured step trained the policy (critic.warmup_steps covers them all): "
+                             "give more --steps")
     phases = sorted({k for r in rows for k in r if k.startswith("timing_s/") and k != "timing_s/step"})
     return {
         "model": args.model, "engine": args.engine, "steps_measured": len(rows), "overrides": [*args.overrides, *extra],

@@ -242,8 +242,11 @@ class Config(Section):
                 out.append(f"{', '.join(moved)} set the critic of algorithm.advantage=gae, which "
                            f"algorithm.advantage={a.advantage} does not use")
             return out
-        if self.train.parallel == "fsdp":
-            out.append("algorithm.advantage=gae with train.parallel=fsdp: not yet (the critic trains in one process)")
+        if self.critic.warmup_steps >= self.steps and self.epochs is None:
+            out.append(f"critic.warmup_steps={self.critic.warmup_steps} trains the critic alone for that many steps: "
+                       f"with steps={self.steps} the policy would never train")
+        if self.train.sequence_parallel > 1:
+            out.append("algorithm.advantage=gae with train.sequence_parallel: not yet (the critic's pass takes whole rows)")
         if self.train.lora is not None:
             out.append("algorithm.advantage=gae with train.lora: not yet (the critic is a full copy of the model)")
         if self.env.credit != "episode":

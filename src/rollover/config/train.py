@@ -113,7 +113,8 @@ class CriticConfig(Section):
     """A value prediction moves at most this far from the one recorded before the step's updates
     (verl's critic.cliprange_value); None: the plain squared error."""
     warmup_steps: int = Field(0, ge=0)
-    """Steps in which only the critic trains, the policy left as it is (verl's trainer.critic_warmup)."""
+    """Steps in which only the critic trains, the policy and its learning-rate schedule left as they
+    are (verl's trainer.critic_warmup); below steps."""
 
 
 class EvalConfig(Section):

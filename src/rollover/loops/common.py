@@ -381,6 +381,8 @@ def _make_trainer(cfg: Config, model, pad_id: int, device, ckpt: Path | None, re
         return ShardedTrainer(model, cfg, pad_id=pad_id, checkpoint=ckpt, reference=ref)
     from rollover.train.trainer import Trainer
 
+    if not record and cfg.algorithm.advantage == "gae":  # an evaluation only samples: no critic to build or load
+        cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"advantage": "grpo"})})
     return Trainer(model, cfg, device=device, pad_id=pad_id, reference=ref)
 
 

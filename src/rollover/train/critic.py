@@ -12,41 +12,66 @@ value loss, over the same `ppo_epochs x mini_batches` updates and micro-batches 
 The critic has its own AdamW (`critic.lr`; the train section's betas, weight decay, schedule and
 gradient clipping) and goes into every checkpoint with its optimizer.
 
-One process only for now: the sharded trainer (`train.parallel=fsdp`) and LoRA are refused with
-gae.
+On the sharded trainer (`train.parallel: fsdp`) the critic is sharded as the policy is (each
+decoder layer, then the rest), each rank runs it over its own sequences, and the step's sums
+(token counts, the whitening's moments, the metrics) are taken over the ranks; its weights and
+optimizer state go into the ranks' sharded checkpoint.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 
 import torch
+from torch import nn
 
 from rollover.algos.aggregate import aggregate
 from rollover.algos.gae import value_loss
 from rollover.train.batch import TrainBatch
 
 
-class Critic:
-    """A value model over the trainer's packed micro-batches (`trainer`: the policy's Trainer,
-    whose packing, attention masks, autocast and out-of-memory retry the critic shares)."""
+class ValueModel(nn.Module):
+    """The critic's network: a transformer trunk and a linear head to one number per position,
+    which starts at zero. `no_split`: the decoder layers' class names (the policy's
+    `_no_split_modules`), which the sharded trainer shards one by one."""
 
-    def __init__(self, trainer, model, schedule):
-        """`model`: the policy as loaded (its trunk is copied); `schedule`: the learning-rate
-        multiplier per update, the policy's."""
+    def __init__(self, trunk: nn.Module, hidden_size: int, no_split):
+        super().__init__()
+        self.trunk = trunk
+        self.head = nn.Linear(hidden_size, 1, dtype=torch.float32)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        self._no_split_modules = list(no_split or ())
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head on hidden states [N, H], in float32 whatever the trunk's precision: [N]."""
+        w, b = self.head.weight, self.head.bias
+        # a tensor of its own, not a view: FSDP's root unit hooks its backward on what it returns
+        return torch.nn.functional.linear(hidden.float(), w.float(), b.float()).squeeze(-1).clone()
+
+
+def value_model_of(model) -> ValueModel:
+    """A fresh critic network from a policy causal LM as loaded (its trunk copied)."""
+    import copy
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    trunk = copy.deepcopy(model.base_model).requires_grad_(True)
+    return ValueModel(trunk, config.hidden_size, getattr(model, "_no_split_modules", None))
+
+
+class Critic:
+    """A value model over the trainer's packed micro-batches (`trainer`: the policy's Trainer or a
+    sharded rank, whose packing, attention masks, autocast, reductions and out-of-memory retry the
+    critic shares)."""
+
+    def __init__(self, trainer, value: ValueModel, schedule):
+        """`value`: the critic network, placed on the trainer's device (or sharded) here;
+        `schedule`: the learning-rate multiplier per update, the policy's."""
         self.trainer = trainer
-        base = trainer._base(model)
-        self.trunk = copy.deepcopy(base.base_model).to(trainer.device)
-        config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-        self.head = torch.nn.Linear(config.hidden_size, 1, device=trainer.device, dtype=torch.float32)
-        with torch.no_grad():
-            self.head.weight.zero_()
-            self.head.bias.zero_()
+        self.value = trainer._place(value)
         t = trainer.cfg.train
-        self.trunk.requires_grad_(True)
-        params = list(self.trunk.parameters()) + list(self.head.parameters())
+        params = list(self.value.parameters())
         fused = all(p.device.type in ("cpu", "cuda") for p in params) or None
         self.optimizer = torch.optim.AdamW(params, lr=trainer.cfg.critic.lr, betas=tuple(t.betas),
                                            weight_decay=t.weight_decay, fused=fused)
@@ -55,10 +80,15 @@ class Critic:
     def _values(self, mb):
         """The critic's values [N] before the micro-batch's response tokens."""
         t = self.trainer
-        with t.autocast:
-            hidden = self.trunk(**t._inputs(self.trunk, mb), position_ids=mb.position_ids,
-                                attention_mask=t._attention_mask(mb, self.trunk), use_cache=False).last_hidden_state
-        return self.head(hidden[mb.sel_row, mb.sel_col].float()).squeeze(-1)
+
+        def run(value: ValueModel):
+            with t.autocast:
+                hidden = value.trunk(**t._inputs(value.trunk, mb), position_ids=mb.position_ids,
+                                     attention_mask=t._attention_mask(mb, value.trunk),
+                                     use_cache=False).last_hidden_state
+            return value.values(hidden[mb.sel_row, mb.sel_col])
+
+        return t._pass(self.value, run)
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
@@ -73,11 +103,11 @@ class Critic:
 
     def update(self, batch: TrainBatch, old_BT: torch.Tensor, returns_BT: torch.Tensor) -> dict:
         """One optimizer update of the critic toward `returns_BT` ([B, T], the batch's rows), its
-        predictions clipped around `old_BT`; the update's metrics."""
+        predictions clipped around `old_BT`; the update's metrics (over every rank's tokens)."""
         t = self.trainer
         T = batch.mask_BT.shape[1]
         mask_BT = batch.mask_BT.to(t.device)
-        num_tokens = max(int(mask_BT.sum()), 1)
+        num_tokens = max(t._counts(int(mask_BT.sum()), 0)[0], 1)
         clip = t.cfg.critic.value_clip
 
         def accumulate():
@@ -91,8 +121,11 @@ class Critic:
                 loss = aggregate(loss_BT, m_BT, "token-mean", num_tokens=num_tokens)
                 if not torch.isfinite(loss):
                     finite = False
-                    break
+                    if not t.sharded:  # ranks go on: every rank runs the same passes (their collectives)
+                        break
                 loss.backward()
+                if not mb.seq_index:  # a rank's stand-in pass: nothing to count
+                    continue
                 n = float(m_BT.sum())
                 loss_sum += float(loss.detach())
                 clipped += n * float(metrics["vf_clipfrac"])
@@ -100,11 +133,10 @@ class Critic:
             return loss_sum, clipped, predicted, finite
 
         loss_sum, clipped, predicted, finite = t._fitting(accumulate)
-        grad_norm = float("nan")
+        loss_sum, clipped, predicted, bad = t._sum(torch.tensor([loss_sum, clipped, predicted, float(not finite)])).tolist()
+        finite, grad_norm = bad == 0, float("nan")
         if finite:
-            params = [p for p in self.optimizer.param_groups[0]["params"] if p.grad is not None]
-            clip_norm = t.cfg.train.grad_clip
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip_norm if clip_norm > 0 else math.inf))
+            grad_norm = t._clip_grad_norm(list(self.value.parameters()))
             finite = math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
@@ -118,12 +150,10 @@ class Critic:
                 "critic/lr": self.scheduler.get_last_lr()[0], "critic/skipped": float(not finite)}
 
     def state_dict(self) -> dict:
-        return {"trunk": {k: v.detach().to("cpu", copy=True) for k, v in self.trunk.state_dict().items()},
-                "head": {k: v.detach().to("cpu", copy=True) for k, v in self.head.state_dict().items()},
+        return {"value": {k: v.detach().to("cpu", copy=True) for k, v in self.value.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.trunk.load_state_dict(state["trunk"])
-        self.head.load_state_dict(state["head"])
+        self.value.load_state_dict(state["value"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

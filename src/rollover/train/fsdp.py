@@ -333,8 +333,11 @@ class FSDPTrainer(Trainer):
         dist.all_reduce(values, group=self._peers)
         return values
 
-    def _clip_grad_norm(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+    def _pass(self, model, fn):
+        return self._roots[id(model)](fn)
+
+    def _clip_grad_norm(self, params=None) -> float:
+        params = [p for p in (self.model.parameters() if params is None else params) if p.grad is not None]
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -455,6 +458,8 @@ class FSDPTrainer(Trainer):
         state = {"model": model_sd, "optim": optim_sd}
         if self.cfg.algorithm.ref_sync_every is not None:
             state["reference"] = get_model_state_dict(self.ref_model)
+        if self.critic is not None:
+            state["critic"] = dict(zip(("model", "optim"), get_state_dict(self.critic.value, self.critic.optimizer)))
         dcp.save(state, checkpoint_id=str(path), process_group=self._cpu_group)
 
     def load_sharded(self, path) -> None:
@@ -467,10 +472,15 @@ class FSDPTrainer(Trainer):
         state = {"model": model_sd, "optim": optim_sd}
         if self._reference_saved:
             state["reference"] = get_model_state_dict(self.ref_model)
+        if self.critic is not None:
+            state["critic"] = dict(zip(("model", "optim"), get_state_dict(self.critic.value, self.critic.optimizer)))
         dcp.load(state, checkpoint_id=str(path), process_group=self._cpu_group)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self._reference_saved:
             set_model_state_dict(self.ref_model, state["reference"])
+        if self.critic is not None:
+            set_state_dict(self.critic.value, self.critic.optimizer, model_state_dict=state["critic"]["model"],
+                           optim_state_dict=state["critic"]["optim"])
 
     def _sync_reference(self, alpha: float) -> None:
         for model in (self.model, self.ref_model):  # each its own shards: a root kept whole after its
@@ -478,15 +488,23 @@ class FSDPTrainer(Trainer):
         super()._sync_reference(alpha)
 
     def state_dict(self) -> dict:
-        """What is not sharded: the scheduler and counters (the optimizer's moments, and a moved KL
-        reference, go through `save_sharded`)."""
+        """What is not sharded: the schedulers and counters (the optimizers' moments, the critic, and
+        a moved KL reference, go through `save_sharded`)."""
         return {"scheduler": self.scheduler.state_dict(), "bad_steps": self.bad_steps,
                 "steps_trained": self.steps_trained, "reference_saved": self.cfg.algorithm.ref_sync_every is not None,
                 "entropy_control": [self.entropy_coef, self.last_entropy],
-                "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens]}
+                "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens],
+                **({"critic_scheduler": self.critic.scheduler.state_dict()} if self.critic is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None:
+            if "critic_scheduler" not in state:
+                from rollover.config import ConfigError
+
+                raise ConfigError("the checkpoint holds no critic (it was written with another algorithm.advantage "
+                                  "than gae): a run cannot switch to PPO with a critic when it resumes")
+            self.critic.scheduler.load_state_dict(state["critic_scheduler"])
         self.bad_steps = state["bad_steps"]
         self.steps_trained = state.get("steps_trained", 0)
         self.entropy_coef, self.last_entropy = state.get("entropy_control", (self.entropy_coef, self.last_entropy))

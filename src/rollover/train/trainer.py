@@ -41,6 +41,7 @@ from rollover.engine.hf_runner import fast_path
 from rollover.models import restore_output_capture
 from rollover.train import memory
 from rollover.train.batch import TrainBatch
+from rollover.train.critic import Critic, value_model_of
 from rollover.train.dropout import disable_dropout
 from rollover.train.forward import PolicyForward
 from rollover.train.heads import check_model
@@ -102,8 +103,10 @@ class Trainer(PolicyForward):
         if cfg.algorithm.kl_coef > 0 and not self.is_peft:
             ref = reference if reference is not None else copy.deepcopy(model)
             self.ref_model = self._place(ref.eval().requires_grad_(False))
+        # algorithm.advantage=gae: the critic's network, copied from the policy as loaded, placed below
+        value = value_model_of(self._base(model)) if cfg.algorithm.advantage == "gae" else None
         self.model = self._place(model)
-        self.critic = None  # algorithm.advantage=gae: set below, once the packing is known
+        self.critic = None
         params = [p for p in self.model.parameters() if p.requires_grad]
         t = cfg.train
         # fused: one vectorised pass over each tensor. torch's default on a CPU loops over tensors op by op:
@@ -137,10 +140,8 @@ class Trainer(PolicyForward):
         self._micro_batch_start = self.micro_batch_tokens
         bf16 = t.dtype == "autocast_bf16"  # auto is float32 on every device (docs/gpu.md: it learned more)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        if cfg.algorithm.advantage == "gae":
-            from rollover.train.critic import Critic
-
-            self.critic = Critic(self, self.model, schedule)
+        if value is not None:
+            self.critic = Critic(self, value, schedule)
 
     def _place(self, model):
         """The model on the trainer's device (FSDPTrainer: sharded over the ranks)."""
@@ -219,11 +220,12 @@ class Trainer(PolicyForward):
         values_BT = self._fitting(self.critic.values, batch)
         mask_BT = batch.mask_BT.to(self.device)
         adv_BT, returns_BT = gae(batch.adv_B.to(self.device), values_BT, mask_BT, gamma=a.gamma, lam=a.lam)
-        whitened_BT = masked_whiten(adv_BT, mask_BT)
-        n = max(int(mask_BT.sum()), 1)
-        metrics = {"critic/values/mean": float(values_BT.sum()) / n, "critic/returns/mean": float(returns_BT.sum()) / n,
-                   "critic/advantages/mean": float(adv_BT.sum()) / n,
-                   "critic/vf_explained_var": explained_variance(values_BT, returns_BT, mask_BT)}
+        whitened_BT = masked_whiten(adv_BT, mask_BT, reduce=self._sum)  # over every rank's tokens
+        sums = torch.stack([mask_BT.sum(), values_BT.sum(), returns_BT.sum(), adv_BT.sum()]).double().cpu()
+        n, v, r, adv = self._sum(sums).tolist()
+        n = max(n, 1.0)
+        metrics = {"critic/values/mean": v / n, "critic/returns/mean": r / n, "critic/advantages/mean": adv / n,
+                   "critic/vf_explained_var": explained_variance(values_BT, returns_BT, mask_BT, reduce=self._sum)}
         return dataclasses.replace(batch, adv_BT=whitened_BT.cpu()), (values_BT, returns_BT, metrics)
 
     def _update_rows(self, batch: TrainBatch, groups: list[int], chunks: int):
@@ -459,9 +461,14 @@ class Trainer(PolicyForward):
         """A float64 CPU tensor summed over the ranks (FSDPTrainer); BAPO's tables."""
         return values
 
-    def _clip_grad_norm(self) -> float:
-        """The gradient's norm, clipped to train.grad_clip when that is set."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+    def _pass(self, model, fn):
+        """fn(model): a pass over `model` (FSDPTrainer: inside its root unit, its shards gathered)."""
+        return fn(model)
+
+    def _clip_grad_norm(self, params=None) -> float:
+        """The gradient's norm (of `params`; default the policy's), clipped to train.grad_clip when
+        that is set."""
+        params = [p for p in (self.model.parameters() if params is None else params) if p.grad is not None]
         if self.cfg.train.grad_clip > 0:
             return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip))
         return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
