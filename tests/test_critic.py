@@ -40,7 +40,8 @@ def test_a_fresh_critic_gives_the_whitened_rewards_and_then_learns_the_returns(m
     each token's prefix tells the samples apart."""
     batch = rewarded_batch()
     tr = trainer(model_dir, tmp_path / "r", **{"critic.lr": 1e-2, "critic.value_clip": None, "train.lr": 1e-6})
-    shaped, (values, returns, metrics) = tr._critic_advantages(batch)
+    step = tr.critic.advantages(batch)
+    shaped, values, returns, metrics = step.batch, step.values_BT, step.returns_BT, step.metrics
     assert values.eq(0).all() and metrics["critic/values/mean"] == 0.0
     want = masked_whiten(batch.adv_B[:, None].expand_as(batch.mask_BT) * batch.mask_BT, batch.mask_BT)
     torch.testing.assert_close(shaped.adv_BT, want)
@@ -124,7 +125,7 @@ def test_episodes_train_with_a_critic_over_their_sampled_tokens_only(model_dir, 
     from rollover.train.critic import Critic
     from test_env_training import env_cfg
 
-    seen, real_advantages, real_init = [], Trainer._critic_advantages, Critic.__init__
+    seen, real_advantages, real_init = [], Critic.advantages, Critic.__init__
 
     def init(self, *args):
         real_init(self, *args)
@@ -132,13 +133,13 @@ def test_episodes_train_with_a_critic_over_their_sampled_tokens_only(model_dir, 
             self.value.head.weight.copy_(torch.randn(self.value.head.weight.shape, generator=torch.Generator().manual_seed(0)))
 
     def spy(self, batch):
-        shaped, critic = real_advantages(self, batch)
-        seen.append((batch.mask_BT.clone(), batch.versions_BT.clone(), shaped.adv_BT.clone(), critic[0].clone(),
-                     critic[1].clone()))
-        return shaped, critic
+        step = real_advantages(self, batch)
+        seen.append((batch.mask_BT.clone(), batch.versions_BT.clone(), step.batch.adv_BT.clone(),
+                     step.values_BT.clone(), step.returns_BT.clone()))
+        return step
 
     monkeypatch.setattr(Critic, "__init__", init)
-    monkeypatch.setattr(Trainer, "_critic_advantages", spy)
+    monkeypatch.setattr(Critic, "advantages", spy)
     train_sync(env_cfg(model_dir, tmp_path, **{"algorithm.advantage": "gae", "rollout.samples_per_prompt": 1,
                                                "rollout.prompts_per_step": 4}))
     assert len(seen) == 2

@@ -20,6 +20,7 @@ optimizer state go into the ranks' sharded checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from rollover.algos.aggregate import aggregate
-from rollover.algos.gae import value_loss
+from rollover.algos.gae import explained_variance, gae, masked_whiten, value_loss
 from rollover.train.batch import TrainBatch
 
 
@@ -58,6 +59,18 @@ def value_model_of(model) -> ValueModel:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     trunk = copy.deepcopy(model.base_model).requires_grad_(True)
     return ValueModel(trunk, config.hidden_size, getattr(model, "_no_split_modules", None))
+
+
+@dataclasses.dataclass
+class CriticStep:
+    """What a step's critic pass gives: the batch with each token's advantage (`adv_BT`), the
+    critic's values before the step's updates, the returns it trains toward, and the step's
+    critic/ metrics."""
+
+    batch: TrainBatch
+    values_BT: torch.Tensor
+    returns_BT: torch.Tensor
+    metrics: dict
 
 
 class Critic:
@@ -100,6 +113,33 @@ class Critic:
             rows = torch.tensor(mb.seq_index, dtype=torch.long, device=t.device)
             out[rows] = t._to_BT(self._values(mb), mb, T)
         return out.masked_fill(~batch.mask_BT.to(t.device), 0.0)
+
+    def advantages(self, batch: TrainBatch) -> CriticStep:
+        """Each token's advantage from the critic's values (GAE, whitened over the step's loss
+        tokens on every rank; `batch.adv_B` holds the rewards)."""
+        t, a = self.trainer, self.trainer.cfg.algorithm
+        values_BT = t._fitting(self.values, batch)
+        mask_BT = batch.mask_BT.to(t.device)
+        adv_BT, returns_BT = gae(batch.adv_B.to(t.device), values_BT, mask_BT, gamma=a.gamma, lam=a.lam)
+        whitened_BT = masked_whiten(adv_BT, mask_BT, reduce=t._sum)
+        sums = torch.stack([mask_BT.sum(), values_BT.sum(), returns_BT.sum(), adv_BT.sum()]).double().cpu()
+        n, v, r, adv = t._sum(sums).tolist()
+        n = max(n, 1.0)
+        metrics = {"critic/values/mean": v / n, "critic/returns/mean": r / n, "critic/advantages/mean": adv / n,
+                   "critic/vf_explained_var": explained_variance(values_BT, returns_BT, mask_BT, reduce=t._sum)}
+        return CriticStep(dataclasses.replace(batch, adv_BT=whitened_BT.cpu()), values_BT, returns_BT, metrics)
+
+    def train(self, step: CriticStep, updates: list[list[int]], missing: int = 0) -> list[dict]:
+        """The critic's updates over the step's batch, one per list of its sequences (the policy's
+        epochs and mini-batches), and the schedule moved on by `missing` updates not made (a step
+        with fewer groups than mini-batches); their metrics."""
+        out = []
+        for idx in updates:
+            rows = torch.tensor(idx, dtype=torch.long, device=self.trainer.device)
+            out.append(self.update(step.batch.select(idx), step.values_BT[rows], step.returns_BT[rows]))
+        for _ in range(missing):
+            self.scheduler.step()
+        return out
 
     def update(self, batch: TrainBatch, old_BT: torch.Tensor, returns_BT: torch.Tensor) -> dict:
         """One optimizer update of the critic toward `returns_BT` ([B, T], the batch's rows), its

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import logging
 import math
 import warnings
@@ -33,7 +32,6 @@ import torch
 import torch.utils.checkpoint
 
 from rollover.algos import aggregate, kl_penalty, policy_loss, top_entropy_mask
-from rollover.algos.gae import explained_variance, gae, masked_whiten
 from rollover.algos.offpolicy import MAX_LOG_RATIO, m2po_update_mask, opsm_mask
 from rollover.algos.policy import bapo_update_bounds, old_logprobs_first
 from rollover.config import Config
@@ -172,7 +170,8 @@ class Trainer(PolicyForward):
                 ref_BT = self._fitting(self.logprobs, batch, self.ref_model)
         critic = None
         if self.critic is not None:  # PPO with a critic: each token's advantage from its values
-            batch, critic = self._critic_advantages(batch)
+            critic = self.critic.advantages(batch)
+            batch = critic.batch
         groups = self._groups(batch)
         history: list[dict] = []
         skipped = False
@@ -190,13 +189,14 @@ class Trainer(PolicyForward):
         for _ in range(t.ppo_epochs * (t.mini_batches - chunks) * (not warming)):  # warm-up: the policy's waits
             self.scheduler.step()
         if critic is not None:
-            history += self._critic_updates(batch, groups, chunks, *critic)
+            history += self.critic.train(critic, [idx for *_, idx in self._update_rows(batch, groups, chunks)],
+                                         missing=t.ppo_epochs * (t.mini_batches - chunks))
         # each metric over the updates that report it (a max over no token is not reported)
         keys = dict.fromkeys(k for h in history for k in h)
         out = {k: sum(h[k] for h in history if k in h) / sum(k in h for h in history) for k in keys}
         out["skipped_step"] = float(skipped)
         if critic is not None:
-            out.update(critic[2])
+            out.update(critic.metrics)
             if warming:
                 out["critic/warmup"] = 1.0
         if self.device.type == "cuda":
@@ -212,22 +212,6 @@ class Trainer(PolicyForward):
             self._sync_reference(cfg.algorithm.ref_mixup_alpha)
         return out
 
-    def _critic_advantages(self, batch: TrainBatch):
-        """The batch with each token's advantage from the critic's values (GAE, whitened over the
-        step's loss tokens; `batch.adv_B` holds the rewards), and what the critic's updates need:
-        its values before them, the returns, and the step's critic/ metrics."""
-        a = self.cfg.algorithm
-        values_BT = self._fitting(self.critic.values, batch)
-        mask_BT = batch.mask_BT.to(self.device)
-        adv_BT, returns_BT = gae(batch.adv_B.to(self.device), values_BT, mask_BT, gamma=a.gamma, lam=a.lam)
-        whitened_BT = masked_whiten(adv_BT, mask_BT, reduce=self._sum)  # over every rank's tokens
-        sums = torch.stack([mask_BT.sum(), values_BT.sum(), returns_BT.sum(), adv_BT.sum()]).double().cpu()
-        n, v, r, adv = self._sum(sums).tolist()
-        n = max(n, 1.0)
-        metrics = {"critic/values/mean": v / n, "critic/returns/mean": r / n, "critic/advantages/mean": adv / n,
-                   "critic/vf_explained_var": explained_variance(values_BT, returns_BT, mask_BT, reduce=self._sum)}
-        return dataclasses.replace(batch, adv_BT=whitened_BT.cpu()), (values_BT, returns_BT, metrics)
-
     def _update_rows(self, batch: TrainBatch, groups: list[int], chunks: int):
         """(epoch, mini-batch, its sequences) of each update: `ppo_epochs` passes over `chunks`
         mini-batches of whole groups."""
@@ -236,17 +220,6 @@ class Trainer(PolicyForward):
             for k in range(chunks):
                 chosen = set(groups[k :: t.mini_batches])
                 yield epoch, k, [i for i, g in enumerate(index_B) if g in chosen]
-
-    def _critic_updates(self, batch: TrainBatch, groups: list[int], chunks: int, values_BT, returns_BT,
-                        _metrics) -> list[dict]:
-        """The critic's updates over the step's batch: the policy's epochs and mini-batches."""
-        out = []
-        for _, _, idx in self._update_rows(batch, groups, chunks):
-            rows = torch.tensor(idx, dtype=torch.long, device=self.device)
-            out.append(self.critic.update(batch.select(idx), values_BT[rows], returns_BT[rows]))
-        for _ in range(self.cfg.train.ppo_epochs * (self.cfg.train.mini_batches - chunks)):
-            self.critic.scheduler.step()
-        return out
 
     @torch.no_grad()
     def _sync_reference(self, alpha: float) -> None:
