@@ -79,3 +79,20 @@ def test_the_gae_estimator_passes_the_rewards_to_the_critic():
     rewards = torch.tensor([1.0, 1.0, 0.0])
     adv, info = compute_advantages("gae", rewards, torch.tensor([0, 0, 1]))
     assert torch.equal(adv, rewards) and info["zero_std_groups"] == 0
+
+
+def test_a_reward_on_every_token_enters_each_delta():
+    """A per-token reward (the KL penalty in the reward) adds to each trained token's r_t, the
+    sequence's reward to its last; a token out of the loss contributes nothing."""
+    gamma, lam = 0.9, 0.8
+    values = torch.tensor([[0.2, 9.0, -0.3, 0.5]])
+    mask = torch.tensor([[1, 0, 1, 1]], dtype=torch.bool)
+    per_token = torch.tensor([[-0.1, 5.0, -0.2, -0.05]])
+    adv, ret = gae(torch.tensor([1.0]), values, mask, gamma=gamma, lam=lam, token_rewards_BT=per_token)
+    r, v = [-0.1, -0.2, -0.05 + 1.0], [0.2, -0.3, 0.5]
+    want, last = [0.0] * 3, 0.0
+    for t in (2, 1, 0):
+        last = r[t] + gamma * (v[t + 1] if t < 2 else 0.0) - v[t] + gamma * lam * last
+        want[t] = last
+    torch.testing.assert_close(adv, torch.tensor([[want[0], 0.0, want[1], want[2]]]))
+    torch.testing.assert_close(ret, torch.tensor([[want[0] + v[0], 0.0, want[1] + v[1], want[2] + v[2]]]))

@@ -172,6 +172,9 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["algorithm.advantage=gae", "algorithm.loss=gspo", "algorithm.aggregation=seq-mean-token-mean"],
      "use gspo_token"),
     (["algorithm.advantage=gae", "downsample.keep=2"], "gae with downsample"),
+    (["algorithm.kl_in_reward=0.1"], "kl_in_reward=0.1 puts a KL penalty on each token's reward.*needs "
+                                     "algorithm.advantage=gae"),
+    (["algorithm.kl_in_reward_target=0.1"], "steer the KL penalty in the reward: set algorithm.kl_in_reward > 0"),
     (["algorithm.advantage=gae", "critic.warmup_steps=20"], "with steps=20 the policy would never train"),
     (["rollout.samples_per_prompt=1", "algorithm.advantage=reinforce_pp_baseline"], "samples_per_prompt must be >= 2"),
     (["algorithm.dynamic_sampling=true", "rollout.samples_per_prompt=1", "algorithm.advantage=reinforce_pp_baseline"], "dynamic_sampling"),

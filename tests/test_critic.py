@@ -99,12 +99,44 @@ def test_critic_warmup_trains_the_critic_alone_first(model_dir, tmp_path):
     assert any(not torch.equal(p, policy[n]) for n, p in tr.model.named_parameters())
 
 
+def test_the_kl_penalty_in_the_reward_is_each_tokens_and_its_weight_adapts(model_dir, tmp_path):
+    """algorithm.kl_in_reward: with the critic's values 0 and gamma = lam = 1, each token's return
+    is the sequence's reward less kl_in_reward times the KL (log pi_old - log pi_ref) of that token
+    and those after it. Under adaptive control the weight moves by at most 20% x sequences /
+    horizon a step: down while the KL is under the target (the first step: policy = reference),
+    up once it is above."""
+    batch = rewarded_batch()
+    tr = trainer(model_dir, tmp_path / "r", **{"algorithm.kl_in_reward": 0.1, "critic.lr": 1e-2,
+                                               "algorithm.kl_in_reward_target": 1e-6,
+                                               "algorithm.kl_in_reward_horizon": len(batch)})
+    g = torch.Generator().manual_seed(2)
+    ref = -torch.rand(batch.mask_BT.shape, generator=g) * batch.mask_BT
+    old = ref + torch.rand(batch.mask_BT.shape, generator=g) * batch.mask_BT  # a KL above the target
+    step = tr.critic.advantages(batch, old, ref)
+    kl = (old - ref) * batch.mask_BT
+    to_go = kl.flip(1).cumsum(1).flip(1)  # each token's KL and the later ones'
+    torch.testing.assert_close(step.returns_BT, (batch.adv_B[:, None] - 0.1 * to_go) * batch.mask_BT)
+    per_seq = kl.sum(1) / batch.mask_BT.sum(1)
+    assert step.metrics["critic/kl_in_reward"] == pytest.approx(float(per_seq.mean()))
+    assert step.metrics["critic/kl_in_reward_coef"] == 0.1 and tr.critic.kl_coef == pytest.approx(0.12)
+    tr.critic.kl_coef = 0.1
+    coefs, kls = [], []
+    for _ in range(3):
+        m = tr.train_step(batch)
+        coefs.append(m["critic/kl_in_reward_coef"])
+        kls.append(m["critic/kl_in_reward"])
+    assert kls[0] == 0.0 and kls[1] > 1e-6  # the first step's policy is the reference
+    assert coefs == pytest.approx([0.1, 0.08, 0.096])
+
+
 def test_a_gae_run_trains_one_sample_a_prompt_and_resumes_exactly(model_dir, tmp_path):
     """PPO with a critic needs no group: one sample a prompt trains. Killed after its step-2
-    checkpoint and resumed, the run ends with the weights of a run never stopped (the critic and
-    its optimizer come back from the checkpoint: without them steps 3-4 would differ)."""
+    checkpoint and resumed, the run ends with the weights of a run never stopped (the critic, its
+    optimizer and the adaptive KL weight come back from the checkpoint: without them steps 3-4
+    would differ)."""
     over = {"algorithm.advantage": "gae", "rollout.samples_per_prompt": 1, "rollout.prompts_per_step": 6,
-            "critic.lr": 1e-2, "rollout.temperature": 1.5, "eval.every": 0}
+            "critic.lr": 1e-2, "rollout.temperature": 1.5, "eval.every": 0,
+            "algorithm.kl_in_reward": 0.05, "algorithm.kl_in_reward_target": 1e-4}  # its moving weight resumes too
     straight, split = tmp_path / "straight", tmp_path / "split"
     train_sync(tiny_cfg(model_dir, straight, steps=4, **over))
     train_sync(tiny_cfg(model_dir, split, steps=2, **over))
@@ -132,8 +164,8 @@ def test_episodes_train_with_a_critic_over_their_sampled_tokens_only(model_dir, 
         with torch.no_grad():
             self.value.head.weight.copy_(torch.randn(self.value.head.weight.shape, generator=torch.Generator().manual_seed(0)))
 
-    def spy(self, batch):
-        step = real_advantages(self, batch)
+    def spy(self, batch, *kl):
+        step = real_advantages(self, batch, *kl)
         seen.append((batch.mask_BT.clone(), batch.versions_BT.clone(), step.batch.adv_BT.clone(),
                      step.values_BT.clone(), step.returns_BT.clone()))
         return step

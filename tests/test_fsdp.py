@@ -167,9 +167,12 @@ def test_per_token_advantages_train_on_ranks_as_on_one_trainer():
 def test_ppo_with_a_critic_at_world_size_2_equals_one_trainers():
     """algorithm.advantage=gae on the ranks: the critic sharded as the policy is, its values over
     each rank's sequences, the advantages whitened and the value loss normalised over both
-    ranks' tokens. Two steps (the second's values come from the first's critic update) give one
-    trainer's critic and policy metrics and the same policy update."""
-    cfg = cfg_of(**{"train.ranks": 2, "algorithm.advantage": "gae", "critic.lr": 1e-2, "train.mini_batches": 2})
+    ranks' tokens, the KL penalty in the reward from a sharded reference with its adaptive weight
+    over both ranks' sequences. Two steps (the second's values come from the first's critic
+    update, its KL from the first's policy update) give one trainer's critic and policy metrics
+    and the same policy update."""
+    cfg = cfg_of(**{"train.ranks": 2, "algorithm.advantage": "gae", "critic.lr": 1e-2, "train.mini_batches": 2,
+                    "algorithm.kl_in_reward": 0.1, "algorithm.kl_in_reward_target": 1e-6})  # a sharded reference
     model = tiny_model("llama", seed=3)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
@@ -180,9 +183,10 @@ def test_ppo_with_a_critic_at_world_size_2_equals_one_trainers():
             mp, ms = plain.train_step(b), sharded.train_step(b)
             for k in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/values/mean",
                       "critic/returns/mean", "critic/advantages/mean", "critic/grad_norm", "actor/pg_loss",
-                      "actor/grad_norm", *(["critic/vf_explained_var"] if step == 2 else [])):
+                      "actor/grad_norm", "critic/kl_in_reward", "critic/kl_in_reward_coef",
+                      *(["critic/vf_explained_var"] if step == 2 else [])):
                 assert ms[k] == pytest.approx(mp[k], rel=1e-4, abs=1e-6), (step, k)
-            assert (mp["critic/values/mean"] != 0) == (step == 2)
+            assert (mp["critic/values/mean"] != 0) == (step == 2) == (mp["critic/kl_in_reward"] != 0)
             assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
             start = weights(plain)
     finally:

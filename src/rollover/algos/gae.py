@@ -29,9 +29,10 @@ from rollover.algos.aggregate import masked_mean
 
 
 def gae(rewards_B: Tensor, values_BT: Tensor, mask_BT: Tensor, *, gamma: float = 1.0,
-        lam: float = 1.0) -> tuple[Tensor, Tensor]:
+        lam: float = 1.0, token_rewards_BT: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Per-token advantages and returns [B, T] (0 on tokens out of the loss) of sequences whose
-    reward `rewards_B` comes at their last trained token, under the critic's `values_BT`."""
+    reward `rewards_B` comes at their last trained token, under the critic's `values_BT`;
+    `token_rewards_BT`: a reward on every token besides (a KL penalty), read on trained tokens."""
     if values_BT.shape != mask_BT.shape or rewards_B.shape != values_BT.shape[:1]:
         raise ValueError(f"gae: rewards {tuple(rewards_B.shape)}, values {tuple(values_BT.shape)} and mask "
                          f"{tuple(mask_BT.shape)} do not match")
@@ -42,9 +43,10 @@ def gae(rewards_B: Tensor, values_BT: Tensor, mask_BT: Tensor, *, gamma: float =
     n_B = mask_BT.sum(dim=1)
     live_BT = torch.arange(T, device=values_BT.device)[None] < n_B[:, None]
     v_BT = values_BT.float().gather(1, order_BT) * live_BT
-    r_BT = torch.zeros_like(v_BT)
+    r_BT = torch.zeros_like(v_BT) if token_rewards_BT is None else \
+        token_rewards_BT.float().gather(1, order_BT) * live_BT
     has = n_B > 0
-    r_BT[has, n_B[has] - 1] = rewards_B.float()[has]
+    r_BT[has, n_B[has] - 1] += rewards_B.float()[has]
     adv_BT = torch.zeros_like(v_BT)
     last_B = torch.zeros(B, dtype=v_BT.dtype, device=v_BT.device)
     for t in range(T - 1, -1, -1):

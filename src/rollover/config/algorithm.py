@@ -52,6 +52,19 @@ class AlgorithmConfig(Section):
     from the policy term (their KL term stays; TRL's example value: 0.5); None = off."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the reference (initial) model; > 0 loads a reference model."""
+    kl_in_reward: float = Field(0.0, ge=0)
+    """advantage=gae: the KL to the reference as a per-token penalty in the reward, with this
+    weight (verl's use_kl_in_reward with kl_ctrl.kl_coef; its starting value with
+    kl_in_reward_target): each token's reward is -kl_in_reward * (log pi_old - log pi_ref) (k1,
+    verl's kl_penalty: kl), the sequence's reward added at its last token, and GAE runs over
+    them. > 0 loads a reference model; it is apart from kl_coef's term in the loss."""
+    kl_in_reward_target: Annotated[float, Field(gt=0)] | None = None
+    """Adaptive KL control of kl_in_reward (verl's kl_ctrl.type: adaptive, target_kl; Ziegler et
+    al. 2019): after each step the weight is multiplied by 1 + e * sequences / horizon, e the
+    step's mean KL (per sequence, over its tokens) relative to this target less 1, clipped to
+    +-0.2. None: a fixed weight."""
+    kl_in_reward_horizon: int = Field(10000, ge=1)
+    """Adaptive KL control's horizon in sequences (verl's kl_ctrl.horizon)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the penalty."""
     kl_is_correction: bool = False
@@ -96,3 +109,8 @@ class AlgorithmConfig(Section):
     """Maximum soft overlong punishment."""
     mask_truncated: bool = False
     """Exclude completions cut by max_new_tokens from the loss."""
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a KL reference model is loaded: for the loss's term or the reward's."""
+        return self.kl_coef > 0 or self.kl_in_reward > 0

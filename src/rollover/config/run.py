@@ -218,8 +218,8 @@ class Config(Section):
         if a.ref_mixup_alpha != fields["ref_mixup_alpha"].default and a.ref_sync_every is None:
             problems.append(f"algorithm.ref_mixup_alpha={a.ref_mixup_alpha} is the weight of a reference sync: set "
                             "algorithm.ref_sync_every too")
-        if a.ref_sync_every is not None and (a.kl_coef <= 0 or self.train.lora is not None):
-            why = "algorithm.kl_coef=0 loads no reference" if a.kl_coef <= 0 else \
+        if a.ref_sync_every is not None and (not a.uses_reference or self.train.lora is not None):
+            why = "algorithm.kl_coef=0 loads no reference" if not a.uses_reference else \
                 "with train.lora the reference is the base model under the adapter, which a sync would move"
             problems.append(f"algorithm.ref_sync_every={a.ref_sync_every} has no reference to move: {why}")
         if a.loss_options or (a.dual_clip is not None and a.loss is not None):  # now, not at the first update
@@ -234,7 +234,16 @@ class Config(Section):
     def _critic_problems(self) -> list[str]:
         """PPO with a critic (algorithm.advantage=gae) and what it does not combine with yet."""
         a, out = self.algorithm, []
+        afields = type(a).model_fields
+        if a.kl_in_reward == 0 and any(getattr(a, k) != afields[k].default for k in ("kl_in_reward_target",
+                                                                                 "kl_in_reward_horizon")):
+            out.append("algorithm.kl_in_reward_target / kl_in_reward_horizon steer the KL penalty in the reward: set "
+                       "algorithm.kl_in_reward > 0 too")
         if a.advantage != "gae":
+            if a.kl_in_reward > 0:
+                out.append(f"algorithm.kl_in_reward={a.kl_in_reward:g} puts a KL penalty on each token's reward, which "
+                           f"the critic's GAE reads: it needs algorithm.advantage=gae (for a KL term with "
+                           f"algorithm.advantage={a.advantage}, set algorithm.kl_coef)")
             fields = type(self.critic).model_fields
             moved = [f"algorithm.{k}" for k in ("gamma", "lam") if getattr(a, k) != 1.0]
             moved += [f"critic.{k}" for k in fields if getattr(self.critic, k) != fields[k].default]

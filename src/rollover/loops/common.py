@@ -390,7 +390,7 @@ def _reference(cfg: Config, ckpt: Path | None):
     """The KL reference for a resumed run: the starting model (`model`), not the checkpoint's
     policy the trainer resumes from. None where the trainer's copy of its model is it: a fresh run,
     or LoRA, whose reference is the base model under the adapter."""
-    if cfg.algorithm.kl_coef <= 0 or cfg.train.lora is not None or ckpt is None or not (ckpt / "model").exists():
+    if not cfg.algorithm.uses_reference or cfg.train.lora is not None or ckpt is None or not (ckpt / "model").exists():
         return None
     from rollover.models import load_hf_model
 

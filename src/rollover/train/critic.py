@@ -89,6 +89,7 @@ class Critic:
         self.optimizer = torch.optim.AdamW(params, lr=trainer.cfg.critic.lr, betas=tuple(t.betas),
                                            weight_decay=t.weight_decay, fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.kl_coef = trainer.cfg.algorithm.kl_in_reward  # the KL penalty's weight in the reward (adaptive: moves)
 
     def _values(self, mb):
         """The critic's values [N] before the micro-batch's response tokens."""
@@ -114,20 +115,43 @@ class Critic:
             out[rows] = t._to_BT(self._values(mb), mb, T)
         return out.masked_fill(~batch.mask_BT.to(t.device), 0.0)
 
-    def advantages(self, batch: TrainBatch) -> CriticStep:
+    def advantages(self, batch: TrainBatch, old_BT=None, ref_BT=None) -> CriticStep:
         """Each token's advantage from the critic's values (GAE, whitened over the step's loss
-        tokens on every rank; `batch.adv_B` holds the rewards)."""
+        tokens on every rank; `batch.adv_B` holds the rewards). `old_BT`, `ref_BT`: the policy's
+        and the reference's logprobs, for the KL penalty in the reward (algorithm.kl_in_reward)."""
         t, a = self.trainer, self.trainer.cfg.algorithm
         values_BT = t._fitting(self.values, batch)
         mask_BT = batch.mask_BT.to(t.device)
-        adv_BT, returns_BT = gae(batch.adv_B.to(t.device), values_BT, mask_BT, gamma=a.gamma, lam=a.lam)
+        kl_metrics, penalty_BT = {}, None
+        if old_BT is not None:
+            penalty_BT, kl_metrics = self._kl_penalty(old_BT.to(t.device), ref_BT.to(t.device), mask_BT)
+        adv_BT, returns_BT = gae(batch.adv_B.to(t.device), values_BT, mask_BT, gamma=a.gamma, lam=a.lam,
+                                 token_rewards_BT=penalty_BT)
         whitened_BT = masked_whiten(adv_BT, mask_BT, reduce=t._sum)
         sums = torch.stack([mask_BT.sum(), values_BT.sum(), returns_BT.sum(), adv_BT.sum()]).double().cpu()
         n, v, r, adv = t._sum(sums).tolist()
         n = max(n, 1.0)
         metrics = {"critic/values/mean": v / n, "critic/returns/mean": r / n, "critic/advantages/mean": adv / n,
-                   "critic/vf_explained_var": explained_variance(values_BT, returns_BT, mask_BT, reduce=t._sum)}
+                   "critic/vf_explained_var": explained_variance(values_BT, returns_BT, mask_BT, reduce=t._sum),
+                   **kl_metrics}
         return CriticStep(dataclasses.replace(batch, adv_BT=whitened_BT.cpu()), values_BT, returns_BT, metrics)
+
+    def _kl_penalty(self, old_BT, ref_BT, mask_BT):
+        """Each token's KL penalty in the reward, -coef * (log pi_old - log pi_ref) on the loss
+        tokens, and its metrics; then, under adaptive control, the next step's coefficient from
+        this step's mean KL (each sequence's mean over its tokens, averaged over every rank's
+        sequences; verl's AdaptiveKLController)."""
+        a, t = self.trainer.cfg.algorithm, self.trainer
+        kl_BT = (old_BT - ref_BT) * mask_BT
+        per_seq = kl_BT.sum(1) / mask_BT.sum(1).clamp(min=1)
+        seqs = mask_BT.any(1)
+        total, count = t._sum(torch.tensor([float(per_seq[seqs].sum()), float(seqs.sum())])).tolist()
+        kl = total / max(count, 1.0)
+        applied = self.kl_coef
+        if a.kl_in_reward_target is not None:
+            error = min(max(kl / a.kl_in_reward_target - 1.0, -0.2), 0.2)
+            self.kl_coef *= 1.0 + error * count / a.kl_in_reward_horizon
+        return -applied * kl_BT, {"critic/kl_in_reward": kl, "critic/kl_in_reward_coef": applied}
 
     def train(self, step: CriticStep, updates: list[list[int]], missing: int = 0) -> list[dict]:
         """The critic's updates over the step's batch, one per list of its sequences (the policy's
@@ -191,9 +215,11 @@ class Critic:
 
     def state_dict(self) -> dict:
         return {"value": {k: v.detach().to("cpu", copy=True) for k, v in self.value.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "kl_coef": self.kl_coef}
 
     def load_state_dict(self, state: dict) -> None:
         self.value.load_state_dict(state["value"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.kl_coef = state.get("kl_coef", self.kl_coef)

@@ -494,7 +494,8 @@ class FSDPTrainer(Trainer):
                 "steps_trained": self.steps_trained, "reference_saved": self.cfg.algorithm.ref_sync_every is not None,
                 "entropy_control": [self.entropy_coef, self.last_entropy],
                 "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens],
-                **({"critic_scheduler": self.critic.scheduler.state_dict()} if self.critic is not None else {})}
+                **({"critic_scheduler": self.critic.scheduler.state_dict(), "critic_kl_coef": self.critic.kl_coef}
+                   if self.critic is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
@@ -505,6 +506,7 @@ class FSDPTrainer(Trainer):
                 raise ConfigError("the checkpoint holds no critic (it was written with another algorithm.advantage "
                                   "than gae): a run cannot switch to PPO with a critic when it resumes")
             self.critic.scheduler.load_state_dict(state["critic_scheduler"])
+            self.critic.kl_coef = state.get("critic_kl_coef", self.critic.kl_coef)
         self.bad_steps = state["bad_steps"]
         self.steps_trained = state.get("steps_trained", 0)
         self.entropy_coef, self.last_entropy = state.get("entropy_control", (self.entropy_coef, self.last_entropy))

@@ -98,7 +98,7 @@ class Trainer(PolicyForward):
         if self.generic and not any(p.is_meta for p in model.parameters()):
             check_model(self._base(model), training=cfg.train.disable_dropout)
         self.ref_model = None
-        if cfg.algorithm.kl_coef > 0 and not self.is_peft:
+        if cfg.algorithm.uses_reference and not self.is_peft:
             ref = reference if reference is not None else copy.deepcopy(model)
             self.ref_model = self._place(ref.eval().requires_grad_(False))
         # algorithm.advantage=gae: the critic's network, copied from the policy as loaded, placed below
@@ -162,7 +162,7 @@ class Trainer(PolicyForward):
         elif multi or first:
             old_BT = self._fitting(self.logprobs, batch)
         ref_BT = None
-        if cfg.algorithm.kl_coef > 0:
+        if cfg.algorithm.uses_reference:
             if self.is_peft:
                 with self.model.disable_adapter():
                     ref_BT = self._fitting(self.logprobs, batch)
@@ -170,7 +170,9 @@ class Trainer(PolicyForward):
                 ref_BT = self._fitting(self.logprobs, batch, self.ref_model)
         critic = None
         if self.critic is not None:  # PPO with a critic: each token's advantage from its values
-            critic = self.critic.advantages(batch)
+            if cfg.algorithm.kl_in_reward > 0 and old_BT is None:  # the KL in the reward is the policy's before the step
+                old_BT = self._fitting(self.logprobs, batch)
+            critic = self.critic.advantages(batch, old_BT if cfg.algorithm.kl_in_reward > 0 else None, ref_BT)
             batch = critic.batch
         groups = self._groups(batch)
         history: list[dict] = []
@@ -298,7 +300,7 @@ class Trainer(PolicyForward):
                 top = None if top_BT is None else top_BT[sel]
                 keep = self._policy_term_kept(top, logp_BT, behav_BT[sel], adv[sel], m_BT, out.metrics)
                 loss_BT = out.loss_BT if keep is None else out.loss_BT * keep
-                if ref_BT is not None:
+                if ref_BT is not None and a.kl_coef > 0:
                     kl_BT = kl_penalty(logp_BT, ref_BT[sel.cpu()].to(self.device), a.kl_estimator)
                     if a.kl_is_correction:  # pi / pi_old, with its gradient (0 outside the loss tokens: 1)
                         kl_BT = kl_BT * (logp_BT - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
@@ -359,7 +361,7 @@ class Trainer(PolicyForward):
         })
         if adaptive:
             metrics["actor/entropy_coef"] = applied
-        if ref_BT is not None:
+        if ref_BT is not None and a.kl_coef > 0:
             metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
         return metrics
 
