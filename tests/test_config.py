@@ -168,7 +168,6 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
                                                "which algorithm.advantage=grpo does not use"),
     (["algorithm.advantage=gae", "train.parallel=fsdp", "train.ranks=2", "train.sequence_parallel=2"],
      "gae with train.sequence_parallel: not yet"),
-    (["algorithm.advantage=gae", "train.lora={r: 4}"], "gae with train.lora: not yet"),
     (["algorithm.advantage=gae", "algorithm.loss=gspo", "algorithm.aggregation=seq-mean-token-mean"],
      "use gspo_token"),
     (["algorithm.advantage=gae", "downsample.keep=2"], "gae with downsample"),

@@ -129,6 +129,40 @@ def test_the_kl_penalty_in_the_reward_is_each_tokens_and_its_weight_adapts(model
     assert coefs == pytest.approx([0.1, 0.08, 0.096])
 
 
+def test_a_lora_policys_critic_trains_an_adapter_of_its_own_and_its_head(model_dir, tmp_path):
+    """train.lora with gae: the critic's trunk starts as the base model (the policy's adapter left
+    out), under an adapter of its own; only that adapter and the head train, the base stays."""
+    from rollover.train.lora import apply_lora
+
+    lora = {"r": 4, "alpha": 8}
+    cfg = tiny_cfg(model_dir, tmp_path / "r", **{"algorithm.advantage": "gae", "train.lora": lora, "critic.lr": 1e-2,
+                                                 "data.max_prompt_tokens": 4, "rollout.max_new_tokens": 4,
+                                                 "train.pack_length": 8})
+    policy = apply_lora(tiny_model("llama", seed=5), lora)
+    with torch.no_grad():  # the policy's adapter away from zero: the policy is not its base
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    tr = Trainer(policy, cfg, device=torch.device("cpu"))
+    value = tr.critic.value
+    trainable = {n for n, p in value.named_parameters() if p.requires_grad}
+    assert any("lora_" in n for n in trainable) and {"head.weight", "head.bias"} <= trainable
+    assert all("lora_" in n or n.startswith("head.") for n in trainable)
+    ids, pos = torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None]
+    with torch.no_grad():
+        base = tiny_model("llama", seed=5).model(input_ids=ids, position_ids=pos).last_hidden_state
+        mine = value.trunk(input_ids=ids, position_ids=pos).last_hidden_state
+        theirs = tr.model.get_base_model().model(input_ids=ids, position_ids=pos).last_hidden_state
+    torch.testing.assert_close(mine, base)
+    assert float((theirs - base).abs().max()) > 1e-3
+    frozen = {n: p.detach().clone() for n, p in value.named_parameters() if not p.requires_grad}
+    batch = rewarded_batch()
+    losses = [tr.train_step(batch)["critic/vf_loss"] for _ in range(8)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert all(torch.equal(p, frozen[n]) for n, p in value.named_parameters() if not p.requires_grad)
+    assert any(float(p.detach().abs().max()) > 0 for n, p in value.named_parameters() if "lora_B" in n)
+
+
 def test_a_gae_run_trains_one_sample_a_prompt_and_resumes_exactly(model_dir, tmp_path):
     """PPO with a critic needs no group: one sample a prompt trains. Killed after its step-2
     checkpoint and resumed, the run ends with the weights of a run never stopped (the critic, its

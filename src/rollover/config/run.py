@@ -256,8 +256,6 @@ class Config(Section):
                        f"with steps={self.steps} the policy would never train")
         if self.train.sequence_parallel > 1:
             out.append("algorithm.advantage=gae with train.sequence_parallel: not yet (the critic's pass takes whole rows)")
-        if self.train.lora is not None:
-            out.append("algorithm.advantage=gae with train.lora: not yet (the critic is a full copy of the model)")
         if self.env.credit != "episode":
             out.append(f"algorithm.advantage=gae gives each token its own advantage from the critic; env.credit="
                        f"{self.env.credit} gives each turn one: leave env.credit at episode")

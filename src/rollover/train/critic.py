@@ -1,7 +1,8 @@
 """The critic of PPO with a learned value model (`algorithm.advantage: gae`, verl's default).
 
 The critic is the policy's transformer trunk, copied at the start (verl's default critic is the
-actor's checkpoint), with a linear head from the last hidden state to one number: its estimate,
+actor's checkpoint; with `train.lora`, the base trunk under an adapter of its own, of the
+policy's adapter's shape), with a linear head from the last hidden state to one number: its estimate,
 before each response token, of the return still to come. The head starts at zero, so the first
 values are 0 and the first advantages are the rewards.
 
@@ -52,13 +53,22 @@ class ValueModel(nn.Module):
         return torch.nn.functional.linear(hidden.float(), w.float(), b.float()).squeeze(-1).clone()
 
 
-def value_model_of(model) -> ValueModel:
-    """A fresh critic network from a policy causal LM as loaded (its trunk copied)."""
+def value_model_of(model, lora: dict | None = None) -> ValueModel:
+    """A fresh critic network from the policy as loaded: its causal LM's trunk copied, trained
+    whole; with `lora` (train.lora; `model` then a peft model) the base trunk without the
+    policy's adapter, under an adapter of its own that trains with the head (the base frozen)."""
     import copy
 
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    trunk = copy.deepcopy(model.base_model).requires_grad_(True)
-    return ValueModel(trunk, config.hidden_size, getattr(model, "_no_split_modules", None))
+    if lora is not None:
+        from rollover.train.lora import apply_lora
+
+        causal = copy.deepcopy(model).unload()  # the policy's adapter left out: the base model, unmerged
+        trunk = apply_lora(causal.base_model, lora, task_type="FEATURE_EXTRACTION")
+    else:
+        causal = model
+        trunk = copy.deepcopy(model.base_model).requires_grad_(True)
+    config = causal.config.get_text_config() if hasattr(causal.config, "get_text_config") else causal.config
+    return ValueModel(trunk, config.hidden_size, getattr(causal, "_no_split_modules", None))
 
 
 @dataclasses.dataclass
@@ -84,7 +94,7 @@ class Critic:
         self.trainer = trainer
         self.value = trainer._place(value)
         t = trainer.cfg.train
-        params = list(self.value.parameters())
+        params = [p for p in self.value.parameters() if p.requires_grad]  # with LoRA: its adapter and the head
         fused = all(p.device.type in ("cpu", "cuda") for p in params) or None
         self.optimizer = torch.optim.AdamW(params, lr=trainer.cfg.critic.lr, betas=tuple(t.betas),
                                            weight_decay=t.weight_decay, fused=fused)
@@ -200,7 +210,7 @@ class Critic:
         loss_sum, clipped, predicted, bad = t._sum(torch.tensor([loss_sum, clipped, predicted, float(not finite)])).tolist()
         finite, grad_norm = bad == 0, float("nan")
         if finite:
-            grad_norm = t._clip_grad_norm(list(self.value.parameters()))
+            grad_norm = t._clip_grad_norm(self.optimizer.param_groups[0]["params"])
             finite = math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()

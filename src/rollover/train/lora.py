@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 
-def apply_lora(model, lora: dict):
-    """Wrap a model with peft LoRA adapters from the config mapping."""
+def apply_lora(model, lora: dict, task_type: str = "CAUSAL_LM"):
+    """Wrap a model with peft LoRA adapters from the config mapping (`task_type`
+    FEATURE_EXTRACTION for a trunk without its LM head: the critic's)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:  # pragma: no cover - depends on the install
@@ -18,6 +19,6 @@ def apply_lora(model, lora: dict):
         lora_alpha=int(lora.get("alpha", 32)),
         lora_dropout=float(lora.get("dropout", 0.0)),
         target_modules=lora.get("target_modules", "all-linear"),
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     return get_peft_model(model, cfg)

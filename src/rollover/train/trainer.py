@@ -102,7 +102,9 @@ class Trainer(PolicyForward):
             ref = reference if reference is not None else copy.deepcopy(model)
             self.ref_model = self._place(ref.eval().requires_grad_(False))
         # algorithm.advantage=gae: the critic's network, copied from the policy as loaded, placed below
-        value = value_model_of(self._base(model)) if cfg.algorithm.advantage == "gae" else None
+        value = None
+        if cfg.algorithm.advantage == "gae":
+            value = value_model_of(model, cfg.train.lora) if self.is_peft else value_model_of(self._base(model))
         self.model = self._place(model)
         self.critic = None
         params = [p for p in self.model.parameters() if p.requires_grad]
