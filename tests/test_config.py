@@ -194,7 +194,7 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["algorithm.entropy_coef_max=0.5"], "algorithm.entropy_coef_max steer adaptive entropy control: set algorithm.entropy_target"),
     (["algorithm.kl_is_correction=true"], "kl_is_correction weighs the KL term, which algorithm.kl_coef=0 leaves out"),
     (["algorithm.kl_coef=0.1", "algorithm.ref_mixup_alpha=0.5"], "ref_mixup_alpha=0.5 is the weight of a reference sync"),
-    (["algorithm.ref_sync_every=4"], "ref_sync_every=4 has no reference to move: algorithm.kl_coef=0 loads no reference"),
+    (["algorithm.ref_sync_every=4"], "ref_sync_every=4 has no reference to move: algorithm.kl_coef=0 and kl_in_reward=0 load no reference"),
     (["algorithm.ref_sync_every=4", "algorithm.kl_coef=0.1", "train.lora={r: 8}"],
      "ref_sync_every=4 has no reference to move: with train.lora the reference is the base model"),
     (["train.sequence_parallel=2"], r"sequence_parallel=2 splits rows over ranks .* train.parallel=fsdp and train.ranks a multiple"),

@@ -62,7 +62,8 @@ class AlgorithmConfig(Section):
     """Adaptive KL control of kl_in_reward (verl's kl_ctrl.type: adaptive, target_kl; Ziegler et
     al. 2019): after each step the weight is multiplied by 1 + e * sequences / horizon, e the
     step's mean KL (per sequence, over its tokens) relative to this target less 1, clipped to
-    +-0.2. None: a fixed weight."""
+    +-0.2. A resumed run goes on with the weight it had moved to. None: a fixed weight (the
+    config's, on a resume too)."""
     kl_in_reward_horizon: int = Field(10000, ge=1)
     """Adaptive KL control's horizon in sequences (verl's kl_ctrl.horizon)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -75,7 +76,8 @@ class AlgorithmConfig(Section):
     """Move the KL reference toward the policy every this many steps (TR-DPO, arXiv 2404.09656;
     TRL's sync_ref_model): ref = ref_mixup_alpha * policy + (1 - ref_mixup_alpha) * ref, after
     the step's updates. None = the reference stays the starting model. The reference then goes
-    into every checkpoint (a resumed run keeps the moved one). Needs kl_coef > 0; not with LoRA."""
+    into every checkpoint (a resumed run keeps the moved one). Needs a reference (kl_coef or kl_in_reward
+    > 0); not with LoRA."""
     ref_mixup_alpha: float = Field(0.6, gt=0, le=1)
     """The policy's weight in each reference sync (TRL's ref_model_mixup_alpha; 1 copies it)."""
     entropy_coef: float = Field(0.0, ge=0)

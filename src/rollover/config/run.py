@@ -219,7 +219,7 @@ class Config(Section):
             problems.append(f"algorithm.ref_mixup_alpha={a.ref_mixup_alpha} is the weight of a reference sync: set "
                             "algorithm.ref_sync_every too")
         if a.ref_sync_every is not None and (not a.uses_reference or self.train.lora is not None):
-            why = "algorithm.kl_coef=0 loads no reference" if not a.uses_reference else \
+            why = "algorithm.kl_coef=0 and kl_in_reward=0 load no reference" if not a.uses_reference else \
                 "with train.lora the reference is the base model under the adapter, which a sync would move"
             problems.append(f"algorithm.ref_sync_every={a.ref_sync_every} has no reference to move: {why}")
         if a.loss_options or (a.dual_clip is not None and a.loss is not None):  # now, not at the first update

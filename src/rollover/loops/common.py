@@ -359,6 +359,9 @@ def _longest(cfg: Config, model, prompt_ids: dict, env_builder) -> int:
 
 def _make_trainer(cfg: Config, model, pad_id: int, device, ckpt: Path | None, remote_trainer: bool, record: bool):
     """One trainer here, a trainer actor, FSDP rank processes or FSDP rank actors."""
+    if not record:  # an evaluation only samples: no critic or KL reference to build or load
+        quiet = {"advantage": "grpo", "kl_coef": 0.0, "kl_in_reward": 0.0, "ref_sync_every": None}
+        cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update=quiet)})
     if cfg.train.sequence_parallel > 1:  # before any rank starts
         from rollover.train.ulysses import check
 
@@ -381,8 +384,6 @@ def _make_trainer(cfg: Config, model, pad_id: int, device, ckpt: Path | None, re
         return ShardedTrainer(model, cfg, pad_id=pad_id, checkpoint=ckpt, reference=ref)
     from rollover.train.trainer import Trainer
 
-    if not record and cfg.algorithm.advantage == "gae":  # an evaluation only samples: no critic to build or load
-        cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"advantage": "grpo"})})
     return Trainer(model, cfg, device=device, pad_id=pad_id, reference=ref)
 
 

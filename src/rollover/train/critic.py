@@ -223,13 +223,31 @@ class Critic:
                 "critic/vpred_mean": predicted / num_tokens, "critic/grad_norm": grad_norm,
                 "critic/lr": self.scheduler.get_last_lr()[0], "critic/skipped": float(not finite)}
 
+    def _trained(self) -> set[str]:
+        return {n for n, p in self.value.named_parameters() if p.requires_grad}
+
     def state_dict(self) -> dict:
-        return {"value": {k: v.detach().to("cpu", copy=True) for k, v in self.value.state_dict().items()},
+        """What a checkpoint keeps of the critic: its trained weights (under LoRA the adapter and
+        the head: the frozen base comes from the model again), optimizer, schedule, KL weight."""
+        trained = self._trained()
+        return {"value": {k: v.detach().to("cpu", copy=True) for k, v in self.value.state_dict().items() if k in trained},
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "kl_coef": self.kl_coef}
 
     def load_state_dict(self, state: dict) -> None:
-        self.value.load_state_dict(state["value"])
+        missing = self._trained() - set(state["value"])
+        if missing:
+            raise ValueError(f"the checkpoint's critic lacks {len(missing)} trained weights, e.g. {sorted(missing)[0]} "
+                             "(written with another train.lora?)")
+        self.value.load_state_dict(state["value"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.kl_coef = state.get("kl_coef", self.kl_coef)
+        self.kl_coef = self.resumed_kl_coef(state.get("kl_coef"))
+
+    def resumed_kl_coef(self, saved: float | None) -> float:
+        """The KL-in-reward weight a resumed run goes on with: the adaptive one it had moved to, or
+        the config's (a fixed weight, or a run that had none: a config change applies)."""
+        a = self.trainer.cfg.algorithm
+        if a.kl_in_reward_target is None or not saved:
+            return a.kl_in_reward
+        return saved

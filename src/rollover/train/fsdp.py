@@ -459,7 +459,7 @@ class FSDPTrainer(Trainer):
         if self.cfg.algorithm.ref_sync_every is not None:
             state["reference"] = get_model_state_dict(self.ref_model)
         if self.critic is not None:
-            state["critic"] = dict(zip(("model", "optim"), get_state_dict(self.critic.value, self.critic.optimizer)))
+            state["critic"] = self._critic_state()
         dcp.save(state, checkpoint_id=str(path), process_group=self._cpu_group)
 
     def load_sharded(self, path) -> None:
@@ -473,14 +473,27 @@ class FSDPTrainer(Trainer):
         if self._reference_saved:
             state["reference"] = get_model_state_dict(self.ref_model)
         if self.critic is not None:
-            state["critic"] = dict(zip(("model", "optim"), get_state_dict(self.critic.value, self.critic.optimizer)))
+            state["critic"] = self._critic_state()
         dcp.load(state, checkpoint_id=str(path), process_group=self._cpu_group)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self._reference_saved:
             set_model_state_dict(self.ref_model, state["reference"])
         if self.critic is not None:
             set_state_dict(self.critic.value, self.critic.optimizer, model_state_dict=state["critic"]["model"],
-                           optim_state_dict=state["critic"]["optim"])
+                           optim_state_dict=state["critic"]["optim"], options=self._critic_options())
+
+    @staticmethod
+    def _critic_options():
+        """The critic's trained weights only (under LoRA the frozen base comes from the model again)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+    def _critic_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.critic.value, self.critic.optimizer, options=self._critic_options())
+        return {"model": model, "optim": optim}
 
     def _sync_reference(self, alpha: float) -> None:
         for model in (self.model, self.ref_model):  # each its own shards: a root kept whole after its
@@ -506,7 +519,7 @@ class FSDPTrainer(Trainer):
                 raise ConfigError("the checkpoint holds no critic (it was written with another algorithm.advantage "
                                   "than gae): a run cannot switch to PPO with a critic when it resumes")
             self.critic.scheduler.load_state_dict(state["critic_scheduler"])
-            self.critic.kl_coef = state.get("critic_kl_coef", self.critic.kl_coef)
+            self.critic.kl_coef = self.critic.resumed_kl_coef(state.get("critic_kl_coef"))
         self.bad_steps = state["bad_steps"]
         self.steps_trained = state.get("steps_trained", 0)
         self.entropy_coef, self.last_entropy = state.get("entropy_control", (self.entropy_coef, self.last_entropy))

@@ -105,6 +105,8 @@ class Trainer(PolicyForward):
         value = None
         if cfg.algorithm.advantage == "gae":
             value = value_model_of(model, cfg.train.lora) if self.is_peft else value_model_of(self._base(model))
+            if cfg.train.disable_dropout:  # as the policy's (a LoRA critic's adapter is new)
+                disable_dropout(value)
         self.model = self._place(model)
         self.critic = None
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -157,12 +159,12 @@ class Trainer(PolicyForward):
             torch.cuda.reset_peak_memory_stats(self.device)
         multi = t.ppo_epochs * t.mini_batches > 1
         first = old_logprobs_first(cfg.algorithm.loss, self._loss_options())  # M2PO's mask, BAPO's over an IS mask
-        old_BT = ent_BT = None
+        old_BT = ent_BT = start_BT = None  # start_BT: the policy's logprobs before the step, where a pass made them
         if cfg.algorithm.top_entropy_quantile < 1.0:  # one pass gives both
-            old_BT, ent_BT = self._fitting(self.logprobs, batch, None, True)
-            old_BT = old_BT if multi or first else None
+            start_BT, ent_BT = self._fitting(self.logprobs, batch, None, True)
+            old_BT = start_BT if multi or first else None
         elif multi or first:
-            old_BT = self._fitting(self.logprobs, batch)
+            old_BT = start_BT = self._fitting(self.logprobs, batch)
         ref_BT = None
         if cfg.algorithm.uses_reference:
             if self.is_peft:
@@ -172,9 +174,9 @@ class Trainer(PolicyForward):
                 ref_BT = self._fitting(self.logprobs, batch, self.ref_model)
         critic = None
         if self.critic is not None:  # PPO with a critic: each token's advantage from its values
-            if cfg.algorithm.kl_in_reward > 0 and old_BT is None:  # the KL in the reward is the policy's before the step
-                old_BT = self._fitting(self.logprobs, batch)
-            critic = self.critic.advantages(batch, old_BT if cfg.algorithm.kl_in_reward > 0 else None, ref_BT)
+            if cfg.algorithm.kl_in_reward > 0 and start_BT is None:  # the KL in the reward is the policy's before the step
+                start_BT = self._fitting(self.logprobs, batch)
+            critic = self.critic.advantages(batch, start_BT if cfg.algorithm.kl_in_reward > 0 else None, ref_BT)
             batch = critic.batch
         groups = self._groups(batch)
         history: list[dict] = []
