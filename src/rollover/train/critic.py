@@ -46,6 +46,18 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
         self._no_split_modules = list(no_split or ())
 
+    # what the trainer's forward reads of a causal LM (`PolicyForward._trunk`), so the critic's pass is the policy's
+    @property
+    def base_model(self) -> nn.Module:
+        return self.trunk
+
+    @property
+    def config(self):
+        return self.trunk.config
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.trunk.get_input_embeddings()
+
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head on hidden states [N, H], in float32 whatever the trunk's precision: [N]."""
         w, b = self.head.weight, self.head.bias
@@ -104,15 +116,7 @@ class Critic:
     def _values(self, mb):
         """The critic's values [N] before the micro-batch's response tokens."""
         t = self.trainer
-
-        def run(value: ValueModel):
-            with t.autocast:
-                hidden = value.trunk(**t._inputs(value.trunk, mb), position_ids=mb.position_ids,
-                                     attention_mask=t._attention_mask(mb, value.trunk),
-                                     use_cache=False).last_hidden_state
-            return value.values(hidden[mb.sel_row, mb.sel_col])
-
-        return t._pass(self.value, run)
+        return t._pass(self.value, lambda value: value.values(t._trunk(value, value, mb)[0]))
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
@@ -243,6 +247,14 @@ class Critic:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_coef = self.resumed_kl_coef(state.get("kl_coef"))
+
+    @staticmethod
+    def missing_error():
+        """The error of a resume into gae from a checkpoint written without a critic."""
+        from rollover.config import ConfigError
+
+        return ConfigError("the checkpoint holds no critic (it was written with another algorithm.advantage than "
+                           "gae): a run cannot switch to PPO with a critic when it resumes")
 
     def resumed_kl_coef(self, saved: float | None) -> float:
         """The KL-in-reward weight a resumed run goes on with: the adaptive one it had moved to, or

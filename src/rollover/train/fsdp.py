@@ -514,10 +514,7 @@ class FSDPTrainer(Trainer):
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None:
             if "critic_scheduler" not in state:
-                from rollover.config import ConfigError
-
-                raise ConfigError("the checkpoint holds no critic (it was written with another algorithm.advantage "
-                                  "than gae): a run cannot switch to PPO with a critic when it resumes")
+                raise self.critic.missing_error()
             self.critic.scheduler.load_state_dict(state["critic_scheduler"])
             self.critic.kl_coef = self.critic.resumed_kl_coef(state.get("critic_kl_coef"))
         self.bad_steps = state["bad_steps"]

@@ -504,10 +504,7 @@ class Trainer(PolicyForward):
             self.micro_batch_tokens = now
         if self.critic is not None:
             if "critic" not in state:
-                from rollover.config import ConfigError
-
-                raise ConfigError("the checkpoint holds no critic (it was written with another algorithm.advantage "
-                                  "than gae): a run cannot switch to PPO with a critic when it resumes")
+                raise self.critic.missing_error()
             self.critic.load_state_dict(state["critic"])
         if self.cfg.algorithm.ref_sync_every is not None:
             self._load_reference(state.get("reference"))
