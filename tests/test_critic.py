@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollover.algos.gae import masked_whiten
-from rollover.testing import tiny_model
+from rollover.testing import save_tiny_model, tiny_model
 from rollover.train.trainer import Trainer
 
 from test_train import (_final_weights, batch_of, model_dir, rollout, step_seeing_gradient,  # noqa: F401 (a fixture)
@@ -182,16 +182,89 @@ def test_a_lora_policys_critic_trains_an_adapter_of_its_own_and_its_head(model_d
     assert set(kept) == trainable  # the frozen base is not in the checkpoint
 
 
-@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8}], ids=["full", "lora"])
-def test_a_gae_run_trains_one_sample_a_prompt_and_resumes_exactly(model_dir, tmp_path, lora):
+def reward_model_dir(path, num_labels=1, **overrides):
+    """A tiny one-label sequence classifier (a reward model) with the test tokenizer, its score
+    head away from zero."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rollover.testing import char_tokenizer, tiny_config
+
+    torch.manual_seed(13)
+    scorer = AutoModelForSequenceClassification.from_config(tiny_config("llama", num_labels=num_labels, **overrides))
+    with torch.no_grad():
+        for p in scorer.parameters():
+            p.normal_(0.0, 0.1)
+    scorer.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return scorer.eval(), str(path)
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "reward_model"])
+def test_a_critic_from_another_checkpoint_starts_as_that_model(model_dir, tmp_path, kind):
+    """critic.model: the critic's trunk is the checkpoint's (here of another width than the
+    policy's), under a head at zero for a causal LM, or under a reward model's own score head, so
+    that the first values are the reward model's score of each prefix; then it trains."""
+    if kind == "reward_model":
+        source, path = reward_model_dir(tmp_path / "rm", hidden_size=48)
+        trunk_of = source.model
+    else:
+        path = str(save_tiny_model(tmp_path / "lm", seed=11, hidden_size=48))
+        from transformers import AutoModelForCausalLM
+
+        trunk_of = AutoModelForCausalLM.from_pretrained(path).model
+    tr = trainer(model_dir, tmp_path / "r", **{"critic.model": path, "critic.lr": 3e-3})
+    value = tr.critic.value
+    ids, pos = torch.tensor([[5, 6, 7, 8, 9]]), torch.arange(5)[None]
+    with torch.no_grad():
+        want = trunk_of(input_ids=ids, position_ids=pos).last_hidden_state
+        torch.testing.assert_close(value.trunk(input_ids=ids, position_ids=pos).last_hidden_state, want)
+    batch = rewarded_batch()
+    values = tr.critic.advantages(batch).values_BT
+    if kind == "causal_lm":
+        assert values.eq(0).all()
+    else:  # the value before response token j is the score at the position before it
+        with torch.no_grad():
+            for i in range(len(batch)):
+                seq = torch.tensor([batch.prompt_ids[i] + batch.response_ids[i]])
+                scores = source.score(source.model(input_ids=seq).last_hidden_state)[0, :, 0]
+                n, p = len(batch.response_ids[i]), len(batch.prompt_ids[i])
+                torch.testing.assert_close(values[i, :n], scores[p - 1: p - 1 + n], rtol=1e-4, atol=1e-5)
+    losses = [tr.train_step(batch)["critic/vf_loss"] for _ in range(10)]
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda d: save_tiny_model(d, hidden_size=48, vocab_size=80), "another tokenizer than the policy's"),
+    (lambda d: reward_model_dir(d, num_labels=2)[1], "sequence classifier with 2 labels"),
+    (lambda d: save_tiny_model(d, max_position_embeddings=16), "a context of 16 tokens; the run's sequences reach 40"),
+    (lambda d: save_tiny_model(d, "gpt2"), "gpt2 model, which the trainer runs one sequence to a row"),
+    (lambda d: d / "absent", "not a model with a tokenizer"),
+])
+def test_a_critic_checkpoint_that_cannot_judge_the_policys_tokens_is_refused(model_dir, tmp_path, make, match):
+    from rollover.models import load_tokenizer
+    from rollover.train.critic import check_critic_model
+
+    path = str(make(tmp_path / "critic"))
+    if "vocab_size" in match or "tokenizer than" in match:  # a tokenizer with one token more
+        from rollover.testing import char_tokenizer
+
+        char_tokenizer(extra=("<tool>",)).save_pretrained(path)
+    with pytest.raises(ValueError, match=match):
+        check_critic_model(path, load_tokenizer(model_dir), tiny_model("llama").config, 40)
+
+
+@pytest.mark.parametrize("lora,critic_model", [(None, False), ({"r": 4, "alpha": 8}, False), (None, True)],
+                         ids=["full", "lora", "reward_model_critic"])
+def test_a_gae_run_trains_one_sample_a_prompt_and_resumes_exactly(model_dir, tmp_path, lora, critic_model):
     """PPO with a critic needs no group: one sample a prompt trains. Killed after its step-2
     checkpoint and resumed, the run ends with the weights of a run never stopped (the critic, its
     optimizer and the adaptive KL weight come back from the checkpoint: without them steps 3-4
-    would differ)."""
+    would differ); also with a critic from a reward model's checkpoint (critic.model)."""
     over = {"algorithm.advantage": "gae", "rollout.samples_per_prompt": 1, "rollout.prompts_per_step": 6,
             "critic.lr": 1e-2, "rollout.temperature": 1.5, "eval.every": 0,
             "algorithm.kl_in_reward": 0.05, "algorithm.kl_in_reward_target": 1e-4,  # its moving weight resumes too
-            **({"train.lora": lora} if lora else {})}
+            **({"train.lora": lora} if lora else {}),
+            **({"critic.model": reward_model_dir(tmp_path / "rm", hidden_size=48)[1]} if critic_model else {})}
     straight, split = tmp_path / "straight", tmp_path / "split"
     train_sync(tiny_cfg(model_dir, straight, steps=4, **over))
     train_sync(tiny_cfg(model_dir, split, steps=2, **over))

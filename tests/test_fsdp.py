@@ -164,19 +164,29 @@ def test_per_token_advantages_train_on_ranks_as_on_one_trainer():
         sharded.close()
 
 
-@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8}], ids=["full", "lora"])
-def test_ppo_with_a_critic_at_world_size_2_equals_one_trainers(lora):
+@pytest.mark.parametrize("lora,over", [
+    (None, {}),
+    ({"r": 4, "alpha": 8}, {}),
+    (None, {"train.sequence_parallel": 2}),  # each rank's values over its slice of every row, gathered
+    (None, {"critic.model": "other"}),  # read by rank 0 alone, the other rank taking its tensors
+    ({"r": 4, "alpha": 8}, {"critic.model": "other"}),
+], ids=["full", "lora", "sequence_parallel", "critic_model", "critic_model_lora"])
+def test_ppo_with_a_critic_at_world_size_2_equals_one_trainers(lora, over, tmp_path):
     """algorithm.advantage=gae on the ranks: the critic sharded as the policy is, its values over
     each rank's sequences, the advantages whitened and the value loss normalised over both
     ranks' tokens, the KL penalty in the reward from a sharded reference with its adaptive weight
     over both ranks' sequences. Two steps (the second's values come from the first's critic
     update, its KL from the first's policy update) give one trainer's critic and policy metrics
-    and the same policy update; with LoRA, the critic's own adapter on the sharded base."""
+    and the same policy update; with LoRA, the critic's own adapter on the sharded base; with
+    critic.model, a critic of another size from its own checkpoint."""
+    if "critic.model" in over:
+        over = {**over, "critic.model": str(save_tiny_model(tmp_path / "critic", seed=11, hidden_size=48))}
     cfg = cfg_of(**{"train.ranks": 2, "algorithm.advantage": "gae", "critic.lr": 1e-3, "train.mini_batches": 2,
                     "algorithm.kl_in_reward": 0.1, "algorithm.kl_in_reward_target": 1e-6,  # a sharded reference
-                    **({"train.lora": lora} if lora else {})})
+                    **({"train.lora": lora} if lora else {}), **over})
     model = tiny_model("llama", seed=3) if lora is None else apply_lora(tiny_model("llama", seed=3), lora)
     plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    assert plain.critic.value.head.in_features == (48 if "critic.model" in over else 64)
     start = weights(plain)
     sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
     try:

@@ -254,8 +254,6 @@ class Config(Section):
         if self.critic.warmup_steps >= self.steps and self.epochs is None:
             out.append(f"critic.warmup_steps={self.critic.warmup_steps} trains the critic alone for that many steps: "
                        f"with steps={self.steps} the policy would never train")
-        if self.train.sequence_parallel > 1:
-            out.append("algorithm.advantage=gae with train.sequence_parallel: not yet (the critic's pass takes whole rows)")
         if self.env.credit != "episode":
             out.append(f"algorithm.advantage=gae gives each token its own advantage from the critic; env.credit="
                        f"{self.env.credit} gives each turn one: leave env.credit at episode")

@@ -115,6 +115,10 @@ class CriticConfig(Section):
     warmup_steps: int = Field(0, ge=0)
     """Steps in which only the critic trains, the policy and its learning-rate schedule left as they
     are (verl's trainer.critic_warmup); below steps."""
+    model: NonEmptyStr | None = None
+    """The checkpoint the critic starts from (verl's critic.model.path): a causal LM's trunk with a
+    value head at zero, or a reward model's (a one-label sequence classifier) with its score head;
+    it must have the policy's tokenizer. Unset: a copy of the policy's trunk."""
 
 
 class EvalConfig(Section):

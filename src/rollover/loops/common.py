@@ -296,6 +296,13 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         _check_stand_in(model)
     env_processor = _env_processor(cfg, model) if env_builder is not None else None
     longest = _longest(cfg, model, prompt_ids, env_builder)
+    if record and cfg.algorithm.advantage == "gae" and cfg.critic.model is not None:
+        from rollover.train.critic import check_critic_model
+
+        try:
+            check_critic_model(cfg.critic.model, tokenizer, model.config, longest)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     eos_token_ids = list(eos_ids(getattr(model, "generation_config", None), model.config, tokenizer))
     trainer = _make_trainer(cfg, model, tokenizer.pad_token_id or 0, device, ckpt, remote_trainer, record)
     del model  # held by the trainer (or sent to its actor or ranks): no second reference here

@@ -4,7 +4,9 @@ The critic is the policy's transformer trunk, copied at the start (verl's defaul
 actor's checkpoint; with `train.lora`, the base trunk under an adapter of its own, of the
 policy's adapter's shape), with a linear head from the last hidden state to one number: its estimate,
 before each response token, of the return still to come. The head starts at zero, so the first
-values are 0 and the first advantages are the rewards.
+values are 0 and the first advantages are the rewards. `critic.model` starts it from another
+checkpoint with the policy's tokenizer instead (`value_model_from`): a causal LM's trunk under a
+zero head, or a reward model's trunk under its own score head (verl's critic.model.path).
 
 A step (`Trainer.train_step`) asks the critic for its values over the batch (one no-grad pass),
 turns them and the rewards into per-token advantages and returns (`rollover.algos.gae`), trains
@@ -22,6 +24,7 @@ optimizer state go into the ranks' sharded checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import warnings
 
@@ -83,6 +86,92 @@ def value_model_of(model, lora: dict | None = None) -> ValueModel:
     return ValueModel(trunk, config.hidden_size, getattr(causal, "_no_split_modules", None))
 
 
+def _is_classifier(config) -> bool:
+    return any(a.endswith("ForSequenceClassification") for a in (getattr(config, "architectures", None) or []))
+
+
+def value_model_from(name: str, lora: dict | None = None, config=None) -> ValueModel:
+    """A fresh critic network from the checkpoint `name` (critic.model): its trunk, under the score
+    head of a one-label sequence classifier (a reward model) or else a head at zero; with `lora`
+    an adapter of its own on the trunk, trained with the head. `config`: the checkpoint's config,
+    to build only its structure on the meta device (a sharded rank that takes rank 0's tensors)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+    from rollover.models import resolve_model
+
+    score = None
+    if config is not None:
+        with torch.device("meta"):
+            trunk = AutoModel.from_config(config, dtype=torch.float32)
+    else:
+        path = resolve_model(name)
+        config = AutoConfig.from_pretrained(path)
+        if _is_classifier(config):
+            scorer = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+            trunk = scorer.base_model
+            score = next(m for n, m in scorer.named_children() if n != scorer.base_model_prefix)
+        else:  # a causal LM's checkpoint without its LM head (which transformers would report as unexpected)
+            report = logging.getLogger("transformers.modeling_utils")
+            level = report.level
+            report.setLevel(logging.ERROR)
+            try:
+                trunk = AutoModel.from_pretrained(path, dtype=torch.float32)
+            finally:
+                report.setLevel(level)
+    no_split = getattr(trunk, "_no_split_modules", None)
+    if lora is not None:
+        from rollover.train.lora import apply_lora
+
+        trunk = apply_lora(trunk, lora, task_type="FEATURE_EXTRACTION")
+    else:
+        trunk.requires_grad_(True)
+    value = ValueModel(trunk, trunk.config.hidden_size, no_split)
+    if score is not None:
+        with torch.no_grad():
+            value.head.weight.copy_(score.weight.reshape(value.head.weight.shape))
+            if getattr(score, "bias", None) is not None:
+                value.head.bias.copy_(score.bias.reshape(value.head.bias.shape))
+    return value.train()
+
+
+def check_critic_model(name: str, tokenizer, policy_config, longest: int) -> None:
+    """ValueError unless the checkpoint `name` can be the critic of this policy: a text model with
+    the policy's tokenizer (the critic reads the policy's token ids), one label if it is a
+    sequence classifier, a context of `longest` tokens, and an architecture the policy's packing
+    suits (rollover's own families pack sequences several to a row; others take one a row)."""
+    from transformers import AutoConfig
+
+    from rollover.engine.hf_runner import fast_path
+    from rollover.models import is_vision_language, load_tokenizer, resolve_model, text_config
+
+    where = f"critic.model={name!r}"
+    try:
+        config = AutoConfig.from_pretrained(resolve_model(name))
+        theirs = load_tokenizer(name)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: not a model with a tokenizer ({type(e).__name__}: {e})") from None
+    if is_vision_language(config) or is_vision_language(policy_config):
+        raise ValueError(f"{where}: a critic from another checkpoint than the policy's is text-only: not with a "
+                         "vision-language model (leave critic.model unset)")
+    if _is_classifier(config) and getattr(config, "num_labels", 1) != 1:
+        raise ValueError(f"{where} is a sequence classifier with {config.num_labels} labels: a critic's head gives "
+                         "one number (a reward model has one label)")
+    mine, other = tokenizer.get_vocab(), theirs.get_vocab()
+    if mine != other:
+        odd = sorted(set(mine.items()) ^ set(other.items()), key=lambda kv: kv[1])[0]
+        raise ValueError(f"{where} has another tokenizer than the policy's (token {odd[0]!r} is {mine.get(odd[0])} "
+                         f"in the policy's, {other.get(odd[0])} in the critic's): the critic reads the policy's tokens")
+    vocab = text_config(config).vocab_size
+    if vocab < len(tokenizer):
+        raise ValueError(f"{where} embeds {vocab} tokens, fewer than the policy's tokenizer's {len(tokenizer)}")
+    ctx = getattr(config, "max_position_embeddings", None)
+    if ctx is not None and ctx < longest:
+        raise ValueError(f"{where} has a context of {ctx} tokens; the run's sequences reach {longest}")
+    if fast_path(policy_config, longest) and not fast_path(config, longest):
+        raise ValueError(f"{where} is a {config.model_type} model, which the trainer runs one sequence to a row, "
+                         f"while the policy's packs several: give a critic of the Llama, Mistral or Qwen families")
+
+
 @dataclasses.dataclass
 class CriticStep:
     """What a step's critic pass gives: the batch with each token's advantage (`adv_BT`), the
@@ -116,7 +205,7 @@ class Critic:
     def _values(self, mb):
         """The critic's values [N] before the micro-batch's response tokens."""
         t = self.trainer
-        return t._pass(self.value, lambda value: value.values(t._trunk(value, value, mb)[0]))
+        return t._whole(t._pass(self.value, lambda value: value.values(t._trunk(value, value, mb)[0])), mb)
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:

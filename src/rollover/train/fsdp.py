@@ -156,6 +156,7 @@ class FSDPTrainer(Trainer):
         self._global_groups: list[int] | None = None
         self._roots: dict[int, _Root] = {}
         self._reference_saved = False  # the checkpoint being resumed holds a moved KL reference
+        self._rank0_built: set[int] = set()  # models only rank 0 read from disk (critic.model): the others take its tensors
         super().__init__(model, cfg, device=device, pad_id=pad_id, reference=reference)
 
     # ------------------------------------------------------------ sharding
@@ -165,7 +166,8 @@ class FSDPTrainer(Trainer):
 
         t = self.cfg.train
         mesh = init_device_mesh(self.device.type, (self.world,))
-        if self._from_rank0:
+        from_rank0 = self._from_rank0 or id(model) in self._rank0_built
+        if from_rank0:
             shapes = _check_same_model(model)
             if self.rank == 0:  # its whole tensors to the others, then it shards them as usual
                 _broadcast_whole(model, self.device)
@@ -182,7 +184,7 @@ class FSDPTrainer(Trainer):
             fully_shard(layer, **kw)
         root = _Root(model)
         fully_shard(root, **kw)
-        if self._from_rank0 and self.rank != 0:  # built on the meta device: room for its shards only, then rank 0's values
+        if from_rank0 and self.rank != 0:  # built on the meta device: room for its shards only, then rank 0's values
             model.to_empty(device="cpu" if t.fsdp_offload else self.device)
             for b in model.buffers():  # buffers are not sharded or offloaded: they stay where the passes run
                 b.data = b.data.to(self.device)
@@ -195,16 +197,38 @@ class FSDPTrainer(Trainer):
         self._roots[id(model)] = root
         return model
 
+    def _critic_network(self, model):
+        """critic.model: rank 0 reads the checkpoint, the others build its structure on the meta
+        device and take their parts of rank 0's tensors (as torchrun's ranks do the policy's)."""
+        if self.cfg.critic.model is None:
+            return super()._critic_network(model)
+        value, config = None, [None]
+        if self.rank == 0:
+            try:
+                value = super()._critic_network(model)
+                config[0] = value.config
+            except Exception as e:  # noqa: BLE001 - every rank raises it, none waits for tensors
+                config[0] = e
+        dist.broadcast_object_list(config, src=0, group=self._cpu_group)
+        if isinstance(config[0], Exception):
+            raise config[0]
+        if value is None:
+            value = super()._critic_network(model, config=config[0])
+        self._rank0_built.add(id(value))
+        return value
+
     # ------------------------------------------------------------ passes
     def _forward(self, model, mb: MicroBatch, need_entropy: bool):
         root = self._roots[id(model)]
         logp, entropy = root(lambda lm: Trainer._forward(self, lm, mb, need_entropy))
+        return self._whole(logp, mb), None if entropy is None else self._whole(entropy, mb)
+
+    def _whole(self, values_N: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         if self.sp == 1:
-            return logp, entropy
+            return values_N
         from rollover.train.ulysses import gather_tokens
 
-        p, owner = self._sp_pass, mb.sel_col // self._sp_slice
-        return gather_tokens(logp, owner, p), None if entropy is None else gather_tokens(entropy, owner, p)
+        return gather_tokens(values_N, mb.sel_col // self._sp_slice, self._sp_pass)
 
     def _trunk(self, model, base, mb: MicroBatch):
         """With train.sequence_parallel: the trunk over this rank's slice of every row (the rows

@@ -39,7 +39,7 @@ from rollover.engine.hf_runner import fast_path
 from rollover.models import restore_output_capture
 from rollover.train import memory
 from rollover.train.batch import TrainBatch
-from rollover.train.critic import Critic, value_model_of
+from rollover.train.critic import Critic, value_model_from, value_model_of
 from rollover.train.dropout import disable_dropout
 from rollover.train.forward import PolicyForward
 from rollover.train.heads import check_model
@@ -101,10 +101,10 @@ class Trainer(PolicyForward):
         if cfg.algorithm.uses_reference and not self.is_peft:
             ref = reference if reference is not None else copy.deepcopy(model)
             self.ref_model = self._place(ref.eval().requires_grad_(False))
-        # algorithm.advantage=gae: the critic's network, copied from the policy as loaded, placed below
+        # algorithm.advantage=gae: the critic's network (critic.model's, or the policy's as loaded), placed below
         value = None
         if cfg.algorithm.advantage == "gae":
-            value = value_model_of(model, cfg.train.lora) if self.is_peft else value_model_of(self._base(model))
+            value = self._critic_network(model)
             if cfg.train.disable_dropout:  # as the policy's (a LoRA critic's adapter is new)
                 disable_dropout(value)
         self.model = self._place(model)
@@ -148,6 +148,17 @@ class Trainer(PolicyForward):
     def _place(self, model):
         """The model on the trainer's device (FSDPTrainer: sharded over the ranks)."""
         return model.to(self.device)
+
+    def _critic_network(self, model, config=None):
+        """The critic's network: critic.model's checkpoint (with its `config`: only its structure,
+        on the meta device), or a copy of the policy's trunk."""
+        c, lora = self.cfg.critic, self.cfg.train.lora
+        if c.model is not None:
+            value = value_model_from(c.model, lora, config=config)
+            if self.cfg.train.gradient_checkpointing:  # a copy of the policy's has it already
+                (value.trunk.get_base_model() if lora is not None else value.trunk).gradient_checkpointing_enable()
+            return value
+        return value_model_of(model, lora) if self.is_peft else value_model_of(self._base(model))
 
     # ------------------------------------------------------------ training
     def train_step(self, batch: TrainBatch) -> dict:
@@ -439,6 +450,11 @@ class Trainer(PolicyForward):
     def _sum(self, values: torch.Tensor) -> torch.Tensor:
         """A float64 CPU tensor summed over the ranks (FSDPTrainer); BAPO's tables."""
         return values
+
+    def _whole(self, values_N: torch.Tensor, mb) -> torch.Tensor:
+        """Values of the response tokens this process predicts as those of all the micro-batch's
+        (a sequence-parallel rank's are its slice's: FSDPTrainer gathers its group's)."""
+        return values_N
 
     def _pass(self, model, fn):
         """fn(model): a pass over `model` (FSDPTrainer: inside its root unit, its shards gathered)."""
