@@ -234,6 +234,45 @@ def test_stop_tokens_finish_with_stop(model, engine):
     assert out.finish == "stop" and out.response_ids == full.response_ids[: first + 1]
 
 
+def test_stop_strings_are_found_across_tokens():
+    """A stop string is found in the text of the response's last tokens, whichever tokens its
+    characters fall in, and only once its last character is sampled."""
+    from rollover.engine.stop import StopStrings
+
+    pieces = {0: "ab", 1: "c</", 2: "ans", 3: "wer>x", 4: " ", 5: "é"}
+    stops = StopStrings(lambda ids: "".join(pieces[i] for i in ids))
+    answer = ("</answer>",)
+    assert [stops.ends(answer, [0, 1, 2, 3][:n]) for n in range(1, 5)] == [False, False, False, True]
+    assert stops.ends(answer, [4] * 20 + [1, 2, 3])  # a long response: only its tail is decoded
+    assert not stops.ends(answer, [1, 2, 4, 3]) and not stops.ends((), [1, 2, 3])
+    assert stops.ends(("é ", "zz"), [0, 5, 4])
+
+
+def test_stop_strings_finish_with_stop(model, engine):
+    """rollout.stop on TorchEngine: the response ends at the token that completes the string; a
+    resumed request whose carried tokens hold one finishes at once; an engine without a
+    tokenizer refuses such requests, naming them."""
+    from rollover.engine.stop import StopStrings
+    from rollover.testing import char_tokenizer
+
+    tok = char_tokenizer()
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    full = engine.generate([Request(id="t0", prompt_ids=[70, 71], sampling=GREEDY)])[0]
+    stop = text(full.response_ids[6:9])
+    cut = next(i for i in range(len(full.response_ids)) if stop in text(full.response_ids[: i + 1]))
+    sp = replace(GREEDY, stop=(stop, "never"))
+    with pytest.raises(ValueError, match="request 't1' has stop strings"):
+        engine.generate([Request(id="t1", prompt_ids=[70, 71], sampling=sp)])
+    engine.core.stop_strings = StopStrings(text)
+    out = engine.generate([Request(id="t2", prompt_ids=[70, 71], sampling=sp),
+                           Request(id="t3", prompt_ids=[70, 71], sampling=GREEDY)])
+    assert out[0].finish == "stop" and out[0].response_ids == full.response_ids[: cut + 1]
+    assert out[1].response_ids == full.response_ids  # the request beside it runs on
+    carried = out[0].resume(sp)
+    again = engine.generate([carried])[0]
+    assert again.finish == "stop" and again.response_ids == out[0].response_ids
+
+
 def test_n_samples_share_the_prompt_prefill(engine):
     prompt = list(range(10, 40))
     reqs = [Request(id=f"n{i}", prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=4, seed=i)) for i in range(4)]

@@ -465,6 +465,36 @@ def test_stop_tokens_finish_with_stop(engine):
     assert out.finish == "stop" and out.response_ids == full.response_ids[: first + 1]
 
 
+def test_stop_strings_finish_with_stop(engine):
+    """rollout.stop on vLLM (which runs without its tokenizer): found here after each token, the
+    request aborted in vLLM and its tokens past the string dropped; a resume that already holds
+    one finishes at once; without a tokenizer such a request is refused."""
+    from dataclasses import replace
+
+    from rollover.engine.stop import StopStrings
+
+    tok = char_tokenizer()
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    full = engine.generate([Request(id="t0", prompt_ids=[70, 71], sampling=LONG)])[0]
+    stop = text(full.response_ids[30:33])
+    cut = next(i for i in range(len(full.response_ids)) if stop in text(full.response_ids[: i + 1]))
+    sp = replace(LONG, stop=(stop,))
+    with pytest.raises(ValueError, match="request 't1' has stop strings"):
+        engine.generate([Request(id="t1", prompt_ids=[70, 71], sampling=sp)])
+    engine.stop_strings = StopStrings(text)
+    try:
+        out = engine.generate([Request(id="t2", prompt_ids=[70, 71], sampling=sp),
+                               Request(id="t3", prompt_ids=[70, 71], sampling=LONG)])
+        assert out[0].finish == "stop" and out[0].response_ids == full.response_ids[: cut + 1]
+        assert len(out[0].logprobs) == len(out[0].versions) == cut + 1
+        assert out[1].response_ids == full.response_ids
+        again = engine.generate([out[0].resume(sp)])[0]
+        assert again.finish == "stop" and again.response_ids == out[0].response_ids
+    finally:
+        engine.stop_strings = None
+    assert engine.num_unfinished() == 0
+
+
 def test_callbacks_abort_and_submit_under_a_lock(engine):
     """APRIL's use: callbacks (loop thread) take a lock the submitter holds while submitting,
     abort the rest once enough are done and submit more; nothing may deadlock."""

@@ -257,3 +257,26 @@ def test_a_gdpo_run_trains_on_the_advantages_of_its_functions_scores(model_dir, 
         assert [r["advantage"] for r in rows] == pytest.approx(want.tolist(), abs=1e-5)
         moved += int((want != 0).sum())
     assert moved > 0  # some group's scores moved: the check compared non-zero advantages
+
+
+def test_stop_strings_end_the_trained_responses(model_dir, tmp_path):
+    """rollout.stop in a run: the engine gets the model's tokenizer, and every response ends at
+    the first token that completes a stop string (none appears earlier in it); those finish as
+    stop without an EOS."""
+    from rollover.loops.sync import train_sync
+    from rollover.models import load_tokenizer
+
+    stops = list("0123456789")
+    run_dir = tmp_path / "run"
+    train_sync(cfg_for(model_dir, run_dir, steps=1, **{"rollout.stop": stops, "rollout.max_new_tokens": 12}))
+    tok = load_tokenizer(model_dir)
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    _, _, rows = read_samples(run_dir, 1)
+    by_string = 0
+    for row in rows:
+        ids = row["response_ids"]
+        assert not any(s in text(ids[:-1]) for s in stops), row["response"]
+        if any(s in text(ids) for s in stops):
+            assert row["finish"] == "stop" and ids[-1] != tok.eos_token_id
+            by_string += 1
+    assert by_string >= 1

@@ -42,6 +42,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
     ignore_eos: bool = False  # keep generating through EOS (benchmarks); stop_token_ids still stop
+    stop: tuple[str, ...] = ()  # strings whose completing token ends the response (`rollover.engine.stop`)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from rollover.config.base import Section
+from rollover.config.base import NonEmptyStr, Section
 
 
 class RolloutConfig(Section):
@@ -39,6 +39,11 @@ class RolloutConfig(Section):
     a time as rows free up, so a group need not fit at once: any value >= 1 runs."""
     ignore_eos: bool = False
     """Generate through EOS up to max_new_tokens (benchmark workloads only)."""
+    stop: list[NonEmptyStr] = []
+    """Strings that end a response (vLLM's stop, TRL's generation_kwargs stop), in every mode,
+    environment turn and evaluation: the response ends with the token that completes one (kept
+    whole, with any text of it after the string), finish reason stop. Only the response is
+    searched, not the prompt."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Engine dtype: auto (float32 on every device), float32, bfloat16, float16. On one H200 the
     real 135M model learned more with float32 rollouts and trainer than with bf16 (3 seeds in each

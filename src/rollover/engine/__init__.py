@@ -84,13 +84,18 @@ def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_i
     dtype = r.dtype
     if dtype == "auto":  # float32 on every device: on a GPU the real model learned more in float32 (docs/gpu.md)
         dtype = "float32"
+    stops = None
+    if r.stop:
+        from rollover.engine.stop import stop_strings_of
+
+        stops = stop_strings_of(cfg.model)
     if r.engine == "vllm":
         from rollover.engine.vllm_engine import VLLMEngine
 
         # a rank's vLLM sleeps while the rank trains only if it is to free its weights
         options = {} if cfg.train.colocate_free_weights else {"enable_sleep_mode": False}
         return VLLMEngine.from_config(cfg, weights=weights, max_len=max_len, dtype=dtype, eos_token_ids=eos_token_ids,
-                                      version=version, colocated=device if colocated else None,
+                                      version=version, colocated=device if colocated else None, stop_strings=stops,
                                       **{**options, **r.engine_options})
     from rollover.engine.torch_engine import TorchEngine
 
@@ -104,7 +109,7 @@ def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_i
 
     params = inspect.signature(TorchEngine).parameters
     taken = {"model", "state_dict", "device", "dtype", "max_rows", "max_len", "seed", "eos_token_ids", "version",
-             "quantize"}  # set from the config's own keys
+             "quantize", "stop_strings"}  # set from the config's own keys
     wrong = [k for k in r.engine_options if k not in params or k in taken]
     if wrong:
         from rollover.config import ConfigError
@@ -113,4 +118,4 @@ def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_i
                           f"options: {', '.join(k for k in params if k not in taken)}")
     return TorchEngine(architecture, state_dict=dict(weights), device=str(device), dtype=dtype,
                        max_rows=r.max_rows, max_len=max_len, seed=cfg.seed, eos_token_ids=eos_token_ids, version=version,
-                       quantize=None if r.quantize == "none" else r.quantize, **options)
+                       quantize=None if r.quantize == "none" else r.quantize, stop_strings=stops, **options)

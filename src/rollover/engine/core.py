@@ -19,6 +19,7 @@ import torch
 from rollover.engine.model_runner import ModelRunner
 from rollover.engine.sampler import Sampler
 from rollover.engine.transfer import to_device, to_host
+from rollover.engine.stop import StopStrings
 from rollover.engine.validation import validate_request
 from rollover.types import Completion, Request, SamplingParams
 
@@ -97,8 +98,10 @@ class EngineCore:
         max_prefill_tokens: int = 8192,
         admit_batch: int | None = None,
         admit_max_wait: int = 16,
+        stop_strings: StopStrings | None = None,
     ):
         self.runner = runner
+        self.stop_strings = stop_strings  # finds requests' stop strings (None: such requests are refused)
         self.sampler = Sampler(runner.device, seed, getattr(runner, "kernels", None))
         self.eos_token_ids = tuple(eos_token_ids)
         self.version = version
@@ -124,7 +127,7 @@ class EngineCore:
         """Raise ValueError naming the request and the problem (RuntimeError while the weights
         are released: the request is refused, the engine and its other requests go on)."""
         validate_request(req, max_len=self.runner.max_len, vocab_size=self.runner.vocab_size,
-                         media=getattr(self.runner, "takes_media", False))
+                         media=getattr(self.runner, "takes_media", False), stop_strings=self.stop_strings is not None)
         self.runner._check_weights()
 
     def add(self, req: Request) -> Completion | None:
@@ -137,6 +140,9 @@ class EngineCore:
             stop_ids=frozenset(req.sampling.stop_token_ids)
             | (frozenset() if req.sampling.ignore_eos else frozenset(self.eos_token_ids)),
         )
+        if req.sampling.stop and self.stop_strings.ends(req.sampling.stop, req.response_ids):
+            self.stats.finished["stop"] += 1  # a resume whose carried tokens already end in a stop string
+            return seq.completion("stop")
         if req.remaining_tokens <= 0:
             self.stats.finished["length"] += 1
             return seq.completion("length")
@@ -329,7 +335,7 @@ class EngineCore:
             s.response_ids.append(tok)
             s.logprobs.append(lp)
             s.versions.append(version)
-            if tok in s.stop_ids:
+            if tok in s.stop_ids or (p.stop and self.stop_strings.ends(p.stop, s.response_ids)):
                 done.append((s, "stop"))
             elif n + 1 >= p.max_new_tokens:
                 done.append((s, "length"))

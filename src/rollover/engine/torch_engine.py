@@ -18,6 +18,7 @@ import torch
 from rollover.engine.core import EngineCore
 from rollover.engine.hf_runner import HFRunner, fast_path, sliding_window
 from rollover.engine.model_runner import SUPPORTED, ModelRunner
+from rollover.engine.stop import StopStrings
 from rollover.engine.threaded import ThreadedEngine
 from rollover.models import eos_ids
 
@@ -86,6 +87,8 @@ class TorchEngine(ThreadedEngine):
     adapt_threads: on a CPU, decode with as many threads as other processes leave cores free
         (`rollover.engine.cpu.share`; `rollout.engine_options: {adapt_threads: false}` keeps
         torch's count).
+    stop_strings: what finds requests' stop strings (`rollover.engine.stop`; a run's engines get
+        one when `rollout.stop` is set); None: a request with stop strings is refused.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class TorchEngine(ThreadedEngine):
         admit_max_wait: int = 16,
         adapt_threads: bool = True,
         forward: str = "auto",
+        stop_strings: StopStrings | None = None,
     ):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -135,7 +139,7 @@ class TorchEngine(ThreadedEngine):
         eos = tuple(eos_token_ids) if eos_token_ids is not None else eos_ids(gen_config, config)
         core = EngineCore(
             runner, eos_token_ids=eos, seed=seed, version=version, max_prefill_tokens=max_prefill_tokens,
-            admit_batch=admit_batch, admit_max_wait=admit_max_wait,
+            admit_batch=admit_batch, admit_max_wait=admit_max_wait, stop_strings=stop_strings,
         )
         self.max_rows, self.max_len, self.device = max_rows, max_len, runner.device
         self._start(core)

@@ -5,10 +5,15 @@ from __future__ import annotations
 from rollover.types import Request
 
 
-def validate_request(req: Request, *, max_len: int, vocab_size: int, media: bool = False) -> None:
+def validate_request(req: Request, *, max_len: int, vocab_size: int, media: bool = False,
+                     stop_strings: bool = False) -> None:
     """Raise ValueError naming the request and the problem; nothing is queued. `media`: whether
-    the engine takes images."""
+    the engine takes images; `stop_strings`: whether it can look for stop strings (it was given a
+    tokenizer)."""
     where = f"request {req.id!r}"
+    if req.sampling.stop and not stop_strings:
+        raise ValueError(f"{where} has stop strings {list(req.sampling.stop)}: this engine was built without a "
+                         "tokenizer to find them (the run's engines get one when rollout.stop is set)")
     if req.media is not None and not media:
         raise ValueError(f"{where} has images: only TorchEngine with a vision-language model takes them "
                          "(not vLLM yet)")
@@ -43,3 +48,5 @@ def validate_request(req: Request, *, max_len: int, vocab_size: int, media: bool
                 raise ValueError(f"{where}: unknown token ids {bad[:5]} (vocabulary size {V})")
     if any(not isinstance(t, int) or t < 0 for t in req.sampling.stop_token_ids):
         raise ValueError(f"{where}: stop_token_ids must be non-negative ints")
+    if any(not isinstance(s, str) or not s for s in req.sampling.stop):
+        raise ValueError(f"{where}: stop strings must be non-empty strings, got {list(req.sampling.stop)}")

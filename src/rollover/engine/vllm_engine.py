@@ -67,6 +67,7 @@ from rollover.engine.core import EngineStats
 from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.sampler import position_seed
 from rollover.models import eos_ids
+from rollover.engine.stop import StopStrings
 from rollover.engine.validation import validate_request
 from rollover.engine.vllm_control import PauseControl
 from rollover.types import Completion, Request
@@ -181,6 +182,7 @@ class VLLMEngine(WeightControl, PauseControl, EngineAPI):
         eos_token_ids: Iterable[int] | None = None,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
         colocated: torch.device | None = None,
+        stop_strings: StopStrings | None = None,
         **engine_options,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -202,6 +204,8 @@ class VLLMEngine(WeightControl, PauseControl, EngineAPI):
                 gen = None
             eos_token_ids = eos_ids(gen, config)
         self.eos_token_ids = tuple(eos_token_ids)
+        # vLLM runs without its tokenizer (token ids in and out): stop strings are found here, as TorchEngine does
+        self.stop_strings = stop_strings
         # names and shapes update_weights accepts: the HF module's, built on the meta device
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(config)
@@ -281,7 +285,8 @@ class VLLMEngine(WeightControl, PauseControl, EngineAPI):
                 if r.id in self._pending or r.id in seen:
                     raise ValueError(f"request {r.id!r}: an unfinished request has this id")
                 seen.add(r.id)
-                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size)
+                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size,
+                                 stop_strings=self.stop_strings is not None)
             futures = [Future() for _ in requests]
             for r, f in zip(requests, futures):
                 if on_done is not None:
@@ -373,6 +378,9 @@ class VLLMEngine(WeightControl, PauseControl, EngineAPI):
             with self._lock:
                 listener = self._listeners.pop(r.id, None)
             seq = _Seq(r, f, list(r.response_ids), list(r.response_logprobs), list(r.response_versions), listener)
+            if r.sampling.stop and self.stop_strings.ends(r.sampling.stop, r.response_ids):
+                self._finish(seq, "stop")  # a resume whose carried tokens already end in a stop string
+                continue
             if r.remaining_tokens <= 0:  # a resume holding its whole budget
                 self._finish(seq, "length")
                 continue
@@ -397,19 +405,30 @@ class VLLMEngine(WeightControl, PauseControl, EngineAPI):
         seq.running, seq.segment_tokens = True, 0
         # salted by the weights loaded: no prefix computed under other weights is reused
         prompt = vllm.TokensPrompt(prompt_token_ids=tokens, cache_salt=f"rollover-w{self._generation}")
+        stops = s.stop if self.stop_strings is not None else ()
         try:
             async for out in self._llm.generate(prompt, params, seq.sub_id):
                 c = out.outputs[0]
                 versions = self._token_versions(seq.sub_id, c, seq.segment_tokens, version)
                 seq.segment_tokens += len(c.token_ids)
+                stopped = False
                 for tok, lp, v in zip(c.token_ids, c.logprobs, versions):
                     seq.response_ids.append(tok)
                     seq.logprobs.append(lp[tok].logprob)
                     seq.versions.append(v)
                     if seq.on_token is not None:
                         seq.on_token(tok, lp[tok].logprob, v)
+                    if stops and self.stop_strings.ends(stops, seq.response_ids):
+                        stopped = True  # the delta's later tokens, past the string, are dropped
+                        break
                 with self._counters.lock:
                     self._counters.stats.generated_tokens += len(c.token_ids)
+                if stopped:
+                    seq.running = False
+                    if not out.finished:
+                        await self._llm.abort(seq.sub_id)
+                    self._finish(seq, "stop")
+                    return
                 if out.finished:
                     seq.running = False
                     self._finish(seq, c.finish_reason if c.finish_reason in ("stop", "length") else "abort")

@@ -65,7 +65,7 @@ def sampling_from(cfg: Config) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                           repetition_penalty=r.repetition_penalty, max_new_tokens=r.max_new_tokens,
-                          ignore_eos=r.ignore_eos)
+                          ignore_eos=r.ignore_eos, stop=tuple(r.stop))
 
 
 def to_rollouts(group: PendingGroup, cfg: Config, tokenizer) -> Group:

@@ -1,0 +1,44 @@
+"""Stop strings (`rollout.stop`; vLLM's `stop`, TRL's `generation_kwargs={"stop": ...}`).
+
+A response ends, with finish reason `stop`, at the token whose text completes one of its
+request's stop strings (`SamplingParams.stop`). Engines generate tokens, not text: after each
+token the engine decodes the response's last few tokens and looks for the strings there, with
+special tokens left out as vLLM does. The window is one token per byte of the longest string,
+plus two: a token other than a special one holds at least one byte, and a window's first token
+may decode to less than its bytes (a part of a character, a SentencePiece word's leading space).
+Only the response is searched, not the prompt (as vLLM).
+
+The token that completes a string is kept whole, so a string that ends inside a token keeps the
+rest of that token's text; the trained tokens are always the sampled ones.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+
+class StopStrings:
+    """Finds stop strings at the end of responses; `decode` turns token ids into text."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self._windows: dict[tuple[str, ...], int] = {}
+
+    def ends(self, stops: tuple[str, ...], response_ids: Sequence[int]) -> bool:
+        """Whether `response_ids` hold one of `stops` in their last tokens' text (the token just
+        sampled completes it: a response is checked after every token)."""
+        if not stops or not response_ids:
+            return False
+        window = self._windows.get(stops)
+        if window is None:
+            window = self._windows[stops] = max(len(s.encode()) for s in stops) + 2
+        tail = self.decode(list(response_ids[-window:]))
+        return any(s in tail for s in stops)
+
+
+def stop_strings_of(model: str) -> StopStrings:
+    """A `StopStrings` that decodes with the tokenizer of `model`, special tokens left out (as vLLM)."""
+    from rollover.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    return StopStrings(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
