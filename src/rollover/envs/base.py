@@ -38,7 +38,7 @@ class Action:
 
     text: str  # the sampled tokens decoded, special tokens (the end-of-turn mark) left out
     token_ids: tuple[int, ...]  # exactly the sampled ids of this turn
-    finish: FinishReason  # 'stop' (end of turn or a stop token) or 'length' (turn budget hit)
+    finish: FinishReason  # 'stop' (end of turn, a stop token or a rollout.stop string) or 'length' (turn budget hit)
 
 
 @dataclass
@@ -55,7 +55,13 @@ class Opening:
 
 @dataclass
 class StepResult:
-    """What `Env.step` returns. `messages` are ignored when `done` (nothing follows them)."""
+    """What `Env.step` returns. `messages` are ignored when `done` (nothing follows them).
+
+    `continuation`, instead of messages: text that goes on inside the model's own turn, with no
+    chat template around it (tokenised alone, never trained); the model then continues the same
+    assistant message after it. The tool-integrated-reasoning form (Search-R1's `<information>`,
+    a code cell's output): a `rollout.stop` string ends the model's turn at its call, the
+    result is the continuation."""
 
     messages: list[dict]  # chat messages to insert: {"role": "user" | "tool" | ..., "content"}
     reward: float
@@ -65,6 +71,7 @@ class StepResult:
     # turns that start from equal states (within a group) are compared with each other. None:
     # the whole conversation so far stands for it
     state: Hashable | None = None
+    continuation: str | None = None  # text inside the model's turn, instead of messages (above)
 
 
 class Env(Protocol):
@@ -139,6 +146,7 @@ class Turn:
     text: str  # Action.text
     reward: float = 0.0  # 0.0 until the environment has stepped (never stepped: error, abort)
     messages: list[dict] = field(default_factory=list)  # the environment's reply to the turn
+    continuation: str | None = None  # or its text inside the model's turn (StepResult.continuation)
     info: dict = field(default_factory=dict)
     state: Hashable | None = None  # StepResult.state
     gen_s: float = 0.0  # wall time waiting for the engine

@@ -112,6 +112,9 @@ class LiveEpisode:
     it, so an episode can stop anywhere (mid-turn, or waiting for its environment), be carried
     across training steps and be saved in a checkpoint.
 
+    `open_text` is the text of the assistant message still open (turns that environments
+    continued, and their continuations), which the next messages' insertion closes.
+
     `phase` says what the episode needs next:
     - "open": the environment's `initial_observation()`, given to `opened`;
     - "generate": an engine turn: `request()` is the next turn's request, or the aborted
@@ -124,6 +127,8 @@ class LiveEpisode:
     answers) comes back in the state it had. A replay whose answers differ from the recorded
     ones is an error naming the episode and the step.
     """
+
+    open_text = ""  # (a class default: checkpoints written before it was kept load as no open message)
 
     def __init__(self, request_id: str, sampling: SamplingParams, *, max_turns: int, max_total_tokens: int,
                  env: Env | None = None):
@@ -225,13 +230,17 @@ class LiveEpisode:
             traj.finish, traj.error = "error", error
             return
         turn.reward, turn.messages, turn.info = float(result.reward), list(result.messages), dict(result.info)
-        turn.state = result.state
+        turn.state, turn.continuation = result.state, result.continuation
         k = len(traj.turns)
         if result.done or k >= self.max_turns:
             traj.finish = "done" if result.done else "max_turns"
             return
         try:
-            inserted, media = renderer.insertion_media(self.history, traj.tokens_T[turn.start:turn.end], result.messages)
+            if result.continuation is not None:  # the model's turn goes on after the text
+                inserted, media = renderer.continuation(result.continuation), None
+            else:
+                inserted, media = renderer.insertion_media(self.history, traj.tokens_T[turn.start:turn.end],
+                                                           result.messages)
         except TemplateError as e:
             traj.finish, traj.error = "error", _error(k, e)
             return
@@ -245,7 +254,11 @@ class LiveEpisode:
             return
         _append_inserted(traj, inserted)
         traj.media = media
-        self.history += [{"role": "assistant", "content": turn.text}, *result.messages]
+        if result.continuation is not None:
+            self.open_text += turn.text + result.continuation
+        else:
+            self.history += [{"role": "assistant", "content": self.open_text + turn.text}, *result.messages]
+            self.open_text = ""
         self.phase = "generate"
 
     async def replay(self, env: Env, timeout_s: float) -> None:
@@ -264,10 +277,13 @@ class LiveEpisode:
             for k, turn in enumerate(answered, start=1):
                 action = Action(turn.text, tuple(t.tokens_T[turn.start:turn.end]), turn.finish)
                 result = await asyncio.wait_for(env.step(action), timeout_s)
-                if list(result.messages) != turn.messages or float(result.reward) != turn.reward:
+                if (list(result.messages) != turn.messages or float(result.reward) != turn.reward
+                        or result.continuation != turn.continuation):
+                    theirs, ours = (result.messages, turn.messages) if result.continuation == turn.continuation else \
+                        (result.continuation, turn.continuation)
                     raise ValueError(
                         f"episode {self.request_id}: replaying its actions into a fresh environment answered step "
-                        f"{k} differently from the recorded run ({result.messages!r:.120} vs {turn.messages!r:.120}); "
+                        f"{k} differently from the recorded run ({theirs!r:.120} vs {ours!r:.120}); "
                         "resuming a checkpoint needs an environment that is deterministic given its task and actions")
         self.env = env
 
@@ -441,6 +457,9 @@ def _not_step_result(value) -> str | None:
             hash(value.state)
         except TypeError:
             return f"step returned a state that cannot be hashed ({value.state!r:.200}): give a tuple, a string or a number"
+        if value.continuation is not None and (not isinstance(value.continuation, str) or value.messages):
+            return (f"step returned continuation={value.continuation!r:.100} with messages={value.messages!r:.100}: "
+                    "a continuation is a string, given instead of messages")
         r = value.reward
         if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r):
             return None

@@ -124,6 +124,11 @@ class ChatRenderer:
         already = _overlap(sampled_ids, closing_ids)
         return suffix_ids[already:]
 
+    def continuation(self, text: str) -> list[int]:
+        """The ids of text that goes on inside the assistant's turn (`StepResult.continuation`),
+        tokenised alone: no closing, no template."""
+        return self._encode(text)
+
     def _closing(self, history: list[dict]) -> str:
         """What the template writes after an assistant turn's content when it is last."""
         return self._after_assistant(history, [], add_generation_prompt=False)

@@ -192,6 +192,8 @@ def render(step: int, header: dict, rows: list[dict], *, full: bool = False, sou
                 lines.append(f"    turn {k} | reward {_fmt(turn['reward'])} | {turn['finish']}")
                 for m in turn["messages"]:
                     lines.append(_indent(f"{m['role']}: " + trim(str(m.get("content", "")), RESPONSE_CHARS), 6))
+                if "continuation" in turn:  # the environment's text inside the assistant's turn
+                    lines.append(_indent("(continued): " + trim(turn["continuation"], RESPONSE_CHARS), 6))
         else:
             lines.append(_indent(trim(r["response"], RESPONSE_CHARS), 4))
     return "\n".join(lines)

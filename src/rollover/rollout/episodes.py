@@ -128,8 +128,11 @@ def turn_record(turn: Turn, prompt_len: int, state: str = "") -> dict:
     """One turn as the samples log shows it: the assistant's text and the environment's reply
     as chat messages, the turn's reward and finish, where its sampled tokens sit in the
     response (`[start, end)`), and `state`, a digest of the state its step left (`_state`)."""
-    return {"messages": [{"role": "assistant", "content": turn.text}, *without_images(turn.messages)], "reward": turn.reward,
-            "finish": turn.finish, "span": [turn.start - prompt_len, turn.end - prompt_len], "state": state}
+    out = {"messages": [{"role": "assistant", "content": turn.text}, *without_images(turn.messages)], "reward": turn.reward,
+           "finish": turn.finish, "span": [turn.start - prompt_len, turn.end - prompt_len], "state": state}
+    if turn.continuation is not None:  # the environment's text inside the assistant's turn
+        out["continuation"] = turn.continuation
+    return out
 
 
 def _state(t: Trajectory, k: int) -> str:
