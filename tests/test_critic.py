@@ -233,24 +233,60 @@ def test_a_critic_from_another_checkpoint_starts_as_that_model(model_dir, tmp_pa
     assert losses[-1] < 0.6 * losses[0], losses
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda d: save_tiny_model(d, hidden_size=48, vocab_size=80), "another tokenizer than the policy's"),
-    (lambda d: reward_model_dir(d, num_labels=2)[1], "sequence classifier with 2 labels"),
-    (lambda d: save_tiny_model(d, max_position_embeddings=16), "a context of 16 tokens; the run's sequences reach 40"),
-    (lambda d: save_tiny_model(d, "gpt2"), "gpt2 model, which the trainer runs one sequence to a row"),
-    (lambda d: d / "absent", "not a model with a tokenizer"),
+def swapped_tokenizer(path):
+    """A tiny model whose tokenizer gives "a" and "b" each other's ids."""
+    import json
+
+    save_tiny_model(path)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return path
+
+
+@pytest.mark.parametrize("make, options, match", [
+    (swapped_tokenizer, {}, r"another tokenizer than the policy's \(token 'a' is"),
+    (lambda d: reward_model_dir(d, num_labels=2)[1], {}, "sequence classifier with 2 labels"),
+    (lambda d: save_tiny_model(d, max_position_embeddings=16), {}, "a context of 16 tokens; the run's sequences reach 40"),
+    (lambda d: save_tiny_model(d, "gpt2"), {}, "is a gpt2 model: give a critic of the Llama, Mistral or Qwen families"),
+    (lambda d: save_tiny_model(d, hidden_size=48, num_attention_heads=3, num_key_value_heads=1),
+     {"sequence_parallel": 2}, "attention heads"),
+    (lambda d: save_tiny_model(d), {"lora": {"r": 4, "target_modules": ["no_such_proj"]}}, "no_such_proj"),
+    (lambda d: d / "absent", {}, "not a model with a tokenizer"),
 ])
-def test_a_critic_checkpoint_that_cannot_judge_the_policys_tokens_is_refused(model_dir, tmp_path, make, match):
+def test_a_critic_checkpoint_that_cannot_judge_the_policys_tokens_is_refused(model_dir, tmp_path, make, options, match):
     from rollover.models import load_tokenizer
     from rollover.train.critic import check_critic_model
 
     path = str(make(tmp_path / "critic"))
-    if "vocab_size" in match or "tokenizer than" in match:  # a tokenizer with one token more
-        from rollover.testing import char_tokenizer
-
-        char_tokenizer(extra=("<tool>",)).save_pretrained(path)
     with pytest.raises(ValueError, match=match):
-        check_critic_model(path, load_tokenizer(model_dir), tiny_model("llama").config, 40)
+        check_critic_model(path, load_tokenizer(model_dir), tiny_model("llama").config, 40, **options)
+
+
+def test_a_critic_checkpoint_is_read_whole_and_kept_across_resumes(model_dir, tmp_path):
+    """A tokenizer with tokens beyond the policy's (a reward model's added padding) is fine; a
+    checkpoint lacking some of the critic's weights is refused rather than started at random;
+    a run cannot resume into a critic of another network than the one its checkpoint trained."""
+    from safetensors.torch import load_file, save_file
+
+    from rollover.config import ConfigError
+    from rollover.models import load_tokenizer
+    from rollover.testing import char_tokenizer
+    from rollover.train.critic import check_critic_model, value_model_from
+
+    wider = save_tiny_model(tmp_path / "wider", vocab_size=120)
+    char_tokenizer(extra=("<pad2>",)).save_pretrained(wider)
+    check_critic_model(str(wider), load_tokenizer(model_dir), tiny_model("llama").config, 40)  # no error
+    weights = load_file(str(wider / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(wider / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 of the critic's weights \(e.g. layers.1.mlp.up_proj.weight\)"):
+        value_model_from(str(wider))
+    other = str(save_tiny_model(tmp_path / "other", seed=11, hidden_size=48))
+    state = trainer(model_dir, tmp_path / "a", **{"critic.model": other}).state_dict()
+    with pytest.raises(ConfigError, match=r"started from critic.model=.*other', this run's from a copy of the policy"):
+        trainer(model_dir, tmp_path / "b").load_state_dict(state)
 
 
 @pytest.mark.parametrize("lora,critic_model", [(None, False), ({"r": 4, "alpha": 8}, False), (None, True)],

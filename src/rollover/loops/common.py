@@ -300,7 +300,8 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         from rollover.train.critic import check_critic_model
 
         try:
-            check_critic_model(cfg.critic.model, tokenizer, model.config, longest)
+            check_critic_model(cfg.critic.model, tokenizer, model.config, longest,
+                               sequence_parallel=cfg.train.sequence_parallel, lora=cfg.train.lora)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     eos_token_ids = list(eos_ids(getattr(model, "generation_config", None), model.config, tokenizer))

@@ -61,6 +61,10 @@ class ValueModel(nn.Module):
     def get_input_embeddings(self) -> nn.Module:
         return self.trunk.get_input_embeddings()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.get_input_embeddings().weight.dtype
+
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head on hidden states [N, H], in float32 whatever the trunk's precision: [N]."""
         w, b = self.head.weight, self.head.bias
@@ -106,18 +110,27 @@ def value_model_from(name: str, lora: dict | None = None, config=None) -> ValueM
     else:
         path = resolve_model(name)
         config = AutoConfig.from_pretrained(path)
-        if _is_classifier(config):
-            scorer = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
-            trunk = scorer.base_model
-            score = next(m for n, m in scorer.named_children() if n != scorer.base_model_prefix)
-        else:  # a causal LM's checkpoint without its LM head (which transformers would report as unexpected)
-            report = logging.getLogger("transformers.modeling_utils")
-            level = report.level
-            report.setLevel(logging.ERROR)
-            try:
-                trunk = AutoModel.from_pretrained(path, dtype=torch.float32)
-            finally:
-                report.setLevel(level)
+        # transformers' load report is quiet here (a causal LM's LM head is expected to go unused);
+        # what it would say of weights the checkpoint lacks is an error instead
+        report = logging.getLogger("transformers.modeling_utils")
+        level = report.level
+        report.setLevel(logging.ERROR)
+        try:
+            if _is_classifier(config):
+                scorer, info = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32,
+                                                                                  output_loading_info=True)
+                trunk, score = scorer.base_model, getattr(scorer, "score", None)
+                if not isinstance(score, nn.Linear) or score.out_features != 1:
+                    raise ValueError(f"critic.model={name!r}: its classifier's head is not one linear layer to one "
+                                     "label (`score`, as Llama's, Qwen's and Mistral's reward models have)")
+            else:
+                trunk, info = AutoModel.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+        finally:
+            report.setLevel(level)
+        if info["missing_keys"]:
+            missing = sorted(info["missing_keys"])
+            raise ValueError(f"critic.model={name!r}: the checkpoint lacks {len(missing)} of the critic's weights "
+                             f"(e.g. {missing[0]}), which would start at random")
     no_split = getattr(trunk, "_no_split_modules", None)
     if lora is not None:
         from rollover.train.lora import apply_lora
@@ -134,20 +147,31 @@ def value_model_from(name: str, lora: dict | None = None, config=None) -> ValueM
     return value.train()
 
 
-def check_critic_model(name: str, tokenizer, policy_config, longest: int) -> None:
-    """ValueError unless the checkpoint `name` can be the critic of this policy: a text model with
-    the policy's tokenizer (the critic reads the policy's token ids), one label if it is a
-    sequence classifier, a context of `longest` tokens, and an architecture the policy's packing
-    suits (rollover's own families pack sequences several to a row; others take one a row)."""
-    from transformers import AutoConfig
+def check_critic_model(name: str, tokenizer, policy_config, longest: int, *, sequence_parallel: int = 1,
+                       lora: dict | None = None) -> None:
+    """ValueError unless the checkpoint `name` can be the critic of this policy: a text model that
+    gives the policy's tokens the same ids (the critic reads the policy's token ids), one label if
+    it is a sequence classifier, a context of `longest` tokens, an architecture the policy's
+    packing suits (rollover's own families pack sequences several to a row: a critic of the
+    Llama, Mistral or Qwen families, or of the policy's own family), heads that split over
+    `sequence_parallel` ranks, and modules `lora` names. A hub id's files are fetched here, so
+    that the ranks do not wait on rank 0's download."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModel
 
     from rollover.engine.hf_runner import fast_path
     from rollover.models import is_vision_language, load_tokenizer, resolve_model, text_config
 
     where = f"critic.model={name!r}"
     try:
-        config = AutoConfig.from_pretrained(resolve_model(name))
+        path = resolve_model(name)
+        config = AutoConfig.from_pretrained(path)
         theirs = load_tokenizer(name)
+        if not Path(path).is_dir():
+            from huggingface_hub import snapshot_download
+
+            snapshot_download(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: not a model with a tokenizer ({type(e).__name__}: {e})") from None
     if is_vision_language(config) or is_vision_language(policy_config):
@@ -157,19 +181,34 @@ def check_critic_model(name: str, tokenizer, policy_config, longest: int) -> Non
         raise ValueError(f"{where} is a sequence classifier with {config.num_labels} labels: a critic's head gives "
                          "one number (a reward model has one label)")
     mine, other = tokenizer.get_vocab(), theirs.get_vocab()
-    if mine != other:
-        odd = sorted(set(mine.items()) ^ set(other.items()), key=lambda kv: kv[1])[0]
-        raise ValueError(f"{where} has another tokenizer than the policy's (token {odd[0]!r} is {mine.get(odd[0])} "
-                         f"in the policy's, {other.get(odd[0])} in the critic's): the critic reads the policy's tokens")
+    odd = sorted(((t, i) for t, i in mine.items() if other.get(t) != i), key=lambda kv: kv[1])
+    if odd:
+        token = odd[0][0]
+        raise ValueError(f"{where} has another tokenizer than the policy's (token {token!r} is {mine[token]} in the "
+                         f"policy's, {other.get(token)} in the critic's): the critic reads the policy's tokens")
     vocab = text_config(config).vocab_size
     if vocab < len(tokenizer):
         raise ValueError(f"{where} embeds {vocab} tokens, fewer than the policy's tokenizer's {len(tokenizer)}")
     ctx = getattr(config, "max_position_embeddings", None)
     if ctx is not None and ctx < longest:
         raise ValueError(f"{where} has a context of {ctx} tokens; the run's sequences reach {longest}")
-    if fast_path(policy_config, longest) and not fast_path(config, longest):
-        raise ValueError(f"{where} is a {config.model_type} model, which the trainer runs one sequence to a row, "
-                         f"while the policy's packs several: give a critic of the Llama, Mistral or Qwen families")
+    if not fast_path(config, longest) and (fast_path(policy_config, longest)
+                                           or config.model_type != policy_config.model_type):
+        raise ValueError(f"{where} is a {config.model_type} model: give a critic of the Llama, Mistral or Qwen "
+                         f"families, or of the policy's own ({policy_config.model_type}); the policy's packing "
+                         "of sequences into rows is made for those")
+    try:
+        if sequence_parallel > 1:
+            from rollover.train.ulysses import check
+
+            check(text_config(config), sequence_parallel)
+        if lora is not None:
+            from rollover.train.lora import apply_lora
+
+            with torch.device("meta"):
+                apply_lora(AutoModel.from_config(config), lora, task_type="FEATURE_EXTRACTION")
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 @dataclasses.dataclass
@@ -325,9 +364,10 @@ class Critic:
         trained = self._trained()
         return {"value": {k: v.detach().to("cpu", copy=True) for k, v in self.value.state_dict().items() if k in trained},
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "kl_coef": self.kl_coef}
+                "kl_coef": self.kl_coef, "source": self.trainer.cfg.critic.model}
 
     def load_state_dict(self, state: dict) -> None:
+        self.check_source(state.get("source"))
         missing = self._trained() - set(state["value"])
         if missing:
             raise ValueError(f"the checkpoint's critic lacks {len(missing)} trained weights, e.g. {sorted(missing)[0]} "
@@ -336,6 +376,19 @@ class Critic:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_coef = self.resumed_kl_coef(state.get("kl_coef"))
+
+    def check_source(self, saved: str | None) -> None:
+        """A ConfigError unless the checkpoint's critic started from the network critic.model names
+        now (`saved`: its critic.model; None: the policy's copy), whose weights the checkpoint's
+        go into."""
+        now = self.trainer.cfg.critic.model
+        if saved != now:
+            from rollover.config import ConfigError
+
+            was = "a copy of the policy" if saved is None else f"critic.model={saved!r}"
+            raise ConfigError(f"the checkpoint's critic started from {was}, this run's from "
+                              f"{'a copy of the policy' if now is None else f'critic.model={now!r}'}: a critic cannot "
+                              "change its network when a run resumes")
 
     @staticmethod
     def missing_error():

@@ -202,16 +202,18 @@ class FSDPTrainer(Trainer):
         device and take their parts of rank 0's tensors (as torchrun's ranks do the policy's)."""
         if self.cfg.critic.model is None:
             return super()._critic_network(model)
-        value, config = None, [None]
+        value, config, failed = None, [None], None
         if self.rank == 0:
             try:
                 value = super()._critic_network(model)
                 config[0] = value.config
-            except Exception as e:  # noqa: BLE001 - every rank raises it, none waits for tensors
-                config[0] = e
+            except Exception as e:  # noqa: BLE001 - every rank raises, none waits for tensors
+                failed, config[0] = e, f"{type(e).__name__}: {e}"
         dist.broadcast_object_list(config, src=0, group=self._cpu_group)
-        if isinstance(config[0], Exception):
-            raise config[0]
+        if failed is not None:
+            raise failed
+        if isinstance(config[0], str):
+            raise RuntimeError(f"trainer rank 0 could not build the critic from critic.model: {config[0]}")
         if value is None:
             value = super()._critic_network(model, config=config[0])
         self._rank0_built.add(id(value))
@@ -531,14 +533,15 @@ class FSDPTrainer(Trainer):
                 "steps_trained": self.steps_trained, "reference_saved": self.cfg.algorithm.ref_sync_every is not None,
                 "entropy_control": [self.entropy_coef, self.last_entropy],
                 "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens],
-                **({"critic_scheduler": self.critic.scheduler.state_dict(), "critic_kl_coef": self.critic.kl_coef}
-                   if self.critic is not None else {})}
+                **({"critic_scheduler": self.critic.scheduler.state_dict(), "critic_kl_coef": self.critic.kl_coef,
+                    "critic_source": self.cfg.critic.model} if self.critic is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None:
             if "critic_scheduler" not in state:
                 raise self.critic.missing_error()
+            self.critic.check_source(state.get("critic_source"))
             self.critic.scheduler.load_state_dict(state["critic_scheduler"])
             self.critic.kl_coef = self.critic.resumed_kl_coef(state.get("critic_kl_coef"))
         self.bad_steps = state["bad_steps"]
