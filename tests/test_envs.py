@@ -376,6 +376,58 @@ def test_python_tool_runs_in_the_sandbox():
     assert result.messages == [{"role": "tool", "name": "python", "content": "45"}]
 
 
+# --- the interpreter inside the model's turn -----------------------------------------------------
+
+
+def test_interpreter_runs_the_last_block_before_the_fence_and_scores_what_the_model_wrote():
+    """env.name=interpreter: a turn that stopped at ```output has the last ```python block before
+    the fence run, its output continuing the message; the message's end is the answer, scored
+    on the model's own text (the outputs' numbers do not count)."""
+    from rollover.envs.interpreter import Interpreter
+
+    ran = []
+
+    def run(code):
+        ran.append(code)
+        return ("391" if "17" in code else "Traceback: boom"), "17" in code
+
+    env = Interpreter(run=run, output_chars=8).make_one(Prompt(id="t", text="17 * 23?", answer="391"), 1, 0)
+    first = "Try.\n```python\nprint(1)\n```\nNo, this:\n```python\nprint(17 * 23)\n```\n```output"
+    results = play(env, [first, "\n```output", "Then ```python\nraise X\n```\n```output", "So \\boxed{391}."])
+    assert ran == ["print(17 * 23)\n", "raise X\n"]  # the second fence had no block since the first output
+    assert [r.continuation for r in results[:3]] == ["\n391\n```\n", "\n[no ```p\n[output truncated]\n```\n",
+                                                     "\nTracebac\n[output truncated]\n```\n"]
+    assert [r.done for r in results] == [False, False, False, True] and results[3].reward == 1.0
+    assert results[3].info == {"code_runs": 3, "code_failures": 2, "solved": 1.0}
+    env = Interpreter(run=run).make_one(Prompt(id="t", text="17 * 23?", answer="391"), 1, 0)
+    results = play(env, ["```python\nprint(17 * 23)\n```\n```output", "The output says it, 17*23."])
+    assert results[0].continuation == "\n391\n```\n" and results[1].reward == 0.0  # 391 is only in the output
+
+
+def test_interpreter_limits_runs_and_its_fence_must_stop_the_turn(tmp_path):
+    from rollover.config import ConfigError, load_config
+    from rollover.envs.interpreter import Interpreter
+
+    env = Interpreter(run=lambda code: ("1", True), max_calls=1).make_one(Prompt(id="t", text="q", answer="1"), 1, 0)
+    block = "```python\nprint(1)\n```\n```output"
+    results = play(env, [block, block])
+    assert not results[0].done and results[1].done and results[1].info["call_limit"] == 1.0
+    base = {"model": "m", "env.name": "interpreter", "data.train": "gen:arithmetic?n=10"}
+    with pytest.raises(ConfigError, match="env.name=interpreter runs the model's code when it writes '```output': add "
+                                          "it to rollout.stop"):
+        load_config(**base)
+    load_config(**base, **{"rollout.stop": ["```output"]})
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="the sandbox needs root on Linux")
+def test_interpreter_runs_code_in_the_sandbox():
+    from rollover.envs.interpreter import Interpreter
+
+    env = Interpreter().make_one(Prompt(id="t", text="q", answer="45"), 1, 0)
+    (result,) = play(env, ["```python\nprint(sum(range(10)))\n```\n```output"])
+    assert result.continuation == "\n45\n```\n" and result.info["code_failures"] == 0
+
+
 # --- rendering the inserted tokens --------------------------------------------------------------
 
 LLAMA3_TEMPLATE = (

@@ -389,6 +389,11 @@ class Config(Section):
             out.append("algorithm.overlong_buffer measures one response's length; it has no meaning for episodes")
         if e.name is None:  # simulated: the rest are about a real environment's time and prompts
             return out
+        if e.name == "interpreter":
+            marker = e.options.get("marker", "```output")  # rollover.envs.interpreter.MARKER
+            if marker not in self.rollout.stop:
+                out.append(f"env.name=interpreter runs the model's code when it writes {marker!r}: add it to "
+                           f"rollout.stop (now {list(self.rollout.stop)}) so that its turn stops there")
         if "train" not in self.data.model_fields_set:  # the default prompts were not made for this environment
             out.append(f"env.name={e.name!r} with data.train unset: the default training prompts "
                        f"({DataConfig.model_fields['train'].default}) were not made for an environment; set "

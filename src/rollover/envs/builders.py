@@ -2,7 +2,8 @@
 
 Built-ins: `guess_number` (`GuessNumber`), `arithmetic_retry` (`ArithmeticRetry`), `tools`
 (`ToolUse`, tools named in `options.tools`: calculator, python, or your functions), `agent` (`AgentBuilder`: an
-agent written against an OpenAI-style chat client, `options.fn`). Anything else is a reference,
+agent written against an OpenAI-style chat client, `options.fn`), `interpreter` (`Interpreter`:
+Python run inside the model's own turn). Anything else is a reference,
 `module:Name` or `path/to/file.py:Name`, to a class or factory that takes the options as
 keyword arguments and returns an object with `make_group(prompt, n)` (and `prompts(n, seed)`
 if the run draws its tasks from the environment: `data.train: env`).
@@ -52,8 +53,10 @@ class ConfiguredTools:
 def _builtins() -> dict:
     from rollover.envs.agent import AgentBuilder
     from rollover.envs.games import ArithmeticRetry, GuessNumber
+    from rollover.envs.interpreter import Interpreter
 
-    return {"guess_number": GuessNumber, "arithmetic_retry": ArithmeticRetry, "tools": ConfiguredTools, "agent": AgentBuilder}
+    return {"guess_number": GuessNumber, "arithmetic_retry": ArithmeticRetry, "tools": ConfiguredTools, "agent": AgentBuilder,
+            "interpreter": Interpreter}
 
 
 def make_env_builder(name: str, options: dict[str, Any]) -> EnvGroupBuilder:
