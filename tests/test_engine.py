@@ -246,6 +246,15 @@ def test_stop_strings_are_found_across_tokens():
     assert stops.ends(answer, [4] * 20 + [1, 2, 3])  # a long response: only its tail is decoded
     assert not stops.ends(answer, [1, 2, 4, 3]) and not stops.ends((), [1, 2, 3])
     assert stops.ends(("é ", "zz"), [0, 5, 4])
+    assert stops.ends(["zz", "é "], [0, 5, 4])  # a list, as a config gives it
+
+    def byte_fallback(ids):  # Llama 2's decoder: a run of byte tokens that starts mid-character is all replaced
+        raw = bytes(ids)
+        return "\ufffd" * len(ids) if 0x80 <= raw[0] < 0xC0 else raw.decode("utf-8", errors="replace")
+
+    stops = StopStrings(byte_fallback)
+    text = list("中é".encode())  # 3 bytes, then 2: the 4-token window starts inside 中
+    assert not stops.ends(("é",), text[:-1]) and stops.ends(("é",), text)
 
 
 def test_stop_strings_finish_with_stop(model, engine):
@@ -263,6 +272,8 @@ def test_stop_strings_finish_with_stop(model, engine):
     sp = replace(GREEDY, stop=(stop, "never"))
     with pytest.raises(ValueError, match="request 't1' has stop strings"):
         engine.generate([Request(id="t1", prompt_ids=[70, 71], sampling=sp)])
+    with pytest.raises(ValueError, match="stop must be a tuple of non-empty strings, got 'ab'"):
+        engine.generate([Request(id="t1", prompt_ids=[70, 71], sampling=replace(GREEDY, stop="ab"))])
     engine.core.stop_strings = StopStrings(text)
     out = engine.generate([Request(id="t2", prompt_ids=[70, 71], sampling=sp),
                            Request(id="t3", prompt_ids=[70, 71], sampling=GREEDY)])

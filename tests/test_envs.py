@@ -502,3 +502,26 @@ def test_insertion_with_smollm2_tokenizer():
     sampled = reply + [tok.convert_tokens_to_ids("<|im_end|>")]
     ids = r.initial(history) + sampled + r.insertion(history, sampled, new)
     assert ids == whole(tok, history + [{"role": "assistant", "content": "I guess 5"}] + new)
+
+
+@pytest.mark.parametrize("scheme", ["first", "always"])
+def test_a_continuation_gets_no_leading_space_from_a_sentencepiece_tokenizer(scheme):
+    """SentencePiece tokenizers (Metaspace) begin a text with a word's space; a continuation
+    goes on inside the model's text, so it is tokenised without one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rollover.testing import CHAT_TEMPLATE
+
+    vocab = {"<unk>": 0, "</s>": 1, "<|im_end|>": 2, "<|im_start|>": 3}
+    for c in "abcdefghijklmnopqrstuvwxyz<>/\n\u2581":
+        vocab.setdefault(c, len(vocab))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    core.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=scheme)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="<unk>",
+                                  additional_special_tokens=["<|im_end|>", "<|im_start|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    assert tok.convert_ids_to_tokens(tok.encode("<r>ab", add_special_tokens=False))[0] == "\u2581"  # what it does
+    ids = ChatRenderer(tok).continuation([{"role": "user", "content": "q"}], [vocab["a"]], "<r>ab")
+    assert tok.convert_ids_to_tokens(ids) == ["<", "r", ">", "a", "b"]

@@ -186,13 +186,15 @@ def test_a_continuation_goes_on_inside_the_models_turn():
     assert traj.finish == "done" and traj.reward == 2.0
 
 
-def test_a_continuation_with_messages_fails_the_episode():
+def test_a_continuation_with_messages_or_after_the_end_of_the_message_fails_the_episode():
     class Both(SearchEnv):
         async def step(self, action):
             return StepResult([{"role": "user", "content": "no"}], 0.0, done=False, continuation="x")
 
     traj = episode(ScriptedEngine(lambda r: ids("a") + [EOT]), Both())
     assert traj.finish == "error" and "a continuation is a string, given instead of messages" in traj.error.message
+    traj = episode(ScriptedEngine(lambda r: ids("a") + [EOT]), SearchEnv())  # the model ended its message
+    assert traj.finish == "error" and "a continuation after the model ended its message" in traj.error.message
 
 
 @pytest.mark.slow

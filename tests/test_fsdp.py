@@ -618,6 +618,7 @@ def test_colocated_engines_in_the_ranks_generate_and_train_as_one_trainer(model_
     step keep their K/V, not their weights): which requests finish before the step's stop depends
     on how far each engine got, so the run is not the one-engine run's; it trains, every step."""
     over = {"partial_rollout.enabled": True, "partial_rollout.oversample": 1.5} if april else {}
+    over["rollout.stop"] = ["1", "2"]  # found by the ranks' engines with the driver's tokenizer
     cfg = run_cfg(model_dir, tmp_path / "co", **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True,
                                                    **over})
     run = build_run(cfg)

@@ -352,10 +352,11 @@ def final_weights(run_dir, step=3):
 
 @pytest.mark.parametrize("trainer", ["driver", "actor"])
 def test_sync_run_on_ray_with_one_worker_ends_with_the_local_weights(model_dir, tmp_path, trainer):
-    train_sync(run_cfg(model_dir, tmp_path / "local"))
+    stop = {"rollout.stop": ["1", "2"]}  # found by the worker with the driver's tokenizer, as by the local engine
+    train_sync(run_cfg(model_dir, tmp_path / "local", **stop))
     # the rewards are scored on a reward worker actor here, on the driver in the local run; with
     # ray.trainer=actor the policy trains in an actor of its own, which writes the checkpoint's model
-    run = build_run(run_cfg(model_dir, tmp_path / "ray", runtime="ray", **{
+    run = build_run(run_cfg(model_dir, tmp_path / "ray", runtime="ray", **stop, **{
         "ray.rollout_workers": 1, "ray.reward_workers": 1, "ray.cpus_per_reward_worker": 0.5, "ray.trainer": trainer,
         **({"ray.cpus_for_trainer": 0} if trainer == "actor" else {})}))  # 2 CPUs: the module's engines hold one
     if trainer == "actor":

@@ -74,21 +74,26 @@ def __getattr__(name):  # lazy: importing rollover.engine does not build anythin
 
 
 def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_ids, version: int = 0,
-                colocated: bool = False):
+                colocated: bool = False, tokenizer=None):
     """The engine a run's config asks for, holding `weights` (named tensors, LoRA merged) as
     `version` (0; a Ray worker's replacement starts at the current one). `architecture` is a
     Hugging Face model of the policy's architecture (its config and module names; TorchEngine
     copies it), not the trainer's. `colocated`: the engine of a trainer rank on `device`
-    (`train.colocate`)."""
+    (`train.colocate`). `tokenizer`: what finds `rollout.stop`'s strings (default: the model's,
+    read here), sent by a driver to engines on other machines."""
     r = cfg.rollout
     dtype = r.dtype
     if dtype == "auto":  # float32 on every device: on a GPU the real model learned more in float32 (docs/gpu.md)
         dtype = "float32"
     stops = None
     if r.stop:
-        from rollover.engine.stop import stop_strings_of
+        from rollover.engine.stop import StopStrings, stop_strings_of
 
-        stops = stop_strings_of(cfg.model)
+        stops = StopStrings.of(tokenizer) if tokenizer is not None else stop_strings_of(cfg.model)
+    if "stop_strings" in r.engine_options:
+        from rollover.config import ConfigError
+
+        raise ConfigError("rollout.engine_options: stop_strings is set from rollout.stop")
     if r.engine == "vllm":
         from rollover.engine.vllm_engine import VLLMEngine
 

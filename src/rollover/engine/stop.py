@@ -29,16 +29,27 @@ class StopStrings:
         sampled completes it: a response is checked after every token)."""
         if not stops or not response_ids:
             return False
+        stops = tuple(stops)
         window = self._windows.get(stops)
         if window is None:
             window = self._windows[stops] = max(len(s.encode()) for s in stops) + 2
         tail = self.decode(list(response_ids[-window:]))
+        # a window that starts inside a character: byte-fallback decoders (Llama 2's, Mistral's) make
+        # every byte of a run replacement characters when one is, which may hide the string's own
+        for more in range(1, 4):
+            if not tail.startswith("\ufffd") or len(response_ids) < window + more:
+                break
+            tail = self.decode(list(response_ids[-window - more:]))
         return any(s in tail for s in stops)
+
+    @classmethod
+    def of(cls, tokenizer) -> "StopStrings":
+        """One that decodes with `tokenizer`, special tokens left out (as vLLM)."""
+        return cls(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def stop_strings_of(model: str) -> StopStrings:
-    """A `StopStrings` that decodes with the tokenizer of `model`, special tokens left out (as vLLM)."""
+    """A `StopStrings` that decodes with the tokenizer of `model`."""
     from rollover.models import load_tokenizer
 
-    tokenizer = load_tokenizer(model)
-    return StopStrings(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    return StopStrings.of(load_tokenizer(model))

@@ -11,7 +11,7 @@ def validate_request(req: Request, *, max_len: int, vocab_size: int, media: bool
     the engine takes images; `stop_strings`: whether it can look for stop strings (it was given a
     tokenizer)."""
     where = f"request {req.id!r}"
-    if req.sampling.stop and not stop_strings:
+    if req.sampling.stop and not isinstance(req.sampling.stop, str) and not stop_strings:
         raise ValueError(f"{where} has stop strings {list(req.sampling.stop)}: this engine was built without a "
                          "tokenizer to find them (the run's engines get one when rollout.stop is set)")
     if req.media is not None and not media:
@@ -48,5 +48,6 @@ def validate_request(req: Request, *, max_len: int, vocab_size: int, media: bool
                 raise ValueError(f"{where}: unknown token ids {bad[:5]} (vocabulary size {V})")
     if any(not isinstance(t, int) or t < 0 for t in req.sampling.stop_token_ids):
         raise ValueError(f"{where}: stop_token_ids must be non-negative ints")
-    if any(not isinstance(s, str) or not s for s in req.sampling.stop):
-        raise ValueError(f"{where}: stop strings must be non-empty strings, got {list(req.sampling.stop)}")
+    stop = req.sampling.stop
+    if not isinstance(stop, (tuple, list)) or any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"{where}: stop must be a tuple of non-empty strings, got {stop!r}")

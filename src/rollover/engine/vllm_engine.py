@@ -411,22 +411,23 @@ class VLLMEngine(WeightControl, PauseControl, EngineAPI):
                 c = out.outputs[0]
                 versions = self._token_versions(seq.sub_id, c, seq.segment_tokens, version)
                 seq.segment_tokens += len(c.token_ids)
-                stopped = False
+                stopped, kept = False, 0
                 for tok, lp, v in zip(c.token_ids, c.logprobs, versions):
                     seq.response_ids.append(tok)
                     seq.logprobs.append(lp[tok].logprob)
                     seq.versions.append(v)
                     if seq.on_token is not None:
                         seq.on_token(tok, lp[tok].logprob, v)
+                    kept += 1
                     if stops and self.stop_strings.ends(stops, seq.response_ids):
                         stopped = True  # the delta's later tokens, past the string, are dropped
                         break
                 with self._counters.lock:
-                    self._counters.stats.generated_tokens += len(c.token_ids)
+                    self._counters.stats.generated_tokens += kept
                 if stopped:
                     seq.running = False
-                    if not out.finished:
-                        await self._llm.abort(seq.sub_id)
+                    if not out.finished:  # as `_stop_segment` does: nothing awaited between here and the finish
+                        self._loop.create_task(self._llm.abort(seq.sub_id))
                     self._finish(seq, "stop")
                     return
                 if out.finished:

@@ -237,7 +237,8 @@ class LiveEpisode:
             return
         try:
             if result.continuation is not None:  # the model's turn goes on after the text
-                inserted, media = renderer.continuation(result.continuation), None
+                inserted, media = renderer.continuation(self.history, traj.tokens_T[turn.start:turn.end],
+                                                        result.continuation), None
             else:
                 inserted, media = renderer.insertion_media(self.history, traj.tokens_T[turn.start:turn.end],
                                                            result.messages)

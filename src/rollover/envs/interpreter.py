@@ -98,6 +98,8 @@ class InterpreterEnv:
     async def step(self, action: Action) -> StepResult:
         self.written += action.text
         at = action.text.rfind(self.spec.marker) if action.finish == "stop" else -1
+        if at >= 0 and action.text[at + len(self.spec.marker):].strip():
+            at = -1  # the fence is not where the turn stopped: the model ended its message after it
         if at < 0:  # the model ended its message: its answer
             reward = await asyncio.to_thread(self.spec.score, self.written, self.prompt.answer)
             if reward is None:

@@ -124,10 +124,22 @@ class ChatRenderer:
         already = _overlap(sampled_ids, closing_ids)
         return suffix_ids[already:]
 
-    def continuation(self, text: str) -> list[int]:
-        """The ids of text that goes on inside the assistant's turn (`StepResult.continuation`),
-        tokenised alone: no closing, no template."""
-        return self._encode(text)
+    def continuation(self, history: list[dict], sampled_ids: list[int], text: str) -> list[int]:
+        """The ids of text that goes on inside the assistant's turn (`StepResult.continuation`):
+        no closing, no template. Tokenised after a special token whose ids are then dropped, so a
+        SentencePiece tokenizer does not begin it with a word's leading space, as it does the
+        start of a text. A TemplateError when the turn ended with its closing (the model
+        finished its message: text after it would be outside any message)."""
+        if _overlap(sampled_ids, self._encode(self._closing(history))):
+            raise TemplateError("a continuation after the model ended its message (its turn ended with the end of "
+                                "turn, not at a rollout.stop string): answer with messages instead")
+        anchor = self.tokenizer.eos_token or ""
+        head = self._encode(anchor) if anchor else []
+        ids = self._encode(anchor + text)
+        ids = ids[len(head):] if head and ids[:len(head)] == head else self._encode(text)
+        if ids and not text.startswith(" ") and self.tokenizer.convert_ids_to_tokens(ids[0]) == "\u2581":
+            ids = ids[1:]  # a SentencePiece tokenizer that puts a space before every text (prepend_scheme always)
+        return ids
 
     def _closing(self, history: list[dict]) -> str:
         """What the template writes after an assistant turn's content when it is last."""
@@ -194,6 +206,10 @@ class MediaChatRenderer(ChatRenderer):
             raise ValueError(f"the chat template closes an assistant turn with {closing!r} when it is last but "
                              f"not as tokens when messages follow it ({suffix[:len(closing) + 20]!r}...)")
         return suffix_ids[_overlap(sampled_ids, closing_ids):], media
+
+    def continuation(self, history: list[dict], sampled_ids: list[int], text: str) -> list[int]:
+        self._process(text, [], "the environment's continuation")  # no placeholder typed as text
+        return super().continuation(blank_images(history), sampled_ids, text)
 
     def _process(self, text: str, images: list, where: str) -> tuple[list[int], Media | None]:
         written = sum(text.count(t) for t in self._placeholders)

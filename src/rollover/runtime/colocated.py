@@ -75,7 +75,12 @@ class ColocatedEngines(EngineAPI):
         self._bucket_bytes = int(cfg.train.weight_bucket_mb * 2**20)
         self._timeout_s = cfg.train.collective_timeout_s
         self._free_weights = cfg.train.colocate_free_weights
-        trainer._all("engine_start", max_len, self._eos, self._bucket_bytes)
+        tokenizer = None
+        if cfg.rollout.stop:  # the ranks' engines find its strings with the driver's tokenizer
+            from rollover.models import load_tokenizer
+
+            tokenizer = load_tokenizer(cfg.model)
+        trainer._all("engine_start", max_len, self._eos, self._bucket_bytes, tokenizer)
         # the ranks' TorchEngines prefill images with a vision-language model
         self.takes_media = cfg.rollout.engine == "torch" and is_vision_language(trainer.architecture.config)
         self._ranks = [_Rank(r) for r in range(trainer.world)]
@@ -176,7 +181,8 @@ class ColocatedEngines(EngineAPI):
                 if r.id in self._live or r.id in seen:
                     raise ValueError(f"request {r.id!r}: an unfinished request has this id")
                 seen.add(r.id)
-                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size, media=self.takes_media)
+                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size, media=self.takes_media,
+                                 stop_strings=bool(self.cfg.rollout.stop))  # the ranks' engines get the tokenizer
             for r in requests:
                 f = Future()
                 if on_done is not None:

@@ -63,6 +63,12 @@ class RayEngine(WeightUpdates, EngineAPI):
         self.max_len, self.vocab_size = max_len, text_config(architecture.config).vocab_size
         # the workers' TorchEngines prefill images with a vision-language model
         self.takes_media = is_vision_language(architecture.config) and cfg.rollout.engine == "torch"
+        # rollout.stop: the workers find the strings with the driver's tokenizer (their nodes need no copy)
+        self._tokenizer = None
+        if cfg.rollout.stop:
+            from rollover.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(cfg.model)
         self._eos = tuple(eos_token_ids)
         self._arch = (architecture.config, getattr(architecture, "generation_config", None))
         self._version = 0
@@ -118,7 +124,8 @@ class RayEngine(WeightUpdates, EngineAPI):
         threads = max(1, int(rc.cpus_per_worker))
         handle = self._remote(num_cpus=rc.cpus_per_worker, num_gpus=rc.gpus_per_worker, max_concurrency=8,
                               name=None).remote(index, self.cfg, *self._arch, refs, self._version, self.worker_device,
-                                                self.max_len, self._eos, threads, self.delta, self._paused)
+                                                self.max_len, self._eos, threads, self.delta, self._paused,
+                                                self._tokenizer)
         return WorkerSlot(index=index, handle=handle, restarts=restarts, version=self._version)
 
     def _wait_ready(self, workers: list[WorkerSlot]) -> None:
@@ -287,7 +294,8 @@ class RayEngine(WeightUpdates, EngineAPI):
                 if r.id in self._live or r.id in seen:
                     raise ValueError(f"request {r.id!r}: an unfinished request has this id")
                 seen.add(r.id)
-                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size, media=self.takes_media)
+                validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size, media=self.takes_media,
+                                 stop_strings=self._tokenizer is not None)
             for live in lives:
                 self._live[live.req.id] = live
         self._place(lives)

@@ -27,7 +27,7 @@ class RolloutWorker:
 
     def __init__(self, index: int, cfg, arch_config, generation_config, weight_refs: dict, version: int,
                  device: str, max_len: int, eos_token_ids: tuple[int, ...], threads: int | None, delta: bool,
-                 paused: bool = False):
+                 paused: bool = False, tokenizer=None):
         import ray
 
         from rollover.engine import make_engine
@@ -44,7 +44,7 @@ class RolloutWorker:
         architecture = SimpleNamespace(config=arch_config, generation_config=generation_config)
         # a replacement starts at the current version (VLLMEngine refuses an update without every weight)
         self.engine = make_engine(cfg, architecture, weights=list(zip(names, tensors)), device=torch.device(device),
-                                  max_len=max_len, eos_token_ids=eos_token_ids, version=version)
+                                  max_len=max_len, eos_token_ids=eos_token_ids, version=version, tokenizer=tokenizer)
         self.weights = {n: t for n, t in zip(names, tensors)} if delta else None  # what deltas apply to
         self.receiver = None  # ray.weight_transport=gloo: this worker's side of the weights group
         self._load_lock = threading.Lock()  # a gloo transfer's check and load, against a newer group's

@@ -167,7 +167,7 @@ class SimCore:
 
     # ------------------------------------------------------------ the EngineCore contract
     def validate(self, req: Request) -> None:
-        validate_request(req, max_len=self.max_len, vocab_size=VOCAB)
+        validate_request(req, max_len=self.max_len, vocab_size=VOCAB, stop_strings=True)  # simulated: never found
 
     def add(self, req: Request) -> Completion | None:
         seq = self._seq(req)

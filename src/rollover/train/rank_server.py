@@ -89,7 +89,7 @@ class RankServer:
                 **engine, **getattr(self.trainer, "last_profile", {})}
 
     # ------------------------------------------------------------ a colocated engine (train.colocate)
-    def engine_start(self, max_len: int, eos_token_ids, bucket_bytes: int) -> None:
+    def engine_start(self, max_len: int, eos_token_ids, bucket_bytes: int, tokenizer=None) -> None:
         """Build this rank's engine on its device from the gathered weights (every rank gathers and
         keeps each tensor). Its completions leave through `events`, sent by a thread of their own so
         the engine never waits on the pipe."""
@@ -99,7 +99,7 @@ class RankServer:
 
         weights = [nt for bucket in self.trainer.gather_buckets(bucket_bytes, everyone=True) for nt in bucket]
         self.engine = make_engine(self.cfg, self._architecture, weights=weights, device=self.device, max_len=max_len,
-                                  eos_token_ids=eos_token_ids, colocated=True)
+                                  eos_token_ids=eos_token_ids, colocated=True, tokenizer=tokenizer)
         del weights
         self._outbox = queue.SimpleQueue()
         threading.Thread(target=self._send_events, name="rollover-rank-events", daemon=True).start()
