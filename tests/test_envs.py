@@ -419,6 +419,40 @@ def test_interpreter_limits_runs_and_its_fence_must_stop_the_turn(tmp_path):
     load_config(**base, **{"rollout.stop": ["```output"]})
 
 
+def test_inline_tools_answer_tagged_calls_inside_the_turn_and_score_the_tagged_answer(tmp_path):
+    """env.name=inline_tools (Search-R1's form): the turn stopped at a tool's closing tag has the
+    text between the tags given to the tool (the last opening tag of the stretch), its result
+    going on inside the message; a stray closing tag is shown as an error; the answer is scored
+    by `exact` on <answer>, a tool that raises fails the episode, and the call limit ends it."""
+    from rollover.envs.inline import InlineTools
+
+    (tmp_path / "kb.py").write_text("def search(q):\n    return {'dune': 'Frank Herbert wrote Dune.'}.get(q.strip(), 'nothing')\n"
+                                    "async def calc(q):\n    return str(eval(q))\n"
+                                    "def broken(q):\n    raise ConnectionError('index down')\n")
+    kb = str(tmp_path / "kb.py")
+    spec = InlineTools(tools={"search": f"{kb}:search", "calc": f"{kb}:calc"}, output_chars=16)
+    env = spec.make_one(Prompt(id="t", text="Who wrote Dune?", answer="Frank Herbert"), 1, 0)
+    results = play(env, ["<think>look</think><search>x</search> no, <search>dune</search>", "2+2 is <calc>2+2</calc>",
+                         "oops</search>", "<answer>Frank Herbert</answer>"])
+    assert [r.continuation for r in results[:3]] == [
+        "\n<information>Frank Herbert wr [truncated]</information>\n", "\n<information>4</information>\n",
+        "\n<information>error: </search> [truncated]</information>\n"]
+    assert results[3].done and results[3].reward == 1.0
+    assert results[3].info == {"tool_calls": 3, "tool_errors": 1, "solved": 1.0}
+    env = InlineTools(tools={"search": f"{kb}:broken"}).make_one(Prompt(id="t", text="q", answer="a"), 1, 0)
+    with pytest.raises(ConnectionError, match="index down"):
+        play(env, ["<search>q</search>"])
+    env = InlineTools(tools={"search": f"{kb}:search"}, max_calls=1).make_one(Prompt(id="t", text="q", answer="a"), 1, 0)
+    assert play(env, ["<search>a</search>", "<search>b</search>"])[1].info["call_limit"] == 1.0
+    with pytest.raises(ValueError, match="inline_tools: tags \\['a b'\\] are not names"):
+        InlineTools(tools={"a b": f"{kb}:search"})
+    from rollover.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"add \['</calc>'\] to rollout.stop"):
+        load_config(model="m", **{"env.name": "inline_tools", "data.train": "x.jsonl", "rollout.stop": ["</search>"],
+                                  "env.options": {"tools": {"search": f"{kb}:search", "calc": f"{kb}:calc"}}})
+
+
 @pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="the sandbox needs root on Linux")
 def test_interpreter_runs_code_in_the_sandbox():
     from rollover.envs.interpreter import Interpreter

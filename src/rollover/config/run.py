@@ -394,6 +394,11 @@ class Config(Section):
             if marker not in self.rollout.stop:
                 out.append(f"env.name=interpreter runs the model's code when it writes {marker!r}: add it to "
                            f"rollout.stop (now {list(self.rollout.stop)}) so that its turn stops there")
+        if e.name == "inline_tools" and isinstance(e.options.get("tools"), dict):
+            missing = [f"</{t}>" for t in e.options["tools"] if f"</{t}>" not in self.rollout.stop]
+            if missing:
+                out.append(f"env.name=inline_tools calls a tool at its closing tag: add {missing} to rollout.stop "
+                           f"(now {list(self.rollout.stop)}) so that the model's turn stops there")
         if "train" not in self.data.model_fields_set:  # the default prompts were not made for this environment
             out.append(f"env.name={e.name!r} with data.train unset: the default training prompts "
                        f"({DataConfig.model_fields['train'].default}) were not made for an environment; set "

@@ -3,7 +3,8 @@
 Built-ins: `guess_number` (`GuessNumber`), `arithmetic_retry` (`ArithmeticRetry`), `tools`
 (`ToolUse`, tools named in `options.tools`: calculator, python, or your functions), `agent` (`AgentBuilder`: an
 agent written against an OpenAI-style chat client, `options.fn`), `interpreter` (`Interpreter`:
-Python run inside the model's own turn). Anything else is a reference,
+Python run inside the model's own turn), `inline_tools` (`InlineTools`: your functions called by
+tags inside the model's turn, Search-R1's form). Anything else is a reference,
 `module:Name` or `path/to/file.py:Name`, to a class or factory that takes the options as
 keyword arguments and returns an object with `make_group(prompt, n)` (and `prompts(n, seed)`
 if the run draws its tasks from the environment: `data.train: env`).
@@ -53,10 +54,11 @@ class ConfiguredTools:
 def _builtins() -> dict:
     from rollover.envs.agent import AgentBuilder
     from rollover.envs.games import ArithmeticRetry, GuessNumber
+    from rollover.envs.inline import InlineTools
     from rollover.envs.interpreter import Interpreter
 
     return {"guess_number": GuessNumber, "arithmetic_retry": ArithmeticRetry, "tools": ConfiguredTools, "agent": AgentBuilder,
-            "interpreter": Interpreter}
+            "interpreter": Interpreter, "inline_tools": InlineTools}
 
 
 def make_env_builder(name: str, options: dict[str, Any]) -> EnvGroupBuilder:

@@ -17,8 +17,8 @@ environment runs the last ```python block before it (since the last output) in t
 
 When the model ends its message (its end of turn, or its token budget) the text it wrote (not
 the outputs) is scored against the task's answer: `score: numeric` (the default: the last number
-of the `\\boxed{}` answer, or of the text) or `math` (math-verify; a GSM8K solution counts by
-what follows its `####`). More than `max_calls` runs end the episode with reward 0. A fence
+of the `\\boxed{}` answer, or of the text), `math` (math-verify; a GSM8K solution counts by
+what follows its `####`), another reward's name or `module:function`. More than `max_calls` runs end the episode with reward 0. A fence
 with no ```python block before it, or a program that fails, is the model's business: the output
 says so and the model goes on.
 """
@@ -32,7 +32,7 @@ from typing import Callable
 
 from rollover.data.render import render_messages
 from rollover.envs.base import Action, StepResult
-from rollover.rewards.builtins import numeric_reward
+from rollover.envs.inline import call, score_fn
 from rollover.types import Prompt
 
 MARKER = "```output"
@@ -54,17 +54,11 @@ class Interpreter:
     marker: str = MARKER
     output_chars: int = 1000
     run: Callable[[str], tuple[str, bool]] = field(default=_sandboxed)  # code -> (what the model is shown, ran well)
-    # (the model's text, answer) -> reward; or a built-in's name: "numeric" (default) or "math" (math-verify)
+    # (the model's text, answer) -> reward; or a reward's name ("numeric", the default; "math", ...) or module:function
     score: Callable[[str, object], float | None] | str = "numeric"
 
     def __post_init__(self):
-        if isinstance(self.score, str):
-            from rollover.rewards.builtins import math_reward
-
-            known = {"numeric": numeric_reward, "math": math_reward}
-            if self.score not in known:
-                raise ValueError(f"interpreter: score={self.score!r}: a function, or one of {sorted(known)}")
-            object.__setattr__(self, "score", known[self.score])
+        object.__setattr__(self, "score", score_fn(self.score, "interpreter"))
         if self.max_calls < 1:
             raise ValueError(f"interpreter: max_calls must be >= 1, got {self.max_calls}")
         if self.output_chars < 1:
@@ -97,11 +91,11 @@ class InterpreterEnv:
 
     async def step(self, action: Action) -> StepResult:
         self.written += action.text
+        # rollout.stop holds the fence, so a stretch holds one only where it stopped (the rest of that
+        # token after it, at most)
         at = action.text.rfind(self.spec.marker) if action.finish == "stop" else -1
-        if at >= 0 and action.text[at + len(self.spec.marker):].strip():
-            at = -1  # the fence is not where the turn stopped: the model ended its message after it
         if at < 0:  # the model ended its message: its answer
-            reward = await asyncio.to_thread(self.spec.score, self.written, self.prompt.answer)
+            reward = await call(self.spec.score, self.written, self.prompt.answer)
             if reward is None:
                 raise ValueError(f"task {self.prompt.id}: its answer {self.prompt.answer!r:.80} does not parse")
             return StepResult([], float(reward), done=True, info=self._info(solved=float(reward)))

@@ -1,0 +1,144 @@
+"""`env.name: inline_tools`: tools the model calls by tags inside its own answer (Search-R1's form).
+
+Search-R1 (arXiv 2503.09516) and its successors train a model that writes, in one assistant
+message,
+
+    <think>...</think><search>who wrote Dune</search>
+
+and stops at the closing tag (the run's `rollout.stop` holds `</search>`); the retriever's
+passages go on inside the same message, `<information>...</information>`, and the model reads
+on, searches again or answers `<answer>Frank Herbert</answer>`.
+
+`tools` maps each tag to a function of the text between the tags, `module:function` or
+`path/to/file.py:function` (an `async def` is awaited; any other runs in a worker thread), that
+returns what the model is shown (at most `output_chars` characters, in `result`'s format). What
+it raises fails the episode (counted and reported), as a tool that broke is not the model's
+mistake. The closing tags must be in `rollout.stop` (refused at start-up otherwise), so a call
+is where the model's turn stopped; a closing tag without its opening one shows the model an
+error.
+
+When the model ends its message, the text it wrote (not the results) is scored against the
+task's answer by `score`: a built-in reward's name (`exact`, the default: the `<answer>`'s or
+`\\boxed{}`'s text; `numeric`; `math`) or `module:function`, called with the completion and
+the answer. More than `max_calls` calls end the episode with reward 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rollover.data.render import render_messages
+from rollover.envs.base import Action, StepResult
+from rollover.types import Prompt
+
+RESULT = "\n<information>{result}</information>\n"
+
+
+def score_fn(score, what: str) -> Callable:
+    """A scoring function from a reward's name (`exact`, `numeric`, `math`, ...), a
+    `module:function` reference, or a function."""
+    if callable(score):
+        return score
+    from rollover.rewards.registry import resolve_reward_fn
+
+    try:
+        return resolve_reward_fn(score)
+    except (AttributeError, FileNotFoundError, ImportError, ValueError) as e:
+        raise ValueError(f"{what}: score={score!r}: {e}") from None
+
+
+async def call(fn: Callable, *args):
+    """`fn(*args)`: awaited if it is a coroutine function, else in a worker thread."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+@dataclass(frozen=True)
+class InlineTools:
+    """The group builder: the tools by tag, the result's format, the limits, the score."""
+
+    tools: dict = field(default_factory=dict)  # tag -> function(text between the tags) -> str
+    result: str = RESULT
+    max_calls: int = 4
+    output_chars: int = 2000
+    score: Callable | str = "exact"
+
+    def __post_init__(self):
+        if not isinstance(self.tools, dict) or not self.tools:
+            raise ValueError(f"inline_tools: tools={self.tools!r}: a mapping of tags to functions, e.g. "
+                             "{search: 'retriever.py:search'}")
+        bad = [t for t in self.tools if not re.fullmatch(r"[A-Za-z_][\w-]*", str(t))]
+        if bad:
+            raise ValueError(f"inline_tools: tags {bad} are not names (letters, digits, _ and -)")
+        made = {}
+        for tag, fn in self.tools.items():
+            if not callable(fn):
+                from rollover.rewards.registry import load_reference
+
+                try:
+                    fn = load_reference(fn, f"inline_tools tool {tag!r}")
+                except (AttributeError, FileNotFoundError, ImportError, ValueError) as e:
+                    raise ValueError(str(e)) from None
+            made[tag] = fn
+        object.__setattr__(self, "tools", made)
+        object.__setattr__(self, "score", score_fn(self.score, "inline_tools"))
+        if "{result}" not in self.result:
+            raise ValueError(f"inline_tools: result={self.result!r} must hold {{result}}")
+        if self.max_calls < 1 or self.output_chars < 1:
+            raise ValueError("inline_tools: max_calls and output_chars must be >= 1")
+
+    def system_prompt(self) -> str:
+        tags = ", ".join(f"<{t}>...</{t}>" for t in self.tools)
+        return (f"Answer the question. You can call tools by writing {tags} and stopping; the result follows "
+                f"and you go on. You may call tools at most {self.max_calls} times. Give the final answer as "
+                "<answer>...</answer>.")
+
+    def make_group(self, prompt: Prompt, n: int) -> list["InlineToolsEnv"]:
+        return [self.make_one(prompt, n, j) for j in range(n)]
+
+    def make_one(self, prompt: Prompt, n: int, j: int) -> "InlineToolsEnv":
+        return InlineToolsEnv(self, prompt)
+
+
+class InlineToolsEnv:
+    def __init__(self, spec: InlineTools, prompt: Prompt):
+        self.spec, self.prompt = spec, prompt
+        self.written = ""  # what the model wrote in its message so far (not the results)
+        self.calls = self.errors = 0
+
+    async def initial_observation(self) -> list[dict]:
+        return render_messages(self.prompt, system_prompt=self.spec.system_prompt())
+
+    async def step(self, action: Action) -> StepResult:
+        self.written += action.text
+        # rollout.stop holds the closing tags, so a stretch holds one only where it stopped (the rest
+        # of that token after it, at most)
+        ends = {t: action.text.rfind(f"</{t}>") for t in self.spec.tools}
+        closing = max(ends, key=ends.get)
+        if action.finish != "stop" or ends[closing] < 0:  # the model ended its message: its answer
+            reward = await call(self.spec.score, self.written, self.prompt.answer)
+            if reward is None:
+                raise ValueError(f"task {self.prompt.id}: the score gave None for its answer {self.prompt.answer!r:.80}")
+            return StepResult([], float(reward), done=True, info=self._info(solved=float(reward)))
+        self.calls += 1
+        if self.calls > self.spec.max_calls:
+            return StepResult([], 0.0, done=True, info=self._info(call_limit=1.0))
+        end = ends[closing]
+        start = action.text.rfind(f"<{closing}>", 0, end)
+        if start < 0:
+            self.errors += 1
+            output = f"error: </{closing}> without <{closing}> before it"
+        else:
+            output = str(await call(self.spec.tools[closing], action.text[start + len(closing) + 2: end]))
+        if len(output) > self.spec.output_chars:
+            output = output[: self.spec.output_chars] + " [truncated]"
+        return StepResult([], 0.0, done=False, continuation=self.spec.result.format(result=output),
+                          info=self._info())
+
+    def _info(self, **extra: float) -> dict:
+        return {"tool_calls": self.calls, "tool_errors": self.errors, **extra}
