@@ -412,7 +412,7 @@ def test_interpreter_limits_runs_and_its_fence_must_stop_the_turn(tmp_path):
     block = "```python\nprint(1)\n```\n```output"
     results = play(env, [block, block])
     assert not results[0].done and results[1].done and results[1].info["call_limit"] == 1.0
-    base = {"model": "m", "env.name": "interpreter", "data.train": "gen:arithmetic?n=10"}
+    base = {"model": "m", "env.name": "interpreter", "data.train": "gen:arithmetic?n=10", "env.max_turns": 5}
     with pytest.raises(ConfigError, match="env.name=interpreter runs the model's code when it writes '```output': add "
                                           "it to rollout.stop"):
         load_config(**base)
@@ -446,11 +446,31 @@ def test_inline_tools_answer_tagged_calls_inside_the_turn_and_score_the_tagged_a
     assert play(env, ["<search>a</search>", "<search>b</search>"])[1].info["call_limit"] == 1.0
     with pytest.raises(ValueError, match="inline_tools: tags \\['a b'\\] are not names"):
         InlineTools(tools={"a b": f"{kb}:search"})
+    for bad, match in [({"score": "code"}, "one of \\['exact', 'numeric', 'math'\\]"),
+                       ({"score": lambda completions, answer: [1.0]}, "takes a batch"),
+                       ({"result": "<i>{result}</i> {n}"}, "not a format with only {result}"),
+                       ({"result": "{{result}}"}, "must hold {result}")]:
+        with pytest.raises(ValueError, match=match):
+            InlineTools(tools={"search": f"{kb}:search"}, **bad)
     from rollover.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"add \['</calc>'\] to rollout.stop"):
         load_config(model="m", **{"env.name": "inline_tools", "data.train": "x.jsonl", "rollout.stop": ["</search>"],
                                   "env.options": {"tools": {"search": f"{kb}:search", "calc": f"{kb}:calc"}}})
+    with pytest.raises(ConfigError, match=r"env.max_turns=4 with env.options.max_calls=4: .* give max_turns >= 5"):
+        load_config(model="m", **{"env.name": "inline_tools", "data.train": "x.jsonl", "rollout.stop": ["</search>"],
+                                  "env.max_turns": 4, "env.options": {"tools": {"search": f"{kb}:search"}}})
+
+
+def test_an_environments_math_score_runs_in_a_process_that_can_be_killed():
+    """score: math (math-verify, marked isolate) runs in a reward worker process, as the reward
+    runner runs it; a dict's "score" counts."""
+    from rollover.envs.inline import Score
+
+    score = Score("math", "test")
+    assert score.reward.isolated
+    assert asyncio.run(score("so \\boxed{\\frac{1}{2}}", "0.5")) == 1.0
+    assert asyncio.run(Score(lambda c, a: {"score": 0.25, "n": 1}, "test")("x", "y")) == 0.25
 
 
 @pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="the sandbox needs root on Linux")

@@ -399,6 +399,10 @@ class Config(Section):
             if missing:
                 out.append(f"env.name=inline_tools calls a tool at its closing tag: add {missing} to rollout.stop "
                            f"(now {list(self.rollout.stop)}) so that the model's turn stops there")
+        calls = e.options.get("max_calls", 4)  # both environments' default
+        if e.name in ("interpreter", "inline_tools") and isinstance(calls, int) and e.max_turns <= calls:
+            out.append(f"env.max_turns={e.max_turns} with env.options.max_calls={calls}: each call is a turn and so "
+                       f"is the answer after the last; give max_turns >= {calls + 1}, or the answer is never scored")
         if "train" not in self.data.model_fields_set:  # the default prompts were not made for this environment
             out.append(f"env.name={e.name!r} with data.train unset: the default training prompts "
                        f"({DataConfig.model_fields['train'].default}) were not made for an environment; set "

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,24 +39,71 @@ from rollover.types import Prompt
 RESULT = "\n<information>{result}</information>\n"
 
 
-def score_fn(score, what: str) -> Callable:
-    """A scoring function from a reward's name (`exact`, `numeric`, `math`, ...), a
-    `module:function` reference, or a function."""
-    if callable(score):
-        return score
-    from rollover.rewards.registry import resolve_reward_fn
+SCORES = ("exact", "numeric", "math")  # the built-in rewards that score one completion against its answer alone
+SCORE_TIMEOUT_S = 60.0  # an isolated score (math-verify's sympy) is killed after this long
+_POOLS: dict = {}  # reference -> the worker processes that run an isolated score
+_POOLS_LOCK = threading.Lock()
 
-    try:
-        return resolve_reward_fn(score)
-    except (AttributeError, FileNotFoundError, ImportError, ValueError) as e:
-        raise ValueError(f"{what}: score={score!r}: {e}") from None
+
+class Score:
+    """An environment's score of the model's final text: a reward's name (one of `SCORES`), a
+    `module:function` reference, or a function, called per sample as `f(completion, answer)` (a
+    dict's "score" counts). A reward marked `isolate` (`math`) runs in a worker process that is
+    killed after `SCORE_TIMEOUT_S`, as the reward runner runs it, so a runaway answer cannot keep
+    a thread for ever."""
+
+    def __init__(self, score, what: str):
+        from rollover.rewards.registry import Reward, resolve_reward_fn
+
+        if isinstance(score, Score):
+            self.reward, self.what = score.reward, score.what
+            return
+        self.what = what
+        ref = None
+        if not callable(score):
+            if ":" not in str(score) and score not in SCORES:
+                raise ValueError(f"{what}: score={score!r}: one of {list(SCORES)} (the built-in rewards that need "
+                                 "only the completion and the answer), 'module:function' or a function")
+            try:
+                ref, score = str(score), resolve_reward_fn(score)
+            except (AttributeError, FileNotFoundError, ImportError, ValueError) as e:
+                raise ValueError(f"{what}: score: {e}") from None
+        try:
+            self.reward = Reward("score", score, ref=ref)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{what}: score: {e}") from None
+        if self.reward.batched:
+            raise ValueError(f"{what}: score {score!r} takes a batch (`completions`): an environment scores one "
+                             "completion at a time, f(completion, answer)")
+
+    async def __call__(self, completion: str, answer) -> float:
+        if self.reward.isolated:
+            value = await asyncio.to_thread(self._pool().call, "score", "call_one", (completion, answer, {}))
+        else:
+            value = await call(self.reward.call_one, completion, answer, {})
+        if isinstance(value, dict):
+            value = value.get("score")
+        if value is None:
+            raise ValueError(f"{self.what}: the score gave no number for the answer {answer!r:.80}")
+        return float(value)
+
+    def _pool(self):
+        from rollover.rewards.pool import WorkerPool
+
+        key = self.reward.reference[0]
+        with _POOLS_LOCK:
+            if key not in _POOLS:
+                _POOLS[key] = WorkerPool([self.reward], size=2, timeout_s=SCORE_TIMEOUT_S)
+            return _POOLS[key]
 
 
 async def call(fn: Callable, *args):
-    """`fn(*args)`: awaited if it is a coroutine function, else in a worker thread."""
+    """`fn(*args)`: awaited if it is a coroutine function (or returns an awaitable), else in a
+    worker thread."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args)
-    return await asyncio.to_thread(fn, *args)
+    out = await asyncio.to_thread(fn, *args)
+    return await out if inspect.isawaitable(out) else out
 
 
 @dataclass(frozen=True)
@@ -86,8 +134,12 @@ class InlineTools:
                     raise ValueError(str(e)) from None
             made[tag] = fn
         object.__setattr__(self, "tools", made)
-        object.__setattr__(self, "score", score_fn(self.score, "inline_tools"))
-        if "{result}" not in self.result:
+        object.__setattr__(self, "score", Score(self.score, "inline_tools"))
+        try:
+            shown = self.result.format(result="\0")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"inline_tools: result={self.result!r} is not a format with only {{result}} ({e!r})") from None
+        if "\0" not in shown:
             raise ValueError(f"inline_tools: result={self.result!r} must hold {{result}}")
         if self.max_calls < 1 or self.output_chars < 1:
             raise ValueError("inline_tools: max_calls and output_chars must be >= 1")
@@ -121,10 +173,8 @@ class InlineToolsEnv:
         ends = {t: action.text.rfind(f"</{t}>") for t in self.spec.tools}
         closing = max(ends, key=ends.get)
         if action.finish != "stop" or ends[closing] < 0:  # the model ended its message: its answer
-            reward = await call(self.spec.score, self.written, self.prompt.answer)
-            if reward is None:
-                raise ValueError(f"task {self.prompt.id}: the score gave None for its answer {self.prompt.answer!r:.80}")
-            return StepResult([], float(reward), done=True, info=self._info(solved=float(reward)))
+            reward = await self.spec.score(self.written, self.prompt.answer)
+            return StepResult([], reward, done=True, info=self._info(solved=reward))
         self.calls += 1
         if self.calls > self.spec.max_calls:
             return StepResult([], 0.0, done=True, info=self._info(call_limit=1.0))

@@ -32,7 +32,7 @@ from typing import Callable
 
 from rollover.data.render import render_messages
 from rollover.envs.base import Action, StepResult
-from rollover.envs.inline import call, score_fn
+from rollover.envs.inline import Score
 from rollover.types import Prompt
 
 MARKER = "```output"
@@ -58,7 +58,7 @@ class Interpreter:
     score: Callable[[str, object], float | None] | str = "numeric"
 
     def __post_init__(self):
-        object.__setattr__(self, "score", score_fn(self.score, "interpreter"))
+        object.__setattr__(self, "score", Score(self.score, "interpreter"))
         if self.max_calls < 1:
             raise ValueError(f"interpreter: max_calls must be >= 1, got {self.max_calls}")
         if self.output_chars < 1:
@@ -95,10 +95,8 @@ class InterpreterEnv:
         # token after it, at most)
         at = action.text.rfind(self.spec.marker) if action.finish == "stop" else -1
         if at < 0:  # the model ended its message: its answer
-            reward = await call(self.spec.score, self.written, self.prompt.answer)
-            if reward is None:
-                raise ValueError(f"task {self.prompt.id}: its answer {self.prompt.answer!r:.80} does not parse")
-            return StepResult([], float(reward), done=True, info=self._info(solved=float(reward)))
+            reward = await self.spec.score(self.written, self.prompt.answer)
+            return StepResult([], reward, done=True, info=self._info(solved=reward))
         self.calls += 1
         if self.calls > self.spec.max_calls:
             return StepResult([], 0.0, done=True, info=self._info(call_limit=1.0))

@@ -134,6 +134,9 @@ class ChatRenderer:
             raise TemplateError("a continuation after the model ended its message (its turn ended with the end of "
                                 "turn, not at a rollout.stop string): answer with messages instead")
         anchor = self.tokenizer.eos_token or ""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}).get(self.tokenizer.eos_token_id)
+        if getattr(added, "rstrip", False):  # it would take the text's leading whitespace with it
+            anchor = ""
         head = self._encode(anchor) if anchor else []
         ids = self._encode(anchor + text)
         ids = ids[len(head):] if head and ids[:len(head)] == head else self._encode(text)
