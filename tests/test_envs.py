@@ -446,7 +446,7 @@ def test_inline_tools_answer_tagged_calls_inside_the_turn_and_score_the_tagged_a
     assert play(env, ["<search>a</search>", "<search>b</search>"])[1].info["call_limit"] == 1.0
     with pytest.raises(ValueError, match="inline_tools: tags \\['a b'\\] are not names"):
         InlineTools(tools={"a b": f"{kb}:search"})
-    for bad, match in [({"score": "code"}, "one of \\['exact', 'numeric', 'math'\\]"),
+    for bad, match in [({"score": "code"}, "one of \\['exact', 'em', 'numeric', 'math'\\]"),
                        ({"score": lambda completions, answer: [1.0]}, "takes a batch"),
                        ({"result": "<i>{result}</i> {n}"}, "not a format with only {result}"),
                        ({"result": "{{result}}"}, "must hold {result}")]:

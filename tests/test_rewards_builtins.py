@@ -91,6 +91,18 @@ def test_exact_reward(completion, answer, expected):
     assert exact_reward(completion, answer) == expected
 
 
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("<think>search it</think><answer>The Beatles!</answer>", ["beatles", "the fab four"], 1.0),
+    ("<answer>Frank Herbert</answer>", "frank  herbert", 1.0),
+    ("<answer>Herbert</answer>", ["Frank Herbert"], 0.0),
+    ("<answer>an apple</answer>", ("Apple",), 1.0),
+])
+def test_em_reward_matches_any_gold_answer_after_squad_normalisation(completion, answer, expected):
+    from rollover.rewards.builtins import em_reward
+
+    assert em_reward(completion, answer) == expected
+
+
 def test_format_reward_default_and_custom_pattern():
     assert format_reward(r"so \boxed{3}", "3") == 1.0
     assert format_reward("so 3", "3") == 0.0

@@ -18,9 +18,9 @@ is where the model's turn stopped; a closing tag without its opening one shows t
 error.
 
 When the model ends its message, the text it wrote (not the results) is scored against the
-task's answer by `score`: a built-in reward's name (`exact`, the default: the `<answer>`'s or
-`\\boxed{}`'s text; `numeric`; `math`) or `module:function`, called with the completion and
-the answer. More than `max_calls` calls end the episode with reward 0.
+task's answer by `score`: a built-in reward's name (`em`, the default: SQuAD's and Search-R1's
+exact match of the `<answer>`'s text against one of the gold answers; `exact`; `numeric`;
+`math`) or `module:function`, called with the completion and the answer. More than `max_calls` calls end the episode with reward 0.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from rollover.types import Prompt
 RESULT = "\n<information>{result}</information>\n"
 
 
-SCORES = ("exact", "numeric", "math")  # the built-in rewards that score one completion against its answer alone
+SCORES = ("exact", "em", "numeric", "math")  # the built-in rewards that score one completion against its answer alone
 SCORE_TIMEOUT_S = 60.0  # an isolated score (math-verify's sympy) is killed after this long
 _POOLS: dict = {}  # reference -> the worker processes that run an isolated score
 _POOLS_LOCK = threading.Lock()
@@ -114,7 +114,7 @@ class InlineTools:
     result: str = RESULT
     max_calls: int = 4
     output_chars: int = 2000
-    score: Callable | str = "exact"
+    score: Callable | str = "em"
 
     def __post_init__(self):
         if not isinstance(self.tools, dict) or not self.tools:

@@ -111,6 +111,26 @@ def exact_reward(completion: str, answer, **_) -> float:
     return 1.0 if normalize_text(final_answer(completion)) == normalize_text(answer) else 0.0
 
 
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", __import__("string").punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's normalisation (and Search-R1's): lower case, punctuation and the articles a, an,
+    the removed, whitespace collapsed."""
+    text = _ARTICLES.sub(" ", str(text).lower().translate(_PUNCTUATION))
+    return " ".join(text.split())
+
+
+def em_reward(completion: str, answer, **_) -> float:
+    """1.0 if the completion's final answer (the `<answer>`'s or `\\boxed{}`'s text, else the whole
+    completion) equals one of the gold answers (`answer`: one, or a list, as QA datasets give
+    several) after `normalize_answer`; SQuAD's and Search-R1's exact match."""
+    golds = answer if isinstance(answer, (list, tuple)) else [answer]
+    mine = normalize_answer(final_answer(completion))
+    return 1.0 if any(mine == normalize_answer(g) for g in golds) else 0.0
+
+
 # --- format -------------------------------------------------------------------------------------
 
 DEFAULT_FORMAT_PATTERN = r"\\boxed\{.+\}"
@@ -135,6 +155,7 @@ BUILTINS = {
     "math": math_reward,
     "numeric": numeric_reward,
     "exact": exact_reward,
+    "em": em_reward,
     "format": format_reward,
     "countdown": countdown_reward,
     "code": code_reward,
