@@ -96,6 +96,7 @@ def test_exact_reward(completion, answer, expected):
     ("<answer>Frank Herbert</answer>", "frank  herbert", 1.0),
     ("<answer>Herbert</answer>", ["Frank Herbert"], 0.0),
     ("<answer>an apple</answer>", ("Apple",), 1.0),
+    ("<answer>Paris</answer>", {"target": ["paris", "Paris, France"]}, 1.0),  # Search-R1's parquet rows
 ])
 def test_em_reward_matches_any_gold_answer_after_squad_normalisation(completion, answer, expected):
     from rollover.rewards.builtins import em_reward

@@ -125,8 +125,11 @@ def normalize_answer(text: str) -> str:
 def em_reward(completion: str, answer, **_) -> float:
     """1.0 if the completion's final answer (the `<answer>`'s or `\\boxed{}`'s text, else the whole
     completion) equals one of the gold answers (`answer`: one, or a list, as QA datasets give
-    several) after `normalize_answer`; SQuAD's and Search-R1's exact match."""
-    golds = answer if isinstance(answer, (list, tuple)) else [answer]
+    several; Search-R1's rows give `{"target": [...]}`) after `normalize_answer`; SQuAD's and
+    Search-R1's exact match."""
+    if isinstance(answer, dict) and "target" in answer:
+        answer = answer["target"]
+    golds = list(answer) if isinstance(answer, (list, tuple)) or type(answer).__name__ == "ndarray" else [answer]
     mine = normalize_answer(final_answer(completion))
     return 1.0 if any(mine == normalize_answer(g) for g in golds) else 0.0
 
