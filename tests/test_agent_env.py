@@ -129,7 +129,16 @@ async def cancels_itself(client, prompt):
 
 
 async def wants_stop(client, prompt):
-    await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}], stop=["Observation:"])
+    await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}], stop=5)
+
+
+async def react(client, prompt):  # a ReAct loop: the policy stops where the observation is to come
+    msgs = [{"role": "user", "content": "Q"}]
+    reply = await client.chat.completions.create(messages=msgs, stop=["Observation:"])
+    msgs += [{"role": "assistant", "content": reply.choices[0].message.content},
+             {"role": "user", "content": "Observation: 42"}]
+    reply = await client.chat.completions.create(messages=msgs, stop="Observation:")
+    return float(reply.choices[0].message.content == "Answer: 42")
 
 
 async def raises(client, prompt):
@@ -235,7 +244,7 @@ def test_an_agents_conversation_is_the_episode_and_its_return_the_reward():
     ("never_calls", "open", "returned 1.0 without calling chat.completions.create"),
     ("says_yes", "step", "returned 'yes': expected a number"),
     ("calls_twice_at_once", "step", "a call is already waiting for the policy"),
-    ("wants_stop", "open", "stop not supported"),
+    ("wants_stop", "open", "call 1: stop=5: a string or a list of non-empty strings"),
     ("exits", "step", "the agent raised SystemExit: giving up"),
     ("cancels_itself", "step", "the agent ended with a CancelledError"),
 ])
@@ -245,6 +254,20 @@ def test_what_an_agent_does_wrong_fails_its_episode_with_the_reason(agents, name
         assert asyncio.run(env.initial_observation())[-1] == {"role": "user", "content": "Hi."}
     with pytest.raises((ValueError, RuntimeError), match=message):
         asyncio.run(env.initial_observation() if where == "open" else env.step(act("Hello.")))
+
+
+def test_an_agents_stop_strings_end_the_turn_and_stay_out_of_its_reply(agents):
+    """stop= (a ReAct agent's): the turn answering the call stops there (the episode's next
+    request carries it, beside rollout.stop's), and the reply's content leaves it out, as
+    OpenAI's does."""
+    from rollover.envs.base import Opening
+
+    env = AgentBuilder(f"{agents}:react").make_one(Prompt(id="r", text="x"), 1, 0)
+    opening = asyncio.run(env.initial_observation())
+    assert isinstance(opening, Opening) and opening.stop == ("Observation:",)
+    first = asyncio.run(env.step(act("Thought: look it up.\nObservation:")))
+    assert first.stop == ("Observation:",) and first.messages == [{"role": "user", "content": "Observation: 42"}]
+    assert asyncio.run(env.step(act("Answer: 42"))).reward == 1.0
 
 
 @pytest.mark.parametrize("name, reward", [("via_openai", 7.0), ("runs_a_program", 5.0)])

@@ -496,3 +496,17 @@ def test_an_episode_saved_inside_a_continued_turn_resumes_it():
 
     with pytest.raises(ValueError, match=r"episode e: .* step 1 differently .*'<r>miss</r>' vs '<r>hit 1</r>'"):
         asyncio.run(pickle.loads(pickle.dumps(ep)).replay(Other(), timeout_s=5))
+
+
+def test_a_step_may_give_the_next_turn_stop_strings_of_its_own():
+    """StepResult.stop: the next turn's request stops at those strings too (beside the run's);
+    the turn after goes back to the run's alone unless the step gives them again."""
+    class Stops(ScriptedEnv):
+        async def step(self, action):
+            result = await super().step(action)
+            result.stop = ("Obs:",) if len(self.actions) == 1 else ()
+            return result
+
+    engine = ScriptedEngine(lambda r: ids("a") + [EOT])
+    episode(engine, Stops(done_at=3), SamplingParams(max_new_tokens=16, stop=("END",)))
+    assert [r.sampling.stop for r in engine.requests] == [("END",), ("END", "Obs:"), ("END",)]

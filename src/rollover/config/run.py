@@ -93,6 +93,12 @@ class Config(Section):
         return False
 
     @property
+    def finds_stop_strings(self) -> bool:
+        """Whether the run's engines look for stop strings (they then get the model's tokenizer):
+        `rollout.stop`'s, or those an environment gives a turn (`StepResult.stop`)."""
+        return bool(self.rollout.stop) or self.env.name is not None
+
+    @property
     def april_carry(self) -> tuple[str, str]:
         """APRIL's carry mode (`resubmit` or `keep_kv`, resolving `auto`) and why."""
         p, a = self.partial_rollout, self.algorithm

@@ -86,7 +86,7 @@ def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_i
     if dtype == "auto":  # float32 on every device: on a GPU the real model learned more in float32 (docs/gpu.md)
         dtype = "float32"
     stops = None
-    if r.stop:
+    if cfg.finds_stop_strings:
         from rollover.engine.stop import StopStrings, stop_strings_of
 
         stops = StopStrings.of(tokenizer) if tokenizer is not None else stop_strings_of(cfg.model)

@@ -26,8 +26,12 @@ re-tokenised: the reply text the agent sees is only for the agent (`rollover.env
 
 Refused, each failing its episode with the reason: a call whose messages do not continue the
 conversation (an edited history, a second conversation, a sub-agent on the same client), two
-calls at once, and arguments rollover cannot honour (`n`, `stream`, `stop`, `logprobs`,
+calls at once, and arguments rollover cannot honour (`n`, `stream`, `logprobs`,
 `response_format`, a `tools=` other than the first call's).
+
+`stop=` (a ReAct agent's "Observation:", smolagents' end-of-code marks) ends the turn that
+answers the call at the first of its strings, beside `rollout.stop`'s, and the reply's content
+leaves it out, as OpenAI's does; the trained tokens keep it.
 
 Tools (`tools=`, OpenAI's function schemas): the opening describes them to the model, by default
 in a system message in the words of `tool_format` (`rollover.envs.tool_formats`; Hermes' by
@@ -59,8 +63,8 @@ from dataclasses import dataclass, field
 
 from rollover.envs import tool_formats
 from rollover.envs.base import Action, Opening, StepResult
-from rollover.envs.chat_api import (ChatCompletion, Choice, Usage, as_message, continuation, refused_arguments,
-                                    rendered, reply_message, with_tools)
+from rollover.envs.chat_api import (ChatCompletion, Choice, Usage, as_message, before_stop, continuation,
+                                    refused_arguments, rendered, reply_message, stop_argument, with_tools)
 from rollover.types import Prompt
 
 
@@ -144,6 +148,7 @@ class _Channel:
     ended: tuple | None = None  # ("done", value) or ("error", exception) once the agent has returned or raised
     task: asyncio.Task | None = None  # the agent, once started
     pending: tuple | None = None  # (messages, tools) of the call the reply answers
+    stop: tuple[str, ...] = ()  # the pending call's stop= strings
 
     async def call(self, messages, tools=None, **kwargs) -> ChatCompletion:
         """The policy's reply to this call (`chat.completions.create`'s arguments, from the client
@@ -151,10 +156,11 @@ class _Channel:
         raises into the caller; the same call again while it waits (a client's retry after a
         timeout) waits for the same reply."""
         try:
+            where = f"call {self.calls + 1}"
+            stop = stop_argument(kwargs.pop("stop", None), where)
             refused = refused_arguments(kwargs)
             if refused:
                 raise ValueError(refused)
-            where = f"call {self.calls + 1}"
             if not isinstance(messages, (list, tuple)) or not messages:
                 raise ValueError(f"{where}: messages must be a non-empty list")
             if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
@@ -174,7 +180,7 @@ class _Channel:
         self.calls += 1
         if self.calls == 1:
             self.tools = tools
-        self.pending = (msgs, tools)
+        self.pending, self.stop = (msgs, tools), stop
         self.reply = asyncio.get_running_loop().create_future()
         _settle(self.next, ("call", msgs))
         return await asyncio.shield(self.reply)
@@ -277,8 +283,9 @@ class AgentEnv:
         if kind == "call":
             ch.sent = value
             if self.tools_in == "template" and ch.tools:  # the chat template describes them, in its own words
-                return Opening(rendered(value, self.format), {"tools": ch.tools})
-            return with_tools(rendered(value, self.format), ch.tools, self.format)
+                return Opening(rendered(value, self.format), {"tools": ch.tools}, stop=ch.stop)
+            messages = with_tools(rendered(value, self.format), ch.tools, self.format)
+            return Opening(messages, stop=ch.stop) if ch.stop else messages
         self._end()
         if kind == "error":
             raise value
@@ -295,7 +302,8 @@ class AgentEnv:
     async def step(self, action: Action) -> StepResult:
         loop, ch = self.loop, self.channel
         nxt = ch.expect()  # before the reply: the agent's next event lands here
-        message, calls = reply_message(action.text, ch.tools, ch.calls, self.format)
+        text = before_stop(action.text, ch.stop) if action.finish == "stop" else action.text
+        message, calls = reply_message(text, ch.tools, ch.calls, self.format)
         finish = "length" if action.finish == "length" else "tool_calls" if calls else "stop"
         completion = ChatCompletion(
             id=f"rollover-{next(_IDS)}", choices=[Choice(0, message, finish)],
@@ -314,7 +322,7 @@ class AgentEnv:
             self._end()
             raise
         ch.sent = value
-        return StepResult(messages=rendered(new, self.format), reward=0.0, done=False)
+        return StepResult(messages=rendered(new, self.format), reward=0.0, done=False, stop=ch.stop)
 
 
 def _final(value) -> StepResult:

@@ -8,7 +8,7 @@ loop, bound to 127.0.0.1 on a free port, started with the first agent episode.
 
 It serves `POST <base_url>/chat/completions` (JSON in, a chat completion out; keep-alive
 connections; bodies with a Content-Length) and nothing else. A request the agent client would
-refuse (`stream`, `n`, `stop`, a second call while one waits, malformed messages or tools) is
+refuse (`stream`, `n`, a second call while one waits, malformed messages or tools) is
 answered 400 with the reason and fails the episode, as a raising in-process call fails it; the
 same call again while it waits (a client retrying after its timeout) gets the same reply; a call
 to an episode that has ended is answered 410; a request that is not HTTP this server reads (no

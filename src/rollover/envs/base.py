@@ -51,6 +51,7 @@ class Opening:
 
     messages: list[dict]
     template_kwargs: dict = field(default_factory=dict)
+    stop: tuple[str, ...] = ()  # strings that also end the model's first turn (as StepResult.stop)
 
 
 @dataclass
@@ -72,6 +73,8 @@ class StepResult:
     # the whole conversation so far stands for it
     state: Hashable | None = None
     continuation: str | None = None  # text inside the model's turn, instead of messages (above)
+    # strings that also end the model's next turn, beside rollout.stop's (an agent's `stop=`)
+    stop: tuple[str, ...] = ()
 
 
 class Env(Protocol):

@@ -15,7 +15,7 @@ HERMES = FORMATS["hermes"]
 
 # create() arguments rollover cannot honour, with the values that ask for nothing
 ALLOWED = {"functions": (None, []), "tool_choice": (None, "none", "auto"), "n": (None, 1),
-           "stream": (None, False), "stop": (None, [], ""), "logprobs": (None, False), "top_logprobs": (None, 0),
+           "stream": (None, False), "logprobs": (None, False), "top_logprobs": (None, 0),
            "response_format": (None, {"type": "text"})}
 
 
@@ -150,6 +150,23 @@ def with_tools(messages: list[dict], tools: list | None, fmt: ToolFormat = HERME
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": f"{head}\n\n{messages[0]['content']}"}, *messages[1:]]
     return [{"role": "system", "content": head}, *messages]
+
+
+def stop_argument(stop, where: str) -> tuple[str, ...]:
+    """A call's `stop=` (OpenAI's: None, a string, or a list of up to 4) as a tuple of strings."""
+    if stop is None or stop == "" or stop == []:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop):
+        return tuple(stop)
+    raise ValueError(f"{where}: stop={stop!r:.80}: a string or a list of non-empty strings")
+
+
+def before_stop(text: str, stops: tuple[str, ...]) -> str:
+    """`text` up to the first of `stops` in it (as OpenAI's reply leaves the stop string out)."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut]
 
 
 def reply_message(text: str, tools: list | None, turn: int = 1, fmt: ToolFormat = HERMES) -> tuple[ChatMessage, bool]:

@@ -129,6 +129,7 @@ class LiveEpisode:
     """
 
     open_text = ""  # (a class default: checkpoints written before it was kept load as no open message)
+    turn_stop: tuple[str, ...] = ()  # the environment's stop strings for the next turn (StepResult.stop)
 
     def __init__(self, request_id: str, sampling: SamplingParams, *, max_turns: int, max_total_tokens: int,
                  env: Env | None = None):
@@ -159,6 +160,7 @@ class LiveEpisode:
         """The initial observation came back (or failed): messages, or an `Opening`."""
         kwargs = {}
         if isinstance(messages, Opening):
+            self.turn_stop = tuple(messages.stop)
             messages, kwargs = messages.messages, dict(messages.template_kwargs)
         if error is None:
             try:
@@ -195,7 +197,8 @@ class LiveEpisode:
             return replace(self.partial.resume(), media=self.traj.media)
         room = self.max_total_tokens - len(self.traj.tokens_T)
         sampling = replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, room),
-                           seed=_turn_seed(self.sampling.seed, self.turn))
+                           seed=_turn_seed(self.sampling.seed, self.turn),
+                           stop=tuple(dict.fromkeys((*self.sampling.stop, *self.turn_stop))))
         return Request(id=f"{self.request_id}/turn{self.turn}", prompt_ids=list(self.traj.tokens_T), sampling=sampling,
                        media=self.traj.media)
 
@@ -231,6 +234,7 @@ class LiveEpisode:
             return
         turn.reward, turn.messages, turn.info = float(result.reward), list(result.messages), dict(result.info)
         turn.state, turn.continuation = result.state, result.continuation
+        self.turn_stop = tuple(result.stop)
         k = len(traj.turns)
         if result.done or k >= self.max_turns:
             traj.finish = "done" if result.done else "max_turns"
@@ -445,7 +449,15 @@ def _is_messages(value) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
+def _not_stop(stop) -> str | None:
+    if isinstance(stop, (tuple, list)) and all(isinstance(s, str) and s for s in stop):
+        return None
+    return f"stop={stop!r:.100}: a tuple of non-empty strings"
+
+
 def _not_messages(value) -> str | None:
+    if isinstance(value, Opening) and _not_stop(value.stop):
+        return f"initial_observation returned an Opening with {_not_stop(value.stop)}"
     if _is_messages(value) or (isinstance(value, Opening) and _is_messages(value.messages)
                                and isinstance(value.template_kwargs, dict)):
         return None
@@ -461,6 +473,8 @@ def _not_step_result(value) -> str | None:
         if value.continuation is not None and (not isinstance(value.continuation, str) or value.messages):
             return (f"step returned continuation={value.continuation!r:.100} with messages={value.messages!r:.100}: "
                     "a continuation is a string, given instead of messages")
+        if _not_stop(value.stop):
+            return _not_stop(value.stop)
         r = value.reward
         if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r):
             return None

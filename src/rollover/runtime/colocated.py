@@ -76,7 +76,7 @@ class ColocatedEngines(EngineAPI):
         self._timeout_s = cfg.train.collective_timeout_s
         self._free_weights = cfg.train.colocate_free_weights
         tokenizer = None
-        if cfg.rollout.stop:  # the ranks' engines find its strings with the driver's tokenizer
+        if cfg.finds_stop_strings:  # the ranks' engines find stop strings with the driver's tokenizer
             from rollover.models import load_tokenizer
 
             tokenizer = load_tokenizer(cfg.model)
@@ -182,7 +182,7 @@ class ColocatedEngines(EngineAPI):
                     raise ValueError(f"request {r.id!r}: an unfinished request has this id")
                 seen.add(r.id)
                 validate_request(r, max_len=self.max_len, vocab_size=self.vocab_size, media=self.takes_media,
-                                 stop_strings=bool(self.cfg.rollout.stop))  # the ranks' engines get the tokenizer
+                                 stop_strings=self.cfg.finds_stop_strings)  # the ranks' engines get the tokenizer
             for r in requests:
                 f = Future()
                 if on_done is not None:

@@ -65,7 +65,7 @@ class RayEngine(WeightUpdates, EngineAPI):
         self.takes_media = is_vision_language(architecture.config) and cfg.rollout.engine == "torch"
         # rollout.stop: the workers find the strings with the driver's tokenizer (their nodes need no copy)
         self._tokenizer = None
-        if cfg.rollout.stop:
+        if cfg.finds_stop_strings:
             from rollover.models import load_tokenizer
 
             self._tokenizer = load_tokenizer(cfg.model)
