@@ -247,6 +247,11 @@ def test_stop_strings_are_found_across_tokens():
     assert not stops.ends(answer, [1, 2, 4, 3]) and not stops.ends((), [1, 2, 3])
     assert stops.ends(("é ", "zz"), [0, 5, 4])
     assert stops.ends(["zz", "é "], [0, 5, 4])  # a list, as a config gives it
+    calls = []
+    counted = StopStrings(lambda ids: calls.append(list(ids)) or "".join(pieces[i] for i in ids))
+    assert not counted.ends(answer, [0, 1, 2]) and calls == [[2]]  # "ans" cannot end "</answer>": no window
+    assert not counted.ends(answer, [0, 1, 2, 2]) and calls == [[2]]  # its text alone is kept
+    assert counted.ends(answer, [0, 1, 2, 3]) and calls[-1] == [0, 1, 2, 3]
 
     def byte_fallback(ids):  # Llama 2's decoder: a run of byte tokens that starts mid-character is all replaced
         raw = bytes(ids)
