@@ -579,3 +579,46 @@ def test_a_continuation_gets_no_leading_space_from_a_sentencepiece_tokenizer(sch
     assert tok.convert_ids_to_tokens(tok.encode("<r>ab", add_special_tokens=False))[0] == "\u2581"  # what it does
     ids = ChatRenderer(tok).continuation([{"role": "user", "content": "q"}], [vocab["a"]], "<r>ab")
     assert tok.convert_ids_to_tokens(ids) == ["<", "r", ">", "a", "b"]
+
+
+def test_the_search_r1_example_asks_its_retrieval_server_and_formats_its_passages(monkeypatch):
+    """examples/envs/search_r1_retriever.py against a stand-in for Search-R1's retrieval server
+    (its request and answer shapes); with `system_prompt: null` the dataset's prompt stands alone."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from pathlib import Path
+
+    from rollover.envs.inline import InlineTools
+
+    seen = []
+
+    class Server(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            docs = [{"document": {"id": "1", "contents": '"Dune (novel)"\nDune is a 1965 novel by Frank Herbert.'},
+                     "score": 0.9}]
+            body = json.dumps({"result": [docs]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("SEARCH_URL", f"http://127.0.0.1:{server.server_port}/retrieve")
+        example = Path(__file__).parent.parent / "examples/envs/search_r1_retriever.py"
+        spec = InlineTools(tools={"search": f"{example}:search"}, system_prompt=None)
+        env = spec.make_one(Prompt(id="q", text="Who wrote Dune?", answer={"target": ["Frank Herbert"]}), 1, 0)
+        assert asyncio.run(env.initial_observation()) == [{"role": "user", "content": "Who wrote Dune?"}]
+        first, last = [asyncio.run(env.step(act(t))) for t in ("<search> dune author </search>",
+                                                                 "<answer>Frank Herbert</answer>")]
+    finally:
+        server.shutdown()
+    assert seen == [{"queries": ["dune author"], "topk": 3, "return_scores": True}]
+    assert first.continuation == "\n<information>Doc 1(Title: Dune (novel)) Dune is a 1965 novel by Frank Herbert.</information>\n"
+    assert last.done and last.reward == 1.0

@@ -115,6 +115,9 @@ class InlineTools:
     max_calls: int = 4
     output_chars: int = 2000
     score: Callable | str = "em"
+    # the system message that tells the model the tags ("default": `default_system_prompt()`); None:
+    # no system message, for prompts that carry their own instructions (Search-R1's datasets do)
+    system_prompt: str | None = "default"
 
     def __post_init__(self):
         if not isinstance(self.tools, dict) or not self.tools:
@@ -144,7 +147,7 @@ class InlineTools:
         if self.max_calls < 1 or self.output_chars < 1:
             raise ValueError("inline_tools: max_calls and output_chars must be >= 1")
 
-    def system_prompt(self) -> str:
+    def default_system_prompt(self) -> str:
         tags = ", ".join(f"<{t}>...</{t}>" for t in self.tools)
         return (f"Answer the question. You can call tools by writing {tags} and stopping; the result follows "
                 f"and you go on. You may call tools at most {self.max_calls} times. Give the final answer as "
@@ -164,7 +167,9 @@ class InlineToolsEnv:
         self.calls = self.errors = 0
 
     async def initial_observation(self) -> list[dict]:
-        return render_messages(self.prompt, system_prompt=self.spec.system_prompt())
+        system = self.spec.system_prompt
+        return render_messages(self.prompt, system_prompt=self.spec.default_system_prompt() if system == "default"
+                               else system)
 
     async def step(self, action: Action) -> StepResult:
         self.written += action.text
