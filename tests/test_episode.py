@@ -510,3 +510,20 @@ def test_a_step_may_give_the_next_turn_stop_strings_of_its_own():
     engine = ScriptedEngine(lambda r: ids("a") + [EOT])
     episode(engine, Stops(done_at=3), SamplingParams(max_new_tokens=16, stop=("END",)))
     assert [r.sampling.stop for r in engine.requests] == [("END",), ("END", "Obs:"), ("END",)]
+
+
+def test_a_continued_message_reads_whole_in_the_rollouts_text_and_a_resubmitted_stop_ends_at_once():
+    """The rollout's text keeps a continued message whole (continuations in it) and separates
+    messages; a Ray resubmission whose carried tokens already end in a stop string finishes as
+    stop, as the engine would have."""
+    from rollover.engine.stop import StopStrings
+    from rollover.rollout.episodes import _text
+    from rollover.runtime.live import already_finished
+
+    replies = {1: ids("<s>q1"), 2: ids("<s>q2"), 3: ids("ok") + [EOT], 4: ids("x") + [EOT]}
+    traj = episode(ScriptedEngine(lambda r: replies[turn_of(r)]), SearchEnv())
+    assert _text(traj) == "<s>q1<r>hit 1</r><s>q2<r>hit 2</r>ok || x"
+    req = Request("r", ids("p"), SamplingParams(max_new_tokens=9, stop=("q1",)), response_ids=ids("<s>q1"),
+                  response_logprobs=[0.0] * 5, response_versions=[0] * 5)
+    stops = StopStrings(lambda i: TOK.decode(i, skip_special_tokens=True))
+    assert already_finished(req, (EOT,), 100) is None and already_finished(req, (EOT,), 100, stops) == "stop"

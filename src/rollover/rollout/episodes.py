@@ -37,7 +37,7 @@ def to_group(pg, trajectories: list[Trajectory]) -> Group:
             log.warning("env: episode %s failed: %s", t.request_id, t.error.describe())
         r = t.to_rollout(pg.id, failed_ok=True)
         r.scores = {} if r.reward is None else {"env": t.reward}
-        r.text = " || ".join(turn.text for turn in t.turns)
+        r.text = _text(t)
         r.turns = [turn_record(turn, t.prompt_len, _state(t, k)) for k, turn in enumerate(t.turns)]
         rollouts.append(r)
     return Group(id=pg.id, prompt=pg.prompt, prompt_ids=trajectories[0].tokens_T[: trajectories[0].prompt_len],
@@ -122,6 +122,19 @@ def _g0(rewards: list[float], gamma: float) -> float:
     for x in reversed(rewards):
         g = x + gamma * g
     return g
+
+
+def _text(t: Trajectory) -> str:
+    """What the model wrote, its messages apart ("||"): a continued message whole, the
+    environment's continuations in it."""
+    out = ""
+    for k, turn in enumerate(t.turns):
+        out += turn.text
+        if turn.continuation is not None and k + 1 < len(t.turns):
+            out += turn.continuation
+        elif k + 1 < len(t.turns):
+            out += " || "
+    return out
 
 
 def turn_record(turn: Turn, prompt_len: int, state: str = "") -> dict:

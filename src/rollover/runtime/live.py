@@ -54,13 +54,16 @@ class LiveRequest:
                        response_versions=r.response_versions + self.vers, media=r.media)
 
 
-def already_finished(req: Request, eos: tuple[int, ...], max_len: int) -> str | None:
+def already_finished(req: Request, eos: tuple[int, ...], max_len: int, stop_strings=None) -> str | None:
     """The finish of a resumed request whose carried tokens already end it (its worker died
-    after the last token and before reporting the completion), else None."""
+    after the last token and before reporting the completion), else None. `stop_strings`: what
+    finds the request's stop strings (`rollover.engine.stop.StopStrings`)."""
     if not req.response_ids:
         return None
     stop = set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else set(eos))
     if req.response_ids[-1] in stop:
+        return "stop"
+    if stop_strings is not None and stop_strings.ends(req.sampling.stop, req.response_ids):
         return "stop"
     if req.remaining_tokens <= 0 or len(req.prompt_ids) + len(req.response_ids) >= max_len:
         return "length"

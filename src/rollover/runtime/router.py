@@ -64,11 +64,13 @@ class RayEngine(WeightUpdates, EngineAPI):
         # the workers' TorchEngines prefill images with a vision-language model
         self.takes_media = is_vision_language(architecture.config) and cfg.rollout.engine == "torch"
         # rollout.stop: the workers find the strings with the driver's tokenizer (their nodes need no copy)
-        self._tokenizer = None
+        self._tokenizer = self._stops = None
         if cfg.finds_stop_strings:
+            from rollover.engine.stop import StopStrings
             from rollover.models import load_tokenizer
 
             self._tokenizer = load_tokenizer(cfg.model)
+            self._stops = StopStrings.of(self._tokenizer)  # a resubmitted request that already holds one ends here
         self._eos = tuple(eos_token_ids)
         self._arch = (architecture.config, getattr(architecture, "generation_config", None))
         self._version = 0
@@ -315,7 +317,7 @@ class RayEngine(WeightUpdates, EngineAPI):
             for live in lives:
                 if self._live.get(live.req.id) is not live:
                     continue  # finished meanwhile (aborted before it was placed)
-                end = already_finished(live.resumed(), self._eos, self.max_len)
+                end = already_finished(live.resumed(), self._eos, self.max_len, self._stops)
                 if end is not None:
                     del self._live[live.req.id]
                     done.append((live, live.resumed().completion(end)))
