@@ -141,6 +141,18 @@ async def react(client, prompt):  # a ReAct loop: the policy stops where the obs
     return float(reply.choices[0].message.content == "Answer: 42")
 
 
+async def react_via_openai(client, prompt):  # the same through the episode's endpoint, with OpenAI's SDK
+    from openai import AsyncOpenAI
+
+    api = AsyncOpenAI(base_url=client.base_url, api_key="-", max_retries=0)
+    msgs = [{"role": "user", "content": "Q"}]
+    reply = await api.chat.completions.create(model="policy", messages=msgs, stop=["Observation:"])
+    msgs += [{"role": "assistant", "content": reply.choices[0].message.content},
+             {"role": "user", "content": "Observation: 42"}]
+    reply = await api.chat.completions.create(model="policy", messages=msgs, stop="Observation:")
+    return float(reply.choices[0].message.content == "Answer: 42")
+
+
 async def raises(client, prompt):
     await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}])
     raise KeyError("no such tool")
@@ -256,13 +268,16 @@ def test_what_an_agent_does_wrong_fails_its_episode_with_the_reason(agents, name
         asyncio.run(env.initial_observation() if where == "open" else env.step(act("Hello.")))
 
 
-def test_an_agents_stop_strings_end_the_turn_and_stay_out_of_its_reply(agents):
-    """stop= (a ReAct agent's): the turn answering the call stops there (the episode's next
-    request carries it, beside rollout.stop's), and the reply's content leaves it out, as
-    OpenAI's does."""
+@pytest.mark.parametrize("name", ["react", "react_via_openai"])
+def test_an_agents_stop_strings_end_the_turn_and_stay_out_of_its_reply(agents, name):
+    """stop= (a ReAct agent's, in process or through the endpoint with OpenAI's SDK): the turn
+    answering the call stops there (the episode's next request carries it, beside
+    rollout.stop's), and the reply's content leaves it out, as OpenAI's does."""
     from rollover.envs.base import Opening
 
-    env = AgentBuilder(f"{agents}:react").make_one(Prompt(id="r", text="x"), 1, 0)
+    if name == "react_via_openai":
+        pytest.importorskip("openai")
+    env = AgentBuilder(f"{agents}:{name}").make_one(Prompt(id="r", text="x"), 1, 0)
     opening = asyncio.run(env.initial_observation())
     assert isinstance(opening, Opening) and opening.stop == ("Observation:",)
     first = asyncio.run(env.step(act("Thought: look it up.\nObservation:")))

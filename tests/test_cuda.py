@@ -59,6 +59,32 @@ def test_cuda_graphs_give_the_eager_tokens():
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_stop_strings_through_cuda_graphs_cut_each_row_where_the_eager_engine_does():
+    """rollout.stop under CUDA graphs: rows leave the graphed batch at the token that completes a
+    string, each where its greedy text first holds one; the rows beside them go on as without."""
+    from dataclasses import replace
+
+    from rollover.engine.stop import StopStrings
+    from rollover.testing import char_tokenizer
+
+    tok = char_tokenizer()
+    text = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    model = tiny_model("llama", seed=4)
+    with TorchEngine(model, device="cuda", dtype=torch.float32, max_rows=8, max_len=192, eos_token_ids=[],
+                     stop_strings=StopStrings(text)) as eng:
+        full = eng.generate(requests(6, 100, temperature=0.0))
+        stops = {c.id: text(c.response_ids[20:22]) for c in full[::2]}  # every other row gets a string
+        cut = eng.generate([replace(r, sampling=replace(r.sampling, stop=(stops[r.id],))) if r.id in stops else r
+                            for r in requests(6, 100, temperature=0.0)])
+        assert eng.core.runner._graphs, "no decode step ran through a CUDA graph"
+    for a, b in zip(full, cut):
+        if a.id in stops:
+            end = next(i for i in range(len(a.response_ids)) if stops[a.id] in text(a.response_ids[: i + 1]))
+            assert b.finish == "stop" and b.response_ids == a.response_ids[: end + 1], a.id
+        else:
+            assert b.response_ids == a.response_ids, a.id
+
+
 def test_compiled_decode_through_graphs_gives_the_eager_tokens():
     """compile_decode with CUDA graphs: each bucket's graph records the compiled step; greedy
     tokens equal the eager step's, logprobs to float rounding, and the graphs are the ones used."""
