@@ -56,6 +56,9 @@ class Interpreter:
     run: Callable[[str], tuple[str, bool]] = field(default=_sandboxed)  # code -> (what the model is shown, ran well)
     # (the model's text, answer) -> reward; or a reward's name ("numeric", the default; "math", ...) or module:function
     score: Callable[[str, object], float | None] | str = "numeric"
+    # the system message that explains the fence ("default": `default_system_prompt()`); None: none,
+    # for prompts that carry their own instructions
+    system_prompt: str | None = "default"
 
     def __post_init__(self):
         object.__setattr__(self, "score", Score(self.score, "interpreter"))
@@ -66,7 +69,7 @@ class Interpreter:
         if not self.marker.strip():
             raise ValueError("interpreter: marker must be a non-empty string (the run's rollout.stop holds it)")
 
-    def system_prompt(self) -> str:
+    def default_system_prompt(self) -> str:
         return ("Solve the problem step by step. You can run Python: write a ```python code block, then "
                 f"{self.marker} on the next line, and stop; the program's output follows and you go on. Print what "
                 f"you need to see. You may run code at most {self.max_calls} times. Put the final answer in "
@@ -87,7 +90,9 @@ class InterpreterEnv:
         self.calls = self.failures = 0
 
     async def initial_observation(self) -> list[dict]:
-        return render_messages(self.prompt, system_prompt=self.spec.system_prompt())
+        system = self.spec.system_prompt
+        return render_messages(self.prompt, system_prompt=self.spec.default_system_prompt() if system == "default"
+                               else system)
 
     async def step(self, action: Action) -> StepResult:
         self.written += action.text
