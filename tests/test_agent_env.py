@@ -256,7 +256,7 @@ def test_an_agents_conversation_is_the_episode_and_its_return_the_reward():
     ("never_calls", "open", "returned 1.0 without calling chat.completions.create"),
     ("says_yes", "step", "returned 'yes': expected a number"),
     ("calls_twice_at_once", "step", "a call is already waiting for the policy"),
-    ("wants_stop", "open", "call 1: stop=5: a string or a list of non-empty strings"),
+    ("wants_stop", "open", "call 1: stop=5: a string or a list of up to 4 non-empty strings"),
     ("exits", "step", "the agent raised SystemExit: giving up"),
     ("cancels_itself", "step", "the agent ended with a CancelledError"),
 ])

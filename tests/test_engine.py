@@ -252,6 +252,8 @@ def test_stop_strings_are_found_across_tokens():
     assert not counted.ends(answer, [0, 1, 2]) and calls == [[2]]  # "ans" cannot end "</answer>": no window
     assert not counted.ends(answer, [0, 1, 2, 2]) and calls == [[2]]  # its text alone is kept
     assert counted.ends(answer, [0, 1, 2, 3]) and calls[-1] == [0, 1, 2, 3]
+    dropping = StopStrings(lambda ids: bytes(ids).decode("utf-8", errors="ignore"))  # a decoder that drops part-characters
+    assert dropping.ends(("。",), list("ab。".encode()))  # its last byte decodes alone to nothing: not skipped
 
     def byte_fallback(ids):  # Llama 2's decoder: a run of byte tokens that starts mid-character is all replaced
         raw = bytes(ids)

@@ -46,7 +46,8 @@ class StopStrings:
             piece = self._pieces.get(last)
             if piece is None:
                 piece = self._pieces[last] = self.decode([last])
-            if "\ufffd" not in piece and not any(c in piece for c in finals):
+            # (a piece that decodes to nothing may be part of a character a decoder drops alone)
+            if piece and "\ufffd" not in piece and not any(c in piece for c in finals):
                 return False
         tail = self.decode(list(response_ids[-window:]))
         # a window that starts inside a character: byte-fallback decoders (Llama 2's, Mistral's) make

@@ -88,7 +88,7 @@ class TorchEngine(ThreadedEngine):
         (`rollover.engine.cpu.share`; `rollout.engine_options: {adapt_threads: false}` keeps
         torch's count).
     stop_strings: what finds requests' stop strings (`rollover.engine.stop`; a run's engines get
-        one when `rollout.stop` is set); None: a request with stop strings is refused.
+        one when `rollout.stop` or `env.name` is set); None: a request with stop strings is refused.
     """
 
     def __init__(

@@ -13,7 +13,7 @@ def validate_request(req: Request, *, max_len: int, vocab_size: int, media: bool
     where = f"request {req.id!r}"
     if req.sampling.stop and not isinstance(req.sampling.stop, str) and not stop_strings:
         raise ValueError(f"{where} has stop strings {list(req.sampling.stop)}: this engine was built without a "
-                         "tokenizer to find them (the run's engines get one when rollout.stop is set)")
+                         "tokenizer to find them (a run's engines get one when rollout.stop or env.name is set)")
     if req.media is not None and not media:
         raise ValueError(f"{where} has images: only TorchEngine with a vision-language model takes them "
                          "(not vLLM yet)")

@@ -29,9 +29,10 @@ conversation (an edited history, a second conversation, a sub-agent on the same 
 calls at once, and arguments rollover cannot honour (`n`, `stream`, `logprobs`,
 `response_format`, a `tools=` other than the first call's).
 
-`stop=` (a ReAct agent's "Observation:", smolagents' end-of-code marks) ends the turn that
-answers the call at the first of its strings, beside `rollout.stop`'s, and the reply's content
-leaves it out, as OpenAI's does; the trained tokens keep it.
+`stop=` (a ReAct agent's "Observation:") ends the turn that answers the call at the first of its
+strings, beside `rollout.stop`'s, and the reply's content leaves it out, as OpenAI's does; the
+trained tokens keep it. (smolagents does not fit yet: it writes its end-of-code mark back into
+the reply and merges it with the next message, which the conversation check refuses.)
 
 Tools (`tools=`, OpenAI's function schemas): the opening describes them to the model, by default
 in a system message in the words of `tool_format` (`rollover.envs.tool_formats`; Hermes' by
@@ -168,7 +169,7 @@ class _Channel:
             tools = list(tools) if tools else None
             msgs = [as_message(m, f"{where}, message {i}") for i, m in enumerate(messages)]
             if self.reply is not None and not self.reply.done():
-                if (msgs, tools) == self.pending:
+                if (msgs, tools) == self.pending and stop == self.stop:
                     return await asyncio.shield(self.reply)
                 raise RuntimeError("chat.completions.create: a call is already waiting for the policy; an episode is "
                                    "one conversation, one call at a time")

@@ -157,10 +157,10 @@ def stop_argument(stop, where: str) -> tuple[str, ...]:
     if stop is None or stop == "" or stop == []:
         return ()
     if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop):
+        stop = [stop]
+    if isinstance(stop, (list, tuple)) and 0 < len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
         return tuple(stop)
-    raise ValueError(f"{where}: stop={stop!r:.80}: a string or a list of non-empty strings")
+    raise ValueError(f"{where}: stop={stop!r:.80}: a string or a list of up to 4 non-empty strings (OpenAI's limit)")
 
 
 def before_stop(text: str, stops: tuple[str, ...]) -> str:
