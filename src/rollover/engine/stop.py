@@ -8,8 +8,8 @@ plus two: a token other than a special one holds at least one byte, and a window
 may decode to less than its bytes (a part of a character, a SentencePiece word's leading space).
 Only the response is searched, not the prompt (as vLLM). The token that completes a string
 writes its last character, so a token whose own text holds none of the strings' last characters
-(nor a part of one: a byte token) is passed without decoding the window: about one token in ten
-or more for a typical string, where the decode is the cost (3-4 us a row per step on a CPU core).
+(nor a part of one: a byte token) is passed without decoding the window, which is the check's
+cost.
 
 The token that completes a string is kept whole, so a string that ends inside a token keeps the
 rest of that token's text; the trained tokens are always the sampled ones.

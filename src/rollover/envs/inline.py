@@ -97,6 +97,12 @@ class Score:
             return _POOLS[key]
 
 
+def opening(prompt: Prompt, system_prompt: str | None, default: str) -> list[dict]:
+    """The episode's first messages: the prompt under `system_prompt` ("default": `default`;
+    None: no system message)."""
+    return render_messages(prompt, system_prompt=default if system_prompt == "default" else system_prompt)
+
+
 async def call(fn: Callable, *args):
     """`fn(*args)`: awaited if it is a coroutine function (or returns an awaitable), else in a
     worker thread."""
@@ -167,9 +173,7 @@ class InlineToolsEnv:
         self.calls = self.errors = 0
 
     async def initial_observation(self) -> list[dict]:
-        system = self.spec.system_prompt
-        return render_messages(self.prompt, system_prompt=self.spec.default_system_prompt() if system == "default"
-                               else system)
+        return opening(self.prompt, self.spec.system_prompt, self.spec.default_system_prompt())
 
     async def step(self, action: Action) -> StepResult:
         self.written += action.text

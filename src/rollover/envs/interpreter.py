@@ -30,9 +30,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rollover.data.render import render_messages
 from rollover.envs.base import Action, StepResult
-from rollover.envs.inline import Score
+from rollover.envs.inline import Score, opening
 from rollover.types import Prompt
 
 MARKER = "```output"
@@ -90,9 +89,7 @@ class InterpreterEnv:
         self.calls = self.failures = 0
 
     async def initial_observation(self) -> list[dict]:
-        system = self.spec.system_prompt
-        return render_messages(self.prompt, system_prompt=self.spec.default_system_prompt() if system == "default"
-                               else system)
+        return opening(self.prompt, self.spec.system_prompt, self.spec.default_system_prompt())
 
     async def step(self, action: Action) -> StepResult:
         self.written += action.text

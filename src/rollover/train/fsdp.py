@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from typing import Iterator
 
 import torch
@@ -54,6 +53,8 @@ import torch.distributed as dist
 from torch import nn
 
 from rollover.train.batch import MicroBatch, TrainBatch
+from rollover.train.fsdp_checkpoint import ShardedCheckpoints
+from rollover.train.fsdp_rank0 import broadcast_whole, check_same_model, receive_shards
 from rollover.train.metric_sums import reduce_sums
 from rollover.train.trainer import Trainer
 
@@ -139,7 +140,7 @@ def _stand_in(pad_id: int, shared_prefix: bool) -> MicroBatch:
                       response=one.clone() if shared_prefix else None)
 
 
-class FSDPTrainer(Trainer):
+class FSDPTrainer(ShardedCheckpoints, Trainer):
     """A `Trainer` whose model is sharded over the ranks of the default process group."""
 
     sharded = True
@@ -168,9 +169,9 @@ class FSDPTrainer(Trainer):
         mesh = init_device_mesh(self.device.type, (self.world,))
         from_rank0 = self._from_rank0 or id(model) in self._rank0_built
         if from_rank0:
-            shapes = _check_same_model(model)
+            shapes = check_same_model(model)
             if self.rank == 0:  # its whole tensors to the others, then it shards them as usual
-                _broadcast_whole(model, self.device)
+                broadcast_whole(model, self.device)
         kw = {"mesh": mesh}
         if t.dtype == "autocast_bf16":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -188,7 +189,7 @@ class FSDPTrainer(Trainer):
             model.to_empty(device="cpu" if t.fsdp_offload else self.device)
             for b in model.buffers():  # buffers are not sharded or offloaded: they stay where the passes run
                 b.data = b.data.to(self.device)
-            _receive_shards(model, shapes, self.device, self.rank, self.world)
+            receive_shards(model, shapes, self.device, self.rank, self.world)
         # the ranks' losses are parts of one sum (global normalisers): add their gradients, do not average
         for m in root.modules():
             if hasattr(m, "set_gradient_divide_factor"):
@@ -473,88 +474,11 @@ class FSDPTrainer(Trainer):
                 t = t + (b.float() @ a.float()).T.to(t.dtype) * scaling[mod]
             yield n.removeprefix("base_model.model.").replace(".base_layer", ""), t
 
-    # ------------------------------------------------------------ checkpoints
-    def save_sharded(self, path) -> None:
-        """Every rank writes its shards of the weights and the optimizer state under `path` (and of
-        the KL reference, when `algorithm.ref_sync_every` moves it)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        if self.cfg.algorithm.ref_sync_every is not None:
-            state["reference"] = get_model_state_dict(self.ref_model)
-        if self.critic is not None:
-            state["critic"] = self._critic_state()
-        dcp.save(state, checkpoint_id=str(path), process_group=self._cpu_group)
-
-    def load_sharded(self, path) -> None:
-        """Weights and optimizer state from `path` (written at any world size), resharded here."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        if self._reference_saved:
-            state["reference"] = get_model_state_dict(self.ref_model)
-        if self.critic is not None:
-            state["critic"] = self._critic_state()
-        dcp.load(state, checkpoint_id=str(path), process_group=self._cpu_group)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        if self._reference_saved:
-            set_model_state_dict(self.ref_model, state["reference"])
-        if self.critic is not None:
-            set_state_dict(self.critic.value, self.critic.optimizer, model_state_dict=state["critic"]["model"],
-                           optim_state_dict=state["critic"]["optim"], options=self._critic_options())
-
-    @staticmethod
-    def _critic_options():
-        """The critic's trained weights only (under LoRA the frozen base comes from the model again)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(ignore_frozen_params=True, strict=False)
-
-    def _critic_state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.critic.value, self.critic.optimizer, options=self._critic_options())
-        return {"model": model, "optim": optim}
-
+    # ------------------------------------------------------------ reference
     def _sync_reference(self, alpha: float) -> None:
         for model in (self.model, self.ref_model):  # each its own shards: a root kept whole after its
             self._roots[id(model)].reshard()        # forward would take the update in a passing copy
         super()._sync_reference(alpha)
-
-    def state_dict(self) -> dict:
-        """What is not sharded: the schedulers and counters (the optimizers' moments, the critic, and
-        a moved KL reference, go through `save_sharded`)."""
-        return {"scheduler": self.scheduler.state_dict(), "bad_steps": self.bad_steps,
-                "steps_trained": self.steps_trained, "reference_saved": self.cfg.algorithm.ref_sync_every is not None,
-                "entropy_control": [self.entropy_coef, self.last_entropy],
-                "micro_batch_tokens": [self._micro_batch_start, self.micro_batch_tokens],
-                **({"critic_scheduler": self.critic.scheduler.state_dict(), "critic_kl_coef": self.critic.kl_coef,
-                    "critic_source": self.cfg.critic.model} if self.critic is not None else {})}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.critic is not None:
-            if "critic_scheduler" not in state:
-                raise self.critic.missing_error()
-            self.critic.check_source(state.get("critic_source"))
-            self.critic.scheduler.load_state_dict(state["critic_scheduler"])
-            self.critic.kl_coef = self.critic.resumed_kl_coef(state.get("critic_kl_coef"))
-        self.bad_steps = state["bad_steps"]
-        self.steps_trained = state.get("steps_trained", 0)
-        self.entropy_coef, self.last_entropy = state.get("entropy_control", (self.entropy_coef, self.last_entropy))
-        start, now = state.get("micro_batch_tokens", (None, None))
-        if start == self._micro_batch_start:
-            self.micro_batch_tokens = now
-        # read before load_sharded (rank_server.load): a reference is loaded only from a checkpoint that has one
-        self._reference_saved = self.cfg.algorithm.ref_sync_every is not None and state.get("reference_saved", False)
-        if self.cfg.algorithm.ref_sync_every is not None and not self._reference_saved:
-            warnings.warn("algorithm.ref_sync_every: the checkpoint holds no moved KL reference; the reference "
-                          "starts again from the starting model", RuntimeWarning, stacklevel=2)
 
 
 def _tensors(out) -> list[torch.Tensor]:
@@ -563,49 +487,6 @@ def _tensors(out) -> list[torch.Tensor]:
         return [out] if out.is_floating_point() else []
     values = out.values() if hasattr(out, "values") and callable(out.values) else out if isinstance(out, (list, tuple)) else []
     return [t for v in values for t in _tensors(v)]
-
-
-def _check_same_model(model: nn.Module) -> list[tuple]:
-    """Every rank built rank 0's model (names, shapes, dtypes of its parameters and buffers), or
-    all of them raise: one broadcast too many or too few would hang them. Returns them."""
-    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in [*model.named_parameters(), *model.named_buffers()]]
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    for r, theirs in enumerate(every):
-        if theirs != every[0]:
-            diff = next((a, b) for a, b in zip(every[0] + [None], theirs + [None]) if a != b)
-            raise ValueError(f"rank {r} built another model than rank 0: {diff[1]} where rank 0 has {diff[0]}")
-    return mine
-
-
-def _broadcast_whole(model: nn.Module, device: torch.device) -> None:
-    """Rank 0: each parameter and buffer, whole, a tensor at a time (through the GPU on GPUs, so
-    NCCL carries it)."""
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.detach().to(device), src=0)
-
-
-def _receive_shards(model: nn.Module, shapes: list[tuple], device: torch.device, rank: int, world: int) -> None:
-    """Another rank, its model sharded: each of rank 0's tensors in turn into a buffer of one
-    tensor's size, this rank's part of it (FSDP2's dim-0 chunk) kept; buffers (not sharded) whole."""
-    from torch.distributed.tensor import DTensor
-
-    dtypes = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
-    with torch.no_grad():
-        for t, (name, shape, dtype) in zip([*model.parameters(), *model.buffers()], shapes):
-            whole = torch.empty(shape, dtype=dtypes.get(dtype, t.dtype), device=device)
-            dist.broadcast(whole, src=0)
-            if isinstance(t, DTensor):
-                local = t.to_local()
-                chunks = torch.chunk(whole, world, dim=0)
-                part = chunks[rank] if rank < len(chunks) else whole[:0]
-                if tuple(local.shape) != tuple(part.shape):
-                    raise RuntimeError(f"{name}: this rank's shard is {tuple(local.shape)}, its chunk of rank 0's "
-                                       f"{tuple(part.shape)}")
-                local.copy_(part)
-            else:
-                t.copy_(whole)
 
 
 @contextlib.contextmanager
