@@ -85,12 +85,21 @@ def test_reinforce_pp_whitens_over_the_batch_without_a_group_baseline():
     assert flat[0] > 0 > flat[2]  # an all-equal group still compares with the batch
 
 
-@pytest.mark.parametrize("name", sorted(set(ADVANTAGES) - {"reinforce_pp", "gae"}))
+def inputs(name: str, rewards: torch.Tensor) -> dict:
+    """What an estimator takes besides the rewards (lengths for opo, baselines for remax)."""
+    if name == "opo":
+        return {"lengths_B": torch.arange(1, rewards.numel() + 1, dtype=torch.float32)}
+    if name == "remax":
+        return {"baselines_B": torch.full_like(rewards, 0.25)}
+    return {}
+
+
+@pytest.mark.parametrize("name", sorted(set(ADVANTAGES) - {"reinforce_pp", "gae", "remax", "grpo_passk"}))
 def test_singleton_and_flat_groups_get_zero_and_are_counted(name):
     # group 7: informative; group 3: all equal (0.1 is not exact in binary); group 9: one sample
     rewards = torch.tensor([0.1, 1.0, 0.1, 0.0, 0.1, 0.4, 2.0])
     groups = torch.tensor([3, 7, 3, 7, 3, 7, 9])
-    adv, info = compute_advantages(name, rewards, groups)
+    adv, info = compute_advantages(name, rewards, groups, **inputs(name, rewards))
     assert info == {"num_groups": 3, "singleton_groups": 1, "zero_std_groups": 1}
     assert torch.equal(adv[[0, 2, 4, 6]], torch.zeros(4))
     assert (adv[[1, 3, 5]] != 0).all()
@@ -102,9 +111,58 @@ def test_group_order_and_ids_do_not_matter(name):
     rewards = torch.tensor([0.0, 1.0, 0.5, 2.0, 1.0, 0.0])
     groups = torch.tensor([42, 5, 42, 5, 42, 5])
     perm = torch.tensor([3, 0, 5, 2, 1, 4])
-    adv, _ = compute_advantages(name, rewards, groups)
-    adv_perm, _ = compute_advantages(name, rewards[perm], groups[perm] * 100 + 1)
+    more = inputs(name, rewards)
+    adv, _ = compute_advantages(name, rewards, groups, **more)
+    adv_perm, _ = compute_advantages(name, rewards[perm], groups[perm] * 100 + 1, **{k: v[perm] for k, v in more.items()})
     torch.testing.assert_close(adv_perm, adv[perm])
+
+
+def test_opo_baseline_is_the_length_weighted_mean():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 2.0, 0.0], dtype=torch.float64)
+    lengths = torch.tensor([10, 30, 60, 0, 5])
+    # group 0: (10·1 + 30·0 + 60·1) / 100 = 0.7; group 1 (lengths 0 and 5): (0·2 + 5·0) / 5 = 0
+    adv, _ = compute_advantages("opo", rewards, torch.tensor([0, 0, 0, 1, 1]), lengths_B=lengths)
+    close(adv, [0.3, -0.7, 0.3, 2.0, 0.0])
+    masked, _ = compute_advantages("opo", rewards[:2], torch.tensor([0, 0]), lengths_B=torch.tensor([0, 0]))
+    close(masked, [0.5, -0.5])  # every token masked: the plain mean
+    with pytest.raises(ValueError, match="lengths_B must be >= 0"):
+        compute_advantages("opo", rewards[:2], torch.tensor([0, 0]), lengths_B=torch.tensor([3, -1]))
+    with pytest.raises(TypeError):
+        compute_advantages("opo", rewards, torch.zeros(5, dtype=torch.long))  # the lengths are not optional
+
+
+def test_gpg_scales_the_group_baseline_by_the_steps_share_of_nonzero_rewards():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.0], dtype=torch.float64)
+    # 6 samples, 2 with a nonzero reward: alpha = 3; group means 1/3 and 1/6
+    adv, _ = compute_advantages("gpg", rewards, torch.tensor([0, 0, 0, 1, 1, 1]))
+    close(adv, [3 * (2 / 3), 3 * (-1 / 3), 3 * (-1 / 3), 3 * (-1 / 6), 3 * (1 / 3), 3 * (-1 / 6)])
+    zero, _ = compute_advantages("gpg", torch.zeros(4), torch.tensor([0, 0, 1, 1]))
+    assert torch.equal(zero, torch.zeros(4))  # no nonzero reward: alpha's divisor is 1, not 0
+
+
+def test_grpo_passk_trains_only_each_groups_best_sample_by_its_lead():
+    rewards = torch.tensor([0.2, 1.0, 0.5, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    adv, info = compute_advantages("grpo_passk", rewards, groups)
+    std0 = float(rewards[:4].std())
+    close(adv, [0.0, (1.0 - 0.5) / (std0 + 1e-6), 0.0, 0.0, 0.0, 0.0, 0.0])  # group 1: a tie for the best
+    assert info["zero_std_groups"] == 0
+    single, info = compute_advantages("grpo_passk", torch.tensor([1.0]), torch.tensor([0]))
+    assert single.tolist() == [0.0] and info["singleton_groups"] == 1
+
+
+def test_remax_subtracts_each_samples_greedy_baseline_and_keeps_singletons():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 1, 1, 2])
+    baselines = torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    adv, info = compute_advantages("remax", rewards, groups, baselines_B=baselines)
+    close(adv, [1.0, 0.0, 0.0, 0.0, -1.0])  # group 1 agrees with its greedy answer: no signal
+    assert info == {"num_groups": 3, "singleton_groups": 1, "zero_std_groups": 1}
+    flat, info = compute_advantages("remax", torch.tensor([1.0, 1.0]), torch.tensor([0, 0]),
+                                    baselines_B=torch.tensor([0.0, 0.0]))
+    assert flat.tolist() == [1.0, 1.0] and info["zero_std_groups"] == 0  # equal samples still beat the greedy one
+    with pytest.raises(ValueError, match="baselines_B has non-finite"):
+        compute_advantages("remax", rewards[:2], groups[:2], baselines_B=torch.tensor([0.0, float("nan")]))
 
 
 def test_bad_inputs_fail_loudly():

@@ -462,6 +462,22 @@ def test_sapo_takes_no_clip_bounds_and_gradchecks():
         load_config(model="unused", run_dir="unused", **{"algorithm.loss": "sapo", "algorithm.dual_clip": 3.0})
 
 
+def test_reinforce_is_minus_advantage_times_logp_with_no_clip():
+    log_r = [[0.0, math.log(3.0), math.log(0.2)]]
+    adv = t([[1.0, 2.0, -1.0]])
+    out, grad = loss_and_grad("reinforce", log_r, adv, mode="seq-mean-token-sum")
+    assert torch.allclose(out.loss_BT, -adv * t(log_r))  # old_logp = 0, so logp = log r
+    assert torch.allclose(grad, -adv)  # far from r = 1 too: nothing clips or weights it
+    assert out.metrics["ratio_max"].item() == pytest.approx(3.0)
+    capped, capped_grad = loss_and_grad("reinforce", log_r, adv, behav=t([[0.0, 0.0, 0.0]]), mode="seq-mean-token-sum",
+                                        is_level="token", is_mode="truncate", is_cap=2.0)
+    assert torch.allclose(capped_grad, -adv * torch.tensor([[1.0, 1.0, 1.0]], dtype=F64))  # π_old = π_behav: weight 1
+    a = load_config(model="unused", run_dir="unused", **{"algorithm.loss": "reinforce"}).algorithm
+    assert "eps_low" not in loss_options(a) and check_loss_options(a) is None
+    with pytest.raises(ConfigError, match="algorithm.dual_clip=3.0 for algorithm.loss=reinforce"):
+        load_config(model="unused", run_dir="unused", **{"algorithm.loss": "reinforce", "algorithm.dual_clip": 3.0})
+
+
 # ---- VESPO -----------------------------------------------------------------------------------
 
 

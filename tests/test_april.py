@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -142,6 +143,46 @@ def test_stale_prefixes_masked_or_regenerated(model_dir, tmp_path):
             assert regenerated > 0
 
 
+def test_remax_groups_keep_their_greedy_answer_through_carries_and_regeneration(model_dir, tmp_path):
+    """algorithm.advantage=remax under APRIL: a group carried over steps, or started again for
+    being stale, still brings its greedy answer (decoded at temperature 0) beside its n samples."""
+    cfg = april_cfg(model_dir, tmp_path, **{"rollout.ignore_eos": True, "rollout.max_new_tokens": 16,
+                                            "partial_rollout.max_carry_steps": 0, "partial_rollout.score_lag": 0,
+                                            "partial_rollout.on_stale": "regenerate", "algorithm.advantage": "remax",
+                                            "partial_rollout.oversample": 3.0, "rollout.max_rows": 4})
+    run = build_run(cfg)
+    with_random_budgets(run, random.Random(1), 16)
+    sent = []
+    submit = run.engine.submit_many
+
+    def spy(requests, *a, **kw):
+        requests = list(requests)
+        sent.extend(requests)
+        return submit(requests, *a, **kw)
+
+    run.engine.submit_many = spy
+    col = AprilCollector(RolloutInputs.of(run))
+    regenerated = 0
+    try:
+        for step in range(4):
+            groups, m = col.collect(step)
+            regenerated += m["regenerated_tokens"]
+            for g in groups:
+                assert len(g.rollouts) == 2 and g.greedy is not None and g.greedy.reward is not None
+            assert all(pg.greedy_first and pg.n == 3 for pg in col.buffer)  # carried
+            run.engine.update_weights(run.trainer.named_weights(), version=step + 1)
+        stale = groups[0]  # a complete group carried past max_carry_steps starts again, its greedy answer too
+        col.buffer = []
+        assert col._fresh_enough([stale], version=stale.start_version + 5, m=Counter()) == []
+        assert [(pg.id, pg.n, pg.greedy_first) for pg in col.buffer] == [(stale.id, 3, True)]
+    finally:
+        run.close()
+    assert regenerated > 0
+    temperature = {r.id: r.sampling.temperature for r in sent}
+    assert {t for rid, t in temperature.items() if rid.endswith("/0")} == {0.0}
+    assert {t for rid, t in temperature.items() if not rid.endswith("/0")} == {cfg.rollout.temperature}
+
+
 def test_april_keeps_rows_busier_than_sync(model_dir, tmp_path):
     """The point of APRIL: with a long tail, the engine's rows stay occupied."""
     occ = {}
@@ -164,7 +205,8 @@ def test_april_keeps_rows_busier_than_sync(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("extra", [{}, {"algorithm.dynamic_sampling": True, "partial_rollout.adaptive": True},
-                                   {"partial_rollout.carry": "keep_kv", "eval.every": 1}])
+                                   {"partial_rollout.carry": "keep_kv", "eval.every": 1},
+                                   {"algorithm.advantage": "remax"}])
 def test_april_training_resume_is_exact(model_dir, tmp_path, extra):
     over = {"resume": "auto", "rollout.max_rows": 4, **extra}
     straight = tmp_path / "straight"

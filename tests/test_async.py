@@ -204,6 +204,28 @@ def _rollout(gid, reward, logprobs, versions=None):
                    scores={"acc": reward})
 
 
+def test_remax_in_async_mode_sizes_the_samples_and_keeps_the_greedy_answer_apart(model_dir, tmp_path, monkeypatch):
+    """algorithm.advantage=remax with async.dynamic_samples: DART's sizing counts the samples, not
+    the greedy answer, which every group brings beside them and none trains on."""
+    import rollover.rollout.async_rollout as async_rollout
+
+    sizes = []
+    real = async_rollout.dynamic_samples
+    monkeypatch.setattr(async_rollout, "dynamic_samples", lambda rate, n, low: sizes.append(n) or real(rate, n, low))
+    cfg = async_cfg(model_dir, tmp_path, steps=3, **{"algorithm.advantage": "remax", "async.dynamic_samples": True,
+                                                    "async.experience_pool": True, "rollout.samples_per_prompt": 3,
+                                                    "logging.samples": 1, "checkpoint.every": 0})
+    train_async(cfg)
+    assert sizes and set(sizes) == {3}
+    got = rows(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3] and all("reward/greedy_mean" in r for r in got)
+    for step in (1, 2, 3):
+        samples = [json.loads(x) for x in open(tmp_path / "samples" / f"step_{step:06d}.jsonl")][1:]
+        greedy = [r for r in samples if r["sample"] == "greedy"]
+        assert len(greedy) == 2 and not any(r["trained"] for r in greedy)  # one per group of the step
+        assert all(r["trained"] for r in samples if r["sample"] != "greedy")
+
+
 def test_experience_pool_fills_all_fail_groups_with_fresh_successes():
     pool = ExperiencePool(threshold=1.0, primary="acc")
     p = Prompt(id="q1", text="?")

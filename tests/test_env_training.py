@@ -83,6 +83,33 @@ def straight_and_resumed(model_dir, tmp_path, over) -> list[dict]:
     return straight
 
 
+def test_remax_episodes_play_the_greedy_one_at_temperature_0_in_every_turn(model_dir, tmp_path, monkeypatch):
+    """algorithm.advantage=remax with an environment: each group's episode 0 samples every turn
+    greedily; its reward is the baseline, it is logged apart and never trained."""
+    from rollover.engine.torch_engine import TorchEngine
+
+    sent = []
+    real = TorchEngine.submit_many
+
+    def spy(self, requests, *a, **kw):
+        requests = list(requests)
+        sent.extend(requests)
+        return real(self, requests, *a, **kw)
+
+    monkeypatch.setattr(TorchEngine, "submit_many", spy)
+    train_sync(env_cfg(model_dir, tmp_path, **{"algorithm.advantage": "remax", "rollout.samples_per_prompt": 1,
+                                               "logging.samples": 1}))
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2]
+    training = [r for r in sent if r.id.startswith("g")]  # the final evaluation's ids start with "eval"
+    greedy = [r for r in training if r.id.split("/")[1] == "0"]
+    assert any(not r.id.endswith("/turn1") for r in greedy)  # later turns of the greedy episode were sent too
+    assert all(r.sampling.temperature == 0.0 for r in greedy)
+    assert all(r.sampling.temperature == 1.0 for r in training if r.id.split("/")[1] == "1")
+    samples = [json.loads(x) for x in open(tmp_path / "samples" / "step_000002.jsonl")][1:]
+    assert [(r["sample"], r["trained"]) for r in samples] == [(0, True), ("greedy", False)] * 2
+    assert all("turns" in r for r in samples)
+
+
 FLAKY_ENV = '''
 from rollover.envs.base import StepResult
 from rollover.types import Prompt

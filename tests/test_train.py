@@ -626,6 +626,51 @@ def test_reinforce_pp_trains_one_sample_a_prompt(model_dir, tmp_path):
     assert any(r["reward/std"] > 0 for r in rows) and all(r["actor/grad_norm"] > 0 for r in rows if r["reward/std"] > 0)
 
 
+def test_remax_trains_each_sample_against_its_prompts_greedy_answer(model_dir, tmp_path):
+    """algorithm.advantage=remax: each group's first request decodes greedily; its answer is scored,
+    logged as the baseline and never trained, and each sample's advantage is its reward less it."""
+    run = tmp_path / "r"
+    train_sync(tiny_cfg(model_dir, run, steps=2, **{"rollout.samples_per_prompt": 2, "algorithm.advantage": "remax",
+                                                    "eval.every": 0, "rollout.temperature": 1.5, "logging.samples": 1}))
+    rows = [r for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2] and all("reward/greedy_mean" in r for r in rows)
+    ledger = [json.loads(line) for line in open(run / "trained_groups.jsonl")]
+    assert all(g["samples"] == 2 for step in ledger for g in step["groups"])  # the greedy answer is not trained
+    greedy_rewards = []
+    for step in (1, 2):
+        samples = [json.loads(line) for line in open(run / "samples" / f"step_{step:06d}.jsonl")][1:]
+        for gid in {r["group"] for r in samples}:
+            mine = [r for r in samples if r["group"] == gid]
+            greedy = [r for r in mine if r["sample"] == "greedy"]
+            assert len(greedy) == 1 and not greedy[0]["trained"] and greedy[0]["dropped"] == "greedy"
+            for r in mine:
+                if r is not greedy[0]:
+                    assert r["trained"] and r["advantage"] == pytest.approx(r["reward"] - greedy[0]["reward"], abs=1e-6)
+            greedy_rewards.append(greedy[0]["reward"])
+        assert rows[step - 1]["reward/greedy_mean"] == pytest.approx(
+            sum(greedy_rewards[-3:]) / 3, abs=1e-6)  # 3 prompts a step
+
+
+def test_remax_greedy_request_and_its_checks():
+    from dataclasses import replace
+
+    from rollover.config import ConfigError
+    from rollover.rollout.groups import PendingGroup
+    from rollover.types import Prompt, SamplingParams
+
+    pg = PendingGroup(id="g0", prompt=Prompt(id="p", messages=[]), prompt_ids=[1, 2], serial=0, n=3, start_version=0,
+                      greedy_first=True)
+    sp = SamplingParams(temperature=0.9, top_p=0.8)
+    assert pg.request(0, sp, 7).sampling.temperature == 0.0
+    assert [pg.request(j, sp, 7).sampling.temperature for j in (1, 2)] == [0.9, 0.9]
+    assert replace(pg, greedy_first=False).request(0, sp, 7).sampling.temperature == 0.9
+    with pytest.raises(ConfigError, match="remax with selection.dars"):
+        load_config(model="unused", run_dir="unused", **{"algorithm.advantage": "remax", "selection.dars": "equal"})
+    with pytest.raises(ConfigError, match="env.credit=gigpo .* algorithm.advantage=opo"):
+        load_config(model="unused", run_dir="unused", **{"algorithm.advantage": "opo", "env.name": "countdown",
+                                                         "env.credit": "gigpo"})
+
+
 def test_a_misspelt_engine_option_is_named_with_the_engines_options(model_dir, tmp_path):
     from rollover.config import ConfigError
 

@@ -169,6 +169,7 @@ class Group:
     start_version: int = 0  # policy version when the group was first submitted
     serial: int = 0  # the order in which the run drew its prompt
     dropped: int = 0  # failed samples taken out of `rollouts`
+    greedy: Rollout | None = None  # ReMax: the prompt's greedy answer, scored, its reward the baseline; never trained
 
     @property
     def rewards(self) -> list[float | None]:

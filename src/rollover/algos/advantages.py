@@ -8,7 +8,8 @@ prompt) and returns `(adv_B, info)`. `info` counts the groups that carry no lear
 - `num_groups`.
 
 Both kinds get advantage exactly 0 under every estimator but `reinforce_pp` (no group
-baseline: it compares each sample with the batch). This departs from verl, where a
+baseline: it compares each sample with the batch) and `remax` (its baseline is the greedy
+answer's reward, not the group's). This departs from verl, where a
 singleton GRPO group gets mean 0 and std 1 (so `A = r`) and where REINFORCE++-baseline's batch
 whitening shifts all-equal groups away from 0; and from floating point, where `r - mean(r)` of
 equal rewards need not be exactly 0.
@@ -143,6 +144,74 @@ def reinforce_pp(rewards_B: Tensor, group_ids_B: Tensor, *, eps: float = 1e-8) -
     return (rewards_B - rewards_B.mean()) * torch.rsqrt(rewards_B.var(unbiased=True) + eps), g.info
 
 
+def opo(rewards_B: Tensor, group_ids_B: Tensor, *, lengths_B: Tensor) -> tuple[Tensor, dict]:
+    """OPO (On-Policy RL with Optimal reward baseline, arXiv 2505.23585; verl's `opo`): the
+    group's baseline is its rewards' mean weighted by response length,
+    `A = r - Σ_g(l·r) / Σ_g l`. The length stands in for the squared norm of a response's
+    gradient, which grows with its tokens; the optimal baseline weights each reward by it.
+
+    `lengths_B`: the tokens each sample trains on. A group whose lengths are all 0 (every
+    token masked) falls back to the plain mean; verl gives such a group `r - 0/0`."""
+    g = _groups(rewards_B, group_ids_B)
+    if lengths_B.shape != rewards_B.shape:
+        raise ValueError(f"lengths_B {tuple(lengths_B.shape)} must be [B] like rewards_B {tuple(rewards_B.shape)}")
+    if bool((lengths_B < 0).any()):
+        raise ValueError(f"lengths_B must be >= 0, got {lengths_B.tolist()}")
+    l_B = lengths_B.to(rewards_B.dtype)
+    zeros_G = rewards_B.new_zeros(g.count_G.numel())
+    weight_G = zeros_G.index_add(0, g.idx_B, l_B)
+    weighted_G = zeros_G.index_add(0, g.idx_B, l_B * rewards_B) / weight_G.clamp(min=1e-12)
+    base_G = torch.where(weight_G > 0, weighted_G, g.mean_G)
+    return _zero_degenerate(rewards_B - base_G[g.idx_B], g), g.info
+
+
+def gpg(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, dict]:
+    """GPG (Group Policy Gradient, arXiv 2504.02546; verl's `gpg`): the group-mean baseline with
+    no std, scaled up by how sparse the step's signal is, `A = α · (r - mean_g)`,
+    `α = B / max(1, #samples whose reward is not 0)` over the whole step. Pair it with
+    `algorithm.loss: reinforce` for the paper's objective (no ratio, no clip)."""
+    g = _groups(rewards_B, group_ids_B)
+    alpha = rewards_B.numel() / max(1, int((rewards_B != 0).sum()))
+    return _zero_degenerate(alpha * (rewards_B - g.mean_G[g.idx_B]), g), g.info
+
+
+def grpo_passk(rewards_B: Tensor, group_ids_B: Tensor, *, eps: float = 1e-6) -> tuple[Tensor, dict]:
+    """Pass@k training (verl's `grpo_passk`, after arXiv 2503.19595): only each group's best
+    sample learns, by how far it beats the group's second best, `A = (r_max - r_2nd) / (std_g +
+    eps)`; every other sample gets 0. A group maximises the best of its k answers rather than
+    their mean. Ties for the best give 0 (the best does not beat the second); the first of tied
+    samples is the group's best, as in verl. Groups of one sample get 0 (verl refuses them)."""
+    g = _groups(rewards_B, group_ids_B)
+    adv_B = torch.zeros_like(rewards_B)
+    for gi in range(g.count_G.numel()):  # groups are small; a loop reads better than a padded top-2
+        members = torch.nonzero(g.idx_B == gi).flatten()
+        if members.numel() < 2:
+            continue
+        top = torch.topk(rewards_B[members], 2)
+        best = members[int(top.indices[0])]
+        adv_B[best] = (top.values[0] - top.values[1]) / (g.std_G[gi] + eps)
+    return _zero_degenerate(adv_B, g), g.info
+
+
+def remax(rewards_B: Tensor, group_ids_B: Tensor, *, baselines_B: Tensor) -> tuple[Tensor, dict]:
+    """ReMax (Li et al., arXiv 2310.10505; verl's `remax`): `A = r - b`, `b` the reward of the
+    prompt's greedy response, which the run generates beside the samples and does not train on.
+
+    The baseline comes from outside the group, so a group of one sample learns (the paper's
+    setting), and so does a group whose samples agree with each other but not with the greedy
+    answer; `zero_std_groups` counts the groups whose every sample equals its baseline."""
+    if baselines_B.shape != rewards_B.shape:
+        raise ValueError(f"baselines_B {tuple(baselines_B.shape)} must be [B] like rewards_B {tuple(rewards_B.shape)}")
+    if not bool(torch.isfinite(baselines_B).all()):
+        raise ValueError(f"baselines_B has non-finite values at positions "
+                         f"{torch.nonzero(~torch.isfinite(baselines_B)).flatten().tolist()}")
+    g = _groups(rewards_B, group_ids_B)
+    adv_B = rewards_B - baselines_B.to(rewards_B.dtype)
+    moved_G = torch.zeros_like(g.count_G, dtype=torch.bool)
+    moved_G[g.idx_B[adv_B != 0]] = True
+    return adv_B, {**g.info, "zero_std_groups": int((~moved_G).sum())}
+
+
 def gae_rewards(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, dict]:
     """`algorithm.advantage: gae` (PPO with a critic): the rewards themselves, which the trainer's
     critic turns into each token's advantage (`rollover.algos.gae`); no group baseline, so no
@@ -225,6 +294,10 @@ ADVANTAGES: dict[str, AdvantageFn] = {
     "reinforce_pp": reinforce_pp,
     "reinforce_pp_baseline": reinforce_pp_baseline,
     "gapo": gapo,
+    "opo": opo,
+    "gpg": gpg,
+    "grpo_passk": grpo_passk,
+    "remax": remax,
     "gae": gae_rewards,
 }
 

@@ -487,6 +487,26 @@ def bapo(
     return _finish(loss_BT, x, {**metrics, **_ratio_metrics(ratio_BT, x)})
 
 
+def reinforce(
+    logp_BT: Tensor,
+    old_logp_BT: Tensor,
+    adv: Tensor,
+    mask_BT: Tensor,
+    behav_logp_BT: Tensor | None = None,
+    **correction,
+) -> PolicyLossOutput:
+    """The plain policy gradient, `ℓ = -A · logp`: no ratio, no clip (verl's `gpg` and
+    `reinforce` loss modes; GPG, arXiv 2504.02546, trains with it). Its gradient is REINFORCE's
+    `-A·∇logp`, which equals PPO's at `r = 1`: exact for the first pass over a step's samples, and
+    unbounded after it, so it suits one update per step. With `tis_cap` each token's loss is
+    scaled by its truncated weight against the engine, as every loss here. The loss *value* is
+    not comparable to PPO's."""
+    x = _prepare(logp_BT, old_logp_BT, adv, mask_BT, behav_logp_BT, correction)
+    none = x.logp_BT.new_zeros(())  # nothing is clipped
+    return _finish(-x.adv_BT * x.logp_BT, x, {"clip_frac_low": none, "clip_frac_high": none,
+                                              **_ratio_metrics(x.log_ratio_BT.exp(), x)})
+
+
 PolicyLossFn = Callable[..., PolicyLossOutput]
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
@@ -498,6 +518,7 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "bapo": bapo,
     "sapo": sapo,
     "vespo": vespo,
+    "reinforce": reinforce,
 }
 
 
@@ -506,7 +527,7 @@ def loss_options(algorithm) -> dict:
     first, then the named keys: clip bounds, dual clip, TIS, M2PO)."""
     a = algorithm
     opts = dict(a.loss_options)
-    if a.loss not in ("bapo", "sapo", "vespo"):  # BAPO finds its bounds, SAPO and VESPO have none (a gate, a weight)
+    if a.loss not in ("bapo", "sapo", "vespo", "reinforce"):  # BAPO finds its bounds; SAPO, VESPO, REINFORCE clip nothing
         opts.setdefault("eps_low", a.eps_low)
         opts.setdefault("eps_high", a.eps_high)
     if a.dual_clip is not None:

@@ -11,9 +11,14 @@ from rollover.config.base import Section
 
 class AlgorithmConfig(Section):
     advantage: Literal["grpo", "grpo_batch_std", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gapo",
-                       "gdpo", "gae"] = "grpo"
+                       "gdpo", "opo", "gpg", "grpo_passk", "remax", "gae"] = "grpo"
     """Advantage estimator over each prompt's group. reinforce_pp: no group baseline, the rewards
-    whitened over the step (REINFORCE++; works with samples_per_prompt 1). gdpo (several reward functions): each
+    whitened over the step (REINFORCE++; works with samples_per_prompt 1). opo: the group's
+    length-weighted mean reward as baseline. gpg: the group mean as baseline, scaled by the step's
+    samples over those with a nonzero reward (with loss reinforce). grpo_passk: only each group's best
+    sample learns, by its lead over the second best (pass@k training). remax: the reward of the
+    prompt's greedy answer as baseline; the run generates it beside the samples_per_prompt samples
+    and does not train on it (works with samples_per_prompt 1). gdpo (several reward functions): each
     function's scores normalised within the group, then their weighted sum over the batch (TRL's
     multi_objective_aggregation=normalize_then_sum). gae: PPO with a learned critic (verl's default), each
     token's advantage by generalised advantage estimation from the critic's values (section critic; gamma,
@@ -23,13 +28,14 @@ class AlgorithmConfig(Section):
     lam: float = Field(1.0, ge=0, le=1)
     """advantage=gae: GAE's lambda (verl's algorithm.lam); 1 with gamma 1 makes each token's advantage
     the reward less the critic's value there."""
-    loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo", "sapo", "vespo"] | None = None
+    loss: Literal["ppo", "gspo", "gspo_token", "cispo", "decoupled_ppo", "bapo", "sapo", "vespo", "reinforce"] | None = None
     """Policy loss; unset: ppo in sync mode, decoupled_ppo in async mode or with APRIL
     (partial_rollout.enabled). ppo with
     eps_high > eps_low is DAPO's clip-higher. sapo: a soft gate instead of the clip (loss_options:
     tau_pos, tau_neg; eps_low and eps_high do not apply). vespo: no clip, each sequence weighted by
     a smooth function of its importance ratio (loss_options: k_pos, lambda_pos, k_neg, lambda_neg;
-    eps_low and eps_high do not apply)."""
+    eps_low and eps_high do not apply). reinforce: the plain policy gradient -A * log pi, no ratio
+    and no clip (verl's gpg loss mode; for one update per step)."""
     eps_low: float = Field(0.2, ge=0)
     """Lower clip range (ratio >= 1 - eps_low)."""
     eps_high: float = Field(0.28, ge=0)

@@ -127,7 +127,7 @@ class Config(Section):
             problems.append(f"steps={self.steps} and epochs={self.epochs:g} both say how long to train: give one")
         if a.dynamic_sampling and r.samples_per_prompt < 2:
             problems.append("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2 (a group of 1 has no variance)")
-        if a.advantage not in ("reinforce_pp", "gae") and r.samples_per_prompt < 2:
+        if a.advantage not in ("reinforce_pp", "gae", "remax") and r.samples_per_prompt < 2:
             problems.append(f"algorithm.advantage={a.advantage} compares samples of a group: rollout.samples_per_prompt must be >= 2")
         if a.loss in ("gspo", "gspo_token") and a.aggregation not in ("seq-mean-token-mean", "seq-mean-token-sum"):
             problems.append(f"algorithm.loss={a.loss} is defined with aggregation=seq-mean-token-mean (GSPO) or "
@@ -206,6 +206,9 @@ class Config(Section):
             if s.dars_max_samples is not None and s.dars_max_samples <= self.rollout.samples_per_prompt:
                 problems.append(f"selection.dars_max_samples={s.dars_max_samples} must be above "
                                 f"rollout.samples_per_prompt={self.rollout.samples_per_prompt} (room for extra samples)")
+        if a.advantage == "remax" and s.dars != "off":
+            problems.append("algorithm.advantage=remax with selection.dars: DARS's second stage adds samples that no "
+                            "greedy answer of theirs was generated beside; use one or the other")
         if a.advantage == "gdpo" and (self.env.name is not None or a.overlong_buffer):
             what = f"env.name={self.env.name!r} scores episodes" if self.env.name is not None else \
                 f"algorithm.overlong_buffer={a.overlong_buffer} adds to their total"
@@ -369,6 +372,11 @@ class Config(Section):
                            "advantage is its return to go less the group's baseline, unscaled; an estimator that "
                            "divides by the spread of the episodes' returns would scale turn returns by it, which "
                            "that spread does not bound: set algorithm.advantage=drgrpo or rloo")
+        if e.credit == "gigpo" and self.algorithm.advantage in ("remax", "opo"):
+            what = "one baseline per episode (the greedy one's return)" if self.algorithm.advantage == "remax" else \
+                "a baseline weighted by each episode's tokens, which a turn's state group has no single count of"
+            out.append(f"env.credit=gigpo compares turns from the same state within their group; algorithm.advantage="
+                       f"{self.algorithm.advantage} has {what}: set algorithm.advantage=drgrpo or rloo")
         if e.credit == "gigpo" and self.algorithm.advantage == "reinforce_pp":
             out.append("env.credit=gigpo compares turns from the same state within their group; algorithm.advantage="
                        "reinforce_pp has no group baseline (it whitens over the whole step): use a group estimator "

@@ -101,7 +101,8 @@ class Run:
     # ------------------------------------------------------------ prompts
     def next_groups(self, k: int, version: int) -> list[PendingGroup]:
         """The next k prompts (from the data order, or chosen by `selection.policy`) as pending
-        groups of `samples_per_prompt` samples (or sized by `selection.allocation`)."""
+        groups of `samples_per_prompt` samples (or sized by `selection.allocation`), after a
+        greedy one under ReMax."""
         out = []
         n = self.cfg.rollout.samples_per_prompt
         if self.selection is None:
@@ -110,11 +111,13 @@ class Run:
         else:
             prompts = self.selection.next(self.train_iter, k, version)
             sizes = self.selection.sizes(prompts, n)
+        greedy = self.cfg.algorithm.advantage == "remax"  # each group's first request: its greedy baseline
         for p, size in zip(prompts, sizes):
             gid = f"g{self.serial}"
             out.append(PendingGroup(id=gid, prompt=p, prompt_ids=self.prompt_ids[p.id], serial=self.serial,
-                                    n=size, start_version=version, media=self.media(p) if self.media else None,
-                                    max_turns=self.turn_budget.limit(p.id) if self.turn_budget else None))
+                                    n=size + greedy, start_version=version, media=self.media(p) if self.media else None,
+                                    max_turns=self.turn_budget.limit(p.id) if self.turn_budget else None,
+                                    greedy_first=greedy))
             self.serial += 1
         return out
 

@@ -49,10 +49,13 @@ def sample_rows(step: int, groups: list[Group], batch: TrainBatch, tokenizer, cf
             out.append(_row(step, g, j, r, prompt, tokenizer, trained=b is not None,
                             dropped=None if b is not None else "downsample", advantage=advantages[i], mask=mask))
             i += 1
+        if g.greedy is not None:  # ReMax's baseline: scored, never trained
+            out.append(_row(step, g, "greedy", g.greedy, prompt, tokenizer, trained=False, dropped="greedy",
+                            advantage=None, mask=[0] * len(g.greedy.response_ids)))
     return out
 
 
-def _row(step: int, g: Group, j: int, r, prompt: str, tokenizer, *, trained: bool, dropped: str | None,
+def _row(step: int, g: Group, j: int | str, r, prompt: str, tokenizer, *, trained: bool, dropped: str | None,
          advantage: float | None, mask: list[int]) -> dict:
     sampled = [k for k, v in enumerate(r.versions) if v >= 0]  # an episode's inserted tokens carry -1
     logprobs = [r.logprobs[k] for k in sampled]

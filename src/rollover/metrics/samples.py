@@ -34,6 +34,9 @@ Then one line per sample of those groups, in group order:
   trainer used (after D3S token down-sampling, APRIL stale masking, async top-entropy masking).
 - `trained` is false, with `dropped: "downsample"`, for a sample D3S sample-level
   down-sampling left out of the batch; its advantage is the one it would have trained with.
+- Under `algorithm.advantage: remax` each group ends with its greedy answer, `"sample":
+  "greedy"`, `trained` false, `dropped: "greedy"`: the baseline its samples' rewards are
+  compared with.
 - `logprob_*` (behaviour logprobs) and `version_*` (policy versions) are over the tokens the
   policy sampled: an episode's tokens inserted by its environment are left out.
 - `extras`, where reward functions returned more than a score: those numbers, as

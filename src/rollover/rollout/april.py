@@ -361,9 +361,10 @@ class AprilCollector:
         for g in ready:
             if any(version - v > limit for r in g.rollouts for v in r.versions if v >= 0):
                 m["regenerated_tokens"] += sum(len(r.response_ids) for r in g.rollouts)
+                greedy = g.greedy is not None
                 self.buffer.append(PendingGroup(id=g.id, prompt=g.prompt, prompt_ids=list(g.prompt_ids), serial=g.serial,
-                                                n=len(g.rollouts) + g.dropped, start_version=version,
-                                                media=g.rollouts[0].media if g.rollouts else None))
+                                                n=len(g.rollouts) + g.dropped + greedy, start_version=version,
+                                                media=g.rollouts[0].media if g.rollouts else None, greedy_first=greedy))
             else:
                 out.append(g)
         self.buffer.sort(key=lambda g: g.serial)

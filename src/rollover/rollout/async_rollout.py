@@ -99,7 +99,9 @@ class RolloutService:
             groups = self.inputs.next_groups(k, version=oldest)
             if self.cfg.async_.dynamic_samples:
                 for g in groups:
-                    g.n = dynamic_samples(self.success_rate.get(g.prompt.id), g.n, self.cfg.async_.min_samples)
+                    greedy = g.greedy_first  # ReMax's greedy answer is not one of the samples it sizes
+                    g.n = greedy + dynamic_samples(self.success_rate.get(g.prompt.id), g.n - greedy,
+                                                   self.cfg.async_.min_samples)
             self.gate.live += len(groups)
             self._submit(groups)
 

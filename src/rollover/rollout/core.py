@@ -237,8 +237,10 @@ class SampleDriver:
             raise ValueError(f"env {self.cfg.env.name!r}: make_group(prompt, {g.n}) returned {len(envs)} environments")
         base = sample_seed(seed, g.serial, 0)
         e = self.cfg.env
-        g.episodes = {j: LiveEpisode(f"{g.id}/{j}", replace(sampling, seed=episode_seed(base, j)), env=env,
-                                     max_turns=g.max_turns or e.max_turns, max_total_tokens=e.max_total_tokens)
+        greedy = g.greedy_first  # ReMax: episode 0 answers greedily in every turn
+        g.episodes = {j: LiveEpisode(f"{g.id}/{j}", replace(sampling, seed=episode_seed(base, j),
+                                                            **({"temperature": 0.0} if greedy and j == 0 else {})),
+                                     env=env, max_turns=g.max_turns or e.max_turns, max_total_tokens=e.max_total_tokens)
                       for j, env in enumerate(envs)}
 
     def _resample(self, g, j: int) -> bool:

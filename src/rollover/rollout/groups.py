@@ -42,6 +42,7 @@ class PendingGroup:
     max_turns: int | None = None  # multi-turn: this task's turn limit (dynamic length); None: env.max_turns
     resampled: int = 0  # multi-turn: failed episodes run again (env.resample_failed)
     media: object = None  # the prompt's images as the model takes them (`Media`); None: text only
+    greedy_first: bool = False  # ReMax: sample 0 is the greedy answer whose reward is the baseline (not trained)
 
     def request_id(self, j: int) -> str:
         return f"{self.id}/{j}"
@@ -50,6 +51,8 @@ class PendingGroup:
         from dataclasses import replace
 
         sp = replace(sampling, seed=sample_seed(run_seed, self.serial, j))
+        if self.greedy_first and j == 0:
+            sp = replace(sp, temperature=0.0)
         if self.budgets is not None:
             sp = replace(sp, max_new_tokens=self.budgets[j])
         if j in self.partial:
@@ -102,7 +105,7 @@ def scored_groups(pending: list[PendingGroup], run, m) -> list[Group]:
             trajectories = [pg.done[j] for j in range(pg.n)]
             m["reward_errors"] += sum(not t.ok for t in trajectories)
             groups.append(to_group(pg, trajectories))
-        return groups
+        return _set_greedy_apart(pending, groups)
     groups = [to_rollouts(pg, run.cfg, run.tokenizer) for pg in pending]
     t0 = time.perf_counter()
     result = score_groups(groups, run.rewards, run.cfg)
@@ -110,6 +113,15 @@ def scored_groups(pending: list[PendingGroup], run, m) -> list[Group]:
     for fn, count in result.error_counts.items():
         m[f"rewards/{fn}/errors"] += count
         m["reward_errors"] += count
+    return _set_greedy_apart(pending, groups)
+
+
+def _set_greedy_apart(pending: list[PendingGroup], groups: list[Group]) -> list[Group]:
+    """ReMax: each group's greedy answer (sample 0), scored with the others, leaves the samples
+    for `Group.greedy`, so nothing downstream trains on it, counts it or learns from it."""
+    for pg, g in zip(pending, groups):
+        if pg.greedy_first:
+            g.greedy = g.rollouts.pop(0)
     return groups
 
 
@@ -136,9 +148,12 @@ def keep_group(group: Group, cfg: Config, m, curate=None) -> bool:
     """The group filters every schedule applies, in order: its failed samples (unscored) leave
     it (`dropped_samples`) and it trains on the rest, its baseline over them; a group left with
     fewer than two samples (or a group of one without its sample) is skipped
-    (`skipped_groups`); `curate(group)` may change it (the experience pool); with DAPO dynamic
+    (`skipped_groups`), as is a ReMax group whose greedy answer failed (no baseline); `curate(group)` may change it (the experience pool); with DAPO dynamic
     sampling a group whose rewards are all equal (with GDPO: each function's scores) is filtered
     (`filtered_groups`, `filtered_tokens`)."""
+    if group.greedy is not None and group.greedy.reward is None:  # ReMax without its baseline
+        m["skipped_groups"] += 1
+        return False
     failed = sum(r.reward is None for r in group.rollouts)
     if failed:
         group.rollouts = [r for r in group.rollouts if r.reward is not None]
@@ -183,12 +198,15 @@ def trainable(group: Group) -> bool:
 
 
 def has_variance(group: Group, by_function: bool = False) -> bool:
-    """DAPO dynamic sampling keeps groups whose rewards are not all equal (`by_function`, for GDPO,
-    which normalises each reward function in the group: where some function's scores differ)."""
+    """DAPO dynamic sampling keeps groups whose rewards are not all equal, the greedy answer's among
+    them under ReMax (`by_function`, for GDPO, which normalises each reward function in the group:
+    where some function's scores differ)."""
     if by_function:
         names = {k for r in group.rollouts for k in r.scores}
         return any(len({r.scores[k] for r in group.rollouts if k in r.scores}) > 1 for k in names)
     rewards = [r.reward for r in group.rollouts]
+    if group.greedy is not None:  # ReMax: the samples are compared with the greedy answer, not each other
+        rewards.append(group.greedy.reward)
     return len(set(rewards)) > 1
 
 
@@ -204,7 +222,18 @@ def group_advantages(groups: list[Group], cfg: Config) -> tuple[torch.Tensor, di
         scores = torch.tensor([[r.scores.get(name, math.nan) for name in weights] for r in flat], dtype=torch.float32)
         return gdpo(scores, torch.tensor(list(weights.values()), dtype=torch.float32), gid)
     rewards = torch.tensor([r.reward for r in flat], dtype=torch.float32)
-    return compute_advantages(cfg.algorithm.advantage, rewards, gid)
+    return compute_advantages(cfg.algorithm.advantage, rewards, gid, **advantage_inputs(groups, cfg))
+
+
+def advantage_inputs(groups: list[Group], cfg: Config) -> dict:
+    """What an estimator takes besides the rewards: OPO each sample's trained tokens, ReMax each
+    sample's baseline (its group's greedy reward)."""
+    name = cfg.algorithm.advantage
+    if name == "opo":
+        return {"lengths_B": torch.tensor([sum(r.loss_mask) for g in groups for r in g.rollouts], dtype=torch.float32)}
+    if name == "remax":
+        return {"baselines_B": torch.tensor([g.greedy.reward for g in groups for _ in g.rollouts], dtype=torch.float32)}
+    return {}
 
 
 def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
@@ -233,6 +262,10 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
         vals = [r.extras[key] for r in flat if key in r.extras]
         out[f"rewards/{key}/mean"] = sum(vals) / len(vals)
     out["accuracy"] = accuracy(flat, cfg, primary)
+    greedy = [g.greedy for g in groups if g.greedy is not None]
+    if greedy:  # ReMax's baselines
+        out["reward/greedy_mean"] = sum(r.reward for r in greedy) / len(greedy)
+        out["greedy_accuracy"] = accuracy(greedy, cfg, primary)
     if isinstance(cfg.data.train, dict):  # named sources: what each gave this step (its name leads the prompt ids)
         for name in cfg.data.train:
             mine = [r for g in groups if g.prompt.id.startswith(name + "/") for r in g.rollouts]
