@@ -469,9 +469,10 @@ def test_reinforce_is_minus_advantage_times_logp_with_no_clip():
     assert torch.allclose(out.loss_BT, -adv * t(log_r))  # old_logp = 0, so logp = log r
     assert torch.allclose(grad, -adv)  # far from r = 1 too: nothing clips or weights it
     assert out.metrics["ratio_max"].item() == pytest.approx(3.0)
-    capped, capped_grad = loss_and_grad("reinforce", log_r, adv, behav=t([[0.0, 0.0, 0.0]]), mode="seq-mean-token-sum",
+    # π_old/π_behav = exp(0 - behav): 1, e (capped at 2) and 1/e
+    capped, capped_grad = loss_and_grad("reinforce", log_r, adv, behav=t([[0.0, -1.0, 1.0]]), mode="seq-mean-token-sum",
                                         is_level="token", is_mode="truncate", is_cap=2.0)
-    assert torch.allclose(capped_grad, -adv * torch.tensor([[1.0, 1.0, 1.0]], dtype=F64))  # π_old = π_behav: weight 1
+    assert torch.allclose(capped_grad, -adv * t([[1.0, 2.0, math.exp(-1.0)]]))
     a = load_config(model="unused", run_dir="unused", **{"algorithm.loss": "reinforce"}).algorithm
     assert "eps_low" not in loss_options(a) and check_loss_options(a) is None
     with pytest.raises(ConfigError, match="algorithm.dual_clip=3.0 for algorithm.loss=reinforce"):

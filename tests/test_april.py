@@ -162,7 +162,7 @@ def test_remax_groups_keep_their_greedy_answer_through_carries_and_regeneration(
 
     run.engine.submit_many = spy
     col = AprilCollector(RolloutInputs.of(run))
-    regenerated = 0
+    regenerated = carried = 0
     try:
         for step in range(4):
             groups, m = col.collect(step)
@@ -170,6 +170,7 @@ def test_remax_groups_keep_their_greedy_answer_through_carries_and_regeneration(
             for g in groups:
                 assert len(g.rollouts) == 2 and g.greedy is not None and g.greedy.reward is not None
             assert all(pg.greedy_first and pg.n == 3 for pg in col.buffer)  # carried
+            carried += len(col.buffer)
             run.engine.update_weights(run.trainer.named_weights(), version=step + 1)
         stale = groups[0]  # a complete group carried past max_carry_steps starts again, its greedy answer too
         col.buffer = []
@@ -177,7 +178,7 @@ def test_remax_groups_keep_their_greedy_answer_through_carries_and_regeneration(
         assert [(pg.id, pg.n, pg.greedy_first) for pg in col.buffer] == [(stale.id, 3, True)]
     finally:
         run.close()
-    assert regenerated > 0
+    assert regenerated > 0 and carried > 0
     temperature = {r.id: r.sampling.temperature for r in sent}
     assert {t for rid, t in temperature.items() if rid.endswith("/0")} == {0.0}
     assert {t for rid, t in temperature.items() if not rid.endswith("/0")} == {cfg.rollout.temperature}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollover.algos.gae import masked_whiten
-from rollover.testing import save_tiny_model, tiny_model
+from rollover.testing import save_swapped_tokenizer_model, save_tiny_model, tiny_model
 from rollover.train.trainer import Trainer
 
 from test_train import (_final_weights, batch_of, model_dir, rollout, step_seeing_gradient,  # noqa: F401 (a fixture)
@@ -233,23 +233,11 @@ def test_a_critic_from_another_checkpoint_starts_as_that_model(model_dir, tmp_pa
     assert losses[-1] < 0.6 * losses[0], losses
 
 
-def swapped_tokenizer(path):
-    """A tiny model whose tokenizer gives "a" and "b" each other's ids."""
-    import json
-
-    save_tiny_model(path)
-    spec = json.loads((path / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
-    (path / "tokenizer.json").write_text(json.dumps(spec))
-    return path
-
-
 @pytest.mark.parametrize("make, options, match", [
-    (swapped_tokenizer, {}, r"another tokenizer than the policy's \(token 'a' is"),
+    (save_swapped_tokenizer_model, {}, r"another tokenizer than the policy's \(token 'a' is"),
     (lambda d: reward_model_dir(d, num_labels=2)[1], {}, "sequence classifier with 2 labels"),
     (lambda d: save_tiny_model(d, max_position_embeddings=16), {}, "a context of 16 tokens; the run's sequences reach 40"),
-    (lambda d: save_tiny_model(d, "gpt2"), {}, "is a gpt2 model: give a critic of the Llama, Mistral or Qwen families"),
+    (lambda d: save_tiny_model(d, "gpt2"), {}, "is a gpt2 model: the critic must be of the Llama, Mistral or Qwen families"),
     (lambda d: save_tiny_model(d, hidden_size=48, num_attention_heads=3, num_key_value_heads=1),
      {"sequence_parallel": 2}, "attention heads"),
     (lambda d: save_tiny_model(d), {"lora": {"r": 4, "target_modules": ["no_such_proj"]}}, "no_such_proj"),

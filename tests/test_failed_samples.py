@@ -75,6 +75,25 @@ def test_dynamic_sampling_with_gdpo_keeps_a_group_whose_functions_differ_though_
     assert not keep_group(one_absent, gdpo, Counter())
 
 
+def test_a_remax_group_without_its_greedy_answer_is_skipped_and_dynamic_sampling_counts_it():
+    """ReMax's baseline is its greedy answer: a group whose greedy answer failed (or that has
+    none) cannot train; with dynamic sampling, samples that agree with each other but not with
+    their greedy answer keep the group, even one sample a prompt."""
+    cfg = load_config(None, ["algorithm.advantage=remax", "algorithm.dynamic_sampling=true",
+                             "rollout.samples_per_prompt=1"])
+    failed, m = _group([1.0]), Counter()
+    failed.greedy = _group([None]).rollouts[0]
+    assert not keep_group(failed, cfg, m) and m == {"skipped_groups": 1}
+    assert not keep_group(_group([1.0]), cfg, Counter())  # no greedy answer at all
+    agree, beaten = _group([1.0]), _group([1.0])
+    agree.greedy, beaten.greedy = _group([1.0]).rollouts[0], _group([0.0]).rollouts[0]
+    m = Counter()
+    assert not keep_group(agree, cfg, m) and m == {"filtered_groups": 1, "filtered_tokens": 2}
+    assert keep_group(beaten, cfg, Counter())
+    adv, info = group_advantages([beaten], cfg)
+    assert adv.tolist() == [1.0] and info["singleton_groups"] == 1
+
+
 FLAKY_ENV = '''
 from rollover.envs.base import StepResult
 from rollover.types import Prompt

@@ -636,7 +636,7 @@ def test_remax_trains_each_sample_against_its_prompts_greedy_answer(model_dir, t
     assert [r["step"] for r in rows] == [1, 2] and all("reward/greedy_mean" in r for r in rows)
     ledger = [json.loads(line) for line in open(run / "trained_groups.jsonl")]
     assert all(g["samples"] == 2 for step in ledger for g in step["groups"])  # the greedy answer is not trained
-    greedy_rewards = []
+    greedy_rewards, advantages = [], []
     for step in (1, 2):
         samples = [json.loads(line) for line in open(run / "samples" / f"step_{step:06d}.jsonl")][1:]
         for gid in {r["group"] for r in samples}:
@@ -647,8 +647,23 @@ def test_remax_trains_each_sample_against_its_prompts_greedy_answer(model_dir, t
                 if r is not greedy[0]:
                     assert r["trained"] and r["advantage"] == pytest.approx(r["reward"] - greedy[0]["reward"], abs=1e-6)
             greedy_rewards.append(greedy[0]["reward"])
+            advantages += [r["advantage"] for r in mine if r is not greedy[0]]
         assert rows[step - 1]["reward/greedy_mean"] == pytest.approx(
             sum(greedy_rewards[-3:]) / 3, abs=1e-6)  # 3 prompts a step
+    assert any(a != 0 for a in advantages)  # some samples scored other than their greedy answer
+
+
+@pytest.mark.parametrize("advantage, loss", [("opo", None), ("gpg", "reinforce"), ("grpo_passk", None)])
+def test_verls_other_estimators_train(model_dir, tmp_path, advantage, loss):
+    """opo (its lengths from the samples' loss masks), gpg with the plain policy gradient, and
+    pass@k train through the loop: a step with a signal moves the weights."""
+    run = tmp_path / "r"
+    over = {"algorithm.advantage": advantage, "eval.every": 0, "rollout.temperature": 1.5, "steps": 2,
+            **({"algorithm.loss": loss} if loss else {})}
+    train_sync(tiny_cfg(model_dir, run, **over))
+    rows = [r for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert any(r["actor/grad_norm"] > 0 for r in rows) and all(r["actor/clip_frac_high"] == 0 for r in rows if loss)
 
 
 def test_remax_greedy_request_and_its_checks():

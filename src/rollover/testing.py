@@ -199,6 +199,19 @@ def save_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **over
     return path
 
 
+def save_swapped_tokenizer_model(path: str | Path) -> Path:
+    """A tiny model whose tokenizer gives "a" and "b" each other's ids (another tokenizer than
+    `char_tokenizer`'s, with the same tokens)."""
+    import json
+
+    path = save_tiny_model(path)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return path
+
+
 def generate_from_threads(engine, requests: list) -> list:
     """Call `engine.generate([r])` for each request from its own plain thread; returns the
     completions in request order, or raises the first error a thread met."""

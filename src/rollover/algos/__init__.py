@@ -8,11 +8,13 @@ entry. Every loss is to be *minimised*.
     out = policy_loss("ppo", logp_BT, old_logp_BT, adv_B, mask_BT, behav_logp_BT, eps_high=0.28)
     loss = aggregate(out.loss_BT, out.mask_BT, "token-mean", num_tokens=step_tokens)
 
-- `advantages`: grpo, grpo_batch_std, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, gapo, gdpo
-  (`ADVANTAGES`, gdpo apart: it takes each reward function's scores), gae (the rewards, for the critic).
+- `advantages`: grpo, grpo_batch_std, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, gapo, opo,
+  gpg, grpo_passk, remax, gdpo (`ADVANTAGES`, gdpo apart: it takes each reward function's scores),
+  gae (the rewards, for the critic).
+- `distill`: on-policy distillation's per-token term, the teacher's logprob less the sampler's.
 - `gae`: PPO with a critic: generalised advantage estimation over the trained tokens, whitening,
   the clipped value loss, explained variance.
-- `policy`: ppo, gspo, gspo_token, cispo, sapo, vespo, decoupled_ppo, bapo (`POLICY_LOSSES`);
+- `policy`: ppo, gspo, gspo_token, cispo, sapo, vespo, decoupled_ppo, bapo, reinforce (`POLICY_LOSSES`);
   `bapo_update_bounds` picks BAPO's bounds once over an update split into micro-batches and ranks.
 - `bapo_bounds`: BAPO's candidate bounds, the tables a batch contributes, the search.
 - `offpolicy`: truncated / masked importance sampling and the M2PO mask, as options of every

@@ -199,7 +199,8 @@ def remax(rewards_B: Tensor, group_ids_B: Tensor, *, baselines_B: Tensor) -> tup
 
     The baseline comes from outside the group, so a group of one sample learns (the paper's
     setting), and so does a group whose samples agree with each other but not with the greedy
-    answer; `zero_std_groups` counts the groups whose every sample equals its baseline."""
+    answer; `zero_std_groups` counts the groups of two or more whose every sample equals their
+    baseline."""
     if baselines_B.shape != rewards_B.shape:
         raise ValueError(f"baselines_B {tuple(baselines_B.shape)} must be [B] like rewards_B {tuple(rewards_B.shape)}")
     if not bool(torch.isfinite(baselines_B).all()):
@@ -209,7 +210,7 @@ def remax(rewards_B: Tensor, group_ids_B: Tensor, *, baselines_B: Tensor) -> tup
     adv_B = rewards_B - baselines_B.to(rewards_B.dtype)
     moved_G = torch.zeros_like(g.count_G, dtype=torch.bool)
     moved_G[g.idx_B[adv_B != 0]] = True
-    return adv_B, {**g.info, "zero_std_groups": int((~moved_G).sum())}
+    return adv_B, {**g.info, "zero_std_groups": int((~moved_G & (g.count_G > 1)).sum())}
 
 
 def gae_rewards(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, dict]:

@@ -8,7 +8,7 @@ Every field carries its own range (`Field(ge=..., gt=..., le=...)`), so a value 
 reported as `key=value: must be >= 1`; `Config._consistent` (rollover.config.run) holds only
 the checks that involve more than one field.
 
-One module per part (`data`, `rollout`, `reward`, `algorithm`, `train` with the critic, evaluation,
+One module per part (`data`, `rollout`, `reward`, `algorithm`, `train` with the critic, the distillation teacher, evaluation,
 checkpoint and logging sections, `env`, `schedule`, `ray`), the whole run (`run`), reading and writing (`load`), and the generated reference
 (`reference`; `python -m rollover.config docs/config.md` writes docs/config.md). The simulated
 cluster, which training never reads, is `rollover simulate`'s own section (rollover.sim.config).
@@ -25,10 +25,10 @@ from rollover.config.reward import RewardConfig
 from rollover.config.rollout import PartialRolloutConfig, RolloutConfig
 from rollover.config.run import Config
 from rollover.config.schedule import AsyncConfig, DownsampleConfig, SelectionConfig
-from rollover.config.train import CheckpointConfig, CriticConfig, EvalConfig, LoggingConfig, TrainConfig
+from rollover.config.train import CheckpointConfig, CriticConfig, DistillConfig, EvalConfig, LoggingConfig, TrainConfig
 
 __all__ = [
-    "AlgorithmConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "DownsampleConfig",
+    "AlgorithmConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DataConfig", "DistillConfig", "DownsampleConfig",
     "EnvConfig", "EvalConfig", "LoggingConfig", "PartialRolloutConfig", "RESUME_FREE_KEYS", "RayConfig",
     "RewardConfig", "RolloutConfig", "Section", "SelectionConfig", "TrainConfig", "config_changes", "describe",
     "dump_config", "load_config", "markdown_reference", "parse_overrides", "read_yaml",

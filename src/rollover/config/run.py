@@ -14,7 +14,7 @@ from rollover.config.ray import RayConfig
 from rollover.config.reward import RewardConfig
 from rollover.config.rollout import PartialRolloutConfig, RolloutConfig
 from rollover.config.schedule import AsyncConfig, DownsampleConfig, SelectionConfig
-from rollover.config.train import CheckpointConfig, CriticConfig, EvalConfig, LoggingConfig, TrainConfig
+from rollover.config.train import CheckpointConfig, CriticConfig, DistillConfig, EvalConfig, LoggingConfig, TrainConfig
 
 
 class Config(Section):
@@ -48,6 +48,7 @@ class Config(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     train: TrainConfig = TrainConfig()
     critic: CriticConfig = CriticConfig()
+    distill: DistillConfig = DistillConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -125,9 +126,10 @@ class Config(Section):
         problems = []
         if self.epochs is not None and "steps" in self.model_fields_set:
             problems.append(f"steps={self.steps} and epochs={self.epochs:g} both say how long to train: give one")
-        if a.dynamic_sampling and r.samples_per_prompt < 2:
+        if a.dynamic_sampling and r.samples_per_prompt < 2 and a.advantage != "remax":
             problems.append("algorithm.dynamic_sampling needs rollout.samples_per_prompt >= 2 (a group of 1 has no variance)")
-        if a.advantage not in ("reinforce_pp", "gae", "remax") and r.samples_per_prompt < 2:
+        teacher_alone = self.distill.teacher is not None and self.distill.outcome_weight == 0
+        if a.advantage not in ("reinforce_pp", "gae", "remax") and r.samples_per_prompt < 2 and not teacher_alone:
             problems.append(f"algorithm.advantage={a.advantage} compares samples of a group: rollout.samples_per_prompt must be >= 2")
         if a.loss in ("gspo", "gspo_token") and a.aggregation not in ("seq-mean-token-mean", "seq-mean-token-sum"):
             problems.append(f"algorithm.loss={a.loss} is defined with aggregation=seq-mean-token-mean (GSPO) or "
@@ -215,6 +217,7 @@ class Config(Section):
             problems.append(f"algorithm.advantage=gdpo normalises each reward function's scores; {what}, not the "
                             "reward functions (for a length penalty, give it as a reward function)")
         problems += self._critic_problems()
+        problems += self._distill_problems()
         fields = type(a).model_fields
         moved = [k for k in ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max") if getattr(a, k) != fields[k].default]
         if a.entropy_target is None and moved:
@@ -239,6 +242,22 @@ class Config(Section):
                 given = f"algorithm.loss_options={a.loss_options}" if a.loss_options else f"algorithm.dual_clip={a.dual_clip}"
                 problems.append(f"{given} for algorithm.loss={a.loss}: {wrong}")
         return problems
+
+    def _distill_problems(self) -> list[str]:
+        """On-policy distillation (distill.teacher) and what it does not combine with yet."""
+        d, a = self.distill, self.algorithm
+        fields = type(d).model_fields
+        moved = [k for k in ("weight", "outcome_weight") if getattr(d, k) != fields[k].default]
+        if d.teacher is None:
+            return [f"distill.{', distill.'.join(moved)} weigh the teacher's term: set distill.teacher"] if moved else []
+        out = []
+        if a.advantage == "gae":
+            out.append("distill.teacher with algorithm.advantage=gae: the critic's advantages and the teacher's term "
+                       "are not combined yet; use a group estimator (grpo, drgrpo, rloo, ...)")
+        if a.loss == "gspo":
+            out.append("distill.teacher gives each token its own advantage; algorithm.loss=gspo clips one ratio per "
+                       "sequence with one advantage per sequence: use gspo_token")
+        return out
 
     def _critic_problems(self) -> list[str]:
         """PPO with a critic (algorithm.advantage=gae) and what it does not combine with yet."""

@@ -121,6 +121,25 @@ class CriticConfig(Section):
     it must have the policy's tokenizer. Unset: a copy of the policy's trunk."""
 
 
+class DistillConfig(Section):
+    """On-policy distillation: a teacher scores every token the policy sampled."""
+
+    teacher: NonEmptyStr | None = None
+    """The teacher model (a path, hub id or alias) for on-policy distillation (GKD, arXiv
+    2306.13649, in its sampled reverse-KL form, as Thinking Machines' on-policy distillation):
+    each token the policy trains on gains weight * (log pi_teacher - log pi_sampler) in its
+    advantage, minus the token's reverse KL to the teacher, so the policy learns where its own
+    answers leave what the teacher would say. The teacher reads the policy's token ids (its
+    tokenizer gives them the same ids; extra tokens are fine) and is frozen, loaded where the
+    trainer runs (sharded with the policy under train.parallel=fsdp). Unset: no teacher."""
+    weight: float = Field(1.0, gt=0)
+    """The teacher term's weight in each token's advantage."""
+    outcome_weight: float = Field(1.0, ge=0)
+    """The weight of the reward functions' advantage (algorithm.advantage) beside the teacher's
+    term; 0: the teacher alone teaches, the rewards are only measured (then samples_per_prompt
+    may be 1)."""
+
+
 class EvalConfig(Section):
     every: int = Field(5, ge=0)
     """Evaluate every this many steps (0 = only at the start and the end)."""

@@ -307,6 +307,14 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
                                sequence_parallel=cfg.train.sequence_parallel, lora=cfg.train.lora)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if record and cfg.distill.teacher is not None:
+        from rollover.train.teacher import check_teacher_model
+
+        try:
+            check_teacher_model(cfg.distill.teacher, tokenizer, model.config, longest,
+                                sequence_parallel=cfg.train.sequence_parallel)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     eos_token_ids = list(eos_ids(getattr(model, "generation_config", None), model.config, tokenizer))
     trainer = _make_trainer(cfg, model, tokenizer.pad_token_id or 0, device, ckpt, remote_trainer, record)
     del model  # held by the trainer (or sent to its actor or ranks): no second reference here
@@ -370,9 +378,10 @@ def _longest(cfg: Config, model, prompt_ids: dict, env_builder) -> int:
 
 def _make_trainer(cfg: Config, model, pad_id: int, device, ckpt: Path | None, remote_trainer: bool, record: bool):
     """One trainer here, a trainer actor, FSDP rank processes or FSDP rank actors."""
-    if not record:  # an evaluation only samples: no critic or KL reference to build or load
+    if not record:  # an evaluation only samples: no critic, KL reference or teacher to build or load
         quiet = {"advantage": "grpo", "kl_coef": 0.0, "kl_in_reward": 0.0, "ref_sync_every": None}
-        cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update=quiet)})
+        cfg = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update=quiet),
+                                     "distill": cfg.distill.model_copy(update={"teacher": None})})
     if cfg.train.sequence_parallel > 1:  # before any rank starts
         from rollover.train.ulysses import check
 

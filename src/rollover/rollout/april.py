@@ -186,8 +186,8 @@ class AprilCollector:
         that has skipped `capacity` groups (too few samples left after failures) draws no more:
         it ends with what is ready, and with nothing ready the loop counts an empty collection
         (a broken environment stops the run instead of drawing prompts for ever)."""
-        st, n = self.st, self.cfg.rollout.samples_per_prompt
-        if st is None or st.stopping:
+        st, n = self.st, self.cfg.rollout.samples_per_prompt + (self.cfg.algorithm.advantage == "remax")
+        if st is None or st.stopping:  # n: a group's requests (ReMax's greedy one among them)
             return
         unfinished = sum(g.n - len(g.done) for g in self.inflight.values())
         want = math.ceil((st.capacity * n - unfinished) / n)
@@ -360,7 +360,8 @@ class AprilCollector:
         limit, out = self.pcfg.max_carry_steps, []
         for g in ready:
             if any(version - v > limit for r in g.rollouts for v in r.versions if v >= 0):
-                m["regenerated_tokens"] += sum(len(r.response_ids) for r in g.rollouts)
+                m["regenerated_tokens"] += sum(len(r.response_ids) for r in g.rollouts) + \
+                    (len(g.greedy.response_ids) if g.greedy is not None else 0)
                 greedy = g.greedy is not None
                 self.buffer.append(PendingGroup(id=g.id, prompt=g.prompt, prompt_ids=list(g.prompt_ids), serial=g.serial,
                                                 n=len(g.rollouts) + g.dropped + greedy, start_version=version,

@@ -133,8 +133,8 @@ def observe_groups(run, pending: list[PendingGroup], groups: list[Group]) -> Non
     for pg, g in zip(pending, groups):
         if run.selection is not None:
             run.selection.observe(g, run.primary_reward, version=g.start_version)
-        if run.turn_budget is not None and pg.episodes is not None:
-            run.turn_budget.observe(pg.prompt.id, [pg.done[j] for j in range(pg.n)])
+        if run.turn_budget is not None and pg.episodes is not None:  # the samples' episodes, not ReMax's greedy one
+            run.turn_budget.observe(pg.prompt.id, [pg.done[j] for j in range(int(pg.greedy_first), pg.n)])
 
 
 MIN_SAMPLES = 2  # a group's baseline compares its samples: fewer survivors leave nothing to compare
@@ -151,8 +151,8 @@ def keep_group(group: Group, cfg: Config, m, curate=None) -> bool:
     (`skipped_groups`), as is a ReMax group whose greedy answer failed (no baseline); `curate(group)` may change it (the experience pool); with DAPO dynamic
     sampling a group whose rewards are all equal (with GDPO: each function's scores) is filtered
     (`filtered_groups`, `filtered_tokens`)."""
-    if group.greedy is not None and group.greedy.reward is None:  # ReMax without its baseline
-        m["skipped_groups"] += 1
+    if cfg.algorithm.advantage == "remax" and (group.greedy is None or group.greedy.reward is None):
+        m["skipped_groups"] += 1  # ReMax without a baseline: its greedy answer failed (or a group from before remax)
         return False
     failed = sum(r.reward is None for r in group.rollouts)
     if failed:

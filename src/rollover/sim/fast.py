@@ -86,6 +86,8 @@ def check(cfg: SimRunConfig) -> None:
         why.append("prompt selection (selection.policy / selection.allocation)")
     if cfg.selection.dars != "off":
         why.append("DARS (selection.dars)")
+    if cfg.algorithm.advantage == "remax":
+        why.append("ReMax's greedy request per group (algorithm.advantage=remax)")
     from rollover.runtime.routing import MAX_PREFIXES
 
     if cfg.simulate.prompts > MAX_PREFIXES:

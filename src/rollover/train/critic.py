@@ -149,66 +149,28 @@ def value_model_from(name: str, lora: dict | None = None, config=None) -> ValueM
 
 def check_critic_model(name: str, tokenizer, policy_config, longest: int, *, sequence_parallel: int = 1,
                        lora: dict | None = None) -> None:
-    """ValueError unless the checkpoint `name` can be the critic of this policy: a text model that
-    gives the policy's tokens the same ids (the critic reads the policy's token ids), one label if
-    it is a sequence classifier, a context of `longest` tokens, an architecture the policy's
-    packing suits (rollover's own families pack sequences several to a row: a critic of the
-    Llama, Mistral or Qwen families, or of the policy's own family), heads that split over
-    `sequence_parallel` ranks, and modules `lora` names. A hub id's files are fetched here, so
-    that the ranks do not wait on rank 0's download."""
-    from pathlib import Path
+    """ValueError unless the checkpoint `name` can be the critic of this policy: a model that
+    reads the policy's tokens (`rollover.train.beside.check_reads_policy_tokens`: its tokenizer,
+    context, family and heads), one label if it is a sequence classifier, and modules `lora`
+    names."""
+    from transformers import AutoModel
 
-    from transformers import AutoConfig, AutoModel
-
-    from rollover.engine.hf_runner import fast_path
-    from rollover.models import is_vision_language, load_tokenizer, resolve_model, text_config
+    from rollover.train.beside import check_reads_policy_tokens
 
     where = f"critic.model={name!r}"
-    try:
-        path = resolve_model(name)
-        config = AutoConfig.from_pretrained(path)
-        theirs = load_tokenizer(name)
-        if not Path(path).is_dir():
-            from huggingface_hub import snapshot_download
-
-            snapshot_download(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{where}: not a model with a tokenizer ({type(e).__name__}: {e})") from None
-    if is_vision_language(config) or is_vision_language(policy_config):
-        raise ValueError(f"{where}: a critic from another checkpoint than the policy's is text-only: not with a "
-                         "vision-language model (leave critic.model unset)")
+    config = check_reads_policy_tokens(name, where, "the critic", tokenizer, policy_config, longest,
+                                       sequence_parallel=sequence_parallel)
     if _is_classifier(config) and getattr(config, "num_labels", 1) != 1:
         raise ValueError(f"{where} is a sequence classifier with {config.num_labels} labels: a critic's head gives "
                          "one number (a reward model has one label)")
-    mine, other = tokenizer.get_vocab(), theirs.get_vocab()
-    odd = sorted(((t, i) for t, i in mine.items() if other.get(t) != i), key=lambda kv: kv[1])
-    if odd:
-        token = odd[0][0]
-        raise ValueError(f"{where} has another tokenizer than the policy's (token {token!r} is {mine[token]} in the "
-                         f"policy's, {other.get(token)} in the critic's): the critic reads the policy's tokens")
-    vocab = text_config(config).vocab_size
-    if vocab < len(tokenizer):
-        raise ValueError(f"{where} embeds {vocab} tokens, fewer than the policy's tokenizer's {len(tokenizer)}")
-    ctx = getattr(config, "max_position_embeddings", None)
-    if ctx is not None and ctx < longest:
-        raise ValueError(f"{where} has a context of {ctx} tokens; the run's sequences reach {longest}")
-    if not fast_path(config, longest) and (fast_path(policy_config, longest)
-                                           or config.model_type != policy_config.model_type):
-        raise ValueError(f"{where} is a {config.model_type} model: give a critic of the Llama, Mistral or Qwen "
-                         f"families, or of the policy's own ({policy_config.model_type}); the policy's packing "
-                         "of sequences into rows is made for those")
-    try:
-        if sequence_parallel > 1:
-            from rollover.train.ulysses import check
+    if lora is not None:
+        from rollover.train.lora import apply_lora
 
-            check(text_config(config), sequence_parallel)
-        if lora is not None:
-            from rollover.train.lora import apply_lora
-
+        try:
             with torch.device("meta"):
                 apply_lora(AutoModel.from_config(config), lora, task_type="FEATURE_EXTRACTION")
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
 
 @dataclasses.dataclass

@@ -157,7 +157,7 @@ class FSDPTrainer(ShardedCheckpoints, Trainer):
         self._global_groups: list[int] | None = None
         self._roots: dict[int, _Root] = {}
         self._reference_saved = False  # the checkpoint being resumed holds a moved KL reference
-        self._rank0_built: set[int] = set()  # models only rank 0 read from disk (critic.model): the others take its tensors
+        self._rank0_built: set[int] = set()  # models only rank 0 read from disk (critic.model, distill.teacher): the others take its tensors
         super().__init__(model, cfg, device=device, pad_id=pad_id, reference=reference)
 
     # ------------------------------------------------------------ sharding
@@ -199,26 +199,38 @@ class FSDPTrainer(ShardedCheckpoints, Trainer):
         return model
 
     def _critic_network(self, model):
-        """critic.model: rank 0 reads the checkpoint, the others build its structure on the meta
-        device and take their parts of rank 0's tensors (as torchrun's ranks do the policy's)."""
+        """critic.model: read by rank 0 (`_read_on_rank0`)."""
         if self.cfg.critic.model is None:
             return super()._critic_network(model)
-        value, config, failed = None, [None], None
+        return self._read_on_rank0(lambda config: Trainer._critic_network(self, model, config=config),
+                                   "the critic from critic.model")
+
+    def _teacher_network(self, config=None):
+        """distill.teacher: read by rank 0 (`_read_on_rank0`)."""
+        return self._read_on_rank0(lambda config: Trainer._teacher_network(self, config=config),
+                                   "the teacher from distill.teacher")
+
+    def _read_on_rank0(self, build, what: str):
+        """`build(config)` on every rank: rank 0's reads the checkpoint (config None), the others
+        build its structure on the meta device from rank 0's config and take their parts of rank
+        0's tensors when it is placed (as torchrun's ranks do the policy's). A failure on rank 0
+        reaches every rank, as its text."""
+        built, config, failed = None, [None], None
         if self.rank == 0:
             try:
-                value = super()._critic_network(model)
-                config[0] = value.config
+                built = build(None)
+                config[0] = built.config
             except Exception as e:  # noqa: BLE001 - every rank raises, none waits for tensors
                 failed, config[0] = e, f"{type(e).__name__}: {e}"
         dist.broadcast_object_list(config, src=0, group=self._cpu_group)
         if failed is not None:
             raise failed
         if isinstance(config[0], str):
-            raise RuntimeError(f"trainer rank 0 could not build the critic from critic.model: {config[0]}")
-        if value is None:
-            value = super()._critic_network(model, config=config[0])
-        self._rank0_built.add(id(value))
-        return value
+            raise RuntimeError(f"trainer rank 0 could not build {what}: {config[0]}")
+        if built is None:
+            built = build(config[0])
+        self._rank0_built.add(id(built))
+        return built
 
     # ------------------------------------------------------------ passes
     def _forward(self, model, mb: MicroBatch, need_entropy: bool):

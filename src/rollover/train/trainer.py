@@ -101,6 +101,8 @@ class Trainer(PolicyForward):
         if cfg.algorithm.uses_reference and not self.is_peft:
             ref = reference if reference is not None else copy.deepcopy(model)
             self.ref_model = self._place(ref.eval().requires_grad_(False))
+        # distill.teacher: on-policy distillation's frozen teacher, placed as the reference is
+        self.teacher = None if cfg.distill.teacher is None else self._place(self._teacher_network())
         # algorithm.advantage=gae: the critic's network (critic.model's, or the policy's as loaded), placed below
         value = None
         if cfg.algorithm.advantage == "gae":
@@ -160,6 +162,27 @@ class Trainer(PolicyForward):
             return value
         return value_model_of(model, lora) if self.is_peft else value_model_of(self._base(model))
 
+    def _teacher_network(self, config=None):
+        """distill.teacher's model (with its `config`: only its structure, on the meta device)."""
+        from rollover.train.teacher import teacher_model
+
+        return teacher_model(self.cfg.distill.teacher, config=config)
+
+    def _with_teacher(self, batch: TrainBatch, teacher_BT: torch.Tensor) -> tuple[TrainBatch, dict]:
+        """The batch with each loss token's advantage moved by the teacher's term
+        (`rollover.algos.distill.teacher_advantages`), and the step's mean reverse KL to the
+        teacher over its loss tokens (summed over the ranks)."""
+        from dataclasses import replace
+
+        from rollover.algos.distill import teacher_advantages
+
+        d, mask = self.cfg.distill, batch.mask_BT
+        adv_BT = batch.adv_B[:, None].expand(mask.shape) if batch.adv_BT is None else batch.adv_BT
+        adv_BT, kl_BT = teacher_advantages(adv_BT.float(), mask, batch.behav_logp_BT, teacher_BT.cpu().float(),
+                                           weight=d.weight, outcome_weight=d.outcome_weight)
+        total, count = self._sum(torch.tensor([float(kl_BT.sum()), float(mask.sum())], dtype=torch.float64)).tolist()
+        return replace(batch, adv_BT=adv_BT), {"distill/reverse_kl": total / max(count, 1.0)}
+
     # ------------------------------------------------------------ training
     def train_step(self, batch: TrainBatch) -> dict:
         """All the updates of one step; returns metrics (means over updates)."""
@@ -183,6 +206,9 @@ class Trainer(PolicyForward):
                     ref_BT = self._fitting(self.logprobs, batch)
             else:
                 ref_BT = self._fitting(self.logprobs, batch, self.ref_model)
+        distill = {}
+        if self.teacher is not None:  # on-policy distillation: each token's advantage moved by the teacher's term
+            batch, distill = self._with_teacher(batch, self._fitting(self.logprobs, batch, self.teacher))
         critic = None
         if self.critic is not None:  # PPO with a critic: each token's advantage from its values
             if cfg.algorithm.kl_in_reward > 0 and start_BT is None:  # the KL in the reward is the policy's before the step
@@ -212,6 +238,7 @@ class Trainer(PolicyForward):
         keys = dict.fromkeys(k for h in history for k in h)
         out = {k: sum(h[k] for h in history if k in h) / sum(k in h for h in history) for k in keys}
         out["skipped_step"] = float(skipped)
+        out.update(distill)
         if critic is not None:
             out.update(critic.metrics)
             if warming:

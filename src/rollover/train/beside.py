@@ -1,0 +1,63 @@
+"""Models beside the policy that read its token ids: the critic's checkpoint (`critic.model`)
+and on-policy distillation's teacher (`distill.teacher`).
+
+Both are run by the trainer over the policy's packed micro-batches, so what they must be is the
+same: a text model whose tokenizer gives every policy token the same id, whose embedding covers
+the policy's tokenizer, whose context holds the run's sequences, of a family the policy's
+packing suits, with heads that split over `train.sequence_parallel`.
+"""
+
+from __future__ import annotations
+
+
+def check_reads_policy_tokens(name: str, where: str, role: str, tokenizer, policy_config, longest: int, *,
+                              sequence_parallel: int = 1):
+    """The config of checkpoint `name`, or a ValueError that starts with `where` (the config key
+    and value) and says why `role` ("the critic", "the teacher") cannot read the policy's tokens
+    from it. A hub id's files are fetched here, so that the ranks do not wait on rank 0's
+    download."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from rollover.engine.hf_runner import fast_path
+    from rollover.models import is_vision_language, load_tokenizer, resolve_model, text_config
+
+    try:
+        path = resolve_model(name)
+        config = AutoConfig.from_pretrained(path)
+        theirs = load_tokenizer(name)
+        if not Path(path).is_dir():
+            from huggingface_hub import snapshot_download
+
+            snapshot_download(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: not a model with a tokenizer ({type(e).__name__}: {e})") from None
+    if is_vision_language(config) or is_vision_language(policy_config):
+        raise ValueError(f"{where}: {role} from another checkpoint than the policy's is text-only: not with a "
+                         "vision-language model")
+    mine, other = tokenizer.get_vocab(), theirs.get_vocab()
+    odd = sorted(((t, i) for t, i in mine.items() if other.get(t) != i), key=lambda kv: kv[1])
+    if odd:
+        token = odd[0][0]
+        raise ValueError(f"{where} has another tokenizer than the policy's (token {token!r} is {mine[token]} in the "
+                         f"policy's, {other.get(token)} in {role}'s): {role} reads the policy's tokens")
+    vocab = text_config(config).vocab_size
+    if vocab < len(tokenizer):
+        raise ValueError(f"{where} embeds {vocab} tokens, fewer than the policy's tokenizer's {len(tokenizer)}")
+    ctx = getattr(config, "max_position_embeddings", None)
+    if ctx is not None and ctx < longest:
+        raise ValueError(f"{where} has a context of {ctx} tokens; the run's sequences reach {longest}")
+    if not fast_path(config, longest) and (fast_path(policy_config, longest)
+                                           or config.model_type != policy_config.model_type):
+        raise ValueError(f"{where} is a {config.model_type} model: {role} must be of the Llama, Mistral or Qwen "
+                         f"families, or of the policy's own ({policy_config.model_type}); the policy's packing "
+                         "of sequences into rows is made for those")
+    if sequence_parallel > 1:
+        from rollover.train.ulysses import check
+
+        try:
+            check(text_config(config), sequence_parallel)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    return config

@@ -1,0 +1,50 @@
+"""`distill.teacher`: the frozen model on-policy distillation asks, for every token the policy
+sampled, how likely it would have written it (`rollover.algos.distill` turns the answers into
+each token's advantage)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+
+def teacher_model(name: str, config=None):
+    """The teacher (a causal LM), frozen and in evaluation mode. `config`: the checkpoint's
+    config, to build only its structure on the meta device (a sharded rank that takes rank 0's
+    tensors). A checkpoint that lacks some of the model's weights is refused: they would be
+    random."""
+    from transformers import AutoModelForCausalLM
+
+    from rollover.models import resolve_model
+
+    if config is not None:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        path = resolve_model(name)
+        report = logging.getLogger("transformers.modeling_utils")  # what it says of missing weights is an error here
+        level = report.level
+        report.setLevel(logging.ERROR)
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+        finally:
+            report.setLevel(level)
+        missing = sorted(info["missing_keys"])
+        if missing:
+            raise ValueError(f"distill.teacher={name!r}: the checkpoint lacks {len(missing)} of the model's weights "
+                             f"(e.g. {missing[0]}), which would be random")
+    return model.eval().requires_grad_(False)
+
+
+def check_teacher_model(name: str, tokenizer, policy_config, longest: int, *, sequence_parallel: int = 1) -> None:
+    """ValueError unless `name` can teach this policy: a causal LM that reads the policy's tokens
+    (`rollover.train.beside.check_reads_policy_tokens`)."""
+    from rollover.train.beside import check_reads_policy_tokens
+
+    where = f"distill.teacher={name!r}"
+    config = check_reads_policy_tokens(name, where, "the teacher", tokenizer, policy_config, longest,
+                                       sequence_parallel=sequence_parallel)
+    if not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (config.architectures or ["ForCausalLM"])):
+        raise ValueError(f"{where} is a {', '.join(config.architectures)}: the teacher gives each token a "
+                         "probability, so it must be a causal LM")

@@ -1,0 +1,213 @@
+"""On-policy distillation (distill.teacher): each trained token's advantage moves by the teacher's
+logprob less the sampler's, computed by a frozen teacher over the trainer's own micro-batches, on
+one trainer and on FSDP ranks alike (tiny models, CPU)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from rollover.algos.distill import teacher_advantages
+from rollover.config import ConfigError, load_config
+from rollover.loops.sync import train_sync
+from rollover.testing import save_swapped_tokenizer_model, save_tiny_model, tiny_model
+from rollover.train.batch import TrainBatch
+from rollover.train.trainer import Trainer
+from rollover.types import Rollout
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """Another network (another size, other weights) with the policy's tokenizer."""
+    return str(save_tiny_model(tmp_path_factory.mktemp("t") / "teacher", "llama", seed=11, hidden_size=48))
+
+
+def test_the_teacher_term_by_hand():
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-0.5, -0.5, -0.5]])
+    mask = torch.tensor([[True, True, False], [True, False, True]])
+    behav = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.1, -4.0]])
+    teacher = torch.tensor([[-1.5, -1.0, 0.0], [-0.5, -9.0, -2.0]])
+    out, kl = teacher_advantages(adv, mask, behav, teacher, weight=2.0, outcome_weight=0.5)
+    torch.testing.assert_close(kl, torch.tensor([[0.5, -1.0, 0.0], [0.0, 0.0, -2.0]]))
+    # 0.5·A - 2·(s - q) on the loss tokens, 0 elsewhere
+    torch.testing.assert_close(out, torch.tensor([[0.5 - 1.0, 0.5 + 2.0, 0.0], [-0.25, 0.0, -0.25 + 4.0]]))
+    alone, _ = teacher_advantages(adv, mask, behav, teacher, outcome_weight=0.0)
+    torch.testing.assert_close(alone, torch.tensor([[-0.5, 1.0, 0.0], [0.0, 0.0, 2.0]]))
+    with pytest.raises(ValueError, match="teacher_logp_BT \\(2, 2\\) must match adv_BT \\(2, 3\\)"):
+        teacher_advantages(adv, mask, behav, teacher[:, :2])
+
+
+def batch_of(seed: int = 0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    rolls, advs = [], []
+    for gi in range(4):
+        prompt = torch.randint(3, 60, (5,), generator=g).tolist()
+        for _ in range(3):
+            n = int(torch.randint(2, 8, (1,), generator=g))
+            rolls.append(Rollout(group_id=f"g{gi}", prompt_ids=prompt, response_ids=torch.randint(3, 60, (n,), generator=g).tolist(),
+                                 logprobs=(-torch.rand(n, generator=g) - 0.5).tolist(), versions=[0] * n,
+                                 loss_mask=[1] * (n - 1) + [gi % 2], finish="stop", reward=0.0))
+            advs.append(float(torch.randn(1, generator=g)))
+    return TrainBatch.from_rollouts(rolls, advs)
+
+
+def cfg_of(**over):
+    base = {"device": "cpu", "model": "unused", "run_dir": "unused", "data.train": "gen:arithmetic?n=10",
+            "rollout.samples_per_prompt": 3, "rollout.max_new_tokens": 8, "rollout.temperature": 0.7, "train.lr": 1e-2}
+    base.update(over)
+    return load_config(**base)
+
+
+def test_the_trainer_moves_each_tokens_advantage_by_the_teachers_logprob_at_the_sampling_temperature(teacher_dir):
+    """The teacher's pass gives each token the log-softmax of the teacher's logits over its whole
+    sequence, divided by the rollout temperature; the update trains on `A - weight·(s - q)`."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = cfg_of(**{"distill.teacher": teacher_dir, "distill.weight": 0.5})
+    trainer = Trainer(tiny_model("llama", seed=3), cfg, device=torch.device("cpu"))
+    batch = batch_of()
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    q = torch.zeros_like(batch.behav_logp_BT)
+    with torch.no_grad():
+        for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+            logits = teacher(torch.tensor([p + r])).logits[0, len(p) - 1: len(p) + len(r) - 1] / 0.7
+            q[i, : len(r)] = logits.log_softmax(-1).gather(-1, torch.tensor(r)[:, None])[:, 0]
+    q = q.masked_fill(~batch.mask_BT, 0.0)
+    seen = {}
+    update = trainer._update
+
+    def spy(b, *a, **kw):  # the batch the update trains on
+        seen["adv_BT"] = b.adv_BT
+        return update(b, *a, **kw)
+
+    trainer._update = spy
+    metrics = trainer.train_step(batch)
+    expected = (batch.adv_B[:, None] - 0.5 * (batch.behav_logp_BT - q)).masked_fill(~batch.mask_BT, 0.0)
+    torch.testing.assert_close(seen["adv_BT"], expected, rtol=1e-5, atol=1e-5)
+    kl = float((batch.behav_logp_BT - q)[batch.mask_BT].mean())
+    assert metrics["distill/reverse_kl"] == pytest.approx(kl, rel=1e-5, abs=1e-6)
+    assert trainer.teacher is not None and not any(p.requires_grad for p in trainer.teacher.parameters())
+
+
+def run_cfg(model_dir, run_dir, **over):
+    base = {
+        "device": "cpu", "model": model_dir, "run_dir": str(run_dir), "steps": 8, "seed": 7, "resume": "auto",
+        "data.train": "gen:arithmetic?n=120", "data.eval_size": 4, "data.max_prompt_tokens": 64,
+        "rollout.prompts_per_step": 8, "rollout.samples_per_prompt": 1, "rollout.max_new_tokens": 8,
+        "rollout.max_rows": 8, "reward.functions": ["numeric"], "train.lr": 3e-3, "eval.every": 0,
+        "eval.at_start": False, "checkpoint.every": 4, "logging.progress": False, "logging.tensorboard": False,
+        "distill.outcome_weight": 0.0,
+    }
+    base.update(over)
+    return load_config(**base)
+
+
+def train_rows(run_dir):
+    return [r for r in map(json.loads, open(run_dir / "metrics.jsonl")) if r["kind"] == "train"]
+
+
+def test_a_student_distilled_from_a_teacher_comes_closer_to_it(model_dir, teacher_dir, tmp_path):
+    """With the teacher alone (distill.outcome_weight 0, one sample a prompt) the reverse KL to the
+    teacher falls as the student trains; the policy as its own teacher is at KL 0 on-policy; a run
+    killed after step 4 and resumed ends with the straight run's weights."""
+    from safetensors.torch import load_file
+
+    train_sync(run_cfg(model_dir, tmp_path / "straight", **{"distill.teacher": teacher_dir}))
+    kl = [r["distill/reverse_kl"] for r in train_rows(tmp_path / "straight")]
+    # each step's KL is over ~50 fresh tokens, so noisy: the first two steps against the last three
+    assert len(kl) == 8 and sum(kl[-3:]) / 3 < 0.6 * sum(kl[:2]) / 2, kl
+    train_sync(run_cfg(model_dir, tmp_path / "resumed", steps=4, **{"distill.teacher": teacher_dir}))
+    train_sync(run_cfg(model_dir, tmp_path / "resumed", **{"distill.teacher": teacher_dir}))
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step_000008" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "checkpoints" / "step_000008" / "model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    train_sync(run_cfg(model_dir, tmp_path / "self", steps=1, **{"distill.teacher": model_dir}))
+    assert abs(train_rows(tmp_path / "self")[0]["distill/reverse_kl"]) < 1e-4  # the sampler is the teacher
+
+
+def test_on_two_ranks_the_teacher_is_sharded_and_the_step_is_one_trainers(teacher_dir):
+    """train.parallel=fsdp: rank 0 reads the teacher, the other rank takes its shards; the
+    reverse KL is over both ranks' tokens and the update is one trainer's."""
+    from rollover.train.ranks import ShardedTrainer
+
+    cfg = cfg_of(**{"distill.teacher": teacher_dir, "train.parallel": "fsdp", "train.ranks": 2})
+    model = tiny_model("llama", seed=3)
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    start = {n: t.clone() for n, t in plain.named_weights()}
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        b = batch_of(1)
+        mp, ms = plain.train_step(b), sharded.train_step(b)
+        for k in ("distill/reverse_kl", "actor/pg_loss", "actor/grad_norm"):
+            assert ms[k] == pytest.approx(mp[k], rel=1e-4, abs=1e-6), k
+        after = dict(sharded.named_weights())
+        moved = max(float((t - start[n]).abs().max()) for n, t in plain.named_weights())
+        assert moved > 0.5 * cfg.train.lr
+        assert max(float((t - after[n]).abs().max()) for n, t in plain.named_weights()) < 0.05 * cfg.train.lr
+    finally:
+        sharded.close()
+
+
+def sequence_classifier(path):
+    from transformers import AutoModelForSequenceClassification
+
+    from rollover.testing import char_tokenizer, tiny_config
+
+    AutoModelForSequenceClassification.from_config(tiny_config("llama", num_labels=1)).save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("make, match", [
+    (save_swapped_tokenizer_model, r"distill.teacher=.* another tokenizer than the policy's \(token 'a' is .* in the teacher's\)"),
+    (lambda d: save_tiny_model(d, max_position_embeddings=16), "a context of 16 tokens; the run's sequences reach 40"),
+    (lambda d: save_tiny_model(d, "gpt2"), "is a gpt2 model: the teacher must be of the Llama, Mistral or Qwen families"),
+    (sequence_classifier, "LlamaForSequenceClassification: the teacher gives each token a probability"),
+    (lambda d: d / "absent", "not a model with a tokenizer"),
+])
+def test_a_teacher_that_cannot_score_the_policys_tokens_is_refused(model_dir, tmp_path, make, match):
+    from rollover.models import load_tokenizer
+    from rollover.train.teacher import check_teacher_model
+
+    path = str(make(tmp_path / "teacher"))
+    with pytest.raises(ValueError, match=match):
+        check_teacher_model(path, load_tokenizer(model_dir), tiny_model("llama").config, 40)
+
+
+def test_a_teacher_checkpoint_missing_weights_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from rollover.train.teacher import teacher_model
+
+    path = save_tiny_model(tmp_path / "teacher")
+    weights = load_file(str(path / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 of the model's weights \(e.g. model.layers.1.mlp.up_proj.weight\)"):
+        teacher_model(str(path))
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"distill.teacher": "t", "algorithm.advantage": "gae"}, "distill.teacher with algorithm.advantage=gae"),
+    ({"distill.teacher": "t", "algorithm.loss": "gspo", "algorithm.aggregation": "seq-mean-token-mean"},
+     "algorithm.loss=gspo clips one ratio per sequence"),
+    ({"distill.weight": 2.0}, "distill.weight weigh the teacher's term: set distill.teacher"),
+    ({"distill.teacher": "t", "rollout.samples_per_prompt": 1}, "compares samples of a group"),
+])
+def test_distill_config_conflicts_are_refused(over, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(model="unused", run_dir="unused", **over)
+
+
+def test_the_teacher_alone_trains_one_sample_a_prompt():
+    cfg = load_config(model="unused", run_dir="unused", **{"distill.teacher": "t", "distill.outcome_weight": 0.0,
+                                                           "rollout.samples_per_prompt": 1})
+    assert cfg.distill.outcome_weight == 0.0
