@@ -68,10 +68,11 @@ def cfg_of(**over):
 
 def test_the_trainer_moves_each_tokens_advantage_by_the_teachers_logprob_at_the_sampling_temperature(teacher_dir):
     """The teacher's pass gives each token the log-softmax of the teacher's logits over its whole
-    sequence, divided by the rollout temperature; the update trains on `A - weight·(s - q)`."""
+    sequence, divided by the rollout temperature; the update trains on
+    `outcome_weight·A - weight·(s - q)`."""
     from transformers import AutoModelForCausalLM
 
-    cfg = cfg_of(**{"distill.teacher": teacher_dir, "distill.weight": 0.5})
+    cfg = cfg_of(**{"distill.teacher": teacher_dir, "distill.weight": 0.5, "distill.outcome_weight": 0.25})
     trainer = Trainer(tiny_model("llama", seed=3), cfg, device=torch.device("cpu"))
     batch = batch_of()
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
@@ -90,7 +91,7 @@ def test_the_trainer_moves_each_tokens_advantage_by_the_teachers_logprob_at_the_
 
     trainer._update = spy
     metrics = trainer.train_step(batch)
-    expected = (batch.adv_B[:, None] - 0.5 * (batch.behav_logp_BT - q)).masked_fill(~batch.mask_BT, 0.0)
+    expected = (0.25 * batch.adv_B[:, None] - 0.5 * (batch.behav_logp_BT - q)).masked_fill(~batch.mask_BT, 0.0)
     torch.testing.assert_close(seen["adv_BT"], expected, rtol=1e-5, atol=1e-5)
     kl = float((batch.behav_logp_BT - q)[batch.mask_BT].mean())
     assert metrics["distill/reverse_kl"] == pytest.approx(kl, rel=1e-5, abs=1e-6)
@@ -201,13 +202,18 @@ def test_a_teacher_checkpoint_missing_weights_is_refused(tmp_path):
      "algorithm.loss=gspo clips one ratio per sequence"),
     ({"distill.weight": 2.0}, "distill.weight weigh the teacher's term: set distill.teacher"),
     ({"distill.teacher": "t", "rollout.samples_per_prompt": 1}, "compares samples of a group"),
+    ({"distill.teacher": "t", "downsample.token_fraction": 0.5}, "D3S picks samples and tokens by the rewards'"),
+    ({"distill.teacher": "t", "distill.outcome_weight": 0.0, "algorithm.dynamic_sampling": True},
+     "the rewards, which do not train, would still drop"),
+    ({"distill.teacher": "t", "rollout.top_p": 0.9, "rollout.repetition_penalty": 1.1},
+     r"rollout.top_p=0.9, rollout.repetition_penalty=1.1: the sampler's logprobs are then of a cut"),
 ])
 def test_distill_config_conflicts_are_refused(over, match):
     with pytest.raises(ConfigError, match=match):
         load_config(model="unused", run_dir="unused", **over)
 
 
-def test_the_teacher_alone_trains_one_sample_a_prompt():
+def test_the_teacher_alone_allows_one_sample_a_prompt():
     cfg = load_config(model="unused", run_dir="unused", **{"distill.teacher": "t", "distill.outcome_weight": 0.0,
                                                            "rollout.samples_per_prompt": 1})
     assert cfg.distill.outcome_weight == 0.0

@@ -257,6 +257,20 @@ class Config(Section):
         if a.loss == "gspo":
             out.append("distill.teacher gives each token its own advantage; algorithm.loss=gspo clips one ratio per "
                        "sequence with one advantage per sequence: use gspo_token")
+        dw = self.downsample
+        if dw.keep or dw.token_fraction < 1 or dw.token_fraction_start is not None:
+            out.append("distill.teacher with downsample: D3S picks samples and tokens by the rewards' advantage "
+                       "before the teacher's term is known")
+        if a.dynamic_sampling and d.outcome_weight == 0:
+            out.append("algorithm.dynamic_sampling with distill.outcome_weight=0: the rewards, which do not train, "
+                       "would still drop the groups whose samples score alike (the teacher has a signal for them)")
+        r = self.rollout
+        cut = [f"rollout.{k}={v}" for k, v, off in (("top_p", r.top_p, 1.0), ("top_k", r.top_k, 0),
+                                                     ("min_p", r.min_p, 0.0), ("repetition_penalty", r.repetition_penalty, 1.0))
+               if v != off]
+        if cut:
+            out.append(f"distill.teacher with {', '.join(cut)}: the sampler's logprobs are then of a cut or penalised "
+                       "distribution, not the policy's, and the teacher's term would push toward what the cut removes")
         return out
 
     def _critic_problems(self) -> list[str]:

@@ -487,6 +487,12 @@ class FSDPTrainer(ShardedCheckpoints, Trainer):
             yield n.removeprefix("base_model.model.").replace(".base_layer", ""), t
 
     # ------------------------------------------------------------ reference
+    def logprobs(self, batch, model=None, entropy: bool = False):
+        out = super().logprobs(batch, model, entropy)
+        if model is not None and model is not self.model:  # a frozen model (the KL reference, the teacher) has no
+            self._roots[id(model)].reshard()  # backward to free its root's gathered embeddings and head: free them now
+        return out
+
     def _sync_reference(self, alpha: float) -> None:
         for model in (self.model, self.ref_model):  # each its own shards: a root kept whole after its
             self._roots[id(model)].reshard()        # forward would take the update in a passing copy
