@@ -12,7 +12,7 @@ from rollover.algos import (
     bapo_update_bounds,
     policy_loss,
 )
-from rollover.algos.policy import check_loss_options, loss_options, old_logprobs_first
+from rollover.algos.loss_options import check_loss_options, loss_options, old_logprobs_first
 from rollover.config import ConfigError, load_config
 
 F64 = torch.float64

@@ -16,6 +16,7 @@ entry. Every loss is to be *minimised*.
   the clipped value loss, explained variance.
 - `policy`: ppo, gspo, gspo_token, cispo, sapo, vespo, decoupled_ppo, bapo, reinforce (`POLICY_LOSSES`);
   `bapo_update_bounds` picks BAPO's bounds once over an update split into micro-batches and ranks.
+- `loss_options`: a config's options for the policy loss, checked against what the loss takes.
 - `bapo_bounds`: BAPO's candidate bounds, the tables a batch contributes, the search.
 - `offpolicy`: truncated / masked importance sampling and the M2PO mask, as options of every
   policy loss (`is_level`, `is_mode`, `is_cap`, `is_floor`, `is_seq_ratio`, `m2po_tau`);

@@ -33,7 +33,6 @@ Common departures:
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -520,65 +519,6 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "vespo": vespo,
     "reinforce": reinforce,
 }
-
-
-def loss_options(algorithm) -> dict:
-    """`policy_loss` keyword arguments from a config's algorithm section (its `loss_options`
-    first, then the named keys: clip bounds, dual clip, TIS, M2PO)."""
-    a = algorithm
-    opts = dict(a.loss_options)
-    if a.loss not in ("bapo", "sapo", "vespo", "reinforce"):  # BAPO finds its bounds; SAPO, VESPO, REINFORCE clip nothing
-        opts.setdefault("eps_low", a.eps_low)
-        opts.setdefault("eps_high", a.eps_high)
-    if a.dual_clip is not None:
-        opts.setdefault("dual_clip", a.dual_clip)
-    if a.tis_cap is not None:
-        opts.setdefault("is_level", "token")
-        opts.setdefault("is_mode", "truncate")
-        opts.setdefault("is_cap", a.tis_cap)
-    if a.m2po_tau is not None:
-        opts.setdefault("m2po_tau", a.m2po_tau)
-    return opts
-
-
-def old_logprobs_first(loss: str, opts: dict) -> bool:
-    """Whether a trainer records every token's π_old before an update's passes even with one
-    update per step: M2PO's mask is cut over the update's `(old - behav)²`, and BAPO's bounds are
-    chosen over the update's loss tokens, which importance sampling in mask mode picks by
-    `old - behav` (with one update and no mask, BAPO's ratios are 1 and need no pass)."""
-    if opts.get("m2po_tau") is not None:
-        return True
-    return loss == "bapo" and opts.get("is_level") is not None and opts.get("is_mode", "truncate") == "mask"
-
-
-def check_loss_options(algorithm) -> str | None:
-    """None when the loss takes the section's options, else what is wrong with them: the loss
-    runs once on a one-token batch, so an unknown key or a bad value is found before training."""
-    if algorithm.loss == "bapo" and "bounds" in algorithm.loss_options:
-        return ("bapo's bounds are chosen by the trainer, once per update over all its loss tokens; "
-                "steer the search with low_start, low_max, high_start, high_max, step, target_pos_share")
-    B = torch.zeros((1, 1))
-    opts = loss_options(algorithm)
-    known = loss_option_names(algorithm.loss)
-    unknown = [k for k in opts if k not in known]
-    if unknown:
-        return f"unknown option {', '.join(map(repr, unknown))}; {algorithm.loss} takes {', '.join(known)}"
-    try:
-        policy_loss(algorithm.loss, B, B, torch.zeros(1), torch.ones((1, 1), dtype=torch.bool), B.clone(), **opts)
-    except (TypeError, ValueError) as e:
-        return str(e)
-    return None
-
-
-def loss_option_names(name: str) -> list[str]:
-    """The options a policy loss takes: its own, and the off-policy corrections every loss takes
-    through `**correction`."""
-    params = list(inspect.signature(POLICY_LOSSES[name]).parameters.values())
-    own = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
-    if any(p.kind == p.VAR_KEYWORD for p in params):
-        own += [p.name for p in inspect.signature(off_policy_correction).parameters.values()
-                if p.kind == p.KEYWORD_ONLY]
-    return own
 
 
 def policy_loss(

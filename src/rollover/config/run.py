@@ -235,13 +235,18 @@ class Config(Section):
                 "with train.lora the reference is the base model under the adapter, which a sync would move"
             problems.append(f"algorithm.ref_sync_every={a.ref_sync_every} has no reference to move: {why}")
         if a.loss_options or (a.dual_clip is not None and a.loss is not None):  # now, not at the first update
-            from rollover.algos.policy import check_loss_options
+            from rollover.algos.loss_options import check_loss_options
 
             wrong = check_loss_options(a)
             if wrong:
                 given = f"algorithm.loss_options={a.loss_options}" if a.loss_options else f"algorithm.dual_clip={a.dual_clip}"
                 problems.append(f"{given} for algorithm.loss={a.loss}: {wrong}")
         return problems
+
+    @property
+    def requests_per_group(self) -> int:
+        """The requests a prompt's group sends: its samples, and ReMax's greedy answer."""
+        return self.rollout.samples_per_prompt + (self.algorithm.advantage == "remax")
 
     def _distill_problems(self) -> list[str]:
         """On-policy distillation (distill.teacher) and what it does not combine with yet."""

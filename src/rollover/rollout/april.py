@@ -181,13 +181,13 @@ class AprilCollector:
         self.driver.start(groups, self._sampling, self.cfg.seed)
 
     def _refill(self) -> None:
-        """Keep capacity x n samples unfinished in flight: rows freed by finished samples go to
-        fresh groups at once, even while their own groups wait for their slowest member. A step
+        """Keep capacity x n requests unfinished in flight (n: a group's samples and ReMax's greedy
+        answer): rows freed by finished samples go to fresh groups at once, even while their own groups wait for their slowest member. A step
         that has skipped `capacity` groups (too few samples left after failures) draws no more:
         it ends with what is ready, and with nothing ready the loop counts an empty collection
         (a broken environment stops the run instead of drawing prompts for ever)."""
-        st, n = self.st, self.cfg.rollout.samples_per_prompt + (self.cfg.algorithm.advantage == "remax")
-        if st is None or st.stopping:  # n: a group's requests (ReMax's greedy one among them)
+        st, n = self.st, self.cfg.requests_per_group
+        if st is None or st.stopping:
             return
         unfinished = sum(g.n - len(g.done) for g in self.inflight.values())
         want = math.ceil((st.capacity * n - unfinished) / n)

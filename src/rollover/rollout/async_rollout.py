@@ -110,8 +110,7 @@ class RolloutService:
         fill the engine's rows. Rows count the samples still running, not whole groups: a group
         whose short samples finished leaves their rows to new groups while its long one runs."""
         r = self.cfg.rollout
-        n = r.samples_per_prompt + (self.cfg.algorithm.advantage == "remax")  # a group's requests
-        return max(r.prompts_per_step - len(self.inflight), -(-(r.max_rows - self.running) // n))
+        return max(r.prompts_per_step - len(self.inflight), -(-(r.max_rows - self.running) // self.cfg.requests_per_group))
 
     def _submit(self, groups: list[PendingGroup]) -> None:
         for g in groups:

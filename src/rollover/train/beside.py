@@ -10,6 +10,28 @@ packing suits, with heads that split over `train.sequence_parallel`.
 from __future__ import annotations
 
 
+def load_whole(cls, path: str, where: str, whose: str, then: str):
+    """`cls.from_pretrained(path)` in float32, with transformers' load report quiet (a causal LM's
+    head going unused is expected when its trunk is taken); a ValueError starting with `where`
+    when the checkpoint lacks some of `whose` weights, which `then` ("would be random")."""
+    import logging
+
+    import torch
+
+    report = logging.getLogger("transformers.modeling_utils")
+    level = report.level
+    report.setLevel(logging.ERROR)
+    try:
+        model, info = cls.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    finally:
+        report.setLevel(level)
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise ValueError(f"{where}: the checkpoint lacks {len(missing)} of {whose} weights (e.g. {missing[0]}), "
+                         f"which {then}")
+    return model
+
+
 def check_reads_policy_tokens(name: str, where: str, role: str, tokenizer, policy_config, longest: int, *,
                               sequence_parallel: int = 1):
     """The config of checkpoint `name`, or a ValueError that starts with `where` (the config key

@@ -24,7 +24,6 @@ optimizer state go into the ranks' sharded checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import warnings
 
@@ -102,6 +101,7 @@ def value_model_from(name: str, lora: dict | None = None, config=None) -> ValueM
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
     from rollover.models import resolve_model
+    from rollover.train.beside import load_whole
 
     score = None
     if config is not None:
@@ -109,28 +109,15 @@ def value_model_from(name: str, lora: dict | None = None, config=None) -> ValueM
             trunk = AutoModel.from_config(config, dtype=torch.float32)
     else:
         path = resolve_model(name)
-        config = AutoConfig.from_pretrained(path)
-        # transformers' load report is quiet here (a causal LM's LM head is expected to go unused);
-        # what it would say of weights the checkpoint lacks is an error instead
-        report = logging.getLogger("transformers.modeling_utils")
-        level = report.level
-        report.setLevel(logging.ERROR)
-        try:
-            if _is_classifier(config):
-                scorer, info = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32,
-                                                                                  output_loading_info=True)
-                trunk, score = scorer.base_model, getattr(scorer, "score", None)
-                if not isinstance(score, nn.Linear) or score.out_features != 1:
-                    raise ValueError(f"critic.model={name!r}: its classifier's head is not one linear layer to one "
-                                     "label (`score`, as Llama's, Qwen's and Mistral's reward models have)")
-            else:
-                trunk, info = AutoModel.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
-        finally:
-            report.setLevel(level)
-        if info["missing_keys"]:
-            missing = sorted(info["missing_keys"])
-            raise ValueError(f"critic.model={name!r}: the checkpoint lacks {len(missing)} of the critic's weights "
-                             f"(e.g. {missing[0]}), which would start at random")
+        where = f"critic.model={name!r}"
+        if _is_classifier(AutoConfig.from_pretrained(path)):
+            scorer = load_whole(AutoModelForSequenceClassification, path, where, "the critic's", "would start at random")
+            trunk, score = scorer.base_model, getattr(scorer, "score", None)
+            if not isinstance(score, nn.Linear) or score.out_features != 1:
+                raise ValueError(f"{where}: its classifier's head is not one linear layer to one label (`score`, as "
+                                 "Llama's, Qwen's and Mistral's reward models have)")
+        else:
+            trunk = load_whole(AutoModel, path, where, "the critic's", "would start at random")
     no_split = getattr(trunk, "_no_split_modules", None)
     if lora is not None:
         from rollover.train.lora import apply_lora

@@ -4,7 +4,6 @@ each token's advantage)."""
 
 from __future__ import annotations
 
-import logging
 
 import torch
 
@@ -22,18 +21,10 @@ def teacher_model(name: str, config=None):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     else:
-        path = resolve_model(name)
-        report = logging.getLogger("transformers.modeling_utils")  # what it says of missing weights is an error here
-        level = report.level
-        report.setLevel(logging.ERROR)
-        try:
-            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
-        finally:
-            report.setLevel(level)
-        missing = sorted(info["missing_keys"])
-        if missing:
-            raise ValueError(f"distill.teacher={name!r}: the checkpoint lacks {len(missing)} of the model's weights "
-                             f"(e.g. {missing[0]}), which would be random")
+        from rollover.train.beside import load_whole
+
+        model = load_whole(AutoModelForCausalLM, resolve_model(name), f"distill.teacher={name!r}", "the model's",
+                           "would be random")
     return model.eval().requires_grad_(False)
 
 

@@ -33,7 +33,8 @@ import torch.utils.checkpoint
 
 from rollover.algos import aggregate, kl_penalty, policy_loss, top_entropy_mask
 from rollover.algos.offpolicy import MAX_LOG_RATIO, m2po_update_mask, opsm_mask
-from rollover.algos.policy import bapo_update_bounds, old_logprobs_first
+from rollover.algos.loss_options import old_logprobs_first
+from rollover.algos.policy import bapo_update_bounds
 from rollover.config import Config
 from rollover.engine.hf_runner import fast_path
 from rollover.models import restore_output_capture
@@ -303,7 +304,7 @@ class Trainer(PolicyForward):
 
     def _loss_options(self) -> dict:
         """`policy_loss` keyword arguments from the algorithm section (its `loss_options` first)."""
-        from rollover.algos.policy import loss_options
+        from rollover.algos.loss_options import loss_options
 
         return loss_options(self.cfg.algorithm)
 
