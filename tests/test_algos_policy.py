@@ -479,6 +479,24 @@ def test_reinforce_is_minus_advantage_times_logp_with_no_clip():
         load_config(model="unused", run_dir="unused", **{"algorithm.loss": "reinforce", "algorithm.dual_clip": 3.0})
 
 
+def test_reinforce_warns_where_no_ratio_corrects_it():
+    """Several updates a step, or stale samples without importance weights, are named; one
+    update in sync mode, and stale samples with tis_cap, are not."""
+    from rollover.algos.loss_options import reinforce_caveats
+
+    def caveats(**over):
+        return reinforce_caveats(load_config(model="unused", run_dir="unused", **{"algorithm.loss": "reinforce", **over}))
+
+    assert caveats() == [] and caveats(**{"algorithm.loss": "ppo", "train.ppo_epochs": 2}) == []
+    assert caveats(**{"mode": "async", "algorithm.tis_cap": 2.0}) == []
+    (several,) = caveats(**{"train.ppo_epochs": 2, "train.mini_batches": 2})
+    assert several.startswith("algorithm.loss=reinforce with 4 updates a step")
+    (stale,) = caveats(mode="async")
+    assert "in async mode trains samples of older policies without importance weights" in stale
+    (april,) = caveats(**{"partial_rollout.enabled": True})
+    assert "in APRIL" in april
+
+
 # ---- VESPO -----------------------------------------------------------------------------------
 
 

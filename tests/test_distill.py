@@ -98,6 +98,22 @@ def test_the_trainer_moves_each_tokens_advantage_by_the_teachers_logprob_at_the_
     assert trainer.teacher is not None and not any(p.requires_grad for p in trainer.teacher.parameters())
 
 
+def test_a_bfloat16_teacher_holds_half_the_bytes_and_scores_the_tokens_as_the_float32_one(teacher_dir):
+    """distill.dtype=bfloat16: the teacher's weights in bfloat16, its logits taken in float32;
+    its logprobs are the float32 teacher's to bfloat16's precision."""
+    batch = batch_of(2)
+    scored = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = cfg_of(**{"distill.teacher": teacher_dir, "distill.dtype": dtype})
+        trainer = Trainer(tiny_model("llama", seed=3), cfg, device=torch.device("cpu"))
+        assert {p.dtype for p in trainer.teacher.parameters()} == {getattr(torch, dtype)}
+        scored[dtype] = (trainer.logprobs(batch, trainer.teacher), sum(p.nbytes for p in trainer.teacher.parameters()))
+    (q32, bytes32), (q16, bytes16) = scored["float32"], scored["bfloat16"]
+    assert bytes16 * 2 == bytes32 and q16.dtype == torch.float32
+    assert 0 < float((q16 - q32).abs().max()) < 0.1
+    torch.testing.assert_close(q16, q32, rtol=0.02, atol=0.03)
+
+
 def run_cfg(model_dir, run_dir, **over):
     base = {
         "device": "cpu", "model": model_dir, "run_dir": str(run_dir), "steps": 8, "seed": 7, "resume": "auto",
@@ -135,11 +151,12 @@ def test_a_student_distilled_from_a_teacher_comes_closer_to_it(model_dir, teache
 
 
 def test_on_two_ranks_the_teacher_is_sharded_and_the_step_is_one_trainers(teacher_dir):
-    """train.parallel=fsdp: rank 0 reads the teacher, the other rank takes its shards; the
-    reverse KL is over both ranks' tokens and the update is one trainer's."""
+    """train.parallel=fsdp: rank 0 reads the teacher (here in bfloat16), the other rank takes its
+    shards; the reverse KL is over both ranks' tokens and the update is one trainer's."""
     from rollover.train.ranks import ShardedTrainer
 
-    cfg = cfg_of(**{"distill.teacher": teacher_dir, "train.parallel": "fsdp", "train.ranks": 2})
+    cfg = cfg_of(**{"distill.teacher": teacher_dir, "train.parallel": "fsdp", "train.ranks": 2,
+                    "distill.dtype": "bfloat16"})
     model = tiny_model("llama", seed=3)
     plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
     start = {n: t.clone() for n, t in plain.named_weights()}
@@ -200,7 +217,8 @@ def test_a_teacher_checkpoint_missing_weights_is_refused(tmp_path):
     ({"distill.teacher": "t", "algorithm.advantage": "gae"}, "distill.teacher with algorithm.advantage=gae"),
     ({"distill.teacher": "t", "algorithm.loss": "gspo", "algorithm.aggregation": "seq-mean-token-mean"},
      "algorithm.loss=gspo clips one ratio per sequence"),
-    ({"distill.weight": 2.0}, "distill.weight weigh the teacher's term: set distill.teacher"),
+    ({"distill.weight": 2.0, "distill.dtype": "bfloat16"},
+     "distill.weight, distill.dtype without distill.teacher: set the teacher they apply to"),
     ({"distill.teacher": "t", "rollout.samples_per_prompt": 1}, "compares samples of a group"),
     ({"distill.teacher": "t", "downsample.token_fraction": 0.5}, "D3S picks samples and tokens by the rewards'"),
     ({"distill.teacher": "t", "distill.outcome_weight": 0.0, "algorithm.dynamic_sampling": True},

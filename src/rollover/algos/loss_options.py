@@ -1,6 +1,7 @@
 """A config's policy-loss options: what `policy_loss` is called with (`loss_options`), whether
-they are ones the loss takes (`check_loss_options`, `loss_option_names`), and whether the trainer
-needs every token's old logprob before an update (`old_logprobs_first`)."""
+they are ones the loss takes (`check_loss_options`, `loss_option_names`), whether the trainer
+needs every token's old logprob before an update (`old_logprobs_first`), and what the plain
+policy gradient leaves uncorrected in a run (`reinforce_caveats`)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,26 @@ def old_logprobs_first(loss: str, opts: dict) -> bool:
     if opts.get("m2po_tau") is not None:
         return True
     return loss == "bapo" and opts.get("is_level") is not None and opts.get("is_mode", "truncate") == "mask"
+
+
+def reinforce_caveats(cfg) -> list[str]:
+    """What makes `algorithm.loss: reinforce` (no ratio) biased in run `cfg`, for a warning:
+    several updates a step (the later ones train on samples of an earlier policy, which no
+    ratio corrects), and APRIL or async mode without importance weights (stale samples)."""
+    a, t = cfg.algorithm, cfg.train
+    if a.loss != "reinforce":
+        return []
+    out = []
+    updates = t.ppo_epochs * t.mini_batches
+    if updates > 1:
+        out.append(f"algorithm.loss=reinforce with {updates} updates a step (train.ppo_epochs x train.mini_batches): "
+                   "the updates after the first follow the gradient of a policy already moved, with no ratio to "
+                   "correct or clip it; use ppo for several updates")
+    stale = "async mode" if cfg.mode == "async" else "APRIL" if cfg.partial_rollout.enabled else None
+    if stale and loss_options(a).get("is_level") is None:
+        out.append(f"algorithm.loss=reinforce in {stale} trains samples of older policies without importance "
+                   "weights: set algorithm.tis_cap (e.g. 2.0) to weight each token by its sampler's ratio")
+    return out
 
 
 def check_loss_options(algorithm) -> str | None:

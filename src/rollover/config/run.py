@@ -252,9 +252,9 @@ class Config(Section):
         """On-policy distillation (distill.teacher) and what it does not combine with yet."""
         d, a = self.distill, self.algorithm
         fields = type(d).model_fields
-        moved = [k for k in ("weight", "outcome_weight") if getattr(d, k) != fields[k].default]
+        moved = [k for k in ("weight", "outcome_weight", "dtype") if getattr(d, k) != fields[k].default]
         if d.teacher is None:
-            return [f"distill.{', distill.'.join(moved)} weigh the teacher's term: set distill.teacher"] if moved else []
+            return [f"distill.{', distill.'.join(moved)} without distill.teacher: set the teacher they apply to"] if moved else []
         out = []
         if a.advantage == "gae":
             out.append("distill.teacher with algorithm.advantage=gae: the critic's advantages and the teacher's term "

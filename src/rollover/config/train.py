@@ -138,6 +138,9 @@ class DistillConfig(Section):
     """The weight of the reward functions' advantage (algorithm.advantage) beside the teacher's
     term; 0: the teacher alone teaches, the rewards are only measured (then samples_per_prompt
     may be 1)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The teacher's weights: float32, or bfloat16 (half the memory, as an engine serving it
+    would hold it; its logits are taken in float32 either way)."""
 
 
 class EvalConfig(Section):

@@ -10,8 +10,8 @@ packing suits, with heads that split over `train.sequence_parallel`.
 from __future__ import annotations
 
 
-def load_whole(cls, path: str, where: str, whose: str, then: str):
-    """`cls.from_pretrained(path)` in float32, with transformers' load report quiet (a causal LM's
+def load_whole(cls, path: str, where: str, whose: str, then: str, dtype=None):
+    """`cls.from_pretrained(path)` in `dtype` (float32 by default), with transformers' load report quiet (a causal LM's
     head going unused is expected when its trunk is taken); a ValueError starting with `where`
     when the checkpoint lacks some of `whose` weights, which `then` ("would be random")."""
     import logging
@@ -22,7 +22,7 @@ def load_whole(cls, path: str, where: str, whose: str, then: str):
     level = report.level
     report.setLevel(logging.ERROR)
     try:
-        model, info = cls.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+        model, info = cls.from_pretrained(path, dtype=dtype or torch.float32, output_loading_info=True)
     finally:
         report.setLevel(level)
     if info["missing_keys"]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 
-def teacher_model(name: str, config=None):
-    """The teacher (a causal LM), frozen and in evaluation mode. `config`: the checkpoint's
+def teacher_model(name: str, config=None, dtype: str = "float32"):
+    """The teacher (a causal LM) in `dtype`, frozen and in evaluation mode. `config`: the checkpoint's
     config, to build only its structure on the meta device (a sharded rank that takes rank 0's
     tensors). A checkpoint that lacks some of the model's weights is refused: they would be
     random."""
@@ -19,12 +19,12 @@ def teacher_model(name: str, config=None):
 
     if config is not None:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     else:
         from rollover.train.beside import load_whole
 
         model = load_whole(AutoModelForCausalLM, resolve_model(name), f"distill.teacher={name!r}", "the model's",
-                           "would be random")
+                           "would be random", dtype=getattr(torch, dtype))
     return model.eval().requires_grad_(False)
 
 

@@ -167,7 +167,7 @@ class Trainer(PolicyForward):
         """distill.teacher's model (with its `config`: only its structure, on the meta device)."""
         from rollover.train.teacher import teacher_model
 
-        return teacher_model(self.cfg.distill.teacher, config=config)
+        return teacher_model(self.cfg.distill.teacher, config=config, dtype=self.cfg.distill.dtype)
 
     def _with_teacher(self, batch: TrainBatch, teacher_BT: torch.Tensor) -> tuple[TrainBatch, dict]:
         """The batch with each loss token's advantage moved by the teacher's term
