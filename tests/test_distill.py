@@ -200,6 +200,21 @@ def test_a_teacher_that_cannot_score_the_policys_tokens_is_refused(model_dir, tm
         check_teacher_model(path, load_tokenizer(model_dir), tiny_model("llama").config, 40)
 
 
+def test_a_teacher_with_fewer_rows_than_the_policys_head_samples_is_refused(model_dir, teacher_dir):
+    """A policy whose head is wider than its tokenizer (padded vocabularies) can sample ids the
+    tokenizer does not name; a teacher without rows for them is refused, one with them is not."""
+    from rollover.models import load_tokenizer
+    from rollover.testing import tiny_config
+    from rollover.train.teacher import check_teacher_model
+
+    tokenizer = load_tokenizer(model_dir)
+    n = len(tokenizer)
+    check_teacher_model(teacher_dir, tokenizer, tiny_config("llama", vocab_size=n), 40)
+    with pytest.raises(ValueError, match=rf"embeds {n} tokens, fewer than the {n + 8} the policy's head can sample "
+                                         rf"\(ids {n}-{n + 7} have no row in the teacher's embedding\)"):
+        check_teacher_model(teacher_dir, tokenizer, tiny_config("llama", vocab_size=n + 8), 40)
+
+
 def test_a_teacher_checkpoint_missing_weights_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -64,9 +64,12 @@ def check_reads_policy_tokens(name: str, where: str, role: str, tokenizer, polic
         token = odd[0][0]
         raise ValueError(f"{where} has another tokenizer than the policy's (token {token!r} is {mine[token]} in the "
                          f"policy's, {other.get(token)} in {role}'s): {role} reads the policy's tokens")
-    vocab = text_config(config).vocab_size
+    vocab, sampled = text_config(config).vocab_size, text_config(policy_config).vocab_size
     if vocab < len(tokenizer):
         raise ValueError(f"{where} embeds {vocab} tokens, fewer than the policy's tokenizer's {len(tokenizer)}")
+    if vocab < sampled:  # the engine samples from every row of the policy's head, named tokens or not
+        raise ValueError(f"{where} embeds {vocab} tokens, fewer than the {sampled} the policy's head can sample "
+                         f"(ids {vocab}-{sampled - 1} have no row in {role}'s embedding)")
     ctx = getattr(config, "max_position_embeddings", None)
     if ctx is not None and ctx < longest:
         raise ValueError(f"{where} has a context of {ctx} tokens; the run's sequences reach {longest}")
