@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from rollover.algos.distill import teacher_advantages
+from rollover.algos.distill import generalized_jsd, teacher_advantages
 from rollover.config import ConfigError, load_config
 from rollover.loops.sync import train_sync
 from rollover.testing import save_swapped_tokenizer_model, save_tiny_model, tiny_model
@@ -43,6 +43,33 @@ def test_the_teacher_term_by_hand():
     torch.testing.assert_close(alone, torch.tensor([[-0.5, 1.0, 0.0], [0.0, 0.0, 2.0]]))
     with pytest.raises(ValueError, match="teacher_logp_BT \\(2, 2\\) must match adv_BT \\(2, 3\\)"):
         teacher_advantages(adv, mask, behav, teacher[:, :2])
+
+
+def test_the_generalised_jsd_by_hand():
+    """beta 0: KL(teacher ‖ student); 1: KL(student ‖ teacher); between: the mixture's form,
+    symmetric at 0.5 and at most log 2 there; 0 where the two agree; the gradient reaches the
+    student's log-probabilities only."""
+    import math
+
+    s = torch.tensor([[0.7, 0.2, 0.1], [0.25, 0.25, 0.5]]).log().requires_grad_(True)
+    q = torch.tensor([[0.1, 0.3, 0.6], [0.25, 0.25, 0.5]]).log()
+
+    def kl(a, b):  # KL(a ‖ b) of each row, by the definition
+        return [sum(x * math.log(x / y) for x, y in zip(ra, rb)) for ra, rb in zip(a.exp().tolist(), b.exp().tolist())]
+
+    torch.testing.assert_close(generalized_jsd(s, q, 0.0), torch.tensor(kl(q, s)))
+    torch.testing.assert_close(generalized_jsd(s, q, 1.0), torch.tensor(kl(s, q)))
+    beta = 0.3
+    m = (beta * q.exp() + (1 - beta) * s.exp()).log()
+    by_hand = [beta * a + (1 - beta) * b for a, b in zip(kl(q, m), kl(s, m))]
+    torch.testing.assert_close(generalized_jsd(s, q, beta), torch.tensor(by_hand))
+    half = generalized_jsd(s, q, 0.5)
+    torch.testing.assert_close(half, generalized_jsd(q, s.detach(), 0.5))
+    assert 0 < float(half[0].detach()) < math.log(2) and abs(float(half[1].detach())) < 1e-7
+    generalized_jsd(s, q, 0.5).sum().backward()
+    assert s.grad is not None and float(s.grad[0].abs().sum()) > 0
+    with pytest.raises(ValueError, match=r"beta=1.5 must lie in \[0, 1\]"):
+        generalized_jsd(s, q, 1.5)
 
 
 def batch_of(seed: int = 0) -> TrainBatch:
@@ -114,6 +141,47 @@ def test_a_bfloat16_teacher_holds_half_the_bytes_and_scores_the_tokens_as_the_fl
     torch.testing.assert_close(q16, q32, rtol=0.02, atol=0.03)
 
 
+def test_with_jsd_the_update_descends_the_divergence_of_whole_distributions(teacher_dir):
+    """distill.loss=jsd: the update's gradient is `weight` times that of the token-mean of the
+    generalised JSD between the policy's and the teacher's next-token distributions (at the
+    rollout temperature) over the loss tokens; with outcome_weight 0 the rewards add nothing.
+    The step's `distill/divergence` is that mean."""
+    from transformers import AutoModelForCausalLM
+
+    over = {"distill.teacher": teacher_dir, "distill.loss": "jsd", "distill.beta": 0.3, "distill.weight": 0.5,
+            "distill.outcome_weight": 0.0}
+    cfg = cfg_of(**over)
+    policy = tiny_model("llama", seed=3)
+    mine = copy.deepcopy(policy)
+    trainer = Trainer(policy, cfg, device=torch.device("cpu"))
+    batch = batch_of(3)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    total, count = 0.0, int(batch.mask_BT.sum())
+    for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        ids = torch.tensor([p + r])
+        span = slice(len(p) - 1, len(p) + len(r) - 1)
+        student = (mine(ids).logits[0, span] / 0.7).log_softmax(-1)
+        with torch.no_grad():
+            theirs = (teacher(ids).logits[0, span] / 0.7).log_softmax(-1)
+        total = total + generalized_jsd(student, theirs, 0.3)[batch.mask_BT[i, : len(r)]].sum()
+    (0.5 * total / count).backward()
+    grads = {}
+    step = trainer._optimizer_step
+
+    def spy(finite):
+        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+        return step(finite)
+
+    trainer._optimizer_step = spy
+    metrics = trainer.train_step(batch)
+    assert metrics["distill/divergence"] == pytest.approx(float(total.detach()) / count, rel=1e-4)
+    assert "distill/reverse_kl" not in metrics
+    expected = dict(mine.named_parameters())
+    assert grads.keys() == {n for n, p in expected.items() if p.grad is not None}
+    for name, g in grads.items():
+        torch.testing.assert_close(g, expected[name].grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
 def run_cfg(model_dir, run_dir, **over):
     base = {
         "device": "cpu", "model": model_dir, "run_dir": str(run_dir), "steps": 8, "seed": 7, "resume": "auto",
@@ -150,13 +218,27 @@ def test_a_student_distilled_from_a_teacher_comes_closer_to_it(model_dir, teache
     assert abs(train_rows(tmp_path / "self")[0]["distill/reverse_kl"]) < 1e-4  # the sampler is the teacher
 
 
-def test_on_two_ranks_the_teacher_is_sharded_and_the_step_is_one_trainers(teacher_dir):
+def test_a_student_taught_by_jsd_alone_comes_closer_to_the_teacher(model_dir, teacher_dir, tmp_path):
+    """distill.loss=jsd with the teacher alone: the divergence of whole distributions falls as
+    the student trains, and the step's metrics carry it (not the sampled reverse KL)."""
+    train_sync(run_cfg(model_dir, tmp_path / "jsd", **{"distill.teacher": teacher_dir, "distill.loss": "jsd",
+                                                         "distill.beta": 0.5}))
+    rows = train_rows(tmp_path / "jsd")
+    div = [r["distill/divergence"] for r in rows]
+    assert len(div) == 8 and all(d >= 0 for d in div) and "distill/reverse_kl" not in rows[0]
+    assert sum(div[-3:]) / 3 < 0.6 * sum(div[:2]) / 2, div
+
+
+@pytest.mark.parametrize("loss, sp", [("sampled", 1), ("jsd", 1), ("jsd", 2)])
+def test_on_two_ranks_the_teacher_is_sharded_and_the_step_is_one_trainers(teacher_dir, loss, sp):
     """train.parallel=fsdp: rank 0 reads the teacher (here in bfloat16), the other rank takes its
-    shards; the reverse KL is over both ranks' tokens and the update is one trainer's."""
+    shards; the teacher's metric is over both ranks' tokens and the update is one trainer's
+    (jsd: the teacher's output layer applied whole on each rank; with sequence parallelism
+    each rank's slice of every row)."""
     from rollover.train.ranks import ShardedTrainer
 
     cfg = cfg_of(**{"distill.teacher": teacher_dir, "train.parallel": "fsdp", "train.ranks": 2,
-                    "distill.dtype": "bfloat16"})
+                    "distill.dtype": "bfloat16", "distill.loss": loss, "train.sequence_parallel": sp})
     model = tiny_model("llama", seed=3)
     plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
     start = {n: t.clone() for n, t in plain.named_weights()}
@@ -164,7 +246,8 @@ def test_on_two_ranks_the_teacher_is_sharded_and_the_step_is_one_trainers(teache
     try:
         b = batch_of(1)
         mp, ms = plain.train_step(b), sharded.train_step(b)
-        for k in ("distill/reverse_kl", "actor/pg_loss", "actor/grad_norm"):
+        for k in ("distill/reverse_kl" if loss == "sampled" else "distill/divergence", "actor/pg_loss",
+                  "actor/grad_norm"):
             assert ms[k] == pytest.approx(mp[k], rel=1e-4, abs=1e-6), k
         after = dict(sharded.named_weights())
         moved = max(float((t - start[n]).abs().max()) for n, t in plain.named_weights())
@@ -240,10 +323,24 @@ def test_a_teacher_checkpoint_missing_weights_is_refused(tmp_path):
      "the rewards, which do not train, would still drop"),
     ({"distill.teacher": "t", "rollout.top_p": 0.9, "rollout.repetition_penalty": 1.1},
      r"rollout.top_p=0.9, rollout.repetition_penalty=1.1: the sampler's logprobs are then of a cut"),
+    ({"distill.teacher": "t", "distill.beta": 0.9}, "distill.beta=0.9 weighs the divergence of distill.loss=jsd"),
+    ({"distill.loss": "jsd"}, "distill.loss without distill.teacher"),
+    ({"distill.teacher": "t", "distill.loss": "jsd", "algorithm.advantage": "gae"}, "with algorithm.advantage=gae"),
+    ({"distill.teacher": "t", "distill.loss": "jsd", "downsample.keep": 2, "rollout.samples_per_prompt": 4},
+     "distill.teacher with downsample"),
 ])
 def test_distill_config_conflicts_are_refused(over, match):
     with pytest.raises(ConfigError, match=match):
         load_config(model="unused", run_dir="unused", **over)
+
+
+def test_jsd_takes_what_only_the_sampled_term_refuses():
+    """The divergence of whole distributions uses neither the sampler's logprobs nor one
+    advantage a token: a cut sampling distribution and GSPO's sequence ratio are allowed."""
+    cfg = load_config(model="unused", run_dir="unused", **{
+        "distill.teacher": "t", "distill.loss": "jsd", "rollout.top_p": 0.9, "algorithm.loss": "gspo",
+        "algorithm.aggregation": "seq-mean-token-mean"})
+    assert cfg.distill.loss == "jsd" and cfg.algorithm.loss == "gspo"
 
 
 def test_the_teacher_alone_allows_one_sample_a_prompt():

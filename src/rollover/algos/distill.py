@@ -28,3 +28,36 @@ def teacher_advantages(adv_BT: Tensor, mask_BT: Tensor, behav_logp_BT: Tensor, t
     mask = mask_BT.bool()
     kl_BT = (behav_logp_BT - teacher_logp_BT).masked_fill(~mask, 0.0)
     return (outcome_weight * adv_BT - weight * kl_BT).masked_fill(~mask, 0.0), kl_BT
+
+
+def generalized_jsd(student_logp_NV: Tensor, teacher_logp_NV: Tensor, beta: float) -> Tensor:
+    """The generalised Jensen-Shannon divergence of each position's next-token distributions
+    [N] (GKD, arXiv 2306.13649, eq. 1, with TRL's ends): `beta = 0` is the forward KL
+    `KL(teacher ‖ student)`, `beta = 1` the reverse KL `KL(student ‖ teacher)`, and between
+    them `beta · KL(teacher ‖ M) + (1 − beta) · KL(student ‖ M)` with the mixture
+    `M = beta · teacher + (1 − beta) · student`. Both arguments are log-probabilities over the
+    vocabulary [N, V]; the gradient flows into the student's. A token either side gives no
+    probability to (-inf) adds nothing where its weight is 0."""
+    import math
+
+    import torch
+
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta={beta} must lie in [0, 1]")
+    if student_logp_NV.shape != teacher_logp_NV.shape:
+        raise ValueError(f"teacher_logp_NV {tuple(teacher_logp_NV.shape)} must match student_logp_NV "
+                         f"{tuple(student_logp_NV.shape)}")
+
+    # a token left out (-inf: a head's banned ids) held at a floor where exp() is 0 and no
+    # difference or gradient is inf or nan
+    student_logp_NV, teacher_logp_NV = student_logp_NV.clamp(min=-1e9), teacher_logp_NV.clamp(min=-1e9)
+
+    def kl(p_log: Tensor, q_log: Tensor) -> Tensor:  # KL(p ‖ q) of each row
+        return (p_log.exp() * (p_log - q_log)).sum(-1)
+
+    if beta == 0.0:
+        return kl(teacher_logp_NV, student_logp_NV)
+    if beta == 1.0:
+        return kl(student_logp_NV, teacher_logp_NV)
+    mixture = torch.logaddexp(student_logp_NV + math.log(1.0 - beta), teacher_logp_NV + math.log(beta))
+    return beta * kl(teacher_logp_NV, mixture) + (1.0 - beta) * kl(student_logp_NV, mixture)

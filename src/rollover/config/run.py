@@ -252,23 +252,21 @@ class Config(Section):
         """On-policy distillation (distill.teacher) and what it does not combine with yet."""
         d, a = self.distill, self.algorithm
         fields = type(d).model_fields
-        moved = [k for k in ("weight", "outcome_weight", "dtype") if getattr(d, k) != fields[k].default]
+        moved = [k for k in ("loss", "beta", "weight", "outcome_weight", "dtype") if getattr(d, k) != fields[k].default]
         if d.teacher is None:
             return [f"distill.{', distill.'.join(moved)} without distill.teacher: set the teacher they apply to"] if moved else []
         out = []
+        if d.loss == "sampled" and d.beta != fields["beta"].default:
+            out.append(f"distill.beta={d.beta} weighs the divergence of distill.loss=jsd; distill.loss is sampled")
         if a.advantage == "gae":
             out.append("distill.teacher with algorithm.advantage=gae: the critic's advantages and the teacher's term "
                        "are not combined yet; use a group estimator (grpo, drgrpo, rloo, ...)")
+        if d.loss == "jsd":  # the sampler's logprob and one advantage a token play no part in the divergence
+            return out + self._d3s_and_dynamic_sampling_with_teacher()
         if a.loss == "gspo":
             out.append("distill.teacher gives each token its own advantage; algorithm.loss=gspo clips one ratio per "
                        "sequence with one advantage per sequence: use gspo_token")
-        dw = self.downsample
-        if dw.keep or dw.token_fraction < 1 or dw.token_fraction_start is not None:
-            out.append("distill.teacher with downsample: D3S picks samples and tokens by the rewards' advantage "
-                       "before the teacher's term is known")
-        if a.dynamic_sampling and d.outcome_weight == 0:
-            out.append("algorithm.dynamic_sampling with distill.outcome_weight=0: the rewards, which do not train, "
-                       "would still drop the groups whose samples score alike (the teacher has a signal for them)")
+        out += self._d3s_and_dynamic_sampling_with_teacher()
         r = self.rollout
         cut = [f"rollout.{k}={v}" for k, v, off in (("top_p", r.top_p, 1.0), ("top_k", r.top_k, 0),
                                                      ("min_p", r.min_p, 0.0), ("repetition_penalty", r.repetition_penalty, 1.0))
@@ -276,6 +274,17 @@ class Config(Section):
         if cut:
             out.append(f"distill.teacher with {', '.join(cut)}: the sampler's logprobs are then of a cut or penalised "
                        "distribution, not the policy's, and the teacher's term would push toward what the cut removes")
+        return out
+
+    def _d3s_and_dynamic_sampling_with_teacher(self) -> list[str]:
+        """What picks samples by the rewards alone, which a teacher's signal would be lost to."""
+        out, dw = [], self.downsample
+        if dw.keep or dw.token_fraction < 1 or dw.token_fraction_start is not None:
+            out.append("distill.teacher with downsample: D3S picks samples and tokens by the rewards' advantage "
+                       "before the teacher's term is known")
+        if self.algorithm.dynamic_sampling and self.distill.outcome_weight == 0:
+            out.append("algorithm.dynamic_sampling with distill.outcome_weight=0: the rewards, which do not train, "
+                       "would still drop the groups whose samples score alike (the teacher has a signal for them)")
         return out
 
     def _critic_problems(self) -> list[str]:

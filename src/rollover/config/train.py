@@ -126,14 +126,22 @@ class DistillConfig(Section):
 
     teacher: NonEmptyStr | None = None
     """The teacher model (a path, hub id or alias) for on-policy distillation (GKD, arXiv
-    2306.13649, in its sampled reverse-KL form, as Thinking Machines' on-policy distillation):
-    each token the policy trains on gains weight * (log pi_teacher - log pi_sampler) in its
-    advantage, minus the token's reverse KL to the teacher, so the policy learns where its own
-    answers leave what the teacher would say. The teacher reads the policy's token ids (its
-    tokenizer gives them the same ids; extra tokens are fine) and is frozen, loaded where the
-    trainer runs (sharded with the policy under train.parallel=fsdp). Unset: no teacher."""
+    2306.13649): the policy learns where its own answers leave what the teacher would say, in the
+    form distill.loss names. The teacher reads the policy's token ids (its tokenizer gives them
+    the same ids; extra tokens are fine) and is frozen, loaded where the trainer runs (sharded
+    with the policy under train.parallel=fsdp). Unset: no teacher."""
+    loss: Literal["sampled", "jsd"] = "sampled"
+    """sampled: each token the policy trains on gains weight * (log pi_teacher - log pi_sampler)
+    in its advantage, minus the token's sampled reverse KL to the teacher (Thinking Machines'
+    on-policy distillation). jsd: the loss gains weight * the generalised Jensen-Shannon
+    divergence between the policy's and the teacher's whole next-token distributions at each
+    position the policy sampled (distill.beta; TRL's GKDTrainer and DistillationTrainer),
+    aggregated as the policy loss."""
+    beta: float = Field(0.5, ge=0, le=1)
+    """distill.loss=jsd: 0 is the forward KL(teacher || policy), 1 the reverse KL(policy ||
+    teacher), between them the generalised JSD (TRL's beta; 0.5 is its GKD default)."""
     weight: float = Field(1.0, gt=0)
-    """The teacher term's weight in each token's advantage."""
+    """The teacher term's weight: in each token's advantage (sampled), in the loss (jsd)."""
     outcome_weight: float = Field(1.0, ge=0)
     """The weight of the reward functions' advantage (algorithm.advantage) beside the teacher's
     term; 0: the teacher alone teaches, the rewards are only measured (then samples_per_prompt

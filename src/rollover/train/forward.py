@@ -80,8 +80,10 @@ class PolicyForward:
                                      attention_mask=self._attention_mask(mb, model), use_cache=False).last_hidden_state
         return hidden[mb.sel_row, mb.sel_col], mb.targets
 
-    def _forward(self, model, mb: MicroBatch, need_entropy: bool):
-        """logp [N] of the response tokens (and their entropy [N] when asked)."""
+    def _forward(self, model, mb: MicroBatch, need_entropy: bool, teacher=None):
+        """logp [N] of the response tokens, their entropy [N] when asked (else None), and with
+        `teacher` (`_teacher_view`'s head and hidden states) each position's divergence [N] from
+        the teacher's next-token distribution (distill.loss=jsd; else None)."""
         base = self._base(model)
         selected, targets = self._trunk(model, base, mb)  # [N, H], [N]
         head = LogitHead(base)  # the model's own: the policy's or the KL reference's
@@ -94,14 +96,16 @@ class PolicyForward:
         recompute = torch.is_grad_enabled() and len(selected) > chunk
         parts = []
         for i in range(0, max(len(selected), 1), chunk):  # an empty selection still makes a graph
-            args = (head, selected[i: i + chunk], targets[i: i + chunk], need_entropy, entropy_grad)
+            taught = None if teacher is None else (teacher[0], teacher[1][i: i + chunk])
+            args = (head, selected[i: i + chunk], targets[i: i + chunk], need_entropy, entropy_grad, taught)
             if recompute:
                 parts.append(torch.utils.checkpoint.checkpoint(self._token_logp, *args, use_reentrant=False))
             else:
                 parts.append(self._token_logp(*args))
         logp = torch.cat([p[0] for p in parts])
         entropy = torch.cat([p[1] for p in parts]) if need_entropy else None
-        return logp, entropy
+        divergence = torch.cat([p[2] for p in parts]) if teacher is not None else None
+        return logp, entropy, divergence
 
     def _inputs(self, base, mb: MicroBatch) -> dict:
         """What the trunk's forward takes besides positions and mask: the ids and the images."""
@@ -110,19 +114,31 @@ class PolicyForward:
             return {"inputs_embeds": RowGradEmbedding.apply(mb.input_ids, embedding.weight, embedding.padding_idx)}
         return {"input_ids": mb.input_ids, **(mb.media or {})}
 
-    def _token_logp(self, head, hidden_N, targets_N, need_entropy: bool, entropy_grad: bool):
-        """Logprobs of `targets_N` (and the entropies) from the hidden states before them."""
+    def _token_logp(self, head, hidden_N, targets_N, need_entropy: bool, entropy_grad: bool, teacher=None):
+        """Logprobs of `targets_N`, the entropies (or an empty tensor) and the divergences from
+        `teacher`'s distributions (its head and its hidden states at the same positions; or an
+        empty tensor), from the hidden states before them."""
+        logp_all = self._all_logp(head, hidden_N)
+        logp = logp_all.gather(1, targets_N[:, None]).squeeze(1)
+        entropy = divergence = logp.new_zeros(0)
+        if need_entropy:
+            with torch.set_grad_enabled(entropy_grad):  # tokens left out (-inf: image placeholders) add 0, not nan
+                entropy = -(logp_all.exp() * logp_all.clamp(min=torch.finfo(logp_all.dtype).min)).sum(-1)
+        if teacher is not None:
+            from rollover.algos.distill import generalized_jsd
+
+            with torch.no_grad():
+                theirs = self._all_logp(*teacher)
+            divergence = generalized_jsd(logp_all, theirs, self.cfg.distill.beta)
+        return logp, entropy, divergence
+
+    def _all_logp(self, head, hidden_N) -> torch.Tensor:
+        """The next-token log-distribution [N, vocab] at the rollout temperature."""
         with self.autocast:
             logits = head(hidden_N).float()
         t = self.cfg.rollout.temperature
         # dividing by 1 changes nothing but costs a pass over [N, vocab] and one in the backward
-        logp_all = torch.log_softmax(logits if t == 1.0 else logits / t, dim=-1)
-        logp = logp_all.gather(1, targets_N[:, None]).squeeze(1)
-        if not need_entropy:
-            return logp, logp.new_zeros(0)
-        with torch.set_grad_enabled(entropy_grad):  # tokens left out (-inf: image placeholders) add 0, not nan
-            entropy = -(logp_all.exp() * logp_all.clamp(min=torch.finfo(logp_all.dtype).min)).sum(-1)
-        return logp, entropy
+        return torch.log_softmax(logits if t == 1.0 else logits / t, dim=-1)
 
     @staticmethod
     def _to_BT(values_N: torch.Tensor, mb: MicroBatch, T: int) -> torch.Tensor:
@@ -146,7 +162,7 @@ class PolicyForward:
         out = torch.zeros(len(batch), T, device=self.device)
         ent = torch.zeros(len(batch), T, device=self.device) if entropy else None
         for mb in self._micro_batches(batch):
-            logp, h = self._forward(model, mb, need_entropy=entropy)
+            logp, h, _ = self._forward(model, mb, need_entropy=entropy)
             rows = torch.tensor(mb.seq_index, dtype=torch.long, device=self.device)
             out[rows] = self._to_BT(logp, mb, T)
             if entropy:

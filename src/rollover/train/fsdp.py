@@ -158,6 +158,7 @@ class FSDPTrainer(ShardedCheckpoints, Trainer):
         self._roots: dict[int, _Root] = {}
         self._reference_saved = False  # the checkpoint being resumed holds a moved KL reference
         self._rank0_built: set[int] = set()  # models only rank 0 read from disk (critic.model, distill.teacher): the others take its tensors
+        self._teacher_head = None  # distill.loss=jsd: the teacher's output layer, whole (`_teacher_view`)
         super().__init__(model, cfg, device=device, pad_id=pad_id, reference=reference)
 
     # ------------------------------------------------------------ sharding
@@ -210,6 +211,31 @@ class FSDPTrainer(ShardedCheckpoints, Trainer):
         return self._read_on_rank0(lambda config: Trainer._teacher_network(self, config=config),
                                    "the teacher from distill.teacher")
 
+    @torch.no_grad()
+    def _teacher_view(self, mb):
+        """distill.loss=jsd: the teacher's hidden states through its own root (the rank's trunk
+        over the micro-batch, its slice of it with sequence parallelism), and its output layer
+        whole, copied out of the root's gathered parameters at the first call and kept: the
+        forward's chunks (and their recomputation in the backward) apply it after the root has
+        let its parameters go."""
+        from rollover.train.heads import LogitHead
+
+        root = self._roots[id(self.teacher)]
+
+        def view(teacher):
+            base = self._base(teacher)
+            if self._teacher_head is None:
+                head, layer = LogitHead(base), base.get_output_embeddings()
+                weight = layer.weight.detach().clone()
+                bias = None if getattr(layer, "bias", None) is None else layer.bias.detach().clone()
+                head.module = lambda hidden: torch.nn.functional.linear(hidden, weight, bias)
+                self._teacher_head = head
+            return self._trunk(teacher, base, mb)[0]
+
+        hidden = root(view)
+        root.reshard()
+        return self._teacher_head, hidden
+
     def _read_on_rank0(self, build, what: str):
         """`build(config)` on every rank: rank 0's reads the checkpoint (config None), the others
         build its structure on the meta device from rank 0's config and take their parts of rank
@@ -233,10 +259,11 @@ class FSDPTrainer(ShardedCheckpoints, Trainer):
         return built
 
     # ------------------------------------------------------------ passes
-    def _forward(self, model, mb: MicroBatch, need_entropy: bool):
+    def _forward(self, model, mb: MicroBatch, need_entropy: bool, teacher=None):
         root = self._roots[id(model)]
-        logp, entropy = root(lambda lm: Trainer._forward(self, lm, mb, need_entropy))
-        return self._whole(logp, mb), None if entropy is None else self._whole(entropy, mb)
+        logp, entropy, divergence = root(lambda lm: Trainer._forward(self, lm, mb, need_entropy, teacher))
+        return (self._whole(logp, mb), None if entropy is None else self._whole(entropy, mb),
+                None if divergence is None else self._whole(divergence, mb))
 
     def _whole(self, values_N: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         if self.sp == 1:

@@ -45,6 +45,7 @@ from rollover.train.dropout import disable_dropout
 from rollover.train.forward import PolicyForward
 from rollover.train.heads import check_model
 from rollover.train.metric_sums import add_metrics, mean_metrics
+from rollover.train.teacher import Distillation
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def _lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
-class Trainer(PolicyForward):
+class Trainer(PolicyForward, Distillation):
     sharded = False  # rollover.train.fsdp.FSDPTrainer: one rank of several, each holding a shard
 
     def __init__(self, model, cfg: Config, *, device: torch.device, pad_id: int = 0, reference=None):
@@ -163,27 +164,6 @@ class Trainer(PolicyForward):
             return value
         return value_model_of(model, lora) if self.is_peft else value_model_of(self._base(model))
 
-    def _teacher_network(self, config=None):
-        """distill.teacher's model (with its `config`: only its structure, on the meta device)."""
-        from rollover.train.teacher import teacher_model
-
-        return teacher_model(self.cfg.distill.teacher, config=config, dtype=self.cfg.distill.dtype)
-
-    def _with_teacher(self, batch: TrainBatch, teacher_BT: torch.Tensor) -> tuple[TrainBatch, dict]:
-        """The batch with each loss token's advantage moved by the teacher's term
-        (`rollover.algos.distill.teacher_advantages`), and the step's mean reverse KL to the
-        teacher over its loss tokens (summed over the ranks)."""
-        from dataclasses import replace
-
-        from rollover.algos.distill import teacher_advantages
-
-        d, mask = self.cfg.distill, batch.mask_BT
-        adv_BT = batch.adv_B[:, None].expand(mask.shape) if batch.adv_BT is None else batch.adv_BT
-        adv_BT, kl_BT = teacher_advantages(adv_BT.float(), mask, batch.behav_logp_BT, teacher_BT.cpu().float(),
-                                           weight=d.weight, outcome_weight=d.outcome_weight)
-        total, count = self._sum(torch.tensor([float(kl_BT.sum()), float(mask.sum())], dtype=torch.float64)).tolist()
-        return replace(batch, adv_BT=adv_BT), {"distill/reverse_kl": total / max(count, 1.0)}
-
     # ------------------------------------------------------------ training
     def train_step(self, batch: TrainBatch) -> dict:
         """All the updates of one step; returns metrics (means over updates)."""
@@ -208,8 +188,8 @@ class Trainer(PolicyForward):
             else:
                 ref_BT = self._fitting(self.logprobs, batch, self.ref_model)
         distill = {}
-        if self.teacher is not None:  # on-policy distillation: each token's advantage moved by the teacher's term
-            batch, distill = self._with_teacher(batch, self._fitting(self.logprobs, batch, self.teacher))
+        if self.teacher is not None:  # on-policy distillation: advantages moved (sampled) or scaled (jsd)
+            batch, distill = self._teacher_batch(batch)
         critic = None
         if self.critic is not None:  # PPO with a critic: each token's advantage from its values
             if cfg.algorithm.kl_in_reward > 0 and start_BT is None:  # the KL in the reward is the policy's before the step
@@ -327,13 +307,14 @@ class Trainer(PolicyForward):
         def accumulate():
             """The micro-batches' forward and backward passes: gradients, and the sums for the metrics."""
             sums: dict[str, float] = {}
-            entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+            entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens, taught_sum = [0.0] * 7
             finite = True
             self.optimizer.zero_grad(set_to_none=True)
             micro = self._micro_batches(batch)
             for mb in micro:
                 sel = torch.tensor(mb.seq_index, dtype=torch.long, device=self.device)
-                logp, entropy = self._forward(self.model, mb, need_entropy)
+                teacher = self._teacher_view(mb) if self.teacher_jsd else None
+                logp, entropy, divergence = self._forward(self.model, mb, need_entropy, teacher)
                 m_BT = mask_BT[sel]
                 # untrained tokens count nowhere; an image placeholder an environment inserted is
                 # one, and the head's -inf for it (never sampled) would make the masked sums nan
@@ -349,6 +330,10 @@ class Trainer(PolicyForward):
                         kl_BT = kl_BT * (logp_BT - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
                     loss_BT = loss_BT + a.kl_coef * kl_BT
                     kl_sum += float((kl_BT.detach() * m_BT).sum())
+                if divergence is not None:  # distill.loss=jsd: the teacher's divergence at each loss token
+                    taught_BT = self._to_BT(divergence, mb, T).masked_fill(~m_BT, 0.0)
+                    loss_BT = loss_BT + cfg.distill.weight * taught_BT
+                    taught_sum += float(taught_BT.detach().sum())
                 ent_BT = self._to_BT(entropy, mb, T)
                 # the tokens the bonus acts on: the loss's (M2PO or an IS mask may have left some) that the
                 # entropy quantile keeps (TRL's), where adaptive control also measures the entropy
@@ -375,14 +360,15 @@ class Trainer(PolicyForward):
                 given, kept = float(m_BT.sum()), float(out.mask_BT.sum())
                 out.metrics["masked_frac"] = (given - kept) / max(given, 1)  # M2PO's drops too
                 add_metrics(sums, out.metrics, {"masked_frac": given, "is": float(loss_mask_BT[sel].sum()), "": kept})
-            return micro, sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens), finite
+            return micro, sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens,
+                                 taught_sum), finite
 
         # only the passes are redone on running out of memory: the optimizer step is not repeatable
         micro, sums, totals, finite = self._fitting(accumulate)
         pad = sum(mb.pad_tokens for mb in micro)
         slots = sum(mb.slots for mb in micro)
         sums, totals, finite = self._reduce(sums, (*totals, pad, slots), finite)
-        entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens, pad, slots = totals
+        entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens, taught_sum, pad, slots = totals
         grad_norm, finite = self._optimizer_step(finite)
         applied = self.entropy_coef_now
         if adaptive and finite and bonus_tokens > 0:  # the next update's coefficient, from this one's entropy
@@ -406,6 +392,8 @@ class Trainer(PolicyForward):
             metrics["actor/entropy_coef"] = applied
         if ref_BT is not None and a.kl_coef > 0:
             metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
+        if self.teacher_jsd:
+            metrics["distill/divergence"] = taught_sum / max(num_tokens, 1)
         return metrics
 
     def _policy_term_kept(self, top_BT, logp_BT, behav_BT, adv, mask_BT, metrics: dict):
