@@ -141,13 +141,18 @@ def test_a_bfloat16_teacher_holds_half_the_bytes_and_scores_the_tokens_as_the_fl
     torch.testing.assert_close(q16, q32, rtol=0.02, atol=0.03)
 
 
-def test_with_jsd_the_update_descends_the_divergence_of_whole_distributions(teacher_dir):
+@pytest.mark.parametrize("extra_rows", [0, 40])
+def test_with_jsd_the_update_descends_the_divergence_of_whole_distributions(teacher_dir, tmp_path, extra_rows):
     """distill.loss=jsd: the update's gradient is `weight` times that of the token-mean of the
     generalised JSD between the policy's and the teacher's next-token distributions (at the
     rollout temperature) over the loss tokens; with outcome_weight 0 the rewards add nothing.
-    The step's `distill/divergence` is that mean."""
+    The step's `distill/divergence` is that mean. A teacher with more embedding rows than the
+    policy (a larger padded vocabulary) is compared over the policy's rows."""
     from transformers import AutoModelForCausalLM
 
+    if extra_rows:
+        rows = tiny_model("llama").config.vocab_size + extra_rows
+        teacher_dir = str(save_tiny_model(tmp_path / "wide", "llama", seed=11, hidden_size=48, vocab_size=rows))
     over = {"distill.teacher": teacher_dir, "distill.loss": "jsd", "distill.beta": 0.3, "distill.weight": 0.5,
             "distill.outcome_weight": 0.0}
     cfg = cfg_of(**over)
@@ -162,7 +167,7 @@ def test_with_jsd_the_update_descends_the_divergence_of_whole_distributions(teac
         span = slice(len(p) - 1, len(p) + len(r) - 1)
         student = (mine(ids).logits[0, span] / 0.7).log_softmax(-1)
         with torch.no_grad():
-            theirs = (teacher(ids).logits[0, span] / 0.7).log_softmax(-1)
+            theirs = (teacher(ids).logits[0, span, : student.shape[-1]] / 0.7).log_softmax(-1)
         total = total + generalized_jsd(student, theirs, 0.3)[batch.mask_BT[i, : len(r)]].sum()
     (0.5 * total / count).backward()
     grads = {}
@@ -308,6 +313,12 @@ def test_a_teacher_checkpoint_missing_weights_is_refused(tmp_path):
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks 1 of the model's weights \(e.g. model.layers.1.mlp.up_proj.weight\)"):
+        teacher_model(str(path))
+    (path / "model.safetensors").write_bytes(b"\x07")  # truncated
+    with pytest.raises(ValueError, match=r"distill.teacher=.*: its weights do not load \(\w+Error"):
+        teacher_model(str(path))
+    (path / "model.safetensors").unlink()  # no weight file at all
+    with pytest.raises(ValueError, match=r"distill.teacher=.*: its weights do not load \(OSError: .*model.safetensors"):
         teacher_model(str(path))
 
 

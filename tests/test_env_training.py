@@ -323,7 +323,10 @@ def test_resampling_stops_at_its_limit_and_the_failure_stands(model_dir, tmp_pat
      "env.resample_failed runs failed episodes again: it needs an environment"),
     ({"env.name": None, "data.train": "gen:arithmetic?n=50", "env.credit": "reward_to_go"},
      "env.credit, env.gamma and env.step_weight give the turns of episodes their credit: they need env.name"),
-    ({"env.credit": "reward_to_go"}, "with algorithm.advantage=grpo: .* set algorithm.advantage=drgrpo or rloo"),
+    ({"env.credit": "reward_to_go"}, r"with algorithm.advantage=grpo: .* \(it divides by the spread .* set "
+                                     "algorithm.advantage=drgrpo or rloo"),
+    ({"env.credit": "reward_to_go", "algorithm.advantage": "remax"},
+     r"remax does not fit \(its baseline is not the group's mean"),
     ({"env.credit": "reward_to_go", "algorithm.advantage": "rloo", "algorithm.loss": "gspo",
       "algorithm.aggregation": "seq-mean-token-mean"}, "use gspo_token"),
     ({"env.credit": "reward_to_go", "algorithm.advantage": "drgrpo", "downsample.keep": 2,

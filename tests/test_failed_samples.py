@@ -217,3 +217,20 @@ def test_a_run_with_failures_resumes_exactly(model_dir, tmp_path, mode):
                for d in ("straight", "split")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert ledger(tmp_path / "straight" / "run") == ledger(tmp_path / "split" / "run")
+
+
+def test_an_empty_collections_counts_reach_the_next_step_per_reward_function_too():
+    """The counts of collections that trained nothing are added to the next training step's:
+    `reward_errors` and each function's `rewards/<fn>/errors` alike (an average is not)."""
+    from types import SimpleNamespace
+
+    from rollover.loops.batch import EmptyCollections
+
+    run = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(max_bad_steps=5)))
+    empty = EmptyCollections()
+    lost = {"reward_errors": 4, "dropped_samples": 4, "rewards/flaky/errors": 4, "rewards/flaky/mean": 0.5}
+    assert empty.add(run, 1, lost) is None and empty.add(run, 1, lost) is None
+    out = empty.fold({"reward_errors": 2, "dropped_samples": 2, "rewards/flaky/errors": 2, "rewards/flaky/mean": 0.25})
+    assert out["reward_errors"] == out["rewards/flaky/errors"] == out["dropped_samples"] == 10
+    assert out["rewards/flaky/mean"] == 0.25 and out["empty_collections"] == 2
+    assert empty.fold({})["empty_collections"] == 0

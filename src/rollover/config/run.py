@@ -414,11 +414,14 @@ class Config(Section):
             return out + (["data.train: env needs env.name"] if self.data.train == "env" else [])
         out = []
         if e.credit == "reward_to_go":
-            if self.algorithm.advantage not in ("drgrpo", "rloo"):
-                out.append(f"env.credit=reward_to_go with algorithm.advantage={self.algorithm.advantage}: a turn's "
-                           "advantage is its return to go less the group's baseline, unscaled; an estimator that "
-                           "divides by the spread of the episodes' returns would scale turn returns by it, which "
-                           "that spread does not bound: set algorithm.advantage=drgrpo or rloo")
+            adv = self.algorithm.advantage
+            if adv not in ("drgrpo", "rloo"):
+                why = ("its baseline is not the group's mean of the other episodes' returns" if adv in
+                       ("opo", "gpg", "remax") else "it divides by the spread of the episodes' returns, which would "
+                       "scale turn returns that spread does not bound")
+                out.append(f"env.credit=reward_to_go with algorithm.advantage={adv}: a turn's advantage is its return "
+                           f"to go less the group's mean (drgrpo) or the others' mean (rloo), unscaled; {adv} does not "
+                           f"fit ({why}): set algorithm.advantage=drgrpo or rloo")
         if e.credit == "gigpo" and self.algorithm.advantage in ("remax", "opo"):
             what = "one baseline per episode (the greedy one's return)" if self.algorithm.advantage == "remax" else \
                 "a baseline weighted by each episode's tokens, which a turn's state group has no single count of"

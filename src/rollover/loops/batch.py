@@ -45,7 +45,7 @@ class EmptyCollections:
         """Count an empty collection for the (step+1)-th step; the error that stops the run
         when it is the `train.max_bad_steps`-th in a row."""
         self.count += 1
-        self.lost.update({k: gen[k] for k in self.FOLDED if k in gen})
+        self.lost.update({k: v for k, v in gen.items() if self.folded(k)})
         limit = run.cfg.train.max_bad_steps
         log.warning("step %d: no trainable group (%d groups skipped, %d filtered, %d samples dropped); collecting "
                     "again from the next prompts (%d of train.max_bad_steps=%d in a row)", step + 1,
@@ -57,6 +57,12 @@ class EmptyCollections:
             f"{self.count} collections in a row produced no trainable group (every group skipped for failed "
             f"samples or, with dynamic sampling, filtered for equal rewards; train.max_bad_steps={limit}); "
             f"stopped at step {step} with a checkpoint in {run.cfg.run_dir}/checkpoints")
+
+    @classmethod
+    def folded(cls, key: str) -> bool:
+        """Whether a collector metric is a count the next training step carries: `FOLDED`, and
+        each reward function's errors (`rewards/<fn>/errors`, a part of `reward_errors`)."""
+        return key in cls.FOLDED or (key.startswith("rewards/") and key.endswith("/errors"))
 
     def fold(self, gen: dict) -> dict:
         """The training step's collector metrics with the empty collections before it added in."""

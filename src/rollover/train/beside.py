@@ -23,6 +23,8 @@ def load_whole(cls, path: str, where: str, whose: str, then: str, dtype=None):
     report.setLevel(logging.ERROR)
     try:
         model, info = cls.from_pretrained(path, dtype=dtype or torch.float32, output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 - no weight file, a truncated one: said with the key that named it
+        raise ValueError(f"{where}: its weights do not load ({type(e).__name__}: {e})") from e
     finally:
         report.setLevel(level)
     if info["missing_keys"]:

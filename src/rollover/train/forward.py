@@ -127,15 +127,18 @@ class PolicyForward:
         if teacher is not None:
             from rollover.algos.distill import generalized_jsd
 
-            with torch.no_grad():
-                theirs = self._all_logp(*teacher)
+            with torch.no_grad():  # a teacher with more rows than the policy: its distribution over the policy's
+                theirs = self._all_logp(*teacher, vocab=logp_all.shape[-1])
             divergence = generalized_jsd(logp_all, theirs, self.cfg.distill.beta)
         return logp, entropy, divergence
 
-    def _all_logp(self, head, hidden_N) -> torch.Tensor:
-        """The next-token log-distribution [N, vocab] at the rollout temperature."""
+    def _all_logp(self, head, hidden_N, vocab: int | None = None) -> torch.Tensor:
+        """The next-token log-distribution [N, vocab] at the rollout temperature (over the first
+        `vocab` ids only, when given)."""
         with self.autocast:
             logits = head(hidden_N).float()
+        if vocab is not None and logits.shape[-1] > vocab:
+            logits = logits[:, :vocab]
         t = self.cfg.rollout.temperature
         # dividing by 1 changes nothing but costs a pass over [N, vocab] and one in the backward
         return torch.log_softmax(logits if t == 1.0 else logits / t, dim=-1)

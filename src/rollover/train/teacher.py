@@ -83,7 +83,8 @@ class Distillation:
         adv_BT, kl_BT = teacher_advantages(adv_BT.float(), mask, batch.behav_logp_BT, teacher_BT.cpu().float(),
                                            weight=d.weight, outcome_weight=d.outcome_weight)
         total, count = self._sum(torch.tensor([float(kl_BT.sum()), float(mask.sum())], dtype=torch.float64)).tolist()
-        return replace(batch, adv_BT=adv_BT), {"distill/reverse_kl": total / max(count, 1.0)}
+        # a step with no loss token (all truncated or stale, masked) has no KL to report, not 0
+        return replace(batch, adv_BT=adv_BT), {"distill/reverse_kl": total / count} if count else {}
 
     @torch.no_grad()
     def _teacher_view(self, mb):

@@ -392,8 +392,8 @@ class Trainer(PolicyForward, Distillation):
             metrics["actor/entropy_coef"] = applied
         if ref_BT is not None and a.kl_coef > 0:
             metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
-        if self.teacher_jsd:
-            metrics["distill/divergence"] = taught_sum / max(num_tokens, 1)
+        if self.teacher_jsd and num_tokens:
+            metrics["distill/divergence"] = taught_sum / num_tokens
         return metrics
 
     def _policy_term_kept(self, top_BT, logp_BT, behav_BT, adv, mask_BT, metrics: dict):
