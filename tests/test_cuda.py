@@ -211,6 +211,26 @@ def test_bf16_engine_tracks_the_fp32_model():
     assert gaps.mean() < 0.05 and gaps.max() < 0.5, (gaps.mean(), gaps.max())
 
 
+@pytest.mark.parametrize("loss", ["sampled", "jsd"])
+def test_a_distillation_step_on_cuda_is_the_cpus(tmp_path, loss):
+    """On-policy distillation's step on the GPU (float32): the teacher's metric, the loss and the
+    gradient norm are the CPU's; a bfloat16 teacher gives them to its precision."""
+    from rollover.train.trainer import Trainer
+    from test_distill import batch_of, cfg_of
+
+    teacher = str(save_tiny_model(tmp_path / "teacher", "llama", seed=11, hidden_size=48))
+    key = "distill/reverse_kl" if loss == "sampled" else "distill/divergence"
+    got = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")):
+        cfg = cfg_of(device=device, **{"distill.teacher": teacher, "distill.loss": loss, "distill.dtype": dtype})
+        trainer = Trainer(tiny_model("llama", seed=3), cfg, device=torch.device(device))
+        got[device, dtype] = trainer.train_step(batch_of(4))
+    cpu, gpu, half = got["cpu", "float32"], got["cuda", "float32"], got["cuda", "bfloat16"]
+    for k in (key, "actor/pg_loss", "actor/grad_norm"):
+        assert gpu[k] == pytest.approx(cpu[k], rel=1e-3, abs=1e-5), k
+    assert half[key] == pytest.approx(cpu[key], rel=0.05, abs=1e-3)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
