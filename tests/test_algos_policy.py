@@ -495,6 +495,12 @@ def test_reinforce_warns_where_no_ratio_corrects_it():
     assert "in async mode trains samples of older policies without importance weights" in stale
     (april,) = caveats(**{"partial_rollout.enabled": True})
     assert "in APRIL" in april
+    # nothing stale reaches the loss, or the policy term has no advantage
+    assert caveats(mode="async", **{"async.max_staleness": 0}) == []
+    assert caveats(**{"partial_rollout.enabled": True, "partial_rollout.max_carry_steps": 0,
+                      "partial_rollout.score_lag": 0}) == []
+    assert caveats(**{"train.ppo_epochs": 2, "distill.teacher": "t", "distill.outcome_weight": 0.0,
+                      "rollout.samples_per_prompt": 1}) == []
 
 
 # ---- VESPO -----------------------------------------------------------------------------------

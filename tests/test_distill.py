@@ -141,13 +141,15 @@ def test_a_bfloat16_teacher_holds_half_the_bytes_and_scores_the_tokens_as_the_fl
     torch.testing.assert_close(q16, q32, rtol=0.02, atol=0.03)
 
 
-@pytest.mark.parametrize("extra_rows", [0, 40])
-def test_with_jsd_the_update_descends_the_divergence_of_whole_distributions(teacher_dir, tmp_path, extra_rows):
+@pytest.mark.parametrize("extra_rows, masked", [(0, False), (40, False), (0, True)])
+def test_with_jsd_the_update_descends_the_divergence_of_whole_distributions(teacher_dir, tmp_path, extra_rows, masked):
     """distill.loss=jsd: the update's gradient is `weight` times that of the token-mean of the
     generalised JSD between the policy's and the teacher's next-token distributions (at the
     rollout temperature) over the loss tokens; with outcome_weight 0 the rewards add nothing.
     The step's `distill/divergence` is that mean. A teacher with more embedding rows than the
-    policy (a larger padded vocabulary) is compared over the policy's rows."""
+    policy (a larger padded vocabulary) is compared over the policy's rows; importance
+    sampling's mask (here cutting most tokens, whose sampler logprobs are made up) leaves the
+    divergence whole."""
     from transformers import AutoModelForCausalLM
 
     if extra_rows:
@@ -155,11 +157,17 @@ def test_with_jsd_the_update_descends_the_divergence_of_whole_distributions(teac
         teacher_dir = str(save_tiny_model(tmp_path / "wide", "llama", seed=11, hidden_size=48, vocab_size=rows))
     over = {"distill.teacher": teacher_dir, "distill.loss": "jsd", "distill.beta": 0.3, "distill.weight": 0.5,
             "distill.outcome_weight": 0.0}
+    if masked:
+        over["algorithm.loss_options"] = {"is_level": "token", "is_mode": "mask", "is_cap": 1.5}
     cfg = cfg_of(**over)
     policy = tiny_model("llama", seed=3)
     mine = copy.deepcopy(policy)
     trainer = Trainer(policy, cfg, device=torch.device("cpu"))
     batch = batch_of(3)
+    if masked:  # a sampler far less sure than the policy: ratios past the cap, masked
+        from dataclasses import replace
+
+        batch = replace(batch, behav_logp_BT=batch.behav_logp_BT - 10.0)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
     total, count = 0.0, int(batch.mask_BT.sum())
     for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
@@ -180,6 +188,7 @@ def test_with_jsd_the_update_descends_the_divergence_of_whole_distributions(teac
     trainer._optimizer_step = spy
     metrics = trainer.train_step(batch)
     assert metrics["distill/divergence"] == pytest.approx(float(total.detach()) / count, rel=1e-4)
+    assert not masked or metrics["actor/masked_frac"] > 0.5
     assert "distill/reverse_kl" not in metrics
     expected = dict(mine.named_parameters())
     assert grads.keys() == {n for n, p in expected.items() if p.grad is not None}

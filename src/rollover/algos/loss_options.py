@@ -46,16 +46,20 @@ def reinforce_caveats(cfg) -> list[str]:
     """What makes `algorithm.loss: reinforce` (no ratio) biased in run `cfg`, for a warning:
     several updates a step (the later ones train on samples of an earlier policy, which no
     ratio corrects), and APRIL or async mode without importance weights (stale samples)."""
-    a, t = cfg.algorithm, cfg.train
-    if a.loss != "reinforce":
-        return []
+    a, t, p = cfg.algorithm, cfg.train, cfg.partial_rollout
+    if a.loss != "reinforce" or (cfg.distill.teacher is not None and cfg.distill.outcome_weight == 0):
+        return []  # (the teacher alone: the policy term has no advantage to weigh)
     out = []
     updates = t.ppo_epochs * t.mini_batches
     if updates > 1:
         out.append(f"algorithm.loss=reinforce with {updates} updates a step (train.ppo_epochs x train.mini_batches): "
                    "the updates after the first follow the gradient of a policy already moved, with no ratio to "
                    "correct or clip it; use ppo for several updates")
-    stale = "async mode" if cfg.mode == "async" else "APRIL" if cfg.partial_rollout.enabled else None
+    stale = None  # where tokens of older policies reach the loss
+    if cfg.mode == "async" and cfg.async_.max_staleness > 0:
+        stale = "async mode"
+    elif p.enabled and not (p.max_carry_steps == 0 and p.on_stale == "mask"):
+        stale = "APRIL"
     if stale and loss_options(a).get("is_level") is None:
         out.append(f"algorithm.loss=reinforce in {stale} trains samples of older policies without importance "
                    "weights: set algorithm.tis_cap (e.g. 2.0) to weight each token by its sampler's ratio")

@@ -256,6 +256,7 @@ class Config(Section):
         if d.teacher is None:
             return [f"distill.{', distill.'.join(moved)} without distill.teacher: set the teacher they apply to"] if moved else []
         out = []
+        # (by value, not by what was set: a run's config.yaml holds every key and must load again)
         if d.loss == "sampled" and d.beta != fields["beta"].default:
             out.append(f"distill.beta={d.beta} weighs the divergence of distill.loss=jsd; distill.loss is sampled")
         if a.advantage == "gae":

@@ -148,7 +148,8 @@ class DistillConfig(Section):
     may be 1)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The teacher's weights: float32, or bfloat16 (half the memory, as an engine serving it
-    would hold it; its logits are taken in float32 either way)."""
+    would hold it: its logits come out of bfloat16 multiplies, then go to float32 for the
+    log-softmax)."""
 
 
 class EvalConfig(Section):

@@ -294,7 +294,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     _check_best(cfg, env_builder, sources, rewards, eval_prompts)
     skipped += too_long
     _warn_if_a_step_exceeds_the_data(cfg, len(train_prompts))
-    for caveat in reinforce_caveats(cfg):
+    for caveat in reinforce_caveats(cfg) if record else ():  # (not for an evaluation)
         log.warning("%s", caveat)
     _steps_from_epochs(cfg, len(train_prompts))
     model = _load_model(cfg, ckpt)

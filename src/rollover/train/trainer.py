@@ -330,9 +330,9 @@ class Trainer(PolicyForward, Distillation):
                         kl_BT = kl_BT * (logp_BT - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
                     loss_BT = loss_BT + a.kl_coef * kl_BT
                     kl_sum += float((kl_BT.detach() * m_BT).sum())
+                taught_BT = None
                 if divergence is not None:  # distill.loss=jsd: the teacher's divergence at each loss token
                     taught_BT = self._to_BT(divergence, mb, T).masked_fill(~m_BT, 0.0)
-                    loss_BT = loss_BT + cfg.distill.weight * taught_BT
                     taught_sum += float(taught_BT.detach().sum())
                 ent_BT = self._to_BT(entropy, mb, T)
                 # the tokens the bonus acts on: the loss's (M2PO or an IS mask may have left some) that the
@@ -349,6 +349,10 @@ class Trainer(PolicyForward, Distillation):
                 rollout_kl_sum += float(((log_r.exp() - 1 - log_r) * m_BT).sum())
                 loss = aggregate(loss_BT, out.mask_BT, a.aggregation, num_tokens=max(num_tokens, 1),
                                  num_seqs=num_seqs, max_len=cfg.rollout.max_new_tokens)
+                if taught_BT is not None:  # over every loss token: the policy term's masks (M2PO, IS) are of ratios
+                    loss = loss + cfg.distill.weight * aggregate(taught_BT, m_BT, a.aggregation,
+                                                                 num_tokens=max(num_tokens, 1), num_seqs=num_seqs,
+                                                                 max_len=cfg.rollout.max_new_tokens)
                 if not torch.isfinite(loss):
                     finite = False
                     if not self.sharded:  # ranks go on: every rank runs the same passes (their collectives)
