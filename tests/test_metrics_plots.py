@@ -54,6 +54,21 @@ def test_plot_run_writes_one_png_per_panel_with_data(tmp_path):
     assert all(p.parent == tmp_path / "plots" and _is_png(p) for p in paths)
 
 
+def test_distillations_distance_to_the_teacher_has_its_own_panel(tmp_path):
+    """distill/reverse_kl and distill/divergence are drawn apart from the policy's KL terms."""
+    from rollover.metrics.plots import _PANELS, _matching
+
+    panels = {p.name: p for p in _PANELS}
+    cols = ["actor/kl", "actor/rollout_kl", "distill/reverse_kl", "distill/divergence"]
+    rows = [{c: 0.1 for c in cols}]
+    assert _matching(rows, panels["kl"].train) == ["actor/kl", "actor/rollout_kl"]
+    assert _matching(rows, panels["distill"].train) == ["distill/reverse_kl", "distill/divergence"]
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(1, 6):
+            logger.log(step, {"distill/divergence": 0.05 / step, "actor/grad_norm": 1.0})
+    assert [p.name for p in plot_run(tmp_path)] == ["distill.png", "grad_norm.png"]
+
+
 def test_plot_run_with_only_eval_rows_and_custom_out_dir(tmp_path):
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
         for step, acc in ((0, 0.1), (10, 0.4)):

@@ -11,7 +11,9 @@ TRL names users bring from other libraries land in the right place:
     response_length  response_length/{mean,max}, completions/{mean,max}_length;
                      eval rows: *response_length, *response_length/mean
     entropy          anything containing "entropy"
-    kl               names with "kl" as a word: kl, approx_kl, actor/ppo_kl, kl_loss
+    kl               names with "kl" as a word: kl, approx_kl, actor/ppo_kl, kl_loss (not distill/*)
+    distill          on-policy distillation's distance to the teacher: distill/reverse_kl,
+                     distill/divergence
     clip_fraction    *clip_frac*, *clipfrac*, clip_ratio/*
     grad_norm        *grad_norm*
     timing           timing_s/* stacked; timing_s/step drawn as a line on top (it is the total)
@@ -79,7 +81,8 @@ _PANELS = (
         eval=(r"response_length(/mean)?$",),
     ),
     _Panel("entropy", "Entropy", "nats / token", train=(r"entropy",)),
-    _Panel("kl", "KL", "KL", train=(r"(^|[/_])kl($|[/_])",)),
+    _Panel("kl", "KL", "KL", train=(r"^(?!distill/).*(^|[/_])kl($|[/_])",)),
+    _Panel("distill", "Distance to the teacher", "nats / token", train=(r"^distill/",)),
     _Panel("clip_fraction", "Clip fractions", "fraction of tokens", train=(r"clip_?frac", r"^clip_ratio/")),
     _Panel("grad_norm", "Gradient norm", "norm", train=(r"grad_norm",)),
     _Panel("timing", "Time per step by phase", "seconds", train=(r"^timing_s/",), stacked=True),
