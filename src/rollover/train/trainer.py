@@ -304,6 +304,10 @@ class Trainer(PolicyForward, Distillation):
         self.entropy_coef_now = (self.entropy_coef if self.last_entropy <= a.entropy_target else 0.0) if adaptive \
             else a.entropy_coef
 
+        def step_loss(values_BT, over_BT):  # a micro-batch's share of the update's loss (global normalisers)
+            return aggregate(values_BT, over_BT, a.aggregation, num_tokens=max(num_tokens, 1), num_seqs=num_seqs,
+                             max_len=cfg.rollout.max_new_tokens)
+
         def accumulate():
             """The micro-batches' forward and backward passes: gradients, and the sums for the metrics."""
             sums: dict[str, float] = {}
@@ -347,12 +351,9 @@ class Trainer(PolicyForward, Distillation):
                 # (engine precision, and for off-policy tokens their age)
                 log_r = (logp_BT.detach() - behav_BT[sel]).clamp(max=20.0)
                 rollout_kl_sum += float(((log_r.exp() - 1 - log_r) * m_BT).sum())
-                loss = aggregate(loss_BT, out.mask_BT, a.aggregation, num_tokens=max(num_tokens, 1),
-                                 num_seqs=num_seqs, max_len=cfg.rollout.max_new_tokens)
+                loss = step_loss(loss_BT, out.mask_BT)
                 if taught_BT is not None:  # over every loss token: the policy term's masks (M2PO, IS) are of ratios
-                    loss = loss + cfg.distill.weight * aggregate(taught_BT, m_BT, a.aggregation,
-                                                                 num_tokens=max(num_tokens, 1), num_seqs=num_seqs,
-                                                                 max_len=cfg.rollout.max_new_tokens)
+                    loss = loss + cfg.distill.weight * step_loss(taught_BT, m_BT)
                 if not torch.isfinite(loss):
                     finite = False
                     if not self.sharded:  # ranks go on: every rank runs the same passes (their collectives)
