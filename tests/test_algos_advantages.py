@@ -94,7 +94,7 @@ def inputs(name: str, rewards: torch.Tensor) -> dict:
     return {}
 
 
-@pytest.mark.parametrize("name", sorted(set(ADVANTAGES) - {"reinforce_pp", "gae", "remax", "grpo_passk"}))
+@pytest.mark.parametrize("name", sorted(set(ADVANTAGES) - {"reinforce_pp", "gae", "otb", "remax", "grpo_passk"}))
 def test_singleton_and_flat_groups_get_zero_and_are_counted(name):
     # group 7: informative; group 3: all equal (0.1 is not exact in binary); group 9: one sample
     rewards = torch.tensor([0.1, 1.0, 0.1, 0.0, 0.1, 0.4, 2.0])

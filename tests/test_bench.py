@@ -143,9 +143,14 @@ def test_bench_memory_phases(model_dir, tmp_path):
 
 @pytest.mark.ray
 def test_bench_ray_fields(model_dir, tmp_path):
+    """One call for every part (each starts its own Ray instance): the local, one-worker, two-worker
+    and trainer-actor runs, a killed worker, and each weight-sync transport."""
     pytest.importorskip("ray")
-    r = bench(tmp_path, "ray", "--model", model_dir, "--steps", "1", "--updates", "1", "--kill-requests", "8")
+    r = bench(tmp_path, "ray", "--model", model_dir, "--steps", "1", "--updates", "1", "--kill-requests", "8",
+              "--trainer-actor")
     assert r["local_samples_per_s"] > 0 and r["ray_samples_per_s"] > 0 and r["ray_two_workers_samples_per_s"] > 0
+    assert r["ray_trainer_actor_samples_per_s"] > 0
+    assert r["trainer_actor_over_driver"] == r["ray_trainer_actor_samples_per_s"] / r["ray_samples_per_s"]
     assert r["kill"]["complete"] and r["kill"]["restarts"] == int(r["kill"]["killed"])
     assert [(w["transport"], w["dtype"], w["delta"]) for w in r["weight_sync"]] == [
         ("object_store", "float32", True), ("object_store", "float32", False), ("object_store", "bfloat16", True),
@@ -153,15 +158,6 @@ def test_bench_ray_fields(model_dir, tmp_path):
     gloo = [w for w in r["weight_sync"] if w["transport"] == "gloo"]
     assert all(w["sent_fraction"] == 1 and w["seconds_per_update"] > 0 for w in gloo)  # whole tensors
     assert all(0 < w["sent_fraction"] <= 1 for w in r["weight_sync"])
-
-
-@pytest.mark.ray
-def test_bench_ray_trainer_actor_fields(model_dir, tmp_path):
-    pytest.importorskip("ray")
-    r = bench(tmp_path, "ray", "--model", model_dir, "--steps", "1", "--kill-requests", "0", "--trainer-actor",
-              "--skip-weight-sync")
-    assert r["ray_trainer_actor_samples_per_s"] > 0 and r["weight_sync"] == []
-    assert r["trainer_actor_over_driver"] == r["ray_trainer_actor_samples_per_s"] / r["ray_samples_per_s"]
 
 
 def test_bench_engine_nanovllm_workload_and_contention(model_dir, tmp_path):

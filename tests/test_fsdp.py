@@ -141,6 +141,28 @@ def test_a_sequence_parallel_step_equals_one_trainers(world, sp, arch, over):
         sharded.close()
 
 
+def test_an_otb_step_on_sequence_parallel_ranks_equals_one_trainers():
+    """algorithm.advantage=otb at world size 4 in two sequence-parallel groups: Σπ² is gathered as
+    the logprobs are, and a group whose samples two groups hold (a step of one group) gets the
+    baselines of its whole sums; the step is the one-process trainer's."""
+    cfg = cfg_of(**{"train.ranks": 4, "train.sequence_parallel": 2, "algorithm.advantage": "otb"})
+    model = tiny_model("llama", seed=3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
+    sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
+    try:
+        one = batch_of(1, seed=2)
+        assert all(split_batch(one, 2))  # its one group's samples in both sequence-parallel groups
+        for b in (one, batch_of(3)):
+            mp, ms = plain.train_step(b), sharded.train_step(b)
+            for k in ("actor/pg_loss", "actor/grad_norm", "otb/path_energy", "otb/baseline_mean"):
+                assert ms[k] == pytest.approx(mp[k], rel=1e-4, abs=1e-7), k
+            assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
+            start = weights(plain)
+    finally:
+        sharded.close()
+
+
 def test_per_token_advantages_train_on_ranks_as_on_one_trainer():
     """env.credit=reward_to_go hands the trainer an advantage per token (TrainBatch.adv_BT): the
     ranks take their rows of it and train as one trainer does, over two mini-batches."""

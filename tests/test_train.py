@@ -653,10 +653,10 @@ def test_remax_trains_each_sample_against_its_prompts_greedy_answer(model_dir, t
     assert any(a != 0 for a in advantages)  # some samples scored other than their greedy answer
 
 
-@pytest.mark.parametrize("advantage, loss", [("opo", None), ("gpg", "reinforce"), ("grpo_passk", None)])
+@pytest.mark.parametrize("advantage, loss", [("opo", None), ("gpg", "reinforce"), ("grpo_passk", None), ("otb", None)])
 def test_verls_other_estimators_train(model_dir, tmp_path, advantage, loss):
-    """opo (its lengths from the samples' loss masks), gpg with the plain policy gradient, and
-    pass@k train through the loop: a step with a signal moves the weights."""
+    """opo (its lengths from the samples' loss masks), gpg with the plain policy gradient, pass@k
+    and the optimal token baseline train through the loop: a step with a signal moves the weights."""
     run = tmp_path / "r"
     over = {"algorithm.advantage": advantage, "eval.every": 0, "rollout.temperature": 1.5, "steps": 2,
             **({"algorithm.loss": loss} if loss else {})}
@@ -664,6 +664,7 @@ def test_verls_other_estimators_train(model_dir, tmp_path, advantage, loss):
     rows = [r for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
     assert any(r["actor/grad_norm"] > 0 for r in rows) and all(r["actor/clip_frac_high"] == 0 for r in rows if loss)
+    assert all(r.get("otb/path_energy", 0) > 0 for r in rows) == (advantage == "otb")
 
 
 def test_remax_greedy_request_and_its_checks():
@@ -822,7 +823,7 @@ def test_cli_train_eval_plot(model_dir, tmp_path, capsys):
 
 def test_loss_metrics_are_means_over_their_own_tokens_and_maxima_over_any_split():
     """metric_sums: a split's sums give the whole's metrics, each mean over its own token set
-    (given, IS-looked-at, kept), maxima the largest, a max over no token not reported."""
+    (given, IS-looked-at, kept), maxima the largest, neither reported over no token."""
     from rollover.train.metric_sums import add_metrics, mean_metrics, reduce_sums
 
     parts = [({"masked_frac": 0.5, "is_clip_frac": 0.25, "clip_frac_high": 0.5, "ratio_max": 1.5},
@@ -841,7 +842,7 @@ def test_loss_metrics_are_means_over_their_own_tokens_and_maxima_over_any_split(
     assert got["ratio_max"] == 1.5
     none = {}
     add_metrics(none, {"ratio_max": 3.0, "approx_kl": 0.1}, {"masked_frac": 1, "is": 1, "": 0})
-    assert mean_metrics(none) == {"approx_kl": 0.0}
+    assert mean_metrics(none) == {}  # neither a max nor a mean over no token is a value
 
 
 def test_dropout_is_off_while_training_unless_asked_for(model_dir, tmp_path):

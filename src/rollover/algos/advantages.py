@@ -221,6 +221,14 @@ def gae_rewards(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, dict]:
     return rewards_B.clone(), {**g.info, "zero_std_groups": 0}
 
 
+def otb_returns(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, dict]:
+    """`algorithm.advantage: otb` (the optimal token baseline): the rewards themselves, which the
+    trainer turns into each token's advantage from the policy's distributions
+    (`rollover.algos.token_baseline`); its groups with no signal are those of every estimator."""
+    g = _groups(rewards_B, group_ids_B)
+    return rewards_B.clone(), g.info
+
+
 def gapo(rewards_B: Tensor, group_ids_B: Tensor, *, coverage: float = 0.5, eps: float = 1e-6) -> tuple[Tensor, dict]:
     """GAPO (arXiv 2510.21830): a robust group baseline for noisy or skewed rewards.
 
@@ -300,6 +308,7 @@ ADVANTAGES: dict[str, AdvantageFn] = {
     "grpo_passk": grpo_passk,
     "remax": remax,
     "gae": gae_rewards,
+    "otb": otb_returns,
 }
 
 

@@ -11,7 +11,7 @@ from rollover.config.base import Section
 
 class AlgorithmConfig(Section):
     advantage: Literal["grpo", "grpo_batch_std", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gapo",
-                       "gdpo", "opo", "gpg", "grpo_passk", "remax", "gae"] = "grpo"
+                       "gdpo", "opo", "gpg", "grpo_passk", "remax", "gae", "otb"] = "grpo"
     """Advantage estimator over each prompt's group. reinforce_pp: no group baseline, the rewards
     whitened over the step (REINFORCE++; works with samples_per_prompt 1). opo: the group's
     length-weighted mean reward as baseline. gpg: the group mean as baseline, scaled by the step's
@@ -22,7 +22,9 @@ class AlgorithmConfig(Section):
     function's scores normalised within the group, then their weighted sum over the batch (TRL's
     multi_objective_aggregation=normalize_then_sum). gae: PPO with a learned critic (verl's default), each
     token's advantage by generalised advantage estimation from the critic's values (section critic; gamma,
-    lam; works with samples_per_prompt 1)."""
+    lam; works with samples_per_prompt 1). otb: the optimal token baseline (verl's optimal_token_baseline),
+    each token's own baseline, its group's rewards weighted by how uncertain each sample's path was up to
+    that position (from the policy's distributions before the step)."""
     gamma: float = Field(1.0, ge=0, le=1)
     """advantage=gae: discount per token (verl's algorithm.gamma)."""
     lam: float = Field(1.0, ge=0, le=1)

@@ -217,6 +217,7 @@ class Config(Section):
             problems.append(f"algorithm.advantage=gdpo normalises each reward function's scores; {what}, not the "
                             "reward functions (for a length penalty, give it as a reward function)")
         problems += self._critic_problems()
+        problems += self._token_baseline_problems()
         problems += self._distill_problems()
         fields = type(a).model_fields
         moved = [k for k in ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max") if getattr(a, k) != fields[k].default]
@@ -321,6 +322,25 @@ class Config(Section):
         if d.keep or d.token_fraction < 1 or d.token_fraction_start is not None:
             out.append("algorithm.advantage=gae with downsample: D3S picks samples and tokens by one advantage per "
                        "sample, which the critic's per-token advantages are not")
+        return out
+
+    def _token_baseline_problems(self) -> list[str]:
+        """The optimal token baseline (algorithm.advantage=otb) and what it does not combine with yet."""
+        if self.algorithm.advantage != "otb":
+            return []
+        out, d = [], self.downsample
+        if self.distill.teacher is not None:
+            out.append("distill.teacher with algorithm.advantage=otb: the teacher's term and the token baseline are "
+                       "not combined yet; use a group estimator (grpo, drgrpo, rloo, ...)")
+        if self.env.credit != "episode":
+            out.append(f"algorithm.advantage=otb gives each token its own baseline from the episode's reward; env.credit="
+                       f"{self.env.credit} gives each turn one: leave env.credit at episode")
+        if self.algorithm.loss == "gspo":
+            out.append("algorithm.advantage=otb gives each token its own advantage; algorithm.loss=gspo clips one ratio "
+                       "per sequence against one advantage: use gspo_token, its form for per-token advantages")
+        if d.keep or d.token_fraction < 1 or d.token_fraction_start is not None:
+            out.append("algorithm.advantage=otb with downsample: D3S picks samples and tokens by one advantage per "
+                       "sample, which the token baseline's are not")
         return out
 
     def _train_problems(self) -> list[str]:

@@ -107,8 +107,8 @@ def _batch_rows(groups: list[Group], batch: TrainBatch, cfg: Config) -> tuple[li
     advantage, in group order. The batch keeps every sample in order unless `downsample.keep`
     cut groups down; then the same choice is made again from the same advantages."""
     n = sum(len(g.rollouts) for g in groups)
-    if len(batch) == n:  # gae: the critic gives each token its own, in the trainer (adv_B holds the rewards)
-        return list(range(n)), [None] * n if cfg.algorithm.advantage == "gae" else batch.adv_B.tolist()
+    if len(batch) == n:  # gae, otb: the trainer gives each token its own (adv_B holds the rewards)
+        return list(range(n)), [None] * n if cfg.algorithm.advantage in ("gae", "otb") else batch.adv_B.tolist()
     advantages = group_advantages(groups, cfg)[0].tolist()
     rows: list[int | None] = []
     at = b = 0

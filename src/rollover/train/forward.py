@@ -80,10 +80,11 @@ class PolicyForward:
                                      attention_mask=self._attention_mask(mb, model), use_cache=False).last_hidden_state
         return hidden[mb.sel_row, mb.sel_col], mb.targets
 
-    def _forward(self, model, mb: MicroBatch, need_entropy: bool, teacher=None):
-        """logp [N] of the response tokens, their entropy [N] when asked (else None), and with
+    def _forward(self, model, mb: MicroBatch, need_entropy: bool, teacher=None, sum_sq: bool = False):
+        """logp [N] of the response tokens, their entropy [N] when asked (else None), with
         `teacher` (`_teacher_view`'s head and hidden states) each position's divergence [N] from
-        the teacher's next-token distribution (distill.loss=jsd; else None)."""
+        the teacher's next-token distribution (distill.loss=jsd; else None), and with `sum_sq`
+        each position's Σπ² [N] (no gradient; else None)."""
         base = self._base(model)
         selected, targets = self._trunk(model, base, mb)  # [N, H], [N]
         head = LogitHead(base)  # the model's own: the policy's or the KL reference's
@@ -97,7 +98,7 @@ class PolicyForward:
         parts = []
         for i in range(0, max(len(selected), 1), chunk):  # an empty selection still makes a graph
             taught = None if teacher is None else (teacher[0], teacher[1][i: i + chunk])
-            args = (head, selected[i: i + chunk], targets[i: i + chunk], need_entropy, entropy_grad, taught)
+            args = (head, selected[i: i + chunk], targets[i: i + chunk], need_entropy, entropy_grad, taught, sum_sq)
             if recompute:
                 parts.append(torch.utils.checkpoint.checkpoint(self._token_logp, *args, use_reentrant=False))
             else:
@@ -105,7 +106,7 @@ class PolicyForward:
         logp = torch.cat([p[0] for p in parts])
         entropy = torch.cat([p[1] for p in parts]) if need_entropy else None
         divergence = torch.cat([p[2] for p in parts]) if teacher is not None else None
-        return logp, entropy, divergence
+        return logp, entropy, divergence, torch.cat([p[3] for p in parts]) if sum_sq else None
 
     def _inputs(self, base, mb: MicroBatch) -> dict:
         """What the trunk's forward takes besides positions and mask: the ids and the images."""
@@ -114,13 +115,17 @@ class PolicyForward:
             return {"inputs_embeds": RowGradEmbedding.apply(mb.input_ids, embedding.weight, embedding.padding_idx)}
         return {"input_ids": mb.input_ids, **(mb.media or {})}
 
-    def _token_logp(self, head, hidden_N, targets_N, need_entropy: bool, entropy_grad: bool, teacher=None):
-        """Logprobs of `targets_N`, the entropies (or an empty tensor) and the divergences from
+    def _token_logp(self, head, hidden_N, targets_N, need_entropy: bool, entropy_grad: bool, teacher=None,
+                    sum_sq: bool = False):
+        """Logprobs of `targets_N`, the entropies (or an empty tensor), the divergences from
         `teacher`'s distributions (its head and its hidden states at the same positions; or an
-        empty tensor), from the hidden states before them."""
+        empty tensor) and Σπ² (`sum_sq`; or an empty tensor), from the hidden states before them."""
         logp_all = self._all_logp(head, hidden_N)
         logp = logp_all.gather(1, targets_N[:, None]).squeeze(1)
-        entropy = divergence = logp.new_zeros(0)
+        entropy = divergence = squares = logp.new_zeros(0)
+        if sum_sq:  # the optimal token baseline's Σπ²
+            with torch.no_grad():
+                squares = torch.logsumexp(2.0 * logp_all, dim=-1).exp()
         if need_entropy:
             with torch.set_grad_enabled(entropy_grad):  # tokens left out (-inf: image placeholders) add 0, not nan
                 entropy = -(logp_all.exp() * logp_all.clamp(min=torch.finfo(logp_all.dtype).min)).sum(-1)
@@ -130,7 +135,7 @@ class PolicyForward:
             with torch.no_grad():  # a teacher with more rows than the policy: its distribution over the policy's
                 theirs = self._all_logp(*teacher, vocab=logp_all.shape[-1])
             divergence = generalized_jsd(logp_all, theirs, self.cfg.distill.beta)
-        return logp, entropy, divergence
+        return logp, entropy, divergence, squares
 
     def _all_logp(self, head, hidden_N, vocab: int | None = None) -> torch.Tensor:
         """The next-token log-distribution [N, vocab] at the rollout temperature (over the first
@@ -156,20 +161,24 @@ class PolicyForward:
             mbs = [with_media(mb, batch, self._base(self.model)) for mb in mbs]
         return [mb.to(self.device) for mb in mbs]
 
-    @torch.no_grad()
     def logprobs(self, batch: TrainBatch, model=None, entropy: bool = False):
         """Per-token logprobs [B, T] of the batch's responses under `model` (default: policy); with
         `entropy`, (logprobs, entropies), both [B, T]."""
+        logp, ent, _ = self.token_stats(batch, model, entropy)
+        return (logp, ent) if entropy else logp
+
+    @torch.no_grad()
+    def token_stats(self, batch: TrainBatch, model=None, entropy: bool = False, sum_sq: bool = False):
+        """(logprobs, entropies or None, Σπ² or None), each [B, T] (0 on untrained tokens), of the
+        batch's responses under `model` (default: the policy)."""
         model = model or self.model
         T = batch.mask_BT.shape[1]
-        out = torch.zeros(len(batch), T, device=self.device)
-        ent = torch.zeros(len(batch), T, device=self.device) if entropy else None
+        out = [torch.zeros(len(batch), T, device=self.device) if want else None for want in (True, entropy, sum_sq)]
         for mb in self._micro_batches(batch):
-            logp, h, _ = self._forward(model, mb, need_entropy=entropy)
+            logp, h, _, sq = self._forward(model, mb, need_entropy=entropy, sum_sq=sum_sq)
             rows = torch.tensor(mb.seq_index, dtype=torch.long, device=self.device)
-            out[rows] = self._to_BT(logp, mb, T)
-            if entropy:
-                ent[rows] = self._to_BT(h, mb, T)
+            for into, values in zip(out, (logp, h, sq)):
+                if into is not None:
+                    into[rows] = self._to_BT(values, mb, T)
         untrained = ~batch.mask_BT.to(self.device)  # untrained tokens: 0, as `_update` has them
-        out = out.masked_fill(untrained, 0.0)
-        return (out, ent.masked_fill(untrained, 0.0)) if entropy else out
+        return tuple(None if x is None else x.masked_fill(untrained, 0.0) for x in out)

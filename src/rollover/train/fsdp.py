@@ -259,11 +259,10 @@ class FSDPTrainer(ShardedCheckpoints, Trainer):
         return built
 
     # ------------------------------------------------------------ passes
-    def _forward(self, model, mb: MicroBatch, need_entropy: bool, teacher=None):
+    def _forward(self, model, mb: MicroBatch, need_entropy: bool, teacher=None, sum_sq: bool = False):
         root = self._roots[id(model)]
-        logp, entropy, divergence = root(lambda lm: Trainer._forward(self, lm, mb, need_entropy, teacher))
-        return (self._whole(logp, mb), None if entropy is None else self._whole(entropy, mb),
-                None if divergence is None else self._whole(divergence, mb))
+        out = root(lambda lm: Trainer._forward(self, lm, mb, need_entropy, teacher, sum_sq))
+        return tuple(None if x is None else self._whole(x, mb) for x in out)
 
     def _whole(self, values_N: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         if self.sp == 1:
@@ -387,6 +386,14 @@ class FSDPTrainer(ShardedCheckpoints, Trainer):
         parts: list = [None] * (self.world // self.sp)
         dist.all_gather_object(parts, rows, group=self._peers)
         return torch.cat(parts), sum(len(p) for p in parts[: self.rank // self.sp])
+
+    def _whole_groups(self, sums: dict) -> dict:
+        from rollover.algos.token_baseline import merge
+
+        parts: list = [None] * (self.world // self.sp)  # tensors on the CPU: objects travel on gloo
+        dist.all_gather_object(parts, {g: s._replace(weighted_T=s.weighted_T.cpu(), energy_T=s.energy_T.cpu())
+                                       for g, s in sums.items()}, group=self._peers)
+        return merge(parts)
 
     def _all_reduce(self, values: torch.Tensor, op: str) -> torch.Tensor:
         values = values.clone()

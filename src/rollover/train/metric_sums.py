@@ -5,8 +5,8 @@ pass over the whole update would report, whatever the split.
 maxima: `masked_frac` and `opsm_masked_frac` over the loss tokens given to the step; the importance-sampling
 statistics (`is_ratio_mean`, `is_ratio_max`, `is_clip_frac`) over the tokens the IS correction looks at (after
 M2PO's mask); every other mean over the tokens that carry the loss (after IS masking). A mean is
-kept as (sum, tokens) over its own set and divided at the end; a `*_max` as the largest (and
-not reported by an update with no token in its set).
+kept as (sum, tokens) over its own set and divided at the end; a `*_max` as the largest. Neither
+is reported by an update with no token in its set.
 FSDPTrainer reduces the sums over the ranks (sums add, `*_max` take the largest).
 """
 
@@ -37,6 +37,7 @@ def reduce_sums(parts: list[dict[str, float]]) -> dict[str, float]:
 
 
 def mean_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """The update's metrics from its sums: each mean over its own tokens (0 over none), maxima as they are."""
-    return {k: v if k.endswith("_max") else v / max(sums["#" + k], 1.0)
-            for k, v in sums.items() if not k.startswith("#")}
+    """The update's metrics from its sums: each mean over its own tokens, maxima as they are; a
+    mean over no token is not reported (it has no value; a 0 would read as one)."""
+    return {k: v if k.endswith("_max") else v / sums["#" + k]
+            for k, v in sums.items() if not k.startswith("#") and (k.endswith("_max") or sums["#" + k] > 0)}

@@ -46,6 +46,7 @@ from rollover.train.forward import PolicyForward
 from rollover.train.heads import check_model
 from rollover.train.metric_sums import add_metrics, mean_metrics
 from rollover.train.teacher import Distillation
+from rollover.train.token_baseline import TokenBaseline
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def _lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
-class Trainer(PolicyForward, Distillation):
+class Trainer(PolicyForward, Distillation, TokenBaseline):
     sharded = False  # rollover.train.fsdp.FSDPTrainer: one rank of several, each holding a shard
 
     def __init__(self, model, cfg: Config, *, device: torch.device, pad_id: int = 0, reference=None):
@@ -175,8 +176,9 @@ class Trainer(PolicyForward, Distillation):
         multi = t.ppo_epochs * t.mini_batches > 1
         first = old_logprobs_first(cfg.algorithm.loss, self._loss_options())  # M2PO's mask, BAPO's over an IS mask
         old_BT = ent_BT = start_BT = None  # start_BT: the policy's logprobs before the step, where a pass made them
-        if cfg.algorithm.top_entropy_quantile < 1.0:  # one pass gives both
-            start_BT, ent_BT = self._fitting(self.logprobs, batch, None, True)
+        top, otb = cfg.algorithm.top_entropy_quantile < 1.0, cfg.algorithm.advantage == "otb"
+        if top or otb:  # one pass gives what they need and the old logprobs
+            start_BT, ent_BT, sum_sq_BT = self._fitting(self.token_stats, batch, None, top, otb)
             old_BT = start_BT if multi or first else None
         elif multi or first:
             old_BT = start_BT = self._fitting(self.logprobs, batch)
@@ -187,9 +189,11 @@ class Trainer(PolicyForward, Distillation):
                     ref_BT = self._fitting(self.logprobs, batch)
             else:
                 ref_BT = self._fitting(self.logprobs, batch, self.ref_model)
-        distill = {}
+        prepared = {}  # the metrics of what changes the batch's advantages
+        if otb:  # the optimal token baseline: each token's advantage from the rewards in adv_B
+            batch, prepared = self._token_baseline(batch, start_BT, sum_sq_BT)
         if self.teacher is not None:  # on-policy distillation: advantages moved (sampled) or scaled (jsd)
-            batch, distill = self._teacher_batch(batch)
+            batch, prepared = self._teacher_batch(batch)
         critic = None
         if self.critic is not None:  # PPO with a critic: each token's advantage from its values
             if cfg.algorithm.kl_in_reward > 0 and start_BT is None:  # the KL in the reward is the policy's before the step
@@ -219,7 +223,7 @@ class Trainer(PolicyForward, Distillation):
         keys = dict.fromkeys(k for h in history for k in h)
         out = {k: sum(h[k] for h in history if k in h) / sum(k in h for h in history) for k in keys}
         out["skipped_step"] = float(skipped)
-        out.update(distill)
+        out.update(prepared)
         if critic is not None:
             out.update(critic.metrics)
             if warming:
@@ -318,7 +322,7 @@ class Trainer(PolicyForward, Distillation):
             for mb in micro:
                 sel = torch.tensor(mb.seq_index, dtype=torch.long, device=self.device)
                 teacher = self._teacher_view(mb) if self.teacher_jsd else None
-                logp, entropy, divergence = self._forward(self.model, mb, need_entropy, teacher)
+                logp, entropy, divergence, _ = self._forward(self.model, mb, need_entropy, teacher)
                 m_BT = mask_BT[sel]
                 # untrained tokens count nowhere; an image placeholder an environment inserted is
                 # one, and the head's -inf for it (never sampled) would make the masked sums nan
@@ -384,8 +388,6 @@ class Trainer(PolicyForward, Distillation):
         metrics.update({f"actor/{k}": float(v) for k, v in whole.items()})  # the same on every rank
         metrics.update({
             "actor/pg_loss": loss_total,
-            "actor/entropy": entropy_sum / max(num_tokens, 1),
-            "actor/rollout_kl": rollout_kl_sum / max(num_tokens, 1),
             "actor/grad_norm": grad_norm,
             "actor/lr": self.scheduler.get_last_lr()[0],
             "actor/micro_batches": len(micro),
@@ -395,10 +397,13 @@ class Trainer(PolicyForward, Distillation):
         })
         if adaptive:
             metrics["actor/entropy_coef"] = applied
-        if ref_BT is not None and a.kl_coef > 0:
-            metrics["actor/kl"] = kl_sum / max(num_tokens, 1)
-        if self.teacher_jsd and num_tokens:
-            metrics["distill/divergence"] = taught_sum / num_tokens
+        if num_tokens:  # means over the update's loss tokens: an update with none has no value to report
+            metrics["actor/entropy"] = entropy_sum / num_tokens
+            metrics["actor/rollout_kl"] = rollout_kl_sum / num_tokens
+            if ref_BT is not None and a.kl_coef > 0:
+                metrics["actor/kl"] = kl_sum / num_tokens
+            if self.teacher_jsd:
+                metrics["distill/divergence"] = taught_sum / num_tokens
         return metrics
 
     def _policy_term_kept(self, top_BT, logp_BT, behav_BT, adv, mask_BT, metrics: dict):
