@@ -141,18 +141,21 @@ def test_a_sequence_parallel_step_equals_one_trainers(world, sp, arch, over):
         sharded.close()
 
 
-def test_an_otb_step_on_sequence_parallel_ranks_equals_one_trainers():
-    """algorithm.advantage=otb at world size 4 in two sequence-parallel groups: Σπ² is gathered as
-    the logprobs are, and a group whose samples two groups hold (a step of one group) gets the
-    baselines of its whole sums; the step is the one-process trainer's."""
-    cfg = cfg_of(**{"train.ranks": 4, "train.sequence_parallel": 2, "algorithm.advantage": "otb"})
+@pytest.mark.parametrize("sp", [2, 1])
+def test_an_otb_step_on_ranks_equals_one_trainers(sp):
+    """algorithm.advantage=otb at world size 4: a group whose samples several ranks hold (a step of
+    fewer groups than ranks) gets the baselines of its whole sums, a rank given no sequence takes
+    part, and groups kept whole need no exchange; in two sequence-parallel groups Σπ² is gathered
+    as the logprobs are. The step is the one-process trainer's."""
+    cfg = cfg_of(**{"train.ranks": 4, "train.sequence_parallel": sp, "algorithm.advantage": "otb"})
     model = tiny_model("llama", seed=3)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     plain = Trainer(copy.deepcopy(model), cfg, device=torch.device("cpu"))
     sharded = ShardedTrainer(copy.deepcopy(model), cfg, pad_id=0)
     try:
         one = batch_of(1, seed=2)
-        assert all(split_batch(one, 2))  # its one group's samples in both sequence-parallel groups
+        shares = split_batch(one, 4 // sp)
+        assert sum(bool(s) for s in shares) > 1 and (sp == 2 or not all(shares))  # split; with sp 1 a rank idles
         for b in (one, batch_of(3)):
             mp, ms = plain.train_step(b), sharded.train_step(b)
             for k in ("actor/pg_loss", "actor/grad_norm", "otb/path_energy", "otb/baseline_mean"):

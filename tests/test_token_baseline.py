@@ -50,7 +50,7 @@ def case(seed=0, B=7, T=6):
 
 
 def run(returns, groups, logp, sum_sq, mask, weight=None, split=None):
-    energy = otb.path_energy(logp, sum_sq, mask, weight)
+    energy = otb.path_energy(logp, sum_sq - logp.exp().square(), mask, weight)  # Σπ² over the other ids
     if split is None:
         sums = otb.group_sums(returns, groups, energy, mask)
     else:  # the same groups held in two parts, as two ranks would
@@ -99,11 +99,21 @@ def test_a_group_split_over_holders_gives_what_the_whole_gives():
     split = [torch.tensor([0, 4, 2, 6]), torch.tensor([1, 3, 5])]
     parts, _ = run(returns, groups, logp, sum_sq, mask, split=split)
     torch.testing.assert_close(parts, whole)
-    short = otb.group_sums(returns[[1, 3]], groups[[1, 3]], otb.path_energy(logp, sum_sq, mask)[[1, 3], :3],
-                           mask[[1, 3], :3])
-    merged = otb.merge([short, otb.group_sums(returns[[0, 2]], groups[[0, 2]],
-                                              otb.path_energy(logp, sum_sq, mask)[[0, 2]], mask[[0, 2]])])
+    energy = otb.path_energy(logp, sum_sq - logp.exp().square(), mask)
+    short = otb.group_sums(returns[[1, 3]], groups[[1, 3]], energy[[1, 3], :3], mask[[1, 3], :3])
+    merged = otb.merge([short, otb.group_sums(returns[[0, 2]], groups[[0, 2]], energy[[0, 2]], mask[[0, 2]])])
     assert merged[4].count == 4 and len(merged[4].energy_T) == 6
+
+
+def test_the_energy_keeps_its_digits_where_the_policy_is_nearly_certain():
+    """1 - 2π + Σπ² rounds to 0 in float32 once 1 - π is below about 1e-4; (1 - π)² + Σ_{v≠y} π_v²
+    keeps it: a path's energy and so its weight in the baseline stay right."""
+    for gap in (1e-3, 1e-4, 1e-5):
+        p = torch.tensor([1 - gap, gap / 2, gap / 2], dtype=torch.float64)
+        want = float((1 - p[0]) ** 2 + p[1] ** 2 + p[2] ** 2)  # ‖e_0 − π‖², in float64
+        got = otb.path_energy(p[:1].log().float()[None], p[1:].square().sum().float()[None, None],
+                              torch.ones(1, 1, dtype=torch.bool))
+        assert float(got) == pytest.approx(want, rel=1e-3), gap
 
 
 def test_importance_weights_enter_squared():
@@ -138,10 +148,13 @@ def test_what_otb_does_not_combine_with_is_refused(bad, match):
         load_config(**{"device": "cpu", "model": "unused", "run_dir": "unused", "algorithm.advantage": "otb", **bad})
 
 
-def test_a_trainer_step_takes_the_gradient_of_the_hand_computed_token_advantages(tmp_path):
+@pytest.mark.parametrize("tis", [False, True])
+def test_a_trainer_step_takes_the_gradient_of_the_hand_computed_token_advantages(tmp_path, tis):
     """The trainer's pass gives each token's π and Σπ² from the policy before the step (at the
     rollout temperature), and the update's gradient is the policy gradient of the advantages
-    computed from them by hand; the same with one micro-batch or several."""
+    computed from them by hand; the same with one micro-batch or several. With truncated IS
+    (algorithm.tis_cap) each token's term in the energy is weighted by its IS weight squared and
+    its loss by the weight."""
     from rollover.config import load_config
     from rollover.testing import tiny_model
     from rollover.train.batch import TrainBatch
@@ -149,24 +162,31 @@ def test_a_trainer_step_takes_the_gradient_of_the_hand_computed_token_advantages
     from rollover.types import Rollout
 
     rewards = [1.0, 0.0, 0.5, 2.0, 2.0, 2.0, 0.0, 1.0, 1.0]  # group g1: equal, no signal
-    rolls = [Rollout(group_id=f"g{i // 3}", prompt_ids=[5 + i // 3, 6, 7], response_ids=[8 + i, 3 * i % 11, 9][: 1 + i % 3] * 2,
-                     logprobs=[-1.0] * (2 + 2 * (i % 3)), versions=[0] * (2 + 2 * (i % 3)),
-                     loss_mask=[1] * (2 + 2 * (i % 3)), finish="stop", reward=rewards[i]) for i in range(9)]
-    batch = TrainBatch.from_rollouts(rolls, rewards)  # the estimator hands the trainer the rewards
-    temperature = 0.8
+    seqs = [([5 + i // 3, 6, 7], [8 + i, 3 * i % 11, 9][: 1 + i % 3] * 2) for i in range(9)]
+    temperature, cap = 0.8, 2.0
     model = tiny_model("llama", seed=5)
     logps, sums = [], []
-    for r in rolls:
-        ids = torch.tensor([r.prompt_ids + r.response_ids])
-        lp_all = torch.log_softmax(model(ids).logits[0, len(r.prompt_ids) - 1: -1] / temperature, -1)
-        logps.append(lp_all.gather(1, torch.tensor(r.response_ids)[:, None]).squeeze(1))
+    for prompt, response in seqs:
+        ids = torch.tensor([prompt + response])
+        lp_all = torch.log_softmax(model(ids).logits[0, len(prompt) - 1: -1] / temperature, -1)
+        logps.append(lp_all.gather(1, torch.tensor(response)[:, None]).squeeze(1))
         sums.append(lp_all.detach().exp().square().sum(-1))
+    # the sampler's logprobs: 3x below the policy's at even positions (weight capped at 2), e^0.5 above at odd
+    behav = [lp.detach() + torch.where(torch.arange(len(lp)) % 2 == 0, -math.log(3.0), 0.5) for lp in logps] if tis \
+        else [torch.full_like(lp, -1.0) for lp in logps]
+    weights = [(lp.detach() - b).exp().clamp(max=cap) if tis else torch.ones_like(lp) for lp, b in zip(logps, behav)]
+    rolls = [Rollout(group_id=f"g{i // 3}", prompt_ids=p, response_ids=r, logprobs=behav[i].tolist(),
+                     versions=[0] * len(r), loss_mask=[1] * len(r), finish="stop", reward=rewards[i])
+             for i, (p, r) in enumerate(seqs)]
+    batch = TrainBatch.from_rollouts(rolls, rewards)  # the estimator hands the trainer the rewards
     T = max(len(lp) for lp in logps)
     pad = (lambda xs: [x.tolist() + [0.0] * (T - len(x)) for x in xs])
     mask = [[1] * len(lp) + [0] * (T - len(lp)) for lp in logps]
-    adv = by_hand(rewards, [i // 3 for i in range(9)], pad([lp.detach() for lp in logps]), pad(sums), mask)
+    adv = by_hand(rewards, [i // 3 for i in range(9)], pad([lp.detach() for lp in logps]), pad(sums), mask,
+                  pad(weights) if tis else None)
     n_tokens = sum(len(lp) for lp in logps)
-    loss = sum(-(torch.tensor(adv[i][: len(lp)]) * (lp - lp.detach()).exp()).sum() for i, lp in enumerate(logps)) / n_tokens
+    loss = sum(-(torch.tensor(adv[i][: len(lp)]) * w * (lp - lp.detach()).exp()).sum()
+               for i, (lp, w) in enumerate(zip(logps, weights))) / n_tokens
     model.zero_grad()
     loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -175,7 +195,7 @@ def test_a_trainer_step_takes_the_gradient_of_the_hand_computed_token_advantages
         cfg = load_config(**{"device": "cpu", "model": "unused", "run_dir": str(tmp_path), "rollout.samples_per_prompt": 3,
                              "rollout.max_new_tokens": 6, "train.micro_batch_tokens": mbt, "train.pack_length": 16,
                              "rollout.temperature": temperature, "algorithm.advantage": "otb", "train.grad_clip": 0.0,
-                             "data.max_prompt_tokens": 10})
+                             "data.max_prompt_tokens": 10, **({"algorithm.tis_cap": cap} if tis else {})})
         tr = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
         seen, real_step = {}, tr.optimizer.step
         tr.optimizer.step = lambda *a, **kw: (seen.update({n: p.grad.clone() for n, p in tr.model.named_parameters()
@@ -183,8 +203,22 @@ def test_a_trainer_step_takes_the_gradient_of_the_hand_computed_token_advantages
         metrics = tr.train_step(batch)
         assert (metrics["actor/micro_batches"] == 1) == (mbt == 256)
         assert metrics["actor/pg_loss"] == pytest.approx(float(loss.detach()), rel=1e-4)
-        energy = [float((1 - 2 * lp.detach().exp() + s).sum()) for lp, s in zip(logps, sums)]
+        energy = [float(((1 - 2 * lp.detach().exp() + s) * w.square()).sum()) for lp, s, w in zip(logps, sums, weights)]
         assert metrics["otb/path_energy"] == pytest.approx(sum(energy) / 9, rel=1e-4)
         assert seen.keys() == want.keys()
         for k in want:
             assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-6), (mbt, k)
+
+
+def test_a_trainer_given_no_sequence_reports_nothing(tmp_path):
+    """A sharded trainer's rank may be given no sequence of a step: its part is empty, not an error."""
+    from rollover.config import load_config
+    from rollover.testing import tiny_model
+    from rollover.train.batch import TrainBatch
+    from rollover.train.trainer import Trainer
+
+    cfg = load_config(**{"device": "cpu", "model": "unused", "run_dir": str(tmp_path), "algorithm.advantage": "otb"})
+    tr = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
+    empty = TrainBatch.from_rollouts([], [])
+    batch, metrics = tr._token_baseline(empty, torch.zeros(0, 0), torch.zeros(0, 0))
+    assert metrics == {} and batch.adv_BT.shape == (0, 0)

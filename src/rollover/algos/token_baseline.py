@@ -3,7 +3,8 @@ token's advantage is its return minus a baseline of its own position, the group'
 weighted by how much uncertainty each sample's path has gathered up to there.
 
 At a sampled token the squared norm of the score's logit gradient is `‖e_y − π‖² = 1 − 2π(y) +
-Σπ²`, read off the forward's distribution with no backward pass. Its running sum along a response
+Σπ²`, read off the forward's distribution with no backward pass (computed as `(1 − π(y))² +
+Σ_{v≠y} π_v²`). Its running sum along a response
 is the path's realised energy `W_t`, and the baseline at position t of a group is
 
     B_t = Σ_i G_i W_{i,t} / (Σ_i W_{i,t} + ε)
@@ -39,11 +40,13 @@ class GroupSums(NamedTuple):
     energy_T: Tensor  # Σ_i W_{i,t}
 
 
-def path_energy(logp_BT: Tensor, sum_sq_BT: Tensor, mask_BT: Tensor, weight_BT: Tensor | None = None) -> Tensor:
+def path_energy(logp_BT: Tensor, others_sq_BT: Tensor, mask_BT: Tensor, weight_BT: Tensor | None = None) -> Tensor:
     """W [B, T]: each path's energy up to and including each token, summed over its trained
-    tokens (`mask_BT`); `logp_BT` the sampled tokens' logprobs, `sum_sq_BT` Σπ² of each position's
-    distribution, `weight_BT` each token's importance weight (squared into its term; None: 1)."""
-    term = (1.0 - 2.0 * logp_BT.exp() + sum_sq_BT).clamp(min=0.0)  # a squared norm: below 0 only by rounding
+    tokens (`mask_BT`); `logp_BT` the sampled tokens' logprobs, `others_sq_BT` Σπ² over each
+    position's other ids, `weight_BT` each token's importance weight (squared into its term;
+    None: 1). The term is `1 − 2π + Σπ²` written as `(1 − π)² + Σ_{v≠y} π_v²`, which keeps its
+    digits where π is near 1 (the first form rounds to 0 there in float32)."""
+    term = torch.expm1(logp_BT).square() + others_sq_BT
     if weight_BT is not None:
         term = term * weight_BT.square()
     return (term * mask_BT).cumsum(dim=1)

@@ -84,7 +84,7 @@ class PolicyForward:
         """logp [N] of the response tokens, their entropy [N] when asked (else None), with
         `teacher` (`_teacher_view`'s head and hidden states) each position's divergence [N] from
         the teacher's next-token distribution (distill.loss=jsd; else None), and with `sum_sq`
-        each position's Σπ² [N] (no gradient; else None)."""
+        each position's Σπ² over the ids other than the sampled one [N] (no gradient; else None)."""
         base = self._base(model)
         selected, targets = self._trunk(model, base, mb)  # [N, H], [N]
         head = LogitHead(base)  # the model's own: the policy's or the KL reference's
@@ -119,13 +119,14 @@ class PolicyForward:
                     sum_sq: bool = False):
         """Logprobs of `targets_N`, the entropies (or an empty tensor), the divergences from
         `teacher`'s distributions (its head and its hidden states at the same positions; or an
-        empty tensor) and Σπ² (`sum_sq`; or an empty tensor), from the hidden states before them."""
+        empty tensor) and Σπ² over the other ids than each target (`sum_sq`; or an empty tensor),
+        from the hidden states before them."""
         logp_all = self._all_logp(head, hidden_N)
         logp = logp_all.gather(1, targets_N[:, None]).squeeze(1)
         entropy = divergence = squares = logp.new_zeros(0)
-        if sum_sq:  # the optimal token baseline's Σπ²
-            with torch.no_grad():
-                squares = torch.logsumexp(2.0 * logp_all, dim=-1).exp()
+        if sum_sq:  # the optimal token baseline's: summed apart from the target's, whose (1 - π)² the caller
+            with torch.no_grad():  # takes from its logprob, so that 1 - 2π + Σπ² does not cancel to 0 near π = 1
+                squares = logp_all.exp().scatter_(1, targets_N[:, None], 0.0).square_().sum(-1)
         if need_entropy:
             with torch.set_grad_enabled(entropy_grad):  # tokens left out (-inf: image placeholders) add 0, not nan
                 entropy = -(logp_all.exp() * logp_all.clamp(min=torch.finfo(logp_all.dtype).min)).sum(-1)
@@ -169,8 +170,8 @@ class PolicyForward:
 
     @torch.no_grad()
     def token_stats(self, batch: TrainBatch, model=None, entropy: bool = False, sum_sq: bool = False):
-        """(logprobs, entropies or None, Σπ² or None), each [B, T] (0 on untrained tokens), of the
-        batch's responses under `model` (default: the policy)."""
+        """(logprobs, entropies or None, Σπ² over the ids other than the sampled one or None), each
+        [B, T] (0 on untrained tokens), of the batch's responses under `model` (default: the policy)."""
         model = model or self.model
         T = batch.mask_BT.shape[1]
         out = [torch.zeros(len(batch), T, device=self.device) if want else None for want in (True, entropy, sum_sq)]

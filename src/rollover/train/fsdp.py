@@ -390,6 +390,9 @@ class FSDPTrainer(ShardedCheckpoints, Trainer):
     def _whole_groups(self, sums: dict) -> dict:
         from rollover.algos.token_baseline import merge
 
+        if self._global_groups is not None and len(self._global_groups) >= self.world // self.sp:
+            return sums  # as many groups as data-parallel ranks: `split_batch` kept each whole on one
+
         parts: list = [None] * (self.world // self.sp)  # tensors on the CPU: objects travel on gloo
         dist.all_gather_object(parts, {g: s._replace(weighted_T=s.weighted_T.cpu(), energy_T=s.energy_T.cpu())
                                        for g, s in sums.items()}, group=self._peers)

@@ -178,7 +178,7 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
         old_BT = ent_BT = start_BT = None  # start_BT: the policy's logprobs before the step, where a pass made them
         top, otb = cfg.algorithm.top_entropy_quantile < 1.0, cfg.algorithm.advantage == "otb"
         if top or otb:  # one pass gives what they need and the old logprobs
-            start_BT, ent_BT, sum_sq_BT = self._fitting(self.token_stats, batch, None, top, otb)
+            start_BT, ent_BT, others_sq_BT = self._fitting(self.token_stats, batch, None, top, otb)
             old_BT = start_BT if multi or first else None
         elif multi or first:
             old_BT = start_BT = self._fitting(self.logprobs, batch)
@@ -191,7 +191,7 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
                 ref_BT = self._fitting(self.logprobs, batch, self.ref_model)
         prepared = {}  # the metrics of what changes the batch's advantages
         if otb:  # the optimal token baseline: each token's advantage from the rewards in adv_B
-            batch, prepared = self._token_baseline(batch, start_BT, sum_sq_BT)
+            batch, prepared = self._token_baseline(batch, start_BT, others_sq_BT)
         if self.teacher is not None:  # on-policy distillation: advantages moved (sampled) or scaled (jsd)
             batch, prepared = self._teacher_batch(batch)
         critic = None
