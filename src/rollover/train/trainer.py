@@ -65,6 +65,11 @@ def _lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
+# what an update sums over its micro-batches (and ranks) for its metrics: the loss, entropy and the
+# entropy bonus's tokens, the KL terms, the teacher's divergence; padding and row slots come after
+TALLIES = ("loss", "entropy", "bonus", "bonus_tokens", "kl", "rollout_kl", "taught")
+
+
 class Trainer(PolicyForward, Distillation, TokenBaseline):
     sharded = False  # rollover.train.fsdp.FSDPTrainer: one rank of several, each holding a shard
 
@@ -315,7 +320,7 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
         def accumulate():
             """The micro-batches' forward and backward passes: gradients, and the sums for the metrics."""
             sums: dict[str, float] = {}
-            entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens, taught_sum = [0.0] * 7
+            tally = dict.fromkeys(TALLIES, 0.0)  # sums over the micro-batches' loss tokens, for the metrics
             finite = True
             self.optimizer.zero_grad(set_to_none=True)
             micro = self._micro_batches(batch)
@@ -337,24 +342,24 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
                     if a.kl_is_correction:  # pi / pi_old, with its gradient (0 outside the loss tokens: 1)
                         kl_BT = kl_BT * (logp_BT - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
                     loss_BT = loss_BT + a.kl_coef * kl_BT
-                    kl_sum += float((kl_BT.detach() * m_BT).sum())
+                    tally["kl"] += float((kl_BT.detach() * m_BT).sum())
                 taught_BT = None
                 if divergence is not None:  # distill.loss=jsd: the teacher's divergence at each loss token
                     taught_BT = self._to_BT(divergence, mb, T).masked_fill(~m_BT, 0.0)
-                    taught_sum += float(taught_BT.detach().sum())
+                    tally["taught"] += float(taught_BT.detach().sum())
                 ent_BT = self._to_BT(entropy, mb, T)
                 # the tokens the bonus acts on: the loss's (M2PO or an IS mask may have left some) that the
                 # entropy quantile keeps (TRL's), where adaptive control also measures the entropy
                 bonus_BT = out.mask_BT if top is None else out.mask_BT & top
                 if self.entropy_coef_now:
                     loss_BT = loss_BT - self.entropy_coef_now * ent_BT * bonus_BT
-                entropy_sum += float((ent_BT.detach() * m_BT).sum())
-                bonus_sum += float((ent_BT.detach() * bonus_BT).sum())
-                bonus_tokens += float(bonus_BT.sum())
+                tally["entropy"] += float((ent_BT.detach() * m_BT).sum())
+                tally["bonus"] += float((ent_BT.detach() * bonus_BT).sum())
+                tally["bonus_tokens"] += float(bonus_BT.sum())
                 # KL(sampler || trainer), k3 over the sampled tokens: the rollout-training mismatch
                 # (engine precision, and for off-policy tokens their age)
                 log_r = (logp_BT.detach() - behav_BT[sel]).clamp(max=20.0)
-                rollout_kl_sum += float(((log_r.exp() - 1 - log_r) * m_BT).sum())
+                tally["rollout_kl"] += float(((log_r.exp() - 1 - log_r) * m_BT).sum())
                 loss = step_loss(loss_BT, out.mask_BT)
                 if taught_BT is not None:  # over every loss token: the policy term's masks (M2PO, IS) are of ratios
                     loss = loss + cfg.distill.weight * step_loss(taught_BT, m_BT)
@@ -365,45 +370,48 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
                 loss.backward()
                 if not mb.seq_index:  # a rank's stand-in pass (rollover.train.fsdp): nothing to count
                     continue
-                loss_total += float(loss.detach())
+                tally["loss"] += float(loss.detach())
                 given, kept = float(m_BT.sum()), float(out.mask_BT.sum())
                 out.metrics["masked_frac"] = (given - kept) / max(given, 1)  # M2PO's drops too
                 add_metrics(sums, out.metrics, {"masked_frac": given, "is": float(loss_mask_BT[sel].sum()), "": kept})
-            return micro, sums, (entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens,
-                                 taught_sum), finite
+            tally["pad"] = float(sum(mb.pad_tokens for mb in micro))
+            tally["slots"] = float(sum(mb.slots for mb in micro))
+            return micro, sums, tally, finite
 
         # only the passes are redone on running out of memory: the optimizer step is not repeatable
-        micro, sums, totals, finite = self._fitting(accumulate)
-        pad = sum(mb.pad_tokens for mb in micro)
-        slots = sum(mb.slots for mb in micro)
-        sums, totals, finite = self._reduce(sums, (*totals, pad, slots), finite)
-        entropy_sum, kl_sum, loss_total, rollout_kl_sum, bonus_sum, bonus_tokens, taught_sum, pad, slots = totals
+        micro, sums, tally, finite = self._fitting(accumulate)
+        sums, totals, finite = self._reduce(sums, tuple(tally.values()), finite)
+        tally = dict(zip(tally, totals))
         grad_norm, finite = self._optimizer_step(finite)
         applied = self.entropy_coef_now
-        if adaptive and finite and bonus_tokens > 0:  # the next update's coefficient, from this one's entropy
-            self.last_entropy = bonus_sum / max(bonus_tokens, 1.0)
+        if adaptive and finite and tally["bonus_tokens"] > 0:  # the next update's coefficient, from this one's entropy
+            self.last_entropy = tally["bonus"] / tally["bonus_tokens"]
             step = a.entropy_coef_delta if self.last_entropy <= a.entropy_target else -a.entropy_coef_delta
             self.entropy_coef = min(max(self.entropy_coef + step, a.entropy_coef_min), a.entropy_coef_max)
+        metrics = self._update_metrics(sums, whole, tally, num_tokens, kl=ref_BT is not None and a.kl_coef > 0)
+        metrics.update({"actor/grad_norm": grad_norm, "actor/micro_batches": len(micro), "skipped": not finite})
+        if adaptive:
+            metrics["actor/entropy_coef"] = applied
+        return metrics
+
+    def _update_metrics(self, sums: dict, whole: dict, tally: dict, num_tokens: int, kl: bool) -> dict:
+        """An update's metrics from its loss metrics' sums (`sums`), those chosen once over it
+        (`whole`) and its tallies over the loss tokens (every rank's)."""
         metrics = {f"actor/{k}": v for k, v in mean_metrics(sums).items()}
         metrics.update({f"actor/{k}": float(v) for k, v in whole.items()})  # the same on every rank
         metrics.update({
-            "actor/pg_loss": loss_total,
-            "actor/grad_norm": grad_norm,
+            "actor/pg_loss": tally["loss"],
             "actor/lr": self.scheduler.get_last_lr()[0],
-            "actor/micro_batches": len(micro),
-            "actor/padding_fraction": pad / max(slots, 1),
+            "actor/padding_fraction": tally["pad"] / max(tally["slots"], 1),
             "actor/loss_tokens": num_tokens,
-            "skipped": not finite,
         })
-        if adaptive:
-            metrics["actor/entropy_coef"] = applied
         if num_tokens:  # means over the update's loss tokens: an update with none has no value to report
-            metrics["actor/entropy"] = entropy_sum / num_tokens
-            metrics["actor/rollout_kl"] = rollout_kl_sum / num_tokens
-            if ref_BT is not None and a.kl_coef > 0:
-                metrics["actor/kl"] = kl_sum / num_tokens
+            metrics["actor/entropy"] = tally["entropy"] / num_tokens
+            metrics["actor/rollout_kl"] = tally["rollout_kl"] / num_tokens
+            if kl:
+                metrics["actor/kl"] = tally["kl"] / num_tokens
             if self.teacher_jsd:
-                metrics["distill/divergence"] = taught_sum / num_tokens
+                metrics["distill/divergence"] = tally["taught"] / num_tokens
         return metrics
 
     def _policy_term_kept(self, top_BT, logp_BT, behav_BT, adv, mask_BT, metrics: dict):
