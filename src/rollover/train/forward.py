@@ -80,10 +80,10 @@ class PolicyForward:
                                      attention_mask=self._attention_mask(mb, model), use_cache=False).last_hidden_state
         return hidden[mb.sel_row, mb.sel_col], mb.targets
 
-    def _forward(self, model, mb: MicroBatch, need_entropy: bool, teacher=None, sum_sq: bool = False):
+    def _forward(self, model, mb: MicroBatch, need_entropy: bool, teacher=None, others_sq: bool = False):
         """logp [N] of the response tokens, their entropy [N] when asked (else None), with
         `teacher` (`_teacher_view`'s head and hidden states) each position's divergence [N] from
-        the teacher's next-token distribution (distill.loss=jsd; else None), and with `sum_sq`
+        the teacher's next-token distribution (distill.loss=jsd; else None), and with `others_sq`
         each position's Σπ² over the ids other than the sampled one [N] (no gradient; else None)."""
         base = self._base(model)
         selected, targets = self._trunk(model, base, mb)  # [N, H], [N]
@@ -98,7 +98,7 @@ class PolicyForward:
         parts = []
         for i in range(0, max(len(selected), 1), chunk):  # an empty selection still makes a graph
             taught = None if teacher is None else (teacher[0], teacher[1][i: i + chunk])
-            args = (head, selected[i: i + chunk], targets[i: i + chunk], need_entropy, entropy_grad, taught, sum_sq)
+            args = (head, selected[i: i + chunk], targets[i: i + chunk], need_entropy, entropy_grad, taught, others_sq)
             if recompute:
                 parts.append(torch.utils.checkpoint.checkpoint(self._token_logp, *args, use_reentrant=False))
             else:
@@ -106,7 +106,7 @@ class PolicyForward:
         logp = torch.cat([p[0] for p in parts])
         entropy = torch.cat([p[1] for p in parts]) if need_entropy else None
         divergence = torch.cat([p[2] for p in parts]) if teacher is not None else None
-        return logp, entropy, divergence, torch.cat([p[3] for p in parts]) if sum_sq else None
+        return logp, entropy, divergence, torch.cat([p[3] for p in parts]) if others_sq else None
 
     def _inputs(self, base, mb: MicroBatch) -> dict:
         """What the trunk's forward takes besides positions and mask: the ids and the images."""
@@ -116,15 +116,15 @@ class PolicyForward:
         return {"input_ids": mb.input_ids, **(mb.media or {})}
 
     def _token_logp(self, head, hidden_N, targets_N, need_entropy: bool, entropy_grad: bool, teacher=None,
-                    sum_sq: bool = False):
+                    others_sq: bool = False):
         """Logprobs of `targets_N`, the entropies (or an empty tensor), the divergences from
         `teacher`'s distributions (its head and its hidden states at the same positions; or an
-        empty tensor) and Σπ² over the other ids than each target (`sum_sq`; or an empty tensor),
+        empty tensor) and Σπ² over the other ids than each target (`others_sq`; or an empty tensor),
         from the hidden states before them."""
         logp_all = self._all_logp(head, hidden_N)
         logp = logp_all.gather(1, targets_N[:, None]).squeeze(1)
         entropy = divergence = squares = logp.new_zeros(0)
-        if sum_sq:  # the optimal token baseline's: summed apart from the target's, whose (1 - π)² the caller
+        if others_sq:  # the optimal token baseline's: summed apart from the target's, whose (1 - π)² the caller
             with torch.no_grad():  # takes from its logprob, so that 1 - 2π + Σπ² does not cancel to 0 near π = 1
                 squares = logp_all.exp().scatter_(1, targets_N[:, None], 0.0).square_().sum(-1)
         if need_entropy:
@@ -169,14 +169,14 @@ class PolicyForward:
         return (logp, ent) if entropy else logp
 
     @torch.no_grad()
-    def token_stats(self, batch: TrainBatch, model=None, entropy: bool = False, sum_sq: bool = False):
+    def token_stats(self, batch: TrainBatch, model=None, entropy: bool = False, others_sq: bool = False):
         """(logprobs, entropies or None, Σπ² over the ids other than the sampled one or None), each
         [B, T] (0 on untrained tokens), of the batch's responses under `model` (default: the policy)."""
         model = model or self.model
         T = batch.mask_BT.shape[1]
-        out = [torch.zeros(len(batch), T, device=self.device) if want else None for want in (True, entropy, sum_sq)]
+        out = [torch.zeros(len(batch), T, device=self.device) if want else None for want in (True, entropy, others_sq)]
         for mb in self._micro_batches(batch):
-            logp, h, _, sq = self._forward(model, mb, need_entropy=entropy, sum_sq=sum_sq)
+            logp, h, _, sq = self._forward(model, mb, need_entropy=entropy, others_sq=others_sq)
             rows = torch.tensor(mb.seq_index, dtype=torch.long, device=self.device)
             for into, values in zip(out, (logp, h, sq)):
                 if into is not None:

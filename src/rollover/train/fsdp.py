@@ -259,9 +259,9 @@ class FSDPTrainer(ShardedCheckpoints, Trainer):
         return built
 
     # ------------------------------------------------------------ passes
-    def _forward(self, model, mb: MicroBatch, need_entropy: bool, teacher=None, sum_sq: bool = False):
+    def _forward(self, model, mb: MicroBatch, need_entropy: bool, teacher=None, others_sq: bool = False):
         root = self._roots[id(model)]
-        out = root(lambda lm: Trainer._forward(self, lm, mb, need_entropy, teacher, sum_sq))
+        out = root(lambda lm: Trainer._forward(self, lm, mb, need_entropy, teacher, others_sq))
         return tuple(None if x is None else self._whole(x, mb) for x in out)
 
     def _whole(self, values_N: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
