@@ -363,6 +363,148 @@ def test_tool_env_limits_calls_and_can_answer_as_user():
     assert wrong[0].done and wrong[0].reward == 0.0
 
 
+SHOT = [{"role": "user", "content": "What is 12 * 34?"},
+        {"role": "assistant", "content": call("calculator", expression="12 * 34")},
+        {"role": "tool", "name": "calculator", "content": "408"},
+        {"role": "assistant", "content": "\\boxed{408}"}]
+
+
+def test_worked_examples_go_between_the_system_message_and_the_task():
+    """env.options.examples: conversations placed before the question, their tool results written
+    as the environment writes results (a user message under result_role=user); system_prompt
+    replaces or drops the description."""
+    prompt = Prompt(id="t", text="What is 17 * 23?", answer="391")
+    first = asyncio.run(ToolUse(tools=(CALCULATOR,), examples=[SHOT, SHOT[:1] + [SHOT[3]]]).make_one(prompt, 1, 0).initial_observation())
+    assert [m["role"] for m in first] == ["system", "user", "assistant", "tool", "assistant", "user", "assistant", "user"]
+    assert first[1:5] == SHOT and first[-1] == {"role": "user", "content": "What is 17 * 23?"}
+    as_user = ToolUse(tools=(CALCULATOR,), examples=[SHOT], result_role="user", system_prompt="Use tools.")
+    first = asyncio.run(as_user.make_one(prompt, 1, 0).initial_observation())
+    assert first[0] == {"role": "system", "content": "Use tools."}
+    assert first[3] == {"role": "user", "content": "<tool_response>\n408\n</tool_response>"}
+    first = asyncio.run(ToolUse(tools=(CALCULATOR,), examples=[SHOT], system_prompt=None).make_one(prompt, 1, 0).initial_observation())
+    assert [m["role"] for m in first] == ["user", "assistant", "tool", "assistant", "user"]
+
+
+@pytest.mark.parametrize("examples, error", [
+    ("see above", r"tools: examples='see above': a list of conversations"),
+    ([[]], r"examples\[1\]: a non-empty list"),
+    ([[{"role": "system", "content": "x"}]], r"examples\[1\], message 1: expected \{role: user \| assistant \| tool"),
+    ([SHOT, [{"role": "user", "content": 3}]], r"examples\[2\], message 1"),
+    (SHOT, r"examples\[1\]: a conversation \(a list of messages\), got one message .* nest one conversation in a list"),
+    ([[SHOT[0], {"role": "assistant", "content": '<tool_call>{"name": "calculator"</tool_call>'}]],
+     r"examples\[1\], message 2: a call the environment would refuse: tool call 1 is not valid JSON"),
+    ([[SHOT[0], {"role": "assistant", "content": call("calc", expression="12 * 34")}]],
+     r"message 2: a call the environment would refuse: unknown tool 'calc' \(tools: calculator\)"),
+    ([[SHOT[0], {"role": "assistant", "content": call("calculator", expr="12 * 34")}]],
+     r"message 2: .*calculator: missing arguments \['expression'\], unknown arguments \['expr'\]"),
+    ([[SHOT[0], {"role": "assistant", "content": '<tool_call>{"name": "calculator", "args": {"expression": "1"}}</tool_call>'}]],
+     r"message 2: .*calculator: missing arguments \['expression'\]"),
+    ([SHOT[:2] + [SHOT[2], {"role": "assistant", "content": SHOT[1]["content"] * 2}] + [SHOT[2]] * 2 + [SHOT[3]]],
+     r"examples\[1\]: 3 tool calls, past max_tool_calls=2"),
+    ([SHOT[:2] + [{**SHOT[2], "name": "python"}, SHOT[3]]], r"message 3: the result's name 'python' is not the call's, 'calculator'"),
+    ([[SHOT[0], {**SHOT[3], "tool_calls": []}]], r"message 2: unknown keys \['tool_calls'\] \(a message is role and content, and name"),
+    ([[SHOT[0], {"role": "assistant", "content": "\boxed{408}"}]], r"message 2: a control character .* single quotes"),
+    ([[SHOT[3]]], r"message 1: a conversation starts with the user and alternates .*; a assistant message cannot follow the start"),
+    ([[SHOT[0], SHOT[0], SHOT[3]]], r"message 2: .*a user message cannot follow a user message"),
+    ([[SHOT[0], SHOT[3], SHOT[3]]], r"message 3: .*a assistant message cannot follow a assistant message"),
+    ([[SHOT[0], SHOT[2]]], r"message 2: a tool result must follow an assistant message that calls"),
+    ([[SHOT[0], SHOT[3], SHOT[2]]], r"message 3: a tool result must follow .* \(the message before has no call the environment reads\)"),
+    ([SHOT[:2] + [SHOT[3]]], r"message 3: 1 tool call\(s\) of the assistant message before have no result"),
+    ([SHOT[:3] + [SHOT[0], SHOT[3]]], r"message 4: .*a user message cannot follow a tool message"),
+    ([SHOT[:3]], r"examples\[1\]: must end with the assistant's answer"),
+    ([SHOT[:2]], r"examples\[1\]: must end with the assistant's answer"),
+])
+def test_worked_examples_that_would_teach_a_mistake_are_refused(examples, error):
+    with pytest.raises(ValueError, match=error):
+        ToolUse(tools=(CALCULATOR,), max_tool_calls=2, examples=examples)
+
+
+def test_worked_examples_in_other_tool_formats_and_on_environment_workers():
+    """llama3_json reads the example's calls in its own form; mistral's templates need call ids an
+    example does not carry, so it takes examples without calls only; a result's name may be left
+    out (the call's is written); the options rebuild the same examples on a Ray environment worker."""
+    import json
+
+    from rollover.envs.builders import ConfiguredTools, make_env_builder
+
+    llama = [SHOT[0], {"role": "assistant", "content": json.dumps({"name": "calculator", "parameters": {"expression": "12 * 34"}})},
+             {"role": "tool", "content": "408"}, SHOT[3]]
+    (written,) = ToolUse(tools=(CALCULATOR,), tool_format="llama3_json", examples=[llama]).examples
+    assert written[2] == {"role": "tool", "content": "408", "name": "calculator"}
+    with pytest.raises(ValueError, match="unknown tool 'calc'"):
+        ToolUse(tools=(CALCULATOR,), tool_format="llama3_json", examples=[[SHOT[0], {**llama[1], "content": llama[1]["content"].replace("calculator", "calc")}, llama[2], SHOT[3]]])
+    with pytest.raises(ValueError, match="examples cannot hold tool calls with tool_format mistral"):
+        ToolUse(tools=(CALCULATOR,), tool_format="mistral", examples=[[SHOT[0], {"role": "assistant", "content": '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "1"}}]'}, llama[2], SHOT[3]]])
+    assert ToolUse(tools=(CALCULATOR,), tool_format="mistral", examples=[[SHOT[0], SHOT[3]]]).examples == ((SHOT[0], SHOT[3]),)
+    with pytest.raises(ValueError, match=r"tools: system_prompt=3: text, 'default'"):
+        ToolUse(system_prompt=3)
+    local = ConfiguredTools(tools=["calculator"], examples=[SHOT], max_tool_calls=2)
+    worker = make_env_builder("tools", local.worker_options())
+    assert worker.spec.examples == local.spec.examples == (tuple(SHOT),) and worker.spec.max_tool_calls == 2
+
+
+def test_worked_examples_in_the_tag_environments_and_through_the_config(tmp_path):
+    """inline_tools and interpreter take user/assistant examples (their tool output is inside the
+    assistant's message); env.options.examples reaches the environment from a run's config."""
+    from rollover.config import load_config
+    from rollover.envs.builders import make_env_builder
+    from rollover.envs.inline import InlineTools
+    from rollover.envs.interpreter import Interpreter
+
+    shot = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<answer>4</answer>"}]
+    prompt = Prompt(id="t", text="3+3?", answer="6")
+    (tmp_path / "kb.py").write_text("def search(q):\n    return q\n")
+    for spec in (InlineTools(tools={"search": f"{tmp_path / 'kb.py'}:search"}, examples=[shot]), Interpreter(examples=[shot])):
+        first = asyncio.run(spec.make_one(prompt, 1, 0).initial_observation())
+        assert [m["role"] for m in first] == ["system", "user", "assistant", "user"] and first[1:3] == shot
+    with pytest.raises(ValueError, match=r"interpreter: examples\[1\], message 1: expected \{role: user \| assistant, content"):
+        Interpreter(examples=[[SHOT[2]]])
+    config = load_config(**{"model": "m", "env.name": "tools", "data.train": "gen:arithmetic?n=10",
+                            "env.options": {"tools": ["calculator"], "examples": [SHOT]}})
+    builder = make_env_builder(config.env.name, config.env.options)
+    first = asyncio.run(builder.make_one(prompt, 1, 0).initial_observation())
+    assert first[1:5] == SHOT
+
+
+def test_an_opening_longer_than_the_episode_allows_names_what_to_raise():
+    from rollover.envs.episode import LiveEpisode
+    from rollover.types import SamplingParams
+
+    env = ToolUse(tools=(CALCULATOR,), examples=[SHOT]).make_one(Prompt(id="t", text="What is 17 * 23?", answer="391"), 1, 0)
+    ep = LiveEpisode("g/0", SamplingParams(max_new_tokens=8), max_turns=3, max_total_tokens=200, env=env)
+    with pytest.raises(ValueError, match=r"episode g/0: the initial observation is \d+ tokens, max_total_tokens=200 .*raise "
+                                         "env.max_total_tokens: the environment's system message and worked examples count"):
+        ep.opened(asyncio.run(env.initial_observation()), None, 0.0, ChatRenderer(char_tokenizer()))
+
+
+def test_tools_described_by_the_chat_template_in_its_own_words():
+    """tools_in: template hands the tools to the chat template (OpenAI's function form); the system
+    message keeps only the rules; a template that ignores tools= fails the episode, naming it."""
+    from rollover.envs.base import Opening
+    from rollover.envs.episode import LiveEpisode
+    from rollover.testing import CHAT_TEMPLATE
+    from rollover.types import SamplingParams
+
+    with pytest.raises(ValueError, match="tools_in must be 'system' or 'template', got 'prompt'"):
+        ToolUse(tools_in="prompt")
+    spec = ToolUse(tools=(CALCULATOR,), max_tool_calls=2, tools_in="template", examples=[SHOT])
+    with_tools = char_tokenizer()
+    with_tools.chat_template = ("{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t['function']['name'] }} "
+                                "{% endfor %}<|im_end|>\n{% endif %}" + CHAT_TEMPLATE)
+    for tokenizer, works in ((with_tools, True), (char_tokenizer(), False)):
+        env = spec.make_one(Prompt(id="t", text="What is 17 * 23?", answer="391"), 1, 0)
+        first = asyncio.run(env.initial_observation())
+        assert isinstance(first, Opening) and first.template_kwargs == {"tools": [{"type": "function", "function": CALCULATOR.schema()}]}
+        assert first.messages[0]["content"].startswith("You may call tools at most 2 times.") and "<tools>" not in first.messages[0]["content"]
+        assert first.messages[1:5] == SHOT
+        ep = LiveEpisode("g/0", SamplingParams(max_new_tokens=8), max_turns=3, max_total_tokens=4000, env=env)
+        ep.opened(first, None, 0.0, ChatRenderer(tokenizer))
+        if works:
+            assert ep.phase == "generate" and "Tools: calculator" in tokenizer.decode(ep.traj.tokens_T)
+        else:
+            assert ep.finished and "the chat template ignores tools=" in ep.traj.error.message
+
+
 def test_a_tool_failure_that_is_not_the_models_mistake_raises():
     env = ToolUse(tools=(FAKE_PYTHON,)).make_group(Prompt(id="t", text="q", answer="3"), 1)[0]
     with pytest.raises(RuntimeError, match="sandbox itself"):

@@ -173,7 +173,8 @@ class LiveEpisode:
             return
         if len(prompt_ids) >= self.max_total_tokens:
             raise ValueError(f"episode {self.request_id}: the initial observation is {len(prompt_ids)} tokens, "
-                             f"max_total_tokens={self.max_total_tokens} leaves no room to generate")
+                             f"max_total_tokens={self.max_total_tokens} leaves no room to generate (raise env.max_total_tokens: "
+                             "the environment's system message and worked examples count too)")
         self.traj = _trajectory(self.request_id, len(prompt_ids), finish="max_turns", initial_env_s=env_s, media=media)
         _append_inserted(self.traj, prompt_ids)
         self.history = list(messages)

@@ -32,8 +32,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rollover.data.render import render_messages
 from rollover.envs.base import Action, StepResult
+from rollover.envs.opening import check_system_prompt, opening, worked_examples
 from rollover.types import Prompt
 
 RESULT = "\n<information>{result}</information>\n"
@@ -97,12 +97,6 @@ class Score:
             return _POOLS[key]
 
 
-def opening(prompt: Prompt, system_prompt: str | None, default: str) -> list[dict]:
-    """The episode's first messages: the prompt under `system_prompt` ("default": `default`;
-    None: no system message)."""
-    return render_messages(prompt, system_prompt=default if system_prompt == "default" else system_prompt)
-
-
 async def call(fn: Callable, *args):
     """`fn(*args)`: awaited if it is a coroutine function (or returns an awaitable), else in a
     worker thread."""
@@ -124,8 +118,11 @@ class InlineTools:
     # the system message that tells the model the tags ("default": `default_system_prompt()`); None:
     # no system message, for prompts that carry their own instructions (Search-R1's datasets do)
     system_prompt: str | None = "default"
+    examples: tuple = ()  # worked conversations before the task (rollover.envs.opening)
 
     def __post_init__(self):
+        object.__setattr__(self, "examples", worked_examples(self.examples, "inline_tools"))
+        check_system_prompt(self.system_prompt, "inline_tools")
         if not isinstance(self.tools, dict) or not self.tools:
             raise ValueError(f"inline_tools: tools={self.tools!r}: a mapping of tags to functions, e.g. "
                              "{search: 'retriever.py:search'}")
@@ -173,7 +170,7 @@ class InlineToolsEnv:
         self.calls = self.errors = 0
 
     async def initial_observation(self) -> list[dict]:
-        return opening(self.prompt, self.spec.system_prompt, self.spec.default_system_prompt())
+        return opening(self.prompt, self.spec.system_prompt, self.spec.default_system_prompt(), self.spec.examples)
 
     async def step(self, action: Action) -> StepResult:
         self.written += action.text

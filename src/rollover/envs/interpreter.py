@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rollover.envs.base import Action, StepResult
-from rollover.envs.inline import Score, opening
+from rollover.envs.inline import Score
+from rollover.envs.opening import check_system_prompt, opening, worked_examples
 from rollover.types import Prompt
 
 MARKER = "```output"
@@ -58,9 +59,12 @@ class Interpreter:
     # the system message that explains the fence ("default": `default_system_prompt()`); None: none,
     # for prompts that carry their own instructions
     system_prompt: str | None = "default"
+    examples: tuple = ()  # worked conversations before the task (rollover.envs.opening)
 
     def __post_init__(self):
         object.__setattr__(self, "score", Score(self.score, "interpreter"))
+        object.__setattr__(self, "examples", worked_examples(self.examples, "interpreter"))
+        check_system_prompt(self.system_prompt, "interpreter")
         if self.max_calls < 1:
             raise ValueError(f"interpreter: max_calls must be >= 1, got {self.max_calls}")
         if self.output_chars < 1:
@@ -89,7 +93,7 @@ class InterpreterEnv:
         self.calls = self.failures = 0
 
     async def initial_observation(self) -> list[dict]:
-        return opening(self.prompt, self.spec.system_prompt, self.spec.default_system_prompt())
+        return opening(self.prompt, self.spec.system_prompt, self.spec.default_system_prompt(), self.spec.examples)
 
     async def step(self, action: Action) -> StepResult:
         self.written += action.text

@@ -14,7 +14,11 @@ and the model calls them inside its reply, one JSON object (or a list of them) p
     <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>
 
 `tool_format` picks another format models are trained on (Llama 3's JSON reply, Mistral's
-`[TOOL_CALLS]` list; `rollover.envs.tool_formats`).
+`[TOOL_CALLS]` list; `rollover.envs.tool_formats`). `system_prompt` replaces that description;
+`examples`, worked conversations before the question (`rollover.envs.opening`), are how a small
+model is shown the format it would not take from a description alone. `tools_in="template"` hands
+the tools to a chat template that describes them itself (Qwen2.5's, Hermes'), in the words its
+model was trained on.
 
 Each result comes back as a message with role `tool` (and the tool's `name`). In ChatML the role
 is written out (`<|im_start|>tool\\n391<|im_end|>`), so the model can tell a result from the
@@ -43,8 +47,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rollover.data.render import render_messages
-from rollover.envs.base import Action, StepResult
+from rollover.envs.base import Action, Opening, StepResult
+from rollover.envs.opening import check_system_prompt, opening, worked_examples
 from rollover.envs.tool_formats import Hermes, ToolCall, call_id, tool_format
 from rollover.rewards.builtins import numeric_reward
 from rollover.types import Prompt
@@ -222,9 +226,40 @@ class ToolUse:
     result_role: str = "tool"  # or "user" (results wrapped in <tool_response> tags)
     score: Callable[[str, object], float] = field(default=numeric_reward)  # (final reply, answer)
     tool_format: str = "hermes"  # how calls are written: hermes, llama3_json, mistral (rollover.envs.tool_formats)
+    # the system message that describes the tools ("default": `default_system_prompt()`); None: none,
+    # for prompts that carry their own
+    system_prompt: str | None = "default"
+    # worked conversations before the task (rollover.envs.opening): user, assistant (calls written in
+    # `tool_format`) and tool messages (results, written as the environment writes them)
+    examples: tuple = ()
+    # where the tools are described: "system" (in the system message, in rollover's words, which any
+    # template carries) or "template" (the chat template's `tools=`, in its own words: for models
+    # trained on their template's tool format, Qwen2.5's and Hermes')
+    tools_in: str = "system"
 
     def __post_init__(self):
-        tool_format(self.tool_format)  # a name it knows
+        if self.tools_in not in ("system", "template"):
+            raise ValueError(f"tools: tools_in must be 'system' or 'template', got {self.tools_in!r}")
+        reader = tool_format(self.tool_format)  # a name it knows
+
+        known = {t.name: t for t in self.tools}
+
+        def calls(text: str) -> tuple[list[str], list[str]]:  # as step() would read and run them
+            parsed = reader.parse(text)
+            problems = list(parsed.problems)
+            for call in parsed.calls:
+                tool = known.get(call.name)
+                wrong = f"unknown tool {call.name!r} (tools: {', '.join(known)})" if tool is None else _check_arguments(tool, call.arguments)
+                if wrong:
+                    problems.append(wrong if tool is None else f"{call.name}: {wrong}")
+            return [c.name for c in parsed.calls], problems
+
+        check_system_prompt(self.system_prompt, "tools")
+        examples = worked_examples(self.examples, "tools", ("user", "assistant", "tool"), calls, self.max_tool_calls)
+        if self.tool_format == "mistral" and any(m["role"] == "tool" for e in examples for m in e):
+            raise ValueError("tools: examples cannot hold tool calls with tool_format mistral (its templates match "
+                             "each result to a call id an example does not carry)")
+        object.__setattr__(self, "examples", examples)
         if self.max_tool_calls < 1:
             raise ValueError(f"ToolUse: max_tool_calls must be >= 1, got {self.max_tool_calls}")
         if self.result_role not in ("tool", "user"):
@@ -233,10 +268,12 @@ class ToolUse:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"ToolUse: tools must be non-empty with distinct names, got {names}")
 
-    def system_prompt(self) -> str:
-        return (tool_format(self.tool_format).instructions([t.schema() for t in self.tools])
-                + f" You may call tools at most {self.max_tool_calls} times. When you know the answer, reply "
-                "without a tool call and put the final answer in \\boxed{}.")
+    def default_system_prompt(self) -> str:
+        rules = (f"You may call tools at most {self.max_tool_calls} times. When you know the answer, reply without "
+                 "a tool call and put the final answer in \\boxed{}.")
+        if self.tools_in == "template":
+            return rules
+        return tool_format(self.tool_format).instructions([t.schema() for t in self.tools]) + " " + rules
 
     def make_group(self, prompt: Prompt, n: int) -> list["ToolEnv"]:
         return [self.make_one(prompt, n, j) for j in range(n)]
@@ -250,8 +287,13 @@ class ToolEnv:
         self.spec, self.prompt, self.calls, self.errors, self.turn = spec, prompt, 0, 0, 0
         self.tools = {t.name: t for t in spec.tools}
 
-    async def initial_observation(self) -> list[dict]:
-        return render_messages(self.prompt, system_prompt=self.spec.system_prompt())
+    async def initial_observation(self) -> list[dict] | Opening:
+        spec = self.spec
+        messages = opening(self.prompt, spec.system_prompt, spec.default_system_prompt(), spec.examples,
+                           lambda m: self._message(m["content"], m.get("name"), ""))
+        if spec.tools_in == "template":
+            return Opening(messages, {"tools": [{"type": "function", "function": t.schema()} for t in spec.tools]})
+        return messages
 
     async def step(self, action: Action) -> StepResult:
         parsed = tool_format(self.spec.tool_format).parse(action.text)
