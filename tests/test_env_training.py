@@ -55,6 +55,8 @@ def test_episodes_train_on_exactly_the_sampled_tokens(model_dir, tmp_path):
     assert got[0]["actor/approx_kl"] < 1e-6
     ev = rows(tmp_path, "eval")
     assert ev[-1]["eval/samples"] == 4 and "eval/turns_mean" in ev[-1]
+    assert 1 <= ev[-1]["eval/info/guesses"] <= 3 and 0 <= ev[-1]["eval/info/solved"] <= 1  # held out too
+    assert "eval/info/no_number" in ev[-1]
     # 2 prompts x 2 samples: a prompt with one of its two solved counts whole
     assert ev[-1]["eval/accuracy"] <= ev[-1]["eval/pass_at_k"] <= min(1.0, 2 * ev[-1]["eval/accuracy"])
     groups = [json.loads(x) for x in open(tmp_path / "trained_groups.jsonl")]

@@ -246,11 +246,16 @@ def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     }
     for reason in ("done", "max_turns", "length", "abort", "error"):
         out[f"env/finish_{reason}"] = sum(t.finish == reason for t in trajectories) / n
+    out.update({f"env/info/{key}": v for key, v in info_means(trajectories).items()})
+    return out
+
+
+def info_means(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Each numeric `info` value (an episode's `Trajectory.info`) averaged over the episodes
+    that reported it; other values are not metrics and are left out."""
     values: dict[str, list[float]] = {}
     for t in trajectories:
         for key, v in t.info.items():
             if isinstance(v, numbers.Real):  # bools count (a rate); strings, lists, None do not
                 values.setdefault(str(key), []).append(float(v))
-    for key in sorted(values):
-        out[f"env/info/{key}"] = sum(values[key]) / len(values[key])
-    return out
+    return {key: sum(values[key]) / len(values[key]) for key in sorted(values)}

@@ -22,7 +22,7 @@ import torch
 
 from rollover.algos.advantages import compute_advantages, turn_advantages
 from rollover.data.media import without_images
-from rollover.envs.base import Trajectory, Turn
+from rollover.envs.base import Trajectory, Turn, info_means
 from rollover.rollout.groups import PendingGroup, by_source, pass_at_k, per_source
 from rollover.types import Group, Rollout
 
@@ -185,4 +185,6 @@ def _episode_summary(pending: list[PendingGroup], cfg) -> dict:
         "eval/failed": len(trajs) - len(ok),
         "eval/resampled": sum(getattr(t, "resampled", 0) for t in trajs),  # failed ones run again (env.resample_failed)
         "eval/turns_mean": sum(len(t.turns) for t in trajs) / max(len(trajs), 1),
+        # what the environment reported (`eval/info/tool_calls`, ...), as training's `rollout/env/info/`
+        **{f"eval/info/{key}": v for key, v in info_means(trajs).items()},
     }
