@@ -584,6 +584,12 @@ def test_inline_tools_answer_tagged_calls_inside_the_turn_and_score_the_tagged_a
     env = InlineTools(tools={"search": f"{kb}:broken"}).make_one(Prompt(id="t", text="q", answer="a"), 1, 0)
     with pytest.raises(ConnectionError, match="index down"):
         play(env, ["<search>q</search>"])
+    # a refusal of the model's input (ToolError, the calculator's) is shown to the model instead
+    env = InlineTools(tools={"calc": "rollover.envs.tools:calculate"}).make_one(Prompt(id="t", text="q", answer="6"), 1, 0)
+    results = play(env, ["<calc>2 ** 1000</calc>", "<calc>2 * 3</calc>", "<answer>6</answer>"])
+    assert [r.continuation for r in results[:2]] == ["\n<information>error: 2 ** 1000 is too large (limit 1e+50)</information>\n",
+                                                     "\n<information>6</information>\n"]
+    assert results[2].reward == 1.0 and results[2].info == {"tool_calls": 2, "tool_errors": 1, "solved": 1.0}
     env = InlineTools(tools={"search": f"{kb}:search"}, max_calls=1).make_one(Prompt(id="t", text="q", answer="a"), 1, 0)
     assert play(env, ["<search>a</search>", "<search>b</search>"])[1].info["call_limit"] == 1.0
     with pytest.raises(ValueError, match="inline_tools: tags \\['a b'\\] are not names"):

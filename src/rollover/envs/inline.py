@@ -13,7 +13,8 @@ on, searches again or answers `<answer>Frank Herbert</answer>`.
 `path/to/file.py:function` (an `async def` is awaited; any other runs in a worker thread), that
 returns what the model is shown (at most `output_chars` characters, in `result`'s format). What
 it raises fails the episode (counted and reported), as a tool that broke is not the model's
-mistake. The closing tags must be in `rollout.stop` (refused at start-up otherwise), so a call
+mistake, except `rollover.envs.tools.ToolError` (a refusal of the model's input, as the
+calculator's), which the model is shown as `error: ...` and which counts in `tool_errors`. The closing tags must be in `rollout.stop` (refused at start-up otherwise), so a call
 is where the model's turn stopped; a closing tag without its opening one shows the model an
 error.
 
@@ -34,6 +35,7 @@ from typing import Callable
 
 from rollover.envs.base import Action, StepResult
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
+from rollover.envs.tools import ToolError
 from rollover.types import Prompt
 
 RESULT = "\n<information>{result}</information>\n"
@@ -190,7 +192,11 @@ class InlineToolsEnv:
             self.errors += 1
             output = f"error: </{closing}> without <{closing}> before it"
         else:
-            output = str(await call(self.spec.tools[closing], action.text[start + len(closing) + 2: end]))
+            try:
+                output = str(await call(self.spec.tools[closing], action.text[start + len(closing) + 2: end]))
+            except ToolError as e:  # the function refusing the model's input: the model's mistake, shown
+                self.errors += 1
+                output = f"error: {e}"
         if len(output) > self.spec.output_chars:
             output = output[: self.spec.output_chars] + " [truncated]"
         return StepResult([], 0.0, done=False, continuation=self.spec.result.format(result=output),
