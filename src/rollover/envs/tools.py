@@ -247,11 +247,7 @@ class ToolUse:
         def calls(text: str) -> tuple[list[str], list[str]]:  # as step() would read and run them
             parsed = reader.parse(text)
             problems = list(parsed.problems)
-            for call in parsed.calls:
-                tool = known.get(call.name)
-                wrong = f"unknown tool {call.name!r} (tools: {', '.join(known)})" if tool is None else _check_arguments(tool, call.arguments)
-                if wrong:
-                    problems.append(wrong if tool is None else f"{call.name}: {wrong}")
+            problems += [wrong for call in parsed.calls if (wrong := _refusal(known, call))]
             return [c.name for c in parsed.calls], problems
 
         check_system_prompt(self.system_prompt, "tools")
@@ -316,12 +312,10 @@ class ToolEnv:
 
     async def _run(self, call: ToolCall) -> tuple[str, bool]:
         """The result the model is shown, and False if it is the model's mistake."""
-        tool = self.tools.get(call.name)
-        if tool is None:
-            return f"error: unknown tool {call.name!r} (tools: {', '.join(self.tools)})", False
-        wrong = _check_arguments(tool, call.arguments)
+        wrong = _refusal(self.tools, call)
         if wrong:
-            return f"error: {call.name}: {wrong}", False
+            return f"error: {wrong}", False
+        tool = self.tools[call.name]
         try:
             if inspect.iscoroutinefunction(tool.run):
                 return await tool.run(**call.arguments), True
@@ -339,6 +333,15 @@ class ToolEnv:
 
     def _info(self, **extra: float) -> dict:
         return {"tool_calls": self.calls, "tool_errors": self.errors, **extra}
+
+
+def _refusal(tools: dict, call: ToolCall) -> str:
+    """Why `call` cannot run ("" if it can): a tool not among `tools`, or arguments its schema refuses."""
+    tool = tools.get(call.name)
+    if tool is None:
+        return f"unknown tool {call.name!r} (tools: {', '.join(tools)})"
+    wrong = _check_arguments(tool, call.arguments)
+    return f"{call.name}: {wrong}" if wrong else ""
 
 
 def _check_arguments(tool: Tool, arguments: dict) -> str | None:
