@@ -4,6 +4,8 @@ sampled ones, failing environments are counted and isolated, resume is exact."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -151,6 +153,49 @@ def test_a_raising_environment_fails_only_its_group_and_is_counted(model_dir, tm
     assert [r["step"] for r in got] == [1, 2, 3]
     for r in got:  # in order, tasks alternate even / odd: half the groups fail every step
         assert r["rollout/env/failed"] == 4 and r["rollout/skipped_groups"] == 2 and r["groups"] == 2
+
+
+LONG_OPENING_ENV = '''
+from rollover.envs.base import StepResult
+from rollover.types import Prompt
+
+
+class LongOpening:
+    """Odd tasks open with a message longer than any episode allows; even tasks end at their
+    first step with reward 1."""
+
+    def prompts(self, n, seed=0):
+        return [Prompt(id=f"long-{seed}-{i}", text="Say something.", answer=i) for i in range(n)]
+
+    def make_group(self, prompt, n):
+        return [LongEnv(int(prompt.answer)) for _ in range(n)]
+
+
+class LongEnv:
+    def __init__(self, k):
+        self.k = k
+
+    async def initial_observation(self):
+        return [{"role": "user", "content": "Say something. " * (200 if self.k % 2 else 1)}]
+
+    async def step(self, action):
+        return StepResult([], 1.0, done=True)
+'''
+
+
+def test_a_task_whose_opening_leaves_no_room_fails_its_episodes_not_the_run(model_dir, tmp_path, caplog):
+    path = tmp_path / "long_env.py"
+    path.write_text(LONG_OPENING_ENV)
+    cfg = env_cfg(model_dir, tmp_path / "run", steps=2, **{"env.name": f"{path}:LongOpening", "env.options": {},
+                                                            "data.shuffle": False, "rollout.prompts_per_step": 4})
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        train_sync(cfg)
+    got = rows(tmp_path / "run")
+    assert [r["step"] for r in got] == [1, 2]
+    for r in got:  # tasks alternate even / odd: the odd groups' episodes fail at their opening
+        assert r["rollout/env/failed"] == 4 and r["rollout/skipped_groups"] == 2 and r["groups"] == 2
+    assert re.search(r"failed: initial_observation: OpeningTooLong: episode \S+: the initial observation is \d+ tokens, "
+                     r"max_total_tokens=400 leaves no room to generate \(raise env.max_total_tokens", caplog.text)
 
 
 FLAKY_ONCE_ENV = '''

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import re
 import string
 import sys
 
@@ -466,15 +467,18 @@ def test_worked_examples_in_the_tag_environments_and_through_the_config(tmp_path
     assert first[1:5] == SHOT
 
 
-def test_an_opening_longer_than_the_episode_allows_names_what_to_raise():
+def test_an_opening_longer_than_the_episode_allows_fails_the_episode_naming_what_to_raise():
     from rollover.envs.episode import LiveEpisode
     from rollover.types import SamplingParams
 
     env = ToolUse(tools=(CALCULATOR,), examples=[SHOT]).make_one(Prompt(id="t", text="What is 17 * 23?", answer="391"), 1, 0)
     ep = LiveEpisode("g/0", SamplingParams(max_new_tokens=8), max_turns=3, max_total_tokens=200, env=env)
-    with pytest.raises(ValueError, match=r"episode g/0: the initial observation is \d+ tokens, max_total_tokens=200 .*raise "
-                                         "env.max_total_tokens: the environment's system message and worked examples count"):
-        ep.opened(asyncio.run(env.initial_observation()), None, 0.0, ChatRenderer(char_tokenizer()))
+    ep.opened(asyncio.run(env.initial_observation()), None, 0.0, ChatRenderer(char_tokenizer()))
+    assert ep.finished and ep.traj.finish == "error" and ep.traj.reward is None
+    error = ep.traj.error
+    assert error.turn == 0 and error.type == "OpeningTooLong"
+    assert re.fullmatch(r"episode g/0: the initial observation is \d+ tokens, max_total_tokens=200 .*raise "
+                        r"env.max_total_tokens: the environment's system message and worked examples count too\)", error.message)
 
 
 def test_tools_described_by_the_chat_template_in_its_own_words():

@@ -324,8 +324,10 @@ def test_the_token_budget_bounds_the_whole_sequence():
     # a budget that the next insertion would not fit: stop without a partial insertion
     traj = episode(ScriptedEngine(lambda r: ids("abcdefghij") + [EOT]), ScriptedEnv(), max_total_tokens=prompt_len + 11 + 30)
     assert traj.finish == "length" and len(traj.turns) == 1 and len(traj.tokens_T) == prompt_len + 11
-    with pytest.raises(ValueError, match="leaves no room"):
-        episode(engine, ScriptedEnv(), max_total_tokens=prompt_len)
+    # an opening that leaves no room fails its episode (reported, no reward), not the run
+    traj = episode(engine, ScriptedEnv(), max_total_tokens=prompt_len)
+    assert traj.finish == "error" and traj.reward is None and traj.error.type == "OpeningTooLong"
+    assert f"the initial observation is {prompt_len} tokens, max_total_tokens={prompt_len} leaves no room" in traj.error.message
 
 
 def test_episodes_of_a_group_advance_without_a_barrier():

@@ -13,8 +13,9 @@ given to the environment, which may score it, as a single-turn reward scores a t
 completion.
 
 An environment that raises, returns something that is not a `StepResult` with a finite
-reward, returns messages the chat template refuses (a `TemplateError`), or takes longer than
-`step_timeout_s` in one call fails its episode: the trajectory keeps its tokens, `error` says
+reward, returns messages the chat template refuses (a `TemplateError`), opens with more than
+`max_total_tokens` (`OpeningTooLong`: one long task, or a system message and worked examples
+too long for every task), or takes longer than `step_timeout_s` in one call fails its episode: the trajectory keeps its tokens, `error` says
 where and why, and `reward` is None. The run goes on; the caller counts and reports failed
 episodes (`episode_metrics`). Errors of the engine, and a template the renderer cannot render
 exactly, are not the environment's and propagate.
@@ -49,6 +50,10 @@ if TYPE_CHECKING:  # envs never import the engine at run time; the episode only 
     from rollover.engine import Engine
 
 Clock = Callable[[], float]
+
+
+class OpeningTooLong(ValueError):
+    """The environment's initial observation leaves no room under `max_total_tokens` to generate."""
 
 
 class EnvPool:
@@ -167,14 +172,16 @@ class LiveEpisode:
                 prompt_ids, media = renderer.initial_media(messages, **kwargs)
             except TemplateError as e:  # the chat template refuses the environment's messages (or images)
                 error = _error(0, e)
+            else:
+                if len(prompt_ids) >= self.max_total_tokens:  # this task's opening: the episode fails, not the run
+                    error = _error(0, OpeningTooLong(
+                        f"episode {self.request_id}: the initial observation is {len(prompt_ids)} tokens, "
+                        f"max_total_tokens={self.max_total_tokens} leaves no room to generate (raise env.max_total_tokens: "
+                        "the environment's system message and worked examples count too)"))
         if error is not None:
             self.traj = _trajectory(self.request_id, 0, finish="error", error=error, initial_env_s=env_s)
             self.phase = "finished"
             return
-        if len(prompt_ids) >= self.max_total_tokens:
-            raise ValueError(f"episode {self.request_id}: the initial observation is {len(prompt_ids)} tokens, "
-                             f"max_total_tokens={self.max_total_tokens} leaves no room to generate (raise env.max_total_tokens: "
-                             "the environment's system message and worked examples count too)")
         self.traj = _trajectory(self.request_id, len(prompt_ids), finish="max_turns", initial_env_s=env_s, media=media)
         _append_inserted(self.traj, prompt_ids)
         self.history = list(messages)
