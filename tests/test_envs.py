@@ -204,6 +204,26 @@ def test_tool_env_in_llama3_format():
         ToolUse(tool_format="json")
 
 
+def test_an_answer_that_calls_a_tool_in_another_format_is_counted_and_logged_once(caplog):
+    from rollover.envs import tools
+
+    tools._WARNED.clear()
+    llama_call = '{"name": "calculator", "parameters": {"expression": "17 * 23"}}'
+    spec = ToolUse(tools=(CALCULATOR,))  # hermes
+    with caplog.at_level("WARNING", logger="rollover"):
+        first, second = (play(env, [llama_call])[0] for env in spec.make_group(Prompt(id="t", text="17 * 23?", answer="391"), 2))
+    assert first.done and first.reward == 0.0 and first.info["calls_in_other_format"] == 1.0 and second == first
+    warned = [r.getMessage() for r in caplog.records if "tool_format" in r.getMessage()]
+    assert len(warned) == 1 and "calls a tool in the llama3_json format, but tool_format is hermes" in warned[0]
+    assert "set env.options.tool_format: llama3_json" in warned[0]
+    # a call of a tool it does not have, or a plain answer, is just an answer
+    (env,) = spec.make_group(Prompt(id="t", text="17 * 23?", answer="391"), 1)
+    assert play(env, ['{"name": "search", "parameters": {"q": "x"}}'])[0].info["calls_in_other_format"] == 0.0
+    # in Mistral's format, a Hermes call is seen
+    (env,) = ToolUse(tools=(CALCULATOR,), tool_format="mistral").make_group(Prompt(id="t", text="?", answer="1"), 1)
+    assert play(env, [call("calculator", expression="1")])[0].info["calls_in_other_format"] == 1.0
+
+
 def test_tool_env_in_mistral_format_gives_results_the_ids_its_templates_need():
     spec = ToolUse(tools=(CALCULATOR,), tool_format="mistral")
     env = spec.make_group(Prompt(id="t", text="What is 17 * 23?", answer="391"), 1)[0]
@@ -351,7 +371,7 @@ def test_tool_env_runs_calls_reports_mistakes_and_scores_the_final_answer():
     assert results[2].messages[0]["content"] == "ran 14 chars"
     assert [r.done for r in results] == [False, False, False, True]
     assert results[3].reward == 1.0
-    assert results[3].info == {"tool_calls": 5, "tool_errors": 4, "solved": 1.0}
+    assert results[3].info == {"tool_calls": 5, "tool_errors": 4, "solved": 1.0, "calls_in_other_format": 0.0}
 
 
 def test_tool_env_limits_calls_and_can_answer_as_user():

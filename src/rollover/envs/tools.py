@@ -28,7 +28,11 @@ messages wrapped in `<tool_response>...</tool_response>`.
 
 A reply without a tool call is the final answer and ends the episode: `score(reply, answer)`
 is the reward (default: the `numeric` reward, the last number of the `\\boxed{}` or of the
-reply). More than `max_tool_calls` calls in an episode end it with reward 0.
+reply). More than `max_tool_calls` calls in an episode end it with reward 0. An answer that
+calls a known tool in another format than `tool_format` is still the answer (the model did not
+call as told), but it is counted (`info` `calls_in_other_format`) and the first one is logged
+naming the format it is in: a model that never seems to call its tools may call them the way
+it was trained to.
 
 Errors. A malformed call, an unknown tool, wrong arguments, or a tool that raises `ToolError`
 (the calculator's refusals) are the model's mistakes: the result message says what was wrong
@@ -42,6 +46,7 @@ import ast
 import asyncio
 import inspect
 import json
+import logging
 import math
 import operator
 from dataclasses import dataclass, field
@@ -49,9 +54,11 @@ from typing import Callable
 
 from rollover.envs.base import Action, Opening, StepResult
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
-from rollover.envs.tool_formats import Hermes, ToolCall, call_id, tool_format
+from rollover.envs.tool_formats import FORMATS, Hermes, ToolCall, call_id, tool_format
 from rollover.rewards.builtins import numeric_reward
 from rollover.types import Prompt
+
+log = logging.getLogger("rollover")
 
 
 class ToolError(Exception):
@@ -296,7 +303,8 @@ class ToolEnv:
         calls, problems = parsed.calls, parsed.problems
         if not calls and not problems:
             reward = float(self.spec.score(action.text, self.prompt.answer))
-            return StepResult([], reward, done=True, info=self._info(solved=reward))
+            other = self._other_format(action.text)
+            return StepResult([], reward, done=True, info=self._info(solved=reward, calls_in_other_format=float(bool(other))))
         self.calls += len(calls)
         if self.calls > self.spec.max_tool_calls:
             return StepResult([], 0.0, done=True, info=self._info(tool_limit=1.0))
@@ -323,6 +331,18 @@ class ToolEnv:
         except ToolError as e:
             return f"error: {e}", False
 
+    def _other_format(self, text: str) -> str | None:
+        """The other tool format in which `text` calls one of the tools, if any (logged once a process)."""
+        for name, reader in FORMATS.items():
+            if name != self.spec.tool_format and any(c.name in self.tools for c in reader.parse(text).calls):
+                if (self.spec.tool_format, name) not in _WARNED:
+                    _WARNED.add((self.spec.tool_format, name))
+                    log.warning("tools: a reply calls a tool in the %s format, but tool_format is %s: it is read as the "
+                                "final answer (set env.options.tool_format: %s if the model calls tools that way; "
+                                "counted in info calls_in_other_format): %.200r", name, self.spec.tool_format, name, text)
+                return name
+        return None
+
     def _message(self, content: str, name: str | None, call: str) -> dict:
         if self.spec.result_role == "user":
             return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
@@ -333,6 +353,9 @@ class ToolEnv:
 
     def _info(self, **extra: float) -> dict:
         return {"tool_calls": self.calls, "tool_errors": self.errors, **extra}
+
+
+_WARNED: set[tuple[str, str]] = set()  # (tool_format, the format a reply called in): logged already
 
 
 def _refusal(tools: dict, call: ToolCall) -> str:
