@@ -634,6 +634,41 @@ def test_inline_tools_answer_tagged_calls_inside_the_turn_and_score_the_tagged_a
                                   "env.max_turns": 4, "env.options": {"tools": {"search": f"{kb}:search"}}})
 
 
+def test_inline_tools_asks_again_when_a_message_has_neither_a_call_nor_an_answer(tmp_path):
+    """retry (Search-R1's invalid action): a message ended without a call or an <answer> gets a user
+    message asking again, at most max_retries times; then what the model wrote is scored."""
+    from rollover.envs.inline import InlineTools
+
+    (tmp_path / "kb.py").write_text("def search(q):\n    return 'Frank Herbert wrote Dune.'\n")
+    tools = {"search": f"{tmp_path / 'kb.py'}:search"}
+    dune = Prompt(id="t", text="Who wrote Dune?", answer="Frank Herbert")
+    spec = InlineTools(tools=tools, retry="default", max_retries=2)
+    first, second, third = play(spec.make_one(dune, 1, 0), ["I think it is Herbert.", "<search>dune</search>",
+                                                             "<answer>Frank Herbert</answer>"])
+    assert not first.done and first.messages == [{"role": "user", "content": "That message has no tool call and no answer. "
+                                                  "Call a tool with <search>...</search>, or give the final answer as "
+                                                  "<answer>...</answer>."}]
+    assert second.continuation == "\n<information>Frank Herbert wrote Dune.</information>\n"
+    assert third.done and third.reward == 1.0
+    assert third.info == {"tool_calls": 1, "tool_errors": 0, "invalid_actions": 1, "solved": 1.0}
+    # past max_retries the message is scored as it is (0 without an answer); a custom text is sent as given
+    results = play(InlineTools(tools=tools, retry="Use the tags.").make_one(dune, 1, 0), ["Herbert.", "Herbert!"])
+    assert results[0].messages == [{"role": "user", "content": "Use the tags."}]
+    assert results[1].done and results[1].reward == 0.0 and results[1].info["invalid_actions"] == 1
+    # an answer, or a message cut off by the token budget, is scored at once
+    assert play(spec.make_one(dune, 1, 0), ["<answer>Frank Herbert</answer>"])[0].reward == 1.0
+    env = spec.make_one(dune, 1, 0)
+    asyncio.run(env.initial_observation())
+    assert asyncio.run(env.step(Action(text="Frank", token_ids=(), finish="length"))).done
+    # off by default: no retry, no count
+    result = play(InlineTools(tools=tools).make_one(dune, 1, 0), ["Herbert."])[0]
+    assert result.done and "invalid_actions" not in result.info
+    for bad, match in [({"retry": ""}, "retry='': the text that asks the model again"),
+                       ({"retry": "default", "max_retries": 0}, "max_retries=0 must be >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            InlineTools(tools=tools, **bad)
+
+
 def test_an_environments_math_score_runs_in_a_process_that_can_be_killed():
     """score: math (math-verify, marked isolate) runs in a reward worker process, as the reward
     runner runs it; a dict's "score" counts."""

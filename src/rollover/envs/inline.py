@@ -22,6 +22,13 @@ When the model ends its message, the text it wrote (not the results) is scored a
 task's answer by `score`: a built-in reward's name (`em`, the default: SQuAD's and Search-R1's
 exact match of the `<answer>`'s text against one of the gold answers; `exact`; `numeric`;
 `math`) or `module:function`, called with the completion and the answer. More than `max_calls` calls end the episode with reward 0.
+
+`retry` (off by default) is Search-R1's "invalid action": a message the model ends with neither
+a call nor an `<answer>...</answer>` is not scored yet; `retry`'s text comes back as a user
+message and the model tries again, at most `max_retries` times (`info` `invalid_actions`), and
+then what it wrote is scored. Search-R1 writes that text inside the model's message; here the
+model has ended its message (its end-of-turn token is sampled and trained on), so a new turn
+asks.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from rollover.envs.tools import ToolError
 from rollover.types import Prompt
 
 RESULT = "\n<information>{result}</information>\n"
+ANSWER = re.compile(r"<answer>.*?</answer>", re.DOTALL)
 
 
 SCORES = ("exact", "em", "numeric", "math")  # the built-in rewards that score one completion against its answer alone
@@ -121,6 +129,10 @@ class InlineTools:
     # no system message, for prompts that carry their own instructions (Search-R1's datasets do)
     system_prompt: str | None = "default"
     examples: tuple = ()  # worked conversations before the task (rollover.envs.opening)
+    # a message with neither a call nor an <answer>: the user message that asks again ("default":
+    # `default_retry()`), at most max_retries times; None: it is scored as it is
+    retry: str | None = None
+    max_retries: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "examples", worked_examples(self.examples, "inline_tools"))
@@ -151,12 +163,21 @@ class InlineTools:
             raise ValueError(f"inline_tools: result={self.result!r} must hold {{result}}")
         if self.max_calls < 1 or self.output_chars < 1:
             raise ValueError("inline_tools: max_calls and output_chars must be >= 1")
+        if self.retry is not None and (not isinstance(self.retry, str) or not self.retry.strip()):
+            raise ValueError(f"inline_tools: retry={self.retry!r}: the text that asks the model again, 'default' or null")
+        if self.max_retries < 1:
+            raise ValueError(f"inline_tools: max_retries={self.max_retries} must be >= 1 (retry: null turns retries off)")
 
     def default_system_prompt(self) -> str:
         tags = ", ".join(f"<{t}>...</{t}>" for t in self.tools)
         return (f"Answer the question. You can call tools by writing {tags} and stopping; the result follows "
                 f"and you go on. You may call tools at most {self.max_calls} times. Give the final answer as "
                 "<answer>...</answer>.")
+
+    def default_retry(self) -> str:
+        tags = " or ".join(f"<{t}>...</{t}>" for t in self.tools)
+        return (f"That message has no tool call and no answer. Call a tool with {tags}, or give the final "
+                "answer as <answer>...</answer>.")
 
     def make_group(self, prompt: Prompt, n: int) -> list["InlineToolsEnv"]:
         return [self.make_one(prompt, n, j) for j in range(n)]
@@ -169,7 +190,7 @@ class InlineToolsEnv:
     def __init__(self, spec: InlineTools, prompt: Prompt):
         self.spec, self.prompt = spec, prompt
         self.written = ""  # what the model wrote in its message so far (not the results)
-        self.calls = self.errors = 0
+        self.calls = self.errors = self.retries = 0
 
     async def initial_observation(self) -> list[dict]:
         return opening(self.prompt, self.spec.system_prompt, self.spec.default_system_prompt(), self.spec.examples)
@@ -181,7 +202,14 @@ class InlineToolsEnv:
         ends = {t: action.text.rfind(f"</{t}>") for t in self.spec.tools}
         closing = max(ends, key=ends.get)
         if action.finish != "stop" or ends[closing] < 0:  # the model ended its message: its answer
-            reward = await self.spec.score(self.written, self.prompt.answer)
+            spec = self.spec
+            if spec.retry is not None and action.finish == "stop" and self.retries < spec.max_retries \
+                    and not ANSWER.search(self.written):  # neither a call nor an answer: ask again
+                self.retries += 1
+                self.written += "\n"  # the next message is scored with this one: not run together
+                text = spec.default_retry() if spec.retry == "default" else spec.retry
+                return StepResult([{"role": "user", "content": text}], 0.0, done=False, info=self._info())
+            reward = await spec.score(self.written, self.prompt.answer)
             return StepResult([], reward, done=True, info=self._info(solved=reward))
         self.calls += 1
         if self.calls > self.spec.max_calls:
@@ -203,4 +231,5 @@ class InlineToolsEnv:
                           info=self._info())
 
     def _info(self, **extra: float) -> dict:
-        return {"tool_calls": self.calls, "tool_errors": self.errors, **extra}
+        retries = {"invalid_actions": self.retries} if self.spec.retry is not None else {}
+        return {"tool_calls": self.calls, "tool_errors": self.errors, **retries, **extra}
