@@ -361,6 +361,14 @@ def test_resampling_stops_at_its_limit_and_the_failure_stands(model_dir, tmp_pat
     assert ev and all(e["eval/resampled"] == e["eval/failed"] / 2 for e in ev)
 
 
+def test_tools_for_a_chat_template_that_ignores_them_are_refused_before_the_run(model_dir, tmp_path):
+    cfg = env_cfg(model_dir, tmp_path / "run", **{"env.name": "tools", "data.train": "gen:arithmetic?n=20",
+                                                   "env.options": {"tools": ["calculator"], "tools_in": "template"}})
+    with pytest.raises(ConfigError, match="the chat template ignores tools= .*env.options.tools_in: system"):
+        train_sync(cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("over,message", [
     ({"partial_rollout.enabled": True, "partial_rollout.carry": "keep_kv"}, "carry=keep_kv keeps single-turn"),
     ({"partial_rollout.enabled": True, "partial_rollout.on_stale": "regenerate"}, "regenerate restarts single-turn"),

@@ -44,6 +44,9 @@ class ConfiguredTools:
     def worker_options(self) -> dict:
         return {"tools": list(self.sources), **self.options}
 
+    def template_kwargs(self) -> dict:
+        return self.spec.template_kwargs()
+
     def make_group(self, prompt, n: int):
         return self.spec.make_group(prompt, n)
 
@@ -83,3 +86,24 @@ def make_env_builder(name: str, options: dict[str, Any]) -> EnvGroupBuilder:
     if not callable(getattr(builder, "make_group", None)):
         raise ValueError(f"env.name={name!r} made a {type(builder).__name__}, which has no make_group(prompt, n)")
     return builder
+
+
+def check_template(builder, tokenizer, template_kwargs: dict) -> None:
+    """Refuse, before the run starts, a builder whose openings give the chat template arguments
+    (`template_kwargs()`, e.g. `tools=` with `tools: {tools_in: template}`) that the model's
+    template ignores: every episode would fail on it. `template_kwargs`: the run's own
+    (`data.chat_template_kwargs`)."""
+    from jinja2.exceptions import TemplateError
+
+    from rollover.envs.render import ChatRenderer
+
+    given = getattr(builder, "template_kwargs", None)
+    kwargs = given() if callable(given) else {}
+    if not kwargs or not getattr(tokenizer, "chat_template", None):
+        return
+    try:
+        ChatRenderer(tokenizer, **template_kwargs).initial([{"role": "user", "content": "2 + 2?"}], **kwargs)
+    except TemplateError as e:
+        hint = ("; describe the tools in the system message instead (env.options.tools_in: system)"
+                if "tools" in kwargs else "")
+        raise ValueError(f"env: the model's chat template cannot take what the environment gives it: {e}{hint}") from None

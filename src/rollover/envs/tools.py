@@ -278,6 +278,13 @@ class ToolUse:
             return rules
         return tool_format(self.tool_format).instructions([t.schema() for t in self.tools]) + " " + rules
 
+    def template_kwargs(self) -> dict:
+        """What every opening gives the chat template: the tools (OpenAI's function form) with
+        `tools_in="template"`, else nothing."""
+        if self.tools_in != "template":
+            return {}
+        return {"tools": [{"type": "function", "function": t.schema()} for t in self.tools]}
+
     def make_group(self, prompt: Prompt, n: int) -> list["ToolEnv"]:
         return [self.make_one(prompt, n, j) for j in range(n)]
 
@@ -294,9 +301,8 @@ class ToolEnv:
         spec = self.spec
         messages = opening(self.prompt, spec.system_prompt, spec.default_system_prompt(), spec.examples,
                            lambda m: self._message(m["content"], m.get("name"), ""))
-        if spec.tools_in == "template":
-            return Opening(messages, {"tools": [{"type": "function", "function": t.schema()} for t in spec.tools]})
-        return messages
+        kwargs = spec.template_kwargs()
+        return Opening(messages, kwargs) if kwargs else messages
 
     async def step(self, action: Action) -> StepResult:
         parsed = tool_format(self.spec.tool_format).parse(action.text)

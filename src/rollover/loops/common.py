@@ -281,9 +281,13 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     rewards = _reward_runner(cfg)
     env_builder = None
     if cfg.env.name is not None:
-        from rollover.envs.builders import make_env_builder
+        from rollover.envs.builders import check_template, make_env_builder
 
         env_builder = make_env_builder(cfg.env.name, cfg.env.options)
+        try:
+            check_template(env_builder, tokenizer, cfg.data.chat_template_kwargs)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     train_prompts, eval_prompts, skipped, sets = _prompts(cfg, env_builder)
     if skipped:
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
