@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import re
 import string
@@ -192,6 +193,28 @@ def test_llama3_and_mistral_calls_as_their_models_write_them():
     assert llama.parse('{"name": "calculator", "parameters": {"expression": "1"}};').problems == []  # a trailing ;
 
 
+def test_replies_that_are_not_calls_are_answers_however_their_json_reads():
+    """JSON the decoder cannot read is a (broken) call only where it begins as one; JSON nested past
+    the decoder's depth is a problem of that call, never an exception out of the environment."""
+    from rollover.envs.tool_formats import Parsed, tool_format
+
+    llama, mistral, hermes = (tool_format(n) for n in ("llama3_json", "mistral", "hermes"))
+    answer = 'Each record looks like [{"name": "Alice", "score": 1}, ...]. So the total is \\boxed{3}.'
+    assert mistral.parse(answer) == Parsed([], [], answer)
+    assert llama.parse('{"name": "Bob", "age": 3, ...}').calls == [] and llama.parse('{"name": "Bob", ...}').problems == []
+    assert mistral.parse('[{"name": "calculator", "arguments": {"expression": "1"}').problems[0].startswith(
+        "tool call: not valid JSON")
+    assert llama.parse('{"name": "calculator", "parameters": {"expression": "1"').problems[0].startswith(
+        "tool call: not valid JSON")
+    deep = "[" * 5000
+    assert hermes.parse(f"<tool_call>{deep}</tool_call>").problems == ["tool call 1 is nested too deeply to read"]
+    assert llama.parse('{"name": "f", "parameters": ' + deep).problems == ["tool call: nested too deeply to read"]
+    assert llama.parse('{"name": ' + deep).problems == []  # not written as a call: an answer
+    env = ToolUse(tools=(CALCULATOR,)).make_one(Prompt(id="t", text="?", answer="3"), 1, 0)
+    result = play(env, ['So [{"name": ' + deep + " \\boxed{3}"])[0]
+    assert result.done and result.reward == 1.0 and result.info["calls_in_other_format"] == 0.0
+
+
 def test_tool_env_in_llama3_format():
     spec = ToolUse(tools=(CALCULATOR,), tool_format="llama3_json")
     env = spec.make_group(Prompt(id="t", text="What is 17 * 23?", answer="391"), 1)[0]
@@ -216,9 +239,10 @@ def test_an_answer_that_calls_a_tool_in_another_format_is_counted_and_logged_onc
     warned = [r.getMessage() for r in caplog.records if "tool_format" in r.getMessage()]
     assert len(warned) == 1 and "calls a tool in the llama3_json format, but tool_format is hermes" in warned[0]
     assert "set env.options.tool_format: llama3_json" in warned[0]
-    # a call of a tool it does not have, or a plain answer, is just an answer
-    (env,) = spec.make_group(Prompt(id="t", text="17 * 23?", answer="391"), 1)
-    assert play(env, ['{"name": "search", "parameters": {"q": "x"}}'])[0].info["calls_in_other_format"] == 0.0
+    # a call of a tool it does not have, an echo of the tools' description, or a plain answer is just an answer
+    for reply in ['{"name": "search", "parameters": {"q": "x"}}', json.dumps(CALCULATOR.schema()) + " \\boxed{391}"]:
+        (env,) = spec.make_group(Prompt(id="t", text="17 * 23?", answer="391"), 1)
+        assert play(env, [reply])[0].info["calls_in_other_format"] == 0.0
     # in Mistral's format, a Hermes call is seen
     (env,) = ToolUse(tools=(CALCULATOR,), tool_format="mistral").make_group(Prompt(id="t", text="?", answer="1"), 1)
     assert play(env, [call("calculator", expression="1")])[0].info["calls_in_other_format"] == 1.0
@@ -380,6 +404,7 @@ def test_tool_env_limits_calls_and_can_answer_as_user():
     results = play(env, [call("calculator", expression="1+2"), call("calculator", expression="1") * 2])
     assert results[0].messages == [{"role": "user", "content": "<tool_response>\n3\n</tool_response>"}]
     assert results[1].done and results[1].reward == 0.0 and results[1].info["tool_limit"] == 1.0
+    assert results[1].info["tool_calls"] == 1  # the calls past the limit did not run
     wrong = play(spec.make_group(Prompt(id="t", text="q", answer="3"), 1)[0], ["It is \\boxed{4}"])
     assert wrong[0].done and wrong[0].reward == 0.0
 
@@ -653,16 +678,19 @@ def test_inline_tools_asks_again_when_a_message_has_neither_a_call_nor_an_answer
     spec = InlineTools(tools=tools, retry="default", max_retries=2)
     first, second, third = play(spec.make_one(dune, 1, 0), ["I think it is Herbert.", "<search>dune</search>",
                                                              "<answer>Frank Herbert</answer>"])
-    assert not first.done and first.messages == [{"role": "user", "content": "That message has no tool call and no answer. "
-                                                  "Call a tool with <search>...</search>, or give the final answer as "
-                                                  "<answer>...</answer>."}]
+    assert not first.done and first.messages == [{"role": "user", "content": "That message has no tool call and no "
+                                                  "<answer>...</answer>. Call a tool with <search>...</search>, or give "
+                                                  "the final answer as <answer>...</answer>."}]
     assert second.continuation == "\n<information>Frank Herbert wrote Dune.</information>\n"
     assert third.done and third.reward == 1.0
     assert third.info == {"tool_calls": 1, "tool_errors": 0, "invalid_actions": 1, "solved": 1.0}
-    # past max_retries the message is scored as it is (0 without an answer); a custom text is sent as given
-    results = play(InlineTools(tools=tools, retry="Use the tags.").make_one(dune, 1, 0), ["Herbert.", "Herbert!"])
+    # past max_retries the message is scored as it is, on its own (em falls back to the whole text); a
+    # custom text is sent as given
+    results = play(InlineTools(tools=tools, retry="Use the tags.").make_one(dune, 1, 0), ["Herbert.", "Frank Herbert"])
     assert results[0].messages == [{"role": "user", "content": "Use the tags."}]
-    assert results[1].done and results[1].reward == 0.0 and results[1].info["invalid_actions"] == 1
+    assert results[1].done and results[1].reward == 1.0 and results[1].info["invalid_actions"] == 1
+    results = play(InlineTools(tools=tools, retry="Use the tags.").make_one(dune, 1, 0), ["Herbert.", "Herbert!"])
+    assert results[1].done and results[1].reward == 0.0
     # an answer, or a message cut off by the token budget, is scored at once
     assert play(spec.make_one(dune, 1, 0), ["<answer>Frank Herbert</answer>"])[0].reward == 1.0
     env = spec.make_one(dune, 1, 0)
@@ -675,6 +703,12 @@ def test_inline_tools_asks_again_when_a_message_has_neither_a_call_nor_an_answer
                        ({"retry": "default", "max_retries": 0}, "max_retries=0 must be >= 1")]:
         with pytest.raises(ValueError, match=match):
             InlineTools(tools=tools, **bad)
+    from rollover.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"env.max_turns=5 with env.options.max_calls=4 and env.options.max_retries=1 "
+                                          r"\(a retry is a turn too\): .* give max_turns >= 6"):
+        load_config(model="m", **{"env.name": "inline_tools", "data.train": "x.jsonl", "rollout.stop": ["</search>"],
+                                  "env.max_turns": 5, "env.options": {"tools": tools, "retry": "default"}})
 
 
 def test_an_environments_math_score_runs_in_a_process_that_can_be_killed():

@@ -485,9 +485,13 @@ class Config(Section):
                 out.append(f"env.name=inline_tools calls a tool at its closing tag: add {missing} to rollout.stop "
                            f"(now {list(self.rollout.stop)}) so that the model's turn stops there")
         calls = e.options.get("max_calls", 4)  # both environments' default
-        if e.name in ("interpreter", "inline_tools") and isinstance(calls, int) and e.max_turns <= calls:
-            out.append(f"env.max_turns={e.max_turns} with env.options.max_calls={calls}: each call is a turn and so "
-                       f"is the answer after the last; give max_turns >= {calls + 1}, or the answer is never scored")
+        retries = e.options.get("max_retries", 1) if e.name == "inline_tools" and e.options.get("retry") else 0
+        if e.name in ("interpreter", "inline_tools") and isinstance(calls, int) and isinstance(retries, int) \
+                and e.max_turns <= calls + retries:
+            with_retries = f" and env.options.max_retries={retries} (a retry is a turn too)" if retries else ""
+            out.append(f"env.max_turns={e.max_turns} with env.options.max_calls={calls}{with_retries}: each call is a "
+                       f"turn and so is the answer after the last; give max_turns >= {calls + retries + 1}, or the "
+                       "answer is never scored")
         if "train" not in self.data.model_fields_set:  # the default prompts were not made for this environment
             out.append(f"env.name={e.name!r} with data.train unset: the default training prompts "
                        f"({DataConfig.model_fields['train'].default}) were not made for an environment; set "

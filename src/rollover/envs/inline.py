@@ -25,8 +25,8 @@ exact match of the `<answer>`'s text against one of the gold answers; `exact`; `
 
 `retry` (off by default) is Search-R1's "invalid action": a message the model ends with neither
 a call nor an `<answer>...</answer>` is not scored yet; `retry`'s text comes back as a user
-message and the model tries again, at most `max_retries` times (`info` `invalid_actions`), and
-then what it wrote is scored. Search-R1 writes that text inside the model's message; here the
+message and the model tries again, at most `max_retries` times (`info` `invalid_actions`); the
+message after a retry is scored on its own. Those turns count in `env.max_turns`. Search-R1 writes that text inside the model's message; here the
 model has ended its message (its end-of-turn token is sampled and trained on), so a new turn
 asks.
 """
@@ -176,8 +176,8 @@ class InlineTools:
 
     def default_retry(self) -> str:
         tags = " or ".join(f"<{t}>...</{t}>" for t in self.tools)
-        return (f"That message has no tool call and no answer. Call a tool with {tags}, or give the final "
-                "answer as <answer>...</answer>.")
+        return (f"That message has no tool call and no <answer>...</answer>. Call a tool with {tags}, or give "
+                "the final answer as <answer>...</answer>.")
 
     def make_group(self, prompt: Prompt, n: int) -> list["InlineToolsEnv"]:
         return [self.make_one(prompt, n, j) for j in range(n)]
@@ -206,7 +206,7 @@ class InlineToolsEnv:
             if spec.retry is not None and action.finish == "stop" and self.retries < spec.max_retries \
                     and not ANSWER.search(self.written):  # neither a call nor an answer: ask again
                 self.retries += 1
-                self.written += "\n"  # the next message is scored with this one: not run together
+                self.written = ""  # the next message is a new attempt: scored on its own
                 text = spec.default_retry() if spec.retry == "default" else spec.retry
                 return StepResult([{"role": "user", "content": text}], 0.0, done=False, info=self._info())
             reward = await spec.score(self.written, self.prompt.answer)

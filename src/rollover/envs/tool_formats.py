@@ -60,7 +60,7 @@ def as_call(item) -> ToolCall | str:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return "arguments are a string that is not JSON"
     if not isinstance(arguments, dict):
         return "arguments must be an object"
@@ -97,6 +97,9 @@ class Hermes:
             except json.JSONDecodeError as e:
                 problems.append(f"tool call {i} is not valid JSON ({e.msg})")
                 continue
+            except RecursionError:
+                problems.append(f"tool call {i} is nested too deeply to read")
+                continue
             _calls_of(payload, f"tool call {i}", calls, problems)
         if text.count("<tool_call>") > len(blocks):
             problems.append("a <tool_call> is not closed with </tool_call>")
@@ -121,6 +124,8 @@ def _json_sequence(text: str, sep: str) -> tuple[list, str | None]:
             value, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
             return values, f"not valid JSON at character {e.pos} ({e.msg})"
+        except RecursionError:
+            return values, "nested too deeply to read"
         values.append(value)
         rest = text[i:].lstrip()
         if not rest:
@@ -131,6 +136,21 @@ def _json_sequence(text: str, sep: str) -> tuple[list, str | None]:
         if not rest:
             return values, None
         i = len(text) - len(rest)
+
+
+def _meant_as_call(body: str, kind: type, written_as_call: re.Pattern) -> bool:
+    """Whether a reply's JSON, where calls are unmarked (Llama's object, Mistral's list without its
+    special token), is a call: its first object has `arguments` (or Llama's `parameters`); JSON
+    that does not read is a call only if it begins as one (`written_as_call`), else an answer that
+    holds JSON-like text (code, a record with `...`)."""
+    try:
+        first, _ = json.JSONDecoder().raw_decode(body)
+    except (json.JSONDecodeError, RecursionError):
+        return bool(written_as_call.match(body))
+    if kind is list:  # Mistral's: its calls have `arguments`
+        first = first[0] if isinstance(first, list) and first else None
+        return not isinstance(first, dict) or "arguments" in first
+    return not isinstance(first, dict) or "parameters" in first or "arguments" in first
 
 
 def _read(body: str, sep: str, content: str) -> Parsed:
@@ -146,16 +166,13 @@ def _read(body: str, sep: str, content: str) -> Parsed:
 class Llama3Json:
     name = "llama3_json"
     START = re.compile(r'^\s*(<\|python_tag\|>)?\s*\{\s*"name"')
+    CALL = re.compile(r'\{\s*"name"\s*:\s*"[^"]*"\s*,\s*"(parameters|arguments)"\s*:')  # written as a call
 
     def parse(self, text: str) -> Parsed:
         if not self.START.match(text):
             return Parsed([], [], text.strip())
         body = text.strip().removeprefix("<|python_tag|>").lstrip()
-        try:
-            first, _ = json.JSONDecoder().raw_decode(body)
-        except json.JSONDecodeError:
-            first = None
-        if isinstance(first, dict) and "parameters" not in first and "arguments" not in first:
+        if not _meant_as_call(body, dict, self.CALL):
             return Parsed([], [], text.strip())  # a JSON answer with a "name" field, not a call
         return _read(body, ";", "")
 
@@ -173,17 +190,14 @@ class Mistral:
     name = "mistral"
     MARK = "[TOOL_CALLS]"
     START = re.compile(r'\[\s*\{\s*"name"')
+    CALL = re.compile(r'\[\s*\{\s*"name"\s*:\s*"[^"]*"\s*,\s*"arguments"\s*:')  # written as a call
 
     def parse(self, text: str) -> Parsed:
         if self.MARK in text:
             content, _, body = text.partition(self.MARK)
         elif found := self.START.search(text):  # the marker was a special token, left out of the decoded turn
             content, body = text[:found.start()], text[found.start():]
-            try:
-                first, _ = json.JSONDecoder().raw_decode(body)
-            except json.JSONDecodeError:
-                first = None
-            if isinstance(first, list) and first and isinstance(first[0], dict) and "arguments" not in first[0]:
+            if not _meant_as_call(body, list, self.CALL):
                 return Parsed([], [], text.strip())  # a JSON answer with names in it, not calls
         else:
             return Parsed([], [], text.strip())

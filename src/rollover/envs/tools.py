@@ -28,9 +28,10 @@ messages wrapped in `<tool_response>...</tool_response>`.
 
 A reply without a tool call is the final answer and ends the episode: `score(reply, answer)`
 is the reward (default: the `numeric` reward, the last number of the `\\boxed{}` or of the
-reply). More than `max_tool_calls` calls in an episode end it with reward 0. An answer that
-calls a known tool in another format than `tool_format` is still the answer (the model did not
-call as told), but it is counted (`info` `calls_in_other_format`) and the first one is logged
+reply). A reply whose calls would pass `max_tool_calls` in the episode ends it with reward 0 (its
+calls not run). An answer that calls a known tool, with arguments it takes, in another format
+than `tool_format` is still the answer (the model did not call as told), but it is counted
+(`info` `calls_in_other_format`, over the episodes that answered) and the first one is logged
 naming the format it is in: a model that never seems to call its tools may call them the way
 it was trained to.
 
@@ -311,9 +312,9 @@ class ToolEnv:
             reward = float(self.spec.score(action.text, self.prompt.answer))
             other = self._other_format(action.text)
             return StepResult([], reward, done=True, info=self._info(solved=reward, calls_in_other_format=float(bool(other))))
-        self.calls += len(calls)
-        if self.calls > self.spec.max_tool_calls:
+        if self.calls + len(calls) > self.spec.max_tool_calls:  # none of them runs (nor counts in tool_calls)
             return StepResult([], 0.0, done=True, info=self._info(tool_limit=1.0))
+        self.calls += len(calls)
         self.turn += 1
         results = [(None, f"error: {p}", False) for p in problems]
         for call in calls:
@@ -338,9 +339,10 @@ class ToolEnv:
             return f"error: {e}", False
 
     def _other_format(self, text: str) -> str | None:
-        """The other tool format in which `text` calls one of the tools, if any (logged once a process)."""
+        """The other tool format in which `text` calls one of the tools as it could run (a known tool, the
+        arguments its schema names: not an echo of the tools' description), if any (logged once a process)."""
         for name, reader in FORMATS.items():
-            if name != self.spec.tool_format and any(c.name in self.tools for c in reader.parse(text).calls):
+            if name != self.spec.tool_format and any(not _refusal(self.tools, c) for c in reader.parse(text).calls):
                 if (self.spec.tool_format, name) not in _WARNED:
                     _WARNED.add((self.spec.tool_format, name))
                     log.warning("tools: a reply calls a tool in the %s format, but tool_format is %s: it is read as the "
