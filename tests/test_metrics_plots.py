@@ -45,6 +45,7 @@ def test_plot_run_writes_one_png_per_panel_with_data(tmp_path):
     assert names == [
         "reward.png",
         "response_length.png",
+        "truncation.png",
         "kl.png",
         "clip_fraction.png",
         "grad_norm.png",
@@ -178,3 +179,22 @@ def test_reward_band_is_the_standard_error_inside_each_steps_range(tmp_path, mon
         sem = std / math.sqrt(len(values))
         assert low == pytest.approx(mean - sem, abs=1e-6) and high == pytest.approx(mean + sem, abs=1e-6)
         assert min(values) - 1e-9 <= low <= high <= max(values) + 1e-9
+
+
+def test_repetition_frac_is_the_share_of_responses_that_end_in_a_loop():
+    """rollout/repetition_frac: responses whose last tokens are one block written again and again
+    (3+ times, 32+ tokens, a block of at most 64); a response's own stop token is not part of it."""
+    from rollover.rollout.groups import ends_in_loop
+
+    assert ends_in_loop([5] * 32) and not ends_in_loop([5] * 31)
+    assert ends_in_loop(list(range(50)) + [7, 8, 9, 10] * 8) and not ends_in_loop([7, 8, 9, 10] * 8 + [1])
+    assert ends_in_loop(list(range(20)) + list(range(40)) * 3) and not ends_in_loop(list(range(40)) * 2)
+    assert not ends_in_loop(list(range(65)) * 3) and not ends_in_loop(list(range(300))) and not ends_in_loop([])
+    cfg = load_config(model="m", run_dir="r", **{"data.train": "d"})
+    looped, stopped_loop, fine = [3] + [9, 4] * 20, [3] + [9, 4] * 20 + [0], [3, 1, 4, 1, 5, 9, 2, 6] * 2
+    rolls = [Rollout(group_id="g", prompt_ids=[1], response_ids=ids, logprobs=[0.0] * len(ids), versions=[0] * len(ids),
+                     loss_mask=[1] * len(ids), finish=finish, reward=0.0, scores={"math": 0.0})
+             for ids, finish in [(looped, "length"), (stopped_loop, "stop"), (fine, "stop"), (fine, "length")]]
+    metrics = rollout_metrics([Group(id="g", prompt=Prompt(id="p", text="q"), prompt_ids=[1], rollouts=rolls)], cfg, "math")
+    assert metrics["rollout/repetition_frac"] == 0.5 and metrics["response_length/clip_ratio"] == 0.5
+

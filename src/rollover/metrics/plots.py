@@ -10,6 +10,9 @@ TRL names users bring from other libraries land in the right place:
                      eval rows: *acc*, *reward, *reward/mean, *reward_mean, *pass@*
     response_length  response_length/{mean,max}, completions/{mean,max}_length;
                      eval rows: *response_length, *response_length/mean
+    truncation       the share of responses cut off at the token budget and ending in a loop:
+                     response_length/clip_ratio, rollout/repetition_frac (TRL's clipped_ratio,
+                     slime's truncated_ratio)
     entropy          anything containing "entropy"
     kl               names with "kl" as a word: kl, approx_kl, actor/ppo_kl, kl_loss (not distill/*)
     distill          on-policy distillation's distance to the teacher: distill/reverse_kl,
@@ -80,6 +83,8 @@ _PANELS = (
         train=(r"^response_length/(mean|max)$", r"^completions/(mean|max)_length$"),
         eval=(r"response_length(/mean)?$",),
     ),
+    _Panel("truncation", "Responses cut off or looping", "fraction of responses",
+           train=(r"^response_length/clip_ratio$", r"clipped_ratio$", r"truncated_ratio$", r"repetition_frac$")),
     _Panel("entropy", "Entropy", "nats / token", train=(r"entropy",)),
     _Panel("kl", "KL", "KL", train=(r"^(?!distill/).*(^|[/_])kl($|[/_])",)),
     _Panel("distill", "Distance to the teacher", "nats / token", train=(r"^distill/",)),

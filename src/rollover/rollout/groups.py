@@ -249,6 +249,8 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": sum(r.finish == "length" for r in flat) / len(flat),
+        "rollout/repetition_frac": sum(ends_in_loop(r.response_ids[:-1] if r.finish == "stop" else r.response_ids)
+                                       for r in flat) / len(flat),
         "samples": len(flat),
         "groups": len(groups),
     }
@@ -274,6 +276,24 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
                 out[f"source/{name}/accuracy"] = accuracy(mine, cfg, primary)
                 out[f"source/{name}/samples"] = len(mine)
     return out
+
+
+def ends_in_loop(ids, max_period: int = 64, min_tokens: int = 32, min_repeats: int = 3) -> bool:
+    """Whether `ids` end in a repetition loop: one block of at most `max_period` tokens written back
+    to back at least `min_repeats` times, over at least `min_tokens` tokens, up to the end (a model
+    that degenerates repeats until its budget runs out). Walks back from the end once per period,
+    stopping where the run breaks or is long enough."""
+    n = len(ids)
+    for period in range(1, max_period + 1):
+        need = max(min_repeats * period, min_tokens)
+        if need > n:
+            return False
+        j = n - 1
+        while j >= n - need + period and ids[j] == ids[j - period]:
+            j -= 1
+        if j < n - need + period:  # the last `need` tokens repeat with this period
+            return True
+    return False
 
 
 def eval_metrics(pending: list[PendingGroup], run, sources: dict[str, str] | None = None,
