@@ -77,7 +77,9 @@ def test_the_critics_update_does_not_depend_on_the_micro_batch_split(model_dir, 
         seen.append((metrics, grads, policy))
     (m1, c1, p1), (m2, c2, p2) = seen
     assert m1["critic/vf_loss"] == pytest.approx(m2["critic/vf_loss"], rel=1e-5)
-    assert m1["actor/pg_loss"] == pytest.approx(m2["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    # the policy loss is about 0 (advantages centred within groups): float32 sums in two orders differ
+    # by ~1e-7 on some CPUs, so the bound is absolute; the gradients below are the real check
+    assert m1["actor/pg_loss"] == pytest.approx(m2["actor/pg_loss"], rel=1e-5, abs=1e-6)
     assert float(c1["layers.0.self_attn.q_proj.weight"].abs().max()) > 0
     for grads_1, grads_2 in ((c1, c2), (p1, p2)):
         assert grads_1.keys() == grads_2.keys()
