@@ -505,6 +505,19 @@ def test_worked_examples_in_the_tag_environments_and_through_the_config(tmp_path
         assert [m["role"] for m in first] == ["system", "user", "assistant", "user"] and first[1:3] == shot
     with pytest.raises(ValueError, match=r"interpreter: examples\[1\], message 1: expected \{role: user \| assistant, content"):
         Interpreter(examples=[[SHOT[2]]])
+    # inline_tools reads each example's calls as it reads the model's: each followed by its result as it writes them
+    calc = {"calc": "rollover.envs.tools:calculate"}
+    good = "<calc>1+1</calc>\n<information>2</information>\n<answer>2</answer>"
+    InlineTools(tools=calc, examples=[[shot[0], {"role": "assistant", "content": good}]])
+    InlineTools(tools=calc, result="[{{{result}}}]", examples=[[shot[0], {"role": "assistant", "content": "<calc>1</calc> [{1}]"}]])
+    three = "".join(f"<calc>{k}</calc><information>{k}</information>" for k in (1, 2, 3)) + "<answer>3</answer>"
+    for content, match in [("1+1</calc>\n<information>2</information>", r"message 2: </calc> without <calc> before it"),
+                           ("<calc>1+1</calc> so 2", r"message 2: </calc> is not followed by its result as the environment "
+                                                     r"writes it, '<information>\{result\}</information>'"),
+                           ("<calc>1+1</calc>\n<result>2</result>", "is not followed by its result"),
+                           (three, r"examples\[1\]: 3 tool calls, past max_calls=2")]:
+        with pytest.raises(ValueError, match=match):
+            InlineTools(tools=calc, max_calls=2, examples=[[shot[0], {"role": "assistant", "content": content}]])
     config = load_config(**{"model": "m", "env.name": "tools", "data.train": "gen:arithmetic?n=10",
                             "env.options": {"tools": ["calculator"], "examples": [SHOT]}})
     builder = make_env_builder(config.env.name, config.env.options)

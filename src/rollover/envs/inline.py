@@ -135,7 +135,6 @@ class InlineTools:
     max_retries: int = 1
 
     def __post_init__(self):
-        object.__setattr__(self, "examples", worked_examples(self.examples, "inline_tools"))
         check_system_prompt(self.system_prompt, "inline_tools")
         if not isinstance(self.tools, dict) or not self.tools:
             raise ValueError(f"inline_tools: tools={self.tools!r}: a mapping of tags to functions, e.g. "
@@ -163,10 +162,33 @@ class InlineTools:
             raise ValueError(f"inline_tools: result={self.result!r} must hold {{result}}")
         if self.max_calls < 1 or self.output_chars < 1:
             raise ValueError("inline_tools: max_calls and output_chars must be >= 1")
+        object.__setattr__(self, "examples", worked_examples(self.examples, "inline_tools"))
+        self._check_examples()
         if self.retry is not None and (not isinstance(self.retry, str) or not self.retry.strip()):
             raise ValueError(f"inline_tools: retry={self.retry!r}: the text that asks the model again, 'default' or null")
         if self.max_retries < 1:
             raise ValueError(f"inline_tools: max_retries={self.max_retries} must be >= 1 (retry: null turns retries off)")
+
+    def _check_examples(self) -> None:
+        """Each call in an example's assistant message is written as the model would write it and
+        followed by its result as the environment writes it (`result`'s format; whitespace at its
+        ends aside), at most `max_calls` calls a conversation: what an example shows, the model copies."""
+        head, tail = (part.strip() for part in self.result.format(result="\0").split("\0", 1))
+        for i, conversation in enumerate(self.examples, 1):
+            made = 0
+            for j, message in enumerate(conversation, 1):
+                text = message["content"] if message["role"] == "assistant" else ""
+                for found in re.finditer("|".join(f"</{re.escape(t)}>" for t in self.tools), text):
+                    tag, made = found.group()[2:-1], made + 1
+                    after = text[found.end():].lstrip()
+                    wrong = (f"</{tag}> without <{tag}> before it" if f"<{tag}>" not in text[:found.start()]
+                             else f"</{tag}> is not followed by its result as the environment writes it, "
+                                  f"{self.result.strip()!r}" if not after.startswith(head) or tail not in after else "")
+                    if wrong:
+                        raise ValueError(f"inline_tools: examples[{i}], message {j}: {wrong}")
+            if made > self.max_calls:
+                raise ValueError(f"inline_tools: examples[{i}]: {made} tool calls, past max_calls={self.max_calls} "
+                                 "(an episode that calls more scores 0)")
 
     def default_system_prompt(self) -> str:
         tags = ", ".join(f"<{t}>...</{t}>" for t in self.tools)
