@@ -183,13 +183,14 @@ def test_reward_band_is_the_standard_error_inside_each_steps_range(tmp_path, mon
 
 def test_repetition_frac_is_the_share_of_responses_that_end_in_a_loop():
     """rollout/repetition_frac: responses whose last tokens are one block written again and again
-    (3+ times, 32+ tokens, a block of at most 64); a response's own stop token is not part of it."""
+    (3+ times, 32+ tokens, a block of at most 512); a closing token after it is not part of it."""
+    from rollover.envs.base import INSERTED_VERSION
     from rollover.rollout.groups import ends_in_loop
 
     assert ends_in_loop([5] * 32) and not ends_in_loop([5] * 31)
     assert ends_in_loop(list(range(50)) + [7, 8, 9, 10] * 8) and not ends_in_loop([7, 8, 9, 10] * 8 + [1])
     assert ends_in_loop(list(range(20)) + list(range(40)) * 3) and not ends_in_loop(list(range(40)) * 2)
-    assert not ends_in_loop(list(range(65)) * 3) and not ends_in_loop(list(range(300))) and not ends_in_loop([])
+    assert not ends_in_loop(list(range(513)) * 3) and not ends_in_loop(list(range(300))) and not ends_in_loop([])
     cfg = load_config(model="m", run_dir="r", **{"data.train": "d"})
     looped, stopped_loop, fine = [3] + [9, 4] * 20, [3] + [9, 4] * 20 + [0], [3, 1, 4, 1, 5, 9, 2, 6] * 2
     rolls = [Rollout(group_id="g", prompt_ids=[1], response_ids=ids, logprobs=[0.0] * len(ids), versions=[0] * len(ids),
@@ -197,4 +198,17 @@ def test_repetition_frac_is_the_share_of_responses_that_end_in_a_loop():
              for ids, finish in [(looped, "length"), (stopped_loop, "stop"), (fine, "stop"), (fine, "length")]]
     metrics = rollout_metrics([Group(id="g", prompt=Prompt(id="p", text="q"), prompt_ids=[1], rollouts=rolls)], cfg, "math")
     assert metrics["rollout/repetition_frac"] == 0.5 and metrics["response_length/clip_ratio"] == 0.5
+    assert ends_in_loop(list(range(70)) * 3) and not ends_in_loop(list(range(70)) * 2)  # a paragraph of 70 tokens
+    # an episode: only its last turn counts (a policy that repeats one action turn after turn is not a loop of text)
+    turn, said = [21, 22, 23, 24, 25, 26, 27, 0], [31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43]
+    ids = (turn + said) * 4 + turn
+    versions = ([0] * len(turn) + [INSERTED_VERSION] * len(said)) * 4 + [0] * len(turn)
+    looped_last = (turn + said) + [9, 4] * 20 + [0]  # its last turn loops, then closes
+    loop_versions = [0] * len(turn) + [INSERTED_VERSION] * len(said) + [0] * 41
+    episodes = [Rollout(group_id="e", prompt_ids=[1], response_ids=x, logprobs=[0.0] * len(x), versions=v,
+                        loss_mask=[1] * len(x), finish="length", reward=0.0, scores={"math": 0.0})
+                for x, v in [(ids, versions), (looped_last, loop_versions)]]
+    assert ends_in_loop(ids)  # as text the whole response would look like a loop
+    metrics = rollout_metrics([Group(id="e", prompt=Prompt(id="p", text="q"), prompt_ids=[1], rollouts=episodes)], cfg, "math")
+    assert metrics["rollout/repetition_frac"] == 0.5
 

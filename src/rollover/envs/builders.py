@@ -44,8 +44,8 @@ class ConfiguredTools:
     def worker_options(self) -> dict:
         return {"tools": list(self.sources), **self.options}
 
-    def template_kwargs(self) -> dict:
-        return self.spec.template_kwargs()
+    def opening_template_kwargs(self) -> dict:
+        return self.spec.opening_template_kwargs()
 
     def make_group(self, prompt, n: int):
         return self.spec.make_group(prompt, n)
@@ -88,21 +88,19 @@ def make_env_builder(name: str, options: dict[str, Any]) -> EnvGroupBuilder:
     return builder
 
 
-def check_template(builder, tokenizer, template_kwargs: dict) -> None:
+def check_template(builder, renderer) -> None:
     """Refuse, before the run starts, a builder whose openings give the chat template arguments
-    (`template_kwargs()`, e.g. `tools=` with `tools: {tools_in: template}`) that the model's
-    template ignores: every episode would fail on it. `template_kwargs`: the run's own
-    (`data.chat_template_kwargs`)."""
+    (`opening_template_kwargs()`, e.g. `tools=` with `tools: {tools_in: template}`) that the model's
+    template ignores: every episode would fail on it. `renderer`: the run's, as its episodes
+    render (a vision-language model's processor template included)."""
     from jinja2.exceptions import TemplateError
 
-    from rollover.envs.render import ChatRenderer
-
-    given = getattr(builder, "template_kwargs", None)
+    given = getattr(builder, "opening_template_kwargs", None)
     kwargs = given() if callable(given) else {}
-    if not kwargs or not getattr(tokenizer, "chat_template", None):
+    if not kwargs:
         return
     try:
-        ChatRenderer(tokenizer, **template_kwargs).initial([{"role": "user", "content": "2 + 2?"}], **kwargs)
+        renderer.initial_media([{"role": "user", "content": "2 + 2?"}], **kwargs)
     except TemplateError as e:
         hint = ("; describe the tools in the system message instead (env.options.tools_in: system)"
                 if "tools" in kwargs else "")

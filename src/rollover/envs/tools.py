@@ -279,7 +279,7 @@ class ToolUse:
             return rules
         return tool_format(self.tool_format).instructions([t.schema() for t in self.tools]) + " " + rules
 
-    def template_kwargs(self) -> dict:
+    def opening_template_kwargs(self) -> dict:
         """What every opening gives the chat template: the tools (OpenAI's function form) with
         `tools_in="template"`, else nothing."""
         if self.tools_in != "template":
@@ -302,7 +302,7 @@ class ToolEnv:
         spec = self.spec
         messages = opening(self.prompt, spec.system_prompt, spec.default_system_prompt(), spec.examples,
                            lambda m: self._message(m["content"], m.get("name"), ""))
-        kwargs = spec.template_kwargs()
+        kwargs = spec.opening_template_kwargs()
         return Opening(messages, kwargs) if kwargs else messages
 
     async def step(self, action: Action) -> StepResult:

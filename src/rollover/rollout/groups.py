@@ -15,6 +15,7 @@ import torch
 from rollover.algos import compute_advantages, overlong_penalty
 from rollover.algos.advantages import gdpo
 from rollover.config import Config
+from rollover.envs.base import INSERTED_VERSION
 from rollover.rewards import BatchRewards, RewardRunner
 from rollover.rewards.registry import reward_weights
 from rollover.types import Completion, Group, Prompt, Request, Rollout, SamplingParams
@@ -249,8 +250,7 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": sum(r.finish == "length" for r in flat) / len(flat),
-        "rollout/repetition_frac": sum(ends_in_loop(r.response_ids[:-1] if r.finish == "stop" else r.response_ids)
-                                       for r in flat) / len(flat),
+        "rollout/repetition_frac": sum(map(_last_turn_loops, flat)) / len(flat),
         "samples": len(flat),
         "groups": len(groups),
     }
@@ -278,7 +278,17 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
     return out
 
 
-def ends_in_loop(ids, max_period: int = 64, min_tokens: int = 32, min_repeats: int = 3) -> bool:
+def _last_turn_loops(r: Rollout) -> bool:
+    """Whether the text the model sampled last (an episode's last turn: the tokens after the
+    environment's last insertion) ends in a loop, its closing token, if any, aside."""
+    start = len(r.versions)
+    while start > 0 and r.versions[start - 1] != INSERTED_VERSION:
+        start -= 1
+    sampled = r.response_ids[start:]
+    return ends_in_loop(sampled) or ends_in_loop(sampled[:-1])
+
+
+def ends_in_loop(ids, max_period: int = 512, min_tokens: int = 32, min_repeats: int = 3) -> bool:
     """Whether `ids` end in a repetition loop: one block of at most `max_period` tokens written back
     to back at least `min_repeats` times, over at least `min_tokens` tokens, up to the end (a model
     that degenerates repeats until its budget runs out). Walks back from the end once per period,
