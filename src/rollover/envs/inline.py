@@ -26,9 +26,9 @@ exact match of the `<answer>`'s text against one of the gold answers; `exact`; `
 `retry` (off by default) is Search-R1's "invalid action": a message the model ends with neither
 a call nor an `<answer>...</answer>` is not scored yet; `retry`'s text comes back as a user
 message and the model tries again, at most `max_retries` times (`info` `invalid_actions`); the
-message after a retry is scored on its own. Those turns count in `env.max_turns`. Search-R1 writes that text inside the model's message; here the
-model has ended its message (its end-of-turn token is sampled and trained on), so a new turn
-asks.
+message after a retry is scored on its own. Those turns count in `env.max_turns`. Search-R1
+writes that text inside the model's message; here the model has ended its message (its
+end-of-turn token is sampled and trained on), so a new turn asks.
 """
 
 from __future__ import annotations
