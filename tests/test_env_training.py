@@ -51,12 +51,13 @@ def test_episodes_train_on_exactly_the_sampled_tokens(model_dir, tmp_path):
         # only sampled tokens carry loss; the environment's (rendered feedback) do not
         assert r["actor/loss_tokens"] == r["rollout/generated_tokens"]
         assert r["response_length/mean"] > r["rollout/generated_tokens"] / 4  # inserted tokens are in the rows
+        assert r["rollout/repetition_frac"] == 0.0  # turns of 6 tokens: only the last turn is read, none loops
     # step 1 trains on the engine's own samples: the trainer's forward over the interleaved
     # sequence reproduces the behaviour logprobs (nothing re-tokenised between turns)
     assert got[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert got[0]["actor/approx_kl"] < 1e-6
     ev = rows(tmp_path, "eval")
-    assert ev[-1]["eval/samples"] == 4 and "eval/turns_mean" in ev[-1]
+    assert ev[-1]["eval/samples"] == 4 and "eval/turns_mean" in ev[-1] and ev[-1]["eval/repetition_frac"] == 0.0
     assert 1 <= ev[-1]["eval/info/guesses"] <= 3 and 0 <= ev[-1]["eval/info/solved"] <= 1  # held out too
     assert "eval/info/no_number" in ev[-1]
     # 2 prompts x 2 samples: a prompt with one of its two solved counts whole

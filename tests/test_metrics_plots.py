@@ -185,7 +185,7 @@ def test_repetition_frac_is_the_share_of_responses_that_end_in_a_loop():
     """rollout/repetition_frac: responses whose last tokens are one block written again and again
     (3+ times, 32+ tokens, a block of at most 512); a closing token after it is not part of it."""
     from rollover.envs.base import INSERTED_VERSION
-    from rollover.rollout.groups import ends_in_loop
+    from rollover.rollout.groups import ends_in_loop, last_turn_loops
 
     assert ends_in_loop([5] * 32) and not ends_in_loop([5] * 31)
     assert ends_in_loop(list(range(50)) + [7, 8, 9, 10] * 8) and not ends_in_loop([7, 8, 9, 10] * 8 + [1])
@@ -209,6 +209,7 @@ def test_repetition_frac_is_the_share_of_responses_that_end_in_a_loop():
                         loss_mask=[1] * len(x), finish="length", reward=0.0, scores={"math": 0.0})
                 for x, v in [(ids, versions), (looped_last, loop_versions)]]
     assert ends_in_loop(ids)  # as text the whole response would look like a loop
+    assert not last_turn_loops(ids, versions) and last_turn_loops(looped_last, loop_versions)
     metrics = rollout_metrics([Group(id="e", prompt=Prompt(id="p", text="q"), prompt_ids=[1], rollouts=episodes)], cfg, "math")
     assert metrics["rollout/repetition_frac"] == 0.5
 

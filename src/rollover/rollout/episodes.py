@@ -23,7 +23,7 @@ import torch
 from rollover.algos.advantages import compute_advantages, turn_advantages
 from rollover.data.media import without_images
 from rollover.envs.base import Trajectory, Turn, info_means
-from rollover.rollout.groups import PendingGroup, by_source, pass_at_k, per_source
+from rollover.rollout.groups import PendingGroup, by_source, last_turn_loops, pass_at_k, per_source
 from rollover.types import Group, Rollout
 
 log = logging.getLogger("rollover")
@@ -181,6 +181,8 @@ def _episode_summary(pending: list[PendingGroup], cfg) -> dict:
                                       for j in range(g.n)] for g in pending]),
         "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
         "eval/response_length": sum(len(t.tokens_T) - t.prompt_len for t in ok) / max(len(ok), 1),
+        "eval/repetition_frac": sum(last_turn_loops(t.tokens_T[t.prompt_len:], t.versions_T[t.prompt_len:])
+                                    for t in ok) / max(len(ok), 1),
         "eval/samples": len(trajs),
         "eval/failed": len(trajs) - len(ok),
         "eval/resampled": sum(getattr(t, "resampled", 0) for t in trajs),  # failed ones run again (env.resample_failed)

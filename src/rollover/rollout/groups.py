@@ -250,7 +250,7 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": sum(r.finish == "length" for r in flat) / len(flat),
-        "rollout/repetition_frac": sum(map(_last_turn_loops, flat)) / len(flat),
+        "rollout/repetition_frac": sum(last_turn_loops(r.response_ids, r.versions) for r in flat) / len(flat),
         "samples": len(flat),
         "groups": len(groups),
     }
@@ -278,13 +278,14 @@ def rollout_metrics(groups: list[Group], cfg: Config, primary: str) -> dict:
     return out
 
 
-def _last_turn_loops(r: Rollout) -> bool:
-    """Whether the text the model sampled last (an episode's last turn: the tokens after the
-    environment's last insertion) ends in a loop, its closing token, if any, aside."""
-    start = len(r.versions)
-    while start > 0 and r.versions[start - 1] != INSERTED_VERSION:
+def last_turn_loops(ids: list[int], versions: list[int]) -> bool:
+    """Whether the text the model sampled last in a response (`ids`, with each token's version;
+    an episode's last turn: the tokens after the environment's last insertion) ends in a loop,
+    its closing token, if any, aside."""
+    start = len(versions)
+    while start > 0 and versions[start - 1] != INSERTED_VERSION:
         start -= 1
-    sampled = r.response_ids[start:]
+    sampled = ids[start:]
     return ends_in_loop(sampled) or ends_in_loop(sampled[:-1])
 
 
@@ -348,6 +349,7 @@ def _eval_summary(groups: list[Group], run) -> dict:
                                     if r.reward is not None] for g in groups]),
         "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
         "eval/response_length": sum(len(r.response_ids) for r in flat) / max(len(flat), 1),
+        "eval/repetition_frac": sum(last_turn_loops(r.response_ids, r.versions) for r in flat) / max(len(flat), 1),
         "eval/samples": len(flat),
     }
 
