@@ -568,12 +568,12 @@ def test_tools_described_by_the_chat_template_in_its_own_words():
     # the run refuses it at start-up (rollover.envs.builders.check_template), before any episode
     from rollover.envs.builders import check_template
 
-    check_template(spec, ChatRenderer(with_tools))
-    check_template(ToolUse(tools=(CALCULATOR,)), ChatRenderer(char_tokenizer()))  # tools in the system message: nothing to check
+    check_template(spec, with_tools)
+    check_template(ToolUse(tools=(CALCULATOR,)), char_tokenizer())  # tools in the system message: nothing to check
     with pytest.raises(ValueError, match=r"the model's chat template cannot take what the environment gives it: the chat "
                                          r"template ignores tools= .*env.options.tools_in: system"):
-        check_template(spec, ChatRenderer(char_tokenizer()))
-    check_template(type("Custom", (), {"template_kwargs": lambda self, prompt: {}})(), ChatRenderer(char_tokenizer()))
+        check_template(spec, char_tokenizer())
+    check_template(type("Custom", (), {"template_kwargs": lambda self, prompt: {}})(), char_tokenizer())
 
 
 def test_a_tool_failure_that_is_not_the_models_mistake_raises():

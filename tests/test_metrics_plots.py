@@ -191,6 +191,7 @@ def test_repetition_frac_is_the_share_of_responses_that_end_in_a_loop():
     assert ends_in_loop(list(range(50)) + [7, 8, 9, 10] * 8) and not ends_in_loop([7, 8, 9, 10] * 8 + [1])
     assert ends_in_loop(list(range(20)) + list(range(40)) * 3) and not ends_in_loop(list(range(40)) * 2)
     assert not ends_in_loop(list(range(513)) * 3) and not ends_in_loop(list(range(300))) and not ends_in_loop([])
+    assert ends_in_loop([7, 8, 9, 10] * 8 + [1], closing=True) and not ends_in_loop([7, 8, 9, 10] * 8 + [1, 2], closing=True)
     cfg = load_config(model="m", run_dir="r", **{"data.train": "d"})
     looped, stopped_loop, fine = [3] + [9, 4] * 20, [3] + [9, 4] * 20 + [0], [3, 1, 4, 1, 5, 9, 2, 6] * 2
     rolls = [Rollout(group_id="g", prompt_ids=[1], response_ids=ids, logprobs=[0.0] * len(ids), versions=[0] * len(ids),

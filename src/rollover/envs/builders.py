@@ -88,19 +88,22 @@ def make_env_builder(name: str, options: dict[str, Any]) -> EnvGroupBuilder:
     return builder
 
 
-def check_template(builder, renderer) -> None:
+def check_template(builder, tokenizer, processor=None, **template_kwargs) -> None:
     """Refuse, before the run starts, a builder whose openings give the chat template arguments
     (`opening_template_kwargs()`, e.g. `tools=` with `tools: {tools_in: template}`) that the model's
-    template ignores: every episode would fail on it. `renderer`: the run's, as its episodes
-    render (a vision-language model's processor template included)."""
+    template ignores: every episode would fail on it. Tried on the renderer the run's episodes use
+    (`episode_renderer`: a vision-language model's processor template included), with the run's
+    `data.chat_template_kwargs`."""
     from jinja2.exceptions import TemplateError
+
+    from rollover.envs.render import episode_renderer
 
     given = getattr(builder, "opening_template_kwargs", None)
     kwargs = given() if callable(given) else {}
     if not kwargs:
         return
     try:
-        renderer.initial_media([{"role": "user", "content": "2 + 2?"}], **kwargs)
+        episode_renderer(tokenizer, processor, **template_kwargs).initial_media([{"role": "user", "content": "2 + 2?"}], **kwargs)
     except TemplateError as e:
         hint = ("; describe the tools in the system message instead (env.options.tools_in: system)"
                 if "tools" in kwargs else "")

@@ -47,6 +47,14 @@ from rollover.data.media import Media, MediaRenderer, blank_images, has_image_pa
 _PROBE = [{"role": "user", "content": "probe"}]  # a conversation to check the template with
 
 
+def episode_renderer(tokenizer, processor=None, **template_kwargs) -> "ChatRenderer":
+    """The renderer a run's episodes use: a vision-language model's processor template when the
+    run has a processor, else the tokenizer's chat template."""
+    if processor is None:
+        return ChatRenderer(tokenizer, **template_kwargs)
+    return MediaChatRenderer(processor, **template_kwargs)
+
+
 class ChatRenderer:
     """Renders an episode's messages with a tokenizer's chat template.
 

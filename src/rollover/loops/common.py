@@ -302,7 +302,12 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         _check_stand_in(model)
     env_processor = _env_processor(cfg, model) if env_builder is not None else None
     if env_builder is not None:
-        _check_env_template(cfg, env_builder, tokenizer, env_processor)
+        from rollover.envs.builders import check_template
+
+        try:
+            check_template(env_builder, tokenizer, env_processor, **cfg.data.chat_template_kwargs)
+        except ValueError as e:  # (a tokenizer without a chat template too: episodes need one)
+            raise ConfigError(str(e)) from None
     longest = _longest(cfg, model, prompt_ids, env_builder)
     if record and cfg.algorithm.advantage == "gae" and cfg.critic.model is not None:
         from rollover.train.critic import check_critic_model
@@ -366,21 +371,6 @@ def _start_env_workers(run: Run, cfg: Config, env_builder) -> None:
                                     cpus=cfg.ray.cpus_per_env_worker, concurrency=max(16, cfg.env.max_concurrent))
     run.env_builder = run.env_workers
     run.env_workers.start()
-
-
-def _check_env_template(cfg: Config, env_builder, tokenizer, processor) -> None:
-    """What the environment gives the chat template with every opening, tried once on the renderer
-    its episodes will use (`rollover.envs.builders.check_template`)."""
-    from rollover.envs.builders import check_template
-    from rollover.envs.render import ChatRenderer, MediaChatRenderer
-
-    if not callable(getattr(env_builder, "opening_template_kwargs", None)):
-        return
-    kw = cfg.data.chat_template_kwargs
-    try:
-        check_template(env_builder, ChatRenderer(tokenizer, **kw) if processor is None else MediaChatRenderer(processor, **kw))
-    except ValueError as e:  # (a tokenizer without a chat template too: episodes need one)
-        raise ConfigError(str(e)) from None
 
 
 def _longest(cfg: Config, model, prompt_ids: dict, env_builder) -> int:

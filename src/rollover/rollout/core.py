@@ -38,7 +38,7 @@ from typing import Callable
 from rollover.engine.cpu import openmp
 from rollover.envs.base import EnvLost, make_one
 from rollover.envs.episode import EnvPool, LiveEpisode, env_open, env_step
-from rollover.envs.render import ChatRenderer, MediaChatRenderer
+from rollover.envs.render import episode_renderer
 from rollover.types import Completion, Request
 from rollover.rollout.inputs import RolloutInputs
 
@@ -135,9 +135,7 @@ class SampleDriver:
         self.hold = False
         self.episodes = inputs.env_builder is not None
         if self.episodes:
-            kw = inputs.cfg.data.chat_template_kwargs
-            self.renderer = (ChatRenderer(inputs.tokenizer, **kw) if inputs.processor is None
-                             else MediaChatRenderer(inputs.processor, **kw))
+            self.renderer = episode_renderer(inputs.tokenizer, inputs.processor, **inputs.cfg.data.chat_template_kwargs)
             self.envs: EnvRunner = inputs.env_runner
         self._outbox: list[Request] | None = None
         # a simulated engine: its clock waits for this lock (the latest driver's: the simulator

@@ -285,25 +285,29 @@ def last_turn_loops(ids: list[int], versions: list[int]) -> bool:
     start = len(versions)
     while start > 0 and versions[start - 1] != INSERTED_VERSION:
         start -= 1
-    sampled = ids[start:]
-    return ends_in_loop(sampled) or ends_in_loop(sampled[:-1])
+    return ends_in_loop(ids[start:], closing=True)
 
 
-def ends_in_loop(ids, max_period: int = 512, min_tokens: int = 32, min_repeats: int = 3) -> bool:
+def ends_in_loop(ids, max_period: int = 512, min_tokens: int = 32, min_repeats: int = 3, closing: bool = False) -> bool:
     """Whether `ids` end in a repetition loop: one block of at most `max_period` tokens written back
     to back at least `min_repeats` times, over at least `min_tokens` tokens, up to the end (a model
-    that degenerates repeats until its budget runs out). Walks back from the end once per period,
-    stopping where the run breaks or is long enough."""
+    that degenerates repeats until its budget runs out) or, with `closing`, up to its last token (a
+    closing token the model sampled after the loop). Walks back from the end once per period and
+    end, stopping where the run breaks or is long enough."""
     n = len(ids)
+    ends = (n, n - 1) if closing else (n,)
     for period in range(1, max_period + 1):
         need = max(min_repeats * period, min_tokens)
         if need > n:
             return False
-        j = n - 1
-        while j >= n - need + period and ids[j] == ids[j - period]:
-            j -= 1
-        if j < n - need + period:  # the last `need` tokens repeat with this period
-            return True
+        for end in ends:
+            if need > end:
+                continue
+            j = end - 1
+            while j >= end - need + period and ids[j] == ids[j - period]:
+                j -= 1
+            if j < end - need + period:  # the `need` tokens before `end` repeat with this period
+                return True
     return False
 
 
