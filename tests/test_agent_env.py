@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from rollover.config import load_config
 from rollover.envs.agent import AgentBuilder
 from rollover.envs.base import Action
+from rollover.envs.tool_formats import ToolCall, schemas_of
 from rollover.loops.sync import train_sync
 from rollover.testing import save_tiny_model
 from rollover.types import Prompt
@@ -37,7 +38,8 @@ async def edits_history(client, prompt):
 
 
 ADD = {"type": "function", "function": {"name": "add", "description": "a + b",
-                                        "parameters": {"type": "object", "properties": {"a": {}, "b": {}}}}}
+                                        "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                                        "b": {"type": "integer"}}}}}
 
 
 async def uses_tools(client, prompt):  # OpenAI's function-calling loop
@@ -366,19 +368,24 @@ def test_a_tool_using_agent_replays_into_a_fresh_one_and_earlier_tool_calls_rend
 @pytest.mark.parametrize("fmt, reply", [
     ("mistral", '[{"name": "add", "arguments": {"a": 2, "b": 3}}]'),
     ("llama3_json", '{"name": "add", "parameters": {"a": 2, "b": 3}}'),
+    ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n</parameter>\n"
+                    "</function>\n</tool_call>"),  # the values typed by the tool's schema: 2 + 3, not "2" + "3"
 ])
-def test_tool_calls_in_llama3_and_mistral_formats(agents, fmt, reply):
+def test_tool_calls_in_llama3_mistral_and_qwen3_coder_formats(agents, fmt, reply):
     """env.options.tool_format: the tools are described in the format's words, the model's calls
     are read in it, and an assistant message the agent supplies is written as the model writes it."""
     env = AgentBuilder(f"{agents}:uses_tools", tool_format=fmt).make_one(Prompt(id="t", text="x"), 1, 0)
     opening = asyncio.run(env.initial_observation())
-    assert "<tool_call>" not in opening[0]["content"] and '"name": "add"' in opening[0]["content"]
+    assert ("<tool_call>" in opening[0]["content"]) == ("<function=" in opening[0]["content"]) == (fmt == "qwen3_coder")
+    assert '"name": "add"' in opening[0]["content"]
     result = asyncio.run(env.step(act(reply)))
     assert [(m["role"], m["content"], m["name"]) for m in result.messages] == [("tool", "5", "add")]
     worked = AgentBuilder(f"{agents}:worked_example", tool_format=fmt).make_one(Prompt(id="w", text="x"), 1, 0)
     assistant = asyncio.run(worked.initial_observation())[2]["content"]
-    assert "<tool_call>" not in assistant and env.format.parse(assistant.removeprefix("Adding.\n")).calls[0].name == "add"
-    with pytest.raises(ValueError, match="env.options.tool_format must be one of hermes, llama3_json, mistral"):
+    assert ("<tool_call>" in assistant) == (fmt == "qwen3_coder")
+    integers = schemas_of([{"name": "add", "parameters": {"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}])
+    assert env.format.parse(assistant.removeprefix("Adding.\n"), integers).calls == [ToolCall("add", {"a": 1, "b": 1})]
+    with pytest.raises(ValueError, match="env.options.tool_format must be one of hermes, llama3_json, mistral, qwen3_coder"):
         AgentBuilder(f"{agents}:uses_tools", tool_format="xml")
 
 

@@ -146,7 +146,7 @@ def test_parse_tool_calls_on_hand_written_replies():
     ]
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "qwen3_coder"])
 def test_each_tool_format_reads_back_the_calls_it_writes(name):
     from rollover.envs.tool_formats import tool_format
 
@@ -157,7 +157,7 @@ def test_each_tool_format_reads_back_the_calls_it_writes(name):
     assert parsed.problems == [] and parsed.content == ""
     assert fmt.parse("The answer is \\boxed{391}.").calls == []  # a final answer is no call
     assert '"name": "calculator"' in fmt.instructions([CALCULATOR.schema()])
-    with pytest.raises(ValueError, match="unknown tool_format 'xml'; known: hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match="unknown tool_format 'xml'; known: hermes, llama3_json, mistral, qwen3_coder"):
         tool_format("xml")
 
 
@@ -213,6 +213,61 @@ def test_replies_that_are_not_calls_are_answers_however_their_json_reads():
     env = ToolUse(tools=(CALCULATOR,)).make_one(Prompt(id="t", text="?", answer="3"), 1, 0)
     result = play(env, ['So [{"name": ' + deep + " \\boxed{3}"])[0]
     assert result.done and result.reward == 1.0 and result.info["calls_in_other_format"] == 0.0
+
+
+def test_qwen3_coder_calls_as_qwen_models_write_them():
+    """Qwen3-Coder's and Qwen3.5's XML calls: each value is text, read by the type the tool's schema
+    gives its parameter; a value not of its type, a parameter given twice or a function left open
+    is a problem of that call, as is a Hermes JSON block."""
+    from rollover.envs.tool_formats import Parsed, schemas_of, tool_format, typed
+
+    qwen = tool_format("qwen3_coder")
+    schemas = schemas_of([{"type": "function", "function": {"name": "f", "parameters": {"properties": {
+        "n": {"type": "integer"}, "x": {"type": "number"}, "on": {"type": "boolean"}, "xs": {"type": "array"},
+        "opt": {"type": ["object", "null"]}, "s": {"type": "string"}}}}}])
+
+    def block(*parameters: tuple[str, str], close: str = "</function>\n") -> str:
+        inside = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in parameters)
+        return f"<tool_call>\n<function=f>\n{inside}{close}</tool_call>"
+
+    reply = "Let me look.\n" + block(("n", "3"), ("x", "2.5"), ("on", "True"), ("xs", "[1, 'a']"), ("opt", "null"), ("s", " 42\n"))
+    assert qwen.parse(reply, schemas) == Parsed([ToolCall("f", {"n": 3, "x": 2.5, "on": True, "xs": [1, "a"], "opt": None,
+                                                              "s": " 42\n"})], [], "Let me look.")
+    assert qwen.parse(reply).calls[0].arguments["n"] == "3"  # no schema: the text as written
+    assert qwen.parse(block(("n", "three")), schemas).problems == ["tool call 1: argument 'n' must be integer, got 'three'"]
+    assert qwen.parse(block(("n", "1"), ("n", "2")), schemas).problems == ["tool call 1: argument 'n' is given twice"]
+    assert qwen.parse(block(("n", "1"), close=""), schemas).problems == ["tool call 1: <function=f> is not closed with </function>"]
+    assert qwen.parse(block(("n", "1"))[:-len("</tool_call>")], schemas).problems == ["a <tool_call> is not closed with </tool_call>"]
+    hermes = '<tool_call>{"name": "f", "arguments": {"n": 1}}</tool_call>'
+    assert qwen.parse(hermes, schemas).problems[0].startswith("tool call 1: expected <function=NAME>")
+    # a function without its block, and a parameter left open before the next, are read as vLLM reads them
+    got = qwen.parse("Sure. <function=f>\n<parameter=n>\n4\n<parameter=s>\nhi\n</function>", schemas)
+    assert got == Parsed([ToolCall("f", {"n": 4, "s": "hi"})], [], "Sure.")
+    assert qwen.parse("It is \\boxed{3}.", schemas) == Parsed([], [], "It is \\boxed{3}.")
+    assert typed("3.0", {"type": "integer"}) == 3 and typed("1e3", {"type": "number"}) == 1000.0
+    for text, kind in (("true", "integer"), ("2", "boolean"), ("{'a': 1", "object"), ("null", "integer")):
+        with pytest.raises(ValueError, match=f"must be {kind}"):
+            typed(text, {"type": kind})
+
+
+def test_tool_env_in_qwen3_coder_format_and_its_calls_under_hermes(caplog):
+    from rollover.envs import tools
+
+    xml = "<tool_call>\n<function=calculator>\n<parameter=expression>\n17 * 23\n</parameter>\n</function>\n</tool_call>"
+    prompt = Prompt(id="t", text="What is 17 * 23?", answer="391")
+    env = ToolUse(tools=(CALCULATOR,), tool_format="qwen3_coder").make_one(prompt, 1, 0)
+    opening = asyncio.run(env.initial_observation())
+    assert "<function=TOOL NAME>" in opening[0]["content"] and '"name": "calculator"' in opening[0]["content"]
+    results = play(env, [xml, "It is \\boxed{391}."])
+    assert results[0].messages == [{"role": "tool", "name": "calculator", "content": "391"}] and results[1].reward == 1.0
+    # under hermes (the default) the model is told its call is not JSON, and the run's log says which format it is in
+    tools._WARNED.clear()
+    with caplog.at_level("WARNING", logger="rollover"):
+        for _ in range(2):
+            (result,) = play(ToolUse(tools=(CALCULATOR,)).make_one(prompt, 1, 0), [xml])
+            assert not result.done and result.messages[0]["content"].startswith("error: tool call 1 is not valid JSON")
+    warned = [r.getMessage() for r in caplog.records if "tool_format" in r.getMessage()]
+    assert len(warned) == 1 and "calls a tool in the qwen3_coder format, but tool_format is hermes: its calls fail" in warned[0]
 
 
 def test_tool_env_in_llama3_format():
@@ -574,6 +629,20 @@ def test_tools_described_by_the_chat_template_in_its_own_words():
                                          r"template ignores tools= .*env.options.tools_in: system"):
         check_template(spec, char_tokenizer())
     check_template(type("Custom", (), {"template_kwargs": lambda self, prompt: {}})(), char_tokenizer())
+    # a template whose own words ask for calls in another format than tool_format (Qwen3-Coder's, Qwen3.5's)
+    xml = char_tokenizer()
+    xml.chat_template = ("{% if tools %}<|im_start|>system\nCall a tool as <tool_call>\n<function=NAME>\n<parameter=NAME>"
+                         "\nvalue\n</parameter>\n</function>\n</tool_call><|im_end|>\n{% endif %}" + CHAT_TEMPLATE)
+    with pytest.raises(ValueError, match="the chat template describes tool calls in the qwen3_coder format, but "
+                                         "env.options.tool_format is hermes: set env.options.tool_format: qwen3_coder"):
+        check_template(spec, xml)
+    check_template(ToolUse(tools=(CALCULATOR,), tools_in="template", tool_format="qwen3_coder"), xml)
+    hermes_words = char_tokenizer()
+    hermes_words.chat_template = xml.chat_template.replace("\n<function=NAME>\n<parameter=NAME>\nvalue\n</parameter>\n</function>\n",
+                                                           '{"name": NAME, "arguments": ARGS}')
+    with pytest.raises(ValueError, match="describes tool calls in the hermes format, but env.options.tool_format is qwen3_coder"):
+        check_template(ToolUse(tools=(CALCULATOR,), tools_in="template", tool_format="qwen3_coder"), hermes_words)
+    check_template(spec, hermes_words)
 
 
 def test_a_tool_failure_that_is_not_the_models_mistake_raises():

@@ -18,6 +18,24 @@ describes the tools in a system message for templates that do not describe them 
   models write them, nine letters and digits) are kept; results must carry them back (`tool_call_id`), and its
   templates refuse ids other than nine letters and digits, so calls without one get such an id
   (`call_id`).
+- `qwen3_coder` (Qwen3-Coder, Qwen3.5 and later Qwen models; vLLM's `qwen3_coder` parser): XML, one
+  call a block, each argument's value written as text:
+
+      <tool_call>
+      <function=calculator>
+      <parameter=expression>
+      17 * 23
+      </parameter>
+      </function>
+      </tool_call>
+
+  A value is read by the type the tool's schema gives its parameter (`schemas`): a string as
+  written (one newline either side dropped), integers, numbers, booleans, objects and arrays as
+  JSON (a Python literal is read too); a value that is not of its type is a problem of that call.
+  A `<function=...>` written without its `<tool_call>` block is read as a call too, as vLLM does.
+
+`parse(text, schemas)` takes the tools' JSON-schema `parameters` by name (`schemas_of`); only
+`qwen3_coder` needs them.
 
 What is not read: Mistral's newer `[TOOL_CALLS]name[ARGS]{...}` form (its markers are special
 tokens too, and without them the name and arguments run together), and Llama's built-in tools
@@ -26,6 +44,7 @@ tokens too, and without them the name and arguments run together), and Llama's b
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass
@@ -78,6 +97,17 @@ def _calls_of(payload, where: str, calls: list[ToolCall], problems: list[str]) -
             calls.append(call)
 
 
+def schemas_of(tools: list) -> dict[str, dict]:
+    """Each tool's JSON-schema `parameters` by name, from OpenAI's `{"type": "function", "function":
+    {...}}` form or the function itself (`Tool.schema()`)."""
+    out = {}
+    for t in tools or ():
+        fn = t.get("function", t) if isinstance(t, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            out[fn["name"]] = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+    return out
+
+
 def _schemas(tools: list) -> str:
     """One JSON line per tool: OpenAI's `{"type": "function", "function": {...}}` or the function itself."""
     return "\n".join(json.dumps(t.get("function", t) if isinstance(t, dict) else t) for t in tools)
@@ -87,7 +117,7 @@ class Hermes:
     name = "hermes"
     BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
-    def parse(self, text: str) -> Parsed:
+    def parse(self, text: str, schemas: dict | None = None) -> Parsed:
         calls: list[ToolCall] = []
         problems: list[str] = []
         blocks = self.BLOCK.findall(text)
@@ -168,7 +198,7 @@ class Llama3Json:
     START = re.compile(r'^\s*(<\|python_tag\|>)?\s*\{\s*"name"')
     CALL = re.compile(r'\{\s*"name"\s*:\s*"[^"]*"\s*,\s*"(parameters|arguments)"\s*:')  # written as a call
 
-    def parse(self, text: str) -> Parsed:
+    def parse(self, text: str, schemas: dict | None = None) -> Parsed:
         if not self.START.match(text):
             return Parsed([], [], text.strip())
         body = text.strip().removeprefix("<|python_tag|>").lstrip()
@@ -192,7 +222,7 @@ class Mistral:
     START = re.compile(r'\[\s*\{\s*"name"')
     CALL = re.compile(r'\[\s*\{\s*"name"\s*:\s*"[^"]*"\s*,\s*"arguments"\s*:')  # written as a call
 
-    def parse(self, text: str) -> Parsed:
+    def parse(self, text: str, schemas: dict | None = None) -> Parsed:
         if self.MARK in text:
             content, _, body = text.partition(self.MARK)
         elif found := self.START.search(text):  # the marker was a special token, left out of the decoded turn
@@ -213,8 +243,107 @@ class Mistral:
                 "and stop; the results come back in the next messages.")
 
 
-ToolFormat = Hermes | Llama3Json | Mistral
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral())}
+class Qwen3Coder:
+    name = "qwen3_coder"
+    BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    FUNCTION = re.compile(r"<function=([^>]*)>(.*?)(</function>|\Z)", re.DOTALL)
+    PARAMETER = re.compile(r"<parameter=([^>]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+
+    def parse(self, text: str, schemas: dict | None = None) -> Parsed:
+        blocks, content = self.BLOCK.findall(text), self.BLOCK.sub("", text)
+        problems = []
+        if text.count("<tool_call>") > len(blocks):
+            problems.append("a <tool_call> is not closed with </tool_call>")
+        elif not blocks and "<function=" in text:  # a call without its block, as vLLM reads it
+            start = text.index("<function=")
+            blocks, content = [text[start:]], text[:start]
+        calls: list[ToolCall] = []
+        for i, block in enumerate(blocks, 1):
+            functions = self.FUNCTION.findall(block)
+            if not functions:
+                problems.append(f"tool call {i}: expected <function=NAME> with <parameter=NAME>value</parameter> "
+                                "inside, closed by </function>")
+            for name, body, closed in functions:
+                call = self._call(name.strip(), body, closed, (schemas or {}).get(name.strip()))
+                (calls if isinstance(call, ToolCall) else problems).append(
+                    call if isinstance(call, ToolCall) else f"tool call {i}: {call}")
+        return Parsed(calls, problems, content.strip())
+
+    def _call(self, name: str, body: str, closed: str, schema: dict | None) -> ToolCall | str:
+        if not name:
+            return "<function=> needs the tool's name"
+        if not closed:
+            return f"<function={name}> is not closed with </function>"
+        properties = (schema or {}).get("properties") or {}
+        arguments: dict = {}
+        for key, value in self.PARAMETER.findall(body):
+            key = key.strip()
+            if key in arguments:
+                return f"argument {key!r} is given twice"
+            value = value.removeprefix("\n").removesuffix("\n")
+            try:
+                arguments[key] = typed(value, properties.get(key))
+            except ValueError as e:
+                return f"argument {key!r} {e}"
+        return ToolCall(name, arguments)
+
+    def write(self, calls: list[tuple[str, str]]) -> str:
+        def parameter(key, value):
+            return f"<parameter={key}>\n{value if isinstance(value, str) else json.dumps(value)}\n</parameter>\n"
+
+        return "\n".join(f"<tool_call>\n<function={n}>\n{''.join(parameter(k, v) for k, v in json.loads(args).items())}"
+                         "</function>\n</tool_call>" for n, args in calls)
+
+    def instructions(self, tools: list) -> str:
+        return ("You can call tools. They are described here as JSON:\n"
+                f"<tools>\n{_schemas(tools)}\n</tools>\n"
+                "To call a tool, write\n<tool_call>\n<function=TOOL NAME>\n<parameter=ARGUMENT NAME>\nvalue\n</parameter>\n"
+                "</function>\n</tool_call>\n(one <parameter> per argument) and stop; the result comes back in the next message.")
+
+
+_JSON_TYPES = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
+
+
+def typed(text: str, schema: dict | None):
+    """A value written as text (`qwen3_coder`'s arguments) read by its JSON-schema `type`: a string
+    as written (also where the schema gives no type), `null` as None where the type allows it,
+    any other type from JSON or a Python literal; a ValueError saying what it should be."""
+    kind = (schema or {}).get("type") if isinstance(schema, dict) else None
+    kinds = [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)] if isinstance(kind, list) else []
+    if "null" in kinds and text.strip() == "null":
+        return None
+    wanted = [k for k in kinds if k in _JSON_TYPES]
+    if not wanted or "string" in kinds:
+        return text
+    raw = text.strip()
+    if "boolean" in wanted and raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    try:
+        value = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            value = text
+    for k in wanted:
+        if k == "integer" and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, _JSON_TYPES[k]) and not (k != "boolean" and isinstance(value, bool)):
+            return value
+    raise ValueError(f"must be {' or '.join(wanted)}, got {raw[:40]!r}")
+
+
+ToolFormat = Hermes | Llama3Json | Mistral | Qwen3Coder
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral(), Qwen3Coder())}
+
+
+def described_format(text: str) -> str | None:
+    """The call format a chat template's own description of the tools asks for, where its words say
+    so plainly: `<function=...>` with `<parameter=...>` (qwen3_coder), else `<tool_call>` blocks
+    (hermes); None where they do not."""
+    if "<function=" in text and "<parameter=" in text:
+        return "qwen3_coder"
+    return "hermes" if "<tool_call>" in text else None
 
 
 def tool_format(name: str) -> ToolFormat:

@@ -14,7 +14,7 @@ and the model calls them inside its reply, one JSON object (or a list of them) p
     <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>
 
 `tool_format` picks another format models are trained on (Llama 3's JSON reply, Mistral's
-`[TOOL_CALLS]` list; `rollover.envs.tool_formats`). `system_prompt` replaces that description;
+`[TOOL_CALLS]` list, Qwen3-Coder's and Qwen3.5's XML; `rollover.envs.tool_formats`). `system_prompt` replaces that description;
 `examples`, worked conversations before the question (`rollover.envs.opening`), are how a small
 model is shown the format it would not take from a description alone. `tools_in="template"` hands
 the tools to a chat template that describes them itself (Qwen2.5's, Hermes'), in the words its
@@ -55,7 +55,7 @@ from typing import Callable
 
 from rollover.envs.base import Action, Opening, StepResult
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
-from rollover.envs.tool_formats import FORMATS, Hermes, ToolCall, call_id, tool_format
+from rollover.envs.tool_formats import FORMATS, Hermes, ToolCall, call_id, described_format, tool_format
 from rollover.rewards.builtins import numeric_reward
 from rollover.types import Prompt
 
@@ -233,7 +233,7 @@ class ToolUse:
     max_tool_calls: int = 4
     result_role: str = "tool"  # or "user" (results wrapped in <tool_response> tags)
     score: Callable[[str, object], float] = field(default=numeric_reward)  # (final reply, answer)
-    tool_format: str = "hermes"  # how calls are written: hermes, llama3_json, mistral (rollover.envs.tool_formats)
+    tool_format: str = "hermes"  # how calls are written: hermes, llama3_json, mistral, qwen3_coder (rollover.envs.tool_formats)
     # the system message that describes the tools ("default": `default_system_prompt()`); None: none,
     # for prompts that carry their own
     system_prompt: str | None = "default"
@@ -251,9 +251,10 @@ class ToolUse:
         reader = tool_format(self.tool_format)  # a name it knows
 
         known = {t.name: t for t in self.tools}
+        schemas = {t.name: t.parameters for t in self.tools}
 
         def calls(text: str) -> tuple[list[str], list[str]]:  # as step() would read and run them
-            parsed = reader.parse(text)
+            parsed = reader.parse(text, schemas)
             problems = list(parsed.problems)
             problems += [wrong for call in parsed.calls if (wrong := _refusal(known, call))]
             return [c.name for c in parsed.calls], problems
@@ -286,6 +287,16 @@ class ToolUse:
             return {}
         return {"tools": [{"type": "function", "function": t.schema()} for t in self.tools]}
 
+    def check_opening(self, text: str) -> str | None:
+        """What is wrong with an opening as the model's chat template renders it (`text`, with the
+        tools given to it): a template whose own description asks for calls in another format than
+        `tool_format` (every call would fail to read). None: nothing found."""
+        asked = described_format(text) if self.tools_in == "template" else None
+        if asked is None or asked == self.tool_format:
+            return None
+        return (f"the chat template describes tool calls in the {asked} format, but env.options.tool_format is "
+                f"{self.tool_format}: set env.options.tool_format: {asked}")
+
     def make_group(self, prompt: Prompt, n: int) -> list["ToolEnv"]:
         return [self.make_one(prompt, n, j) for j in range(n)]
 
@@ -297,6 +308,7 @@ class ToolEnv:
     def __init__(self, spec: ToolUse, prompt: Prompt):
         self.spec, self.prompt, self.calls, self.errors, self.turn = spec, prompt, 0, 0, 0
         self.tools = {t.name: t for t in spec.tools}
+        self.schemas = {t.name: t.parameters for t in spec.tools}
 
     async def initial_observation(self) -> list[dict] | Opening:
         spec = self.spec
@@ -306,12 +318,14 @@ class ToolEnv:
         return Opening(messages, kwargs) if kwargs else messages
 
     async def step(self, action: Action) -> StepResult:
-        parsed = tool_format(self.spec.tool_format).parse(action.text)
+        parsed = tool_format(self.spec.tool_format).parse(action.text, self.schemas)
         calls, problems = parsed.calls, parsed.problems
         if not calls and not problems:
             reward = float(self.spec.score(action.text, self.prompt.answer))
             other = self._other_format(action.text)
             return StepResult([], reward, done=True, info=self._info(solved=reward, calls_in_other_format=float(bool(other))))
+        if not calls:  # every call it meant failed to read: in another format? (logged once)
+            self._other_format(action.text, "its calls fail to read and the model is shown why")
         if self.calls + len(calls) > self.spec.max_tool_calls:  # none of them runs (nor counts in tool_calls)
             return StepResult([], 0.0, done=True, info=self._info(tool_limit=1.0))
         self.calls += len(calls)
@@ -338,16 +352,17 @@ class ToolEnv:
         except ToolError as e:
             return f"error: {e}", False
 
-    def _other_format(self, text: str) -> str | None:
+    def _other_format(self, text: str, read_as: str = "it is read as the final answer") -> str | None:
         """The other tool format in which `text` calls one of the tools as it could run (a known tool, the
-        arguments its schema names: not an echo of the tools' description), if any (logged once a process)."""
+        arguments its schema names: not an echo of the tools' description), if any (logged once a process,
+        saying how `tool_format` read it: `read_as`)."""
         for name, reader in FORMATS.items():
-            if name != self.spec.tool_format and any(not _refusal(self.tools, c) for c in reader.parse(text).calls):
+            if name != self.spec.tool_format and any(not _refusal(self.tools, c) for c in reader.parse(text, self.schemas).calls):
                 if (self.spec.tool_format, name) not in _WARNED:
                     _WARNED.add((self.spec.tool_format, name))
-                    log.warning("tools: a reply calls a tool in the %s format, but tool_format is %s: it is read as the "
-                                "final answer (set env.options.tool_format: %s if the model calls tools that way; "
-                                "counted in info calls_in_other_format): %.200r", name, self.spec.tool_format, name, text)
+                    log.warning("tools: a reply calls a tool in the %s format, but tool_format is %s: %s (set "
+                                "env.options.tool_format: %s if the model calls tools that way; counted in info "
+                                "calls_in_other_format): %.200r", name, self.spec.tool_format, read_as, name, text)
                 return name
         return None
 
