@@ -245,9 +245,25 @@ def test_qwen3_coder_calls_as_qwen_models_write_them():
     assert got == Parsed([ToolCall("f", {"n": 4, "s": "hi"})], [], "Sure.")
     assert qwen.parse("It is \\boxed{3}.", schemas) == Parsed([], [], "It is \\boxed{3}.")
     assert typed("3.0", {"type": "integer"}) == 3 and typed("1e3", {"type": "number"}) == 1000.0
-    for text, kind in (("true", "integer"), ("2", "boolean"), ("{'a': 1", "object"), ("null", "integer")):
+    assert typed("{'a': [1, None]}", {"type": "object"}) == {"a": [1, None]}  # a Python literal JSON can hold
+    # what JSON cannot hold (a set, NaN, infinity), digits past Python's limit, and null where not allowed
+    for text, kind in (("true", "integer"), ("2", "boolean"), ("{'a': 1", "object"), ("null", "integer"),
+                       ("{'a': {1, 2}}", "object"), ("NaN", "number"), ("1e400", "number"), ("9" * 5000, "integer")):
         with pytest.raises(ValueError, match=f"must be {kind}"):
             typed(text, {"type": kind})
+    # transformers' `X | None` (nullable) and pydantic's anyOf; a type among others that is a string keeps the text
+    assert typed("null", {"type": "integer", "nullable": True}) is None
+    assert typed("5", {"anyOf": [{"type": "integer"}, {"type": "null"}]}) == 5
+    assert typed("null", {"anyOf": [{"type": "integer"}, {"type": "null"}]}) is None
+    assert typed("5", {"type": ["integer", "string"]}) == "5" and typed("5", {}) == "5"
+    assert qwen.parse(block(("n", "1")), {"f": {"properties": ["n"]}}).calls == [ToolCall("f", {"n": "1"})]  # a bad schema
+    with pytest.raises(ValueError, match="tool call 'f': arguments must be a JSON object"):
+        qwen.write([("f", "[1]")])
+    # prose that names the form is not a call; many unclosed tags read as text, not a stall
+    prose = "Qwen calls tools as <function=NAME> blocks. So \\boxed{4}."
+    assert qwen.parse(prose, schemas) == Parsed([], [], prose)
+    assert qwen.parse("<function=" * 20_000).calls == [] and qwen.parse("<tool_call>" * 20_000).problems
+    assert tool_format("hermes").parse("<tool_call>" * 20_000).problems == ["a <tool_call> is not closed with </tool_call>"]
 
 
 def test_tool_env_in_qwen3_coder_format_and_its_calls_under_hermes(caplog):
@@ -643,6 +659,18 @@ def test_tools_described_by_the_chat_template_in_its_own_words():
     with pytest.raises(ValueError, match="describes tool calls in the hermes format, but env.options.tool_format is qwen3_coder"):
         check_template(ToolUse(tools=(CALCULATOR,), tools_in="template", tool_format="qwen3_coder"), hermes_words)
     check_template(spec, hermes_words)
+    # only the template's own words count: not a tool's description that quotes a format, nor GLM's blocks
+    quoting = Tool("quote", "Quotes <tool_call>\n<function=x>\n<parameter=y>\n1\n</parameter>\n</function>\n</tool_call>",
+                   {"type": "object", "properties": {}}, lambda: "")
+    describes = char_tokenizer()
+    describes.chat_template = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function']['description'] }}"
+                               "{% endfor %}<|im_end|>\n{% endif %}" + CHAT_TEMPLATE)
+    for fmt in ("hermes", "llama3_json"):
+        check_template(ToolUse(tools=(quoting,), tools_in="template", tool_format=fmt), describes)
+    glm = char_tokenizer()
+    glm.chat_template = xml.chat_template.replace("\n<function=NAME>\n<parameter=NAME>\nvalue\n</parameter>\n</function>\n",
+                                                  "NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n")
+    check_template(ToolUse(tools=(CALCULATOR,), tools_in="template", tool_format="qwen3_coder"), glm)  # not a format known here
 
 
 def test_a_tool_failure_that_is_not_the_models_mistake_raises():

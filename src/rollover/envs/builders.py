@@ -47,8 +47,8 @@ class ConfiguredTools:
     def opening_template_kwargs(self) -> dict:
         return self.spec.opening_template_kwargs()
 
-    def check_opening(self, text: str) -> str | None:
-        return self.spec.check_opening(text)
+    def check_rendering(self, render) -> str | None:
+        return self.spec.check_rendering(render)
 
     def make_group(self, prompt, n: int):
         return self.spec.make_group(prompt, n)
@@ -94,8 +94,9 @@ def make_env_builder(name: str, options: dict[str, Any]) -> EnvGroupBuilder:
 def check_template(builder, tokenizer, processor=None, **template_kwargs) -> None:
     """Refuse, before the run starts, a builder whose openings give the chat template arguments
     (`opening_template_kwargs()`, e.g. `tools=` with `tools: {tools_in: template}`) that the model's
-    template ignores, or that it renders in a way the builder finds wrong (`check_opening(text)`,
-    e.g. the template asks for tool calls in another format): every episode would fail on it.
+    template ignores, or that it renders in a way the builder finds wrong (`check_rendering(render)`,
+    `render(**template_kwargs)` the opening's text: e.g. the template asks for tool calls in another
+    format): every episode would fail on it.
     Tried on the renderer the run's episodes use (`episode_renderer`: a vision-language model's
     processor template included), with the run's `data.chat_template_kwargs`."""
     from jinja2.exceptions import TemplateError
@@ -107,13 +108,18 @@ def check_template(builder, tokenizer, processor=None, **template_kwargs) -> Non
     if not kwargs:
         return
     renderer = episode_renderer(tokenizer, processor, **template_kwargs)
+
+    def render(**given) -> str:
+        ids, _ = renderer.initial_media([{"role": "user", "content": "2 + 2?"}], **given)
+        return renderer.tokenizer.decode(ids)
+
     try:
-        ids, _ = renderer.initial_media([{"role": "user", "content": "2 + 2?"}], **kwargs)
+        render(**kwargs)
     except TemplateError as e:
         hint = ("; describe the tools in the system message instead (env.options.tools_in: system)"
                 if "tools" in kwargs else "")
         raise ValueError(f"env: the model's chat template cannot take what the environment gives it: {e}{hint}") from None
-    check = getattr(builder, "check_opening", None)
-    wrong = check(renderer.tokenizer.decode(ids)) if callable(check) else None
+    check = getattr(builder, "check_rendering", None)
+    wrong = check(render) if callable(check) else None
     if wrong:
         raise ValueError(f"env: {wrong}")

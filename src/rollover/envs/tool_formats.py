@@ -97,6 +97,11 @@ def _calls_of(payload, where: str, calls: list[ToolCall], problems: list[str]) -
             calls.append(call)
 
 
+# a `<tool_call>` block: its body may not hold another `<tool_call>`, so each opening tag is scanned
+# to the next tag only (a reply of many unclosed tags reads in linear time, not quadratic)
+TOOL_CALL_BLOCK = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)</tool_call>", re.DOTALL)
+
+
 def schemas_of(tools: list) -> dict[str, dict]:
     """Each tool's JSON-schema `parameters` by name, from OpenAI's `{"type": "function", "function":
     {...}}` form or the function itself (`Tool.schema()`)."""
@@ -115,7 +120,7 @@ def _schemas(tools: list) -> str:
 
 class Hermes:
     name = "hermes"
-    BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    BLOCK = TOOL_CALL_BLOCK
 
     def parse(self, text: str, schemas: dict | None = None) -> Parsed:
         calls: list[ToolCall] = []
@@ -245,18 +250,18 @@ class Mistral:
 
 class Qwen3Coder:
     name = "qwen3_coder"
-    BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-    FUNCTION = re.compile(r"<function=([^>]*)>(.*?)(</function>|\Z)", re.DOTALL)
-    PARAMETER = re.compile(r"<parameter=([^>]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
+    BLOCK = TOOL_CALL_BLOCK
+    FUNCTION = re.compile(r"<function=([^<>]*)>(.*?)(</function>|\Z)", re.DOTALL)
+    BARE = re.compile(r"<function=[^<>]*>.*?</function>", re.DOTALL)  # a whole call written without its block
+    PARAMETER = re.compile(r"<parameter=([^<>]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
 
     def parse(self, text: str, schemas: dict | None = None) -> Parsed:
         blocks, content = self.BLOCK.findall(text), self.BLOCK.sub("", text)
         problems = []
         if text.count("<tool_call>") > len(blocks):
             problems.append("a <tool_call> is not closed with </tool_call>")
-        elif not blocks and "<function=" in text:  # a call without its block, as vLLM reads it
-            start = text.index("<function=")
-            blocks, content = [text[start:]], text[:start]
+        elif not blocks and (bare := self.BARE.search(text)):  # a whole call without its block, as vLLM reads it
+            blocks, content = [text[bare.start():]], text[:bare.start()]
         calls: list[ToolCall] = []
         for i, block in enumerate(blocks, 1):
             functions = self.FUNCTION.findall(block)
@@ -274,7 +279,8 @@ class Qwen3Coder:
             return "<function=> needs the tool's name"
         if not closed:
             return f"<function={name}> is not closed with </function>"
-        properties = (schema or {}).get("properties") or {}
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        properties = properties if isinstance(properties, dict) else {}
         arguments: dict = {}
         for key, value in self.PARAMETER.findall(body):
             key = key.strip()
@@ -288,11 +294,15 @@ class Qwen3Coder:
         return ToolCall(name, arguments)
 
     def write(self, calls: list[tuple[str, str]]) -> str:
-        def parameter(key, value):
-            return f"<parameter={key}>\n{value if isinstance(value, str) else json.dumps(value)}\n</parameter>\n"
+        def parameters(name: str, args: str) -> str:
+            given = json.loads(args)
+            if not isinstance(given, dict):
+                raise ValueError(f"tool call {name!r}: arguments must be a JSON object to write as <parameter> tags, "
+                                 f"got {args!r:.60}")
+            return "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                           for k, v in given.items())
 
-        return "\n".join(f"<tool_call>\n<function={n}>\n{''.join(parameter(k, v) for k, v in json.loads(args).items())}"
-                         "</function>\n</tool_call>" for n, args in calls)
+        return "\n".join(f"<tool_call>\n<function={n}>\n{parameters(n, args)}</function>\n</tool_call>" for n, args in calls)
 
     def instructions(self, tools: list) -> str:
         return ("You can call tools. They are described here as JSON:\n"
@@ -305,12 +315,17 @@ _JSON_TYPES = {"integer": int, "number": (int, float), "boolean": bool, "object"
 
 
 def typed(text: str, schema: dict | None):
-    """A value written as text (`qwen3_coder`'s arguments) read by its JSON-schema `type`: a string
-    as written (also where the schema gives no type), `null` as None where the type allows it,
-    any other type from JSON or a Python literal; a ValueError saying what it should be."""
-    kind = (schema or {}).get("type") if isinstance(schema, dict) else None
-    kinds = [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)] if isinstance(kind, list) else []
-    if "null" in kinds and text.strip() == "null":
+    """A value written as text (`qwen3_coder`'s arguments) read by its JSON schema's `type` (or the
+    types of its `anyOf` / `oneOf` alternatives): a string as written (also where the schema gives
+    no type, or allows a string among others), `null` as None where the schema allows it (a `null`
+    type, `nullable`), any other type from JSON or a Python literal that JSON can hold (finite
+    numbers); a ValueError saying what it should be."""
+    schema = schema if isinstance(schema, dict) else {}
+    alternatives = [a for key in ("anyOf", "oneOf") if isinstance(schema.get(key), list) for a in schema[key]
+                    if isinstance(a, dict)]
+    kinds = _types(schema) + [k for a in alternatives for k in _types(a)]
+    nullable = "null" in kinds or any(s.get("nullable") is True for s in (schema, *alternatives))
+    if nullable and text.strip() == "null":
         return None
     wanted = [k for k in kinds if k in _JSON_TYPES]
     if not wanted or "string" in kinds:
@@ -320,11 +335,15 @@ def typed(text: str, schema: dict | None):
         return raw.lower() == "true"
     try:
         value = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # (a JSONDecodeError, or an integer past Python's digit limit)
         try:
             value = ast.literal_eval(raw)
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             value = text
+    try:
+        json.dumps(value, allow_nan=False)  # what JSON can hold: no sets, bytes, complex, NaN or infinity
+    except (TypeError, ValueError, RecursionError):
+        value = text
     for k in wanted:
         if k == "integer" and isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -333,17 +352,28 @@ def typed(text: str, schema: dict | None):
     raise ValueError(f"must be {' or '.join(wanted)}, got {raw[:40]!r}")
 
 
+def _types(schema: dict) -> list[str]:
+    kind = schema.get("type")
+    return [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)] if isinstance(kind, list) else []
+
+
 ToolFormat = Hermes | Llama3Json | Mistral | Qwen3Coder
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral(), Qwen3Coder())}
 
 
 def described_format(text: str) -> str | None:
-    """The call format a chat template's own description of the tools asks for, where its words say
-    so plainly: `<function=...>` with `<parameter=...>` (qwen3_coder), else `<tool_call>` blocks
-    (hermes); None where they do not."""
+    """The call format a chat template's own words ask for (`text`: an opening it rendered with a
+    tool that describes nothing, `PROBE_TOOL`), where they say so plainly: `<function=...>` with
+    `<parameter=...>` (qwen3_coder), else `<tool_call>` blocks (hermes; not GLM's, whose blocks hold
+    `<arg_key>` tags); None where they do not."""
     if "<function=" in text and "<parameter=" in text:
         return "qwen3_coder"
-    return "hermes" if "<tool_call>" in text else None
+    return "hermes" if "<tool_call>" in text and "<arg_key>" not in text else None
+
+
+# a tool with nothing in its description, for reading a chat template's own words about tools
+PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "",
+                                               "parameters": {"type": "object", "properties": {}}}}
 
 
 def tool_format(name: str) -> ToolFormat:

@@ -55,7 +55,7 @@ from typing import Callable
 
 from rollover.envs.base import Action, Opening, StepResult
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
-from rollover.envs.tool_formats import FORMATS, Hermes, ToolCall, call_id, described_format, tool_format
+from rollover.envs.tool_formats import FORMATS, PROBE_TOOL, Hermes, ToolCall, call_id, described_format, tool_format
 from rollover.rewards.builtins import numeric_reward
 from rollover.types import Prompt
 
@@ -287,11 +287,14 @@ class ToolUse:
             return {}
         return {"tools": [{"type": "function", "function": t.schema()} for t in self.tools]}
 
-    def check_opening(self, text: str) -> str | None:
-        """What is wrong with an opening as the model's chat template renders it (`text`, with the
-        tools given to it): a template whose own description asks for calls in another format than
-        `tool_format` (every call would fail to read). None: nothing found."""
-        asked = described_format(text) if self.tools_in == "template" else None
+    def check_rendering(self, render: Callable[..., str]) -> str | None:
+        """What is wrong with how the model's chat template renders an opening (`render(**template_kwargs)`:
+        its text): with `tools_in="template"`, a template whose own words (tried with a tool that
+        describes nothing, so no tool's description speaks for it) ask for calls in another format than
+        `tool_format`: every call would fail to read. None: nothing found."""
+        if self.tools_in != "template":
+            return None
+        asked = described_format(render(tools=[PROBE_TOOL]))
         if asked is None or asked == self.tool_format:
             return None
         return (f"the chat template describes tool calls in the {asked} format, but env.options.tool_format is "
