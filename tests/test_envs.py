@@ -237,7 +237,10 @@ def test_qwen3_coder_calls_as_qwen_models_write_them():
     assert qwen.parse(block(("n", "three")), schemas).problems == ["tool call 1: argument 'n' must be integer, got 'three'"]
     assert qwen.parse(block(("n", "1"), ("n", "2")), schemas).problems == ["tool call 1: argument 'n' is given twice"]
     assert qwen.parse(block(("n", "1"), close=""), schemas).problems == ["tool call 1: <function=f> is not closed with </function>"]
-    assert qwen.parse(block(("n", "1"))[:-len("</tool_call>")], schemas).problems == ["a <tool_call> is not closed with </tool_call>"]
+    # a turn that ends after a whole call, before its </tool_call>, called it (as vLLM reads it); one cut off earlier did not
+    assert qwen.parse(block(("n", "1"))[:-len("</tool_call>")], schemas).calls == [ToolCall("f", {"n": 1})]
+    assert qwen.parse(block(("n", "1"), close="")[:-len("</tool_call>")], schemas).problems == [
+        "a <tool_call> is not closed with </tool_call>"]
     hermes = '<tool_call>{"name": "f", "arguments": {"n": 1}}</tool_call>'
     assert qwen.parse(hermes, schemas).problems[0].startswith("tool call 1: expected <function=NAME>")
     # a function without its block, and a parameter left open before the next, are read as vLLM reads them

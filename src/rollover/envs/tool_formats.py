@@ -32,7 +32,8 @@ describes the tools in a system message for templates that do not describe them 
   A value is read by the type the tool's schema gives its parameter (`schemas`): a string as
   written (one newline either side dropped), integers, numbers, booleans, objects and arrays as
   JSON (a Python literal is read too); a value that is not of its type is a problem of that call.
-  A `<function=...>` written without its `<tool_call>` block is read as a call too, as vLLM does.
+  A whole `<function=...>...</function>` written without its `<tool_call>` block, or in a last
+  block the turn ended before closing, is read as a call too, as vLLM does.
 
 `parse(text, schemas)` takes the tools' JSON-schema `parameters` by name (`schemas_of`); only
 `qwen3_coder` needs them.
@@ -258,7 +259,12 @@ class Qwen3Coder:
     def parse(self, text: str, schemas: dict | None = None) -> Parsed:
         blocks, content = self.BLOCK.findall(text), self.BLOCK.sub("", text)
         problems = []
-        if text.count("<tool_call>") > len(blocks):
+        open_at = content.find("<tool_call>")
+        if open_at >= 0 and content.count("<tool_call>") == 1 and self.BARE.search(content, open_at):
+            # the last block left open after a whole call (the model ended its turn there): read as vLLM reads it
+            blocks.append(content[open_at + len("<tool_call>"):])
+            content = content[:open_at]
+        elif open_at >= 0:
             problems.append("a <tool_call> is not closed with </tool_call>")
         elif not blocks and (bare := self.BARE.search(text)):  # a whole call without its block, as vLLM reads it
             blocks, content = [text[bare.start():]], text[:bare.start()]
