@@ -289,6 +289,31 @@ def test_tool_env_in_qwen3_coder_format_and_its_calls_under_hermes(caplog):
     assert len(warned) == 1 and "calls a tool in the qwen3_coder format, but tool_format is hermes: its calls fail" in warned[0]
 
 
+def test_calls_drafted_while_thinking_do_not_run():
+    """A thinking model's <think>...</think> is left out where calls are read, as vLLM's reasoning
+    parsers leave it out of the message; a turn cut off while thinking made no call."""
+    from rollover.envs.tool_formats import Parsed, read, split_reasoning, tool_format
+
+    hermes = tool_format("hermes")
+    draft, real = call("calculator", expression="1 + 1"), call("calculator", expression="17 * 23")
+    got = read(hermes, f"<think>Maybe {draft}? No.</think>\n\n{real}")
+    assert got.calls == [ToolCall("calculator", {"expression": "17 * 23"})] and got.content == f"<think>Maybe {draft}? No.</think>"
+    # the chat template opened the reasoning in its generation prompt (Qwen3.5's): the reply starts inside it
+    assert read(hermes, f"Maybe {draft}.</think>\n{real}").calls == [ToolCall("calculator", {"expression": "17 * 23"})]
+    assert read(hermes, f"<think>Let me try {draft}") == Parsed([], [], f"<think>Let me try {draft}")
+    assert split_reasoning("no reasoning") == ("", "no reasoning")
+    xml = "<tool_call>\n<function=calculator>\n<parameter=expression>\n1\n</parameter>\n</function>\n</tool_call>"
+    assert read(tool_format("qwen3_coder"), f"<think>{xml}</think>So \\boxed{{1}}.").calls == []
+    env = ToolUse(tools=(CALCULATOR,)).make_one(Prompt(id="t", text="17 * 23?", answer="391"), 1, 0)
+    (result,) = play(env, [f"<think>{draft}</think>The answer is \\boxed{{391}}."])
+    assert result.done and result.reward == 1.0 and result.info["tool_calls"] == 0
+    from rollover.envs.chat_api import reply_message  # an agent's reply: the calls after the reasoning, which stays in the content
+
+    message, calls = reply_message(f"<think>{draft}</think>\n{real}", [{"type": "function", "function": CALCULATOR.schema()}])
+    assert calls and message.content == f"<think>{draft}</think>"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("calculator", '{"expression": "17 * 23"}')]
+
+
 def test_tool_env_in_llama3_format():
     spec = ToolUse(tools=(CALCULATOR,), tool_format="llama3_json")
     env = spec.make_group(Prompt(id="t", text="What is 17 * 23?", answer="391"), 1)[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from rollover.envs.tool_formats import FORMATS, ToolFormat, call_id, schemas_of
+from rollover.envs.tool_formats import FORMATS, ToolFormat, call_id, read, schemas_of
 
 HERMES = FORMATS["hermes"]
 
@@ -174,7 +174,7 @@ def reply_message(text: str, tools: list | None, turn: int = 1, fmt: ToolFormat 
     well-formed) as `tool_calls` (ids by turn and place: the same in a replay) and the text
     around them as the content; (message, whether it calls tools)."""
     if tools:
-        parsed = fmt.parse(text, schemas_of(tools))
+        parsed = read(fmt, text, schemas_of(tools))
         if parsed.calls and not parsed.problems:
             content = parsed.content or None
             objects = [ToolCallObject(c.id or call_id(turn, i), Function(c.name, json.dumps(c.arguments)))

@@ -36,7 +36,9 @@ describes the tools in a system message for templates that do not describe them 
   block the turn ended before closing, is read as a call too, as vLLM does.
 
 `parse(text, schemas)` takes the tools' JSON-schema `parameters` by name (`schemas_of`); only
-`qwen3_coder` needs them.
+`qwen3_coder` needs them. `read(fmt, reply, schemas)` is how an environment reads a reply: a
+thinking model's reasoning (`<think>...</think>`) is left out, as vLLM's reasoning parsers leave
+it out of the message whose calls they read, so a call drafted while thinking does not run.
 
 What is not read: Mistral's newer `[TOOL_CALLS]name[ARGS]{...}` form (its markers are special
 tokens too, and without them the name and arguments run together), and Llama's built-in tools
@@ -365,6 +367,27 @@ def _types(schema: dict) -> list[str]:
 
 ToolFormat = Hermes | Llama3Json | Mistral | Qwen3Coder
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral(), Qwen3Coder())}
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, the rest) of a reply: up to the last `</think>` (the opening `<think>` may be in
+    the chat template's generation prompt, Qwen3.5's, so not in the reply), or from a `<think>`
+    never closed (a turn cut off while thinking) to the end; ("", text) without either."""
+    end = text.rfind("</think>")
+    if end >= 0:
+        return text[:end + len("</think>")], text[end + len("</think>"):]
+    start = text.find("<think>")
+    return (text[start:], text[:start]) if start >= 0 else ("", text)
+
+
+def read(fmt: "ToolFormat", text: str, schemas: dict | None = None) -> Parsed:
+    """The calls of a reply in `fmt`, read outside its reasoning (`split_reasoning`); the content
+    keeps the reasoning."""
+    reasoning, rest = split_reasoning(text)
+    parsed = fmt.parse(rest, schemas)
+    if not reasoning:
+        return parsed
+    return Parsed(parsed.calls, parsed.problems, "\n\n".join(p for p in (reasoning.strip(), parsed.content) if p))
 
 
 def described_format(text: str) -> str | None:

@@ -14,11 +14,11 @@ and the model calls them inside its reply, one JSON object (or a list of them) p
     <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>
 
 `tool_format` picks another format models are trained on (Llama 3's JSON reply, Mistral's
-`[TOOL_CALLS]` list, Qwen3-Coder's and Qwen3.5's XML; `rollover.envs.tool_formats`). `system_prompt` replaces that description;
-`examples`, worked conversations before the question (`rollover.envs.opening`), are how a small
-model is shown the format it would not take from a description alone. `tools_in="template"` hands
-the tools to a chat template that describes them itself (Qwen2.5's, Hermes'), in the words its
-model was trained on.
+`[TOOL_CALLS]` list, Qwen3-Coder's and Qwen3.5's XML; `rollover.envs.tool_formats`).
+`system_prompt` replaces that description; `examples`, worked conversations before the
+question (`rollover.envs.opening`), are how a small model is shown the format it would not take
+from a description alone. `tools_in="template"` hands the tools to a chat template that
+describes them itself (Qwen2.5's, Hermes', Qwen3.5's), in the words its model was trained on.
 
 Each result comes back as a message with role `tool` (and the tool's `name`). In ChatML the role
 is written out (`<|im_start|>tool\\n391<|im_end|>`), so the model can tell a result from the
@@ -28,8 +28,9 @@ messages wrapped in `<tool_response>...</tool_response>`.
 
 A reply without a tool call is the final answer and ends the episode: `score(reply, answer)`
 is the reward (default: the `numeric` reward, the last number of the `\\boxed{}` or of the
-reply). A reply whose calls would pass `max_tool_calls` in the episode ends it with reward 0 (its
-calls not run). An answer that calls a known tool, with arguments it takes, in another format
+reply). Calls are read outside a thinking model's `<think>...</think>` (a call drafted while
+thinking does not run). A reply whose calls would pass `max_tool_calls` in the episode ends it
+with reward 0 (its calls not run). An answer that calls a known tool, with arguments it takes, in another format
 than `tool_format` is still the answer (the model did not call as told), but it is counted
 (`info` `calls_in_other_format`, over the episodes that answered) and the first one is logged
 naming the format it is in: a model that never seems to call its tools may call them the way
@@ -55,7 +56,7 @@ from typing import Callable
 
 from rollover.envs.base import Action, Opening, StepResult
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
-from rollover.envs.tool_formats import FORMATS, PROBE_TOOL, Hermes, ToolCall, call_id, described_format, tool_format
+from rollover.envs.tool_formats import FORMATS, PROBE_TOOL, Hermes, ToolCall, call_id, described_format, read, tool_format
 from rollover.rewards.builtins import numeric_reward
 from rollover.types import Prompt
 
@@ -254,7 +255,7 @@ class ToolUse:
         schemas = {t.name: t.parameters for t in self.tools}
 
         def calls(text: str) -> tuple[list[str], list[str]]:  # as step() would read and run them
-            parsed = reader.parse(text, schemas)
+            parsed = read(reader, text, schemas)
             problems = list(parsed.problems)
             problems += [wrong for call in parsed.calls if (wrong := _refusal(known, call))]
             return [c.name for c in parsed.calls], problems
@@ -321,7 +322,7 @@ class ToolEnv:
         return Opening(messages, kwargs) if kwargs else messages
 
     async def step(self, action: Action) -> StepResult:
-        parsed = tool_format(self.spec.tool_format).parse(action.text, self.schemas)
+        parsed = read(tool_format(self.spec.tool_format), action.text, self.schemas)
         calls, problems = parsed.calls, parsed.problems
         if not calls and not problems:
             reward = float(self.spec.score(action.text, self.prompt.answer))
@@ -360,7 +361,7 @@ class ToolEnv:
         arguments its schema names: not an echo of the tools' description), if any (logged once a process,
         saying how `tool_format` read it: `read_as`)."""
         for name, reader in FORMATS.items():
-            if name != self.spec.tool_format and any(not _refusal(self.tools, c) for c in reader.parse(text, self.schemas).calls):
+            if name != self.spec.tool_format and any(not _refusal(self.tools, c) for c in read(reader, text, self.schemas).calls):
                 if (self.spec.tool_format, name) not in _WARNED:
                     _WARNED.add((self.spec.tool_format, name))
                     log.warning("tools: a reply calls a tool in the %s format, but tool_format is %s: %s (set "
