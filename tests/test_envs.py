@@ -144,6 +144,9 @@ def test_parse_tool_calls_on_hand_written_replies():
         "tool call 3: arguments must be an object",
         "a <tool_call> is not closed with </tool_call>",
     ]
+    # a turn that ends after a whole call, before its </tool_call>, called it (as vLLM reads it)
+    assert parse_tool_calls('So: <tool_call>{"name": "calculator", "arguments": {"expression": "1"}}') == (
+        [ToolCall("calculator", {"expression": "1"})], [])
 
 
 @pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "qwen3_coder"])

@@ -6,7 +6,8 @@ describes the tools in a system message for templates that do not describe them 
 
 - `hermes` (Qwen2.5 / Qwen3, Hermes, SmolLM2's function-calling data): the tools as JSON inside
   `<tools>...</tools>`; each call a `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-  block (one call or a list per block), anywhere in the reply.
+  block (one call or a list per block), anywhere in the reply; a last block the turn ended
+  before closing is read where it holds whole JSON, as vLLM reads it.
 - `llama3_json` (Llama 3.1 to 3.3's JSON tool calling; vLLM's `llama3_json` parser): the reply
   *is* the call, a JSON object `{"name": ..., "parameters": {...}}` (`arguments` is read too),
   several separated by `;`. A reply is read as calls when it starts with `{"name"` and its first
@@ -51,6 +52,7 @@ import ast
 import json
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,30 @@ def _calls_of(payload, where: str, calls: list[ToolCall], problems: list[str]) -
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)</tool_call>", re.DOTALL)
 
 
+def closed_blocks(text: str, whole: Callable[[str], bool]) -> tuple[list[str], str, list[str]]:
+    """(the bodies of `text`'s `<tool_call>` blocks, the text without them, problems): a last block the
+    turn ended before closing is read too where its body is a whole call (`whole(body)`), as vLLM's
+    parsers read it (a model that stops after the call, before `</tool_call>`); any other block left
+    open is a problem."""
+    blocks, content = TOOL_CALL_BLOCK.findall(text), TOOL_CALL_BLOCK.sub("", text)
+    open_at = content.find("<tool_call>")
+    if open_at < 0:
+        return blocks, content, []
+    body = content[open_at + len("<tool_call>"):]
+    if content.count("<tool_call>") == 1 and whole(body):
+        return blocks + [body], content[:open_at], []
+    return blocks, content, ["a <tool_call> is not closed with </tool_call>"]
+
+
+def _json_call(body: str) -> bool:
+    """Whether `body` is JSON as a Hermes block holds it (a call or a list), all of it."""
+    try:
+        json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def schemas_of(tools: list) -> dict[str, dict]:
     """Each tool's JSON-schema `parameters` by name, from OpenAI's `{"type": "function", "function":
     {...}}` form or the function itself (`Tool.schema()`)."""
@@ -123,12 +149,11 @@ def _schemas(tools: list) -> str:
 
 class Hermes:
     name = "hermes"
-    BLOCK = TOOL_CALL_BLOCK
 
     def parse(self, text: str, schemas: dict | None = None) -> Parsed:
         calls: list[ToolCall] = []
         problems: list[str] = []
-        blocks = self.BLOCK.findall(text)
+        blocks, content, unclosed = closed_blocks(text, _json_call)
         for i, block in enumerate(blocks, 1):
             try:
                 payload = json.loads(block)
@@ -139,9 +164,7 @@ class Hermes:
                 problems.append(f"tool call {i} is nested too deeply to read")
                 continue
             _calls_of(payload, f"tool call {i}", calls, problems)
-        if text.count("<tool_call>") > len(blocks):
-            problems.append("a <tool_call> is not closed with </tool_call>")
-        return Parsed(calls, problems, self.BLOCK.sub("", text).strip())
+        return Parsed(calls, problems + unclosed, content.strip())
 
     def write(self, calls: list[tuple[str, str]]) -> str:
         return "\n".join(f'<tool_call>{{"name": {json.dumps(n)}, "arguments": {args}}}</tool_call>' for n, args in calls)
@@ -253,22 +276,14 @@ class Mistral:
 
 class Qwen3Coder:
     name = "qwen3_coder"
-    BLOCK = TOOL_CALL_BLOCK
     FUNCTION = re.compile(r"<function=([^<>]*)>(.*?)(</function>|\Z)", re.DOTALL)
     BARE = re.compile(r"<function=[^<>]*>.*?</function>", re.DOTALL)  # a whole call written without its block
     PARAMETER = re.compile(r"<parameter=([^<>]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
 
     def parse(self, text: str, schemas: dict | None = None) -> Parsed:
-        blocks, content = self.BLOCK.findall(text), self.BLOCK.sub("", text)
-        problems = []
-        open_at = content.find("<tool_call>")
-        if open_at >= 0 and content.count("<tool_call>") == 1 and self.BARE.search(content, open_at):
-            # the last block left open after a whole call (the model ended its turn there): read as vLLM reads it
-            blocks.append(content[open_at + len("<tool_call>"):])
-            content = content[:open_at]
-        elif open_at >= 0:
-            problems.append("a <tool_call> is not closed with </tool_call>")
-        elif not blocks and (bare := self.BARE.search(text)):  # a whole call without its block, as vLLM reads it
+        blocks, content, unclosed = closed_blocks(text, lambda body: bool(self.BARE.search(body)))
+        problems: list[str] = []
+        if not blocks and not unclosed and (bare := self.BARE.search(text)):  # a whole call without its block, as vLLM reads it
             blocks, content = [text[bare.start():]], text[:bare.start()]
         calls: list[ToolCall] = []
         for i, block in enumerate(blocks, 1):
@@ -280,7 +295,7 @@ class Qwen3Coder:
                 call = self._call(name.strip(), body, closed, (schemas or {}).get(name.strip()))
                 (calls if isinstance(call, ToolCall) else problems).append(
                     call if isinstance(call, ToolCall) else f"tool call {i}: {call}")
-        return Parsed(calls, problems, content.strip())
+        return Parsed(calls, problems + unclosed, content.strip())
 
     def _call(self, name: str, body: str, closed: str, schema: dict | None) -> ToolCall | str:
         if not name:

@@ -218,7 +218,8 @@ PYTHON = Tool(
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
     """The Hermes-format calls in a reply, and what was wrong with the blocks that are not calls
     (`rollover.envs.tool_formats.Hermes`: a block is `<tool_call>JSON</tool_call>`, the JSON one
-    call or a list of calls; a `<tool_call>` without its closing tag is a problem)."""
+    call or a list of calls; a `<tool_call>` without its closing tag is a problem, but for a last one
+    holding whole JSON: the turn ended before closing it)."""
     parsed = Hermes().parse(text)
     return parsed.calls, parsed.problems
 
