@@ -345,9 +345,10 @@ def test_an_answer_that_calls_a_tool_in_another_format_is_counted_and_logged_onc
     for reply in ['{"name": "search", "parameters": {"q": "x"}}', json.dumps(CALCULATOR.schema()) + " \\boxed{391}"]:
         (env,) = spec.make_group(Prompt(id="t", text="17 * 23?", answer="391"), 1)
         assert play(env, [reply])[0].info["calls_in_other_format"] == 0.0
-    # in Mistral's format, a Hermes call is seen
-    (env,) = ToolUse(tools=(CALCULATOR,), tool_format="mistral").make_group(Prompt(id="t", text="?", answer="1"), 1)
-    assert play(env, [call("calculator", expression="1")])[0].info["calls_in_other_format"] == 1.0
+    # in Mistral's format, a Hermes call is seen, a list of calls in a Hermes block too (not run as Mistral's)
+    for reply in (call("calculator", expression="1"), '<tool_call>[{"name": "calculator", "arguments": {"expression": "1"}}]</tool_call>'):
+        (env,) = ToolUse(tools=(CALCULATOR,), tool_format="mistral").make_group(Prompt(id="t", text="?", answer="1"), 1)
+        assert play(env, [reply])[0].info["calls_in_other_format"] == 1.0
 
 
 def test_tool_env_in_mistral_format_gives_results_the_ids_its_templates_need():

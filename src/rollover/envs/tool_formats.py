@@ -258,8 +258,8 @@ class Mistral:
             content, _, body = text.partition(self.MARK)
         elif found := self.START.search(text):  # the marker was a special token, left out of the decoded turn
             content, body = text[:found.start()], text[found.start():]
-            if not _meant_as_call(body, list, self.CALL):
-                return Parsed([], [], text.strip())  # a JSON answer with names in it, not calls
+            if not _meant_as_call(body, list, self.CALL) or content.rstrip().endswith("<tool_call>"):
+                return Parsed([], [], text.strip())  # a JSON answer with names in it, or a Hermes block: not calls
         else:
             return Parsed([], [], text.strip())
         return _read(body.strip(), self.MARK, content.strip())
