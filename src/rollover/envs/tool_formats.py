@@ -293,8 +293,10 @@ class Qwen3Coder:
                                 "inside, closed by </function>")
             for name, body, closed in functions:
                 call = self._call(name.strip(), body, closed, (schemas or {}).get(name.strip()))
-                (calls if isinstance(call, ToolCall) else problems).append(
-                    call if isinstance(call, ToolCall) else f"tool call {i}: {call}")
+                if isinstance(call, ToolCall):
+                    calls.append(call)
+                else:
+                    problems.append(f"tool call {i}: {call}")
         return Parsed(calls, problems + unclosed, content.strip())
 
     def _call(self, name: str, body: str, closed: str, schema: dict | None) -> ToolCall | str:

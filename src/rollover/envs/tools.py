@@ -253,7 +253,7 @@ class ToolUse:
         reader = tool_format(self.tool_format)  # a name it knows
 
         known = {t.name: t for t in self.tools}
-        schemas = {t.name: t.parameters for t in self.tools}
+        schemas = {name: t.parameters for name, t in known.items()}
 
         def calls(text: str) -> tuple[list[str], list[str]]:  # as step() would read and run them
             parsed = read(reader, text, schemas)
@@ -313,7 +313,7 @@ class ToolEnv:
     def __init__(self, spec: ToolUse, prompt: Prompt):
         self.spec, self.prompt, self.calls, self.errors, self.turn = spec, prompt, 0, 0, 0
         self.tools = {t.name: t for t in spec.tools}
-        self.schemas = {t.name: t.parameters for t in spec.tools}
+        self.schemas = {name: t.parameters for name, t in self.tools.items()}
 
     async def initial_observation(self) -> list[dict] | Opening:
         spec = self.spec
