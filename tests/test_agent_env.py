@@ -385,7 +385,7 @@ def test_tool_calls_in_llama3_mistral_and_qwen3_coder_formats(agents, fmt, reply
     assert ("<tool_call>" in assistant) == (fmt == "qwen3_coder")
     integers = schemas_of([{"name": "add", "parameters": {"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}])
     assert env.format.parse(assistant.removeprefix("Adding.\n"), integers).calls == [ToolCall("add", {"a": 1, "b": 1})]
-    with pytest.raises(ValueError, match="env.options.tool_format must be one of hermes, llama3_json, mistral, qwen3_coder"):
+    with pytest.raises(ValueError, match="env.options.tool_format must be one of hermes, llama3_json, mistral, qwen3_coder, glm45"):
         AgentBuilder(f"{agents}:uses_tools", tool_format="xml")
 
 

@@ -149,7 +149,7 @@ def test_parse_tool_calls_on_hand_written_replies():
         [ToolCall("calculator", {"expression": "1"})], [])
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "qwen3_coder"])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "qwen3_coder", "glm45"])
 def test_each_tool_format_reads_back_the_calls_it_writes(name):
     from rollover.envs.tool_formats import tool_format
 
@@ -160,7 +160,7 @@ def test_each_tool_format_reads_back_the_calls_it_writes(name):
     assert parsed.problems == [] and parsed.content == ""
     assert fmt.parse("The answer is \\boxed{391}.").calls == []  # a final answer is no call
     assert '"name": "calculator"' in fmt.instructions([CALCULATOR.schema()])
-    with pytest.raises(ValueError, match="unknown tool_format 'xml'; known: hermes, llama3_json, mistral, qwen3_coder"):
+    with pytest.raises(ValueError, match="unknown tool_format 'xml'; known: hermes, llama3_json, mistral, qwen3_coder, glm45"):
         tool_format("xml")
 
 
@@ -270,6 +270,56 @@ def test_qwen3_coder_calls_as_qwen_models_write_them():
     assert qwen.parse(prose, schemas) == Parsed([], [], prose)
     assert qwen.parse("<function=" * 20_000).calls == [] and qwen.parse("<tool_call>" * 20_000).problems
     assert tool_format("hermes").parse("<tool_call>" * 20_000).problems == ["a <tool_call> is not closed with </tool_call>"]
+
+
+def test_glm45_calls_as_glm_models_write_them():
+    """GLM-4.5's calls (the name after <tool_call>, then <arg_key>/<arg_value> pairs; GLM-4.7's without
+    newlines): a value is a string as written where the schema says string, of its type where the schema
+    gives another, and JSON or a Python literal where it gives none (as vLLM's glm45 parser reads it)."""
+    from rollover.envs.tool_formats import Parsed, schemas_of, tool_format
+
+    glm = tool_format("glm45")
+    schemas = schemas_of([{"type": "function", "function": {"name": "f", "parameters": {"properties": {
+        "n": {"type": "integer"}, "s": {"type": "string"}, "xs": {"type": "array"}}}}}])
+
+    def block(*pairs: tuple[str, str], sep: str = "\n", close: str = "</tool_call>") -> str:
+        return "<tool_call>f" + sep + "".join(f"<arg_key>{k}</arg_key>{sep}<arg_value>{v}</arg_value>{sep}"
+                                              for k, v in pairs) + close
+
+    reply = "Let me look.\n" + block(("n", "3"), ("s", " 42 "), ("xs", "[1, 'a']"), ("free", "true"), ("word", "hi"))
+    assert glm.parse(reply, schemas) == Parsed([ToolCall("f", {"n": 3, "s": " 42 ", "xs": [1, "a"], "free": True,
+                                                             "word": "hi"})], [], "Let me look.")
+    assert glm.parse(block(("n", "3"), ("s", "x"), sep=""), schemas).calls == [ToolCall("f", {"n": 3, "s": "x"})]  # GLM-4.7's
+    assert glm.parse(block(("n", "3")), {}).calls == [ToolCall("f", {"n": 3})]  # no schema: JSON where it reads as JSON
+    assert glm.parse("<tool_call>now</tool_call>").calls == [ToolCall("now", {})]  # a tool without arguments
+    assert glm.parse(block(("n", "three")), schemas).problems == ["tool call 1: argument 'n' must be integer, got 'three'"]
+    assert glm.parse(block(("n", "1"), ("n", "2")), schemas).problems == ["tool call 1: argument 'n' is given twice"]
+    assert glm.parse("<tool_call>f\n<arg_key>n</arg_key>\n</tool_call>", schemas).problems == [
+        "tool call 1: f: each argument must be <arg_key>NAME</arg_key> then <arg_value>value</arg_value>"]
+    # a Hermes block or a Qwen3-Coder block is no GLM call (and the other format's check can then name it)
+    for other in ('<tool_call>{"name": "f", "arguments": {"n": 1}}</tool_call>',
+                  "<tool_call>\n<function=f>\n<parameter=n>\n1\n</parameter>\n</function>\n</tool_call>"):
+        assert glm.parse(other, schemas).problems[0].startswith("tool call 1: expected the tool's name after <tool_call>")
+    assert tool_format("hermes").parse(block(("n", "1")), schemas).problems[0].startswith("tool call 1 is not valid JSON")
+    # a turn that ends after a whole value, before </tool_call>, called it; one cut off inside a value did not
+    assert glm.parse(block(("n", "1"), close=""), schemas).calls == [ToolCall("f", {"n": 1})]
+    assert glm.parse("<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>1", schemas).problems == [
+        "a <tool_call> is not closed with </tool_call>"]
+    assert glm.parse("It is \\boxed{3}.", schemas) == Parsed([], [], "It is \\boxed{3}.")
+    assert "<arg_key>ARGUMENT NAME</arg_key>" in glm.instructions([CALCULATOR.schema()])
+    # written back as GLM-4.5's template writes an assistant's calls: strings as they are, other values as JSON
+    assert glm.write([("f", '{"s": "a b", "n": 2, "xs": [1]}')]) == (
+        "<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>a b</arg_value>\n<arg_key>n</arg_key>\n<arg_value>2</arg_value>\n"
+        "<arg_key>xs</arg_key>\n<arg_value>[1]</arg_value>\n</tool_call>")
+    prompt = Prompt(id="t", text="What is 17 * 23?", answer="391")
+    env = ToolUse(tools=(CALCULATOR,), tool_format="glm45").make_one(prompt, 1, 0)
+    results = play(env, ["<tool_call>calculator\n<arg_key>expression</arg_key>\n<arg_value>17 * 23</arg_value>\n</tool_call>",
+                         "It is \\boxed{391}."])
+    assert results[0].messages == [{"role": "tool", "name": "calculator", "content": "391"}] and results[1].reward == 1.0
+    shot = [SHOT[0], {"role": "assistant", "content": "<tool_call>calculator<arg_key>expression</arg_key><arg_value>12 * 34"
+                                                      "</arg_value></tool_call>"}, {"role": "tool", "content": "408"}, SHOT[3]]
+    (written,) = ToolUse(tools=(CALCULATOR,), tool_format="glm45", examples=[shot]).examples  # a worked example in its form
+    assert written[2] == {"role": "tool", "content": "408", "name": "calculator"}
 
 
 def test_tool_env_in_qwen3_coder_format_and_its_calls_under_hermes(caplog):
@@ -691,7 +741,7 @@ def test_tools_described_by_the_chat_template_in_its_own_words():
     with pytest.raises(ValueError, match="describes tool calls in the hermes format, but env.options.tool_format is qwen3_coder"):
         check_template(ToolUse(tools=(CALCULATOR,), tools_in="template", tool_format="qwen3_coder"), hermes_words)
     check_template(spec, hermes_words)
-    # only the template's own words count: not a tool's description that quotes a format, nor GLM's blocks
+    # only the template's own words count, not a tool's description that quotes a format
     quoting = Tool("quote", "Quotes <tool_call>\n<function=x>\n<parameter=y>\n1\n</parameter>\n</function>\n</tool_call>",
                    {"type": "object", "properties": {}}, lambda: "")
     describes = char_tokenizer()
@@ -702,7 +752,10 @@ def test_tools_described_by_the_chat_template_in_its_own_words():
     glm = char_tokenizer()
     glm.chat_template = xml.chat_template.replace("\n<function=NAME>\n<parameter=NAME>\nvalue\n</parameter>\n</function>\n",
                                                   "NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n")
-    check_template(ToolUse(tools=(CALCULATOR,), tools_in="template", tool_format="qwen3_coder"), glm)  # not a format known here
+    with pytest.raises(ValueError, match="describes tool calls in the glm45 format, but env.options.tool_format is "
+                                         "qwen3_coder: set env.options.tool_format: glm45"):
+        check_template(ToolUse(tools=(CALCULATOR,), tools_in="template", tool_format="qwen3_coder"), glm)
+    check_template(ToolUse(tools=(CALCULATOR,), tools_in="template", tool_format="glm45"), glm)
 
 
 def test_a_tool_failure_that_is_not_the_models_mistake_raises():

@@ -345,8 +345,8 @@ class AgentBuilder:
     `tools=` are described to the model: "system" (default: a system message, for any chat
     template) or "template" (the chat template's own `tools` rendering, for models trained on
     it); `env.options.tool_format` how calls are described and read: "hermes" (default; Qwen2.5 /
-    Qwen3, Hermes), "llama3_json" (Llama 3.1-3.3), "mistral" or "qwen3_coder" (Qwen3-Coder,
-    Qwen3.5); the other options are passed to the agent."""
+    Qwen3, Hermes), "llama3_json" (Llama 3.1-3.3), "mistral", "qwen3_coder" (Qwen3-Coder,
+    Qwen3.5) or "glm45" (GLM-4.5 to 4.7); the other options are passed to the agent."""
 
     def __init__(self, fn: str, tools_in: str = "system", tool_format: str = "hermes", **options):
         from rollover.rewards.registry import _absolute, load_reference

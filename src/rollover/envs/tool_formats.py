@@ -36,8 +36,21 @@ describes the tools in a system message for templates that do not describe them 
   A whole `<function=...>...</function>` written without its `<tool_call>` block, or in a last
   block the turn ended before closing, is read as a call too, as vLLM does.
 
+- `glm45` (GLM-4.5, 4.6 and 4.7; vLLM's `glm45` and `glm47` parsers): the tool's name after
+  `<tool_call>`, then each argument as a key and a value in tags:
+
+      <tool_call>calculator
+      <arg_key>expression</arg_key>
+      <arg_value>17 * 23</arg_value>
+      </tool_call>
+
+  (GLM-4.7 writes no newlines; both are read). A value is a string as written where the tool's
+  schema says `string`; of another type, read as `qwen3_coder` reads it; where the schema gives no
+  type, JSON or a Python literal where it reads as one (`5` is 5), else the text, as vLLM reads it.
+  A last block the turn ended before closing is read where it ends with a whole `</arg_value>`.
+
 `parse(text, schemas)` takes the tools' JSON-schema `parameters` by name (`schemas_of`); only
-`qwen3_coder` needs them. `read(fmt, reply, schemas)` is how an environment reads a reply: a
+`qwen3_coder` and `glm45` need them. `read(fmt, reply, schemas)` is how an environment reads a reply: a
 thinking model's reasoning (`<think>...</think>`) is left out, as vLLM's reasoning parsers leave
 it out of the message whose calls they read, so a call drafted while thinking does not run.
 
@@ -319,15 +332,9 @@ class Qwen3Coder:
         return ToolCall(name, arguments)
 
     def write(self, calls: list[tuple[str, str]]) -> str:
-        def parameters(name: str, args: str) -> str:
-            given = json.loads(args)
-            if not isinstance(given, dict):
-                raise ValueError(f"tool call {name!r}: arguments must be a JSON object to write as <parameter> tags, "
-                                 f"got {args!r:.60}")
-            return "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
-                           for k, v in given.items())
-
-        return "\n".join(f"<tool_call>\n<function={n}>\n{parameters(n, args)}</function>\n</tool_call>" for n, args in calls)
+        return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n"
+                                                                for k, v in _text_arguments(n, args))
+                         + "</function>\n</tool_call>" for n, args in calls)
 
     def instructions(self, tools: list) -> str:
         return ("You can call tools. They are described here as JSON:\n"
@@ -336,15 +343,77 @@ class Qwen3Coder:
                 "</function>\n</tool_call>\n(one <parameter> per argument) and stop; the result comes back in the next message.")
 
 
+class Glm45:
+    name = "glm45"
+    NAME = re.compile(r"\s*([^\s<>{}\[\]\"',:]+)\s*")  # the tool's name, before its first argument
+    PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def parse(self, text: str, schemas: dict | None = None) -> Parsed:
+        blocks, content, unclosed = closed_blocks(text, lambda body: body.rstrip().endswith("</arg_value>"))
+        calls: list[ToolCall] = []
+        problems: list[str] = []
+        for i, block in enumerate(blocks, 1):
+            call = self._call(block, schemas or {})
+            if isinstance(call, ToolCall):
+                calls.append(call)
+            else:
+                problems.append(f"tool call {i}: {call}")
+        return Parsed(calls, problems + unclosed, content.strip())
+
+    def _call(self, block: str, schemas: dict) -> ToolCall | str:
+        first = block.find("<arg_key>")
+        head, pairs = (block, "") if first < 0 else (block[:first], block[first:])
+        named = self.NAME.fullmatch(head)
+        if not named:
+            return ("expected the tool's name after <tool_call>, then each argument as "
+                    "<arg_key>NAME</arg_key><arg_value>value</arg_value>")
+        name = named.group(1)
+        schema = schemas.get(name)
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        properties = properties if isinstance(properties, dict) else {}
+        arguments: dict = {}
+        for key, value in self.PAIR.findall(pairs):
+            key = key.strip()
+            if key in arguments:
+                return f"argument {key!r} is given twice"
+            try:
+                arguments[key] = typed(value, properties.get(key), untyped=_literal)
+            except ValueError as e:
+                return f"argument {key!r} {e}"
+        if self.PAIR.sub("", pairs).strip():
+            return f"{name}: each argument must be <arg_key>NAME</arg_key> then <arg_value>value</arg_value>"
+        return ToolCall(name, arguments)
+
+    def write(self, calls: list[tuple[str, str]]) -> str:
+        return "\n".join(f"<tool_call>{n}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n"
+                                                       for k, v in _text_arguments(n, args)) + "</tool_call>"
+                         for n, args in calls)
+
+    def instructions(self, tools: list) -> str:
+        return ("You can call tools. They are described here as JSON:\n"
+                f"<tools>\n{_schemas(tools)}\n</tools>\n"
+                "To call a tool, write\n<tool_call>TOOL NAME\n<arg_key>ARGUMENT NAME</arg_key>\n<arg_value>value</arg_value>\n"
+                "</tool_call>\n(one <arg_key> and <arg_value> per argument) and stop; the result comes back in the next message.")
+
+
+def _text_arguments(name: str, args: str) -> list[tuple[str, str]]:
+    """A call's JSON arguments as (name, value written as text) pairs: strings as they are, any other
+    value as JSON (how XML-style formats write them)."""
+    given = json.loads(args)
+    if not isinstance(given, dict):
+        raise ValueError(f"tool call {name!r}: arguments must be a JSON object to write as tags, got {args!r:.60}")
+    return [(k, v if isinstance(v, str) else json.dumps(v)) for k, v in given.items()]
+
+
 _JSON_TYPES = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
 
 
-def typed(text: str, schema: dict | None):
-    """A value written as text (`qwen3_coder`'s arguments) read by its JSON schema's `type` (or the
-    types of its `anyOf` / `oneOf` alternatives): a string as written (also where the schema gives
-    no type, or allows a string among others), `null` as None where the schema allows it (a `null`
-    type, `nullable`), any other type from JSON or a Python literal that JSON can hold (finite
-    numbers); a ValueError saying what it should be."""
+def typed(text: str, schema: dict | None, untyped: Callable[[str], object] = str):
+    """A value written as text (`qwen3_coder`'s and `glm45`'s arguments) read by its JSON schema's
+    `type` (or the types of its `anyOf` / `oneOf` alternatives): a string as written (also where the
+    schema allows a string among others), `null` as None where the schema allows it (a `null` type,
+    `nullable`), any other type from JSON or a Python literal that JSON can hold (finite numbers); a
+    ValueError saying what it should be. Where the schema gives no type: `untyped(text)`."""
     schema = schema if isinstance(schema, dict) else {}
     alternatives = [a for key in ("anyOf", "oneOf") if isinstance(schema.get(key), list) for a in schema[key]
                     if isinstance(a, dict)]
@@ -353,22 +422,14 @@ def typed(text: str, schema: dict | None):
     if nullable and text.strip() == "null":
         return None
     wanted = [k for k in kinds if k in _JSON_TYPES]
+    if not kinds:
+        return untyped(text)
     if not wanted or "string" in kinds:
         return text
     raw = text.strip()
     if "boolean" in wanted and raw.lower() in ("true", "false"):
         return raw.lower() == "true"
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):  # (a JSONDecodeError, or an integer past Python's digit limit)
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            value = text
-    try:
-        json.dumps(value, allow_nan=False)  # what JSON can hold: no sets, bytes, complex, NaN or infinity
-    except (TypeError, ValueError, RecursionError):
-        value = text
+    value = _literal(text)
     for k in wanted:
         if k == "integer" and isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -377,13 +438,31 @@ def typed(text: str, schema: dict | None):
     raise ValueError(f"must be {' or '.join(wanted)}, got {raw[:40]!r}")
 
 
+def _literal(text: str):
+    """`text` read as JSON, else as a Python literal, where the value is one JSON can hold (no sets,
+    bytes, complex numbers, NaN or infinity); else `text` itself."""
+    raw = text.strip()
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):  # (a JSONDecodeError, or an integer past Python's digit limit)
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return text
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return text
+    return value
+
+
 def _types(schema: dict) -> list[str]:
     kind = schema.get("type")
     return [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)] if isinstance(kind, list) else []
 
 
-ToolFormat = Hermes | Llama3Json | Mistral | Qwen3Coder
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral(), Qwen3Coder())}
+ToolFormat = Hermes | Llama3Json | Mistral | Qwen3Coder | Glm45
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral(), Qwen3Coder(), Glm45())}
 
 
 def split_reasoning(text: str) -> tuple[str, str]:
@@ -410,11 +489,13 @@ def read(fmt: "ToolFormat", text: str, schemas: dict | None = None) -> Parsed:
 def described_format(text: str) -> str | None:
     """The call format a chat template's own words ask for (`text`: an opening it rendered with a
     tool that describes nothing, `PROBE_TOOL`), where they say so plainly: `<function=...>` with
-    `<parameter=...>` (qwen3_coder), else `<tool_call>` blocks (hermes; not GLM's, whose blocks hold
-    `<arg_key>` tags); None where they do not."""
+    `<parameter=...>` (qwen3_coder), `<arg_key>` tags (glm45), else `<tool_call>` blocks (hermes);
+    None where they do not."""
     if "<function=" in text and "<parameter=" in text:
         return "qwen3_coder"
-    return "hermes" if "<tool_call>" in text and "<arg_key>" not in text else None
+    if "<arg_key>" in text and "<arg_value>" in text:
+        return "glm45"
+    return "hermes" if "<tool_call>" in text else None
 
 
 # a tool with nothing in its description, for reading a chat template's own words about tools

@@ -14,7 +14,8 @@ and the model calls them inside its reply, one JSON object (or a list of them) p
     <tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>
 
 `tool_format` picks another format models are trained on (Llama 3's JSON reply, Mistral's
-`[TOOL_CALLS]` list, Qwen3-Coder's and Qwen3.5's XML; `rollover.envs.tool_formats`).
+`[TOOL_CALLS]` list, Qwen3-Coder's and Qwen3.5's XML, GLM-4.5's `<arg_key>` tags;
+`rollover.envs.tool_formats`).
 `system_prompt` replaces that description; `examples`, worked conversations before the
 question (`rollover.envs.opening`), are how a small model is shown the format it would not take
 from a description alone. `tools_in="template"` hands the tools to a chat template that
@@ -235,7 +236,7 @@ class ToolUse:
     max_tool_calls: int = 4
     result_role: str = "tool"  # or "user" (results wrapped in <tool_response> tags)
     score: Callable[[str, object], float] = field(default=numeric_reward)  # (final reply, answer)
-    tool_format: str = "hermes"  # how calls are written: hermes, llama3_json, mistral, qwen3_coder (rollover.envs.tool_formats)
+    tool_format: str = "hermes"  # how calls are written: hermes, llama3_json, mistral, qwen3_coder, glm45 (rollover.envs.tool_formats)
     # the system message that describes the tools ("default": `default_system_prompt()`); None: none,
     # for prompts that carry their own
     system_prompt: str | None = "default"
