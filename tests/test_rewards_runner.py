@@ -112,6 +112,40 @@ def test_trl_signature_is_called_once_per_batch():
     assert calls == [(["1+1?", "2+2?"], ["2", "5"], ["2", "4"], ["answer", "completion_ids"])]
 
 
+def test_a_reward_that_drops_reasoning_scores_what_follows_the_models_think():
+    """`reasoning: drop`: a reward sees the text after the last </think> (per-sample, batched and
+    isolated alike); an answer drafted while thinking does not count, nor does a reply cut off
+    while thinking; `keep` (the default) sees the whole completion."""
+    from rollover.config import load_config
+
+    prompts = [Prompt(id=f"p{i}", text="?", answer="5") for i in range(4)]
+    completions = ["<think>Maybe \\boxed{5}?</think> I am not sure.",  # a draft in the reasoning, none after
+                   "<think>\\boxed{4}? no</think> So \\boxed{5}.",
+                   "Maybe \\boxed{5}.</think> It is 4.",  # the template opened the reasoning (Qwen3.5's)
+                   "<think>It is \\boxed{5}, I think, but"]  # cut off while thinking
+    seen = []
+
+    def batched(prompts, completions, **kw):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    specs = [{"fn": "numeric", "name": "keep"}, {"fn": "numeric", "name": "drop", "reasoning": "drop"},
+             {"fn": "math", "name": "math", "reasoning": "drop", "isolate": True}]
+    rewards = build_rewards(specs) + [Reward("b", batched, reasoning="drop")]
+    with RewardRunner(rewards, timeout_s=30, workers=1) as runner:
+        out = runner.score(prompts, completions)
+    assert [s.scores["keep"] for s in out.samples] == [1.0, 1.0, 1.0, 1.0]  # every draft counted
+    assert [s.scores["drop"] for s in out.samples] == [0.0, 1.0, 0.0, 0.0]
+    assert [s.scores["math"] for s in out.samples] == [0.0, 1.0, 0.0, 0.0]  # in a worker process too
+    assert seen == [" I am not sure.", " So \\boxed{5}.", " It is 4.", ""]
+    with pytest.raises(ValueError, match="reasoning='skip': must be one of keep, drop"):
+        Reward("r", batched, reasoning="skip")
+    cfg = load_config(None, ['reward.functions=[{fn: numeric, reasoning: drop}]'])
+    assert build_rewards(cfg.reward.functions)[0].reasoning == "drop"
+    with pytest.raises(ValueError, match=r"reasoning='strip': must be keep \(the whole completion\) or drop"):
+        load_config(None, ['reward.functions=[{fn: numeric, reasoning: strip}]'])
+
+
 def test_none_abstains_and_all_none_skips_the_sample():
     def code_only(prompts, completions, **kw):
         return [None, 0.5, None]

@@ -66,16 +66,19 @@ FOREIGN_KEYS = {
 
 def _reward_spec(spec: Any) -> Any:
     """A `reward.functions` entry: a non-empty name, or a mapping {fn, weight, kwargs, name,
-    isolate} whose weight is a finite number (returned as a float)."""
+    isolate, reasoning} whose weight is a finite number (returned as a float)."""
     if isinstance(spec, str):
         if not spec.strip():
             raise ValueError("a reward name must not be empty")
         return spec
     if not isinstance(spec, dict):
-        raise ValueError("must be a reward name or a mapping {fn, weight, kwargs, name, isolate}")
-    unknown = sorted(set(spec) - {"fn", "weight", "kwargs", "name", "isolate"})
+        raise ValueError("must be a reward name or a mapping {fn, weight, kwargs, name, isolate, reasoning}")
+    unknown = sorted(set(spec) - {"fn", "weight", "kwargs", "name", "isolate", "reasoning"})
     if unknown:
-        raise ValueError(f"unknown keys {unknown} (known: fn, weight, kwargs, name, isolate)")
+        raise ValueError(f"unknown keys {unknown} (known: fn, weight, kwargs, name, isolate, reasoning)")
+    if spec.get("reasoning", "keep") not in ("keep", "drop"):
+        raise ValueError(f"reasoning={spec['reasoning']!r}: must be keep (the whole completion) or drop (what follows "
+                         "the model's </think>)")
     if spec.get("isolate") is not None and not isinstance(spec["isolate"], bool):
         raise ValueError(f"isolate={spec['isolate']!r}: must be true or false (run in a killable worker process)")
     if not isinstance(spec.get("fn"), str) or not spec["fn"].strip():

@@ -14,8 +14,9 @@ class RewardConfig(Section):
     """Reward functions: built-in names (math, numeric, exact, format, countdown, code,
     reward_model: a learned reward model, {fn: reward_model, kwargs: {path: ...}}; judge: an LLM
     behind an OpenAI-compatible endpoint, {fn: judge, kwargs: {url: ..., model: ...}}),
-    `module:function` or `file.py:function`, or {fn, weight, kwargs, name} mappings (weight: a
-    number). The first one decides accuracy (see `correct_threshold`)."""
+    `module:function` or `file.py:function`, or {fn, weight, kwargs, name, isolate, reasoning}
+    mappings (weight: a number; reasoning: drop scores what follows a thinking model's </think>).
+    The first one decides accuracy (see `correct_threshold`)."""
     timeout_s: float = Field(10.0, gt=0)
     """Per-call timeout; a call past it counts as an error."""
     on_error: Literal["raise", "zero", "skip"] = "raise"

@@ -67,6 +67,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from rollover.rewards.extract import split_reasoning  # (reasoning, the rest) of a reply
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -463,17 +465,6 @@ def _types(schema: dict) -> list[str]:
 
 ToolFormat = Hermes | Llama3Json | Mistral | Qwen3Coder | Glm45
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral(), Qwen3Coder(), Glm45())}
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """(reasoning, the rest) of a reply: up to the last `</think>` (the opening `<think>` may be in
-    the chat template's generation prompt, Qwen3.5's, so not in the reply), or from a `<think>`
-    never closed (a turn cut off while thinking) to the end; ("", text) without either."""
-    end = text.rfind("</think>")
-    if end >= 0:
-        return text[:end + len("</think>")], text[end + len("</think>"):]
-    start = text.find("<think>")
-    return (text[start:], text[:start]) if start >= 0 else ("", text)
 
 
 def read(fmt: "ToolFormat", text: str, schemas: dict | None = None) -> Parsed:

@@ -20,6 +20,12 @@ the function has a true `isolate` attribute, as the built-in `math` has. A worke
 the function from a reference, so an isolated reward needs one: the spec's `fn`, or for a
 function handed over as an object, its module and name when it is defined at the top level of
 an importable module.
+
+Reasoning. A reward whose spec says `reasoning: drop` sees each completion without a thinking
+model's reasoning: the text after its last `</think>` (`rollover.rewards.extract.split_reasoning`),
+so the answer is judged on what the model answered, not on what it tried while thinking; a
+completion cut off while thinking has no answer (the text before its `<think>`, usually empty).
+The default, `keep`, hands over the whole completion.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from pathlib import Path
 from typing import Callable
 
 from rollover.rewards.builtins import BUILTINS
+from rollover.rewards.extract import split_reasoning
+
+REASONING = ("keep", "drop")  # what a reward sees of a thinking model's reasoning
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,7 @@ class RewardSpec:
     kwargs: dict = field(default_factory=dict)  # bound to the function, e.g. {"pattern": ...}
     name: str | None = None  # how it is reported; default: the built-in or function name
     isolate: bool | None = None  # run in a killable worker process; None: the function decides
+    reasoning: str = "keep"  # "drop": the completion after its reasoning (`</think>`), see the module's doc
 
     @property
     def label(self) -> str:
@@ -63,7 +73,7 @@ class RewardSpec:
         kwargs = prepare(fn, self.kwargs, f"reward {name!r} ({self.fn})", load=here and not isolated)
         if kwargs:
             fn = functools.partial(fn, **kwargs)
-        return Reward(name, fn, self.weight, isolate=self.isolate, ref=_absolute(self.fn))
+        return Reward(name, fn, self.weight, isolate=self.isolate, ref=_absolute(self.fn), reasoning=self.reasoning)
 
 
 @dataclass(frozen=True)
@@ -75,10 +85,13 @@ class Reward:
     weight: float = 1.0
     isolate: bool | None = None  # None: the function's `isolate` attribute, else False
     ref: str | None = None  # what `fn` was resolved from, kwargs unbound; see `reference`
+    reasoning: str = "keep"  # "drop": it sees each completion after its reasoning (`sees`)
 
     def __post_init__(self):
         if not callable(self.fn):
             raise TypeError(f"reward {self.name!r}: {self.fn!r} is not callable")
+        if self.reasoning not in REASONING:
+            raise ValueError(f"reward {self.name!r}: reasoning={self.reasoning!r}: must be one of {', '.join(REASONING)}")
         _check_signature(self.name, self.fn)
         if self.isolated:
             self.reference  # raises now, naming the reward, if a worker cannot rebuild it
@@ -107,6 +120,11 @@ class Reward:
                 "ray.reward_workers, whose actors rebuild every reward by reference)"
             )
         return ref, kwargs
+
+    def sees(self, completion: str) -> str:
+        """What this reward scores of `completion`: all of it, or with `reasoning="drop"` the text
+        after its reasoning (once: the runner calls this, the call methods do not)."""
+        return split_reasoning(completion)[1] if self.reasoning == "drop" else completion
 
     @functools.cached_property
     def batched(self) -> bool:

@@ -331,7 +331,7 @@ class RewardRunner:
             if reward.batched:
                 args = (
                     [p.text if p.text is not None else p.messages for p in prompts],
-                    list(completions),
+                    [reward.sees(c) for c in completions],
                     [p.answer for p in prompts],
                     [p.fields for p in prompts],
                     None if completion_ids is None else list(completion_ids),
@@ -340,7 +340,7 @@ class RewardRunner:
                 calls.append(_Call(reward, list(range(n)), self._bind(reward, "call_batch", args)))
             else:
                 for i, (p, c) in enumerate(zip(prompts, completions)):
-                    run = self._bind(reward, "call_one", (c, p.answer, p.fields))
+                    run = self._bind(reward, "call_one", (reward.sees(c), p.answer, p.fields))
                     calls.append(_Call(reward, [i], run))
         return calls
 
