@@ -274,8 +274,8 @@ def test_qwen3_coder_calls_as_qwen_models_write_them():
 
 def test_glm45_calls_as_glm_models_write_them():
     """GLM-4.5's calls (the name after <tool_call>, then <arg_key>/<arg_value> pairs; GLM-4.7's without
-    newlines): a value is a string as written where the schema says string, of its type where the schema
-    gives another, and JSON or a Python literal where it gives none (as vLLM's glm45 parser reads it)."""
+    newlines): a value is of the type the tool's schema gives it, and text where it gives none (as vLLM's
+    glm45 parser reads it)."""
     from rollover.envs.tool_formats import Parsed, schemas_of, tool_format
 
     glm = tool_format("glm45")
@@ -287,10 +287,11 @@ def test_glm45_calls_as_glm_models_write_them():
                                               for k, v in pairs) + close
 
     reply = "Let me look.\n" + block(("n", "3"), ("s", " 42 "), ("xs", "[1, 'a']"), ("free", "true"), ("word", "hi"))
-    assert glm.parse(reply, schemas) == Parsed([ToolCall("f", {"n": 3, "s": " 42 ", "xs": [1, "a"], "free": True,
+    assert glm.parse(reply, schemas) == Parsed([ToolCall("f", {"n": 3, "s": " 42 ", "xs": [1, "a"], "free": "true",
                                                              "word": "hi"})], [], "Let me look.")
     assert glm.parse(block(("n", "3"), ("s", "x"), sep=""), schemas).calls == [ToolCall("f", {"n": 3, "s": "x"})]  # GLM-4.7's
-    assert glm.parse(block(("n", "3")), {}).calls == [ToolCall("f", {"n": 3})]  # no schema: JSON where it reads as JSON
+    assert glm.parse(block(("n", "3")), {}).calls == [ToolCall("f", {"n": "3"})]  # no schema: the text
+    assert glm.parse(block(("xs", "(1, {2: 3})")), schemas).calls == [ToolCall("f", {"xs": [1, {"2": 3}]})]  # as JSON holds it
     assert glm.parse("<tool_call>now</tool_call>").calls == [ToolCall("now", {})]  # a tool without arguments
     assert glm.parse(block(("n", "three")), schemas).problems == ["tool call 1: argument 'n' must be integer, got 'three'"]
     assert glm.parse(block(("n", "1"), ("n", "2")), schemas).problems == ["tool call 1: argument 'n' is given twice"]
@@ -306,6 +307,9 @@ def test_glm45_calls_as_glm_models_write_them():
     assert glm.parse("<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>1", schemas).problems == [
         "a <tool_call> is not closed with </tool_call>"]
     assert glm.parse("It is \\boxed{3}.", schemas) == Parsed([], [], "It is \\boxed{3}.")
+    # many unclosed tags read in linear time (every format reads every final answer: the other-format check)
+    for tags in ("<arg_key>a</arg_key><arg_value>", "<arg_key>a</arg_key>", "<arg_value>"):
+        assert glm.parse("<tool_call>f" + tags * 20_000 + "</tool_call>").calls == []
     assert "<arg_key>ARGUMENT NAME</arg_key>" in glm.instructions([CALCULATOR.schema()])
     # written back as GLM-4.5's template writes an assistant's calls: strings as they are, other values as JSON
     assert glm.write([("f", '{"s": "a b", "n": 2, "xs": [1]}')]) == (

@@ -138,12 +138,43 @@ def test_a_reward_that_drops_reasoning_scores_what_follows_the_models_think():
     assert [s.scores["drop"] for s in out.samples] == [0.0, 1.0, 0.0, 0.0]
     assert [s.scores["math"] for s in out.samples] == [0.0, 1.0, 0.0, 0.0]  # in a worker process too
     assert seen == [" I am not sure.", " So \\boxed{5}.", " It is 4.", ""]
+    # a prompt that opened the reasoning (Qwen3.5's template): a reply cut off while thinking has neither tag
+    cut = "Maybe \\boxed{5}? Let me check again, 2 + 3 is"
+    with RewardRunner(rewards[:2]) as runner:
+        out = runner.score(prompts[:2], [cut, cut], opened_reasoning=[True, False])
+    assert [s.scores["drop"] for s in out.samples] == [0.0, 1.0] and [s.scores["keep"] for s in out.samples] == [1.0, 1.0]
     with pytest.raises(ValueError, match="reasoning='skip': must be one of keep, drop"):
         Reward("r", batched, reasoning="skip")
     cfg = load_config(None, ['reward.functions=[{fn: numeric, reasoning: drop}]'])
     assert build_rewards(cfg.reward.functions)[0].reasoning == "drop"
     with pytest.raises(ValueError, match=r"reasoning='strip': must be keep \(the whole completion\) or drop"):
         load_config(None, ['reward.functions=[{fn: numeric, reasoning: strip}]'])
+
+
+def test_a_prompt_whose_template_opens_the_reasoning_is_known_to_the_rewards():
+    """A chat template that opens <think> in its generation prompt (Qwen3.5's) starts the completion
+    inside the reasoning: the group says so, and a reward that drops reasoning scores nothing of a
+    completion cut off before </think>. Qwen3's closed empty block (enable_thinking=False) is not open."""
+    from rollover.config import load_config
+    from rollover.data.render import render_prompt
+    from rollover.rollout.groups import opens_reasoning, score_groups
+    from rollover.testing import CHAT_TEMPLATE, char_tokenizer
+    from rollover.types import Group, Rollout
+
+    tokenizer = char_tokenizer()
+    prompt = Prompt(id="p", text="2+3?", answer="5")
+    for ending, opened in (("<think>\n", True), ("<think>\n\n</think>\n\n", False), ("", False)):
+        tokenizer.chat_template = CHAT_TEMPLATE.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n" + ending)
+        ids = render_prompt(tokenizer, prompt)
+        assert opens_reasoning(tokenizer, ids) == opened, ending
+    cfg = load_config(None, ["reward.functions=[{fn: numeric, reasoning: drop}]"])
+    text = "So \\boxed{5}, but let me check"
+    groups = [Group(id=f"g{o}", prompt=prompt, prompt_ids=[1], opened_reasoning=o,
+                    rollouts=[Rollout(group_id=f"g{o}", prompt_ids=[1], response_ids=[2], logprobs=[0.0], versions=[0],
+                                      loss_mask=[1], finish="length", text=text)]) for o in (True, False)]
+    with RewardRunner(build_rewards(cfg.reward.functions)) as runner:
+        score_groups(groups, runner, cfg)
+    assert [g.rollouts[0].reward for g in groups] == [0.0, 1.0]
 
 
 def test_none_abstains_and_all_none_skips_the_sample():

@@ -170,7 +170,22 @@ class Group:
     serial: int = 0  # the order in which the run drew its prompt
     dropped: int = 0  # failed samples taken out of `rollouts`
     greedy: Rollout | None = None  # ReMax: the prompt's greedy answer, scored, its reward the baseline; never trained
+    opened_reasoning: bool = False  # the prompt ends in an open `<think>` (`rollover.types.split_reasoning`)
 
     @property
     def rewards(self) -> list[float | None]:
         return [r.reward for r in self.rollouts]
+
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str, str]:
+    """(reasoning, the rest) of a reply: up to its last `</think>`, or from a `<think>` never closed
+    (a turn cut off while thinking) to the end; ("", text) without either. `opened`: the prompt
+    ended in an open `<think>` (the chat template opened the reasoning, as Qwen3.5's and Qwen3's
+    Thinking-2507 do), so a reply without `</think>` is all reasoning."""
+    end = text.rfind("</think>")
+    if end >= 0:
+        return text[:end + len("</think>")], text[end + len("</think>"):]
+    if opened:
+        return text, ""
+    start = text.find("<think>")
+    return (text[start:], text[:start]) if start >= 0 else ("", text)

@@ -44,9 +44,8 @@ describes the tools in a system message for templates that do not describe them 
       <arg_value>17 * 23</arg_value>
       </tool_call>
 
-  (GLM-4.7 writes no newlines; both are read). A value is a string as written where the tool's
-  schema says `string`; of another type, read as `qwen3_coder` reads it; where the schema gives no
-  type, JSON or a Python literal where it reads as one (`5` is 5), else the text, as vLLM reads it.
+  (GLM-4.7 writes no newlines; both are read). A value is read as `qwen3_coder` reads it: by the
+  type the tool's schema gives it, and as text where it gives none (as vLLM 0.32's parser reads it).
   A last block the turn ended before closing is read where it ends with a whole `</arg_value>`.
 
 `parse(text, schemas)` takes the tools' JSON-schema `parameters` by name (`schemas_of`); only
@@ -67,7 +66,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from rollover.rewards.extract import split_reasoning  # (reasoning, the rest) of a reply
+from rollover.types import split_reasoning  # (reasoning, the rest) of a reply
 
 
 @dataclass(frozen=True)
@@ -348,7 +347,9 @@ class Qwen3Coder:
 class Glm45:
     name = "glm45"
     NAME = re.compile(r"\s*([^\s<>{}\[\]\"',:]+)\s*")  # the tool's name, before its first argument
-    PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    # a key and its value, each scanned to the next tag only (a reply of many unclosed tags reads in linear time)
+    PAIR = re.compile(r"<arg_key>((?:(?!</?arg_key>).)*?)</arg_key>\s*<arg_value>((?:(?!<arg_key>|</?arg_value>).)*?)</arg_value>",
+                      re.DOTALL)
 
     def parse(self, text: str, schemas: dict | None = None) -> Parsed:
         blocks, content, unclosed = closed_blocks(text, lambda body: body.rstrip().endswith("</arg_value>"))
@@ -379,7 +380,7 @@ class Glm45:
             if key in arguments:
                 return f"argument {key!r} is given twice"
             try:
-                arguments[key] = typed(value, properties.get(key), untyped=_literal)
+                arguments[key] = typed(value, properties.get(key))
             except ValueError as e:
                 return f"argument {key!r} {e}"
         if self.PAIR.sub("", pairs).strip():
@@ -410,12 +411,12 @@ def _text_arguments(name: str, args: str) -> list[tuple[str, str]]:
 _JSON_TYPES = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
 
 
-def typed(text: str, schema: dict | None, untyped: Callable[[str], object] = str):
+def typed(text: str, schema: dict | None):
     """A value written as text (`qwen3_coder`'s and `glm45`'s arguments) read by its JSON schema's
     `type` (or the types of its `anyOf` / `oneOf` alternatives): a string as written (also where the
-    schema allows a string among others), `null` as None where the schema allows it (a `null` type,
+    schema gives no type, or allows a string among others), `null` as None where the schema allows it (a `null` type,
     `nullable`), any other type from JSON or a Python literal that JSON can hold (finite numbers); a
-    ValueError saying what it should be. Where the schema gives no type: `untyped(text)`."""
+    ValueError saying what it should be."""
     schema = schema if isinstance(schema, dict) else {}
     alternatives = [a for key in ("anyOf", "oneOf") if isinstance(schema.get(key), list) for a in schema[key]
                     if isinstance(a, dict)]
@@ -424,8 +425,6 @@ def typed(text: str, schema: dict | None, untyped: Callable[[str], object] = str
     if nullable and text.strip() == "null":
         return None
     wanted = [k for k in kinds if k in _JSON_TYPES]
-    if not kinds:
-        return untyped(text)
     if not wanted or "string" in kinds:
         return text
     raw = text.strip()
@@ -442,7 +441,7 @@ def typed(text: str, schema: dict | None, untyped: Callable[[str], object] = str
 
 def _literal(text: str):
     """`text` read as JSON, else as a Python literal, where the value is one JSON can hold (no sets,
-    bytes, complex numbers, NaN or infinity); else `text` itself."""
+    bytes, complex numbers, NaN or infinity), as JSON holds it; else `text` itself."""
     raw = text.strip()
     try:
         value = json.loads(raw)
@@ -452,10 +451,9 @@ def _literal(text: str):
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             return text
     try:
-        json.dumps(value, allow_nan=False)
+        return json.loads(json.dumps(value, allow_nan=False))  # as JSON holds it: a tuple a list, keys strings
     except (TypeError, ValueError, RecursionError):
         return text
-    return value
 
 
 def _types(schema: dict) -> list[str]:

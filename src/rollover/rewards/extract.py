@@ -2,7 +2,7 @@
 
 The final answer is the content of the last `\\boxed{...}`, else of the last
 `<answer>...</answer>`, else a fallback that each reward picks (the whole completion, or its
-last line). `split_reasoning` tells a thinking model's reasoning from the rest of its reply.
+last line).
 """
 
 from __future__ import annotations
@@ -37,14 +37,3 @@ def final_answer(completion: str) -> str:
         if found is not None:
             return found
     return completion
-
-
-def split_reasoning(text: str) -> tuple[str, str]:
-    """(reasoning, the rest) of a reply: up to the last `</think>` (the opening `<think>` may be in
-    the chat template's generation prompt, Qwen3.5's, so not in the reply), or from a `<think>`
-    never closed (a turn cut off while thinking) to the end; ("", text) without either."""
-    end = text.rfind("</think>")
-    if end >= 0:
-        return text[:end + len("</think>")], text[end + len("</think>"):]
-    start = text.find("<think>")
-    return (text[start:], text[:start]) if start >= 0 else ("", text)

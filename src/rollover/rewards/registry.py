@@ -22,10 +22,10 @@ function handed over as an object, its module and name when it is defined at the
 an importable module.
 
 Reasoning. A reward whose spec says `reasoning: drop` sees each completion without a thinking
-model's reasoning: the text after its last `</think>` (`rollover.rewards.extract.split_reasoning`),
-so the answer is judged on what the model answered, not on what it tried while thinking; a
-completion cut off while thinking has no answer (the text before its `<think>`, usually empty).
-The default, `keep`, hands over the whole completion.
+model's reasoning: the text after its last `</think>` (`rollover.types.split_reasoning`), so the
+answer is judged on what the model answered, not on what it tried while thinking; a completion
+cut off while thinking has no answer (the text before its `<think>`, usually empty; nothing where
+the prompt opened the reasoning). The default, `keep`, hands over the whole completion.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from rollover.rewards.builtins import BUILTINS
-from rollover.rewards.extract import split_reasoning
+from rollover.types import split_reasoning
 
 REASONING = ("keep", "drop")  # what a reward sees of a thinking model's reasoning
 
@@ -121,10 +121,11 @@ class Reward:
             )
         return ref, kwargs
 
-    def sees(self, completion: str) -> str:
+    def sees(self, completion: str, opened: bool = False) -> str:
         """What this reward scores of `completion`: all of it, or with `reasoning="drop"` the text
-        after its reasoning (once: the runner calls this, the call methods do not)."""
-        return split_reasoning(completion)[1] if self.reasoning == "drop" else completion
+        after its reasoning (`opened`: its prompt ended in an open `<think>`). Once: the runner calls
+        this, the call methods do not."""
+        return split_reasoning(completion, opened)[1] if self.reasoning == "drop" else completion
 
     @functools.cached_property
     def batched(self) -> bool:

@@ -282,25 +282,28 @@ class RewardRunner:
         *,
         sample_ids: Sequence[str] | None = None,
         completion_ids: Sequence[list[int]] | None = None,
+        opened_reasoning: Sequence[bool] | None = None,
     ) -> BatchRewards:
         """Score `completions[i]` against `prompts[i]` (repeat a prompt once per completion).
 
         Sample ids default to "<prompt id>#<index in batch>". `completion_ids` is only handed
-        to TRL-style functions that ask for it.
+        to TRL-style functions that ask for it (whole, reasoning included, also for a reward that
+        drops the reasoning). `opened_reasoning[i]`: the i-th prompt ended in an open `<think>`
+        (what a reward with `reasoning="drop"` sees, `Reward.sees`).
         """
         n = len(completions)
         if len(prompts) != n:
             raise ValueError(f"{len(prompts)} prompts for {n} completions")
         if sample_ids is None:
             sample_ids = [f"{p.id}#{i}" for i, p in enumerate(prompts)]
-        if len(sample_ids) != n or (completion_ids is not None and len(completion_ids) != n):
-            raise ValueError("sample_ids and completion_ids need one entry per completion")
+        if any(given is not None and len(given) != n for given in (sample_ids, completion_ids, opened_reasoning)):
+            raise ValueError("sample_ids, completion_ids and opened_reasoning need one entry per completion")
         if self._closed:
             raise RuntimeError("this RewardRunner is closed")
 
         names = [r.name for r in self.rewards]
         tally = _Tally(sample_ids, names, self.on_error, [p.id for p in prompts])
-        calls = self._calls(prompts, completions, completion_ids)
+        calls = self._calls(prompts, completions, completion_ids, opened_reasoning or [False] * n)
         with contextlib.closing(self._run(calls)) as outcomes:
             for call, outcome in outcomes:
                 if isinstance(outcome, WorkerStartError):
@@ -324,14 +327,14 @@ class RewardRunner:
             stuck_threads=self._live_stuck(),
         )
 
-    def _calls(self, prompts, completions, completion_ids) -> list[_Call]:
+    def _calls(self, prompts, completions, completion_ids, opened) -> list[_Call]:
         n = len(completions)
         calls = []
         for reward in self.rewards:
             if reward.batched:
                 args = (
                     [p.text if p.text is not None else p.messages for p in prompts],
-                    [reward.sees(c) for c in completions],
+                    [reward.sees(c, o) for c, o in zip(completions, opened)],
                     [p.answer for p in prompts],
                     [p.fields for p in prompts],
                     None if completion_ids is None else list(completion_ids),
@@ -339,8 +342,8 @@ class RewardRunner:
                 )
                 calls.append(_Call(reward, list(range(n)), self._bind(reward, "call_batch", args)))
             else:
-                for i, (p, c) in enumerate(zip(prompts, completions)):
-                    run = self._bind(reward, "call_one", (reward.sees(c), p.answer, p.fields))
+                for i, (p, c, o) in enumerate(zip(prompts, completions, opened)):
+                    run = self._bind(reward, "call_one", (reward.sees(c, o), p.answer, p.fields))
                     calls.append(_Call(reward, [i], run))
         return calls
 

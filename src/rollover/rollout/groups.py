@@ -89,7 +89,14 @@ def to_rollouts(group: PendingGroup, cfg: Config, tokenizer) -> Group:
             text=tokenizer.decode(c.response_ids, skip_special_tokens=True), media=group.media,
         ))
     return Group(id=group.id, prompt=group.prompt, prompt_ids=prompt_ids, rollouts=rollouts,
-                 start_version=group.start_version, serial=group.serial)
+                 start_version=group.start_version, serial=group.serial,
+                 opened_reasoning=opens_reasoning(tokenizer, prompt_ids))
+
+
+def opens_reasoning(tokenizer, prompt_ids: list[int]) -> bool:
+    """Whether a prompt ends in an open `<think>` (a chat template that opens the model's reasoning
+    in its generation prompt, as Qwen3.5's does): its completion starts inside the reasoning."""
+    return tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False).rstrip().endswith("<think>")
 
 
 def scored_groups(pending: list[PendingGroup], run, m) -> list[Group]:
@@ -178,7 +185,8 @@ def score_groups(groups: list[Group], runner: RewardRunner, cfg: Config) -> Batc
     texts = [r.text for g in groups for r in g.rollouts]
     ids = [f"{g.id}/{j}" for g in groups for j in range(len(g.rollouts))]
     tokens = [r.response_ids for g in groups for r in g.rollouts]
-    result = runner.score(prompts, texts, sample_ids=ids, completion_ids=tokens)
+    opened = [g.opened_reasoning for g in groups for _ in g.rollouts]
+    result = runner.score(prompts, texts, sample_ids=ids, completion_ids=tokens, opened_reasoning=opened)
     flat = [r for g in groups for r in g.rollouts]
     a = cfg.algorithm
     for r, s in zip(flat, result.samples):
