@@ -369,6 +369,24 @@ def test_calls_drafted_while_thinking_do_not_run():
     message, calls = reply_message(f"<think>{draft}</think>\n{real}", [{"type": "function", "function": CALCULATOR.schema()}])
     assert calls and message.content == f"<think>{draft}</think>"
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("calculator", '{"expression": "17 * 23"}')]
+    # a chat template that opens <think> (Qwen3.5's): a turn cut off before </think> is all reasoning
+    assert read(hermes, f"Maybe {draft}", opened=True) == Parsed([], [], f"Maybe {draft}")
+    assert reply_message(f"Maybe {draft}", [{"type": "function", "function": CALCULATOR.schema()}], opened=True)[1] is False
+    from rollover.envs.episode import LiveEpisode
+    from rollover.testing import CHAT_TEMPLATE
+    from rollover.types import Completion, SamplingParams
+
+    tokenizer = char_tokenizer()
+    for ending, thinking in (("<think>\n", True), ("", False)):
+        tokenizer.chat_template = CHAT_TEMPLATE.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n" + ending)
+        renderer, env = ChatRenderer(tokenizer), ToolUse(tools=(CALCULATOR,)).make_one(Prompt(id="t", text="17*23?", answer="391"), 1, 0)
+        ep = LiveEpisode("e", SamplingParams(max_new_tokens=64), max_turns=3, max_total_tokens=4000, env=env)
+        ep.opened(asyncio.run(env.initial_observation()), None, 0.0, renderer)
+        req, reply = ep.request(), tokenizer.encode(f"So {draft}", add_special_tokens=False)
+        ep.sampled(Completion(req.id, req.prompt_ids, reply, [0.0] * len(reply), [0] * len(reply), "length", req.sampling), renderer)
+        assert ep.action.opened_reasoning is thinking and ep.traj.turns[-1].opened_reasoning is thinking
+        result = asyncio.run(env.step(ep.action))
+        assert result.done is thinking  # inside the reasoning: no call runs, the turn is the (unsolved) answer
 
 
 def test_tool_env_in_llama3_format():

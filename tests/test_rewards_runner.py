@@ -157,7 +157,8 @@ def test_a_prompt_whose_template_opens_the_reasoning_is_known_to_the_rewards():
     completion cut off before </think>. Qwen3's closed empty block (enable_thinking=False) is not open."""
     from rollover.config import load_config
     from rollover.data.render import render_prompt
-    from rollover.rollout.groups import opens_reasoning, score_groups
+    from rollover.data.render import opens_reasoning
+    from rollover.rollout.groups import score_groups
     from rollover.testing import CHAT_TEMPLATE, char_tokenizer
     from rollover.types import Group, Rollout
 

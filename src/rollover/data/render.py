@@ -83,3 +83,10 @@ def render_prompt(
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
     # The template already wrote any BOS it wants; encoding must not add a second one.
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def opens_reasoning(tokenizer, ids: list[int]) -> bool:
+    """Whether token ids a model goes on from (a prompt, or a conversation before a turn) end in an
+    open `<think>`: a chat template that opens the reasoning in its generation prompt (Qwen3.5's,
+    Qwen3's Thinking-2507 models') starts the reply inside it."""
+    return tokenizer.decode(ids[-16:], skip_special_tokens=False).rstrip().endswith("<think>")

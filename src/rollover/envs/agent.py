@@ -304,7 +304,7 @@ class AgentEnv:
         loop, ch = self.loop, self.channel
         nxt = ch.expect()  # before the reply: the agent's next event lands here
         text = before_stop(action.text, ch.stop) if action.finish == "stop" else action.text
-        message, calls = reply_message(text, ch.tools, ch.calls, self.format)
+        message, calls = reply_message(text, ch.tools, ch.calls, self.format, action.opened_reasoning)
         finish = "length" if action.finish == "length" else "tool_calls" if calls else "stop"
         completion = ChatCompletion(
             id=f"rollover-{next(_IDS)}", choices=[Choice(0, message, finish)],

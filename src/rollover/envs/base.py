@@ -39,6 +39,7 @@ class Action:
     text: str  # the sampled tokens decoded, special tokens (the end-of-turn mark) left out
     token_ids: tuple[int, ...]  # exactly the sampled ids of this turn
     finish: FinishReason  # 'stop' (end of turn, a stop token or a rollout.stop string) or 'length' (turn budget hit)
+    opened_reasoning: bool = False  # the turn began inside an open `<think>` the chat template wrote (Qwen3.5's)
 
 
 @dataclass
@@ -154,6 +155,7 @@ class Turn:
     state: Hashable | None = None  # StepResult.state
     gen_s: float = 0.0  # wall time waiting for the engine
     env_s: float = 0.0  # wall time in env.step
+    opened_reasoning: bool = False  # Action.opened_reasoning
 
 
 @dataclass

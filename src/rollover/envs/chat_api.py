@@ -169,12 +169,14 @@ def before_stop(text: str, stops: tuple[str, ...]) -> str:
     return text[:cut]
 
 
-def reply_message(text: str, tools: list | None, turn: int = 1, fmt: ToolFormat = HERMES) -> tuple[ChatMessage, bool]:
+def reply_message(text: str, tools: list | None, turn: int = 1, fmt: ToolFormat = HERMES,
+                  opened: bool = False) -> tuple[ChatMessage, bool]:
     """The policy's turn as the agent receives it: with tools, its calls (read in `fmt`, all
-    well-formed) as `tool_calls` (ids by turn and place: the same in a replay) and the text
-    around them as the content; (message, whether it calls tools)."""
+    well-formed, outside the reasoning; `opened`: the turn began inside an open `<think>`) as
+    `tool_calls` (ids by turn and place: the same in a replay) and the text around them as the
+    content; (message, whether it calls tools)."""
     if tools:
-        parsed = read(fmt, text, schemas_of(tools))
+        parsed = read(fmt, text, schemas_of(tools), opened)
         if parsed.calls and not parsed.problems:
             content = parsed.content or None
             objects = [ToolCallObject(c.id or call_id(turn, i), Function(c.name, json.dumps(c.arguments)))

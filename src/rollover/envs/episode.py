@@ -43,6 +43,7 @@ from jinja2.exceptions import TemplateError
 
 from rollover.envs.base import INSERTED_VERSION, Action, Env, EpisodeError, Opening, StepResult, Trajectory, Turn
 from rollover.data.media import Media
+from rollover.data.render import opens_reasoning
 from rollover.envs.render import ChatRenderer
 from rollover.types import Request, SamplingParams
 
@@ -221,14 +222,16 @@ class LiveEpisode:
         ids = completion.response_ids
         text = renderer.tokenizer.decode(ids, skip_special_tokens=True)
         start_T = len(self.traj.tokens_T)
+        thinking = opens_reasoning(renderer.tokenizer, self.traj.tokens_T)  # the template opened <think>
         gen_s = clock() - self.turn_started if self.turn_started is not None else 0.0
         self.turn_started = None
-        self.traj.turns.append(Turn(start_T, start_T + len(ids), completion.finish, text, gen_s=gen_s))
+        self.traj.turns.append(Turn(start_T, start_T + len(ids), completion.finish, text, gen_s=gen_s,
+                                    opened_reasoning=thinking))
         _append_sampled(self.traj, completion)
         if completion.finish == "abort":
             self.traj.finish, self.phase = "abort", "finished"
             return
-        self.action = Action(text=text, token_ids=tuple(ids), finish=completion.finish)
+        self.action = Action(text=text, token_ids=tuple(ids), finish=completion.finish, opened_reasoning=thinking)
         self.phase = "step"
 
     def stepped(self, result: StepResult | None, error: EpisodeError | None, env_s: float,
@@ -288,7 +291,7 @@ class LiveEpisode:
             t = self.traj
             answered = t.turns[:-1] if self.phase == "step" else t.turns
             for k, turn in enumerate(answered, start=1):
-                action = Action(turn.text, tuple(t.tokens_T[turn.start:turn.end]), turn.finish)
+                action = Action(turn.text, tuple(t.tokens_T[turn.start:turn.end]), turn.finish, turn.opened_reasoning)
                 result = await asyncio.wait_for(env.step(action), timeout_s)
                 if (list(result.messages) != turn.messages or float(result.reward) != turn.reward
                         or result.continuation != turn.continuation):

@@ -465,10 +465,10 @@ ToolFormat = Hermes | Llama3Json | Mistral | Qwen3Coder | Glm45
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral(), Qwen3Coder(), Glm45())}
 
 
-def read(fmt: "ToolFormat", text: str, schemas: dict | None = None) -> Parsed:
-    """The calls of a reply in `fmt`, read outside its reasoning (`split_reasoning`); the content
-    keeps the reasoning."""
-    reasoning, rest = split_reasoning(text)
+def read(fmt: "ToolFormat", text: str, schemas: dict | None = None, opened: bool = False) -> Parsed:
+    """The calls of a reply in `fmt`, read outside its reasoning (`split_reasoning`; `opened`: the
+    turn began inside an open `<think>`); the content keeps the reasoning."""
+    reasoning, rest = split_reasoning(text, opened)
     parsed = fmt.parse(rest, schemas)
     if not reasoning:
         return parsed

@@ -30,7 +30,8 @@ messages wrapped in `<tool_response>...</tool_response>`.
 A reply without a tool call is the final answer and ends the episode: `score(reply, answer)`
 is the reward (default: the `numeric` reward, the last number of the `\\boxed{}` or of the
 reply). Calls are read outside a thinking model's `<think>...</think>` (a call drafted while
-thinking does not run). A reply whose calls would pass `max_tool_calls` in the episode ends it
+thinking does not run; a turn the chat template opened inside `<think>` and that was cut off
+before `</think>` is all reasoning: `Action.opened_reasoning`). A reply whose calls would pass `max_tool_calls` in the episode ends it
 with reward 0 (its calls not run). An answer that calls a known tool, with arguments it takes, in another format
 than `tool_format` is still the answer (the model did not call as told), but it is counted
 (`info` `calls_in_other_format`, over the episodes that answered) and the first one is logged
@@ -324,14 +325,14 @@ class ToolEnv:
         return Opening(messages, kwargs) if kwargs else messages
 
     async def step(self, action: Action) -> StepResult:
-        parsed = read(tool_format(self.spec.tool_format), action.text, self.schemas)
+        parsed = read(tool_format(self.spec.tool_format), action.text, self.schemas, action.opened_reasoning)
         calls, problems = parsed.calls, parsed.problems
         if not calls and not problems:
             reward = float(self.spec.score(action.text, self.prompt.answer))
-            other = self._other_format(action.text)
+            other = self._other_format(action.text, opened=action.opened_reasoning)
             return StepResult([], reward, done=True, info=self._info(solved=reward, calls_in_other_format=float(bool(other))))
         if not calls:  # every call it meant failed to read: in another format? (logged once)
-            self._other_format(action.text, "its calls fail to read and the model is shown why")
+            self._other_format(action.text, "its calls fail to read and the model is shown why", action.opened_reasoning)
         if self.calls + len(calls) > self.spec.max_tool_calls:  # none of them runs (nor counts in tool_calls)
             return StepResult([], 0.0, done=True, info=self._info(tool_limit=1.0))
         self.calls += len(calls)
@@ -358,12 +359,12 @@ class ToolEnv:
         except ToolError as e:
             return f"error: {e}", False
 
-    def _other_format(self, text: str, read_as: str = "it is read as the final answer") -> str | None:
+    def _other_format(self, text: str, read_as: str = "it is read as the final answer", opened: bool = False) -> str | None:
         """The other tool format in which `text` calls one of the tools as it could run (a known tool, the
         arguments its schema names: not an echo of the tools' description), if any (logged once a process,
         saying how `tool_format` read it: `read_as`)."""
         for name, reader in FORMATS.items():
-            if name != self.spec.tool_format and any(not _refusal(self.tools, c) for c in read(reader, text, self.schemas).calls):
+            if name != self.spec.tool_format and any(not _refusal(self.tools, c) for c in read(reader, text, self.schemas, opened).calls):
                 if (self.spec.tool_format, name) not in _WARNED:
                     _WARNED.add((self.spec.tool_format, name))
                     log.warning("tools: a reply calls a tool in the %s format, but tool_format is %s: %s (set "

@@ -15,6 +15,7 @@ import torch
 from rollover.algos import compute_advantages, overlong_penalty
 from rollover.algos.advantages import gdpo
 from rollover.config import Config
+from rollover.data.render import opens_reasoning
 from rollover.envs.base import INSERTED_VERSION
 from rollover.rewards import BatchRewards, RewardRunner
 from rollover.rewards.registry import reward_weights
@@ -91,12 +92,6 @@ def to_rollouts(group: PendingGroup, cfg: Config, tokenizer) -> Group:
     return Group(id=group.id, prompt=group.prompt, prompt_ids=prompt_ids, rollouts=rollouts,
                  start_version=group.start_version, serial=group.serial,
                  opened_reasoning=opens_reasoning(tokenizer, prompt_ids))
-
-
-def opens_reasoning(tokenizer, prompt_ids: list[int]) -> bool:
-    """Whether a prompt ends in an open `<think>` (a chat template that opens the model's reasoning
-    in its generation prompt, as Qwen3.5's does): its completion starts inside the reasoning."""
-    return tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False).rstrip().endswith("<think>")
 
 
 def scored_groups(pending: list[PendingGroup], run, m) -> list[Group]:
