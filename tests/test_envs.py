@@ -932,12 +932,24 @@ def test_inline_tools_asks_again_when_a_message_has_neither_a_call_nor_an_answer
 def test_an_environments_math_score_runs_in_a_process_that_can_be_killed():
     """score: math (math-verify, marked isolate) runs in a reward worker process, as the reward
     runner runs it; a dict's "score" counts."""
-    from rollover.envs.inline import Score
+    from rollover.envs.score import Score
 
     score = Score("math", "test")
     assert score.reward.isolated
     assert asyncio.run(score("so \\boxed{\\frac{1}{2}}", "0.5")) == 1.0
     assert asyncio.run(Score(lambda c, a: {"score": 0.25, "n": 1}, "test")("x", "y")) == 0.25
+    # the tools environment takes a score by name from its options, and can score the answer without its reasoning
+    from rollover.envs.builders import make_env_builder
+
+    prompt = Prompt(id="t", text="?", answer="0.5")
+    reply = "<think>Is it \\boxed{\\frac{1}{2}}?</think> I cannot tell."
+    for options, reward in (({"score": "math"}, 1.0), ({"score": "math", "reasoning": "drop"}, 0.0)):
+        env = make_env_builder("tools", {"tools": ["calculator"], **options}).make_one(prompt, 1, 0)
+        assert play(env, [reply])[0].reward == reward
+    with pytest.raises(ValueError, match="tools: score='mth': one of"):
+        ToolUse(score="mth")
+    with pytest.raises(ValueError, match="tools: reasoning='strip': must be keep"):
+        ToolUse(reasoning="strip")
 
 
 @pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="the sandbox needs root on Linux")

@@ -33,87 +33,18 @@ end-of-turn token is sampled and trained on), so a new turn asks.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 from rollover.envs.base import Action, StepResult
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
+from rollover.envs.score import Score, call
 from rollover.envs.tools import ToolError
 from rollover.types import Prompt
 
 RESULT = "\n<information>{result}</information>\n"
 ANSWER = re.compile(r"<answer>.*?</answer>", re.DOTALL)
-
-
-SCORES = ("exact", "em", "numeric", "math")  # the built-in rewards that score one completion against its answer alone
-SCORE_TIMEOUT_S = 60.0  # an isolated score (math-verify's sympy) is killed after this long
-_POOLS: dict = {}  # reference -> the worker processes that run an isolated score
-_POOLS_LOCK = threading.Lock()
-
-
-class Score:
-    """An environment's score of the model's final text: a reward's name (one of `SCORES`), a
-    `module:function` reference, or a function, called per sample as `f(completion, answer)` (a
-    dict's "score" counts). A reward marked `isolate` (`math`) runs in a worker process that is
-    killed after `SCORE_TIMEOUT_S`, as the reward runner runs it, so a runaway answer cannot keep
-    a thread for ever."""
-
-    def __init__(self, score, what: str):
-        from rollover.rewards.registry import Reward, resolve_reward_fn
-
-        if isinstance(score, Score):
-            self.reward, self.what = score.reward, score.what
-            return
-        self.what = what
-        ref = None
-        if not callable(score):
-            if ":" not in str(score) and score not in SCORES:
-                raise ValueError(f"{what}: score={score!r}: one of {list(SCORES)} (the built-in rewards that need "
-                                 "only the completion and the answer), 'module:function' or a function")
-            try:
-                ref, score = str(score), resolve_reward_fn(score)
-            except (AttributeError, FileNotFoundError, ImportError, ValueError) as e:
-                raise ValueError(f"{what}: score: {e}") from None
-        try:
-            self.reward = Reward("score", score, ref=ref)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{what}: score: {e}") from None
-        if self.reward.batched:
-            raise ValueError(f"{what}: score {score!r} takes a batch (`completions`): an environment scores one "
-                             "completion at a time, f(completion, answer)")
-
-    async def __call__(self, completion: str, answer) -> float:
-        if self.reward.isolated:
-            value = await asyncio.to_thread(self._pool().call, "score", "call_one", (completion, answer, {}))
-        else:
-            value = await call(self.reward.call_one, completion, answer, {})
-        if isinstance(value, dict):
-            value = value.get("score")
-        if value is None:
-            raise ValueError(f"{self.what}: the score gave no number for the answer {answer!r:.80}")
-        return float(value)
-
-    def _pool(self):
-        from rollover.rewards.pool import WorkerPool
-
-        key = self.reward.reference[0]
-        with _POOLS_LOCK:
-            if key not in _POOLS:
-                _POOLS[key] = WorkerPool([self.reward], size=2, timeout_s=SCORE_TIMEOUT_S)
-            return _POOLS[key]
-
-
-async def call(fn: Callable, *args):
-    """`fn(*args)`: awaited if it is a coroutine function (or returns an awaitable), else in a
-    worker thread."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args)
-    out = await asyncio.to_thread(fn, *args)
-    return await out if inspect.isawaitable(out) else out
 
 
 @dataclass(frozen=True)

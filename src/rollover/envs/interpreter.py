@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rollover.envs.base import Action, StepResult
-from rollover.envs.inline import Score
+from rollover.envs.score import Score
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
 from rollover.types import Prompt
 

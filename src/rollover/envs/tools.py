@@ -53,13 +53,13 @@ import json
 import logging
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from rollover.envs.base import Action, Opening, StepResult
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
 from rollover.envs.tool_formats import FORMATS, PROBE_TOOL, Hermes, ToolCall, call_id, described_format, read, tool_format
-from rollover.rewards.builtins import numeric_reward
+from rollover.envs.score import Score
 from rollover.types import Prompt
 
 log = logging.getLogger("rollover")
@@ -236,7 +236,10 @@ class ToolUse:
     tools: tuple[Tool, ...] = (CALCULATOR, PYTHON)
     max_tool_calls: int = 4
     result_role: str = "tool"  # or "user" (results wrapped in <tool_response> tags)
-    score: Callable[[str, object], float] = field(default=numeric_reward)  # (final reply, answer)
+    # the final reply's score: a reward's name (numeric, math, exact, em), `module:function` or a function
+    # f(reply, answer) (rollover.envs.score.Score)
+    score: Callable[[str, object], float] | str = "numeric"
+    reasoning: str = "keep"  # "drop": the score sees what follows a thinking model's </think>
     tool_format: str = "hermes"  # how calls are written: hermes, llama3_json, mistral, qwen3_coder, glm45 (rollover.envs.tool_formats)
     # the system message that describes the tools ("default": `default_system_prompt()`); None: none,
     # for prompts that carry their own
@@ -252,6 +255,7 @@ class ToolUse:
     def __post_init__(self):
         if self.tools_in not in ("system", "template"):
             raise ValueError(f"tools: tools_in must be 'system' or 'template', got {self.tools_in!r}")
+        object.__setattr__(self, "score", Score(self.score, "tools", self.reasoning))
         reader = tool_format(self.tool_format)  # a name it knows
 
         known = {t.name: t for t in self.tools}
@@ -328,7 +332,7 @@ class ToolEnv:
         parsed = read(tool_format(self.spec.tool_format), action.text, self.schemas, action.opened_reasoning)
         calls, problems = parsed.calls, parsed.problems
         if not calls and not problems:
-            reward = float(self.spec.score(action.text, self.prompt.answer))
+            reward = await self.spec.score(action.text, self.prompt.answer, action.opened_reasoning)
             other = self._other_format(action.text, opened=action.opened_reasoning)
             return StepResult([], reward, done=True, info=self._info(solved=reward, calls_in_other_format=float(bool(other))))
         if not calls:  # every call it meant failed to read: in another format? (logged once)
