@@ -344,3 +344,55 @@ def test_episodes_train_with_a_critic_over_their_sampled_tokens_only(model_dir, 
         assert values[mask].std() > 0
         torch.testing.assert_close(adv, masked_whiten(returns - values, mask))
     assert inserted > 0
+
+
+def test_each_turns_reward_reaches_the_critic_where_it_was_earned(model_dir, tmp_path, monkeypatch):
+    """env.credit=reward_to_go with gae: each turn's reward sits on its last trained token, so the
+    return the critic learns at a token (gamma = lam = 1) is what that turn and the later ones
+    earned, not the episode's whole reward; every turn's reward is on a trained token (none lost)."""
+    from pathlib import Path
+
+    from rollover.train.critic import Critic
+    from test_env_training import env_cfg
+
+    seen, real_advantages = [], Critic.advantages
+
+    def spy(self, batch, *kl):
+        step = real_advantages(self, batch, *kl)
+        seen.append((batch.mask_BT.clone(), batch.adv_B.clone(), batch.adv_BT.clone(), step.returns_BT.clone()))
+        return step
+
+    monkeypatch.setattr(Critic, "advantages", spy)
+    fixtures = Path(__file__).with_name("env_fixtures.py")
+    train_sync(env_cfg(model_dir, tmp_path, steps=1, **{
+        "env.name": f"{fixtures}:Shaped", "env.options": {}, "env.credit": "reward_to_go", "env.inline": True,
+        "algorithm.advantage": "gae", "rollout.samples_per_prompt": 1, "rollout.prompts_per_step": 4,
+        "rollout.max_new_tokens": 4, "logging.samples": 1}))
+    (mask, adv_B, rewards_BT, returns_BT), = seen
+    assert adv_B.eq(0).all() and rewards_BT[~mask].eq(0).all()
+    assert (rewards_BT != 0).sum(1).max() > 1  # rewards earned at more than one turn of an episode
+    to_go_BT = rewards_BT.flip(1).cumsum(1).flip(1)  # what is earned at or after each token
+    torch.testing.assert_close(returns_BT[mask], to_go_BT[mask])
+    from rollover.metrics.samples import samples_path
+
+    samples = [json.loads(x) for x in open(samples_path(tmp_path, 1))][1:]
+    totals = sorted(sum(t["reward"] for t in s["turns"]) for s in samples)
+    assert sorted(rewards_BT.sum(1).tolist()) == pytest.approx(totals)  # no turn's reward lost
+
+
+def test_a_turn_without_trained_tokens_puts_its_reward_on_the_last_trained_token_before_it():
+    from rollover.rollout.episodes import turn_rewards
+    from rollover.types import Group, Prompt, Rollout
+
+    def episode(mask, spans, rewards):
+        r = Rollout(group_id="g", prompt_ids=[1], response_ids=[2] * len(mask), logprobs=[0.0] * len(mask),
+                    versions=[0] * len(mask), loss_mask=mask, finish="stop")
+        r.turns = [{"span": s, "reward": w} for s, w in zip(spans, rewards)]
+        return r
+
+    # turn 1: tokens 0-1, env reply 2, turn 2: tokens 3-4 (masked out), env reply 5, turn 3: token 6
+    a = episode([1, 1, 0, 0, 0, 0, 1], [[0, 2], [3, 5], [6, 7]], [0.5, 0.25, 1.0])
+    b = episode([0, 0, 0, 1], [[0, 2], [3, 4]], [0.75, 0.5])  # a first turn with nothing trained
+    adv_B, per_token, info = turn_rewards([Group(id="g", prompt=Prompt(id="p", text="?"), prompt_ids=[1], rollouts=[a, b])])
+    assert adv_B.tolist() == [0.0, 0.0] and info["num_groups"] == 1
+    assert per_token == [[0.0, 0.75, 0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.25]]

@@ -380,7 +380,7 @@ def test_tools_for_a_chat_template_that_ignores_them_are_refused_before_the_run(
     ({"env.name": None, "data.train": "gen:arithmetic?n=50", "env.credit": "reward_to_go"},
      "env.credit, env.gamma and env.step_weight give the turns of episodes their credit: they need env.name"),
     ({"env.credit": "reward_to_go"}, r"with algorithm.advantage=grpo: .* \(it divides by the spread .* set "
-                                     "algorithm.advantage=drgrpo or rloo"),
+                                     "algorithm.advantage=drgrpo, rloo or gae"),
     ({"env.credit": "reward_to_go", "algorithm.advantage": "remax"},
      r"remax does not fit \(its baseline is not the group's mean"),
     ({"env.credit": "reward_to_go", "algorithm.advantage": "rloo", "algorithm.loss": "gspo",
@@ -388,6 +388,9 @@ def test_tools_for_a_chat_template_that_ignores_them_are_refused_before_the_run(
     ({"env.credit": "reward_to_go", "algorithm.advantage": "drgrpo", "downsample.keep": 2,
       "rollout.samples_per_prompt": 4}, "not combined yet"),
     ({"env.gamma": 0.9}, "with credit=episode it would do nothing"),
+    ({"env.credit": "gigpo", "algorithm.advantage": "gae"}, "env.credit=gigpo gives each turn one from its state's group"),
+    ({"env.credit": "reward_to_go", "algorithm.advantage": "gae", "env.gamma": 0.9},
+     r"env.gamma=0.9 discounts per turn; with algorithm.advantage=gae the critic discounts per token"),
     ({"env.step_weight": 0.5}, "env.step_weight=0.5 weighs GiGPO's .* it needs env.credit=gigpo"),
     ({"env.credit": "gigpo", "algorithm.loss": "gspo", "algorithm.aggregation": "seq-mean-token-mean"},
      "env.credit=gigpo gives each turn its own advantage; .* use gspo_token"),

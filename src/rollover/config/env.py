@@ -58,7 +58,10 @@ class EnvConfig(Section):
     `A_step` is algorithm.advantage over the turns of the group that start from the same state
     (the same opening, or the same state left by the step before: `StepResult.state`, else the
     whole conversation before the turn), each valued by its (discounted) return from there; `A`
-    is algorithm.advantage over the episodes' undiscounted returns."""
+    is algorithm.advantage over the episodes' undiscounted returns. With algorithm.advantage=gae
+    (PPO with a critic), reward_to_go puts each turn's reward on its last trained token and the
+    critic's GAE carries it back (per token: algorithm.gamma, lam); episode puts the episode's
+    reward on its last token."""
     gamma: float = Field(1.0, gt=0, le=1)
     """env.credit=reward_to_go or gigpo: the discount per turn."""
     step_weight: float = Field(1.0, ge=0)

@@ -312,9 +312,13 @@ class Config(Section):
         if self.critic.warmup_steps >= self.steps and self.epochs is None:
             out.append(f"critic.warmup_steps={self.critic.warmup_steps} trains the critic alone for that many steps: "
                        f"with steps={self.steps} the policy would never train")
-        if self.env.credit != "episode":
-            out.append(f"algorithm.advantage=gae gives each token its own advantage from the critic; env.credit="
-                       f"{self.env.credit} gives each turn one: leave env.credit at episode")
+        if self.env.credit == "gigpo":
+            out.append("algorithm.advantage=gae gives each token its own advantage from the critic; env.credit=gigpo "
+                       "gives each turn one from its state's group: use env.credit=episode or reward_to_go (each turn's "
+                       "reward where it was earned, for the critic to carry back)")
+        elif self.env.credit == "reward_to_go" and self.env.gamma != 1.0:
+            out.append(f"env.gamma={self.env.gamma:g} discounts per turn; with algorithm.advantage=gae the critic discounts "
+                       "per token (algorithm.gamma): leave env.gamma at 1")
         if a.loss == "gspo":
             out.append("algorithm.advantage=gae gives each token its own advantage; algorithm.loss=gspo clips one ratio "
                        "per sequence against one advantage: use gspo_token, its form for per-token advantages")
@@ -436,13 +440,13 @@ class Config(Section):
         out = []
         if e.credit == "reward_to_go":
             adv = self.algorithm.advantage
-            if adv not in ("drgrpo", "rloo"):
+            if adv not in ("drgrpo", "rloo", "gae"):  # gae: the critic carries each turn's reward back
                 why = ("its baseline is not the group's mean of the other episodes' returns" if adv in
                        ("opo", "gpg", "remax") else "it divides by the spread of the episodes' returns, which would "
                        "scale turn returns that spread does not bound")
                 out.append(f"env.credit=reward_to_go with algorithm.advantage={adv}: a turn's advantage is its return "
-                           f"to go less the group's mean (drgrpo) or the others' mean (rloo), unscaled; {adv} does not "
-                           f"fit ({why}): set algorithm.advantage=drgrpo or rloo")
+                           f"to go less the group's mean (drgrpo) or the others' mean (rloo), unscaled, or the critic's "
+                           f"estimate of it (gae); {adv} does not fit ({why}): set algorithm.advantage=drgrpo, rloo or gae")
         if e.credit == "gigpo" and self.algorithm.advantage in ("remax", "opo"):
             what = "one baseline per episode (the greedy one's return)" if self.algorithm.advantage == "remax" else \
                 "a baseline weighted by each episode's tokens, which a turn's state group has no single count of"

@@ -79,7 +79,11 @@ def train_batch_from(groups, cfg: Config, step: int = 1):
     from rollover.train.batch import TrainBatch
 
     token_adv = None
-    if cfg.env.credit != "episode":  # each turn its own advantage (downsample is refused with it)
+    if cfg.env.credit != "episode" and cfg.algorithm.advantage == "gae":  # each turn's reward where it was earned
+        from rollover.rollout.episodes import turn_rewards
+
+        adv, token_adv, info = turn_rewards(groups)
+    elif cfg.env.credit != "episode":  # each turn its own advantage (downsample is refused with it)
         from rollover.rollout.episodes import gigpo_credit, turn_credit
 
         adv, token_adv, info = (gigpo_credit if cfg.env.credit == "gigpo" else turn_credit)(groups, cfg)

@@ -66,6 +66,30 @@ def turn_credit(groups: list[Group], cfg) -> tuple[torch.Tensor, list[list[float
     return adv_B, per_token, info
 
 
+def turn_rewards(groups: list[Group]) -> tuple[torch.Tensor, list[list[float]], dict]:
+    """`env.credit: reward_to_go` with `algorithm.advantage: gae`: the rewards where each turn earned
+    them, for the critic's GAE to carry back over the tokens before (`rollover.algos.gae`): nothing
+    at the sequence's end (`adv_B` 0), and per response token each turn's reward on its last trained
+    token (a turn with none trained puts it on the last trained token before it, else on the
+    sequence's first), so a turn is credited with what it and the turns after it earned."""
+    flat = [r for g in groups for r in g.rollouts]
+    per_token = []
+    for r in flat:
+        tokens = [0.0] * len(r.response_ids)
+        trained = [i for i, m in enumerate(r.loss_mask) if m]
+        for turn in r.turns:
+            start, end = turn["span"]
+            before = [i for i in trained if i < end]
+            at = before[-1] if before else trained[0] if trained else None
+            if at is not None:
+                tokens[at] += float(turn["reward"])
+        per_token.append(tokens)
+    totals_B = torch.tensor([sum(per_token_i) for per_token_i in per_token], dtype=torch.float32)
+    gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts], dtype=torch.long)
+    _, info = compute_advantages("gae", totals_B, gid)  # the groups' counts, as with rewards at the end
+    return torch.zeros(len(flat)), per_token, info
+
+
 def gigpo_credit(groups: list[Group], cfg) -> tuple[torch.Tensor, list[list[float]], dict]:
     """`env.credit: gigpo` (GiGPO, Feng et al., arXiv 2505.10978): each episode's advantage `A`
     (algorithm.advantage over its return, the undiscounted sum of its turns' rewards, within its

@@ -42,7 +42,9 @@ class TrainBatch:
     mask_BT: Tensor  # bool: token is trained
     adv_B: Tensor
     group_index_B: Tensor  # which group each sequence belongs to (0..G-1)
-    adv_BT: Tensor | None = None  # per token (env.credit=reward_to_go), what the loss uses; adv_B: per sample
+    # per token (env.credit=reward_to_go), what the loss uses; adv_B: per sample. With algorithm.advantage=gae
+    # both hold rewards (adv_BT: each turn's on its last trained token) until the critic turns them into adv_BT
+    adv_BT: Tensor | None = None
     media: list | None = None  # per sequence its prompt's images (`Media` or None); None: no sequence has any
 
     @classmethod

@@ -208,16 +208,19 @@ class Critic:
 
     def advantages(self, batch: TrainBatch, old_BT=None, ref_BT=None) -> CriticStep:
         """Each token's advantage from the critic's values (GAE, whitened over the step's loss
-        tokens on every rank; `batch.adv_B` holds the rewards). `old_BT`, `ref_BT`: the policy's
+        tokens on every rank; `batch.adv_B` holds the rewards at each sequence's end, `batch.adv_BT`
+        where given the rewards on its tokens: env.credit=reward_to_go). `old_BT`, `ref_BT`: the policy's
         and the reference's logprobs, for the KL penalty in the reward (algorithm.kl_in_reward)."""
         t, a = self.trainer, self.trainer.cfg.algorithm
         values_BT = t._fitting(self.values, batch)
         mask_BT = batch.mask_BT.to(t.device)
-        kl_metrics, penalty_BT = {}, None
+        kl_metrics = {}
+        token_rewards_BT = None if batch.adv_BT is None else batch.adv_BT.to(t.device)  # each turn's, where earned
         if old_BT is not None:
             penalty_BT, kl_metrics = self._kl_penalty(old_BT.to(t.device), ref_BT.to(t.device), mask_BT)
+            token_rewards_BT = penalty_BT if token_rewards_BT is None else token_rewards_BT + penalty_BT
         adv_BT, returns_BT = gae(batch.adv_B.to(t.device), values_BT, mask_BT, gamma=a.gamma, lam=a.lam,
-                                 token_rewards_BT=penalty_BT)
+                                 token_rewards_BT=token_rewards_BT)
         whitened_BT = masked_whiten(adv_BT, mask_BT, reduce=t._sum)
         sums = torch.stack([mask_BT.sum(), values_BT.sum(), returns_BT.sum(), adv_BT.sum()]).double().cpu()
         n, v, r, adv = t._sum(sums).tolist()
