@@ -380,7 +380,7 @@ def test_each_turns_reward_reaches_the_critic_where_it_was_earned(model_dir, tmp
     assert sorted(rewards_BT.sum(1).tolist()) == pytest.approx(totals)  # no turn's reward lost
 
 
-def test_a_turn_without_trained_tokens_puts_its_reward_on_the_last_trained_token_before_it():
+def test_a_turn_without_trained_tokens_puts_its_reward_on_the_last_trained_token_before_it_or_none():
     from rollover.rollout.episodes import turn_rewards
     from rollover.types import Group, Prompt, Rollout
 
@@ -392,7 +392,7 @@ def test_a_turn_without_trained_tokens_puts_its_reward_on_the_last_trained_token
 
     # turn 1: tokens 0-1, env reply 2, turn 2: tokens 3-4 (masked out), env reply 5, turn 3: token 6
     a = episode([1, 1, 0, 0, 0, 0, 1], [[0, 2], [3, 5], [6, 7]], [0.5, 0.25, 1.0])
-    b = episode([0, 0, 0, 1], [[0, 2], [3, 4]], [0.75, 0.5])  # a first turn with nothing trained
+    b = episode([0, 0, 0, 1], [[0, 2], [3, 4]], [0.75, 0.5])  # a first turn with nothing trained (APRIL's masked stale turn)
     adv_B, per_token, info = turn_rewards([Group(id="g", prompt=Prompt(id="p", text="?"), prompt_ids=[1], rollouts=[a, b])])
     assert adv_B.tolist() == [0.0, 0.0] and info["num_groups"] == 1
-    assert per_token == [[0.0, 0.75, 0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.25]]
+    assert per_token == [[0.0, 0.75, 0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.5]]  # b's first reward: no decision trained led to it

@@ -950,6 +950,10 @@ def test_an_environments_math_score_runs_in_a_process_that_can_be_killed():
         ToolUse(score="mth")
     with pytest.raises(ValueError, match="tools: reasoning='strip': must be keep"):
         ToolUse(reasoning="strip")
+    import dataclasses
+
+    spec = ToolUse(tools=(CALCULATOR,), score="math")
+    assert dataclasses.replace(spec, reasoning="drop").score.reward.reasoning == "drop"  # a rebuilt spec keeps its own
 
 
 @pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="the sandbox needs root on Linux")

@@ -186,6 +186,23 @@ def test_a_continuation_goes_on_inside_the_models_turn():
     assert traj.finish == "done" and traj.reward == 2.0
 
 
+def test_a_turn_knows_whether_it_began_inside_the_templates_open_reasoning():
+    """A template that opens <think> in its generation prompt: a message's first turn began inside
+    the reasoning, and so do its continued turns until the model writes </think>; the next message,
+    rendered after a user message, opens it again."""
+    from rollover.testing import CHAT_TEMPLATE, char_tokenizer
+
+    tok = char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n")
+    words = {1: "<s>q1", 2: "hm</think><s>q2", 3: "ok", 4: "x"}
+    env = SearchEnv()
+    traj = episode(ScriptedEngine(lambda r: tok.encode(words[turn_of(r)], add_special_tokens=False)
+                                  + ([EOT] if turn_of(r) > 2 else [])), env, renderer=ChatRenderer(tok))
+    assert traj.finish == "done"
+    assert [a.opened_reasoning for a in env.actions] == [True, True, False, True]
+    assert [t.opened_reasoning for t in traj.turns] == [True, True, False, True]
+
+
 def test_a_continuation_with_messages_or_after_the_end_of_the_message_fails_the_episode():
     class Both(SearchEnv):
         async def step(self, action):

@@ -222,7 +222,10 @@ class LiveEpisode:
         ids = completion.response_ids
         text = renderer.tokenizer.decode(ids, skip_special_tokens=True)
         start_T = len(self.traj.tokens_T)
-        thinking = opens_reasoning(renderer.tokenizer, self.traj.tokens_T)  # the template opened <think>
+        if self.open_text:  # a message the environment continued: open where it began open and is not yet closed
+            thinking = self.traj.turns[-1].opened_reasoning and "</think>" not in self.open_text
+        else:  # the template's generation prompt opened <think>
+            thinking = opens_reasoning(renderer.tokenizer, self.traj.tokens_T)
         gen_s = clock() - self.turn_started if self.turn_started is not None else 0.0
         self.turn_started = None
         self.traj.turns.append(Turn(start_T, start_T + len(ids), completion.finish, text, gen_s=gen_s,

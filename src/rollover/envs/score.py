@@ -4,6 +4,7 @@ called per sample; isolated rewards (math-verify's) in worker processes killed a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import threading
 from typing import Callable
@@ -25,12 +26,12 @@ class Score:
     def __init__(self, score, what: str, reasoning: str = "keep"):
         from rollover.rewards.registry import Reward, resolve_reward_fn
 
-        if isinstance(score, Score):
-            self.reward, self.what = score.reward, score.what
-            return
         if reasoning not in ("keep", "drop"):
             raise ValueError(f"{what}: reasoning={reasoning!r}: must be keep (the whole reply is scored) or drop "
                              "(what follows the model's </think>)")
+        if isinstance(score, Score):  # (a spec rebuilt, dataclasses.replace): the same function, this reasoning
+            self.reward, self.what = dataclasses.replace(score.reward, reasoning=reasoning), score.what
+            return
         self.what = what
         ref = None
         if not callable(score):

@@ -70,8 +70,9 @@ def turn_rewards(groups: list[Group]) -> tuple[torch.Tensor, list[list[float]], 
     """`env.credit: reward_to_go` with `algorithm.advantage: gae`: the rewards where each turn earned
     them, for the critic's GAE to carry back over the tokens before (`rollover.algos.gae`): nothing
     at the sequence's end (`adv_B` 0), and per response token each turn's reward on its last trained
-    token (a turn with none trained puts it on the last trained token before it, else on the
-    sequence's first), so a turn is credited with what it and the turns after it earned."""
+    token (a turn with none trained puts it on the last trained token before it; with none before
+    either, no trained decision led to it, and it is left out), so a turn is credited with what it
+    and the turns after it earned."""
     flat = [r for g in groups for r in g.rollouts]
     per_token = []
     for r in flat:
@@ -80,9 +81,8 @@ def turn_rewards(groups: list[Group]) -> tuple[torch.Tensor, list[list[float]], 
         for turn in r.turns:
             start, end = turn["span"]
             before = [i for i in trained if i < end]
-            at = before[-1] if before else trained[0] if trained else None
-            if at is not None:
-                tokens[at] += float(turn["reward"])
+            if before:
+                tokens[before[-1]] += float(turn["reward"])
         per_token.append(tokens)
     totals_B = torch.tensor([sum(per_token_i) for per_token_i in per_token], dtype=torch.float32)
     gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts], dtype=torch.long)
