@@ -362,3 +362,41 @@ def test_lora_on_another_architecture_trains_and_syncs_merged_weights(tmp_path):
         assert trainable and all("lora_" in n for n in trainable)
     finally:
         run.close()
+
+
+def test_a_model_with_linear_attention_trains_each_sequence_in_a_row_of_its_own(tmp_path):
+    """Qwen3.5's linear-attention layers carry a state along a row, which neither packed position ids
+    nor the shared-prefix masks stop: the trainer gives each sequence a row of its own, so its logprobs
+    are each sequence's alone (packed, they are not); sequence parallelism is refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollover.models import stateful_layers
+    from rollover.testing import char_tokenizer
+    from rollover.train.trainer import Trainer
+    from rollover.train.ulysses import check
+    from test_train import batch_of, rollout
+
+    config = AutoConfig.for_model("qwen3_5_text", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                  linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                                  layer_types=["linear_attention", "full_attention"], eos_token_id=2, pad_token_id=0)
+    assert stateful_layers(config) == ["linear_attention"] and stateful_layers(tiny_model("qwen3").config) == []
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "m")
+    char_tokenizer().save_pretrained(tmp_path / "m")
+    cfg = load_config(**{"device": "cpu", "model": str(tmp_path / "m"), "run_dir": str(tmp_path / "run"),
+                         "data.train": "gen:arithmetic?n=8", "data.max_prompt_tokens": 16, "rollout.max_new_tokens": 8})
+    trainer = Trainer(model, cfg, device=torch.device("cpu"))
+    assert trainer.one_per_row and not trainer.shared_prefix
+    batch = batch_of([rollout("g", [5, 6, 7], [8, 9, 10, 11], 1.0), rollout("g", [5, 6, 7], [12, 13], 0.5),
+                      rollout("h", [14, 15], [16, 17, 18], -1.0)])
+    alone = [hf_logprobs(model.eval(), p, r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    got = trainer.logprobs(batch)
+    for i, ref in enumerate(alone):
+        assert torch.allclose(got[i, :len(ref)], ref, atol=1e-5), i
+    trainer.one_per_row = False  # packed after one another: the state runs from one sequence into the next
+    packed = trainer.logprobs(batch)
+    assert not all(torch.allclose(packed[i, :len(ref)], ref, atol=1e-5) for i, ref in enumerate(alone))
+    with pytest.raises(ValueError, match="linear_attention layers run along the whole row"):
+        check(config, 2)

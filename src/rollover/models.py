@@ -184,6 +184,21 @@ def load_processor(name: str):
     return processor
 
 
+# the layer kinds of `config.layer_types` that attend under a mask, which packed sequences' position ids (or an
+# explicit mask) keep apart; any other kind (linear attention, state-space, convolution) runs along the whole row
+MASKED_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def stateful_layers(config) -> list[str]:
+    """The kinds of layer of a model that carry a state along a row (Qwen3.5's and Qwen3-Next's linear
+    attention, Mamba's and Granite 4's state-space layers, LFM2's convolutions): sequences packed one
+    after another into a row would see each other through them, whatever the mask. [] for attention only."""
+    text = text_config(config)
+    kinds = {str(k) for k in getattr(text, "layer_types", None) or ()}
+    kinds |= {str(k) for k in getattr(text, "layers_block_type", None) or () if str(k) != "attention"}  # Jamba's, Zamba's
+    return sorted(kinds - set(MASKED_LAYER_KINDS))
+
+
 def text_config(config):
     """A model config's language-model part (a multimodal config's text config; others as they
     are): where its layers, window and vocabulary are."""

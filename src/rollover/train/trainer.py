@@ -37,7 +37,7 @@ from rollover.algos.loss_options import old_logprobs_first
 from rollover.algos.policy import bapo_update_bounds
 from rollover.config import Config
 from rollover.engine.hf_runner import fast_path
-from rollover.models import restore_output_capture
+from rollover.models import restore_output_capture, stateful_layers
 from rollover.train import memory
 from rollover.train.batch import TrainBatch
 from rollover.train.critic import Critic, value_model_from, value_model_of
@@ -117,6 +117,9 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
             value = self._critic_network(model)
             if cfg.train.disable_dropout:  # as the policy's (a LoRA critic's adapter is new)
                 disable_dropout(value)
+        # layers no mask keeps packed sequences apart in, in any network the step's rows go through
+        self.stateful = sorted({k for net in (model, self.teacher, value) if net is not None
+                                for k in stateful_layers(self._base(net).config)})
         self.model = self._place(model)
         self.critic = None
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -137,9 +140,12 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
         self.entropy_coef, self.last_entropy = cfg.algorithm.entropy_coef, math.inf
         self.entropy_coef_now = cfg.algorithm.entropy_coef
         shared_row = t.pack_length or self._fit_row(default_pack_length(cfg, shared_prefix=True))
-        self.shared_prefix = t.shared_prefix and self._explicit_masks_work(shared_row)
+        if self.stateful and t.shared_prefix:
+            log.info("train.shared_prefix: the model's %s layers carry a state along a row, which no mask stops: "
+                     "each sequence is trained in a row of its own", ", ".join(self.stateful))
+        self.shared_prefix = t.shared_prefix and not self.stateful and self._explicit_masks_work(shared_row)
         self.pack_length = shared_row if self.shared_prefix else t.pack_length or default_pack_length(cfg, False)
-        self.one_per_row = self.generic and not self.shared_prefix
+        self.one_per_row = (self.generic and not self.shared_prefix) or bool(self.stateful)
         if t.micro_batch_tokens is not None:
             self.micro_batch_tokens = t.micro_batch_tokens
         elif device.type == "cuda":  # the CPU's activation estimate is far above what a GPU needs

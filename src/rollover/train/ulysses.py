@@ -66,6 +66,11 @@ def check(model_config, size: int) -> None:
                          f"over {size} ranks")
     if sliding_window(model_config) is not None:
         raise ValueError(f"train.sequence_parallel={size}: models with sliding-window attention are not supported yet")
+    from rollover.models import stateful_layers
+
+    if stateful := stateful_layers(model_config):
+        raise ValueError(f"train.sequence_parallel={size}: the model's {', '.join(stateful)} layers run along the whole "
+                         "row, which sequence parallelism splits over ranks: not supported")
 
 
 def use(model, size: int) -> None:
