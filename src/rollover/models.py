@@ -187,6 +187,8 @@ def load_processor(name: str):
 # the layer kinds of `config.layer_types` that attend under a mask, which packed sequences' position ids (or an
 # explicit mask) keep apart; any other kind (linear attention, state-space, convolution) runs along the whole row
 MASKED_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+STATELESS_LAYER_KINDS = ("attention", "mlp", "moe", "dense")  # (hybrids name their feed-forward blocks as layers too)
+RECURRENT_MODELS = {"rwkv": "recurrent", "xlstm": "recurrent"}  # model types whose configs name no layer kinds
 
 
 def stateful_layers(config) -> list[str]:
@@ -195,8 +197,10 @@ def stateful_layers(config) -> list[str]:
     after another into a row would see each other through them, whatever the mask. [] for attention only."""
     text = text_config(config)
     kinds = {str(k) for k in getattr(text, "layer_types", None) or ()}
-    kinds |= {str(k) for k in getattr(text, "layers_block_type", None) or () if str(k) != "attention"}  # Jamba's, Zamba's
-    return sorted(kinds - set(MASKED_LAYER_KINDS))
+    kinds |= {str(k) for k in getattr(text, "layers_block_type", None) or ()}  # Jamba's, Zamba's, RecurrentGemma's
+    if getattr(text, "model_type", None) in RECURRENT_MODELS:
+        kinds.add(RECURRENT_MODELS[text.model_type])
+    return sorted(kinds - set(MASKED_LAYER_KINDS) - set(STATELESS_LAYER_KINDS))
 
 
 def text_config(config):
