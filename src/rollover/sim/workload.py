@@ -123,7 +123,7 @@ class SimRewards:
         self.rewards = [_Fn("sim")]
         self.on_score = None  # called with the scored groups' sizes, in order (the simulated scoring time)
 
-    def score(self, prompts, texts, sample_ids, completion_ids=None) -> BatchRewards:
+    def score(self, prompts, texts, sample_ids, completion_ids=None, opened_reasoning=None) -> BatchRewards:
         from rollover.rewards.runner import BatchRewards, SampleReward  # the reward stack: schedulers' path only
 
         if self.on_score is not None:
