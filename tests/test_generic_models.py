@@ -381,8 +381,9 @@ def test_a_model_with_linear_attention_trains_each_sequence_in_a_row_of_its_own(
                                   linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                                   layer_types=["linear_attention", "full_attention"], eos_token_id=2, pad_token_id=0)
     assert stateful_layers(config) == ["linear_attention"] and stateful_layers(tiny_model("qwen3").config) == []
-    for kind, found in (("rwkv", ["recurrent"]), ("jamba", ["linear_attention", "mamba"]), ("nemotron_h", ["linear_attention"]),
-                        ("gemma3_text", []), ("llama4_text", [])):  # hybrids' feed-forward layers and masked kinds are not states
+    for kind, found in (("rwkv", ["recurrent"]), ("jamba", ["linear_attention"]), ("nemotron_h", ["linear_attention"]),
+                        ("recurrent_gemma", ["recurrent"]), ("gemma3_text", []), ("llama4_text", ["chunked_attention"])):
+        # hybrids' feed-forward layers are not states; Llama 4's chunks are laid out by place in the row
         assert stateful_layers(AutoConfig.for_model(kind)) == found, kind
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)

@@ -185,19 +185,21 @@ def load_processor(name: str):
 
 
 # the layer kinds of `config.layer_types` that attend under a mask, which packed sequences' position ids (or an
-# explicit mask) keep apart; any other kind (linear attention, state-space, convolution) runs along the whole row
-MASKED_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+# explicit mask) keep apart; any other kind (linear attention, state-space, convolution) runs along the whole row,
+# and so does one whose mask is laid out by place in the row (Llama 4's chunks) or not checked here (DeepSeek's
+# indexed sparse attention): those sequences go one to a row
+MASKED_LAYER_KINDS = ("full_attention", "sliding_attention")
 STATELESS_LAYER_KINDS = ("attention", "mlp", "moe", "dense")  # (hybrids name their feed-forward blocks as layers too)
 RECURRENT_MODELS = {"rwkv": "recurrent", "xlstm": "recurrent"}  # model types whose configs name no layer kinds
 
 
 def stateful_layers(config) -> list[str]:
-    """The kinds of layer of a model that carry a state along a row (Qwen3.5's and Qwen3-Next's linear
-    attention, Mamba's and Granite 4's state-space layers, LFM2's convolutions): sequences packed one
-    after another into a row would see each other through them, whatever the mask. [] for attention only."""
+    """The kinds of layer of a model that no packing mask is known to keep sequences apart in: those
+    that carry a state along a row (Qwen3.5's and Qwen3-Next's linear attention, Mamba's and Granite 4's
+    state-space layers, LFM2's convolutions) and attention laid out by place in the row (Llama 4's
+    chunks). Sequences packed one after another into a row would see each other through them. []: none."""
     text = text_config(config)
-    kinds = {str(k) for k in getattr(text, "layer_types", None) or ()}
-    kinds |= {str(k) for k in getattr(text, "layers_block_type", None) or ()}  # Jamba's, Zamba's, RecurrentGemma's
+    kinds = {str(k) for k in getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()}
     if getattr(text, "model_type", None) in RECURRENT_MODELS:
         kinds.add(RECURRENT_MODELS[text.model_type])
     return sorted(kinds - set(MASKED_LAYER_KINDS) - set(STATELESS_LAYER_KINDS))

@@ -40,7 +40,8 @@ class TrainConfig(Section):
     shared_prefix: bool = True
     """Pack the samples that share a prompt as one prompt followed by their responses, with an
     attention mask that keeps responses apart: the prompt's forward runs once per group, not once
-    per sample (same loss and gradients; needs the sdpa or eager attention of transformers)."""
+    per sample (same loss and gradients; needs the sdpa or eager attention of transformers; off for models
+    with linear-attention or state-space layers, whose sequences go one to a row)."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each step's batch."""
     mini_batches: int = Field(1, ge=1)

@@ -141,8 +141,8 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
         self.entropy_coef_now = cfg.algorithm.entropy_coef
         shared_row = t.pack_length or self._fit_row(default_pack_length(cfg, shared_prefix=True))
         if self.stateful and t.shared_prefix:
-            log.info("train.shared_prefix: the model's %s layers carry a state along a row, which no mask stops: "
-                     "each sequence is trained in a row of its own", ", ".join(self.stateful))
+            log.info("train.shared_prefix: %s layers (the policy's, teacher's or critic's) run along a row, which no "
+                     "mask divides: each sequence is trained in a row of its own", ", ".join(self.stateful))
         self.shared_prefix = t.shared_prefix and not self.stateful and self._explicit_masks_work(shared_row)
         self.pack_length = shared_row if self.shared_prefix else t.pack_length or default_pack_length(cfg, False)
         self.one_per_row = (self.generic and not self.shared_prefix) or bool(self.stateful)

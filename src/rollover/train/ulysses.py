@@ -70,7 +70,7 @@ def check(model_config, size: int) -> None:
 
     if stateful := stateful_layers(model_config):
         raise ValueError(f"train.sequence_parallel={size}: the model's {', '.join(stateful)} layers run along the whole "
-                         "row, which sequence parallelism splits over ranks: not supported")
+                         "row (no mask divides it), which sequence parallelism splits over ranks: not supported")
 
 
 def use(model, size: int) -> None:
