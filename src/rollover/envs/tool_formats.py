@@ -318,8 +318,7 @@ class Qwen3Coder:
             return "<function=> needs the tool's name"
         if not closed:
             return f"<function={name}> is not closed with </function>"
-        properties = schema.get("properties") if isinstance(schema, dict) else None
-        properties = properties if isinstance(properties, dict) else {}
+        properties = _properties(schema)
         arguments: dict = {}
         for key, value in self.PARAMETER.findall(body):
             key = key.strip()
@@ -371,9 +370,7 @@ class Glm45:
             return ("expected the tool's name after <tool_call>, then each argument as "
                     "<arg_key>NAME</arg_key><arg_value>value</arg_value>")
         name = named.group(1)
-        schema = schemas.get(name)
-        properties = schema.get("properties") if isinstance(schema, dict) else None
-        properties = properties if isinstance(properties, dict) else {}
+        properties = _properties(schemas.get(name))
         arguments: dict = {}
         for key, value in self.PAIR.findall(pairs):
             key = key.strip()
@@ -397,6 +394,12 @@ class Glm45:
                 f"<tools>\n{_schemas(tools)}\n</tools>\n"
                 "To call a tool, write\n<tool_call>TOOL NAME\n<arg_key>ARGUMENT NAME</arg_key>\n<arg_value>value</arg_value>\n"
                 "</tool_call>\n(one <arg_key> and <arg_value> per argument) and stop; the result comes back in the next message.")
+
+
+def _properties(schema) -> dict:
+    """A tool's JSON-schema `properties` (each argument's schema by name), {} where it has none."""
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    return properties if isinstance(properties, dict) else {}
 
 
 def _text_arguments(name: str, args: str) -> list[tuple[str, str]]:

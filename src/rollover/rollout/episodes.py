@@ -14,6 +14,7 @@ sample is in single-turn mode: never a silent 0.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -79,10 +80,9 @@ def turn_rewards(groups: list[Group]) -> tuple[torch.Tensor, list[list[float]], 
         tokens = [0.0] * len(r.response_ids)
         trained = [i for i, m in enumerate(r.loss_mask) if m]
         for turn in r.turns:
-            start, end = turn["span"]
-            before = [i for i in trained if i < end]
-            if before:
-                tokens[before[-1]] += float(turn["reward"])
+            k = bisect.bisect_left(trained, turn["span"][1])  # the trained tokens before the turn's end
+            if k:
+                tokens[trained[k - 1]] += float(turn["reward"])
         per_token.append(tokens)
     totals_B = torch.tensor([sum(per_token_i) for per_token_i in per_token], dtype=torch.float32)
     gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.rollouts], dtype=torch.long)
