@@ -143,9 +143,9 @@ def test_bench_memory_phases(model_dir, tmp_path):
 
 @pytest.mark.ray
 def test_bench_ray_fields(model_dir, tmp_path):
-    """One call for every part (each starts its own Ray instance): the local, one-worker, two-worker
+    """One call for every part (one Ray instance for them all): the local, one-worker, two-worker
     and trainer-actor runs, a killed worker, and each weight-sync transport."""
-    pytest.importorskip("ray")
+    ray = pytest.importorskip("ray")
     r = bench(tmp_path, "ray", "--model", model_dir, "--steps", "1", "--updates", "1", "--kill-requests", "8",
               "--trainer-actor")
     assert r["local_samples_per_s"] > 0 and r["ray_samples_per_s"] > 0 and r["ray_two_workers_samples_per_s"] > 0
@@ -158,6 +158,7 @@ def test_bench_ray_fields(model_dir, tmp_path):
     gloo = [w for w in r["weight_sync"] if w["transport"] == "gloo"]
     assert all(w["sent_fraction"] == 1 and w["seconds_per_update"] > 0 for w in gloo)  # whole tensors
     assert all(0 < w["sent_fraction"] <= 1 for w in r["weight_sync"])
+    assert not ray.is_initialized()  # the instance the bench started is shut down
 
 
 def test_bench_engine_nanovllm_workload_and_contention(model_dir, tmp_path):

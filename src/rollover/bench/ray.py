@@ -146,8 +146,30 @@ def main(args) -> dict:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
 
-    if not args.skip_train:
-        local = _train(args, "local")
+    import ray
+
+    from rollover.config import load_config
+    from rollover.runtime import start_ray
+
+    owns_ray = False
+    try:
+        if not args.skip_train:
+            local = _train(args, "local")  # before Ray starts: its processes idle beside the local run
+        # one Ray instance for every part, where each part alone would start and stop its own
+        owns_ray = start_ray(load_config(None, [f"model={args.model}", "runtime=ray",
+                                                f"ray.num_cpus={args.cpus * (2 if args.trainer_actor else 1)}",
+                                                *args.overrides]))
+        _parts(args, result, save, None if args.skip_train else local)
+    finally:
+        if owns_ray:
+            ray.shutdown()
+    _report(args, result)
+    save()
+    return result
+
+
+def _parts(args, result: dict, save, local: dict | None) -> None:
+    if local is not None:
         ray1 = _train(args, "ray", workers=1, cpus=args.cpus)
         result.update(local_samples_per_s=local["samples_per_s"], ray_samples_per_s=ray1["samples_per_s"],
                       ray_over_local=ray1["samples_per_s"] / local["samples_per_s"], local=local, ray_one_worker=ray1)
@@ -168,6 +190,9 @@ def main(args) -> dict:
         for dtype, delta, transport in settings + [(dtype, False, "gloo") for dtype in ("float32", "bfloat16")]:
             result["weight_sync"].append(_weight_sync(args, dtype, delta, transport))
             save()
+
+
+def _report(args, result: dict) -> None:
     print(f"\nrollover bench ray — {args.model}, {args.steps} measured sync steps per runtime")
     if "local" in result:
         print(f"  samples/s  local {result['local_samples_per_s']:.3f}   ray, 1 worker {result['ray_samples_per_s']:.3f}"
@@ -189,8 +214,6 @@ def main(args) -> dict:
         print(f"  weight sync {w['transport']:12s} {w['dtype']:8s} delta={'on ' if w['delta'] else 'off'}  "
               f"{w['seconds_per_update']:.3f} s/update  "
               f"{w['bytes_per_worker'] / 2**20:8.1f} MiB per worker ({w['sent_fraction']:.1%} of the model)")
-    save()
-    return result
 
 
 def add_arguments(p) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -47,6 +48,31 @@ log = logging.getLogger("rollover")
 
 class RankLost(RuntimeError):
     """A trainer rank died or failed; the run stops at its last checkpoint."""
+
+
+def _rank_context(mp, architecture):
+    """Where rank processes come from: a fork server (one per driver process) that imported torch,
+    the rank's own modules and the model class's transformers module once, before any thread or
+    CUDA context exists; each rank is a fork of it and starts with them, where a spawned rank
+    imported them again (about 4 s a rank on 2 cores, each time ranks start). The server and its
+    ranks keep the environment the driver had when the server started."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    modules = ["torch", "rollover.train.rank_server", "rollover.train.fsdp", type(architecture).__module__]
+    ctx.set_forkserver_preload([m for m in modules if m != "__main__"])  # read when the server starts
+    # A stop signal sent to the whole process group (torchrun, a scheduler, `kill -TERM -PGID`) is
+    # the driver's to act on, as the ranks ignore it: were the server to die of it, each rank's exit
+    # status (which the server reports) would be lost. An ignored signal stays ignored in the
+    # process the server starts as (the server ignores SIGINT itself).
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
+    try:
+        forkserver.ensure_running()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
+    return ctx
 
 
 def call_name(call: str, args: tuple) -> str:
@@ -175,7 +201,7 @@ class ShardedTrainer(RankGroup):
         self.architecture = model.get_base_model() if hasattr(model, "get_base_model") else model
         env = torchrun_env()
         local = 1 if env is not None else self.world  # rank processes started here
-        ctx = mp.get_context("spawn")
+        ctx = _rank_context(mp, self.architecture)
         host = env["addr"] if env is not None else "127.0.0.1"
         init = f"tcp://{host}:{_free_port()}"
         per_machine = env["local_world"] if env is not None else self.world
