@@ -460,6 +460,9 @@ class ModelRunner:
             if n == 1 and self.max_rows > 1:  # one row would compile a second graph (size 1 is specialised):
                 # a free row at position 0 rides along; its cache is rewritten before use
                 return self.compiled(F.pad(tokens, (0, 1)), F.pad(positions, (0, 1)), lk)[:1]
+            if not tokens.is_inference():  # the graph's guards check the inputs' kind: a tensor made outside
+                # inference mode against the padded ones above would compile the step a second time
+                tokens, positions = tokens.clone(), positions.clone()
             return self.compiled(tokens, positions, lk)
         pad_to = self.packs.size_for(n)
         if pad_to is None:
