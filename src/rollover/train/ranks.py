@@ -50,12 +50,16 @@ class RankLost(RuntimeError):
     """A trainer rank died or failed; the run stops at its last checkpoint."""
 
 
-def _rank_context(mp, architecture):
-    """Where rank processes come from: a fork server (one per driver process) that imported torch,
-    the rank's own modules and the model class's transformers module once, before any thread or
-    CUDA context exists; each rank is a fork of it and starts with them, where a spawned rank
+def _rank_context(mp, architecture, cuda: bool):
+    """Where rank processes come from. On CPUs: a fork server (one per driver process) that
+    imported torch, the rank's own modules and the model class's transformers module once, before
+    any thread exists; each rank is a fork of it and starts with them, where a spawned rank
     imported them again (about 4 s a rank on 2 cores, each time ranks start). The server and its
-    ranks keep the environment the driver had when the server started."""
+    ranks keep the environment the driver had when the server started. On GPUs ranks are spawned:
+    a module that asked CUDA anything at import (`torch.cuda.is_available()` initialises the
+    driver) would leave every fork of the server unable to use CUDA."""
+    if cuda:
+        return mp.get_context("spawn")
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
@@ -201,12 +205,13 @@ class ShardedTrainer(RankGroup):
         self.architecture = model.get_base_model() if hasattr(model, "get_base_model") else model
         env = torchrun_env()
         local = 1 if env is not None else self.world  # rank processes started here
-        ctx = _rank_context(mp, self.architecture)
+        cuda = cfg.device != "cpu" and torch.cuda.is_available()
+        ctx = _rank_context(mp, self.architecture, cuda)
         host = env["addr"] if env is not None else "127.0.0.1"
         init = f"tcp://{host}:{_free_port()}"
         per_machine = env["local_world"] if env is not None else self.world
         threads = max(1, (os.cpu_count() or 1) // per_machine)  # the ranks split the cores
-        if cfg.device != "cpu" and torch.cuda.is_available():
+        if cuda:
             threads = min(8, threads)  # on a GPU a rank's host threads only feed it
         # a rank whose engine is vLLM starts vLLM's engine-core process, which a daemonic process
         # may not; such ranks are closed before interpreter exit joins them (they would wait on the pipe)
