@@ -190,3 +190,44 @@ def test_a_mix_does_not_depend_on_the_order_its_sources_are_listed_in():
     other = MixedIterator({"b": b, "a": a}, {"b": 2.0, "a": 1.0}, seed=1)
     assert [p.id for p in one.next_batch(60)] == [p.id for p in other.next_batch(60)]
     other.load_state_dict(one.state_dict())
+
+
+def test_rows_without_answers_train_only_when_the_config_says_so(tmp_path):
+    """A prompts-only dataset (rewards such as a reward model's or a judge's need no answer) is
+    refused by default, with the key that keeps it named; data.require_answer=false keeps its rows,
+    and refuses rewards that compare with an answer."""
+    import json
+
+    from rollover.config import ConfigError, load_config
+    from rollover.data import DataError
+    from rollover.loops.prompts import _prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"write a haiku about {i}"}) for i in range(20)))
+    base = {"data.train": str(path), "data.eval_size": 4}
+    with pytest.raises(DataError, match=r"p\.jsonl line 1: missing answer .*data\.require_answer: false"):
+        _prompts(load_config(**base), None)
+    train, held, _, _ = _prompts(load_config(**base, **{"data.require_answer": False,
+                                                           "reward.functions": ["format"]}), None)
+    assert len(train) == 16 and len(held) == 4 and {p.answer for p in train + held} == {None}
+    with pytest.raises(ConfigError, match="data.require_answer=false .* reward 'math' compares"):
+        load_config(**base, **{"data.require_answer": False, "reward.functions": ["format", {"fn": "math"}]})
+
+
+def test_a_saved_dataset_dicts_splits_train_and_evaluate(tmp_path):
+    """`data.eval: dir?split=test` evaluates on the test split of the DatasetDict that
+    `data.train: dir` trains on (its train split)."""
+    import datasets
+
+    from rollover.config import load_config
+    from rollover.loops.prompts import _prompts
+
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_list([{"prompt": f"t{i}", "answer": "1"} for i in range(6)]),
+        "test": datasets.Dataset.from_list([{"prompt": f"e{i}", "answer": "2"} for i in range(3)]),
+    }).save_to_disk(str(tmp_path / "ds"))
+    cfg = load_config(**{"data.train": str(tmp_path / "ds"), "data.eval": f"{tmp_path / 'ds'}?split=test"})
+    train, held, _, _ = _prompts(cfg, None)
+    assert [p.text for p in train] == [f"t{i}" for i in range(6)]
+    assert [p.text for p in held] == ["e0", "e1", "e2"]
+    assert not {p.id for p in train} & {p.id for p in held}

@@ -192,6 +192,8 @@ def test_rows_without_answers_when_not_required(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "summarise this"}])
     (p,) = load_prompts(path, require_answer=False).prompts
     assert p.answer is None
+    with pytest.raises(DataError, match=r"line 1: missing answer .*require_answer=False"):
+        load_prompts(path)
 
 
 def test_missing_file_and_unknown_extension(tmp_path):
@@ -217,8 +219,21 @@ def test_datasets_save_to_disk_with_splits(tmp_path):
     dd.save_to_disk(str(tmp_path / "ds"))
     assert load_prompts(tmp_path / "ds").prompts[0].text == "t"
     assert load_prompts(tmp_path / "ds", split="test").prompts[0].answer == "2"
-    with pytest.raises(DataError, match=r"no split 'validation' \(splits: \['test', 'train'\]\)"):
+    with pytest.raises(DataError, match=r"no split 'validation' \(splits: \['test', 'train'\]; pick one with "):
         load_prompts(tmp_path / "ds", split="validation")
+    # the source names its split (a run's data.eval does): its own ids, apart from the train split's
+    held = load_prompts(f"{tmp_path / 'ds'}?split=test").prompts
+    assert [(p.text, p.answer) for p in held] == [("e", "2")]
+    assert held[0].id != load_prompts(tmp_path / "ds").prompts[0].id
+    with pytest.raises(DataError, match=r"\?split=validation row|no split 'validation'"):
+        load_prompts(f"{tmp_path / 'ds'}?split=validation")
+    with pytest.raises(DataError, match=r"takes one option, split \(got \['name'\]\)"):
+        load_prompts(f"{tmp_path / 'ds'}?name=x")
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_prompts(f"{tmp_path / 'nope'}?split=test")
+    datasets.Dataset.from_list([{"prompt": "t", "answer": "1"}]).save_to_disk(str(tmp_path / "one"))
+    with pytest.raises(DataError, match="holds one Dataset, which has no splits"):
+        load_prompts(f"{tmp_path / 'one'}?split=test")
 
 
 def test_generator_source():

@@ -1059,3 +1059,19 @@ def test_checkpoint_retention_counts_the_best_among_the_newest(tmp_path):
         kept.append(sorted(int(p.name[5:]) for p in (tmp_path / "checkpoints").glob("step_*")))
     assert kept == [[1], [1, 2], [2, 3], [3, 4], [3, 4, 5], [3, 5, 6]]
     assert checkpoint.best_checkpoint(tmp_path, "eval/accuracy").name == "step_000003"
+
+
+def test_a_prompts_only_dataset_trains_with_a_reward_that_needs_no_answer(model_dir, tmp_path):
+    """data.require_answer=false: rows without an answer train and evaluate; the reward sees
+    answer None and scores every sample (none an error)."""
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say something about {i}"}) + "\n" for i in range(30)))
+    cfg = tiny_cfg(model_dir, tmp_path / "r", **{"data.train": str(data), "data.require_answer": False, "steps": 2,
+                                                  "reward.functions": [{"fn": "format", "kwargs": {"pattern": "[0-9]"}}]})
+    train_sync(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert len(steps) == 2 and all(r["rollout/rewards/format/errors"] == 0 and r["rollout/reward_errors"] == 0 for r in steps)
+    assert any("eval/accuracy" in r for r in rows)
+    groups = [json.loads(line) for line in (tmp_path / "r" / "trained_groups.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in groups] == [1, 2] and all(x["prompt"].startswith("p:") for g in groups for x in g["groups"])

@@ -60,7 +60,8 @@ def rows_of(prompts: list, prompt_key: str, answer_key: str | None, sources: boo
         if sources:  # a named source's prompt ids lead with its name
             row.setdefault("source", p.id.split("/", 1)[0])
         _put(row, prompt_key, p.messages if p.messages is not None else p.text)
-        _put(row, answer_key or "answer", p.answer)
+        if p.answer is not None:  # a row kept without one (data.require_answer: false) stays without one
+            _put(row, answer_key or "answer", p.answer)
         try:
             json.dumps(row, ensure_ascii=False)
         except TypeError as e:

@@ -74,6 +74,9 @@ class DataConfig(Section):
     answer_key: NonEmptyStr | None = None
     """Column holding the ground truth; by default the first of answer, solution,
     reward_model.ground_truth."""
+    require_answer: bool = True
+    """Every row needs an answer (a missing one is a bad row). false keeps rows without one
+    (answer None), for rewards that need none: format, reward_model, judge or your own functions."""
     system_prompt: str | None = None
     """A system message prepended to every prompt."""
     instruction: str | None = None

@@ -11,7 +11,7 @@ from rollover.config.base import RewardSpecEntry, Section
 
 class RewardConfig(Section):
     functions: list[RewardSpecEntry] = Field(["numeric"], min_length=1)
-    """Reward functions: built-in names (math, numeric, exact, format, countdown, code,
+    """Reward functions: built-in names (math, numeric, exact, em, format, countdown, code,
     reward_model: a learned reward model, {fn: reward_model, kwargs: {path: ...}}; judge: an LLM
     behind an OpenAI-compatible endpoint, {fn: judge, kwargs: {url: ..., model: ...}}),
     `module:function` or `file.py:function`, or {fn, weight, kwargs, name, isolate, reasoning}

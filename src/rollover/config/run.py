@@ -17,6 +17,10 @@ from rollover.config.schedule import AsyncConfig, DownsampleConfig, SelectionCon
 from rollover.config.train import CheckpointConfig, CriticConfig, DistillConfig, EvalConfig, LoggingConfig, TrainConfig
 
 
+# the built-in rewards that score a completion against the row's answer (rollover.rewards.builtins)
+ANSWER_REWARDS = ("math", "numeric", "exact", "em", "countdown", "code")
+
+
 class Config(Section):
     run_dir: NonEmptyStr = "runs/default"
     """Where metrics, checkpoints and plots go."""
@@ -172,6 +176,13 @@ class Config(Section):
             names = sorted(d.train) if isinstance(d.train, dict) else "one source"
             problems.append(f"data.train_weights names {sorted(d.train_weights)}; data.train has {names}: give a "
                             "weight to each of several named sources")
+        if not d.require_answer:
+            named = [f if isinstance(f, str) else f["fn"] for f in self.reward.functions]
+            compare = [n for n in named if n in ANSWER_REWARDS]
+            if compare:
+                problems.append(f"data.require_answer=false keeps rows without an answer, and reward {compare[0]!r} "
+                                "compares the completion with the answer: keep require_answer true, or score with "
+                                "rewards that need none (format, reward_model, judge, your own functions)")
         c = self.checkpoint
         if c.best is not None:
             if not c.best.startswith("eval/"):

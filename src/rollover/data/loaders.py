@@ -4,7 +4,7 @@ A source is one string:
 
 - `path/to/file.jsonl` or `path/to/file.parquet`;
 - a directory written by `datasets.Dataset.save_to_disk` (or `DatasetDict.save_to_disk`, then
-  `split` picks the split);
+  `split` picks the split, or the source names it: `path/to/dir?split=test`);
 - `hf:owner/name` or `hf:owner/name?name=config&split=test`: `datasets.load_dataset` (needs a reachable
   hub; `split` picks the split);
 - `gen:NAME?n=...&opt=...`: a procedural generator (see `rollover.data.generators`).
@@ -138,7 +138,8 @@ def row_to_prompt(
     answer, used_key = _find_answer(row, answer_key)
     if require_answer and (answer is None or answer == ""):
         looked = [answer_key] if answer_key else list(DEFAULT_ANSWER_KEYS)
-        raise BadRowError(f"missing answer (looked for {looked}; columns: {sorted(row)})")
+        raise BadRowError(f"missing answer (looked for {looked}; columns: {sorted(row)}); rows without one are kept "
+                          "with require_answer=False (data.require_answer: false in a run)")
 
     try:
         images = row_images(row, base)
@@ -230,6 +231,9 @@ def _open_rows(source: str, split: str):
         name = source[3:].partition("?")[0]
         return _hub_rows(source[3:], split), name, lambda i: f"{source} row {i}"
     path = Path(source)
+    if not path.exists() and "?" in source:  # a saved DatasetDict's split: dir?split=test
+        path, label, split = _dir_split(source)
+        return _disk_rows(path, split, named=True), label, lambda i: f"{source} row {i}"
     if not path.exists():
         raise FileNotFoundError(f"dataset not found: {path}")
     if path.is_dir():
@@ -281,10 +285,26 @@ def _one_line(text: str) -> str:
     return " ".join("".join(c if c.isprintable() else " " for c in text).split())
 
 
-def _disk_rows(path: Path, split: str) -> Rows:
+def _dir_split(source: str) -> tuple[Path, str, str]:
+    """(directory, id label, split) of `dir?split=NAME`: the split of a saved `DatasetDict` (its
+    prompts' ids carry the split, so two splits of one directory never share an id)."""
+    name, _, query = source.partition("?")
+    options = _parse_query(query, source)
+    if set(options) != {"split"}:
+        raise DataError(f"{source}: a saved dataset takes one option, split (got {sorted(options)})")
+    path = Path(name)
+    if not path.is_dir():
+        raise FileNotFoundError(f"dataset not found: {path} (a split is chosen for a directory saved with "
+                                "datasets' save_to_disk)")
+    return path, f"{path.name}.{options['split']}", options["split"]
+
+
+def _disk_rows(path: Path, split: str, named: bool = False) -> Rows:
     import datasets
 
     ds = datasets.load_from_disk(str(path))
+    if named and not isinstance(ds, datasets.DatasetDict):
+        raise DataError(f"{path}?split={split}: {path} holds one Dataset, which has no splits; name the directory alone")
     yield from enumerate(_pick_split(ds, split, str(path)))
 
 
@@ -305,7 +325,7 @@ def _pick_split(ds, split: str, where: str):
 
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise DataError(f"{where}: no split {split!r} (splits: {sorted(ds)})")
+            raise DataError(f"{where}: no split {split!r} (splits: {sorted(ds)}; pick one with {where}?split=NAME)")
         return ds[split]
     return ds
 

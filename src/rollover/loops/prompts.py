@@ -24,7 +24,8 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
     """(training prompts, held-out prompts, rows skipped, the set name of each prompt of a named
     set: `data.train` or `data.eval` naming several; their ids get the name in front)."""
     d = cfg.data
-    kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, on_bad_row=d.on_bad_row)
+    kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, require_answer=d.require_answer,
+              on_bad_row=d.on_bad_row)
     sets: dict[str, str] = {}
     if d.train == "env":  # the environment's own task generator
         if not callable(getattr(env_builder, "prompts", None)):
