@@ -11,7 +11,8 @@ from rollover.config.base import NonEmptyStr, Section
 
 class EnvConfig(Section):
     name: NonEmptyStr | None = None
-    """Multi-turn environment (rollover.envs): guess_number, arithmetic_retry, tools, agent (an
+    """Multi-turn environment (rollover.envs): guess_number, arithmetic_retry, tools, interpreter,
+    inline_tools, agent (an
     agent written against an OpenAI-style chat client: options.fn names it), or
     `module:Name` / `path/to/file.py:Name` (a class or factory taking `options` as keyword
     arguments, returning an object with make_group(prompt, n)). Unset: single-turn, scored by
