@@ -265,3 +265,24 @@ def test_booleans_are_not_numbers(override, key):
     with pytest.raises(ConfigError, match=rf"{key}: must be a number, not true/false"):
         load_config(overrides=[override])
     assert load_config(overrides=["data.shuffle=false"]).data.shuffle is False  # real booleans still work
+
+
+def test_gspo_and_cispo_take_their_own_clip_range_unless_one_is_given():
+    """GSPO's sequence ratio moves far less than a token's: left unset, its clip range is the
+    paper's 3e-4 / 4e-4, not PPO's; CISPO's has no lower bound; a range given is kept."""
+    seq = ["algorithm.aggregation=seq-mean-token-mean"]
+    got = {loss: (a.eps_low, a.eps_high) for loss in ("ppo", "gspo", "gspo_token", "cispo")
+           for a in [load_config(None, [f"algorithm.loss={loss}", *seq]).algorithm]}
+    assert got == {"ppo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
+    a = load_config(None, ["algorithm.loss=gspo", *seq, "algorithm.eps_low=0.001"]).algorithm
+    assert (a.eps_low, a.eps_high) == (0.001, 4e-4)
+    assert load_config(None, ["mode=async"]).algorithm.eps_low == 0.2  # decoupled_ppo: PPO's
+
+
+def test_an_algorithm_section_object_keeps_what_it_was_given():
+    from rollover.config.algorithm import AlgorithmConfig
+
+    a = Config(algorithm=AlgorithmConfig(advantage="drgrpo", loss="cispo", kl_coef=0.1)).algorithm
+    assert (a.advantage, a.loss, a.kl_coef, a.eps_low) == ("drgrpo", "cispo", 0.1, 1.0)
+    a = Config(mode="async", algorithm=AlgorithmConfig(advantage="rloo")).algorithm
+    assert (a.advantage, a.loss) == ("rloo", "decoupled_ppo")  # the loss left unset follows the mode

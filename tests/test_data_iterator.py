@@ -220,6 +220,7 @@ def test_a_saved_dataset_dicts_splits_train_and_evaluate(tmp_path):
     import datasets
 
     from rollover.config import load_config
+    from rollover.data import DataError
     from rollover.loops.prompts import _prompts
 
     datasets.DatasetDict({
@@ -231,3 +232,46 @@ def test_a_saved_dataset_dicts_splits_train_and_evaluate(tmp_path):
     assert [p.text for p in train] == [f"t{i}" for i in range(6)]
     assert [p.text for p in held] == ["e0", "e1", "e2"]
     assert not {p.id for p in train} & {p.id for p in held}
+    # held out from the same directory without a split would be its train split, trained on: refused
+    cfg = load_config(**{"data.train": str(tmp_path / "ds"), "data.eval": str(tmp_path / "ds")})
+    with pytest.raises(DataError, match=r"holds the splits \['test', 'train'\]: name one, .*ds\?split=NAME"):
+        _prompts(cfg, None)
+
+
+def test_rows_without_answers_are_refused_where_an_environment_scores_against_the_answer():
+    """With an environment the reward.functions are not used: the environment's own score decides
+    (a built-in score compares with the answer; a function of yours may not), and a game whose
+    task is the row's answer cannot take rows without one."""
+    import dataclasses
+
+    from rollover.config import ConfigError, load_config
+    from rollover.config.run import ANSWER_SCORED_ENVS
+    from rollover.envs.inline import InlineTools
+    from rollover.envs.interpreter import Interpreter
+    from rollover.envs.tools import ToolUse
+
+    def default_score(cls):
+        return next(f.default for f in dataclasses.fields(cls) if f.name == "score")
+
+    assert ANSWER_SCORED_ENVS == {"tools": default_score(ToolUse), "interpreter": default_score(Interpreter),
+                                  "inline_tools": default_score(InlineTools)}
+    base = {"data.train": "rows.jsonl", "data.require_answer": False}
+    for env, says in [({"env.name": "guess_number"}, "its task's solution is the row's answer"),
+                      ({"env.name": "tools"}, "env.name=tools's score 'numeric'"),
+                      ({"env.name": "inline_tools", "env.options": {"score": "exact"}}, "score 'exact'")]:
+        with pytest.raises(ConfigError, match=f"data.require_answer=false .*{says}"):
+            load_config(**base, **env)
+    # the reward.functions (numeric by default) are not the environment's: not checked
+    assert load_config(**base, **{"env.name": "tools", "env.options": {"score": "mine.py:grade"}}).env.name == "tools"
+    assert load_config(**base, **{"env.name": "agent", "env.options": {"fn": "mine.py:agent"}}).env.name == "agent"
+
+
+def test_a_sample_without_an_answer_is_an_error_of_each_reward_that_needs_one():
+    """Named by another spelling a built-in escapes the config's check; scored without an answer it
+    raises (counted as the reward's error) instead of scoring 0, or 1 for `code`'s missing tests."""
+    from rollover.rewards.builtins import BUILTINS
+
+    for name in ("math", "numeric", "exact", "em", "countdown", "code"):
+        with pytest.raises(ValueError, match=f"{name}: the sample has no answer to compare with"):
+            BUILTINS[name]("print(1)\n\\boxed{1}", None, numbers=[1])
+    assert BUILTINS["format"]("<answer>1</answer>", None, pattern="<answer>") == 1.0

@@ -231,6 +231,16 @@ def test_datasets_save_to_disk_with_splits(tmp_path):
         load_prompts(f"{tmp_path / 'ds'}?name=x")
     with pytest.raises(FileNotFoundError, match="nope"):
         load_prompts(f"{tmp_path / 'nope'}?split=test")
+    with pytest.raises(FileNotFoundError, match=r"dataset not found: .*missing\?\.jsonl"):
+        load_prompts(tmp_path / "missing?.jsonl")
+    dd.save_to_disk(str(tmp_path / "odd?name"))  # a '?' in the directory's own name
+    assert load_prompts(f"{tmp_path / 'odd?name'}?split=test").prompts[0].text == "e"
+    assert load_prompts(tmp_path / "odd?name").prompts[0].text == "t"
+    rows = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}])
+    with pytest.raises(DataError, match=r"\?split=test picks a split of a directory .* is a file"):
+        load_prompts(f"{rows}?split=test")
+    with pytest.raises(DataError, match=r"holds the splits \['test', 'train'\]: name one, .*ds\?split=NAME"):
+        load_prompts(tmp_path / "ds", split=None)  # as a run's data.eval reads it
     datasets.Dataset.from_list([{"prompt": "t", "answer": "1"}]).save_to_disk(str(tmp_path / "one"))
     with pytest.raises(DataError, match="holds one Dataset, which has no splits"):
         load_prompts(f"{tmp_path / 'one'}?split=test")

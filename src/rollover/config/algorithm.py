@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rollover.config.base import Section
+
+# a loss's clip range when the config leaves eps_low / eps_high unset (the others: DAPO's clip-higher, 0.2 / 0.28):
+# GSPO clips a sequence's geometric-mean ratio, which moves far less than a token's (the paper's 3e-4 / 4e-4);
+# CISPO clips only its weight's top (MiniMax-M1)
+CLIP_DEFAULTS = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "cispo": (1.0, 0.28)}
 
 
 class AlgorithmConfig(Section):
@@ -39,9 +44,11 @@ class AlgorithmConfig(Section):
     eps_low and eps_high do not apply). reinforce: the plain policy gradient -A * log pi, no ratio
     and no clip (verl's gpg loss mode; for one update per step)."""
     eps_low: float = Field(0.2, ge=0)
-    """Lower clip range (ratio >= 1 - eps_low)."""
+    """Lower clip range (ratio >= 1 - eps_low). Unset with loss gspo or gspo_token: 3e-4 (GSPO's
+    sequence ratio); with cispo: 1.0 (no lower bound)."""
     eps_high: float = Field(0.28, ge=0)
-    """Upper clip range (ratio <= 1 + eps_high); DAPO uses 0.28."""
+    """Upper clip range (ratio <= 1 + eps_high); DAPO uses 0.28. Unset with loss gspo or
+    gspo_token: 4e-4."""
     dual_clip: Annotated[float, Field(gt=1)] | None = None
     """Dual-clip constant c (> 1) for negative advantages; None = off."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo"] = "token-mean"
@@ -119,6 +126,15 @@ class AlgorithmConfig(Section):
     """Maximum soft overlong punishment."""
     mask_truncated: bool = False
     """Exclude completions cut by max_new_tokens from the loss."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _clip_of_the_loss(cls, data: Any) -> Any:
+        """eps_low / eps_high left unset take the named loss's own range (`CLIP_DEFAULTS`)."""
+        if isinstance(data, dict) and data.get("loss") in CLIP_DEFAULTS:
+            low, high = CLIP_DEFAULTS[data["loss"]]
+            data = {"eps_low": low, "eps_high": high, **data}
+        return data
 
     @property
     def uses_reference(self) -> bool:

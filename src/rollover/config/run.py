@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from rollover.config.algorithm import AlgorithmConfig
 from rollover.config.base import NonEmptyStr, Section
@@ -19,6 +19,8 @@ from rollover.config.train import CheckpointConfig, CriticConfig, DistillConfig,
 
 # the built-in rewards that score a completion against the row's answer (rollover.rewards.builtins)
 ANSWER_REWARDS = ("math", "numeric", "exact", "em", "countdown", "code")
+# the built-in environments that score the final text with a reward (env.options.score), and their default
+ANSWER_SCORED_ENVS = {"tools": "numeric", "interpreter": "numeric", "inline_tools": "em"}
 
 
 class Config(Section):
@@ -80,6 +82,9 @@ class Config(Section):
             data["async_"] = data.pop("async")
         if isinstance(data, dict):
             algo = data.get("algorithm")
+            if isinstance(algo, BaseModel):  # an AlgorithmConfig object: what it was given, the loss settled below
+                algo = algo.model_dump(exclude_unset=True)
+                data = {**data, "algorithm": algo}
             if not isinstance(algo, dict) or algo.get("loss") is None:
                 data = dict(data)
                 algo = dict(algo) if isinstance(algo, dict) else {}
@@ -176,13 +181,10 @@ class Config(Section):
             names = sorted(d.train) if isinstance(d.train, dict) else "one source"
             problems.append(f"data.train_weights names {sorted(d.train_weights)}; data.train has {names}: give a "
                             "weight to each of several named sources")
-        if not d.require_answer:
-            named = [f if isinstance(f, str) else f["fn"] for f in self.reward.functions]
-            compare = [n for n in named if n in ANSWER_REWARDS]
-            if compare:
-                problems.append(f"data.require_answer=false keeps rows without an answer, and reward {compare[0]!r} "
-                                "compares the completion with the answer: keep require_answer true, or score with "
-                                "rewards that need none (format, reward_model, judge, your own functions)")
+        if not d.require_answer and d.train != "env" and (compares := self._answer_user()):
+            problems.append(f"data.require_answer=false keeps rows without an answer, and {compares} compares the "
+                            "completion with the answer: keep require_answer true, or score with what needs none "
+                            "(format, reward_model, judge, your own functions)")
         c = self.checkpoint
         if c.best is not None:
             if not c.best.startswith("eval/"):
@@ -196,6 +198,18 @@ class Config(Section):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _answer_user(self) -> str | None:
+        """What in this run compares a completion with its row's answer (a built-in reward, an
+        environment's built-in score, a game whose task is the answer), or None."""
+        e = self.env
+        if e.name is None:
+            named = [f if isinstance(f, str) else f["fn"] for f in self.reward.functions]
+            return next((f"reward {n!r}" for n in named if n in ANSWER_REWARDS), None)
+        if e.name in ("guess_number", "arithmetic_retry"):
+            return f"env.name={e.name} (its task's solution is the row's answer)"
+        score = e.options.get("score", ANSWER_SCORED_ENVS.get(e.name))
+        return f"env.name={e.name}'s score {score!r}" if isinstance(score, str) and score in ANSWER_REWARDS else None
 
     def _selection_problems(self) -> list[str]:
         """Prompt selection, down-sampling and the loss's options."""

@@ -73,10 +73,11 @@ def load_prompts(
     prompt_key: str = "prompt",
     answer_key: str | None = None,
     require_answer: bool = True,
-    split: str = "train",
+    split: str | None = "train",
     on_bad_row: OnBadRow = "raise",
 ) -> PromptSet:
-    """Read every row of `source` (see the module docstring) as a `Prompt`."""
+    """Read every row of `source` (see the module docstring) as a `Prompt`. `split` None: a source
+    of several splits (a `DatasetDict`, a hub dataset) must name its own (`?split=`)."""
     if on_bad_row not in ("raise", "skip"):
         raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
     source = str(source)
@@ -225,7 +226,7 @@ def _get(row: dict, dotted: str) -> object:
 Rows = Iterator[tuple[int, "dict | Exception"]]
 
 
-def _open_rows(source: str, split: str):
+def _open_rows(source: str, split: str | None):
     """(rows, id label, where(index) -> location text) for a file, directory or hub id."""
     if source.startswith("hf:"):
         name = source[3:].partition("?")[0]
@@ -288,18 +289,20 @@ def _one_line(text: str) -> str:
 def _dir_split(source: str) -> tuple[Path, str, str]:
     """(directory, id label, split) of `dir?split=NAME`: the split of a saved `DatasetDict` (its
     prompts' ids carry the split, so two splits of one directory never share an id)."""
-    name, _, query = source.partition("?")
+    name, _, query = source.rpartition("?")
+    path = Path(name)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset not found: {source}")
+    if not path.is_dir():
+        raise DataError(f"{source}: ?{query} picks a split of a directory saved with datasets' save_to_disk; "
+                        f"{path} is a file")
     options = _parse_query(query, source)
     if set(options) != {"split"}:
         raise DataError(f"{source}: a saved dataset takes one option, split (got {sorted(options)})")
-    path = Path(name)
-    if not path.is_dir():
-        raise FileNotFoundError(f"dataset not found: {path} (a split is chosen for a directory saved with "
-                                "datasets' save_to_disk)")
     return path, f"{path.name}.{options['split']}", options["split"]
 
 
-def _disk_rows(path: Path, split: str, named: bool = False) -> Rows:
+def _disk_rows(path: Path, split: str | None, named: bool = False) -> Rows:
     import datasets
 
     ds = datasets.load_from_disk(str(path))
@@ -308,7 +311,7 @@ def _disk_rows(path: Path, split: str, named: bool = False) -> Rows:
     yield from enumerate(_pick_split(ds, split, str(path)))
 
 
-def _hub_rows(spec: str, split: str) -> Rows:
+def _hub_rows(spec: str, split: str | None) -> Rows:
     import datasets
 
     name, _, query = spec.partition("?")
@@ -316,14 +319,18 @@ def _hub_rows(spec: str, split: str) -> Rows:
     unknown = set(options) - {"name", "split"}
     if unknown:
         raise DataError(f"hf:{spec}: unknown options {sorted(unknown)} (known: ['name', 'split'])")
-    ds = datasets.load_dataset(name, options.get("name"), split=options.get("split", split))
-    yield from enumerate(ds)
+    chosen = options.get("split", split)
+    ds = datasets.load_dataset(name, options.get("name"), split=chosen)  # every split, as a DatasetDict, for None
+    yield from enumerate(_pick_split(ds, chosen, f"hf:{spec}"))
 
 
-def _pick_split(ds, split: str, where: str):
+def _pick_split(ds, split: str | None, where: str):
     import datasets
 
     if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            raise DataError(f"{where} holds the splits {sorted(ds)}: name one, {where}{'&' if '?' in where else '?'}"
+                            "split=NAME")
         if split not in ds:
             raise DataError(f"{where}: no split {split!r} (splits: {sorted(ds)}; pick one with {where}?split=NAME)")
         return ds[split]

@@ -42,10 +42,10 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
         train = _load_named(d.train, kw, sets)
     skipped = train.num_skipped
     if isinstance(d.eval, dict):  # several held-out sets: each one's first eval_size, its ids under its name
-        held = _load_named(d.eval, kw, sets, first=d.eval_size)
+        held = _load_named(d.eval, {**kw, "split": None}, sets, first=d.eval_size)
         return list(train.prompts), held.prompts, skipped + held.num_skipped, sets
     if d.eval is not None:
-        held = load_prompts(d.eval, **kw)
+        held = load_prompts(d.eval, **kw, split=None)  # held-out rows from a dataset of splits: the one it names
         skipped += held.num_skipped
         return list(train.prompts), list(held.prompts)[: d.eval_size], skipped, sets
     if d.eval_size == 0:

@@ -67,6 +67,7 @@ def step_metrics(run: Run, groups, gen: dict, train_metrics: dict, adv_info: dic
         "timing_s/reward": gen["reward_s"],
         **{f"timing_s/{k}": v for k, v in timings.items()},
         "perf/tokens_per_s": gen["generated_tokens"] / max(gen["generate_s"], 1e-9),
+        **({"perf/useful_tokens_per_s": gen["useful_tokens_per_s"]} if "useful_tokens_per_s" in gen else {}),
         "perf/samples_per_s": samples / timings["step"],
         **run.weights.metrics(),
         **run.worker_metrics(),

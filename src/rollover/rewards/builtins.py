@@ -26,7 +26,7 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 
 from rollover.rewards.code import code_reward  # a sandboxed program run against tests
 from rollover.rewards.countdown import countdown_reward
-from rollover.rewards.extract import final_answer
+from rollover.rewards.extract import final_answer, gold
 from rollover.rewards.judge import judge  # an LLM behind an OpenAI-compatible endpoint grades
 from rollover.rewards.model import reward_model  # a learned sequence classifier's score
 
@@ -53,16 +53,16 @@ def math_reward(completion: str, answer, **_) -> float | None:
     function has no timeout. A GSM8K solution as the gold answer ("... #### 72") counts by its
     final answer, the text after its last `####`.
     """
-    gold_text = str(answer)
+    gold_text = str(gold(answer, "math"))
     if "####" in gold_text:
         gold_text = gold_text.rsplit("####", 1)[1].strip().replace(",", "")
     if "\\boxed" not in gold_text and "$" not in gold_text:
         gold_text = f"\\boxed{{{gold_text}}}"
-    gold = parse(gold_text, parsing_timeout=None)
-    if not gold:
+    target = parse(gold_text, parsing_timeout=None)
+    if not target:
         return None
     pred = parse(completion, extraction_config=_COMPLETION_EXTRACTION, parsing_timeout=None)
-    return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
+    return 1.0 if pred and verify(target, pred, timeout_seconds=None) else 0.0
 
 
 math_reward.isolate = True
@@ -90,11 +90,11 @@ def final_number(completion: str) -> float | None:
 def numeric_reward(completion: str, answer, **_) -> float:
     """1.0 if the last number in the completion's final answer equals `answer` (8 == 8.0 ==
     "8"; commas are thousands separators), else 0.0. A non-numeric gold answer raises."""
-    gold = parse_number(answer)
+    gold_number = parse_number(gold(answer, "numeric"))
     value = final_number(completion)
     if value is None:
         return 0.0
-    return 1.0 if math.isclose(value, gold, rel_tol=1e-9, abs_tol=1e-9) else 0.0
+    return 1.0 if math.isclose(value, gold_number, rel_tol=1e-9, abs_tol=1e-9) else 0.0
 
 
 # --- exact --------------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def normalize_text(text: str) -> str:
 
 def exact_reward(completion: str, answer, **_) -> float:
     """1.0 if the completion's final answer equals `answer` after `normalize_text`, else 0.0."""
-    return 1.0 if normalize_text(final_answer(completion)) == normalize_text(answer) else 0.0
+    return 1.0 if normalize_text(final_answer(completion)) == normalize_text(gold(answer, "exact")) else 0.0
 
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -127,7 +127,7 @@ def em_reward(completion: str, answer, **_) -> float:
     completion) equals one of the gold answers (`answer`: one, or a list, as QA datasets give
     several; Search-R1's rows give `{"target": [...]}`) after `normalize_answer`; SQuAD's and
     Search-R1's exact match."""
-    if isinstance(answer, dict) and "target" in answer:
+    if isinstance(gold(answer, "em"), dict) and "target" in answer:
         answer = answer["target"]
     golds = list(answer) if isinstance(answer, (list, tuple)) or type(answer).__name__ == "ndarray" else [answer]
     mine = normalize_answer(final_answer(completion))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import secrets
 
+from rollover.rewards.extract import gold
 from rollover.rewards.sandbox import SandboxLimits, run_python
 
 _FENCED_PYTHON = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
@@ -40,6 +41,7 @@ def code_reward(
     """1.0 if the completion's code passes the test code in `answer`, else 0.0.
 
     `limits` is a SandboxLimits or a dict of its fields (as a reward's kwargs in config)."""
+    gold(answer, "code")  # the tests: without them any program that runs would pass
     if isinstance(limits, dict):
         limits = SandboxLimits(**limits)
     code = extract_code(completion)

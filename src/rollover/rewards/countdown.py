@@ -16,7 +16,7 @@ import operator
 from collections import Counter
 from fractions import Fraction
 
-from rollover.rewards.extract import extract_boxed, extract_tagged
+from rollover.rewards.extract import extract_boxed, extract_tagged, gold
 
 MAX_EXPRESSION_CHARS = 200
 
@@ -30,6 +30,7 @@ _OPS = {
 
 def countdown_reward(completion: str, answer, numbers, **_) -> float:
     """1.0 if the completion's expression uses exactly `numbers` and equals `answer`, else 0.0."""
+    gold(answer, "countdown")
     expression = countdown_expression(completion)
     if expression is None:
         return 0.0

@@ -37,3 +37,11 @@ def final_answer(completion: str) -> str:
         if found is not None:
             return found
     return completion
+
+
+def gold(answer, reward: str):
+    """`answer`, for a reward that compares a completion with it; a sample without one (its row had
+    none: data.require_answer false) raises, so it is counted as the reward's error, not scored 0."""
+    if answer is None:
+        raise ValueError(f"{reward}: the sample has no answer to compare with (its row has none)")
+    return answer
