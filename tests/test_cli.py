@@ -98,15 +98,22 @@ def test_simulate_section_belongs_to_rollover_simulate(tmp_path, monkeypatch, ca
 
 
 # ---------------------------------------------------------------- errors after parsing
-@pytest.mark.parametrize("bad, says", [
-    ("data.train={tmp}/missing.jsonl", "missing.jsonl"),
-    ("model={tmp}/no_such_model", "no_such_model"),
-    ("model={tmp}", "config.json"),  # a directory, but not a model
-    ("reward.functions=[no_such_reward]", "no_such_reward"),
+@pytest.mark.parametrize("bad, says, code", [
+    ("data.train={tmp}/missing.jsonl", "config error: data.train=", 2),
+    ("data.eval={tmp}/missing.jsonl", "config error: data.eval=", 2),
+    ("model={tmp}/no_such_model", "no_such_model", (1, 2)),
+    ("model={tmp}", "config.json", (1, 2)),  # a directory, but not a model
+    ("reward.functions=[no_such_reward]", "config error: reward.functions: unknown reward 'no_such_reward'", 2),
+    ("reward.functions=[{tmp}/nothing.py:f]", "config error: reward.functions: file not found: ", 2),
+    ("reward.functions=[{tmp}/broken.py:f]", "config error: reward.functions: SyntaxError: ", 2),
+    ("reward.functions=[{tmp}/ok.py:nope]", "config error: reward.functions: ", 2),
 ])
-def test_refused_run_is_short_and_leaves_no_run_dir(model_dir, tmp_path, capsys, bad, says):
+def test_refused_run_is_short_and_leaves_no_run_dir(model_dir, tmp_path, capsys, bad, says, code):
     run_dir = tmp_path / "run"
-    assert main(["train", *overrides(model_dir, run_dir, bad.format(tmp=tmp_path))]) in (1, 2)
+    (tmp_path / "broken.py").write_text("def f(completion, answer:\n    return 1.0\n")
+    (tmp_path / "ok.py").write_text("def f(completion, answer):\n    return 1.0\n")
+    got = main(["train", *overrides(model_dir, run_dir, bad.format(tmp=tmp_path))])
+    assert got in code if isinstance(code, tuple) else got == code
     err = capsys.readouterr().err.strip().splitlines()
     assert 1 <= len(err) <= 3, err
     assert err[0].startswith("rollover train: ") and says in err[0]
@@ -115,7 +122,7 @@ def test_refused_run_is_short_and_leaves_no_run_dir(model_dir, tmp_path, capsys,
 
 def test_debug_shows_the_traceback(model_dir, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert main(["train", "--debug", *overrides(model_dir, run_dir, f"data.train={tmp_path}/missing.jsonl")]) == 1
+    assert main(["train", "--debug", *overrides(model_dir, run_dir, f"data.train={tmp_path}/missing.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "missing.jsonl" in err.splitlines()[-1]
     assert not run_dir.exists()
@@ -457,3 +464,28 @@ def test_filter_keeps_the_prompts_whose_pass_rate_lies_in_the_band(tmp_path, cap
     assert "--keep '0.9:0.1' must be LOW:HIGH" in capsys.readouterr().err
     assert main(["filter", *over, "--out", str(tmp_path / "nowhere" / "k.jsonl")]) == 2
     assert "must be a .jsonl file in an existing directory" in capsys.readouterr().err
+
+
+def test_failed_reward_calls_are_counted_in_the_evaluation_and_the_filter(tmp_path, capsys):
+    """Under reward.on_error=zero a failed call scores 0: the evaluation's row counts them
+    (eval/reward_errors, per function) and says so at the end, and `rollover filter` warns that its
+    pass rates counted them as not solved."""
+    import json
+
+    from rollover.metrics import read_metrics
+    from rollover.testing import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "m", "llama", seed=3)
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) for i in range(20)))
+    (tmp_path / "rew.py").write_text("def boom(completion, answer, **_):\n    raise ValueError('boom')\n")
+    over = [f"model={model}", f"data.train={data}", "data.max_prompt_tokens=64", "data.eval_size=3",
+            "rollout.max_new_tokens=4", "rollout.max_rows=16", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+            f"reward.functions=[{tmp_path / 'rew.py'}:boom]", "reward.on_error=zero", "eval.samples_per_prompt=2",
+            "steps=1", "logging.progress=false", "logging.tensorboard=false", f"run_dir={tmp_path / 'run'}"]
+    assert main(["train", *over]) == 0
+    evals = read_metrics(tmp_path / "run", kind="eval")
+    assert evals and all(r["eval/reward_errors"] == r["eval/rewards/boom/errors"] == 6 for r in evals)
+    assert "(6 failed reward calls in the evaluation: reward.on_error=zero)" in capsys.readouterr().out
+    assert main(["filter", *over, "--samples", "2", "--keep", "0:1", "--out", str(tmp_path / "kept.jsonl")]) == 0
+    assert "warning: 40 of 40 samples were failed reward calls, scored 0, so counted as not solved" in capsys.readouterr().err

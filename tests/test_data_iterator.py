@@ -275,3 +275,25 @@ def test_a_sample_without_an_answer_is_an_error_of_each_reward_that_needs_one():
         with pytest.raises(ValueError, match=f"{name}: the sample has no answer to compare with"):
             BUILTINS[name]("print(1)\n\\boxed{1}", None, numbers=[1])
     assert BUILTINS["format"]("<answer>1</answer>", None, pattern="<answer>") == 1.0
+
+
+def test_skipped_rows_are_named_in_the_log_and_a_missing_source_names_its_key(tmp_path, caplog):
+    import json
+    import logging
+
+    from rollover.config import ConfigError, load_config
+    from rollover.loops.prompts import SKIPPED_SHOWN, _prompts
+
+    path = tmp_path / "rows.jsonl"
+    lines = [json.dumps({"prompt": f"q{i}", "answer": "1"}) for i in range(12)] + ["{not json"] * (SKIPPED_SHOWN + 2)
+    path.write_text("\n".join(lines))
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        train, held, skipped, _ = _prompts(load_config(**{"data.train": str(path), "data.eval_size": 2,
+                                                          "data.on_bad_row": "skip"}), None)
+    assert skipped == SKIPPED_SHOWN + 2 and len(train) + len(held) == 12
+    named = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: skipped ")]
+    assert named[0] == f"data: skipped {path} line 13: not valid JSON (Expecting property name enclosed in double quotes at column 2)"
+    assert len(named) == SKIPPED_SHOWN + 1 and named[-1] == f"data: skipped 2 more rows of {path}"
+    with pytest.raises(ConfigError, match=r"data.eval=.*nope.jsonl: dataset not found"):
+        _prompts(load_config(**{"data.train": str(path), "data.eval": str(tmp_path / "nope.jsonl"),
+                                "data.on_bad_row": "skip"}), None)

@@ -144,7 +144,9 @@ def _run_training(cfg, allow_config_change: bool) -> int:
               f"{result['checkpoint']}; run the same command again to resume", file=sys.stderr)
         return 128 + getattr(signal, result["interrupted"])
     plots = plot_run(cfg.run_dir)
-    print(f"done: step {result['step']}" + (f", held-out accuracy {result['eval/accuracy']:.3f}" if "eval/accuracy" in result else ""))
+    errors = result.get("eval/reward_errors", 0)
+    print(f"done: step {result['step']}" + (f", held-out accuracy {result['eval/accuracy']:.3f}" if "eval/accuracy" in result else "")
+          + (f" ({errors:g} failed reward calls in the evaluation: reward.on_error={cfg.reward.on_error})" if errors else ""))
     print(f"metrics: {cfg.run_dir}/metrics.jsonl; plots: {', '.join(str(x) for x in plots)}")
     return 0
 
@@ -325,11 +327,16 @@ def _filter(argv: list[str]) -> int:
             print(f"filter: {len(prompts)} prompts x {args.samples} samples with "
                   f"{f'checkpoint {run.checkpoint}' if run.checkpoint else f'model {cfg.model}'}"
                   + (f" ({run.data_skipped} rows skipped: data.on_bad_row=skip)" if run.data_skipped else ""), flush=True)
-            rates = pass_rates(run, prompts, args.samples, cfg.rollout.temperature)
+            rates, failed = pass_rates(run, prompts, args.samples, cfg.rollout.temperature)
         finally:
             run.close()
         kept = write_kept(args.out, rows, rates, low, high)
         print(histogram(rates))
+        if failed:
+            what = ("failed episodes, left out of the rates" if cfg.env.name is not None else
+                    f"failed reward calls, {'scored 0, so counted as not solved' if cfg.reward.on_error == 'zero' else 'left out of the rates'} (reward.on_error={cfg.reward.on_error})")
+            print(f"rollover filter: warning: {failed} of {len(prompts) * args.samples} samples were {what}",
+                  file=sys.stderr)
         band = "0 < pass rate < 1" if low is None else f"pass rate in [{low:g}, {high:g}]"
         print(f"kept {kept} of {len(prompts)} prompts ({band}) in {args.out}")
         if not kept:

@@ -29,23 +29,27 @@ log = logging.getLogger("rollover")
 CHUNK = 256  # prompts sampled at a time: progress is reported between chunks
 
 
-def pass_rates(run, prompts: list, samples: int, temperature: float) -> list[float | None]:
-    """Each prompt's share of its scored samples that are correct (None: none was scored)."""
+def pass_rates(run, prompts: list, samples: int, temperature: float) -> tuple[list[float | None], int]:
+    """Each prompt's share of its scored samples that are correct (None: none was scored), and the
+    failed reward calls (episodes: failed episodes) among them: under reward.on_error=zero those
+    were scored 0, so counted as wrong."""
     from rollover.rollout.episodes import to_group
     from rollover.rollout.groups import correct, eval_metrics
     from rollover.rollout.inputs import RolloutInputs
 
-    rates = []
+    rates, failed = [], 0
     for start in range(0, len(prompts), CHUNK):
         pending = run.sample(prompts[start:start + CHUNK], samples, temperature, f"filter-{start}", first=start)
         if run.env_builder is not None:  # episodes as rollouts scored `env` (a failed one unscored)
             groups = [to_group(g, [g.done[j] for j in range(g.n)]) for g in pending]
+            failed += sum(not g.done[j].ok for g in pending for j in range(g.n))
         else:
-            _, groups = eval_metrics(pending, RolloutInputs.of(run))
+            metrics, groups = eval_metrics(pending, RolloutInputs.of(run))
+            failed += metrics["eval/reward_errors"]
         scored = [[correct(r, run.cfg, run.primary_reward) for r in g.rollouts if r.reward is not None] for g in groups]
         rates += [sum(s) / len(s) if s else None for s in scored]
         log.info("filter: %d of %d prompts sampled", min(start + CHUNK, len(prompts)), len(prompts))
-    return rates
+    return rates, failed
 
 
 def rows_of(prompts: list, prompt_key: str, answer_key: str | None, sources: bool = False) -> list[dict]:

@@ -217,7 +217,12 @@ class Run:
 
 def _reward_runner(cfg: Config) -> RewardRunner:
     workers = cfg.runtime == "ray" and bool(cfg.ray.reward_workers)
-    functions = build_rewards(cfg.reward.functions, here=not workers)  # Ray reward workers load their own
+    try:
+        functions = build_rewards(cfg.reward.functions, here=not workers)  # Ray reward workers load their own
+    except (FileNotFoundError, ImportError, AttributeError, SyntaxError, TypeError, ValueError) as e:
+        # a reference that names nothing, a file that does not compile, a function that cannot take a sample
+        what = f"{type(e).__name__}: {e}" if isinstance(e, (SyntaxError, ImportError)) else str(e)
+        raise ConfigError(f"reward.functions: {' '.join(what.split())}") from e
     pool = None
     if cfg.runtime == "ray" and cfg.ray.reward_workers:
         from rollover.runtime.rewards import RayRewardPool

@@ -12,7 +12,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from rollover.config import Config, ConfigError
-from rollover.data import (MixedIterator, PromptIterator, content_key, distinct_questions, load_prompts,
+from rollover.data import (DataError, MixedIterator, PromptIterator, content_key, distinct_questions, load_prompts,
                            render_prompt, split_holdout)
 from rollover.rewards import RewardRunner
 from rollover.types import Prompt
@@ -39,13 +39,13 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
             return list(train), list(held), 0, sets
         train = SimpleNamespace(prompts=train, num_skipped=0)
     else:
-        train = _load_named(d.train, kw, sets)
+        train = _load_named("data.train", d.train, kw, sets)
     skipped = train.num_skipped
     if isinstance(d.eval, dict):  # several held-out sets: each one's first eval_size, its ids under its name
-        held = _load_named(d.eval, {**kw, "split": None}, sets, first=d.eval_size)
+        held = _load_named("data.eval", d.eval, {**kw, "split": None}, sets, first=d.eval_size)
         return list(train.prompts), held.prompts, skipped + held.num_skipped, sets
     if d.eval is not None:
-        held = load_prompts(d.eval, **kw, split=None)  # held-out rows from a dataset of splits: the one it names
+        held = _load("data.eval", d.eval, {**kw, "split": None})  # from a dataset of splits: the one it names
         skipped += held.num_skipped
         return list(train.prompts), list(held.prompts)[: d.eval_size], skipped, sets
     if d.eval_size == 0:
@@ -73,15 +73,35 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
     return [p for p in train.prompts if content_key(p) not in keys], held, skipped, sets
 
 
-def _load_named(source: str | dict[str, str], kw: dict, sets: dict[str, str], first: int | None = None):
+def _load(key: str, source: str, kw: dict):
+    """`load_prompts` for config key `key`: a missing source is a config error naming the key, a
+    data error names it too, and skipped rows (data.on_bad_row=skip) are named in the log, the
+    first few with why."""
+    try:
+        loaded = load_prompts(source, **kw)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{key}={source}: {e}") from None
+    except DataError as e:
+        raise DataError(f"{key}: {e}") from None
+    for row in loaded.skipped[:SKIPPED_SHOWN]:
+        log.warning("data: skipped %s: %s", row.where, row.reason)
+    if loaded.num_skipped > SKIPPED_SHOWN:
+        log.warning("data: skipped %d more rows of %s", loaded.num_skipped - SKIPPED_SHOWN, source)
+    return loaded
+
+
+SKIPPED_SHOWN = 5  # skipped rows a source names in the log
+
+
+def _load_named(key: str, source: str | dict[str, str], kw: dict, sets: dict[str, str], first: int | None = None):
     """The prompts of one source, or of several by name in the names' order (so a config that
     lists them in another order has the same data; the first `first` of each; their ids under
     the name, recorded in `sets`)."""
     if not isinstance(source, dict):
-        return load_prompts(source, **kw)
+        return _load(key, source, kw)
     prompts, skipped = [], 0
     for name, each in sorted(source.items()):
-        loaded = load_prompts(each, **kw)
+        loaded = _load(f"{key}.{name}", each, kw)
         skipped += loaded.num_skipped
         for p in loaded.prompts[:first]:
             prompts.append(replace(p, id=f"{name}/{p.id}"))

@@ -320,8 +320,11 @@ def eval_metrics(pending: list[PendingGroup], run, sources: dict[str, str] | Non
     held-out source (`sources`: prompt id -> its source) `eval/<source>/...` where there are at
     least `least`. Also returns the scored groups (the eval samples log)."""
     groups = [to_rollouts(g, run.cfg, run.tokenizer) for g in pending]
-    score_groups(groups, run.rewards, run.cfg)
+    scored = score_groups(groups, run.rewards, run.cfg)
     out = _eval_summary(groups, run)
+    # failed reward calls: scored 0 under on_error=zero, left out under skip; counted either way
+    out["eval/reward_errors"] = sum(scored.error_counts.values())
+    out.update({f"eval/rewards/{fn}/errors": n for fn, n in scored.error_counts.items()})
     for name, part in by_source(groups, sources, least):
         out.update(per_source(name, _eval_summary(part, run)))
     return out, groups
