@@ -286,3 +286,22 @@ def test_an_algorithm_section_object_keeps_what_it_was_given():
     assert (a.advantage, a.loss, a.kl_coef, a.eps_low) == ("drgrpo", "cispo", 0.1, 1.0)
     a = Config(mode="async", algorithm=AlgorithmConfig(advantage="rloo")).algorithm
     assert (a.advantage, a.loss) == ("rloo", "decoupled_ppo")  # the loss left unset follows the mode
+
+
+def test_an_error_names_whether_the_file_or_an_override_gave_the_key(tmp_path):
+    """Every unknown key of a section at once, two guesses where both are near, and the source of
+    each bad key: the file, the command line's overrides, or both."""
+    path = tmp_path / "c.yaml"
+    path.write_text("modle: x\nsteps: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["devce=cpu"])
+    assert str(e.value) == (f"{path} and overrides: unknown key 'modle'; did you mean 'mode' or 'model'?; "
+                            "unknown key 'devce'; did you mean 'device'?")
+    path.write_text("steps: 3\n")
+    with pytest.raises(ConfigError, match=r"^override steps='abc': must be an integer$"):
+        load_config(path, ["steps=abc"])
+    with pytest.raises(ConfigError, match=r"^override data: unknown key 'trian'; did you mean 'train'\?$"):
+        load_config(path, ["data.trian=x"])
+    path.write_text("steps: abc\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: steps='abc': must be an integer$"):
+        load_config(path, ["device=cpu"])

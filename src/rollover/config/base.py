@@ -30,18 +30,23 @@ class Section(BaseModel):
     @classmethod
     def _known_keys(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            problems = []  # every one of the section's, not only the first
             for key in data:
                 if key not in cls.model_fields:
                     names = ["async" if n == "async_" else n for n in cls.model_fields]
-                    close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-                    hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(names)}"
+                    close = difflib.get_close_matches(str(key), names, n=2, cutoff=0.5)
+                    # a second guess only when nearly as close ('modle': mode or model; 'devce': not env)
+                    close = close[:1] + [c for c in close[1:] if difflib.SequenceMatcher(None, str(key), c).ratio() >= 0.75]
+                    hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known keys: {', '.join(names)}"
                     if key in FOREIGN_KEYS:  # a close key of this section may be what was meant: both
                         system, ours = FOREIGN_KEYS[key]
                         foreign = f"{key} is {system}'s name for rollover's {ours}"
                         hint = f"{hint} ({foreign})" if close else foreign
-                    raise ValueError(f"unknown key {key!r}; {hint}")
-                if isinstance(data[key], bool) and _numeric(cls.model_fields[key].annotation):
-                    raise ValueError(f"{key}={str(data[key]).lower()}: must be a number, not true/false")
+                    problems.append(f"unknown key {key!r}; {hint}")
+                elif isinstance(data[key], bool) and _numeric(cls.model_fields[key].annotation):
+                    problems.append(f"{key}={str(data[key]).lower()}: must be a number, not true/false")
+            if problems:
+                raise ValueError("; ".join(problems))
         return data
 
 

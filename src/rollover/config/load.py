@@ -4,6 +4,7 @@ back, and what a resumed run may change."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +79,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
         raw = {k: v for k, v in raw.items() if k not in RETIRED_SECTIONS or k in schema.model_fields}
     for k, v in data.items():
         _set_path(raw, k, v)
+    overridden = set()
     for k, v in parse_overrides(list(overrides)):
         _set_path(raw, k, v)
+        overridden.add(k)
     try:
         return schema.model_validate(raw)
     except ValidationError as e:
-        where = f"{path}: " if path is not None else ""
-        raise ConfigError(where + "; ".join(_error_line(err) for err in e.errors())) from None
+        def where(err: dict) -> str:  # with a file: the file or the overrides, whichever the keys came from
+            if path is None:
+                return ""
+            given = [any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in overridden)
+                     for key in _error_keys(err)]
+            return "override " if given and all(given) else f"{path}{' and overrides' if any(given) else ''}: "
+
+        raise ConfigError("; ".join(where(err) + _error_line(err) for err in e.errors())) from None
+
+
+def _error_keys(err: dict) -> list[str]:
+    """The dotted keys a validation error is about: its location, with each key a section's own
+    check names (`unknown key 'x'`, `eval_size=...: ...`)."""
+    loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
+    msg = err["msg"].removeprefix("Value error, ")
+    named = re.findall(r"unknown key '([^']+)'", msg) + re.findall(r"(?:^|; )([A-Za-z_][\w.]*)=", msg)
+    return [".".join(filter(None, [loc, n])) for n in named] or [loc]
 
 
 _BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"),
