@@ -323,8 +323,8 @@ def test_export_round_trip(model_dir, tmp_path, capsys, lora):
         assert main(["eval", str(run_dir)]) == 0
         assert printed(capsys.readouterr().out)["weights"].startswith(f"checkpoint {ckpt} (step 2)")
 
-    assert main(["export", str(run_dir), str(out)]) == 1  # not empty: refused without --force
-    assert "not empty; pass --force" in capsys.readouterr().err
+    assert main(["export", str(run_dir), str(out)]) == 1  # a model there: refused without --force
+    assert "holds a model already; pass --force" in capsys.readouterr().err
     assert main(["export", str(run_dir), str(out), "--force", "--checkpoint", str(ckpt)]) == 0
     assert (out / "config.json").exists() and not list(tmp_path.glob(".out-*"))
     junk = tmp_path / "junk"
@@ -332,6 +332,10 @@ def test_export_round_trip(model_dir, tmp_path, capsys, lora):
     (junk / "notes.txt").write_text("mine")
     assert main(["export", str(run_dir), str(junk), "--force"]) == 1  # --force replaces only a model directory
     assert (junk / "notes.txt").read_text() == "mine"
+    assert main(["export", str(run_dir), str(junk)]) == 1  # without --force: said the same way, not "pass --force"
+    assert "is not a model directory" in capsys.readouterr().err.splitlines()[-2]
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 1
+    assert "nowhere: no such run directory" in capsys.readouterr().err
     shutil.rmtree(out)
 
 

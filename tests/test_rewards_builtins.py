@@ -74,8 +74,10 @@ def test_numeric_reward(completion, answer, expected):
 
 
 def test_numeric_reward_refuses_a_non_numeric_gold():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"numeric: the answer 'eight' is not a number"):
         numeric_reward("8", "eight")
+    with pytest.raises(ValueError, match=r"numeric: the answer \{'value': 6\} is not a number"):
+        numeric_reward("6", {"value": 6})  # a structured answer column: named, not float()'s complaint
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,8 @@ def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | Non
     else:
         ckpt = Path(checkpoint) if checkpoint is not None else ckpts.latest(run_dir)
     if ckpt is None:
+        if not run_dir.is_dir():
+            raise ExportError(f"{run_dir}: no such run directory")
         raise ExportError(f"{run_dir} has no complete checkpoint (checkpoints/step_*/DONE); pass --checkpoint DIR")
     if not (ckpt / "DONE").exists():
         raise ExportError(f"{ckpt} is not a complete checkpoint directory (no DONE marker)")
@@ -70,11 +72,11 @@ def _check_out(out: Path, ckpt: Path, force: bool) -> None:
         raise ExportError(f"{out} overlaps the checkpoint {ckpt}; export somewhere else")
     if not any(out.iterdir()):
         return
-    if not force:
-        raise ExportError(f"{out} is not empty; pass --force to replace it")
     if not (out / "config.json").exists():
         raise ExportError(f"{out} is not empty and is not a model directory (no config.json); --force replaces only "
                           "a model directory: remove it yourself or export elsewhere")
+    if not force:
+        raise ExportError(f"{out} holds a model already; pass --force to replace it")
 
 
 def _load(ckpt: Path, run_dir: Path):

@@ -90,7 +90,13 @@ def final_number(completion: str) -> float | None:
 def numeric_reward(completion: str, answer, **_) -> float:
     """1.0 if the last number in the completion's final answer equals `answer` (8 == 8.0 ==
     "8"; commas are thousands separators), else 0.0. A non-numeric gold answer raises."""
-    gold_number = parse_number(gold(answer, "numeric"))
+    try:
+        gold_number = parse_number(gold(answer, "numeric"))
+    except ValueError:
+        if answer is None:
+            raise
+        raise ValueError(f"numeric: the answer {answer!r} is not a number (the row's answer column holds it; "
+                         "score other answers with exact, em or a function of yours)") from None
     value = final_number(completion)
     if value is None:
         return 0.0
