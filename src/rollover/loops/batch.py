@@ -54,8 +54,9 @@ class EmptyCollections:
         if self.count < limit:
             return None
         return TooManyEmptyCollections(
-            f"{self.count} collections in a row produced no trainable group (every group skipped for failed "
-            f"samples or, with dynamic sampling, filtered for equal rewards; train.max_bad_steps={limit}); "
+            f"{self.count} collections in a row produced no trainable group (every group skipped for samples "
+            "without a reward: a failed reward call under reward.on_error=skip, a failed episode, or rewards that "
+            f"returned None; or, with dynamic sampling, filtered for equal rewards; train.max_bad_steps={limit}); "
             f"stopped at step {step} with a checkpoint in {run.cfg.run_dir}/checkpoints")
 
     @classmethod
