@@ -107,11 +107,13 @@ def test_simulate_section_belongs_to_rollover_simulate(tmp_path, monkeypatch, ca
     ("reward.functions=[{tmp}/nothing.py:f]", "config error: reward.functions: file not found: ", 2),
     ("reward.functions=[{tmp}/broken.py:f]", "config error: reward.functions: SyntaxError: ", 2),
     ("reward.functions=[{tmp}/ok.py:nope]", "config error: reward.functions: ", 2),
+    ("reward.functions=[{tmp}/setup.py:f]", "config error: reward.functions: TypeError at ", 2),  # raised in yours
 ])
 def test_refused_run_is_short_and_leaves_no_run_dir(model_dir, tmp_path, capsys, bad, says, code):
     run_dir = tmp_path / "run"
     (tmp_path / "broken.py").write_text("def f(completion, answer:\n    return 1.0\n")
     (tmp_path / "ok.py").write_text("def f(completion, answer):\n    return 1.0\n")
+    (tmp_path / "setup.py").write_text("raise TypeError('setting up went wrong')\n")
     got = main(["train", *overrides(model_dir, run_dir, bad.format(tmp=tmp_path))])
     assert got in code if isinstance(code, tuple) else got == code
     err = capsys.readouterr().err.strip().splitlines()
@@ -336,6 +338,8 @@ def test_export_round_trip(model_dir, tmp_path, capsys, lora):
     assert "is not a model directory" in capsys.readouterr().err.splitlines()[-2]
     assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 1
     assert "nowhere: no such run directory" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x"), "--best"]) == 1
+    assert "nowhere: no such run directory" in capsys.readouterr().err
     shutil.rmtree(out)
 
 
@@ -492,4 +496,5 @@ def test_failed_reward_calls_are_counted_in_the_evaluation_and_the_filter(tmp_pa
     assert evals and all(r["eval/reward_errors"] == r["eval/rewards/boom/errors"] == 6 for r in evals)
     assert "(6 failed reward calls in the evaluation: reward.on_error=zero)" in capsys.readouterr().out
     assert main(["filter", *over, "--samples", "2", "--keep", "0:1", "--out", str(tmp_path / "kept.jsonl")]) == 0
-    assert "warning: 40 of 40 samples were failed reward calls, scored 0, so counted as not solved" in capsys.readouterr().err
+    assert ("warning: 40 of 40 samples had their first reward function fail: scored 0, so counted as not solved "
+            "(reward.on_error=zero)") in capsys.readouterr().err

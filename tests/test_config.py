@@ -305,3 +305,25 @@ def test_an_error_names_whether_the_file_or_an_override_gave_the_key(tmp_path):
     path.write_text("steps: abc\n")
     with pytest.raises(ConfigError, match=rf"^{path}: steps='abc': must be an integer$"):
         load_config(path, ["device=cpu"])
+
+
+def test_a_loss_that_is_not_a_name_and_an_async_override_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"algorithm.loss"):
+        load_config(None, ["algorithm.loss=[gspo]"])
+    path = tmp_path / "c.yaml"
+    path.write_text("steps: 3\n")
+    with pytest.raises(ConfigError, match=r"^override async.max_staleness=-1: must be >= 0$"):
+        load_config(path, ["mode=async", "async.max_staleness=-1"])
+
+
+def test_resuming_a_gspo_run_begun_under_ppos_clip_range_says_how_to_keep_it(tmp_path):
+    from rollover.loops.resume import config_changes_since
+
+    seq = ["algorithm.loss=gspo", "algorithm.aggregation=seq-mean-token-mean"]
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.yaml").write_text(dump_config(load_config(None, [*seq, "algorithm.eps_low=0.2", "algorithm.eps_high=0.28"])))
+    with pytest.raises(ConfigError, match=r"algorithm.eps_low: 0.2 -> 0.0003(.|\n)*write out the saved eps_low and eps_high"):
+        config_changes_since(load_config(None, seq), ckpt, allow=False)
+    assert config_changes_since(load_config(None, [*seq, "algorithm.eps_low=0.2", "algorithm.eps_high=0.28"]),
+                                ckpt, allow=False) == []

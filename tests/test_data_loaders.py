@@ -241,6 +241,9 @@ def test_datasets_save_to_disk_with_splits(tmp_path):
         load_prompts(f"{rows}?split=test")
     with pytest.raises(DataError, match=r"holds the splits \['test', 'train'\]: name one, .*ds\?split=NAME"):
         load_prompts(tmp_path / "ds", split=None)  # as a run's data.eval reads it
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "o", "answer": "3"}])}).save_to_disk(
+        str(tmp_path / "single"))
+    assert load_prompts(tmp_path / "single", split=None).prompts[0].text == "o"  # one split: nothing to choose
     datasets.Dataset.from_list([{"prompt": "t", "answer": "1"}]).save_to_disk(str(tmp_path / "one"))
     with pytest.raises(DataError, match="holds one Dataset, which has no splits"):
         load_prompts(f"{tmp_path / 'one'}?split=test")

@@ -214,3 +214,12 @@ def test_repetition_frac_is_the_share_of_responses_that_end_in_a_loop():
     metrics = rollout_metrics([Group(id="e", prompt=Prompt(id="p", text="q"), prompt_ids=[1], rollouts=episodes)], cfg, "math")
     assert metrics["rollout/repetition_frac"] == 0.5
 
+
+
+def test_the_reward_panels_eval_lines_are_accuracies_not_a_rewards_error_counts():
+    from rollover.metrics.plots import _PANELS, _matching
+
+    rows = [{"step": 0, "kind": "eval", "eval/accuracy": 0.5, "eval/gsm8k/accuracy": 0.4, "eval/reward_mean": 0.5,
+             "eval/reward_errors": 2, "eval/rewards/accuracy_reward/errors": 2}]
+    reward = next(p for p in _PANELS if p.name == "reward")
+    assert _matching(rows, reward.eval) == ["eval/accuracy", "eval/gsm8k/accuracy", "eval/reward_mean"]

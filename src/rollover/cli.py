@@ -333,10 +333,13 @@ def _filter(argv: list[str]) -> int:
         kept = write_kept(args.out, rows, rates, low, high)
         print(histogram(rates))
         if failed:
-            what = ("failed episodes, left out of the rates" if cfg.env.name is not None else
-                    f"failed reward calls, {'scored 0, so counted as not solved' if cfg.reward.on_error == 'zero' else 'left out of the rates'} (reward.on_error={cfg.reward.on_error})")
-            print(f"rollover filter: warning: {failed} of {len(prompts) * args.samples} samples were {what}",
-                  file=sys.stderr)
+            if cfg.env.name is not None:
+                what = "were failed episodes, left out of the rates"
+            else:
+                what = ("had their first reward function fail: "
+                        + ("scored 0, so counted as not solved" if cfg.reward.on_error == "zero" else "left out of the rates")
+                        + f" (reward.on_error={cfg.reward.on_error})")
+            print(f"rollover filter: warning: {failed} of {len(prompts) * args.samples} samples {what}", file=sys.stderr)
         band = "0 < pass rate < 1" if low is None else f"pass rate in [{low:g}, {high:g}]"
         print(f"kept {kept} of {len(prompts)} prompts ({band}) in {args.out}")
         if not kept:

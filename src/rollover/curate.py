@@ -31,8 +31,8 @@ CHUNK = 256  # prompts sampled at a time: progress is reported between chunks
 
 def pass_rates(run, prompts: list, samples: int, temperature: float) -> tuple[list[float | None], int]:
     """Each prompt's share of its scored samples that are correct (None: none was scored), and the
-    failed reward calls (episodes: failed episodes) among them: under reward.on_error=zero those
-    were scored 0, so counted as wrong."""
+    samples whose first reward function failed (episodes: failed episodes): under
+    reward.on_error=zero those were scored 0, so counted as wrong."""
     from rollover.rollout.episodes import to_group
     from rollover.rollout.groups import correct, eval_metrics
     from rollover.rollout.inputs import RolloutInputs
@@ -45,7 +45,7 @@ def pass_rates(run, prompts: list, samples: int, temperature: float) -> tuple[li
             failed += sum(not g.done[j].ok for g in pending for j in range(g.n))
         else:
             metrics, groups = eval_metrics(pending, RolloutInputs.of(run))
-            failed += metrics["eval/reward_errors"]
+            failed += metrics[f"eval/rewards/{run.primary_reward}/errors"]  # the function the rates are read from
         scored = [[correct(r, run.cfg, run.primary_reward) for r in g.rollouts if r.reward is not None] for g in groups]
         rates += [sum(s) / len(s) if s else None for s in scored]
         log.info("filter: %d of %d prompts sampled", min(start + CHUNK, len(prompts)), len(prompts))

@@ -34,6 +34,8 @@ def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | Non
     directory (holds config.json) unrelated to the checkpoint.
     """
     run_dir, out = Path(run_dir), Path(out)
+    if checkpoint is None and not run_dir.is_dir():
+        raise ExportError(f"{run_dir}: no such run directory")
     if best:
         ckpt, metric, _ = ckpts.best_of_run(run_dir)
         if ckpt is None:
@@ -41,8 +43,6 @@ def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | Non
     else:
         ckpt = Path(checkpoint) if checkpoint is not None else ckpts.latest(run_dir)
     if ckpt is None:
-        if not run_dir.is_dir():
-            raise ExportError(f"{run_dir}: no such run directory")
         raise ExportError(f"{run_dir} has no complete checkpoint (checkpoints/step_*/DONE); pass --checkpoint DIR")
     if not (ckpt / "DONE").exists():
         raise ExportError(f"{ckpt} is not a complete checkpoint directory (no DONE marker)")

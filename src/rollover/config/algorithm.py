@@ -131,7 +131,7 @@ class AlgorithmConfig(Section):
     @classmethod
     def _clip_of_the_loss(cls, data: Any) -> Any:
         """eps_low / eps_high left unset take the named loss's own range (`CLIP_DEFAULTS`)."""
-        if isinstance(data, dict) and data.get("loss") in CLIP_DEFAULTS:
+        if isinstance(data, dict) and isinstance(data.get("loss"), str) and data["loss"] in CLIP_DEFAULTS:
             low, high = CLIP_DEFAULTS[data["loss"]]
             data = {"eps_low": low, "eps_high": high, **data}
         return data

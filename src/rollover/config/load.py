@@ -99,7 +99,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
 def _error_keys(err: dict) -> list[str]:
     """The dotted keys a validation error is about: its location, with each key a section's own
     check names (`unknown key 'x'`, `eval_size=...: ...`)."""
-    loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
+    loc = ".".join("async" if p == "async_" else str(p) for p in err["loc"] if not isinstance(p, int))
     msg = err["msg"].removeprefix("Value error, ")
     named = re.findall(r"unknown key '([^']+)'", msg) + re.findall(r"(?:^|; )([A-Za-z_][\w.]*)=", msg)
     return [".".join(filter(None, [loc, n])) for n in named] or [loc]

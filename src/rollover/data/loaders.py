@@ -77,7 +77,8 @@ def load_prompts(
     on_bad_row: OnBadRow = "raise",
 ) -> PromptSet:
     """Read every row of `source` (see the module docstring) as a `Prompt`. `split` None: a source
-    of several splits (a `DatasetDict`, a hub dataset) must name its own (`?split=`)."""
+    of several splits (a `DatasetDict`, a hub dataset) must name its own (`?split=`); one of a
+    single split gives that one."""
     if on_bad_row not in ("raise", "skip"):
         raise ValueError(f"on_bad_row must be 'raise' or 'skip', got {on_bad_row!r}")
     source = str(source)
@@ -320,14 +321,21 @@ def _hub_rows(spec: str, split: str | None) -> Rows:
     if unknown:
         raise DataError(f"hf:{spec}: unknown options {sorted(unknown)} (known: ['name', 'split'])")
     chosen = options.get("split", split)
-    ds = datasets.load_dataset(name, options.get("name"), split=chosen)  # every split, as a DatasetDict, for None
-    yield from enumerate(_pick_split(ds, chosen, f"hf:{spec}"))
+    if chosen is None:  # the source must say which split, unless it has one only (asked before any download)
+        names = datasets.get_dataset_split_names(name, options.get("name"))
+        if len(names) != 1:
+            raise DataError(f"hf:{spec} holds the splits {sorted(names)}: name one, hf:{spec}{'&' if '?' in spec else '?'}"
+                            "split=NAME")
+        chosen = names[0]
+    yield from enumerate(datasets.load_dataset(name, options.get("name"), split=chosen))
 
 
 def _pick_split(ds, split: str | None, where: str):
     import datasets
 
     if isinstance(ds, datasets.DatasetDict):
+        if split is None and len(ds) == 1:  # one split: nothing to choose
+            split = next(iter(ds))
         if split is None:
             raise DataError(f"{where} holds the splits {sorted(ds)}: name one, {where}{'&' if '?' in where else '?'}"
                             "split=NAME")

@@ -221,8 +221,7 @@ def _reward_runner(cfg: Config) -> RewardRunner:
         functions = build_rewards(cfg.reward.functions, here=not workers)  # Ray reward workers load their own
     except (FileNotFoundError, ImportError, AttributeError, SyntaxError, TypeError, ValueError) as e:
         # a reference that names nothing, a file that does not compile, a function that cannot take a sample
-        what = f"{type(e).__name__}: {e}" if isinstance(e, (SyntaxError, ImportError)) else str(e)
-        raise ConfigError(f"reward.functions: {' '.join(what.split())}") from e
+        raise ConfigError(f"reward.functions: {' '.join(_reward_error(e).split())}") from e
     pool = None
     if cfg.runtime == "ray" and cfg.ray.reward_workers:
         from rollover.runtime.rewards import RayRewardPool
@@ -232,6 +231,20 @@ def _reward_runner(cfg: Config) -> RewardRunner:
                              cpus=cfg.ray.cpus_per_reward_worker)
     return RewardRunner(functions, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error,
                         workers=cfg.reward.workers, pool=pool)
+
+
+def _reward_error(e: Exception) -> str:
+    """A reward's building error as the user needs it: rollover's own checks say what is wrong;
+    an error raised in the user's code (importing their module, a reward model's loading) keeps
+    its type and where it was raised."""
+    import traceback
+
+    if isinstance(e, (SyntaxError, ImportError)):  # (the file and line are in a SyntaxError's text)
+        return f"{type(e).__name__}: {e}"
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames or Path(frames[-1].filename).resolve().is_relative_to(Path(__file__).resolve().parents[1]):
+        return str(e)
+    return f"{type(e).__name__} at {frames[-1].filename}:{frames[-1].lineno}: {e}"
 
 
 def _load_model(cfg: Config, ckpt: Path | None):

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from rollover.config import Config, ConfigError, config_changes, dump_config, read_yaml
+from rollover.config.algorithm import CLIP_DEFAULTS
 from rollover.train import checkpoint
 
 log = logging.getLogger("rollover")
@@ -81,6 +82,10 @@ def config_changes_since(cfg: Config, ckpt: Path, allow: bool) -> list[str]:
         return []
     changes = config_changes(read_yaml(saved), cfg)
     if changes and not allow:
+        clip = [c for c in changes if c.startswith(("algorithm.eps_low:", "algorithm.eps_high:"))]
+        if clip and cfg.algorithm.loss in CLIP_DEFAULTS:  # a run begun when every loss defaulted to 0.2 / 0.28
+            changes = [*changes, f"(algorithm.loss={cfg.algorithm.loss} now defaults to its own clip range; write "
+                                 "out the saved eps_low and eps_high to go on as the run began)"]
         raise ConfigError(f"resume from {ckpt} refused: this config changes what is trained (vs {saved}):\n"
                           + "\n".join(f"  {c}" for c in changes)
                           + "\nhint: pass --allow-config-change to continue under the new config, "
