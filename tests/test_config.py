@@ -52,7 +52,7 @@ def test_overrides_and_types():
     ("train.lr=fast", "train.lr='fast': must be a number"),
     ("train.lr=.nan", "train.lr=NaN: must be a finite number"),
     ("train.betas=[0.9, 1.0]", "train.betas.1=1.0: must be < 1"),
-    ("train.lora={r: 0}", "train.lora: r=0: must be an integer >= 1"),
+    ("train.lora={r: 0}", "train.lora.r=0: must be an integer >= 1"),
     ("train.lora={rank: 4}", "train.lora: unknown keys ['rank']"),
     ("data.eval_size=-1", "data.eval_size=-1: must be >= 0"),
     ("data.train=''", "data.train='': must not be empty"),
@@ -67,8 +67,8 @@ def test_overrides_and_types():
     ("rollout.dtype=fp8", "rollout.dtype='fp8': must be 'auto', 'float32', 'bfloat16' or 'float16'"),
     ("reward.timeout_s=0", "reward.timeout_s=0: must be > 0"),
     ("reward.functions=[]", "reward.functions: must not be empty"),
-    ("reward.functions=[{fn: numeric, weight: heavy}]", "reward.functions.0: weight='heavy': must be a number"),
-    ("reward.functions=[numeric, {fn: format, weight: true}]", "reward.functions.1: weight=True: must be a finite number"),
+    ("reward.functions=[{fn: numeric, weight: heavy}]", "reward.functions.0.weight='heavy': must be a number"),
+    ("reward.functions=[numeric, {fn: format, weight: true}]", "reward.functions.1.weight=True: must be a finite number"),
     ("reward.functions=[{weight: 1}]", "reward.functions.0: needs `fn`"),
     ("reward.functions=[numeric, 3]", "reward.functions.1=3: must be a reward name or a mapping"),
     ("algorithm.dual_clip=1", "algorithm.dual_clip=1: must be > 1"),
@@ -300,7 +300,7 @@ def test_an_error_names_whether_the_file_or_an_override_gave_the_key(tmp_path):
     path.write_text("steps: 3\n")
     with pytest.raises(ConfigError, match=r"^override steps='abc': must be an integer$"):
         load_config(path, ["steps=abc"])
-    with pytest.raises(ConfigError, match=r"^override data: unknown key 'trian'; did you mean 'train'\?$"):
+    with pytest.raises(ConfigError, match=r"^override unknown key 'data.trian'; did you mean 'train'\?$"):
         load_config(path, ["data.trian=x"])
     path.write_text("steps: abc\n")
     with pytest.raises(ConfigError, match=rf"^{path}: steps='abc': must be an integer$"):

@@ -139,6 +139,11 @@ def _error_line(err: dict) -> str:
         quoted = isinstance(value, str) and kind not in _BOUNDS  # a bound was checked on a number
         shown = repr(value) if quoted else value if isinstance(value, str) else json.dumps(value)
         return f"{loc}={shown}: {msg}"
+    if isinstance(value, dict):  # a section's own check, whose messages name its keys: name them in full
+        named = re.sub(r"(^|; )(?=[A-Za-z_]\w*=)", lambda m: f"{m.group(1)}{loc}.", msg)
+        named = named.replace("unknown key '", f"unknown key '{loc}.")
+        if named != msg:
+            return named
     return f"{loc}: {msg}"
 
 
