@@ -324,8 +324,7 @@ def _hub_rows(spec: str, split: str | None) -> Rows:
     if chosen is None:  # the source must say which split, unless it has one only (asked before any download)
         names = datasets.get_dataset_split_names(name, options.get("name"))
         if len(names) != 1:
-            raise DataError(f"hf:{spec} holds the splits {sorted(names)}: name one, hf:{spec}{'&' if '?' in spec else '?'}"
-                            "split=NAME")
+            raise DataError(f"hf:{spec} holds the splits {sorted(names)}: name one, {_with_split(f'hf:{spec}')}")
         chosen = names[0]
     yield from enumerate(datasets.load_dataset(name, options.get("name"), split=chosen))
 
@@ -337,12 +336,16 @@ def _pick_split(ds, split: str | None, where: str):
         if split is None and len(ds) == 1:  # one split: nothing to choose
             split = next(iter(ds))
         if split is None:
-            raise DataError(f"{where} holds the splits {sorted(ds)}: name one, {where}{'&' if '?' in where else '?'}"
-                            "split=NAME")
+            raise DataError(f"{where} holds the splits {sorted(ds)}: name one, {_with_split(where)}")
         if split not in ds:
-            raise DataError(f"{where}: no split {split!r} (splits: {sorted(ds)}; pick one with {where}?split=NAME)")
+            raise DataError(f"{where}: no split {split!r} (splits: {sorted(ds)}; pick one with {_with_split(where)})")
         return ds[split]
     return ds
+
+
+def _with_split(source: str) -> str:
+    """`source` with a `split=NAME` option added, as a message shows how to name a split."""
+    return f"{source}{'&' if '?' in source else '?'}split=NAME"
 
 
 def _parse_query(query: str, where: str) -> dict[str, str]:
