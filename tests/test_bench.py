@@ -104,10 +104,10 @@ def test_bench_rejects_bad_arguments_by_name(argv, message, capsys):
 
 
 def test_bench_faults_fields_and_clean_resumes(model_dir, tmp_path):
-    r = bench(tmp_path, "faults", "--model", model_dir, "--modes", "sync", "async_eta1", "--trials", "2",
-              "--kills-per-chain", "2", "--steps", "4", "--hang-s", "120")
+    r = bench(tmp_path, "faults", "--model", model_dir, "--modes", "sync", "async_eta1", "--trials", "1",
+              "--kills-per-chain", "1", "--steps", "3", "--hang-s", "120")
     for mode in ("sync", "async_eta1"):
-        assert r[mode]["trials"] >= 2
+        assert r[mode]["trials"] == 1
         assert r[mode] == {"trials": r[mode]["trials"], "hangs": 0, "lost": 0, "duplicated": 0}
         m = r["modes"][mode]
         assert m["resumed_clean"] == m["trials"] and m["steps_missing"] == m["steps_duplicated"] == 0
@@ -157,7 +157,7 @@ def test_bench_ray_fields(model_dir, tmp_path):
         ("object_store", "bfloat16", False), ("gloo", "float32", False), ("gloo", "bfloat16", False)]
     gloo = [w for w in r["weight_sync"] if w["transport"] == "gloo"]
     assert all(w["sent_fraction"] == 1 and w["seconds_per_update"] > 0 for w in gloo)  # whole tensors
-    assert all(0 < w["sent_fraction"] <= 1 for w in r["weight_sync"])
+    assert all(0 < w["sent_fraction"] <= 1 and w["worker_start_s"] > 0 for w in r["weight_sync"])
     assert not ray.is_initialized()  # the instance the bench started is shut down
 
 

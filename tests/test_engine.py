@@ -632,6 +632,46 @@ def test_make_engine_starts_at_a_given_version(monkeypatch):
     assert seen["version"] == 4
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_a_plain_config_builds_the_engine_the_model_builds(arch):
+    """What a Ray worker is given (`portable_architecture`): the config's attributes as a
+    `PlainConfig`, from which TorchEngine generates what it generates from the model; the
+    model's own config where rollover's forward does not build from attributes alone."""
+    import pickle
+    from types import SimpleNamespace
+
+    from rollover.config import load_config
+    from rollover.engine import PlainConfig, portable_architecture
+
+    model = tiny_model(arch, seed=3)
+    config, generation = portable_architecture(model, load_config(), 64)
+    assert type(config) is PlainConfig and generation is None and config.model_type == arch
+    config = pickle.loads(pickle.dumps(config))
+    reqs = [Request(id=f"p{i}", prompt_ids=[5 + i, 6, 7], sampling=SamplingParams(max_new_tokens=8, seed=i,
+                                                                                 temperature=0.8, ignore_eos=True))
+            for i in range(3)]
+    a = TorchEngine(model, device="cpu", max_rows=4, max_len=64, eos_token_ids=[])
+    b = TorchEngine(SimpleNamespace(config=config), state_dict=model.state_dict(), device="cpu", max_rows=4, max_len=64,
+                    eos_token_ids=[])
+    try:
+        x, y = a.generate(reqs), b.generate(reqs)
+        assert [c.response_ids for c in x] == [c.response_ids for c in y]
+        assert [c.logprobs for c in x] == [c.logprobs for c in y]
+    finally:
+        a.shutdown()
+        b.shutdown()
+    # where the config itself is needed: a rotary embedding transformers computes, the model's own
+    # forward, another engine, a window shorter than the sequences
+    scaled = tiny_model(arch, seed=3, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    assert portable_architecture(scaled, load_config(), 64)[0] is scaled.config
+    own = load_config(**{"rollout.engine_options": {"forward": "transformers"}})
+    assert portable_architecture(model, own, 64)[0] is model.config
+    assert portable_architecture(model, load_config(**{"rollout.engine": "vllm"}), 64)[0] is model.config
+    if arch == "mistral":
+        windowed = tiny_model(arch, seed=3, sliding_window=16)
+        assert portable_architecture(windowed, load_config(), 64)[0] is windowed.config
+
+
 def test_a_decode_step_at_a_graph_bucket_shape_equals_the_exact_shape(model):
     """What a CUDA graph replays (model_runner's docstring): the batch padded with free rows at
     position 0 and the attended length rounded up to the bucket give the same logits."""

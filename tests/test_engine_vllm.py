@@ -622,10 +622,10 @@ def test_vllm_processes_end_with_a_killed_owner(tmp_path):
         owner.wait()
 
 
-@pytest.mark.parametrize("april", [False, True])
-def test_training_runs_on_vllm(tmp_path, april):
-    """`rollover train ... rollout.engine=vllm`: the synchronous loop and APRIL train through
-    VLLMEngine, the weights it generates with follow the trainer, and APRIL discards nothing."""
+def test_training_runs_on_vllm(tmp_path):
+    """`rollover train ... rollout.engine=vllm`: the synchronous loop with APRIL trains through
+    VLLMEngine, the weights it generates with follow the trainer, and APRIL discards nothing. (The
+    loop without APRIL runs on vLLM in tests/test_fsdp.py, its one-engine run.)"""
     from safetensors.torch import load_file
 
     from rollover.config import load_config
@@ -641,14 +641,14 @@ def test_training_runs_on_vllm(tmp_path, april):
         "rollout.max_rows": 8, "rollout.engine": "vllm", "rollout.engine_options": OPTIONS,
         "reward.functions": [f"{reward}:score"], "train.lr": 1e-3, "eval.every": 0, "eval.samples_per_prompt": 1,
         "checkpoint.every": 2, "logging.progress": False, "logging.tensorboard": False,
-        "partial_rollout.enabled": april, "partial_rollout.oversample": 2.0,
+        "partial_rollout.enabled": True, "partial_rollout.oversample": 2.0,
     })
     result = train_sync(cfg)
     assert result["step"] == 2
     rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
-    if april:  # APRIL's defaults on vLLM: keep_kv (decoupled PPO corrects the older tokens)
-        assert all(r["rollout/discarded_tokens"] == 0 and r["rollout/carry_keep_kv"] == 1 for r in rows)
+    # APRIL's defaults on vLLM: keep_kv (decoupled PPO corrects the older tokens)
+    assert all(r["rollout/discarded_tokens"] == 0 and r["rollout/carry_keep_kv"] == 1 for r in rows)
     before = dict(tiny_model("llama", seed=3, **ARCH).named_parameters())
     after = load_file(str(tmp_path / "run" / "checkpoints" / "step_000002" / "model" / "model.safetensors"))
     assert any(not torch.equal(before[k].detach(), after[k]) for k in after)  # it trained

@@ -902,12 +902,12 @@ def tied_model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("m") / "tied", "llama", seed=3, tie_word_embeddings=True))
 
 
-@pytest.mark.parametrize("critic", [False, True], ids=["grpo", "gae"])
-def test_torchrun_ranks_train_as_the_ranks_the_command_starts(tied_model_dir, tmp_path, critic):
+def test_torchrun_ranks_train_as_the_ranks_the_command_starts(tied_model_dir, tmp_path):
     """Under torchrun, RANK 0 drives and the other process is trainer rank 1 (it builds only the
-    model's structure, tied LM head included, and takes rank 0's weights; with a critic, the
-    critic's too): the run ends with the weights of the same run with `train.ranks=2`."""
-    over = {"algorithm.advantage": "gae", "critic.lr": 1e-2} if critic else {}
+    model's structure, tied LM head included, and takes rank 0's weights, and the critic's: the
+    run has PPO's critic, which a run without one leaves out): the run ends with the weights of
+    the same run with `train.ranks=2`."""
+    over = {"algorithm.advantage": "gae", "critic.lr": 1e-2}
     job = torchrun(tied_model_dir, tmp_path / "torchrun", *(f"{k}={v}" for k, v in over.items()))
     out, _ = job.communicate(timeout=600)
     assert job.returncode == 0, out

@@ -17,7 +17,8 @@ update moves.
    updates shaped like early Adam steps (every weight moves by lr x sign(noise), lr 1e-6), with
    the engine in float32 (every element changes) and in bfloat16 (most elements keep their
    bits), through the object store with deltas on and off and through a gloo group: seconds per
-   update, bytes each worker received, and the share of a whole-model transfer that was sent.
+   update, bytes each worker received, and the share of a whole-model transfer that was sent;
+   and the seconds the worker took to start (its process, its engine built from the weights).
 
 On a GPU, `--gpus-per-worker F` gives every Ray worker (and a trainer actor) that fraction of a
 GPU, its engine on CUDA; with `device=cuda` among the overrides the trainer in the driver trains
@@ -75,8 +76,10 @@ def _weight_sync(args, dtype: str, delta: bool, transport: str = "object_store")
                                                           "ray.cpus_per_worker": 1, "ray.num_cpus": args.cpus,
                                                           "ray.gpus_per_worker": args.gpus_per_worker})
     weights = {k: v.detach().clone() for k, v in model.named_parameters()}  # tied weights once, as the trainer sends them
+    t0 = time.perf_counter()
     eng = RayEngine(cfg, model, weights=list(weights.items()), device=torch.device("cpu"), max_len=256,
                     eos_token_ids=(2,))
+    start_s = time.perf_counter() - t0  # the worker's process started, its engine built from the weights sent
     gen = torch.Generator().manual_seed(0)
     seconds, sent, fraction = [], [], []
     try:
@@ -91,7 +94,8 @@ def _weight_sync(args, dtype: str, delta: bool, transport: str = "object_store")
     finally:
         eng.shutdown()
     return {"transport": transport, "dtype": dtype, "delta": delta, "seconds_per_update": statistics.fmean(seconds),
-            "bytes_per_worker": statistics.fmean(sent), "sent_fraction": statistics.fmean(fraction)}
+            "bytes_per_worker": statistics.fmean(sent), "sent_fraction": statistics.fmean(fraction),
+            "worker_start_s": start_s}
 
 
 def _kill(args) -> dict:
@@ -213,7 +217,8 @@ def _report(args, result: dict) -> None:
     for w in result["weight_sync"]:
         print(f"  weight sync {w['transport']:12s} {w['dtype']:8s} delta={'on ' if w['delta'] else 'off'}  "
               f"{w['seconds_per_update']:.3f} s/update  "
-              f"{w['bytes_per_worker'] / 2**20:8.1f} MiB per worker ({w['sent_fraction']:.1%} of the model)")
+              f"{w['bytes_per_worker'] / 2**20:8.1f} MiB per worker ({w['sent_fraction']:.1%} of the model)  "
+              f"worker started in {w['worker_start_s']:.1f} s")
 
 
 def add_arguments(p) -> None:

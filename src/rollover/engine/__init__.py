@@ -73,12 +73,55 @@ def __getattr__(name):  # lazy: importing rollover.engine does not build anythin
     raise AttributeError(name)
 
 
+class PlainConfig:
+    """A transformers config's attributes (and its class's `model_type`), read as attributes;
+    built by `portable_architecture`. Unpickling it needs no transformers."""
+
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+    def __repr__(self) -> str:
+        return f"PlainConfig({getattr(self, 'model_type', '?')})"
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (int, float, str, bool, type(None), torch.dtype)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(map(_plain, value))
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return False
+
+
+def portable_architecture(architecture, cfg, max_len: int):
+    """The (config, generation config) a rollout worker builds its engine from. Where
+    TorchEngine's own forward serves the model (its default rotary embedding, no vision tower,
+    `rollout.engine: torch`) it reads the config's attributes alone, and the worker is given
+    them as a `PlainConfig` (and no generation config: workers are given the EOS ids): a
+    transformers config would import transformers as it unpickles, about 4 of a worker's 6-8
+    seconds of start-up on a 2-core CPU, paid again by every replacement. Elsewhere, the
+    model's own."""
+    from rollover.engine.hf_runner import fast_path
+    from rollover.models import is_vision_language
+
+    config, generation = architecture.config, getattr(architecture, "generation_config", None)
+    rope = dict(getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if (cfg.rollout.engine != "torch" or cfg.rollout.engine_options.get("forward", "auto") == "transformers"
+            or is_vision_language(config) or rope != "default" or not fast_path(config, max_len)):
+        return config, generation
+    attrs = {"model_type": getattr(config, "model_type", None), **vars(config)}
+    if not all(map(_plain, attrs.values())):
+        return config, generation
+    return PlainConfig(**attrs), None
+
+
 def make_engine(cfg, architecture, *, weights, device, max_len: int, eos_token_ids, version: int = 0,
                 colocated: bool = False, tokenizer=None):
     """The engine a run's config asks for, holding `weights` (named tensors, LoRA merged) as
     `version` (0; a Ray worker's replacement starts at the current one). `architecture` is a
     Hugging Face model of the policy's architecture (its config and module names; TorchEngine
-    copies it), not the trainer's. `colocated`: the engine of a trainer rank on `device`
+    copies it), not the trainer's, or what has its `config` (`portable_architecture`). `colocated`: the engine of a trainer rank on `device`
     (`train.colocate`). `tokenizer`: what finds `rollout.stop`'s strings (default: the model's,
     read here), sent by a driver to engines on other machines."""
     r = cfg.rollout

@@ -27,6 +27,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import replace
 from typing import Callable, Iterable
 
+from rollover.engine import portable_architecture
 from rollover.engine.api import EngineAPI, call_if_finished
 from rollover.engine.core import EngineStats
 from rollover.engine.validation import validate_request
@@ -72,7 +73,7 @@ class RayEngine(WeightUpdates, EngineAPI):
             self._tokenizer = load_tokenizer(cfg.model)
             self._stops = StopStrings.of(self._tokenizer)  # a resubmitted request that already holds one ends here
         self._eos = tuple(eos_token_ids)
-        self._arch = (architecture.config, getattr(architecture, "generation_config", None))
+        self._arch = portable_architecture(architecture, cfg, max_len)  # a worker starts without transformers
         self._version = 0
         self.poll_s = POLL_S  # tokens reach the driver at least this often (tests lower it)
         self._paused = False
