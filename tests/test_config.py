@@ -36,6 +36,22 @@ def test_overrides_and_types():
     assert cfg.rollout.temperature == 0.7 and cfg.train.lr == 3e-6 and cfg.reward.functions == ["math", "numeric"]
     with pytest.raises(ConfigError, match="must look like key.path=value"):
         load_config(overrides=["steps"])
+    with pytest.raises(ConfigError, match=r"overrides must be a list of key.path=value strings, got one string: \['steps=3'\]"):
+        load_config(EXAMPLES[0], "steps=3")
+
+
+def test_a_mapping_for_a_section_sets_its_keys_and_keeps_the_others():
+    """`data={...}` (a keyword or an override) sets those keys of the YAML's section; a key whose
+    value is a mapping is replaced whole."""
+    yaml_cfg = load_config("examples/arith.yaml")
+    assert yaml_cfg.data.max_prompt_tokens != 256  # the default, which the YAML changes
+    for cfg in (load_config("examples/arith.yaml", data={"eval_size": 16}),
+                load_config("examples/arith.yaml", ["data={eval_size: 16}"])):
+        assert cfg.data.eval_size == 16 and cfg.data.max_prompt_tokens == yaml_cfg.data.max_prompt_tokens
+    assert load_config("examples/arith_async.yaml", ["async={max_staleness: 3}"]).async_.max_staleness == 3
+    cfg = load_config(**{"rollout.engine_options": {"forward": "rollover", "adapt_threads": False}},
+                      overrides=["rollout.engine_options={forward: transformers}"])
+    assert cfg.rollout.engine_options == {"forward": "transformers"}
 
 
 @pytest.mark.parametrize("over, message", [

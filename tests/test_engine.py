@@ -313,6 +313,12 @@ def test_n_samples_share_the_prompt_prefill(engine):
         (Request(id="r", prompt_ids=[5], response_ids=[7, 10_000], response_logprobs=[0.0, 0.0],
                  response_versions=[0, 0]), "unknown token ids"),
         (Request(id="p", prompt_ids=[5], sampling=SamplingParams(top_p=0.0)), "top_p"),
+        # the wrong types, named: not read as unknown ids, nor failing in the engine's thread
+        (Request(id="np", prompt_ids=[5, __import__("numpy").int64(6)]), "holds numpy.int64 values, not Python ints"),
+        (Request(id="arr", prompt_ids=torch.tensor([5, 6])), r"must be a list of token ids .*got Tensor .*tolist"),
+        (Request(id="tup", prompt_ids=(5, 6)), r"got tuple \(list\(\.\.\.\) gives one\)"),
+        (Request(id="str", prompt_ids="hello"), "must be a list of token ids .*got str"),
+        (Request(id="d", prompt_ids=[5], sampling={"max_new_tokens": 4}), "sampling must be a SamplingParams, got dict"),
     ],
 )
 def test_bad_input_rejected_without_disturbing_others(engine, model, bad, match):
@@ -322,6 +328,11 @@ def test_bad_input_rejected_without_disturbing_others(engine, model, bad, match)
     assert repr(bad.id) in str(err.value)  # names the request
     out = running.result()
     assert out.finish == "length" and out.response_ids == hf_greedy(model, [80, 81], GREEDY.max_new_tokens)
+
+
+def test_an_engine_without_rows_is_refused(model):
+    with pytest.raises(ValueError, match="max_rows must be a positive int"):
+        TorchEngine(model, device="cpu", max_rows=0, max_len=64)
 
 
 def test_duplicate_inflight_id_rejected(engine):

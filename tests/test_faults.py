@@ -245,7 +245,7 @@ def test_a_second_process_on_the_same_run_dir_is_refused(model_dir, tmp_path):
                                capture_output=True, text=True, timeout=120)
         assert other.returncode == 2
         assert f"is in use by a running rollover process (pid {os.getpid()})" in other.stderr
-        with pytest.raises(ConfigError, match="is in use"):
+        with pytest.raises(ConfigError, match="is in use by a run built earlier in this process and not closed"):
             build_run(cfg)  # also within one process
     finally:
         first.close()

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from rollover.config import load_config
 from rollover.loops.common import build_run
 from rollover.loops.sync import train_sync
+from rollover.rewards import RewardFailed
 from rollover.rollout.stops import TooManyBadSteps
 from rollover.testing import save_tiny_model, tiny_model
 from rollover.train.batch import TrainBatch, pack
@@ -724,8 +725,17 @@ def test_reward_errors_raise_zero_skip(model_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtins, "flaky_test_reward", flaky, raising=False)
     fn = [{"fn": "rollover.rewards.builtins:flaky_test_reward", "name": "flaky"}]
-    with pytest.raises(Exception, match="flaky"):
+    with pytest.raises(RewardFailed, match=r"'flaky' failed .*judge unavailable \(the run stopped after step 0; it has no "
+                                           r"checkpoint yet: a resume continues from it\)"):
         train_sync(tiny_cfg(model_dir, tmp_path / "raise", steps=1, **{"reward.functions": fn, "eval.at_start": False}))
+    # failing in step 4 (9 samples a step, 6 held-out ones at step 2): the latest checkpoint is step 2's
+    calls["n"] = 0
+    monkeypatch.setattr(builtins, "flaky_test_reward",
+                        lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), 1.0 if calls["n"] <= 33 else 1 / 0)[1])
+    with pytest.raises(RewardFailed, match=r"ZeroDivisionError.*\(the run stopped after step 3; its latest checkpoint is "
+                                           r"step 2, so a resume trains step 3 again"):
+        train_sync(tiny_cfg(model_dir, tmp_path / "late", **{"reward.functions": fn, "eval.at_start": False}))
+    monkeypatch.setattr(builtins, "flaky_test_reward", flaky)
     calls["n"] = 0
     train_sync(tiny_cfg(model_dir, tmp_path / "zero", steps=1, **{"reward.functions": fn, "reward.on_error": "zero",
                                                                    "eval.at_start": False, "eval.every": 0}))
@@ -1075,3 +1085,30 @@ def test_a_prompts_only_dataset_trains_with_a_reward_that_needs_no_answer(model_
     assert any("eval/accuracy" in r for r in rows)
     groups = [json.loads(line) for line in (tmp_path / "r" / "trained_groups.jsonl").read_text().splitlines()]
     assert [g["step"] for g in groups] == [1, 2] and all(x["prompt"].startswith("p:") for g in groups for x in g["groups"])
+
+
+def test_a_loop_refuses_a_config_of_the_other_mode_a_foreign_run_and_an_evaluations_run(model_dir, tmp_path):
+    """The loop a config is trained with follows its mode; a run handed to the loop was built
+    from the config it is given, to be trained (record=False builds one that only evaluates)."""
+    from rollover.config import ConfigError
+    from rollover.loops.async_ import train_async
+
+    cfg = tiny_cfg(model_dir, tmp_path / "a", steps=1)
+    with pytest.raises(ConfigError, match=r"mode='sync'.*train this config with rollover.loops.sync.train_sync"):
+        train_async(cfg)
+    with pytest.raises(ConfigError, match=r"mode='async'.*rollover.loops.async_.train_async"):
+        train_sync(tiny_cfg(model_dir, tmp_path / "b", mode="async"))
+    run = build_run(cfg)
+    try:
+        other = tiny_cfg(model_dir, tmp_path / "c", steps=2, **{"rollout.samples_per_prompt": 2})
+        with pytest.raises(ValueError, match=r"built from another config .*differ in rollout, run_dir, steps"):
+            train_sync(other, run=run)
+    finally:
+        run.close()
+    run = build_run(cfg, record=False)
+    try:
+        with pytest.raises(ValueError, match="record=False, for evaluation"):
+            train_sync(cfg, run=run)
+    finally:
+        run.close()
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()  # nothing was started for them

@@ -76,7 +76,7 @@ def _check_out(out: Path, ckpt: Path, force: bool) -> None:
         raise ExportError(f"{out} is not empty and is not a model directory (no config.json); --force replaces only "
                           "a model directory: remove it yourself or export elsewhere")
     if not force:
-        raise ExportError(f"{out} holds a model already; pass --force to replace it")
+        raise ExportError(f"{out} holds a model already; pass --force (force=True in Python) to replace it")
 
 
 def _load(ckpt: Path, run_dir: Path):

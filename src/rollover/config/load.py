@@ -15,13 +15,34 @@ from rollover.config.base import ConfigError
 from rollover.config.run import Config
 
 
-def _set_path(d: dict, dotted: str, value: Any) -> None:
+def _set_path(d: dict, dotted: str, value: Any, schema: type | None = None) -> None:
+    """Set `dotted` in the raw config `d`. A mapping given for a whole section (`data={...}`,
+    `"data={eval_size: 16}"`) sets those keys of it, keeping the section's others; a mapping
+    given for a key whose value is a mapping (`rollout.engine_options`) replaces it."""
     keys = dotted.split(".")
     for k in keys[:-1]:
         if not isinstance(d.get(k, {}), dict):
             raise ConfigError(f"override {dotted}: {k!r} is not a section")
         d = d.setdefault(k, {})
-    d[keys[-1]] = value
+    last = keys[-1]
+    if isinstance(value, dict) and isinstance(d.get(last), dict) and _names_section(schema, keys):
+        d[last] = {**d[last], **value}
+    else:
+        d[last] = value
+
+
+def _names_section(schema: type | None, keys: list[str]) -> bool:
+    """Whether `keys` lead, through `schema`'s fields (by name or alias), to a section of its own."""
+    from pydantic import BaseModel
+
+    model = schema
+    for k in keys:
+        fields = getattr(model, "model_fields", None) or {}
+        field = fields.get(k) or next((f for f in fields.values() if f.alias == k), None)
+        if field is None:
+            return False
+        model = field.annotation
+    return isinstance(model, type) and issubclass(model, BaseModel)
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -74,14 +95,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
     """Read YAML (optional), apply overrides, validate as `schema` (a training config, or a
     subclass with sections of its own: rollover.sim.config). `recorded`: the YAML is a run's own
     config.yaml, whose `RETIRED_SECTIONS` are dropped. Raises ConfigError naming the key."""
+    if isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a list of key.path=value strings, got one string: [{overrides!r}]")
     raw: dict = read_yaml(path) if path is not None else {}
     if recorded:
         raw = {k: v for k, v in raw.items() if k not in RETIRED_SECTIONS or k in schema.model_fields}
     for k, v in data.items():
-        _set_path(raw, k, v)
+        _set_path(raw, k, v, schema)
     overridden = set()
     for k, v in parse_overrides(list(overrides)):
-        _set_path(raw, k, v)
+        _set_path(raw, k, v, schema)
         overridden.add(k)
     try:
         return schema.model_validate(raw)

@@ -118,6 +118,8 @@ class TorchEngine(ThreadedEngine):
     ):
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be a positive int (sequences decoded together), got {max_rows!r}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(model, str):
             from rollover.models import load_hf_model

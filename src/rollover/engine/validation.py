@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollover.types import Request
+from rollover.types import Request, SamplingParams
 
 
 def validate_request(req: Request, *, max_len: int, vocab_size: int, media: bool = False,
@@ -10,7 +10,23 @@ def validate_request(req: Request, *, max_len: int, vocab_size: int, media: bool
     """Raise ValueError naming the request and the problem; nothing is queued. `media`: whether
     the engine takes images; `stop_strings`: whether it can look for stop strings (it was given a
     tokenizer)."""
-    where = f"request {req.id!r}"
+    where = f"request {getattr(req, 'id', '?')!r}"
+    if not isinstance(req, Request):
+        raise ValueError(f"{where}: a Request is needed, got {type(req).__name__}")
+    if not isinstance(req.sampling, SamplingParams):
+        raise ValueError(f"{where}: sampling must be a SamplingParams, got {type(req.sampling).__name__} "
+                         "(SamplingParams(**mapping) builds one)")
+    for name in ("prompt_ids", "response_ids"):
+        ids = getattr(req, name)
+        if not isinstance(ids, list):
+            hint = " (its .tolist() gives one)" if hasattr(ids, "tolist") else " (list(...) gives one)" if \
+                isinstance(ids, tuple) else ""
+            raise ValueError(f"{where}: {name} must be a list of token ids (Python ints), got {type(ids).__name__}{hint}")
+        odd = next((t for t in ids if not isinstance(t, int) and hasattr(t, "__index__")), None) \
+            if set(map(type, ids)) - {int} else None
+        if odd is not None:
+            raise ValueError(f"{where}: {name} holds {type(odd).__module__}.{type(odd).__name__} values, not Python ints "
+                             f"(int(x) for each, or an array's .tolist())")
     if req.sampling.stop and not isinstance(req.sampling.stop, str) and not stop_strings:
         raise ValueError(f"{where} has stop strings {list(req.sampling.stop)}: this engine was built without a "
                          "tokenizer to find them (a run's engines get one when rollout.stop or env.name is set)")

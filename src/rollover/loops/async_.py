@@ -51,9 +51,10 @@ from collections import Counter
 from rollover.config import Config
 from rollover.engine.cpu import openmp
 from rollover.loops.batch import bad_steps_error, advantage_metrics, record_step, train_batch_from
-from rollover.loops.common import Run, build_run
+from rollover.loops.common import Run, run_to_train
 from rollover.metrics.progress import reward_errors
-from rollover.loops.guard import Interrupts, interrupted_result
+from rollover.loops.guard import Interrupts, interrupted_result, resume_point
+from rollover.rewards import RewardFailed
 from rollover.rollout.stops import Stalled, TooManyEmptyCollections, Watchdog, engine_progress
 from rollover.rollout.async_rollout import ComponentError, DataManager, RolloutService, StalenessGate
 from rollover.rollout.core import env_step_metrics
@@ -72,9 +73,11 @@ def staleness(groups, version: int, eta: int) -> list[int]:
 
 
 def train_async(cfg: Config, *, run: Run | None = None) -> dict:
+    """Run `cfg.steps` asynchronous steps (continuing from a checkpoint when there is one) of a
+    `mode: async` config; `run`: one `build_run(cfg)` built from this config (None: built here)."""
     from rollover.metrics import Progress
 
-    run = run or build_run(cfg)
+    run = run_to_train(cfg, run, "async")
     parts = _Services(run)
     step = run.start_step
     samples_trained = run.resumed_extra.get("samples_consumed", 0)
@@ -138,13 +141,16 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                 path = parts.checkpoint(step, samples_trained, resume=False)
                 return interrupted_result(step, interrupts.requested, path)
         return {"step": step, **last_eval}
-    except (ComponentError, TooManyEmptyCollections):
+    except (ComponentError, TooManyEmptyCollections) as stop:
         # another component failed, or every group came back dropped, while the trainer was
         # between steps: its state is consistent
         try:
             parts.checkpoint(step, samples_trained, resume=False)
         except Exception as e:  # pragma: no cover - best effort, the original error matters more
             log.error("async: could not save a checkpoint after the failure: %r", e)
+            raise stop
+        if isinstance(stop.__cause__, RewardFailed):  # the same error a sync run raises
+            raise resume_point(stop.__cause__, cfg.run_dir, step, saved=True) from None
         raise
     finally:
         parts.stop()

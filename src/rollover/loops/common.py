@@ -268,6 +268,28 @@ def _load_model(cfg: Config, ckpt: Path | None):
     return model
 
 
+LOOPS = {"sync": "rollover.loops.sync.train_sync", "async": "rollover.loops.async_.train_async"}
+
+
+def run_to_train(cfg: Config, run: Run | None, mode: str) -> Run:
+    """The run the `mode` loop trains: `run` when it was built from `cfg` to be trained (not an
+    evaluation's), else a new one. A config of the other mode is refused, as is a run built
+    from another config: the loop would train one config's steps with the other's parts."""
+    if cfg.mode != mode:
+        raise ConfigError(f"mode={cfg.mode!r}, and {LOOPS[mode]} runs mode {mode!r}: train this config with "
+                          f"{LOOPS[cfg.mode]}")
+    if run is None:
+        return build_run(cfg)
+    if run.cfg != cfg:
+        changed = sorted(k for k in type(cfg).model_fields if getattr(cfg, k) != getattr(run.cfg, k))
+        raise ValueError(f"run= was built from another config than the one given (they differ in "
+                         f"{', '.join(changed)}): pass the run's own, train(run.cfg, run=run)")
+    if isinstance(run.logger, _NoRecord):
+        raise ValueError("run= was built with record=False, for evaluation: it writes nothing, so it cannot train "
+                         "(build_run(cfg) builds one that can)")
+    return run
+
+
 def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = False, record: bool = True) -> Run:
     """Everything a loop needs, with the checkpoint `cfg.resume` names restored.
 

@@ -68,3 +68,25 @@ class Interrupts:
 def interrupted_result(step: int, signal_name: str, checkpoint_path) -> dict:
     """What a loop returns when it stopped on a signal (the CLI turns it into one line)."""
     return {"step": step, "interrupted": signal_name, "checkpoint": str(checkpoint_path)}
+
+
+def resume_point(error: Exception, run_dir, step: int, saved: bool = False) -> Exception:
+    """`error` (a run-stopping `RewardFailed`) with where a resume of the run starts added to its
+    message: the step just saved (`saved`), or the latest checkpoint and the steps trained since
+    it, which a resume trains again."""
+    from rollover.train import checkpoint
+
+    if saved:
+        where = f"a checkpoint of step {step} was saved: a resume continues from it"
+    else:
+        latest = checkpoint.latest(run_dir)
+        done = int(latest.name[5:]) if latest is not None else 0
+        where = (f"the run stopped after step {step}; " + (f"its latest checkpoint is step {done}" if latest else
+                 "it has no checkpoint yet") + (f", so a resume trains {_steps(done + 1, step)} again (checkpoint.every "
+                                                 "sets how often one is saved)" if done < step else ": a resume continues from it"))
+    error.args = (f"{error.args[0]} ({where})", *error.args[1:])
+    return error
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"

@@ -27,6 +27,9 @@ def lock_run_dir(run_dir: Path):
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
+        if holder == f"pid {os.getpid()}":  # a Run built earlier in this process and not closed
+            raise ConfigError(f"run_dir {run_dir} is in use by a run built earlier in this process and not closed: "
+                              "close it (run.close(), or train it: the loop closes it) first") from None
         raise ConfigError(f"run_dir {run_dir} is in use by a running rollover process ({holder}); wait for it to "
                           "finish or stop it, or give another run_dir") from None
     f.seek(0)
@@ -88,7 +91,8 @@ def config_changes_since(cfg: Config, ckpt: Path, allow: bool) -> list[str]:
                                  "out the saved eps_low and eps_high to go on as the run began)"]
         raise ConfigError(f"resume from {ckpt} refused: this config changes what is trained (vs {saved}):\n"
                           + "\n".join(f"  {c}" for c in changes)
-                          + "\nhint: pass --allow-config-change to continue under the new config, "
+                          + "\nhint: pass --allow-config-change (build_run(cfg, allow_config_change=True) in Python) to continue "
+                            "under the new config, "
                             "or give another run_dir to start a new run")
     return changes
 

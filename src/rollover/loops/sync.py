@@ -32,9 +32,10 @@ from rollover.config import Config
 from rollover.loops.batch import (
     EmptyCollections, bad_steps_error, advantage_metrics, record_step, train_batch_from,
 )
-from rollover.loops.common import Run, build_run
+from rollover.loops.common import Run, run_to_train
 from rollover.metrics.progress import reward_errors
-from rollover.loops.guard import Interrupts, interrupted_result
+from rollover.loops.guard import Interrupts, interrupted_result, resume_point
+from rollover.rewards import RewardFailed
 from rollover.rollout.api import CollectorAPI
 from rollover.rollout.groups import rollout_metrics
 from rollover.rollout.inputs import RolloutInputs
@@ -75,10 +76,11 @@ def step_metrics(run: Run, groups, gen: dict, train_metrics: dict, adv_info: dic
 
 
 def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
-    """Run `cfg.steps` synchronous steps (continuing from a checkpoint when there is one)."""
+    """Run `cfg.steps` synchronous steps (continuing from a checkpoint when there is one) of a
+    `mode: sync` config; `run`: one `build_run(cfg)` built from this config (None: built here)."""
     from rollover.metrics import Progress
 
-    run = run or build_run(cfg)
+    run = run_to_train(cfg, run, "sync")
     collector = make_collector(run)
     if "collector" in run.resumed_extra:
         collector.load_state_dict(run.resumed_extra["collector"])
@@ -99,7 +101,10 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
             t_step = time.perf_counter()
 
             # 1. generate and score (sync or APRIL); nothing trainable: count it, collect again
-            groups, gen = collector.collect(step)
+            try:
+                groups, gen = collector.collect(step)
+            except RewardFailed as e:  # mid-collection: no consistent state to save; say what a resume retrains
+                raise resume_point(e, cfg.run_dir, step) from None
             if not groups:
                 if (error := empty.add(run, step, gen)) is not None:
                     save(step)
