@@ -286,18 +286,78 @@ class BadEnv(ScriptedEnv):
     async def step(self, action):
         if self.bad == "nan":
             return StepResult([], math.nan, done=True)
+        if self.bad == "none":
+            return StepResult([], None, done=True)
+        if self.bad == "text":
+            return StepResult("try again", 0.0, done=False)
+        if self.bad == "info":
+            return StepResult([], 0.0, done=True, info=[1])
         if self.bad == "inner_timeout":  # a TimeoutError of the env's own is not the step timeout
             raise TimeoutError("upstream")
+        if self.bad == "exit":  # sys.exit in an environment: its episode's failure, not the process's end
+            raise SystemExit(3)
         return "not a StepResult"
 
 
-@pytest.mark.parametrize("bad, turn, type_", [
-    ("opening", 0, "KeyError"), ("nan", 1, "TypeError"), ("inner_timeout", 1, "TimeoutError"), ("type", 1, "TypeError"),
+class SyncStep(ScriptedEnv):
+    def step(self, action):  # not async
+        return StepResult([], 1.0, done=True)
+
+
+@pytest.mark.parametrize("bad, turn, type_, message", [
+    ("opening", 0, "KeyError", "no task"), ("nan", 1, "TypeError", "reward=nan: a finite number is needed"),
+    ("none", 1, "TypeError", "reward=None: a finite number is needed"),
+    ("text", 1, "TypeError", "messages='try again': a list of message dicts"),
+    ("info", 1, "TypeError", "info=[1]: a dict is needed"),
+    ("inner_timeout", 1, "TimeoutError", "upstream"), ("type", 1, "TypeError", "not a StepResult(messages, reward"),
+    ("exit", 1, "SystemExit", "3"),
 ])
-def test_an_env_that_misbehaves_fails_its_episode(bad, turn, type_):
+def test_an_env_that_misbehaves_fails_its_episode(bad, turn, type_, message):
     traj = episode(ScriptedEngine(lambda r: ids("x") + [EOT]), BadEnv(bad))
     assert traj.finish == "error" and traj.error.turn == turn and traj.error.type == type_
+    assert message in traj.error.message
     assert not traj.error.timed_out and traj.reward is None
+
+
+def test_an_env_method_that_is_not_async_is_named():
+    traj = episode(ScriptedEngine(lambda r: ids("x") + [EOT]), SyncStep())
+    assert traj.finish == "error" and traj.error.type == "TypeError"
+    assert "SyncStep.step returned StepResult, not an awaitable: write it as `async def`" in traj.error.message
+
+
+def test_a_numpy_reward_and_no_messages_after_the_last_step_are_taken():
+    np = pytest.importorskip("numpy")
+
+    class NumpyReward(ScriptedEnv):
+        async def step(self, action):
+            return StepResult(None, np.float32(0.5), done=True)
+
+    traj = episode(ScriptedEngine(lambda r: ids("x") + [EOT]), NumpyReward())
+    assert traj.ok and traj.reward == 0.5 and type(traj.reward) is float
+
+
+def test_a_group_builder_is_checked_for_one_environment_each_with_the_env_methods():
+    from rollover.envs.base import make_group
+
+    prompt = Prompt(id="p", text="t")
+
+    class Builder:
+        def __init__(self, make):
+            self.make = make
+
+        def make_group(self, prompt, n):
+            return self.make(n)
+
+    assert len(make_group(Builder(lambda n: (ScriptedEnv() for _ in range(n))), prompt, 3)) == 3  # a generator
+    one = ScriptedEnv()
+    with pytest.raises(ValueError, match="returned one object more than once: each episode needs an environment"):
+        make_group(Builder(lambda n: [one] * n), prompt, 2)
+    with pytest.raises(ValueError, match=r"make_group\(prompt, 2\) of Builder returned 1 environments"):
+        make_group(Builder(lambda n: [one]), prompt, 2)
+    with pytest.raises(TypeError, match="returned a str, which has no initial_observation"):
+        make_group(Builder(lambda n: ["x", "y"]), prompt, 2)
+    with pytest.raises(TypeError, match="returned int, not a list of environments"):
+        make_group(Builder(lambda n: 5), prompt, 2)
 
 
 STRICT_TEMPLATE = (  # ChatML that refuses roles other than user and assistant

@@ -16,7 +16,8 @@ class RewardConfig(Section):
     behind an OpenAI-compatible endpoint, {fn: judge, kwargs: {url: ..., model: ...}}),
     `module:function` or `file.py:function`, or {fn, weight, kwargs, name, isolate, reasoning}
     mappings (weight: a number; reasoning: drop scores what follows a thinking model's </think>).
-    The first one decides accuracy (see `correct_threshold`)."""
+    The first one decides accuracy (see `correct_threshold`). Not called in a multi-turn run
+    (env.name): its environments give the rewards."""
     timeout_s: float = Field(10.0, gt=0)
     """Per-call timeout; a call past it counts as an error."""
     on_error: Literal["raise", "zero", "skip"] = "raise"

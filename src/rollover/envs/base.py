@@ -108,11 +108,33 @@ def make_one(builder, prompt: Prompt, n: int, j: int) -> Env:
     """The environment `builder` makes at place j of a group of n: by its `make_one` where it
     has one, else the j-th of a whole group."""
     if callable(getattr(builder, "make_one", None)):
-        return builder.make_one(prompt, n, j)
-    envs = builder.make_group(prompt, n)
+        return checked_env(builder.make_one(prompt, n, j), f"make_one(prompt, {n}, {j})")
+    return make_group(builder, prompt, n)[j]
+
+
+def make_group(builder, prompt: Prompt, n: int) -> list[Env]:
+    """`builder.make_group(prompt, n)`, checked: n environments, each an object of its own
+    (an episode's state is its environment's) with the `Env` methods."""
+    made = builder.make_group(prompt, n)
+    where = f"make_group(prompt, {n}) of {type(builder).__name__}"
+    try:
+        envs = list(made)
+    except TypeError:
+        raise TypeError(f"{where} returned {type(made).__name__}, not a list of environments") from None
     if len(envs) != n:
-        raise ValueError(f"make_group(prompt, {n}) returned {len(envs)} environments")
-    return envs[j]
+        raise ValueError(f"{where} returned {len(envs)} environments")
+    if len({id(e) for e in envs}) < n:
+        raise ValueError(f"{where} returned one object more than once: each episode needs an environment of its own "
+                         "(the episode's state lives in it)")
+    return [checked_env(e, where) for e in envs]
+
+
+def checked_env(env, where: str) -> Env:
+    for method in ("initial_observation", "step"):
+        if not callable(getattr(env, method, None)):
+            raise TypeError(f"{where} returned a {type(env).__name__}, which has no {method}(): an environment has "
+                            "async initial_observation() and async step(action) (rollover.envs.Env)")
+    return env
 
 
 class EnvLost(RuntimeError):

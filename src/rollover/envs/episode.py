@@ -33,7 +33,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import math
+import numbers
 import time
 import traceback
 from dataclasses import replace
@@ -411,19 +413,24 @@ async def _call_env(
 async def _timed_call(
     call: Callable[[], Awaitable], wrong: Callable[[object], str | None], timeout_s: float, turn: int, clock: Clock
 ):
-    """Only Exceptions count as the environment's failure; cancellation and KeyboardInterrupt
-    propagate. `wrong(value)` says what is wrong with a value the environment returned (a
+    """Only Exceptions (and SystemExit) count as the environment's failure; cancellation and
+    KeyboardInterrupt propagate. `wrong(value)` says what is wrong with a value the environment returned (a
     TypeError of the episode)."""
     start = clock()
     try:
         async with asyncio.timeout(timeout_s) as deadline:
-            value = await call()
+            pending = call()
+            if not inspect.isawaitable(pending):
+                name = getattr(getattr(call, "func", call), "__qualname__", "the environment's method")
+                raise TypeError(f"{name} returned {type(pending).__name__}, not an awaitable: write it as `async def` "
+                                "(blocking work goes through asyncio.to_thread)")
+            value = await pending
     except TimeoutError as e:
         if deadline.expired():
             message = f"no answer within step_timeout_s={timeout_s:g}"
             return None, EpisodeError(turn, "TimeoutError", message, "", timed_out=True), clock() - start
         return None, _error(turn, e), clock() - start
-    except Exception as e:  # the environment's failure, recorded with its traceback
+    except (Exception, SystemExit) as e:  # the environment's failure (a sys.exit in it too), with its traceback
         return None, _error(turn, e), clock() - start
     problem = wrong(value)
     if problem is not None:
@@ -479,23 +486,31 @@ def _not_messages(value) -> str | None:
 
 
 def _not_step_result(value) -> str | None:
-    if isinstance(value, StepResult) and _is_messages(value.messages) and isinstance(value.info, dict):
-        try:
-            hash(value.state)
-        except TypeError:
-            return f"step returned a state that cannot be hashed ({value.state!r:.200}): give a tuple, a string or a number"
-        if value.continuation is not None and (not isinstance(value.continuation, str) or value.messages):
-            return (f"step returned continuation={value.continuation!r:.100} with messages={value.messages!r:.100}: "
-                    "a continuation is a string, given instead of messages")
-        if _not_stop(value.stop):
-            return _not_stop(value.stop)
-        r = value.reward
-        if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r):
-            return None
-    return (
-        f"step returned {value!r:.200}, not a StepResult with a finite reward, a list of message dicts "
-        "and an info dict"
-    )
+    """What is wrong with what `step` returned, naming the field; None when it is a StepResult.
+    A numpy number as the reward is taken as a float, and no messages (None) after the last
+    step as none."""
+    if not isinstance(value, StepResult):
+        return f"step returned {value!r:.200}, not a StepResult(messages, reward, done, info)"
+    if value.done and value.messages is None:  # nothing follows the last step's messages
+        value.messages = []
+    if isinstance(value.reward, numbers.Real) and not isinstance(value.reward, (bool, int, float)):
+        value.reward = float(value.reward)
+    r = value.reward
+    if not (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)):
+        return f"step returned reward={r!r:.100}: a finite number is needed"
+    if not _is_messages(value.messages):
+        return (f"step returned messages={value.messages!r:.200}: a list of message dicts, each with 'role' and "
+                "'content', is needed")
+    if not isinstance(value.info, dict):
+        return f"step returned info={value.info!r:.100}: a dict is needed"
+    try:
+        hash(value.state)
+    except TypeError:
+        return f"step returned a state that cannot be hashed ({value.state!r:.200}): give a tuple, a string or a number"
+    if value.continuation is not None and (not isinstance(value.continuation, str) or value.messages):
+        return (f"step returned continuation={value.continuation!r:.100} with messages={value.messages!r:.100}: "
+                "a continuation is a string, given instead of messages")
+    return _not_stop(value.stop)
 
 
 def episode_seed(seed: int | None, j: int) -> int | None:

@@ -324,6 +324,10 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         from rollover.envs.builders import make_env_builder
 
         env_builder = make_env_builder(cfg.env.name, cfg.env.options)
+        if cfg.reward.functions != type(cfg.reward)().functions:
+            log.warning("reward.functions is not called in a multi-turn run: env.name=%s gives each episode's reward "
+                        "(a score option of the environment, where it has one, is where a reward of yours goes)",
+                        cfg.env.name)
     train_prompts, eval_prompts, skipped, sets = _prompts(cfg, env_builder)
     if skipped:
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)

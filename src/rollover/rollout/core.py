@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rollover.engine.cpu import openmp
-from rollover.envs.base import EnvLost, make_one
+from rollover.envs.base import EnvLost, make_group, make_one
 from rollover.envs.episode import EnvPool, LiveEpisode, env_open, env_step
 from rollover.envs.render import episode_renderer
 from rollover.types import Completion, Request
@@ -204,7 +204,7 @@ class SampleDriver:
             return
         if ep.env is None:  # restored from a checkpoint: replay its actions into a fresh environment
             if id(g) not in self._replay_envs:
-                fresh = list(self.inputs.env_builder.make_group(g.prompt, g.n))
+                fresh = make_group(self.inputs.env_builder, g.prompt, g.n)
                 for k in range(g.n):  # samples that need no environment give theirs up now
                     other = g.episodes.get(k)
                     if k in g.done or (other is not None and (other.finished or other.env is not None)):
@@ -230,9 +230,10 @@ class SampleDriver:
         from rollover.envs.episode import episode_seed
         from rollover.rollout.groups import sample_seed
 
-        envs = self.inputs.env_builder.make_group(g.prompt, g.n)
-        if len(envs) != g.n:
-            raise ValueError(f"env {self.cfg.env.name!r}: make_group(prompt, {g.n}) returned {len(envs)} environments")
+        try:
+            envs = make_group(self.inputs.env_builder, g.prompt, g.n)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"env.name={self.cfg.env.name!r}: {e}") from None
         base = sample_seed(seed, g.serial, 0)
         e = self.cfg.env
         greedy = g.greedy_first  # ReMax: episode 0 answers greedily in every turn

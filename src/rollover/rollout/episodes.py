@@ -28,6 +28,7 @@ from rollover.rollout.groups import PendingGroup, by_source, last_turn_loops, pa
 from rollover.types import Group, Rollout
 
 log = logging.getLogger("rollover")
+_SHOWN: set[str] = set()  # the exception types whose traceback this process has logged
 
 
 def to_group(pg, trajectories: list[Trajectory]) -> Group:
@@ -35,7 +36,13 @@ def to_group(pg, trajectories: list[Trajectory]) -> Group:
     rollouts: list[Rollout] = []
     for t in trajectories:
         if not t.ok:
-            log.warning("env: episode %s failed: %s", t.request_id, t.error.describe())
+            e = t.error
+            if e.traceback and e.type not in _SHOWN:  # the first of its kind with its traceback, later ones a line
+                _SHOWN.add(e.type)
+                log.warning("env: episode %s failed: %s\n%s(later %s failures: one line each)", t.request_id,
+                            e.describe(), e.traceback, e.type)
+            else:
+                log.warning("env: episode %s failed: %s", t.request_id, e.describe())
         r = t.to_rollout(pg.id, failed_ok=True)
         r.scores = {} if r.reward is None else {"env": t.reward}
         r.text = _text(t)

@@ -43,7 +43,7 @@ import threading
 import traceback
 import weakref
 
-from rollover.envs.base import Action, Env, EnvLost, StepResult, make_one
+from rollover.envs.base import Action, Env, EnvLost, StepResult, make_group, make_one
 from rollover.rewards.pool import STARTUP_TIMEOUT_S  # the reward workers' bound on a start, too
 from rollover.runtime.live import first_line, kill_actor
 from rollover.types import Prompt
@@ -91,9 +91,7 @@ class EnvActor:
             if only is not None:
                 envs = [make_one(self.builder, prompt, n, only)]
             else:
-                envs = list(self.builder.make_group(prompt, n))
-                if len(envs) != n:
-                    raise ValueError(f"make_group(prompt, {n}) returned {len(envs)} environments")
+                envs = make_group(self.builder, prompt, n)
         except Exception as exc:
             return "error", _portable(exc)
         self.groups[key] = envs
