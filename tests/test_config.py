@@ -40,6 +40,19 @@ def test_overrides_and_types():
         load_config(EXAMPLES[0], "steps=3")
 
 
+def test_a_function_object_as_a_reward_says_how_to_name_it():
+    def my_reward(completion, answer, **kw):
+        return 1.0
+
+    with pytest.raises(ConfigError, match=r"a function object \(my_reward\) cannot be written into a config: .*"
+                                          r"'__main__:my_reward'"):
+        load_config(**{"reward.functions": [my_reward]})
+    from rollover.rewards import build_rewards
+
+    with pytest.raises(TypeError, match="a function is named by reference: 'module:function'"):
+        build_rewards([my_reward])
+
+
 def test_a_mapping_for_a_section_sets_its_keys_and_keeps_the_others():
     """`data={...}` (a keyword or an override) sets those keys of the YAML's section; a key whose
     value is a mapping is replaced whole."""

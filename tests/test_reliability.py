@@ -20,6 +20,9 @@ def test_an_unavailable_device_is_a_config_error_naming_it():
         pick_device("cuda:7")
     with pytest.raises(ConfigError, match=r"device='gpu' is not a device torch knows"):
         pick_device("gpu")
+    if not torch.backends.mps.is_available():
+        with pytest.raises(ConfigError, match=r"device='mps': torch sees no MPS device here"):
+            pick_device("mps")
 
 
 def test_an_unknown_loss_option_is_a_config_error():

@@ -76,6 +76,11 @@ def _reward_spec(spec: Any) -> Any:
         if not spec.strip():
             raise ValueError("a reward name must not be empty")
         return spec
+    if callable(spec):
+        name = getattr(spec, "__name__", "function")
+        raise ValueError(f"a function object ({name}) cannot be written into a config: name it by reference, "
+                         f"'module:{name}' or 'path/to/file.py:{name}' ('__main__:{name}' for one defined in the "
+                         "running script)")
     if not isinstance(spec, dict):
         raise ValueError("must be a reward name or a mapping {fn, weight, kwargs, name, isolate, reasoning}")
     unknown = sorted(set(spec) - {"fn", "weight", "kwargs", "name", "isolate", "reasoning"})

@@ -57,6 +57,8 @@ def pick_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError as e:
         raise ConfigError(f"device={name!r} is not a device torch knows ({e})") from None
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={name!r}: torch sees no MPS device here (an Apple GPU, with torch built for it)")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

@@ -218,7 +218,13 @@ def prepare(fn: Callable, kwargs: dict, what: str, *, load: bool = True) -> dict
 def _spec(spec: RewardSpec | dict | str) -> RewardSpec:
     if isinstance(spec, str):
         return RewardSpec(spec)
-    return RewardSpec(**spec) if isinstance(spec, dict) else spec
+    if isinstance(spec, dict):
+        return RewardSpec(**spec)
+    if not isinstance(spec, RewardSpec):
+        raise TypeError(f"a reward entry is a name, a RewardSpec or a mapping of its fields, got {spec!r:.80}"
+                        + (" (a function is named by reference: 'module:function', '__main__:function')"
+                           if callable(spec) else ""))
+    return spec
 
 
 def reward_weights(specs: list[RewardSpec | dict | str]) -> dict[str, float]:
