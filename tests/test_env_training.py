@@ -621,3 +621,40 @@ def test_tasks_from_the_environment_with_held_out_tasks_from_a_file(model_dir, t
             assert len(run.eval_prompts) == 2 and run.evaluate(0)["eval/samples"] == 4
         finally:
             run.close()
+
+
+def test_held_out_episodes_that_all_failed_have_no_mean_reward_and_count_as_wrong():
+    """Accuracy counts a failed episode as wrong; the means are over scored episodes, NaN (not
+    0) when none was scored; a checkpoint without a value is never the best."""
+    import math
+    from types import SimpleNamespace
+
+    from rollover.config import load_config
+    from rollover.rollout.episodes import episode_eval_metrics
+    from rollover.types import Prompt
+
+    def traj(ok, reward=None):
+        return SimpleNamespace(ok=ok, reward=reward, tokens_T=[1, 2, 3], prompt_len=1, versions_T=[0, 0, 0],
+                               turns=[None], info={})
+
+    cfg = load_config()
+    failed = [SimpleNamespace(n=2, done={0: traj(False), 1: traj(False)}, prompt=Prompt(id="p", text="t"))]
+    m = episode_eval_metrics(failed, cfg)
+    assert m["eval/accuracy"] == 0 and m["eval/failed"] == 2 and math.isnan(m["eval/reward_mean"])
+    half = [SimpleNamespace(n=2, done={0: traj(True, 1.0), 1: traj(False)}, prompt=Prompt(id="q", text="t"))]
+    m = episode_eval_metrics(half, cfg)
+    assert m["eval/accuracy"] == 0.5 and m["eval/reward_mean"] == 1.0
+
+
+def test_a_checkpoint_whose_metric_is_nan_is_never_the_best(tmp_path):
+    import json
+
+    from rollover.train.checkpoint import best_checkpoint, checkpoint_dir
+
+    for step, value in ((1, float("nan")), (2, 0.25), (3, 0.5), (4, float("nan"))):
+        d = checkpoint_dir(tmp_path) / f"step_{step:06d}"
+        d.mkdir(parents=True)
+        (d / "DONE").touch()
+        (d / "eval.json").write_text(json.dumps({"eval/reward_mean": value}))
+    assert best_checkpoint(tmp_path, "eval/reward_mean").name == "step_000003"
+    assert best_checkpoint(tmp_path, "eval/reward_mean", "min").name == "step_000002"

@@ -144,9 +144,11 @@ def _run_training(cfg, allow_config_change: bool) -> int:
               f"{result['checkpoint']}; run the same command again to resume", file=sys.stderr)
         return 128 + getattr(signal, result["interrupted"])
     plots = plot_run(cfg.run_dir)
-    errors = result.get("eval/reward_errors", 0)
+    errors, failed = result.get("eval/reward_errors", 0), result.get("eval/failed", 0)
     print(f"done: step {result['step']}" + (f", held-out accuracy {result['eval/accuracy']:.3f}" if "eval/accuracy" in result else "")
-          + (f" ({errors:g} failed reward calls in the evaluation: reward.on_error={cfg.reward.on_error})" if errors else ""))
+          + (f" ({errors:g} failed reward calls in the evaluation: reward.on_error={cfg.reward.on_error})" if errors else "")
+          + (f" ({failed:g} of {result.get('eval/samples', 0):g} held-out episodes failed: counted as wrong)"
+             if failed else ""))
     print(f"metrics: {cfg.run_dir}/metrics.jsonl; plots: {', '.join(str(x) for x in plots)}")
     return 0
 

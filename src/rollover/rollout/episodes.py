@@ -18,6 +18,7 @@ import bisect
 import hashlib
 import json
 import logging
+import math
 
 import torch
 
@@ -206,14 +207,17 @@ def _episode_summary(pending: list[PendingGroup], cfg) -> dict:
     trajs = [g.done[j] for g in pending for j in range(g.n)]
     ok = [t for t in trajs if t.ok]
     rewards = [t.reward for t in ok]
+    # accuracy over every episode (a failed one solved nothing); the means over the scored ones,
+    # NaN when none was (not a 0 no episode earned)
+    per_ok = len(ok) or math.nan
     return {
         "eval/accuracy": sum(r >= cfg.reward.correct_threshold for r in rewards) / max(len(trajs), 1),
         "eval/pass_at_k": pass_at_k([[g.done[j].ok and g.done[j].reward >= cfg.reward.correct_threshold
                                       for j in range(g.n)] for g in pending]),
-        "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
-        "eval/response_length": sum(len(t.tokens_T) - t.prompt_len for t in ok) / max(len(ok), 1),
+        "eval/reward_mean": sum(rewards) / per_ok,
+        "eval/response_length": sum(len(t.tokens_T) - t.prompt_len for t in ok) / per_ok,
         "eval/repetition_frac": sum(last_turn_loops(t.tokens_T[t.prompt_len:], t.versions_T[t.prompt_len:])
-                                    for t in ok) / max(len(ok), 1),
+                                    for t in ok) / per_ok,
         "eval/samples": len(trajs),
         "eval/failed": len(trajs) - len(ok),
         "eval/resampled": sum(getattr(t, "resampled", 0) for t in trajs),  # failed ones run again (env.resample_failed)

@@ -120,7 +120,9 @@ def best_checkpoint(run_dir: str | Path, metric: str, mode: str = "max") -> Path
         if not (path / "DONE").exists() or not (path / EVAL_FILE).exists():
             continue
         value = json.loads((path / EVAL_FILE).read_text()).get(metric)
-        if value is not None and (best is None or (value > best if mode == "max" else value < best)):
+        if not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+            continue  # no value (every held-out episode failed: NaN) is never the best
+        if best is None or (value > best if mode == "max" else value < best):
             found, best = path, value
     return found
 
