@@ -1105,3 +1105,13 @@ def test_the_search_r1_example_asks_its_retrieval_server_and_formats_its_passage
     assert seen == [{"queries": ["dune author"], "topk": 3, "return_scores": True}]
     assert first.continuation == "\n<information>Doc 1(Title: Dune (novel)) Dune is a 1965 novel by Frank Herbert.</information>\n"
     assert last.done and last.reward == 1.0
+
+
+def test_env_name_errors_name_the_key_and_an_env_class_named_instead_of_its_builder():
+    from rollover.envs.builders import make_env_builder
+
+    with pytest.raises(ValueError, match=r"env.name='missing_envs.py:Task': file not found"):
+        make_env_builder("missing_envs.py:Task", {})
+    with pytest.raises(ValueError, match="names an environment class; env.name names what makes a task's group"):
+        make_env_builder("examples/envs/spell_backwards.py:SpellBackwards", {})
+    assert callable(make_env_builder("examples/envs/spell_backwards.py:SpellBackwardsTask", {}).make_group)

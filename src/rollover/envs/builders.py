@@ -79,6 +79,13 @@ def make_env_builder(name: str, options: dict[str, Any]) -> EnvGroupBuilder:
             factory = load_reference(name, "env.name")
         except AttributeError as e:
             raise ValueError(str(e)) from None
+        except FileNotFoundError as e:
+            raise ValueError(f"env.name={name!r}: {e}") from None
+        if isinstance(factory, type) and callable(getattr(factory, "step", None)) \
+                and not callable(getattr(factory, "make_group", None)):
+            raise ValueError(f"env.name={name!r} names an environment class; env.name names what makes a task's "
+                             "group of them: a class or function whose result has make_group(prompt, n) "
+                             "(an EnvGroupBuilder, docs/environments.md)")
     else:
         raise ValueError(f"env.name={name!r}: expected a built-in ({sorted(builtins)}), 'module:Name' or "
                          "'path/to/file.py:Name'")
