@@ -523,6 +523,10 @@ def test_tools_from_your_own_functions(tmp_path, monkeypatch):
     assert results[0].info["tool_errors"] == 1  # a None for an optional argument and a date are no mistakes
     with pytest.raises(ValueError, match="tool 'untyped'"):
         make_env_builder("tools", {"tools": ["my_tools.py:untyped"]})
+    (tmp_path / "starred.py").write_text('def join(*words: str) -> str:\n    """Join words.\n\n    Args:\n'
+                                         '        words: the words\n    """\n    return " ".join(words)\n')
+    with pytest.raises(ValueError, match=r"tool 'join': \*words cannot be given by name"):
+        make_env_builder("tools", {"tools": ["starred.py:join"]})
     with pytest.raises(ValueError, match="env.options.tools: .*has no attribute 'nothing'"):
         make_env_builder("tools", {"tools": ["my_tools.py:nothing"]})
     with pytest.raises(ValueError, match="a list of tool names"):

@@ -351,8 +351,10 @@ def test_builtin_and_module_references():
     numeric = resolve_reward_fn("rollover.rewards.builtins:numeric_reward")
     assert numeric.__name__ == "numeric_reward"
     assert RewardSpec("rollover.rewards.builtins:numeric_reward").build().name == "numeric_reward"
-    with pytest.raises(ValueError, match="unknown reward 'maths'"):
+    with pytest.raises(ValueError, match=r"unknown reward 'maths' \(did you mean 'math'\?\)"):
         resolve_reward_fn("maths")
+    with pytest.raises(ValueError, match=r"unknown reward 'zzz': expected"):
+        resolve_reward_fn("zzz")
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         resolve_reward_fn("rollover.rewards.builtins:nope")
 

@@ -93,6 +93,13 @@ def function_tool(fn: Callable) -> Tool:
         schema = get_json_schema(fn)["function"]
     except Exception as e:  # transformers' docstring and type-hint parsing errors
         raise ValueError(f"tool {getattr(fn, '__name__', fn)!r}: {e}") from None
+    try:
+        starred = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.VAR_POSITIONAL]
+    except (TypeError, ValueError):
+        starred = []
+    if starred:  # a call names its arguments: *args would take none of them
+        raise ValueError(f"tool {getattr(fn, '__name__', fn)!r}: *{starred[0]} cannot be given by name, as a tool "
+                         "call gives every argument: name each argument (a list argument takes many values)")
 
     def shown(result) -> str:  # outside the calls' try: a result that does not serialise is the tool's fault
         if isinstance(result, str):

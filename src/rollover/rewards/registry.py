@@ -252,9 +252,12 @@ def resolve_reward_fn(ref: str) -> Callable:
         return BUILTINS[ref]
     target, sep, attr = ref.rpartition(":")
     if not sep or not target or not attr:
+        import difflib
+
+        near = difflib.get_close_matches(ref, list(BUILTINS), n=1, cutoff=0.75)
         raise ValueError(
-            f"unknown reward {ref!r}: expected a built-in ({sorted(BUILTINS)}), "
-            "'module:function' or 'path/to/file.py:function'"
+            f"unknown reward {ref!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+            + f": expected a built-in ({sorted(BUILTINS)}), 'module:function' or 'path/to/file.py:function'"
         )
     return load_reference(ref, "reward")
 
