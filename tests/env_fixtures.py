@@ -12,7 +12,8 @@ from rollover.types import Prompt
 class Fragile:
     """Task "die": a step SIGKILLs the process holding the environment. Task "raise": a step
     raises. Task "hang:PATH": a step hangs, and writes PATH when cancelled. Task "freeze": a step
-    blocks its thread (and an async holder's event loop) for 10 minutes. Any other task: one
+    blocks its thread (and an async holder's event loop) for 10 minutes. Task "exit": a step calls
+    sys.exit. Any other task: one
     step, reward 1, done; the step reports the holder's pid."""
 
     def prompts(self, n, seed=0):
@@ -43,6 +44,8 @@ class FragileEnv:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.task == "raise":
             raise RuntimeError(f"simulator crashed on {action.text!r}")
+        if self.task == "exit":  # sys.exit in an environment: its episode's failure, not its holder's end
+            raise SystemExit(3)
         return StepResult([], 1.0, done=True, info={"pid": os.getpid()})
 
 

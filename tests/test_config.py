@@ -53,7 +53,7 @@ def test_a_function_object_as_a_reward_says_how_to_name_it():
         build_rewards([my_reward])
 
 
-def test_a_mapping_for_a_section_sets_its_keys_and_keeps_the_others():
+def test_a_mapping_for_a_section_sets_its_keys_and_keeps_the_others(tmp_path):
     """`data={...}` (a keyword or an override) sets those keys of the YAML's section; a key whose
     value is a mapping is replaced whole."""
     yaml_cfg = load_config("examples/arith.yaml")
@@ -62,6 +62,10 @@ def test_a_mapping_for_a_section_sets_its_keys_and_keeps_the_others():
                 load_config("examples/arith.yaml", ["data={eval_size: 16}"])):
         assert cfg.data.eval_size == 16 and cfg.data.max_prompt_tokens == yaml_cfg.data.max_prompt_tokens
     assert load_config("examples/arith_async.yaml", ["async={max_staleness: 3}"]).async_.max_staleness == 3
+    with_pool = tmp_path / "pool.yaml"
+    with_pool.write_text("mode: async\nasync: {max_staleness: 3, experience_pool: true}\n")
+    merged = load_config(with_pool, ["async={max_staleness: 1}"]).async_
+    assert merged.max_staleness == 1 and merged.experience_pool
     cfg = load_config(**{"rollout.engine_options": {"forward": "rollover", "adapt_threads": False}},
                       overrides=["rollout.engine_options={forward: transformers}"])
     assert cfg.rollout.engine_options == {"forward": "transformers"}

@@ -359,6 +359,13 @@ def test_a_group_builder_is_checked_for_one_environment_each_with_the_env_method
     with pytest.raises(TypeError, match="returned int, not a list of environments"):
         make_group(Builder(lambda n: 5), prompt, 2)
 
+    def broken(n):  # the builder's own error comes through as it is, with its traceback
+        yield ScriptedEnv()
+        raise TypeError("my own bug")
+
+    with pytest.raises(TypeError, match="^my own bug$"):
+        make_group(Builder(broken), prompt, 2)
+
 
 STRICT_TEMPLATE = (  # ChatML that refuses roles other than user and assistant
     "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"

@@ -832,6 +832,12 @@ def test_an_env_worker_makes_one_environment_for_a_resample():
             opening, result = asyncio.run(episode())
             assert opening and workers.groups_made == 1 and env.group.only == 2
             assert result.reward == 1.0 and result.done  # the right guess; Fragile's "ok" task: one step, reward 1
+            if name != "guess_number":  # a sys.exit in a step comes back as that step's error; the actor lives on
+                env = workers.make_one(Prompt(id="x", text="?", answer="exit"), 4, 1)
+                with pytest.raises(SystemExit):
+                    asyncio.run(episode())
+                env = workers.make_one(prompt, 4, 0)
+                assert asyncio.run(episode())[1].reward == 1.0 and workers.metrics()["ray/env_workers_started_total"] == 1
         finally:
             workers.close()
 

@@ -725,8 +725,8 @@ def test_reward_errors_raise_zero_skip(model_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtins, "flaky_test_reward", flaky, raising=False)
     fn = [{"fn": "rollover.rewards.builtins:flaky_test_reward", "name": "flaky"}]
-    with pytest.raises(RewardFailed, match=r"'flaky' failed .*judge unavailable \(the run stopped after step 0; it has no "
-                                           r"checkpoint yet: a resume continues from it\)"):
+    with pytest.raises(RewardFailed, match=r"'flaky' failed .*judge unavailable \(the run stopped in its first step: "
+                                           r"nothing was trained\)"):
         train_sync(tiny_cfg(model_dir, tmp_path / "raise", steps=1, **{"reward.functions": fn, "eval.at_start": False}))
     # failing in step 4 (9 samples a step, 6 held-out ones at step 2): the latest checkpoint is step 2's
     calls["n"] = 0

@@ -38,7 +38,7 @@ def _names_section(schema: type | None, keys: list[str]) -> bool:
     model = schema
     for k in keys:
         fields = getattr(model, "model_fields", None) or {}
-        field = fields.get(k) or next((f for f in fields.values() if f.alias == k), None)
+        field = fields.get(k) or fields.get(k + "_") or next((f for f in fields.values() if f.alias == k), None)
         if field is None:
             return False
         model = field.annotation

@@ -117,10 +117,9 @@ def make_group(builder, prompt: Prompt, n: int) -> list[Env]:
     (an episode's state is its environment's) with the `Env` methods."""
     made = builder.make_group(prompt, n)
     where = f"make_group(prompt, {n}) of {type(builder).__name__}"
-    try:
-        envs = list(made)
-    except TypeError:
-        raise TypeError(f"{where} returned {type(made).__name__}, not a list of environments") from None
+    if not hasattr(made, "__iter__") or isinstance(made, (str, bytes, dict)):
+        raise TypeError(f"{where} returned {type(made).__name__}, not a list of environments")
+    envs = list(made)
     if len(envs) != n:
         raise ValueError(f"{where} returned {len(envs)} environments")
     if len({id(e) for e in envs}) < n:

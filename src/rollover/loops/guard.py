@@ -78,12 +78,15 @@ def resume_point(error: Exception, run_dir, step: int, saved: bool = False) -> E
 
     if saved:
         where = f"a checkpoint of step {step} was saved: a resume continues from it"
+    elif step == 0:
+        where = "the run stopped in its first step: nothing was trained"
     else:
         latest = checkpoint.latest(run_dir)
         done = int(latest.name[5:]) if latest is not None else 0
-        where = (f"the run stopped after step {step}; " + (f"its latest checkpoint is step {done}" if latest else
-                 "it has no checkpoint yet") + (f", so a resume trains {_steps(done + 1, step)} again (checkpoint.every "
-                                                 "sets how often one is saved)" if done < step else ": a resume continues from it"))
+        saved = f"its latest checkpoint is step {done}" if latest is not None else "it has no checkpoint"
+        where = (f"the run stopped after step {step}; {saved}"
+                 + (f", so a resume trains {_steps(done + 1, step)} again (checkpoint.every sets how often one is "
+                    "saved)" if done < step else ": a resume continues from it"))
     error.args = (f"{error.args[0]} ({where})", *error.args[1:])
     return error
 

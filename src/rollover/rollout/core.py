@@ -230,10 +230,7 @@ class SampleDriver:
         from rollover.envs.episode import episode_seed
         from rollover.rollout.groups import sample_seed
 
-        try:
-            envs = make_group(self.inputs.env_builder, g.prompt, g.n)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"env.name={self.cfg.env.name!r}: {e}") from None
+        envs = make_group(self.inputs.env_builder, g.prompt, g.n)
         base = sample_seed(seed, g.serial, 0)
         e = self.cfg.env
         greedy = g.greedy_first  # ReMax: episode 0 answers greedily in every turn

@@ -122,7 +122,7 @@ async def _portable_call(call) -> tuple[str, object]:
     """("ok", value) or ("error", what the environment raised, able to travel back)."""
     try:
         return "ok", await call
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a sys.exit in an environment fails its episode, not the actor
         return "error", _portable(exc)
 
 
