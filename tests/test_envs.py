@@ -942,6 +942,12 @@ def test_an_environments_math_score_runs_in_a_process_that_can_be_killed():
     assert score.reward.isolated
     assert asyncio.run(score("so \\boxed{\\frac{1}{2}}", "0.5")) == 1.0
     assert asyncio.run(Score(lambda c, a: {"score": 0.25, "n": 1}, "test")("x", "y")) == 0.25
+
+    def three(prompt, completion, answer):  # called as f(completion, answer), it would fail every episode
+        return 1.0
+
+    with pytest.raises(ValueError, match=r"test: score 'three' cannot be called as f\(completion, answer\).*'answer'"):
+        Score(three, "test")
     # the tools environment takes a score by name from its options, and can score the answer without its reasoning
     from rollover.envs.builders import make_env_builder
 

@@ -49,6 +49,16 @@ class Score:
         if self.reward.batched:
             raise ValueError(f"{what}: score {score!r} takes a batch (`completions`): an environment scores one "
                              "completion at a time, f(completion, answer)")
+        try:
+            signature = inspect.signature(score)
+        except (TypeError, ValueError):  # a builtin or an object without one: its first call will tell
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind("completion", "answer")
+            except TypeError as e:
+                raise ValueError(f"{what}: score {getattr(score, '__name__', score)!r} cannot be called as "
+                                 f"f(completion, answer), as an environment calls it: {e}") from None
 
     async def __call__(self, completion: str, answer, opened: bool = False) -> float:
         """`opened`: the reply began inside an open `<think>` (`Action.opened_reasoning`)."""
