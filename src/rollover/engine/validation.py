@@ -22,11 +22,6 @@ def validate_request(req: Request, *, max_len: int, vocab_size: int, media: bool
             hint = " (its .tolist() gives one)" if hasattr(ids, "tolist") else " (list(...) gives one)" if \
                 isinstance(ids, tuple) else ""
             raise ValueError(f"{where}: {name} must be a list of token ids (Python ints), got {type(ids).__name__}{hint}")
-        odd = next((t for t in ids if not isinstance(t, int) and hasattr(t, "__index__")), None) \
-            if set(map(type, ids)) - {int} else None
-        if odd is not None:
-            raise ValueError(f"{where}: {name} holds {type(odd).__module__}.{type(odd).__name__} values, not Python ints "
-                             f"(int(x) for each, or an array's .tolist())")
     if req.sampling.stop and not isinstance(req.sampling.stop, str) and not stop_strings:
         raise ValueError(f"{where} has stop strings {list(req.sampling.stop)}: this engine was built without a "
                          "tokenizer to find them (a run's engines get one when rollout.stop or env.name is set)")
@@ -57,8 +52,12 @@ def validate_request(req: Request, *, max_len: int, vocab_size: int, media: bool
             f"the context of {max_len} tokens (need room for one new token)"
         )
     V = vocab_size
-    for ids in (req.prompt_ids, req.response_ids):
+    for name, ids in (("prompt_ids", req.prompt_ids), ("response_ids", req.response_ids)):
         if len(ids) and not (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < V):  # a fast pass
+            odd = next((t for t in ids if not isinstance(t, int) and hasattr(t, "__index__")), None)
+            if odd is not None:  # numpy's or torch's integers: valid ids of the wrong type
+                raise ValueError(f"{where}: {name} holds {type(odd).__module__}.{type(odd).__name__} values, not "
+                                 "Python ints (int(x) for each, or an array's .tolist())")
             bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < V)]
             if bad:
                 raise ValueError(f"{where}: unknown token ids {bad[:5]} (vocabulary size {V})")
