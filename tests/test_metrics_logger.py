@@ -40,6 +40,16 @@ def test_rows_are_flattened_typed_and_read_back(tmp_path):
     assert [r["accuracy"] for r in read_metrics(tmp_path / "metrics.jsonl", kind="eval")] == [0.75]
 
 
+def test_read_metrics_refuses_a_kind_the_file_does_not_hold(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log(1, {"loss": 0.5})
+        logger.log(1, {"x": 1.0}, kind="probe")
+    assert read_metrics(tmp_path, kind="eval") == []  # a kind rollover writes: no evaluation yet
+    assert [r["x"] for r in read_metrics(tmp_path, kind="probe")] == [1.0]
+    with pytest.raises(ValueError, match=r"kind 'evals'.*'eval', 'probe', 'train'"):
+        read_metrics(tmp_path, kind="evals")
+
+
 def test_nonfinite_values_are_strict_json_strings_and_come_back_as_floats(tmp_path):
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
         logger.log(1, {"a": math.nan, "b": math.inf, "c": -math.inf, "d": 1.0})

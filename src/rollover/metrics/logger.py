@@ -39,6 +39,7 @@ from typing import Any
 METRICS_FILE = "metrics.jsonl"
 GROUPS_FILE = "trained_groups.jsonl"  # which groups each step trained on (data lineage)
 _RESERVED = ("step", "kind", "time")
+_KINDS = ("train", "eval")  # the kinds rollover's loops write
 _STR_TO_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
@@ -110,9 +111,17 @@ def _parse_lines(path: Path) -> list[dict[str, Any]]:
 
 def read_metrics(run_dir_or_path: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:
     """Rows of `RUN_DIR/metrics.jsonl` (or of the file given), in file order, with non-finite
-    values back as floats. `kind` keeps only rows of that kind."""
+    values back as floats. `kind` keeps only rows of that kind: rollover writes "train" and
+    "eval"; another kind must be one the file holds (a misspelt kind is refused, not read as
+    no rows)."""
     rows = [_decode(row) for row in _parse_lines(_metrics_path(run_dir_or_path))]
-    return [row for row in rows if kind is None or row["kind"] == kind]
+    if kind is None:
+        return rows
+    kept = [row for row in rows if row["kind"] == kind]
+    if not kept and kind not in _KINDS:
+        present = sorted({row["kind"] for row in rows} | set(_KINDS))
+        raise ValueError(f"no metric rows of kind {kind!r}; the kinds are {present}")
+    return kept
 
 
 def truncate_after(run_dir_or_path: str | os.PathLike, step: int) -> int:
