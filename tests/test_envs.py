@@ -8,6 +8,7 @@ import json
 import os
 import re
 import string
+import subprocess
 import sys
 
 import pytest
@@ -469,6 +470,11 @@ def greet(name: str, title: str | None = None) -> str:
     return f"hello {title or ''} {name}".replace("  ", " ")
 
 
+def tags() -> set:
+    \"\"\"Some tags.\"\"\"
+    return {"gamma", "alpha", "delta", "beta", ("a", 1)}
+
+
 def when() -> dict:
     \"\"\"The date.\"\"\"
     import datetime
@@ -523,6 +529,13 @@ def test_tools_from_your_own_functions(tmp_path, monkeypatch):
     assert results[0].info["tool_errors"] == 1  # a None for an optional argument and a date are no mistakes
     with pytest.raises(ValueError, match="tool 'untyped'"):
         make_env_builder("tools", {"tools": ["my_tools.py:untyped"]})
+    # a set's order follows string hashing, different in every process: shown sorted, so a resumed
+    # episode's replay reads the answer it recorded (two interpreters with other hash seeds agree)
+    script = ("import sys; sys.path.insert(0, '.'); from rollover.envs.tools import function_tool; "
+              "import my_tools; print(function_tool(my_tools.tags).run())")
+    shown = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2", "3")}
+    assert shown == {'["alpha", "beta", "delta", "gamma", ["a", 1]]'}
     (tmp_path / "starred.py").write_text('def join(*words: str) -> str:\n    """Join words.\n\n    Args:\n'
                                          '        words: the words\n    """\n    return " ".join(words)\n')
     with pytest.raises(ValueError, match=r"tool 'join': \*words cannot be given by name"):

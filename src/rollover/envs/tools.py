@@ -80,13 +80,30 @@ class Tool:
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
 
 
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def _as_json(value):
+    """A tool's result as JSON holds it, the same in every process: a tuple a list, a set a sorted
+    list (its iteration order follows string hashing, which differs between processes, so a
+    resumed episode's replay would read another answer)."""
+    if isinstance(value, dict):
+        return {key: _as_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_json(item) for item in value]
+    if isinstance(value, (set, frozenset)):
+        items = [_as_json(item) for item in value]
+        return sorted(items, key=lambda item: json.dumps(item, default=str, sort_keys=True))
+    return value
+
+
 def function_tool(fn: Callable) -> Tool:
     """A Python function (or `async def`) as a tool, TRL's `tools=[fn]`: its name, its docstring's
     first part and its typed arguments (Google-style `Args:` descriptions) make the schema, as
     transformers' `get_json_schema` reads them. Whatever it raises (an `Exception`) is shown to the
     model as `error: <type>: <message>` and counted in the episode's `tool_errors` (a
-    `SystemExit` too; not a `KeyboardInterrupt`); what it returns is shown as text (a dict or list
-    as JSON, values JSON cannot hold as their `str`)."""
+    `SystemExit` too; not a `KeyboardInterrupt`); what it returns is shown as text (a dict, list,
+    tuple or set as JSON, a set sorted; values JSON cannot hold as their `str`)."""
     from transformers.utils import get_json_schema
 
     try:
@@ -104,7 +121,7 @@ def function_tool(fn: Callable) -> Tool:
     def shown(result) -> str:  # outside the calls' try: a result that does not serialise is the tool's fault
         if isinstance(result, str):
             return result
-        return json.dumps(result, default=str) if isinstance(result, (dict, list)) else str(result)
+        return json.dumps(_as_json(result), default=str) if isinstance(result, _CONTAINERS) else str(result)
 
     def refused(e: BaseException) -> ToolError:
         return ToolError(f"{type(e).__name__}: {e}")
