@@ -482,10 +482,10 @@ def test_reinforce_is_minus_advantage_times_logp_with_no_clip():
 def test_reinforce_warns_where_no_ratio_corrects_it():
     """Several updates a step, or stale samples without importance weights, are named; one
     update in sync mode, and stale samples with tis_cap, are not."""
-    from rollover.algos.loss_options import reinforce_caveats
+    from rollover.algos.loss_options import loss_caveats
 
     def caveats(**over):
-        return reinforce_caveats(load_config(model="unused", run_dir="unused", **{"algorithm.loss": "reinforce", **over}))
+        return loss_caveats(load_config(model="unused", run_dir="unused", **{"algorithm.loss": "reinforce", **over}))
 
     assert caveats() == [] and caveats(**{"algorithm.loss": "ppo", "train.ppo_epochs": 2}) == []
     assert caveats(**{"mode": "async", "algorithm.tis_cap": 2.0}) == []
@@ -501,6 +501,28 @@ def test_reinforce_warns_where_no_ratio_corrects_it():
                       "partial_rollout.score_lag": 0}) == []
     assert caveats(**{"train.ppo_epochs": 2, "distill.teacher": "t", "distill.outcome_weight": 0.0,
                       "rollout.samples_per_prompt": 1}) == []
+
+
+def test_bapo_warns_where_stale_samples_reach_it_uncorrected_and_april_recomputes_their_kv():
+    """BAPO's ratio is to the weights an update starts from (recomputed), so in async mode or
+    APRIL a stale token is clipped as if the current policy had sampled it: named, unless tis_cap
+    weights it; APRIL's auto carry does not count BAPO as correcting older tokens."""
+    from rollover.algos.loss_options import loss_caveats
+
+    def cfg(**over):
+        return load_config(model="unused", run_dir="unused", **{"algorithm.loss": "bapo", **over})
+
+    assert loss_caveats(cfg()) == [] and loss_caveats(cfg(**{"train.ppo_epochs": 2})) == []
+    (stale,) = loss_caveats(cfg(mode="async"))
+    assert stale.startswith("algorithm.loss=bapo in async mode") and "algorithm.tis_cap" in stale
+    (april,) = loss_caveats(cfg(**{"partial_rollout.enabled": True}))
+    assert april.startswith("algorithm.loss=bapo in APRIL")
+    assert loss_caveats(cfg(mode="async", **{"algorithm.tis_cap": 2.0})) == []
+    assert loss_caveats(cfg(mode="async", **{"algorithm.loss": "ppo"})) == []
+    carry, why = cfg(**{"partial_rollout.enabled": True}).april_carry
+    assert carry == "resubmit" and "algorithm.loss=bapo without tis_cap" in why
+    carry, why = cfg(**{"partial_rollout.enabled": True, "algorithm.tis_cap": 2.0}).april_carry
+    assert carry == "keep_kv" and "algorithm.tis_cap corrects" in why
 
 
 # ---- VESPO -----------------------------------------------------------------------------------

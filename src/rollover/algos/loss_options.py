@@ -1,7 +1,7 @@
 """A config's policy-loss options: what `policy_loss` is called with (`loss_options`), whether
 they are ones the loss takes (`check_loss_options`, `loss_option_names`), whether the trainer
 needs every token's old logprob before an update (`old_logprobs_first`), and what the plain
-policy gradient leaves uncorrected in a run (`reinforce_caveats`)."""
+policy gradient or BAPO leaves uncorrected in a run (`loss_caveats`)."""
 
 from __future__ import annotations
 
@@ -42,28 +42,45 @@ def old_logprobs_first(loss: str, opts: dict) -> bool:
     return loss == "bapo" and opts.get("is_level") is not None and opts.get("is_mode", "truncate") == "mask"
 
 
-def reinforce_caveats(cfg) -> list[str]:
-    """What makes `algorithm.loss: reinforce` (no ratio) biased in run `cfg`, for a warning:
-    several updates a step (the later ones train on samples of an earlier policy, which no
-    ratio corrects), and APRIL or async mode without importance weights (stale samples)."""
-    a, t, p = cfg.algorithm, cfg.train, cfg.partial_rollout
-    if a.loss != "reinforce" or (cfg.distill.teacher is not None and cfg.distill.outcome_weight == 0):
+def loss_caveats(cfg) -> list[str]:
+    """What a run's policy loss leaves uncorrected in run `cfg`, for a warning. `reinforce` (no
+    ratio): several updates a step (the later ones train on samples of an earlier policy, which
+    no ratio corrects), and APRIL or async mode without importance weights (stale samples).
+    `bapo`: its ratio is to the weights the update starts from, recomputed (as the authors' verl
+    recipe does), so in APRIL or async mode without importance weights the samples of older
+    weights are clipped and weighed as if their sampler were the current policy."""
+    a, t = cfg.algorithm, cfg.train
+    if a.loss not in ("reinforce", "bapo"):
+        return []
+    if a.loss == "reinforce" and cfg.distill.teacher is not None and cfg.distill.outcome_weight == 0:
         return []  # (the teacher alone: the policy term has no advantage to weigh)
     out = []
     updates = t.ppo_epochs * t.mini_batches
-    if updates > 1:
+    if a.loss == "reinforce" and updates > 1:
         out.append(f"algorithm.loss=reinforce with {updates} updates a step (train.ppo_epochs x train.mini_batches): "
                    "the updates after the first follow the gradient of a policy already moved, with no ratio to "
                    "correct or clip it; use ppo for several updates")
-    stale = None  # where tokens of older policies reach the loss
-    if cfg.mode == "async" and cfg.async_.max_staleness > 0:
-        stale = "async mode"
-    elif p.enabled and not (p.max_carry_steps == 0 and p.on_stale == "mask"):
-        stale = "APRIL"
+    stale = _stale_samples(cfg)
     if stale and loss_options(a).get("is_level") is None:
-        out.append(f"algorithm.loss=reinforce in {stale} trains samples of older policies without importance "
-                   "weights: set algorithm.tis_cap (e.g. 2.0) to weight each token by its sampler's ratio")
+        if a.loss == "reinforce":
+            out.append(f"algorithm.loss=reinforce in {stale} trains samples of older policies without importance "
+                       "weights: set algorithm.tis_cap (e.g. 2.0) to weight each token by its sampler's ratio")
+        else:
+            out.append(f"algorithm.loss=bapo in {stale}: BAPO's ratio is to the weights each update starts from "
+                       "(recomputed), not to the older weights that sampled a stale token, so those tokens get no "
+                       "correction of their own; set algorithm.tis_cap (e.g. 2.0) to weight each token by its "
+                       "sampler's ratio")
     return out
+
+
+def _stale_samples(cfg) -> str | None:
+    """Where tokens of older policies reach the loss in run `cfg` ("async mode", "APRIL"), or None."""
+    p = cfg.partial_rollout
+    if cfg.mode == "async" and cfg.async_.max_staleness > 0:
+        return "async mode"
+    if p.enabled and not (p.max_carry_steps == 0 and p.on_stale == "mask"):
+        return "APRIL"
+    return None
 
 
 def check_loss_options(algorithm) -> str | None:

@@ -87,7 +87,7 @@ class PartialRolloutConfig(Section):
     in-flight update: no recompute; every token's logprob and version are still those it was
     sampled with). TorchEngine, and vLLM through its `pause_generation(mode="keep")`. `auto`:
     keep_kv for single-turn runs whose objective corrects tokens sampled under older weights
-    (decoupled_ppo, bapo, tis_cap or m2po_tau), else resubmit; the run logs which and why
+    (decoupled_ppo, tis_cap or m2po_tau), else resubmit; the run logs which and why
     (`Config.april_carry`)."""
     adaptive: bool = False
     """Adjust alpha each step from the observed completion rate."""

@@ -118,7 +118,7 @@ class Config(Section):
             return "resubmit", "episodes carry their tokens and environment state"
         if self.train.colocate and self.train.colocate_free_weights and self.rollout.engine == "vllm":
             return "resubmit", "vLLM in the trainer ranks sleeps while they train, which frees every request's K/V"
-        corrected = [n for n, on in (("algorithm.loss=" + str(a.loss), a.loss in ("decoupled_ppo", "bapo")),
+        corrected = [n for n, on in (("algorithm.loss=" + str(a.loss), a.loss == "decoupled_ppo"),
                                      ("algorithm.tis_cap", a.tis_cap is not None),
                                      ("algorithm.m2po_tau", a.m2po_tau is not None)) if on]
         if not corrected:

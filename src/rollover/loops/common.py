@@ -19,7 +19,7 @@ from typing import IO, TYPE_CHECKING
 
 import torch
 
-from rollover.algos.loss_options import reinforce_caveats
+from rollover.algos.loss_options import loss_caveats
 from rollover.config import Config, ConfigError, dump_config
 from rollover.loops.prompts import (MediaStore, _check_best, _check_stand_in, _env_processor, _media_store, _named_eval,
                                     _prompts, _render_all, _steps_from_epochs, _train_iterator,
@@ -340,7 +340,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     _check_best(cfg, env_builder, sources, rewards, eval_prompts)
     skipped += too_long
     _warn_if_a_step_exceeds_the_data(cfg, len(train_prompts))
-    for caveat in reinforce_caveats(cfg) if record else ():  # (not for an evaluation)
+    for caveat in loss_caveats(cfg) if record else ():  # (not for an evaluation)
         log.warning("%s", caveat)
     _steps_from_epochs(cfg, len(train_prompts))
     model = _load_model(cfg, ckpt)
