@@ -395,6 +395,22 @@ def test_adaptive_entropy_control_moves_the_coefficient_and_gates_the_bonus(mode
     assert (resumed.entropy_coef, resumed.last_entropy) == (tr.entropy_coef, tr.last_entropy)
 
 
+def test_the_learning_rate_logged_is_the_one_each_update_stepped_with(model_dir, tmp_path):
+    """train.warmup_steps=2, schedule=linear over 4 updates: the updates step at 1/2, 1, 1 and 1/2
+    of lr (warm-up (u+1)/2, then linear decay), and `actor/lr` is that rate, read before the
+    scheduler moves on to the next update's."""
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float(i % 3) - 1.0) for i in range(9)]
+    cfg = tiny_cfg(model_dir, tmp_path / "r", **{"train.warmup_steps": 2, "train.schedule": "linear"})
+    tr = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
+    logged, stepped = [], []
+    for _ in range(4):
+        stepped.append(tr.optimizer.param_groups[0]["lr"])  # what optimizer.step() will use
+        logged.append(tr.train_step(batch_of(rolls))["actor/lr"])
+    assert stepped == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4]) and logged == stepped
+
+
 def test_ref_sync_mixes_the_policy_into_the_reference_every_n_steps(model_dir, tmp_path):
     """algorithm.ref_sync_every=2, ref_mixup_alpha=0.3: after step 2 (not step 1) the reference is
     0.3 x the policy + 0.7 x the old reference; the trainer's state carries it to a new trainer."""

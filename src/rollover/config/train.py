@@ -17,7 +17,9 @@ class TrainConfig(Section):
     betas: tuple[Beta, Beta] = (0.9, 0.999)
     """AdamW betas, each in [0, 1)."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear warm-up steps."""
+    """Linear warm-up over this many steps: of its N updates (warmup_steps x the updates a step),
+    update u steps at (u+1)/N of `lr`, so the first is not spent at 0 (where transformers'
+    schedules start). `actor/lr` logs the rate each update stepped with."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning-rate schedule after warm-up."""
     grad_clip: float = Field(1.0, ge=0)

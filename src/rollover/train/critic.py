@@ -293,6 +293,7 @@ class Critic:
         loss_sum, clipped, predicted, finite = t._fitting(accumulate)
         loss_sum, clipped, predicted, bad = t._sum(torch.tensor([loss_sum, clipped, predicted, float(not finite)])).tolist()
         finite, grad_norm = bad == 0, float("nan")
+        lr = self.scheduler.get_last_lr()[0]  # the rate this update steps with (the scheduler then moves on)
         if finite:
             grad_norm = t._clip_grad_norm(self.optimizer.param_groups[0]["params"])
             finite = math.isfinite(grad_norm)
@@ -305,7 +306,7 @@ class Critic:
         self.optimizer.zero_grad(set_to_none=True)
         return {"critic/vf_loss": loss_sum, "critic/vf_clipfrac": clipped / num_tokens,
                 "critic/vpred_mean": predicted / num_tokens, "critic/grad_norm": grad_norm,
-                "critic/lr": self.scheduler.get_last_lr()[0], "critic/skipped": float(not finite)}
+                "critic/lr": lr, "critic/skipped": float(not finite)}
 
     def _trained(self) -> set[str]:
         return {n for n, p in self.value.named_parameters() if p.requires_grad}

@@ -407,7 +407,7 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
         metrics.update({f"actor/{k}": float(v) for k, v in whole.items()})  # the same on every rank
         metrics.update({
             "actor/pg_loss": tally["loss"],
-            "actor/lr": self.scheduler.get_last_lr()[0],
+            "actor/lr": self.applied_lr,
             "actor/padding_fraction": tally["pad"] / max(tally["slots"], 1),
             "actor/loss_tokens": num_tokens,
         })
@@ -458,6 +458,7 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
         """Clip and step when the loss and the gradient are finite (else skip this update, with a
         warning); the gradient's norm (NaN when skipped at the loss) and whether it stepped."""
         grad_norm = float("nan")
+        self.applied_lr = self.scheduler.get_last_lr()[0]  # this update's rate (the scheduler then moves on)
         if finite:
             grad_norm = self._clip_grad_norm()
             finite = math.isfinite(grad_norm)
