@@ -77,6 +77,7 @@ def test_a_mapping_for_a_section_sets_its_keys_and_keeps_the_others(tmp_path):
     ("checkpoint.keep=-2", "checkpoint.keep=-2: must be >= 1"),
     ("checkpoint.every=-1", "checkpoint.every=-1: must be >= 0"),
     ("steps=0", "steps=0: must be >= 1"),
+    ("algorithm.eps_low=1.5", "algorithm.eps_low=1.5: must be <= 1"),  # (a ratio bound below 0: it had failed at the first update)
     ("steps=-5", "steps=-5: must be >= 1"),
     ("steps=abc", "steps='abc': must be an integer"),
     ("steps=2.5", "steps=2.5: must be an integer"),

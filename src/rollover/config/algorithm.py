@@ -43,11 +43,12 @@ class AlgorithmConfig(Section):
     a smooth function of its importance ratio (loss_options: k_pos, lambda_pos, k_neg, lambda_neg;
     eps_low and eps_high do not apply). reinforce: the plain policy gradient -A * log pi, no ratio
     and no clip (verl's gpg loss mode; for one update per step)."""
-    eps_low: float = Field(0.2, ge=0)
-    """Lower clip range (ratio >= 1 - eps_low). Unset with loss gspo or gspo_token: 3e-4 (GSPO's
-    sequence ratio); with cispo: 1.0 (no lower bound)."""
+    eps_low: float = Field(0.2, ge=0, le=1)
+    """Lower clip range (ratio >= 1 - eps_low; 1 is no lower bound). Unset with loss gspo or
+    gspo_token: 3e-4 (GSPO's sequence ratio); with cispo: 1.0 (no lower bound)."""
     eps_high: float = Field(0.28, ge=0)
-    """Upper clip range (ratio <= 1 + eps_high); DAPO uses 0.28. Unset with loss gspo or
+    """Upper clip range (ratio <= 1 + eps_high); DAPO uses 0.28; a large value such as 1e9 is no
+    upper bound (M2PO's unclipped objective: with eps_low 1). Unset with loss gspo or
     gspo_token: 4e-4."""
     dual_clip: Annotated[float, Field(gt=1)] | None = None
     """Dual-clip constant c (> 1) for negative advantages; None = off."""
