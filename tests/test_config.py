@@ -78,6 +78,7 @@ def test_a_mapping_for_a_section_sets_its_keys_and_keeps_the_others(tmp_path):
     ("checkpoint.every=-1", "checkpoint.every=-1: must be >= 0"),
     ("steps=0", "steps=0: must be >= 1"),
     ("algorithm.eps_low=1.5", "algorithm.eps_low=1.5: must be <= 1"),  # (a ratio bound below 0: it had failed at the first update)
+    ("algorithm.kl_estimator=low_var_kl", "algorithm.kl_estimator='low_var_kl': 'low_var_kl' is verl's name for k3: write k3"),
     ("steps=-5", "steps=-5: must be >= 1"),
     ("steps=abc", "steps='abc': must be an integer"),
     ("steps=2.5", "steps=2.5: must be an integer"),
@@ -189,6 +190,9 @@ def test_yaml_file_errors_name_the_file_and_key(tmp_path):
                                        ("learning_rate=1e-5", "learning_rate is TRL's name for rollover's train.lr"),
                                        ("algorithm.adv_estimator=grpo", "adv_estimator is verl's name for rollover's algorithm.advantage"),
                                        ("train.beta=0.9", r"did you mean 'betas'\? \(beta is TRL's name for rollover's algorithm.kl_coef\)"),
+                                       # a foreign name is not steered to a merely similar key of ours
+                                       ("train.max_grad_norm=1", r"key 'train.max_grad_norm'; max_grad_norm is TRL's name for rollover's train.grad_clip$"),
+                                       ("async.max_head_offpolicyness=2", "key 'async.max_head_offpolicyness'; max_head_offpolicyness is AReaL's name for rollover's async.max_staleness"),
                                        ("data=x.jsonl", "data='x.jsonl': must be a mapping of this section's keys")])
 def test_unknown_keys_suggest_the_nearest(key, hint):
     with pytest.raises(ConfigError, match=hint):

@@ -335,10 +335,12 @@ def test_opsm_in_a_step_drops_what_the_hand_computed_mask_drops(model_dir, tmp_p
     assert got == pytest.approx([want, want], rel=1e-6)
 
 
-@pytest.mark.parametrize("corrected", [False, True])
-def test_kl_gradient_with_and_without_the_importance_weight_is_the_hand_computed_one(model_dir, tmp_path, corrected):
+@pytest.mark.parametrize("corrected, estimator", [(False, "k3"), (True, "k3"), (False, "k3+")])
+def test_kl_gradient_with_and_without_the_importance_weight_is_the_hand_computed_one(model_dir, tmp_path, corrected,
+                                                                                      estimator):
     """algorithm.kl_is_correction: the KL term's gradient is that of mean(r x k3), r = pi / pi_old
-    with its gradient (DeepSeek-V3.2), against mean(k3) without; zero advantages leave the KL alone."""
+    with its gradient (DeepSeek-V3.2), against mean(k3) without; zero advantages leave the KL alone.
+    kl_estimator=k3+ (verl's): k3's value, k2's gradient."""
     from rollover.train.trainer import Trainer
 
     rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i, 4, 2 + i][: 2 + i % 2], 0.0) for i in range(6)]
@@ -350,15 +352,20 @@ def test_kl_gradient_with_and_without_the_importance_weight_is_the_hand_computed
             1, torch.tensor(r.response_ids)[:, None]).squeeze(1)
         logp, ref_logp = pick(model), pick(ref).detach()
         k3 = (ref_logp - logp).exp() - (ref_logp - logp) - 1
+        if estimator == "k3+":
+            k2 = 0.5 * (ref_logp - logp).square()
+            k3 = k2 + (k3 - k2).detach()
         total = total + ((logp - logp.detach()).exp() * k3 if corrected else k3).sum()
         n += len(r.response_ids)
     (0.3 * total / n).backward()
     want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     cfg = tiny_cfg(model_dir, tmp_path / "r", **{"algorithm.kl_coef": 0.3, "algorithm.kl_is_correction": corrected,
-                                                  "train.grad_clip": 0.0})
+                                                  "algorithm.kl_estimator": estimator, "train.grad_clip": 0.0})
     m = tiny_model("llama", seed=5)
     tr = Trainer(m, cfg, device=torch.device("cpu"), reference=ref)
-    _, seen = step_seeing_gradient(tr, batch_of(rolls))
+    metrics, seen = step_seeing_gradient(tr, batch_of(rolls))
+    if not corrected:  # k3's value under either gradient
+        assert metrics["actor/kl"] == pytest.approx(float(total) / n, rel=1e-5)
     assert seen.keys() == want.keys()
     for k in want:
         assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-7), k

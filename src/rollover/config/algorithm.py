@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollover.config.base import Section
 
@@ -82,8 +82,9 @@ class AlgorithmConfig(Section):
     config's, on a resume too)."""
     kl_in_reward_horizon: int = Field(10000, ge=1)
     """Adaptive KL control's horizon in sequences (verl's kl_ctrl.horizon)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator for the penalty."""
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
+    """KL estimator for the penalty: k1 log(pi/ref), k2 half its square, k3 ref/pi - log(ref/pi) - 1,
+    k3+ k3's value with k2's gradient (verl's kl, mse, low_var_kl without its clamp, and k3+)."""
     kl_is_correction: bool = False
     """Weight each token's KL estimate by pi / pi_old, gradient included (DeepSeek-V3.2's unbiased
     KL estimate; TRL's use_bias_correction_kl): an unbiased estimate of the KL's gradient when the
@@ -127,6 +128,17 @@ class AlgorithmConfig(Section):
     """Maximum soft overlong punishment."""
     mask_truncated: bool = False
     """Exclude completions cut by max_new_tokens from the loss."""
+
+    @field_validator("kl_estimator", mode="before")
+    @classmethod
+    def _verl_estimator_names(cls, value):
+        """verl's names for the estimators, told which of ours each is (or that none is)."""
+        ours = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "low_var_kl+": "k3+"}
+        if isinstance(value, str) and value in ours:
+            raise ValueError(f"{value!r} is verl's name for {ours[value]}: write {ours[value]}")
+        if value in ("abs", "full"):
+            raise ValueError(f"{value!r} (verl's) has no equivalent here: k1, k2, k3 or k3+")
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -38,10 +38,11 @@ class Section(BaseModel):
                     # a second guess only when nearly as close ('modle': mode or model; 'devce': not env)
                     close = close[:1] + [c for c in close[1:] if difflib.SequenceMatcher(None, str(key), c).ratio() >= 0.75]
                     hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known keys: {', '.join(names)}"
-                    if key in FOREIGN_KEYS:  # a close key of this section may be what was meant: both
+                    if key in FOREIGN_KEYS:  # a nearly equal key of this section may be what was meant: both
                         system, ours = FOREIGN_KEYS[key]
                         foreign = f"{key} is {system}'s name for rollover's {ours}"
-                        hint = f"{hint} ({foreign})" if close else foreign
+                        close = [c for c in close if difflib.SequenceMatcher(None, str(key), c).ratio() >= 0.75]
+                        hint = f"did you mean {close[0]!r}? ({foreign})" if close else foreign
                     problems.append(f"unknown key {key!r}; {hint}")
                 elif isinstance(data[key], bool) and _numeric(cls.model_fields[key].annotation):
                     problems.append(f"{key}={str(data[key]).lower()}: must be a number, not true/false")
@@ -50,7 +51,7 @@ class Section(BaseModel):
         return data
 
 
-# Settings a TRL or verl user writes first, with the rollover key that does the same (the whole
+# Settings a TRL, verl or AReaL user writes first, with the rollover key that does the same (the whole
 # table: docs/migrating.md).
 FOREIGN_KEYS = {
     "learning_rate": ("TRL", "train.lr"), "num_generations": ("TRL", "rollout.samples_per_prompt"),
@@ -66,6 +67,21 @@ FOREIGN_KEYS = {
     "loss_agg_mode": ("verl", "algorithm.aggregation"), "ppo_epochs": ("verl", "train.ppo_epochs"),
     "max_response_length": ("verl", "rollout.max_new_tokens"), "max_prompt_length": ("verl", "data.max_prompt_tokens"),
     "train_batch_size": ("verl", "rollout.prompts_per_step"),
+    "max_grad_norm": ("TRL", "train.grad_clip"), "num_iterations": ("TRL", "train.ppo_epochs"),
+    "scale_rewards": ("TRL", "algorithm.advantage (grpo, drgrpo or grpo_batch_std)"),
+    "importance_sampling_level": ("TRL", "algorithm.loss: gspo"),
+    "mask_truncated_completions": ("TRL", "algorithm.mask_truncated"), "warmup_ratio": ("TRL", "train.warmup_steps"),
+    "use_kl_loss": ("verl", "algorithm.kl_coef (0 is off)"), "kl_loss_type": ("verl", "algorithm.kl_estimator"),
+    "clip_ratio": ("verl", "algorithm.eps_low and algorithm.eps_high"), "clip_ratio_c": ("verl", "algorithm.dual_clip"),
+    "filter_groups": ("verl", "algorithm.dynamic_sampling"),
+    "norm_adv_by_std_in_grpo": ("verl", "algorithm.advantage (false: drgrpo)"),
+    "lr_warmup_steps": ("verl", "train.warmup_steps"), "max_num_gen_batches": ("verl", "algorithm.max_resample_rounds"),
+    "max_head_offpolicyness": ("AReaL", "async.max_staleness"), "eps_clip": ("AReaL", "algorithm.eps_low"),
+    "eps_clip_higher": ("AReaL", "algorithm.eps_high"), "c_clip": ("AReaL", "algorithm.dual_clip"),
+    "use_decoupled_loss": ("AReaL", "algorithm.loss: decoupled_ppo"),
+    "behav_imp_weight_cap": ("AReaL", "algorithm.loss_options.is_cap (with decoupled_ppo)"),
+    "kl_ctl": ("AReaL", "algorithm.kl_coef"), "mask_no_eos_with_zero": ("AReaL", "algorithm.mask_truncated"),
+    "m2_threshold": ("AReaL", "algorithm.m2po_tau"),
 }
 
 

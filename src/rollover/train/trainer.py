@@ -344,7 +344,8 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
                 keep = self._policy_term_kept(top, logp_BT, behav_BT[sel], adv[sel], m_BT, out.metrics)
                 loss_BT = out.loss_BT if keep is None else out.loss_BT * keep
                 if ref_BT is not None and a.kl_coef > 0:
-                    kl_BT = kl_penalty(logp_BT, ref_BT[sel.cpu()].to(self.device), a.kl_estimator)
+                    kl_BT = kl_penalty(logp_BT, ref_BT[sel.cpu()].to(self.device), a.kl_estimator.rstrip("+"),
+                                       k2_grad=a.kl_estimator.endswith("+"))
                     if a.kl_is_correction:  # pi / pi_old, with its gradient (0 outside the loss tokens: 1)
                         kl_BT = kl_BT * (logp_BT - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
                     loss_BT = loss_BT + a.kl_coef * kl_BT
