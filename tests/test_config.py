@@ -200,6 +200,28 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
 
 
 @pytest.mark.parametrize("over, match", [
+    (["algorithm.loss=sapo", "algorithm.eps_high=0.3"], r"algorithm.eps_high for algorithm.loss=sapo, which clips nothing"),
+    (["algorithm.loss=bapo", "algorithm.eps_low=0.1"], r"algorithm.eps_low for algorithm.loss=bapo.*chooses its bounds"),
+    (["algorithm.overlong_penalty=0.5"], r"algorithm.overlong_penalty=0.5 .*algorithm.overlong_buffer=0 leaves off"),
+    (["algorithm.max_resample_rounds=3"], r"max_resample_rounds=3 .*set algorithm.dynamic_sampling: true"),
+    (["algorithm.tis_cap=2", "algorithm.loss_options={is_cap: 3}"], r"both cap the importance weight: give one"),
+])
+def test_algorithm_keys_that_nothing_would_read_are_refused(over, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["model=m", "run_dir=r", *over])
+
+
+@pytest.mark.parametrize("over", [[], ["algorithm.loss=sapo"], ["algorithm.loss=bapo", "mode=async"],
+                                  ["algorithm.loss=reinforce"], ["algorithm.dynamic_sampling=true"]])
+def test_a_runs_saved_config_loads_again(over, tmp_path):
+    """config.yaml gives every key, defaults included (what `rollover eval RUN_DIR` reads): none of
+    them counts as set where nothing reads it."""
+    cfg = load_config(None, ["model=m", "run_dir=r", *over])
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+@pytest.mark.parametrize("over, match", [
     (["algorithm.loss=gspo"], "seq-mean-token-mean"),
     (["rollout.samples_per_prompt=1"], "samples_per_prompt must be >= 2"),
     (["critic.lr=1e-4", "algorithm.lam=0.95"], r"algorithm.lam, critic.lr set the critic of algorithm.advantage=gae, "

@@ -253,6 +253,7 @@ class Config(Section):
                             f"lie in [entropy_coef_min, entropy_coef_max] = [{a.entropy_coef_min}, {a.entropy_coef_max}]")
         if a.kl_is_correction and a.kl_coef <= 0:
             problems.append("algorithm.kl_is_correction weighs the KL term, which algorithm.kl_coef=0 leaves out")
+        problems += self._unused_algorithm_keys()
         if a.ref_mixup_alpha != fields["ref_mixup_alpha"].default and a.ref_sync_every is None:
             problems.append(f"algorithm.ref_mixup_alpha={a.ref_mixup_alpha} is the weight of a reference sync: set "
                             "algorithm.ref_sync_every too")
@@ -312,6 +313,31 @@ class Config(Section):
         if self.algorithm.dynamic_sampling and self.distill.outcome_weight == 0:
             out.append("algorithm.dynamic_sampling with distill.outcome_weight=0: the rewards, which do not train, "
                        "would still drop the groups whose samples score alike (the teacher has a signal for them)")
+        return out
+
+    def _unused_algorithm_keys(self) -> list[str]:
+        """Keys of the algorithm section moved from their defaults where nothing reads them (a
+        setting silently left unused reads as one that took effect). Moved, not given: a run's
+        saved config.yaml gives every key."""
+        a, out = self.algorithm, []
+        fields = type(a).model_fields
+        given = {k for k in a.model_fields_set if getattr(a, k) != fields[k].default}
+        clips = [k for k in ("eps_low", "eps_high") if k in given]
+        if clips and a.loss in ("sapo", "vespo", "bapo", "reinforce"):
+            how = {"sapo": "its soft gate is steered by loss_options tau_pos, tau_neg",
+                   "vespo": "it weighs whole sequences (loss_options k_pos, lambda_pos, k_neg, lambda_neg)",
+                   "bapo": "it chooses its bounds (loss_options low_start, low_max, high_start, high_max)",
+                   "reinforce": "it has no ratio to clip"}[a.loss]
+            out.append(f"algorithm.{' and '.join(clips)} for algorithm.loss={a.loss}, which clips nothing by them: {how}")
+        if "overlong_penalty" in given and not a.overlong_buffer:
+            out.append(f"algorithm.overlong_penalty={a.overlong_penalty:g} weighs DAPO's overlong shaping, which "
+                       "algorithm.overlong_buffer=0 leaves off: set the buffer's length too")
+        if "max_resample_rounds" in given and not a.dynamic_sampling:
+            out.append(f"algorithm.max_resample_rounds={a.max_resample_rounds} bounds dynamic sampling's rounds: "
+                       "set algorithm.dynamic_sampling: true too")
+        if a.tis_cap is not None and "is_cap" in a.loss_options:
+            out.append(f"algorithm.tis_cap={a.tis_cap:g} and algorithm.loss_options.is_cap="
+                       f"{a.loss_options['is_cap']} both cap the importance weight: give one")
         return out
 
     def _critic_problems(self) -> list[str]:
