@@ -53,8 +53,9 @@ class AlgorithmConfig(Section):
     dual_clip: Annotated[float, Field(gt=1)] | None = None
     """Dual-clip constant c (> 1) for negative advantages; None = off."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo"] = "token-mean"
-    """How per-token losses become the step loss; token-mean divides by the step's global token
-    count, drgrpo by (sequences x max_new_tokens)."""
+    """How per-token losses become an update's loss; token-mean divides by the update's token count
+    over every micro-batch and rank (the step's, with one update a step), drgrpo by (sequences x
+    max_new_tokens)."""
     loss_options: dict[str, Any] = {}
     """Extra keyword options for the policy loss (see docs/algorithms.md)."""
     tis_cap: Annotated[float, Field(gt=0)] | None = None
