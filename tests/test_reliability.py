@@ -89,6 +89,31 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_names_the_
                   record=False)
 
 
+def test_a_sharded_checkpoints_cut_or_missing_shard_is_damage_named_by_its_file(tmp_path):
+    """The sharded trainer's `torch.distributed.checkpoint` files are checked too (a resume passes
+    such a checkpoint over for the one before, as it does a cut safetensors file): each shard file
+    must hold the bytes its `.metadata` lists, and the metadata must read back."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from rollover.train.checkpoint import damage
+
+    ckpt = tmp_path / "step_000002"
+    ckpt.mkdir()
+    torch.save({"step": 2}, ckpt / "state.pt")
+    dcp.save({"a": torch.randn(64, 8), "b": torch.randn(300)}, checkpoint_id=str(ckpt / "sharded"))
+    assert damage(ckpt) is None
+    (shard,) = (ckpt / "sharded").glob("*.distcp")
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:100])
+    assert damage(ckpt) == f"{shard}: 100 bytes, its metadata lists {len(whole)}"
+    shard.unlink()
+    assert damage(ckpt) == f"{shard}: missing, its metadata lists {len(whole)}"
+    shard.write_bytes(whole)
+    (ckpt / "sharded" / ".metadata").write_bytes(b"cut")
+    assert damage(ckpt).startswith(f"{ckpt / 'sharded' / '.metadata'}: ")
+
+
 def test_a_full_disk_at_checkpoint_time_says_so_and_leaves_nothing(tmp_path, monkeypatch):
     import errno
 

@@ -169,6 +169,28 @@ def damage(path: str | Path) -> str | None:
                 pass
         except Exception as e:  # noqa: BLE001
             return f"{f}: {' '.join(str(e).split())[:200]}"
+    if (path / "sharded").is_dir():
+        return _sharded_damage(path / "sharded")
+    return None
+
+
+def _sharded_damage(sharded: Path) -> str | None:
+    """What is wrong with a `torch.distributed.checkpoint` directory (the sharded trainer's), or
+    None: its `.metadata` must read back and every shard file hold the bytes it lists there."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        stored = FileSystemReader(str(sharded)).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - any failure to read it is damage
+        return f"{sharded / '.metadata'}: {' '.join(str(e).split())[:200]}"
+    needed: dict[str, int] = {}
+    for info in stored.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        f = sharded / name
+        have = f.stat().st_size if f.is_file() else None
+        if have is None or have < size:
+            return f"{f}: {'missing' if have is None else f'{have} bytes'}, its metadata lists {size}"
     return None
 
 
