@@ -175,6 +175,33 @@ def test_sigint_saves_at_the_step_and_resume_is_exact(model_dir, tmp_path, april
     assert ledger(run_dir) == ledger(tmp_path / "straight")
 
 
+def test_an_evaluation_a_signal_skipped_runs_at_the_resume(model_dir, tmp_path):
+    """A signal ends a step at its checkpoint, before the step's evaluation (eval.every, or the last
+    step's): the resume runs it first, with the checkpoint's weights, and adds it to the checkpoint,
+    so the run logs the evaluations, values and weights of an unstopped run. The stopped state is
+    made exactly: a run to step 2 without its evaluation row and eval.json."""
+    from rollover.metrics import read_metrics
+
+    over = {"eval.every": 2, "reward.functions": [{"fn": "format", "kwargs": {"pattern": "[0-4]"}}]}
+    train_sync(cfg_for(model_dir, tmp_path / "straight", **over))
+    run_dir = tmp_path / "stopped"
+    train_sync(cfg_for(model_dir, run_dir, steps=2, **over))
+    rows = [x for x in (run_dir / "metrics.jsonl").read_text().splitlines() if json.loads(x)["kind"] != "eval"]
+    (run_dir / "metrics.jsonl").write_text("".join(x + "\n" for x in rows))
+    (run_dir / "checkpoints" / "step_000002" / "eval.json").unlink()
+    assert train_sync(cfg_for(model_dir, run_dir, **over))["step"] == 4
+    evals = lambda d: [{k: v for k, v in r.items() if k != "time"} for r in read_metrics(d, kind="eval")]  # noqa: E731
+    assert [r["step"] for r in evals(run_dir)] == [2, 4] and evals(run_dir) == evals(tmp_path / "straight")
+    assert json.loads((run_dir / "checkpoints" / "step_000002" / "eval.json").read_text()) == \
+        json.loads((tmp_path / "straight" / "checkpoints" / "step_000002" / "eval.json").read_text())
+    a, b = _weights(tmp_path / "straight", 4), _weights(run_dir, 4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a finished run resumed reports its last evaluation, read back
+    again = train_sync(cfg_for(model_dir, run_dir, **over))
+    assert again["step"] == 4 and again["eval/accuracy"] == evals(run_dir)[-1]["eval/accuracy"]
+    assert len(evals(run_dir)) == 2
+
+
 def test_sigint_in_async_mode_saves_a_consistent_checkpoint(model_dir, tmp_path):
     cfg = cfg_for(model_dir, tmp_path, mode="async", steps=6, **{"checkpoint.every": 0, "async.max_staleness": 2,
                                                                   "rollout.max_new_tokens": 12})

@@ -89,6 +89,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
             # a step-0 checkpoint was saved after this evaluation was logged: its resume does not log it again
             if step == 0 and cfg.eval.at_start and run.checkpoint is None:
                 last_eval = run.evaluate(0)
+            last_eval = run.resumed_evaluation(step) or last_eval  # (before the rollouts start)
             parts.start()
             while step < cfg.steps:
                 # 1. the next batch, oldest groups first (None: a signal asked us to stop)

@@ -174,6 +174,24 @@ class Run:
                                                            self.eval_sources), kind="eval")
         return metrics
 
+    def resumed_evaluation(self, step: int) -> dict:
+        """At the start of a loop, the evaluation of the resumed checkpoint's step where one was
+        due there: a signal ends a step at its checkpoint, before its evaluation, so one missing
+        is run now (and added to the checkpoint), and a resumed run logs every evaluation an
+        unstopped run does; one the checkpoint holds is read back (a finished run reports it)."""
+        cfg = self.cfg
+        if self.checkpoint is None or step == 0 or not self.eval_prompts:
+            return {}
+        if not (step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0)):
+            return {}
+        recorded = checkpoint.read_evaluation(self.checkpoint)
+        if recorded is not None:
+            return recorded
+        log.info("step %d's evaluation was not run before the run stopped: running it now", step)
+        metrics = self.evaluate(step)
+        checkpoint.record_evaluation(self.checkpoint, metrics)
+        return metrics
+
     @property
     def primary_reward(self) -> str:
         return "env" if self.env_builder is not None else self.rewards.rewards[0].name

@@ -97,6 +97,7 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
     try:
         if step == 0 and cfg.eval.at_start and run.checkpoint is None:  # a step-0 checkpoint follows it: logged
             last_eval = run.evaluate(0)
+        last_eval = run.resumed_evaluation(step) or last_eval
         while step < cfg.steps:
             t_step = time.perf_counter()
 

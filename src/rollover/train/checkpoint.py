@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import tempfile
@@ -76,8 +77,7 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
         if config is not None:
             (tmp / "config.yaml").write_text(config)
         if evaluation is not None:
-            (tmp / EVAL_FILE).write_text(json.dumps({k: v for k, v in evaluation.items()
-                                                     if isinstance(v, (int, float)) and math.isfinite(v)}))
+            (tmp / EVAL_FILE).write_text(_evaluation_json(evaluation))
         (tmp / "DONE").write_text(str(step))
         if final.exists():
             shutil.rmtree(final)
@@ -110,6 +110,25 @@ def best_of_run(run_dir: str | Path) -> tuple[Path | None, str, str]:
     section = (yaml.safe_load(saved.read_text()) or {}).get("checkpoint", {}) if saved.is_file() else {}
     metric, mode = section.get("best") or "eval/accuracy", section.get("best_mode") or "max"
     return best_checkpoint(run_dir, metric, mode), metric, mode
+
+
+def _evaluation_json(evaluation: dict) -> str:
+    return json.dumps({k: v for k, v in evaluation.items() if isinstance(v, (int, float)) and math.isfinite(v)})
+
+
+def record_evaluation(path: str | Path, evaluation: dict) -> None:
+    """Add the evaluation of a complete checkpoint's step to it (`eval.json`, written whole by a
+    rename), for an evaluation run after the checkpoint was saved."""
+    path = Path(path)
+    tmp = path / f".{EVAL_FILE}.tmp"
+    tmp.write_text(_evaluation_json(evaluation))
+    os.replace(tmp, path / EVAL_FILE)
+
+
+def read_evaluation(path: str | Path) -> dict | None:
+    """The evaluation recorded in a checkpoint (`eval.json`), or None when it has none."""
+    f = Path(path) / EVAL_FILE
+    return json.loads(f.read_text()) if f.is_file() else None
 
 
 def best_checkpoint(run_dir: str | Path, metric: str, mode: str = "max") -> Path | None:
