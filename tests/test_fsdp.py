@@ -954,3 +954,14 @@ def test_torchrun_needs_the_sharded_trainer(monkeypatch, capsys, tmp_path):
                  "ray.trainer=actor"]) == 2
     assert "runtime=ray places rank actors of its own" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+    # train.ranks left unset is the world size, checked as such (sequence parallelism divides it);
+    # ranks given otherwise are refused, naming the key
+    from rollover.cli import _torchrun_config
+
+    cfg = _torchrun_config(None, [f"run_dir={tmp_path / 'r'}", "train.parallel=fsdp", "train.sequence_parallel=2"], 4)
+    assert (cfg.train.ranks, cfg.train.sequence_parallel) == (4, 2)
+    assert _torchrun_config(None, [f"run_dir={tmp_path / 'r'}", "train.parallel=fsdp", "train.sequence_parallel=2",
+                                   "train.ranks=6"], 4) is None
+    assert "train.ranks" in capsys.readouterr().err
+    assert _torchrun_config(None, [f"run_dir={tmp_path / 'r'}", "train.parallel=fsdp", "train.ranks=3"], 4) is None
+    assert "torchrun started 4 processes" in capsys.readouterr().err

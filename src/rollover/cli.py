@@ -109,21 +109,53 @@ def _train(argv: list[str]) -> int:
 
         _setup_logging()
         return serve_rank(job)
-    cfg = _load_config("rollover train", *_split_config(args.config, args.overrides))
+    path, overrides = _split_config(args.config, args.overrides)
+    cfg = _torchrun_config(path, overrides, job["world"]) if job is not None else \
+        _load_config("rollover train", path, overrides)
     if cfg is None:
         return 2
-    if job is not None:
-        if cfg.train.parallel != "fsdp" or cfg.train.ranks not in (1, job["world"]) or cfg.runtime != "local":
-            print(f"rollover train: torchrun started {job['world']} processes, which are the trainer's ranks: set "
-                  f"train.parallel=fsdp (and train.ranks={job['world']} or leave it unset) with runtime=local "
-                  "(runtime=ray places rank actors of its own: run it without torchrun); nothing was started",
-                  file=sys.stderr)
-            return 2
-        cfg = _load_config("rollover train", *_split_config(args.config, [*args.overrides, f"train.ranks={job['world']}"]))
-        if cfg is None:
-            return 2
     _setup_logging()
     return _guarded("rollover train", args.debug, lambda: _run_training(cfg, args.allow_config_change))
+
+
+def _torchrun_config(path: str | None, overrides: list[str], world: int):
+    """The config of a run torchrun started with `world` processes, which are its trainer's
+    ranks: `train.ranks` becomes the world size (checked with it, as `train.sequence_parallel`
+    must divide it), or None after printing why not."""
+    from rollover.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as e:  # perhaps only for want of the ranks (sequence_parallel > 1): with them, or as it was
+        try:
+            cfg = load_config(path, [*overrides, f"train.ranks={world}"])
+        except ConfigError:
+            cfg = None
+        if cfg is None or cfg.train.parallel != "fsdp" or cfg.runtime != "local" or \
+                _given_ranks(path, overrides) not in (None, 1, world):
+            print(f"rollover train: config error: {e}", file=sys.stderr)
+            return None
+        return cfg
+    if cfg.train.parallel != "fsdp" or cfg.train.ranks not in (1, world) or cfg.runtime != "local":
+        print(f"rollover train: torchrun started {world} processes, which are the trainer's ranks: set "
+              f"train.parallel=fsdp (and train.ranks={world} or leave it unset) with runtime=local "
+              "(runtime=ray places rank actors of its own: run it without torchrun); nothing was started",
+              file=sys.stderr)
+        return None
+    return _load_config("rollover train", path, [*overrides, f"train.ranks={world}"])
+
+
+def _given_ranks(path: str | None, overrides: list[str]):
+    """`train.ranks` as the config file and overrides give it (None: not given)."""
+    from rollover.config import ConfigError, parse_overrides, read_yaml
+
+    try:
+        given = (read_yaml(path).get("train") or {}).get("ranks") if path else None
+        for key, value in parse_overrides(overrides):
+            given = value if key == "train.ranks" else given
+    except (ConfigError, AttributeError):
+        return None
+    return given
 
 
 def _run_training(cfg, allow_config_change: bool) -> int:
