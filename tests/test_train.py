@@ -541,6 +541,12 @@ def test_running_out_of_device_memory_halves_the_micro_batch_and_redoes_the_upda
     with pytest.raises(torch.OutOfMemoryError):
         late.train_step(batch_of(rolls))
     assert late.micro_batch_tokens == 64
+    rank, _ = trainer(64, limit=32)  # a sharded trainer's rank: its peers wait in their collectives, so it cannot redo alone
+    rank.sharded = True
+    with pytest.raises(RuntimeError, match=r"out of device memory at train.micro_batch_tokens=64: the sharded .*give a "
+                                           r"smaller train.micro_batch_tokens"):
+        rank.train_step(batch_of(rolls))
+    assert rank.micro_batch_tokens == 64
 
 
 def test_rollout_kl_is_the_k3_estimate_of_the_sampler_trainer_mismatch(model_dir, tmp_path):

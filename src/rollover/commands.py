@@ -43,6 +43,8 @@ def _guarded(prog: str, debug: bool, body) -> int:
             import traceback
 
             traceback.print_exc()
+            if getattr(e, "traceback", None):  # a trainer rank's own (RankLost)
+                print(f"the rank's traceback:\n{e.traceback}", file=sys.stderr)
         if isinstance(e, ConfigError):
             print(f"{prog}: config error: {e}", file=sys.stderr)
             return 2

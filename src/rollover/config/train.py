@@ -28,7 +28,8 @@ class TrainConfig(Section):
     """Tokens per forward/backward; sequences are packed into rows up to `pack_length`. Unset:
     on CPU as many whole rows as fit `activation_memory_gb` by the trainer's activation
     estimate; on CUDA 65,536 (or one row if longer). On CUDA an update that runs out of memory
-    is redone at half the size, down to one row (logged)."""
+    is redone at half the size, down to one row (logged); the sharded trainer's ranks cannot
+    redo one alone, so there the run stops naming this key."""
     activation_memory_gb: float = Field(1.0, gt=0, allow_inf_nan=False)
     """Budget for one micro-batch's saved activations when micro_batch_tokens is unset (the
     estimate is in rollover.train.memory; `rollover bench memory` shows what it gives)."""
@@ -85,8 +86,8 @@ class TrainConfig(Section):
     layer's attention). train.ranks must be a multiple; the step's samples are split over
     ranks / N groups of ranks. For sequences too long for one device's activations."""
     fsdp_offload: bool = False
-    """train.parallel=fsdp: keep the sharded weights, gradients and optimizer state in CPU memory,
-    copying each layer to the GPU for its passes (larger models, slower steps)."""
+    """train.parallel=fsdp on GPUs: keep the sharded weights, gradients and optimizer state in CPU
+    memory, copying each layer to the GPU for its passes (larger models, slower steps)."""
     weight_bucket_mb: float = Field(256.0, gt=0)
     """train.parallel=fsdp: weights go from the ranks to the engine in buckets of about this many
     MiB (rank 0's extra memory during a push)."""

@@ -69,6 +69,26 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
+def check_rank_devices(cfg: Config, device: torch.device, cuda_count: int, under_torchrun: bool) -> None:
+    """The sharded trainer's ranks against the devices here: rank r of the ranks the command starts
+    takes cuda:r (each needs a GPU of its own), and CPU offload is for ranks on GPUs."""
+    t = cfg.train
+    if t.parallel != "fsdp" or cfg.runtime != "local":
+        return  # (Ray places rank actors on the GPUs it finds)
+    if t.fsdp_offload and device.type != "cuda":
+        raise ConfigError(f"train.fsdp_offload keeps each rank's shards in CPU memory while its GPU computes; on "
+                          f"device={cfg.device!r} ({device.type}) they are in CPU memory already: leave it off")
+    if device.type != "cuda" or under_torchrun:  # (torchrun gives each process its LOCAL_RANK's GPU)
+        return
+    if device.index not in (None, 0):
+        raise ConfigError(f"device={cfg.device!r} with train.parallel=fsdp: the ranks take cuda:0 to "
+                          f"cuda:{t.ranks - 1} (rank r on cuda:r); choose the GPUs with CUDA_VISIBLE_DEVICES")
+    if t.ranks > cuda_count:
+        raise ConfigError(f"train.ranks={t.ranks}: torch sees {cuda_count} CUDA device{'s' if cuda_count != 1 else ''} "
+                          "here and each rank needs one of its own (rank r on cuda:r); give at most that many ranks, "
+                          "or start them on several nodes with torchrun")
+
+
 @dataclass
 class Run:
     """What a loop drives: the parts of a run, built by `build_run`."""
@@ -325,6 +345,11 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     # an evaluation (record=False) builds none (it only samples)
     remote_trainer = cfg.runtime == "ray" and cfg.ray.trainer == "actor" and record
     device = torch.device("cpu") if remote_trainer else pick_device(cfg.device)
+    if record:
+        from rollover.train.torchrun import torchrun_env
+
+        check_rank_devices(cfg, device, torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                           torchrun_env() is not None)
     if cfg.train.deterministic:
         use_deterministic_kernels()
     run_dir = Path(cfg.run_dir)

@@ -47,7 +47,18 @@ log = logging.getLogger("rollover")
 
 
 class RankLost(RuntimeError):
-    """A trainer rank died or failed; the run stops at its last checkpoint."""
+    """A trainer rank died or failed; the run stops at its last checkpoint. `traceback`: the
+    rank's own, where it reported one (its last line is in the message)."""
+
+    def __init__(self, message: str, traceback: str | None = None):
+        super().__init__(message)
+        self.traceback = traceback
+
+
+def _last_line(tb: str) -> str:
+    """A traceback's last line: the exception raised, as Python prints it."""
+    lines = [line for line in tb.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no traceback)"
 
 
 def _rank_context(mp, architecture, cuda: bool):
@@ -421,7 +432,8 @@ class ShardedTrainer(RankGroup):
         if not own and silent:  # its peers' collectives gave up waiting for a rank that says nothing: hung
             self._hung(silent[0], what)
         victim = own[0] if own else min(errors)
-        self._fail(RankLost(f"trainer rank {victim} failed during {what}:\n{errors[victim]}"))
+        self._fail(RankLost(f"trainer rank {victim} failed during {what}: {_last_line(errors[victim])}",
+                            traceback=errors[victim]))
 
     def _fail(self, error: RankLost):
         self.failure = error

@@ -285,8 +285,14 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
         while True:
             try:
                 return fn(*args)
-            except torch.OutOfMemoryError:
-                if self.micro_batch_tokens <= self.pack_length or self.sharded:  # ranks cannot redo alone
+            except torch.OutOfMemoryError as e:
+                if self.sharded:  # a rank cannot redo its passes alone: its peers wait in their collectives
+                    raise RuntimeError(
+                        f"out of device memory at train.micro_batch_tokens={self.micro_batch_tokens}: the sharded "
+                        "trainer's ranks do not halve it as one trainer does; give a smaller "
+                        "train.micro_batch_tokens, or train.gradient_checkpointing=true or train.fsdp_offload=true "
+                        f"({' '.join(str(e).split())[:160]})") from None
+                if self.micro_batch_tokens <= self.pack_length:
                     raise
             # outside the handler: the failed attempt's tensors are released with its traceback
             smaller = max(self.pack_length, self.micro_batch_tokens // 2)
