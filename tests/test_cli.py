@@ -142,6 +142,35 @@ def test_interrupt_before_the_first_step_is_one_line_and_exit_130(model_dir, tmp
     assert err == ["rollover train: interrupted before the first step; nothing was saved"]
 
 
+def test_after_a_stop_the_hint_resumes_and_a_stop_while_plotting_says_the_run_is_saved(model_dir, tmp_path,
+                                                                                           monkeypatch, capsys):
+    """A run started with resume=PATH and stopped by a signal is resumed by resume=auto (the same
+    command would go back to PATH, retraining what followed); a signal while the plots are drawn,
+    after the run is saved, says so (it had said "interrupted before the first step")."""
+    import rollover.loops.common as common
+    import rollover.loops.sync as sync
+    import rollover.metrics as metrics
+
+    monkeypatch.setattr(common, "build_run", lambda *a, **k: None)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000008"
+    monkeypatch.setattr(sync, "train_sync", lambda cfg, run: {"step": 8, "interrupted": "SIGINT", "checkpoint": str(ckpt)})
+    assert main(["train", *overrides(model_dir, tmp_path / "run"), "resume=runs/x/checkpoints/step_000005"]) == 130
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("to resume, run the command again with resume=auto (not resume=runs/x/checkpoints/step_000005, "
+                         "which goes back to that checkpoint)")
+    assert main(["train", *overrides(model_dir, tmp_path / "run")]) == 130
+    assert capsys.readouterr().err.strip().endswith("; run the same command again to resume")
+
+    def plotting(run_dir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sync, "train_sync", lambda cfg, run: {"step": 8})
+    monkeypatch.setattr(metrics, "plot_run", plotting)
+    assert main(["train", *overrides(model_dir, tmp_path / "run")]) == 130
+    assert capsys.readouterr().err.strip() == (f"rollover train: interrupted while drawing the plots; the run trained to "
+                                               f"step 8 and is saved (`rollover plot {tmp_path / 'run'}` draws them)")
+
+
 def test_sigint_during_training_saves_and_exits_130_with_one_line(model_dir, tmp_path):
     import signal
     import subprocess

@@ -172,10 +172,18 @@ def _run_training(cfg, allow_config_change: bool) -> int:
 
         result = train_sync(cfg, run=run)
     if "interrupted" in result:  # a signal: the step finished, a checkpoint was saved
+        again = "run the same command again to resume" if cfg.resume == "auto" else \
+            f"to resume, run the command again with resume=auto (not resume={cfg.resume}" + \
+            (", which starts a new run)" if cfg.resume == "never" else ", which goes back to that checkpoint)")
         print(f"rollover train: {result['interrupted']}: stopped after step {result['step']} with a checkpoint in "
-              f"{result['checkpoint']}; run the same command again to resume", file=sys.stderr)
+              f"{result['checkpoint']}; {again}", file=sys.stderr)
         return 128 + getattr(signal, result["interrupted"])
-    plots = plot_run(cfg.run_dir)
+    try:
+        plots = plot_run(cfg.run_dir)
+    except KeyboardInterrupt:  # the run is over and saved: only its plots are missing
+        print(f"\nrollover train: interrupted while drawing the plots; the run trained to step {result['step']} and is "
+              f"saved (`rollover plot {cfg.run_dir}` draws them)", file=sys.stderr)
+        return 128 + signal.SIGINT
     errors, failed = result.get("eval/reward_errors", 0), result.get("eval/failed", 0)
     print(f"done: step {result['step']}" + (f", held-out accuracy {result['eval/accuracy']:.3f}" if "eval/accuracy" in result else "")
           + (f" ({errors:g} failed reward calls in the evaluation: reward.on_error={cfg.reward.on_error})" if errors else "")
