@@ -418,6 +418,33 @@ def test_the_learning_rate_logged_is_the_one_each_update_stepped_with(model_dir,
     assert stepped == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4]) and logged == stepped
 
 
+def test_a_resumed_run_follows_its_own_schedule(model_dir, tmp_path):
+    """A finished run of 3 steps (linear decay to 0) resumed with steps=6 goes on along the 6-step
+    schedule: its 4th update at 1 - 3/6 of lr, not at the 0 the 3-step schedule had reached (the
+    rate saved in the optimizer's state), and a changed lr is the new base; the same config
+    resumes at the rate saved."""
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float(i % 3) - 1.0) for i in range(9)]
+
+    def trainer(steps, lr=1e-3):
+        cfg = tiny_cfg(model_dir, tmp_path / "r", steps=steps, **{"train.schedule": "linear", "train.lr": lr})
+        return Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu"))
+
+    tr = trainer(3)
+    for _ in range(3):
+        tr.train_step(batch_of(rolls))
+    same = trainer(3)
+    same.load_state_dict(tr.state_dict())
+    assert same.optimizer.param_groups[0]["lr"] == tr.optimizer.param_groups[0]["lr"] == 0.0
+    longer = trainer(6)
+    longer.load_state_dict(tr.state_dict())
+    assert longer.train_step(batch_of(rolls))["actor/lr"] == pytest.approx(5e-4)
+    faster = trainer(6, lr=2e-3)
+    faster.load_state_dict(tr.state_dict())
+    assert faster.train_step(batch_of(rolls))["actor/lr"] == pytest.approx(1e-3)
+
+
 def test_ref_sync_mixes_the_policy_into_the_reference_every_n_steps(model_dir, tmp_path):
     """algorithm.ref_sync_every=2, ref_mixup_alpha=0.3: after step 2 (not step 1) the reference is
     0.3 x the policy + 0.7 x the old reference; the trainer's state carries it to a new trainer."""

@@ -188,6 +188,7 @@ class Critic:
         self.optimizer = torch.optim.AdamW(params, lr=trainer.cfg.critic.lr, betas=tuple(t.betas),
                                            weight_decay=t.weight_decay, fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.base_lrs = list(self.scheduler.base_lrs)  # critic.lr (a checkpoint's scheduler state has its own)
         self.kl_coef = trainer.cfg.algorithm.kl_in_reward  # the KL penalty's weight in the reward (adaptive: moves)
 
     def _values(self, mb):

@@ -43,6 +43,7 @@ class ShardedCheckpoints:
         if self.critic is not None:
             set_state_dict(self.critic.value, self.critic.optimizer, model_state_dict=state["critic"]["model"],
                            optim_state_dict=state["critic"]["optim"], options=self._critic_options())
+        self.follow_schedules()  # (the optimizer state just loaded holds the saved rates)
 
     @staticmethod
     def _critic_options():

@@ -65,6 +65,18 @@ def _lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
+def follow_schedule(scheduler, base_lrs: list[float]) -> None:
+    """After a checkpoint's optimizer and scheduler state are loaded: each group's rate is the one
+    this run's schedule (`scheduler.lr_lambdas`, built from the config) gives the next update, at
+    the config's base rates, so a finished run resumed with more steps, or one resumed under a
+    changed lr, goes on along its own schedule (the saved rate came from the old one). Under the
+    config the checkpoint was written with, this is the saved rate, computed as LambdaLR does."""
+    scheduler.base_lrs = list(base_lrs)
+    for group, base, rate in zip(scheduler.optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * rate(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
 # what an update sums over its micro-batches (and ranks) for its metrics: the loss, entropy and the
 # entropy bonus's tokens, the KL terms, the teacher's divergence; padding and row slots come after
 TALLIES = ("loss", "entropy", "bonus", "bonus_tokens", "kl", "rollout_kl", "taught")
@@ -133,6 +145,7 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
         updates_per_step = t.ppo_epochs * t.mini_batches
         schedule = _lr_lambda(t.schedule, t.warmup_steps * updates_per_step, cfg.steps * updates_per_step)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.base_lrs = list(self.scheduler.base_lrs)  # the config's (a checkpoint's scheduler state has its own)
         self.bad_steps = 0  # consecutive steps skipped for a non-finite loss
         self.steps_trained = 0  # train_step calls: algorithm.ref_sync_every counts them
         # the entropy bonus's coefficient, which adaptive control (algorithm.entropy_target) moves, the
@@ -572,6 +585,14 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
             self.critic.load_state_dict(state["critic"])
         if self.cfg.algorithm.ref_sync_every is not None:
             self._load_reference(state.get("reference"))
+        self.follow_schedules()
+
+    def follow_schedules(self) -> None:
+        """The policy's and critic's rates from this run's schedules, after a checkpoint's optimizer
+        and scheduler state are loaded (`follow_schedule`)."""
+        follow_schedule(self.scheduler, self.base_lrs)
+        if self.critic is not None:
+            follow_schedule(self.critic.scheduler, self.critic.base_lrs)
 
     @torch.no_grad()
     def _load_reference(self, saved: dict | None) -> None:
