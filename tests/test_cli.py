@@ -527,3 +527,17 @@ def test_failed_reward_calls_are_counted_in_the_evaluation_and_the_filter(tmp_pa
     assert main(["filter", *over, "--samples", "2", "--keep", "0:1", "--out", str(tmp_path / "kept.jsonl")]) == 0
     assert ("warning: 40 of 40 samples had their first reward function fail: scored 0, so counted as not solved "
             "(reward.on_error=zero)") in capsys.readouterr().err
+
+
+def test_flags_may_come_between_the_config_and_the_overrides(model_dir, tmp_path, monkeypatch):
+    """`rollover train CONFIG --allow-config-change steps=7` (where the refusal's hint leads): the
+    flag and every override are read (argparse had refused the overrides after a flag)."""
+    import rollover.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_run_training", lambda cfg, allow: seen.append((cfg.steps, cfg.train.lr, allow)) or 0)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {model_dir}\nrun_dir: {tmp_path / 'run'}\n")
+    assert main(["train", str(config), "--allow-config-change", "steps=7", "train.lr=0.02"]) == 0
+    assert main(["train", str(config), "steps=8", "--allow-config-change"]) == 0
+    assert seen == [(7, 0.02, True), (8, 1e-5, True)]

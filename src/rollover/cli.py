@@ -90,7 +90,7 @@ def _train(argv: list[str]) -> int:
                         "algorithm, train, sampling, partial_rollout, async, seed, mode); the differences are logged "
                         "and appended to RUN_DIR/config_changes.log, and the new config is recorded")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # flags anywhere among the overrides
     if args.help_config:
         from rollover.config import describe
 
@@ -208,7 +208,7 @@ def _eval(argv: list[str]) -> int:
     p.add_argument("--best", action="store_true", help="evaluate the run's best checkpoint by its checkpoint.best "
                                                        "metric (unset: eval/accuracy)")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # flags anywhere among the overrides
     if args.source is None:
         p.print_usage(sys.stderr)
         print("rollover eval: give a run directory or a YAML config", file=sys.stderr)
@@ -332,7 +332,7 @@ def _filter(argv: list[str]) -> int:
                                                  "but 0 and 1, neither never nor always solved)")
     p.add_argument("--checkpoint", default=None, help="sample with this checkpoint's weights instead of the model")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # flags anywhere among the overrides
     low = high = None
     try:
         if args.keep is not None:
