@@ -77,6 +77,8 @@ def test_plot_run_with_only_eval_rows_and_custom_out_dir(tmp_path):
     paths = plot_run(tmp_path, out_dir=tmp_path / "figs")
     assert paths == [tmp_path / "figs" / "reward.png", tmp_path / "figs" / "response_length.png"]
     assert all(_is_png(p) for p in paths)
+    # the metrics file itself: the PNGs go beside it, in the run's plots/ (it had tried metrics.jsonl/plots)
+    assert plot_run(tmp_path / "metrics.jsonl") == [tmp_path / "plots" / "reward.png", tmp_path / "plots" / "response_length.png"]
 
 
 def test_plot_compare_draws_several_runs_against_a_chosen_column(tmp_path):

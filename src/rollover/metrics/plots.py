@@ -98,9 +98,11 @@ _STEP_TOTALS = ("timing_s/step", "timing_s/total")  # whole-step time: a line, n
 
 
 def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:
-    """Write the PNGs for one run (default `RUN_DIR/plots`); returns their paths."""
+    """Write the PNGs for one run (`run_dir`: its directory or its metrics.jsonl; default output
+    `RUN_DIR/plots`); returns their paths."""
     rows = read_metrics(run_dir)
-    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "plots"
+    where = Path(run_dir).parent if Path(run_dir).is_file() else Path(run_dir)
+    out = Path(out_dir) if out_dir is not None else where / "plots"
     out.mkdir(parents=True, exist_ok=True)
     train = [row for row in rows if row["kind"] == "train"]
     evals = [row for row in rows if row["kind"] == "eval"]
