@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -232,6 +233,31 @@ def test_resume_never_on_an_existing_run_is_refused_before_writing(trained, caps
     assert main(["train", *over, "resume=never", "train.lr=5e-2"]) == 2
     assert "resume=never" in capsys.readouterr().err
     assert snapshot(run_dir) == before
+
+
+def test_fewer_steps_than_trained_and_a_run_without_checkpoint_under_another_config_are_refused(trained, tmp_path,
+                                                                                                  capsys, caplog):
+    """steps below what the run trained asks for nothing: said, nothing written (config.yaml had been
+    rewritten). A run dir with metrics and no checkpoint (stopped before its first) under another
+    config: refused, as a resume would be (it had been replaced silently); under its own config it
+    starts over with a warning."""
+    run_dir, over = trained
+    before = snapshot(run_dir)
+    assert main(["train", *over, "steps=1"]) == 2
+    assert f"the run in {run_dir} has trained 2 steps, past steps=1: nothing to train" in capsys.readouterr().err
+    assert snapshot(run_dir) == before
+    bare = tmp_path / "bare"
+    shutil.copytree(run_dir, bare)
+    shutil.rmtree(bare / "checkpoints")
+    mine = [o.replace(str(run_dir), str(bare)) for o in over]
+    before = snapshot(bare)
+    assert main(["train", *mine, "train.lr=5e-2"]) == 2
+    err = capsys.readouterr().err
+    assert f"run_dir {bare} holds a run with no checkpoint under another config" in err and "train.lr: 0.01 -> 0.05" in err
+    assert snapshot(bare) == before
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        assert main(["train", *mine, "steps=1"]) == 0
+    assert "holds a run's metrics but no checkpoint: the run starts over" in caplog.text
 
 
 def test_checkpoint_keep_never_removes_the_one_just_written(tmp_path):

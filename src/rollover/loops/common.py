@@ -25,7 +25,7 @@ from rollover.loops.prompts import (MediaStore, _check_best, _check_stand_in, _e
                                     _prompts, _render_all, _steps_from_epochs, _train_iterator,
                                     _warn_if_a_step_exceeds_the_data, eval_sources)
 from rollover.loops.resume import (checkpoint_to_resume, config_changes_since, has_metrics, lock_run_dir, record_config,
-                                   set_aside_later_checkpoints)
+                                   restart_without_checkpoint, set_aside_later_checkpoints)
 from rollover.models import eos_ids, text_config
 from rollover.rewards import RewardRunner, build_rewards
 from rollover.rollout.groups import PendingGroup, eval_metrics, sampling_from
@@ -358,6 +358,8 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     if record and cfg.resume == "never" and has_metrics(run_dir):
         raise ConfigError(f"run_dir {run_dir} already holds a run (metrics.jsonl) and resume=never starts a new one: "
                           "give another run_dir, or resume=auto to continue it")
+    if record and ckpt is None and cfg.resume == "auto" and has_metrics(run_dir):
+        restart_without_checkpoint(cfg, run_dir, allow_config_change)
     if Path(cfg.model).is_dir() and not (Path(cfg.model) / "config.json").is_file():
         raise ConfigError(f"model={cfg.model!r} is a directory without config.json, not a saved model")
     state = checkpoint.load_state(ckpt) if ckpt is not None else None
@@ -386,6 +388,10 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     for caveat in loss_caveats(cfg) if record else ():  # (not for an evaluation)
         log.warning("%s", caveat)
     _steps_from_epochs(cfg, len(train_prompts))
+    if record and state is not None and state["step"] > cfg.steps:
+        raise ConfigError(f"the run in {run_dir} has trained {state['step']} steps, past steps={cfg.steps}: nothing to "
+                          f"train (steps counts from the run's start: give more than {state['step']} to go on); "
+                          "nothing was changed")
     model = _load_model(cfg, ckpt)
     if media is not None and cfg.train.parallel != "none":
         _check_stand_in(model)

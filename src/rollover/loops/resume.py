@@ -97,6 +97,20 @@ def config_changes_since(cfg: Config, ckpt: Path, allow: bool) -> list[str]:
     return changes
 
 
+def restart_without_checkpoint(cfg: Config, run_dir: Path, allow: bool) -> None:
+    """A run dir with a run's metrics but no checkpoint (stopped before its first): `resume: auto`
+    starts it over, replacing its metrics, under the config it had (else refused, naming the
+    differences, unless `allow`), with a warning."""
+    saved = run_dir / "config.yaml"
+    changes = config_changes(read_yaml(saved), cfg) if saved.is_file() else []
+    if changes and not allow:
+        raise ConfigError(f"run_dir {run_dir} holds a run with no checkpoint under another config (vs {saved}); "
+                          "starting it over would replace its metrics:\n" + "\n".join(f"  {c}" for c in changes)
+                          + "\nhint: give another run_dir, or pass --allow-config-change (allow_config_change=True "
+                            "in Python) to start it over under this config")
+    log.warning("run_dir %s holds a run's metrics but no checkpoint: the run starts over, replacing them", run_dir)
+
+
 def has_metrics(run_dir: Path) -> bool:
     from rollover.metrics.logger import METRICS_FILE
 
