@@ -990,3 +990,23 @@ def test_the_ranks_devices_are_checked_before_anything_starts():
         check("cuda:1")
     with pytest.raises(ConfigError, match=r"train.fsdp_offload .* on device='cpu' \(cpu\) they are in CPU memory already"):
         check("cpu", **{"train.fsdp_offload": True})
+
+
+def test_a_checkpoint_resumes_only_as_it_was_trained_lora_or_every_weight(tmp_path):
+    """The sharded trainer saves a LoRA run's weights merged (no adapter/), so its config says how
+    it trained: resuming it without train.lora, or a full fine-tune with train.lora, is refused
+    with the way to start a new run from it (it had failed inside the ranks: a missing key)."""
+    from rollover.config import dump_config
+    from rollover.loops.common import _check_lora_matches
+
+    lora = {"train.lora": {"r": 4, "alpha": 8}}
+    for name, over in (("lora", lora), ("full", {})):
+        ckpt = tmp_path / name / "checkpoints" / "step_000002"
+        ckpt.mkdir(parents=True)
+        (ckpt / "config.yaml").write_text(dump_config(load_config(model="m", run_dir="r", **over)))
+    _check_lora_matches(load_config(model="m", run_dir="r", **lora), tmp_path / "lora" / "checkpoints" / "step_000002")
+    _check_lora_matches(load_config(model="m", run_dir="r"), tmp_path / "full" / "checkpoints" / "step_000002")
+    with pytest.raises(ConfigError, match=r"holds a LoRA adapter but train.lora is unset.*rollover export RUN_DIR OUT"):
+        _check_lora_matches(load_config(model="m", run_dir="r"), tmp_path / "lora" / "checkpoints" / "step_000002")
+    with pytest.raises(ConfigError, match=r"was trained without LoRA \(every weight\) but train.lora is set.*model=.*/model"):
+        _check_lora_matches(load_config(model="m", run_dir="r", **lora), tmp_path / "full" / "checkpoints" / "step_000002")

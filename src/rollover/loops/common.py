@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING
 import torch
 
 from rollover.algos.loss_options import loss_caveats
-from rollover.config import Config, ConfigError, dump_config
+from rollover.config import Config, ConfigError, dump_config, read_yaml
 from rollover.loops.prompts import (MediaStore, _check_best, _check_stand_in, _env_processor, _media_store, _named_eval,
                                     _prompts, _render_all, _steps_from_epochs, _train_iterator,
                                     _warn_if_a_step_exceeds_the_data, eval_sources)
@@ -287,11 +287,13 @@ def _reward_error(e: Exception) -> str:
     return f"{type(e).__name__} at {frames[-1].filename}:{frames[-1].lineno}: {e}"
 
 
-def _load_model(cfg: Config, ckpt: Path | None):
+def _load_model(cfg: Config, ckpt: Path | None, training: bool):
     from rollover.models import load_hf_model, resolve_model
     from rollover.train.lora import apply_lora
 
     src = resolve_model(cfg.model)
+    if ckpt is not None and training:
+        _check_lora_matches(cfg, ckpt)
     if ckpt is not None and (ckpt / "adapter").exists() and cfg.train.lora is None:
         raise ConfigError(f"{ckpt} holds a LoRA adapter but train.lora is unset; set train.lora as the run that "
                           "wrote it did")
@@ -306,6 +308,22 @@ def _load_model(cfg: Config, ckpt: Path | None):
         else:
             model = apply_lora(model, cfg.train.lora)
     return model
+
+
+def _check_lora_matches(cfg: Config, ckpt: Path) -> None:
+    """A checkpoint resumes only as it was trained: an adapter (`train.lora`; the sharded trainer
+    saves it merged, so its config says) or every weight. Anything else is refused, with the way
+    to start a new run from its weights."""
+    saved = next((p for p in (ckpt / "config.yaml", ckpt.parent.parent / "config.yaml") if p.is_file()), None)
+    saved_lora = (read_yaml(saved).get("train") or {}).get("lora") if saved is not None else None
+    adapter = (ckpt / "adapter").exists() or saved_lora is not None
+    if adapter and cfg.train.lora is None:
+        raise ConfigError(f"{ckpt} holds a LoRA adapter but train.lora is unset; set train.lora as the run that wrote "
+                          "it did, or start a new run from its merged weights (rollover export RUN_DIR OUT, then "
+                          "model=OUT)")
+    if not adapter and cfg.train.lora is not None:
+        raise ConfigError(f"{ckpt} was trained without LoRA (every weight) but train.lora is set; unset it to resume, "
+                          f"or start a new run with an adapter over its weights (model={ckpt / 'model'}, a new run_dir)")
 
 
 LOOPS = {"sync": "rollover.loops.sync.train_sync", "async": "rollover.loops.async_.train_async"}
@@ -392,7 +410,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         raise ConfigError(f"the run in {run_dir} has trained {state['step']} steps, past steps={cfg.steps}: nothing to "
                           f"train (steps counts from the run's start: give more than {state['step']} to go on); "
                           "nothing was changed")
-    model = _load_model(cfg, ckpt)
+    model = _load_model(cfg, ckpt, training=record)
     if media is not None and cfg.train.parallel != "none":
         _check_stand_in(model)
     env_processor = _env_processor(cfg, model) if env_builder is not None else None

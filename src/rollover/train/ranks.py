@@ -187,7 +187,9 @@ class RankGroup:
 
         if not state.get("sharded"):
             raise ConfigError("the checkpoint was written by one trainer (train.parallel=none): its optimizer state is "
-                              "not sharded; resume it with train.parallel=none")
+                              "not sharded; resume it with train.parallel=none, or start a new run on the sharded "
+                              "trainer from its weights (model=CHECKPOINT/model, a new run_dir; AdamW's moments start "
+                              "again)")
         sharded = self.checkpoint / "sharded" if self.checkpoint is not None else None
         state = {k: v for k, v in state.items() if k != "sharded"}
         self.bad_steps = self._all("load", state, None if sharded is None else str(sharded))[0]
