@@ -205,8 +205,9 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["algorithm.overlong_penalty=0.5"], r"algorithm.overlong_penalty=0.5 .*algorithm.overlong_buffer=0 leaves off"),
     (["algorithm.max_resample_rounds=3"], r"max_resample_rounds=3 .*set algorithm.dynamic_sampling: true"),
     (["algorithm.tis_cap=2", "algorithm.loss_options={is_cap: 3}"], r"both cap the importance weight: give one"),
+    (["train.weight_bucket_mb=64"], r"train.weight_bucket_mb apply to the sharded trainer's ranks"),
 ])
-def test_algorithm_keys_that_nothing_would_read_are_refused(over, match):
+def test_keys_that_nothing_would_read_are_refused(over, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["model=m", "run_dir=r", *over])
 

@@ -421,6 +421,11 @@ class Config(Section):
                                 "hold a share of a row)")
         if t.fsdp_offload and t.parallel != "fsdp":
             problems.append("train.fsdp_offload applies to train.parallel=fsdp")
+        fields = type(t).model_fields
+        moved = [k for k in ("weight_bucket_mb", "collective_timeout_s") if getattr(t, k) != fields[k].default]
+        if moved and t.parallel != "fsdp":
+            problems.append(f"train.{' and train.'.join(moved)} apply to the sharded trainer's ranks "
+                            "(train.parallel=fsdp); one trainer uses neither")
         if t.colocate:
             if t.parallel != "fsdp":
                 problems.append("train.colocate runs an engine in every trainer rank: it needs train.parallel=fsdp")
