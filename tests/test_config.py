@@ -366,6 +366,13 @@ def test_an_error_names_whether_the_file_or_an_override_gave_the_key(tmp_path):
     path.write_text("steps: abc\n")
     with pytest.raises(ConfigError, match=rf"^{path}: steps='abc': must be an integer$"):
         load_config(path, ["device=cpu"])
+    # a check across keys that the overrides alone gave (it had been blamed on the file)
+    path.write_text("steps: 3\n")
+    with pytest.raises(ConfigError, match=r"^override checkpoint.best needs an evaluation at every checkpoint"):
+        load_config(path, ["checkpoint.best=eval/accuracy", "checkpoint.every=3", "eval.every=2"])
+    path.write_text("checkpoint:\n  every: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{path} and overrides: checkpoint.best needs"):
+        load_config(path, ["checkpoint.best=eval/accuracy", "eval.every=2"])
 
 
 def test_a_loss_that_is_not_a_name_and_an_async_override_are_config_errors(tmp_path):

@@ -106,14 +106,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
     for k, v in parse_overrides(list(overrides)):
         _set_path(raw, k, v, schema)
         overridden.add(k)
+    sections = {"async" if n == "async_" else n for n in schema.model_fields}
     try:
         return schema.model_validate(raw)
     except ValidationError as e:
         def where(err: dict) -> str:  # with a file: the file or the overrides, whichever the keys came from
             if path is None:
                 return ""
+            keys = _error_keys(err) + [k for k in _mentioned_keys(err) if k.split(".")[0] in sections]
             given = [any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in overridden)
-                     for key in _error_keys(err)]
+                     for key in dict.fromkeys(k for k in keys if k)]
             return "override " if given and all(given) else f"{path}{' and overrides' if any(given) else ''}: "
 
         raise ConfigError("; ".join(where(err) + _error_line(err) for err in e.errors())) from None
@@ -126,6 +128,12 @@ def _error_keys(err: dict) -> list[str]:
     msg = err["msg"].removeprefix("Value error, ")
     named = re.findall(r"unknown key '([^']+)'", msg) + re.findall(r"(?:^|; )([A-Za-z_][\w.]*)=", msg)
     return [".".join(filter(None, [loc, n])) for n in named] or [loc]
+
+
+def _mentioned_keys(err: dict) -> list[str]:
+    """Dotted keys a cross-field check's message names anywhere (`train.colocate: ...`); the
+    caller keeps those of the config's sections."""
+    return re.findall(r"(?<![\w./])([a-z_]+(?:\.[a-z_]\w*)+)", err["msg"])
 
 
 _BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"),
