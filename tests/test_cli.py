@@ -395,6 +395,16 @@ def test_export_round_trip(model_dir, tmp_path, capsys, lora):
     assert "nowhere: no such run directory" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x"), "--best"]) == 1
     assert "nowhere: no such run directory" in capsys.readouterr().err
+    older = run_dir / "checkpoints" / "step_000001"  # another checkpoint of the run: never written into
+    shutil.copytree(ckpt, older)
+    before = snapshot(older)
+    assert main(["export", str(run_dir), str(older / ("adapter" if lora else "model")), "--force"]) == 1
+    assert f"is inside the checkpoint {older.resolve()}, which it would change" in capsys.readouterr().err
+    assert snapshot(older) == before
+    shutil.rmtree(older)
+    (tmp_path / "afile").write_text("x")
+    assert main(["export", str(run_dir), str(tmp_path / "afile" / "sub")]) == 1
+    assert f"{tmp_path / 'afile'} is a file, not a directory" in capsys.readouterr().err
     shutil.rmtree(out)
 
 

@@ -63,6 +63,13 @@ def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | Non
 
 
 def _check_out(out: Path, ckpt: Path, force: bool) -> None:
+    o = out.resolve()
+    inside = next((p for p in (o, *o.parents) if p.name.startswith("step_") and (p / "DONE").is_file()), None)
+    if inside is not None and inside != ckpt.resolve():  # (the checkpoint exported itself: refused below)
+        raise ExportError(f"{out} is inside the checkpoint {inside}, which it would change; export somewhere else")
+    blocked = next((p for p in o.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ExportError(f"{out}: {blocked} is a file, not a directory")
     if not out.exists():
         return
     if not out.is_dir():
