@@ -537,6 +537,15 @@ def test_filter_keeps_the_prompts_whose_pass_rate_lies_in_the_band(tmp_path, cap
     assert "--keep '0.9:0.1' must be LOW:HIGH" in capsys.readouterr().err
     assert main(["filter", *over, "--out", str(tmp_path / "nowhere" / "k.jsonl")]) == 2
     assert "must be a .jsonl file in an existing directory" in capsys.readouterr().err
+    assert main(["filter", "--out", str(out)]) == 2  # no config: said (it had sampled the built-in demo's 2000 prompts)
+    assert "give a YAML config" in capsys.readouterr().err
+    for cmd in (["filter", *over, "--out", str(out)], ["eval", *over]):
+        assert main([*cmd, "--checkpoint", str(tmp_path / "nowhere")]) == 2
+        assert f"--checkpoint {tmp_path / 'nowhere'}: no such directory" in capsys.readouterr().err
+        assert main([*cmd, "--checkpoint", str(tmp_path)]) == 2
+        assert "not a complete checkpoint directory (no DONE marker)" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "nowhere")]) == 2
+    assert "no such run directory, checkpoint or config file" in capsys.readouterr().err
 
 
 def test_failed_reward_calls_are_counted_in_the_evaluation_and_the_filter(tmp_path, capsys):

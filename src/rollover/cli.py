@@ -213,7 +213,12 @@ def _eval(argv: list[str]) -> int:
         p.print_usage(sys.stderr)
         print("rollover eval: give a run directory or a YAML config", file=sys.stderr)
         return 2
+    if (wrong := _bad_checkpoint("rollover eval", args.checkpoint)) is not None:
+        return wrong
     path, overrides = _split_config(args.source, args.overrides)
+    if path is not None and not Path(path).exists():
+        print(f"rollover eval: error: {path}: no such run directory, checkpoint or config file", file=sys.stderr)
+        return 2
     run_dir = None
     if args.best and path is not None and (Path(path) / "DONE").is_file():
         print(f"rollover eval: error: --best picks among a run's checkpoints: give the run directory, not the "
@@ -250,6 +255,15 @@ def _eval(argv: list[str]) -> int:
     _setup_logging()
     given = "--best" if args.best else "--checkpoint"
     return _guarded("rollover eval", args.debug, lambda: _run_eval(cfg, path, run_dir, args.checkpoint, args.base, given))
+
+
+def _bad_checkpoint(prog: str, ckpt: str | None) -> int | None:
+    """Exit status 2, after saying why, when `--checkpoint` names no complete checkpoint; else None."""
+    if ckpt is None or (Path(ckpt) / "DONE").is_file():
+        return None
+    why = "no such directory" if not Path(ckpt).exists() else "not a complete checkpoint directory (no DONE marker)"
+    print(f"{prog}: error: --checkpoint {ckpt}: {why}", file=sys.stderr)
+    return 2
 
 
 def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | None, base: bool,
@@ -304,11 +318,13 @@ def _export(argv: list[str]) -> int:
     args = p.parse_args(argv)
     _setup_logging()
 
+    if args.best and args.checkpoint is not None:
+        print("rollover export: error: --best and --checkpoint exclude each other", file=sys.stderr)
+        return 2
+
     def run() -> int:
         from rollover.export import export
 
-        if args.best and args.checkpoint is not None:
-            raise ValueError("--best and --checkpoint exclude each other")
         used = export(args.run_dir, args.out, checkpoint=args.checkpoint, force=args.force, best=args.best)
         print(f"exported {used} to {args.out}")
         return 0
@@ -348,7 +364,13 @@ def _filter(argv: list[str]) -> int:
         print(f"rollover filter: error: --out {args.out}: must be a .jsonl file in an existing directory",
               file=sys.stderr)
         return 2
+    if (wrong := _bad_checkpoint("rollover filter", args.checkpoint)) is not None:
+        return wrong
     path, overrides = _split_config(args.config, args.overrides)
+    if path is None and not overrides:
+        print("rollover filter: error: give a YAML config (its data.train, model and rewards) and/or key.path=value "
+              "overrides; nothing was sampled", file=sys.stderr)
+        return 2
     cfg = _load_config("rollover filter", path, overrides)
     if cfg is None:
         return 2

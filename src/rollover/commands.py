@@ -35,8 +35,9 @@ def _guarded(prog: str, debug: bool, body) -> int:
 
     try:
         return body()
-    except KeyboardInterrupt:  # before the loop took over SIGINT (loading data, the model, ...)
-        print(f"\n{prog}: interrupted before the first step; nothing was saved", file=sys.stderr)
+    except KeyboardInterrupt:  # (training: before the loop took over SIGINT: loading data, the model, ...)
+        said = "interrupted before the first step; nothing was saved" if prog == "rollover train" else "interrupted"
+        print(f"\n{prog}: {said}", file=sys.stderr)
         return 128 + signal.SIGINT
     except Exception as e:
         if debug:
