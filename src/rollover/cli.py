@@ -88,7 +88,8 @@ def _train(argv: list[str]) -> int:
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume a checkpoint even though this config changes what is trained (model, data, reward, "
                         "algorithm, train, sampling, partial_rollout, async, seed, mode); the differences are logged "
-                        "and appended to RUN_DIR/config_changes.log, and the new config is recorded")
+                        "and appended to RUN_DIR/config_changes.log, and the new config is recorded (a changed "
+                        "model= gives the tokenizer and the KL reference: the weights go on from the checkpoint's)")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
     args = p.parse_intermixed_args(argv)  # flags anywhere among the overrides
     if args.help_config:
@@ -309,7 +310,7 @@ def _export(argv: list[str]) -> int:
                                             "weights (LoRA merged into the base model), tokenizer and chat template, "
                                             "loadable with from_pretrained.")
     p.add_argument("run_dir", help="the run directory")
-    p.add_argument("out", help="output directory (must be empty or absent unless --force)")
+    p.add_argument("out", help="output directory: absent or empty, or a model directory that --force replaces")
     p.add_argument("--checkpoint", default=None, help="this checkpoint directory instead of the run's latest")
     p.add_argument("--best", action="store_true", help="the run's best checkpoint by its checkpoint.best metric "
                                                        "(unset: eval/accuracy) instead of its latest")
