@@ -402,6 +402,8 @@ def test_export_round_trip(model_dir, tmp_path, capsys, lora):
     assert f"is inside the checkpoint {older.resolve()}, which it would change" in capsys.readouterr().err
     assert snapshot(older) == before
     shutil.rmtree(older)
+    assert main(["export", str(run_dir), str(ckpt / "exported")]) == 1  # inside the one exported, not yet there
+    assert "overlaps the checkpoint" in capsys.readouterr().err and not (ckpt / "exported").exists()
     (tmp_path / "afile").write_text("x")
     assert main(["export", str(run_dir), str(tmp_path / "afile" / "sub")]) == 1
     assert f"{tmp_path / 'afile'} is a file, not a directory" in capsys.readouterr().err

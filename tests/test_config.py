@@ -220,6 +220,13 @@ def test_a_runs_saved_config_loads_again(over, tmp_path):
     cfg = load_config(None, ["model=m", "run_dir=r", *over])
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     assert load_config(tmp_path / "config.yaml") == cfg
+    # a run an earlier version accepted with a key nothing read: its record still loads (eval, show)
+    older = yaml.safe_load(dump_config(cfg))
+    older["algorithm"]["overlong_penalty"] = 0.5
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(older))
+    assert load_config(tmp_path / "config.yaml", recorded=True).algorithm.overlong_penalty == 0.5
+    with pytest.raises(ConfigError, match="overlong_penalty=0.5 weighs"):
+        load_config(tmp_path / "config.yaml")
 
 
 @pytest.mark.parametrize("over, match", [
@@ -370,6 +377,8 @@ def test_an_error_names_whether_the_file_or_an_override_gave_the_key(tmp_path):
     path.write_text("steps: 3\n")
     with pytest.raises(ConfigError, match=r"^override checkpoint.best needs an evaluation at every checkpoint"):
         load_config(path, ["checkpoint.best=eval/accuracy", "checkpoint.every=3", "eval.every=2"])
+    with pytest.raises(ConfigError, match=r"^override algorithm.ref_mixup_alpha=0.5 is the weight of a reference sync"):
+        load_config(path, ["algorithm.ref_mixup_alpha=0.5"])  # (the key its hint suggests is not a given one)
     path.write_text("checkpoint:\n  every: 3\n")
     with pytest.raises(ConfigError, match=rf"^{path} and overrides: checkpoint.best needs"):
         load_config(path, ["checkpoint.best=eval/accuracy", "eval.every=2"])

@@ -1010,3 +1010,19 @@ def test_a_checkpoint_resumes_only_as_it_was_trained_lora_or_every_weight(tmp_pa
         _check_lora_matches(load_config(model="m", run_dir="r"), tmp_path / "lora" / "checkpoints" / "step_000002")
     with pytest.raises(ConfigError, match=r"was trained without LoRA \(every weight\) but train.lora is set.*model=.*/model"):
         _check_lora_matches(load_config(model="m", run_dir="r", **lora), tmp_path / "full" / "checkpoints" / "step_000002")
+
+
+def test_a_ranks_error_line_is_its_exception_even_when_the_message_runs_on():
+    """CUDA's and NCCL's messages end in advice on lines of their own: the one line of a rank's
+    failure is the exception's first line, chained exceptions' last."""
+    from rollover.train.ranks import _last_line
+
+    tb = ('Traceback (most recent call last):\n  File "x.py", line 1, in f\n    g()\nValueError: first\n\n'
+          'During handling of the above exception, another exception occurred:\n\n'
+          'Traceback (most recent call last):\n  File "y.py", line 2, in g\n    h()\n'
+          'torch.AcceleratorError: CUDA error: device-side assert triggered\n'
+          'CUDA kernel errors might be asynchronously reported at some other API call.\n'
+          'Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n')
+    assert _last_line(tb) == "torch.AcceleratorError: CUDA error: device-side assert triggered"
+    assert _last_line('Traceback (most recent call last):\n  File "z.py", line 3, in k\nKeyboardInterrupt\n') == \
+        "KeyboardInterrupt"

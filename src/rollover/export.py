@@ -63,9 +63,11 @@ def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | Non
 
 
 def _check_out(out: Path, ckpt: Path, force: bool) -> None:
-    o = out.resolve()
+    o, c = out.resolve(), ckpt.resolve()
+    if o == c or o in c.parents or c in o.parents:
+        raise ExportError(f"{out} overlaps the checkpoint {ckpt}; export somewhere else")
     inside = next((p for p in (o, *o.parents) if p.name.startswith("step_") and (p / "DONE").is_file()), None)
-    if inside is not None and inside != ckpt.resolve():  # (the checkpoint exported itself: refused below)
+    if inside is not None:
         raise ExportError(f"{out} is inside the checkpoint {inside}, which it would change; export somewhere else")
     blocked = next((p for p in o.parents if p.exists() and not p.is_dir()), None)
     if blocked is not None:
@@ -74,9 +76,6 @@ def _check_out(out: Path, ckpt: Path, force: bool) -> None:
         return
     if not out.is_dir():
         raise ExportError(f"{out} exists and is not a directory")
-    o, c = out.resolve(), ckpt.resolve()
-    if o == c or o in c.parents or c in o.parents:
-        raise ExportError(f"{out} overlaps the checkpoint {ckpt}; export somewhere else")
     if not any(out.iterdir()):
         return
     if not (out / "config.json").exists():

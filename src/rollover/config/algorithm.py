@@ -137,7 +137,7 @@ class AlgorithmConfig(Section):
         ours = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "low_var_kl+": "k3+"}
         if isinstance(value, str) and value in ours:
             raise ValueError(f"{value!r} is verl's name for {ours[value]}: write {ours[value]}")
-        if value in ("abs", "full"):
+        if value in ("abs", "full", "kl+", "k1+"):
             raise ValueError(f"{value!r} (verl's) has no equivalent here: k1, k2, k3 or k3+")
         return value
 

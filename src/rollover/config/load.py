@@ -98,6 +98,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
     if isinstance(overrides, str):
         raise ConfigError(f"overrides must be a list of key.path=value strings, got one string: [{overrides!r}]")
     raw: dict = read_yaml(path) if path is not None else {}
+    in_file = set(_flat(raw)) if isinstance(raw, dict) else set()
     if recorded:
         raw = {k: v for k, v in raw.items() if k not in RETIRED_SECTIONS or k in schema.model_fields}
     for k, v in data.items():
@@ -108,12 +109,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
         overridden.add(k)
     sections = {"async" if n == "async_" else n for n in schema.model_fields}
     try:
-        return schema.model_validate(raw)
+        return schema.model_validate(raw, context={"recorded": recorded})
     except ValidationError as e:
         def where(err: dict) -> str:  # with a file: the file or the overrides, whichever the keys came from
             if path is None:
                 return ""
-            keys = _error_keys(err) + [k for k in _mentioned_keys(err) if k.split(".")[0] in sections]
+            keys = _error_keys(err) + [k for k in _mentioned_keys(err)  # those given, not those a hint suggests
+                                       if k.split(".")[0] in sections and (k in in_file or k in overridden)]
             given = [any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in overridden)
                      for key in dict.fromkeys(k for k in keys if k)]
             return "override " if given and all(given) else f"{path}{' and overrides' if any(given) else ''}: "

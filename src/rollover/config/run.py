@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, model_validator
 
 from rollover.config.algorithm import AlgorithmConfig
 from rollover.config.base import NonEmptyStr, Section
@@ -129,7 +129,7 @@ class Config(Section):
                            "older tokens: no carried prefix is prefilled again")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Config":
+    def _consistent(self, info: ValidationInfo) -> "Config":
         """Checks across fields (each field's own range is declared with the field)."""
         r, a, p, t = self.rollout, self.algorithm, self.partial_rollout, self.train
         problems = []
@@ -165,6 +165,8 @@ class Config(Section):
                             "with training and carries in-flight requests across weight updates "
                             "(rollout.inflight_weight_update)")
         problems += self._selection_problems() + self._train_problems() + self._ray_problems()
+        if not (info.context or {}).get("recorded"):  # a run's own config.yaml loads as it was accepted
+            problems += self._unused_keys()
         if self.runtime == "local" and self.ray != RayConfig():
             problems.append("the ray section is set but runtime is local; set runtime: ray")
         if self.mode == "sync" and self.async_ != AsyncConfig():
@@ -253,7 +255,6 @@ class Config(Section):
                             f"lie in [entropy_coef_min, entropy_coef_max] = [{a.entropy_coef_min}, {a.entropy_coef_max}]")
         if a.kl_is_correction and a.kl_coef <= 0:
             problems.append("algorithm.kl_is_correction weighs the KL term, which algorithm.kl_coef=0 leaves out")
-        problems += self._unused_algorithm_keys()
         if a.ref_mixup_alpha != fields["ref_mixup_alpha"].default and a.ref_sync_every is None:
             problems.append(f"algorithm.ref_mixup_alpha={a.ref_mixup_alpha} is the weight of a reference sync: set "
                             "algorithm.ref_sync_every too")
@@ -315,7 +316,7 @@ class Config(Section):
                        "would still drop the groups whose samples score alike (the teacher has a signal for them)")
         return out
 
-    def _unused_algorithm_keys(self) -> list[str]:
+    def _unused_keys(self) -> list[str]:
         """Keys of the algorithm section moved from their defaults where nothing reads them (a
         setting silently left unused reads as one that took effect). Moved, not given: a run's
         saved config.yaml gives every key."""
@@ -338,6 +339,11 @@ class Config(Section):
         if a.tis_cap is not None and "is_cap" in a.loss_options:
             out.append(f"algorithm.tis_cap={a.tis_cap:g} and algorithm.loss_options.is_cap="
                        f"{a.loss_options['is_cap']} both cap the importance weight: give one")
+        t = self.train
+        moved = [k for k in ("weight_bucket_mb", "collective_timeout_s") if getattr(t, k) != type(t).model_fields[k].default]
+        if moved and t.parallel != "fsdp":
+            out.append(f"train.{' and train.'.join(moved)} apply to the sharded trainer's ranks "
+                       "(train.parallel=fsdp); one trainer uses neither")
         return out
 
     def _critic_problems(self) -> list[str]:
@@ -421,11 +427,6 @@ class Config(Section):
                                 "hold a share of a row)")
         if t.fsdp_offload and t.parallel != "fsdp":
             problems.append("train.fsdp_offload applies to train.parallel=fsdp")
-        fields = type(t).model_fields
-        moved = [k for k in ("weight_bucket_mb", "collective_timeout_s") if getattr(t, k) != fields[k].default]
-        if moved and t.parallel != "fsdp":
-            problems.append(f"train.{' and train.'.join(moved)} apply to the sharded trainer's ranks "
-                            "(train.parallel=fsdp); one trainer uses neither")
         if t.colocate:
             if t.parallel != "fsdp":
                 problems.append("train.colocate runs an engine in every trainer rank: it needs train.parallel=fsdp")

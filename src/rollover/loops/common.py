@@ -205,12 +205,23 @@ class Run:
         if not (step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0)):
             return {}
         recorded = checkpoint.read_evaluation(self.checkpoint)
-        if recorded is not None:
-            return recorded
-        log.info("step %d's evaluation was not run before the run stopped: running it now", step)
-        metrics = self.evaluate(step)
-        checkpoint.record_evaluation(self.checkpoint, metrics)
-        return metrics
+        if recorded is None:  # logged but not in the checkpoint (one written without it): the row stands
+            from rollover.metrics import read_metrics
+
+            rows = [r for r in read_metrics(cfg.run_dir, kind="eval") if r["step"] == step] \
+                if has_metrics(Path(cfg.run_dir)) else []
+            recorded = {k: v for k, v in rows[-1].items() if k not in ("step", "kind", "time")} if rows else None
+        if recorded is None:
+            log.info("step %d's evaluation was not run before the run stopped: running it now", step)
+            recorded = self.evaluate(step)
+        self.last_eval = (step, recorded)  # a save at this step again keeps it
+        mine = Path(cfg.run_dir).resolve() in self.checkpoint.resolve().parents
+        if mine and checkpoint.read_evaluation(self.checkpoint) is None:
+            try:
+                checkpoint.record_evaluation(self.checkpoint, recorded)
+            except OSError as e:
+                log.warning("could not add step %d's evaluation to %s: %s", step, self.checkpoint, e)
+        return recorded
 
     @property
     def primary_reward(self) -> str:

@@ -101,6 +101,7 @@ def restart_without_checkpoint(cfg: Config, run_dir: Path, allow: bool) -> None:
     """A run dir with a run's metrics but no checkpoint (stopped before its first): `resume: auto`
     starts it over, replacing its metrics, under the config it had (else refused, naming the
     differences, unless `allow`), with a warning."""
+    lock_run_dir(run_dir).close()  # a live run that has not saved yet is "in use", not a run to start over
     saved = run_dir / "config.yaml"
     changes = config_changes(read_yaml(saved), cfg) if saved.is_file() else []
     if changes and not allow:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -56,9 +57,11 @@ class RankLost(RuntimeError):
 
 
 def _last_line(tb: str) -> str:
-    """A traceback's last line: the exception raised, as Python prints it."""
+    """The exception a traceback ends in, as Python prints its first line (`Type: message`): a
+    message of several lines (CUDA's and NCCL's end in advice) is named by its first."""
     lines = [line for line in tb.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "(no traceback)"
+    raised = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(: |$)", line)]
+    return raised[-1].strip() if raised else (lines[-1].strip() if lines else "(no traceback)")
 
 
 def _rank_context(mp, architecture, cuda: bool):
@@ -188,8 +191,8 @@ class RankGroup:
         if not state.get("sharded"):
             raise ConfigError("the checkpoint was written by one trainer (train.parallel=none): its optimizer state is "
                               "not sharded; resume it with train.parallel=none, or start a new run on the sharded "
-                              "trainer from its weights (model=CHECKPOINT/model, a new run_dir; AdamW's moments start "
-                              "again)")
+                              "trainer from its weights (rollover export RUN_DIR OUT, then model=OUT and a new "
+                              "run_dir; AdamW's moments start again)")
         sharded = self.checkpoint / "sharded" if self.checkpoint is not None else None
         state = {k: v for k, v in state.items() if k != "sharded"}
         self.bad_steps = self._all("load", state, None if sharded is None else str(sharded))[0]
@@ -340,7 +343,7 @@ class ShardedTrainer(RankGroup):
         """Send `message` to a rank. With a deadline the send itself is bounded too: a hung rank
         stops reading its pipe, and a message larger than the pipe's buffer would block for ever."""
         if self.failure is not None:  # the ranks are gone: say why, whoever calls next
-            raise RankLost(str(self.failure))
+            raise RankLost(str(self.failure), traceback=self.failure.traceback)
         if deadline is None:
             try:
                 self.conns[rank].send(message)
@@ -368,7 +371,7 @@ class ShardedTrainer(RankGroup):
         """Rank `rank`'s answer to `what`. A rank still silent at `deadline` (time.monotonic) is
         taken for hung (`_hung`)."""
         if self.failure is not None:
-            raise RankLost(str(self.failure))
+            raise RankLost(str(self.failure), traceback=self.failure.traceback)
         conn, watched = self.conns[rank], self._watched()
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
