@@ -75,6 +75,40 @@ def test_dynamic_sampling_with_gdpo_keeps_a_group_whose_functions_differ_though_
     assert not keep_group(one_absent, gdpo, Counter())
 
 
+def test_dynamic_sampling_filters_on_the_answers_not_on_their_overlong_shaping():
+    """DAPO filters a group whose answers are all right (or all wrong), whatever their lengths: the
+    overlong penalty (algorithm.overlong_buffer) makes the rewards differ, and such a group was
+    kept, to train on its lengths alone. Its shaped rewards still train a group that is kept."""
+    from types import SimpleNamespace
+
+    from rollover.rollout.groups import score_groups
+
+    cfg = load_config(None, ["algorithm.dynamic_sampling=true", "rollout.max_new_tokens=8",
+                             "algorithm.overlong_buffer=4"])
+
+    class Runner:  # every answer scores its given value
+        def __init__(self, values):
+            self.values = values
+
+        def score(self, prompts, texts, **kw):
+            return SimpleNamespace(samples=[SimpleNamespace(scores={"numeric": v}, extras={}, total=v)
+                                            for v in self.values])
+
+    def scored(values, lengths):
+        g = _group(values)
+        for r, n in zip(g.rollouts, lengths):
+            r.response_ids = [2] * n
+        score_groups([g], Runner(values), cfg)
+        return g
+
+    right = scored([1.0, 1.0], [3, 8])  # the second ends in the buffer: penalised
+    assert right.rollouts[0].reward == 1.0 and right.rollouts[1].reward < 1.0
+    m = Counter()
+    assert not keep_group(right, cfg, m) and m["filtered_groups"] == 1
+    mixed = scored([1.0, 0.0], [3, 8])
+    assert keep_group(mixed, cfg, Counter()) and mixed.rollouts[1].reward < 0.0  # trained on the shaped rewards
+
+
 def test_a_remax_group_without_its_greedy_answer_is_skipped_and_dynamic_sampling_counts_it():
     """ReMax's baseline is its greedy answer: a group whose greedy answer failed (or that has
     none) cannot train; with dynamic sampling, samples that agree with each other but not with

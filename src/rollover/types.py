@@ -155,6 +155,7 @@ class Rollout:
     text: str = ""
     turns: list[dict] | None = None  # multi-turn: what each turn said and was answered (logs only, never trained)
     media: object = None  # the prompt's images as the forward takes them (`rollover.data.media.Media`)
+    unshaped: float | None = None  # the reward before DAPO's overlong shaping, where it added to it
 
 
 @dataclass

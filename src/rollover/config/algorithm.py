@@ -120,7 +120,8 @@ class AlgorithmConfig(Section):
     bonus; the KL term and the denominators count every token (TRL). 1 = every token; 0 = the
     highest-entropy token only."""
     dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards are all equal and top up with new prompts."""
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (before overlong shaping, as
+    DAPO filters on accuracy) and top up with new prompts."""
     max_resample_rounds: int = Field(4, ge=1)
     """Dynamic sampling: generation rounds per step before training on what was kept."""
     overlong_buffer: int = Field(0, ge=0)

@@ -189,6 +189,7 @@ def score_groups(groups: list[Group], runner: RewardRunner, cfg: Config) -> Batc
         r.extras = dict(s.extras)
         r.reward = s.total
         if r.reward is not None and a.overlong_buffer:
+            r.unshaped = r.reward  # what dynamic sampling compares: DAPO's filter is on the answers, not their lengths
             r.reward += float(overlong_penalty(torch.tensor([len(r.response_ids)]), max_len=cfg.rollout.max_new_tokens,
                                                buffer_len=a.overlong_buffer, penalty=a.overlong_penalty)[0])
     return result
@@ -204,14 +205,13 @@ def trainable(group: Group) -> bool:
 def has_variance(group: Group, by_function: bool = False) -> bool:
     """DAPO dynamic sampling keeps groups whose rewards are not all equal, the greedy answer's among
     them under ReMax (`by_function`, for GDPO, which normalises each reward function in the group:
-    where some function's scores differ)."""
+    where some function's scores differ). The rewards before overlong shaping, as DAPO filters on
+    the answers' accuracy: a group all right (or all wrong) of different lengths is filtered too."""
     if by_function:
         names = {k for r in group.rollouts for k in r.scores}
         return any(len({r.scores[k] for r in group.rollouts if k in r.scores}) > 1 for k in names)
-    rewards = [r.reward for r in group.rollouts]
-    if group.greedy is not None:  # ReMax: the samples are compared with the greedy answer, not each other
-        rewards.append(group.greedy.reward)
-    return len(set(rewards)) > 1
+    samples = [*group.rollouts, *([group.greedy] if group.greedy is not None else [])]  # ReMax: against the greedy
+    return len({r.reward if r.unshaped is None else r.unshaped for r in samples}) > 1
 
 
 def group_advantages(groups: list[Group], cfg: Config) -> tuple[torch.Tensor, dict]:
