@@ -997,7 +997,7 @@ def test_a_checkpoint_resumes_only_as_it_was_trained_lora_or_every_weight(tmp_pa
     it trained: resuming it without train.lora, or a full fine-tune with train.lora, is refused
     with the way to start a new run from it (it had failed inside the ranks: a missing key)."""
     from rollover.config import dump_config
-    from rollover.loops.common import _check_lora_matches
+    from rollover.loops.resume import check_lora_matches as _check_lora_matches
 
     lora = {"train.lora": {"r": 4, "alpha": 8}}
     for name, over in (("lora", lora), ("full", {})):

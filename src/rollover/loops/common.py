@@ -20,12 +20,12 @@ from typing import IO, TYPE_CHECKING
 import torch
 
 from rollover.algos.loss_options import loss_caveats
-from rollover.config import Config, ConfigError, dump_config, read_yaml
+from rollover.config import Config, ConfigError, dump_config
 from rollover.loops.prompts import (MediaStore, _check_best, _check_stand_in, _env_processor, _media_store, _named_eval,
                                     _prompts, _render_all, _steps_from_epochs, _train_iterator,
                                     _warn_if_a_step_exceeds_the_data, eval_sources)
-from rollover.loops.resume import (checkpoint_to_resume, config_changes_since, has_metrics, lock_run_dir, record_config,
-                                   restart_without_checkpoint, set_aside_later_checkpoints)
+from rollover.loops.resume import (check_lora_matches, checkpoint_to_resume, config_changes_since, has_metrics,
+                                   lock_run_dir, record_config, restart_without_checkpoint, set_aside_later_checkpoints)
 from rollover.models import eos_ids, text_config
 from rollover.rewards import RewardRunner, build_rewards
 from rollover.rollout.groups import PendingGroup, eval_metrics, sampling_from
@@ -304,7 +304,7 @@ def _load_model(cfg: Config, ckpt: Path | None, training: bool):
 
     src = resolve_model(cfg.model)
     if ckpt is not None and training:
-        _check_lora_matches(cfg, ckpt)
+        check_lora_matches(cfg, ckpt)
     if ckpt is not None and (ckpt / "adapter").exists() and cfg.train.lora is None:
         raise ConfigError(f"{ckpt} holds a LoRA adapter but train.lora is unset; set train.lora as the run that "
                           "wrote it did")
@@ -319,22 +319,6 @@ def _load_model(cfg: Config, ckpt: Path | None, training: bool):
         else:
             model = apply_lora(model, cfg.train.lora)
     return model
-
-
-def _check_lora_matches(cfg: Config, ckpt: Path) -> None:
-    """A checkpoint resumes only as it was trained: an adapter (`train.lora`; the sharded trainer
-    saves it merged, so its config says) or every weight. Anything else is refused, with the way
-    to start a new run from its weights."""
-    saved = next((p for p in (ckpt / "config.yaml", ckpt.parent.parent / "config.yaml") if p.is_file()), None)
-    saved_lora = (read_yaml(saved).get("train") or {}).get("lora") if saved is not None else None
-    adapter = (ckpt / "adapter").exists() or saved_lora is not None
-    if adapter and cfg.train.lora is None:
-        raise ConfigError(f"{ckpt} holds a LoRA adapter but train.lora is unset; set train.lora as the run that wrote "
-                          "it did, or start a new run from its merged weights (rollover export RUN_DIR OUT, then "
-                          "model=OUT)")
-    if not adapter and cfg.train.lora is not None:
-        raise ConfigError(f"{ckpt} was trained without LoRA (every weight) but train.lora is set; unset it to resume, "
-                          f"or start a new run with an adapter over its weights (model={ckpt / 'model'}, a new run_dir)")
 
 
 LOOPS = {"sync": "rollover.loops.sync.train_sync", "async": "rollover.loops.async_.train_async"}

@@ -75,11 +75,33 @@ def set_aside_later_checkpoints(run_dir: Path, step: int) -> list[Path]:
     return moved
 
 
+def saved_config(ckpt: Path) -> Path | None:
+    """The config a checkpoint was trained under: its own config.yaml, or its run dir's for
+    checkpoints written without one; None when neither is there."""
+    return next((p for p in (ckpt / "config.yaml", ckpt.parent.parent / "config.yaml") if p.is_file()), None)
+
+
+def check_lora_matches(cfg: Config, ckpt: Path) -> None:
+    """A checkpoint resumes only as it was trained: an adapter (`train.lora`; the sharded trainer
+    saves it merged, so its config says) or every weight. Anything else is refused, with the way
+    to start a new run from its weights."""
+    saved = saved_config(ckpt)
+    saved_lora = (read_yaml(saved).get("train") or {}).get("lora") if saved is not None else None
+    adapter = (ckpt / "adapter").exists() or saved_lora is not None
+    if adapter and cfg.train.lora is None:
+        raise ConfigError(f"{ckpt} holds a LoRA adapter but train.lora is unset; set train.lora as the run that wrote "
+                          "it did, or start a new run from its merged weights (rollover export RUN_DIR OUT, then "
+                          "model=OUT)")
+    if not adapter and cfg.train.lora is not None:
+        raise ConfigError(f"{ckpt} was trained without LoRA (every weight) but train.lora is set; unset it to resume, "
+                          f"or start a new run with an adapter over its weights (model={ckpt / 'model'}, a new run_dir)")
+
+
 def config_changes_since(cfg: Config, ckpt: Path, allow: bool) -> list[str]:
     """The differences in what is trained between `cfg` and the config that trained `ckpt`
     (its own config.yaml, or its run dir's for checkpoints written without one); an error
     listing them unless `allow`."""
-    saved = next((p for p in (ckpt / "config.yaml", ckpt.parent.parent / "config.yaml") if p.is_file()), None)
+    saved = saved_config(ckpt)
     if saved is None:
         log.warning("resume: no config.yaml in or beside %s; cannot check that it was trained under this config", ckpt)
         return []
