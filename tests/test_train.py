@@ -771,6 +771,21 @@ def test_a_model_name_that_names_nothing_fails_at_once_saying_why(tmp_path, monk
     assert resolve_model("owner/model") == "owner/model"
 
 
+def fail_from_step(monkeypatch, step: int, flags: dict) -> dict:
+    """flags["fail"] turns true once the sync loop has recorded step `step` (flags["after"])."""
+    import rollover.loops.sync as sync_mod
+
+    real = sync_mod.record_step
+    flags.update(fail=False, after=step)
+
+    def record(run, at, *a, **k):
+        real(run, at, *a, **k)
+        flags["fail"] = at >= flags["after"]
+
+    monkeypatch.setattr(sync_mod, "record_step", record)
+    return flags
+
+
 def test_reward_errors_raise_zero_skip(model_dir, tmp_path, monkeypatch):
     import rollover.rewards.builtins as builtins
 
@@ -787,14 +802,17 @@ def test_reward_errors_raise_zero_skip(model_dir, tmp_path, monkeypatch):
     with pytest.raises(RewardFailed, match=r"'flaky' failed .*judge unavailable \(the run stopped in its first step: "
                                            r"nothing was trained\)"):
         train_sync(tiny_cfg(model_dir, tmp_path / "raise", steps=1, **{"reward.functions": fn, "eval.at_start": False}))
-    # failing in step 4 (9 samples a step, 6 held-out ones at step 2): the latest checkpoint is step 2's
-    calls["n"] = 0
-    monkeypatch.setattr(builtins, "flaky_test_reward",
-                        lambda *a, **k: (calls.__setitem__("n", calls["n"] + 1), 1.0 if calls["n"] <= 33 else 1 / 0)[1])
+    # failing in step 4 under APRIL: its requests carried in the engine cannot be set back, so
+    # the latest checkpoint is step 2's
+    fail_from_step(monkeypatch, 3, calls)
+    monkeypatch.setattr(builtins, "flaky_test_reward", lambda *a, **k: 1 / 0 if calls["fail"] else 1.0)
     with pytest.raises(RewardFailed, match=r"ZeroDivisionError.*\(the run stopped after step 3; its latest checkpoint is "
                                            r"step 2, so a resume trains step 3 again"):
-        train_sync(tiny_cfg(model_dir, tmp_path / "late", **{"reward.functions": fn, "eval.at_start": False}))
-    monkeypatch.setattr(builtins, "flaky_test_reward", flaky)
+        train_sync(tiny_cfg(model_dir, tmp_path / "late", **{"reward.functions": fn, "eval.at_start": False,
+                                                             "partial_rollout.enabled": True,
+                                                             "partial_rollout.oversample": 1.0}))
+    monkeypatch.undo()
+    monkeypatch.setattr(builtins, "flaky_test_reward", flaky, raising=False)
     calls["n"] = 0
     train_sync(tiny_cfg(model_dir, tmp_path / "zero", steps=1, **{"reward.functions": fn, "reward.on_error": "zero",
                                                                    "eval.at_start": False, "eval.every": 0}))
@@ -807,6 +825,38 @@ def test_reward_errors_raise_zero_skip(model_dir, tmp_path, monkeypatch):
     # a skipped sample leaves its group, which trains on the rest (tests/test_failed_samples.py)
     assert row["rollout/dropped_samples"] == row["rollout/rewards/flaky/errors"] >= 1
     assert row["groups"] == 3 - row["rollout/skipped_groups"]
+
+
+@pytest.mark.parametrize("extra", [{}, {"selection.policy": "thompson"}])
+def test_a_reward_failing_mid_step_saves_the_steps_trained_and_the_resume_is_exact(model_dir, tmp_path, monkeypatch,
+                                                                                    extra):
+    """reward.on_error=raise in step 4's collection, 2 steps after the last checkpoint: the state
+    from before that collection is saved as step 3's checkpoint, and a resume with a reward that
+    no longer fails trains as a run that never stopped (same data, prompt choices and weights)."""
+    import rollover.rewards.builtins as builtins
+
+    calls = fail_from_step(monkeypatch, 3, {})
+
+    def parity(completion, answer, **kw):
+        if calls["fail"]:
+            raise ZeroDivisionError("judge crashed")
+        return float(len(completion) % 2)
+
+    monkeypatch.setattr(builtins, "parity_test_reward", parity, raising=False)
+    cfg = lambda d: tiny_cfg(model_dir, tmp_path / d, **{"reward.functions": ["rollover.rewards.builtins:parity_test_reward"],  # noqa: E731
+                                                         "eval.at_start": False, "checkpoint.every": 2, **extra})
+    with pytest.raises(RewardFailed, match=r"judge crashed \(a checkpoint of step 3 was saved: a resume continues from it\)"):
+        train_sync(cfg("split"))
+    assert sorted(p.name for p in (tmp_path / "split" / "checkpoints").glob("step_*")) == ["step_000002", "step_000003"]
+    calls.update(fail=False, after=10**9)
+    train_sync(cfg("split"))  # resume: auto, from step 3
+    train_sync(cfg("straight"))
+    a, b = _final_weights(tmp_path / "straight", 4), _final_weights(tmp_path / "split", 4)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    rows = lambda d: [(r["step"], r["kind"], r.get("reward/mean"), r.get("samples_consumed_total"))  # noqa: E731
+                      for r in map(json.loads, open(tmp_path / d / "metrics.jsonl"))]
+    assert rows("split") == rows("straight")
 
 
 def test_nan_loss_skips_then_stops_with_checkpoint(model_dir, tmp_path, monkeypatch):

@@ -228,14 +228,26 @@ class Run:
         return "env" if self.env_builder is not None else self.rewards.rewards[0].name
 
     # ------------------------------------------------------------ checkpoints
-    def save(self, step: int, extra: dict | None = None) -> Path:
-        state = {"data": self.train_iter.state_dict(), "serial": self.serial, "version": self.engine.version,
-                 "turn_budget": self.turn_budget.state_dict() if self.turn_budget else None,
-                 "selection": self.selection.state_dict() if self.selection else None, **(extra or {})}
+    def state(self, extra: dict | None = None, *, rng: bool = False) -> dict:
+        """What a checkpoint keeps besides the weights and the trainer's state: the run's data,
+        prompt and selection state, `extra` (the loop's) and, with `rng`, the random generators'
+        (else `save` takes theirs last, after writing the weights). Taken with `rng` before a
+        step's collection, it is still the checkpoint's of the step before when the collection
+        fails (`save(step, state=...)`)."""
+        return {"data": self.train_iter.state_dict(), "serial": self.serial, "version": self.engine.version,
+                "turn_budget": self.turn_budget.state_dict() if self.turn_budget else None,
+                "selection": self.selection.state_dict() if self.selection else None,
+                **({"rng": checkpoint.rng_state()} if rng else {}), **(extra or {})}
+
+    def save(self, step: int, extra: dict | None = None, *, state: dict | None = None) -> Path:
+        """Save a checkpoint of `step`: the weights, the trainer's state and `state` (None: this
+        moment's `self.state(extra)`)."""
+        state = dict(state) if state is not None else self.state(extra)
+        rng = state.pop("rng", None)
         c = self.cfg.checkpoint
         return checkpoint.save(self.cfg.run_dir, step, model=self.model,
                                tokenizer=self.media.renderer.processor if self.media else self.tokenizer,
-                               trainer_state=self.trainer.state_dict(), extra=state, keep=c.keep,
+                               trainer_state=self.trainer.state_dict(), extra=state, rng=rng, keep=c.keep,
                                config=dump_config(self.cfg),
                                evaluation=self.last_eval[1] if self.last_eval and self.last_eval[0] == step else None,
                                best=(c.best, c.best_mode) if c.best else None)

@@ -39,6 +39,7 @@ from rollover.rewards import RewardFailed
 from rollover.rollout.api import CollectorAPI
 from rollover.rollout.groups import rollout_metrics
 from rollover.rollout.inputs import RolloutInputs
+from rollover.train import checkpoint
 
 log = logging.getLogger("rollover")
 
@@ -90,8 +91,16 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
     samples_consumed = run.resumed_extra.get("samples_consumed", 0)
     empty = EmptyCollections()
 
-    def save(step: int):
-        return run.save(step, {"collector": collector.state_dict(), "samples_consumed": samples_consumed})
+    def extra() -> dict:
+        return {"collector": collector.state_dict(), "samples_consumed": samples_consumed}
+
+    def save(step: int, state: dict | None = None):
+        return run.save(step, extra(), state=state)
+
+    # a reward that raises (reward.on_error=raise) stops a collection half done: the state before
+    # it, with the weights it has not changed, is a checkpoint of the steps trained so far (APRIL's
+    # requests carried in the engine cannot be set back to it)
+    keep_start = cfg.reward.on_error == "raise" and not cfg.partial_rollout.enabled
 
     interrupts = Interrupts().__enter__()  # SIGINT/SIGTERM: finish the step, checkpoint, return
     try:
@@ -102,10 +111,14 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
             t_step = time.perf_counter()
 
             # 1. generate and score (sync or APRIL); nothing trainable: count it, collect again
+            start = run.state(extra(), rng=True) if keep_start and step > run.start_step else None
             try:
                 groups, gen = collector.collect(step)
-            except RewardFailed as e:  # mid-collection: no consistent state to save; say what a resume retrains
-                raise resume_point(e, cfg.run_dir, step) from None
+            except RewardFailed as e:
+                if start is None or checkpoint.exists(cfg.run_dir, step):  # say what a resume retrains
+                    raise resume_point(e, cfg.run_dir, step) from None
+                save(step, start)
+                raise resume_point(e, cfg.run_dir, step, saved=True) from None
             if not groups:
                 if (error := empty.add(run, step, gen)) is not None:
                     save(step)

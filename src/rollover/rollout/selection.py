@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import random
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 _STAT_FIELDS = ("attempts", "successes", "reward_sum", "reward_sq_sum", "last_version", "last_step")
@@ -118,7 +118,7 @@ class PromptHistory:
             rec.reward_sq_sum *= gamma
 
     def state_dict(self) -> dict:
-        return {"prompts": {pid: asdict(rec) for pid, rec in self._stats.items()}}
+        return {"prompts": {pid: dict(vars(rec)) for pid, rec in self._stats.items()}}  # asdict: 5x slower
 
     def load_state_dict(self, state: dict) -> None:
         prompts = state["prompts"]

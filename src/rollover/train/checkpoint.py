@@ -41,6 +41,11 @@ def latest(run_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def exists(run_dir: str | Path, step: int) -> bool:
+    """Whether the run has a complete checkpoint of `step`."""
+    return (checkpoint_dir(run_dir) / f"step_{step:06d}" / "DONE").exists()
+
+
 def rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -58,22 +63,24 @@ EVAL_FILE = "eval.json"
 
 
 def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dict, extra: dict, keep: int,
-         config: str | None = None, evaluation: dict | None = None, best: tuple[str, str] | None = None) -> Path:
+         config: str | None = None, evaluation: dict | None = None, best: tuple[str, str] | None = None,
+         rng: dict | None = None) -> Path:
     """Write `RUN_DIR/checkpoints/step_{step:06d}`, then remove the oldest complete checkpoints
     other than it until `keep` remain, sparing the best by `best` (metric, "max" or "min").
-    `config`: the run's config as YAML text; `evaluation`: the metrics of the step's evaluation."""
+    `config`: the run's config as YAML text; `evaluation`: the metrics of the step's evaluation;
+    `rng`: the random generators' state to resume with (None: this moment's, `rng_state()`)."""
     if keep < 1:
         raise ValueError(f"checkpoint keep={keep}: must be >= 1 (the checkpoint just written is always kept)")
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
+    final = root / f"step_{step:06d}"  # exists() knows this name
     tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}-", dir=root))
     try:
         sub = "adapter" if hasattr(model, "get_base_model") else "model"
         model.save_pretrained(tmp / sub, safe_serialization=True)
         if tokenizer is not None and sub == "model":
             tokenizer.save_pretrained(tmp / sub)
-        torch.save({"step": step, "trainer": trainer_state, "rng": rng_state(), **extra}, tmp / "state.pt")
+        torch.save({"step": step, "trainer": trainer_state, "rng": rng or rng_state(), **extra}, tmp / "state.pt")
         if config is not None:
             (tmp / "config.yaml").write_text(config)
         if evaluation is not None:
