@@ -220,6 +220,7 @@ def test_remax_in_async_mode_sizes_the_samples_and_keeps_the_greedy_answer_apart
     assert sizes and set(sizes) == {3}
     got = rows(tmp_path)
     assert [r["step"] for r in got] == [1, 2, 3] and all("reward/greedy_mean" in r for r in got)
+    assert all(r["rollout/experience_pool_substitutions"] >= 0 for r in got)  # written when 0 too
     for step in (1, 2, 3):
         samples = [json.loads(x) for x in open(tmp_path / "samples" / f"step_{step:06d}.jsonl")][1:]
         greedy = [r for r in samples if r["sample"] == "greedy"]
@@ -237,6 +238,11 @@ def test_experience_pool_fills_all_fail_groups_with_fresh_successes():
     assert [r.reward for r in fail.rollouts] == [1.0, 0.0] and fail.rollouts[0].group_id == "g1"
     too_old = Group(id="g2", prompt=p, prompt_ids=[1], rollouts=[_rollout("g2", 0.0, [-0.3], [9])])
     assert not pool.observe_and_fill(too_old, train_version=9, max_staleness=1)  # pooled tokens are 6 versions old
+    # an episode's success: the environment's tokens carry version -1, the policy's their own
+    episode = Group(id="g3", prompt=p, prompt_ids=[1], rollouts=[_rollout("g3", 1.0, [-0.1, 0.0, -0.2], [8, -1, 8])])
+    assert not pool.observe_and_fill(episode, train_version=8, max_staleness=1)
+    fail = Group(id="g4", prompt=p, prompt_ids=[1], rollouts=[_rollout("g4", 0.0, [-0.3], [9])])
+    assert pool.observe_and_fill(fail, train_version=9, max_staleness=1) and fail.rollouts[0].versions == [8, -1, 8]
 
 
 def test_the_pool_version_estimate_counts_the_batch_in_training():

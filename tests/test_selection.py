@@ -200,18 +200,21 @@ def test_skip_saturated_skips_and_fills_least_recent_first():
     assert p.choose(["hard", "easy"], 1, h, step=5) == ["easy"]
 
 
-def test_skip_saturated_reprobes_after_reprobe_every():
+def test_skip_saturated_reprobes_after_reprobe_every_skips():
+    """Counted in times met, whatever the steps between them (a large dataset brings a prompt
+    back once an epoch, many steps later)."""
     h = saturated_history()
-    p = SkipSaturatedPolicy(UniformPolicy(), reprobe_every=10)
-    assert p.choose(CANDS, 3, h, step=9) == ["mid", "few", "new"]
-    # step 10: easy (last seen at 0) is due; hard (last seen at 2) is not until step 12
-    assert p.choose(CANDS, 4, h, step=10) == ["easy", "mid", "few", "new"]
-    assert p.choose(CANDS, 5, h, step=12) == CANDS
-    # re-probed and still saturated: skipped again for another reprobe_every steps
-    h.observe("easy", [1.0] * 4, [True] * 4, version=2, step=10)
-    assert p.choose(CANDS, 4, h, step=15) == ["hard", "mid", "few", "new"]
-    assert p.choose(CANDS, 4, h, step=19) == ["hard", "mid", "few", "new"]
-    assert p.choose(CANDS, 5, h, step=20) == CANDS
+    p = SkipSaturatedPolicy(UniformPolicy(), reprobe_every=2)
+    assert p.choose(CANDS, 3, h, step=100) == ["mid", "few", "new"]  # easy and hard skipped once
+    assert p.choose(["hard", "mid"], 1, h, step=500) == ["mid"]  # hard twice
+    assert p.choose(CANDS, 3, h, step=900) == ["hard", "mid", "few"]  # hard offered again; easy skipped twice
+    assert p.skips == {"easy": 2}  # hard trained: its count starts over
+    assert p.choose(["hard", "easy", "mid"], 2, h, step=901) == ["easy", "mid"]
+    assert p.skips == {"hard": 1}
+    h.observe("easy", [1.0] * 4, [True] * 4, version=2, step=901)  # re-probed and still saturated
+    assert p.choose(["easy", "mid"], 1, h, step=902) == ["mid"]
+    # a saturated prompt filling a short draw trains, and its count starts over
+    assert p.choose(["easy"], 1, h, step=903) == ["easy"] and p.skips == {"hard": 1}
 
 
 def test_skip_saturated_custom_band_and_decay_unsaturates():

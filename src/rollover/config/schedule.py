@@ -27,8 +27,8 @@ class SelectionConfig(Section):
     policy: Literal["uniform", "thompson", "skip_saturated", "thompson_skip_saturated"] = "uniform"
     """Which prompts a step trains on (rollover.rollout.selection): uniform (the data order,
     plain GRPO), thompson (VADE-style: prompts whose sampled success rate promises reward
-    variance), skip_saturated (skip prompts always or never solved, re-probed every
-    reprobe_every steps), or both. Not uniform: each draw takes candidates x k prompts from
+    variance), skip_saturated (skip prompts always or never solved, offered again after
+    reprobe_every skips), or both. Not uniform: each draw takes candidates x k prompts from
     the data and keeps k (the others are passed over for this epoch)."""
     candidates: float = Field(4.0, ge=1)
     """Prompts drawn from the data per prompt kept (not uniform)."""
@@ -41,7 +41,8 @@ class SelectionConfig(Section):
     min_attempts: int = Field(8, ge=1)
     """skip_saturated: samples seen before a prompt can count as always / never solved."""
     reprobe_every: int = Field(10, ge=1)
-    """skip_saturated: training steps after which a skipped prompt is offered again."""
+    """skip_saturated: times a saturated prompt the data brings is skipped before it is offered
+    again (counted in times met: the data brings a prompt once an epoch)."""
     allocation: Literal["fixed", "xrpo"] = "fixed"
     """Samples per group: fixed (rollout.samples_per_prompt each) or xrpo (the draw's
     prompts_per_step x samples_per_prompt samples split by how much one more sample narrows

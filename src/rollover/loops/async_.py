@@ -180,6 +180,7 @@ class _Services:
         self.service = RolloutService(inputs, self.gate, self.inbox, self._on_error)
         self.manager = DataManager(inputs, self.gate, self.service, self.inbox, self.batches, self._on_error)
         self._env_since = (0.0, time.perf_counter())  # environment busy seconds and time at the last metrics row
+        self.counts = DATA_COUNTS + (("experience_pool_substitutions",) if cfg.async_.experience_pool else ())  # 0s shown
         _restore(run.resumed_extra.get("async"), self.gate, self.manager, self.service)
 
     def _on_error(self, component: str, e: BaseException) -> None:
@@ -248,7 +249,7 @@ class _Services:
         busy, since = self.service.driver.env_busy_s, self._env_since
         self._env_since = (busy, time.perf_counter())
         return {
-            **{f"rollout/{k}": v for k, v in {**dict.fromkeys(DATA_COUNTS, 0), **counts}.items()},
+            **{f"rollout/{k}": v for k, v in {**dict.fromkeys(self.counts, 0), **counts}.items()},
             **{f"rollout/{k}": v for k, v in env_step_metrics(self.service.inputs, trajectories, busy - since[0],
                                                                time.perf_counter() - since[1]).items()},
             "queue/finished_groups": self.inbox.qsize(),

@@ -2,9 +2,10 @@
 
 - `ExperiencePool`: for a group whose samples all failed, substitute the prompt's most recent
   successful trajectory for one sample, so the group carries a learning signal. A pooled
-  trajectory is used only while it is fresh enough for the staleness bound (its oldest token
-  at most `max_staleness` versions behind the version that will train it); substitutions are
-  flagged in the metrics.
+  trajectory is used only while it is fresh enough for the staleness bound (its oldest sampled
+  token at most `max_staleness` versions behind the version that will train it; an episode's
+  environment tokens were not sampled and carry no version); substitutions are counted in the
+  metrics.
 - `dynamic_samples`: fewer samples for prompts the policy already solves (DART's
   `n = max(min_n, int(9 / success_rate - 7))` when the last success rate reaches the
   threshold, else the configured n).
@@ -40,7 +41,8 @@ class ExperiencePool:
             self.best[group.prompt.id] = copy.deepcopy(winners[-1])
             return False
         pooled = self.best.get(group.prompt.id)
-        if pooled is None or not pooled.versions or train_version - min(pooled.versions) > max_staleness:
+        sampled = [v for v in pooled.versions if v >= 0] if pooled is not None else []  # not an environment's (-1)
+        if not sampled or train_version - min(sampled) > max_staleness:
             return False
         worst = min(range(len(group.rollouts)), key=lambda j: (group.rollouts[j].reward, j))
         sub = copy.deepcopy(pooled)

@@ -239,12 +239,16 @@ class SkipSaturatedPolicy:
     """Wraps another policy and hides prompts the history shows to be saturated.
 
     A prompt is saturated when attempts >= min_attempts and its success rate is <= low or
-    >= high (by default: never or always solved over at least 8 samples). A saturated prompt is
-    still offered to the inner policy once step - last_step >= reprobe_every, so a prompt the
-    policy has since learned (or forgotten) is found again. The inner policy chooses among the
-    offered prompts; when fewer than k are offered, all of them are taken (in the inner policy's
+    >= high (by default: never or always solved over at least 8 samples). A saturated prompt
+    the data brings is skipped until it has been skipped `reprobe_every` times since it last
+    trained; the next time it is offered to the inner policy again, so a prompt the policy has
+    since learned (or forgotten) is found again. Counted in times met, not steps: the data
+    brings a prompt back once an epoch, so a step count would re-probe every saturated prompt
+    of a dataset whose epoch is longer than it. The inner policy chooses among the offered
+    prompts; when fewer than k are offered, all of them are taken (in the inner policy's
     order) and the rest are filled with the skipped prompts seen least recently (smallest
-    last_step, ties in candidate order), so k ids always come back.
+    last_step, ties in candidate order), so k ids always come back. A prompt chosen starts
+    its count over.
     """
 
     def __init__(self, inner: SelectionPolicy, min_attempts: float = 8, low: float = 0.0, high: float = 1.0,
@@ -260,6 +264,7 @@ class SkipSaturatedPolicy:
         self.low = float(low)
         self.high = float(high)
         self.reprobe_every = reprobe_every
+        self.skips: dict[str, int] = {}  # prompt id -> times skipped since it last trained
 
     def is_saturated(self, rec: PromptStats) -> bool:
         rate = rec.success_rate
@@ -270,19 +275,25 @@ class SkipSaturatedPolicy:
         offered, skipped = [], []
         for i, pid in enumerate(candidates):
             rec = history.stats(pid)
-            if self.is_saturated(rec) and step - rec.last_step < self.reprobe_every:
+            if self.is_saturated(rec) and self.skips.get(pid, 0) < self.reprobe_every:
                 skipped.append((rec.last_step, i, pid))
             else:
                 offered.append(pid)
         picked = self.inner.choose(offered, min(k, len(offered)), history, step)
         skipped.sort()
-        return picked + [pid for _, _, pid in skipped[: k - len(picked)]]
+        chosen = picked + [pid for _, _, pid in skipped[: k - len(picked)]]
+        for pid in chosen:
+            self.skips.pop(pid, None)
+        for _, _, pid in skipped[k - len(picked):]:
+            self.skips[pid] = self.skips.get(pid, 0) + 1
+        return chosen
 
     def state_dict(self) -> dict:
-        return {"inner": self.inner.state_dict()}
+        return {"inner": self.inner.state_dict(), "skips": dict(self.skips)}
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state["inner"])
+        self.skips = dict(state.get("skips", {}))  # absent from checkpoints written before the count
 
 
 # ---------------------------------------------------------------------------------------------
