@@ -249,6 +249,20 @@ def test_carry_auto_keeps_kv_where_the_engine_can_and_the_objective_corrects(mod
     assert all(0 < r["perf/useful_tokens_per_s"] <= r["rollout/useful_tokens"] / r["timing_s/generate"] for r in rows)
 
 
+def test_an_evaluation_leaves_the_carried_requests_to_the_next_step(model_dir, tmp_path):
+    """carry=keep_kv: an evaluation resumes the engine, which would run every live request to its
+    end under the new weights; the next steps would then train those and generate nothing. Set
+    aside first, they go on in the step after it, as without the evaluation."""
+    from rollover.metrics import read_metrics
+
+    over = {"partial_rollout.carry": "keep_kv", "rollout.max_new_tokens": 40, "rollout.max_rows": 4,
+            "partial_rollout.oversample": 3.0, "checkpoint.every": 0, "steps": 5}
+    train_sync(april_cfg(model_dir, tmp_path / "eval", **{**over, "eval.every": 1}))
+    rows = read_metrics(tmp_path / "eval", kind="train")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["rollout/generated_tokens"] > 0 for r in rows), [r["rollout/generated_tokens"] for r in rows]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_keep_kv_carry_loses_nothing_and_keeps_provenance(model_dir, tmp_path, seed):
     """carry=keep_kv: unfinished samples stay in the paused engine across weight updates."""

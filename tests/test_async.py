@@ -245,21 +245,37 @@ def test_experience_pool_fills_all_fail_groups_with_fresh_successes():
     assert pool.observe_and_fill(fail, train_version=9, max_staleness=1) and fail.rollouts[0].versions == [8, -1, 8]
 
 
-def test_the_pool_version_estimate_counts_the_batch_in_training():
+def test_the_pool_version_bound_counts_every_group_that_trains_before_it():
+    """A group resolved before an earlier serial trains after it (batches form in start order):
+    the bound counts the forming batch and every earlier serial not yet taken in."""
     import queue
+    import threading
     from types import SimpleNamespace
 
     from rollover.rollout.async_rollout import DataManager
 
-    import threading
-
     manager = DataManager.__new__(DataManager)
     manager.inputs, manager.batches, manager.training = SimpleNamespace(engine=SimpleNamespace(version=3)), queue.Queue(), 0
-    manager.version_lock = threading.Lock()
+    manager.version_lock, manager.B, manager.forming, manager.next_serial = threading.Lock(), 2, [], 10
     manager.batches.put(["a batch"])
-    assert manager._train_version_estimate() == 4  # the queued batch trains at 3, the next formed one at 4
-    manager.training = 1  # the trainer took a batch and trains it at 3: the queued one trains at 4, the next at 5
-    assert manager._train_version_estimate() == 5
+    assert manager._train_version_bound(10) == 4  # the queued batch trains at 3, the next formed one at 4
+    assert manager._train_version_bound(11) == 4  # serial 10 and it fill that batch
+    assert manager._train_version_bound(12) == 5  # serials 10 and 11 fill it: the one after
+    manager.forming = ["g8"]
+    assert manager._train_version_bound(11) == 5  # g8, 10 and 11: the batch after the forming one
+    manager.training = 1  # the trainer took a batch and trains it at 3: everything a version later
+    assert manager._train_version_bound(10) == 5
+
+
+def test_a_sampled_token_older_than_eta_is_never_trained():
+    from rollover.loops.async_ import staleness
+
+    p = Prompt(id="q", text="?")
+    fresh = Group(id="g", prompt=p, prompt_ids=[1], rollouts=[_rollout("g", 1.0, [-0.1, -0.2], [4, -1])], start_version=4)
+    assert staleness([fresh], 5, 1) == [1]
+    pooled = Group(id="g", prompt=p, prompt_ids=[1], rollouts=[_rollout("g", 1.0, [-0.1], [3])], start_version=4)
+    with pytest.raises(AssertionError, match="staleness 2 exceeds max_staleness=1 at version 5"):
+        staleness([pooled], 5, 1)
 
 
 def test_dynamic_samples_and_entropy_mask():

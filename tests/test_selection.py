@@ -560,6 +560,35 @@ def test_dars_extra_samples_follow_its_schedules():
         dars_extra_samples(1.5, 8)
 
 
+def test_xrpo_sizes_a_short_draw_among_the_latest_prompts():
+    """APRIL refills and async admissions draw a prompt or two at a time: each is sized among the
+    step's worth of prompts sized before it, not alone (alone it would get all k x n = n)."""
+    from types import SimpleNamespace as NS
+
+    from rollover.rollout.selection import PromptSelection
+    from rollover.types import Prompt
+
+    def build():
+        sel = PromptSelection(NS(policy="uniform", allocation="xrpo", min_samples=2, decay=1.0), seed=0, correct=1.0,
+                              per_step=3)
+        sel.history.observe("a", [0.0, 1.0] * 4, [False, True] * 4, version=0, step=0)  # reward variance 2/7
+        for pid in ("b", "c"):
+            sel.history.observe(pid, [1.0] * 8, [True] * 8, version=0, step=0)  # always solved: variance 0
+        return sel
+
+    P = {i: Prompt(id=i, text=i) for i in "abc"}
+    sel = build()
+    # a step's draw: 12 samples, 2 each and the 6 left to the only prompt whose estimate they narrow
+    assert sel.sizes([P["a"], P["b"], P["c"]], 4) == [8, 2, 2]
+    assert sel.sizes([P["b"]], 4) == [2]  # among c and a (the latest before it), as in the step's draw
+    assert sel.sizes([P["a"]], 4) == [8]  # among b and c
+    state = sel.state_dict()
+    again = build()
+    again.load_state_dict(state)
+    assert list(again.recent) == list(sel.recent) == ["c", "b", "a"]  # resumed with the same peers
+    assert again.sizes([P["c"]], 4) == sel.sizes([P["c"]], 4) == [2]
+
+
 def test_prompt_selection_decays_once_per_version_not_per_draw():
     from types import SimpleNamespace as NS
 

@@ -339,11 +339,38 @@ class Config(Section):
         if a.tis_cap is not None and "is_cap" in a.loss_options:
             out.append(f"algorithm.tis_cap={a.tis_cap:g} and algorithm.loss_options.is_cap="
                        f"{a.loss_options['is_cap']} both cap the importance weight: give one")
-        t = self.train
-        moved = [k for k in ("weight_bucket_mb", "collective_timeout_s") if getattr(t, k) != type(t).model_fields[k].default]
-        if moved and t.parallel != "fsdp":
+        moved = _moved(self.train, "weight_bucket_mb", "collective_timeout_s")
+        if moved and self.train.parallel != "fsdp":
             out.append(f"train.{' and train.'.join(moved)} apply to the sharded trainer's ranks "
                        "(train.parallel=fsdp); one trainer uses neither")
+        return out + self._unused_sampling_keys()
+
+    def _unused_sampling_keys(self) -> list[str]:
+        """The same for the sections that choose prompts and carry samples: selection, async,
+        partial_rollout, downsample, rollout.inflight_weight_update."""
+        sel, out = self.selection, []
+        unused = {"candidates": sel.policy == "uniform",
+                  "alpha0": "thompson" not in sel.policy, "beta0": "thompson" not in sel.policy,
+                  "min_attempts": "skip_saturated" not in sel.policy, "reprobe_every": "skip_saturated" not in sel.policy,
+                  "decay": sel.policy == "uniform" and sel.allocation == "fixed",
+                  "min_samples": sel.allocation != "xrpo", "dars_max_samples": sel.dars == "off"}
+        moved = _moved(sel, *(k for k, off in unused.items() if off))
+        if moved:
+            out.append(f"selection.{', selection.'.join(moved)} with selection.policy={sel.policy}, "
+                       f"allocation={sel.allocation}, dars={sel.dars}, which read none of them")
+        if not self.async_.dynamic_samples and _moved(self.async_, "min_samples"):
+            out.append("async.min_samples bounds DART's dynamic samples: set async.dynamic_samples: true too")
+        if self.async_.dynamic_samples and sel.allocation == "xrpo":
+            out.append("async.dynamic_samples and selection.allocation=xrpo both size the groups: choose one")
+        if self.mode == "async" and (moved := _moved(self.partial_rollout, *type(self.partial_rollout).model_fields)):
+            # (in sync mode enabled: false turns APRIL off for a comparison, its settings kept)
+            out.append(f"partial_rollout.{', partial_rollout.'.join(moved)} configure APRIL, a sync-mode collector; "
+                       "async mode bounds its samples' age by async.max_staleness")
+        if self.downsample.token_fraction_start is None and _moved(self.downsample, "anneal_steps"):
+            out.append("downsample.anneal_steps anneals from downsample.token_fraction_start, which is unset")
+        if self.mode == "sync" and _moved(self.rollout, "inflight_weight_update"):
+            how = "APRIL's partial_rollout.carry decides" if self.partial_rollout.enabled else "nothing is in flight"
+            out.append(f"rollout.inflight_weight_update applies to mode: async; at a sync step's weight update {how}")
         return out
 
     def _critic_problems(self) -> list[str]:
@@ -565,3 +592,9 @@ class Config(Section):
             out.append(f"env.max_total_tokens={e.max_total_tokens} leaves no room after the opening "
                        f"(data.max_prompt_tokens={self.data.max_prompt_tokens})")
         return out
+
+
+def _moved(section, *keys: str) -> list[str]:
+    """Those of `keys` whose value in `section` is not the default."""
+    fields = type(section).model_fields
+    return [k for k in keys if getattr(section, k) != fields[k].default]

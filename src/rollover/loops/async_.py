@@ -65,10 +65,13 @@ log = logging.getLogger("rollover")
 
 
 def staleness(groups, version: int, eta: int) -> list[int]:
-    """Each group's staleness at `version`; above `eta` is the gate's failure, never trained silently."""
+    """Each group's staleness at `version`; above `eta` is the gate's failure, never trained
+    silently, and so is a sampled token older than that (a substituted trajectory's)."""
     stale = [version - g.start_version for g in groups]
-    if max(stale) > eta:
-        raise AssertionError(f"staleness {max(stale)} exceeds max_staleness={eta} at version {version}")
+    oldest = min((v for g in groups for r in g.rollouts for v in r.versions if v >= 0), default=version)
+    if max(stale) > eta or version - oldest > eta:
+        raise AssertionError(f"staleness {max(max(stale), version - oldest)} exceeds max_staleness={eta} at version "
+                             f"{version}")
     return stale
 
 

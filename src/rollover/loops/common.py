@@ -588,7 +588,8 @@ def _attach_parts(run: Run, cfg: Config) -> None:
     if cfg.selection.policy != "uniform" or cfg.selection.allocation != "fixed":
         from rollover.rollout.selection import PromptSelection
 
-        run.selection = PromptSelection(cfg.selection, seed=cfg.seed, correct=cfg.reward.correct_threshold)
+        run.selection = PromptSelection(cfg.selection, seed=cfg.seed, correct=cfg.reward.correct_threshold,
+                                        per_step=cfg.rollout.prompts_per_step)
     if run.env_builder is not None:
         from rollover.rollout.core import EnvRunner
 

@@ -163,6 +163,7 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
 
             # 7. evaluation and checkpoints
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
+                collector.set_aside()  # APRIL's live requests: the evaluation would run them to their end
                 last_eval = run.evaluate(step)
             if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 save(step)

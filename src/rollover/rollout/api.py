@@ -15,6 +15,10 @@ class CollectorAPI(Protocol):
     def collect(self, step: int) -> tuple[list[Group], dict]:
         """The scored, filtered groups step `step + 1` trains on, and the collector's metrics."""
 
+    def set_aside(self) -> None:
+        """Take the requests carried between steps out of the engine before it runs other work
+        (an evaluation); they go on next step."""
+
     def state_dict(self) -> dict:
         """What exact resume needs (carried partial rollouts, counters)."""
 

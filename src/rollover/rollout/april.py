@@ -431,16 +431,25 @@ class AprilCollector:
             self._scorer.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict:
-        """The carry buffer. Live requests (keep_kv) are aborted first so their tokens are in it;
-        they resume next step from their tokens, with K/V recomputed, in a straight run and in
-        one resumed from this checkpoint alike. Episodes are saved with their tokens and action
-        log (their environments are rebuilt by replay when they go on)."""
+    def set_aside(self) -> None:
+        """Live requests (keep_kv) leave the engine, their tokens back in their groups' samples,
+        which go on next step from them with K/V recomputed. Before a checkpoint; and before an
+        evaluation, which resumes the engine and would run them to their end under the new
+        weights, completing groups between steps that the next steps then train on instead of
+        generating."""
         self.driver.abort_all()
         self._land_env_calls()
         with self._lock:
             self.buffer = sorted(self.inflight.values(), key=lambda g: g.serial) + self.buffer
             self.inflight = {}
+
+    def state_dict(self) -> dict:
+        """The carry buffer, live requests set aside into it first (`set_aside`): they resume
+        next step from their tokens, with K/V recomputed, in a straight run and in one resumed
+        from this checkpoint alike. Episodes are saved with their tokens and action log (their
+        environments are rebuilt by replay when they go on)."""
+        self.set_aside()
+        with self._lock:
             return {"buffer": list(self.buffer), "ready_carry": list(self.ready_carry), "alpha": self.alpha,
                     "completion_rate": self.completion_rate}
 

@@ -243,7 +243,7 @@ class DataManager:
             with self.service.lock:
                 self.service.success_rate[pg.prompt.id] = rate
             if self.pool is not None:
-                train_version = self._train_version_estimate()
+                train_version = self._train_version_bound(pg.serial)
                 if self.pool.observe_and_fill(group, train_version, cfg.async_.max_staleness):
                     self.metrics["experience_pool_substitutions"] += 1
 
@@ -281,11 +281,15 @@ class DataManager:
             f"all dropped (skipped for failed samples or, with dynamic sampling, filtered for equal rewards); "
             f"stopped at step {step} with a checkpoint in {self.cfg.run_dir}/checkpoints")
 
-    def _train_version_estimate(self) -> int:
-        """The version at which the next formed batch will train: the trained version, plus one
-        for a batch the trainer is training now, plus the batches queued."""
+    def _train_version_bound(self, serial: int) -> int:
+        """The latest version at which the group started as `serial` can train: batches form in
+        start order, so ahead of it are the forming batch's groups and every earlier serial not
+        yet taken in (each counted as kept; a dropped one only brings it forward). The forming
+        batch trains at the trained version, plus one for a batch the trainer is training now,
+        plus the batches queued."""
         with self.version_lock:
-            return self.inputs.engine.version + self.training + self.batches.qsize()
+            ahead = len(self.forming) + serial - self.next_serial
+            return self.inputs.engine.version + self.training + self.batches.qsize() + ahead // self.B
 
     def state_dict(self) -> dict:
         return {"next_serial": self.next_serial, "dropped_in_row": self.dropped_in_row,

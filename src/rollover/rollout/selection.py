@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import random
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -308,8 +309,10 @@ class PromptSelection:
     (`observe`) with the version as its `last_step`, which `reprobe_every` counts. State
     (history, policy RNG, version) goes into checkpoints."""
 
-    def __init__(self, cfg, seed: int, correct: float):
+    def __init__(self, cfg, seed: int, correct: float, per_step: int = 0):
         self.cfg, self.correct = cfg, correct
+        # allocation=xrpo: the latest prompts sized (a step's worth), the peers a short draw is sized among
+        self.recent: deque[str] = deque(maxlen=per_step)
         inner = ThompsonPolicy(seed=seed, alpha0=cfg.alpha0, beta0=cfg.beta0) if "thompson" in cfg.policy \
             else UniformPolicy()
         self.policy = SkipSaturatedPolicy(inner, min_attempts=cfg.min_attempts, reprobe_every=cfg.reprobe_every) \
@@ -340,15 +343,21 @@ class PromptSelection:
 
     def sizes(self, prompts: list, n: int) -> list[int]:
         """Samples for each of `prompts` (k of them): n each with allocation=fixed; with xrpo,
-        k x n split by `xrpo_allocation` over the history so far (n each if a prompt is drawn
-        twice in one batch: the history cannot tell its two groups apart)."""
+        split by `xrpo_allocation` over the history so far, n a prompt on average (n each if a
+        prompt is drawn twice in one batch: the history cannot tell its two groups apart). A
+        draw shorter than a step's prompts (APRIL refills a freed row or two at a time, async
+        admits groups one by one) is sized among the latest prompts sized before it, filled up to
+        a step's worth: alone, a prompt would get the whole k x n = n whatever its history."""
         ids = [p.id for p in prompts]
         if self.cfg.allocation == "fixed" or len(set(ids)) < len(ids):
             return [n] * len(prompts)
         from rollover.rollout.allocation import xrpo_allocation
 
         with self._lock:
-            alloc = xrpo_allocation(self.history, ids, n * len(ids), min_n=self.cfg.min_samples)
+            peers = [i for i in dict.fromkeys(reversed(self.recent)) if i not in ids]
+            among = ids + peers[: max(0, (self.recent.maxlen or 0) - len(ids))]
+            alloc = xrpo_allocation(self.history, among, n * len(among), min_n=self.cfg.min_samples)
+            self.recent.extend(ids)
         return [alloc[i] for i in ids]
 
     def observe(self, group, primary: str, version: int) -> None:
@@ -363,10 +372,11 @@ class PromptSelection:
     def state_dict(self) -> dict:
         with self._lock:
             return {"history": self.history.state_dict(), "policy": self.policy.state_dict(), "version": self.version,
-                    "policy_name": self.cfg.policy}
+                    "policy_name": self.cfg.policy, "recent": list(self.recent)}
 
     def load_state_dict(self, state: dict) -> None:
         self.history.load_state_dict(state["history"])
+        self.recent.extend(state.get("recent", []))  # absent from checkpoints written before it
         if state.get("policy_name") == self.cfg.policy:
             self.policy.load_state_dict(state["policy"])
         else:  # resumed under another policy (--allow-config-change): its generator starts afresh

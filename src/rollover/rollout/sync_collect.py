@@ -90,6 +90,9 @@ class SyncCollector:
         m["dars_groups"] += len(grow)
         return groups
 
+    def set_aside(self) -> None:
+        pass  # nothing is in flight between steps
+
     def close(self) -> None:
         pass
 

@@ -86,7 +86,8 @@ def build_sim_run(cfg: SimRunConfig, engine: SimEngine):
     if cfg.selection.policy != "uniform" or cfg.selection.allocation != "fixed":
         from rollover.rollout.selection import PromptSelection
 
-        run.selection = PromptSelection(cfg.selection, seed=cfg.seed, correct=cfg.reward.correct_threshold)
+        run.selection = PromptSelection(cfg.selection, seed=cfg.seed, correct=cfg.reward.correct_threshold,
+                                        per_step=cfg.rollout.prompts_per_step)
     if s.env.enabled:
         from rollover.sim.envs import SimEnvBuilder, SimEnvRunner
 
