@@ -1,5 +1,6 @@
 """Built-in reward functions, with hand-picked completions."""
 
+import re
 import threading
 
 import pytest
@@ -45,6 +46,34 @@ def test_math_reward_abstains_when_gold_does_not_parse():
     assert math_reward(r"\boxed{8}", r"\boxed{") is None
 
 
+@pytest.mark.parametrize("completion, answer, expected", [
+    (r"\boxed{0.00001}", 0.00001, 1.0),  # str() gives "1e-05", which math-verify reads as -5 + e
+    (r"\boxed{10000000000000000}", 1e16, 1.0),  # str(): "1e+16"
+    (r"\boxed{0.5}", 0.5, 1.0),
+    (r"\boxed{12}", 12, 1.0),
+    (r"\boxed{\$1.17}", r"\$1.17", 1.0),  # MATH's escaped dollar is not math mode: the gold is boxed
+    (r"\boxed{\$1.18}", r"\$1.17", 0.0),
+    (r"\boxed{3}", "$3$", 1.0),  # in math mode already: parsed as it is
+    (r"\boxed{four}", ["4", "four"], 1.0),  # a list: any acceptable answer
+    (r"\boxed{4}", ("4", "four"), 1.0),
+    (r"\boxed{5}", ["4", "four"], 0.0),
+])
+def test_math_reward_gold_numbers_escaped_dollars_and_lists(completion, answer, expected):
+    assert math_reward(completion, answer) == expected
+
+
+@pytest.mark.parametrize("answer, error, message", [
+    ({"value": 4}, TypeError, "math: the answer must be a string, a number or a list of acceptable answers, got dict"),
+    (True, TypeError, "got bool"),
+    (["4", None], TypeError, "got NoneType"),
+    ([], ValueError, "empty list"),
+    (float("nan"), ValueError, "the answer is nan"),
+])
+def test_math_reward_refuses_a_gold_answer_of_another_type(answer, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        math_reward(r"\boxed{4}", answer)
+
+
 def test_math_reward_works_off_the_main_thread():
     # math-verify's default timeouts use signal.alarm, which raises in a worker thread.
     results = []
@@ -67,6 +96,11 @@ def test_math_reward_works_off_the_main_thread():
         (r"\boxed{8}, checked with 3 + 5", "8", 1.0),  # the box is the final answer
         ("8 or maybe 9", "8", 0.0),
         ("no numbers", "8", 0.0),
+        (r"\boxed{1{,}000}", "1000", 1.0),  # LaTeX's thousands separator
+        (r"\boxed{.5}", "0.5", 1.0),
+        ("version 1.2.3", "3", 1.0),  # not .3
+        ("so \u22123", "-3", 1.0),  # a Unicode minus
+        ("so 3", "\u22123", 0.0),
     ],
 )
 def test_numeric_reward(completion, answer, expected):

@@ -88,6 +88,32 @@ def test_fields_reach_functions_that_ask_for_them():
     assert seen == [3, {"level": 3, "source": "x"}]
 
 
+def test_a_column_named_like_a_builtins_option_does_not_set_it():
+    prompts = [Prompt(id="a", text="q", answer="5", fields={"pattern": "NEVER_MATCHES"})]
+    out = RewardRunner(build_rewards(["format"])).score(prompts, [r"so \boxed{5}"])
+    assert out.totals == [1.0]  # the default pattern, not the row's
+
+
+def test_a_column_named_like_a_judge_option_stays_out_of_its_requests(monkeypatch):
+    from rollover.rewards import judge as judge_module
+
+    bodies = []
+
+    def fake_chat(endpoint, key, body, timeout):
+        bodies.append(body)
+        return "Score: 7"
+
+    monkeypatch.setattr(judge_module, "_chat", fake_chat)
+    fields = [{"rubric": f"ROW{i}", "temperature": 0.9, "max_tokens": 3} for i in range(2)]
+    prompts = [Prompt(id=f"p{i}", text=f"question {i}", answer="a", fields=fields[i]) for i in range(2)]
+    reward = build_rewards([{"fn": "judge", "kwargs": {"url": "http://127.0.0.1:9/v1", "model": "m"}}])
+    out = RewardRunner(reward, on_error="raise").score(prompts, ["c0", "c1"])
+    assert out.totals == [0.7, 0.7]
+    assert [(b["temperature"], b["max_tokens"]) for b in bodies] == [(0.0, 512), (0.0, 512)]
+    assert all(judge_module.DEFAULT_RUBRIC in b["messages"][0]["content"] and "ROW" not in b["messages"][0]["content"]
+               for b in bodies)
+
+
 def test_dict_return_adds_score_and_logs_extras():
     def scored(completion, answer):
         return {"score": 1.0, "length": len(completion)}
@@ -261,6 +287,26 @@ def test_bad_return_values_are_failures(value, message):
     assert out.error_counts == {"bad": 1} and message in out.failures[0].error
 
 
+@pytest.mark.parametrize("on_error", ["zero", "skip"])
+@pytest.mark.parametrize("value, message", [
+    (10**400, "score does not fit in a float"),  # float() overflows: one sample's failure, not score()'s
+    ({"score": 1, "x": 10**400}, "x does not fit in a float"),
+], ids=["score", "extra"])
+def test_a_number_too_large_for_a_float_is_a_failure_like_any_bad_value(value, message, on_error):
+    runner = RewardRunner([Reward("big", lambda completion, answer: value)], on_error=on_error)
+    out = runner.score(P[:1], ["x"])
+    assert out.error_counts == {"big": 1} and message in out.failures[0].error
+    assert out.totals == [0.0 if on_error == "zero" else None]
+
+
+def test_numpy_bools_are_scores():
+    import numpy as np
+
+    runner = RewardRunner([Reward("close", lambda completion, answer: np.isclose(float(completion), float(answer)))])
+    out = runner.score(P, ["2.0", "5"])
+    assert out.totals == [1.0, 0.0] and out.failures == []
+
+
 def test_trl_function_returning_the_wrong_length_fails_every_sample():
     short = Reward("short", lambda prompts, completions, **kw: [1.0])
     runner = RewardRunner([short], on_error="skip")
@@ -341,6 +387,18 @@ def test_runner_rejects_bad_config():
         RewardRunner([Reward("len", length_reward)], workers=0)
     with pytest.raises(TypeError, match="must take"):
         Reward("one_arg", lambda completion: 1.0)
+    # a worker's wait overflows past ~24 days: every isolated call would fail
+    for timeout_s in (float("inf"), float("nan"), 3e6):
+        with pytest.raises(ValueError, match=r"timeout_s must be in \(0, 1e\+06\] seconds"):
+            RewardRunner([Reward("len", length_reward)], timeout_s=timeout_s)
+
+
+def test_config_refuses_a_reward_timeout_too_large_to_wait_for():
+    from rollover.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"reward.timeout_s=3e6: must be <= 1e\+06"):
+        load_config(overrides=["reward.timeout_s=3e6"])
+    assert load_config(overrides=["reward.timeout_s=1e6"]).reward.timeout_s == 1e6
 
 
 # --- naming rewards from config -------------------------------------------------------------

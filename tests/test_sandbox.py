@@ -9,13 +9,16 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import secrets
+import subprocess
 import sys
 import threading
 import time
 
 import pytest
 
+from rollover.rewards import RewardRunner, build_rewards, sandbox
 from rollover.rewards.code import code_reward, extract_code
 from rollover.rewards.sandbox import (
     UID_BASE,
@@ -24,6 +27,7 @@ from rollover.rewards.sandbox import (
     python_tool,
     run_python,
 )
+from rollover.types import Prompt
 
 needs_root = pytest.mark.skipif(
     sys.platform != "linux" or os.geteuid() != 0, reason="the sandbox needs root on Linux"
@@ -184,6 +188,71 @@ def test_directory_is_removed_afterwards():
     result = run_python("import os; print(os.getcwd())", limits=FAST)
     assert result.ok and result.stdout.startswith("/tmp/rollover-sandbox-")
     assert not os.path.exists(result.stdout.strip())
+
+
+@needs_root
+def test_a_directory_chain_too_deep_for_rmtree_is_still_removed():
+    # renames build 3000 levels in no time; shutil.rmtree recurses per level (RecursionError)
+    code = (
+        "import os\nos.mkdir('n')\n"
+        "for i in range(3000):\n    os.mkdir('p'); os.rename('n', 'p/n'); os.rename('p', 'n')\n"
+        "print('built')"
+    )
+    result = run_python(code, limits=SandboxLimits(wall_s=10.0))
+    assert result.ok and result.stdout == "built\n", result  # a result, and (fixture) no directory left
+
+
+def test_a_directory_nothing_can_remove_is_logged_not_raised(tmp_path, monkeypatch, caplog):
+    def rmtree(path):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(sandbox.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(sandbox.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 1, "", "rm: cannot remove 'x': Device or resource busy"))
+    sandbox._remove(str(tmp_path))  # does not raise: the run's result is still good
+    assert f"could not remove the sandbox directory {tmp_path}: rm: cannot remove" in caplog.text
+
+
+@needs_root
+def test_runs_wait_for_a_core_so_the_wall_clock_times_their_own_run():
+    # 4 programs per core, 0.4 CPU-s each: sharing the cores, each would take ~1.6 s of wall time
+    cores = len(os.sched_getaffinity(0))
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4:\n    pass\nprint('done')"
+    results = [None] * (4 * cores)
+
+    def run(i):
+        results[i] = run_python(busy, limits=SandboxLimits(wall_s=1.5))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.violation for r in results] == [None] * len(results)
+    assert all(r.ok and r.wall_s < 1.5 for r in results), [r.wall_s for r in results]
+
+
+def test_runs_at_once_are_at_most_the_cpus(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def fake_run(root, uid, stdin, limits):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+
+    monkeypatch.setattr(sandbox, "_run", fake_run)
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(sandbox.os, "chown", lambda *a: None)
+    threads = [threading.Thread(target=run_python, args=("pass",)) for _ in range(3 * cores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == cores
 
 
 # --- escapes -------------------------------------------------------------------------------------
@@ -367,6 +436,10 @@ def test_limits_are_validated():
         SandboxLimits(cpu_s=0)
     with pytest.raises(TypeError, match="memory_mb"):
         SandboxLimits(memory_mb=1.5)
+    # NaN would never time out; inf and past ~24 days overflow select()'s timeout
+    for wall_s in (float("nan"), float("inf"), 2e6, "5", True):
+        with pytest.raises(ValueError, match=r"wall_s must be a number of seconds in \(0, 1e\+06\]"):
+            SandboxLimits(wall_s=wall_s)
     assert SandboxLimits().reason("output") == "output capped at 64 KiB"
 
 
@@ -425,3 +498,67 @@ def test_code_reward_counts_a_violation_as_zero_not_an_error():
     result = code_reward(fenced("while True:\n    pass"), ADD_TESTS, limits=limits)
     assert result == {"score": 0.0, "no_code": 0.0, "violation": 1.0, "timeout": 1.0}
     assert code_reward("no code", ADD_TESTS)["no_code"] == 1.0
+
+
+@needs_root
+@pytest.mark.parametrize("tests", [ADD_TESTS.splitlines(), tuple(ADD_TESTS.splitlines())])
+def test_code_reward_runs_a_list_of_tests_one_after_another(tests):
+    # MBPP's test_list: formatted as text, a list is an expression statement that always passes
+    assert code_reward(fenced("def add(a, b):\n    return a - b"), tests, limits=FAST)["score"] == 0.0
+    assert code_reward(fenced("def add(a, b):\n    return a + b"), tests, limits=FAST)["score"] == 1.0
+
+
+@pytest.mark.parametrize("answer, error, message", [
+    ("  \n", ValueError, "code: the answer (the tests) is empty"),
+    ([], ValueError, "code: the answer is an empty list of tests"),
+    (["assert True", " "], ValueError, "code: test 1 of the answer is empty"),
+    (["assert True", 3], TypeError, "code: test 1 of the answer is not a string of test code but int"),
+    ({"tests": "assert True"}, TypeError, "code: the answer must be test code (a string) or a list of test snippets, got dict"),
+])
+def test_code_reward_refuses_tests_that_cannot_fail(answer, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        code_reward(fenced("pass"), answer, limits=FAST)
+
+
+@needs_root
+def test_code_reward_passes_a_program_whose_last_line_is_unfinished():
+    completion = fenced("def add(a, b):\n    return a + b\nprint('ready', end='')")
+    assert code_reward(completion, ADD_TESTS, limits=FAST)["score"] == 1.0
+
+
+def test_code_reward_limits_are_checked_when_the_reward_is_built():
+    with pytest.raises(ValueError, match=r"reward 'code' \(code\): limits has no 'cpu'; the limits are cpu_s, wall_s"):
+        build_rewards([{"fn": "code", "kwargs": {"limits": {"cpu": 3}}}])
+    with pytest.raises(ValueError, match=r"unknown kwargs \['limit'\] \(known: limits\)"):
+        build_rewards([{"fn": "code", "kwargs": {"limit": {"cpu_s": 3}}}])
+    with pytest.raises(ValueError, match="SandboxLimits.cpu_s must be > 0"):
+        build_rewards([{"fn": "code", "kwargs": {"limits": {"cpu_s": 0}}}])
+    [reward] = build_rewards([{"fn": "code", "kwargs": {"limits": {"cpu_s": 3}}}])
+    assert reward.fn.keywords["limits"] == SandboxLimits(cpu_s=3)
+
+
+def test_runner_refuses_a_timeout_the_sandbox_wall_clock_does_not_end_before():
+    # wall_s 5 (the default) + 1 s to start: a correct program of 4.5 s would be a reward timeout at 6 s
+    with pytest.raises(ValueError, match=r"reward 'code': .*raise reward.timeout_s above 6 or lower limits.wall_s"):
+        RewardRunner(build_rewards(["code"]), timeout_s=6.0)
+    with pytest.raises(ValueError, match=r"limits.wall_s=2 s"):
+        RewardRunner(build_rewards([{"fn": "code", "kwargs": {"limits": {"wall_s": 2}}}]), timeout_s=2.5)
+    RewardRunner(build_rewards([{"fn": "code", "kwargs": {"limits": {"wall_s": 2}}}]), timeout_s=3.5).close()
+
+
+@needs_root
+def test_a_wait_for_a_core_past_the_reward_timeout_is_a_counted_timeout_not_a_zero():
+    # 0.6 s programs, one per core at a time: 5 per core (3 s) cannot all finish within the 2.5 s timeout
+    cores = len(os.sched_getaffinity(0))
+    limits = {"wall_s": 1.0, "cpu_s": 1}
+    completion = fenced("import time\ntime.sleep(0.6)\ndef add(a, b):\n    return a + b")
+    prompts = [Prompt(id=f"p{i}", text="q", answer=ADD_TESTS) for i in range(5 * cores)]
+    runner = RewardRunner(build_rewards([{"fn": "code", "kwargs": {"limits": limits}}]), timeout_s=2.5,
+                          on_error="zero", max_threads=5 * cores)
+    out = runner.score(prompts, [completion] * len(prompts))
+    timed_out = {f.sample_id for f in out.failures if f.timed_out}
+    assert out.timeout_counts["code"] == len(timed_out) > 0 and len(out.failures) == len(timed_out)
+    assert [s.scores["code"] for s in out.samples if s.sample_id not in timed_out] == [1.0] * (len(prompts) - len(timed_out))
+    for thread in threading.enumerate():  # the abandoned calls still run their programs: let them end
+        if thread.name.startswith("reward:"):
+            thread.join()

@@ -18,8 +18,9 @@ class RewardConfig(Section):
     mappings (weight: a number; reasoning: drop scores what follows a thinking model's </think>).
     The first one decides accuracy (see `correct_threshold`). Not called in a multi-turn run
     (env.name): its environments give the rewards."""
-    timeout_s: float = Field(10.0, gt=0)
-    """Per-call timeout; a call past it counts as an error."""
+    timeout_s: float = Field(10.0, gt=0, le=1e6)
+    """Per-call timeout; a call past it counts as an error. (A reward worker's wait overflows past
+    ~24 days, hence the bound.)"""
     on_error: Literal["raise", "zero", "skip"] = "raise"
     """A raising or hanging reward: stop the run, score 0 (counted and reported), or skip the sample."""
     workers: int = Field(4, ge=1)

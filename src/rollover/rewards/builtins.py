@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from functools import lru_cache
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -44,25 +45,54 @@ def math_reward(completion: str, answer, **_) -> float | None:
     """1.0 if math-verify finds the completion equal to the gold answer, else 0.0.
 
     Follows TRL's `accuracy_reward`: the completion is parsed with `\\boxed{}` taking priority
-    and no anchor-less LaTeX, then plain expressions. A bare gold answer ("8", "x^2+1") is
-    wrapped in `\\boxed{}` before parsing, as verl does, so it is read as LaTeX. A gold answer
-    that does not parse gives None (the sample is not scored by this function), not 0.
+    and no anchor-less LaTeX, then plain expressions. A bare gold answer ("8", "x^2+1", "\\$1.17")
+    is wrapped in `\\boxed{}` before parsing, as verl does, so it is read as LaTeX; one already
+    boxed or in math mode (an unescaped `$`) is parsed as it is. A gold answer that does not
+    parse gives None (the sample is not scored by this function), not 0.
+
+    A number as the gold answer is written out in plain decimals (a JSON 0.00001 is "0.00001",
+    not str()'s "1e-05", which math-verify reads as -5 + e). A list or tuple is a set of
+    acceptable answers: 1.0 if the completion equals any of them, None if none parses. Any other
+    type raises.
 
     math-verify's own timeouts use `signal.alarm`, which fails off the main thread; they are
     turned off here. The runner's worker processes stand in for them; called directly, this
     function has no timeout. A GSM8K solution as the gold answer ("... #### 72") counts by its
     final answer, the text after its last `####`.
     """
-    gold_text = str(gold(answer, "math"))
-    if "####" in gold_text:
-        gold_text = gold_text.rsplit("####", 1)[1].strip().replace(",", "")
-    if "\\boxed" not in gold_text and "$" not in gold_text:
-        gold_text = f"\\boxed{{{gold_text}}}"
-    target = parse(gold_text, parsing_timeout=None)
-    if not target:
+    answers = gold(answer, "math")
+    if isinstance(answers, (list, tuple)):
+        if not answers:
+            raise ValueError("math: the answer is an empty list of acceptable answers")
+    else:
+        answers = [answers]
+    targets = [parse(_gold_text(a), parsing_timeout=None) for a in answers]
+    targets = [t for t in targets if t]
+    if not targets:
         return None
     pred = parse(completion, extraction_config=_COMPLETION_EXTRACTION, parsing_timeout=None)
-    return 1.0 if pred and verify(target, pred, timeout_seconds=None) else 0.0
+    return 1.0 if pred and any(verify(t, pred, timeout_seconds=None) for t in targets) else 0.0
+
+
+_MATH_MODE = re.compile(r"(?<!\\)\$")  # a `$` that opens or closes math mode; `\$` is a dollar sign
+
+
+def _gold_text(answer) -> str:
+    """One gold answer as LaTeX for math-verify."""
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise TypeError(f"math: the answer must be a string, a number or a list of acceptable answers, got "
+                        f"{type(answer).__name__}: {answer!r:.80}")
+    if isinstance(answer, float):
+        if not math.isfinite(answer):
+            raise ValueError(f"math: the answer is {answer}")
+        text = format(Decimal(repr(answer)), "f")  # the shortest digits that round-trip, no exponent
+    else:
+        text = str(answer)
+    if "####" in text:
+        text = text.rsplit("####", 1)[1].strip().replace(",", "")
+    if "\\boxed" not in text and not _MATH_MODE.search(text):
+        text = f"\\boxed{{{text}}}"
+    return text
 
 
 math_reward.isolate = True
@@ -70,20 +100,26 @@ math_reward.isolate = True
 
 # --- numeric ------------------------------------------------------------------------------------
 
-# A number with optional thousands separators and decimals. A minus sign counts only when it
-# does not follow a word character or ")", so "5-3" reads as 5 and 3, not 5 and -3.
-_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+# A number with optional thousands separators and decimals, or a bare decimal (".5", not the
+# ".3" of "1.2.3"). A minus sign counts only when it does not follow a word character or ")", so
+# "5-3" reads as 5 and 3, not 5 and -3.
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\d.])\.\d+)")
+
+
+def _plain(text: str) -> str:
+    """LaTeX's thousands separator `{,}` as a comma, a Unicode minus (U+2212) as '-'."""
+    return text.replace("{,}", ",").replace("\u2212", "-")
 
 
 def parse_number(text: str) -> float:
     """'1,234.50' -> 1234.5; raises ValueError if `text` is not one number."""
-    cleaned = str(text).strip().strip("$").replace(",", "")
+    cleaned = _plain(str(text)).strip().strip("$").replace(",", "")
     return float(cleaned)
 
 
 def final_number(completion: str) -> float | None:
     """The last number in the completion's final answer, or None when it holds none."""
-    numbers = _NUMBER.findall(final_answer(completion))
+    numbers = _NUMBER.findall(_plain(final_answer(completion)))
     return parse_number(numbers[-1]) if numbers else None
 
 

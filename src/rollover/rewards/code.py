@@ -1,17 +1,22 @@
 """A reward that runs the completion's code against the sample's tests, in the sandbox.
 
 Convention: the code is the last ```python (or ```py) fenced block of the completion; `answer`
-is Python test code, usually asserts, run after it in the same module, so the tests see what
-the code defines. The sample scores 1.0 when the program exits 0, breaks no sandbox limit or
-rule, and reaches the end of the tests, else 0.0.
+is Python test code, usually asserts, or a list of such snippets (MBPP's `test_list`), run one
+after another after the code in the same module, so the tests see what the code defines. The
+sample scores 1.0 when the program exits 0, breaks no sandbox limit or rule, and reaches the
+end of the tests, else 0.0.
 
-"Reaches the end": a random token is printed after the tests and must be the last line of
-stdout, so code that calls `sys.exit(0)` or `os._exit(0)` before the tests run scores 0. Code
-that reads its own file to find the token is not stopped by this.
+"Reaches the end": a random token is printed on a line of its own after the tests and must be
+the last line of stdout, so code that calls `sys.exit(0)` or `os._exit(0)` before the tests run
+scores 0. Code that reads its own file to find the token is not stopped by this.
 
 A limit or rule broken by the code (timeout, memory, network, ...) is the policy's fault, so it
-scores 0 like any failure; it is not a reward error. Only a failure of the sandbox itself
-(`SandboxError`) raises, for the reward runner to report.
+scores 0 like any failure; it is not a reward error. A failure of the sandbox itself
+(`SandboxError`) raises, for the reward runner to report, and so do tests that could not fail:
+none, empty ones, or an answer of another type (a dict, a number).
+
+The limits are checked when the reward is built (`_prepare`), and `RewardRunner` refuses a
+`timeout_s` that the sandbox's wall clock does not end before (`_check_timeout`).
 
 The function returns a dict with the same keys every time, so their means are rates:
 `no_code` (no fenced block found), `violation` (a sandbox limit or rule was hit) and `timeout`
@@ -20,6 +25,7 @@ The function returns a dict with the same keys every time, so their means are ra
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 
@@ -36,20 +42,22 @@ def extract_code(completion: str) -> str | None:
 
 
 def code_reward(
-    completion: str, answer: str, *, limits: SandboxLimits | dict | None = None, **_
+    completion: str, answer: str | list[str], *, limits: SandboxLimits | dict | None = None, **_
 ) -> dict[str, float]:
     """1.0 if the completion's code passes the test code in `answer`, else 0.0.
 
+    `answer` is test code, or a list of test snippets (MBPP's `test_list`) run one after another.
     `limits` is a SandboxLimits or a dict of its fields (as a reward's kwargs in config)."""
-    gold(answer, "code")  # the tests: without them any program that runs would pass
-    if isinstance(limits, dict):
-        limits = SandboxLimits(**limits)
+    tests = _tests(answer)
+    limits = _limits(limits)
     code = extract_code(completion)
     if code is None:
         return {"score": 0.0, "no_code": 1.0, "violation": 0.0, "timeout": 0.0}
     token = secrets.token_hex(16)
-    program = f"{code}\n\n# --- tests ---\n{answer}\n\nprint({token!r})\n"
-    result = run_python(program, limits=limits or SandboxLimits())
+    # The token starts a line of its own even when the program's last line is unfinished
+    # (`print("ready", end="")`): an empty line before it is harmless, a glued one fails.
+    program = f"{code}\n\n# --- tests ---\n{tests}\n\nprint()\nprint({token!r})\n"
+    result = run_python(program, limits=limits)
     passed = result.ok and result.stdout.splitlines()[-1:] == [token]
     return {
         "score": float(passed),
@@ -57,3 +65,65 @@ def code_reward(
         "violation": float(result.violation is not None),
         "timeout": float(result.violation in ("cpu", "wall")),
     }
+
+
+def _tests(answer) -> str:
+    """The test code `answer` holds; anything that would let a program pass untested raises
+    (a list formatted as text is a valid expression statement, and whitespace tests nothing)."""
+    gold(answer, "code")
+    if isinstance(answer, (list, tuple)):
+        for i, test in enumerate(answer):
+            if not isinstance(test, str):
+                raise TypeError(f"code: test {i} of the answer is not a string of test code but "
+                                f"{type(test).__name__}: {test!r:.80}")
+            if not test.strip():
+                raise ValueError(f"code: test {i} of the answer is empty: it would test nothing")
+        if not answer:
+            raise ValueError("code: the answer is an empty list of tests: any program that runs would pass")
+        return "\n".join(answer)
+    if not isinstance(answer, str):
+        raise TypeError(f"code: the answer must be test code (a string) or a list of test snippets, got "
+                        f"{type(answer).__name__}: {answer!r:.80}")
+    if not answer.strip():
+        raise ValueError("code: the answer (the tests) is empty: any program that runs would pass")
+    return answer
+
+
+def _limits(limits: SandboxLimits | dict | None) -> SandboxLimits:
+    if limits is None or isinstance(limits, SandboxLimits):
+        return limits or SandboxLimits()
+    if not isinstance(limits, dict):
+        raise TypeError(f"limits must be a mapping of SandboxLimits fields, got {limits!r:.80}")
+    known = [f.name for f in dataclasses.fields(SandboxLimits)]
+    unknown = [k for k in limits if k not in known]
+    if unknown:
+        raise ValueError(f"limits has no {', '.join(map(repr, unknown))}; the limits are {', '.join(known)}")
+    return SandboxLimits(**limits)
+
+
+# Above the sandbox's wall clock: interpreter start, namespaces, writing and removing the directory.
+_MARGIN_S = 1.0
+
+
+def _prepare(load: bool = True, **kwargs) -> dict:
+    """The bound arguments checked when the reward is built (`rollover.rewards.registry.prepare`),
+    so that a misspelt limit fails there rather than on every sample."""
+    unknown = sorted(set(kwargs) - {"limits"})
+    if unknown:
+        raise ValueError(f"unknown kwargs {unknown} (known: limits)")
+    return {**kwargs, "limits": _limits(kwargs["limits"])} if "limits" in kwargs else kwargs
+
+
+def _check_timeout(timeout_s: float, limits: SandboxLimits | dict | None = None) -> None:
+    """Called by `RewardRunner` with its `timeout_s`: a run that may last past the call's timeout
+    turns a correct slow program into a reward timeout (a failure) instead of a score."""
+    wall_s = _limits(limits).wall_s
+    if wall_s + _MARGIN_S >= timeout_s:
+        raise ValueError(f"its sandbox's wall clock (limits.wall_s={wall_s:g} s, plus {_MARGIN_S:g} s to start) "
+                         f"does not end before the reward's timeout (reward.timeout_s={timeout_s:g} s), so a "
+                         f"slow correct program would fail as a timeout: raise reward.timeout_s above "
+                         f"{wall_s + _MARGIN_S:g} or lower limits.wall_s")
+
+
+code_reward._rollover_prepare = _prepare
+code_reward._rollover_check_timeout = _check_timeout

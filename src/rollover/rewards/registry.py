@@ -12,7 +12,8 @@ Two signatures are accepted, told apart by parameter names:
 
 Dataset fields reach a function as keyword arguments: all of them if it takes `**kwargs`, else
 only those it names (a field it names but the sample lacks is a call error, reported by the
-runner).
+runner). Never a bound argument, and never a built-in's options (its keyword-only parameters,
+such as `format`'s `pattern`): a column of that name does not change the built-in's setting.
 
 Isolation. A reward is isolated (the runner calls it in a worker process it can kill, see
 `rollover.rewards.pool`) when its spec says `isolate: true`, or, with `isolate` unset, when
@@ -174,16 +175,29 @@ class Reward:
     def _params(self) -> dict[str, inspect.Parameter]:
         return dict(inspect.signature(self.fn).parameters)
 
+    @functools.cached_property
+    def _options(self) -> frozenset[str]:
+        """A built-in's options: its keyword-only parameters (`format`'s pattern, `judge`'s rubric,
+        `code`'s limits). They are configuration, set by `kwargs` or left at their defaults, and
+        never filled from a dataset field that happens to share the name: a `rubric` column would
+        send the judge every row's rubric as one list. A function of yours keeps TRL's convention,
+        fields reach the parameters they name."""
+        base = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
+        if not any(base is builtin for builtin in BUILTINS.values()):
+            return frozenset()
+        return frozenset(name for name, p in self._params.items() if p.kind is p.KEYWORD_ONLY)
+
     def _accepted(self, available: dict) -> dict:
         """The entries of `available` the function takes as keyword arguments (never the
-        ones already bound with `kwargs`)."""
+        ones already bound with `kwargs`, nor a built-in's options)."""
         bound = self.fn.keywords if isinstance(self.fn, functools.partial) else {}
+        refused = bound.keys() | self._options
         if any(p.kind is p.VAR_KEYWORD for p in self._params.values()):
-            return {k: v for k, v in available.items() if k not in bound}
+            return {k: v for k, v in available.items() if k not in refused}
         accepted = {
             name
             for name, p in self._params.items()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in bound
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in refused
         }
         return {k: v for k, v in available.items() if k in accepted}
 

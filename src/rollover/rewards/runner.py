@@ -55,6 +55,7 @@ import logging
 import math
 import numbers
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -71,6 +72,9 @@ logger = logging.getLogger("rollover.rewards")
 OnError = Literal["raise", "zero", "skip"]
 SampleStatus = Literal["ok", "skipped"]
 LANES = (False, True)  # in a thread, in a worker process
+# About 11 days. A worker's pipe (`Connection.poll`) and `select` overflow past ~24 days
+# (2**31 ms), which would fail every isolated call; nothing real waits that long.
+MAX_TIMEOUT_S = 1e6
 
 
 class RewardFailed(RuntimeError):
@@ -235,8 +239,16 @@ class RewardRunner:
                 raise ValueError(f"reward {r.name!r}: weight must be finite, got {r.weight}")
         if on_error not in ("raise", "zero", "skip"):
             raise ValueError(f"on_error must be 'raise', 'zero' or 'skip', got {on_error!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s}")
+        for r in rewards:  # a built-in whose own time limit must end before the call's (code's sandbox)
+            base, bound = (r.fn.func, r.fn.keywords) if isinstance(r.fn, functools.partial) else (r.fn, {})
+            check = getattr(base, "_rollover_check_timeout", None)
+            if check is not None:
+                try:
+                    check(timeout_s, **bound)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"reward {r.name!r}: {e}") from None
         if workers < 1 or max_threads < 1:
             raise ValueError(f"workers and max_threads must be >= 1, got {workers}, {max_threads}")
         self.rewards = list(rewards)
@@ -470,14 +482,24 @@ def _checked(value: object) -> tuple[float | None, dict[str, float]] | Exception
 
 
 def _number(value: object, what: str) -> float:
-    if not isinstance(value, numbers.Real):
+    if not isinstance(value, numbers.Real) and not _numpy_bool(value):
         raise TypeError(
             f"{what} must be a real number (or the reward may return None or a dict with "
-            f"'score'), got {type(value).__name__}: {value!r}"
+            f"'score'), got {type(value).__name__}: {value!r:.200}"
         )
-    if not math.isfinite(value):
-        raise ValueError(f"{what} is {value}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError as e:  # an int or Fraction past 1.8e308; its repr may be too long to print
+        raise ValueError(f"{what} does not fit in a float ({type(value).__name__}: {e})") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{what} is {number}")
+    return number
+
+
+def _numpy_bool(value: object) -> bool:
+    """np.bool_ (what np.isclose returns) is no numbers.Real, unlike numpy's ints and floats."""
+    np = sys.modules.get("numpy")  # not imported: the value cannot be one of its bools
+    return np is not None and isinstance(value, np.bool_)
 
 
 def _describe(error: BaseException) -> str:

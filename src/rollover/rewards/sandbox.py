@@ -43,6 +43,9 @@ Layers, outermost first (docs/sandbox.md has the table of what each stops and wh
    SIGTERM to the supervisor, which SIGKILLs the code and reaps it; after a second the whole
    process group gets SIGKILL.
 
+Runs of one process wait for a slot, one per CPU the process may use, before they start, so
+their wall clock measures their own run rather than a share of oversubscribed cores.
+
 Not enforced: disk space in the sandbox directory (bounded only by the file size limit times
 the time the code has), reading world-readable files outside the covered directories (the
 repository, /etc, /home), CPU share (the code competes with the host for cores), and kernel
@@ -56,6 +59,7 @@ import contextlib
 import ctypes
 import errno
 import json
+import logging
 import os
 import resource
 import selectors
@@ -64,14 +68,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+logger = logging.getLogger("rollover.rewards")
+
 # --- the API ------------------------------------------------------------------------------------
 
 MAIN = "main.py"  # the code's file in the sandbox directory
+MAX_WALL_S = 1e6  # about 11 days: far past any real run, well inside what select() can wait
 
 REASONS = {
     "cpu": "cpu time limit {cpu_s} s",
@@ -102,9 +110,14 @@ class SandboxLimits:
 
     def __post_init__(self):
         for name, value in asdict(self).items():
-            if name != "wall_s" and not isinstance(value, int):
+            if name == "wall_s":
+                # NaN would never time out, and a wait past ~24 days overflows select()'s timeout
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_WALL_S:
+                    raise ValueError(f"SandboxLimits.wall_s must be a number of seconds in (0, {MAX_WALL_S:g}], "
+                                     f"got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"SandboxLimits.{name} must be an int, got {value!r}")
-            if value <= 0:
+            elif value <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {value!r}")
 
     def reason(self, violation: str) -> str:
@@ -147,7 +160,9 @@ def run_python(
         raise SandboxError(
             "the sandbox needs root: it creates namespaces and runs the code as a uid of its own"
         )
-    with _sandbox_uid() as uid, _sandbox_dir(code, files or {}, uid) as root:
+    # A run waits for a core before anything of it starts, so its wall clock measures its own
+    # run, not the queue: more runs than cores would share them and time out on correct code.
+    with _CORES, _sandbox_uid() as uid, _sandbox_dir(code, files or {}, uid) as root:
         return _run(root, uid, stdin.encode(), limits)
 
 
@@ -180,6 +195,9 @@ UID_BASE = 1 << 30  # sandbox uids are UID_BASE + pid * _UID_SLOTS + slot, below
 _UID_SLOTS = 256
 _free_slots = collections.deque(range(_UID_SLOTS))  # round robin, so a uid rests between runs
 
+# Runs at once in this process: one per CPU it may use (other processes have their own count).
+_CORES = threading.BoundedSemaphore(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                    else os.cpu_count() or 1)  # not Linux: run_python refuses anyway
 _KILL_AFTER_S = 1.0  # after asking the supervisor to stop, SIGKILL its process group
 _GIVE_UP_S = 5.0  # past the deadline by this much, the run is a SandboxError
 _REPORT_BYTES = 64 * 1024  # cap on the supervisor's and the code's reports
@@ -222,7 +240,22 @@ def _sandbox_dir(code: str, files: dict[str, str], uid: int) -> Iterator[str]:
                 os.chown(path, uid, uid)
         yield root
     finally:
+        _remove(root)
+
+
+def _remove(root: str) -> None:
+    """Remove the sandbox directory, and never raise: the code decides its shape. shutil.rmtree
+    recurses once per level (RecursionError on a chain of a few thousand directories, which
+    renames build in no time); `rm -rf` walks it without recursing. What even that cannot remove
+    is logged, since the run's result is still good."""
+    try:
         shutil.rmtree(root)
+        return
+    except (OSError, RecursionError):
+        pass
+    rm = subprocess.run(["rm", "-rf", "--", root], capture_output=True, text=True)
+    if rm.returncode != 0 or os.path.lexists(root):
+        logger.warning("could not remove the sandbox directory %s: %s", root, rm.stderr.strip()[-500:])
 
 
 def _run(root: str, uid: int, stdin: bytes, limits: SandboxLimits) -> SandboxResult:

@@ -167,13 +167,25 @@ class AprilCollector:
             # under the lock: an environment call landing from now on may complete a carried group
             ready = sorted(st.ready, key=lambda g: g.serial)  # deterministic: by draw order
             out, self.ready_carry = ready[:target], ready[target:] + self.ready_carry
-            carried = list(self.buffer) + list(self.inflight.values())
-            snapshot = {"carried_groups": len(carried) + len(self.ready_carry),
-                        "carried_live_samples": len(driver.routes),
-                        "carried_partial_samples": sum(_partials(g) for g in carried)}
+            snapshot = self._carried()
         out = self._mask_stale(out, version)
         self._adapt(st)
         return out, self._metrics(out, st, stats0, time.perf_counter() - t_start, snapshot)
+
+    def _carried(self) -> dict:
+        """What crosses into the next step (under the lock): groups with work done (samples
+        finished or holding tokens, complete groups ready) and drawn groups nothing has started
+        yet; samples holding tokens, and of them those live in the engine with their K/V
+        (keep_kv), besides requests queued there that hold none."""
+        live = {(id(ref.group), ref.j) for rid, ref in self.driver.routes.items() if self.driver.seen.get(rid, 0) > 0}
+        carried = list(self.buffer) + list(self.inflight.values())
+        holding = live | {(id(g), j) for g in carried for j in _partial_places(g)}
+        started = [g for g in carried if g.done or any((id(g), j) in holding for j in range(g.n))]
+        return {"carried_groups": len(started) + len(self.ready_carry),
+                "carried_unstarted_groups": len(carried) - len(started),
+                "carried_partial_samples": len(holding),
+                "carried_live_samples": len(live),
+                "carried_queued_samples": len(self.driver.routes) - len(live)}
 
     def _submit(self, groups: list[PendingGroup]) -> None:
         for g in groups:
@@ -397,7 +409,7 @@ class AprilCollector:
         total = stats1.total_row_steps - stats0.total_row_steps
         samples = [r for g in out for r in g.rollouts]
         sampled = [[v for v in r.versions if v >= 0] for r in samples]  # episodes' inserted tokens carry -1
-        useful = sum(map(len, sampled))
+        useful = sum(v >= 0 and on for r in samples for v, on in zip(r.versions, r.loss_mask))  # tokens that train
         offp = sum(v < version for vs in sampled for v in vs)
         ages = Counter(version - min(vs) if vs else 0 for vs in sampled)
         return {
@@ -417,8 +429,8 @@ class AprilCollector:
             "dropped_samples": m["dropped_samples"],
             "reward_errors": m["reward_errors"],
             "partial_fraction": sum(bool(vs) and min(vs) < version for vs in sampled) / max(len(samples), 1),
-            "off_policy_token_ratio": offp / max(useful, 1),
-            **carry,  # carried_groups, carried_live_samples, carried_partial_samples
+            "off_policy_token_ratio": offp / max(sum(map(len, sampled)), 1),
+            **carry,  # carried_groups, carried_unstarted_groups, carried_{partial,live,queued}_samples
             "alpha": self.alpha,
             **{f"carry_age/{a}": n for a, n in sorted(ages.items())},
             **{k: v for k, v in m.items() if k.startswith("rewards/")},
@@ -491,8 +503,8 @@ class _StepState:
         self.error: BaseException | None = None
 
 
-def _partials(g: PendingGroup) -> int:
-    """Samples of g holding the tokens of an aborted request."""
+def _partial_places(g: PendingGroup) -> list[int]:
+    """The places of g's samples holding the tokens of an aborted request."""
     if g.episodes is not None:
-        return sum(ep.partial is not None for ep in g.episodes.values())
-    return len(g.partial)
+        return [j for j, ep in g.episodes.items() if ep.partial is not None]
+    return list(g.partial)
