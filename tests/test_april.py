@@ -263,6 +263,28 @@ def test_an_evaluation_leaves_the_carried_requests_to_the_next_step(model_dir, t
     assert all(r["rollout/generated_tokens"] > 0 for r in rows), [r["rollout/generated_tokens"] for r in rows]
 
 
+@pytest.mark.parametrize("carry", ["keep_kv", "resubmit"])
+def test_the_carry_metrics_count_what_they_name(model_dir, tmp_path, carry):
+    """useful_tokens are those that train (stale ones masked out are not); samples holding tokens
+    are counted whether live in the engine (keep_kv) or aborted into their groups, and requests
+    queued in the engine holding none are counted apart."""
+    from rollover.metrics import read_metrics
+
+    train_sync(april_cfg(model_dir, tmp_path, **{
+        "partial_rollout.carry": carry, "partial_rollout.max_carry_steps": 0, "partial_rollout.score_lag": 0,
+        "rollout.max_new_tokens": 40, "rollout.max_rows": 4, "partial_rollout.oversample": 3.0, "checkpoint.every": 0}))
+    rows = read_metrics(tmp_path, kind="train")
+    assert [r["rollout/useful_tokens"] for r in rows] == [r["actor/loss_tokens"] for r in rows]
+    assert any(r["rollout/carried_partial_samples"] for r in rows)
+    for r in rows:
+        assert r["rollout/carried_live_samples"] <= r["rollout/carried_partial_samples"]
+        assert r["rollout/carried_groups"] + r["rollout/carried_unstarted_groups"] >= 1
+        if carry == "resubmit":  # nothing stays in the engine
+            assert r["rollout/carried_live_samples"] == r["rollout/carried_queued_samples"] == 0
+    if carry == "keep_kv":
+        assert any(r["rollout/carried_live_samples"] for r in rows) and any(r["rollout/carried_queued_samples"] for r in rows)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_keep_kv_carry_loses_nothing_and_keeps_provenance(model_dir, tmp_path, seed):
     """carry=keep_kv: unfinished samples stay in the paused engine across weight updates."""
