@@ -658,6 +658,22 @@ def test_resume_is_exact(model_dir, tmp_path, extra):
     assert [r.get("reward/mean") for r in ra] == [r.get("reward/mean") for r in rb]
 
 
+def test_an_epoch_is_a_pass_over_the_prompts_a_selection_draws():
+    """selection.candidates x prompts_per_step prompts are drawn a step when a selection policy
+    chooses among them: 40 prompts, 3 a step, 2 candidates each: ceil(40 / 6) = 7 steps an
+    epoch, not ceil(40 / 3) = 14 (which would pass over the data twice)."""
+    from rollover.loops.prompts import _steps_from_epochs
+
+    def steps(**over):
+        cfg = load_config(model="m", run_dir="r", epochs=1, **{"rollout.prompts_per_step": 3, **over})
+        _steps_from_epochs(cfg, 40)
+        return cfg.steps
+
+    assert steps() == 14
+    assert steps(**{"selection.policy": "thompson", "selection.candidates": 2}) == 7
+    assert steps(**{"selection.allocation": "xrpo"}) == 14  # the data order: nothing passed over
+
+
 def test_epochs_set_the_steps_from_the_training_prompts(model_dir, tmp_path):
     """epochs=0.1 over 114 training prompts (120 less 6 held out), 3 a step: ceil(11.4 / 3) = 4
     steps, recorded as steps; the same run given more epochs goes on from its checkpoint."""

@@ -34,9 +34,12 @@ class Config(Section):
     """Training steps."""
     epochs: float | None = Field(None, gt=0)
     """Passes over the training prompts, instead of steps (TRL's num_train_epochs, verl's
-    total_epochs): once the data is loaded, steps = ceil(epochs x training prompts /
-    rollout.prompts_per_step), the held-out prompts and skipped rows not counted. The run logs
-    the figure and records it as steps in RUN_DIR/config.yaml. Give steps or epochs, not both."""
+    total_epochs): once the data is loaded, steps = ceil(epochs x training prompts / prompts
+    drawn a step), the held-out prompts and skipped rows not counted. A step draws
+    rollout.prompts_per_step prompts, selection.candidates times that when selection.policy
+    chooses among them; the rounds that top up a step under algorithm.dynamic_sampling draw more,
+    so such a run passes over the data more often than this. The run logs the figure and records
+    it as steps in RUN_DIR/config.yaml. Give steps or epochs, not both."""
     mode: Literal["sync", "async"] = "sync"
     """sync: generate -> train in turn (loops/sync.py); async: decoupled services (loops/async_.py)."""
     runtime: Literal["local", "ray"] = "local"

@@ -14,13 +14,18 @@ class AsyncConfig(Section):
     """eta: no sample is trained more than this many policy versions after the version that
     started it (0 = synchronous)."""
     experience_pool: bool = False
-    """DART: replace an all-fail group's worst sample with the prompt's latest success."""
+    """DART: replace an all-fail group's worst sample with the prompt's latest success, while that
+    success's sampled tokens are at most max_staleness versions older than the version the group
+    trains at. The data brings a prompt back once an epoch, so the pool fills groups only where an
+    epoch takes about max_staleness steps or fewer (a small task set, as DART's agents train on,
+    or a raised max_staleness); rollout/experience_pool_substitutions counts them."""
     dynamic_samples: bool = False
     """DART: fewer samples for prompts the policy solved every time last round."""
     min_samples: int = Field(2, ge=2)
     """DART dynamic samples: the fewest samples a prompt gets (a group of 1 has no baseline)."""
     top_entropy_fraction: float = Field(1.0, gt=0, le=1)
-    """Train only on this fraction of highest-entropy steps (1 = all)."""
+    """Train only on this fraction of highest-entropy steps (a sample, or a turn of an episode;
+    1 = all); rollout/entropy_masked_samples counts the steps masked out."""
 
 
 class SelectionConfig(Section):

@@ -225,8 +225,11 @@ def _steps_from_epochs(cfg: Config, n: int) -> None:
     if cfg.epochs is None:
         return
     B = cfg.rollout.prompts_per_step
-    steps = max(1, math.ceil(cfg.epochs * n / B - 1e-9))
-    log.info("epochs=%g: %g x %d training prompts / %d prompts a step = %d steps", cfg.epochs, cfg.epochs, n, B, steps)
+    drawn = B if cfg.selection.policy == "uniform" else max(B, math.ceil(cfg.selection.candidates * B))
+    steps = max(1, math.ceil(cfg.epochs * n / drawn - 1e-9))
+    how = f"{drawn} prompts drawn a step" + (f" (selection.candidates={cfg.selection.candidates:g} x {B} trained)"
+                                             if drawn != B else "")
+    log.info("epochs=%g: %g x %d training prompts / %s = %d steps", cfg.epochs, cfg.epochs, n, how, steps)
     cfg.__dict__.update(steps=steps, epochs=None)  # as given; an assignment would validate the whole config again
 
 
