@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from rollover.config import load_config
+from rollover.config import ConfigError, load_config
 from rollover.loops.async_ import train_async
 from rollover.loops.batch import ledger_rows, train_batch_from
 from rollover.rollout.stops import TooManyEmptyCollections
@@ -73,6 +73,27 @@ def test_dynamic_sampling_with_gdpo_keeps_a_group_whose_functions_differ_though_
     one_absent.rollouts[0].scores = {"numeric": 1.0, "format": 0.0}
     gdpo = load_config(None, [funcs, "algorithm.dynamic_sampling=true", "algorithm.advantage=gdpo"])
     assert not keep_group(one_absent, gdpo, Counter())
+
+
+def test_dynamic_sampling_by_accuracy_drops_an_all_wrong_group_whose_format_scores_differ():
+    """dynamic_sampling_metric=accuracy (DAPO's, verl's filter_groups.metric=acc): right or not by
+    the first function and reward.correct_threshold; by reward, the format scores' spread keeps it."""
+    def group(numeric):
+        g = _group([n + 0.5 * f for n, f in zip(numeric, (1.0, 0.0))])
+        for r, n, f in zip(g.rollouts, numeric, (1.0, 0.0)):
+            r.scores = {"numeric": n, "format": f}
+        return g
+
+    base = ["reward.functions=[numeric, {fn: format, weight: 0.5}]", "algorithm.dynamic_sampling=true"]
+    by_reward, by_accuracy = load_config(None, base), load_config(None, [*base, "algorithm.dynamic_sampling_metric=accuracy"])
+    assert keep_group(group([0.0, 0.0]), by_reward, Counter(), primary="numeric")
+    m = Counter()
+    assert not keep_group(group([0.0, 0.0]), by_accuracy, m, primary="numeric") and m["filtered_groups"] == 1
+    assert keep_group(group([1.0, 0.0]), by_accuracy, Counter(), primary="numeric")
+    assert not keep_group(group([1.0, 1.0]), by_accuracy, Counter(), primary="numeric")
+    with pytest.raises(ConfigError, match="dynamic_sampling_metric=accuracy says what dynamic sampling compares: set "
+                                          "algorithm.dynamic_sampling: true too"):
+        load_config(None, ["model=m", "run_dir=r", "algorithm.dynamic_sampling_metric=accuracy"])
 
 
 def test_dynamic_sampling_filters_on_the_answers_not_on_their_overlong_shaping():

@@ -122,6 +122,11 @@ class AlgorithmConfig(Section):
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal (before overlong shaping, as
     DAPO filters on accuracy) and top up with new prompts."""
+    dynamic_sampling_metric: Literal["reward", "accuracy"] = "reward"
+    """What dynamic sampling compares within a group: reward (its total before overlong shaping:
+    a group whose samples all score alike has no advantage to train on) or accuracy (each
+    sample right or not by the first reward function and reward.correct_threshold, as DAPO and
+    verl's filter_groups.metric=acc: an all-wrong group whose format scores differ is dropped too)."""
     max_resample_rounds: int = Field(4, ge=1)
     """Dynamic sampling: generation rounds per step before training on what was kept."""
     overlong_buffer: int = Field(0, ge=0)

@@ -336,9 +336,10 @@ class Config(Section):
         if "overlong_penalty" in given and not a.overlong_buffer:
             out.append(f"algorithm.overlong_penalty={a.overlong_penalty:g} weighs DAPO's overlong shaping, which "
                        "algorithm.overlong_buffer=0 leaves off: set the buffer's length too")
-        if "max_resample_rounds" in given and not a.dynamic_sampling:
-            out.append(f"algorithm.max_resample_rounds={a.max_resample_rounds} bounds dynamic sampling's rounds: "
-                       "set algorithm.dynamic_sampling: true too")
+        for k, what in (("max_resample_rounds", "bounds dynamic sampling's rounds"),
+                        ("dynamic_sampling_metric", "says what dynamic sampling compares")):
+            if k in given and not a.dynamic_sampling:
+                out.append(f"algorithm.{k}={getattr(a, k)} {what}: set algorithm.dynamic_sampling: true too")
         if a.tis_cap is not None and "is_cap" in a.loss_options:
             out.append(f"algorithm.tis_cap={a.tis_cap:g} and algorithm.loss_options.is_cap="
                        f"{a.loss_options['is_cap']} both cap the importance weight: give one")

@@ -276,7 +276,7 @@ class AprilCollector:
         m = Counter()
         t0 = time.perf_counter()
         group = scored_groups([g], self.inputs, m)[0]
-        keep = keep_group(group, self.cfg, m)
+        keep = keep_group(group, self.cfg, m, primary=self.inputs.primary_reward)
         m["reward_s"] = time.perf_counter() - t0  # the whole scoring time
         return g, group, keep, m
 

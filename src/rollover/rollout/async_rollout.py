@@ -247,7 +247,7 @@ class DataManager:
                 if self.pool.observe_and_fill(group, train_version, cfg.async_.max_staleness):
                     self.metrics["experience_pool_substitutions"] += 1
 
-        keep = keep_group(group, cfg, self.metrics, curate)
+        keep = keep_group(group, cfg, self.metrics, curate, self.inputs.primary_reward)
         if not keep:
             with self.service.lock:
                 self.gate.live -= 1

@@ -147,12 +147,13 @@ MIN_SAMPLES = 2  # a group's baseline compares its samples: fewer survivors leav
 DROP_COUNTS = ("skipped_groups", "dropped_samples", "filtered_groups", "filtered_tokens", "reward_errors")
 
 
-def keep_group(group: Group, cfg: Config, m, curate=None) -> bool:
+def keep_group(group: Group, cfg: Config, m, curate=None, primary: str | None = None) -> bool:
     """The group filters every schedule applies, in order: its failed samples (unscored) leave
     it (`dropped_samples`) and it trains on the rest, its baseline over them; a group left with
     fewer than two samples (or a group of one without its sample) is skipped
     (`skipped_groups`), as is a ReMax group whose greedy answer failed (no baseline); `curate(group)` may change it (the experience pool); with DAPO dynamic
-    sampling a group whose rewards are all equal (with GDPO: each function's scores) is filtered
+    sampling a group whose rewards are all equal (with GDPO: each function's scores; with
+    `dynamic_sampling_metric: accuracy`, whether each is right by `primary`) is filtered
     (`filtered_groups`, `filtered_tokens`)."""
     if cfg.algorithm.advantage == "remax" and (group.greedy is None or group.greedy.reward is None):
         m["skipped_groups"] += 1  # ReMax without a baseline: its greedy answer failed (or a group from before remax)
@@ -167,7 +168,10 @@ def keep_group(group: Group, cfg: Config, m, curate=None) -> bool:
         return False
     if curate is not None:
         curate(group)
-    if cfg.algorithm.dynamic_sampling and not has_variance(group, by_function=cfg.algorithm.advantage == "gdpo"):
+    a = cfg.algorithm
+    if a.dynamic_sampling and not (
+            has_accuracy_variance(group, primary, cfg.reward.correct_threshold) if a.dynamic_sampling_metric == "accuracy"
+            else has_variance(group, by_function=a.advantage == "gdpo")):
         m["filtered_groups"] += 1
         m["filtered_tokens"] += sum(len(r.response_ids) for r in group.rollouts)
         return False
@@ -212,6 +216,15 @@ def has_variance(group: Group, by_function: bool = False) -> bool:
         return any(len({r.scores[k] for r in group.rollouts if k in r.scores}) > 1 for k in names)
     samples = [*group.rollouts, *([group.greedy] if group.greedy is not None else [])]  # ReMax: against the greedy
     return len({r.reward if r.unshaped is None else r.unshaped for r in samples}) > 1
+
+
+def has_accuracy_variance(group: Group, primary: str | None, threshold: float) -> bool:
+    """Some of the group's samples (and a ReMax group's greedy answer) are right by reward
+    function `primary` and `threshold`, and some are not (DAPO's filter)."""
+    if primary is None:
+        raise ValueError("dynamic_sampling_metric=accuracy needs the primary reward's name")
+    samples = [*group.rollouts, *([group.greedy] if group.greedy is not None else [])]
+    return len({(r.scores.get(primary) or 0.0) >= threshold for r in samples}) > 1
 
 
 def group_advantages(groups: list[Group], cfg: Config) -> tuple[torch.Tensor, dict]:

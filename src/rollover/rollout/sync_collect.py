@@ -47,7 +47,7 @@ class SyncCollector:
             if cfg.selection.dars != "off":
                 groups = self._dars_second_stage(pending, groups, sp, m, busy)
             observe_groups(run, pending, groups)
-            kept += [g for g in groups if keep_group(g, cfg, m)]
+            kept += [g for g in groups if keep_group(g, cfg, m, primary=run.primary_reward)]
             m["rounds"] += 1
         stats1 = run.engine.stats()
         total = stats1.total_row_steps - stats0.total_row_steps
