@@ -675,17 +675,20 @@ def test_an_epoch_is_a_pass_over_the_prompts_a_selection_draws():
 
 
 def test_epochs_set_the_steps_from_the_training_prompts(model_dir, tmp_path):
-    """epochs=0.1 over 114 training prompts (120 less 6 held out), 3 a step: ceil(11.4 / 3) = 4
-    steps, recorded as steps; the same run given more epochs goes on from its checkpoint."""
+    """epochs=0.1 over 111 training prompts (120 less every row of the 6 held-out questions), 3 a
+    step: ceil(11.1 / 3) = 4 steps, recorded as steps; the same run given more epochs goes on
+    from its checkpoint."""
     import yaml
 
     run = tmp_path / "r"
     train_sync(tiny_cfg(model_dir, run, epochs=0.1, **{"eval.every": 0}))
     steps = lambda: [r["step"] for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"]  # noqa: E731
     assert steps() == [1, 2, 3, 4]
+    epochs = [r["data/epochs"] for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"]
+    assert epochs == [pytest.approx(3 * k / 111) for k in (1, 2, 3, 4)]  # 3 prompts a step of 111
     recorded = yaml.safe_load((run / "config.yaml").read_text())
     assert recorded["steps"] == 4 and recorded["epochs"] is None
-    train_sync(tiny_cfg(model_dir, run, epochs=0.2, **{"eval.every": 0}))  # ceil(22.8 / 3) = 8
+    train_sync(tiny_cfg(model_dir, run, epochs=0.2, **{"eval.every": 0}))  # ceil(22.2 / 3) = 8
     assert steps() == list(range(1, 9))
 
 

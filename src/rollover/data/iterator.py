@@ -30,6 +30,11 @@ class PromptIterator:
         self._fingerprint = _fingerprint(self.prompts)
         self._order = self._epoch_order(0)
 
+    @property
+    def epochs_drawn(self) -> float:
+        """Prompts drawn so far over the prompts: passes over the data (the metric `data/epochs`)."""
+        return self.prompts_served / len(self.prompts)
+
     def next_batch(self, k: int) -> list[Prompt]:
         """The next `k` prompts, crossing into the next epoch when this one runs out."""
         if k < 1:
@@ -116,6 +121,11 @@ class MixedIterator:
     def prompts(self) -> list[Prompt]:
         """Every source's prompts, the sources in name order."""
         return [p for name in self.names for p in self.iters[name].prompts]
+
+    @property
+    def epochs_drawn(self) -> float:
+        """Prompts drawn so far over every source's prompts."""
+        return self.prompts_served / sum(len(it.prompts) for it in self.iters.values())
 
     def next_batch(self, k: int) -> list[Prompt]:
         if k < 1:

@@ -121,6 +121,6 @@ def ledger_rows(groups) -> list[dict]:
 def record_step(run: Run, step: int, metrics: dict, groups, batch, collected: dict | None = None) -> None:
     """A trained step on record: its metrics row, its groups in the ledger, and (every
     `logging.samples` steps) its samples."""
-    run.logger.log(step, metrics)
+    run.logger.log(step, {**metrics, "data/epochs": run.train_iter.epochs_drawn})  # passes over the prompts drawn
     run.logger.log_groups(step, ledger_rows(groups))
     log_samples(run, step, groups, batch, collected)
