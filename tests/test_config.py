@@ -3,6 +3,7 @@ rejected, resume differences listed."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -206,21 +207,30 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["algorithm.max_resample_rounds=3"], r"max_resample_rounds=3 .*set algorithm.dynamic_sampling: true"),
     (["algorithm.tis_cap=2", "algorithm.loss_options={is_cap: 3}"], r"both cap the importance weight: give one"),
     (["train.weight_bucket_mb=64"], r"train.weight_bucket_mb apply to the sharded trainer's ranks"),
-    (["selection.candidates=2", "selection.reprobe_every=3"],
-     r"selection.candidates, selection.reprobe_every with selection.policy=uniform, allocation=fixed, dars=off"),
-    (["selection.policy=skip_saturated", "selection.alpha0=2"], r"selection.alpha0 with selection.policy=skip_saturated"),
-    (["selection.dars_max_samples=8"], r"selection.dars_max_samples with"),
-    (["mode=async", "async.min_samples=3"], r"async.min_samples bounds DART's dynamic samples"),
     (["mode=async", "async.dynamic_samples=true", "selection.allocation=xrpo"], r"both size the groups: choose one"),
-    (["mode=async", "partial_rollout.max_carry_steps=0"],
-     r"partial_rollout.max_carry_steps configure APRIL, a sync-mode collector; async mode bounds .*async.max_staleness"),
-    (["downsample.anneal_steps=5"], r"downsample.anneal_steps anneals from downsample.token_fraction_start"),
-    (["partial_rollout.enabled=true", "rollout.inflight_weight_update=abort"],
-     r"rollout.inflight_weight_update applies to mode: async; .*APRIL's partial_rollout.carry decides"),
 ])
 def test_keys_that_nothing_would_read_are_refused(over, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["model=m", "run_dir=r", *over])
+
+
+@pytest.mark.parametrize("over, match", [
+    (["selection.candidates=2", "selection.reprobe_every=3"],
+     r"selection.candidates, selection.reprobe_every unused: selection.policy=uniform, allocation=fixed, dars=off"),
+    (["selection.policy=skip_saturated", "selection.alpha0=2"], r"selection.alpha0 unused: selection.policy=skip_saturated"),
+    (["selection.dars_max_samples=8"], r"selection.dars_max_samples unused"),
+    (["mode=async", "async.min_samples=3"], r"async.min_samples unused: it bounds DART's dynamic samples"),
+    (["mode=async", "partial_rollout.max_carry_steps=0"],
+     r"partial_rollout.max_carry_steps unused: they configure APRIL, a sync-mode collector; .*async.max_staleness"),
+    (["downsample.anneal_steps=5"], r"downsample.anneal_steps unused: it anneals from downsample.token_fraction_start"),
+    (["partial_rollout.enabled=true", "rollout.inflight_weight_update=abort"],
+     r"rollout.inflight_weight_update unused: it applies to mode: async; .*APRIL's partial_rollout.carry decides"),
+])
+def test_settings_of_a_feature_switched_off_are_warned_of_not_refused(over, match):
+    """Switching a feature off for a comparison keeps its settings: the run says they are unused."""
+    cfg = load_config(None, ["model=m", "run_dir=r", *over])
+    assert any(re.search(match, line) for line in cfg.unused_settings()), cfg.unused_settings()
+    assert load_config(None, ["model=m", "run_dir=r"]).unused_settings() == []
 
 
 @pytest.mark.parametrize("over", [[], ["algorithm.loss=sapo"], ["algorithm.loss=bapo", "mode=async"],

@@ -40,6 +40,26 @@ def test_the_engine_samples_from_the_models_own_distribution(arch):
         assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4), (arch, out.id)
 
 
+@pytest.mark.parametrize("arch, options", [("llama", {"attention_bias": True}), ("llama", {"mlp_bias": True}),
+                                           ("llama", {"hidden_act": "gelu"}), ("qwen3", {"attention_bias": True})])
+def test_a_config_rollovers_forward_lacks_runs_through_the_models_own(arch, options):
+    """rollover's forward has SiLU MLPs without biases and no o_proj bias: a Llama or Qwen3 asking
+    for more samples from its own forward (random biases, so a dropped one would show), and
+    forward='rollover' is refused by name."""
+    model = tiny_model(arch, seed=3, **options)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.3)
+    with TorchEngine(model, device="cpu", max_rows=2, max_len=64, eos_token_ids=[]) as eng:
+        assert eng.core.runner.arch == "generic"
+        out = eng.generate([Request(id="b", prompt_ids=[5, 6, 7, 8], sampling=SamplingParams(
+            temperature=1.0, max_new_tokens=12, seed=1, ignore_eos=True))])[0]
+    assert torch.allclose(torch.tensor(out.logprobs), hf_logprobs(model, out.prompt_ids, out.response_ids), atol=1e-4)
+    with pytest.raises(ValueError, match=f"forward='rollover' computes SiLU MLPs .*{next(iter(options))}"):
+        TorchEngine(model, device="cpu", max_rows=2, max_len=64, forward="rollover")
+
+
 def test_transformers_forward_on_llama_gives_rollovers_tokens():
     model = tiny_model("llama", seed=1)
     reqs = [Request(id=f"g{i}", prompt_ids=[10 + i, 11, 12], sampling=GREEDY) for i in range(3)]

@@ -2,7 +2,10 @@
 
 import re
 import threading
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
 
 from rollover.rewards import (
@@ -57,6 +60,10 @@ def test_math_reward_abstains_when_gold_does_not_parse():
     (r"\boxed{four}", ["4", "four"], 1.0),  # a list: any acceptable answer
     (r"\boxed{4}", ("4", "four"), 1.0),
     (r"\boxed{5}", ["4", "four"], 0.0),
+    (r"\boxed{0.1}", np.float32(0.1), 1.0),  # in its own precision, not float64's 0.10000000149...
+    (r"\boxed{7}", np.int64(7), 1.0),
+    (r"\boxed{\frac{1}{2}}", Fraction(1, 2), 1.0),
+    (r"\boxed{0.00001}", Decimal("1E-5"), 1.0),
 ])
 def test_math_reward_gold_numbers_escaped_dollars_and_lists(completion, answer, expected):
     assert math_reward(completion, answer) == expected
@@ -65,6 +72,7 @@ def test_math_reward_gold_numbers_escaped_dollars_and_lists(completion, answer, 
 @pytest.mark.parametrize("answer, error, message", [
     ({"value": 4}, TypeError, "math: the answer must be a string, a number or a list of acceptable answers, got dict"),
     (True, TypeError, "got bool"),
+    (np.bool_(True), TypeError, "got bool"),
     (["4", None], TypeError, "got NoneType"),
     ([], ValueError, "empty list"),
     (float("nan"), ValueError, "the answer is nan"),

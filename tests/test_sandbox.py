@@ -547,18 +547,17 @@ def test_runner_refuses_a_timeout_the_sandbox_wall_clock_does_not_end_before():
 
 
 @needs_root
-def test_a_wait_for_a_core_past_the_reward_timeout_is_a_counted_timeout_not_a_zero():
-    # 0.6 s programs, one per core at a time: 5 per core (3 s) cannot all finish within the 2.5 s timeout
+def test_code_calls_past_the_cpus_wait_in_the_runner_before_their_timeout_starts():
+    """0.6 s programs, one per core at a time: 5 per core take 3 s, past the 2.5 s timeout, yet each
+    call's timeout starts when it gets its core (the runner starts no more at once), so every
+    correct program scores 1 and none times out."""
     cores = len(os.sched_getaffinity(0))
     limits = {"wall_s": 1.0, "cpu_s": 1}
     completion = fenced("import time\ntime.sleep(0.6)\ndef add(a, b):\n    return a + b")
     prompts = [Prompt(id=f"p{i}", text="q", answer=ADD_TESTS) for i in range(5 * cores)]
     runner = RewardRunner(build_rewards([{"fn": "code", "kwargs": {"limits": limits}}]), timeout_s=2.5,
                           on_error="zero", max_threads=5 * cores)
+    t0 = time.monotonic()
     out = runner.score(prompts, [completion] * len(prompts))
-    timed_out = {f.sample_id for f in out.failures if f.timed_out}
-    assert out.timeout_counts["code"] == len(timed_out) > 0 and len(out.failures) == len(timed_out)
-    assert [s.scores["code"] for s in out.samples if s.sample_id not in timed_out] == [1.0] * (len(prompts) - len(timed_out))
-    for thread in threading.enumerate():  # the abandoned calls still run their programs: let them end
-        if thread.name.startswith("reward:"):
-            thread.join()
+    assert not out.failures and [s.scores["code"] for s in out.samples] == [1.0] * len(prompts)
+    assert time.monotonic() - t0 > 2.5  # they did wait for one another

@@ -347,11 +347,15 @@ class Config(Section):
         if moved and self.train.parallel != "fsdp":
             out.append(f"train.{' and train.'.join(moved)} apply to the sharded trainer's ranks "
                        "(train.parallel=fsdp); one trainer uses neither")
-        return out + self._unused_sampling_keys()
+        if self.async_.dynamic_samples and self.selection.allocation == "xrpo":
+            out.append("async.dynamic_samples and selection.allocation=xrpo both size the groups: choose one")
+        return out
 
-    def _unused_sampling_keys(self) -> list[str]:
-        """The same for the sections that choose prompts and carry samples: selection, async,
-        partial_rollout, downsample, rollout.inflight_weight_update."""
+    def unused_settings(self) -> list[str]:
+        """Settings of a feature the config turns off or a mode it does not run, for a warning
+        when the run starts: switching a feature off for a comparison keeps its settings, so
+        these are not refused as the algorithm's are (selection, async, partial_rollout,
+        downsample, rollout.inflight_weight_update)."""
         sel, out = self.selection, []
         unused = {"candidates": sel.policy == "uniform",
                   "alpha0": "thompson" not in sel.policy, "beta0": "thompson" not in sel.policy,
@@ -360,21 +364,19 @@ class Config(Section):
                   "min_samples": sel.allocation != "xrpo", "dars_max_samples": sel.dars == "off"}
         moved = _moved(sel, *(k for k, off in unused.items() if off))
         if moved:
-            out.append(f"selection.{', selection.'.join(moved)} with selection.policy={sel.policy}, "
-                       f"allocation={sel.allocation}, dars={sel.dars}, which read none of them")
+            out.append(f"selection.{', selection.'.join(moved)} unused: selection.policy={sel.policy}, "
+                       f"allocation={sel.allocation}, dars={sel.dars} read none of them")
         if not self.async_.dynamic_samples and _moved(self.async_, "min_samples"):
-            out.append("async.min_samples bounds DART's dynamic samples: set async.dynamic_samples: true too")
-        if self.async_.dynamic_samples and sel.allocation == "xrpo":
-            out.append("async.dynamic_samples and selection.allocation=xrpo both size the groups: choose one")
+            out.append("async.min_samples unused: it bounds DART's dynamic samples, which async.dynamic_samples turns on")
         if self.mode == "async" and (moved := _moved(self.partial_rollout, *type(self.partial_rollout).model_fields)):
-            # (in sync mode enabled: false turns APRIL off for a comparison, its settings kept)
-            out.append(f"partial_rollout.{', partial_rollout.'.join(moved)} configure APRIL, a sync-mode collector; "
-                       "async mode bounds its samples' age by async.max_staleness")
+            out.append(f"partial_rollout.{', partial_rollout.'.join(moved)} unused: they configure APRIL, a sync-mode "
+                       "collector; async mode bounds its samples' age by async.max_staleness")
         if self.downsample.token_fraction_start is None and _moved(self.downsample, "anneal_steps"):
-            out.append("downsample.anneal_steps anneals from downsample.token_fraction_start, which is unset")
+            out.append("downsample.anneal_steps unused: it anneals from downsample.token_fraction_start, which is unset")
         if self.mode == "sync" and _moved(self.rollout, "inflight_weight_update"):
             how = "APRIL's partial_rollout.carry decides" if self.partial_rollout.enabled else "nothing is in flight"
-            out.append(f"rollout.inflight_weight_update applies to mode: async; at a sync step's weight update {how}")
+            out.append(f"rollout.inflight_weight_update unused: it applies to mode: async; at a sync step's weight "
+                       f"update {how}")
         return out
 
     def _critic_problems(self) -> list[str]:

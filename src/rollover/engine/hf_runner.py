@@ -431,8 +431,17 @@ def _layer_kinds(config) -> list[str]:
 def fast_path(config, max_len: int | None = None) -> bool:
     """Whether `ModelRunner`'s hand-written forward serves this architecture (for sequences up to
     `max_len`: it has no sliding window, so a window shorter than that leaves it to the model's
-    own forward)."""
+    own forward). It computes SiLU MLPs without biases and attention whose only biases are
+    q/k/v's (Qwen2's): a config that asks for more (`attention_bias`, which biases o_proj too,
+    `mlp_bias`, another `hidden_act`) goes to the model's own forward, which has them."""
     archs = getattr(config, "architectures", None) or []
     known = any(a in SUPPORTED for a in archs) or getattr(config, "model_type", None) in ("llama", "mistral", "qwen2", "qwen3")
     window = sliding_window(config)
-    return known and (window is None or (max_len is not None and window >= max_len))
+    return known and not unserved(config) and (window is None or (max_len is not None and window >= max_len))
+
+
+def unserved(config) -> list[str]:
+    """What of the config `ModelRunner`'s forward does not compute (empty: it serves it)."""
+    out = [f"{k}=True" for k in ("attention_bias", "mlp_bias") if getattr(config, k, False)]
+    act = getattr(config, "hidden_act", "silu")
+    return out + ([f"hidden_act={act!r}"] if act not in ("silu", "swish") else [])

@@ -16,7 +16,7 @@ from typing import Iterable
 import torch
 
 from rollover.engine.core import EngineCore
-from rollover.engine.hf_runner import HFRunner, fast_path, sliding_window
+from rollover.engine.hf_runner import HFRunner, fast_path, sliding_window, unserved
 from rollover.engine.model_runner import SUPPORTED, ModelRunner
 from rollover.engine.stop import StopStrings
 from rollover.engine.threaded import ThreadedEngine
@@ -34,6 +34,9 @@ def _generic(config, forward: str, max_len: int, **fast_options) -> bool:
         raise ValueError(f"forward must be 'auto', 'rollover' or 'transformers', got {forward!r}")
     fast = fast_path(config, max_len)
     window = sliding_window(config)
+    if forward == "rollover" and (missing := unserved(config)):
+        raise ValueError(f"forward='rollover' computes SiLU MLPs without biases and no o_proj bias: "
+                         f"{', '.join(missing)} needs forward='transformers' (or 'auto')")
     if forward == "rollover" and fast_path(config, None if window is None else window) and not fast:
         raise ValueError(f"forward='rollover' has no sliding window: {config.model_type!r} attends over "
                          f"{window} tokens and max_len is {max_len} (forward='transformers', or max_len <= {window})")

@@ -68,11 +68,18 @@ def staleness(groups, version: int, eta: int) -> list[int]:
     """Each group's staleness at `version`; above `eta` is the gate's failure, never trained
     silently, and so is a sampled token older than that (a substituted trajectory's)."""
     stale = [version - g.start_version for g in groups]
-    oldest = min((v for g in groups for r in g.rollouts for v in r.versions if v >= 0), default=version)
+    oldest = min((_oldest_sampled(r.versions, version) for g in groups for r in g.rollouts), default=version)
     if max(stale) > eta or version - oldest > eta:
         raise AssertionError(f"staleness {max(max(stale), version - oldest)} exceeds max_staleness={eta} at version "
                              f"{version}")
     return stale
+
+
+def _oldest_sampled(versions: list[int], default: int) -> int:
+    """The oldest version of a sample's sampled tokens (an environment's carry -1): min() in C,
+    the filter only for an episode."""
+    oldest = min(versions, default=default)
+    return oldest if oldest >= 0 else min((v for v in versions if v >= 0), default=default)
 
 
 def train_async(cfg: Config, *, run: Run | None = None) -> dict:

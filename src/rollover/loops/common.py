@@ -410,7 +410,7 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     _check_best(cfg, env_builder, sources, rewards, eval_prompts)
     skipped += too_long
     _warn_if_a_step_exceeds_the_data(cfg, len(train_prompts))
-    for caveat in loss_caveats(cfg) if record else ():  # (not for an evaluation)
+    for caveat in [*loss_caveats(cfg), *cfg.unused_settings()] if record else ():  # (not for an evaluation)
         log.warning("%s", caveat)
     _steps_from_epochs(cfg, len(train_prompts))
     if record and state is not None and state["step"] > cfg.steps:

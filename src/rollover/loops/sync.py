@@ -101,6 +101,7 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
     # it, with the weights it has not changed, is a checkpoint of the steps trained so far (APRIL's
     # requests carried in the engine cannot be set back to it)
     keep_start = cfg.reward.on_error == "raise" and not cfg.partial_rollout.enabled
+    start, start_at = None, None
 
     interrupts = Interrupts().__enter__()  # SIGINT/SIGTERM: finish the step, checkpoint, return
     try:
@@ -111,7 +112,8 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
             t_step = time.perf_counter()
 
             # 1. generate and score (sync or APRIL); nothing trainable: count it, collect again
-            start = run.state(extra(), rng=True) if keep_start and step > run.start_step else None
+            if keep_start and step > run.start_step and start_at != step:  # once a step: before its empty collections too
+                start, start_at = run.state(extra(), rng=True), step
             try:
                 groups, gen = collector.collect(step)
             except RewardFailed as e:

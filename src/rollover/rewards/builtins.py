@@ -19,8 +19,11 @@ the last `\\boxed{...}`, else the last `<answer>...</answer>`, else the whole co
 from __future__ import annotations
 
 import math
+import numbers
 import re
+import sys
 from decimal import Decimal
+from fractions import Fraction
 from functools import lru_cache
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -74,20 +77,26 @@ def math_reward(completion: str, answer, **_) -> float | None:
     return 1.0 if pred and any(verify(t, pred, timeout_seconds=None) for t in targets) else 0.0
 
 
+def _numpy_bool(value) -> bool:
+    np = sys.modules.get("numpy")  # not imported: the value cannot be one of its bools
+    return np is not None and isinstance(value, np.bool_)
+
+
 _MATH_MODE = re.compile(r"(?<!\\)\$")  # a `$` that opens or closes math mode; `\$` is a dollar sign
 
 
 def _gold_text(answer) -> str:
     """One gold answer as LaTeX for math-verify."""
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+    if isinstance(answer, bool) or not isinstance(answer, (str, numbers.Real, Decimal)) or _numpy_bool(answer):
         raise TypeError(f"math: the answer must be a string, a number or a list of acceptable answers, got "
                         f"{type(answer).__name__}: {answer!r:.80}")
-    if isinstance(answer, float):
+    if isinstance(answer, (str, numbers.Integral, Fraction)):  # (numpy's ints too; a fraction as p/q)
+        text = str(int(answer)) if isinstance(answer, numbers.Integral) else str(answer)
+    else:  # a float (numpy's too) or a Decimal
         if not math.isfinite(answer):
             raise ValueError(f"math: the answer is {answer}")
-        text = format(Decimal(repr(answer)), "f")  # the shortest digits that round-trip, no exponent
-    else:
-        text = str(answer)
+        # str: the shortest digits that round-trip in the number's own precision (float32's too)
+        text = format(answer if isinstance(answer, Decimal) else Decimal(str(answer)), "f")  # no exponent
     if "####" in text:
         text = text.rsplit("####", 1)[1].strip().replace(",", "")
     if "\\boxed" not in text and not _MATH_MODE.search(text):

@@ -30,7 +30,7 @@ import re
 import secrets
 
 from rollover.rewards.extract import gold
-from rollover.rewards.sandbox import SandboxLimits, run_python
+from rollover.rewards.sandbox import CPU_SLOTS, SandboxLimits, run_python
 
 _FENCED_PYTHON = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -127,3 +127,4 @@ def _check_timeout(timeout_s: float, limits: SandboxLimits | dict | None = None)
 
 code_reward._rollover_prepare = _prepare
 code_reward._rollover_check_timeout = _check_timeout
+code_reward._rollover_max_concurrency = CPU_SLOTS  # the runner queues the rest before their timeout starts

@@ -58,7 +58,7 @@ import statistics
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
@@ -242,7 +242,7 @@ class RewardRunner:
         if not 0 < timeout_s <= MAX_TIMEOUT_S:
             raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s}")
         for r in rewards:  # a built-in whose own time limit must end before the call's (code's sandbox)
-            base, bound = (r.fn.func, r.fn.keywords) if isinstance(r.fn, functools.partial) else (r.fn, {})
+            base, bound = _base(r), (r.fn.keywords if isinstance(r.fn, functools.partial) else {})
             check = getattr(base, "_rollover_check_timeout", None)
             if check is not None:
                 try:
@@ -374,19 +374,30 @@ class RewardRunner:
         for an isolated one. In-thread calls are timed out here (abandoned); isolated ones by
         the pool (killed), so they have no deadline here and always come back.
         """
-        # Two lanes, keyed by `isolated`, each with its own limit on calls in flight.
+        # Two lanes, keyed by `isolated`, each with its own limit on calls in flight; a reward
+        # with its own limit (`code`: one sandbox per CPU) waits here, before its timeout starts.
         pending = {lane: deque(c for c in calls if self._in_pool(c.reward) == lane) for lane in LANES}
         limit = {False: self.max_threads, True: self.pool.size if self.pool else 0}
+        own = {r.name: getattr(_base(r), "_rollover_max_concurrency", None) for r in self.rewards}
         running: dict[Future, tuple[_Call, float | None, threading.Thread]] = {}
         try:
             while any(pending.values()) or running:
                 for lane in LANES:
                     busy = sum(self._in_pool(c.reward) == lane for c, _, _ in running.values())
-                    for _ in range(min(limit[lane] - busy, len(pending[lane]))):
+                    per_reward = Counter(c.reward.name for c, _, _ in running.values())
+                    waiting = deque()
+                    while pending[lane] and busy < limit[lane]:
                         call = pending[lane].popleft()
+                        cap = own[call.reward.name]
+                        if cap is not None and per_reward[call.reward.name] >= cap:
+                            waiting.append(call)
+                            continue
                         future, thread = _start(call)
                         deadline = None if lane else time.monotonic() + self.timeout_s
                         running[future] = (call, deadline, thread)
+                        busy += 1
+                        per_reward[call.reward.name] += 1
+                    pending[lane] = waiting + pending[lane]  # in their order
                 deadlines = [d for _, d, _ in running.values() if d is not None]
                 timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
                 done, _ = wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
@@ -433,6 +444,11 @@ class RewardRunner:
         with self._lock:
             self._stuck = [t for t in self._stuck if t.is_alive()]
             return len(self._stuck)
+
+
+def _base(reward: Reward):
+    """The function a reward calls, its bound options aside."""
+    return reward.fn.func if isinstance(reward.fn, functools.partial) else reward.fn
 
 
 def _start(call: _Call) -> tuple[Future, threading.Thread]:

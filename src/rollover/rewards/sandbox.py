@@ -196,8 +196,10 @@ _UID_SLOTS = 256
 _free_slots = collections.deque(range(_UID_SLOTS))  # round robin, so a uid rests between runs
 
 # Runs at once in this process: one per CPU it may use (other processes have their own count).
-_CORES = threading.BoundedSemaphore(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                    else os.cpu_count() or 1)  # not Linux: run_python refuses anyway
+# The reward runner starts no more `code` calls than this at once (`code_reward`'s
+# `_rollover_max_concurrency`), so they queue before their timeout starts, not inside it.
+CPU_SLOTS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+_CORES = threading.BoundedSemaphore(CPU_SLOTS)  # (not Linux: run_python refuses anyway)
 _KILL_AFTER_S = 1.0  # after asking the supervisor to stop, SIGKILL its process group
 _GIVE_UP_S = 5.0  # past the deadline by this much, the run is a SandboxError
 _REPORT_BYTES = 64 * 1024  # cap on the supervisor's and the code's reports

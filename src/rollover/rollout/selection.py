@@ -306,8 +306,8 @@ class PromptSelection:
     in every mode): when `next` is first called at a new version the history is scaled by
     `decay` once per version passed; `next` draws `candidates` x k prompts from the data
     iterator and keeps the k the policy picks; every scored group is observed into the history
-    (`observe`) with the version as its `last_step`, which `reprobe_every` counts. State
-    (history, policy RNG, version) goes into checkpoints."""
+    (`observe`) with the version as its `last_step`. State (history, policy RNG and skip counts,
+    version, xrpo's latest prompts) goes into checkpoints."""
 
     def __init__(self, cfg, seed: int, correct: float, per_step: int = 0):
         self.cfg, self.correct = cfg, correct

@@ -44,7 +44,7 @@ def check_reads_policy_tokens(name: str, where: str, role: str, tokenizer, polic
 
     from transformers import AutoConfig
 
-    from rollover.engine.hf_runner import fast_path
+    from rollover.engine.hf_runner import fast_path, unserved
     from rollover.models import is_vision_language, load_tokenizer, resolve_model, text_config
 
     try:
@@ -77,9 +77,11 @@ def check_reads_policy_tokens(name: str, where: str, role: str, tokenizer, polic
         raise ValueError(f"{where} has a context of {ctx} tokens; the run's sequences reach {longest}")
     if not fast_path(config, longest) and (fast_path(policy_config, longest)
                                            or config.model_type != policy_config.model_type):
-        raise ValueError(f"{where} is a {config.model_type} model: {role} must be of the Llama, Mistral or Qwen "
-                         f"families, or of the policy's own ({policy_config.model_type}); the policy's packing "
-                         "of sequences into rows is made for those")
+        extra = unserved(config)
+        raise ValueError(f"{where} is a {config.model_type} model{' with ' + ', '.join(extra) if extra else ''}: "
+                         f"{role} must be of the Llama, Mistral or Qwen families (SiLU, no o_proj or MLP biases), "
+                         f"or of the policy's own kind ({policy_config.model_type}); the policy's packing of "
+                         "sequences into rows is made for those")
     if sequence_parallel > 1:
         from rollover.train.ulysses import check
 
