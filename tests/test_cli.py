@@ -345,6 +345,40 @@ def _logits(model, ids):
         return model(torch.tensor([ids])).logits
 
 
+def test_export_of_a_run_still_training_reads_the_checkpoint_retention_left(tmp_path, monkeypatch):
+    """The run removes its oldest checkpoint (checkpoint.keep) while export reads it: export reads
+    the latest then; a checkpoint directory given as the run is read as --checkpoint; a file
+    given as the run says what to give."""
+    import shutil
+    from types import SimpleNamespace
+
+    import rollover.export as export_mod
+
+    run = tmp_path / "run"
+    for step in (1,):
+        (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step:06d}" / "DONE").touch()
+    read = []
+
+    def load(ckpt, run_dir):
+        read.append(ckpt.name)
+        if ckpt.name == "step_000001":  # meanwhile step 2 was saved and step 1 removed
+            (run / "checkpoints" / "step_000002").mkdir()
+            (run / "checkpoints" / "step_000002" / "DONE").touch()
+            shutil.rmtree(ckpt)
+            raise ValueError("Can't find 'adapter_config.json'")
+        saver = SimpleNamespace(save_pretrained=lambda d, **kw: (Path(d) / "config.json").write_text("{}"))
+        return saver, SimpleNamespace(save_pretrained=lambda d: None)
+
+    monkeypatch.setattr(export_mod, "_load", load)
+    assert export_mod.export(run, tmp_path / "out").name == "step_000002" and read == ["step_000001", "step_000002"]
+    assert (tmp_path / "out" / "config.json").exists()
+    assert export_mod.export(run / "checkpoints" / "step_000002", tmp_path / "out2").name == "step_000002"
+    (run / "config.yaml").write_text("model: m\n")
+    with pytest.raises(export_mod.ExportError, match="is a file: give the run directory"):
+        export_mod.export(run / "config.yaml", tmp_path / "out3")
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_export_round_trip(model_dir, tmp_path, capsys, lora):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -465,6 +499,13 @@ def test_a_closed_pipe_and_an_early_ctrl_c_end_without_a_traceback(monkeypatch, 
     proc = subprocess.run(f"{sys.executable} -m rollover.cli train --help-config | head -n 2", shell=True,
                           capture_output=True, text=True, timeout=120)
     assert len(proc.stdout.splitlines()) == 2 and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+    from rollover.commands import _guarded  # a guarded command's closed pipe (`rollover show | head`) too
+
+    def printing():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(BrokenPipeError):  # main() ends it quietly, not "rollover show: error: BrokenPipeError"
+        _guarded("rollover show", False, printing)
 
     import rollover.cli as cli
 

@@ -156,6 +156,24 @@ def test_wandb_offline_run_records_metrics(tmp_path):
     assert b"reward/mean" in data and b"0.125" in data and b"0.375" in data
 
 
+def test_a_resumed_wandb_run_holds_the_rows_on_record(tmp_path):
+    """A killed process's W&B file can hold none of its rows (W&B's service writes them when the
+    run finishes): a resume logs the rows kept on record (up to its checkpoint) to the new W&B
+    run first, then its own."""
+    wandb = pytest.importorskip("wandb")
+    config = {"project": "rollover-test", "mode": "offline", "settings": {"silent": True}}
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:  # the killed run: its W&B file lost
+        logger.log(1, {"reward": {"mean": 0.125}})
+        logger.log(2, {"accuracy": 0.25}, kind="eval")
+        logger.log(3, {"reward": {"mean": 0.875}})  # after the checkpoint of step 2: trained again
+    with MetricsLogger(tmp_path, tensorboard=False, wandb=config, resume=2) as logger:
+        logger.log(3, {"reward": {"mean": 0.375}})
+    wandb.teardown()
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    data = run_file.read_bytes()
+    assert b"0.125" in data and b"eval/accuracy" in data and b"0.375" in data and b"0.875" not in data
+
+
 def test_wandb_gets_the_samples_as_a_table(tmp_path):
     wandb = pytest.importorskip("wandb")
     config = {"project": "rollover-test", "mode": "offline", "settings": {"silent": True}}

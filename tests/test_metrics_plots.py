@@ -222,6 +222,8 @@ def test_the_reward_panels_eval_lines_are_accuracies_not_a_rewards_error_counts(
     from rollover.metrics.plots import _PANELS, _matching
 
     rows = [{"step": 0, "kind": "eval", "eval/accuracy": 0.5, "eval/gsm8k/accuracy": 0.4, "eval/reward_mean": 0.5,
-             "eval/reward_errors": 2, "eval/rewards/accuracy_reward/errors": 2}]
+             "eval/reward_errors": 2, "eval/rewards/accuracy_reward/errors": 2, "eval/pass_at_k": 0.75,
+             "eval/maj_at_k": 0.5}]
     reward = next(p for p in _PANELS if p.name == "reward")
-    assert _matching(rows, reward.eval) == ["eval/accuracy", "eval/gsm8k/accuracy", "eval/reward_mean"]
+    assert _matching(rows, reward.eval) == ["eval/accuracy", "eval/gsm8k/accuracy", "eval/reward_mean",
+                                            "eval/pass_at_k", "eval/maj_at_k"]

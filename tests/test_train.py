@@ -893,6 +893,37 @@ def test_nan_loss_skips_then_stops_with_checkpoint(model_dir, tmp_path, monkeypa
         assert torch.equal(v, before[k]), k
 
 
+def test_lora_targets_are_checked_against_the_model():
+    """A misspelt target beside a valid one names no module (peft drops it without a word); a
+    tied embedding or head would be merged into both while training adapts one."""
+    pytest.importorskip("peft")
+    from rollover.train.lora import apply_lora
+
+    with pytest.raises(ValueError, match=r"'k_prj' names no module of this model; its modules' names end in: .*k_proj"):
+        apply_lora(tiny_model("llama", seed=5), {"r": 4, "target_modules": ["q_proj", "k_prj"]})
+    for target in ("embed_tokens", "lm_head"):
+        with pytest.raises(ValueError, match=f"'{target}' is one of the input embedding and output head this model ties"):
+            apply_lora(tiny_model("llama", seed=5, tie_word_embeddings=True), {"r": 4, "target_modules": ["q_proj", target]})
+    apply_lora(tiny_model("llama", seed=5, tie_word_embeddings=False), {"r": 4, "target_modules": ["q_proj", "embed_tokens"]})
+
+
+def test_a_lora_checkpoint_resumes_only_under_its_own_adapters_shape(tmp_path):
+    """An adapter goes on with the rank, scale and targets it was saved with: another train.lora
+    was recorded as applied under --allow-config-change and silently ignored."""
+    from rollover.config import ConfigError, dump_config
+    from rollover.loops.resume import check_lora_matches
+
+    saved = {"train.lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}}
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    (ckpt / "adapter").mkdir(parents=True)
+    (ckpt / "config.yaml").write_text(dump_config(load_config(model="m", run_dir="r", **saved)))
+    check_lora_matches(load_config(model="m", run_dir="r", **{"train.lora": {"r": 4, "alpha": 8, "dropout": 0.0,
+                                                                            "target_modules": ["v_proj", "q_proj"]}}), ckpt)
+    with pytest.raises(ConfigError, match=r"holds an adapter of train.lora=\{'r': 4.*this config's is \{'r': 8.*own shape"):
+        check_lora_matches(load_config(model="m", run_dir="r", **{"train.lora": {"r": 8, "alpha": 8,
+                                                                                "target_modules": ["q_proj", "v_proj"]}}), ckpt)
+
+
 def test_lora_run_syncs_merged_weights(model_dir, tmp_path):
     pytest.importorskip("peft")
     cfg = tiny_cfg(model_dir, tmp_path / "lora", steps=2, **{"train.lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
@@ -902,10 +933,14 @@ def test_lora_run_syncs_merged_weights(model_dir, tmp_path):
     from rollover.loops.batch import train_batch_from
 
     collector = make_collector(run)
+    base = {n: p.detach().clone() for n, p in run.trainer.model.named_parameters() if "lora_" not in n}
     groups, _ = collector.collect(0)
     batch, _ = train_batch_from(groups, cfg)
     run.trainer.train_step(batch)
-    run.engine.update_weights(run.trainer.named_weights(), version=1)
+    for _ in range(3):  # merging in and out in place rounds: the frozen base drifted from the checkpoint's
+        weights = run.trainer.named_weights()
+    assert all(torch.equal(p, base[n]) for n, p in run.trainer.model.named_parameters() if "lora_" not in n)
+    run.engine.update_weights(weights, version=1)
     groups, _ = collector.collect(1)
     batch, _ = train_batch_from(groups, cfg)
     got = run.trainer.logprobs(batch)[batch.mask_BT]

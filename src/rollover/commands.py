@@ -35,6 +35,8 @@ def _guarded(prog: str, debug: bool, body) -> int:
 
     try:
         return body()
+    except BrokenPipeError:  # stdout's reader went away (`| head`): rollover.cli.main ends it quietly
+        raise
     except KeyboardInterrupt:  # (training: before the loop took over SIGINT: loading data, the model, ...)
         said = "interrupted before the first step; nothing was saved" if prog == "rollover train" else "interrupted"
         print(f"\n{prog}: {said}", file=sys.stderr)

@@ -34,6 +34,11 @@ def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | Non
     directory (holds config.json) unrelated to the checkpoint.
     """
     run_dir, out = Path(run_dir), Path(out)
+    if checkpoint is None and (run_dir / "DONE").is_file() and run_dir.parent.name == "checkpoints":
+        checkpoint, run_dir = run_dir, run_dir.parent.parent  # a checkpoint given as the run (as eval takes it)
+    if checkpoint is None and run_dir.is_file():
+        raise ExportError(f"{run_dir} is a file: give the run directory (RUN_DIR, which holds config.yaml and "
+                          "checkpoints/)")
     if checkpoint is None and not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run directory")
     if best:
@@ -47,7 +52,21 @@ def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | Non
     if not (ckpt / "DONE").exists():
         raise ExportError(f"{ckpt} is not a complete checkpoint directory (no DONE marker)")
     _check_out(out, ckpt, force)
-    model, tokenizer = _load(ckpt, run_dir)
+    for tries in range(3):
+        try:
+            model, tokenizer = _load(ckpt, run_dir)
+            break
+        except Exception:
+            # a run still training removes old checkpoints (checkpoint.keep) while one is read:
+            # the latest then is another; read that one
+            latest = None if checkpoint is not None or best or ckpt.exists() else ckpts.latest(run_dir)
+            if latest is None or latest == ckpt:
+                raise
+            if tries == 2:
+                raise ExportError(f"{run_dir}'s checkpoints were removed while they were read, three times: the run is "
+                                  "training and keeps checkpoint.keep of them; stop it, or pass --checkpoint DIR of "
+                                  "one it keeps (a checkpoint.best)") from None
+            ckpt = latest
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -107,6 +126,12 @@ def _load(ckpt: Path, run_dir: Path):
         raise ExportError(f"{saved} names no base model (`model:`)")
     from peft import PeftModel
 
-    base = load_hf_model(resolve_model(base_name), dtype=torch.float32)
+    try:
+        source = resolve_model(base_name)
+    except ValueError as e:
+        raise ExportError(f"{saved} names the base model {base_name!r}, and {e}" + (
+            "; a relative path is read from the directory rollover runs in: run it where the run was started"
+            if not Path(base_name).is_absolute() else "")) from None
+    base = load_hf_model(source, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(ckpt / "adapter")).merge_and_unload()
     return merged, text_processor(base_name, merged)

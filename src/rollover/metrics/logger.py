@@ -177,6 +177,13 @@ class MetricsLogger:
         self._groups_file = (self.run_dir / GROUPS_FILE).open("a" if resume is not None else "w", encoding="utf-8")
         self._tb = _open_tensorboard(self.run_dir / "tb", tensorboard, resume)
         self._wandb_run = _open_wandb(self.run_dir, wandb)
+        if resume is not None and self._wandb_run is not None and not {"id", "resume"} & set(wandb):
+            # A resumed process is a new W&B run, and W&B's service writes its rows when the run
+            # finishes: a killed run's file can hold none of them. The rows kept on record go to
+            # the new run first, so it holds the whole history.
+            for row in read_metrics(self.path):
+                self._wandb_run.log({_tag(row["kind"], k): v for k, v in row.items() if k not in _RESERVED},
+                                    step=row["step"])
 
     def log(self, step: int, metrics: Mapping[str, Any], *, kind: str = "train") -> None:
         """Write one row. Values: numbers, numpy scalars or 0-dim tensors; dicts are flattened."""

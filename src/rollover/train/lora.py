@@ -14,6 +14,7 @@ def apply_lora(model, lora: dict, task_type: str = "CAUSAL_LM"):
     unknown = set(lora) - known
     if unknown:
         raise ValueError(f"train.lora: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    _check_targets(model, lora.get("target_modules", "all-linear"))
     cfg = LoraConfig(
         r=int(lora.get("r", 16)),
         lora_alpha=int(lora.get("alpha", 32)),
@@ -22,3 +23,31 @@ def apply_lora(model, lora: dict, task_type: str = "CAUSAL_LM"):
         task_type=task_type,
     )
     return get_peft_model(model, cfg)
+
+
+def _check_targets(model, targets) -> None:
+    """Each named target adapts some module (peft drops a misspelt one beside a valid one without
+    a word), and none is an embedding the model ties to its head: merging writes the delta into
+    the one shared matrix, input and output both, while peft's forward, which trains, adds it to
+    one of them; the sampler and the trainer would be two models."""
+    if not isinstance(targets, (list, tuple)):  # "all-linear" or a regular expression: peft's to match
+        return
+    names = [n for n, _ in model.named_modules() if n]
+
+    def matches(target: str) -> list[str]:
+        return [n for n in names if n == target or n.endswith("." + target)]
+
+    missing = [t for t in targets if not matches(t)]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and not list(m.children())})
+        raise ValueError(f"train.lora.target_modules: {', '.join(map(repr, missing))} names no module of this model; "
+                         f"its modules' names end in: {', '.join(leaves)}")
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False):
+        emb = [m for m in (model.get_input_embeddings(), getattr(model, "get_output_embeddings", lambda: None)())
+               if m is not None]
+        tied = [t for t in targets for n in matches(t) if any(model.get_submodule(n) is m for m in emb)]
+        if tied:
+            raise ValueError(f"train.lora.target_modules: {', '.join(map(repr, sorted(set(tied))))} is one of the input "
+                             "embedding and output head this model ties (tie_word_embeddings): a merged adapter would "
+                             "change both while training changes one; adapt the attention and MLP projections instead")

@@ -534,17 +534,25 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
         """(HF name, tensor) pairs of the full policy, LoRA merged in, for the engine."""
         if not self.is_peft:
             return [(n, p.detach()) for n, p in self.model.named_parameters()]
-        self.model.merge_adapter()
-        try:
-            out = []
-            for n, p in self.model.named_parameters():
-                if "lora_" in n:
-                    continue
-                n = n.removeprefix("base_model.model.").replace(".base_layer", "")
-                out.append((n, p.detach().clone()))
-            return out
-        finally:
-            self.model.unmerge_adapter()
+        # W + delta as new tensors: peft's merge_adapter then unmerge_adapter computes W + d - d
+        # in place, which rounds, and the frozen base drifted away from the checkpoint's (a
+        # resumed run then trained on another base)
+        from peft.tuners.lora import LoraLayer
+
+        merged = {}
+        with torch.no_grad():
+            for name, module in self.model.named_modules():
+                if isinstance(module, LoraLayer) and not module.merged:
+                    adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
+                    if adapters:
+                        w = module.get_base_layer().weight
+                        merged[f"{name}.base_layer.weight"] = w + sum(module.get_delta_weight(a) for a in adapters)
+        out = []
+        for n, p in self.model.named_parameters():
+            if "lora_" in n:
+                continue
+            out.append((n.removeprefix("base_model.model.").replace(".base_layer", ""), merged.get(n, p).detach()))
+        return out
 
     @property
     def architecture(self):
