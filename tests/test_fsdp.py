@@ -56,14 +56,19 @@ def weights(trainer) -> dict[str, torch.Tensor]:
 
 
 def assert_same_update(plain: dict, sharded: dict, start: dict, lr: float) -> None:
-    """The sharded step moved every weight as the one-process step did (Adam's first steps are
-    about lr per element; float sums in another order move tiny-gradient elements a little)."""
+    """The sharded step moved every weight as the one-process step did. Adam's first steps are
+    about lr per element whatever the gradient's size, so an element whose gradient is near Adam's
+    eps turns float sums in another order into a visible move: such elements may be off by up to
+    a quarter of lr, one in ten thousand of them at most; every other is within 5% of lr."""
     assert plain.keys() == sharded.keys()
     moved = max(float((plain[k] - start[k]).abs().max()) for k in plain)
     assert moved > 0.5 * lr  # the step did something
     diff = {k: (plain[k] - sharded[k]).abs() for k in plain}
-    assert max(float(d.max()) for d in diff.values()) < 0.05 * lr
-    assert sum(float(d.sum()) for d in diff.values()) / sum(d.numel() for d in diff.values()) < 1e-3 * lr
+    numel = sum(d.numel() for d in diff.values())
+    assert max(float(d.max()) for d in diff.values()) < 0.25 * lr
+    off = {k: int((d >= 0.05 * lr).sum()) for k, d in diff.items()}
+    assert sum(off.values()) <= max(1, numel // 10_000), {k: n for k, n in off.items() if n}
+    assert sum(float(d.sum()) for d in diff.values()) / numel < 1e-3 * lr
 
 
 def test_split_batch_keeps_groups_whole_and_balances_tokens():
