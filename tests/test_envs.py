@@ -521,6 +521,13 @@ def test_tools_from_your_own_functions(tmp_path, monkeypatch):
     assert [m["content"] for m in results[0].messages] == [json.dumps({"city": "Paris", "population": 2100000}), "5"]
     assert results[1].messages[0]["content"] == "error: ValueError: no city Nice"
     assert results[2].reward == 1.0 and results[2].info["tool_errors"] == 1
+    # JSON's types against the hints: text for an int is shown as an error, not added as text ("12");
+    # an integer written 2.0 is an integer
+    env = builder.make_one(Prompt(id="t", text="q", answer="3"), 1, 0)
+    results = play(env, [call("add", a="1", b="2") + call("add", a=True, b=1) + call("add", a=2.0, b=1)])
+    assert [m["content"] for m in results[0].messages] == [
+        'error: add: argument \'a\' must be integer, got "1"', "error: add: argument 'a' must be integer, got true", "3.0"]
+    assert results[0].info["tool_errors"] == 2
     more = make_env_builder("tools", {"tools": ["my_tools.py:greet", "my_tools.py:when", "my_tools.py:quits"]})
     env = more.make_one(Prompt(id="t", text="q", answer="1"), 1, 0)
     greet = '<tool_call>{"name": "greet", "arguments": {"name": "bo", "title": null}}</tool_call>'

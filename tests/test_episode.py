@@ -325,15 +325,84 @@ def test_an_env_method_that_is_not_async_is_named():
     assert "SyncStep.step returned StepResult, not an awaitable: write it as `async def`" in traj.error.message
 
 
-def test_a_numpy_reward_and_no_messages_after_the_last_step_are_taken():
+@pytest.mark.parametrize("reward, expected", [(0.5, 0.5), (True, 1.0), (False, 0.0), ("np_true", 1.0)])
+def test_a_numpy_or_bool_reward_and_no_messages_after_the_last_step_are_taken(reward, expected):
     np = pytest.importorskip("numpy")
+    reward = np.isclose(1.0, 1.0) if reward == "np_true" else np.float32(reward) if reward == 0.5 else reward
 
     class NumpyReward(ScriptedEnv):
         async def step(self, action):
-            return StepResult(None, np.float32(0.5), done=True)
+            return StepResult(None, reward, done=True)
 
     traj = episode(ScriptedEngine(lambda r: ids("x") + [EOT]), NumpyReward())
-    assert traj.ok and traj.reward == 0.5 and type(traj.reward) is float
+    assert traj.ok and traj.reward == expected and type(traj.reward) is float
+
+
+@pytest.mark.parametrize("content", [42, None, {"result": 3}])
+def test_a_message_content_that_is_not_text_fails_the_episode(content):
+    """SmolLM2's and Qwen's templates join contents as strings: such a message raised out of the
+    episode (and ended the run) before it was checked."""
+
+    class Reply(ScriptedEnv):
+        async def step(self, action):
+            return StepResult([{"role": "tool", "content": content}], 0.0, done=False)
+
+    traj = episode(ScriptedEngine(lambda r: ids("x") + [EOT]), Reply())
+    assert traj.finish == "error" and traj.error.turn == 1 and traj.error.type == "TypeError"
+    assert "a 'content' that is a string (or a list of parts)" in traj.error.message
+
+
+def test_a_list_of_parts_the_template_cannot_join_fails_the_episode():
+    tok = char_tokenizer()
+    tok.chat_template = STRICT_TEMPLATE.replace("'unknown role ' + m['role']", "'x'").replace(
+        "{{ m['content'] }}", "{{ '' + m['content'] }}")  # joins the content to a string, as SmolLM2's does
+
+    class Parts(ScriptedEnv):
+        async def step(self, action):
+            return StepResult([{"role": "user", "content": [{"type": "text", "text": "again"}]}], 0.0, done=False)
+
+    traj = episode(ScriptedEngine(lambda r: ids("x") + [EOT]), Parts(), renderer=ChatRenderer(tok))
+    assert traj.finish == "error" and traj.error.turn == 1 and traj.error.type == "TemplateError"
+    assert traj.error.message.startswith("the chat template fails on the messages (TypeError:")
+
+
+@pytest.mark.parametrize("how", ["in_thread", "to_thread"])
+def test_blocking_calls_hung_past_their_timeout_hold_no_later_call_up(how):
+    """Blocking work runs on a thread of its own (the built-ins' `in_thread`; `asyncio.to_thread`
+    on the loop that runs a run's environments): calls hung past the step timeout, more than any
+    thread pool's default size, leave the next call on time."""
+    import threading
+
+    from rollover.envs.base import env_loop, in_thread
+
+    release = threading.Event()
+
+    class Blocking(ScriptedEnv):
+        def __init__(self, hang: bool):
+            super().__init__(done_at=1)
+            self.hang = hang
+
+        async def step(self, action):
+            work = release.wait if self.hang else (lambda: None)
+            await (in_thread(work) if how == "in_thread" else asyncio.to_thread(work))
+            return StepResult([], 1.0, done=True)
+
+    def run(env):
+        return run_episode(ScriptedEngine(lambda r: ids("x") + [EOT]), env, ChatRenderer(TOK),
+                           SamplingParams(max_new_tokens=16), request_id="e", **{**LIMITS, "step_timeout_s": 0.5})
+
+    async def main():
+        hung = await asyncio.gather(*(run(Blocking(True)) for _ in range(40)))
+        return hung, await run(Blocking(False))
+
+    loop = env_loop()
+    try:
+        hung, fast = loop.run_until_complete(main())
+        assert all(t.error is not None and t.error.timed_out for t in hung)
+        assert fast.ok and fast.reward == 1.0
+    finally:
+        release.set()
+        loop.close()
 
 
 def test_a_group_builder_is_checked_for_one_environment_each_with_the_env_methods():

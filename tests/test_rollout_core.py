@@ -380,3 +380,48 @@ def test_replay_restores_an_environment_and_refuses_one_that_diverges():
     with pytest.raises(ValueError, match=r"episode g0/0: .* step 1 differently"):
         # secret 1: "2" gets "Lower." where the recorded run heard "Higher."
         asyncio.run(pickle.loads(pickle.dumps(ep)).replay(GuessNumberEnv(game, 1), timeout_s=5))
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_environment_calls_share_one_loop_and_a_hung_thread_holds_up_no_call(inline):
+    """env.inline ran each call under asyncio.run: a new event loop per call (an environment's
+    subprocess, lock or session of the last call was bound to a dead loop), and at the call's end
+    a wait for every thread it started, a hung one too. Now the calls share one loop kept for the
+    run, and a blocking call left at its timeout delays nothing."""
+    from rollover.rollout.core import EnvRunner
+
+    runner = EnvRunner(4, inline=inline)
+    release, results = threading.Event(), []
+    landed = threading.Semaphore(0)
+    held = {}
+
+    def done(*out):
+        results.append(out)
+        landed.release()
+
+    async def first(pool):
+        held["future"] = asyncio.get_running_loop().create_future()
+        return ("made",)
+
+    async def second(pool):
+        held["future"].set_result("kept")
+        return (await held["future"],)
+
+    async def hung(pool):
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(release.wait, 60), 0.2)
+        except TimeoutError:
+            return ("timed out", time.monotonic() - t0)
+
+    try:
+        for fn in (first, second, hung):
+            t0 = time.monotonic()
+            runner.call(fn, done)
+            assert landed.acquire(timeout=30)
+            assert time.monotonic() - t0 < 10, fn.__name__  # not the 60 s the hung thread sleeps
+        assert results[:2] == [("made",), ("kept",)]
+        assert results[2][0] == "timed out"
+    finally:
+        release.set()
+        runner.close()

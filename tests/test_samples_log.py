@@ -161,6 +161,17 @@ def test_the_file_is_utf8_whatever_the_decoder_gave(tmp_path):
     assert json.loads(path.read_bytes().decode("utf-8"))["text"] == "caf\u00e9 \ufffd ?"
 
 
+def test_a_value_json_cannot_hold_is_written_as_text(tmp_path):
+    """An environment's message may carry a key the chat template ignores (a datetime): the step
+    trained, so its samples file is written (as str), not the run ended by json's TypeError."""
+    import datetime
+
+    when = datetime.datetime(2026, 12, 2, 1, 2, 3)
+    path = samples_mod.write_samples(tmp_path, 1, [{"turns": [{"messages": [{"role": "user", "content": "x", "sent_at": when}]}]}])
+    row = json.loads(path.read_text())
+    assert row["turns"][0]["messages"][0]["sent_at"] == "2026-12-02 01:02:03"
+
+
 def test_resume_removes_the_samples_of_later_steps(tmp_path):
     for step in (1, 2, 3):
         samples_mod.write_samples(tmp_path, step, [{"kind": "step", "step": step}])

@@ -69,6 +69,7 @@ class EnvConfig(Section):
     """env.credit=gigpo: the weight of a turn's advantage within its state's group (GiGPO's ω)."""
     inline: bool = False
     """Run environment calls on the engine's thread between decode steps instead of on their
-    own event loop: the schedule then depends on the seeds alone (APRIL and async runs resume
-    bit-exactly), but decoding stops while an environment works. For fast environments (games);
-    off for tools, sandboxes and anything slow."""
+    own event loop: the schedule then depends on the seeds alone (APRIL runs resume bit-exactly;
+    in async mode when the trainer takes a batch still depends on timing), but decoding stops
+    while an environment works. For fast environments (games); off for tools, sandboxes and
+    anything slow. The calls share one event loop, kept for the run."""

@@ -18,7 +18,11 @@ inserted) and `versions_T` (the policy version that sampled it; -1 where inserte
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import numbers
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Hashable, Literal, Protocol, Sequence
 
@@ -81,7 +85,8 @@ class StepResult:
 class Env(Protocol):
     """One episode's environment. Both methods are coroutines and must not block the event
     loop: run blocking work (a subprocess, a sandbox) with `asyncio.to_thread`, or the episode
-    runner's step timeout cannot fire."""
+    runner's step timeout cannot fire. (The loops that run environments give each such call a
+    thread of its own, `ThreadPerCall`: one that hangs past its timeout holds up nothing else.)"""
 
     async def initial_observation(self) -> list[dict] | Opening: ...
 
@@ -282,3 +287,55 @@ def info_means(trajectories: Sequence[Trajectory]) -> dict[str, float]:
             if isinstance(v, numbers.Real):  # bools count (a rate); strings, lists, None do not
                 values.setdefault(str(key), []).append(float(v))
     return {key: sum(values[key]) / len(values[key]) for key in sorted(values)}
+
+
+class ThreadPerCall(ThreadPoolExecutor):
+    """The executor of the event loops that run environments (`asyncio.to_thread` and
+    `run_in_executor(None, ...)` go to it): each call runs on a daemon thread of its own. A call
+    past its step timeout cannot be stopped, only left: on a pool it would keep a worker, and a few
+    hung tool calls would leave every later call of the run queued until it timed out too; its
+    daemon thread holds nothing else up, and the process still exits when the run ends. (A
+    ThreadPoolExecutor only as a loop's default executor must be one; its pool is never used.)"""
+
+    def __init__(self, name: str = "rollover-env-call"):
+        super().__init__(max_workers=1, thread_name_prefix=name)
+        self.name = name
+        self._closed = False
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        if self._closed:
+            raise RuntimeError("cannot run a call after the executor was shut down")
+        future: Future = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+        threading.Thread(target=run, name=self.name, daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Refuses later calls; never waits for a running one (a hung call would never return)."""
+        self._closed = True
+
+
+def env_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop for environment calls, its default executor a `ThreadPerCall`."""
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(ThreadPerCall())
+    return loop
+
+
+_CALLS = ThreadPerCall()
+
+
+async def in_thread(fn, /, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a thread of its own (`ThreadPerCall`), awaited: what the built-in
+    environments run tools, sandboxes and scorers with, on whichever loop runs them."""
+    return await asyncio.get_running_loop().run_in_executor(_CALLS, functools.partial(fn, *args, **kwargs))

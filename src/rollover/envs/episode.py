@@ -467,7 +467,11 @@ def _append_inserted(traj: Trajectory, ids: list[int]) -> None:
 
 
 def _is_messages(value) -> bool:
-    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    """A list of chat messages: dicts with a role and a content that is text or a list of parts
+    (`{"type": "text", ...}`, images); None only beside an assistant's `tool_calls`."""
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+        and (isinstance(m["content"], (str, list)) or (m["content"] is None and "tool_calls" in m)) for m in value)
 
 
 def _not_stop(stop) -> str | None:
@@ -482,25 +486,28 @@ def _not_messages(value) -> str | None:
     if _is_messages(value) or (isinstance(value, Opening) and _is_messages(value.messages)
                                and isinstance(value.template_kwargs, dict)):
         return None
-    return f"initial_observation returned {value!r:.200}, not a list of message dicts"
+    return (f"initial_observation returned {value!r:.200}, not a list of message dicts, each with a 'role' and a "
+            "'content' that is a string (or a list of parts)")
 
 
 def _not_step_result(value) -> str | None:
     """What is wrong with what `step` returned, naming the field; None when it is a StepResult.
-    A numpy number as the reward is taken as a float, and no messages (None) after the last
-    step as none."""
+    A numpy number as the reward is taken as a float, a bool (Python's or numpy's) as 1.0 or 0.0,
+    and no messages (None) after the last step as none."""
     if not isinstance(value, StepResult):
         return f"step returned {value!r:.200}, not a StepResult(messages, reward, done, info)"
     if value.done and value.messages is None:  # nothing follows the last step's messages
         value.messages = []
-    if isinstance(value.reward, numbers.Real) and not isinstance(value.reward, (bool, int, float)):
+    numpy_bool = getattr(getattr(value.reward, "dtype", None), "kind", "") == "b" and getattr(value.reward, "ndim", 1) == 0
+    if numpy_bool or (isinstance(value.reward, numbers.Real) and not isinstance(value.reward, (int, float))) \
+            or isinstance(value.reward, bool):
         value.reward = float(value.reward)
     r = value.reward
     if not (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)):
         return f"step returned reward={r!r:.100}: a finite number is needed"
     if not _is_messages(value.messages):
-        return (f"step returned messages={value.messages!r:.200}: a list of message dicts, each with 'role' and "
-                "'content', is needed")
+        return (f"step returned messages={value.messages!r:.200}: a list of message dicts, each with a 'role' and a "
+                "'content' that is a string (or a list of parts), is needed")
     if not isinstance(value.info, dict):
         return f"step returned info={value.info!r:.100}: a dict is needed"
     try:

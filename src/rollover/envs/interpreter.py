@@ -25,12 +25,11 @@ says so and the model goes on.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rollover.envs.base import Action, StepResult
+from rollover.envs.base import Action, StepResult, in_thread
 from rollover.envs.score import Score
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
 from rollover.types import Prompt
@@ -110,7 +109,7 @@ class InterpreterEnv:
         blocks, self.since = _BLOCK.findall(self.written[self.since:fence]), len(self.written)
         output, ok = f"[no ```python block before {self.spec.marker}]", False
         if blocks:
-            output, ok = await asyncio.to_thread(self.spec.run, blocks[-1])
+            output, ok = await in_thread(self.spec.run, blocks[-1])
         self.failures += not ok
         if len(output) > self.spec.output_chars:
             output = output[: self.spec.output_chars] + "\n[output truncated]"

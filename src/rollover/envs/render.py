@@ -172,9 +172,15 @@ class ChatRenderer:
         return text[text.index(sentinel) + len(sentinel) :]
 
     def _text(self, messages: list[dict], *, add_generation_prompt: bool, **extra) -> str:
-        return self._templater.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **{**self.template_kwargs, **extra}
-        )
+        """The template's text; a TemplateError where the template fails on the messages (a
+        template that joins contents as strings, given a list of parts: the episode fails)."""
+        try:
+            return self._templater.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **{**self.template_kwargs, **extra}
+            )
+        except (TypeError, AttributeError, KeyError, IndexError) as e:
+            raise TemplateError(f"the chat template fails on the messages ({type(e).__name__}: {e}): "
+                                f"{messages[-3:]!r:.300}") from None
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

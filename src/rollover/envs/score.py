@@ -3,11 +3,12 @@ called per sample; isolated rewards (math-verify's) in worker processes killed a
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import inspect
 import threading
 from typing import Callable
+
+from rollover.envs.base import in_thread
 
 SCORES = ("exact", "em", "numeric", "math")  # the built-in rewards that score one completion against its answer alone
 SCORE_TIMEOUT_S = 60.0  # an isolated score (math-verify's sympy) is killed after this long
@@ -64,7 +65,7 @@ class Score:
         """`opened`: the reply began inside an open `<think>` (`Action.opened_reasoning`)."""
         completion = self.reward.sees(completion, opened)
         if self.reward.isolated:
-            value = await asyncio.to_thread(self._pool().call, "score", "call_one", (completion, answer, {}))
+            value = await in_thread(self._pool().call, "score", "call_one", (completion, answer, {}))
         else:
             value = await call(self.reward.call_one, completion, answer, {})
         if isinstance(value, dict):
@@ -88,5 +89,5 @@ async def call(fn: Callable, *args):
     worker thread."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args)
-    out = await asyncio.to_thread(fn, *args)
+    out = await in_thread(fn, *args)
     return await out if inspect.isawaitable(out) else out

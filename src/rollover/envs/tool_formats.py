@@ -442,6 +442,29 @@ def typed(text: str, schema: dict | None):
     raise ValueError(f"must be {' or '.join(wanted)}, got {raw[:40]!r}")
 
 
+def type_error(value, schema: dict | None) -> str | None:
+    """What is wrong with a JSON argument `value` for its schema's `type` (or its `anyOf` /
+    `oneOf` alternatives'), or None: a schema without a type takes anything, an integer may be
+    written 2.0, a bool is not a number."""
+    schema = schema if isinstance(schema, dict) else {}
+    alternatives = [a for key in ("anyOf", "oneOf") if isinstance(schema.get(key), list) for a in schema[key]
+                    if isinstance(a, dict)]
+    kinds = _types(schema) + [k for a in alternatives for k in _types(a)]
+    if value is None and ("null" in kinds or any(s.get("nullable") is True for s in (schema, *alternatives))):
+        return None
+    known = [k for k in kinds if k in _JSON_TYPES or k in ("string", "null")]
+    if len(known) < len(kinds) or not kinds:  # a type this check does not know: the tool decides
+        return None
+    for k in known:
+        if k == "string" and isinstance(value, str) or k == "null" and value is None:
+            return None
+        if k == "integer" and isinstance(value, float) and value.is_integer():
+            return None
+        if k in _JSON_TYPES and isinstance(value, _JSON_TYPES[k]) and not (k != "boolean" and isinstance(value, bool)):
+            return None
+    return f"must be {' or '.join(known)}, got {json.dumps(value)[:40]}"
+
+
 def _literal(text: str):
     """`text` read as JSON, else as a Python literal, where the value is one JSON can hold (no sets,
     bytes, complex numbers, NaN or infinity), as JSON holds it; else `text` itself."""

@@ -56,9 +56,10 @@ import operator
 from dataclasses import dataclass
 from typing import Callable
 
-from rollover.envs.base import Action, Opening, StepResult
+from rollover.envs.base import Action, Opening, StepResult, in_thread
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
-from rollover.envs.tool_formats import FORMATS, PROBE_TOOL, Hermes, ToolCall, call_id, described_format, read, tool_format
+from rollover.envs.tool_formats import (FORMATS, PROBE_TOOL, Hermes, ToolCall, call_id, described_format, read, tool_format,
+                                        type_error)
 from rollover.envs.score import Score
 from rollover.types import Prompt
 
@@ -383,7 +384,7 @@ class ToolEnv:
         try:
             if inspect.iscoroutinefunction(tool.run):
                 return await tool.run(**call.arguments), True
-            return await asyncio.to_thread(tool.run, **call.arguments), True
+            return await in_thread(tool.run, **call.arguments), True
         except ToolError as e:
             return f"error: {e}", False
 
@@ -426,17 +427,15 @@ def _refusal(tools: dict, call: ToolCall) -> str:
 
 
 def _check_arguments(tool: Tool, arguments: dict) -> str | None:
-    """What is wrong with `arguments` for `tool`'s schema (names and string types), or None."""
+    """What is wrong with `arguments` for `tool`'s schema (names, and types as JSON gives them:
+    `{"a": "1"}` for an integer is refused, not passed on as text), or None."""
     properties = tool.parameters.get("properties", {})
     missing = [k for k in tool.parameters.get("required", []) if k not in arguments]
     unknown = [k for k in arguments if k not in properties]
     if missing or unknown:
         return f"missing arguments {missing}, unknown arguments {unknown} (expected {sorted(properties)})"
     for k, v in arguments.items():
-        kind = properties[k].get("type")
-        nullable = properties[k].get("nullable") or (isinstance(kind, list) and "null" in kind)
-        if v is None and nullable:
-            continue
-        if (kind == "string" or (isinstance(kind, list) and "string" in kind)) and not isinstance(v, str):
-            return f"argument {k!r} must be a string"
+        wrong = type_error(v, properties[k])
+        if wrong:
+            return f"argument {k!r} {wrong}"
     return None

@@ -44,7 +44,8 @@ Then one line per sample of those groups, in group order:
 - Multi-turn episodes add `turns`: per sampled turn its chat messages (the assistant's text,
   then the environment's reply), reward, finish and `span` (its tokens in the response).
 - Non-finite numbers are written as the strings "NaN", "Infinity", "-Infinity", as in
-  metrics.jsonl.
+  metrics.jsonl; any other value JSON cannot hold (a datetime in an environment's message, say)
+  as its `str()`.
 
 A file is written whole under a temporary name and renamed, so a killed run never leaves a
 torn one; resuming from a checkpoint at step s removes the files of steps after s.
@@ -98,7 +99,7 @@ def write_samples(run_dir: str | os.PathLike, step: int, rows: list[dict], kind:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     # a decoded string may still hold a lone surrogate: errors="replace" keeps the file UTF-8
     with open(fd, "w", encoding="utf-8", errors="replace") as f:
-        f.writelines(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows)
+        f.writelines(json.dumps(row, ensure_ascii=False, allow_nan=False, default=str) + "\n" for row in rows)
     os.replace(tmp, path)
     return path
 

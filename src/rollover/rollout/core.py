@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rollover.engine.cpu import openmp
-from rollover.envs.base import EnvLost, make_group, make_one
+from rollover.envs.base import EnvLost, env_loop, make_group, make_one
 from rollover.envs.episode import EnvPool, LiveEpisode, env_open, env_step
 from rollover.envs.render import episode_renderer
 from rollover.types import Completion, Request
@@ -72,7 +72,7 @@ class EnvRunner:
             ready.wait()
 
     def _serve(self, ready: threading.Event) -> None:
-        self._loop = asyncio.new_event_loop()
+        self._loop = env_loop()
         asyncio.set_event_loop(self._loop)
         self.pool = EnvPool(self.max_concurrent)
         ready.set()
@@ -83,7 +83,7 @@ class EnvRunner:
         results; here even a CancelledError) goes to `done` as the only argument."""
         if self.inline:
             try:
-                out = asyncio.run(fn(None))
+                out = self._run_inline(fn(None))
             except BaseException as e:  # even a CancelledError: the caller counts this call as landed
                 return done(e)
             return done(*out)
@@ -101,9 +101,33 @@ class EnvRunner:
 
         asyncio.run_coroutine_threadsafe(run(), self._loop)
 
+    def _run_inline(self, coro):
+        """`coro` run to its end on this thread, on one event loop kept from call to call (an
+        environment may hold a subprocess, a lock or a session of it from episode to episode);
+        a call made while that loop runs (from within a call, or another thread's) gets a loop of
+        its own."""
+        if self._loop is None:
+            self._loop = env_loop()
+        if self._loop.is_running():
+            loop = env_loop()
+            try:
+                return loop.run_until_complete(coro)
+            finally:
+                loop.close()
+        return self._loop.run_until_complete(coro)
+
     def close(self) -> None:
         """Cancel the calls still out (an APRIL step does not wait for them) and stop the loop."""
         self._closing = True
+        if self.inline and self._loop is not None and not self._loop.is_running():
+            loop, self._loop = self._loop, None
+            tasks = asyncio.all_tasks(loop)  # what an environment left running between calls
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.close()
+            return
         if self._loop is not None and self._thread.is_alive():
             def stop() -> None:
                 for task in asyncio.all_tasks(self._loop):

@@ -74,8 +74,10 @@ class EnvActor:
         """Build the environment: ("ready", (node ip, pid)) or ("failed", traceback)."""
         import ray
 
+        from rollover.envs.base import ThreadPerCall
         from rollover.envs.builders import make_env_builder
 
+        asyncio.get_running_loop().set_default_executor(ThreadPerCall())  # a hung call holds no other up
         for path in reversed(self.sys_path):
             if path not in sys.path:
                 sys.path.insert(0, path)
