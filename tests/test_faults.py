@@ -280,6 +280,36 @@ def test_a_second_process_on_the_same_run_dir_is_refused(model_dir, tmp_path):
     assert [r["step"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"] == [1, 2]
 
 
+def test_a_run_that_ends_on_the_run_dir_while_another_starts_is_not_overwritten(model_dir, tmp_path, monkeypatch):
+    """Two launches on one run_dir: the second decides what to resume before it can hold the lock
+    (it builds its model and engine in between). A first run still live is refused before anything
+    is built; one that ended in between (its checkpoints and metrics now there) makes the second
+    stop, not train from scratch over them."""
+    from rollover.config import ConfigError
+    from rollover.loops import common
+    from rollover.loops.common import build_run
+    from rollover.loops.resume import lock_run_dir
+
+    cfg = cfg_for(model_dir, tmp_path / "run", steps=2)
+    (tmp_path / "run").mkdir()
+    held = lock_run_dir(tmp_path / "run")
+    monkeypatch.setattr(common, "_load_model", lambda *a, **k: pytest.fail("built a model for a run_dir in use"))
+    with pytest.raises(ConfigError, match="is in use by a run built earlier in this process"):
+        build_run(cfg)
+    held.close()
+    monkeypatch.undo()
+    make_engine = common._make_engine
+
+    def the_other_run_ends(*args, **kwargs):  # while this one builds its engine
+        (tmp_path / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
+        return make_engine(*args, **kwargs)
+
+    monkeypatch.setattr(common, "_make_engine", the_other_run_ends)
+    with pytest.raises(ConfigError, match="changed while this run was starting: another process wrote"):
+        build_run(cfg)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"kind": "train", "step": 1}\n'  # left as it was
+
+
 def test_one_signal_delivered_twice_at_once_is_one_request(monkeypatch):
     """GNU timeout (or anything that signals the process and its group) delivers SIGTERM twice
     at once: that is one request to stop after the step, not the second that exits unsaved."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 
@@ -112,6 +113,12 @@ def test_a_sharded_checkpoints_cut_or_missing_shard_is_damage_named_by_its_file(
     shard.write_bytes(whole)
     (ckpt / "sharded" / ".metadata").write_bytes(b"cut")
     assert damage(ckpt).startswith(f"{ckpt / 'sharded' / '.metadata'}: ")
+    # the whole folder removed (it holds the optimizer state: a user freeing disk space): the
+    # ranks' state.pt says it was saved
+    shutil.rmtree(ckpt / "sharded")
+    assert damage(ckpt) is None  # one trainer's checkpoint has none
+    torch.save({"step": 2, "trainer": {"sharded": True}}, ckpt / "state.pt")
+    assert damage(ckpt) == f"{ckpt / 'sharded'}: missing (the sharded trainer's weights and optimizer state were saved there)"
 
 
 def test_a_full_disk_at_checkpoint_time_says_so_and_leaves_nothing(tmp_path, monkeypatch):

@@ -25,7 +25,8 @@ from rollover.loops.prompts import (MediaStore, _check_best, _check_stand_in, _e
                                     _prompts, _render_all, _steps_from_epochs, _train_iterator,
                                     _warn_if_a_step_exceeds_the_data, eval_sources)
 from rollover.loops.resume import (check_lora_matches, checkpoint_to_resume, config_changes_since, has_metrics,
-                                   lock_run_dir, record_config, restart_without_checkpoint, set_aside_later_checkpoints)
+                                   lock_run_dir, record_config, restart_without_checkpoint, run_dir_state,
+                                   set_aside_later_checkpoints)
 from rollover.models import eos_ids, text_config
 from rollover.rewards import RewardRunner, build_rewards
 from rollover.rollout.groups import PendingGroup, eval_metrics, sampling_from
@@ -378,6 +379,9 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     if cfg.train.deterministic:
         use_deterministic_kernels()
     run_dir = Path(cfg.run_dir)
+    if record and run_dir.is_dir():
+        lock_run_dir(run_dir).close()  # in use by a live run: refused before anything is built
+    found = run_dir_state(run_dir) if record else None
     ckpt = checkpoint_to_resume(cfg)
     changes = config_changes_since(cfg, ckpt, allow_config_change) if record and ckpt is not None else []
     if record and cfg.resume == "never" and has_metrics(run_dir):
@@ -463,6 +467,10 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
             _restore(run, state, record)
         if record:  # the run is accepted: from here on it writes into run_dir
             run.lock = lock_run_dir(run_dir)
+            if run_dir_state(run_dir) != found:  # another run on run_dir ended while this one was built
+                raise ConfigError(f"run_dir {run_dir} changed while this run was starting: another process wrote "
+                                  "checkpoints or metrics there and has ended; run the command again to start from "
+                                  "what it left")
             # resuming at step s drops the killed run's rows after s; a restart from scratch under
             # resume=auto drops them all; resume=never was refused above if run_dir has metrics
             resume_step = state["step"] if state else (-1 if cfg.resume == "auto" else None)

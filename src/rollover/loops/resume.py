@@ -147,6 +147,16 @@ def restart_without_checkpoint(cfg: Config, run_dir: Path, allow: bool) -> None:
     log.warning("run_dir %s holds a run's metrics but no checkpoint: the run starts over, replacing them", run_dir)
 
 
+def run_dir_state(run_dir: Path) -> tuple:
+    """What a run decides its start by (the newest complete checkpoint, the metrics written so
+    far): compared again once the run holds the lock, since another process may have finished
+    in between."""
+    from rollover.metrics.logger import METRICS_FILE
+
+    metrics = run_dir / METRICS_FILE
+    return checkpoint.latest(run_dir), metrics.stat().st_size if metrics.exists() else None
+
+
 def has_metrics(run_dir: Path) -> bool:
     from rollover.metrics.logger import METRICS_FILE
 

@@ -186,9 +186,12 @@ def damage(path: str | Path) -> str | None:
 
     path = Path(path)
     try:
-        torch.load(path / "state.pt", weights_only=False, mmap=True, map_location="cpu")
+        state = torch.load(path / "state.pt", weights_only=False, mmap=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - any failure to read it is damage
         return f"{path / 'state.pt'}: {' '.join(str(e).split())[:200]}"
+    trainer = state.get("trainer") if isinstance(state, dict) else None
+    if isinstance(trainer, dict) and trainer.get("sharded") and not (path / "sharded").is_dir():
+        return f"{path / 'sharded'}: missing (the sharded trainer's weights and optimizer state were saved there)"
     for f in sorted(path.glob("*/*.safetensors")):
         try:
             with safe_open(str(f), framework="pt"):
