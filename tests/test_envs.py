@@ -608,6 +608,16 @@ def test_tool_env_limits_calls_and_can_answer_as_user():
     assert wrong[0].done and wrong[0].reward == 0.0
 
 
+def test_tool_results_are_cut_at_output_chars():
+    spec = ToolUse(tools=(CALCULATOR,), output_chars=3)
+    env = spec.make_group(Prompt(id="t", text="q", answer="3"), 1)[0]
+    results = play(env, [call("calculator", expression="1234 * 1") + call("calculator", expression="1+2")])
+    assert [m["content"] for m in results[0].messages] == ["123 [truncated]", "3"]
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="output_chars must be an integer >= 1"):
+            ToolUse(tools=(CALCULATOR,), output_chars=bad)
+
+
 SHOT = [{"role": "user", "content": "What is 12 * 34?"},
         {"role": "assistant", "content": call("calculator", expression="12 * 34")},
         {"role": "tool", "name": "calculator", "content": "408"},

@@ -276,8 +276,15 @@ class ToolUse:
     # template carries) or "template" (the chat template's `tools=`, in its own words: for models
     # trained on their template's tool format, Qwen2.5's and Hermes')
     tools_in: str = "system"
+    # a result longer than this many characters is cut there, "[truncated]" marking it (verl's
+    # max_tool_response_length, in characters); None: shown whole (a huge one ends the episode at
+    # env.max_total_tokens, finish "length")
+    output_chars: int | None = None
 
     def __post_init__(self):
+        if self.output_chars is not None and (isinstance(self.output_chars, bool) or not isinstance(self.output_chars, int)
+                                              or self.output_chars < 1):
+            raise ValueError(f"tools: output_chars must be an integer >= 1 (or null), got {self.output_chars!r}")
         if self.tools_in not in ("system", "template"):
             raise ValueError(f"tools: tools_in must be 'system' or 'template', got {self.tools_in!r}")
         object.__setattr__(self, "score", Score(self.score, "tools", self.reasoning))
@@ -368,7 +375,10 @@ class ToolEnv:
         self.turn += 1
         results = [(None, f"error: {p}", False) for p in problems]
         for call in calls:
-            results.append((call.name, *await self._run(call)))
+            text, ok = await self._run(call)
+            if self.spec.output_chars is not None and len(text) > self.spec.output_chars:
+                text = text[: self.spec.output_chars] + " [truncated]"
+            results.append((call.name, text, ok))
         self.errors += sum(not ok for _, _, ok in results)
         ids = [None] * len(problems) + [c.id for c in calls]
         messages = [self._message(text, name, ids[i] or call_id(self.turn, i))
