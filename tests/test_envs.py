@@ -1155,3 +1155,31 @@ def test_env_name_errors_name_the_key_and_an_env_class_named_instead_of_its_buil
     with pytest.raises(ValueError, match="names an environment class; env.name names what makes a task's group"):
         make_env_builder("examples/envs/spell_backwards.py:SpellBackwards", {})
     assert callable(make_env_builder("examples/envs/spell_backwards.py:SpellBackwardsTask", {}).make_group)
+
+
+def test_json_tool_arguments_are_checked_only_against_types_the_check_knows():
+    from rollover.envs.tool_formats import type_error
+
+    assert type_error("1", {"type": "integer"}) == 'must be integer, got "1"'
+    assert type_error(1, {"type": "number"}) is None and type_error(True, {"type": "number"}) == "must be number, got true"
+    assert type_error(None, {"type": "string", "nullable": True}) is None
+    assert type_error([1, 2], {"type": "array", "items": {"type": "integer"}}) is None
+    # pydantic's Optional[Model] ($ref), an enum beside a type, transformers' "object" for an Enum hint
+    assert type_error({"x": 1}, {"anyOf": [{"$ref": "#/$defs/Point"}, {"type": "null"}]}) is None
+    assert type_error("auto", {"anyOf": [{"type": "integer"}, {"enum": ["auto"]}]}) is None
+    assert type_error("red", {"type": "object"}) is None
+    assert type_error("x", {"anyOf": [{"type": "integer"}, {"type": "null"}]}) == 'must be integer or null, got "x"'
+
+
+def test_a_tools_thread_sees_the_callers_context_variables():
+    import contextvars
+
+    from rollover.envs.base import in_thread
+
+    episode = contextvars.ContextVar("episode", default="unset")
+
+    async def main():
+        episode.set("episode-7")
+        return await in_thread(episode.get)
+
+    assert asyncio.run(main()) == "episode-7"

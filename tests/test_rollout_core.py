@@ -425,3 +425,35 @@ def test_environment_calls_share_one_loop_and_a_hung_thread_holds_up_no_call(inl
     finally:
         release.set()
         runner.close()
+
+
+def test_inline_calls_from_two_threads_and_a_close_during_one_are_safe():
+    """async's training episodes step inline on the engine's thread while an evaluation opens
+    its own on the trainer's: a call made while another runs gets a loop of its own, and closing
+    the runner then neither raises nor takes the running call's loop from under it."""
+    from rollover.rollout.core import EnvRunner
+
+    runner = EnvRunner(4, inline=True)
+    started, release, results = threading.Event(), threading.Event(), {}
+
+    async def slow(pool):
+        started.set()
+        await asyncio.to_thread(release.wait, 30)
+        return ("slow", id(asyncio.get_running_loop()))
+
+    async def quick(pool):
+        return ("quick", id(asyncio.get_running_loop()))
+
+    worker = threading.Thread(target=runner.call, args=(slow, lambda *out: results.setdefault("slow", out)))
+    worker.start()
+    try:
+        assert started.wait(30)
+        runner.call(quick, lambda *out: results.setdefault("quick", out))
+        assert results["quick"][0] == "quick"
+        t0 = time.monotonic()
+        runner.close()  # the slow call still runs: nothing to close under it
+        assert time.monotonic() - t0 < 10
+    finally:
+        release.set()
+        worker.join(30)
+    assert results["slow"][0] == "slow" and results["slow"][1] != results["quick"][1]

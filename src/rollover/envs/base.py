@@ -19,6 +19,7 @@ inserted) and `versions_T` (the policy version that sampled it; -1 where inserte
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import numbers
 import threading
@@ -338,4 +339,5 @@ _CALLS = ThreadPerCall()
 async def in_thread(fn, /, *args, **kwargs):
     """`fn(*args, **kwargs)` on a thread of its own (`ThreadPerCall`), awaited: what the built-in
     environments run tools, sandboxes and scorers with, on whichever loop runs them."""
-    return await asyncio.get_running_loop().run_in_executor(_CALLS, functools.partial(fn, *args, **kwargs))
+    context = contextvars.copy_context()  # as asyncio.to_thread: the caller's context variables
+    return await asyncio.get_running_loop().run_in_executor(_CALLS, functools.partial(context.run, fn, *args, **kwargs))

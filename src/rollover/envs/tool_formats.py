@@ -444,12 +444,17 @@ def typed(text: str, schema: dict | None):
 
 def type_error(value, schema: dict | None) -> str | None:
     """What is wrong with a JSON argument `value` for its schema's `type` (or its `anyOf` /
-    `oneOf` alternatives'), or None: a schema without a type takes anything, an integer may be
-    written 2.0, a bool is not a number."""
+    `oneOf` alternatives'), or None: a schema or an alternative without a type (a `$ref`, an
+    `enum`) takes anything, as does `object` (what transformers writes for a hint it cannot
+    describe: an Enum, a set, a class); an integer may be written 2.0, a bool is not a number."""
     schema = schema if isinstance(schema, dict) else {}
     alternatives = [a for key in ("anyOf", "oneOf") if isinstance(schema.get(key), list) for a in schema[key]
                     if isinstance(a, dict)]
+    if any(not _types(a) for a in alternatives):
+        return None
     kinds = _types(schema) + [k for a in alternatives for k in _types(a)]
+    if "object" in kinds:
+        return None
     if value is None and ("null" in kinds or any(s.get("nullable") is True for s in (schema, *alternatives))):
         return None
     known = [k for k in kinds if k in _JSON_TYPES or k in ("string", "null")]

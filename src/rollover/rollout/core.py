@@ -63,6 +63,7 @@ class EnvRunner:
         self.max_concurrent = max_concurrent
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._inline_lock = threading.Lock()  # held while the run's inline loop runs a call
         self._thread: threading.Thread | None = None
         self.pool: EnvPool | None = None
         if not inline:
@@ -103,32 +104,43 @@ class EnvRunner:
 
     def _run_inline(self, coro):
         """`coro` run to its end on this thread, on one event loop kept from call to call (an
-        environment may hold a subprocess, a lock or a session of it from episode to episode);
-        a call made while that loop runs (from within a call, or another thread's) gets a loop of
-        its own."""
-        if self._loop is None:
-            self._loop = env_loop()
-        if self._loop.is_running():
-            loop = env_loop()
+        environment may hold a subprocess, a lock or a session of it from episode to episode).
+        A call another thread makes while that loop runs one (an evaluation beside async's
+        training episodes) gets a loop of its own for the call."""
+        if self._inline_lock.acquire(blocking=False):
             try:
-                return loop.run_until_complete(coro)
+                if self._loop is None:
+                    self._loop = env_loop()
+                return self._loop.run_until_complete(coro)
             finally:
-                loop.close()
-        return self._loop.run_until_complete(coro)
+                self._inline_lock.release()
+        loop = env_loop()
+        try:
+            return loop.run_until_complete(coro)
+        finally:
+            loop.close()
 
     def close(self) -> None:
         """Cancel the calls still out (an APRIL step does not wait for them) and stop the loop."""
         self._closing = True
-        if self.inline and self._loop is not None and not self._loop.is_running():
-            loop, self._loop = self._loop, None
-            tasks = asyncio.all_tasks(loop)  # what an environment left running between calls
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            loop.close()
+        if self.inline:
+            if not self._inline_lock.acquire(timeout=5):  # a call still running: its loop is left to it
+                return
+            try:
+                loop, self._loop = self._loop, None
+                if loop is None:
+                    return
+                tasks = asyncio.all_tasks(loop)  # what an environment left running between calls
+                for task in tasks:
+                    task.cancel()
+                if tasks:
+                    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+            finally:
+                self._inline_lock.release()
             return
-        if self._loop is not None and self._thread.is_alive():
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
             def stop() -> None:
                 for task in asyncio.all_tasks(self._loop):
                     task.cancel()
