@@ -155,8 +155,9 @@ def test_reward_error_stops_all_components_and_resume_continues(model_dir, tmp_p
     cfg = async_cfg(model_dir, tmp_path, **{"reward.functions": [f"{bad}:bad"], "async.max_staleness": 1})
     t0 = time.perf_counter()
     # the reward's own error, as a sync run raises it, saying that the step reached was saved
-    with pytest.raises(RewardFailed, match=r"'bad' failed on sample .*judge down.*a checkpoint of step \d+ was saved"):
+    with pytest.raises(RewardFailed, match=r"'bad' failed on sample .*judge down.*a checkpoint of step \d+ was saved") as info:
         train_async(cfg)
+    assert repr(info.value.__cause__) == "ValueError('judge down')"
     assert time.perf_counter() - t0 < 60
     import threading
 

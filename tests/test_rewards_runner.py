@@ -438,6 +438,12 @@ def test_file_reference_with_bound_kwargs_and_weights(tmp_path):
     assert out.totals == [1.5]
     with pytest.raises(FileNotFoundError):
         resolve_reward_fn(f"{tmp_path}/missing.py:f")
+    # a function object as fn, a weight that is not a number: refused when built, naming the reward
+    with pytest.raises(TypeError, match="a reward's fn is a name or a reference, got <function .*named by reference"):
+        build_rewards([{"fn": lambda c, a: 1.0}])
+    for weight in ("abc", None, True, float("nan")):
+        with pytest.raises(ValueError, match=r"reward 'exact': weight must be a finite number, got"):
+            build_rewards([{"fn": "exact", "weight": weight}])
     with pytest.raises(ValueError, match="unique"):
         build_rewards(["exact", "exact"])
     # a built-in's options are checked (every dataset field also reaches it, so a typo would pass)

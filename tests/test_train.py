@@ -819,8 +819,9 @@ def test_reward_errors_raise_zero_skip(model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "flaky_test_reward", flaky, raising=False)
     fn = [{"fn": "rollover.rewards.builtins:flaky_test_reward", "name": "flaky"}]
     with pytest.raises(RewardFailed, match=r"'flaky' failed .*judge unavailable \(the run stopped in its first step: "
-                                           r"nothing was trained\)"):
+                                           r"nothing was trained\)") as info:
         train_sync(tiny_cfg(model_dir, tmp_path / "raise", steps=1, **{"reward.functions": fn, "eval.at_start": False}))
+    assert repr(info.value.__cause__) == "RuntimeError('judge unavailable')"  # the reward's own, as documented
     # failing in step 4 under APRIL: its requests carried in the engine cannot be set back, so
     # the latest checkpoint is step 2's
     fail_from_step(monkeypatch, 3, calls)

@@ -161,7 +161,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
             log.error("async: could not save a checkpoint after the failure: %r", e)
             raise stop
         if isinstance(stop.__cause__, RewardFailed):  # the same error a sync run raises
-            raise resume_point(stop.__cause__, cfg.run_dir, step, saved=True) from None
+            raise resume_point(stop.__cause__, cfg.run_dir, step, saved=True) from stop.__cause__.__cause__
         raise
     finally:
         parts.stop()

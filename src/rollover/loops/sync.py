@@ -118,9 +118,9 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
                 groups, gen = collector.collect(step)
             except RewardFailed as e:
                 if start is None or checkpoint.exists(cfg.run_dir, step):  # say what a resume retrains
-                    raise resume_point(e, cfg.run_dir, step) from None
+                    raise resume_point(e, cfg.run_dir, step) from e.__cause__  # the reward's own error
                 save(step, start)
-                raise resume_point(e, cfg.run_dir, step, saved=True) from None
+                raise resume_point(e, cfg.run_dir, step, saved=True) from e.__cause__
             if not groups:
                 if (error := empty.add(run, step, gen)) is not None:
                     save(step)

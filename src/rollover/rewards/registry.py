@@ -36,6 +36,8 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import math
+import numbers
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +59,14 @@ class RewardSpec:
     name: str | None = None  # how it is reported; default: the built-in or function name
     isolate: bool | None = None  # run in a killable worker process; None: the function decides
     reasoning: str = "keep"  # "drop": the completion after its reasoning (`</think>`), see the module's doc
+
+    def __post_init__(self):
+        if not isinstance(self.fn, str):
+            raise TypeError(f"a reward's fn is a name or a reference, got {self.fn!r:.80}"
+                            + (" (a function is named by reference: 'module:function', '__main__:function')"
+                               if callable(self.fn) else ""))
+        if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or not math.isfinite(self.weight):
+            raise ValueError(f"reward {self.name or self.fn!r}: weight must be a finite number, got {self.weight!r:.40}")
 
     @property
     def label(self) -> str:
