@@ -300,7 +300,6 @@ class ThreadPerCall(ThreadPoolExecutor):
 
     def __init__(self, name: str = "rollover-env-call"):
         super().__init__(max_workers=1, thread_name_prefix=name)
-        self.name = name
         self._closed = False
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
@@ -318,7 +317,7 @@ class ThreadPerCall(ThreadPoolExecutor):
             else:
                 future.set_result(result)
 
-        threading.Thread(target=run, name=self.name, daemon=True).start()
+        threading.Thread(target=run, name=self._thread_name_prefix, daemon=True).start()
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -341,3 +340,9 @@ async def in_thread(fn, /, *args, **kwargs):
     environments run tools, sandboxes and scorers with, on whichever loop runs them."""
     context = contextvars.copy_context()  # as asyncio.to_thread: the caller's context variables
     return await asyncio.get_running_loop().run_in_executor(_CALLS, functools.partial(context.run, fn, *args, **kwargs))
+
+
+def cut(text: str, limit: int | None, mark: str = " [truncated]") -> str:
+    """`text`, or its first `limit` characters and `mark` where it is longer (None: no limit):
+    what a tool's or a program's output shows the model."""
+    return text if limit is None or len(text) <= limit else text[:limit] + mark

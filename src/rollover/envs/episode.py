@@ -47,6 +47,7 @@ from rollover.envs.base import INSERTED_VERSION, Action, Env, EpisodeError, Open
 from rollover.data.media import Media
 from rollover.data.render import opens_reasoning
 from rollover.envs.render import ChatRenderer
+from rollover.rewards.builtins import numpy_bool
 from rollover.types import Request, SamplingParams
 
 if TYPE_CHECKING:  # envs never import the engine at run time; the episode only calls agenerate
@@ -498,9 +499,8 @@ def _not_step_result(value) -> str | None:
         return f"step returned {value!r:.200}, not a StepResult(messages, reward, done, info)"
     if value.done and value.messages is None:  # nothing follows the last step's messages
         value.messages = []
-    numpy_bool = getattr(getattr(value.reward, "dtype", None), "kind", "") == "b" and getattr(value.reward, "ndim", 1) == 0
-    if numpy_bool or (isinstance(value.reward, numbers.Real) and not isinstance(value.reward, (int, float))) \
-            or isinstance(value.reward, bool):
+    if isinstance(value.reward, bool) or numpy_bool(value.reward) or (
+            isinstance(value.reward, numbers.Real) and not isinstance(value.reward, (int, float))):
         value.reward = float(value.reward)
     r = value.reward
     if not (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)):

@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rollover.envs.base import Action, StepResult
+from rollover.envs.base import Action, StepResult, cut
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
 from rollover.envs.score import Score, call
 from rollover.envs.tools import ToolError
@@ -178,8 +178,7 @@ class InlineToolsEnv:
             except ToolError as e:  # the function refusing the model's input: the model's mistake, shown
                 self.errors += 1
                 output = f"error: {e}"
-        if len(output) > self.spec.output_chars:
-            output = output[: self.spec.output_chars] + " [truncated]"
+        output = cut(output, self.spec.output_chars)
         return StepResult([], 0.0, done=False, continuation=self.spec.result.format(result=output),
                           info=self._info())
 

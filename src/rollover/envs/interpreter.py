@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rollover.envs.base import Action, StepResult, in_thread
+from rollover.envs.base import Action, StepResult, cut, in_thread
 from rollover.envs.score import Score
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
 from rollover.types import Prompt
@@ -111,8 +111,7 @@ class InterpreterEnv:
         if blocks:
             output, ok = await in_thread(self.spec.run, blocks[-1])
         self.failures += not ok
-        if len(output) > self.spec.output_chars:
-            output = output[: self.spec.output_chars] + "\n[output truncated]"
+        output = cut(output, self.spec.output_chars, "\n[output truncated]")
         return StepResult([], 0.0, done=False, continuation=f"\n{output}\n```\n", info=self._info())
 
     def _info(self, **extra: float) -> dict:

@@ -56,7 +56,7 @@ import operator
 from dataclasses import dataclass
 from typing import Callable
 
-from rollover.envs.base import Action, Opening, StepResult, in_thread
+from rollover.envs.base import Action, Opening, StepResult, cut, in_thread
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
 from rollover.envs.tool_formats import (FORMATS, PROBE_TOOL, Hermes, ToolCall, call_id, described_format, read, tool_format,
                                         type_error)
@@ -376,9 +376,7 @@ class ToolEnv:
         results = [(None, f"error: {p}", False) for p in problems]
         for call in calls:
             text, ok = await self._run(call)
-            if self.spec.output_chars is not None and len(text) > self.spec.output_chars:
-                text = text[: self.spec.output_chars] + " [truncated]"
-            results.append((call.name, text, ok))
+            results.append((call.name, cut(text, self.spec.output_chars), ok))
         self.errors += sum(not ok for _, _, ok in results)
         ids = [None] * len(problems) + [c.id for c in calls]
         messages = [self._message(text, name, ids[i] or call_id(self.turn, i))

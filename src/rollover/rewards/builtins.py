@@ -77,7 +77,8 @@ def math_reward(completion: str, answer, **_) -> float | None:
     return 1.0 if pred and any(verify(t, pred, timeout_seconds=None) for t in targets) else 0.0
 
 
-def _numpy_bool(value) -> bool:
+def numpy_bool(value) -> bool:
+    """np.bool_ (what np.isclose returns) is no numbers.Real, unlike numpy's ints and floats."""
     np = sys.modules.get("numpy")  # not imported: the value cannot be one of its bools
     return np is not None and isinstance(value, np.bool_)
 
@@ -87,7 +88,7 @@ _MATH_MODE = re.compile(r"(?<!\\)\$")  # a `$` that opens or closes math mode; `
 
 def _gold_text(answer) -> str:
     """One gold answer as LaTeX for math-verify."""
-    if isinstance(answer, bool) or not isinstance(answer, (str, numbers.Real, Decimal)) or _numpy_bool(answer):
+    if isinstance(answer, bool) or not isinstance(answer, (str, numbers.Real, Decimal)) or numpy_bool(answer):
         raise TypeError(f"math: the answer must be a string, a number or a list of acceptable answers, got "
                         f"{type(answer).__name__}: {answer!r:.80}")
     if isinstance(answer, (str, numbers.Integral, Fraction)):  # (numpy's ints too; a fraction as p/q)

@@ -55,7 +55,6 @@ import logging
 import math
 import numbers
 import statistics
-import sys
 import threading
 import time
 from collections import Counter, deque
@@ -63,6 +62,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
 
+from rollover.rewards.builtins import numpy_bool
 from rollover.rewards.pool import RewardTimeout, WorkerPool, WorkerStartError
 from rollover.rewards.registry import Reward
 from rollover.types import Prompt
@@ -498,7 +498,7 @@ def _checked(value: object) -> tuple[float | None, dict[str, float]] | Exception
 
 
 def _number(value: object, what: str) -> float:
-    if not isinstance(value, numbers.Real) and not _numpy_bool(value):
+    if not isinstance(value, numbers.Real) and not numpy_bool(value):
         raise TypeError(
             f"{what} must be a real number (or the reward may return None or a dict with "
             f"'score'), got {type(value).__name__}: {value!r:.200}"
@@ -510,12 +510,6 @@ def _number(value: object, what: str) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{what} is {number}")
     return number
-
-
-def _numpy_bool(value: object) -> bool:
-    """np.bool_ (what np.isclose returns) is no numbers.Real, unlike numpy's ints and floats."""
-    np = sys.modules.get("numpy")  # not imported: the value cannot be one of its bools
-    return np is not None and isinstance(value, np.bool_)
 
 
 def _describe(error: BaseException) -> str:
