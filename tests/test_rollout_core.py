@@ -427,7 +427,7 @@ def test_environment_calls_share_one_loop_and_a_hung_thread_holds_up_no_call(inl
         runner.close()
 
 
-def test_inline_calls_from_two_threads_and_a_close_during_one_are_safe():
+def test_inline_calls_from_two_threads_and_a_close_during_one_are_safe(caplog):
     """async's training episodes step inline on the engine's thread while an evaluation opens
     its own on the trainer's: a call made while another runs gets a loop of its own, and closing
     the runner then neither raises nor takes the running call's loop from under it."""
@@ -453,6 +453,7 @@ def test_inline_calls_from_two_threads_and_a_close_during_one_are_safe():
         t0 = time.monotonic()
         runner.close()  # the slow call still runs: nothing to close under it
         assert time.monotonic() - t0 < 10
+        assert "an inline environment call still runs 5 s after the run asked to close" in caplog.text
     finally:
         release.set()
         worker.join(30)

@@ -125,6 +125,8 @@ class EnvRunner:
         self._closing = True
         if self.inline:
             if not self._inline_lock.acquire(timeout=5):  # a call still running: its loop is left to it
+                log.warning("env: an inline environment call still runs 5 s after the run asked to close; its event "
+                            "loop is left open for it")
                 return
             try:
                 loop, self._loop = self._loop, None
