@@ -363,10 +363,57 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     is trained (the differences are logged and kept in RUN_DIR/config_changes.log).
     `record=False` builds a run that writes nothing anywhere (evaluation): no config.yaml, no
     metrics, and no comparison with the checkpoint's config.
-    """
-    from rollover.metrics import MetricsLogger
-    from rollover.models import load_tokenizer
 
+    In order: where the run trains and what it resumes (`_start`), the data and rewards
+    (`_inputs`), the model and the models beside it checked against the data (`_check_models`),
+    the trainer and engine, then the run accepted (`_accept`): only then is run_dir written.
+    """
+    start = _start(cfg, allow_config_change, record)
+    seed_everything(cfg.seed)
+    inputs = _inputs(cfg, record)
+    if record and start.state is not None and start.state["step"] > cfg.steps:
+        raise ConfigError(f"the run in {Path(cfg.run_dir)} has trained {start.state['step']} steps, past steps={cfg.steps}: "
+                          f"nothing to train (steps counts from the run's start: give more than {start.state['step']} "
+                          "to go on); nothing was changed")
+    model = _load_model(cfg, start.ckpt, training=record)
+    longest, env_processor = _check_models(cfg, model, inputs, record)
+    eos_token_ids = list(eos_ids(getattr(model, "generation_config", None), model.config, inputs.tokenizer))
+    trainer = _make_trainer(cfg, model, inputs.tokenizer.pad_token_id or 0, start.device, start.ckpt,
+                            start.remote_trainer, record)
+    del model  # held by the trainer (or sent to its actor or ranks): no second reference here
+    engine, weights = _make_engine(cfg, trainer, engine_factory, start.device, longest + 1, eos_token_ids)
+    run = Run(cfg=cfg, device=start.device, tokenizer=inputs.tokenizer, model=trainer.model, engine=engine,
+              trainer=trainer, train_iter=inputs.train_iter, eval_prompts=inputs.eval_prompts, rewards=inputs.rewards,
+              prompt_ids=inputs.prompt_ids, logger=_NoRecord(), data_skipped=inputs.skipped, checkpoint=start.ckpt,
+              env_builder=inputs.env_builder, eval_sources=inputs.sources, media=inputs.media,
+              env_processor=env_processor)
+    run.weights = weights
+    _attach_parts(run, cfg)
+    try:
+        _accept(run, start, record)
+    except BaseException:
+        run.close()
+        raise
+    if start.ckpt is not None:
+        log.info("%s from %s at step %d", "resumed" if record else "loaded", start.ckpt, run.start_step)
+    return run
+
+
+@dataclass
+class _Start:
+    """What `build_run` settles before it loads anything: where the run trains and what it resumes."""
+
+    device: torch.device
+    remote_trainer: bool  # ray.trainer: actor: the driver holds no trainer
+    found: object  # run_dir's checkpoints and metrics as first seen (`run_dir_state`)
+    ckpt: Path | None  # the checkpoint to resume from
+    changes: list  # what the config changed since that checkpoint (allow_config_change)
+    state: dict | None  # the checkpoint's state
+
+
+def _start(cfg: Config, allow_config_change: bool, record: bool) -> _Start:
+    """The device, and the checkpoint `cfg.resume` names with its state; a run_dir in use by a
+    live run, or holding a run that `resume` says not to continue, is refused here."""
     # a trainer actor (ray.trainer: actor) trains wherever Ray puts it: the driver needs no GPU;
     # an evaluation (record=False) builds none (it only samples)
     remote_trainer = cfg.runtime == "ray" and cfg.ray.trainer == "actor" and record
@@ -392,7 +439,29 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     if Path(cfg.model).is_dir() and not (Path(cfg.model) / "config.json").is_file():
         raise ConfigError(f"model={cfg.model!r} is a directory without config.json, not a saved model")
     state = checkpoint.load_state(ckpt) if ckpt is not None else None
-    seed_everything(cfg.seed)
+    return _Start(device=device, remote_trainer=remote_trainer, found=found, ckpt=ckpt, changes=changes, state=state)
+
+
+@dataclass
+class _Inputs:
+    """The tokenizer, rewards, environments and prompts of a run, rendered and length-checked."""
+
+    tokenizer: PreTrainedTokenizerBase
+    rewards: RewardRunner
+    env_builder: EnvGroupBuilder | None
+    train_iter: PromptIterator | MixedIterator
+    eval_prompts: list[Prompt]
+    prompt_ids: dict[str, list[int]]
+    sources: dict[str, str]
+    media: MediaStore | None
+    skipped: int  # malformed rows skipped and prompts too long for data.max_prompt_tokens
+
+
+def _inputs(cfg: Config, record: bool) -> _Inputs:
+    """The data rendered with the tokenizer, the rewards and the environment builder; sets
+    `cfg.steps` from `data.epochs` where that is given."""
+    from rollover.models import load_tokenizer
+
     tokenizer = load_tokenizer(cfg.model)
     rewards = _reward_runner(cfg)
     env_builder = None
@@ -412,32 +481,35 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     sources = eval_sources(cfg, eval_prompts, sets)
     train_iter = _train_iterator(cfg, train_prompts, sets)
     _check_best(cfg, env_builder, sources, rewards, eval_prompts)
-    skipped += too_long
     _warn_if_a_step_exceeds_the_data(cfg, len(train_prompts))
     for caveat in [*loss_caveats(cfg), *cfg.unused_settings()] if record else ():  # (not for an evaluation)
         log.warning("%s", caveat)
     _steps_from_epochs(cfg, len(train_prompts))
-    if record and state is not None and state["step"] > cfg.steps:
-        raise ConfigError(f"the run in {run_dir} has trained {state['step']} steps, past steps={cfg.steps}: nothing to "
-                          f"train (steps counts from the run's start: give more than {state['step']} to go on); "
-                          "nothing was changed")
-    model = _load_model(cfg, ckpt, training=record)
-    if media is not None and cfg.train.parallel != "none":
+    return _Inputs(tokenizer=tokenizer, rewards=rewards, env_builder=env_builder, train_iter=train_iter,
+                   eval_prompts=eval_prompts, prompt_ids=prompt_ids, sources=sources, media=media,
+                   skipped=skipped + too_long)
+
+
+def _check_models(cfg: Config, model, inputs: _Inputs, record: bool) -> tuple[int, object | None]:
+    """The most tokens a sample holds, checked against the model's context and against the
+    critic's and teacher's where the run has them; and the processor that renders episodes'
+    images (None without one)."""
+    if inputs.media is not None and cfg.train.parallel != "none":
         _check_stand_in(model)
-    env_processor = _env_processor(cfg, model) if env_builder is not None else None
-    if env_builder is not None:
+    env_processor = _env_processor(cfg, model) if inputs.env_builder is not None else None
+    if inputs.env_builder is not None:
         from rollover.envs.builders import check_template
 
         try:
-            check_template(env_builder, tokenizer, env_processor, **cfg.data.chat_template_kwargs)
+            check_template(inputs.env_builder, inputs.tokenizer, env_processor, **cfg.data.chat_template_kwargs)
         except ValueError as e:  # (a tokenizer without a chat template too: episodes need one)
             raise ConfigError(str(e)) from None
-    longest = _longest(cfg, model, prompt_ids, env_builder)
+    longest = _longest(cfg, model, inputs.prompt_ids, inputs.env_builder)
     if record and cfg.algorithm.advantage == "gae" and cfg.critic.model is not None:
         from rollover.train.critic import check_critic_model
 
         try:
-            check_critic_model(cfg.critic.model, tokenizer, model.config, longest,
+            check_critic_model(cfg.critic.model, inputs.tokenizer, model.config, longest,
                                sequence_parallel=cfg.train.sequence_parallel, lora=cfg.train.lora)
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -445,46 +517,39 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         from rollover.train.teacher import check_teacher_model
 
         try:
-            check_teacher_model(cfg.distill.teacher, tokenizer, model.config, longest,
+            check_teacher_model(cfg.distill.teacher, inputs.tokenizer, model.config, longest,
                                 sequence_parallel=cfg.train.sequence_parallel)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    eos_token_ids = list(eos_ids(getattr(model, "generation_config", None), model.config, tokenizer))
-    trainer = _make_trainer(cfg, model, tokenizer.pad_token_id or 0, device, ckpt, remote_trainer, record)
-    del model  # held by the trainer (or sent to its actor or ranks): no second reference here
-    engine, weights = _make_engine(cfg, trainer, engine_factory, device, longest + 1, eos_token_ids)
-    run = Run(cfg=cfg, device=device, tokenizer=tokenizer, model=trainer.model, engine=engine, trainer=trainer,
-              train_iter=train_iter,
-              eval_prompts=eval_prompts, rewards=rewards, prompt_ids=prompt_ids, logger=_NoRecord(),
-              data_skipped=skipped, checkpoint=ckpt, env_builder=env_builder, eval_sources=sources, media=media,
-              env_processor=env_processor)
-    run.weights = weights
-    _attach_parts(run, cfg)
-    try:
-        if env_builder is not None and cfg.runtime == "ray" and cfg.ray.env_workers:
-            _start_env_workers(run, cfg, env_builder)
-        if state is not None:
-            _restore(run, state, record)
-        if record:  # the run is accepted: from here on it writes into run_dir
-            run.lock = lock_run_dir(run_dir)
-            if run_dir_state(run_dir) != found:  # another run on run_dir ended while this one was built
-                raise ConfigError(f"run_dir {run_dir} changed while this run was starting: another process wrote "
-                                  "checkpoints or metrics there and has ended; run the command again to start from "
-                                  "what it left")
-            # resuming at step s drops the killed run's rows after s; a restart from scratch under
-            # resume=auto drops them all; resume=never was refused above if run_dir has metrics
-            resume_step = state["step"] if state else (-1 if cfg.resume == "auto" else None)
-            run.logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-                                       resume=resume_step)
-            if state is not None:  # a resume from an earlier checkpoint than the newest: the later ones go aside
-                set_aside_later_checkpoints(run_dir, state["step"])
-            record_config(cfg, run_dir, ckpt, changes)
-    except BaseException:
-        run.close()
-        raise
-    if ckpt is not None:
-        log.info("%s from %s at step %d", "resumed" if record else "loaded", ckpt, run.start_step)
-    return run
+    return longest, env_processor
+
+
+def _accept(run: Run, start: _Start, record: bool) -> None:
+    """The run's environment workers started and its checkpoint restored; then, recording, the
+    run is accepted: run_dir locked, the metrics logger opened and the config recorded."""
+    cfg = run.cfg
+    if run.env_builder is not None and cfg.runtime == "ray" and cfg.ray.env_workers:
+        _start_env_workers(run, cfg, run.env_builder)
+    if start.state is not None:
+        _restore(run, start.state, record)
+    if not record:
+        return
+    from rollover.metrics import MetricsLogger
+
+    run_dir = Path(cfg.run_dir)
+    run.lock = lock_run_dir(run_dir)
+    if run_dir_state(run_dir) != start.found:  # another run on run_dir ended while this one was built
+        raise ConfigError(f"run_dir {run_dir} changed while this run was starting: another process wrote "
+                          "checkpoints or metrics there and has ended; run the command again to start from "
+                          "what it left")
+    # resuming at step s drops the killed run's rows after s; a restart from scratch under
+    # resume=auto drops them all; resume=never was refused above if run_dir has metrics
+    resume_step = start.state["step"] if start.state else (-1 if cfg.resume == "auto" else None)
+    run.logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                               resume=resume_step)
+    if start.state is not None:  # a resume from an earlier checkpoint than the newest: the later ones go aside
+        set_aside_later_checkpoints(run_dir, start.state["step"])
+    record_config(cfg, run_dir, start.ckpt, start.changes)
 
 
 def _start_env_workers(run: Run, cfg: Config, env_builder) -> None:
