@@ -54,6 +54,24 @@ def test_k2_grad_keeps_the_value_and_takes_k2s_gradient():
     torch.testing.assert_close(logp.grad, logp.detach() - ref)
 
 
+@pytest.mark.parametrize("fill", [-math.inf, math.nan])
+@pytest.mark.parametrize("estimator, k2_grad", [("k1", False), ("k2", False), ("k3", False), ("k3", True)])
+def test_a_masked_positions_inf_or_nan_reaches_no_gradient(estimator, k2_grad, fill):
+    """Padded positions may hold -inf or nan (as algorithms.md says): once the mask drops their
+    values, every estimator's gradient is finite, and the loss tokens' gradients are as without them."""
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    base = t([[-0.7, -0.9, -0.3], [-1.1, -0.2, -0.4]])
+    grads = []
+    for pad in (fill, 0.0):
+        logp = base.masked_fill(~mask, pad).requires_grad_()
+        ref = (base - 0.3).masked_fill(~mask, pad)
+        kl = kl_penalty(logp, ref, estimator, k2_grad=k2_grad)
+        torch.where(mask, kl, 0.0).sum().backward()
+        grads.append(logp.grad)
+    assert torch.isfinite(grads[0]).all()
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 def test_unknown_estimator_raises():
     with pytest.raises(ValueError, match="k4"):
         kl_penalty(t([[0.0]]), t([[0.0]]), "k4")

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from rollover.rollout.inputs import RolloutInputs
-from rollover.config import load_config
+from rollover.config import ConfigError, load_config
 from rollover.loops.common import build_run
 from rollover.loops.sync import train_sync
 from rollover.rollout.april import AprilCollector
@@ -231,6 +231,13 @@ def test_carry_auto_keeps_kv_where_the_engine_can_and_the_objective_corrects(mod
     mode, why = default.april_carry
     assert mode == "keep_kv" and "algorithm.loss=decoupled_ppo" in why
     assert carry(**{"algorithm.loss": "ppo", "algorithm.tis_cap": 2.0}).april_carry[0] == "keep_kv"
+    for opts in ({"is_level": "token", "is_cap": 2.0}, {"m2po_tau": 0.04}):  # the same corrections in loss_options
+        mode, why = carry(**{"algorithm.loss": "ppo", "algorithm.loss_options": opts}).april_carry
+        assert mode == "keep_kv" and f"algorithm.loss_options.{next(iter(opts))} corrects" in why
+    # importance weights in loss_options weigh stale tokens (on_stale=is); M2PO's mask weighs none
+    carry(**{"algorithm.loss": "ppo", "algorithm.loss_options": {"is_level": "token"}, "partial_rollout.on_stale": "is"})
+    with pytest.raises(ConfigError, match="on_stale=is weights stale tokens"):
+        carry(**{"algorithm.loss": "ppo", "algorithm.loss_options": {"m2po_tau": 0.04}, "partial_rollout.on_stale": "is"})
     mode, why = carry(**{"algorithm.loss": "ppo"}).april_carry  # nothing corrects older tokens
     assert mode == "resubmit" and "does not correct" in why
     mode, why = carry(**{"rollout.engine": "vllm"}).april_carry  # vLLM keeps K/V too (pause mode "keep")

@@ -168,6 +168,9 @@ def test_reward_error_stops_all_components_and_resume_continues(model_dir, tmp_p
     train_async(cfg2)
     got = rows(tmp_path)
     assert got[-1]["step"] == 4 and sum(r["rollout/reward_errors"] for r in got) > 0  # counted per row
+    from rollover.rollout.groups import DROP_COUNTS
+
+    assert all(f"rollout/{k}" in r for r in got for k in DROP_COUNTS)  # every count a sync row has, 0 included
 
 
 def test_engine_error_stops_the_run(model_dir, tmp_path, monkeypatch):

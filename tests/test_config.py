@@ -206,12 +206,23 @@ def test_unknown_keys_suggest_the_nearest(key, hint):
     (["algorithm.overlong_penalty=0.5"], r"algorithm.overlong_penalty=0.5 .*algorithm.overlong_buffer=0 leaves off"),
     (["algorithm.max_resample_rounds=3"], r"max_resample_rounds=3 .*set algorithm.dynamic_sampling: true"),
     (["algorithm.tis_cap=2", "algorithm.loss_options={is_cap: 3}"], r"both cap the importance weight: give one"),
+    (["algorithm.eps_high=0.5", "algorithm.loss_options={eps_high: 0.1}"], r"algorithm.eps_high=0.5 and algorithm.loss_options.eps_high=0.1 both set it"),
+    (["algorithm.dual_clip=3", "algorithm.loss_options={dual_clip: 10}"], r"algorithm.dual_clip=3 and .*both set it"),
+    (["algorithm.m2po_tau=0.04", "algorithm.loss_options={m2po_tau: 1}"], r"algorithm.m2po_tau=0.04 and .*both set it"),
     (["train.weight_bucket_mb=64"], r"train.weight_bucket_mb apply to the sharded trainer's ranks"),
     (["mode=async", "async.dynamic_samples=true", "selection.allocation=xrpo"], r"both size the groups: choose one"),
 ])
 def test_keys_that_nothing_would_read_are_refused(over, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["model=m", "run_dir=r", *over])
+
+
+def test_a_setting_given_once_in_loss_options_or_as_the_loss_own_default_is_not_a_conflict():
+    gspo = load_config(None, ["model=m", "run_dir=r", "algorithm.loss=gspo", "algorithm.aggregation=seq-mean-token-mean",
+                                     "algorithm.loss_options={eps_low: 0.001}"])
+    assert gspo.algorithm.eps_low == 3e-4  # the loss's own default, which the option then overrides
+    load_config(None, ["model=m", "run_dir=r", "algorithm.eps_high=0.28", "algorithm.loss_options={eps_high: 0.1}"])
+    load_config(None, ["model=m", "run_dir=r", "algorithm.dual_clip=3", "algorithm.loss_options={dual_clip: 3}"])
 
 
 @pytest.mark.parametrize("over, match", [
@@ -275,7 +286,7 @@ def test_a_runs_saved_config_loads_again(over, tmp_path):
     (["train.micro_batch_tokens=100"], "train.micro_batch_tokens=100 must be >= train.pack_length"),
     (["async.max_staleness=2"], "mode is sync"),
     (["mode=async", "partial_rollout.enabled=true"], "applies to sync mode"),
-    (["partial_rollout.enabled=true", "partial_rollout.on_stale=is", "algorithm.loss=ppo"], "decoupled_ppo or algorithm.tis_cap"),
+    (["partial_rollout.enabled=true", "partial_rollout.on_stale=is", "algorithm.loss=ppo"], "decoupled_ppo, algorithm.tis_cap or algorithm.loss_options.is_level"),
     (["train.pack_length=64", "data.max_prompt_tokens=64"], "must hold the longest sequence"),
     (["algorithm.overlong_buffer=300"], "overlong_buffer"),
     (["algorithm.advantage=gdpo", "algorithm.overlong_buffer=16"], "gdpo normalises each reward function's scores; algorithm.overlong_buffer=16 adds"),

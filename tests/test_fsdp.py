@@ -103,12 +103,10 @@ def test_a_step_at_world_size_n_equals_one_trainers(world, over):
         # the second batch has one group: at world size 4 one rank trains no sequence (stand-in passes)
         for b in ([batch_of(5)] if world == 2 else [batch_of(5), batch_of(1, seed=1)]):
             mp, ms = plain.train_step(b), sharded.train_step(b)
-            for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/rollout_kl", "actor/masked_frac",
-                      "actor/clip_frac_high", *(["actor/kl"] if cfg.algorithm.kl_coef else [])):
+            for k in ("actor/pg_loss", "actor/loss", "actor/grad_norm", "actor/entropy", "actor/rollout_kl",
+                      "actor/masked_frac", "actor/clip_frac_high", *(["actor/kl"] if cfg.algorithm.kl_coef else [])):
                 assert ms[k] == pytest.approx(mp[k], rel=1e-5, abs=1e-7), k
-            assert ms["actor/loss_tokens"] == mp["actor/loss_tokens"]  # the mean over the step's updates
-            if cfg.train.mini_batches == 1:
-                assert ms["actor/loss_tokens"] == b.num_tokens
+            assert ms["actor/loss_tokens"] == mp["actor/loss_tokens"] == b.num_tokens  # the step's, once
             assert_same_update(weights(plain), weights(sharded), start, cfg.train.lr)
             start = weights(plain)
     finally:

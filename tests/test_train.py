@@ -242,10 +242,13 @@ def test_top_entropy_quantile_trains_the_high_entropy_tokens_only(model_dir, tmp
     n_tokens = sum(len(e) for e in ents)
     per_token = [-(adv * (lp - lp.detach()).exp() * k) + kl_coef * ((rl - lp).exp() - (rl - lp) - 1)  # ratio 1
                  for (_, adv), lp, rl, k in zip(rolls, logps, ref_logps, kept)]
+    pg_per_token = [-(adv * k).detach() for (_, adv), k in zip(rolls, kept)]  # actor/pg_loss: the policy term alone
     if aggregation == "token-mean":
         loss = sum(t.sum() for t in per_token) / n_tokens
+        pg_loss = sum(t.sum() for t in pg_per_token) / n_tokens
     else:
         loss = sum(t.sum() / len(t) for t in per_token) / len(per_token)
+        pg_loss = sum(t.sum() / len(t) for t in pg_per_token) / len(per_token)
     model.zero_grad()
     loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -262,7 +265,8 @@ def test_top_entropy_quantile_trains_the_high_entropy_tokens_only(model_dir, tmp
         assert (metrics["actor/micro_batches"] == 1) == (mbt == 256)
         assert metrics["actor/entropy_threshold"] == pytest.approx(float(threshold), rel=1e-5)
         assert metrics["actor/entropy_kept_frac"] == pytest.approx(sum(int(k.sum()) for k in kept) / n_tokens)
-        assert metrics["actor/pg_loss"] == pytest.approx(float(loss), rel=1e-4)
+        assert metrics["actor/loss"] == pytest.approx(float(loss), rel=1e-4)
+        assert metrics["actor/pg_loss"] == pytest.approx(float(pg_loss), rel=1e-4, abs=1e-7)
         assert seen.keys() == want.keys()
         for k in want:
             assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-6), (mbt, k, float((seen[k] - want[k]).abs().max()))
@@ -301,7 +305,7 @@ def test_vespo_step_weights_each_sequence_by_its_ratio_to_the_engine(model_dir, 
         tr = Trainer(m, cfg, device=torch.device("cpu"))
         metrics, seen = step_seeing_gradient(tr, batch)
         assert (metrics["actor/micro_batches"] == 1) == (mbt == 256)
-        assert metrics["actor/pg_loss"] == pytest.approx(float(loss), rel=1e-4)
+        assert metrics["actor/loss"] == pytest.approx(float(loss), rel=1e-4)
         assert seen.keys() == want.keys()
         for k in want:
             assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-6), (mbt, k, float((seen[k] - want[k]).abs().max()))
@@ -371,6 +375,20 @@ def test_kl_gradient_with_and_without_the_importance_weight_is_the_hand_computed
         assert torch.allclose(seen[k], want[k], rtol=1e-4, atol=1e-7), k
 
 
+@pytest.mark.parametrize("mini_batches,epochs", [(1, 1), (3, 1), (3, 2)])
+def test_a_steps_counts_are_the_steps_whatever_its_updates(model_dir, tmp_path, mini_batches, epochs):
+    """actor/loss_tokens is the step's loss tokens, counted once however many updates train them
+    (mini-batches, epochs); actor/micro_batches is the step's forward-backward passes."""
+    from rollover.train.trainer import Trainer
+
+    rolls = [rollout(f"g{i % 3}", [5 + i, 6, 7], [8 + i] * (2 + i % 4), float(i % 3) - 1.0) for i in range(9)]
+    batch = batch_of(rolls)
+    cfg = tiny_cfg(model_dir, tmp_path / "r", **{"train.mini_batches": mini_batches, "train.ppo_epochs": epochs})
+    m = Trainer(tiny_model("llama", seed=5), cfg, device=torch.device("cpu")).train_step(batch)
+    assert m["actor/loss_tokens"] == batch.num_tokens == 30
+    assert m["actor/micro_batches"] == mini_batches * epochs  # one pass per update: each fits one micro-batch
+
+
 @pytest.mark.parametrize("target", [100.0, 0.0])
 def test_adaptive_entropy_control_moves_the_coefficient_and_gates_the_bonus(model_dir, tmp_path, target):
     """algorithm.entropy_target (Skywork-OR1): the bonus is off until an update measures an entropy at
@@ -389,7 +407,8 @@ def test_adaptive_entropy_control_moves_the_coefficient_and_gates_the_bonus(mode
         applied.append(m["actor/entropy_coef"])
         coefs.append(tr.entropy_coef)
         assert tr.last_entropy == pytest.approx(m["actor/entropy"], rel=1e-6)
-        assert m["actor/pg_loss"] == pytest.approx(-applied[-1] * m["actor/entropy"], rel=1e-5, abs=1e-9)
+        assert m["actor/loss"] == pytest.approx(-applied[-1] * m["actor/entropy"], rel=1e-5, abs=1e-9)
+        assert m["actor/pg_loss"] == 0.0  # the policy term alone: no advantage, no loss
     if target:  # the entropy is below 100: up to the bound, and on from the second update
         assert applied == pytest.approx([0.0, 0.15, 0.2, 0.2]) and coefs == pytest.approx([0.15, 0.2, 0.2, 0.2])
     else:  # above 0: down to the lower bound, never on
@@ -497,7 +516,7 @@ def test_bapo_picks_its_bounds_once_per_update_whatever_the_micro_batch_split(mo
 
         tr.optimizer.step = step
         m = tr.train_step(batch)
-        assert (m["actor/micro_batches"] == 1) == (mbt == 64)
+        assert (m["actor/micro_batches"] == 2) == (mbt == 64)  # the step's passes: one an update, or more
         grads.append(seen)
         after.append({n: p.detach().clone() for n, p in model.named_parameters()})
         metrics.append(m)

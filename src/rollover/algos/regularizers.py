@@ -29,23 +29,25 @@ def kl_penalty(logp_BT: Tensor, ref_logp_BT: Tensor, estimator: str = "k3", *, k
     - `k3 = exp(x) - x - 1` (unbiased, >= 0; verl `low_var_kl`, TRL's only estimator)
 
     `k2_grad=True` returns the chosen estimator's value with k2's gradient (verl's `k3+`).
-    Departures: `x` is clamped to ±20 for k3, as verl does; verl also clamps k3 to [-10, 10],
-    which silences the gradient of tokens far from the reference — we do not.
+    Departures: `x` is clamped to ±20 for k3, as verl does, and for k2 (whose gradient is then 0 past
+    it: a token e^20 times likelier under one policy), so a padded position's -inf or nan gives a
+    gradient of 0, not nan, once the mask drops its value; verl also clamps k3 to [-10, 10], which
+    silences the gradient of tokens far from the reference — we do not.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
     if logp_BT.shape != ref_logp_BT.shape:
         raise ValueError(f"logp_BT {tuple(logp_BT.shape)} and ref_logp_BT {tuple(ref_logp_BT.shape)} differ")
     x_BT = ref_logp_BT.detach() - logp_BT
+    clamped_BT = x_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # (its gradient is 0 at nan and past the bounds)
     if estimator == "k1":
         kl_BT = -x_BT
     elif estimator == "k2":
-        kl_BT = 0.5 * x_BT.square()
+        kl_BT = 0.5 * clamped_BT.square()
     else:
-        x_BT = x_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        kl_BT = x_BT.exp() - x_BT - 1
+        kl_BT = clamped_BT.exp() - clamped_BT - 1
     if k2_grad:
-        k2_BT = 0.5 * (ref_logp_BT.detach() - logp_BT).square()
+        k2_BT = 0.5 * clamped_BT.square()
         kl_BT = k2_BT + (kl_BT - k2_BT).detach()
     return kl_BT
 

@@ -157,6 +157,17 @@ class AlgorithmConfig(Section):
         return data
 
     @property
+    def stale_corrections(self) -> list[str]:
+        """The settings by which the policy loss corrects tokens sampled under older weights
+        (decoupled PPO's behaviour ratio, importance weights, M2PO's mask), as a config names them."""
+        o = self.loss_options
+        return [name for name, on in ((f"algorithm.loss={self.loss}", self.loss == "decoupled_ppo"),
+                                      ("algorithm.tis_cap", self.tis_cap is not None),
+                                      ("algorithm.loss_options.is_level", o.get("is_level") is not None),
+                                      ("algorithm.m2po_tau", self.m2po_tau is not None),
+                                      ("algorithm.loss_options.m2po_tau", o.get("m2po_tau") is not None)) if on]
+
+    @property
     def uses_reference(self) -> bool:
         """Whether a KL reference model is loaded: for the loss's term or the reward's."""
         return self.kl_coef > 0 or self.kl_in_reward > 0

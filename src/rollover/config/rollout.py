@@ -79,7 +79,7 @@ class PartialRolloutConfig(Section):
     on_stale: Literal["mask", "regenerate", "is"] = "mask"
     """Past `max_carry_steps`: mask the stale tokens in the loss, regenerate the sample from
     scratch (its old tokens are dropped and reported), or keep them and correct with importance
-    weights (needs algorithm.loss=decoupled_ppo or algorithm.tis_cap)."""
+    weights (needs algorithm.loss=decoupled_ppo, algorithm.tis_cap or loss_options is_level)."""
     carry: Literal["auto", "resubmit", "keep_kv"] = "auto"
     """How unfinished samples cross a step: `resubmit` aborts them and resumes them next step from
     their tokens (K/V recomputed under the new weights: exact, APRIL's design); `keep_kv` pauses

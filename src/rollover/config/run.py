@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, model_validator
 
-from rollover.config.algorithm import AlgorithmConfig
+from rollover.config.algorithm import CLIP_DEFAULTS, AlgorithmConfig
 from rollover.config.base import NonEmptyStr, Section
 from rollover.config.data import DataConfig
 from rollover.config.env import EnvConfig
@@ -121,12 +121,11 @@ class Config(Section):
             return "resubmit", "episodes carry their tokens and environment state"
         if self.train.colocate and self.train.colocate_free_weights and self.rollout.engine == "vllm":
             return "resubmit", "vLLM in the trainer ranks sleeps while they train, which frees every request's K/V"
-        corrected = [n for n, on in (("algorithm.loss=" + str(a.loss), a.loss == "decoupled_ppo"),
-                                     ("algorithm.tis_cap", a.tis_cap is not None),
-                                     ("algorithm.m2po_tau", a.m2po_tau is not None)) if on]
+        corrected = a.stale_corrections
         if not corrected:
-            return "resubmit", (f"algorithm.loss={a.loss} without tis_cap or m2po_tau does not correct tokens "
-                                "sampled under older weights, so their K/V is recomputed")
+            return "resubmit", (f"algorithm.loss={a.loss} without tis_cap, m2po_tau or importance weights in "
+                                "loss_options does not correct tokens sampled under older weights, so their K/V "
+                                "is recomputed")
         engine = "TorchEngine" if self.rollout.engine == "torch" else "vLLM"
         return "keep_kv", (f"{engine} keeps K/V across weight updates and {corrected[0]} corrects the "
                            "older tokens: no carried prefix is prefilled again")
@@ -154,9 +153,10 @@ class Config(Section):
         if p.enabled and p.adaptive and not p.min_oversample <= p.oversample <= p.max_oversample:
             problems.append(f"partial_rollout.oversample={p.oversample} must lie in [min_oversample, max_oversample] = "
                             f"[{p.min_oversample}, {p.max_oversample}]")
-        if p.enabled and p.on_stale == "is" and a.loss != "decoupled_ppo" and a.tis_cap is None:
+        weighs = [c for c in a.stale_corrections if "m2po" not in c]  # (M2PO masks tokens: it weighs none)
+        if p.enabled and p.on_stale == "is" and not weighs:
             problems.append("partial_rollout.on_stale=is weights stale tokens by importance sampling: set "
-                            "algorithm.loss=decoupled_ppo or algorithm.tis_cap")
+                            "algorithm.loss=decoupled_ppo, algorithm.tis_cap or algorithm.loss_options.is_level")
         if p.enabled and p.score_lag and p.on_stale != "is" and p.max_carry_steps == 0:
             problems.append(f"partial_rollout.score_lag={p.score_lag} carries complete groups one version old into the "
                             f"next step, which max_carry_steps=0 with on_stale={p.on_stale} throws away: set score_lag 0 "
@@ -343,6 +343,13 @@ class Config(Section):
         if a.tis_cap is not None and "is_cap" in a.loss_options:
             out.append(f"algorithm.tis_cap={a.tis_cap:g} and algorithm.loss_options.is_cap="
                        f"{a.loss_options['is_cap']} both cap the importance weight: give one")
+        own = dict(zip(("eps_low", "eps_high"), CLIP_DEFAULTS.get(a.loss, (fields["eps_low"].default,
+                                                                         fields["eps_high"].default))))
+        for k in ("eps_low", "eps_high", "dual_clip", "m2po_tau"):  # loss_options would win, silently
+            mine = getattr(a, k)
+            if k in a.loss_options and mine is not None and mine != own.get(k) and mine != a.loss_options[k]:
+                out.append(f"algorithm.{k}={mine:g} and algorithm.loss_options.{k}={a.loss_options[k]} "
+                           "both set it: give one")
         moved = _moved(self.train, "weight_bucket_mb", "collective_timeout_s")
         if moved and self.train.parallel != "fsdp":
             out.append(f"train.{' and train.'.join(moved)} apply to the sharded trainer's ranks "

@@ -170,7 +170,8 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
         run.close()
 
 
-DATA_COUNTS = ("skipped_groups", "dropped_samples", "filtered_groups", "reward_errors", "empty_collections")
+DATA_COUNTS = ("skipped_groups", "dropped_samples", "filtered_groups", "filtered_tokens", "reward_errors",
+               "empty_collections")
 
 
 class _Services:

@@ -79,7 +79,7 @@ def follow_schedule(scheduler, base_lrs: list[float]) -> None:
 
 # what an update sums over its micro-batches (and ranks) for its metrics: the loss, entropy and the
 # entropy bonus's tokens, the KL terms, the teacher's divergence; padding and row slots come after
-TALLIES = ("loss", "entropy", "bonus", "bonus_tokens", "kl", "rollout_kl", "taught")
+TALLIES = ("loss", "pg_loss", "entropy", "bonus", "bonus_tokens", "kl", "rollout_kl", "taught")
 
 
 class Trainer(PolicyForward, Distillation, TokenBaseline):
@@ -246,6 +246,9 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
         # each metric over the updates that report it (a max over no token is not reported)
         keys = dict.fromkeys(k for h in history for k in h)
         out = {k: sum(h[k] for h in history if k in h) / sum(k in h for h in history) for k in keys}
+        if history and not warming:  # counts are the step's: its passes, and its loss tokens (once, not per epoch)
+            out["actor/micro_batches"] = sum(h.get("actor/micro_batches", 0) for h in history)
+            out["actor/loss_tokens"] = round(sum(h.get("actor/loss_tokens", 0) for h in history) / t.ppo_epochs)
         out["skipped_step"] = float(skipped)
         out.update(prepared)
         if critic is not None:
@@ -362,6 +365,7 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
                 top = None if top_BT is None else top_BT[sel]
                 keep = self._policy_term_kept(top, logp_BT, behav_BT[sel], adv[sel], m_BT, out.metrics)
                 loss_BT = out.loss_BT if keep is None else out.loss_BT * keep
+                pg_BT = loss_BT.detach()  # the policy term alone (actor/pg_loss): before KL, entropy and teacher
                 if ref_BT is not None and a.kl_coef > 0:
                     kl_BT = kl_penalty(logp_BT, ref_BT[sel.cpu()].to(self.device), a.kl_estimator.rstrip("+"),
                                        k2_grad=a.kl_estimator.endswith("+"))
@@ -397,6 +401,7 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
                 if not mb.seq_index:  # a rank's stand-in pass (rollover.train.fsdp): nothing to count
                     continue
                 tally["loss"] += float(loss.detach())
+                tally["pg_loss"] += float(step_loss(pg_BT, out.mask_BT))
                 given, kept = float(m_BT.sum()), float(out.mask_BT.sum())
                 out.metrics["masked_frac"] = (given - kept) / max(given, 1)  # M2PO's drops too
                 add_metrics(sums, out.metrics, {"masked_frac": given, "is": float(loss_mask_BT[sel].sum()), "": kept})
@@ -426,7 +431,8 @@ class Trainer(PolicyForward, Distillation, TokenBaseline):
         metrics = {f"actor/{k}": v for k, v in mean_metrics(sums).items()}
         metrics.update({f"actor/{k}": float(v) for k, v in whole.items()})  # the same on every rank
         metrics.update({
-            "actor/pg_loss": tally["loss"],
+            "actor/loss": tally["loss"],  # what the update minimised: the policy term, KL, entropy bonus, teacher
+            "actor/pg_loss": tally["pg_loss"],
             "actor/lr": self.applied_lr,
             "actor/padding_fraction": tally["pad"] / max(tally["slots"], 1),
             "actor/loss_tokens": num_tokens,
