@@ -99,7 +99,7 @@ def test_a_mapping_for_a_section_sets_its_keys_and_keeps_the_others(tmp_path):
     ("rollout.repetition_penalty=0", "rollout.repetition_penalty=0: must be > 0"),
     ("algorithm.top_entropy_quantile=-0.1", "algorithm.top_entropy_quantile=-0.1: must be >= 0"),
     ("algorithm.ref_mixup_alpha=0", "algorithm.ref_mixup_alpha=0: must be > 0"),
-    ("rollout.temperature=0", "rollout.temperature=0: must be > 0"),
+    ("rollout.temperature=0", "rollout.temperature=0: must be >= 0.01"),
     ("rollout.dtype=fp8", "rollout.dtype='fp8': must be 'auto', 'float32', 'bfloat16' or 'float16'"),
     ("reward.timeout_s=0", "reward.timeout_s=0: must be > 0"),
     ("reward.functions=[]", "reward.functions: must not be empty"),

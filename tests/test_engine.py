@@ -319,6 +319,13 @@ def test_n_samples_share_the_prompt_prefill(engine):
         (Request(id="tup", prompt_ids=(5, 6)), r"got tuple \(list\(\.\.\.\) gives one\)"),
         (Request(id="str", prompt_ids="hello"), "must be a list of token ids .*got str"),
         (Request(id="d", prompt_ids=[5], sampling={"max_new_tokens": 4}), "sampling must be a SamplingParams, got dict"),
+        # sampling fields of the wrong type or past what an engine samples at: refused, not failing its thread
+        (Request(id="s", prompt_ids=[5], sampling=SamplingParams(seed=__import__("numpy").int64(3))),
+         r"seed must be a Python int, got numpy.int64 3 \(int\(x\) gives one\)"),
+        (Request(id="s2", prompt_ids=[5], sampling=SamplingParams(seed=1.5)), "seed must be a Python int"),
+        (Request(id="k", prompt_ids=[5], sampling=SamplingParams(top_k=5.0)), "top_k must be a Python int"),
+        (Request(id="mf", prompt_ids=[5], sampling=SamplingParams(max_new_tokens=5.5)), "max_new_tokens must be a Python int"),
+        (Request(id="tiny", prompt_ids=[5], sampling=SamplingParams(temperature=1e-40)), "temperature must be 0 .*or at least 0.01"),
     ],
 )
 def test_bad_input_rejected_without_disturbing_others(engine, model, bad, match):
@@ -372,6 +379,43 @@ def test_a_cancelled_call_frees_its_row_and_leaves_the_engine_running(engine):
     assert engine.stats().finished["abort"] == 1  # the cancelled request was aborted, not run to the end
     again = engine.submit(Request(id="slow", prompt_ids=[5, 6], sampling=SamplingParams(max_new_tokens=2)))
     assert again.result(timeout=30).id == "slow"  # its id is free again
+
+
+def test_a_stream_left_early_aborts_its_request_and_the_engine_goes_on(engine):
+    """A consumer that takes one token and returns closes its loop: the request is aborted, its
+    listener gone, and the engine's other requests run on (the engine's thread does not die on
+    the closed loop)."""
+    other = engine.submit(Request(id="other", prompt_ids=[80, 81], sampling=SamplingParams(
+        temperature=0.0, max_new_tokens=60, ignore_eos=True)))
+
+    async def first_token():
+        async for ev in engine.stream(Request(id="left", prompt_ids=[5, 6], sampling=SamplingParams(
+                temperature=0.0, max_new_tokens=400, ignore_eos=True))):
+            return ev
+
+    assert asyncio.run(first_token()).token is not None
+    assert other.result(timeout=60).finish == "length"
+    assert engine.stats().finished["abort"] == 1 and "left" not in engine._listeners
+    assert engine.generate([Request(id="after", prompt_ids=[5], sampling=GREEDY)])[0].finish == "length"
+
+
+def test_a_stream_raises_its_requests_error_and_a_second_stream_of_an_id_is_refused(engine):
+    sp = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+
+    async def main():
+        events = []
+        first = engine.stream(Request(id="s", prompt_ids=[5, 6], sampling=sp))
+        events.append(await first.__anext__())
+        with pytest.raises(ValueError, match="'s' is already being streamed"):
+            await engine.stream(Request(id="s", prompt_ids=[7], sampling=sp)).__anext__()
+        events.append(await first.__anext__())  # the first stream still hears its tokens
+        engine.shutdown()  # its request's future fails: the stream raises, not waits forever
+        with pytest.raises(RuntimeError, match="shut down"):
+            async for ev in first:
+                events.append(ev)
+        return events
+
+    assert all(e.token is not None for e in asyncio.run(asyncio.wait_for(main(), 60))[:2])
 
 
 def test_asyncio_api_and_threads(model, engine):

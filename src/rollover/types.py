@@ -17,6 +17,9 @@ from typing import Literal
 FinishReason = Literal["stop", "length", "abort"]
 
 
+MIN_TEMPERATURE = 0.01  # the least positive temperature an engine samples at (vLLM's own floor)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one sequence is sampled.
@@ -46,8 +49,16 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
-        if not self.temperature >= 0.0:  # also catches NaN
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        for name in ("top_k", "max_new_tokens", "seed"):  # numpy's integers: the engine's RNG and topk refuse them
+            v = getattr(self, name)
+            if not (v is None and name == "seed") and type(v) is not int:
+                t = type(v)
+                kind = t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
+                hint = " (int(x) gives one)" if hasattr(v, "__index__") or isinstance(v, float) else ""
+                raise ValueError(f"{name} must be a Python int, got {kind} {v}{hint}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature):  # also catches NaN
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE} (below it the logits "
+                             f"overflow, and vLLM raises it to {MIN_TEMPERATURE}), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -18,9 +18,9 @@ class RolloutConfig(Section):
     """Samples per prompt (the group size n)."""
     max_new_tokens: int = Field(256, ge=1)
     """Bound on each response's length (across any number of resumes)."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature (> 0: greedy rollouts have no exploration); the trainer divides its
-    logits by the same value."""
+    temperature: float = Field(1.0, ge=0.01)
+    """Sampling temperature (at least 0.01, vLLM's floor: greedy rollouts have no exploration);
+    the trainer divides its logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass (1 = off)."""
     top_k: int = Field(0, ge=0)

@@ -156,13 +156,20 @@ class DistillConfig(Section):
     log-softmax)."""
 
 
+def _greedy_or_sampled(t: float) -> float:
+    if not (t == 0 or t >= 0.01):  # (nan too)
+        raise ValueError(f"must be 0 (greedy) or at least 0.01 (below it the logits overflow; vLLM raises it "
+                         f"to 0.01), got {t}")
+    return t
+
+
 class EvalConfig(Section):
     every: int = Field(5, ge=0)
     """Evaluate every this many steps (0 = only at the start and the end)."""
     samples_per_prompt: int = Field(4, ge=1)
     """Samples per held-out prompt."""
-    temperature: float = Field(1.0, ge=0)
-    """Evaluation sampling temperature (0 = greedy)."""
+    temperature: Annotated[float, Field(ge=0), AfterValidator(_greedy_or_sampled)] = 1.0
+    """Evaluation sampling temperature (0 = greedy; else at least 0.01, vLLM's floor)."""
     at_start: bool = True
     """Evaluate before the first step (the baseline)."""
 

@@ -76,29 +76,50 @@ class EngineAPI:
         return await asyncio.wrap_future(self.submit(request))
 
     async def stream(self, request: Request) -> AsyncIterator[TokenEvent]:
-        """Yield each new token as it is generated; the last event carries the completion."""
+        """Yield each new token as it is generated; the last event carries the completion. A
+        request that fails raises its error here; a consumer that stops early (breaks, is
+        cancelled, or its loop closes) aborts its request, and the engine's other requests go on."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
+        def put(item) -> None:  # from the engine's thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the consumer's loop closed under an abandoned stream: nobody reads it
+                pass
+
         def on_token(tok, lp, ver):
-            loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(tok, lp, ver))
+            put(TokenEvent(tok, lp, ver))
 
         with self._listen_lock:
+            if request.id in self._listeners:
+                raise ValueError(f"request {request.id!r} is already being streamed: give each request its own id")
             self._listeners[request.id] = on_token
         try:
             fut = self.submit(request)
         except BaseException:
-            with self._listen_lock:
-                self._listeners.pop(request.id, None)
+            self._stop_listening(request.id, on_token)
             raise
-        fut.add_done_callback(
-            lambda f: loop.call_soon_threadsafe(queue.put_nowait, TokenEvent(None, None, None, f.result()))
-        )
-        while True:
-            ev = await queue.get()
-            yield ev
-            if ev.completion is not None:
-                return
+        fut.add_done_callback(put)  # the future itself, after the request's last token
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Future):
+                    yield TokenEvent(None, None, None, item.result())  # (raises the request's error)
+                    return
+                yield item
+        finally:
+            self._stop_listening(request.id, on_token)
+            if not fut.done():
+                self.abort([request.id])
+
+    def _stop_listening(self, request_id: str, on_token: Callable) -> None:
+        with self._listen_lock:
+            if self._listeners.get(request_id) is on_token:  # (not another stream's of the same id)
+                del self._listeners[request_id]
+
+    def abort(self, ids: Iterable[str] | None = None) -> list[Completion]:
+        raise NotImplementedError
 
     def __enter__(self):
         return self
