@@ -123,6 +123,22 @@ def test_refused_run_is_short_and_leaves_no_run_dir(model_dir, tmp_path, capsys,
     assert not run_dir.exists()
 
 
+def test_a_run_dir_that_is_a_file_is_refused_before_anything_loads(model_dir, tmp_path, capsys, monkeypatch):
+    import rollover.loops.common as common
+
+    monkeypatch.setattr(common, "_inputs", lambda *a: pytest.fail("the data was loaded"))
+    (tmp_path / "run").write_text("notes\n")
+    assert main(["train", *overrides(model_dir, tmp_path / "run")]) == 2
+    assert f"config error: run_dir {tmp_path / 'run'} is a file" in capsys.readouterr().err
+    assert (tmp_path / "run").read_text() == "notes\n"
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("data:\n  max_prompt_tokens: 10\ntrain:\n  lr: 1.0e-4\ndata:\n  train: x.jsonl\n")
+    assert main(["train", str(tmp_path / "c.yaml")]) == 2
+    assert "c.yaml:5:1: invalid YAML: key 'data' is given twice (first on line 1)" in capsys.readouterr().err
+
+
 def test_debug_shows_the_traceback(model_dir, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", "--debug", *overrides(model_dir, run_dir, f"data.train={tmp_path}/missing.jsonl")]) == 2

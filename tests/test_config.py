@@ -41,6 +41,18 @@ def test_overrides_and_types():
         load_config(EXAMPLES[0], "steps=3")
 
 
+@pytest.mark.parametrize("override, key, value", [
+    ("data.instruction=Answer: give a number", "instruction", "Answer: give a number"),  # not a mapping
+    ("data.instruction=yes", "instruction", "yes"),  # not true
+    ("data.instruction=42", "instruction", "42"),
+    ("data.train=/data/set #1.jsonl", "train", "/data/set #1.jsonl"),  # not cut at a YAML comment
+    ("data.instruction='quoted: yes'", "instruction", "quoted: yes"),  # quoted: YAML's reading
+    ("data.instruction=null", "instruction", None),
+])
+def test_an_override_of_a_text_key_is_the_text_given(override, key, value):
+    assert getattr(load_config(overrides=[override]).data, key) == value
+
+
 def test_a_function_object_as_a_reward_says_how_to_name_it():
     def my_reward(completion, answer, **kw):
         return 1.0

@@ -91,6 +91,7 @@ def test_bad_row_raises_naming_file_and_line(tmp_path):
         ({"prompt": [{"role": "user"}], "answer": "1"}, "needs a string 'content'"),
         ({"prompt": ["hi"], "answer": "1"}, "is a str, not a dict"),
         ({"prompt": "q", "answer": ""}, "missing answer"),
+        ({"prompt": "q", "answer": float("nan")}, "missing answer"),  # JSON's NaN: a missing value, as pandas writes it
     ],
 )
 def test_malformed_rows_are_named(tmp_path, row, reason):
@@ -112,6 +113,13 @@ def test_invalid_json_line_is_a_bad_row(tmp_path):
     # The blank line 3 is not a row; line 4 keeps its line-based id.
     assert [p.id for p in ps.prompts] == ["d:0", "d:3"]
     assert ps.num_skipped == 1
+
+
+def test_a_byte_order_mark_before_the_first_row_is_read_past(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(2)]
+    path.write_bytes(("\n".join(rows) + "\n").encode("utf-8-sig"))  # as Windows tools write UTF-8
+    assert [p.text for p in load_prompts(path).prompts] == ["q0", "q1"]
 
 
 def test_line_that_is_not_utf8_is_a_bad_row(tmp_path):

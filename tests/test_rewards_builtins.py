@@ -120,6 +120,9 @@ def test_numeric_reward_refuses_a_non_numeric_gold():
         numeric_reward("8", "eight")
     with pytest.raises(ValueError, match=r"numeric: the answer \{'value': 6\} is not a number"):
         numeric_reward("6", {"value": 6})  # a structured answer column: named, not float()'s complaint
+    for odd in ("nan", "inf", "-Infinity", float("nan")):  # float() reads them; no completion's number equals one
+        with pytest.raises(ValueError, match="is not a number"):
+            numeric_reward("8", odd)
 
 
 @pytest.mark.parametrize(

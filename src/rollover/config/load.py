@@ -31,18 +31,70 @@ def _set_path(d: dict, dotted: str, value: Any, schema: type | None = None) -> N
         d[last] = value
 
 
-def _names_section(schema: type | None, keys: list[str]) -> bool:
-    """Whether `keys` lead, through `schema`'s fields (by name or alias), to a section of its own."""
-    from pydantic import BaseModel
-
+def _annotation(schema: type | None, keys: list[str]):
+    """The type `keys` lead to through `schema`'s fields (by name or alias), or None."""
     model = schema
     for k in keys:
         fields = getattr(model, "model_fields", None) or {}
         field = fields.get(k) or fields.get(k + "_") or next((f for f in fields.values() if f.alias == k), None)
         if field is None:
-            return False
+            return None
         model = field.annotation
+    return model
+
+
+def _names_section(schema: type | None, keys: list[str]) -> bool:
+    """Whether `keys` lead, through `schema`'s fields (by name or alias), to a section of its own."""
+    from pydantic import BaseModel
+
+    model = _annotation(schema, keys)
     return isinstance(model, type) and issubclass(model, BaseModel)
+
+
+def _takes_text_only(annotation) -> bool:
+    """Whether a field's type is text (str, maybe constrained, maybe None) and nothing else."""
+    import typing
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] if typing.get_origin(annotation) in (
+        typing.Union, __import__("types").UnionType) else [annotation]
+    bases = [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in args]
+    return bases == [str]
+
+
+def _as_given(schema: type | None, key: str, raw: str, value: Any) -> Any:
+    """An override's value as its user meant it: the text itself for a key that takes only text
+    where YAML reads it as something else (`data.instruction=Answer: a number` a mapping, `=yes`
+    true, `=42` a number), and wherever YAML would cut a ` #...` comment off a text."""
+    text = raw.strip()
+    if value is None or text[:1] in ("'", '"'):  # null, or quoted: YAML's reading is the user's
+        return value
+    if isinstance(value, str):
+        return text if " #" in text else value
+    return text if _takes_text_only(_annotation(schema, key.split("."))) else value
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """`yaml.safe_load`'s loader, refusing a key given twice in one mapping (which PyYAML would
+    read as its last value, silently dropping the first: a second `data:` section, say)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)
+            first: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    if key in first:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {key!r} is given twice (first on line {first[key]})", key_node.start_mark)
+                    first[key] = key_node.start_mark.line + 1
+                except TypeError:  # an unhashable key: the constructor below names it
+                    pass
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=_StrictLoader)
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -53,7 +105,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like key.path=value")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = _load_yaml(raw) if raw.strip() else None
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or e
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
@@ -69,7 +121,7 @@ def read_yaml(path: str | Path) -> dict:
     if path.is_dir():
         raise ConfigError(f"{path} is a directory, not a YAML config file")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = _load_yaml(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
     except yaml.MarkedYAMLError as e:
@@ -104,8 +156,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
     for k, v in data.items():
         _set_path(raw, k, v, schema)
     overridden = set()
-    for k, v in parse_overrides(list(overrides)):
-        _set_path(raw, k, v, schema)
+    for item, (k, v) in zip(overrides, parse_overrides(list(overrides))):
+        _set_path(raw, k, _as_given(schema, k, item.partition("=")[2], v), schema)
         overridden.add(k)
     sections = {"async" if n == "async_" else n for n in schema.model_fields}
     try:

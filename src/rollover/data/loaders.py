@@ -29,6 +29,7 @@ error either way.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal
@@ -138,6 +139,8 @@ def row_to_prompt(
     text, messages = _check_prompt(prompt, prompt_key)
 
     answer, used_key = _find_answer(row, answer_key)
+    if isinstance(answer, float) and math.isnan(answer):  # a missing value (JSON's NaN, pandas' None in a number column)
+        answer = None
     if require_answer and (answer is None or answer == ""):
         looked = [answer_key] if answer_key else list(DEFAULT_ANSWER_KEYS)
         raise BadRowError(f"missing answer (looked for {looked}; columns: {sorted(row)}); rows without one are kept "
@@ -256,7 +259,7 @@ def _jsonl_rows(path: Path) -> Rows:
     with path.open("rb") as f:
         for index, raw in enumerate(f):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if index == 0 else "utf-8")  # (a BOM some editors write first)
             except UnicodeDecodeError as exc:
                 byte = raw[exc.start : exc.start + 1].hex()
                 yield index, BadRowError(

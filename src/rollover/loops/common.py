@@ -426,6 +426,8 @@ def _start(cfg: Config, allow_config_change: bool, record: bool) -> _Start:
     if cfg.train.deterministic:
         use_deterministic_kernels()
     run_dir = Path(cfg.run_dir)
+    if record and run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir {run_dir} is a file: give a directory (one that does not exist is made)")
     if record and run_dir.is_dir():
         lock_run_dir(run_dir).close()  # in use by a live run: refused before anything is built
     found = run_dir_state(run_dir) if record else None

@@ -122,9 +122,13 @@ def _plain(text: str) -> str:
 
 
 def parse_number(text: str) -> float:
-    """'1,234.50' -> 1234.5; raises ValueError if `text` is not one number."""
+    """'1,234.50' -> 1234.5; raises ValueError if `text` is not one finite number ("nan" and "inf",
+    which float() reads, are not)."""
     cleaned = _plain(str(text)).strip().strip("$").replace(",", "")
-    return float(cleaned)
+    value = float(cleaned)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
 
 
 def final_number(completion: str) -> float | None:
