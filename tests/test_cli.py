@@ -243,6 +243,31 @@ def test_resume_with_a_changed_config_is_refused_then_allowed(model_dir, other_m
     assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == ["step_000004"]
 
 
+def test_changed_training_data_is_refused_then_drawn_from_its_start_under_the_flag(model_dir, tmp_path, capsys,
+                                                                                    caplog):
+    """The data file edited since the checkpoint, or another seed (each prompt's order), cannot
+    continue the checkpoint's place in the data: refused as a config error saying so; under
+    --allow-config-change the new data is drawn from its start."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(12)))
+    run_dir = tmp_path / "run"
+    assert main(["train", *overrides(model_dir, run_dir, f"data.train={data}")]) == 0
+    with data.open("a") as f:
+        f.write('{"prompt": "20+1=", "answer": "21"}\n')
+    before = snapshot(run_dir)
+    capsys.readouterr()
+    assert main(["train", *overrides(model_dir, run_dir, f"data.train={data}", "steps=3")]) == 2
+    err = capsys.readouterr().err
+    assert "config error: the training data is not the checkpoint's" in err and "--allow-config-change" in err
+    assert snapshot(run_dir) == before
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        assert main(["eval", str(run_dir)]) == 0  # evaluates, warning that its carved held-out set may have moved
+    assert "may include prompts it trained on" in caplog.text
+    assert main(["train", "--allow-config-change", *overrides(model_dir, run_dir, f"data.train={data}", "steps=3",
+                                                            "seed=8")]) == 0
+    assert (run_dir / "checkpoints" / "step_000003" / "DONE").exists()
+
+
 def test_resume_never_on_an_existing_run_is_refused_before_writing(trained, capsys):
     run_dir, over = trained
     before = snapshot(run_dir)

@@ -179,6 +179,11 @@ def test_a_mix_draws_sources_at_their_weights_and_resumes_where_it_stopped():
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="saved by a run mixing several sources"):
         PromptIterator(small).load_state_dict(state)
+    changed = MixedIterator({"a": small, "b": big[:99]}, {"a": 3.0, "b": 1.0}, seed=4)  # b lost a row
+    with pytest.raises(ValueError, match="source 'b': iterator state was saved over different prompts"):
+        changed.load_state_dict(state)
+    assert state["sources"]["a"]["prompts_served"] > 0
+    assert changed.prompts_served == changed.iters["a"].prompts_served == 0  # a refused state moves no source
 
 
 def test_a_mix_does_not_depend_on_the_order_its_sources_are_listed_in():

@@ -13,6 +13,7 @@ from rollover.metrics import samples as samples_mod
 from rollover.metrics.samples import mask_spans, read_samples, remove_after, render, written_steps
 from rollover.models import load_tokenizer
 from rollover.testing import save_tiny_model
+from rollover.types import Prompt
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +141,27 @@ def test_show_without_samples_names_the_directory_and_the_key(tmp_path, capsys):
     assert f"{tmp_path / 'samples'}: no samples written" in err and "logging.samples" in err
     assert main(["show", str(tmp_path / "nowhere")]) == 1
     assert "no such run directory" in capsys.readouterr().err
+
+
+def test_show_names_the_line_of_a_damaged_samples_file(sync_run, capsys, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(sync_run[0], run_dir)
+    path = next((run_dir / "samples").glob("step_*2.jsonl"))
+    path.write_text(path.read_text().replace("{", "{{", 1).replace("\n", "\n{oops\n", 1))
+    assert main(["show", str(run_dir)]) == 1
+    assert f"{path} line 1: not valid JSON" in capsys.readouterr().err
+
+
+def test_a_column_json_cannot_write_is_named_by_filter():
+    import datetime
+
+    from rollover.curate import rows_of
+
+    prompts = [Prompt(id="p0", text="q", answer="1", fields={"when": datetime.datetime(2020, 1, 1), "n": 3})]
+    with pytest.raises(ValueError, match=r"prompt p0: column 'when' cannot be written as JSON"):
+        rows_of(prompts, "prompt", None)
 
 
 def test_show_cuts_long_texts_unless_full():

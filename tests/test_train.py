@@ -1095,6 +1095,23 @@ def test_pass_at_k_is_the_share_of_prompts_with_a_correct_sample():
     assert pass_at_k([]) == 0.0
 
 
+def test_a_held_out_file_gives_eval_size_prompts_that_fit_whatever_its_first_rows(model_dir, tmp_path):
+    """data.eval with data.on_bad_row=skip: prompts over data.max_prompt_tokens are passed over, and
+    the held-out set is the first eval_size that fit (of each named set), not fewer, nor none."""
+    rows = [{"prompt": "x" * 200, "answer": "1"} for _ in range(3)] + [{"prompt": f"{i}+1=", "answer": str(i + 1)}
+                                                                       for i in range(10)]
+    path = tmp_path / "held.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    for held, want in ((str(path), [f"held:{i}" for i in range(3, 7)]),
+                       ({"a": str(path), "b": str(path)}, [f"{n}/held:{i}" for n in "ab" for i in range(3, 7)])):
+        run = build_run(tiny_cfg(model_dir, tmp_path / "r", **{"data.eval": held, "data.eval_size": 4,
+                                                               "data.on_bad_row": "skip"}), record=False)
+        try:
+            assert [p.id for p in run.eval_prompts] == want
+        finally:
+            run.close()
+
+
 def test_several_held_out_sets_are_reported_together_and_each_on_its_own(model_dir, tmp_path):
     """data.eval as {name: source}: every set's first eval_size prompts, ids under the set's name
     (the same file twice does not collide), eval/<name>/* beside the whole's; a single source with

@@ -69,9 +69,19 @@ def rows_of(prompts: list, prompt_key: str, answer_key: str | None, sources: boo
         try:
             json.dumps(row, ensure_ascii=False)
         except TypeError as e:
-            raise ValueError(f"prompt {p.id}: a column cannot be written as JSON ({e})") from None
+            bad = [k for k, v in row.items() if not _writable(v)]
+            raise ValueError(f"prompt {p.id}: column {', '.join(map(repr, bad)) or '?'} cannot be written as JSON "
+                             f"({e})") from None
         rows.append(row)
     return rows
+
+
+def _writable(value) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False)
+    except TypeError:
+        return False
+    return True
 
 
 def write_kept(path: str | Path, rows: list[dict], rates: list[float | None], low: float | None,

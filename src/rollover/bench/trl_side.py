@@ -58,6 +58,7 @@ def learn_trl(cfg) -> list[dict]:
     if cfg.data.train_weights is not None:
         raise ValueError("bench learn --policies trl trains on one dataset: data.train_weights has no TRL counterpart here")
     train, held, _, _ = _prompts(cfg)
+    held = held[: cfg.data.eval_size] if cfg.data.eval is not None else held  # (a file's first eval_size)
     trainer_of, tokenizer = _grpo(trl, cfg, train, max_steps=cfg.steps, logging_strategy="no")
     completions = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     times: list[float] = []

@@ -63,7 +63,16 @@ class PromptIterator:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from `state`; refuses a state saved over other data or another seed."""
+        """Continue from `state`; refuses a state saved over other data or another seed, and is
+        then left as it was."""
+        self.check_state(state)
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+        self.prompts_served = state["prompts_served"]
+        self._order = self._epoch_order(self.epoch)
+
+    def check_state(self, state: dict) -> None:
+        """Raise ValueError saying why `state` was saved over other data, order or seed."""
         if state.get("mixed"):
             raise ValueError("iterator state was saved by a run mixing several sources (data.train_weights); "
                              "this run draws from one")
@@ -80,10 +89,6 @@ class PromptIterator:
             )
         if not 0 <= state["position"] < len(self.prompts):
             raise ValueError(f"iterator state position {state['position']} out of range")
-        self.epoch = state["epoch"]
-        self.position = state["position"]
-        self.prompts_served = state["prompts_served"]
-        self._order = self._epoch_order(self.epoch)
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.prompts)))
@@ -143,13 +148,19 @@ class MixedIterator:
                 "prompts_served": self.prompts_served, "sources": {n: it.state_dict() for n, it in self.iters.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from `state`; refuses one saved over other sources, weights or seed."""
+        """Continue from `state`; refuses one saved over other sources, weights or seed, and is
+        then left as it was."""
         if not state.get("mixed"):
             raise ValueError("iterator state was saved by a single source; this run mixes several (data.train_weights)")
         mine = dict(zip(self.names, self.weights))
         if (state["seed"], state["weights"]) != (self.seed, mine):
             raise ValueError(f"iterator state has seed={state['seed']} weights={state['weights']}, this iterator "
                              f"seed={self.seed} weights={mine}")
+        for name, it in self.iters.items():  # every source checked before any moves
+            try:
+                it.check_state(state["sources"][name])
+            except ValueError as e:
+                raise ValueError(f"source {name!r}: {e}") from None
         for name, it in self.iters.items():
             it.load_state_dict(state["sources"][name])
         self.prompts_served = state["prompts_served"]

@@ -408,6 +408,7 @@ class _Start:
     found: object  # run_dir's checkpoints and metrics as first seen (`run_dir_state`)
     ckpt: Path | None  # the checkpoint to resume from
     changes: list  # what the config changed since that checkpoint (allow_config_change)
+    allow_config_change: bool  # resume whatever changed, the training data too
     state: dict | None  # the checkpoint's state
 
 
@@ -441,7 +442,8 @@ def _start(cfg: Config, allow_config_change: bool, record: bool) -> _Start:
     if Path(cfg.model).is_dir() and not (Path(cfg.model) / "config.json").is_file():
         raise ConfigError(f"model={cfg.model!r} is a directory without config.json, not a saved model")
     state = checkpoint.load_state(ckpt) if ckpt is not None else None
-    return _Start(device=device, remote_trainer=remote_trainer, found=found, ckpt=ckpt, changes=changes, state=state)
+    return _Start(device=device, remote_trainer=remote_trainer, found=found, ckpt=ckpt, changes=changes,
+                  allow_config_change=allow_config_change, state=state)
 
 
 @dataclass
@@ -479,7 +481,8 @@ def _inputs(cfg: Config, record: bool) -> _Inputs:
     if skipped:
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
     media = _media_store(cfg, train_prompts + eval_prompts)
-    prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts, media)
+    prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts, media,
+                                                                    sets)
     sources = eval_sources(cfg, eval_prompts, sets)
     train_iter = _train_iterator(cfg, train_prompts, sets)
     _check_best(cfg, env_builder, sources, rewards, eval_prompts)
@@ -533,7 +536,7 @@ def _accept(run: Run, start: _Start, record: bool) -> None:
     if run.env_builder is not None and cfg.runtime == "ray" and cfg.ray.env_workers:
         _start_env_workers(run, cfg, run.env_builder)
     if start.state is not None:
-        _restore(run, start.state, record)
+        _restore(run, start.state, record, new_data=start.allow_config_change)
     if not record:
         return
     from rollover.metrics import MetricsLogger
@@ -676,11 +679,27 @@ def _attach_parts(run: Run, cfg: Config) -> None:
             run.turn_budget = TurnBudget(e.max_turns, e.min_turns, e.dynamic_turns_threshold, cfg.reward.correct_threshold)
 
 
-def _restore(run: Run, state: dict, record: bool = True) -> None:
+def _restore(run: Run, state: dict, record: bool = True, new_data: bool = False) -> None:
+    """The checkpoint's state into the run's parts. `new_data`: a training data, order or mixture
+    unlike the checkpoint's is drawn from its start (`allow_config_change`), not refused."""
     if record or not state["trainer"].get("sharded"):  # an evaluation's trainer only holds the checkpoint's model
         run.trainer.load_state_dict(state["trainer"])
-    if record:  # an evaluation draws no training prompt: its data may differ (data.eval=... given to rollover eval)
+    try:
         run.train_iter.load_state_dict(state["data"])
+    except ValueError as e:  # a file edited since, another data.train, seed, data.shuffle or data.train_weights
+        if not record:  # an evaluation draws no training prompt, but carves its held-out ones from them
+            if run.cfg.data.eval is None:
+                log.warning("the training data is not the checkpoint's (%s): the held-out prompts carved from it "
+                            "(data.eval_size) may not be the run's own, and may include prompts it trained on; "
+                            "give data.eval to evaluate on a set of your own", e)
+        elif not new_data:
+            raise ConfigError(f"the training data is not the checkpoint's ({e}): it changed since the run was "
+                              "saved; to go on drawing the new data from its start, pass --allow-config-change "
+                              "(build_run(cfg, allow_config_change=True))") from None
+        else:
+            log.warning("the training data is not the checkpoint's (%s); allowed (allow_config_change): it is drawn "
+                        "from its start", e)
+    if record:
         if run.turn_budget is not None and state.get("turn_budget"):
             run.turn_budget.load_state_dict(state["turn_budget"])
         if run.selection is not None and state.get("selection"):

@@ -8,6 +8,7 @@ import itertools
 import logging
 import math
 import threading
+from collections import Counter
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -41,13 +42,13 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
     else:
         train = _load_named("data.train", d.train, kw, sets)
     skipped = train.num_skipped
-    if isinstance(d.eval, dict):  # several held-out sets: each one's first eval_size, its ids under its name
-        held = _load_named("data.eval", d.eval, {**kw, "split": None}, sets, first=d.eval_size)
+    if isinstance(d.eval, dict):  # several held-out sets, their ids under their names
+        held = _load_named("data.eval", d.eval, {**kw, "split": None}, sets)
         return list(train.prompts), held.prompts, skipped + held.num_skipped, sets
-    if d.eval is not None:
+    if d.eval is not None:  # (each set's first eval_size that fit data.max_prompt_tokens: `_render_all`)
         held = _load("data.eval", d.eval, {**kw, "split": None})  # from a dataset of splits: the one it names
         skipped += held.num_skipped
-        return list(train.prompts), list(held.prompts)[: d.eval_size], skipped, sets
+        return list(train.prompts), list(held.prompts), skipped, sets
     if d.eval_size == 0:
         return list(train.prompts), [], skipped, sets
     distinct = distinct_questions(train.prompts)  # the held-out prompts are distinct questions, none trained on
@@ -137,13 +138,15 @@ def _train_iterator(cfg: Config, prompts: list[Prompt], sets: dict[str, str]):
     return MixedIterator(by_source, d.train_weights, seed=cfg.seed, shuffle=d.shuffle)
 
 
-def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prompt], media: "MediaStore | None" = None
-                ) -> tuple[dict[str, list[int]], list[Prompt], list[Prompt], int]:
+def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prompt], media: "MediaStore | None" = None,
+                sets: dict[str, str] | None = None) -> tuple[dict[str, list[int]], list[Prompt], list[Prompt], int]:
     """Render every prompt once: (token ids by prompt id, train, held_out, number dropped);
     prompts with images through `media` (their pixel values are made again when drawn).
 
     A prompt over data.max_prompt_tokens is an error naming it, or under data.on_bad_row=skip
-    is dropped from whichever list holds it, so neither the iterator nor eval ever sees it.
+    is dropped from whichever list holds it, so neither the iterator nor eval ever sees it. Of a
+    `data.eval` file (each of its named sets, by `sets`), the first `data.eval_size` that fit are
+    held out: the rows after them are not rendered.
     """
     d = cfg.data
     out: dict[str, list[int]] = {}
@@ -176,7 +179,17 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
         return True
 
     train = [p for p in train if fits(p)]
-    held_out = [p for p in held_out if fits(p)]
+    if d.eval is None:  # carved from the training prompts: eval_size of them already
+        held_out = [p for p in held_out if fits(p)]
+    else:
+        taken: Counter = Counter()  # held out so far, by named set (None: the one file)
+        kept = []
+        for p in held_out:
+            name = (sets or {}).get(p.id)
+            if taken[name] < d.eval_size and fits(p):
+                kept.append(p)
+                taken[name] += 1
+        held_out = kept
     if too_long:
         log.warning("data: skipped %d prompts longer than data.max_prompt_tokens=%d (data.on_bad_row=skip): %s%s",
                     len(too_long), d.max_prompt_tokens, ", ".join(too_long[:5]), ", ..." if len(too_long) > 5 else "")

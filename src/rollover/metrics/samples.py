@@ -146,8 +146,16 @@ def read_samples(run_dir: str | os.PathLike, step: int | None = None, kind: str 
     elif step not in steps:
         raise NoSamples(f"{run_dir / SAMPLES_DIR}: no {'held-out ' if kind == 'eval' else ''}samples of step {step}; "
                         f"written: {_listing(steps)}")
-    lines = samples_path(run_dir, step, kind).read_text(encoding="utf-8").splitlines()
-    rows = [json.loads(line) for line in lines if line.strip()]
+    path = samples_path(run_dir, step, kind)
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise NoSamples(f"{path} line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not rows:
+        raise NoSamples(f"{path}: empty")
     return step, rows[0], rows[1:]
 
 
