@@ -232,6 +232,8 @@ def test_stop_tokens_finish_with_stop(model, engine):
     sp = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(stop_tok,))
     out = engine.generate([Request(id="s1", prompt_ids=[70, 71], sampling=sp)])[0]
     assert out.finish == "stop" and out.response_ids == full.response_ids[: first + 1]
+    again = engine.generate([out.resume(sp)])[0]  # a resume whose carried tokens end in the stop token: done
+    assert again.finish == "stop" and again.response_ids == out.response_ids
 
 
 def test_stop_strings_are_found_across_tokens():

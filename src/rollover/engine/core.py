@@ -140,8 +140,9 @@ class EngineCore:
             stop_ids=frozenset(req.sampling.stop_token_ids)
             | (frozenset() if req.sampling.ignore_eos else frozenset(self.eos_token_ids)),
         )
-        if req.sampling.stop and self.stop_strings.ends(req.sampling.stop, req.response_ids):
-            self.stats.finished["stop"] += 1  # a resume whose carried tokens already end in a stop string
+        ended = bool(req.response_ids) and req.response_ids[-1] in seq.stop_ids  # (an EOS or a stop token)
+        if ended or (req.sampling.stop and self.stop_strings.ends(req.sampling.stop, req.response_ids)):
+            self.stats.finished["stop"] += 1  # a resume whose carried tokens already end where it stops
             return seq.completion("stop")
         if req.remaining_tokens <= 0:
             self.stats.finished["length"] += 1

@@ -378,8 +378,10 @@ class VLLMEngine(WeightControl, PauseControl, EngineAPI):
             with self._lock:
                 listener = self._listeners.pop(r.id, None)
             seq = _Seq(r, f, list(r.response_ids), list(r.response_logprobs), list(r.response_versions), listener)
-            if r.sampling.stop and self.stop_strings.ends(r.sampling.stop, r.response_ids):
-                self._finish(seq, "stop")  # a resume whose carried tokens already end in a stop string
+            stops = set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(self.eos_token_ids))
+            ended = bool(r.response_ids) and r.response_ids[-1] in stops  # (an EOS or a stop token)
+            if ended or (r.sampling.stop and self.stop_strings.ends(r.sampling.stop, r.response_ids)):
+                self._finish(seq, "stop")  # a resume whose carried tokens already end where it stops
                 continue
             if r.remaining_tokens <= 0:  # a resume holding its whole budget
                 self._finish(seq, "length")
