@@ -263,6 +263,12 @@ def test_changed_training_data_is_refused_then_drawn_from_its_start_under_the_fl
     with caplog.at_level(logging.WARNING, logger="rollover"):
         assert main(["eval", str(run_dir)]) == 0  # evaluates, warning that its carved held-out set may have moved
     assert "may include prompts it trained on" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rollover"):  # filter holds nothing out: nothing to warn of
+        assert main(["filter", *overrides(model_dir, run_dir, f"data.train={data}"), "--checkpoint",
+                     str(run_dir / "checkpoints" / "step_000002"), "--samples", "1", "--keep", "0:1",
+                     "--out", str(tmp_path / "kept.jsonl")]) == 0
+    assert "not the checkpoint's" not in caplog.text
     assert main(["train", "--allow-config-change", *overrides(model_dir, run_dir, f"data.train={data}", "steps=3",
                                                             "seed=8")]) == 0
     assert (run_dir / "checkpoints" / "step_000003" / "DONE").exists()

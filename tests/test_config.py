@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from rollover.cli import main
-from rollover.config import Config, ConfigError, config_changes, describe, dump_config, load_config
+from rollover.config import Config, ConfigError, config_changes, describe, dump_config, load_config, read_yaml
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 
@@ -48,9 +48,27 @@ def test_overrides_and_types():
     ("data.train=/data/set #1.jsonl", "train", "/data/set #1.jsonl"),  # not cut at a YAML comment
     ("data.instruction='quoted: yes'", "instruction", "quoted: yes"),  # quoted: YAML's reading
     ("data.instruction=null", "instruction", None),
+    ("data.instruction=a: b: c", "instruction", "a: b: c"),  # not YAML at all: the text still
+    ("data.instruction=* Put the answer last", "instruction", "* Put the answer last"),
+    ("data.instruction=&a Be brief", "instruction", "&a Be brief"),
 ])
 def test_an_override_of_a_text_key_is_the_text_given(override, key, value):
     assert getattr(load_config(overrides=[override]).data, key) == value
+
+
+def test_a_comment_after_a_value_of_another_type_is_still_a_comment_and_overrides_may_be_any_iterable():
+    cfg = load_config(overrides=["algorithm.loss=ppo # the default", "train.lr=1e-6 # a note", "steps=3 # three"])
+    assert (cfg.algorithm.loss, cfg.train.lr, cfg.steps) == ("ppo", 1e-6, 3)
+    assert load_config(overrides=(o for o in ["train.lr=0.5", "steps=7"])).steps == 7
+
+
+def test_a_merged_key_may_be_given_again_but_an_own_key_not(tmp_path):
+    (tmp_path / "m.yaml").write_text("base: &b {temperature: 0.7, top_p: 0.9}\nrollout:\n  <<: *b\n  temperature: 0.5\n")
+    raw = read_yaml(tmp_path / "m.yaml")
+    assert raw["rollout"] == {"temperature": 0.5, "top_p": 0.9}  # the merge overridden, as YAML means it
+    (tmp_path / "d.yaml").write_text("rollout:\n  temperature: 0.7\n  temperature: 0.5\n")
+    with pytest.raises(ConfigError, match=r"d.yaml:3:3: invalid YAML: key 'temperature' is given twice \(first on line 2\)"):
+        read_yaml(tmp_path / "d.yaml")
 
 
 def test_a_function_object_as_a_reward_says_how_to_name_it():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -397,6 +398,9 @@ def test_a_stream_left_early_aborts_its_request_and_the_engine_goes_on(engine):
 
     assert asyncio.run(first_token()).token is not None
     assert other.result(timeout=60).finish == "length"
+    deadline = time.monotonic() + 30
+    while engine.num_unfinished() and time.monotonic() < deadline:  # the abort goes on its own thread
+        time.sleep(0.01)
     assert engine.stats().finished["abort"] == 1 and "left" not in engine._listeners
     assert engine.generate([Request(id="after", prompt_ids=[5], sampling=GREEDY)])[0].finish == "length"
 

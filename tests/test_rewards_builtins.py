@@ -123,6 +123,7 @@ def test_numeric_reward_refuses_a_non_numeric_gold():
     for odd in ("nan", "inf", "-Infinity", float("nan")):  # float() reads them; no completion's number equals one
         with pytest.raises(ValueError, match="is not a number"):
             numeric_reward("8", odd)
+    assert numeric_reward("The answer is " + "9" * 400, "8") == 0.0  # a completion's huge number: a wrong answer
 
 
 @pytest.mark.parametrize(

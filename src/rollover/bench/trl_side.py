@@ -52,13 +52,13 @@ def learn_trl(cfg) -> list[dict]:
     only (generation, scoring, update), never the evaluations."""
     from transformers import TrainerCallback
 
-    from rollover.loops.prompts import _prompts
+    from rollover.loops.prompts import _prompts, first_held_out
 
     trl = _import_trl("rollover bench learn --policies trl")
     if cfg.data.train_weights is not None:
         raise ValueError("bench learn --policies trl trains on one dataset: data.train_weights has no TRL counterpart here")
-    train, held, _, _ = _prompts(cfg)
-    held = held[: cfg.data.eval_size] if cfg.data.eval is not None else held  # (a file's first eval_size)
+    train, held, _, sets = _prompts(cfg)
+    held = held if cfg.data.eval is None else first_held_out(cfg, held, sets)  # (each set's first eval_size)
     trainer_of, tokenizer = _grpo(trl, cfg, train, max_steps=cfg.steps, logging_strategy="no")
     completions = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     times: list[float] = []

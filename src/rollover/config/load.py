@@ -51,37 +51,27 @@ def _names_section(schema: type | None, keys: list[str]) -> bool:
     return isinstance(model, type) and issubclass(model, BaseModel)
 
 
-def _takes_text_only(annotation) -> bool:
-    """Whether a field's type is text (str, maybe constrained, maybe None) and nothing else."""
+def _text_types(annotation) -> list:
+    """A field's types, Optional and Annotated constraints taken off (`str | None` -> [str])."""
+    import types
     import typing
 
     args = [a for a in typing.get_args(annotation) if a is not type(None)] if typing.get_origin(annotation) in (
-        typing.Union, __import__("types").UnionType) else [annotation]
-    bases = [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in args]
-    return bases == [str]
-
-
-def _as_given(schema: type | None, key: str, raw: str, value: Any) -> Any:
-    """An override's value as its user meant it: the text itself for a key that takes only text
-    where YAML reads it as something else (`data.instruction=Answer: a number` a mapping, `=yes`
-    true, `=42` a number), and wherever YAML would cut a ` #...` comment off a text."""
-    text = raw.strip()
-    if value is None or text[:1] in ("'", '"'):  # null, or quoted: YAML's reading is the user's
-        return value
-    if isinstance(value, str):
-        return text if " #" in text else value
-    return text if _takes_text_only(_annotation(schema, key.split("."))) else value
+        typing.Union, types.UnionType) else [annotation]
+    return [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in args]
 
 
 class _StrictLoader(yaml.SafeLoader):
     """`yaml.safe_load`'s loader, refusing a key given twice in one mapping (which PyYAML would
-    read as its last value, silently dropping the first: a second `data:` section, say)."""
+    read as its last value, silently dropping the first: a second `data:` section, say). Keys a
+    merge (`<<: *defaults`) brings in may be given again: that is how a merge is overridden."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
-            self.flatten_mapping(node)
             first: dict = {}
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
                 key = self.construct_object(key_node, deep=deep)
                 try:
                     if key in first:
@@ -97,19 +87,32 @@ def _load_yaml(text: str):
     return yaml.load(text, Loader=_StrictLoader)
 
 
-def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    """`key.path=value` strings as (key, value) pairs; each value is read as YAML."""
+NULLS = ("", "null", "Null", "NULL", "~")  # YAML's nulls
+
+
+def parse_overrides(overrides: list[str], schema: type | None = None) -> list[tuple[str, Any]]:
+    """`key.path=value` strings as (key, value) pairs. Each value is read as YAML, except for a
+    key of `schema` that takes only text, whose value is the text given (`data.instruction=Answer:
+    a number` is not a mapping, `=yes` not true, `=# 1` not a comment), unless quoted or a null;
+    a text YAML reads cut at ` #` (a comment) is the whole text where the key takes text."""
     out = []
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like key.path=value")
+        key, text = key.strip(), raw.strip()
+        types = _text_types(_annotation(schema, key.split("."))) if schema is not None else []
+        if types == [str] and text not in NULLS and text[:1] not in ("'", '"'):
+            out.append((key, text))
+            continue
         try:
-            value = _load_yaml(raw) if raw.strip() else None
+            value = _load_yaml(raw) if text else None
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or e
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
-        out.append((key.strip(), value))
+        if isinstance(value, str) and str in types and " #" in text and text[:1] not in ("'", '"'):
+            value = text  # (a path or text holding " #": not a comment)
+        out.append((key, value))
     return out
 
 
@@ -156,8 +159,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
     for k, v in data.items():
         _set_path(raw, k, v, schema)
     overridden = set()
-    for item, (k, v) in zip(overrides, parse_overrides(list(overrides))):
-        _set_path(raw, k, _as_given(schema, k, item.partition("=")[2], v), schema)
+    for k, v in parse_overrides(list(overrides), schema):
+        _set_path(raw, k, v, schema)
         overridden.add(k)
     sections = {"async" if n == "async_" else n for n in schema.model_fields}
     try:

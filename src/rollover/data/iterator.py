@@ -150,20 +150,24 @@ class MixedIterator:
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state`; refuses one saved over other sources, weights or seed, and is
         then left as it was."""
+        self.check_state(state)  # every source checked before any moves
+        for name, it in self.iters.items():
+            it.load_state_dict(state["sources"][name])
+        self.prompts_served = state["prompts_served"]
+
+    def check_state(self, state: dict) -> None:
+        """Raise ValueError saying why `state` was saved over other sources, weights or seed."""
         if not state.get("mixed"):
             raise ValueError("iterator state was saved by a single source; this run mixes several (data.train_weights)")
         mine = dict(zip(self.names, self.weights))
         if (state["seed"], state["weights"]) != (self.seed, mine):
             raise ValueError(f"iterator state has seed={state['seed']} weights={state['weights']}, this iterator "
                              f"seed={self.seed} weights={mine}")
-        for name, it in self.iters.items():  # every source checked before any moves
+        for name, it in self.iters.items():
             try:
                 it.check_state(state["sources"][name])
             except ValueError as e:
                 raise ValueError(f"source {name!r}: {e}") from None
-        for name, it in self.iters.items():
-            it.load_state_dict(state["sources"][name])
-        self.prompts_served = state["prompts_served"]
 
 
 def _seed_of(seed: int, name: str) -> int:

@@ -8,6 +8,8 @@ built from those.
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterable
@@ -110,8 +112,16 @@ class EngineAPI:
                 yield item
         finally:
             self._stop_listening(request.id, on_token)
-            if not fut.done():
-                self.abort([request.id])
+            if not fut.done():  # (on a thread: an abort may wait on a step or a worker, and never on this loop)
+                threading.Thread(target=self._abort_left, args=(request.id,), name="rollover-stream-abort",
+                                 daemon=True).start()
+
+    def _abort_left(self, request_id: str) -> None:
+        """Abort a request whose stream was left; an engine shut down meanwhile holds none to abort."""
+        try:
+            self.abort([request_id])
+        except (RuntimeError, TimeoutError) as e:
+            logging.getLogger("rollover").debug("request %r, left by its stream, not aborted: %r", request_id, e)
 
     def _stop_listening(self, request_id: str, on_token: Callable) -> None:
         with self._listen_lock:

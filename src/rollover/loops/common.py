@@ -23,7 +23,7 @@ from rollover.algos.loss_options import loss_caveats
 from rollover.config import Config, ConfigError, dump_config
 from rollover.loops.prompts import (MediaStore, _check_best, _check_stand_in, _env_processor, _media_store, _named_eval,
                                     _prompts, _render_all, _steps_from_epochs, _train_iterator,
-                                    _warn_if_a_step_exceeds_the_data, eval_sources)
+                                    _warn_if_a_step_exceeds_the_data, eval_sources, first_held_out)
 from rollover.loops.resume import (check_lora_matches, checkpoint_to_resume, config_changes_since, has_metrics,
                                    lock_run_dir, record_config, restart_without_checkpoint, run_dir_state,
                                    set_aside_later_checkpoints)
@@ -371,6 +371,8 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     start = _start(cfg, allow_config_change, record)
     seed_everything(cfg.seed)
     inputs = _inputs(cfg, record)
+    if record:
+        _check_data(inputs.train_iter, start)
     if record and start.state is not None and start.state["step"] > cfg.steps:
         raise ConfigError(f"the run in {Path(cfg.run_dir)} has trained {start.state['step']} steps, past steps={cfg.steps}: "
                           f"nothing to train (steps counts from the run's start: give more than {start.state['step']} "
@@ -480,7 +482,9 @@ def _inputs(cfg: Config, record: bool) -> _Inputs:
     train_prompts, eval_prompts, skipped, sets = _prompts(cfg, env_builder)
     if skipped:
         log.warning("data: skipped %d malformed rows (data.on_bad_row=skip)", skipped)
-    media = _media_store(cfg, train_prompts + eval_prompts)
+    # images among the held-out rows that may be held out (the first eval_size, unless some do not fit)
+    media = _media_store(cfg, train_prompts + (eval_prompts if cfg.data.eval is None else
+                                               first_held_out(cfg, eval_prompts, sets)))
     prompt_ids, train_prompts, eval_prompts, too_long = _render_all(cfg, tokenizer, train_prompts, eval_prompts, media,
                                                                     sets)
     sources = eval_sources(cfg, eval_prompts, sets)
@@ -536,7 +540,7 @@ def _accept(run: Run, start: _Start, record: bool) -> None:
     if run.env_builder is not None and cfg.runtime == "ray" and cfg.ray.env_workers:
         _start_env_workers(run, cfg, run.env_builder)
     if start.state is not None:
-        _restore(run, start.state, record, new_data=start.allow_config_change)
+        _restore(run, start.state, record)
     if not record:
         return
     from rollover.metrics import MetricsLogger
@@ -679,26 +683,42 @@ def _attach_parts(run: Run, cfg: Config) -> None:
             run.turn_budget = TurnBudget(e.max_turns, e.min_turns, e.dynamic_turns_threshold, cfg.reward.correct_threshold)
 
 
-def _restore(run: Run, state: dict, record: bool = True, new_data: bool = False) -> None:
-    """The checkpoint's state into the run's parts. `new_data`: a training data, order or mixture
-    unlike the checkpoint's is drawn from its start (`allow_config_change`), not refused."""
+def _data_unlike(train_iter, state: dict) -> str | None:
+    """Why the checkpoint's place in the training data does not fit this run's data (a file edited
+    since, another data.train, seed, data.shuffle or data.train_weights), or None."""
+    try:
+        train_iter.check_state(state["data"])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _check_data(train_iter, start: _Start) -> None:
+    """A resume's training data, checked before the model loads: unlike the checkpoint's, it is
+    refused, or under allow_config_change drawn from its start (`_restore`)."""
+    why = _data_unlike(train_iter, start.state) if start.state is not None else None
+    if why is not None and not start.allow_config_change:
+        raise ConfigError(f"the training data is not the checkpoint's ({why}): it changed since the run was saved; "
+                          "to go on drawing the new data from its start, pass --allow-config-change "
+                          "(build_run(cfg, allow_config_change=True))")
+
+
+def _restore(run: Run, state: dict, record: bool = True) -> None:
+    """The checkpoint's state into the run's parts; training data unlike the checkpoint's
+    (accepted by `_check_data`) is drawn from its start."""
     if record or not state["trainer"].get("sharded"):  # an evaluation's trainer only holds the checkpoint's model
         run.trainer.load_state_dict(state["trainer"])
-    try:
+    why = _data_unlike(run.train_iter, state)
+    if not record:  # an evaluation draws no training prompt, but may carve its held-out ones from them
+        if why is not None and run.cfg.data.eval is None and run.cfg.data.eval_size > 0:
+            log.warning("the training data is not the checkpoint's (%s): the held-out prompts carved from it "
+                        "(data.eval_size) may not be the run's own, and may include prompts it trained on; give "
+                        "data.eval to evaluate on a set of your own", why)
+    elif why is not None:
+        log.warning("the training data is not the checkpoint's (%s); allowed (allow_config_change): it is drawn "
+                    "from its start", why)
+    else:
         run.train_iter.load_state_dict(state["data"])
-    except ValueError as e:  # a file edited since, another data.train, seed, data.shuffle or data.train_weights
-        if not record:  # an evaluation draws no training prompt, but carves its held-out ones from them
-            if run.cfg.data.eval is None:
-                log.warning("the training data is not the checkpoint's (%s): the held-out prompts carved from it "
-                            "(data.eval_size) may not be the run's own, and may include prompts it trained on; "
-                            "give data.eval to evaluate on a set of your own", e)
-        elif not new_data:
-            raise ConfigError(f"the training data is not the checkpoint's ({e}): it changed since the run was "
-                              "saved; to go on drawing the new data from its start, pass --allow-config-change "
-                              "(build_run(cfg, allow_config_change=True))") from None
-        else:
-            log.warning("the training data is not the checkpoint's (%s); allowed (allow_config_change): it is drawn "
-                        "from its start", e)
     if record:
         if run.turn_budget is not None and state.get("turn_budget"):
             run.turn_budget.load_state_dict(state["turn_budget"])

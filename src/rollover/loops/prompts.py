@@ -154,6 +154,9 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
     unusable: list[str] = []  # prompts whose images do not render (data.on_bad_row=skip)
 
     def fits(p: Prompt) -> bool:
+        if p.images and media is None:  # a held-out row past those `_media_store` looked at (first_held_out)
+            unusable.append(f"{p.id}: images past the first data.eval_size held-out rows, which have none")
+            return False
         if p.images:
             try:
                 ids = media.render(p)[0]
@@ -182,14 +185,7 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
     if d.eval is None:  # carved from the training prompts: eval_size of them already
         held_out = [p for p in held_out if fits(p)]
     else:
-        taken: Counter = Counter()  # held out so far, by named set (None: the one file)
-        kept = []
-        for p in held_out:
-            name = (sets or {}).get(p.id)
-            if taken[name] < d.eval_size and fits(p):
-                kept.append(p)
-                taken[name] += 1
-        held_out = kept
+        held_out = first_held_out(cfg, held_out, sets, fits)
     if too_long:
         log.warning("data: skipped %d prompts longer than data.max_prompt_tokens=%d (data.on_bad_row=skip): %s%s",
                     len(too_long), d.max_prompt_tokens, ", ".join(too_long[:5]), ", ..." if len(too_long) > 5 else "")
@@ -283,6 +279,20 @@ class MediaStore:
             while len(self._kept) > self.keep:
                 self._kept.pop(next(iter(self._kept)))
         return media
+
+
+def first_held_out(cfg: Config, held_out: list[Prompt], sets: dict[str, str] | None, fits=lambda p: True
+                   ) -> list[Prompt]:
+    """Of a `data.eval` file's prompts (each named set's, by `sets`), the first `data.eval_size`
+    that `fits`; the rows after them are not looked at."""
+    taken: Counter = Counter()  # held out so far, by named set (None: the one file)
+    kept = []
+    for p in held_out:
+        name = (sets or {}).get(p.id)
+        if taken[name] < cfg.data.eval_size and fits(p):
+            kept.append(p)
+            taken[name] += 1
+    return kept
 
 
 def _media_store(cfg: Config, prompts: list[Prompt]) -> MediaStore | None:

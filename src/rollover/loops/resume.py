@@ -45,6 +45,9 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
     if cfg.resume == "auto":
         return checkpoint.latest_intact(cfg.run_dir)
     ckpt = Path(cfg.resume)
+    if not ckpt.is_dir():
+        raise ConfigError(f"resume={cfg.resume!r}: no such checkpoint directory (resume is auto, never or the "
+                          "directory of a checkpoint)")
     if not (ckpt / "DONE").exists():
         raise ConfigError(f"resume={cfg.resume!r}: not a complete checkpoint directory (no DONE marker)")
     why = checkpoint.damage(ckpt)

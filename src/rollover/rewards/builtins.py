@@ -122,19 +122,16 @@ def _plain(text: str) -> str:
 
 
 def parse_number(text: str) -> float:
-    """'1,234.50' -> 1234.5; raises ValueError if `text` is not one finite number ("nan" and "inf",
-    which float() reads, are not)."""
+    """'1,234.50' -> 1234.5; raises ValueError if `text` is not one number."""
     cleaned = _plain(str(text)).strip().strip("$").replace(",", "")
-    value = float(cleaned)
-    if not math.isfinite(value):
-        raise ValueError(f"{text!r} is not a finite number")
-    return value
+    return float(cleaned)
 
 
 def final_number(completion: str) -> float | None:
     """The last number in the completion's final answer, or None when it holds none."""
     numbers = _NUMBER.findall(_plain(final_answer(completion)))
-    return parse_number(numbers[-1]) if numbers else None
+    value = parse_number(numbers[-1]) if numbers else None
+    return value if value is None or math.isfinite(value) else None  # (309 digits and more: no number it equals)
 
 
 def numeric_reward(completion: str, answer, **_) -> float:
@@ -142,6 +139,8 @@ def numeric_reward(completion: str, answer, **_) -> float:
     "8"; commas are thousands separators), else 0.0. A non-numeric gold answer raises."""
     try:
         gold_number = parse_number(gold(answer, "numeric"))
+        if not math.isfinite(gold_number):  # "nan" and "inf", which float() reads: no completion's number equals one
+            raise ValueError
     except ValueError:
         if answer is None:
             raise
