@@ -71,6 +71,16 @@ def test_a_merged_key_may_be_given_again_but_an_own_key_not(tmp_path):
         read_yaml(tmp_path / "d.yaml")
 
 
+def test_one_adapter_written_two_ways_is_no_config_change():
+    import yaml
+
+    saved = yaml.safe_load(dump_config(load_config(overrides=["train.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}"])))
+    same = load_config(overrides=["train.lora={r: 4, alpha: 8, target_modules: [v_proj, q_proj], dropout: 0.0}"])
+    assert config_changes(saved, same) == []
+    other = load_config(overrides=["train.lora={r: 8, alpha: 8, target_modules: [q_proj, v_proj]}"])
+    assert [c.split(":")[0] for c in config_changes(saved, other)] == ["train.lora"]
+
+
 def test_a_function_object_as_a_reward_says_how_to_name_it():
     def my_reward(completion, answer, **kw):
         return 1.0
@@ -120,6 +130,9 @@ def test_a_mapping_for_a_section_sets_its_keys_and_keeps_the_others(tmp_path):
     ("train.betas=[0.9, 1.0]", "train.betas.1=1.0: must be < 1"),
     ("train.lora={r: 0}", "train.lora.r=0: must be an integer >= 1"),
     ("train.lora={rank: 4}", "train.lora: unknown keys ['rank']"),
+    ("train.lora={target_modules: q_proj}", "train.lora.target_modules='q_proj': must be all-linear or a list of module names"),
+    ("train.lora={target_modules: [123]}", "train.lora.target_modules=[123]: must be all-linear or a list"),
+    ("train.lora={target_modules: []}", "train.lora.target_modules=[]: must be all-linear or a list"),
     ("data.eval_size=-1", "data.eval_size=-1: must be >= 0"),
     ("data.train=''", "data.train='': must not be empty"),
     ("rollout.top_p=2", "rollout.top_p=2: must be <= 1"),
@@ -266,6 +279,8 @@ def test_a_setting_given_once_in_loss_options_or_as_the_loss_own_default_is_not_
     (["downsample.anneal_steps=5"], r"downsample.anneal_steps unused: it anneals from downsample.token_fraction_start"),
     (["partial_rollout.enabled=true", "rollout.inflight_weight_update=abort"],
      r"rollout.inflight_weight_update unused: it applies to mode: async; .*APRIL's partial_rollout.carry decides"),
+    (["env.name=arithmetic_retry", "data.train=env", "data.system_prompt=Be brief", "data.chat_template=false"],
+     r"data.system_prompt, data.chat_template unused: env.name=arithmetic_retry writes each episode's opening"),
 ])
 def test_settings_of_a_feature_switched_off_are_warned_of_not_refused(over, match):
     """Switching a feature off for a comparison keeps its settings: the run says they are unused."""
@@ -316,6 +331,8 @@ def test_a_runs_saved_config_loads_again(over, tmp_path):
     (["train.micro_batch_tokens=100"], "train.micro_batch_tokens=100 must be >= train.pack_length"),
     (["async.max_staleness=2"], "mode is sync"),
     (["mode=async", "partial_rollout.enabled=true"], "applies to sync mode"),
+    (["data.chat_template=false", "data.system_prompt=Be brief"],
+     "data.system_prompt goes to the chat template, which data.chat_template=false leaves out"),
     (["partial_rollout.enabled=true", "partial_rollout.on_stale=is", "algorithm.loss=ppo"], "decoupled_ppo, algorithm.tis_cap or algorithm.loss_options.is_level"),
     (["train.pack_length=64", "data.max_prompt_tokens=64"], "must hold the longest sequence"),
     (["algorithm.overlong_buffer=300"], "overlong_buffer"),

@@ -19,6 +19,11 @@ def test_text_prompt_becomes_one_user_turn(tok):
     assert len(ids) == len("user\n2+2?") + 1 + 1 + 1 + len("assistant\n") + 1
 
 
+def test_a_prompt_ending_in_an_assistant_message_is_continued_as_trl_does(tok):
+    prompt = Prompt(id="a", messages=[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is"}])
+    assert tok.decode(render_prompt(tok, prompt)) == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\nIt is"
+
+
 def test_system_prompt_and_instruction(tok):
     ids = render_prompt(
         tok, Prompt(id="a", text="2+2?"), system_prompt="Be brief.", instruction=BOXED_INSTRUCTION
@@ -91,6 +96,20 @@ def test_render_all_raise_names_the_over_long_prompt(tok, tmp_path):
     ids, kept, held, dropped = _render_all(length_cfg(tmp_path, "raise", TEMPLATE_IDS + 30), tok, train, [])
     assert [p.id for p in kept] == ["t:0", "t:1", "t:2"] and dropped == 0  # the limit is inclusive
     assert len(ids["t:1"]) == TEMPLATE_IDS + 30
+
+
+def test_a_tokenizer_without_a_chat_template_names_data_chat_template(tmp_path):
+    from rollover.config import ConfigError
+    from rollover.loops.prompts import _render_all
+
+    bare = char_tokenizer()
+    bare.chat_template = None  # a base model's
+    with pytest.raises(ConfigError, match="its tokenizer has no chat template; data.chat_template=false encodes"):
+        _render_all(length_cfg(tmp_path, "raise", 64), bare, prompts_of_lengths("t", [5]), [])
+    cfg = length_cfg(tmp_path, "raise", 64).model_copy(update={"data": length_cfg(tmp_path, "raise", 64).data.model_copy(
+        update={"chat_template": False})})
+    ids, kept, _, _ = _render_all(cfg, bare, prompts_of_lengths("t", [5]), [])
+    assert [p.id for p in kept] == ["t:0"] and len(ids["t:0"]) >= 5
 
 
 def test_render_all_skip_drops_over_long_train_and_eval_prompts(tok, tmp_path, caplog):

@@ -137,7 +137,20 @@ def _lora(lora: dict[str, Any] | None) -> dict[str, Any] | None:
     dropout = lora.get("dropout", 0.0)
     if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
         raise ValueError(f"dropout={dropout!r}: must be a number in [0, 1)")
+    targets = lora.get("target_modules", "all-linear")
+    if targets != "all-linear" and (not isinstance(targets, list | tuple) or not targets
+                                    or not all(isinstance(t, str) and t for t in targets)):
+        raise ValueError(f"target_modules={targets!r}: must be all-linear or a list of module names ([q_proj, v_proj])")
     return lora
+
+
+def lora_settings(lora: dict[str, Any]) -> dict[str, Any]:
+    """`train.lora` with the defaults filled in and its targets in name order: the same for two
+    configs that make the same adapter."""
+    out = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear", **lora}
+    targets = out["target_modules"]
+    out["target_modules"] = sorted(targets) if isinstance(targets, list | tuple) else targets
+    return out
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rollover.config.base import ConfigError
+from rollover.config.base import ConfigError, lora_settings
 from rollover.config.run import Config
 
 
@@ -272,8 +272,9 @@ def _flat(data: dict, prefix: str = "") -> dict[str, Any]:
 def config_changes(saved: dict, cfg: Config) -> list[str]:
     """`key: old -> new` for each key outside RESUME_FREE_KEYS where `cfg` differs from a
     saved config (a mapping read from a run's config.yaml; keys it lacks count as defaults)."""
+    saved, now = _same_lora(saved), _same_lora(cfg.model_dump(mode="json"))
     old = {**_flat(Config().model_dump(mode="json")), **_flat(saved)}
-    new = _flat(cfg.model_dump(mode="json"))
+    new = _flat(now)
     changes = []
     for key, value in new.items():
         if any(key == free or key.startswith(free + ".") for free in RESUME_FREE_KEYS):
@@ -281,6 +282,15 @@ def config_changes(saved: dict, cfg: Config) -> list[str]:
         if key in old and _plain(old[key]) != _plain(value):
             changes.append(f"{key}: {json.dumps(old[key])} -> {json.dumps(value)}")
     return changes
+
+
+def _same_lora(config: dict) -> dict:
+    """A config mapping whose train.lora has its defaults filled in and targets in name order, so
+    that two ways of writing one adapter compare equal."""
+    lora = (config.get("train") or {}).get("lora")
+    if not isinstance(lora, dict):
+        return config
+    return {**config, "train": {**config["train"], "lora": lora_settings(lora)}}
 
 
 def _plain(value: Any) -> Any:

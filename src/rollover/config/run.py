@@ -161,6 +161,9 @@ class Config(Section):
             problems.append(f"partial_rollout.score_lag={p.score_lag} carries complete groups one version old into the "
                             f"next step, which max_carry_steps=0 with on_stale={p.on_stale} throws away: set score_lag 0 "
                             "or max_carry_steps >= 1")
+        if not self.data.chat_template and self.env.name is None:
+            problems += [f"data.{k} goes to the chat template, which data.chat_template=false leaves out: drop one"
+                         for k in ("system_prompt", "chat_template_kwargs") if getattr(self.data, k)]
         if r.quantize != "none" and r.engine != "torch":
             problems.append(f"rollout.quantize={r.quantize} is TorchEngine's (rollout.engine=torch)")
         if self.mode == "async" and p.enabled:
@@ -384,6 +387,9 @@ class Config(Section):
             how = "APRIL's partial_rollout.carry decides" if self.partial_rollout.enabled else "nothing is in flight"
             out.append(f"rollout.inflight_weight_update unused: it applies to mode: async; at a sync step's weight "
                        f"update {how}")
+        if self.env.name is not None and (moved := _moved(self.data, "system_prompt", "instruction", "chat_template")):
+            out.append(f"data.{', data.'.join(moved)} unused: env.name={self.env.name} writes each episode's opening "
+                       "(an environment's system_prompt option, where it has one, sets its system message)")
         return out
 
     def _critic_problems(self) -> list[str]:

@@ -80,7 +80,10 @@ def render_prompt(
         text = prompt.text + ("\n\n" + instruction if instruction else "")
         return list(tokenizer.encode(text))
     messages = render_messages(prompt, system_prompt, instruction)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
+    # a prompt ending in an assistant message (TRL's prefill) is continued, not closed and answered anew
+    go_on = messages[-1].get("role") == "assistant"
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=not go_on, continue_final_message=go_on,
+                                         tokenize=False, **(template_kwargs or {}))
     # The template already wrote any BOS it wants; encoding must not add a second one.
     return list(tokenizer.encode(text, add_special_tokens=False))
 

@@ -149,6 +149,9 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
     held out: the rows after them are not rendered.
     """
     d = cfg.data
+    if d.chat_template and getattr(tokenizer, "chat_template", None) is None and (train or held_out):
+        raise ConfigError(f"model={cfg.model!r}: its tokenizer has no chat template; data.chat_template=false encodes "
+                          "text prompts as they are (a base model's way)")
     out: dict[str, list[int]] = {}
     too_long: list[str] = []
     unusable: list[str] = []  # prompts whose images do not render (data.on_bad_row=skip)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rollover.config import Config, ConfigError, config_changes, dump_config, read_yaml
 from rollover.config.algorithm import CLIP_DEFAULTS
+from rollover.config.base import lora_settings
 from rollover.train import checkpoint
 
 log = logging.getLogger("rollover")
@@ -98,19 +99,11 @@ def check_lora_matches(cfg: Config, ckpt: Path) -> None:
     if not adapter and cfg.train.lora is not None:
         raise ConfigError(f"{ckpt} was trained without LoRA (every weight) but train.lora is set; unset it to resume, "
                           f"or start a new run with an adapter over its weights (model={ckpt / 'model'}, a new run_dir)")
-    if (ckpt / "adapter").exists() and saved_lora is not None and _lora(saved_lora) != _lora(cfg.train.lora):
-        raise ConfigError(f"{ckpt} holds an adapter of train.lora={_lora(saved_lora)}, and this config's is "
-                          f"{_lora(cfg.train.lora)}: an adapter goes on with its own shape and scale, even with "
+    if (ckpt / "adapter").exists() and saved_lora is not None and lora_settings(saved_lora) != lora_settings(cfg.train.lora):
+        raise ConfigError(f"{ckpt} holds an adapter of train.lora={lora_settings(saved_lora)}, and this config's is "
+                          f"{lora_settings(cfg.train.lora)}: an adapter goes on with its own shape and scale, even with "
                           "--allow-config-change; set train.lora as the run that wrote it did, or start a new run "
                           "from its merged weights (rollover export RUN_DIR OUT, then model=OUT)")
-
-
-def _lora(lora: dict) -> dict:
-    """train.lora with apply_lora's defaults filled in, targets as a list where given as one."""
-    out = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear", **lora}
-    targets = out["target_modules"]
-    out["target_modules"] = sorted(targets) if isinstance(targets, (list, tuple)) else targets
-    return out
 
 
 def config_changes_since(cfg: Config, ckpt: Path, allow: bool) -> list[str]:
