@@ -71,6 +71,11 @@ def test_a_merged_key_may_be_given_again_but_an_own_key_not(tmp_path):
         read_yaml(tmp_path / "d.yaml")
 
 
+def test_lora_targets_as_peft_takes_them():
+    for targets in ("all-linear", "ALL-LINEAR", r".*\\.(q_proj|v_proj)", "[q_proj, v_proj]"):
+        load_config(overrides=[f"train.lora={{target_modules: {targets if targets[0] == '[' else repr(targets)}}}"])
+
+
 def test_one_adapter_written_two_ways_is_no_config_change():
     import yaml
 
@@ -130,9 +135,9 @@ def test_a_mapping_for_a_section_sets_its_keys_and_keeps_the_others(tmp_path):
     ("train.betas=[0.9, 1.0]", "train.betas.1=1.0: must be < 1"),
     ("train.lora={r: 0}", "train.lora.r=0: must be an integer >= 1"),
     ("train.lora={rank: 4}", "train.lora: unknown keys ['rank']"),
-    ("train.lora={target_modules: q_proj}", "train.lora.target_modules='q_proj': must be all-linear or a list of module names"),
-    ("train.lora={target_modules: [123]}", "train.lora.target_modules=[123]: must be all-linear or a list"),
-    ("train.lora={target_modules: []}", "train.lora.target_modules=[]: must be all-linear or a list"),
+    ("train.lora={target_modules: q_proj}", "train.lora.target_modules='q_proj': text is a regular expression that peft"),
+    ("train.lora={target_modules: [123]}", "train.lora.target_modules=[123]: must be all-linear, a list"),
+    ("train.lora={target_modules: []}", "train.lora.target_modules=[]: must be all-linear, a list"),
     ("data.eval_size=-1", "data.eval_size=-1: must be >= 0"),
     ("data.train=''", "data.train='': must not be empty"),
     ("rollout.top_p=2", "rollout.top_p=2: must be <= 1"),

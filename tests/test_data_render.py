@@ -111,6 +111,14 @@ def test_a_tokenizer_without_a_chat_template_names_data_chat_template(tmp_path):
     ids, kept, _, _ = _render_all(cfg, bare, prompts_of_lengths("t", [5]), [])
     assert [p.id for p in kept] == ["t:0"] and len(ids["t:0"]) >= 5
 
+    class Processor:  # prompts with images render through the processor's template (legacy repos hold it only)
+        def render(self, p):
+            return [5, 6, 7], None
+
+    with_images = [Prompt(id="i", text="which colour?", images=["a.png"])]
+    ids, kept, _, _ = _render_all(length_cfg(tmp_path, "raise", 64), bare, with_images, [], Processor())
+    assert ids == {"i": [5, 6, 7]}
+
 
 def test_render_all_skip_drops_over_long_train_and_eval_prompts(tok, tmp_path, caplog):
     from rollover.loops.prompts import _render_all

@@ -40,6 +40,26 @@ def rows(run_dir, kind="train"):
     return [r for r in map(json.loads, open(run_dir / "metrics.jsonl")) if r["kind"] == kind]
 
 
+def test_datas_prompt_settings_under_an_environment_are_warned_unused_and_change_nothing(model_dir, tmp_path, caplog):
+    """The environment writes each opening: data.system_prompt, instruction and chat_template=false
+    neither reach it nor fail the run (the prompts' lengths are checked as the template renders them)."""
+    from rollover.loops.common import build_run
+
+    plain = build_run(env_cfg(model_dir, tmp_path / "a"), record=False)
+    try:
+        want = plain.prompt_ids
+    finally:
+        plain.close()
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        run = build_run(env_cfg(model_dir, tmp_path / "b", **{"data.system_prompt": "Be brief.", "data.instruction": "Go.",
+                                                              "data.chat_template": False}))
+    try:
+        assert run.prompt_ids == want
+    finally:
+        run.close()
+    assert "data.system_prompt, data.instruction, data.chat_template unused: env.name=guess_number" in caplog.text
+
+
 def test_episodes_train_on_exactly_the_sampled_tokens(model_dir, tmp_path):
     train_sync(env_cfg(model_dir, tmp_path))
     got = rows(tmp_path)

@@ -969,6 +969,10 @@ def test_torchrun_needs_the_sharded_trainer(monkeypatch, capsys, tmp_path):
     assert "train.ranks" in capsys.readouterr().err
     assert _torchrun_config(None, [f"run_dir={tmp_path / 'r'}", "train.parallel=fsdp", "train.ranks=3"], 4) is None
     assert "torchrun started 4 processes" in capsys.readouterr().err
+    for given in (["train.ranks=2", "data.instruction=Answer: a: b"], ["train={ranks: 2}"]):  # read as load_config does
+        assert _torchrun_config(None, [f"run_dir={tmp_path / 'r'}", "train.parallel=fsdp", "train.sequence_parallel=4",
+                                       *given], 4) is None
+        assert "train.ranks" in capsys.readouterr().err
 
 
 def test_the_ranks_devices_are_checked_before_anything_starts():

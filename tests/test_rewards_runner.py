@@ -144,11 +144,12 @@ def test_a_reward_that_drops_reasoning_scores_what_follows_the_models_think():
     while thinking; `keep` (the default) sees the whole completion."""
     from rollover.config import load_config
 
-    prompts = [Prompt(id=f"p{i}", text="?", answer="5") for i in range(4)]
+    prompts = [Prompt(id=f"p{i}", text="?", answer="5") for i in range(5)]
     completions = ["<think>Maybe \\boxed{5}?</think> I am not sure.",  # a draft in the reasoning, none after
                    "<think>\\boxed{4}? no</think> So \\boxed{5}.",
                    "Maybe \\boxed{5}.</think> It is 4.",  # the template opened the reasoning (Qwen3.5's)
-                   "<think>It is \\boxed{5}, I think, but"]  # cut off while thinking
+                   "<think>It is \\boxed{5}, I think, but",  # cut off while thinking
+                   "<think>a</think> Maybe 4?<think>no, \\boxed{5} and"]  # thinking again after answering, cut off
     seen = []
 
     def batched(prompts, completions, **kw):
@@ -160,10 +161,10 @@ def test_a_reward_that_drops_reasoning_scores_what_follows_the_models_think():
     rewards = build_rewards(specs) + [Reward("b", batched, reasoning="drop")]
     with RewardRunner(rewards, timeout_s=30, workers=1) as runner:
         out = runner.score(prompts, completions)
-    assert [s.scores["keep"] for s in out.samples] == [1.0, 1.0, 1.0, 1.0]  # every draft counted
-    assert [s.scores["drop"] for s in out.samples] == [0.0, 1.0, 0.0, 0.0]
-    assert [s.scores["math"] for s in out.samples] == [0.0, 1.0, 0.0, 0.0]  # in a worker process too
-    assert seen == [" I am not sure.", " So \\boxed{5}.", " It is 4.", ""]
+    assert [s.scores["keep"] for s in out.samples] == [1.0, 1.0, 1.0, 1.0, 1.0]  # every draft counted
+    assert [s.scores["drop"] for s in out.samples] == [0.0, 1.0, 0.0, 0.0, 0.0]
+    assert [s.scores["math"] for s in out.samples] == [0.0, 1.0, 0.0, 0.0, 0.0]  # in a worker process too
+    assert seen == [" I am not sure.", " So \\boxed{5}.", " It is 4.", "", " Maybe 4?"]
     # a prompt that opened the reasoning (Qwen3.5's template): a reply cut off while thinking has neither tag
     cut = "Maybe \\boxed{5}? Let me check again, 2 + 3 is"
     with RewardRunner(rewards[:2]) as runner:

@@ -148,12 +148,13 @@ def _torchrun_config(path: str | None, overrides: list[str], world: int):
 
 def _given_ranks(path: str | None, overrides: list[str]):
     """`train.ranks` as the config file and overrides give it (None: not given)."""
-    from rollover.config import ConfigError, parse_overrides, read_yaml
+    from rollover.config import Config, ConfigError, parse_overrides, read_yaml
 
     try:
         given = (read_yaml(path).get("train") or {}).get("ranks") if path else None
-        for key, value in parse_overrides(overrides):
-            given = value if key == "train.ranks" else given
+        for key, value in parse_overrides(overrides, Config):  # (read as load_config reads them)
+            given = value if key == "train.ranks" else value.get("ranks", given) if key == "train" and \
+                isinstance(value, dict) else given
     except (ConfigError, AttributeError):
         return None
     return given

@@ -190,16 +190,22 @@ class Group:
 
 
 def split_reasoning(text: str, opened: bool = False) -> tuple[str, str]:
-    """(reasoning, the rest) of a reply: up to its last `</think>`, and from a `<think>` never closed
+    """(reasoning, the rest) of a reply: up to its last `</think>`, or from a `<think>` never closed
     (a turn cut off while thinking) to the end; ("", text) without either. `opened`: the prompt
     ended in an open `<think>` (the chat template opened the reasoning, as Qwen3.5's and Qwen3's
     Thinking-2507 do), so a reply without `</think>` is all reasoning."""
     end = text.rfind("</think>")
     if end >= 0:
-        head, rest = text[:end + len("</think>")], text[end + len("</think>"):]
-        start = rest.find("<think>")  # thinking opened again and cut off: what it drafted is no answer
-        return (head + rest[start:], rest[:start]) if start >= 0 else (head, rest)
+        return text[:end + len("</think>")], text[end + len("</think>"):]
     if opened:
         return text, ""
     start = text.find("<think>")
     return (text[start:], text[:start]) if start >= 0 else ("", text)
+
+
+def answer_of(text: str, opened: bool = False) -> str:
+    """A reply's answer: what follows its reasoning (`split_reasoning`), up to a `<think>` opened
+    again there and never closed (what a reply cut off while thinking again drafted is no answer)."""
+    rest = split_reasoning(text, opened)[1]
+    start = rest.find("<think>")
+    return rest[:start] if start >= 0 else rest

@@ -138,9 +138,14 @@ def _lora(lora: dict[str, Any] | None) -> dict[str, Any] | None:
     if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
         raise ValueError(f"dropout={dropout!r}: must be a number in [0, 1)")
     targets = lora.get("target_modules", "all-linear")
-    if targets != "all-linear" and (not isinstance(targets, list | tuple) or not targets
-                                    or not all(isinstance(t, str) and t for t in targets)):
-        raise ValueError(f"target_modules={targets!r}: must be all-linear or a list of module names ([q_proj, v_proj])")
+    if isinstance(targets, str):  # all-linear, or a regular expression peft matches against whole module paths
+        if targets.isidentifier() and targets.lower() != "all-linear":
+            raise ValueError(f"target_modules={targets!r}: text is a regular expression that peft matches against "
+                             f"whole module paths (model.layers.0.self_attn.q_proj); for the modules of that name "
+                             f"give a list: [{targets}]")
+    elif not isinstance(targets, list | tuple) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"target_modules={targets!r}: must be all-linear, a list of module names ([q_proj, v_proj]) "
+                         "or a regular expression")
     return lora
 
 

@@ -52,13 +52,16 @@ def _names_section(schema: type | None, keys: list[str]) -> bool:
 
 
 def _text_types(annotation) -> list:
-    """A field's types, Optional and Annotated constraints taken off (`str | None` -> [str])."""
+    """A field's types, unions flattened and Optional and Annotated constraints taken off
+    (`str | None` -> [str]; `Annotated[str | dict, ...] | None` -> [str, dict])."""
     import types
     import typing
 
-    args = [a for a in typing.get_args(annotation) if a is not type(None)] if typing.get_origin(annotation) in (
-        typing.Union, types.UnionType) else [annotation]
-    return [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in args]
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _text_types(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [t for a in typing.get_args(annotation) if a is not type(None) for t in _text_types(a)]
+    return [annotation]
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -181,8 +181,9 @@ class MediaRenderer:
     def render(self, messages: list[dict], images: list, *, where: str,
                template_kwargs: dict | None = None) -> tuple[list[int], Media]:
         messages = place_images(messages, len(images), where)
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                  **(template_kwargs or {}))
+        go_on = messages[-1].get("role") == "assistant"  # a prefill is continued (as `render_prompt`)
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=not go_on, continue_final_message=go_on,
+                                                  tokenize=False, **(template_kwargs or {}))
         return self.process(text, images, where=where)
 
     def process(self, text: str, images: list, *, where: str) -> tuple[list[int], Media]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterable
@@ -112,9 +111,8 @@ class EngineAPI:
                 yield item
         finally:
             self._stop_listening(request.id, on_token)
-            if not fut.done():  # (on a thread: an abort may wait on a step or a worker, and never on this loop)
-                threading.Thread(target=self._abort_left, args=(request.id,), name="rollover-stream-abort",
-                                 daemon=True).start()
+            if not fut.done():  # (now: the id is free again when the stream is gone)
+                self._abort_left(request.id)
 
     def _abort_left(self, request_id: str) -> None:
         """Abort a request whose stream was left; an engine shut down meanwhile holds none to abort."""

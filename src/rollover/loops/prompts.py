@@ -148,10 +148,12 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
     `data.eval` file (each of its named sets, by `sets`), the first `data.eval_size` that fit are
     held out: the rows after them are not rendered.
     """
-    d = cfg.data
-    if d.chat_template and getattr(tokenizer, "chat_template", None) is None and (train or held_out):
-        raise ConfigError(f"model={cfg.model!r}: its tokenizer has no chat template; data.chat_template=false encodes "
-                          "text prompts as they are (a base model's way)")
+    d, episodes = cfg.data, cfg.env.name is not None
+    texts = any(not p.images for p in itertools.chain(train, held_out))  # (images: the processor's template)
+    if (d.chat_template or episodes) and texts and getattr(tokenizer, "chat_template", None) is None:
+        how = "which episodes (env.name) need" if episodes else \
+            "data.chat_template=false encodes text prompts as they are (a base model's way)"
+        raise ConfigError(f"model={cfg.model!r}: its tokenizer has no chat template; {how}")
     out: dict[str, list[int]] = {}
     too_long: list[str] = []
     unusable: list[str] = []  # prompts whose images do not render (data.on_bad_row=skip)
@@ -168,6 +170,8 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
                     raise
                 unusable.append(str(e))
                 return False
+        elif episodes:  # (an environment writes each opening: only its length is checked here)
+            ids = render_prompt(tokenizer, p, template_kwargs=d.chat_template_kwargs)
         else:
             ids = render_prompt(tokenizer, p, system_prompt=d.system_prompt, instruction=d.instruction,
                                 template_kwargs=d.chat_template_kwargs, use_chat_template=d.chat_template)

@@ -23,10 +23,10 @@ function handed over as an object, its module and name when it is defined at the
 an importable module.
 
 Reasoning. A reward whose spec says `reasoning: drop` sees each completion without a thinking
-model's reasoning: the text after its last `</think>` (`rollover.types.split_reasoning`), so the
+model's reasoning: the text after its last `</think>` (`rollover.types.answer_of`), so the
 answer is judged on what the model answered, not on what it tried while thinking; a completion
 cut off while thinking has no answer (the text before its `<think>`, usually empty; nothing where
-the prompt opened the reasoning). The default, `keep`, hands over the whole completion.
+the prompt opened the reasoning; up to the `<think>` where it thought again after answering). The default, `keep`, hands over the whole completion.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Callable
 
 from rollover.rewards.builtins import BUILTINS
-from rollover.types import split_reasoning
+from rollover.types import answer_of
 
 REASONING = ("keep", "drop")  # what a reward sees of a thinking model's reasoning
 
@@ -136,7 +136,7 @@ class Reward:
         """What this reward scores of `completion`: all of it, or with `reasoning="drop"` the text
         after its reasoning (`opened`: its prompt ended in an open `<think>`). Once: the runner calls
         this, the call methods do not."""
-        return split_reasoning(completion, opened)[1] if self.reasoning == "drop" else completion
+        return answer_of(completion, opened) if self.reasoning == "drop" else completion
 
     @functools.cached_property
     def batched(self) -> bool:
