@@ -71,6 +71,10 @@ def test_a_merged_key_may_be_given_again_but_an_own_key_not(tmp_path):
         read_yaml(tmp_path / "d.yaml")
 
 
+def test_off_unquoted_is_the_option_off():
+    assert load_config(overrides=["selection.dars=off"]).selection.dars == "off"  # (YAML 1.1 reads it as false)
+
+
 def test_lora_targets_as_peft_takes_them():
     for targets in ("all-linear", "ALL-LINEAR", r".*\\.(q_proj|v_proj)", "[q_proj, v_proj]"):
         load_config(overrides=[f"train.lora={{target_modules: {targets if targets[0] == '[' else repr(targets)}}}"])

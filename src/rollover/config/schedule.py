@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from rollover.config.base import Section
+
+
+def _off(value):
+    """YAML 1.1 reads an unquoted off as false: `dars: off` means "off"."""
+    return "off" if value is False else value
 
 
 class AsyncConfig(Section):
@@ -54,7 +59,7 @@ class SelectionConfig(Section):
     each prompt's reward estimate, at least min_samples each; rollover.rollout.allocation)."""
     min_samples: int = Field(2, ge=2)
     """allocation=xrpo: the fewest samples a group gets (2: a group baseline needs two)."""
-    dars: Literal["off", "equal", "hardest"] = "off"
+    dars: Annotated[Literal["off", "equal", "hardest"], BeforeValidator(_off)] = "off"
     """DARS's second stage (sync mode): once a step's groups are scored, each prompt solved by
     fewer than half its samples gets extra samples in the same step, by DARS's equal-treatment
     or hardness-weighted schedule (rollover.rollout.allocation.dars_extra_samples), merged into
