@@ -170,7 +170,8 @@ def test_reward_error_stops_all_components_and_resume_continues(model_dir, tmp_p
     assert got[-1]["step"] == 4 and sum(r["rollout/reward_errors"] for r in got) > 0  # counted per row
     from rollover.rollout.groups import DROP_COUNTS
 
-    assert all(f"rollout/{k}" in r for r in got for k in DROP_COUNTS)  # every count a sync row has, 0 included
+    assert all(f"rollout/{k}" in r for r in got for k in (*DROP_COUNTS, "rewards/bad/errors"))  # as sync rows, 0s too
+    assert not any("rollout/reward_s" in r for r in got)  # seconds, not a count
 
 
 def test_engine_error_stops_the_run(model_dir, tmp_path, monkeypatch):

@@ -187,6 +187,15 @@ def test_after_a_stop_the_hint_resumes_and_a_stop_while_plotting_says_the_run_is
     assert capsys.readouterr().err.strip() == (f"rollover train: interrupted while drawing the plots; the run trained to "
                                                f"step 8 and is saved (`rollover plot {tmp_path / 'run'}` draws them)")
 
+    def unwritable(run_dir):
+        raise FileExistsError(f"{run_dir}/plots")
+
+    monkeypatch.setattr(metrics, "plot_run", unwritable)  # a plot that cannot be written fails no run
+    assert main(["train", *overrides(model_dir, tmp_path / "run")]) == 0
+    captured = capsys.readouterr()
+    assert "the plots were not drawn (FileExistsError" in captured.err and "done: step 8" in captured.out
+    assert "\r" not in captured.err  # stderr is no terminal: no frames of transformers' weight bars
+
 
 def test_sigint_during_training_saves_and_exits_130_with_one_line(model_dir, tmp_path):
     import signal

@@ -114,6 +114,17 @@ def test_torn_last_line_is_ignored_then_removed_by_truncation(tmp_path):
         read_metrics(path)
 
 
+@pytest.mark.parametrize("line, why", [
+    ('{"step": 2, "kind": "train", "note": "lr bumped here"}', "note='lr bumped here' is not a number"),
+    ('{"step": 2, "kind": "train", "x": NaN}', 'a bare NaN, which JSON has not'),
+])
+def test_a_hand_edited_row_is_named_before_a_resume_trains(tmp_path, line, why):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "kind": "train", "time": 0.0, "x": 1}\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"metrics.jsonl:2: not a metrics row \\({why}"):
+        truncate_after(path, 1)
+
+
 def test_tensorboard_scalars_written(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

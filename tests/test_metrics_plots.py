@@ -134,6 +134,24 @@ def _band(ax):
     return sorted((x, lows[x], highs[x]) for x in lows)
 
 
+def test_the_timing_of_a_one_step_run_is_drawn(tmp_path, monkeypatch):
+    """One step: a stacked area has no width, so the phases are stacked bars, the total a marker."""
+    _write_run(tmp_path, steps=1)
+    figures = {}
+    savefig = Figure.savefig
+
+    def keep(fig, path, *args, **kwargs):
+        figures[Path(path).stem] = fig
+        return savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    plot_run(tmp_path)
+    (ax,) = figures["timing"].axes
+    heights = sorted(round(bar.get_height(), 6) for bar in ax.patches)
+    assert heights == [0.5, 1.5, 3.0]  # generate, reward, update_actor
+    assert [line.get_marker() for line in ax.lines] == ["."]  # the step's total
+
+
 def test_one_binary_reward_draws_one_line_not_three(tmp_path, monkeypatch):
     rng = random.Random(1)
     with MetricsLogger(tmp_path, tensorboard=False) as logger:

@@ -1,4 +1,7 @@
 import io
+import logging
+import re
+import sys
 
 from rollover.metrics import Progress
 from rollover.metrics import progress as progress_module
@@ -65,3 +68,19 @@ def test_a_step_whose_rewards_failed_says_so_on_the_progress_line():
             progress.update(step, reward=0.0, **progress_module.reward_errors({"rollout/reward_errors": failed}))
     first, second = out.getvalue().splitlines()
     assert "reward_errors" not in first and "| reward_errors=36 |" in second
+
+
+def test_a_log_line_on_a_terminal_goes_above_the_bar_not_onto_its_line(monkeypatch):
+    out = _Terminal()
+    monkeypatch.setattr(sys, "stderr", out)
+    handler = logging.StreamHandler(out)  # as logging.basicConfig sets one up, on stderr
+    logging.getLogger().addHandler(handler)
+    try:
+        progress = Progress(4, file=out)
+        progress.update(1, reward=0.25)
+        logging.getLogger("rollover").warning("reward 'flaky' failed")
+        progress.update(2, reward=0.5)
+        progress.close()
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert "reward 'flaky' failed" in re.split(r"[\r\n]", out.getvalue())  # a line of its own

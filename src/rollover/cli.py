@@ -186,12 +186,16 @@ def _run_training(cfg, allow_config_change: bool) -> int:
         print(f"\nrollover train: interrupted while drawing the plots; the run trained to step {result['step']} and is "
               f"saved (`rollover plot {cfg.run_dir}` draws them)", file=sys.stderr)
         return 128 + signal.SIGINT
+    except Exception as e:  # noqa: BLE001 - the same: a plot that cannot be drawn or written fails no run
+        print(f"rollover train: the plots were not drawn ({type(e).__name__}: {e}); the run trained to step "
+              f"{result['step']} and is saved (`rollover plot {cfg.run_dir}` draws them)", file=sys.stderr)
+        plots = []
     errors, failed = result.get("eval/reward_errors", 0), result.get("eval/failed", 0)
     print(f"done: step {result['step']}" + (f", held-out accuracy {result['eval/accuracy']:.3f}" if "eval/accuracy" in result else "")
           + (f" ({errors:g} failed reward calls in the evaluation: reward.on_error={cfg.reward.on_error})" if errors else "")
           + (f" ({failed:g} of {result.get('eval/samples', 0):g} held-out episodes failed: counted as wrong)"
              if failed else ""))
-    print(f"metrics: {cfg.run_dir}/metrics.jsonl; plots: {', '.join(str(x) for x in plots)}")
+    print(f"metrics: {cfg.run_dir}/metrics.jsonl; plots: {', '.join(str(x) for x in plots) or 'none'}")
     return 0
 
 
@@ -461,8 +465,13 @@ def _show(argv: list[str]) -> int:
 
 def _setup_logging() -> None:
     import logging
+    import os
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not sys.stderr.isatty():  # a log file: no carriage-return frames of transformers' weight bars
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # (read when transformers is imported)
+        if "transformers" in sys.modules:
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
 
 
 COMMANDS = {

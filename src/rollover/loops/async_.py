@@ -191,7 +191,10 @@ class _Services:
         self.service = RolloutService(inputs, self.gate, self.inbox, self._on_error)
         self.manager = DataManager(inputs, self.gate, self.service, self.inbox, self.batches, self._on_error)
         self._env_since = (0.0, time.perf_counter())  # environment busy seconds and time at the last metrics row
-        self.counts = DATA_COUNTS + (("experience_pool_substitutions",) if cfg.async_.experience_pool else ())  # 0s shown
+        self.counts = DATA_COUNTS + (("experience_pool_substitutions",) if cfg.async_.experience_pool else ()) + \
+            (("entropy_masked_samples",) if cfg.async_.top_entropy_fraction < 1 else ()) + \
+            (() if run.env_builder is not None else tuple(f"rewards/{r.name}/errors" for r in run.rewards.rewards))
+        # (0s shown: a count is in every row, as in sync mode's)
         _restore(run.resumed_extra.get("async"), self.gate, self.manager, self.service)
 
     def _on_error(self, component: str, e: BaseException) -> None:
@@ -259,6 +262,7 @@ class _Services:
             counts, self.manager.metrics = self.manager.metrics, Counter()
         busy, since = self.service.driver.env_busy_s, self._env_since
         self._env_since = (busy, time.perf_counter())
+        counts.pop("reward_s", None)  # scoring seconds, no count (the data manager's share of time: busy/*)
         return {
             **{f"rollout/{k}": v for k, v in {**dict.fromkeys(self.counts, 0), **counts}.items()},
             **{f"rollout/{k}": v for k, v in env_step_metrics(self.service.inputs, trajectories, busy - since[0],

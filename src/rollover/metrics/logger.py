@@ -98,15 +98,30 @@ def _parse_lines(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not a JSON line ({e})") from None
+            rows.append(_row(json.loads(line, parse_constant=_bare)))
+        except (json.JSONDecodeError, ValueError) as e:
+            raise ValueError(f"{path}:{lineno}: not a metrics row ({e})") from None
     if torn.strip():
         try:
-            rows.append(json.loads(torn))  # complete JSON that only lacks its newline
-        except json.JSONDecodeError:
+            rows.append(_row(json.loads(torn, parse_constant=_bare)))  # complete JSON that only lacks its newline
+        except (json.JSONDecodeError, ValueError):
             pass
     return rows
+
+
+def _bare(name: str):
+    raise ValueError(f"a bare {name}, which JSON has not: write \"{name}\" (a string), as rollover does")
+
+
+def _row(row) -> dict[str, Any]:
+    """A metrics row as read: an object with a step, whose text values are only "NaN",
+    "Infinity" and "-Infinity" (a hand edit may have put other text there)."""
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+        raise ValueError("an object with an integer step is needed")
+    for key, value in row.items():
+        if key not in _RESERVED and isinstance(value, str) and value not in _STR_TO_NONFINITE:
+            raise ValueError(f"{key}={value!r} is not a number")
+    return row
 
 
 def read_metrics(run_dir_or_path: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:

@@ -267,13 +267,20 @@ def _draw_stacked(ax, rows: list[dict], cols: list[str]) -> None:
     phases = [c for c in cols if c not in _STEP_TOTALS]
     totals = [c for c in cols if c in _STEP_TOTALS]
     timed = sorted((row for row in rows if any(_finite(row.get(c)) for c in phases)), key=lambda r: r["step"])
-    if phases and timed:
+    if phases and len(timed) == 1:  # one step: an area has no width, so stacked bars
+        row, bottom = timed[0], 0.0
+        for c in phases:
+            height = row[c] if _finite(row.get(c)) else 0.0
+            ax.bar([row["step"]], [height], bottom=[bottom], width=0.5, label=c.removeprefix("timing_s/"), alpha=0.8)
+            bottom += height
+    elif phases and timed:
         xs = [row["step"] for row in timed]
         layers = [[row[c] if _finite(row.get(c)) else 0.0 for row in timed] for c in phases]
         ax.stackplot(xs, layers, labels=[c.removeprefix("timing_s/") for c in phases], alpha=0.8)
     for col in totals:
         xs, ys = _series(rows, col)
-        ax.plot(xs, ys, color="black", linewidth=1.2, label=col.removeprefix("timing_s/") + " (total)")
+        ax.plot(xs, ys, color="black", linewidth=1.2, label=col.removeprefix("timing_s/") + " (total)",
+                marker="." if len(xs) < 30 else None)
 
 
 def _draw_separate(panel: _Panel, rows: list[dict], cols: list[str]) -> Figure:

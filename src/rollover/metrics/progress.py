@@ -21,6 +21,7 @@ import time
 from typing import Any, TextIO
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 
 class Progress:
@@ -45,10 +46,13 @@ class Progress:
         self._last_print = -float("inf")
         self._held: str | None = None  # latest line not printed because of the interval
         self._bar = None
+        self._logs = None
         if self.is_tty:
             self._bar = tqdm(
                 total=total_steps, initial=initial, desc=desc, unit="step", file=self.file, dynamic_ncols=True
             )
+            self._logs = logging_redirect_tqdm()  # log lines go above the bar, not onto its line
+            self._logs.__enter__()
 
     def update(
         self,
@@ -73,6 +77,9 @@ class Progress:
             self._held = line
 
     def close(self) -> None:
+        if self._logs is not None:
+            self._logs.__exit__(None, None, None)
+            self._logs = None
         if self._bar is not None:
             self._bar.close()
         elif self._held is not None:
