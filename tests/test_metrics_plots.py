@@ -109,8 +109,8 @@ def _step_metrics(scores_per_sample, weights):
     return rollout_metrics(groups, cfg, primary=next(iter(weights)))
 
 
-def _reward_axes(run_dir, monkeypatch):
-    """The axes `plot_run` draws reward.png on."""
+def _figures(run_dir, monkeypatch) -> dict:
+    """The figures `plot_run` draws, by file name."""
     figures = {}
     savefig = Figure.savefig
 
@@ -120,7 +120,12 @@ def _reward_axes(run_dir, monkeypatch):
 
     monkeypatch.setattr(Figure, "savefig", keep)
     plot_run(run_dir)
-    (ax,) = figures["reward"].axes
+    return figures
+
+
+def _reward_axes(run_dir, monkeypatch):
+    """The axes `plot_run` draws reward.png on."""
+    (ax,) = _figures(run_dir, monkeypatch)["reward"].axes
     return ax
 
 
@@ -137,16 +142,7 @@ def _band(ax):
 def test_the_timing_of_a_one_step_run_is_drawn(tmp_path, monkeypatch):
     """One step: a stacked area has no width, so the phases are stacked bars, the total a marker."""
     _write_run(tmp_path, steps=1)
-    figures = {}
-    savefig = Figure.savefig
-
-    def keep(fig, path, *args, **kwargs):
-        figures[Path(path).stem] = fig
-        return savefig(fig, path, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", keep)
-    plot_run(tmp_path)
-    (ax,) = figures["timing"].axes
+    (ax,) = _figures(tmp_path, monkeypatch)["timing"].axes
     heights = sorted(round(bar.get_height(), 6) for bar in ax.patches)
     assert heights == [0.5, 1.5, 3.0]  # generate, reward, update_actor
     assert [line.get_marker() for line in ax.lines] == ["."]  # the step's total
