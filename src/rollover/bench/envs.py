@@ -259,7 +259,7 @@ def measure(bench: Bench, schedule: str) -> dict:
     engine.reset_stats()
     pool.reset()
     used: list[Trajectory] = []
-    extra = {"carried_groups": 0, "resumed_groups": 0}
+    extra = {"carried_groups": 0, "carried_unstarted_groups": 0, "resumed_groups": 0}
     t0 = time.perf_counter()
     try:
         for step in range(1, a.steps + 1):
@@ -268,6 +268,7 @@ def measure(bench: Bench, schedule: str) -> dict:
             if m:
                 extra["resumed_groups"] += m["resumed_groups"]
                 extra["carried_groups"] = m["carried_groups"]  # after the last step
+                extra["carried_unstarted_groups"] = m["carried_unstarted_groups"]
         wall = time.perf_counter() - t0
         s = engine.stats()
         busy_s = pool.busy_s
