@@ -105,7 +105,8 @@ def parse_overrides(overrides: list[str], schema: type | None = None) -> list[tu
             raise ConfigError(f"override {item!r} must look like key.path=value")
         key, text = key.strip(), raw.strip()
         types = _text_types(_annotation(schema, key.split("."))) if schema is not None else []
-        if types == [str] and text not in NULLS and text[:1] not in ("'", '"'):
+        as_given = text[:1] not in ("'", '"')  # (quoted: YAML's reading is the user's)
+        if types == [str] and text not in NULLS and as_given:
             out.append((key, text))
             continue
         try:
@@ -113,7 +114,7 @@ def parse_overrides(overrides: list[str], schema: type | None = None) -> list[tu
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or e
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem})") from None
-        if isinstance(value, str) and str in types and " #" in text and text[:1] not in ("'", '"'):
+        if isinstance(value, str) and str in types and " #" in text and as_given:
             value = text  # (a path or text holding " #": not a comment)
         out.append((key, value))
     return out
