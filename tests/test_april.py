@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from rollover.rollout.inputs import RolloutInputs
 from rollover.config import ConfigError, load_config
-from rollover.loops.common import build_run
+from rollover.loops.build import build_run
 from rollover.loops.sync import train_sync
 from rollover.rollout.april import AprilCollector
 from rollover.testing import assert_provenance, save_tiny_model, tiny_model

@@ -75,7 +75,7 @@ def test_inflight_keep_goes_on_over_old_kv_within_eta(model_dir, tmp_path, infli
     """rollout.inflight_weight_update=keep: requests running at a weight update go on over the
     K/V the older weights computed (no token's K/V is computed again, where `continue` recomputes
     them), and eta still bounds every trained group."""
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
 
     cfg = async_cfg(model_dir, tmp_path, steps=5, **{
         "async.max_staleness": 1, "rollout.inflight_weight_update": inflight, "rollout.max_new_tokens": 16,

@@ -124,9 +124,9 @@ def test_refused_run_is_short_and_leaves_no_run_dir(model_dir, tmp_path, capsys,
 
 
 def test_a_run_dir_that_is_a_file_is_refused_before_anything_loads(model_dir, tmp_path, capsys, monkeypatch):
-    import rollover.loops.common as common
+    import rollover.loops.build as build
 
-    monkeypatch.setattr(common, "_inputs", lambda *a: pytest.fail("the data was loaded"))
+    monkeypatch.setattr(build, "_inputs", lambda *a: pytest.fail("the data was loaded"))
     (tmp_path / "run").write_text("notes\n")
     assert main(["train", *overrides(model_dir, tmp_path / "run")]) == 2
     assert f"config error: run_dir {tmp_path / 'run'} is a file" in capsys.readouterr().err
@@ -148,12 +148,12 @@ def test_debug_shows_the_traceback(model_dir, tmp_path, capsys):
 
 
 def test_interrupt_before_the_first_step_is_one_line_and_exit_130(model_dir, tmp_path, monkeypatch, capsys):
-    import rollover.loops.common as common
+    import rollover.loops.build as build
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(common, "build_run", interrupted)
+    monkeypatch.setattr(build, "build_run", interrupted)
     assert main(["train", *overrides(model_dir, tmp_path / "run")]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["rollover train: interrupted before the first step; nothing was saved"]
@@ -164,11 +164,11 @@ def test_after_a_stop_the_hint_resumes_and_a_stop_while_plotting_says_the_run_is
     """A run started with resume=PATH and stopped by a signal is resumed by resume=auto (the same
     command would go back to PATH, retraining what followed); a signal while the plots are drawn,
     after the run is saved, says so (it had said "interrupted before the first step")."""
-    import rollover.loops.common as common
+    import rollover.loops.build as build
     import rollover.loops.sync as sync
     import rollover.metrics as metrics
 
-    monkeypatch.setattr(common, "build_run", lambda *a, **k: None)
+    monkeypatch.setattr(build, "build_run", lambda *a, **k: None)
     ckpt = tmp_path / "run" / "checkpoints" / "step_000008"
     monkeypatch.setattr(sync, "train_sync", lambda cfg, run: {"step": 8, "interrupted": "SIGINT", "checkpoint": str(ckpt)})
     assert main(["train", *overrides(model_dir, tmp_path / "run"), "resume=runs/x/checkpoints/step_000005"]) == 130
@@ -620,7 +620,7 @@ def test_filter_keeps_the_prompts_whose_pass_rate_lies_in_the_band(tmp_path, cap
     assert sorted((r["prompt"], r["pass_rate"]) for r in again) == sorted((r["prompt"], r["pass_rate"]) for r in middle)
     assert "0 < pass rate < 1" in capsys.readouterr().out
     from rollover.config import load_config
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
 
     run = build_run(load_config(None, [*over, f"data.train={out}", "data.eval_size=0", f"run_dir={tmp_path / 'again'}"]),
                     record=False)

@@ -335,7 +335,7 @@ def test_vllm_in_a_rank_sleeps_while_the_rank_trains(tmp_path_factory, tmp_path)
     import json
 
     pytest.importorskip("vllm")
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
     from rollover.loops.sync import train_sync
 
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("m") / "vllm", "llama", seed=3, num_attention_heads=2,

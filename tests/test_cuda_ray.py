@@ -20,7 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from rollover.config import load_config  # noqa: E402
 from rollover.loops.async_ import train_async  # noqa: E402
-from rollover.loops.common import build_run  # noqa: E402
+from rollover.loops.build import build_run  # noqa: E402
 from rollover.loops.sync import train_sync  # noqa: E402
 from rollover.testing import save_tiny_model  # noqa: E402
 

@@ -161,7 +161,7 @@ def test_render_all_refuses_one_id_for_two_different_prompts(tok, tmp_path):
 def test_build_run_skips_over_long_prompts_before_the_iterator(tmp_path):
     import json
 
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
     from rollover.testing import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "m", "llama", seed=1)

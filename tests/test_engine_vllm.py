@@ -664,7 +664,7 @@ def test_april_keep_kv_on_vllm_loses_nothing_and_labels_every_token(tmp_path):
     import random
 
     from rollover.config import load_config
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
     from rollover.rollout.april import AprilCollector
 
     path = save_model(tiny_model("llama", seed=3, **ARCH), tmp_path / "tiny")

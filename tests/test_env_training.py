@@ -43,7 +43,7 @@ def rows(run_dir, kind="train"):
 def test_datas_prompt_settings_under_an_environment_are_warned_unused_and_change_nothing(model_dir, tmp_path, caplog):
     """The environment writes each opening: data.system_prompt, instruction and chat_template=false
     neither reach it nor fail the run (the prompts' lengths are checked as the template renders them)."""
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
 
     plain = build_run(env_cfg(model_dir, tmp_path / "a"), record=False)
     try:
@@ -431,7 +431,7 @@ def test_an_environment_without_data_train_is_refused_naming_what_to_set(model_d
 def test_a_stalled_engine_ends_the_episode_step_with_an_error_naming_it(model_dir, tmp_path):
     import time
 
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
     from rollover.rollout.stops import Stalled
     from rollover.rollout.sync_collect import SyncCollector
 
@@ -631,7 +631,7 @@ def test_gigpo_trains_each_turn_on_its_state_groups_advantage(model_dir, tmp_pat
 def test_tasks_from_the_environment_with_held_out_tasks_from_a_file(model_dir, tmp_path):
     """data.train: env with data.eval a file (one source or several by name): the held-out tasks
     are the file's rows."""
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
 
     path = tmp_path / "games.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": "Guess my number.", "answer": k}) for k in (1, 2)))

@@ -262,7 +262,7 @@ def test_a_save_removes_what_a_kill_mid_save_left(tmp_path):
 
 def test_a_second_process_on_the_same_run_dir_is_refused(model_dir, tmp_path):
     from rollover.config import ConfigError, dump_config
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
 
     cfg = cfg_for(model_dir, tmp_path / "run", steps=2)
     first = build_run(cfg)
@@ -286,25 +286,25 @@ def test_a_run_that_ends_on_the_run_dir_while_another_starts_is_not_overwritten(
     is built; one that ended in between (its checkpoints and metrics now there) makes the second
     stop, not train from scratch over them."""
     from rollover.config import ConfigError
-    from rollover.loops import common
-    from rollover.loops.common import build_run
+    from rollover.loops import build
+    from rollover.loops.build import build_run
     from rollover.loops.resume import lock_run_dir
 
     cfg = cfg_for(model_dir, tmp_path / "run", steps=2)
     (tmp_path / "run").mkdir()
     held = lock_run_dir(tmp_path / "run")
-    monkeypatch.setattr(common, "_load_model", lambda *a, **k: pytest.fail("built a model for a run_dir in use"))
+    monkeypatch.setattr(build, "_load_model", lambda *a, **k: pytest.fail("built a model for a run_dir in use"))
     with pytest.raises(ConfigError, match="is in use by a run built earlier in this process"):
         build_run(cfg)
     held.close()
     monkeypatch.undo()
-    make_engine = common._make_engine
+    make_engine = build._make_engine
 
     def the_other_run_ends(*args, **kwargs):  # while this one builds its engine
         (tmp_path / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n')
         return make_engine(*args, **kwargs)
 
-    monkeypatch.setattr(common, "_make_engine", the_other_run_ends)
+    monkeypatch.setattr(build, "_make_engine", the_other_run_ends)
     with pytest.raises(ConfigError, match="changed while this run was starting: another process wrote"):
         build_run(cfg)
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"kind": "train", "step": 1}\n'  # left as it was

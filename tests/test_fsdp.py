@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from rollover.config import ConfigError, load_config
-from rollover.loops.common import build_run
+from rollover.loops.build import build_run
 from rollover.loops.sync import train_sync
 from rollover.testing import save_tiny_model, tiny_model
 from rollover.train.batch import TrainBatch
@@ -742,7 +742,7 @@ def test_ranks_with_vllm_end_when_the_driver_is_killed(tmp_path_factory, tmp_pat
     script.write_text(
         "import json, sys, time\n"
         "from rollover.config import load_config\n"
-        "from rollover.loops.common import build_run\n"
+        "from rollover.loops.build import build_run\n"
         "if __name__ == '__main__':\n"
         "    run = build_run(load_config(**json.loads(sys.argv[1])))\n"
         "    print('PIDS', *[p.pid for p in run.trainer.procs], flush=True)\n"
@@ -979,7 +979,7 @@ def test_the_ranks_devices_are_checked_before_anything_starts():
     """Each rank the command starts takes cuda:r: more ranks than GPUs, or a device index the ranks
     would not use, are refused naming the key; CPU offload on CPU ranks is refused (it had failed
     inside every rank pinning memory without a GPU). torchrun and Ray place ranks themselves."""
-    from rollover.loops.common import check_rank_devices
+    from rollover.loops.build import check_rank_devices
 
     def check(device, count=4, torchrun=False, **over):
         cfg = load_config(model="m", run_dir="r", device=device, **{"train.parallel": "fsdp", "train.ranks": 4, **over})

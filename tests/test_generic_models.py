@@ -264,7 +264,7 @@ def test_trainer_logprobs_are_the_samplers_before_and_after_an_update(arch, over
     absolute positions, experts, and OPT's own masks with plain packing (its sequences then go
     one to a row): the trainer's logprobs are the engine's."""
     from rollover.loops.batch import train_batch_from
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
     from rollover.loops.sync import make_collector
 
     model_dir = save_tiny_model(tmp_path / arch, arch, seed=3)
@@ -357,7 +357,7 @@ def test_a_sharded_step_on_another_architecture_equals_one_trainers():
 def test_lora_on_another_architecture_trains_and_syncs_merged_weights(tmp_path):
     pytest.importorskip("peft")
     from rollover.loops.batch import train_batch_from
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
     from rollover.loops.sync import make_collector
 
     model_dir = save_tiny_model(tmp_path / "phi3", "phi3", seed=3)

@@ -197,7 +197,7 @@ def test_resident_memory_is_read_and_its_peak_restarts():
 
 def test_the_sync_loop_holds_one_copy_of_the_weights(model_dir, tmp_path):
     from rollover.loops.batch import train_batch_from
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
     from rollover.loops.sync import make_collector
 
     run = build_run(tiny_cfg(model_dir, tmp_path / "run", steps=2, **{"eval.every": 0}))
@@ -230,7 +230,7 @@ def test_the_sync_loop_holds_one_copy_of_the_weights(model_dir, tmp_path):
 
 
 def test_async_and_lora_runs_keep_their_own_copy(model_dir, tmp_path):
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
 
     for over in ({"mode": "async"}, {"train.lora": {"r": 2, "alpha": 4}}):
         run = build_run(tiny_cfg(model_dir, tmp_path / str(len(over)) / next(iter(over)), **{"eval.every": 0, **over}))

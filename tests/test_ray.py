@@ -21,7 +21,7 @@ from rollover.rollout.inputs import RolloutInputs
 from rollover.config import ConfigError, load_config  # noqa: E402
 from rollover.engine.torch_engine import TorchEngine  # noqa: E402
 from rollover.loops.async_ import train_async  # noqa: E402
-from rollover.loops.common import build_run  # noqa: E402
+from rollover.loops.build import build_run  # noqa: E402
 from rollover.loops.sync import train_sync  # noqa: E402
 from rollover.rewards import RewardRunner, build_rewards  # noqa: E402
 from rollover.rewards.pool import WorkerStartError  # noqa: E402

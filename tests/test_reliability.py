@@ -9,7 +9,7 @@ import pytest
 
 from rollover.config import ConfigError, load_config
 from rollover.data.loaders import DataError, load_prompts
-from rollover.loops.common import pick_device
+from rollover.loops.build import pick_device
 
 
 def test_an_unavailable_device_is_a_config_error_naming_it():
@@ -47,7 +47,7 @@ def test_a_lone_surrogate_is_a_bad_row_named_by_line_and_skippable(tmp_path):
 
 
 def test_a_step_larger_than_the_data_warns(tmp_path, caplog):
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
     from rollover.testing import save_tiny_model
 
     model = save_tiny_model(tmp_path / "m", "llama", seed=3)
@@ -81,7 +81,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_names_the_
     # step 2 trained again from step 1's checkpoint: its first row was dropped, none repeats
     assert [r["step"] for r in read_metrics(tmp_path / "run", kind="train")] == [1, 2, 3]
     # a damaged checkpoint named explicitly is refused, naming the file
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
 
     target = tmp_path / "run" / "checkpoints" / "step_000003" / damaged
     target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from rollover.rollout.inputs import RolloutInputs
 from rollover.envs.episode import episode_seed, run_episode
 from rollover.envs.render import ChatRenderer
-from rollover.loops.common import build_run
+from rollover.loops.build import build_run
 from rollover.loops.sync import train_sync
 from rollover.rollout.april import AprilCollector
 from rollover.rollout.core import SampleDriver, run_groups

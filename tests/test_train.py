@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from rollover.config import load_config
-from rollover.loops.common import build_run
+from rollover.loops.build import build_run
 from rollover.loops.sync import train_sync
 from rollover.rewards import RewardFailed
 from rollover.rollout.stops import TooManyBadSteps

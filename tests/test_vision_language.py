@@ -425,7 +425,7 @@ def test_images_in_an_environments_messages_that_cannot_be_shown_fail_its_episod
 
 
 def test_modes_that_do_not_take_images_yet_are_refused_before_anything_starts(tmp_path):
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
 
     model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
     with pytest.raises(ConfigError, match=r"24 prompts have images; .* not with rollout.engine=vllm$"):

@@ -161,7 +161,7 @@ def _given_ranks(path: str | None, overrides: list[str]):
 
 
 def _run_training(cfg, allow_config_change: bool) -> int:
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
     from rollover.metrics import plot_run
 
     run = build_run(cfg, allow_config_change=allow_config_change)
@@ -275,7 +275,7 @@ def _bad_checkpoint(prog: str, ckpt: str | None) -> int | None:
 def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | None, base: bool,
               given: str = "--checkpoint") -> int:
     """Evaluate the weights the arguments name; print which, then the metrics."""
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
     from rollover.train import checkpoint
 
     if ckpt is None and not base:
@@ -384,7 +384,7 @@ def _filter(argv: list[str]) -> int:
 
     def run() -> int:
         from rollover.curate import histogram, pass_rates, rows_of, write_kept
-        from rollover.loops.common import build_run
+        from rollover.loops.build import build_run
 
         data = cfg.data.model_copy(update={"eval": None, "eval_size": 0})  # every training prompt, none held out
         update = {"data": data, "checkpoint": cfg.checkpoint.model_copy(update={"best": None}),

@@ -76,7 +76,7 @@ def bench_config(args, workload: str, april: bool, carry: str = "auto", run_dir:
 
 
 def run_mode(args, workload: str, april: bool, carry: str = "resubmit") -> dict:
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
     from rollover.loops.sync import make_collector
 
     cap = args.max_new_tokens if workload == "longtail" else args.natural_max_new_tokens

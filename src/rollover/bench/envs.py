@@ -343,7 +343,7 @@ def bench_config(args, run_dir: str):
 def main(args) -> dict:
     import tempfile
 
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
 
     with tempfile.TemporaryDirectory() as tmp:
         run = build_run(bench_config(args, tmp), record=False)

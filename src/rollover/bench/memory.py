@@ -53,7 +53,7 @@ def child(model: str, config: str, overrides: list[str], steps: int, evaluate: b
     t_start = time.perf_counter()
     from rollover.config import load_config
     from rollover.loops.batch import train_batch_from
-    from rollover.loops.common import build_run
+    from rollover.loops.build import build_run
     from rollover.loops.sync import make_collector
     from rollover.train import memory
 

@@ -97,7 +97,7 @@ def _grpo(trl, cfg, prompts, **options):
     from datasets import Dataset
 
     from rollover.data.render import render_messages
-    from rollover.loops.common import pick_device
+    from rollover.loops.build import pick_device
     from rollover.models import load_hf_model, load_tokenizer
     from rollover.rewards.builtins import numeric_reward
 
