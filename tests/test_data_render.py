@@ -206,3 +206,32 @@ def test_chat_template_arguments_reach_the_template(tmp_path):
     assert tok.decode(renderer.initial([{"role": "user", "content": "hi"}])).endswith("<think></think>")
     with pytest.raises(ValueError, match="chat template arguments need use_chat_template"):
         render_prompt(tok, Prompt(id="a", text="1+1="), use_chat_template=False, template_kwargs={"enable_thinking": False})
+
+
+def test_a_chat_template_argument_the_template_never_reads_is_named(tmp_path, caplog):
+    """A misspelt data.chat_template_kwargs key renders every prompt as if it were not given:
+    each key the template never reads is warned about, with the name it likely meant; a key the
+    template reads, or a template this cannot parse, gives no warning."""
+    import logging
+
+    from rollover.loops.prompts import _render_all
+
+    tok = char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    kwargs = {"enable_thinkng": False, "enable_thinking": False, "persona": "x"}
+    cfg = length_cfg(tmp_path, "raise", 200, **{"data.chat_template_kwargs": kwargs})
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        _render_all(cfg, tok, [Prompt(id="a", text="1+1=")], [])
+    said = [r.getMessage() for r in caplog.records if "chat_template_kwargs" in r.getMessage()]
+    assert len(said) == 2, said
+    assert said[0].startswith("data.chat_template_kwargs.enable_thinkng: the chat template of model=")
+    assert said[0].endswith("never reads 'enable_thinkng', so it changes nothing (did you mean 'enable_thinking'?)")
+    assert said[1].startswith("data.chat_template_kwargs.persona:") and "did you mean" not in said[1]
+    caplog.clear()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %"  # cut short: not parsed here
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        from rollover.loops.prompts import _warn_unread_template_kwargs
+
+        _warn_unread_template_kwargs(cfg, tok)
+    assert "chat_template_kwargs" not in caplog.text

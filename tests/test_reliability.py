@@ -61,7 +61,8 @@ def test_a_step_larger_than_the_data_warns(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("damaged", ["state.pt", "model/model.safetensors"])
-def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_names_the_file(tmp_path, caplog, damaged):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_names_the_file(tmp_path, caplog, capsys,
+                                                                                     damaged):
     from rollover.loops.sync import train_sync
     from rollover.testing import save_tiny_model
 
@@ -80,6 +81,19 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_names_the_
 
     # step 2 trained again from step 1's checkpoint: its first row was dropped, none repeats
     assert [r["step"] for r in read_metrics(tmp_path / "run", kind="train")] == [1, 2, 3]
+    # evaluating or exporting the run takes the newest intact checkpoint too, naming the damaged one
+    from rollover.cli import main
+
+    target = tmp_path / "run" / "checkpoints" / "step_000003" / damaged
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        assert main(["eval", str(tmp_path / "run"), "eval.samples_per_prompt=1"]) == 0
+        assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    assert caplog.text.count(f"checkpoint step_000003 is damaged ({target}") == 2
+    assert "evaluating the one before it" in caplog.text and "exporting the one before it" in caplog.text
+    out = capsys.readouterr().out
+    assert "step_000002 (step 2)" in out and f"exported {tmp_path / 'run' / 'checkpoints' / 'step_000002'}" in out
     # a damaged checkpoint named explicitly is refused, naming the file
     from rollover.loops.build import build_run
 

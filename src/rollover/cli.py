@@ -282,7 +282,7 @@ def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | No
         if run_dir is None:  # a run's own config.yaml sits beside its checkpoints
             beside = Path(path).parent if path is not None else None
             run_dir = beside if beside is not None and (beside / "checkpoints").is_dir() else Path(cfg.run_dir)
-        ckpt = checkpoint.latest(run_dir)
+        ckpt = checkpoint.latest_intact(run_dir, "evaluating", "--base evaluates the model it started from")
         why = f"latest checkpoint of {run_dir}" if ckpt is not None else f"{run_dir} has no checkpoint"
     else:
         why = "--base" if base else given

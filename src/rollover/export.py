@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rollover.config import read_yaml
+from rollover.config import ConfigError, read_yaml
 from rollover.train import checkpoint as ckpts
 
 
@@ -46,7 +46,7 @@ def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | Non
         if ckpt is None:
             raise ExportError(f"{run_dir}: no checkpoint holds an evaluation with {metric} (eval.json)")
     else:
-        ckpt = Path(checkpoint) if checkpoint is not None else ckpts.latest(run_dir)
+        ckpt = Path(checkpoint) if checkpoint is not None else _latest(run_dir)
     if ckpt is None:
         raise ExportError(f"{run_dir} has no complete checkpoint (checkpoints/step_*/DONE); pass --checkpoint DIR")
     if not (ckpt / "DONE").exists():
@@ -59,7 +59,7 @@ def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | Non
         except Exception:
             # a run still training removes old checkpoints (checkpoint.keep) while one is read:
             # the latest then is another; read that one
-            latest = None if checkpoint is not None or best or ckpt.exists() else ckpts.latest(run_dir)
+            latest = None if checkpoint is not None or best or ckpt.exists() else _latest(run_dir)
             if latest is None or latest == ckpt:
                 raise
             if tries == 2:
@@ -79,6 +79,14 @@ def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | Non
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ckpt
+
+
+def _latest(run_dir: Path) -> Path | None:
+    """The run's newest checkpoint whose files read back (a damaged newer one is passed over, named)."""
+    try:
+        return ckpts.latest_intact(run_dir, "exporting", "pass --checkpoint DIR of a checkpoint kept elsewhere")
+    except ConfigError as e:
+        raise ExportError(str(e)) from None
 
 
 def _check_out(out: Path, ckpt: Path, force: bool) -> None:

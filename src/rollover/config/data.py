@@ -85,7 +85,8 @@ class DataConfig(Section):
     """Render prompts with the tokenizer's chat template."""
     chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_template_kwargs)] = {}
     """Extra arguments for the chat template, for prompts and every turn of an episode (e.g.
-    {enable_thinking: false} for Qwen3; TRL's chat_template_kwargs, verl's apply_chat_template_kwargs)."""
+    {enable_thinking: false} for Qwen3; TRL's chat_template_kwargs, verl's apply_chat_template_kwargs).
+    A key the template never reads (a misspelling) is warned about at start-up."""
     max_prompt_tokens: int = Field(256, ge=1)
     """Prompts longer than this are rejected at start-up (with the row named)."""
     on_bad_row: Literal["raise", "skip"] = "raise"

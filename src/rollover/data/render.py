@@ -93,3 +93,35 @@ def opens_reasoning(tokenizer, ids: list[int]) -> bool:
     open `<think>`: a chat template that opens the reasoning in its generation prompt (Qwen3.5's,
     Qwen3's Thinking-2507 models') starts the reply inside it."""
     return tokenizer.decode(ids[-16:], skip_special_tokens=False).rstrip().endswith("<think>")
+
+
+
+def template_variables(template) -> set[str] | None:
+    """The variables a chat template (its Jinja source, or a dict of named ones) reads from its
+    caller (messages, add_generation_prompt, enable_thinking, ...); None when it cannot be parsed
+    here (nothing is claimed about it)."""
+    import jinja2
+    from jinja2 import meta
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    sources = list(template.values()) if isinstance(template, dict) else [template]
+    if not sources or not all(isinstance(s, str) for s in sources):
+        return None
+
+    class Generation(jinja2.ext.Extension):  # transformers' {% generation %} block tag
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    env = ImmutableSandboxedEnvironment(extensions=[loopcontrols, Generation])
+    read: set[str] = set()
+    for source in sources:
+        try:
+            read |= meta.find_undeclared_variables(env.parse(source))
+        except jinja2.TemplateError:
+            return None
+    return read

@@ -138,6 +138,21 @@ def _train_iterator(cfg: Config, prompts: list[Prompt], sets: dict[str, str]):
     return MixedIterator(by_source, d.train_weights, seed=cfg.seed, shuffle=d.shuffle)
 
 
+def _warn_unread_template_kwargs(cfg: Config, tokenizer) -> None:
+    """A warning for each `data.chat_template_kwargs` key the model's chat template never reads
+    (a misspelt `enable_thinking` would render every prompt as if it were not given)."""
+    import difflib
+
+    from rollover.data.render import template_variables
+
+    given = cfg.data.chat_template_kwargs
+    read = template_variables(getattr(tokenizer, "chat_template", None)) if given else None
+    for key in [k for k in given if k not in read] if read is not None else ():
+        near = difflib.get_close_matches(key, sorted(read), n=1)
+        log.warning("data.chat_template_kwargs.%s: the chat template of model=%r never reads %r, so it changes "
+                    "nothing%s", key, cfg.model, key, f" (did you mean {near[0]!r}?)" if near else "")
+
+
 def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prompt], media: "MediaStore | None" = None,
                 sets: dict[str, str] | None = None) -> tuple[dict[str, list[int]], list[Prompt], list[Prompt], int]:
     """Render every prompt once: (token ids by prompt id, train, held_out, number dropped);
@@ -154,6 +169,8 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
         how = "which episodes (env.name) need" if episodes else \
             "data.chat_template=false encodes text prompts as they are (a base model's way)"
         raise ConfigError(f"model={cfg.model!r}: its tokenizer has no chat template; {how}")
+    if (d.chat_template or episodes) and texts:
+        _warn_unread_template_kwargs(cfg, tokenizer)
     out: dict[str, list[int]] = {}
     too_long: list[str] = []
     unusable: list[str] = []  # prompts whose images do not render (data.on_bad_row=skip)

@@ -223,10 +223,11 @@ def _sharded_damage(sharded: Path) -> str | None:
     return None
 
 
-def latest_intact(run_dir: str | Path) -> Path | None:
+def latest_intact(run_dir: str | Path, doing: str = "resuming from",
+                  hint: str = "resume=never starts over") -> Path | None:
     """The newest complete checkpoint whose files read back; a damaged newer one is passed over
-    with a warning naming its damaged file. When every one is damaged, an error (never a silent
-    start from scratch)."""
+    with a warning naming its damaged file (and saying what is `doing` the one before). When
+    every one is damaged, an error ending with `hint` (never a silent start from scratch)."""
     import logging
 
     from rollover.config import ConfigError
@@ -238,9 +239,9 @@ def latest_intact(run_dir: str | Path) -> Path | None:
         why = damage(ckpt)
         if why is None:
             return ckpt
-        logging.getLogger("rollover").warning("checkpoint %s is damaged (%s); resuming from the one before it",
-                                              ckpt.name, why)
+        logging.getLogger("rollover").warning("checkpoint %s is damaged (%s); %s the one before it", ckpt.name, why,
+                                              doing)
         first = first or why
     if done:
-        raise ConfigError(f"every checkpoint in {root} is damaged (the newest: {first}); resume=never starts over")
+        raise ConfigError(f"every checkpoint in {root} is damaged (the newest: {first}); {hint}")
     return None
