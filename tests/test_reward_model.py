@@ -77,6 +77,18 @@ def test_scores_are_the_classifiers_own_on_the_conversation_in_the_models_templa
     assert got.metrics()["rewards/reward_model/truncated/mean"] == 0.0
 
 
+def test_a_prefilled_answer_and_its_completion_are_scored_as_one_assistant_turn(rm_dir):
+    """A prompt ending in an assistant message (a prefill the policy continues): the reward model
+    reads the prefill and the completion as one answer, not two assistant turns."""
+    prefill = [{"role": "user", "content": "2+3="}, {"role": "assistant", "content": "The sum is"}]
+    [reward] = build_rewards([{"fn": "reward_model", "kwargs": {"path": rm_dir}}])
+    with RewardRunner([reward], timeout_s=60) as runner:
+        got = runner.score(prompts_of(prefill), [" 5"])
+    text = char_tokenizer().apply_chat_template([prefill[0], {"role": "assistant", "content": "The sum is 5"}],
+                                                tokenize=False)
+    assert got.samples[0].scores["reward_model"] == pytest.approx(alone(rm_dir, text, False), abs=1e-5)
+
+
 def test_without_a_template_the_prompt_text_and_completion_are_scored_and_long_samples_keep_their_end(tmp_path):
     path = save_reward_model(tmp_path / "plain", template=False, seed=1)
     long_completion = "x" * 40 + " so 9"

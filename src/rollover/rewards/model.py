@@ -9,7 +9,8 @@ e.g. a Skywork reward model); its logit is the score. What it reads (`template`)
 
 - `auto` (the default): with a chat template in the reward model's tokenizer, the conversation:
   the prompt's messages (a text prompt as one user message) and the completion as the
-  assistant's, in the reward model's own template (not the policy's); without one, `text`.
+  assistant's, in the reward model's own template (not the policy's); without one, `text`. A
+  prompt ending in an assistant message (a prefill) and its completion are one assistant turn.
 - `chat`: the conversation, and a tokenizer without a template is an error.
 - `text`: the prompt's text (messages joined by newlines) followed by the completion, with the
   tokenizer's own special tokens.
@@ -131,6 +132,9 @@ class _Scorer:
         """One sample as the reward model reads it."""
         if self.chat:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            if messages and messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str):
+                # a prefilled answer (the prompt's last message): the completion continues it, in one turn
+                messages, completion = messages[:-1], messages[-1]["content"] + completion
             return self.tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": completion}],
                                                       tokenize=False)
         if isinstance(prompt, list):
