@@ -682,3 +682,47 @@ def test_a_continued_message_reads_whole_in_the_rollouts_text_and_a_resubmitted_
                   response_logprobs=[0.0] * 5, response_versions=[0] * 5)
     stops = StopStrings(lambda i: TOK.decode(i, skip_special_tokens=True))
     assert already_finished(req, (EOT,), 100) is None and already_finished(req, (EOT,), 100, stops) == "stop"
+
+
+class PrefillEnv(ScriptedEnv):
+    """An opening that ends in the assistant's message: the model's first turn continues it."""
+
+    async def initial_observation(self) -> list[dict]:
+        return [{"role": "user", "content": "Play."}, {"role": "assistant", "content": "I guess"}]
+
+
+def test_an_opening_ending_in_the_assistants_message_is_continued_as_one_message():
+    """As a data prompt's prefill: the opening leaves the assistant's message open, the first turn
+    goes on inside it, and the next messages close it as one message of the prefill and the turn;
+    a saved episode replays into a fresh environment (and one that opens otherwise is refused)."""
+    import pickle
+
+    from rollover.envs.episode import LiveEpisode
+
+    replies = {1: ids(" 5") + [EOT], 2: ids("6") + [EOT]}
+    engine = ScriptedEngine(lambda r: replies[turn_of(r)])
+    traj = episode(engine, PrefillEnv(done_at=2))
+    assert TOK.decode(traj.tokens_T) == TOK.apply_chat_template(
+        [{"role": "user", "content": "Play."}, {"role": "assistant", "content": "I guess 5"},
+         {"role": "user", "content": "feedback 1"}, {"role": "assistant", "content": "6"}], tokenize=False).removesuffix("\n")
+    assert TOK.decode(traj.tokens_T[:traj.prompt_len]).endswith("<|im_start|>assistant\nI guess")
+    assert traj.finish == "done" and [t.text for t in traj.turns] == [" 5", "6"]
+
+    renderer = ChatRenderer(TOK)
+    for turns in (0, 1):  # saved inside the open message, and after the message closed
+        ep = LiveEpisode("e", SamplingParams(max_new_tokens=16), max_turns=8, max_total_tokens=400, env=PrefillEnv())
+        ep.opened(asyncio.run(ep.env.initial_observation()), None, 0.0, renderer)
+        for _ in range(turns):
+            req = ep.request()
+            ep.sampled(Completion(req.id, req.prompt_ids, ids(" 5") + [EOT], [-0.5] * 3, [0] * 3, "stop", req.sampling),
+                       renderer)
+            ep.stepped(asyncio.run(ep.env.step(ep.action)), None, 0.0, renderer)
+        saved = pickle.dumps(ep)
+        asyncio.run(pickle.loads(saved).replay(PrefillEnv(), timeout_s=5))
+
+        class Other(PrefillEnv):
+            async def initial_observation(self):
+                return [{"role": "user", "content": "Play."}, {"role": "assistant", "content": "You guess"}]
+
+        with pytest.raises(ValueError, match="a fresh environment opened differently"):
+            asyncio.run(pickle.loads(saved).replay(Other(), timeout_s=5))

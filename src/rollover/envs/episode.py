@@ -46,7 +46,7 @@ from jinja2.exceptions import TemplateError
 from rollover.envs.base import INSERTED_VERSION, Action, Env, EpisodeError, Opening, StepResult, Trajectory, Turn
 from rollover.data.media import Media
 from rollover.data.render import opens_reasoning
-from rollover.envs.render import ChatRenderer
+from rollover.envs.render import ChatRenderer, prefilled
 from rollover.rewards.builtins import numpy_bool
 from rollover.types import Request, SamplingParams
 
@@ -189,6 +189,8 @@ class LiveEpisode:
         self.traj = _trajectory(self.request_id, len(prompt_ids), finish="max_turns", initial_env_s=env_s, media=media)
         _append_inserted(self.traj, prompt_ids)
         self.history = list(messages)
+        if prefilled(messages):  # the model's first turn continues the opening's assistant message
+            self.history, self.open_text = self.history[:-1], messages[-1]["content"]
         self.phase = "generate"
 
     def fail(self, exc: BaseException) -> None:
@@ -225,7 +227,7 @@ class LiveEpisode:
         ids = completion.response_ids
         text = renderer.tokenizer.decode(ids, skip_special_tokens=True)
         start_T = len(self.traj.tokens_T)
-        if self.open_text:  # a message the environment continued: open where it began open and is not yet closed
+        if self.open_text and self.traj.turns:  # a message continued: open where it began open and is not yet closed
             thinking = self.traj.turns[-1].opened_reasoning and "</think>" not in self.open_text
         else:  # the template's generation prompt opened <think>
             thinking = opens_reasoning(renderer.tokenizer, self.traj.tokens_T)
@@ -290,7 +292,12 @@ class LiveEpisode:
         if self.phase != "open":
             opening = await asyncio.wait_for(env.initial_observation(), timeout_s)
             opening = list(opening.messages if isinstance(opening, Opening) else opening)
-            if opening != self.history[:len(opening)]:
+            recorded = self.history[:len(opening)]
+            if prefilled(opening):  # recorded as the conversation before it and an open message, or one it began
+                began = recorded[len(opening) - 1]["content"] if len(recorded) == len(opening) else self.open_text
+                recorded = [*recorded[:len(opening) - 1], {**opening[-1]}] \
+                    if isinstance(began, str) and began.startswith(opening[-1]["content"]) else recorded
+            if opening != recorded:
                 raise ValueError(f"episode {self.request_id}: a fresh environment opened differently from the recorded "
                                  f"run ({opening!r:.120} vs {self.history!r:.120}); resuming a checkpoint needs an "
                                  "environment that is deterministic given its task and actions")

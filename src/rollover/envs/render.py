@@ -55,6 +55,11 @@ def episode_renderer(tokenizer, processor=None, **template_kwargs) -> "ChatRende
     return MediaChatRenderer(processor, **template_kwargs)
 
 
+def prefilled(messages: list[dict]) -> bool:
+    """Whether an opening ends in the assistant's message (a prefill its first turn continues)."""
+    return bool(messages) and messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str)
+
+
 class ChatRenderer:
     """Renders an episode's messages with a tokenizer's chat template.
 
@@ -101,13 +106,20 @@ class ChatRenderer:
         `template_kwargs`: this episode's own, over the renderer's (an `Opening`'s); a template
         that writes the same text without them ignores them, which is refused (the episode fails
         saying so: a model never shown its tools would be trained as if it had been)."""
-        text = self._text(messages, add_generation_prompt=True, **template_kwargs)
-        if template_kwargs and text == self._text(messages, add_generation_prompt=True):
+        return self._encode(self._opening(messages, **template_kwargs))
+
+    def _opening(self, messages: list[dict], **template_kwargs) -> str:
+        """The opening's text with the assistant's turn open: a new one, or the last message's
+        when it is the assistant's (a prefill the model continues, as `render_prompt` does)."""
+        go_on = prefilled(messages)
+        how = {"add_generation_prompt": not go_on, **({"continue_final_message": True} if go_on else {})}
+        text = self._text(messages, **how, **template_kwargs)
+        if template_kwargs and text == self._text(messages, **how):
             from jinja2.exceptions import TemplateError
 
             raise TemplateError(f"the chat template ignores {', '.join(sorted(template_kwargs))}= (it renders the "
                                 "opening the same without them)")
-        return self._encode(text)
+        return text
 
     def insertion(self, history: list[dict], sampled_ids: list[int], new_messages: list[dict]) -> list[int]:
         """The ids to append after an assistant turn: the rest of its closing, `new_messages`,
@@ -206,11 +218,7 @@ class MediaChatRenderer(ChatRenderer):
 
     def initial_media(self, messages: list[dict], **template_kwargs) -> tuple[list[int], Media | None]:
         messages, images = _split_images(messages)
-        text = self._text(messages, add_generation_prompt=True, **template_kwargs)
-        if template_kwargs and text == self._text(messages, add_generation_prompt=True):
-            raise TemplateError(f"the chat template ignores {', '.join(sorted(template_kwargs))}= (it renders the "
-                                "opening the same without them)")
-        return self._process(text, images, "the opening")
+        return self._process(self._opening(messages, **template_kwargs), images, "the opening")
 
     def insertion_media(self, history: list[dict], sampled_ids: list[int],
                         new_messages: list[dict]) -> tuple[list[int], Media | None]:
