@@ -66,6 +66,12 @@ async def worked_example(client, prompt):
     await client.chat.completions.create(messages=msgs, tools=[ADD])
 
 
+async def ends_with_its_own_answer(client, prompt):  # OpenAI's API answers anew after an assistant message
+    await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."},
+                                                   {"role": "assistant", "content": "Hello."}])
+    return 1.0
+
+
 async def child_exits(client, prompt):  # a task the agent starts raises SystemExit
     async def child():
         raise SystemExit("from a child task")
@@ -98,6 +104,11 @@ async def never_calls(client, prompt):
 async def says_yes(client, prompt):
     await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}])
     return "yes"
+
+
+async def says_nan(client, prompt):
+    await client.chat.completions.create(messages=[{"role": "user", "content": "Hi."}])
+    return {"reward": float("nan")}
 
 
 async def calls_twice_at_once(client, prompt):  # (the same call twice is a retry: it waits for the same reply)
@@ -252,11 +263,27 @@ def test_an_agents_conversation_is_the_episode_and_its_return_the_reward():
     assert right.done and right.reward == pytest.approx(0.7) and right.info == {"attempts": 2}
 
 
+def test_an_agents_call_ending_in_an_assistant_message_is_answered_in_a_new_turn(agents):
+    """As OpenAI's chat API does (an environment's own opening ending so is continued, a prefill)."""
+    from rollover.envs.base import Opening
+    from rollover.envs.render import ChatRenderer
+    from rollover.testing import char_tokenizer
+
+    env = AgentBuilder(f"{agents}:ends_with_its_own_answer").make_one(Prompt(id="p", text="x"), 1, 0)
+    opening = asyncio.run(env.initial_observation())
+    assert isinstance(opening, Opening) and opening.prefill is False
+    tok = char_tokenizer()
+    ids = ChatRenderer(tok).initial(opening.messages, opening.prefill)
+    assert tok.decode(ids).endswith("<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>assistant\n")
+    assert asyncio.run(env.step(act("Hi again."))).reward == 1.0
+
+
 @pytest.mark.parametrize("name, where, message", [
     ("edits_history", "step", "call 2: message 0 differs from the conversation so far"),
     ("changes_tools", "step", "call 2: tools= differs from the first call's"),
     ("never_calls", "open", "returned 1.0 without calling chat.completions.create"),
     ("says_yes", "step", "returned 'yes': expected a number"),
+    ("says_nan", "step", "the agent returned the reward nan: a finite number is needed"),
     ("calls_twice_at_once", "step", "a call is already waiting for the policy"),
     ("wants_stop", "open", "call 1: stop=5: a string or a list of up to 4 non-empty strings"),
     ("exits", "step", "the agent raised SystemExit: giving up"),

@@ -287,6 +287,8 @@ def sequence_classifier(path):
     (lambda d: save_tiny_model(d, "gpt2"), "is a gpt2 model: the teacher must be of the Llama, Mistral or Qwen families"),
     (sequence_classifier, "LlamaForSequenceClassification: the teacher gives each token a probability"),
     (lambda d: d / "absent", "not a model with a tokenizer"),
+    (lambda d: (d / "checkpoints").mkdir(parents=True) or d, r"is a rollover run directory, not a model: give one of "
+                                                             r"its checkpoints' model/ directory, or export it first"),
 ])
 def test_a_teacher_that_cannot_score_the_policys_tokens_is_refused(model_dir, tmp_path, make, match):
     from rollover.models import load_tokenizer

@@ -919,6 +919,23 @@ def test_inline_tools_answer_tagged_calls_inside_the_turn_and_score_the_tagged_a
                                   "env.max_turns": 4, "env.options": {"tools": {"search": f"{kb}:search"}}})
 
 
+def test_inline_tools_show_a_returned_container_as_json_and_a_set_in_one_order_in_every_process(tmp_path):
+    """As `tools` shows it: a replayed episode reads the same result in a resumed process, whose
+    string hashing (a set's order) differs."""
+    import subprocess
+    import sys
+
+    (tmp_path / "kb.py").write_text("def tags(q):\n    return {'found': None, 'tags': {'alpha', 'beta', 'gamma', 'delta'}}\n")
+    script = ("import asyncio, sys\nfrom rollover.envs.inline import InlineTools\nfrom rollover.envs.base import Action\n"
+              "from rollover.types import Prompt\n"
+              f"env = InlineTools(tools={{'t': {str(tmp_path / 'kb.py') + ':tags'!r}}}).make_one(Prompt(id='p', text='q', "
+              "answer='a'), 1, 0)\nasyncio.run(env.initial_observation())\n"
+              "print(asyncio.run(env.step(Action('<t>x</t>', (), 'stop'))).continuation)\n")
+    seen = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
+    assert seen == {'\n<information>{"found": null, "tags": ["alpha", "beta", "delta", "gamma"]}</information>\n\n'}
+
+
 def test_inline_tools_asks_again_when_a_message_has_neither_a_call_nor_an_answer(tmp_path):
     """retry (Search-R1's invalid action): a message ended without a call or an <answer> gets a user
     message asking again, at most max_retries times; then what the model wrote is scored."""

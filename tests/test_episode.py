@@ -708,6 +708,16 @@ def test_an_opening_ending_in_the_assistants_message_is_continued_as_one_message
     assert TOK.decode(traj.tokens_T[:traj.prompt_len]).endswith("<|im_start|>assistant\nI guess")
     assert traj.finish == "done" and [t.text for t in traj.turns] == [" 5", "6"]
 
+    class Closed(PrefillEnv):  # Opening(prefill=False): closed and answered in a new turn, as OpenAI's API does
+        async def initial_observation(self):
+            from rollover.envs.base import Opening
+
+            return Opening(await super().initial_observation(), prefill=False)
+
+    engine = ScriptedEngine(lambda r: replies[turn_of(r)])
+    traj = episode(engine, Closed(done_at=2))
+    assert TOK.decode(traj.tokens_T[:traj.prompt_len]).endswith("I guess<|im_end|>\n<|im_start|>assistant\n")
+
     renderer = ChatRenderer(TOK)
     for turns in (0, 1):  # saved inside the open message, and after the message closed
         ep = LiveEpisode("e", SamplingParams(max_new_tokens=16), max_turns=8, max_total_tokens=400, env=PrefillEnv())

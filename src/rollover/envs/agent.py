@@ -55,6 +55,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import itertools
+import math
 import numbers
 import secrets
 import threading
@@ -284,9 +285,11 @@ class AgentEnv:
         if kind == "call":
             ch.sent = value
             if self.tools_in == "template" and ch.tools:  # the chat template describes them, in its own words
-                return Opening(rendered(value, self.format), {"tools": ch.tools}, stop=ch.stop)
+                return Opening(rendered(value, self.format), {"tools": ch.tools}, stop=ch.stop, prefill=False)
             messages = with_tools(rendered(value, self.format), ch.tools, self.format)
-            return Opening(messages, stop=ch.stop) if ch.stop else messages
+            if ch.stop or (messages and messages[-1].get("role") == "assistant"):
+                return Opening(messages, stop=ch.stop, prefill=False)  # (a last assistant message is closed, as OpenAI's)
+            return messages
         self._end()
         if kind == "error":
             raise value
@@ -336,6 +339,8 @@ def _final(value) -> StepResult:
         value = value["reward"]
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"the agent returned {value!r:.60}: expected a number (the reward) or a dict with 'reward'")
+    if not math.isfinite(value):
+        raise ValueError(f"the agent returned the reward {value!r}: a finite number is needed")
     return StepResult(messages=[], reward=float(value), done=True, info=info)
 
 

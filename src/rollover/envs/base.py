@@ -58,6 +58,9 @@ class Opening:
     messages: list[dict]
     template_kwargs: dict = field(default_factory=dict)
     stop: tuple[str, ...] = ()  # strings that also end the model's first turn (as StepResult.stop)
+    # messages ending in the assistant's: True continues that message (a prefill, as a data
+    # prompt's); False closes it and opens a new turn, as OpenAI's chat API does (agents)
+    prefill: bool = True
 
 
 @dataclass

@@ -167,13 +167,13 @@ class LiveEpisode:
     # ------------------------------------------------------------ transitions
     def opened(self, messages, error: EpisodeError | None, env_s: float, renderer: ChatRenderer) -> None:
         """The initial observation came back (or failed): messages, or an `Opening`."""
-        kwargs = {}
+        kwargs, prefill = {}, True
         if isinstance(messages, Opening):
-            self.turn_stop = tuple(messages.stop)
+            self.turn_stop, prefill = tuple(messages.stop), messages.prefill
             messages, kwargs = messages.messages, dict(messages.template_kwargs)
         if error is None:
             try:
-                prompt_ids, media = renderer.initial_media(messages, **kwargs)
+                prompt_ids, media = renderer.initial_media(messages, prefill, **kwargs)
             except TemplateError as e:  # the chat template refuses the environment's messages (or images)
                 error = _error(0, e)
             else:
@@ -189,7 +189,7 @@ class LiveEpisode:
         self.traj = _trajectory(self.request_id, len(prompt_ids), finish="max_turns", initial_env_s=env_s, media=media)
         _append_inserted(self.traj, prompt_ids)
         self.history = list(messages)
-        if prefilled(messages):  # the model's first turn continues the opening's assistant message
+        if prefill and prefilled(messages):  # the model's first turn continues the opening's assistant message
             self.history, self.open_text = self.history[:-1], messages[-1]["content"]
         self.phase = "generate"
 
@@ -291,9 +291,10 @@ class LiveEpisode:
         the recorded one is an error naming the episode and the step."""
         if self.phase != "open":
             opening = await asyncio.wait_for(env.initial_observation(), timeout_s)
+            prefill = not isinstance(opening, Opening) or opening.prefill
             opening = list(opening.messages if isinstance(opening, Opening) else opening)
             recorded = self.history[:len(opening)]
-            if prefilled(opening):  # recorded as the conversation before it and an open message, or one it began
+            if prefill and prefilled(opening):  # recorded as the conversation before it and an open message, or one it began
                 began = recorded[len(opening) - 1]["content"] if len(recorded) == len(opening) else self.open_text
                 recorded = [*recorded[:len(opening) - 1], {**opening[-1]}] \
                     if isinstance(began, str) and began.startswith(opening[-1]["content"]) else recorded

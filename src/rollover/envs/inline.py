@@ -40,7 +40,7 @@ from typing import Callable
 from rollover.envs.base import Action, StepResult, cut
 from rollover.envs.opening import check_system_prompt, opening, worked_examples
 from rollover.envs.score import Score, call
-from rollover.envs.tools import ToolError
+from rollover.envs.tools import ToolError, result_text
 from rollover.types import Prompt
 
 RESULT = "\n<information>{result}</information>\n"
@@ -174,7 +174,8 @@ class InlineToolsEnv:
             output = f"error: </{closing}> without <{closing}> before it"
         else:
             try:
-                output = str(await call(self.spec.tools[closing], action.text[start + len(closing) + 2: end]))
+                query = action.text[start + len(closing) + 2: end]
+                output = result_text(await call(self.spec.tools[closing], query))
             except ToolError as e:  # the function refusing the model's input: the model's mistake, shown
                 self.errors += 1
                 output = f"error: {e}"

@@ -89,10 +89,11 @@ class ChatRenderer:
         """What renders the chat template."""
         return self.tokenizer
 
-    def initial_media(self, messages: list[dict], **template_kwargs) -> tuple[list[int], Media | None]:
+    def initial_media(self, messages: list[dict], prefill: bool = True,
+                      **template_kwargs) -> tuple[list[int], Media | None]:
         """`initial`, and the images of the messages as the forward takes them (None: none)."""
         _refuse_images(messages)
-        return self.initial(messages, **template_kwargs), None
+        return self.initial(messages, prefill, **template_kwargs), None
 
     def insertion_media(self, history: list[dict], sampled_ids: list[int],
                         new_messages: list[dict]) -> tuple[list[int], Media | None]:
@@ -100,18 +101,19 @@ class ChatRenderer:
         _refuse_images(new_messages)
         return self.insertion(history, sampled_ids, new_messages), None
 
-    def initial(self, messages: list[dict], **template_kwargs) -> list[int]:
+    def initial(self, messages: list[dict], prefill: bool = True, **template_kwargs) -> list[int]:
         """Token ids of the opening messages with the assistant turn opened (as
         `rollover.data.render_prompt`: the template writes any BOS, encoding adds none);
         `template_kwargs`: this episode's own, over the renderer's (an `Opening`'s); a template
         that writes the same text without them ignores them, which is refused (the episode fails
         saying so: a model never shown its tools would be trained as if it had been)."""
-        return self._encode(self._opening(messages, **template_kwargs))
+        return self._encode(self._opening(messages, prefill, **template_kwargs))
 
-    def _opening(self, messages: list[dict], **template_kwargs) -> str:
-        """The opening's text with the assistant's turn open: a new one, or the last message's
-        when it is the assistant's (a prefill the model continues, as `render_prompt` does)."""
-        go_on = prefilled(messages)
+    def _opening(self, messages: list[dict], prefill: bool, **template_kwargs) -> str:
+        """The opening's text with the assistant's turn open: a new one, or with `prefill` the
+        last message's when it is the assistant's (the model continues it, as `render_prompt`
+        does a data prompt's)."""
+        go_on = prefill and prefilled(messages)
         how = {"add_generation_prompt": not go_on, **({"continue_final_message": True} if go_on else {})}
         text = self._text(messages, **how, **template_kwargs)
         if template_kwargs and text == self._text(messages, **how):
@@ -216,9 +218,10 @@ class MediaChatRenderer(ChatRenderer):
     def _templater(self):
         return self.media.processor
 
-    def initial_media(self, messages: list[dict], **template_kwargs) -> tuple[list[int], Media | None]:
+    def initial_media(self, messages: list[dict], prefill: bool = True,
+                      **template_kwargs) -> tuple[list[int], Media | None]:
         messages, images = _split_images(messages)
-        return self._process(self._opening(messages, **template_kwargs), images, "the opening")
+        return self._process(self._opening(messages, prefill, **template_kwargs), images, "the opening")
 
     def insertion_media(self, history: list[dict], sampled_ids: list[int],
                         new_messages: list[dict]) -> tuple[list[int], Media | None]:

@@ -98,6 +98,14 @@ def _as_json(value):
     return value
 
 
+def result_text(result) -> str:
+    """What a tool's return shows the model: text as it is; a dict, list, tuple or set as JSON (a
+    set sorted, the same in every process); anything else its `str`."""
+    if isinstance(result, str):
+        return result
+    return json.dumps(_as_json(result), default=str) if isinstance(result, _CONTAINERS) else str(result)
+
+
 def function_tool(fn: Callable) -> Tool:
     """A Python function (or `async def`) as a tool, TRL's `tools=[fn]`: its name, its docstring's
     first part and its typed arguments (Google-style `Args:` descriptions) make the schema, as
@@ -119,11 +127,6 @@ def function_tool(fn: Callable) -> Tool:
         raise ValueError(f"tool {getattr(fn, '__name__', fn)!r}: *{starred[0]} cannot be given by name, as a tool "
                          "call gives every argument: name each argument (a list argument takes many values)")
 
-    def shown(result) -> str:  # outside the calls' try: a result that does not serialise is the tool's fault
-        if isinstance(result, str):
-            return result
-        return json.dumps(_as_json(result), default=str) if isinstance(result, _CONTAINERS) else str(result)
-
     def refused(e: BaseException) -> ToolError:
         return ToolError(f"{type(e).__name__}: {e}")
 
@@ -141,7 +144,7 @@ def function_tool(fn: Callable) -> Tool:
                 raise
             except BaseException as e:  # SystemExit from argparse or sys.exit too: the tool's, shown
                 raise refused(e) from e
-            return shown(result)
+            return result_text(result)
     else:
         def run(**arguments):
             try:
@@ -152,7 +155,7 @@ def function_tool(fn: Callable) -> Tool:
                 raise
             except BaseException as e:
                 raise refused(e) from e
-            return shown(result)
+            return result_text(result)
     return Tool(schema["name"], schema.get("description", ""), schema["parameters"], run)
 
 

@@ -47,6 +47,9 @@ def check_reads_policy_tokens(name: str, where: str, role: str, tokenizer, polic
     from rollover.engine.hf_runner import fast_path, unserved
     from rollover.models import is_vision_language, load_tokenizer, resolve_model, text_config
 
+    if (Path(name) / "checkpoints").is_dir() and not (Path(name) / "config.json").is_file():
+        raise ValueError(f"{where} is a rollover run directory, not a model: give one of its checkpoints' model/ "
+                         f"directory, or export it first (rollover export {name} DIR; a LoRA run's adapter is merged)")
     try:
         path = resolve_model(name)
         config = AutoConfig.from_pretrained(path)
