@@ -766,6 +766,52 @@ def test_ranks_with_vllm_end_when_the_driver_is_killed(tmp_path_factory, tmp_pat
         driver.wait()
 
 
+def test_a_rank_waiting_for_peers_ends_when_the_driver_is_killed_while_ranks_start(tmp_path):
+    """The driver SIGKILLed after starting one rank of two: that rank waits in the start's
+    rendezvous for a peer that never comes, where the pipe's end cannot reach it; it ends soon
+    after the driver (not at train.collective_timeout_s), and the fork server it came from too."""
+    import subprocess
+    import sys
+
+    psutil = pytest.importorskip("psutil")
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import time\n"
+        "import torch.multiprocessing as mp\n"
+        "from rollover.config import load_config\n"
+        "from rollover.testing import tiny_model\n"
+        "from rollover.train.rank_server import _rank_main\n"
+        "from rollover.train.ranks import _free_port, _rank_context\n"
+        "if __name__ == '__main__':\n"
+        "    cfg = load_config(device='cpu', model='unused', run_dir='unused', **{'data.train': 'gen:arithmetic?n=10',\n"
+        "                      'train.parallel': 'fsdp', 'train.ranks': 2, 'train.collective_timeout_s': 600})\n"
+        "    model = tiny_model('llama', seed=3)\n"
+        "    ctx = _rank_context(mp, model, False)\n"
+        "    parent, child = ctx.Pipe()\n"
+        "    p = ctx.Process(target=_rank_main, args=(0, 2, f'tcp://127.0.0.1:{_free_port()}', cfg, model, 0, 1, child),\n"
+        "                    daemon=True)\n"
+        "    p.start()\n"
+        "    print('PID', p.pid, flush=True)\n"
+        "    time.sleep(600)\n")
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = next((x for x in driver.stdout if x.startswith("PID")), None)
+        assert line is not None, f"the driver ended without starting its rank (exit {driver.wait()})"
+        rank = psutil.Process(int(line.split()[1]))
+        server = rank.parent()
+        time.sleep(2)  # the rank is in the rendezvous
+        assert rank.is_running() and "forkserver" in " ".join(server.cmdline())
+        driver.kill()
+        driver.wait()
+        t0 = time.monotonic()
+        _, alive = psutil.wait_procs([rank, server], timeout=60)
+        assert not alive, "the rank (or its fork server) outlived the driver"
+        assert time.monotonic() - t0 < 30
+    finally:
+        driver.kill()
+        driver.wait()
+
+
 def test_colocated_engines_that_keep_their_weights_hold_them_through_the_step(model_dir, tmp_path):
     cfg = run_cfg(model_dir, tmp_path, steps=1, **{"train.parallel": "fsdp", "train.ranks": 2, "train.colocate": True,
                                                    "train.colocate_free_weights": False})

@@ -166,13 +166,15 @@ def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int,
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    closing = threading.Event()
+    _watch_driver(conn, closing)
     server = None
     try:
         server = RankServer(rank, world, init_method, cfg, model, pad_id, threads, events, from_rank0=from_rank0,
                             reference=reference)
         del model, reference
         conn.send(("ok", server.info))
-        _serve(server, conn)
+        _serve(server, conn, closing)
     except (EOFError, KeyboardInterrupt):  # the driver went away
         pass
     except BaseException:
@@ -185,12 +187,34 @@ def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int,
             server.stop_engine()
 
 
-def _serve(server: RankServer, conn) -> bool:
+def _watch_driver(conn, closing: threading.Event, grace_s: float = 5.0) -> None:
+    """End this rank process when the driver that started it is gone (its end of `conn` closed)
+    and it was not closing the rank: a rank blocked where the pipe's end cannot reach it (the
+    start's rendezvous with a peer the dead driver never started, a collective) would otherwise
+    wait out train.collective_timeout_s, holding its memory and the model's shared tensors. A
+    rank waiting on the pipe ends by itself first (`grace_s`). The watch only polls for the hang-up:
+    it reads nothing from the pipe."""
+    import select
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(conn.fileno(), 0)  # (a hang-up is always reported)
+        while not any(event & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, event in poller.poll()):
+            pass
+        if not closing.wait(grace_s):
+            os._exit(1)
+
+    threading.Thread(target=watch, name="rollover-driver-watch", daemon=True).start()
+
+
+def _serve(server: RankServer, conn, closing: threading.Event | None = None) -> bool:
     """Answer the driver's calls until `close` (True) or a failure its peers may share (False)."""
     while True:
         call, *args = conn.recv()
         try:
             if call == "close":
+                if closing is not None:
+                    closing.set()
                 conn.send(("ok", None))
                 server.close()
                 return True
