@@ -114,8 +114,11 @@ def test_a_run_trains_the_kept_samples_and_tokens(model_dir, tmp_path):
     assert [r["downsample/samples_generated"] for r in rows] == [12, 12, 12]
     assert [r["downsample/token_fraction"] for r in rows] == [0.5, 0.75, 1.0]
     assert [r["samples_consumed_total"] for r in rows] == [6, 12, 18]
+    assert [r["samples"] for r in rows] == [6, 6, 6]  # what each step trained, not what it generated
     ledger = [json.loads(x) for x in open(tmp_path / "trained_groups.jsonl")]
-    assert all(g["samples"] == 4 for row in ledger for g in row["groups"])  # the groups as generated
+    groups = [g for row in ledger for g in row["groups"]]
+    assert all(g["samples"] == 2 == len(g["lengths"]) and g["generated"] == 4 for g in groups)
+    assert all(g["tokens"] == sum(g["lengths"]) for g in groups)
 
 
 def test_bench_learn_fields_and_summary(model_dir, tmp_path):

@@ -94,7 +94,7 @@ def curve(run_dir: str) -> list[dict]:
     out = []
     for ev in read_metrics(run_dir, kind="eval"):
         done = [r for r in train if r["step"] <= ev["step"]]
-        out.append({"step": ev["step"], "samples": sum(r["samples"] for r in done),
+        out.append({"step": ev["step"], "samples": sum(r.get("downsample/samples_generated", r["samples"]) for r in done),
                     "trained": done[-1]["samples_consumed_total"] if done else 0,
                     "train_seconds": sum(r["timing_s/step"] for r in done), "accuracy": ev["eval/accuracy"]})
     return out

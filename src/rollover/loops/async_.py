@@ -133,7 +133,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                     **parts.metrics(stats.wall()), "timing_s/wait_for_batch": waited,
                     **run.weights.metrics(), **run.worker_metrics(),
                 }
-                record_step(run, step, metrics, groups, batch)
+                record_step(run, step, metrics, groups, batch, kept=adv_info.get("kept_samples"))
                 if progress:
                     progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
                                     samples_per_s=metrics["perf/samples_trained_per_s"], **reward_errors(metrics))

@@ -109,18 +109,26 @@ def advantage_metrics(adv_info: dict) -> dict:
     return out
 
 
-def ledger_rows(groups) -> list[dict]:
-    """What `trained_groups.jsonl` records of each trained group (`samples`: those trained;
-    `dropped`: its failed samples, left out)."""
-    return [{"group": g.id, "prompt": g.prompt.id, "samples": len(g.rollouts), "dropped": g.dropped,
-             "start_version": g.start_version,
-             "tokens": sum(len(r.response_ids) for r in g.rollouts),
-             "lengths": [len(r.response_ids) for r in g.rollouts]} for g in groups]
+def ledger_rows(groups, kept: list[list[int]] | None = None) -> list[dict]:
+    """What `trained_groups.jsonl` records of each trained group (`samples`: those trained, of
+    each group the `kept` ones where D3S down-sampling chose some, and then `generated`: how many
+    it had; `dropped`: its failed samples, left out)."""
+    rows = []
+    for i, g in enumerate(groups):
+        trained = g.rollouts if kept is None else [g.rollouts[j] for j in kept[i]]
+        rows.append({"group": g.id, "prompt": g.prompt.id, "samples": len(trained),
+                     **({"generated": len(g.rollouts)} if kept is not None else {}), "dropped": g.dropped,
+                     "start_version": g.start_version, "tokens": sum(len(r.response_ids) for r in trained),
+                     "lengths": [len(r.response_ids) for r in trained]})
+    return rows
 
 
-def record_step(run: Run, step: int, metrics: dict, groups, batch, collected: dict | None = None) -> None:
-    """A trained step on record: its metrics row, its groups in the ledger, and (every
-    `logging.samples` steps) its samples."""
-    run.logger.log(step, {**metrics, "data/epochs": run.train_iter.epochs_drawn})  # passes over the prompts drawn
-    run.logger.log_groups(step, ledger_rows(groups))
+def record_step(run: Run, step: int, metrics: dict, groups, batch, collected: dict | None = None,
+                kept: list[list[int]] | None = None) -> None:
+    """A trained step on record: its metrics row (`samples`: the batch's), its groups in the
+    ledger (`kept`: each group's samples D3S down-sampling kept), and (every `logging.samples`
+    steps) its samples."""
+    run.logger.log(step, {**metrics, "samples": len(batch),  # (D3S trains fewer than the groups hold)
+                          "data/epochs": run.train_iter.epochs_drawn})  # passes over the prompts drawn
+    run.logger.log_groups(step, ledger_rows(groups, kept))
     log_samples(run, step, groups, batch, collected)

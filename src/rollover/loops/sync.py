@@ -151,7 +151,7 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
             samples_consumed += len(batch)
             timings = {"advantage": t_adv, "train": t_train, "weight_sync": t_sync, "step": time.perf_counter() - t_step}
             metrics = step_metrics(run, groups, gen, train_metrics, adv_info, timings, samples_consumed, len(batch))
-            record_step(run, step, metrics, groups, batch, gen)
+            record_step(run, step, metrics, groups, batch, gen, adv_info.get("kept_samples"))
             if progress:
                 progress.update(step, reward=metrics["reward/mean"], acc=metrics["accuracy"],
                                 tokens_per_s=metrics["perf/tokens_per_s"], **reward_errors(metrics))

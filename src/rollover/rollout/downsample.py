@@ -81,15 +81,17 @@ def top_tokens(rollouts: list[Rollout], advantages: list[float], fraction: float
 
 
 def downsample(groups: list[Group], advantages: list[float], cfg, step: int) -> tuple[list[Rollout], list[float], dict]:
-    """The rollouts and advantages to train on after both levels, and the step's metrics.
-    `advantages` are the flattened per-rollout advantages of `groups` (group order)."""
-    rollouts, advs, at = [], [], 0
+    """The rollouts and advantages to train on after both levels, and the step's metrics (with
+    `kept_samples`: each group's kept samples, by index). `advantages` are the flattened
+    per-rollout advantages of `groups` (group order)."""
+    rollouts, advs, kept, at = [], [], [], 0
     for g in groups:
         own = advantages[at:at + len(g.rollouts)]
         at += len(g.rollouts)
-        idx = max_variance_subset(own, cfg.keep) if cfg.keep else range(len(g.rollouts))
+        idx = max_variance_subset(own, cfg.keep) if cfg.keep else list(range(len(g.rollouts)))
         rollouts += [g.rollouts[i] for i in idx]
         advs += [own[i] for i in idx]
+        kept.append(idx)
     if at != len(advantages):
         raise ValueError(f"{len(advantages)} advantages for {at} rollouts")
     fraction = token_fraction_at(cfg, step)
@@ -98,4 +100,5 @@ def downsample(groups: list[Group], advantages: list[float], cfg, step: int) -> 
     return rollouts, advs, {
         "downsample/samples_kept": len(rollouts), "downsample/samples_generated": at,
         "downsample/token_fraction": fraction, "downsample/tokens_kept": trained - dropped,
+        "kept_samples": kept,  # each group's kept samples (not a metric: the ledger's record of what trained)
     }
