@@ -178,6 +178,13 @@ class FlakyEnv:
         return [{"role": "user", "content": "Say something."}]
 
     async def step(self, action):
+        import os
+        import signal
+
+        once = os.environ.get("FLAKY_SIGTERM_ONCE")  # a file: its first failing step stops the run as a signal does
+        if self.fails and once and os.path.exists(once):
+            os.remove(once)
+            os.kill(os.getpid(), signal.SIGTERM)
         if self.fails:
             raise RuntimeError("simulator crashed")
         return StepResult([], float(len(action.text) % 2), done=True)
@@ -248,8 +255,33 @@ def test_a_step_whose_groups_all_fail_is_collected_again(model_dir, tmp_path, mo
         assert got[1]["rollout/env/failed"] == 8 and got[1]["rollout/env/episodes"] == 16
         assert [g["prompt"] for g in json.loads(open(tmp_path / "run" / "trained_groups.jsonl").readlines()[1])
                 ["groups"]] == ["flaky-3-4", "flaky-3-5"]
+        assert [r["rollout/rounds"] for r in got] == [1, 2, 1]  # the empty collection's round and tokens too
+        assert got[1]["rollout/generated_tokens"] > max(got[0]["rollout/generated_tokens"], got[2]["rollout/generated_tokens"])
     if mode == "async":  # two groups in a row dropped, in start order: a batch's worth
         assert sum(r["rollout/empty_collections"] for r in got) == 1
+
+
+def test_a_run_stopped_by_a_signal_after_an_empty_collection_reports_it_after_the_resume(model_dir, tmp_path,
+                                                                                       monkeypatch):
+    """A signal during a collection that trains nothing saves the step before it; the resumed
+    run's next row still counts that collection (its checkpoint keeps the counts), as the
+    unstopped run's does."""
+    options = {"broken": [2, 3], "every": 0}
+    train(flaky_cfg(model_dir, tmp_path / "straight", "sync", options, steps=3))
+    (tmp_path / "once").write_text("")
+    monkeypatch.setenv("FLAKY_SIGTERM_ONCE", str(tmp_path / "once"))
+    stopped = train(flaky_cfg(model_dir, tmp_path / "split", "sync", options, steps=3))
+    assert stopped["step"] == 1 and stopped["interrupted"] == "SIGTERM"
+    train(flaky_cfg(model_dir, tmp_path / "split", "sync", options, steps=3))
+
+    def counts(run_dir):
+        from rollover.loops.batch import EmptyCollections
+
+        kept = {f"rollout/{k}" for k in (*EmptyCollections.FOLDED, "empty_collections") if not k.endswith("_s")}
+        return [{k: v for k, v in r.items() if k in kept} for r in rows(run_dir)]
+
+    straight, split = counts(tmp_path / "straight" / "run"), counts(tmp_path / "split" / "run")
+    assert split == straight and straight[1]["rollout/empty_collections"] == 1
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -288,4 +320,7 @@ def test_an_empty_collections_counts_reach_the_next_step_per_reward_function_too
     out = empty.fold({"reward_errors": 2, "dropped_samples": 2, "rewards/flaky/errors": 2, "rewards/flaky/mean": 0.25})
     assert out["reward_errors"] == out["rewards/flaky/errors"] == out["dropped_samples"] == 10
     assert out["rewards/flaky/mean"] == 0.25 and out["empty_collections"] == 2
+    empty.add(run, 1, {"generated_tokens": 30, "rounds": 1, "generate_s": 0.5, "occupancy": 0.9})
+    out = empty.fold({"generated_tokens": 20, "rounds": 1, "generate_s": 0.25, "occupancy": 0.7})
+    assert out == {"generated_tokens": 50, "rounds": 2, "generate_s": 0.75, "occupancy": 0.7, "empty_collections": 1}
     assert empty.fold({})["empty_collections"] == 0

@@ -35,11 +35,22 @@ class EmptyCollections:
     in a row stop the run after a checkpoint. Their losses are reported with the step that
     trains next (`rollout/empty_collections` and the counts in `FOLDED`)."""
 
-    FOLDED = (*DROP_COUNTS, "env/episodes", "env/failed", "env/timed_out", "env/resampled")  # counts (an episode's averages are not carried)
+    # counts and the seconds they took (an episode's averages are not carried)
+    FOLDED = (*DROP_COUNTS, "generated_tokens", "rounds", "generate_s", "reward_s", "env/episodes", "env/failed",
+              "env/timed_out", "env/resampled")
 
     def __init__(self):
         self.count = 0
         self.lost: Counter = Counter()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint taken after empty collections keeps of them (a signal stops the run
+        there): the next step's row reports them after a resume as it would have."""
+        return {"count": self.count, "lost": dict(self.lost)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:  # (a checkpoint written before these were kept has none)
+            self.count, self.lost = state["count"], Counter(state["lost"])
 
     def add(self, run: Run, step: int, gen: dict) -> TooManyEmptyCollections | None:
         """Count an empty collection for the (step+1)-th step; the error that stops the run

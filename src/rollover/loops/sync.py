@@ -90,9 +90,11 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
     progress = Progress(cfg.steps, initial=step, desc="train") if cfg.logging.progress else None
     samples_consumed = run.resumed_extra.get("samples_consumed", 0)
     empty = EmptyCollections()
+    empty.load_state_dict(run.resumed_extra.get("empty_collections"))
 
     def extra() -> dict:
-        return {"collector": collector.state_dict(), "samples_consumed": samples_consumed}
+        return {"collector": collector.state_dict(), "samples_consumed": samples_consumed,
+                "empty_collections": empty.state_dict()}
 
     def save(step: int, state: dict | None = None):
         return run.save(step, extra(), state=state)
