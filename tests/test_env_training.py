@@ -397,6 +397,8 @@ def test_tools_for_a_chat_template_that_ignores_them_are_refused_before_the_run(
     ({"env.max_total_tokens": 100}, "env.max_total_tokens=100 leaves no room"),
     ({"env.name": None, "data.train": "gen:arithmetic?n=50", "env.resample_failed": 1},
      "env.resample_failed runs failed episodes again: it needs an environment"),
+    ({"env.name": None, "data.train": "gen:arithmetic?n=50", "env.dynamic_turns": True},
+     r"env.dynamic_turns sets each task's limit on an episode's turns: it needs a multi-turn run \(env.name\)"),
     ({"env.name": None, "data.train": "gen:arithmetic?n=50", "env.credit": "reward_to_go"},
      "env.credit, env.gamma and env.step_weight give the turns of episodes their credit: they need env.name"),
     ({"env.credit": "reward_to_go"}, r"with algorithm.advantage=grpo: .* \(it divides by the spread .* set "

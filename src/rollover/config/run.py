@@ -539,6 +539,9 @@ class Config(Section):
             if e.resample_failed:
                 out.append("env.resample_failed runs failed episodes again: it needs an environment (env.name); "
                            "single-turn samples a reward function could not score follow reward.on_error")
+            if e.dynamic_turns:
+                out.append("env.dynamic_turns sets each task's limit on an episode's turns: it needs a multi-turn run "
+                           "(env.name)")
             return out + (["data.train: env needs env.name"] if self.data.train == "env" else [])
         out = []
         if e.credit == "reward_to_go":
