@@ -494,3 +494,25 @@ def test_resuming_a_gspo_run_begun_under_ppos_clip_range_says_how_to_keep_it(tmp
         config_changes_since(load_config(None, seq), ckpt, allow=False)
     assert config_changes_since(load_config(None, [*seq, "algorithm.eps_low=0.2", "algorithm.eps_high=0.28"]),
                                 ckpt, allow=False) == []
+
+
+def test_an_override_to_the_local_runtime_or_sync_mode_sets_the_files_section_for_the_other_aside(tmp_path, caplog):
+    """A Ray run's config.yaml evaluated with runtime=local (an async config compared with
+    mode=sync): its ray (async) section is set aside, said in a warning; written so in a file it
+    is a mistake, refused, as is an override that sets the section too."""
+    import logging
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model: m\nrun_dir: r\nruntime: ray\nray: {rollout_workers: 2}\nmode: async\n"
+                    "async: {max_staleness: 2}\n")
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        cfg = load_config(path, ["runtime=local", "mode=sync"])
+    assert cfg.runtime == "local" and cfg.ray == type(cfg.ray)() and cfg.mode == "sync"
+    assert cfg.async_ == type(cfg.async_)()
+    assert "runtime=local (an override): the config's ray section is not used" in caplog.text
+    assert "mode=sync (an override): the config's async section is not used" in caplog.text
+    path.write_text("model: m\nrun_dir: r\nruntime: local\nray: {rollout_workers: 2}\n")
+    with pytest.raises(ConfigError, match="the ray section is set but runtime is local"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="the ray section is set but runtime is local"):
+        load_config(path, ["runtime=local", "ray.rollout_workers=3"])

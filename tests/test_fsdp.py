@@ -579,6 +579,27 @@ def test_ray_trainer_rank_actors_train_as_one_trainer(model_dir, tmp_path):
         ray.shutdown()
 
 
+def test_a_dead_rank_actor_leaves_the_ray_it_started_up_until_the_run_closes():
+    """The rank actors' group started Ray: a dead rank stops the ranks at once, but Ray goes only
+    when the run closes, after its rollout workers, which would otherwise see it gone, take
+    themselves for lost and start another Ray to replace themselves."""
+    ray = pytest.importorskip("ray")
+    from rollover.runtime.trainer_group import RayShardedTrainer
+
+    assert not ray.is_initialized()
+    cfg = cfg_of(runtime="ray", **{"train.ranks": 2, "ray.trainer": "actor", "ray.cpus_for_trainer": 0.5,
+                                   "ray.num_cpus": 2, "train.collective_timeout_s": 60})
+    group = RayShardedTrainer(tiny_model("llama", seed=3), cfg, pad_id=0)
+    try:
+        os.kill(group.pids[1], signal.SIGKILL)
+        with pytest.raises(RankLost, match=r"trainer rank 1 of 2 \(a Ray actor\) died during train_step"):
+            group.train_step(batch_of(3))
+        assert ray.is_initialized() and not group.actors
+    finally:
+        group.close()
+    assert not ray.is_initialized()
+
+
 def _ray_rank_actors(model_dir, tmp_path, one):
     # the ranks' buckets reach the worker as bit-level deltas against the weights it holds
     train_sync(run_cfg(model_dir, tmp_path / "ray", runtime="ray", **{

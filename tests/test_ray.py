@@ -4,6 +4,7 @@ worker deaths, and the loops on Ray against the local runtime."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -268,7 +269,7 @@ def test_requests_of_a_group_stay_on_one_worker_and_load_spreads(pair):
     assert len(set(picks[:4])) == 1 and len(set(picks[4:])) == 1 and picks[0] != picks[4]
 
 
-def test_a_killed_worker_loses_nothing_and_its_replacement_rejoins_at_the_current_version(pair):
+def test_a_killed_worker_loses_nothing_and_its_replacement_rejoins_at_the_current_version(pair, caplog):
     m, local, eng = pair
     eng.poll_s = 0.02
     ref = local.generate(requests(8, 400, prefix="k"))
@@ -282,12 +283,18 @@ def test_a_killed_worker_loses_nothing_and_its_replacement_rejoins_at_the_curren
         time.sleep(0.005)
     assert mid, "no request was seen mid-way on worker 0"
     before = eng.restarts
-    eng.kill_worker(0)
-    got = [f.result(timeout=120) for f in futs]
+    with caplog.at_level(logging.INFO, logger="rollover"):
+        eng.kill_worker(0)
+        got = [f.result(timeout=120) for f in futs]
+        deadline = time.time() + 60  # the replacement up (the requests may all have finished on the other)
+        while time.time() < deadline and {w["index"]: w for w in eng.workers()}[0]["pid"] is None:
+            time.sleep(0.05)
     same(ref, got)  # nothing lost, nothing duplicated: exactly the uninterrupted completions
     assert eng.restarts == before + 1 and eng.resubmitted >= 1
     info = {w["index"]: w for w in eng.workers()}
     assert info[0]["restarts"] == 1 and info[0]["alive"]
+    # the log names the death and the replacement, with its pid and node
+    assert f"ray: rollout worker 0 replaced: pid {info[0]['pid']} on node {info[0]['node']}, up in " in caplog.text
     same(local.generate(requests(2, 8, prefix="z")), eng.generate(requests(2, 8, prefix="z")))
     eng.poll_s = 0.5
 

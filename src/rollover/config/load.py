@@ -166,6 +166,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
     for k, v in parse_overrides(list(overrides), schema):
         _set_path(raw, k, v, schema)
         overridden.add(k)
+    _drop_switched_off(raw, overridden)
     sections = {"async" if n == "async_" else n for n in schema.model_fields}
     try:
         return schema.model_validate(raw, context={"recorded": recorded})
@@ -180,6 +181,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
             return "override " if given and all(given) else f"{path}{' and overrides' if any(given) else ''}: "
 
         raise ConfigError("; ".join(where(err) + _error_line(err) for err in e.errors())) from None
+
+
+def _drop_switched_off(raw: dict, overridden: set[str]) -> None:
+    """An override that switches the runtime to local (or the mode to sync) sets aside the YAML's
+    ray (or async) section, which configures the other (a Ray run's config.yaml evaluated here,
+    an async config compared in sync mode); it is refused as a mistake when written in the file."""
+    import logging
+
+    for key, value, section in (("runtime", "local", "ray"), ("mode", "sync", "async")):
+        ours = any(k == section or k.startswith(section + ".") for k in overridden)
+        if key in overridden and raw.get(key) == value and raw.get(section) and not ours:
+            del raw[section]
+            logging.getLogger("rollover").warning("%s=%s (an override): the config's %s section is not used", key,
+                                                  value, section)
 
 
 def _error_keys(err: dict) -> list[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import wait as wait_futures
 from dataclasses import replace
@@ -152,8 +153,15 @@ class RayEngine(WeightUpdates, EngineAPI):
     def _poll_loop(self, w: WorkerSlot) -> None:
         import ray
 
+        started = time.monotonic()
         while not self._stopped and w.alive:
             try:
+                if w.pid is None:  # a replacement: who and where, once it is up
+                    info = ray.get(w.handle.ready.remote(), timeout=self.rc.sync_timeout_s)
+                    w.pid, w.node = info["pid"], info["node"]
+                    log.info("ray: rollout worker %d replaced: pid %s on node %s, up in %.1f s (restart %d of "
+                             "ray.max_restarts=%d)", w.index, w.pid, w.node, time.monotonic() - started, w.restarts,
+                             self.rc.max_restarts)
                 done, tokens = ray.get(w.handle.poll.remote(self.poll_s), timeout=self.poll_s + self.rc.sync_timeout_s)
             except BaseException as e:  # dead (RayActorError), hung (GetTimeoutError), or a bug
                 if not self._stopped:
@@ -218,7 +226,8 @@ class RayEngine(WeightUpdates, EngineAPI):
         replacement is there, requests that find no live worker wait for it."""
         import ray
 
-        can_restart = w.restarts < self.rc.max_restarts and not self._stopped
+        # (a Ray shut down meanwhile, by whoever started it, is not restarted: a new actor would start another)
+        can_restart = w.restarts < self.rc.max_restarts and not self._stopped and ray.is_initialized()
         with self._lock:
             if not w.alive:
                 return

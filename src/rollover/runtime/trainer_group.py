@@ -125,13 +125,16 @@ class RayShardedTrainer(RankGroup):
     def close(self) -> None:
         import ray
 
+        self._stop_ranks()
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def _stop_ranks(self) -> None:
         for a in self.actors:
             kill_actor(a)
         self.actors = []
         for conn in self.events:
             conn.close()
-        if self.owns_ray and ray.is_initialized():
-            ray.shutdown()
 
     # ------------------------------------------------------------ the ranks' engines (train.colocate)
     def call(self, rank: int, name: str, *args, timeout: float | None = None):
@@ -219,9 +222,10 @@ class RayShardedTrainer(RankGroup):
 
     def _fail(self, error: RankLost):
         """The ranks stop for `error`: recorded first (a colocated reader that sees the connections
-        close asks why), then the actors stopped, then raised."""
+        close asks why), then the actors stopped, then raised. Ray itself stays up until the run
+        closes, after its rollout workers (which would otherwise see it go and start another)."""
         self.failure = error
-        self.close()
+        self._stop_ranks()
         error.__suppress_context__ = True  # the Ray error it replaces says less
         raise error
 
