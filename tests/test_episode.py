@@ -730,9 +730,25 @@ def test_an_opening_ending_in_the_assistants_message_is_continued_as_one_message
         saved = pickle.dumps(ep)
         asyncio.run(pickle.loads(saved).replay(PrefillEnv(), timeout_s=5))
 
-        class Other(PrefillEnv):
-            async def initial_observation(self):
-                return [{"role": "user", "content": "Play."}, {"role": "assistant", "content": "You guess"}]
+        for other in ("You guess", "I", "I guess 5"):  # another prefill, one cut short, one with the turn in it
+            class Other(PrefillEnv):
+                async def initial_observation(self, other=other):
+                    return [{"role": "user", "content": "Play."}, {"role": "assistant", "content": other}]
 
-        with pytest.raises(ValueError, match="a fresh environment opened differently"):
-            asyncio.run(pickle.loads(saved).replay(Other(), timeout_s=5))
+            with pytest.raises(ValueError, match="a fresh environment opened differently"):
+                asyncio.run(pickle.loads(saved).replay(Other(), timeout_s=5))
+
+    # a chat template that does not write the prefill as given (DeepSeek-R1's drops an assistant message's
+    # reasoning) fails the episode, not the run
+    tok = char_tokenizer()
+    tok.chat_template = TOK.chat_template.replace("{{ message['content'] }}",
+                                                  "{{ message['content'].split('</think>')[-1] }}")
+
+    class Thinking(PrefillEnv):
+        async def initial_observation(self):
+            return [{"role": "user", "content": "Play."}, {"role": "assistant", "content": "<think>hm</think>I guess"}]
+
+    traj = episode(ScriptedEngine(lambda r: replies[turn_of(r)]), Thinking(), renderer=ChatRenderer(tok))
+    assert traj.finish == "error" and traj.error.turn == 0
+    assert "the opening's last message is the assistant's, to be continued, and the chat template does not write it" \
+        in traj.error.message

@@ -256,6 +256,7 @@ def test_a_step_whose_groups_all_fail_is_collected_again(model_dir, tmp_path, mo
         assert [g["prompt"] for g in json.loads(open(tmp_path / "run" / "trained_groups.jsonl").readlines()[1])
                 ["groups"]] == ["flaky-3-4", "flaky-3-5"]
         assert [r["rollout/rounds"] for r in got] == [1, 2, 1]  # the empty collection's round and tokens too
+        assert got[1]["timing_s/step"] >= got[1]["timing_s/generate"] + got[1]["timing_s/train"]  # and its time
         assert got[1]["rollout/generated_tokens"] > max(got[0]["rollout/generated_tokens"], got[2]["rollout/generated_tokens"])
     if mode == "async":  # two groups in a row dropped, in start order: a batch's worth
         assert sum(r["rollout/empty_collections"] for r in got) == 1

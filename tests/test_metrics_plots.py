@@ -241,3 +241,20 @@ def test_the_reward_panels_eval_lines_are_accuracies_not_a_rewards_error_counts(
     reward = next(p for p in _PANELS if p.name == "reward")
     assert _matching(rows, reward.eval) == ["eval/accuracy", "eval/gsm8k/accuracy", "eval/reward_mean",
                                             "eval/pass_at_k", "eval/maj_at_k"]
+
+
+def test_the_reward_band_is_its_standard_error_over_the_samples_its_statistics_cover():
+    """reward/std over sqrt(samples): under D3S down-sampling the statistics cover every sample
+    generated (downsample/samples_generated), not the fewer trained (samples)."""
+    from rollover.metrics.plots import _sem_band
+
+    class Axes:
+        def fill_between(self, xs, lo, hi, **kw):
+            self.band = (xs, lo, hi)
+
+    rows = [{"step": 1, "reward/mean": 0.5, "reward/std": 0.4, "samples": 4},
+            {"step": 2, "reward/mean": 0.5, "reward/std": 0.4, "samples": 4, "downsample/samples_generated": 16}]
+    ax = Axes()
+    _sem_band(ax, rows, "k")
+    xs, lo, hi = ax.band
+    assert xs == [1, 2] and hi[0] - 0.5 == pytest.approx(0.2) and hi[1] - 0.5 == pytest.approx(0.1)

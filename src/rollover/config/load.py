@@ -162,11 +162,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
         raw = {k: v for k, v in raw.items() if k not in RETIRED_SECTIONS or k in schema.model_fields}
     for k, v in data.items():
         _set_path(raw, k, v, schema)
-    overridden = set()
+    overridden, before = set(), dict(raw) if isinstance(raw, dict) else {}
     for k, v in parse_overrides(list(overrides), schema):
         _set_path(raw, k, v, schema)
         overridden.add(k)
-    _drop_switched_off(raw, overridden)
+    _drop_switched_off(raw, before, overridden)
     sections = {"async" if n == "async_" else n for n in schema.model_fields}
     try:
         return schema.model_validate(raw, context={"recorded": recorded})
@@ -183,15 +183,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
         raise ConfigError("; ".join(where(err) + _error_line(err) for err in e.errors())) from None
 
 
-def _drop_switched_off(raw: dict, overridden: set[str]) -> None:
-    """An override that switches the runtime to local (or the mode to sync) sets aside the YAML's
-    ray (or async) section, which configures the other (a Ray run's config.yaml evaluated here,
-    an async config compared in sync mode); it is refused as a mistake when written in the file."""
+def _drop_switched_off(raw: dict, before: dict, overridden: set[str]) -> None:
+    """An override that switches the runtime from ray to local (or the mode from async to sync)
+    sets aside the YAML's ray (or async) section, which configures the other (a Ray run's
+    config.yaml evaluated here, an async config compared in sync mode); such a section beside a
+    local runtime (sync mode) in the file itself is refused as a mistake."""
     import logging
 
     for key, value, section in (("runtime", "local", "ray"), ("mode", "sync", "async")):
         ours = any(k == section or k.startswith(section + ".") for k in overridden)
-        if key in overridden and raw.get(key) == value and raw.get(section) and not ours:
+        switched = key in overridden and raw.get(key) == value and before.get(key, value) != value
+        if switched and raw.get(section) and not ours:
             del raw[section]
             logging.getLogger("rollover").warning("%s=%s (an override): the config's %s section is not used", key,
                                                   value, section)

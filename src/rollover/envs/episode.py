@@ -121,8 +121,8 @@ class LiveEpisode:
     it, so an episode can stop anywhere (mid-turn, or waiting for its environment), be carried
     across training steps and be saved in a checkpoint.
 
-    `open_text` is the text of the assistant message still open (turns that environments
-    continued, and their continuations), which the next messages' insertion closes.
+    `open_text` is the text of the assistant message still open (an opening's prefill, turns that
+    environments continued, and their continuations), which the next messages' insertion closes.
 
     `phase` says what the episode needs next:
     - "open": the environment's `initial_observation()`, given to `opened`;
@@ -138,6 +138,7 @@ class LiveEpisode:
     """
 
     open_text = ""  # (a class default: checkpoints written before it was kept load as no open message)
+    prefill: dict | None = None  # the opening's last message when the first turn continued it (as the opening gave it)
     turn_stop: tuple[str, ...] = ()  # the environment's stop strings for the next turn (StepResult.stop)
 
     def __init__(self, request_id: str, sampling: SamplingParams, *, max_turns: int, max_total_tokens: int,
@@ -190,7 +191,7 @@ class LiveEpisode:
         _append_inserted(self.traj, prompt_ids)
         self.history = list(messages)
         if prefill and prefilled(messages):  # the model's first turn continues the opening's assistant message
-            self.history, self.open_text = self.history[:-1], messages[-1]["content"]
+            self.history, self.open_text, self.prefill = self.history[:-1], messages[-1]["content"], dict(messages[-1])
         self.phase = "generate"
 
     def fail(self, exc: BaseException) -> None:
@@ -294,10 +295,8 @@ class LiveEpisode:
             prefill = not isinstance(opening, Opening) or opening.prefill
             opening = list(opening.messages if isinstance(opening, Opening) else opening)
             recorded = self.history[:len(opening)]
-            if prefill and prefilled(opening):  # recorded as the conversation before it and an open message, or one it began
-                began = recorded[len(opening) - 1]["content"] if len(recorded) == len(opening) else self.open_text
-                recorded = [*recorded[:len(opening) - 1], {**opening[-1]}] \
-                    if isinstance(began, str) and began.startswith(opening[-1]["content"]) else recorded
+            if prefill and prefilled(opening) and self.prefill is not None:  # (history holds it joined with the turn)
+                recorded = [*self.history[:len(opening) - 1], self.prefill]
             if opening != recorded:
                 raise ValueError(f"episode {self.request_id}: a fresh environment opened differently from the recorded "
                                  f"run ({opening!r:.120} vs {self.history!r:.120}); resuming a checkpoint needs an "

@@ -56,7 +56,7 @@ def episode_renderer(tokenizer, processor=None, **template_kwargs) -> "ChatRende
 
 
 def prefilled(messages: list[dict]) -> bool:
-    """Whether an opening ends in the assistant's message (a prefill its first turn continues)."""
+    """Whether an opening ends in the assistant's text message (a prefill its first turn continues)."""
     return bool(messages) and messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str)
 
 
@@ -115,7 +115,15 @@ class ChatRenderer:
         does a data prompt's)."""
         go_on = prefill and prefilled(messages)
         how = {"add_generation_prompt": not go_on, **({"continue_final_message": True} if go_on else {})}
-        text = self._text(messages, **how, **template_kwargs)
+        try:
+            text = self._text(messages, **how, **template_kwargs)
+        except ValueError as e:  # (transformers': the template rewrites or drops the message it is to continue)
+            if not go_on:
+                raise
+            from jinja2.exceptions import TemplateError
+
+            raise TemplateError(f"the opening's last message is the assistant's, to be continued, and the chat "
+                                f"template does not write it as given ({' '.join(str(e).split())[:200]})") from None
         if template_kwargs and text == self._text(messages, **how):
             from jinja2.exceptions import TemplateError
 

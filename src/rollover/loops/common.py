@@ -266,11 +266,3 @@ class _NoRecord:
 
     def close(self) -> None:
         pass
-
-
-def __getattr__(name: str):
-    if name == "build_run":  # where it was first documented
-        from rollover.loops.build import build_run
-
-        return build_run
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

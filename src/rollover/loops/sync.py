@@ -110,8 +110,10 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
         if step == 0 and cfg.eval.at_start and run.checkpoint is None:  # a step-0 checkpoint follows it: logged
             last_eval = run.evaluate(0)
         last_eval = run.resumed_evaluation(step) or last_eval
+        t_step = None  # a step's wall time: from its first collection, empty ones included
         while step < cfg.steps:
-            t_step = time.perf_counter()
+            if t_step is None:
+                t_step = time.perf_counter()
 
             # 1. generate and score (sync or APRIL); nothing trainable: count it, collect again
             if keep_start and step > run.start_step and start_at != step:  # once a step: before its empty collections too
@@ -152,6 +154,7 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
             # 5. metrics
             samples_consumed += len(batch)
             timings = {"advantage": t_adv, "train": t_train, "weight_sync": t_sync, "step": time.perf_counter() - t_step}
+            t_step = None
             metrics = step_metrics(run, groups, gen, train_metrics, adv_info, timings, samples_consumed, len(batch))
             record_step(run, step, metrics, groups, batch, gen, adv_info.get("kept_samples"))
             if progress:

@@ -249,11 +249,14 @@ def _label(col: str, same: list[str]) -> str:
 def _sem_band(ax, rows: list[dict], color: str) -> None:
     """Shade reward/mean ± reward/std / sqrt(samples) over the rows that logged all three (see
     the module docstring for why not ± std)."""
+    def scored(row):  # the samples the reward's statistics cover (D3S down-sampling trains fewer)
+        return row.get("downsample/samples_generated", row.get("samples"))
+
     points = sorted(
-        (row["step"], row["reward/mean"], row["reward/std"] / math.sqrt(row["samples"]))
+        (row["step"], row["reward/mean"], row["reward/std"] / math.sqrt(scored(row)))
         for row in rows
-        if _finite(row.get("reward/mean")) and _finite(row.get("reward/std")) and _finite(row.get("samples"))
-        and row["samples"] > 0
+        if _finite(row.get("reward/mean")) and _finite(row.get("reward/std")) and _finite(scored(row))
+        and scored(row) > 0
     )
     if points:
         xs = [p[0] for p in points]
