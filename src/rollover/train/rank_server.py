@@ -183,6 +183,7 @@ def _rank_main(rank: int, world: int, init_method: str, cfg, model, pad_id: int,
         except Exception:
             pass
     finally:
+        closing.set()  # ending by itself: the watch has nothing left to end (a colocated vLLM may take a while to stop)
         if server is not None:
             server.stop_engine()
 
