@@ -9,6 +9,7 @@ import base64
 import copy
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -499,3 +500,25 @@ def test_a_model_that_arrives_pickled_records_its_vision_towers_outputs():
         assert torch.isfinite(trainer.logprobs(TrainBatch.from_rollouts([roll], [1.0]))).all()
     finally:
         registry[clip] = saved
+
+
+def test_prompts_of_the_same_text_with_other_images_are_other_prompts(tmp_path):
+    """A train and an eval file of the same name whose rows ask the same text of other images are
+    refused as one id naming two prompts (the held-out images would train under the training
+    answers); and carving a held-out set tells such rows apart (none is lost from training)."""
+    from rollover.config import ConfigError
+    from rollover.data import split_holdout
+    from rollover.loops.build import build_run
+    from rollover.types import Prompt
+
+    model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
+    train = _color_rows(tmp_path / "train", 6)
+    held = Path(_color_rows(tmp_path / "test", 7)).read_text().splitlines()[1:]  # the same texts, shifted images
+    held = [json.dumps({**json.loads(line), "prompt": f"Which color? ({i})"}) for i, line in enumerate(held)]
+    (tmp_path / "test" / "colors.jsonl").write_text("\n".join(held) + "\n")
+    with pytest.raises(ConfigError, match=r"prompt id 'colors:0' names two different prompts in data.train and data.eval"):
+        build_run(_cfg(tmp_path, model_dir, **{"data.train": train, "data.eval": str(tmp_path / "test" / "colors.jsonl"),
+                                               "data.eval_size": 2}), record=False)
+    rows = [Prompt(id=f"r{i}", text="Which color?", images=[f"/img{i}.png"], answer=str(i)) for i in range(12)]
+    kept, out = split_holdout(rows, 0.1, seed=0)
+    assert len(kept) + len(out) == 12 and len(out) == 2

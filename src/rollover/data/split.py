@@ -45,9 +45,25 @@ def distinct_questions(prompts: Sequence[Prompt]) -> int:
 
 
 def content_key(prompt: Prompt) -> str:
-    """What makes two prompts the same question: their text or messages, not their ids."""
+    """What makes two prompts the same question: their text or messages and their images, not
+    their ids."""
     return _content_key(prompt)
 
 
 def _content_key(prompt: Prompt) -> str:
-    return json.dumps([prompt.text, prompt.messages], sort_keys=True)
+    images = [image_key(x) for x in prompt.images] if prompt.images else []
+    return json.dumps([prompt.text, prompt.messages, *([images] if images else [])], sort_keys=True)
+
+
+def image_key(image) -> str:
+    """What tells one of a prompt's images from another: a path as given (data files' are made
+    absolute), the bytes' or pixels' digest otherwise."""
+    import hashlib
+
+    if isinstance(image, str) or hasattr(image, "__fspath__"):
+        return str(image)
+    if isinstance(image, (bytes, bytearray)):
+        return hashlib.sha1(image).hexdigest()
+    if hasattr(image, "tobytes"):  # a PIL image
+        return f"{image.mode}:{image.size}:{hashlib.sha1(image.tobytes()).hexdigest()}"
+    return repr(image)

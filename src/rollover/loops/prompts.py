@@ -138,6 +138,12 @@ def _train_iterator(cfg: Config, prompts: list[Prompt], sets: dict[str, str]):
     return MixedIterator(by_source, d.train_weights, seed=cfg.seed, shuffle=d.shuffle)
 
 
+def _image_keys(p: Prompt) -> list[str]:
+    from rollover.data.split import image_key
+
+    return [image_key(x) for x in p.images] if p.images else []
+
+
 def _warn_unread_template_kwargs(cfg: Config, tokenizer) -> None:
     """A warning for each `data.chat_template_kwargs` key the model's chat template never reads
     (a misspelt `enable_thinking` would render every prompt as if it were not given)."""
@@ -172,6 +178,7 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
     if (d.chat_template or episodes) and texts:
         _warn_unread_template_kwargs(cfg, tokenizer)
     out: dict[str, list[int]] = {}
+    _images_of: dict[str, list[str]] = {}  # (prompts with the same text under one id may differ in their images)
     too_long: list[str] = []
     unusable: list[str] = []  # prompts whose images do not render (data.on_bad_row=skip)
 
@@ -200,7 +207,8 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
             return False
         # the loop looks prompts up by id: two different prompts under one id (two generator
         # sources with the same seed, two files with the same stem) would train on the wrong one
-        if out.setdefault(p.id, ids) != ids:
+        images = _image_keys(p)
+        if out.setdefault(p.id, ids) != ids or _images_of.setdefault(p.id, images) != images:
             raise ConfigError(f"prompt id {p.id!r} names two different prompts in data.train and data.eval; "
                               "give the eval file another name or the generator another seed")
         return True
