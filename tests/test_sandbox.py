@@ -373,6 +373,16 @@ def test_memory_hog_hits_the_memory_limit(code):
 
 
 @needs_root
+@pytest.mark.parametrize("module", ["os", "posix"])
+def test_memory_in_memfd_files_which_the_address_space_limit_does_not_count_is_refused(module):
+    code = (f"import {module}\nfd = {module}.memfd_create('x')\n"
+            "for _ in range(64):\n    os.write(fd, bytes(10**6))\nprint('wrote')")
+    result = run_python("import os\n" + code, limits=SandboxLimits(memory_mb=128, cpu_s=2, wall_s=5.0))
+    assert result.violation == "memory" and "wrote" not in result.stdout, result
+    assert "PermissionError: sandbox: memfd_create is disabled" in result.stderr
+
+
+@needs_root
 def test_infinite_loop_hits_the_cpu_limit():
     result = run_python("while True:\n    pass", limits=SandboxLimits(cpu_s=1, wall_s=10.0))
     assert result.violation == "cpu" and result.reason == "cpu time limit 1 s", result

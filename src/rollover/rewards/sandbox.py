@@ -534,6 +534,7 @@ def _code_main(libc, config: dict) -> None:
     os.close(status_fd)
     report = _reporter(config["events_fd"])
     _guard_fork(report)
+    _deny_memfd(report)
     sys.addaudithook(_audit_hook(root, report))
     sys.path.insert(0, root)
     _run_code(report)
@@ -623,6 +624,20 @@ def _guard_fork(report) -> None:
             raise
 
     os.fork = guarded_fork
+
+
+def _deny_memfd(report) -> None:
+    """Refuse `memfd_create`: its pages are shared memory, which the address-space limit does not
+    count, so files of them (each under file_size_mb, as many as open_files) would pass memory_mb."""
+    import posix
+
+    def memfd_create(*args, **kwargs):
+        report("memory")
+        raise PermissionError("sandbox: memfd_create is disabled (its memory would pass the memory limit)")
+
+    for module in (os, posix):
+        if hasattr(module, "memfd_create"):
+            module.memfd_create = memfd_create
 
 
 _ALWAYS_DENIED = {
