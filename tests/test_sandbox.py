@@ -524,6 +524,13 @@ def test_code_reward_runs_a_list_of_tests_one_after_another(tests):
     (["assert True", " "], ValueError, "code: test 1 of the answer is empty"),
     (["assert True", 3], TypeError, "code: test 1 of the answer is not a string of test code but int"),
     ({"tests": "assert True"}, TypeError, "code: the answer must be test code (a string) or a list of test snippets, got dict"),
+    ('["assert add(2, 3) == 5"]', ValueError, "code: nothing in the answer (the tests) can fail"),  # JSON text (verl's)
+    ('{"inputs": ["1"], "outputs": ["2"]}', ValueError, "code: nothing in the answer (the tests) can fail"),
+    ("def check(candidate):\n    assert candidate(2, 3) == 5\n", ValueError, "HumanEval's check(candidate) must be called"),
+    ("# to do\npass\nimport math", ValueError, "code: nothing in the answer (the tests) can fail"),
+    (["import math"], ValueError, "code: nothing in the answer's tests can fail"),
+    ("    assert add(2, 3) == 5", ValueError, "code: the answer (the tests) does not parse on its own (IndentationError"),
+    (["assert True", "    assert add(2, 3) == 5"], ValueError, "code: test 1 of the answer does not parse on its own"),
 ])
 def test_code_reward_refuses_tests_that_cannot_fail(answer, error, message):
     with pytest.raises(error, match=re.escape(message)):

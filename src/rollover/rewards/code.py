@@ -13,7 +13,8 @@ scores 0. Code that reads its own file to find the token is not stopped by this.
 A limit or rule broken by the code (timeout, memory, network, ...) is the policy's fault, so it
 scores 0 like any failure; it is not a reward error. A failure of the sandbox itself
 (`SandboxError`) raises, for the reward runner to report, and so do tests that could not fail:
-none, empty ones, or an answer of another type (a dict, a number).
+none, empty ones, ones that do not parse alone, ones that only define, import or state literals
+(a JSON text of tests, HumanEval's uncalled `check`), or an answer of another type (a dict, a number).
 
 The limits are checked when the reward is built (`_prepare`), and `RewardRunner` refuses a
 `timeout_s` that the sandbox's wall clock does not end before (`_check_timeout`).
@@ -80,13 +81,52 @@ def _tests(answer) -> str:
                 raise ValueError(f"code: test {i} of the answer is empty: it would test nothing")
         if not answer:
             raise ValueError("code: the answer is an empty list of tests: any program that runs would pass")
-        return "\n".join(answer)
+        for i, test in enumerate(answer):
+            _parse(test, f"test {i} of the answer")
+        return _can_fail("\n".join(answer), "the answer's tests")
     if not isinstance(answer, str):
         raise TypeError(f"code: the answer must be test code (a string) or a list of test snippets, got "
                         f"{type(answer).__name__}: {answer!r:.80}")
     if not answer.strip():
         raise ValueError("code: the answer (the tests) is empty: any program that runs would pass")
-    return answer
+    return _can_fail(answer, "the answer (the tests)")
+
+
+def _parse(code: str, what: str):
+    """The test code's syntax tree: tests that do not parse on their own (an indented snippet would
+    become the end of the program's last function, never run) raise."""
+    import ast
+
+    try:
+        return ast.parse(code)
+    except SyntaxError as e:
+        raise ValueError(f"code: {what} does not parse on its own ({type(e).__name__}: {e.msg}, line {e.lineno}): "
+                         "appended to the program it could test nothing") from None
+
+
+def _can_fail(code: str, what: str) -> str:
+    """`code` when it runs something that can fail: a top level of only definitions, imports,
+    `pass` and literals (a JSON text of tests, HumanEval's `check(candidate)` never called, a
+    comment) would let any program pass, and raises."""
+    import ast
+
+    def inert(node) -> bool:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Pass, ast.Import,
+                             ast.ImportFrom)):
+            return True
+        if isinstance(node, ast.Expr):
+            try:
+                ast.literal_eval(node.value)
+                return True
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                return False
+        return False
+
+    if all(inert(node) for node in _parse(code, what).body):
+        raise ValueError(f"code: nothing in {what} can fail (only definitions, imports, pass or literals at the "
+                         "top level): any program that runs would pass. A JSON text of tests is not test code "
+                         "(load it as a list of snippets); HumanEval's check(candidate) must be called")
+    return code
 
 
 def _limits(limits: SandboxLimits | dict | None) -> SandboxLimits:
