@@ -164,6 +164,23 @@ def test_a_column_json_cannot_write_is_named_by_filter():
         rows_of(prompts, "prompt", None)
 
 
+def test_filter_writes_a_rows_images_as_the_loader_reads_them_back(tmp_path):
+    """`rollover filter`'s rows keep their images: paths (absolute), other images as data URLs."""
+    from PIL import Image
+
+    from rollover.curate import rows_of
+    from rollover.data import load_prompts
+
+    Image.new("RGB", (4, 4), (200, 10, 10)).save(tmp_path / "a.png")
+    png = (tmp_path / "a.png").read_bytes()
+    prompts = [Prompt(id="p0", text="color?", answer="red", images=[str(tmp_path / "a.png"), png])]
+    (row,) = rows_of(prompts, "prompt", None)
+    assert row["images"][0] == str(tmp_path / "a.png") and row["images"][1].startswith("data:image;base64,")
+    (tmp_path / "kept.jsonl").write_text(json.dumps(row) + "\n")
+    (back,) = load_prompts(str(tmp_path / "kept.jsonl")).prompts
+    assert back.images == [str(tmp_path / "a.png"), png]
+
+
 def test_show_cuts_long_texts_unless_full():
     row = {"group": "g0", "prompt_id": "p", "sample": 0, "trained": True, "dropped": None, "reward": 1.0,
            "scores": {"numeric": 1.0}, "advantage": 0.5, "finish": "stop", "version_min": 0, "version_max": 0,

@@ -20,6 +20,7 @@ splitting the file back.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from pathlib import Path
@@ -54,7 +55,8 @@ def pass_rates(run, prompts: list, samples: int, temperature: float) -> tuple[li
 
 def rows_of(prompts: list, prompt_key: str, answer_key: str | None, sources: bool = False) -> list[dict]:
     """Each prompt as the dataset row it came from: its other columns, then the prompt and the
-    answer under the keys the config reads them from (a dotted key as nested mappings), and with
+    answer under the keys the config reads them from (a dotted key as nested mappings), its images
+    under `images`, and with
     `sources` (several named training sources) the name of its source under `source` (unless a
     column has that name). Checked to be JSON now, before any sampling: a column JSON cannot
     hold is named."""
@@ -64,6 +66,9 @@ def rows_of(prompts: list, prompt_key: str, answer_key: str | None, sources: boo
         if sources:  # a named source's prompt ids lead with its name
             row.setdefault("source", p.id.split("/", 1)[0])
         _put(row, prompt_key, p.messages if p.messages is not None else p.text)
+        if p.images:  # as the loader reads them back: paths (made absolute), other images as data URLs
+            row["images"] = [x if isinstance(x, str) else "data:image;base64," + base64.b64encode(x).decode()
+                             for x in p.images]
         if p.answer is not None:  # a row kept without one (data.require_answer: false) stays without one
             _put(row, answer_key or "answer", p.answer)
         try:
