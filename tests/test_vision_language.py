@@ -522,3 +522,25 @@ def test_prompts_of_the_same_text_with_other_images_are_other_prompts(tmp_path):
     rows = [Prompt(id=f"r{i}", text="Which color?", images=[f"/img{i}.png"], answer=str(i)) for i in range(12)]
     kept, out = split_holdout(rows, 0.1, seed=0)
     assert len(kept) + len(out) == 12 and len(out) == 2
+
+
+def test_a_text_row_that_writes_the_image_placeholder_is_a_bad_row(tmp_path):
+    """A row without images whose text holds the processor's image token (`<image>`) would have the
+    forward look for image features there, failing the step that trains it beside image rows:
+    it is a bad row at start-up, named (skipped under data.on_bad_row=skip)."""
+    from rollover.config import ConfigError
+    from rollover.loops.build import build_run
+
+    model_dir = save_tiny_vl_model(tmp_path / "llava", seed=3)
+    rows = Path(_color_rows(tmp_path / "rows", 6)).read_text()
+    (tmp_path / "rows" / "mixed.jsonl").write_text(rows + json.dumps({"prompt": "What is the HTML <image> tag?",
+                                                                      "answer": "img"}) + "\n")
+    over = {"data.train": str(tmp_path / "rows" / "mixed.jsonl"), "data.eval_size": 0}
+    with pytest.raises(ConfigError, match=r"prompt 'mixed:6' has no images but its text writes the image "
+                                          r"placeholder '<image>'; drop the row or set data.on_bad_row=skip"):
+        build_run(_cfg(tmp_path, model_dir, **over), record=False)
+    run = build_run(_cfg(tmp_path, model_dir, **over, **{"data.on_bad_row": "skip"}), record=False)
+    try:
+        assert "mixed:6" not in run.prompt_ids and len(run.prompt_ids) == 6
+    finally:
+        run.close()

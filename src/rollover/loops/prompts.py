@@ -138,6 +138,14 @@ def _train_iterator(cfg: Config, prompts: list[Prompt], sets: dict[str, str]):
     return MixedIterator(by_source, d.train_weights, seed=cfg.seed, shuffle=d.shuffle)
 
 
+def _placeholder_ids(tokenizer, media: MediaStore | None) -> set[int]:
+    """The token ids of the image and video placeholders of a run with images (none without)."""
+    processor = getattr(getattr(media, "renderer", None), "processor", None)
+    tokens = [getattr(processor, k, None) for k in ("image_token", "video_token")]
+    ids = {tokenizer.convert_tokens_to_ids(x) for x in tokens if isinstance(x, str)}
+    return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
+
+
 def _image_keys(p: Prompt) -> list[str]:
     from rollover.data.split import image_key
 
@@ -178,6 +186,7 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
     if (d.chat_template or episodes) and texts:
         _warn_unread_template_kwargs(cfg, tokenizer)
     out: dict[str, list[int]] = {}
+    placeholders = _placeholder_ids(tokenizer, media)
     _images_of: dict[str, list[str]] = {}  # (prompts with the same text under one id may differ in their images)
     too_long: list[str] = []
     unusable: list[str] = []  # prompts whose images do not render (data.on_bad_row=skip)
@@ -199,6 +208,13 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
         else:
             ids = render_prompt(tokenizer, p, system_prompt=d.system_prompt, instruction=d.instruction,
                                 template_kwargs=d.chat_template_kwargs, use_chat_template=d.chat_template)
+        if not p.images and (typed := set(ids) & placeholders):  # the forward would look for images there
+            why = (f"prompt {p.id!r} has no images but its text writes the image placeholder "
+                   f"{tokenizer.convert_ids_to_tokens(min(typed))!r}")
+            if d.on_bad_row == "raise":
+                raise ConfigError(f"{why}; drop the row or set data.on_bad_row=skip")
+            unusable.append(why)
+            return False
         if len(ids) > d.max_prompt_tokens:
             if d.on_bad_row == "raise":
                 raise ConfigError(f"prompt {p.id!r} renders to {len(ids)} tokens, more than data.max_prompt_tokens="
