@@ -9,6 +9,7 @@ import base64
 import copy
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,13 @@ def test_rows_with_images_load_from_paths_data_urls_and_bytes(tmp_path):
            for p in got.prompts]
     assert out[0][1].key == out[1][1].key == out[2][1].key  # one image, three ways in
     assert all(ids.count(renderer.processor.image_token_id) == 4 for ids, _ in out)
+    # a URL, and base64 without its data: prefix, are named for what they are (not as missing files)
+    for given, says in [("https://example.com/a.png", "images are not fetched from URLs; download them"),
+                        (base64.b64encode(raw * 50).decode(), "is no file path; base64 needs its data: prefix")]:
+        path.write_text(json.dumps({"prompt": "p", "images": [given], "answer": "a"}) + "\n")
+        with pytest.raises(Exception, match=re.escape(says)) as bad:
+            load_prompts(path)
+        assert len(str(bad.value)) < 600
 
 
 def test_the_prompt_must_name_as_many_images_as_the_row_has():

@@ -111,6 +111,11 @@ def _as_ref(item, base: Path | None):
     if isinstance(item, str):
         if item.startswith("data:"):
             return base64.b64decode(item.split(",", 1)[1])
+        if item.startswith(("http://", "https://")):
+            raise ValueError(f"{item[:120]!r}: images are not fetched from URLs; download them and give their paths")
+        if len(item) > 4096:  # (no path is this long: base64 without its data: prefix, say)
+            raise ValueError(f"{item[:40]!r}... ({len(item)} characters) is no file path; base64 needs its data: "
+                             "prefix (data:image/png;base64,...)")
         path = Path(item).expanduser()
         if not path.is_absolute() and base is not None:
             path = base / path
