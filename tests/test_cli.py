@@ -410,17 +410,22 @@ def test_export_of_a_run_still_training_reads_the_checkpoint_retention_left(tmp_
 
     import rollover.export as export_mod
 
+    import torch
+
     run = tmp_path / "run"
-    for step in (1,):
+
+    def saved(step: int) -> None:  # a checkpoint's files as far as export looks at them
         (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+        torch.save({"step": step}, run / "checkpoints" / f"step_{step:06d}" / "state.pt")
         (run / "checkpoints" / f"step_{step:06d}" / "DONE").touch()
+
+    saved(1)
     read = []
 
     def load(ckpt, run_dir):
         read.append(ckpt.name)
         if ckpt.name == "step_000001":  # meanwhile step 2 was saved and step 1 removed
-            (run / "checkpoints" / "step_000002").mkdir()
-            (run / "checkpoints" / "step_000002" / "DONE").touch()
+            saved(2)
             shutil.rmtree(ckpt)
             raise ValueError("Can't find 'adapter_config.json'")
         saver = SimpleNamespace(save_pretrained=lambda d, **kw: (Path(d) / "config.json").write_text("{}"))

@@ -239,6 +239,8 @@ def latest_intact(run_dir: str | Path, doing: str = "resuming from",
         why = damage(ckpt)
         if why is None:
             return ckpt
+        if not (ckpt / "DONE").exists():  # removed meanwhile (a live run's checkpoint.keep), not damaged
+            continue
         logging.getLogger("rollover").warning("checkpoint %s is damaged (%s); %s the one before it", ckpt.name, why,
                                               doing)
         first = first or why
