@@ -209,3 +209,8 @@ def answer_of(text: str, opened: bool = False) -> str:
     rest = split_reasoning(text, opened)[1]
     start = rest.find("<think>")
     return rest[:start] if start >= 0 else rest
+
+
+def prefilled(messages: list[dict]) -> bool:
+    """Whether chat messages end in the assistant's text message: a prefill the model continues."""
+    return bool(messages) and messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str)

@@ -51,8 +51,13 @@ def content_key(prompt: Prompt) -> str:
 
 
 def _content_key(prompt: Prompt) -> str:
-    images = [image_key(x) for x in prompt.images] if prompt.images else []
+    images = image_keys(prompt)
     return json.dumps([prompt.text, prompt.messages, *([images] if images else [])], sort_keys=True)
+
+
+def image_keys(prompt: Prompt) -> list[str]:
+    """`image_key` of each of the prompt's images (none for a text prompt)."""
+    return [image_key(x) for x in prompt.images] if prompt.images else []
 
 
 def image_key(image) -> str:

@@ -67,7 +67,7 @@ from rollover.envs import tool_formats
 from rollover.envs.base import Action, Opening, StepResult
 from rollover.envs.chat_api import (ChatCompletion, Choice, Usage, as_message, before_stop, continuation,
                                     refused_arguments, rendered, reply_message, stop_argument, with_tools)
-from rollover.types import Prompt
+from rollover.types import Prompt, prefilled
 
 
 class _Completions:
@@ -287,7 +287,7 @@ class AgentEnv:
             if self.tools_in == "template" and ch.tools:  # the chat template describes them, in its own words
                 return Opening(rendered(value, self.format), {"tools": ch.tools}, stop=ch.stop, prefill=False)
             messages = with_tools(rendered(value, self.format), ch.tools, self.format)
-            if ch.stop or (messages and messages[-1].get("role") == "assistant"):
+            if ch.stop or prefilled(messages):
                 return Opening(messages, stop=ch.stop, prefill=False)  # (a last assistant message is closed, as OpenAI's)
             return messages
         self._end()

@@ -46,9 +46,9 @@ from jinja2.exceptions import TemplateError
 from rollover.envs.base import INSERTED_VERSION, Action, Env, EpisodeError, Opening, StepResult, Trajectory, Turn
 from rollover.data.media import Media
 from rollover.data.render import opens_reasoning
-from rollover.envs.render import ChatRenderer, prefilled
+from rollover.envs.render import ChatRenderer
 from rollover.rewards.builtins import numpy_bool
-from rollover.types import Request, SamplingParams
+from rollover.types import Request, SamplingParams, prefilled
 
 if TYPE_CHECKING:  # envs never import the engine at run time; the episode only calls agenerate
     from rollover.engine import Engine

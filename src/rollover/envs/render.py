@@ -43,6 +43,7 @@ import secrets
 from jinja2.exceptions import TemplateError
 
 from rollover.data.media import Media, MediaRenderer, blank_images, has_image_parts, message_images
+from rollover.types import prefilled
 
 _PROBE = [{"role": "user", "content": "probe"}]  # a conversation to check the template with
 
@@ -53,11 +54,6 @@ def episode_renderer(tokenizer, processor=None, **template_kwargs) -> "ChatRende
     if processor is None:
         return ChatRenderer(tokenizer, **template_kwargs)
     return MediaChatRenderer(processor, **template_kwargs)
-
-
-def prefilled(messages: list[dict]) -> bool:
-    """Whether an opening ends in the assistant's text message (a prefill its first turn continues)."""
-    return bool(messages) and messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str)
 
 
 class ChatRenderer:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from rollover.config import Config, ConfigError
 from rollover.data import (DataError, MixedIterator, PromptIterator, content_key, distinct_questions, load_prompts,
                            render_prompt, split_holdout)
+from rollover.data.split import image_keys
 from rollover.rewards import RewardRunner
 from rollover.types import Prompt
 
@@ -146,12 +147,6 @@ def _placeholder_ids(tokenizer, media: MediaStore | None) -> set[int]:
     return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
 
 
-def _image_keys(p: Prompt) -> list[str]:
-    from rollover.data.split import image_key
-
-    return [image_key(x) for x in p.images] if p.images else []
-
-
 def _warn_unread_template_kwargs(cfg: Config, tokenizer) -> None:
     """A warning for each `data.chat_template_kwargs` key the model's chat template never reads
     (a misspelt `enable_thinking` would render every prompt as if it were not given)."""
@@ -223,7 +218,7 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
             return False
         # the loop looks prompts up by id: two different prompts under one id (two generator
         # sources with the same seed, two files with the same stem) would train on the wrong one
-        images = _image_keys(p)
+        images = image_keys(p)
         if out.setdefault(p.id, ids) != ids or _images_of.setdefault(p.id, images) != images:
             raise ConfigError(f"prompt id {p.id!r} names two different prompts in data.train and data.eval; "
                               "give the eval file another name or the generator another seed")

@@ -41,6 +41,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from rollover.types import prefilled
+
 _LOCK = threading.Lock()
 _SCORERS: dict[tuple, _Scorer] = {}
 KWARGS = ("path", "batch_size", "max_length", "device", "dtype", "template")
@@ -132,7 +134,7 @@ class _Scorer:
         """One sample as the reward model reads it."""
         if self.chat:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            if messages and messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str):
+            if prefilled(messages):
                 # a prefilled answer (the prompt's last message): the completion continues it, in one turn
                 messages, completion = messages[:-1], messages[-1]["content"] + completion
             return self.tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": completion}],
