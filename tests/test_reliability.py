@@ -60,6 +60,33 @@ def test_a_step_larger_than_the_data_warns(tmp_path, caplog):
     assert "rollout.prompts_per_step=40 is more than the 10 training prompts" in caplog.text
 
 
+@pytest.mark.parametrize("fails", ["engine", "data"])
+def test_a_start_that_fails_closes_what_it_had_built(tmp_path, monkeypatch, fails):
+    """A run whose engine cannot start (or whose data is refused after the rewards were built)
+    closes its rewards and trainer before the error reaches the caller: nothing is left holding
+    a reward model, a reward pool or a trainer's processes."""
+    from rollover.loops import build
+    from rollover.rewards.runner import RewardRunner
+    from rollover.testing import save_tiny_model
+    from rollover.train.trainer import Trainer
+
+    closed = []
+    monkeypatch.setattr(RewardRunner, "close", lambda self: closed.append("rewards"))
+    monkeypatch.setattr(Trainer, "close", lambda self: closed.append("trainer"))
+
+    def no_engine(*args, **kwargs):
+        raise RuntimeError("no engine today")
+
+    model = save_tiny_model(tmp_path / "m", "llama", seed=3)
+    data = "gen:arithmetic?n=12" if fails == "engine" else str(tmp_path / "missing.jsonl")
+    cfg = load_config(None, [f"model={model}", f"run_dir={tmp_path / 'run'}", "device=cpu", f"data.train={data}",
+                             "data.eval_size=2", "rollout.max_new_tokens=4", "logging.tensorboard=false"])
+    with pytest.raises((RuntimeError, DataError, ConfigError), match="no engine today" if fails == "engine" else "missing"):
+        build.build_run(cfg, engine_factory=no_engine)
+    assert closed == (["rewards", "trainer"] if fails == "engine" else ["rewards"])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("damaged", ["state.pt", "model/model.safetensors"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_and_names_the_file(tmp_path, caplog, capsys,
                                                                                      damaged):

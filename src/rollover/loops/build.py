@@ -103,6 +103,18 @@ def _reward_runner(cfg: Config) -> RewardRunner:
                         workers=cfg.reward.workers, pool=pool)
 
 
+def _close_quietly(*closes) -> None:
+    """Each of `closes` called (None skipped) while a failed build unwinds: a close that fails too
+    is logged, and the build's own error is the one raised."""
+    for close in closes:
+        if close is None:
+            continue
+        try:
+            close()
+        except Exception:
+            log.warning("closing what a failed start had built failed too", exc_info=True)
+
+
 def _reward_error(e: Exception) -> str:
     """A reward's building error as the user needs it: rollover's own checks say what is wrong;
     an error raised in the user's code (importing their module, a reward model's loading) keeps
@@ -161,13 +173,18 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
         raise ConfigError(f"the run in {Path(cfg.run_dir)} has trained {start.state['step']} steps, past steps={cfg.steps}: "
                           f"nothing to train (steps counts from the run's start: give more than {start.state['step']} "
                           "to go on); nothing was changed")
-    model = _load_model(cfg, start.ckpt, training=record)
-    longest, env_processor = _check_models(cfg, model, inputs, record)
-    eos_token_ids = list(eos_ids(getattr(model, "generation_config", None), model.config, inputs.tokenizer))
-    trainer = _make_trainer(cfg, model, inputs.tokenizer.pad_token_id or 0, start.device, start.ckpt,
-                            start.remote_trainer, record)
-    del model  # held by the trainer (or sent to its actor or ranks): no second reference here
-    engine, weights = _make_engine(cfg, trainer, engine_factory, start.device, longest + 1, eos_token_ids)
+    trainer = engine = None
+    try:
+        model = _load_model(cfg, start.ckpt, training=record)
+        longest, env_processor = _check_models(cfg, model, inputs, record)
+        eos_token_ids = list(eos_ids(getattr(model, "generation_config", None), model.config, inputs.tokenizer))
+        trainer = _make_trainer(cfg, model, inputs.tokenizer.pad_token_id or 0, start.device, start.ckpt,
+                                start.remote_trainer, record)
+        del model  # held by the trainer (or sent to its actor or ranks): no second reference here
+        engine, weights = _make_engine(cfg, trainer, engine_factory, start.device, longest + 1, eos_token_ids)
+    except BaseException:  # what was built goes, in the order Run.close takes
+        _close_quietly(inputs.rewards.close, engine and engine.shutdown, trainer and trainer.close)
+        raise
     run = Run(cfg=cfg, device=start.device, tokenizer=inputs.tokenizer, model=trainer.model, engine=engine,
               trainer=trainer, train_iter=inputs.train_iter, eval_prompts=inputs.eval_prompts, rewards=inputs.rewards,
               prompt_ids=inputs.prompt_ids, logger=_NoRecord(), data_skipped=inputs.skipped, checkpoint=start.ckpt,
@@ -254,6 +271,14 @@ def _inputs(cfg: Config, record: bool) -> _Inputs:
 
     tokenizer = load_tokenizer(cfg.model)
     rewards = _reward_runner(cfg)
+    try:
+        return _rest_of_inputs(cfg, record, tokenizer, rewards)
+    except BaseException:
+        _close_quietly(rewards.close)  # a reward model loaded, a reward process pool
+        raise
+
+
+def _rest_of_inputs(cfg: Config, record: bool, tokenizer, rewards: RewardRunner) -> _Inputs:
     env_builder = None
     if cfg.env.name is not None:
         from rollover.envs.builders import make_env_builder
@@ -427,19 +452,19 @@ def _make_engine(cfg: Config, trainer, engine_factory, device, max_len: int, eos
         engine_factory = make_engine
     architecture = trainer.architecture
     colocated = trainer.sharded and cfg.train.colocate  # the engines live in the ranks
-    try:
-        if colocated:
-            from rollover.runtime.colocated import ColocatedEngines
+    if colocated:
+        from rollover.runtime.colocated import ColocatedEngines
 
-            engine = ColocatedEngines(trainer, cfg, max_len=max_len, eos_token_ids=eos_token_ids,
-                                      vocab_size=text_config(architecture.config).vocab_size)
-        else:
-            engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device,
-                                    max_len=max_len, eos_token_ids=eos_token_ids)
+        engine = ColocatedEngines(trainer, cfg, max_len=max_len, eos_token_ids=eos_token_ids,
+                                  vocab_size=text_config(architecture.config).vocab_size)
+    else:
+        engine = engine_factory(cfg, architecture, weights=trainer.named_weights(), device=device,
+                                max_len=max_len, eos_token_ids=eos_token_ids)
+    try:
+        share_engine_weights(cfg, engine, trainer)
     except BaseException:
-        trainer.close()  # actors or rank processes
+        engine.shutdown()
         raise
-    share_engine_weights(cfg, engine, trainer)
     if colocated:
         from rollover.runtime.colocated import ColocatedWeightSync
 
