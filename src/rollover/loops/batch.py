@@ -142,4 +142,4 @@ def record_step(run: Run, step: int, metrics: dict, groups, batch, collected: di
     run.logger.log(step, {**metrics, "samples": len(batch),  # (D3S trains fewer than the groups hold)
                           "data/epochs": run.train_iter.epochs_drawn})  # passes over the prompts drawn
     run.logger.log_groups(step, ledger_rows(groups, kept))
-    log_samples(run, step, groups, batch, collected)
+    log_samples(run, step, groups, batch, collected, kept)

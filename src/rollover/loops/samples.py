@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from rollover.metrics.samples import mask_spans
 from rollover.metrics.samples import _number as number
-from rollover.rollout.downsample import max_variance_subset
 from rollover.rollout.groups import DROP_COUNTS, group_advantages
 
 if TYPE_CHECKING:
@@ -21,20 +20,22 @@ if TYPE_CHECKING:
 DROP_KEYS = (*DROP_COUNTS, "regenerated_tokens", "empty_collections")
 
 
-def log_samples(run: Run, step: int, groups: list[Group], batch: TrainBatch, collected: dict | None = None) -> None:
+def log_samples(run: Run, step: int, groups: list[Group], batch: TrainBatch, collected: dict | None = None,
+                kept: list[list[int]] | None = None) -> None:
     """Every `logging.samples`-th step, write the samples of `groups` as `batch` trained them.
-    `collected`: the collector's step figures (sync and APRIL), for the header's `dropped`."""
+    `collected`: the collector's step figures (sync and APRIL), for the header's `dropped`;
+    `kept`: each group's samples D3S down-sampling kept (None: all)."""
     every = run.cfg.logging.samples
     if not every or step % every:
         return
     dropped = None if collected is None else {k: collected[k] for k in DROP_KEYS if k in collected}
-    run.logger.log_samples(step, sample_rows(step, groups, batch, run.tokenizer, run.cfg, dropped))
+    run.logger.log_samples(step, sample_rows(step, groups, batch, run.tokenizer, run.cfg, dropped, kept))
 
 
 def sample_rows(step: int, groups: list[Group], batch: TrainBatch, tokenizer, cfg: Config,
-                dropped: dict | None = None) -> list[dict]:
+                dropped: dict | None = None, kept: list[list[int]] | None = None) -> list[dict]:
     """The header and one row per sample of `groups` (see the module docstring)."""
-    rows_of, advantages = _batch_rows(groups, batch, cfg)
+    rows_of, advantages = _batch_rows(groups, batch, cfg, kept)
     header = {"kind": "step", "step": step, "samples": len(rows_of), "trained_samples": len(batch),
               "groups": [{"group": g.id, "prompt_id": g.prompt.id, "samples": len(g.rollouts),
                           "failed_samples": g.dropped} for g in groups]}
@@ -102,22 +103,24 @@ def eval_sample_rows(step: int, groups: list[Group], tokenizer, cfg: Config, pri
     return out
 
 
-def _batch_rows(groups: list[Group], batch: TrainBatch, cfg: Config) -> tuple[list[int | None], list[float | None]]:
+def _batch_rows(groups: list[Group], batch: TrainBatch, cfg: Config,
+                kept: list[list[int]] | None) -> tuple[list[int | None], list[float | None]]:
     """Each sample's row in `batch` (None: D3S sample-level down-sampling left it out) and its
     advantage, in group order. The batch keeps every sample in order unless `downsample.keep`
-    cut groups down; then the same choice is made again from the same advantages."""
+    cut groups down to `kept`."""
     n = sum(len(g.rollouts) for g in groups)
     if len(batch) == n:  # gae, otb: the trainer gives each token its own (adv_B holds the rewards)
         return list(range(n)), [None] * n if cfg.algorithm.advantage in ("gae", "otb") else batch.adv_B.tolist()
-    advantages = group_advantages(groups, cfg)[0].tolist()
+    if kept is None or len(kept) != len(groups):
+        raise AssertionError(f"samples log: {len(batch)} rows in the batch for {n} samples, and no record of "
+                             "which samples down-sampling kept")
     rows: list[int | None] = []
-    at = b = 0
-    for g in groups:
-        kept = set(max_variance_subset(advantages[at:at + len(g.rollouts)], cfg.downsample.keep))
+    b = 0
+    for g, idx in zip(groups, kept):
+        chosen = set(idx)
         for k in range(len(g.rollouts)):
-            rows.append(b if k in kept else None)
-            b += k in kept
-        at += len(g.rollouts)
+            rows.append(b if k in chosen else None)
+            b += k in chosen
     if b != len(batch):
-        raise AssertionError(f"samples log: {len(batch)} rows in the batch, {b} samples chosen by down-sampling")
-    return rows, advantages
+        raise AssertionError(f"samples log: {len(batch)} rows in the batch, {b} samples kept by down-sampling")
+    return rows, group_advantages(groups, cfg)[0].tolist()
