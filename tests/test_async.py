@@ -320,3 +320,28 @@ def test_a_sigterm_during_the_step_0_eval_then_a_resume_logs_each_row_once(model
     assert train(cfg)["step"] == 2
     keys = [(r["step"], r["kind"]) for r in map(json.loads, open(tmp_path / "metrics.jsonl"))]
     assert sorted(keys) == [(0, "eval"), (1, "train"), (2, "eval"), (2, "train")]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_reward_failing_in_the_evaluation_keeps_the_trained_steps(model_dir, tmp_path, monkeypatch, mode):
+    """reward.on_error=raise stopping a run in its evaluation after step 3 (checkpoint.every=0):
+    step 3 is trained, so it is saved and the error says so; the resume runs that evaluation
+    and trains nothing again."""
+    from rollover.loops.common import Run
+
+    evaluate = Run.evaluate
+
+    def down_at_the_end(self, step):
+        if step == 3:
+            raise RewardFailed("numeric", "eval-3-0/0", "ValueError: judge down")
+        return evaluate(self, step)
+
+    monkeypatch.setattr(Run, "evaluate", down_at_the_end)
+    cfg = async_cfg(model_dir, tmp_path, steps=3, mode=mode, **{"checkpoint.every": 0})
+    with pytest.raises(RewardFailed, match=r"judge down \(a checkpoint of step 3 was saved: a resume continues from it\)"):
+        (train_sync if mode == "sync" else train_async)(cfg)
+    assert (tmp_path / "checkpoints" / "step_000003" / "DONE").exists()
+    monkeypatch.setattr(Run, "evaluate", evaluate)
+    (train_sync if mode == "sync" else train_async)(cfg)
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2, 3]
+    assert [r["step"] for r in rows(tmp_path, "eval")] == [3]

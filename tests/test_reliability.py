@@ -162,6 +162,27 @@ def test_a_sharded_checkpoints_cut_or_missing_shard_is_damage_named_by_its_file(
     assert damage(ckpt) == f"{ckpt / 'sharded'}: missing (the sharded trainer's weights and optimizer state were saved there)"
 
 
+def test_a_checkpoints_cut_json_or_config_is_damage_named_by_its_file(tmp_path):
+    """An adapter's or model's JSON file, or the recorded config.yaml, left empty by a write cut
+    short makes the checkpoint damaged (resume, eval and export pass over it), not a bare
+    JSONDecodeError or a config read as all defaults."""
+    import torch
+
+    from rollover.train.checkpoint import damage
+
+    ckpt = tmp_path / "step_000002"
+    (ckpt / "adapter").mkdir(parents=True)
+    torch.save({"step": 2}, ckpt / "state.pt")
+    (ckpt / "adapter" / "adapter_config.json").write_text('{"r": 8}')
+    (ckpt / "config.yaml").write_text("steps: 4\n")
+    assert damage(ckpt) is None
+    (ckpt / "adapter" / "adapter_config.json").write_text("")
+    assert damage(ckpt).startswith(f"{ckpt / 'adapter' / 'adapter_config.json'}: not readable as JSON")
+    (ckpt / "adapter" / "adapter_config.json").write_text('{"r": 8}')
+    (ckpt / "config.yaml").write_text("")
+    assert damage(ckpt) == f"{ckpt / 'config.yaml'}: holds no config (cut short?)"
+
+
 def test_a_full_disk_at_checkpoint_time_says_so_and_leaves_nothing(tmp_path, monkeypatch):
     import errno
 

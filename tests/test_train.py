@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -1269,6 +1270,36 @@ def test_checkpoint_retention_counts_the_best_among_the_newest(tmp_path):
         kept.append(sorted(int(p.name[5:]) for p in (tmp_path / "checkpoints").glob("step_*")))
     assert kept == [[1], [1, 2], [2, 3], [3, 4], [3, 4, 5], [3, 5, 6]]
     assert checkpoint.best_checkpoint(tmp_path, "eval/accuracy").name == "step_000003"
+
+
+def test_checkpoint_retention_keeps_every_checkpoint_while_fewer_than_keep_exist(tmp_path):
+    """keep=5 with fewer than five checkpoints removes none of them."""
+    from rollover.train import checkpoint
+
+    model = tiny_model("llama", seed=1)
+    for step in (2, 4, 6, 8):
+        checkpoint.save(tmp_path, step, model=model, tokenizer=None, trainer_state={}, extra={}, keep=5)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [
+        "step_000002", "step_000004", "step_000006", "step_000008"]
+
+
+def test_a_damaged_eval_json_is_passed_over_by_the_best_and_named(tmp_path, caplog):
+    """An empty or non-JSON eval.json (a write cut short) is not the best and stops nothing: the
+    next save's retention and `best_checkpoint` pass over it, with a warning naming the file."""
+    from rollover.train import checkpoint
+
+    model = tiny_model("llama", seed=1)
+    for step, acc in ((1, 0.9), (2, 0.5)):
+        checkpoint.save(tmp_path, step, model=model, tokenizer=None, trainer_state={}, extra={}, keep=2,
+                        evaluation={"eval/accuracy": acc}, best=("eval/accuracy", "max"))
+    damaged = tmp_path / "checkpoints" / "step_000001" / "eval.json"
+    damaged.write_text("")
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        checkpoint.save(tmp_path, 3, model=model, tokenizer=None, trainer_state={}, extra={}, keep=2,
+                        evaluation={"eval/accuracy": 0.1}, best=("eval/accuracy", "max"))
+    assert f"{damaged} is damaged" in caplog.text
+    assert checkpoint.best_checkpoint(tmp_path, "eval/accuracy").name == "step_000002"
+    assert checkpoint.read_evaluation(damaged.parent) is None
 
 
 def test_a_prompts_only_dataset_trains_with_a_reward_that_needs_no_answer(model_dir, tmp_path):

@@ -145,7 +145,11 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                 if interrupts.requested:
                     break
                 if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-                    last_eval = run.evaluate(step)
+                    try:
+                        last_eval = run.evaluate(step)
+                    except RewardFailed as e:  # the step is trained: kept (a resume runs this evaluation again)
+                        parts.checkpoint(step, samples_trained, resume=False)
+                        raise resume_point(e, cfg.run_dir, step, saved=True) from e.__cause__
                 if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                     parts.checkpoint(step, samples_trained)
             if interrupts.requested:

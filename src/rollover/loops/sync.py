@@ -171,7 +171,11 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
             # 7. evaluation and checkpoints
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 collector.set_aside()  # APRIL's live requests: the evaluation would run them to their end
-                last_eval = run.evaluate(step)
+                try:
+                    last_eval = run.evaluate(step)
+                except RewardFailed as e:  # the step is trained: kept (a resume runs this evaluation again)
+                    save(step)
+                    raise resume_point(e, cfg.run_dir, step, saved=True) from e.__cause__
             if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 save(step)
         return {"step": step, **last_eval}

@@ -18,6 +18,7 @@ checkpoints but never the one just written, nor the best by `checkpoint.best` (`
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+log = logging.getLogger("rollover")
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -100,7 +103,7 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
     for stale in root.glob(".step_*"):  # left by a process killed mid-save (one writer per run dir)
         shutil.rmtree(stale, ignore_errors=True)
     others = sorted(p for p in root.glob("step_*") if (p / "DONE").exists() and p != final)
-    newest = set(others[len(others) - (keep - 1):]) if keep > 1 else set()
+    newest = set(others[max(0, len(others) - (keep - 1)):]) if keep > 1 else set()
     spared = best_checkpoint(run_dir, *best) if best is not None else None
     for old in others:
         if old not in newest and old != spared:  # the best is kept besides the newest, or is one of them
@@ -133,9 +136,20 @@ def record_evaluation(path: str | Path, evaluation: dict) -> None:
 
 
 def read_evaluation(path: str | Path) -> dict | None:
-    """The evaluation recorded in a checkpoint (`eval.json`), or None when it has none."""
+    """The evaluation recorded in a checkpoint (`eval.json`), or None when it has none or the
+    file cannot be read as one (a write cut short: warned about, naming the file)."""
     f = Path(path) / EVAL_FILE
-    return json.loads(f.read_text()) if f.is_file() else None
+    if not f.is_file():
+        return None
+    try:
+        evaluation = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        log.warning("%s is damaged (%s): that checkpoint's evaluation is passed over", f, e)
+        return None
+    if not isinstance(evaluation, dict):
+        log.warning("%s holds no evaluation (a JSON %s): passed over", f, type(evaluation).__name__)
+        return None
+    return evaluation
 
 
 def best_checkpoint(run_dir: str | Path, metric: str, mode: str = "max") -> Path | None:
@@ -143,9 +157,10 @@ def best_checkpoint(run_dir: str | Path, metric: str, mode: str = "max") -> Path
     (largest for "max", smallest for "min"; on a tie the earliest); None when none has it."""
     found, best = None, None
     for path in sorted(checkpoint_dir(run_dir).glob("step_*")):
-        if not (path / "DONE").exists() or not (path / EVAL_FILE).exists():
+        evaluation = read_evaluation(path) if (path / "DONE").exists() else None
+        if evaluation is None:
             continue
-        value = json.loads((path / EVAL_FILE).read_text()).get(metric)
+        value = evaluation.get(metric)
         if not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
             continue  # no value (every held-out episode failed: NaN) is never the best
         if best is None or (value > best if mode == "max" else value < best):
@@ -198,6 +213,20 @@ def damage(path: str | Path) -> str | None:
                 pass
         except Exception as e:  # noqa: BLE001
             return f"{f}: {' '.join(str(e).split())[:200]}"
+    for f in sorted(path.glob("*/*.json")):  # the model's and adapter's configs, the tokenizer's files
+        try:
+            json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            return f"{f}: not readable as JSON ({e})"
+    if (path / "config.yaml").is_file():
+        import yaml
+
+        try:
+            recorded = yaml.safe_load((path / "config.yaml").read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            return f"{path / 'config.yaml'}: {' '.join(str(e).split())[:200]}"
+        if not isinstance(recorded, dict):
+            return f"{path / 'config.yaml'}: holds no config (cut short?)"
     if (path / "sharded").is_dir():
         return _sharded_damage(path / "sharded")
     return None
@@ -228,8 +257,6 @@ def latest_intact(run_dir: str | Path, doing: str = "resuming from",
     """The newest complete checkpoint whose files read back; a damaged newer one is passed over
     with a warning naming its damaged file (and saying what is `doing` the one before). When
     every one is damaged, an error ending with `hint` (never a silent start from scratch)."""
-    import logging
-
     from rollover.config import ConfigError
 
     root = checkpoint_dir(run_dir)
@@ -241,8 +268,7 @@ def latest_intact(run_dir: str | Path, doing: str = "resuming from",
             return ckpt
         if not (ckpt / "DONE").exists():  # removed meanwhile (a live run's checkpoint.keep), not damaged
             continue
-        logging.getLogger("rollover").warning("checkpoint %s is damaged (%s); %s the one before it", ckpt.name, why,
-                                              doing)
+        log.warning("checkpoint %s is damaged (%s); %s the one before it", ckpt.name, why, doing)
         first = first or why
     if done:
         raise ConfigError(f"every checkpoint in {root} is damaged (the newest: {first}); {hint}")
