@@ -153,6 +153,31 @@ def test_named_sources_that_share_questions_hold_each_out_of_both(tmp_path, weig
     assert {p.text for p in train} | asked == {f"q{i}" for i in range(35)} | {"lonely"}  # nothing lost
 
 
+def test_a_question_as_text_and_as_one_user_message_is_one_question(tmp_path):
+    """The same question written as text in one source and as a one-user-message chat in another
+    (or in the same file) is held out of both, and asked once."""
+    import json
+
+    from rollover.config import load_config
+    from rollover.loops.prompts import _prompts
+
+    questions = [f"What is {i} times 3?" for i in range(40)]
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps({"prompt": q, "answer": "1"}) + "\n" for q in questions))
+    (tmp_path / "chat.jsonl").write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": q}], "answer": "1"}) + "\n" for q in questions[::-1][:30]))
+    (tmp_path / "both.jsonl").write_text((tmp_path / "text.jsonl").read_text() + (tmp_path / "chat.jsonl").read_text())
+    asked = lambda p: p.text if p.text is not None else p.messages[-1]["content"]  # noqa: E731
+    for train_data in ({"a": str(tmp_path / "text.jsonl"), "b": str(tmp_path / "chat.jsonl")}, str(tmp_path / "both.jsonl")):
+        train, held, _, _ = _prompts(load_config(**{"data.train": train_data, "data.eval_size": 6}), None)
+        assert len(held) == len({asked(p) for p in held}) == 6
+        assert not {asked(p) for p in held} & {asked(p) for p in train}
+    # data in one form holds out what it did before the two forms counted as one question
+    plain = [Prompt(id=str(i), text=q) for i, q in enumerate(questions)]
+    chat = [Prompt(id=str(i), messages=[{"role": "user", "content": q}]) for i, q in enumerate(questions)]
+    assert [p.id for p in split_holdout(plain, 0.1, seed=0)[1]] == ["2", "11", "21", "36"]
+    assert [p.id for p in split_holdout(chat, 0.1, seed=0)[1]] == ["2", "11", "21", "36"]
+
+
 def test_a_mix_draws_sources_at_their_weights_and_resumes_where_it_stopped():
     from collections import Counter
 

@@ -23,7 +23,10 @@ def split_holdout(
     held-out side has each of its questions once. `fraction` is of the distinct questions."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"held-out fraction must be in (0, 1), got {fraction}")
-    keys = [_content_key(p) for p in prompts]
+    # a question's place in the shuffle: its first occurrence's own form (a text prompt and the
+    # same question as one user message are one question, ordered as the first of them)
+    first: dict[str, str] = {}
+    keys = [first.setdefault(content_key(p), _form_key(p)) for p in prompts]
     distinct = sorted(set(keys))
     if len(distinct) < 2:
         raise ValueError(f"cannot split {len(distinct)} distinct prompt(s) into train and held-out")
@@ -45,12 +48,15 @@ def distinct_questions(prompts: Sequence[Prompt]) -> int:
 
 
 def content_key(prompt: Prompt) -> str:
-    """What makes two prompts the same question: their text or messages and their images, not
-    their ids."""
-    return _content_key(prompt)
+    """What makes two prompts the same question: their messages (a text prompt is the one user
+    message it is rendered as) and their images, not their ids."""
+    messages = [{"role": "user", "content": prompt.text}] if prompt.messages is None else prompt.messages
+    images = image_keys(prompt)
+    return json.dumps([messages, *([images] if images else [])], sort_keys=True)
 
 
-def _content_key(prompt: Prompt) -> str:
+def _form_key(prompt: Prompt) -> str:
+    """A prompt's content as given (text or messages) and its images."""
     images = image_keys(prompt)
     return json.dumps([prompt.text, prompt.messages, *([images] if images else [])], sort_keys=True)
 
