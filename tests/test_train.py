@@ -925,7 +925,12 @@ def test_lora_targets_are_checked_against_the_model():
     for target in ("embed_tokens", "lm_head"):
         with pytest.raises(ValueError, match=f"'{target}' is one of the input embedding and output head this model ties"):
             apply_lora(tiny_model("llama", seed=5, tie_word_embeddings=True), {"r": 4, "target_modules": ["q_proj", target]})
+    # a regular expression is matched by peft: what it adapted is checked
+    with pytest.raises(ValueError, match=r"'.\*\(embed_tokens\|q_proj\)' adapts .*embed_tokens, one of the input embedding"):
+        apply_lora(tiny_model("llama", seed=5, tie_word_embeddings=True), {"r": 4, "target_modules": ".*(embed_tokens|q_proj)"})
     apply_lora(tiny_model("llama", seed=5, tie_word_embeddings=False), {"r": 4, "target_modules": ["q_proj", "embed_tokens"]})
+    apply_lora(tiny_model("llama", seed=5, tie_word_embeddings=True), {"r": 4, "target_modules": ".*(q_proj|v_proj)"})
+    apply_lora(tiny_model("llama", seed=5, tie_word_embeddings=True), {"r": 4})  # all-linear: the head is not adapted
 
 
 def test_a_lora_checkpoint_resumes_only_under_its_own_adapters_shape(tmp_path):

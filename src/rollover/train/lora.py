@@ -22,7 +22,26 @@ def apply_lora(model, lora: dict, task_type: str = "CAUSAL_LM"):
         target_modules=lora.get("target_modules", "all-linear"),
         task_type=task_type,
     )
-    return get_peft_model(model, cfg)
+    tied = _tied_embeddings(model)
+    wrapped = get_peft_model(model, cfg)
+    # a regular expression names modules only as peft matches them: what it adapted is checked
+    adapted = sorted(n for n, m in wrapped.named_modules() if any(getattr(m, "base_layer", None) is e for e in tied))
+    if adapted:
+        raise ValueError(f"train.lora.target_modules: {lora['target_modules']!r} adapts {', '.join(adapted)}, "
+                         f"{_TIED_WHY}")
+    return wrapped
+
+
+_TIED_WHY = ("one of the input embedding and output head this model ties (tie_word_embeddings): a merged adapter "
+             "would change both while training changes one; adapt the attention and MLP projections instead")
+
+
+def _tied_embeddings(model) -> list:
+    """The input embedding and output head of a model that ties them (none otherwise)."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return []
+    return [m for m in (model.get_input_embeddings(), getattr(model, "get_output_embeddings", lambda: None)())
+            if m is not None]
 
 
 def _check_targets(model, targets) -> None:
@@ -42,12 +61,7 @@ def _check_targets(model, targets) -> None:
         leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and not list(m.children())})
         raise ValueError(f"train.lora.target_modules: {', '.join(map(repr, missing))} names no module of this model; "
                          f"its modules' names end in: {', '.join(leaves)}")
-    config = getattr(model, "config", None)
-    if getattr(config, "tie_word_embeddings", False):
-        emb = [m for m in (model.get_input_embeddings(), getattr(model, "get_output_embeddings", lambda: None)())
-               if m is not None]
-        tied = [t for t in targets for n in matches(t) if any(model.get_submodule(n) is m for m in emb)]
-        if tied:
-            raise ValueError(f"train.lora.target_modules: {', '.join(map(repr, sorted(set(tied))))} is one of the input "
-                             "embedding and output head this model ties (tie_word_embeddings): a merged adapter would "
-                             "change both while training changes one; adapt the attention and MLP projections instead")
+    emb = _tied_embeddings(model)
+    tied = [t for t in targets for n in matches(t) if any(model.get_submodule(n) is m for m in emb)]
+    if tied:
+        raise ValueError(f"train.lora.target_modules: {', '.join(map(repr, sorted(set(tied))))} is {_TIED_WHY}")
