@@ -235,3 +235,14 @@ def test_a_chat_template_argument_the_template_never_reads_is_named(tmp_path, ca
 
         _warn_unread_template_kwargs(cfg, tok)
     assert "chat_template_kwargs" not in caplog.text
+
+
+@pytest.mark.parametrize("key", ["chat_template", "return_assistant_tokens_mask", "tokenize", "max_length"])
+def test_chat_template_kwargs_refuse_apply_chat_templates_own_arguments(key):
+    """data.chat_template_kwargs are template variables: an argument of apply_chat_template (a
+    template in `chat_template` replaced every prompt, and was said to change nothing) is refused."""
+    from rollover.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"\['{key}'\] are arguments of apply_chat_template that rollover sets itself"):
+        load_config(**{"data.chat_template_kwargs": {key: "x", "enable_thinking": False}})
+    load_config(**{"data.chat_template_kwargs": {"tools": [], "enable_thinking": False}})  # variables pass

@@ -10,10 +10,15 @@ from rollover.config.base import NonEmptyStr, Section
 
 
 def _template_kwargs(kwargs: dict) -> dict:
+    """Template variables only: the arguments of `apply_chat_template` that are not (the
+    template itself, how it tokenizes and what it returns) are rollover's to set."""
     reserved = sorted(set(kwargs) & {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
-                                     "continue_final_message", "return_tensors"})
+                                     "continue_final_message", "return_tensors", "chat_template", "padding",
+                                     "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs"})
     if reserved:
-        raise ValueError(f"{reserved} are set by rollover itself")
+        raise ValueError(f"{reserved} are arguments of apply_chat_template that rollover sets itself, not template "
+                         "variables (a chat template of your own goes in the model's tokenizer_config.json or "
+                         "chat_template.jinja)")
     return kwargs
 
 
