@@ -88,6 +88,31 @@ def test_fields_reach_functions_that_ask_for_them():
     assert seen == [3, {"level": 3, "source": "x"}]
 
 
+def test_a_reward_that_changes_its_inputs_changes_only_its_own_copy():
+    """A reward in a thread appending to a field, or editing the answer or the messages, leaves
+    the prompt as it was: the next sample, step and evaluation see the data as loaded."""
+    seen = []
+
+    def tags(completion, answer, tags):
+        seen.append(len(tags))
+        tags.append("mine")
+        answer["n"] += 1
+        return 0.0
+
+    def batch(prompts, completions, answer, tags, **kw):
+        seen.append((len(tags[0]), prompts[0][0]["content"]))
+        prompts[0][0]["content"] = "changed"
+        tags[0].clear()
+        return [0.0] * len(completions)
+
+    prompt = Prompt(id="a", messages=[{"role": "user", "content": "q"}], answer={"n": 1}, fields={"tags": ["x"]})
+    runner = RewardRunner([Reward("t", tags), Reward("b", batch)], max_threads=1)
+    for _ in range(2):
+        runner.score([prompt, prompt], ["c", "d"])
+    assert seen.count(1) == 4 and seen.count((1, "q")) == 2
+    assert prompt.fields == {"tags": ["x"]} and prompt.answer == {"n": 1} and prompt.messages[0]["content"] == "q"
+
+
 def test_a_column_named_like_a_builtins_option_does_not_set_it():
     prompts = [Prompt(id="a", text="q", answer="5", fields={"pattern": "NEVER_MATCHES"})]
     out = RewardRunner(build_rewards(["format"])).score(prompts, [r"so \boxed{5}"])
