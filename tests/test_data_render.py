@@ -246,3 +246,25 @@ def test_chat_template_kwargs_refuse_apply_chat_templates_own_arguments(key):
     with pytest.raises(ConfigError, match=rf"\['{key}'\] are arguments of apply_chat_template that rollover sets itself"):
         load_config(**{"data.chat_template_kwargs": {key: "x", "enable_thinking": False}})
     load_config(**{"data.chat_template_kwargs": {"tools": [], "enable_thinking": False}})  # variables pass
+
+
+def test_a_row_that_does_not_render_is_a_bad_row_named_by_its_prompt(tmp_path, caplog):
+    """A role the template refuses, or a row whose own system message meets data.system_prompt:
+    an error naming the prompt, or under data.on_bad_row=skip skipped and counted, the rest kept."""
+    import logging
+
+    from rollover.config import ConfigError
+    from rollover.loops.prompts import _render_all
+
+    tok = char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+                         "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}{{ m['content'] }}{% endfor %}")
+    train = [Prompt(id="d:0", text="1+1="), Prompt(id="d:1", messages=[{"role": "human", "content": "2+2="}]),
+             Prompt(id="d:2", messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "3+3="}])]
+    with pytest.raises(ConfigError, match=r"prompt 'd:1' does not render: TemplateError: Unknown role: human; fix or drop"):
+        _render_all(length_cfg(tmp_path, "raise", 64), tok, train, [])
+    with caplog.at_level(logging.WARNING, logger="rollover"):
+        ids, kept, _, dropped = _render_all(length_cfg(tmp_path, "skip", 64, **{"data.system_prompt": "terse"}),
+                                            tok, train, [])
+    assert [p.id for p in kept] == ["d:0"] and dropped == 2 and set(ids) == {"d:0"}
+    assert "skipped 2 prompts that do not render" in caplog.text and "prompt 'd:2' does not render" in caplog.text

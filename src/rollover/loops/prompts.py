@@ -184,7 +184,7 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
     placeholders = _placeholder_ids(tokenizer, media)
     _images_of: dict[str, list[str]] = {}  # (prompts with the same text under one id may differ in their images)
     too_long: list[str] = []
-    unusable: list[str] = []  # prompts whose images do not render (data.on_bad_row=skip)
+    unusable: list[str] = []  # prompts that do not render, their images or their messages (data.on_bad_row=skip)
 
     def fits(p: Prompt) -> bool:
         if p.images and media is None:  # a held-out row past those `_media_store` looked at (first_held_out)
@@ -198,11 +198,19 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
                     raise
                 unusable.append(str(e))
                 return False
-        elif episodes:  # (an environment writes each opening: only its length is checked here)
-            ids = render_prompt(tokenizer, p, template_kwargs=d.chat_template_kwargs)
         else:
-            ids = render_prompt(tokenizer, p, system_prompt=d.system_prompt, instruction=d.instruction,
-                                template_kwargs=d.chat_template_kwargs, use_chat_template=d.chat_template)
+            try:
+                if episodes:  # (an environment writes each opening: only its length is checked here)
+                    ids = render_prompt(tokenizer, p, template_kwargs=d.chat_template_kwargs)
+                else:
+                    ids = render_prompt(tokenizer, p, system_prompt=d.system_prompt, instruction=d.instruction,
+                                        template_kwargs=d.chat_template_kwargs, use_chat_template=d.chat_template)
+            except Exception as e:  # noqa: BLE001 - the template's own errors (a role it refuses) are any type
+                why = f"prompt {p.id!r} does not render: {type(e).__name__}: {' '.join(str(e).split())}"
+                if d.on_bad_row == "raise":
+                    raise ConfigError(f"{why}; fix or drop the row, or set data.on_bad_row=skip") from e
+                unusable.append(why)
+                return False
         if not p.images and (typed := set(ids) & placeholders):  # the forward would look for images there
             why = (f"prompt {p.id!r} has no images but its text writes the image placeholder "
                    f"{tokenizer.convert_ids_to_tokens(min(typed))!r}")
@@ -233,11 +241,12 @@ def _render_all(cfg: Config, tokenizer, train: list[Prompt], held_out: list[Prom
         log.warning("data: skipped %d prompts longer than data.max_prompt_tokens=%d (data.on_bad_row=skip): %s%s",
                     len(too_long), d.max_prompt_tokens, ", ".join(too_long[:5]), ", ..." if len(too_long) > 5 else "")
     if unusable:
-        log.warning("data: skipped %d prompts whose images do not render (data.on_bad_row=skip): %s%s",
+        log.warning("data: skipped %d prompts that do not render (data.on_bad_row=skip): %s%s",
                     len(unusable), "; ".join(unusable[:3]), "; ..." if len(unusable) > 3 else "")
     if not train:
         raise ConfigError(f"no training prompt fits in data.max_prompt_tokens={d.max_prompt_tokens} "
-                          f"({len(too_long)} skipped as too long, {len(unusable)} for their images)")
+                          f"({len(too_long)} skipped as too long, {len(unusable)} that do not render"
+                          + (f", the first: {unusable[0]}" if unusable else "") + ")")
     return out, train, held_out, len(too_long) + len(unusable)
 
 
