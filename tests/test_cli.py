@@ -502,6 +502,10 @@ def test_export_round_trip(model_dir, tmp_path, capsys, lora):
     (tmp_path / "afile").write_text("x")
     assert main(["export", str(run_dir), str(tmp_path / "afile" / "sub")]) == 1
     assert f"{tmp_path / 'afile'} is a file, not a directory" in capsys.readouterr().err
+    before = snapshot(Path(model_dir))  # the run's base model: its checkpoints stand on it
+    assert main(["export", str(run_dir), str(model_dir), "--force"]) == 1
+    assert f"is the run's base model {Path(model_dir).resolve()}" in capsys.readouterr().err
+    assert snapshot(Path(model_dir)) == before
     shutil.rmtree(out)
 
 

@@ -52,6 +52,7 @@ def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | Non
     if not (ckpt / "DONE").exists():
         raise ExportError(f"{ckpt} is not a complete checkpoint directory (no DONE marker)")
     _check_out(out, ckpt, force)
+    _check_not_base(out, ckpt, run_dir)
     for tries in range(3):
         try:
             model, tokenizer = _load(ckpt, run_dir)
@@ -110,6 +111,24 @@ def _check_out(out: Path, ckpt: Path, force: bool) -> None:
                           "a model directory: remove it yourself or export elsewhere")
     if not force:
         raise ExportError(f"{out} holds a model already; pass --force (force=True in Python) to replace it")
+
+
+def _check_not_base(out: Path, ckpt: Path, run_dir: Path) -> None:
+    """`out` is not the run's starting model (`model:` of its config.yaml), which its LoRA
+    checkpoints are merged into and a resume's KL reference loads: replacing it would change
+    every checkpoint of the run."""
+    saved = next((p for p in (ckpt / "config.yaml", run_dir / "config.yaml") if p.is_file()), None)
+    try:
+        name = read_yaml(saved).get("model") if saved is not None else None
+    except (ConfigError, OSError, AttributeError):
+        return  # (a config that names no base model: `_load` says so where it needs one)
+    if not isinstance(name, str) or not Path(name).is_dir():  # a hub id or an alias: not a directory to write
+        return
+    base, o = Path(name).resolve(), out.resolve()
+    if o == base or base in o.parents or o in base.parents:
+        raise ExportError(f"{out} {'is' if o == base else 'overlaps'} the run's base model {base} (model: in {saved}): "
+                          "its checkpoints stand on it (a LoRA adapter is merged into it, a resume's reference is "
+                          "loaded from it); export somewhere else")
 
 
 def _load(ckpt: Path, run_dir: Path):
