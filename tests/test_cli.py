@@ -109,12 +109,14 @@ def test_simulate_section_belongs_to_rollover_simulate(tmp_path, monkeypatch, ca
     ("reward.functions=[{tmp}/broken.py:f]", "config error: reward.functions: SyntaxError: ", 2),
     ("reward.functions=[{tmp}/ok.py:nope]", "config error: reward.functions: ", 2),
     ("reward.functions=[{tmp}/setup.py:f]", "config error: reward.functions: TypeError at ", 2),  # raised in yours
+    ("reward.functions=[{tmp}/exits.py:f]", "config error: reward.functions: ImportError: reward '", 2),  # not rc 0
 ])
 def test_refused_run_is_short_and_leaves_no_run_dir(model_dir, tmp_path, capsys, bad, says, code):
     run_dir = tmp_path / "run"
     (tmp_path / "broken.py").write_text("def f(completion, answer:\n    return 1.0\n")
     (tmp_path / "ok.py").write_text("def f(completion, answer):\n    return 1.0\n")
     (tmp_path / "setup.py").write_text("raise TypeError('setting up went wrong')\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
     got = main(["train", *overrides(model_dir, run_dir, bad.format(tmp=tmp_path))])
     assert got in code if isinstance(code, tuple) else got == code
     err = capsys.readouterr().err.strip().splitlines()

@@ -294,6 +294,8 @@ def load_reference(ref: str, what: str):
         raise ValueError(f"{what} {ref!r}: expected 'module:name' or 'path/to/file.py:name'")
     try:
         module = _load_file(target) if target.endswith(".py") else importlib.import_module(target)
+    except SystemExit as e:  # the module's own sys.exit(): would end the run as if it had succeeded
+        raise ImportError(f"{what} {ref!r}: importing {target} called sys.exit({e.code!r})") from None
     except ModuleNotFoundError as e:
         if target.endswith(".py") or e.name != target.partition(".")[0]:
             raise  # a module the file or module itself imports is missing: its own message says which
