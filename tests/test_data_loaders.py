@@ -107,8 +107,8 @@ def test_invalid_json_line_is_a_bad_row(tmp_path):
     path.write_text(
         '{"prompt": "a", "answer": "1"}\n{"prompt": \n\n{"prompt": "b", "answer": "2"}\n'
     )
-    with pytest.raises(DataError, match=r"d\.jsonl line 2: not valid JSON"):
-        load_prompts(path)
+    with pytest.raises(DataError, match=r"d\.jsonl line 2: not valid JSON \(Expecting value at column 12\)"):
+        load_prompts(path)  # the column of the row's end, where it was cut short
     ps = load_prompts(path, on_bad_row="skip")
     # The blank line 3 is not a row; line 4 keeps its line-based id.
     assert [p.id for p in ps.prompts] == ["d:0", "d:3"]

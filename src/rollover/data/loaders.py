@@ -269,7 +269,7 @@ def _jsonl_rows(path: Path) -> Rows:
             if not line.strip():
                 continue  # blank lines (a trailing newline, say) are not rows
             try:
-                yield index, json.loads(line)
+                yield index, json.loads(line.rstrip("\r\n"))  # (an error past the row's end names its last column)
             except json.JSONDecodeError as exc:
                 yield index, BadRowError(f"not valid JSON ({exc.msg} at column {exc.colno})")
 
