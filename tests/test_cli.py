@@ -625,7 +625,15 @@ def test_filter_keeps_the_prompts_whose_pass_rate_lies_in_the_band(tmp_path, cap
     assert "filter: 12 prompts x 4 samples with model" in printed and "kept 12 of 12" in printed
     middle = [r for r in every if 0 < r["pass_rate"] < 1]
     assert middle and len(middle) < len(every)  # the band cuts something, and keeps something
-    assert main(["filter", *over, "--samples", "4", "--out", str(out)]) == 0  # default: neither 0 nor 1
+    before = out.read_text()
+    assert main(["filter", *over, "--samples", "4", "--out", str(out)]) == 2  # there already: --force replaces it
+    assert f"--out {out} exists; pass --force to replace it" in capsys.readouterr().err and out.read_text() == before
+    assert main(["filter", *over, "--samples", "4", "--out", str(data), "--force"]) == 2  # never the data itself
+    assert f"--out {data} is the data it filters (data.train)" in capsys.readouterr().err
+    assert sorted(json.loads(line)["prompt"] for line in data.read_text().splitlines()) == sorted(r["prompt"] for r in rows)
+    assert main(["filter", *over, "--samples", "0", "--out", str(out)]) == 2
+    assert "--samples must be >= 1 (got 0)" in capsys.readouterr().err
+    assert main(["filter", *over, "--samples", "4", "--out", str(out), "--force"]) == 0  # default: neither 0 nor 1
     again = [json.loads(line) for line in out.read_text().splitlines()]
     # the same seed samples the same: the middle band is what the first run rated so
     assert sorted((r["prompt"], r["pass_rate"]) for r in again) == sorted((r["prompt"], r["pass_rate"]) for r in middle)
@@ -640,7 +648,7 @@ def test_filter_keeps_the_prompts_whose_pass_rate_lies_in_the_band(tmp_path, cap
     finally:
         run.close()
     named = [o for o in over if not o.startswith("data.train=")] + [f"data.train={{a: {data}, b: {data}}}"]
-    assert main(["filter", *named, "--samples", "1", "--keep", "0:1", "--out", str(out)]) == 0
+    assert main(["filter", *named, "--samples", "1", "--keep", "0:1", "--out", str(out), "--force"]) == 0
     both = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["source"] for r in both) == ["a"] * 12 + ["b"] * 12  # which source each row came from
     assert main(["filter", *over, "--keep", "0.9:0.1", "--out", str(out)]) == 2

@@ -353,17 +353,21 @@ def _filter(argv: list[str]) -> int:
     p.add_argument("--keep", default=None, help="LOW:HIGH, the pass rates kept, inclusive (default: every rate "
                                                  "but 0 and 1, neither never nor always solved)")
     p.add_argument("--checkpoint", default=None, help="sample with this checkpoint's weights instead of the model")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file (never one of the data's)")
     p.add_argument("--debug", action="store_true", help="on an error, print the traceback")
     args = p.parse_intermixed_args(argv)  # flags anywhere among the overrides
     low = high = None
+    if args.samples < 1:
+        print(f"rollover filter: error: --samples must be >= 1 (got {args.samples})", file=sys.stderr)
+        return 2
     try:
         if args.keep is not None:
             low, high = (float(x) for x in args.keep.split(":"))
-        if (args.keep is not None and not 0 <= low <= high <= 1) or args.samples < 1:
+        if args.keep is not None and not 0 <= low <= high <= 1:
             raise ValueError
     except ValueError:
-        print(f"rollover filter: error: --keep {args.keep!r} must be LOW:HIGH with 0 <= LOW <= HIGH <= 1, and "
-              f"--samples >= 1 (got {args.samples})", file=sys.stderr)
+        print(f"rollover filter: error: --keep {args.keep!r} must be LOW:HIGH with 0 <= LOW <= HIGH <= 1",
+              file=sys.stderr)
         return 2
     out = Path(args.out)
     if out.suffix != ".jsonl" or not out.parent.is_dir():
@@ -379,6 +383,14 @@ def _filter(argv: list[str]) -> int:
         return 2
     cfg = _load_config("rollover filter", path, overrides)
     if cfg is None:
+        return 2
+    if out.exists() and not args.force:
+        print(f"rollover filter: error: --out {args.out} exists; pass --force to replace it", file=sys.stderr)
+        return 2
+    sources = cfg.data.train.values() if isinstance(cfg.data.train, dict) else [cfg.data.train]
+    if any(Path(str(src).partition("?")[0]).resolve() == out.resolve() for src in sources):
+        print(f"rollover filter: error: --out {args.out} is the data it filters (data.train); write it elsewhere",
+              file=sys.stderr)
         return 2
     _setup_logging()
 
