@@ -395,6 +395,8 @@ def test_eval_plain_config_without_checkpoints_uses_the_base_model(model_dir, tm
     assert not (tmp_path / "never_trained").exists()
     assert main(["eval", str(tmp_path)]) == 2
     assert "not a run directory (no config.yaml)" in capsys.readouterr().err
+    assert main(["eval", str(cfg), *over[2:], "data.eval_size=0"]) == 2  # no held-out prompt: not a success
+    assert "nothing to evaluate: data.eval_size=0 and no data.eval" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- export

@@ -278,6 +278,10 @@ def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | No
     from rollover.loops.build import build_run
     from rollover.train import checkpoint
 
+    if cfg.data.eval is None and cfg.data.eval_size == 0:
+        print("rollover eval: error: nothing to evaluate: data.eval_size=0 and no data.eval; give data.eval_size=N "
+              "(N held-out questions carved as the run carved them) or data.eval=SOURCE", file=sys.stderr)
+        return 2
     if ckpt is None and not base:
         if run_dir is None:  # a run's own config.yaml sits beside its checkpoints
             beside = Path(path).parent if path is not None else None
@@ -291,6 +295,10 @@ def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | No
         weights = (f"checkpoint {run.checkpoint} (step {run.start_step})" if run.checkpoint
                    else f"base model {cfg.model}")
         print(f"weights: {weights} [{why}]", flush=True)
+        if not run.eval_prompts:
+            print("rollover eval: error: nothing to evaluate: no held-out prompt is left (each was skipped: "
+                  "data.on_bad_row=skip)", file=sys.stderr)
+            return 2
         metrics = run.evaluate(run.start_step)
     finally:
         run.close()
