@@ -86,6 +86,7 @@ def test_bad_row_raises_naming_file_and_line(tmp_path):
     "row, reason",
     [
         ({"answer": "1"}, "missing prompt column 'prompt'"),
+        ({"prompt": None, "answer": "1"}, "prompt column 'prompt' is null"),
         ({"prompt": 7, "answer": "1"}, "must be a string or a non-empty list"),
         ({"prompt": "", "answer": "1"}, "empty string"),
         ({"prompt": [{"role": "user"}], "answer": "1"}, "needs a string 'content'"),
@@ -180,13 +181,13 @@ def test_skip_bad_rows_and_count_them(tmp_path):
     assert [p.answer for p in ps.prompts] == ["1", "4"]
     assert ps.num_skipped == 2
     assert [b.where for b in ps.skipped] == [f"{path} line 2", f"{path} line 3"]
-    assert "missing prompt" in ps.skipped[0].reason
+    assert ps.skipped[0].reason == "prompt column 'prompt' is null"
 
 
 def test_parquet_bad_row_names_the_row(tmp_path):
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"prompt": ["a", None, "c"], "answer": ["1", "2", "3"]}), path)
-    with pytest.raises(DataError, match=r"d\.parquet row 1: missing prompt"):
+    with pytest.raises(DataError, match=r"d\.parquet row 1: prompt column 'prompt' is null"):
         load_prompts(path)
 
 

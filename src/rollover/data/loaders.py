@@ -134,8 +134,10 @@ def row_to_prompt(
     if not isinstance(row, dict):
         raise BadRowError(f"expected an object with columns, got {type(row).__name__}")
     prompt = _get(row, prompt_key)
-    if prompt is _MISSING or prompt is None:
+    if prompt is _MISSING:
         raise BadRowError(f"missing prompt column {prompt_key!r} (columns: {sorted(row)})")
+    if prompt is None:
+        raise BadRowError(f"prompt column {prompt_key!r} is null")
     text, messages = _check_prompt(prompt, prompt_key)
 
     answer, used_key = _find_answer(row, answer_key)
