@@ -133,6 +133,8 @@ def test_a_run_dir_that_is_a_file_is_refused_before_anything_loads(model_dir, tm
     assert main(["train", *overrides(model_dir, tmp_path / "run")]) == 2
     assert f"config error: run_dir {tmp_path / 'run'} is a file" in capsys.readouterr().err
     assert (tmp_path / "run").read_text() == "notes\n"
+    assert main(["train", *overrides(model_dir, tmp_path / "run" / "sub")]) == 2  # below a file
+    assert f"config error: run_dir {tmp_path / 'run' / 'sub'}: {tmp_path / 'run'} is a file" in capsys.readouterr().err
 
 
 def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, capsys):

@@ -232,6 +232,8 @@ def _start(cfg: Config, allow_config_change: bool, record: bool) -> _Start:
     run_dir = Path(cfg.run_dir)
     if record and run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir {run_dir} is a file: give a directory (one that does not exist is made)")
+    if record and (blocked := next((p for p in run_dir.parents if p.exists() and not p.is_dir()), None)) is not None:
+        raise ConfigError(f"run_dir {run_dir}: {blocked} is a file, so no directory can be made under it")
     if record and run_dir.is_dir():
         lock_run_dir(run_dir).close()  # in use by a live run: refused before anything is built
     found = run_dir_state(run_dir) if record else None
