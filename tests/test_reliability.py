@@ -162,6 +162,32 @@ def test_a_sharded_checkpoints_cut_or_missing_shard_is_damage_named_by_its_file(
     assert damage(ckpt) == f"{ckpt / 'sharded'}: missing (the sharded trainer's weights and optimizer state were saved there)"
 
 
+def test_a_model_path_that_is_no_usable_model_is_named_with_what_is_wrong(tmp_path):
+    """A file given as the model, a model directory without tokenizer files, or one whose weights
+    were copied in part: errors that say so, not transformers' (a missing sentencepiece, a bad
+    header length) without the file."""
+    import os
+    import shutil
+
+    from rollover.models import load_hf_model, load_tokenizer
+    from rollover.testing import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "m", "llama", seed=3)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=f"model '{tmp_path / 'afile'}' is a file: give a model directory"):
+        load_tokenizer(str(tmp_path / "afile"))
+    shutil.copytree(model, tmp_path / "notok")
+    for f in (tmp_path / "notok").glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(ValueError, match=r"holds no tokenizer: no file like tokenizer.json, \*.model"):
+        load_tokenizer(str(tmp_path / "notok"))
+    shutil.copytree(model, tmp_path / "cut")
+    os.truncate(tmp_path / "cut" / "model.safetensors", 1000)
+    with pytest.raises(ValueError, match=r"model.safetensors does not read as safetensors \(.*\); copied or downloaded"):
+        load_hf_model(str(tmp_path / "cut"))
+    assert load_tokenizer(str(model)) is not None and load_hf_model(str(model)) is not None
+
+
 def test_a_checkpoints_cut_json_or_config_is_damage_named_by_its_file(tmp_path):
     """An adapter's or model's JSON file, or the recorded config.yaml, left empty by a write cut
     short makes the checkpoint damaged (resume, eval and export pass over it), not a bare

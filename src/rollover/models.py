@@ -32,6 +32,9 @@ def resolve_model(name: str) -> str:
     download's retries)."""
     if name.lower() in ALIASES:
         return str(_converted_alias(name.lower()))
+    if Path(name).is_file():
+        raise ValueError(f"model {name!r} is a file: give a model directory (config.json, weights and tokenizer "
+                         f"files), a hub id (owner/name) or an alias ({', '.join(ALIASES)})")
     if Path(name).exists():
         return str(Path(name))
     if name.count("/") == 1 and not name.startswith((".", "/")):
@@ -128,10 +131,16 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.*", "*.tiktoken")  # fast, SentencePiece, BPE/WordPiece, tiktoken
+
+
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model(name))
+    path = resolve_model(name)
+    if Path(path).is_dir() and not any(any(Path(path).glob(f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"model {name!r} holds no tokenizer: no file like {', '.join(TOKENIZER_FILES)} is in {path}")
+    tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -156,8 +165,24 @@ def load_hf_model(name: str, dtype=None, device: str | None = None):
     from transformers import AutoConfig
 
     path = resolve_model(name)
+    if Path(path).is_dir():
+        _check_weight_files(Path(path))
     model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype or torch.float32)
     return model.to(device) if device else model
+
+
+def _check_weight_files(path: Path) -> None:
+    """A ValueError naming a safetensors file of a model directory whose header does not read
+    back (a copy cut short), before transformers reports it without the file's name."""
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - any failure to read it is damage
+            raise ValueError(f"model {str(path)!r}: {f.name} does not read as safetensors ({' '.join(str(e).split())}); "
+                             "copied or downloaded only in part?") from None
 
 
 def text_processor(name: str, model):
