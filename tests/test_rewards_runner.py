@@ -99,18 +99,22 @@ def test_a_reward_that_changes_its_inputs_changes_only_its_own_copy():
         answer["n"] += 1
         return 0.0
 
-    def batch(prompts, completions, answer, tags, **kw):
+    def batch(prompts, completions, answer, tags, completion_ids, **kw):
         seen.append((len(tags[0]), prompts[0][0]["content"]))
         prompts[0][0]["content"] = "changed"
         tags[0].clear()
+        for ids in completion_ids:
+            ids.pop()  # (TRL rewards strip the EOS this way)
         return [0.0] * len(completions)
 
     prompt = Prompt(id="a", messages=[{"role": "user", "content": "q"}], answer={"n": 1}, fields={"tags": ["x"]})
     runner = RewardRunner([Reward("t", tags), Reward("b", batch)], max_threads=1)
+    ids = [[5, 6, 2], [7, 2]]  # the rollouts' own response ids, which train
     for _ in range(2):
-        runner.score([prompt, prompt], ["c", "d"])
+        runner.score([prompt, prompt], ["c", "d"], completion_ids=ids)
     assert seen.count(1) == 4 and seen.count((1, "q")) == 2
     assert prompt.fields == {"tags": ["x"]} and prompt.answer == {"n": 1} and prompt.messages[0]["content"] == "q"
+    assert ids == [[5, 6, 2], [7, 2]]
 
 
 def test_a_column_named_like_a_builtins_option_does_not_set_it():

@@ -31,6 +31,7 @@ the prompt opened the reasoning; up to the `<think>` where it thought again afte
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import importlib
@@ -150,8 +151,8 @@ class Reward:
             for name, p in self._params.items()
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         ][:2]
-        kwargs = {k: v for k, v in self._accepted(fields).items() if k not in positional}
-        return self.fn(completion, answer, **kwargs)
+        kwargs = {k: self._own(v) for k, v in self._accepted(fields).items() if k not in positional}
+        return self.fn(completion, self._own(answer), **kwargs)
 
     def call_batch(
         self,
@@ -175,7 +176,7 @@ class Reward:
         available.update(prompts=prompts, completions=completions)
         if completion_ids is not None:
             available["completion_ids"] = completion_ids
-        accepted = self._accepted(available)
+        accepted = {k: v if k == "completions" else self._own(v) for k, v in self._accepted(available).items()}
         bound = self.fn.keywords if isinstance(self.fn, functools.partial) else {}
         if timeout_s is not None and "reward_timeout_s" in self._params and "reward_timeout_s" not in bound:
             accepted["reward_timeout_s"] = timeout_s
@@ -196,6 +197,23 @@ class Reward:
         if not any(base is builtin for builtin in BUILTINS.values()):
             return frozenset()
         return frozenset(name for name, p in self._params.items() if p.kind is p.KEYWORD_ONLY)
+
+    @functools.cached_property
+    def _trusted(self) -> bool:
+        """rollover's own rewards change nothing they are given: no copies for them."""
+        base = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
+        return getattr(base, "__module__", "").startswith("rollover.")
+
+    def _own(self, value):
+        """`value` as this call's own: a copy of a list, dict or other container the data holds
+        (what the function changes in it must not reach the next sample, step or evaluation);
+        strings and numbers as they are."""
+        if self._trusted or value is None or isinstance(value, (str, bytes, int, float, bool)):
+            return value
+        try:
+            return copy.deepcopy(value)
+        except Exception:  # noqa: BLE001 - a value that cannot be copied is passed as it is
+            return value
 
     def _accepted(self, available: dict) -> dict:
         """The entries of `available` the function takes as keyword arguments (never the

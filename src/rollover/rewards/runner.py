@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import functools
 import inspect
 import logging
@@ -344,22 +343,19 @@ class RewardRunner:
         n = len(completions)
         calls = []
         for reward in self.rewards:
-            # a reward in a thread gets copies of the prompt's answer and fields: what it changes
-            # in them must not reach the next sample, step or evaluation (a worker's are unpickled)
-            own = (lambda x: x) if self._in_pool(reward) else copy.deepcopy
             if reward.batched:
                 args = (
-                    [p.text if p.text is not None else own(p.messages) for p in prompts],
+                    [p.text if p.text is not None else p.messages for p in prompts],
                     [reward.sees(c, o) for c, o in zip(completions, opened)],
-                    [own(p.answer) for p in prompts],
-                    [own(p.fields) for p in prompts],
+                    [p.answer for p in prompts],
+                    [p.fields for p in prompts],
                     None if completion_ids is None else list(completion_ids),
                     self.timeout_s,
                 )
                 calls.append(_Call(reward, list(range(n)), self._bind(reward, "call_batch", args)))
             else:
                 for i, (p, c, o) in enumerate(zip(prompts, completions, opened)):
-                    run = self._bind(reward, "call_one", (reward.sees(c, o), own(p.answer), own(p.fields)))
+                    run = self._bind(reward, "call_one", (reward.sees(c, o), p.answer, p.fields))
                     calls.append(_Call(reward, [i], run))
         return calls
 
