@@ -398,7 +398,7 @@ def test_eval_plain_config_without_checkpoints_uses_the_base_model(model_dir, tm
     assert main(["eval", str(tmp_path)]) == 2
     assert "not a run directory (no config.yaml)" in capsys.readouterr().err
     assert main(["eval", str(cfg), *over[2:], "data.eval_size=0"]) == 2  # no held-out prompt: not a success
-    assert "nothing to evaluate: data.eval_size=0 and no data.eval" in capsys.readouterr().err
+    assert "nothing to evaluate: data.eval_size=0; give data.eval_size=N" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- export
@@ -708,3 +708,19 @@ def test_flags_may_come_between_the_config_and_the_overrides(model_dir, tmp_path
     assert main(["train", str(config), "--allow-config-change", "steps=7", "train.lr=0.02"]) == 0
     assert main(["train", str(config), "steps=8", "--allow-config-change"]) == 0
     assert seen == [(7, 0.02, True), (8, 1e-5, True)]
+
+
+def test_export_finds_a_relative_base_model_from_another_directory(tmp_path, monkeypatch):
+    """A run started in /proj with `model: models/base` and exported from elsewhere: the base is
+    still recognised (read from a directory above RUN_DIR) and never written over."""
+    from rollover.export import ExportError, _check_not_base
+
+    proj = tmp_path / "proj"
+    (proj / "models" / "base").mkdir(parents=True)
+    run_dir = proj / "runs" / "r"
+    (run_dir / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("model: models/base\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ExportError, match=f"is the run's base model {proj / 'models' / 'base'}"):
+        _check_not_base(proj / "models" / "base", run_dir / "checkpoints" / "step_000001", run_dir)
+    _check_not_base(tmp_path / "out", run_dir / "checkpoints" / "step_000001", run_dir)  # elsewhere: fine

@@ -60,7 +60,7 @@ def test_a_step_larger_than_the_data_warns(tmp_path, caplog):
     assert "rollout.prompts_per_step=40 is more than the 10 training prompts" in caplog.text
 
 
-@pytest.mark.parametrize("fails", ["engine", "data"])
+@pytest.mark.parametrize("fails", ["engine", "data", "resume check"])
 def test_a_start_that_fails_closes_what_it_had_built(tmp_path, monkeypatch, fails):
     """A run whose engine cannot start (or whose data is refused after the rewards were built)
     closes its rewards and trainer before the error reaches the caller: nothing is left holding
@@ -77,11 +77,17 @@ def test_a_start_that_fails_closes_what_it_had_built(tmp_path, monkeypatch, fail
     def no_engine(*args, **kwargs):
         raise RuntimeError("no engine today")
 
+    def refused(*args):
+        raise ConfigError("the training data is not the checkpoint's")
+
+    if fails == "resume check":
+        monkeypatch.setattr(build, "_check_data", refused)
     model = save_tiny_model(tmp_path / "m", "llama", seed=3)
-    data = "gen:arithmetic?n=12" if fails == "engine" else str(tmp_path / "missing.jsonl")
+    data = str(tmp_path / "missing.jsonl") if fails == "data" else "gen:arithmetic?n=12"
     cfg = load_config(None, [f"model={model}", f"run_dir={tmp_path / 'run'}", "device=cpu", f"data.train={data}",
                              "data.eval_size=2", "rollout.max_new_tokens=4", "logging.tensorboard=false"])
-    with pytest.raises((RuntimeError, DataError, ConfigError), match="no engine today" if fails == "engine" else "missing"):
+    why = {"engine": "no engine today", "data": "missing", "resume check": "not the checkpoint's"}[fails]
+    with pytest.raises((RuntimeError, DataError, ConfigError), match=why):
         build.build_run(cfg, engine_factory=no_engine)
     assert closed == (["rewards", "trainer"] if fails == "engine" else ["rewards"])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -181,6 +187,10 @@ def test_a_model_path_that_is_no_usable_model_is_named_with_what_is_wrong(tmp_pa
         f.unlink()
     with pytest.raises(ValueError, match=r"holds no tokenizer: no file like tokenizer.json, \*.model"):
         load_tokenizer(str(tmp_path / "notok"))
+    shutil.copy(model / "tokenizer.json", tmp_path / "notok" / "tekken.json")  # a name the hint knows: no hint
+    with pytest.raises(Exception) as info:
+        load_tokenizer(str(tmp_path / "notok"))
+    assert "holds no tokenizer" not in str(info.value)
     shutil.copytree(model, tmp_path / "cut")
     os.truncate(tmp_path / "cut" / "model.safetensors", 1000)
     with pytest.raises(ValueError, match=r"model.safetensors does not read as safetensors \(.*\); copied or downloaded"):

@@ -1304,6 +1304,10 @@ def test_a_damaged_eval_json_is_passed_over_by_the_best_and_named(tmp_path, capl
                         evaluation={"eval/accuracy": 0.1}, best=("eval/accuracy", "max"))
     assert f"{damaged} is damaged" in caplog.text
     assert checkpoint.best_checkpoint(tmp_path, "eval/accuracy").name == "step_000002"
+    # it might have been the best: kept beside keep=2, and said so
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_000001", "step_000002",
+                                                                                "step_000003"]
+    assert "checkpoint step_000001 is kept beside checkpoint.keep=2: its eval.json does not read back" in caplog.text
     assert checkpoint.read_evaluation(damaged.parent) is None
 
 

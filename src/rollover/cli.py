@@ -278,9 +278,9 @@ def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | No
     from rollover.loops.build import build_run
     from rollover.train import checkpoint
 
-    if cfg.data.eval is None and cfg.data.eval_size == 0:
-        print("rollover eval: error: nothing to evaluate: data.eval_size=0 and no data.eval; give data.eval_size=N "
-              "(N held-out questions carved as the run carved them) or data.eval=SOURCE", file=sys.stderr)
+    if cfg.data.eval_size == 0:  # (of a data.eval source too, the first eval_size rows are asked)
+        print("rollover eval: error: nothing to evaluate: data.eval_size=0; give data.eval_size=N (N held-out "
+              "questions: of data.eval, or carved from the training data as the run carved them)", file=sys.stderr)
         return 2
     if ckpt is None and not base:
         if run_dir is None:  # a run's own config.yaml sits beside its checkpoints
@@ -296,8 +296,8 @@ def _run_eval(cfg, path: str | Path | None, run_dir: Path | None, ckpt: str | No
                    else f"base model {cfg.model}")
         print(f"weights: {weights} [{why}]", flush=True)
         if not run.eval_prompts:
-            print("rollover eval: error: nothing to evaluate: no held-out prompt is left (each was skipped: "
-                  "data.on_bad_row=skip)", file=sys.stderr)
+            why = f" ({run.data_skipped} rows were skipped: data.on_bad_row=skip)" if run.data_skipped else ""
+            print(f"rollover eval: error: nothing to evaluate: no held-out prompt{why}", file=sys.stderr)
             return 2
         metrics = run.evaluate(run.start_step)
     finally:

@@ -122,11 +122,15 @@ def _check_not_base(out: Path, ckpt: Path, run_dir: Path) -> None:
         name = read_yaml(saved).get("model") if saved is not None else None
     except (ConfigError, OSError, AttributeError):
         return  # (a config that names no base model: `_load` says so where it needs one)
-    if not isinstance(name, str) or not Path(name).is_dir():  # a hub id or an alias: not a directory to write
+    if not isinstance(name, str):
         return
-    base, o = Path(name).resolve(), out.resolve()
-    if o == base or base in o.parents or o in base.parents:
-        raise ExportError(f"{out} {'is' if o == base else 'overlaps'} the run's base model {base} (model: in {saved}): "
+    # a relative path was read from where the run started: here, or (commonly) a directory above RUN_DIR
+    candidates = [Path(name)] if Path(name).is_absolute() else [Path(name), *(a / name for a in run_dir.resolve().parents)]
+    o = out.resolve()
+    hit = next((b for b in (c.resolve() for c in candidates if c.is_dir())  # (a hub id or an alias is no directory)
+                if o == b or b in o.parents or o in b.parents), None)
+    if hit is not None:
+        raise ExportError(f"{out} {'is' if o == hit else 'overlaps'} the run's base model {hit} (model: in {saved}): "
                           "its checkpoints stand on it (a LoRA adapter is merged into it, a resume's reference is "
                           "loaded from it); export somewhere else")
 

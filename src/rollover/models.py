@@ -131,16 +131,21 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
-TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.*", "*.tiktoken")  # fast, SentencePiece, BPE/WordPiece, tiktoken
+# fast, SentencePiece, BPE/WordPiece, tiktoken, Mistral's tekken
+TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.*", "*.tiktoken", "tekken.json")
 
 
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     path = resolve_model(name)
-    if Path(path).is_dir() and not any(any(Path(path).glob(f)) for f in TOKENIZER_FILES):
-        raise ValueError(f"model {name!r} holds no tokenizer: no file like {', '.join(TOKENIZER_FILES)} is in {path}")
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        if Path(path).is_dir() and not any(any(Path(path).glob(f)) for f in TOKENIZER_FILES):
+            raise ValueError(f"model {name!r} holds no tokenizer: no file like {', '.join(TOKENIZER_FILES)} is in "
+                             f"{path} ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+        raise
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

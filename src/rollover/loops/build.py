@@ -167,14 +167,14 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
     start = _start(cfg, allow_config_change, record)
     seed_everything(cfg.seed)
     inputs = _inputs(cfg, record)
-    if record:
-        _check_data(inputs.train_iter, start)
-    if record and start.state is not None and start.state["step"] > cfg.steps:
-        raise ConfigError(f"the run in {Path(cfg.run_dir)} has trained {start.state['step']} steps, past steps={cfg.steps}: "
-                          f"nothing to train (steps counts from the run's start: give more than {start.state['step']} "
-                          "to go on); nothing was changed")
     trainer = engine = None
     try:
+        if record:
+            _check_data(inputs.train_iter, start)
+        if record and start.state is not None and start.state["step"] > cfg.steps:
+            raise ConfigError(f"the run in {Path(cfg.run_dir)} has trained {start.state['step']} steps, past "
+                              f"steps={cfg.steps}: nothing to train (steps counts from the run's start: give more "
+                              f"than {start.state['step']} to go on); nothing was changed")
         model = _load_model(cfg, start.ckpt, training=record)
         longest, env_processor = _check_models(cfg, model, inputs, record)
         eos_token_ids = list(eos_ids(getattr(model, "generation_config", None), model.config, inputs.tokenizer))
@@ -191,8 +191,8 @@ def build_run(cfg: Config, *, engine_factory=None, allow_config_change: bool = F
               env_builder=inputs.env_builder, eval_sources=inputs.sources, media=inputs.media,
               env_processor=env_processor)
     run.weights = weights
-    _attach_parts(run, cfg)
     try:
+        _attach_parts(run, cfg)
         _accept(run, start, record)
     except BaseException:
         run.close()

@@ -104,9 +104,16 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
         shutil.rmtree(stale, ignore_errors=True)
     others = sorted(p for p in root.glob("step_*") if (p / "DONE").exists() and p != final)
     newest = set(others[max(0, len(others) - (keep - 1)):]) if keep > 1 else set()
-    spared = best_checkpoint(run_dir, *best) if best is not None else None
+    spared = {best_checkpoint(run_dir, *best)} if best is not None else set()
+    if best is not None:  # one whose evaluation does not read back might be the best: kept, not guessed at
+        unread = {p for p in others if p not in newest and (p / EVAL_FILE).exists() and read_evaluation(p) is None}
+        for p in sorted(unread):
+            log.warning("checkpoint %s is kept beside checkpoint.keep=%d: its %s does not read back, so whether it "
+                        "is the best by %s is not known; remove it yourself if it is not", p.name, keep, EVAL_FILE,
+                        best[0])
+        spared |= unread
     for old in others:
-        if old not in newest and old != spared:  # the best is kept besides the newest, or is one of them
+        if old not in newest and old not in spared:  # the best is kept besides the newest, or is one of them
             shutil.rmtree(old, ignore_errors=True)
     return final
 
