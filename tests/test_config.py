@@ -71,6 +71,17 @@ def test_a_merged_key_may_be_given_again_but_an_own_key_not(tmp_path):
         read_yaml(tmp_path / "d.yaml")
 
 
+def test_a_number_without_a_dot_in_exponent_form_is_a_number_in_free_form_mappings(tmp_path):
+    """1e-1 (YAML 1.2, verl's OmegaConf) is a float inside a reward's kwargs, loss_options or
+    engine_options too, where no field type makes the text a number; quoted, it stays text."""
+    cfg = load_config(overrides=["algorithm.loss_options={is_cap: 5e0}", "rollout.engine_options={gpu_memory_utilization: 6e-1}",
+                                 "reward.functions=[{fn: format, kwargs: {pattern: '1e5'}}]"])
+    assert cfg.algorithm.loss_options == {"is_cap": 5.0} and cfg.rollout.engine_options == {"gpu_memory_utilization": 0.6}
+    assert cfg.reward.functions[0]["kwargs"] == {"pattern": "1e5"}
+    (tmp_path / "c.yaml").write_text("rollout:\n  engine_options: {swap: -2E+2, tag: 1e5x}\n")
+    assert read_yaml(tmp_path / "c.yaml")["rollout"]["engine_options"] == {"swap": -200.0, "tag": "1e5x"}
+
+
 def test_off_unquoted_is_the_option_off():
     assert load_config(overrides=["selection.dars=off"]).selection.dars == "off"  # (YAML 1.1 reads it as false)
 

@@ -86,6 +86,13 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.2's floats without a dot (1e-6, 5E+3), which PyYAML (YAML 1.1) reads as text: a value
+# inside a free-form mapping (a reward's kwargs, loss_options, engine_options) has no field type to
+# make it a number, and verl's configs (OmegaConf) write them so
+_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                                    list("-+0123456789"))
+
+
 def _load_yaml(text: str):
     return yaml.load(text, Loader=_StrictLoader)
 
@@ -247,6 +254,8 @@ def _error_line(err: dict) -> str:
     if value is None or isinstance(value, str | int | float):
         quoted = isinstance(value, str) and kind not in _BOUNDS  # a bound was checked on a number
         shown = repr(value) if quoted else value if isinstance(value, str) else json.dumps(value)
+        if isinstance(value, float):  # as it was likely written: 1e-5, not 1e-05
+            shown = re.sub(r"e([+-])0(\d)", r"e\1\2", shown)
         return f"{loc}={shown}: {msg}"
     if isinstance(value, dict):  # a section's own check, whose messages name its keys: name them in full
         named = re.sub(r"(^|; )(?=[A-Za-z_]\w*=)", lambda m: f"{m.group(1)}{loc}.", msg)
