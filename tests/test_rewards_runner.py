@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from rollover.rewards import (
     Reward,
@@ -308,13 +309,38 @@ def test_on_error_skip_marks_the_sample_unscored():
         ("high", "must be a real number"),
         (float("nan"), "score is nan"),
         ({"x": 1}, "without a 'score'"),
-        ({"score": 1.0, "note": "text"}, "note must be a real number"),
+        ({"score": 1.0, "acc": float("nan")}, "acc is nan"),
     ],
 )
 def test_bad_return_values_are_failures(value, message):
     runner = RewardRunner([Reward("bad", lambda completion, answer: value)], on_error="zero")
     out = runner.score(P[:1], ["x"])
     assert out.error_counts == {"bad": 1} and message in out.failures[0].error
+
+
+def test_trl_and_verl_return_values_score_as_there():
+    """A TRL batched reward may return a NumPy array, a torch tensor or a generator; verl's math
+    scorers return {"score", "acc", "pred": the extracted answer}: the text is no metric and is
+    left out, the numbers score and log."""
+    import numpy as np
+
+    def as_array(prompts, completions, **kw):
+        return np.array([1.0, 0.0])
+
+    def as_tensor(prompts, completions, **kw):
+        return torch.tensor([0.5, 1.0])
+
+    def as_generator(prompts, completions, **kw):
+        return (float(len(c)) for c in completions)
+
+    def verl(completion, answer):
+        return {"score": 1.0, "acc": True, "pred": "42"}
+
+    out = RewardRunner([Reward("a", as_array), Reward("t", as_tensor), Reward("g", as_generator), Reward("v", verl)]
+                       ).score(P, ["x", "yy"])
+    assert not out.failures
+    assert [s.scores for s in out.samples] == [{"a": 1.0, "t": 0.5, "g": 1.0, "v": 1.0}, {"a": 0.0, "t": 1.0, "g": 2.0, "v": 1.0}]
+    assert out.samples[0].extras == {"v/acc": 1.0}
 
 
 @pytest.mark.parametrize("on_error", ["zero", "skip"])

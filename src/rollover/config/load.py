@@ -254,8 +254,10 @@ def _error_line(err: dict) -> str:
     if value is None or isinstance(value, str | int | float):
         quoted = isinstance(value, str) and kind not in _BOUNDS  # a bound was checked on a number
         shown = repr(value) if quoted else value if isinstance(value, str) else json.dumps(value)
-        if isinstance(value, float):  # as it was likely written: 1e-5, not 1e-05
-            shown = re.sub(r"e([+-])0(\d)", r"e\1\2", shown)
+        if isinstance(value, float):  # as it was likely written: 1e-5 and 3e6, not 1e-05 and 3000000.0
+            short = f"{value:g}"
+            if "e" in short and float(short) == value:
+                shown = re.sub(r"e\+?(-?)0*(\d)", r"e\1\2", short)
         return f"{loc}={shown}: {msg}"
     if isinstance(value, dict):  # a section's own check, whose messages name its keys: name them in full
         named = re.sub(r"(^|; )(?=[A-Za-z_]\w*=)", lambda m: f"{m.group(1)}{loc}.", msg)
