@@ -525,6 +525,18 @@ def test_bapo_warns_where_stale_samples_reach_it_uncorrected_and_april_recompute
     assert carry == "keep_kv" and "algorithm.tis_cap corrects" in why
 
 
+def test_sapo_under_another_aggregation_than_its_papers_is_named():
+    """SAPO's paper, TRL and verl aggregate it seq-mean-token-mean; rollover's default is token-mean."""
+    from rollover.algos.loss_options import loss_caveats
+
+    def cfg(**over):
+        return load_config(model="unused", run_dir="unused", **{"algorithm.loss": "sapo", **over})
+
+    (said,) = loss_caveats(cfg())
+    assert said.startswith("algorithm.loss=sapo with aggregation=token-mean: SAPO's paper, TRL and verl")
+    assert loss_caveats(cfg(**{"algorithm.aggregation": "seq-mean-token-mean"})) == []
+
+
 # ---- VESPO -----------------------------------------------------------------------------------
 
 

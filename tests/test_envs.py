@@ -1200,3 +1200,21 @@ def test_a_tools_thread_sees_the_callers_context_variables():
         return await in_thread(episode.get)
 
     assert asyncio.run(main()) == "episode-7"
+
+
+def test_an_environments_own_system_text_goes_before_the_datas_system_message():
+    """TRL data often holds its own system message: the environment's default system text (the
+    tools' description) is put before it, as TRL's template puts the tools beside it; a
+    system_prompt the user gave as well is still refused."""
+    from rollover.envs.opening import opening
+
+    data = Prompt(id="trl:0", messages=[{"role": "system", "content": "You are terse."},
+                                        {"role": "user", "content": "2+2?"}])
+    got = opening(data, "default", "Tools: add(a, b).")
+    assert got == [{"role": "system", "content": "Tools: add(a, b).\n\nYou are terse."},
+                   {"role": "user", "content": "2+2?"}]
+    assert opening(Prompt(id="t", text="2+2?"), "default", "Tools: add(a, b).")[0] == {
+        "role": "system", "content": "Tools: add(a, b)."}
+    assert opening(data, None, "Tools: add(a, b).")[0]["content"] == "You are terse."
+    with pytest.raises(ValueError, match="already has a system message"):
+        opening(data, "Be brief.", "Tools: add(a, b).")

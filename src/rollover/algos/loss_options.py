@@ -50,6 +50,9 @@ def loss_caveats(cfg) -> list[str]:
     recipe does), so in APRIL or async mode without importance weights the samples of older
     weights are clipped and weighed as if their sampler were the current policy."""
     a, t = cfg.algorithm, cfg.train
+    if a.loss == "sapo" and a.aggregation != "seq-mean-token-mean":
+        return [f"algorithm.loss=sapo with aggregation={a.aggregation}: SAPO's paper, TRL and verl aggregate it "
+                "seq-mean-token-mean; set algorithm.aggregation=seq-mean-token-mean to train as they do"]
     if a.loss not in ("reinforce", "bapo"):
         return []
     if a.loss == "reinforce" and cfg.distill.teacher is not None and cfg.distill.outcome_weight == 0:

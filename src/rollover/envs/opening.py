@@ -94,10 +94,21 @@ def check_system_prompt(system_prompt, where: str) -> None:
 
 def opening(prompt: Prompt, system_prompt: str | None, default: str, examples=(),
             tool_message: Callable[[dict], dict] = dict) -> list[dict]:
-    """The episode's first messages: the prompt under `system_prompt` ("default": `default`;
-    None: no system message), after the worked `examples` (their `tool` messages as
-    `tool_message` writes them)."""
-    messages = render_messages(prompt, system_prompt=default if system_prompt == "default" else system_prompt)
+    """The episode's first messages: the prompt under `system_prompt` ("default": `default`, put
+    before the data's own system message where the prompt has one; None: no system message),
+    after the worked `examples` (their `tool` messages as `tool_message` writes them)."""
+    system = default if system_prompt == "default" else system_prompt
+    has_own = any(m["role"] == "system" for m in prompt.messages or ())
+    if system_prompt == "default" and system and has_own:  # (a system_prompt given as well is refused)
+        # the data's system message stays, the environment's text (its tools, its rules) before it
+        messages = render_messages(prompt, system_prompt=None)
+        i = next(i for i, m in enumerate(messages) if m["role"] == "system")
+        content = messages[i]["content"]
+        merged = f"{system}\n\n{content}" if isinstance(content, str) else \
+            [{"type": "text", "text": f"{system}\n\n"}, *content]
+        messages[i] = {**messages[i], "content": merged}
+    else:
+        messages = render_messages(prompt, system_prompt=system)
     at = 1 if messages and messages[0]["role"] == "system" else 0
     shots = [tool_message(m) if m["role"] == "tool" else dict(m) for conversation in examples for m in conversation]
     return messages[:at] + shots + messages[at:]
