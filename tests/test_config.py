@@ -78,8 +78,14 @@ def test_a_number_without_a_dot_in_exponent_form_is_a_number_in_free_form_mappin
                                  "reward.functions=[{fn: format, kwargs: {pattern: '1e5'}}]"])
     assert cfg.algorithm.loss_options == {"is_cap": 5.0} and cfg.rollout.engine_options == {"gpu_memory_utilization": 0.6}
     assert cfg.reward.functions[0]["kwargs"] == {"pattern": "1e5"}
-    (tmp_path / "c.yaml").write_text("rollout:\n  engine_options: {swap: -2E+2, tag: 1e5x}\n")
-    assert read_yaml(tmp_path / "c.yaml")["rollout"]["engine_options"] == {"swap": -200.0, "tag": "1e5x"}
+    (tmp_path / "c.yaml").write_text("rollout:\n  engine_options: {swap: -2E+2, tag: 1e5x, scale: 1.5e3, rev: 3e81452}\n")
+    assert read_yaml(tmp_path / "c.yaml")["rollout"]["engine_options"] == {"swap": -200.0, "tag": "1e5x", "scale": 1500.0,
+                                                                          "rev": "3e81452"}  # (overflows: a git hash)
+    # text of that form is quoted in config.yaml, so a recorded run reads back what it ran with
+    cfg = load_config(overrides=["data.instruction=1e-6", "reward.functions=[{fn: format, kwargs: {pattern: '1e5'}}]"])
+    (tmp_path / "r.yaml").write_text(dump_config(cfg))
+    again = read_yaml(tmp_path / "r.yaml")
+    assert again["data"]["instruction"] == "1e-6" and again["reward"]["functions"][0]["kwargs"] == {"pattern": "1e5"}
 
 
 def test_off_unquoted_is_the_option_off():

@@ -1218,3 +1218,7 @@ def test_an_environments_own_system_text_goes_before_the_datas_system_message():
     assert opening(data, None, "Tools: add(a, b).")[0]["content"] == "You are terse."
     with pytest.raises(ValueError, match="already has a system message"):
         opening(data, "Be brief.", "Tools: add(a, b).")
+    later = Prompt(id="trl:1", messages=[{"role": "user", "content": "hi"}, {"role": "system", "content": "terse"},
+                                         {"role": "user", "content": "2+2?"}])
+    with pytest.raises(ValueError, match="already has a system message"):  # not first: nowhere to put the tools
+        opening(later, "default", "Tools: add(a, b).")

@@ -342,6 +342,16 @@ def test_trl_and_verl_return_values_score_as_there():
     assert [s.scores for s in out.samples] == [{"a": 1.0, "t": 0.5, "g": 1.0, "v": 1.0}, {"a": 0.0, "t": 1.0, "g": 2.0, "v": 1.0}]
     assert out.samples[0].extras == {"v/acc": 1.0}
 
+    def breaks_midway(prompts, completions, **kw):  # a generator's error is the call's: counted, not raised
+        yield 1.0
+        raise ValueError("bad completion")
+
+    out = RewardRunner([Reward("b", breaks_midway)], on_error="zero").score(P, ["x", "yy"])
+    assert out.error_counts == {"b": 2} and "bad completion" in out.failures[0].error
+    out = RewardRunner([Reward("n", lambda completion, answer: {"score": 1.0, "acc": None})], on_error="zero"
+                       ).score(P[:1], ["x"])
+    assert out.error_counts == {"n": 1} and "acc must be a real number" in out.failures[0].error  # only text is left out
+
 
 @pytest.mark.parametrize("on_error", ["zero", "skip"])
 @pytest.mark.parametrize("value, message", [

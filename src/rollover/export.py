@@ -124,8 +124,10 @@ def _check_not_base(out: Path, ckpt: Path, run_dir: Path) -> None:
         return  # (a config that names no base model: `_load` says so where it needs one)
     if not isinstance(name, str):
         return
-    # a relative path was read from where the run started: here, or (commonly) a directory above RUN_DIR
-    candidates = [Path(name)] if Path(name).is_absolute() else [Path(name), *(a / name for a in run_dir.resolve().parents)]
+    # a relative path was read from where the run started: here, or (commonly) a directory above
+    # RUN_DIR; a bare name (a hub id such as gpt2) is looked for here only
+    above = not Path(name).is_absolute() and ("/" in name or name.startswith("."))
+    candidates = [Path(name), *(a / name for a in run_dir.resolve().parents if above)]
     o = out.resolve()
     hit = next((b for b in (c.resolve() for c in candidates if c.is_dir())  # (a hub id or an alias is no directory)
                 if o == b or b in o.parents or o in b.parents), None)

@@ -4,6 +4,7 @@ back, and what a resumed run may change."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -86,11 +87,29 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-# YAML 1.2's floats without a dot (1e-6, 5E+3), which PyYAML (YAML 1.1) reads as text: a value
-# inside a free-form mapping (a reward's kwargs, loss_options, engine_options) has no field type to
-# make it a number, and verl's configs (OmegaConf) write them so
-_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
-                                    list("-+0123456789"))
+# YAML 1.2's exponent forms that PyYAML (YAML 1.1) reads as text: 1e-6, 5E+3, 1.5e3. A value inside
+# a free-form mapping (a reward's kwargs, loss_options, engine_options) has no field type to make it
+# a number, and verl's configs (OmegaConf) write them so. One that overflows (a git hash such as
+# 3e81452) stays text; config.yaml quotes text of this form, so it reads back as written.
+_EXPONENT = "tag:rollover,2026:exponent"
+_EXPONENT_FORM = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+_StrictLoader.add_implicit_resolver(_EXPONENT, _EXPONENT_FORM, list("-+0123456789"))
+
+
+def _exponent(loader, node):
+    text = loader.construct_scalar(node)
+    number = float(text.replace("_", ""))
+    return number if math.isfinite(number) else text
+
+
+_StrictLoader.add_constructor(_EXPONENT, _exponent)
+
+
+class _Dumper(yaml.SafeDumper):
+    """`yaml.safe_dump`'s dumper, quoting text that `_StrictLoader` would read as a number."""
+
+
+_Dumper.add_implicit_resolver(_EXPONENT, _EXPONENT_FORM, list("-+0123456789"))
 
 
 def _load_yaml(text: str):
@@ -333,4 +352,4 @@ def _plain(value: Any) -> Any:
 def dump_config(cfg: Config) -> str:
     data = cfg.model_dump(mode="json")
     data["async"] = data.pop("async_")
-    return yaml.safe_dump(data, sort_keys=False)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)

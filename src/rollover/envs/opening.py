@@ -98,15 +98,14 @@ def opening(prompt: Prompt, system_prompt: str | None, default: str, examples=()
     before the data's own system message where the prompt has one; None: no system message),
     after the worked `examples` (their `tool` messages as `tool_message` writes them)."""
     system = default if system_prompt == "default" else system_prompt
-    has_own = any(m["role"] == "system" for m in prompt.messages or ())
-    if system_prompt == "default" and system and has_own:  # (a system_prompt given as well is refused)
+    leads = bool(prompt.messages) and prompt.messages[0]["role"] == "system"
+    if system_prompt == "default" and system and leads:  # (a system_prompt given as well is refused)
         # the data's system message stays, the environment's text (its tools, its rules) before it
         messages = render_messages(prompt, system_prompt=None)
-        i = next(i for i, m in enumerate(messages) if m["role"] == "system")
-        content = messages[i]["content"]
+        content = messages[0]["content"]
         merged = f"{system}\n\n{content}" if isinstance(content, str) else \
             [{"type": "text", "text": f"{system}\n\n"}, *content]
-        messages[i] = {**messages[i], "content": merged}
+        messages[0] = {**messages[0], "content": merged}
     else:
         messages = render_messages(prompt, system_prompt=system)
     at = 1 if messages and messages[0]["role"] == "system" else 0

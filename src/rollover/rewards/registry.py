@@ -180,7 +180,13 @@ class Reward:
         bound = self.fn.keywords if isinstance(self.fn, functools.partial) else {}
         if timeout_s is not None and "reward_timeout_s" in self._params and "reward_timeout_s" not in bound:
             accepted["reward_timeout_s"] = timeout_s
-        return self.fn(**accepted)
+        result = self.fn(**accepted)
+        if inspect.iscoroutine(result):
+            async def listed():
+                return _listed(await result)
+
+            return listed()
+        return _listed(result)
 
     @functools.cached_property
     def _params(self) -> dict[str, inspect.Parameter]:
@@ -202,7 +208,7 @@ class Reward:
     def _trusted(self) -> bool:
         """rollover's own rewards change nothing they are given: no copies for them."""
         base = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
-        return getattr(base, "__module__", "").startswith("rollover.")
+        return (getattr(base, "__module__", None) or "").startswith("rollover.")
 
     def _own(self, value):
         """`value` as this call's own: a copy of a list, dict or other container the data holds
@@ -228,6 +234,16 @@ class Reward:
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in refused
         }
         return {k: v for k, v in available.items() if k in accepted}
+
+
+def _listed(scores: object) -> object:
+    """A batched reward's scores as a list where they came as another iterable (a NumPy array,
+    a tensor, a generator: TRL takes any of them), read here, in the call's own thread or
+    worker, where its errors and time count against the call."""
+    if isinstance(scores, (list, tuple, str, bytes, dict)) or not hasattr(scores, "__iter__") \
+            or getattr(scores, "ndim", 1) == 0:
+        return scores
+    return list(scores)
 
 
 def _check_options(fn: Callable, kwargs: dict, what: str) -> None:

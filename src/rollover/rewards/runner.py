@@ -475,9 +475,6 @@ def _per_sample(outcome: object, call: _Call) -> list[tuple[int, object]]:
         return [(i, outcome) for i in call.samples]
     if not call.reward.batched:
         return [(call.samples[0], _checked(outcome))]
-    if not isinstance(outcome, (list, tuple, str, bytes, dict)) and hasattr(outcome, "__iter__") \
-            and getattr(outcome, "ndim", 1) != 0:  # an array, a tensor, a generator: TRL takes any of them
-        outcome = list(outcome)
     if not isinstance(outcome, (list, tuple)) or len(outcome) != len(call.samples):
         got = f"{len(outcome)} values" if isinstance(outcome, (list, tuple)) else repr(outcome)
         error = ValueError(f"expected a list of {len(call.samples)} scores, got {got}")
@@ -492,19 +489,13 @@ def _checked(value: object) -> tuple[float | None, dict[str, float]] | Exception
         if isinstance(value, dict):
             if "score" not in value:
                 raise ValueError(f"returned a dict without a 'score' key: {sorted(value)}")
-            # a value that is no number (verl's `pred`, the answer it extracted) is not a metric: left out
-            extras = {k: _number(v, k) for k, v in value.items() if k != "score" and _numeric(v)}
+            # text (verl's `pred`, the answer it extracted) is not a metric: left out
+            extras = {k: _number(v, k) for k, v in value.items() if k != "score" and not isinstance(v, (str, bytes))}
             score = value["score"]
             return (None if score is None else _number(score, "score")), extras
         return (None if value is None else _number(value, "score")), {}
     except (TypeError, ValueError) as exc:
         return exc
-
-
-def _numeric(value: object) -> bool:
-    """A number, a NumPy bool or a one-number array or tensor."""
-    return isinstance(value, numbers.Real) or numpy_bool(value) or (getattr(value, "ndim", None) == 0
-                                                                    and hasattr(value, "item"))
 
 
 def _number(value: object, what: str) -> float:

@@ -108,9 +108,9 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
     if best is not None:  # one whose evaluation does not read back might be the best: kept, not guessed at
         unread = {p for p in others if p not in newest and (p / EVAL_FILE).exists() and read_evaluation(p) is None}
         for p in sorted(unread):
-            log.warning("checkpoint %s is kept beside checkpoint.keep=%d: its %s does not read back, so whether it "
-                        "is the best by %s is not known; remove it yourself if it is not", p.name, keep, EVAL_FILE,
-                        best[0])
+            _warn_once(("kept", p), "checkpoint %s is kept beside checkpoint.keep=%d: its %s does not read back, so "
+                       "whether it is the best by %s is not known; remove it yourself if it is not", p.name, keep,
+                       EVAL_FILE, best[0])
         spared |= unread
     for old in others:
         if old not in newest and old not in spared:  # the best is kept besides the newest, or is one of them
@@ -151,12 +151,21 @@ def read_evaluation(path: str | Path) -> dict | None:
     try:
         evaluation = json.loads(f.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        log.warning("%s is damaged (%s): that checkpoint's evaluation is passed over", f, e)
+        _warn_once(f, "%s is damaged (%s): that checkpoint's evaluation is passed over", f, e)
         return None
     if not isinstance(evaluation, dict):
-        log.warning("%s holds no evaluation (a JSON %s): passed over", f, type(evaluation).__name__)
+        _warn_once(f, "%s holds no evaluation (a JSON %s): passed over", f, type(evaluation).__name__)
         return None
     return evaluation
+
+
+_warned: set = set()  # (what, path) warned about in this process: each save reads every checkpoint again
+
+
+def _warn_once(key, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
 
 
 def best_checkpoint(run_dir: str | Path, metric: str, mode: str = "max") -> Path | None:
