@@ -519,6 +519,9 @@ def test_plot_errors_are_one_line(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "nowhere")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "no metrics.jsonl there" in err[0] and err[1].startswith("hint:")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "kin')  # killed while the model loaded, or mid-row
+    assert main(["plot", str(tmp_path)]) == 1
+    assert "its metrics.jsonl holds no complete row to plot" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("env, first, expect", [

@@ -95,11 +95,14 @@ def test_resume_drops_rows_after_the_checkpoint(tmp_path):
     logger.log(4, {"acc": 0.5}, kind="eval")
     logger.close()
 
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "reward.png").write_bytes(b"drawn up to step 5")
     with MetricsLogger(tmp_path, tensorboard=False, resume=3) as logger:
         for step in (4, 5):
             logger.log(step, {"x": 10.0 * step})
     rows = read_metrics(tmp_path)
     assert [(r["step"], r["x"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+    assert not (tmp_path / "plots" / "reward.png").exists()  # drawn from the lost rows: drawn again at the end
 
 
 def test_torn_last_line_is_ignored_then_removed_by_truncation(tmp_path):

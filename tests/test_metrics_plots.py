@@ -258,3 +258,18 @@ def test_the_reward_band_is_its_standard_error_over_the_samples_its_statistics_c
     _sem_band(ax, rows, "k")
     xs, lo, hi = ax.band
     assert xs == [1, 2] and hi[0] - 0.5 == pytest.approx(0.2) and hi[1] - 0.5 == pytest.approx(0.1)
+
+
+def test_a_phase_timed_within_another_and_lag_counts_stay_out_of_their_panels(tmp_path, monkeypatch):
+    """`timing_s/weight_transfer` is part of `weight_sync`: no layer of its own (it would be
+    counted twice); `staleness/hist/<lag>` counts groups: not drawn on the staleness axis."""
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(1, 4):
+            logger.log(step, {"reward/mean": 0.1, "timing_s": {"train": 1.0, "weight_sync": 0.5, "weight_transfer": 0.4,
+                                                               "step": 1.5},
+                              "staleness": {"max": 1, "mean": 0.5, "hist/0": 2, "hist/1": 2}})
+    figures = _figures(tmp_path, monkeypatch)
+    timing = {t.get_text() for ax in figures["timing"].axes for t in ax.get_legend().get_texts()}
+    staleness = {t.get_text() for ax in figures["staleness"].axes for t in ax.get_legend().get_texts()}
+    assert not any("weight_transfer" in t for t in timing) and any("weight_sync" in t for t in timing)
+    assert not any("hist" in t for t in staleness) and any("max" in t for t in staleness)

@@ -84,3 +84,15 @@ def test_a_log_line_on_a_terminal_goes_above_the_bar_not_onto_its_line(monkeypat
     finally:
         logging.getLogger().removeHandler(handler)
     assert "reward 'flaky' failed" in re.split(r"[\r\n]", out.getvalue())  # a line of its own
+
+
+def test_a_terminal_of_no_width_gets_the_plain_lines(monkeypatch):
+    """A pseudo-terminal that reports 0 columns (docker -t without a size): a bar there prints
+    nothing, so the plain lines are printed instead."""
+    assert progress_module._columns(io.StringIO()) == 80  # no terminal to ask: a bar's usual width
+    monkeypatch.setattr(progress_module, "_columns", lambda file: 0)
+    out = _Terminal()
+    progress = Progress(2, file=out, min_interval_s=0)
+    progress.update(1, reward=0.5, samples_per_s=1.0)
+    progress.close()
+    assert "\r" not in out.getvalue() and "reward=0.500" in out.getvalue()

@@ -330,3 +330,15 @@ def test_stop_strings_end_the_trained_responses(model_dir, tmp_path):
             assert row["finish"] == "stop" and ids[-1] != tok.eos_token_id
             by_string += 1
     assert by_string >= 1
+
+
+def test_samples_files_are_readable_as_the_runs_other_files(tmp_path):
+    """Written whole then renamed, with the umask's mode (mkstemp's 0600 kept a teammate out)."""
+    import os
+
+    from rollover.metrics.samples import write_samples
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    path = write_samples(tmp_path, 1, [{"kind": "step", "step": 1}])
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask

@@ -1286,6 +1286,13 @@ def test_checkpoint_retention_keeps_every_checkpoint_while_fewer_than_keep_exist
         checkpoint.save(tmp_path, step, model=model, tokenizer=None, trainer_state={}, extra={}, keep=5)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == [
         "step_000002", "step_000004", "step_000006", "step_000008"]
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    step = tmp_path / "checkpoints" / "step_000008"  # readable as the run's metrics are (not mkdtemp's 0700)
+    assert step.stat().st_mode & 0o777 == 0o777 & ~mask
+    assert all(f.stat().st_mode & 0o777 == 0o666 & ~mask for f in step.rglob("*") if f.is_file())
 
 
 def test_a_damaged_eval_json_is_passed_over_by_the_best_and_named(tmp_path, caplog):

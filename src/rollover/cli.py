@@ -450,7 +450,11 @@ def _plot(argv: list[str]) -> int:
     def plot() -> int:
         if not (Path(args.run_dir) / "metrics.jsonl").is_file() and not Path(args.run_dir).is_file():
             raise FileNotFoundError(f"{args.run_dir}: no metrics.jsonl there (give a run directory)")
-        for path in plot_run(args.run_dir, args.out):
+        paths = plot_run(args.run_dir, args.out)
+        if not paths:
+            raise ValueError(f"{args.run_dir}: its metrics.jsonl holds no complete row to plot (a run stopped before "
+                             "its first step)")
+        for path in paths:
             print(path)
         return 0
 

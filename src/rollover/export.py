@@ -73,6 +73,7 @@ def export(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | Non
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        ckpts.readable(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -188,6 +188,8 @@ class MetricsLogger:
             truncate_after(self.path, resume)
             truncate_after(self.run_dir / GROUPS_FILE, resume)
             remove_samples_after(self.run_dir, resume)
+            for png in (self.run_dir / "plots").glob("*.png"):  # drawn from rows now gone: drawn again at the end
+                png.unlink(missing_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
         self._groups_file = (self.run_dir / GROUPS_FILE).open("a" if resume is not None else "w", encoding="utf-8")
         self._tb = _open_tensorboard(self.run_dir / "tb", tensorboard, resume)

@@ -90,9 +90,10 @@ _PANELS = (
     _Panel("distill", "Distance to the teacher", "nats / token", train=(r"^distill/",)),
     _Panel("clip_fraction", "Clip fractions", "fraction of tokens", train=(r"clip_?frac", r"^clip_ratio/")),
     _Panel("grad_norm", "Gradient norm", "norm", train=(r"grad_norm",)),
-    _Panel("timing", "Time per step by phase", "seconds", train=(r"^timing_s/",), stacked=True),
+    # (weight_transfer is timed within weight_sync: a layer of its own would count it twice)
+    _Panel("timing", "Time per step by phase", "seconds", train=(r"^timing_s/(?!weight_transfer$)",), stacked=True),
     _Panel("throughput", "Throughput", "per second", train=(r"throughput", r"per_s$"), separate=True),
-    _Panel("staleness", "Staleness", "staleness", train=(r"stale",)),
+    _Panel("staleness", "Staleness", "staleness", train=(r"stale(?!ness/hist/)",)),  # (hist/<lag>: group counts)
 )
 _STEP_TOTALS = ("timing_s/step", "timing_s/total")  # whole-step time: a line, not a stack layer
 

@@ -41,7 +41,7 @@ class Progress:
         self.desc = desc
         self.file = file if file is not None else sys.stderr
         self.min_interval_s = min_interval_s
-        self.is_tty = self.file.isatty()
+        self.is_tty = self.file.isatty() and _columns(self.file) > 0  # (a terminal of no width shows no bar)
         self._start = time.monotonic()
         self._last_print = -float("inf")
         self._held: str | None = None  # latest line not printed because of the interval
@@ -127,3 +127,13 @@ def reward_errors(metrics: dict) -> dict:
     run going), else nothing: the progress line shows it only when there is something to see."""
     n = int(metrics.get("rollout/reward_errors", 0))
     return {"reward_errors": n} if n else {}
+
+
+def _columns(file) -> int:
+    """The width of the terminal `file` writes to (80 where it cannot be asked)."""
+    import os
+
+    try:
+        return os.get_terminal_size(file.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 80

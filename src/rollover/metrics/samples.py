@@ -92,11 +92,18 @@ def _number(x):
     return None if x is None else _encode(float(x))
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_samples(run_dir: str | os.PathLike, step: int, rows: list[dict], kind: str = "step") -> Path:
     """Write the rows of step `step` (whole, then renamed into place)."""
     path = samples_path(run_dir, step, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())  # (mkstemp's 0600 would keep it from a teammate reading the run)
     # a decoded string may still hold a lone surrogate: errors="replace" keeps the file UTF-8
     with open(fd, "w", encoding="utf-8", errors="replace") as f:
         f.writelines(json.dumps(row, ensure_ascii=False, allow_nan=False, default=str) + "\n" for row in rows)

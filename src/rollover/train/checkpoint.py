@@ -89,6 +89,7 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
         if evaluation is not None:
             (tmp / EVAL_FILE).write_text(_evaluation_json(evaluation))
         (tmp / "DONE").write_text(str(step))
+        readable(tmp)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -116,6 +117,16 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
         if old not in newest and old not in spared:  # the best is kept besides the newest, or is one of them
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def readable(root: Path) -> None:
+    """`root` (a `mkdtemp` directory, 0700) and what is under it with the modes the umask gives
+    new files, so that a teammate can read a run's checkpoints as they can its metrics."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in [root, *root.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def best_of_run(run_dir: str | Path) -> tuple[Path | None, str, str]:
