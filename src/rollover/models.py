@@ -179,15 +179,23 @@ def load_hf_model(name: str, dtype=None, device: str | None = None):
 def _check_weight_files(path: Path) -> None:
     """A ValueError naming a safetensors file of a model directory whose header does not read
     back (a copy cut short), before transformers reports it without the file's name."""
+    for f in sorted(path.glob("*.safetensors")):
+        if (why := unreadable_safetensors(f)) is not None:
+            raise ValueError(f"model {str(path)!r}: {f.name} does not read as safetensors ({why}); "
+                             "copied or downloaded only in part?")
+
+
+def unreadable_safetensors(f: Path) -> str | None:
+    """Why the safetensors file `f`'s header does not read back (checked against the file's
+    length), or None."""
     from safetensors import safe_open
 
-    for f in sorted(path.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt"):
-                pass
-        except Exception as e:  # noqa: BLE001 - any failure to read it is damage
-            raise ValueError(f"model {str(path)!r}: {f.name} does not read as safetensors ({' '.join(str(e).split())}); "
-                             "copied or downloaded only in part?") from None
+    try:
+        with safe_open(str(f), framework="pt"):
+            pass
+    except Exception as e:  # noqa: BLE001 - any failure to read it is damage
+        return " ".join(str(e).split())
+    return None
 
 
 def text_processor(name: str, model):

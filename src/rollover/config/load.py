@@ -93,7 +93,8 @@ class _StrictLoader(yaml.SafeLoader):
 # 3e81452) stays text; config.yaml quotes text of this form, so it reads back as written.
 _EXPONENT = "tag:rollover,2026:exponent"
 _EXPONENT_FORM = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
-_StrictLoader.add_implicit_resolver(_EXPONENT, _EXPONENT_FORM, list("-+0123456789"))
+_EXPONENT_FIRST = list("-+0123456789")  # the characters such a scalar may start with
+_StrictLoader.add_implicit_resolver(_EXPONENT, _EXPONENT_FORM, _EXPONENT_FIRST)
 
 
 def _exponent(loader, node):
@@ -109,7 +110,7 @@ class _Dumper(yaml.SafeDumper):
     """`yaml.safe_dump`'s dumper, quoting text that `_StrictLoader` would read as a number."""
 
 
-_Dumper.add_implicit_resolver(_EXPONENT, _EXPONENT_FORM, list("-+0123456789"))
+_Dumper.add_implicit_resolver(_EXPONENT, _EXPONENT_FORM, _EXPONENT_FIRST)
 
 
 def _load_yaml(text: str):

@@ -92,7 +92,8 @@ def _number(x):
     return None if x is None else _encode(float(x))
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's umask (which new files' modes leave out)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -103,7 +104,7 @@ def write_samples(run_dir: str | os.PathLike, step: int, rows: list[dict], kind:
     path = samples_path(run_dir, step, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    os.fchmod(fd, 0o666 & ~_umask())  # (mkstemp's 0600 would keep it from a teammate reading the run)
+    os.fchmod(fd, 0o666 & ~umask())  # (mkstemp's 0600 would keep it from a teammate reading the run)
     # a decoded string may still hold a lone surrogate: errors="replace" keeps the file UTF-8
     with open(fd, "w", encoding="utf-8", errors="replace") as f:
         f.writelines(json.dumps(row, ensure_ascii=False, allow_nan=False, default=str) + "\n" for row in rows)

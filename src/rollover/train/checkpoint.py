@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rollover.metrics.samples import umask
+
 log = logging.getLogger("rollover")
 
 
@@ -122,8 +124,7 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dic
 def readable(root: Path) -> None:
     """`root` (a `mkdtemp` directory, 0700) and what is under it with the modes the umask gives
     new files, so that a teammate can read a run's checkpoints as they can its metrics."""
-    mask = os.umask(0)
-    os.umask(mask)
+    mask = umask()
     for p in [root, *root.rglob("*")]:
         if not p.is_symlink():
             p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
@@ -224,7 +225,7 @@ def damage(path: str | Path) -> str | None:
     """What is wrong with a complete checkpoint's files (a file cut short or unreadable, named),
     or None. Cheap: state.pt is opened memory-mapped, each safetensors file by its header (which
     is checked against the file's length)."""
-    from safetensors import safe_open
+    from rollover.models import unreadable_safetensors
 
     path = Path(path)
     try:
@@ -235,11 +236,8 @@ def damage(path: str | Path) -> str | None:
     if isinstance(trainer, dict) and trainer.get("sharded") and not (path / "sharded").is_dir():
         return f"{path / 'sharded'}: missing (the sharded trainer's weights and optimizer state were saved there)"
     for f in sorted(path.glob("*/*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt"):
-                pass
-        except Exception as e:  # noqa: BLE001
-            return f"{f}: {' '.join(str(e).split())[:200]}"
+        if (why := unreadable_safetensors(f)) is not None:
+            return f"{f}: {why[:200]}"
     for f in sorted(path.glob("*/*.json")):  # the model's and adapter's configs, the tokenizer's files
         try:
             json.loads(f.read_text())
