@@ -175,6 +175,35 @@ def test_different_series_are_all_drawn(tmp_path, monkeypatch):
     assert labels == ["reward/mean", "rewards/format/mean", "rewards/math/mean (= accuracy)", "critic/score/mean"]
 
 
+def test_a_legend_of_many_series_stays_inside_the_figure(tmp_path, monkeypatch):
+    """Five reward functions equal at every step (and the accuracy, 0 with these scores) are one
+    entry naming two and counting the rest;
+    ten distinct ones put the legend in columns below the plot, inside the saved figure."""
+    rng = random.Random(4)
+    names = [f"check_{k}" for k in range(15)]
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(1, 6):
+            scores = []
+            for _ in range(16):
+                row = {name: rng.random() for name in names[:10]}
+                row.update({name: 0.0 for name in names[10:]})  # five functions that never score
+                scores.append(row)
+            logger.log(step, _step_metrics(scores, {name: 1.0 for name in names}))
+    fig = _figures(tmp_path, monkeypatch)["reward"]
+    (ax,) = fig.axes
+    labels = [line.get_label() for line in ax.lines]
+    assert "rewards/check_10/mean (= rewards/check_11/mean = rewards/check_12/mean and 3 more)" in labels
+    assert len(labels) == 12  # the total, ten distinct functions, one for the five equal ones
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)  # lays the figure out as the saved PNG
+    (legend,) = fig.legends
+    legend = legend.get_window_extent(renderer)
+    assert legend.y1 <= ax.get_window_extent(renderer).y0  # below the plot, not over its lines
+    assert fig.bbox.contains(legend.x0, legend.y0) and fig.bbox.contains(legend.x1, legend.y1)
+
+
 def test_reward_band_is_the_standard_error_inside_each_steps_range(tmp_path, monkeypatch):
     rng = random.Random(3)
     steps = {}

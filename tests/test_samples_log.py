@@ -141,6 +141,9 @@ def test_show_without_samples_names_the_directory_and_the_key(tmp_path, capsys):
     assert f"{tmp_path / 'samples'}: no samples written" in err and "logging.samples" in err
     assert main(["show", str(tmp_path / "nowhere")]) == 1
     assert "no such run directory" in capsys.readouterr().err
+    (tmp_path / "elsewhere").mkdir()
+    assert main(["show", str(tmp_path / "elsewhere")]) == 1
+    assert f"{tmp_path / 'elsewhere'}: not a run directory" in capsys.readouterr().err
 
 
 def test_show_names_the_line_of_a_damaged_samples_file(sync_run, capsys, tmp_path):

@@ -26,9 +26,10 @@ TRL names users bring from other libraries land in the right place:
 Non-finite values (NaN, inf) leave a gap in their line and a red cross on the bottom edge.
 
 A series equal at every step to one already in its panel is not drawn again; the first one's
-legend entry names it (`reward/mean (= rewards/math/mean = accuracy)`). With a single 0/1
-reward function those three are one series, and three lines on top of each other would show
-one colour and a legend promising three.
+legend entry names it (`reward/mean (= rewards/math/mean = accuracy)`; past two it counts the
+rest). With a single 0/1 reward function those three are one series, and three lines on top of
+each other would show one colour and a legend promising three. A legend of more than 8 entries
+goes below the plot.
 
 The band around reward/mean is ± its standard error, `reward/std / sqrt(samples)`: how far the
 step's mean could move by chance, the thing to judge a rising curve by. It never leaves the
@@ -207,8 +208,20 @@ def _draw(panel: _Panel, train: list[dict], train_cols: list[str], evals: list[d
     handles, labels = ax.get_legend_handles_labels()
     if panel.stacked:  # list the layers top to bottom, as they are drawn
         handles, labels = handles[::-1], labels[::-1]
-    ax.legend(handles, labels, fontsize="small")
+    _legend(ax, handles, labels)
     return fig
+
+
+def _legend(ax, handles: list, labels: list[str]) -> None:
+    """A legend inside the plot, or, past 8 entries, below it (over the lines it would hide
+    them), in as many columns as the figure's width holds (about 110 characters at x-small)."""
+    if len(labels) <= 8:
+        ax.legend(handles, labels, fontsize="small")
+    else:
+        columns = max(1, min(3, 110 // (max(map(len, labels)) + 6)))
+        fig = ax.get_figure()
+        fig.set_size_inches(8, 5 + 0.15 * -(-len(labels) // columns))  # the plot keeps its height
+        fig.legend(handles, labels, fontsize="x-small", loc="outside lower center", ncols=columns)
 
 
 def _mark_nonfinite(ax, xs: list[float], ys: list[float], col: str) -> bool:
@@ -243,8 +256,15 @@ def _same_series(a: tuple[list[float], list[float]], b: tuple[list[float], list[
     )
 
 
+LABEL_SAME = 2  # equal series named in a legend entry; more are counted (a legend wider than its plot hides it)
+
+
 def _label(col: str, same: list[str]) -> str:
-    return f"{col} (= {' = '.join(same)})" if same else col
+    if not same:
+        return col
+    named = " = ".join(same[:LABEL_SAME])
+    more = len(same) - LABEL_SAME
+    return f"{col} (= {named}{f' and {more} more' if more > 0 else ''})"
 
 
 def _sem_band(ax, rows: list[dict], color: str) -> None:

@@ -144,6 +144,8 @@ def read_samples(run_dir: str | os.PathLike, step: int | None = None, kind: str 
     if not run_dir.is_dir():
         raise NoSamples(f"{run_dir}: no such run directory")
     steps = written_steps(run_dir, kind)
+    if not steps and not any((run_dir / name).exists() for name in ("metrics.jsonl", "config.yaml", SAMPLES_DIR)):
+        raise NoSamples(f"{run_dir}: not a run directory (no metrics.jsonl, config.yaml or {SAMPLES_DIR}/ there)")
     if not steps:
         key, what = ("eval_samples", "held-out samples of the first N prompts at every evaluation") \
             if kind == "eval" else ("samples", "trained samples of every N-th step")
