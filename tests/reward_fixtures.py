@@ -59,6 +59,15 @@ class TwoPartError(Exception):
         super().__init__(f"{part}: {rest}")
 
 
+def curriculum(prompts, completions, trainer_state, log_metric, log_extra, **kwargs):
+    """TRL's extras: a reward that grows with the step, a batch metric and a per-sample column
+    (numbers, and text, which is left out)."""
+    log_metric("progress", trainer_state.global_step / trainer_state.max_steps)
+    log_extra("length", [len(c) for c in completions])
+    log_extra("note", [f"step {trainer_state.global_step}" for _ in completions])
+    return [float(trainer_state.global_step)] * len(completions)
+
+
 def second_fails(prompts, completions, **kwargs):
     """TRL signature; the second sample fails with its own exception, the others score 1."""
     return [TwoPartError("judge", "gave up") if i == 1 else 1.0 for i in range(len(completions))]

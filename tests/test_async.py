@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,7 +106,11 @@ def test_inflight_keep_goes_on_over_old_kv_within_eta(model_dir, tmp_path, infli
 
 
 def test_eta_zero_reproduces_sync_weights(model_dir, tmp_path):
-    common = {"algorithm.loss": "decoupled_ppo", "checkpoint.every": 0, "eval.every": 0}
+    """...and a TRL reward function reads the same `trainer_state` in both: the steps done when
+    its batch is scored (weight 0: it is logged, not trained on)."""
+    curriculum = {"fn": f"{Path(__file__).with_name('reward_fixtures.py')}:curriculum", "weight": 0.0}
+    common = {"algorithm.loss": "decoupled_ppo", "checkpoint.every": 0, "eval.every": 0,
+              "reward.functions": ["numeric", {"fn": "format", "weight": 0.5, "kwargs": {"pattern": "[0-9]"}}, curriculum]}
     sync = async_cfg(model_dir, tmp_path / "sync", **common, mode="sync")
     train_sync(sync)
     asyn = async_cfg(model_dir, tmp_path / "async", **common, **{"async.max_staleness": 0})
@@ -116,6 +121,16 @@ def test_eta_zero_reproduces_sync_weights(model_dir, tmp_path):
         assert torch.equal(a[k], b[k]), k
     assert [r["reward/mean"] for r in rows(tmp_path / "sync")] == [r["reward/mean"] for r in rows(tmp_path / "async")]
     assert any(r["actor/grad_norm"] > 0 for r in rows(tmp_path / "sync"))  # the runs trained: equal weights mean something
+    for run in ("sync", "async"):
+        assert [r["rewards/curriculum/progress/mean"] for r in rows(tmp_path / run)] == [0.0, 0.25, 0.5, 0.75], run
+        assert [r["rewards/curriculum/mean"] for r in rows(tmp_path / run)] == [0.0, 1.0, 2.0, 3.0], run
+    from rollover.loops.build import build_run
+
+    resumed = build_run(async_cfg(model_dir, tmp_path / "sync", **common, mode="sync", steps=6))
+    try:  # a resume reads on from the checkpoint's step
+        assert (resumed.rewards.trainer_state.global_step, resumed.rewards.trainer_state.max_steps) == (4, 6)
+    finally:
+        resumed.close()
 
 
 def test_kill_and_resume_keeps_staleness_accounting(model_dir, tmp_path, monkeypatch):

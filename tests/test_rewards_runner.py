@@ -165,7 +165,52 @@ def test_trl_signature_is_called_once_per_batch():
     assert reward.batched
     out = RewardRunner([reward]).score(P, ["2", "5"], completion_ids=[[1], [2]])
     assert out.totals == [1.0, 0.0]
-    assert calls == [(["1+1?", "2+2?"], ["2", "5"], ["2", "4"], ["answer", "completion_ids"])]
+    assert calls == [(["1+1?", "2+2?"], ["2", "5"], ["2", "4"],
+                      ["answer", "completion_ids", "log_extra", "log_metric", "trainer_state"])]
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_trl_function_reads_the_trainer_state_and_logs_as_in_trl(isolate):
+    """TRL hands a reward function `trainer_state`, `log_metric` and `log_extra`: here too, in a
+    worker process as well; the logged numbers are the samples' extras, text is left out."""
+    from rollover.rewards import TrainerState
+
+    spec = {"fn": f"{FIXTURES}:curriculum", "isolate": isolate}
+    with RewardRunner(build_rewards([spec]), timeout_s=30, workers=1) as runner:
+        runner.trainer_state = TrainerState(global_step=3, max_steps=12)
+        out = runner.score(P, ["ab", "abcd"])
+    assert out.totals == [3.0, 3.0]
+    assert [s.extras for s in out.samples] == [{"curriculum/progress": 0.25, "curriculum/length": 2.0},
+                                               {"curriculum/progress": 0.25, "curriculum/length": 4.0}]
+    assert out.metrics()["rewards/curriculum/length/mean"] == 3.0
+
+
+def test_what_a_trl_function_logs_never_costs_a_sample_its_score():
+    """A logged NaN, a container or None is left out; a column of the wrong length fails the
+    call, named; the function's own dict keys win over a logged name; a function that takes
+    none of TRL's extras gets none."""
+    def logs_oddly(prompts, completions, log_metric, log_extra):
+        log_metric("empty_mean", float("nan"))
+        log_extra("parts", [[1, 2], None])
+        log_extra("hits", [1, 0])
+        return [{"score": 1.0, "hits": 5.0}, 0.5]
+
+    out = RewardRunner([Reward("odd", logs_oddly)]).score(P, ["x", "y"])
+    assert out.totals == [1.0, 0.5]
+    assert [s.extras for s in out.samples] == [{"odd/hits": 5.0}, {"odd/hits": 0.0}]
+
+    def short_column(prompts, completions, log_extra):
+        log_extra("hits", [1])
+        return [1.0, 1.0]
+
+    out = RewardRunner([Reward("short", short_column)], on_error="skip").score(P, ["x", "y"])
+    assert [s.status for s in out.samples] == ["skipped", "skipped"]
+    assert "log_extra('hits', ...) got 1 values for 2 completions" in out.failures[0].error
+
+    def plain(prompts, completions, answer):
+        return [0.0, 0.0]
+
+    assert RewardRunner([Reward("plain", plain)]).score(P, ["x", "y"]).totals == [0.0, 0.0]
 
 
 def test_a_reward_that_drops_reasoning_scores_what_follows_the_models_think():

@@ -120,6 +120,7 @@ def train_async(cfg: Config, *, run: Run | None = None) -> dict:
                 t0 = time.perf_counter()
                 run.weights.push(run.trainer.named_weights(), version=step,
                                           inflight=cfg.rollout.inflight_weight_update)
+                run.at_step(step)
                 parts.manager.training = 0  # after the push: meanwhile the estimate errs high (refuses, never admits, a stale one)
                 t_sync = time.perf_counter() - t0
                 parts.service.admit()  # the new version opens the gate for more groups

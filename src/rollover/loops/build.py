@@ -30,7 +30,7 @@ from rollover.loops.resume import (check_lora_matches, checkpoint_to_resume, con
                                    lock_run_dir, record_config, restart_without_checkpoint, run_dir_state,
                                    set_aside_later_checkpoints)
 from rollover.models import eos_ids, text_config
-from rollover.rewards import RewardRunner, build_rewards
+from rollover.rewards import RewardRunner, TrainerState, build_rewards
 from rollover.train import checkpoint
 from rollover.train.seeding import seed_everything, use_deterministic_kernels
 from rollover.train.weight_sync import InProcessWeightSync, RayWeightSync, share_engine_weights
@@ -99,8 +99,10 @@ def _reward_runner(cfg: Config) -> RewardRunner:
         pool = RayRewardPool(functions, size=cfg.ray.reward_workers, timeout_s=cfg.reward.timeout_s,
                              gpus=cfg.ray.gpus_per_reward_worker,
                              cpus=cfg.ray.cpus_per_reward_worker)
-    return RewardRunner(functions, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error,
-                        workers=cfg.reward.workers, pool=pool)
+    runner = RewardRunner(functions, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error,
+                          workers=cfg.reward.workers, pool=pool)
+    runner.trainer_state = TrainerState(global_step=0, max_steps=cfg.steps)
+    return runner
 
 
 def _close_quietly(*closes) -> None:
@@ -537,6 +539,7 @@ def _restore(run: Run, state: dict, record: bool = True) -> None:
             run.selection.load_state_dict(state["selection"])
     run.serial = state["serial"]
     run.start_step = state["step"]
+    run.at_step(state["step"])
     run.weights.push(run.trainer.named_weights(), version=state["version"])
     run.engine.settle()  # lazy pulls: no restored request is sampled before every worker holds the checkpoint's weights
     checkpoint.set_rng_state(state["rng"])

@@ -16,7 +16,7 @@ import torch
 from rollover.config import Config, ConfigError, dump_config
 from rollover.loops.prompts import MediaStore, _named_eval
 from rollover.loops.resume import has_metrics
-from rollover.rewards import RewardRunner
+from rollover.rewards import RewardRunner, TrainerState
 from rollover.rollout.groups import PendingGroup, eval_metrics, sampling_from
 from rollover.rollout.inputs import RolloutInputs
 from rollover.train import checkpoint
@@ -178,6 +178,10 @@ class Run:
         return "env" if self.env_builder is not None else self.rewards.rewards[0].name
 
     # ------------------------------------------------------------ checkpoints
+    def at_step(self, step: int) -> None:
+        """`step` optimizer steps done: what reward functions read as TRL's `trainer_state`."""
+        self.rewards.trainer_state = TrainerState(global_step=step, max_steps=self.cfg.steps)
+
     def state(self, extra: dict | None = None, *, rng: bool = False) -> dict:
         """What a checkpoint keeps besides the weights and the trainer's state: the run's data,
         prompt and selection state, `extra` (the loop's) and, with `rng`, the random generators'

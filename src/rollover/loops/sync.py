@@ -149,6 +149,7 @@ def train_sync(cfg: Config, *, run: Run | None = None) -> dict:
             # 4. new weights to the engine (tokens generated from now on carry version `step`)
             t0 = time.perf_counter()
             run.weights.push(run.trainer.named_weights(), version=step, inflight=collector.inflight_mode)
+            run.at_step(step)
             t_sync = time.perf_counter() - t0
 
             # 5. metrics

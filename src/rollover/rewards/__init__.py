@@ -11,7 +11,7 @@ from rollover.rewards.builtins import (
 from rollover.rewards.countdown import countdown_reward
 from rollover.rewards.extract import extract_boxed, final_answer
 from rollover.rewards.pool import RewardTimeout, WorkerDied, WorkerStartError
-from rollover.rewards.registry import Reward, RewardSpec, build_rewards, resolve_reward_fn
+from rollover.rewards.registry import Reward, RewardSpec, TrainerState, build_rewards, resolve_reward_fn
 from rollover.rewards.runner import (
     BatchRewards,
     RewardFailed,
@@ -30,6 +30,7 @@ __all__ = [
     "RewardSpec",
     "RewardTimeout",
     "SampleReward",
+    "TrainerState",
     "WorkerDied",
     "WorkerStartError",
     "build_rewards",

@@ -8,7 +8,9 @@ Two signatures are accepted, told apart by parameter names:
 - per sample (rollover, verifiers): `f(completion, answer, **fields) -> float | dict | None`,
   called once per completion;
 - batched (TRL): any function with a parameter named `completions`:
-  `f(prompts, completions, **kw) -> list[float | dict | None]`, called once per batch.
+  `f(prompts, completions, **kw) -> list[float | dict | None]`, called once per batch. As in
+  TRL it may also take `trainer_state` (`global_step`, `max_steps`), `log_metric(name, value)`
+  and `log_extra(column, values)` (`Reward.call_batch`).
 
 Dataset fields reach a function as keyword arguments: all of them if it takes `**kwargs`, else
 only those it names (a field it names but the sample lacks is a call error, reported by the
@@ -48,6 +50,17 @@ from rollover.rewards.builtins import BUILTINS
 from rollover.types import answer_of
 
 REASONING = ("keep", "drop")  # what a reward sees of a thinking model's reasoning
+LOGGERS = ("log_metric", "log_extra")  # TRL's logging callables, handed to a batched function that takes them
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a TRL reward function reads of TRL's `trainer_state`: `global_step`, the optimizer
+    steps done when the batch is scored (the version of the weights that generate from then
+    on), and `max_steps`, the run's `steps`."""
+
+    global_step: int = 0
+    max_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -162,12 +175,19 @@ class Reward:
         fields: list[dict],
         completion_ids: list[list[int]] | None,
         timeout_s: float | None = None,
+        trainer_state: TrainerState | None = None,
     ) -> object:
         """TRL signature: f(prompts=..., completions=..., answer=..., <column>=[...], ...).
 
         Every field becomes a per-sample list. `answer` is the list of `Prompt.answer`s, and so
         is `solution` unless a field has that name, since TRL's own rewards read it. A function
         that names a parameter `reward_timeout_s` gets the runner's timeout for the whole call.
+
+        As TRL does, a function that takes them (by name or through `**kwargs`) gets
+        `trainer_state` and two loggers: `log_metric(name, value)`, one number for the batch,
+        and `log_extra(column, values)`, one value per sample. Their numbers join the sample's
+        extras (logged as `rewards/<fn>/<name>/mean`, and shown per sample by `rollover show`),
+        as a returned dict's other keys are; text is left out, as a dict's text is.
         """
         keys = dict.fromkeys(key for f in fields for key in f)
         columns = {key: [f.get(key) for f in fields] for key in keys}
@@ -177,16 +197,20 @@ class Reward:
         if completion_ids is not None:
             available["completion_ids"] = completion_ids
         accepted = {k: v if k == "completions" else self._own(v) for k, v in self._accepted(available).items()}
+        logged = _Logged(len(completions))
+        given = {"trainer_state": trainer_state or TrainerState(), "log_metric": logged.metric,
+                 "log_extra": logged.extra}
+        accepted.update(self._accepted(given))  # after the columns: TRL's names, not a column's
         bound = self.fn.keywords if isinstance(self.fn, functools.partial) else {}
         if timeout_s is not None and "reward_timeout_s" in self._params and "reward_timeout_s" not in bound:
             accepted["reward_timeout_s"] = timeout_s
         result = self.fn(**accepted)
         if inspect.iscoroutine(result):
             async def listed():
-                return _listed(await result)
+                return logged.folded(_listed(await result))
 
             return listed()
-        return _listed(result)
+        return logged.folded(_listed(result))
 
     @functools.cached_property
     def _params(self) -> dict[str, inspect.Parameter]:
@@ -234,6 +258,46 @@ class Reward:
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in refused
         }
         return {k: v for k, v in available.items() if k in accepted}
+
+
+class _Logged:
+    """What a batched function logged through `log_metric` / `log_extra` during one call,
+    folded into its scores as per-sample extras."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.numbers: dict[str, list] = {}
+
+    def metric(self, name: str, value: float) -> None:
+        self.numbers[str(name)] = [value] * self.n
+
+    def extra(self, column: str, values) -> None:
+        values = list(values)
+        if len(values) != self.n:
+            raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {self.n} completions")
+        self.numbers[str(column)] = values
+
+    def folded(self, scores: object) -> object:
+        """Each score as a dict with the logged numbers beside it (the function's own keys
+        win). Scores the runner will refuse (a wrong count, an exception) pass unchanged."""
+        if not self.numbers or not isinstance(scores, list) or len(scores) != self.n:
+            return scores
+        out = []
+        for i, score in enumerate(scores):
+            if isinstance(score, Exception):
+                out.append(score)
+                continue
+            logged = {k: float(v[i]) for k, v in self.numbers.items() if _finite_number(v[i])}
+            out.append({**logged, **score} if isinstance(score, dict) else {**logged, "score": score})
+        return out
+
+
+def _finite_number(value: object) -> bool:
+    """A logged value kept as a number: a finite real (a 0-d array or tensor too); text, None,
+    NaN and containers are left out, not failed on (logging must not cost the sample its score)."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    return isinstance(value, numbers.Real) and math.isfinite(value)
 
 
 def _listed(scores: object) -> object:

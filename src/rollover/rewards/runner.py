@@ -64,7 +64,7 @@ from typing import Callable, Iterator, Literal, Sequence
 
 from rollover.rewards.builtins import numpy_bool
 from rollover.rewards.pool import RewardTimeout, WorkerPool, WorkerStartError
-from rollover.rewards.registry import Reward
+from rollover.rewards.registry import Reward, TrainerState
 from rollover.types import Prompt
 
 logger = logging.getLogger("rollover.rewards")
@@ -261,6 +261,8 @@ class RewardRunner:
         if pool is None and isolated:
             pool = WorkerPool(isolated, size=workers, timeout_s=timeout_s)
         self.pool = pool
+        # what a TRL-style function reads as `trainer_state`: the loops move it on after each step
+        self.trainer_state = TrainerState()
         self._stuck: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -351,6 +353,7 @@ class RewardRunner:
                     [p.fields for p in prompts],
                     None if completion_ids is None else list(completion_ids),
                     self.timeout_s,
+                    self.trainer_state,
                 )
                 calls.append(_Call(reward, list(range(n)), self._bind(reward, "call_batch", args)))
             else:
