@@ -288,6 +288,10 @@ class BadEnv(ScriptedEnv):
             return StepResult([], math.nan, done=True)
         if self.bad == "none":
             return StepResult([], None, done=True)
+        if self.bad == "huge":  # an int past float's range: math.isfinite raises OverflowError on it
+            return StepResult([], 10**400, done=True)
+        if self.bad == "state":
+            return StepResult([], 0.0, done=True, state=UnhashableState())
         if self.bad == "text":
             return StepResult("try again", 0.0, done=False)
         if self.bad == "info":
@@ -299,6 +303,11 @@ class BadEnv(ScriptedEnv):
         return "not a StepResult"
 
 
+class UnhashableState:
+    def __hash__(self):
+        raise RuntimeError("no hash today")
+
+
 class SyncStep(ScriptedEnv):
     def step(self, action):  # not async
         return StepResult([], 1.0, done=True)
@@ -307,6 +316,8 @@ class SyncStep(ScriptedEnv):
 @pytest.mark.parametrize("bad, turn, type_, message", [
     ("opening", 0, "KeyError", "no task"), ("nan", 1, "TypeError", "reward=nan: a finite number is needed"),
     ("none", 1, "TypeError", "reward=None: a finite number is needed"),
+    ("huge", 1, "TypeError", "a finite number is needed"),
+    ("state", 1, "TypeError", "a state that cannot be hashed (RuntimeError: no hash today)"),
     ("text", 1, "TypeError", "messages='try again': a list of message dicts"),
     ("info", 1, "TypeError", "info=[1]: a dict is needed"),
     ("inner_timeout", 1, "TimeoutError", "upstream"), ("type", 1, "TypeError", "not a StepResult(messages, reward"),
@@ -618,11 +629,12 @@ def test_numeric_info_is_averaged_per_key_over_the_episodes_that_report_it():
 
     m = episode_metrics([
         episode({"guesses": 1, "note": "hi"}, {"guesses": 2, "solved": True}),  # later turns win: guesses 2
-        episode({"guesses": 4, "solved": False, "moves": [1, 2]}),
+        episode({"guesses": 4, "solved": False, "moves": [1, 2], "cost": 10**400, "mean": math.nan}),
         episode(),  # reports nothing: not in the means
     ])
     assert m["env/info/guesses"] == (2 + 4) / 2 and m["env/info/solved"] == 0.5
     assert not any(k.startswith(("env/info/note", "env/info/moves")) for k in m)  # not numbers: left out
+    assert not any(k.startswith(("env/info/cost", "env/info/mean")) for k in m)  # not finite floats: left out
 
 
 def test_an_episode_saved_inside_a_continued_turn_resumes_it():

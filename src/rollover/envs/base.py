@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import math
 import numbers
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -284,12 +285,18 @@ def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 def info_means(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Each numeric `info` value (an episode's `Trajectory.info`) averaged over the episodes
-    that reported it; other values are not metrics and are left out."""
+    that reported it; other values are not metrics and are left out, as are numbers that are
+    not finite floats (NaN, inf, an int past 1.8e308)."""
     values: dict[str, list[float]] = {}
     for t in trajectories:
         for key, v in t.info.items():
             if isinstance(v, numbers.Real):  # bools count (a rate); strings, lists, None do not
-                values.setdefault(str(key), []).append(float(v))
+                try:
+                    number = float(v)
+                except OverflowError:
+                    continue
+                if math.isfinite(number):
+                    values.setdefault(str(key), []).append(number)
     return {key: sum(values[key]) / len(values[key]) for key in sorted(values)}
 
 

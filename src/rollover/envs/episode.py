@@ -440,7 +440,10 @@ async def _timed_call(
         return None, _error(turn, e), clock() - start
     except (Exception, SystemExit) as e:  # the environment's failure (a sys.exit in it too), with its traceback
         return None, _error(turn, e), clock() - start
-    problem = wrong(value)
+    try:
+        problem = wrong(value)
+    except Exception as e:  # noqa: BLE001 - the value's own methods raised while it was checked
+        problem = f"what the environment returned could not be checked ({type(e).__name__}: {e})"
     if problem is not None:
         return None, _error(turn, TypeError(problem)), clock() - start
     return value, None, clock() - start
@@ -510,7 +513,7 @@ def _not_step_result(value) -> str | None:
             isinstance(value.reward, numbers.Real) and not isinstance(value.reward, (int, float))):
         value.reward = float(value.reward)
     r = value.reward
-    if not (isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r)):
+    if not (isinstance(r, (int, float)) and not isinstance(r, bool) and _fits_float(r)):
         return f"step returned reward={r!r:.100}: a finite number is needed"
     if not _is_messages(value.messages):
         return (f"step returned messages={value.messages!r:.200}: a list of message dicts, each with a 'role' and a "
@@ -519,12 +522,21 @@ def _not_step_result(value) -> str | None:
         return f"step returned info={value.info!r:.100}: a dict is needed"
     try:
         hash(value.state)
-    except TypeError:
-        return f"step returned a state that cannot be hashed ({value.state!r:.200}): give a tuple, a string or a number"
+    except Exception as e:  # noqa: BLE001 - TypeError, or whatever the state's own __hash__ raises
+        return (f"step returned a state that cannot be hashed ({type(e).__name__}: {e}): give a tuple, a string or a "
+                "number")
     if value.continuation is not None and (not isinstance(value.continuation, str) or value.messages):
         return (f"step returned continuation={value.continuation!r:.100} with messages={value.messages!r:.100}: "
                 "a continuation is a string, given instead of messages")
     return _not_stop(value.stop)
+
+
+def _fits_float(number: int | float) -> bool:
+    """Finite, and as a float (an int past 1.8e308 is not one: `math.isfinite` raises on it)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
 
 
 def episode_seed(seed: int | None, j: int) -> int | None:
