@@ -41,6 +41,21 @@ def test_overrides_and_types():
         load_config(EXAMPLES[0], "steps=3")
 
 
+def test_assigning_a_top_level_field_checks_that_field_and_keeps_the_rest():
+    """A sweep sets run_dir or seed on a loaded config: that assignment broke the algorithm
+    section (a dict in place of its object) and raised an AttributeError."""
+    from pydantic import ValidationError
+
+    cfg = load_config(model="m", run_dir="r", **{"data.train": "d", "algorithm.eps_high": 0.28})
+    cfg.run_dir, cfg.seed, cfg.steps = "runs/other", 7, 5
+    assert (cfg.run_dir, cfg.seed, cfg.steps) == ("runs/other", 7, 5)
+    assert cfg.algorithm.eps_high == 0.28 and cfg.algorithm.loss == "ppo"
+    with pytest.raises(ValidationError, match="steps"):
+        cfg.steps = 0
+    assert cfg.steps == 5
+
+
+
 @pytest.mark.parametrize("override, key, value", [
     ("data.instruction=Answer: give a number", "instruction", "Answer: give a number"),  # not a mapping
     ("data.instruction=yes", "instruction", "yes"),  # not true

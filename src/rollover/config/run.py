@@ -85,6 +85,8 @@ class Config(Section):
             data["async_"] = data.pop("async")
         if isinstance(data, dict):
             algo = data.get("algorithm")
+            if isinstance(algo, BaseModel) and getattr(algo, "loss", None) is not None:
+                return data  # settled (an assignment to another field passes the config's own)
             if isinstance(algo, BaseModel):  # an AlgorithmConfig object: what it was given, the loss settled below
                 algo = algo.model_dump(exclude_unset=True)
                 data = {**data, "algorithm": algo}
