@@ -504,6 +504,14 @@ def test_an_error_names_whether_the_file_or_an_override_gave_the_key(tmp_path):
     path.write_text("checkpoint:\n  every: 3\n")
     with pytest.raises(ConfigError, match=rf"^{path} and overrides: checkpoint.best needs"):
         load_config(path, ["checkpoint.best=eval/accuracy", "eval.every=2"])
+    # load_config's keyword arguments are named as such, not blamed on the file
+    with pytest.raises(ConfigError, match=r"^keyword argument: unknown key 'stepz'; did you mean 'steps'\?$"):
+        load_config(path, stepz=3)
+    with pytest.raises(ConfigError, match=r"^keyword argument: rollout.samples_per_prompt=4.5: must be an integer$"):
+        load_config(path, rollout={"samples_per_prompt": 4.5})
+    path.write_text("modle: x\n")
+    with pytest.raises(ConfigError, match=rf"^{path} and keyword arguments: unknown key 'modle'"):
+        load_config(path, stepz=3)
 
 
 def test_a_loss_that_is_not_a_name_and_an_async_override_are_config_errors(tmp_path):

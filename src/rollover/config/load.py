@@ -198,14 +198,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
     try:
         return schema.model_validate(raw, context={"recorded": recorded})
     except ValidationError as e:
-        def where(err: dict) -> str:  # with a file: the file or the overrides, whichever the keys came from
+        keyworded = set(data)
+
+        def where(err: dict) -> str:  # with a file: the file, the overrides or the keywords the keys came from
             if path is None:
                 return ""
             keys = _error_keys(err) + [k for k in _mentioned_keys(err)  # those given, not those a hint suggests
-                                       if k.split(".")[0] in sections and (k in in_file or k in overridden)]
-            given = [any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in overridden)
-                     for key in dict.fromkeys(k for k in keys if k)]
-            return "override " if given and all(given) else f"{path}{' and overrides' if any(given) else ''}: "
+                                       if k.split(".")[0] in sections and (k in in_file or k in overridden or k in keyworded)]
+
+            def among(key: str, given: set[str]) -> bool:
+                return any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in given)
+
+            origins = {"override" if among(key, overridden) else "keyword" if among(key, keyworded) else "file"
+                       for key in dict.fromkeys(k for k in keys if k)}
+            if origins == {"override"}:
+                return "override "
+            if origins == {"keyword"}:
+                return "keyword argument: "
+            named = [f"{path}" if "file" in origins or not origins else None,
+                     "overrides" if "override" in origins else None, "keyword arguments" if "keyword" in origins else None]
+            return " and ".join(n for n in named if n) + ": "
 
         raise ConfigError("; ".join(where(err) + _error_line(err) for err in e.errors())) from None
 
