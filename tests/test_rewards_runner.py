@@ -801,3 +801,17 @@ def test_a_batched_reward_may_fail_one_sample_with_an_exception_in_its_place(iso
         got = runner.score([Prompt(id=str(i), text="q") for i in range(3)], ["a", "b", "c"])
     assert [s.status for s in got.samples] == ["ok", "skipped", "ok"]
     assert len(got.failures) == 1 and "judge: gave up" in got.failures[0].error
+
+
+def test_an_isolated_reward_named_from_the_running_script_is_refused_when_built(monkeypatch):
+    """'__main__:f' resolves here, but a worker process's __main__ is not this script: refused at
+    build time, naming the reward (it had failed at the first scoring, as a missing function)."""
+    import __main__
+
+    def scripted(completion, answer):
+        return 1.0
+
+    monkeypatch.setattr(__main__, "scripted", scripted, raising=False)
+    assert build_rewards([{"fn": "__main__:scripted"}])[0].fn is scripted  # in a thread: fine
+    with pytest.raises(TypeError, match=r"reward 'scripted' is isolated .* '__main__:scripted' names this process's script"):
+        build_rewards([{"fn": "__main__:scripted", "isolate": True}])

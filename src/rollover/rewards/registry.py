@@ -136,10 +136,12 @@ class Reward:
         if isinstance(base, functools.partial) and not base.args:
             base, kwargs = base.func, dict(base.keywords)
         ref = self.ref or _importable_name(base)
-        if ref is None:
+        if ref is None or ref.partition(":")[0] == "__main__":  # a worker's __main__ is not this script
+            what = f"{ref!r} names this process's script, which a worker does not run" if ref else \
+                f"{self.fn!r} cannot be named from another process"
             raise TypeError(
                 f"reward {self.name!r} is isolated (it runs in a worker process, which rebuilds "
-                f"it by reference), but {self.fn!r} cannot be named from another process: "
+                f"it by reference), but {what}: "
                 "give it as 'module:function' or 'path/to/file.py:function', define it at the "
                 "top level of an importable module, or set isolate=False to run it in a thread (not with "
                 "ray.reward_workers, whose actors rebuild every reward by reference)"
