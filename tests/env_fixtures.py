@@ -122,3 +122,10 @@ class SeeColorsEnv:
             return StepResult([], 1.0, done=True)
         return StepResult([{"role": "user", "content": [{"type": "text", "text": "No. Look again:"},
                                                         {"type": "image", "image": self.image(30)}]}], 0.0, done=False)
+
+
+class DictTasks(Fragile):
+    """A task generator that gives dicts, not Prompts (refused at start, naming it)."""
+
+    def prompts(self, n, seed=0):
+        return [{"text": "hi", "answer": "hi"} for _ in range(n)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -428,6 +429,15 @@ def test_an_environment_without_data_train_is_refused_naming_what_to_set(model_d
         load_config(model=model_dir, run_dir=str(tmp_path), **{"env.name": "guess_number"})
     assert load_config(model=model_dir, run_dir=str(tmp_path), **{"env.name": "arithmetic_retry",
                        "data.train": "gen:arithmetic?n=50"}).data.train == "gen:arithmetic?n=50"  # a dataset, named
+
+
+def test_an_environments_tasks_that_are_not_prompts_are_refused_naming_the_generator(model_dir, tmp_path):
+    from rollover.loops.build import build_run
+
+    name = f"{Path(__file__).with_name('env_fixtures.py')}:DictTasks"
+    with pytest.raises(ConfigError, match=r"prompts\(8, seed=3\) returned dict \{'text': 'hi'.* as item 0, not a "
+                                          r"rollover.types.Prompt"):
+        build_run(env_cfg(model_dir, tmp_path, **{"env.name": name, "env.options": {}, "env.tasks": 8}))
 
 
 def test_a_stalled_engine_ends_the_episode_step_with_an_error_naming_it(model_dir, tmp_path):

@@ -22,6 +22,22 @@ from rollover.types import Prompt
 log = logging.getLogger("rollover")
 
 
+def _generated(env_builder, n: int, seed: int, name: str) -> list[Prompt]:
+    """The environment's `prompts(n, seed)`, checked to be Prompts (a dict in their place failed
+    later, naming neither the environment nor its generator)."""
+    call = f"env.name={name!r}: prompts({n}, seed={seed})"
+    got = env_builder.prompts(n, seed=seed)
+    try:
+        prompts = list(got)
+    except TypeError:
+        raise ConfigError(f"{call} returned {type(got).__name__}, not a list of rollover.types.Prompt") from None
+    for i, p in enumerate(prompts):
+        if not isinstance(p, Prompt):
+            raise ConfigError(f"{call} returned {type(p).__name__} {p!r:.80} as item {i}, not a rollover.types.Prompt "
+                              "(Prompt(id=..., text=... or messages=..., answer=...))")
+    return prompts
+
+
 def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt], int, dict[str, str]]:
     """(training prompts, held-out prompts, rows skipped, the set name of each prompt of a named
     set: `data.train` or `data.eval` naming several; their ids get the name in front)."""
@@ -33,10 +49,11 @@ def _prompts(cfg: Config, env_builder=None) -> tuple[list[Prompt], list[Prompt],
         if not callable(getattr(env_builder, "prompts", None)):
             raise ConfigError(f"data.train=env: the environment {cfg.env.name!r} has no prompts(n, seed) task generator; "
                               "give data.train a dataset instead")
-        train = env_builder.prompts(cfg.env.tasks, seed=cfg.seed)
+        train = _generated(env_builder, cfg.env.tasks, cfg.seed, cfg.env.name)
         # held-out tasks: new instances from another seed (a game's task is its hidden state, so
         # carving distinct prompt texts out of the training tasks does not apply)
-        held = env_builder.prompts(d.eval_size, seed=cfg.seed + 1_000_003) if d.eval_size and d.eval is None else []
+        held = _generated(env_builder, d.eval_size, cfg.seed + 1_000_003, cfg.env.name) \
+            if d.eval_size and d.eval is None else []
         if d.eval is None:
             return list(train), list(held), 0, sets
         train = SimpleNamespace(prompts=train, num_skipped=0)
