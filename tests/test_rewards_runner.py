@@ -558,8 +558,12 @@ def test_file_reference_with_bound_kwargs_and_weights(tmp_path):
     with pytest.raises(ValueError, match="unique"):
         build_rewards(["exact", "exact"])
     # a built-in's options are checked (every dataset field also reaches it, so a typo would pass)
-    with pytest.raises(ValueError, match="reward 'format' \\(format\\) has no option 'patern'; its options: pattern"):
+    with pytest.raises(ValueError, match="reward 'format' \\(format\\): has no option 'patern'; its options: pattern"):
         build_rewards([{"fn": "format", "kwargs": {"patern": "x"}}])
+    with pytest.raises(ValueError, match=r"reward 'format' \(format\): pattern '\(' is not a regular expression: missing \)"):
+        build_rewards([{"fn": "format", "kwargs": {"pattern": "("}}])  # it had failed on every sample, at the first scoring
+    with pytest.raises(ValueError, match="build_rewards takes a list of rewards, got the str 'numeric'"):
+        build_rewards("numeric")  # (it had looked up the rewards 'n', 'u', ...)
     with pytest.raises(ValueError, match="'numeric' \\(numeric\\) has no option 'tolerance'; its options: none"):
         build_rewards([{"fn": "numeric", "kwargs": {"tolerance": 0.1}}])
     path.write_text("def any_options(completion, answer, **kw):\n    return float(kw['level'])\n")

@@ -1345,6 +1345,8 @@ def test_a_loop_refuses_a_config_of_the_other_mode_a_foreign_run_and_an_evaluati
         train_async(cfg)
     with pytest.raises(ConfigError, match=r"mode='async'.*rollover.loops.async_.train_async"):
         train_sync(tiny_cfg(model_dir, tmp_path / "b", mode="async"))
+    with pytest.raises(TypeError, match=r"rollover.loops.sync.train_sync takes a Config, got dict: .*load_config"):
+        train_sync({"model": model_dir, "run_dir": str(tmp_path / "b")})
     run = build_run(cfg)
     try:
         other = tiny_cfg(model_dir, tmp_path / "c", steps=2, **{"rollout.samples_per_prompt": 2})

@@ -239,6 +239,9 @@ def run_to_train(cfg: Config, run: Run | None, mode: str) -> Run:
     """The run the `mode` loop trains: `run` when it was built from `cfg` to be trained (not an
     evaluation's), else a new one. A config of the other mode is refused, as is a run built
     from another config: the loop would train one config's steps with the other's parts."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"{LOOPS[mode]} takes a Config, got {type(cfg).__name__}: build it with "
+                        "rollover.config.load_config(path, overrides, **keys)")
     if cfg.mode != mode:
         raise ConfigError(f"mode={cfg.mode!r}, and {LOOPS[mode]} runs mode {mode!r}: train this config with "
                           f"{LOOPS[cfg.mode]}")

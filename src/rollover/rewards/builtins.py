@@ -209,6 +209,26 @@ def format_reward(
     """
     return 1.0 if _compiled(pattern).search(completion) else 0.0
 
+
+def _format_prepare(load: bool, **kwargs) -> dict:
+    """`format`'s options checked when the rewards are built: a pattern that does not compile
+    failed on every sample, at the first scoring."""
+    unknown = [k for k in kwargs if k != "pattern"]
+    if unknown:
+        raise ValueError(f"has no option {', '.join(map(repr, unknown))}; its options: pattern")
+    if "pattern" in kwargs:
+        pattern = kwargs["pattern"]
+        if not isinstance(pattern, str):
+            raise TypeError(f"pattern must be a regular expression as a string, got {type(pattern).__name__}")
+        try:
+            _compiled(pattern)
+        except re.error as e:
+            raise ValueError(f"pattern {pattern!r:.100} is not a regular expression: {e}") from None
+    return kwargs
+
+
+format_reward._rollover_prepare = _format_prepare
+
 BUILTINS = {
     "math": math_reward,
     "numeric": numeric_reward,

@@ -359,6 +359,9 @@ def reward_weights(specs: list[RewardSpec | dict | str]) -> dict[str, float]:
 def build_rewards(specs: list[RewardSpec | dict | str], *, here: bool = True) -> list[Reward]:
     """Rewards from config entries: a spec, a dict of RewardSpec fields, or a bare name.
     `here`: see `RewardSpec.build`."""
+    if isinstance(specs, (str, dict, RewardSpec)):
+        raise ValueError(f"build_rewards takes a list of rewards, got the {type(specs).__name__} {specs!r:.80}: "
+                         f"[{specs!r:.80}]")
     rewards = [_spec(spec).build(here=here) for spec in specs]
     slashed = sorted(r.name for r in rewards if "/" in r.name)
     if slashed:  # rewards/<name>/<key>/mean names a reward's extra numbers
