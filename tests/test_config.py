@@ -122,6 +122,20 @@ def test_one_adapter_written_two_ways_is_no_config_change():
     assert [c.split(":")[0] for c in config_changes(saved, other)] == ["train.lora"]
 
 
+def test_one_path_written_two_ways_is_no_config_change():
+    """`tiny/` and `tiny`, `./a.jsonl` and `a.jsonl`: the same files; another path, or a text
+    key with a slash, still a change."""
+    import yaml
+
+    saved = yaml.safe_load(dump_config(load_config(model="tiny", **{"data.train": "./a.jsonl", "data.eval": {"x": "b/"},
+                                                                    "data.instruction": "a/b"})))
+    same = load_config(model="tiny/", **{"data.train": "a.jsonl", "data.eval": {"x": "./b"}, "data.instruction": "a/b"})
+    assert config_changes(saved, same) == []
+    other = load_config(model="tiny2", **{"data.train": "gen:arithmetic?n=5", "data.eval": {"x": "b"},
+                                          "data.instruction": "a/./b"})
+    assert [c.split(":")[0] for c in config_changes(saved, other)] == ["model", "data.train", "data.instruction"]
+
+
 def test_a_function_object_as_a_reward_says_how_to_name_it():
     def my_reward(completion, answer, **kw):
         return 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -343,9 +344,26 @@ def config_changes(saved: dict, cfg: Config) -> list[str]:
     for key, value in new.items():
         if any(key == free or key.startswith(free + ".") for free in RESUME_FREE_KEYS):
             continue
-        if key in old and _plain(old[key]) != _plain(value):
+        if key in old and _plain(_as_path(key, old[key])) != _plain(_as_path(key, value)):
             changes.append(f"{key}: {json.dumps(old[key])} -> {json.dumps(value)}")
     return changes
+
+
+PATH_KEYS = ("model", "critic.model", "distill.teacher", "data.train", "data.eval")  # (a named source: data.train.NAME)
+
+
+def _as_path(key: str, value: Any) -> Any:
+    """A local path written two ways (`tiny/` and `tiny`, `./data.jsonl`) as one; a value with
+    a scheme (`gen:`, `hf:`) as it is."""
+    if not any(key == k or key.startswith(k + ".") for k in PATH_KEYS):
+        return value
+    if isinstance(value, dict):  # named sources
+        return {name: _as_path(key, v) for name, v in value.items()}
+    if not isinstance(value, str):
+        return value
+    if not value or re.match(r"^[A-Za-z][\w+.-]*:", value):
+        return value
+    return os.path.normpath(value)
 
 
 def _same_lora(config: dict) -> dict:
