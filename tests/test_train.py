@@ -867,6 +867,34 @@ def test_reward_errors_raise_zero_skip(model_dir, tmp_path, monkeypatch):
     assert row["groups"] == 3 - row["rollout/skipped_groups"]
 
 
+def test_a_reward_timeout_and_its_stuck_thread_reach_the_runs_metrics(model_dir, tmp_path, monkeypatch):
+    """The first call hangs past reward.timeout_s: counted as its function's timeout (and error),
+    and its abandoned thread, alive until released, as reward/stuck_threads."""
+    import threading
+
+    import rollover.rewards.builtins as builtins
+
+    release, calls = threading.Event(), {"n": 0}
+
+    def slow(completion, answer, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            release.wait(60)
+        return 1.0
+
+    monkeypatch.setattr(builtins, "slow_test_reward", slow, raising=False)
+    fn = [{"fn": "rollover.rewards.builtins:slow_test_reward", "name": "slow"}]
+    try:
+        train_sync(tiny_cfg(model_dir, tmp_path, steps=1, **{"reward.functions": fn, "reward.on_error": "zero",
+                                                             "reward.timeout_s": 0.5, "eval.at_start": False,
+                                                             "eval.every": 0}))
+    finally:
+        release.set()
+    row = next(json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"train"' in x)
+    assert row["rollout/rewards/slow/timeouts"] == row["rollout/rewards/slow/errors"] == 1
+    assert row["reward/stuck_threads"] == 1
+
+
 @pytest.mark.parametrize("extra", [{}, {"selection.policy": "thompson"}])
 def test_a_reward_failing_mid_step_saves_the_steps_trained_and_the_resume_is_exact(model_dir, tmp_path, monkeypatch,
                                                                                     extra):

@@ -198,7 +198,8 @@ class _Services:
         self._env_since = (0.0, time.perf_counter())  # environment busy seconds and time at the last metrics row
         self.counts = DATA_COUNTS + (("experience_pool_substitutions",) if cfg.async_.experience_pool else ()) + \
             (("entropy_masked_samples",) if cfg.async_.top_entropy_fraction < 1 else ()) + \
-            (() if run.env_builder is not None else tuple(f"rewards/{r.name}/errors" for r in run.rewards.rewards))
+            (() if run.env_builder is not None else
+             tuple(f"rewards/{r.name}/{count}" for r in run.rewards.rewards for count in ("errors", "timeouts")))
         # (0s shown: a count is in every row, as in sync mode's)
         _restore(run.resumed_extra.get("async"), self.gate, self.manager, self.service)
 

@@ -73,8 +73,9 @@ class EmptyCollections:
     @classmethod
     def folded(cls, key: str) -> bool:
         """Whether a collector metric is a count the next training step carries: `FOLDED`, and
-        each reward function's errors (`rewards/<fn>/errors`, a part of `reward_errors`)."""
-        return key in cls.FOLDED or (key.startswith("rewards/") and key.endswith("/errors"))
+        each reward function's errors and timeouts (`rewards/<fn>/errors`, a part of `reward_errors`;
+        `rewards/<fn>/timeouts`)."""
+        return key in cls.FOLDED or (key.startswith("rewards/") and key.endswith(("/errors", "/timeouts")))
 
     def fold(self, gen: dict) -> dict:
         """The training step's collector metrics with the empty collections before it added in."""

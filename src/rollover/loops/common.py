@@ -207,8 +207,9 @@ class Run:
                                best=(c.best, c.best_mode) if c.best else None)
 
     def worker_metrics(self) -> dict:
-        """Counts of the Ray reward and environment workers (started, died), when there are any."""
-        out = {}
+        """Counts of the Ray reward and environment workers (started, died), when there are any;
+        and the reward calls abandoned at their timeout whose threads still run."""
+        out = {"reward/stuck_threads": self.rewards.stuck_threads()}
         for part in (getattr(self.rewards, "pool", None), self.env_workers):
             metrics = getattr(part, "metrics", None)
             if metrics is not None:

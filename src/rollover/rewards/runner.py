@@ -338,7 +338,7 @@ class RewardRunner:
             timeout_counts={
                 name: sum(f.fn == name and f.timed_out for f in failures) for name in names
             },
-            stuck_threads=self._live_stuck(),
+            stuck_threads=self.stuck_threads(),
         )
 
     def _calls(self, prompts, completions, completion_ids, opened) -> list[_Call]:
@@ -443,7 +443,8 @@ class RewardRunner:
         with self._lock:
             self._stuck.append(thread)
 
-    def _live_stuck(self) -> int:
+    def stuck_threads(self) -> int:
+        """In-thread calls abandoned at their timeout that still run (threads cannot be killed)."""
         with self._lock:
             self._stuck = [t for t in self._stuck if t.is_alive()]
             return len(self._stuck)

@@ -115,6 +115,7 @@ def scored_groups(pending: list[PendingGroup], run, m) -> list[Group]:
     m["reward_s"] += time.perf_counter() - t0
     for fn, count in result.error_counts.items():
         m[f"rewards/{fn}/errors"] += count
+        m[f"rewards/{fn}/timeouts"] += result.timeout_counts[fn]  # (a part of its errors)
         m["reward_errors"] += count
     return _set_greedy_apart(pending, groups)
 
@@ -338,6 +339,7 @@ def eval_metrics(pending: list[PendingGroup], run, sources: dict[str, str] | Non
     # failed reward calls: scored 0 under on_error=zero, left out under skip; counted either way
     out["eval/reward_errors"] = sum(scored.error_counts.values())
     out.update({f"eval/rewards/{fn}/errors": n for fn, n in scored.error_counts.items()})
+    out.update({f"eval/rewards/{fn}/timeouts": n for fn, n in scored.timeout_counts.items()})
     for name, part in by_source(groups, sources, least):
         out.update(per_source(name, _eval_summary(part, run)))
     return out, groups
