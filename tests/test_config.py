@@ -53,6 +53,11 @@ def test_assigning_a_top_level_field_checks_that_field_and_keeps_the_rest():
     with pytest.raises(ValidationError, match="steps"):
         cfg.steps = 0
     assert cfg.steps == 5
+    # the keys the default loss follows: assigned, async would train with the synchronous loss
+    for name, value in [("mode", "async"), ("partial_rollout", {"enabled": True}), ("algorithm", {"eps_high": 0.3})]:
+        with pytest.raises(AttributeError, match=rf"cfg.{name} is not assigned: the default algorithm.loss follows"):
+            setattr(cfg, name, value)
+    assert (cfg.mode, cfg.partial_rollout.enabled, cfg.algorithm.loss) == ("sync", False, "ppo")
 
 
 
@@ -127,11 +132,13 @@ def test_one_path_written_two_ways_is_no_config_change():
     key with a slash, still a change."""
     import yaml
 
-    saved = yaml.safe_load(dump_config(load_config(model="tiny", **{"data.train": "./a.jsonl", "data.eval": {"x": "b/"},
+    saved = yaml.safe_load(dump_config(load_config(model="tiny", **{"data.train": "./a.jsonl",
+                                                                    "data.eval": {"x": "b/", "y": "d?split=t"},
                                                                     "data.instruction": "a/b"})))
-    same = load_config(model="tiny/", **{"data.train": "a.jsonl", "data.eval": {"x": "./b"}, "data.instruction": "a/b"})
+    same = load_config(model="tiny/", **{"data.train": "a.jsonl", "data.eval": {"x": "./b", "y": "d/?split=t"},
+                                         "data.instruction": "a/b"})
     assert config_changes(saved, same) == []
-    other = load_config(model="tiny2", **{"data.train": "gen:arithmetic?n=5", "data.eval": {"x": "b"},
+    other = load_config(model="tiny2", **{"data.train": "gen:arithmetic?n=5", "data.eval": {"x": "b", "y": "d?split=t"},
                                           "data.instruction": "a/./b"})
     assert [c.split(":")[0] for c in config_changes(saved, other)] == ["model", "data.train", "data.instruction"]
 
@@ -526,6 +533,9 @@ def test_an_error_names_whether_the_file_or_an_override_gave_the_key(tmp_path):
     path.write_text("modle: x\n")
     with pytest.raises(ConfigError, match=rf"^{path} and keyword arguments: unknown key 'modle'"):
         load_config(path, stepz=3)
+    path.write_text("rollout:\n  samples_per_prompt: 4.5\n")  # a section given as a keyword: its own keys only
+    with pytest.raises(ConfigError, match=rf"^{path}: rollout.samples_per_prompt=4.5: must be an integer$"):
+        load_config(path, rollout={"max_new_tokens": 64})
 
 
 def test_a_loss_that_is_not_a_name_and_an_async_override_are_config_errors(tmp_path):

@@ -55,6 +55,16 @@ def test_plot_run_writes_one_png_per_panel_with_data(tmp_path):
     assert all(p.parent == tmp_path / "plots" and _is_png(p) for p in paths)
 
 
+def test_a_rewards_extra_numbers_are_not_drawn_on_the_reward_axis():
+    """`rewards/<fn>/<key>/mean` (a dict's extra keys, TRL's log_extra: a length, a count) would
+    share the reward's axis; each function's own mean is drawn."""
+    from rollover.metrics.plots import _PANELS, _matching
+
+    reward = next(p for p in _PANELS if p.name == "reward")
+    rows = [{"reward/mean": 0.5, "rewards/math/mean": 0.5, "rewards/math/length/mean": 412.0}]
+    assert _matching(rows, reward.train) == ["reward/mean", "rewards/math/mean"]
+
+
 def test_distillations_distance_to_the_teacher_has_its_own_panel(tmp_path):
     """distill/reverse_kl and distill/divergence are drawn apart from the policy's KL terms."""
     from rollover.metrics.plots import _PANELS, _matching

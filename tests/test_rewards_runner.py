@@ -191,13 +191,17 @@ def test_what_a_trl_function_logs_never_costs_a_sample_its_score():
     none of TRL's extras gets none."""
     def logs_oddly(prompts, completions, log_metric, log_extra):
         log_metric("empty_mean", float("nan"))
+        log_metric("twice", 1.0)
+        log_metric("twice", 3.0)  # TRL's mean
         log_extra("parts", [[1, 2], None])
+        log_extra("big", [10**400, 2])
         log_extra("hits", [1, 0])
-        return [{"score": 1.0, "hits": 5.0}, 0.5]
+        return ({"score": 1.0, "hits": 5.0}, 0.5)  # a tuple keeps what was logged too
 
     out = RewardRunner([Reward("odd", logs_oddly)]).score(P, ["x", "y"])
     assert out.totals == [1.0, 0.5]
-    assert [s.extras for s in out.samples] == [{"odd/hits": 5.0}, {"odd/hits": 0.0}]
+    assert [s.extras for s in out.samples] == [{"odd/hits": 5.0, "odd/twice": 2.0},
+                                               {"odd/big": 2.0, "odd/hits": 0.0, "odd/twice": 2.0}]
 
     def short_column(prompts, completions, log_extra):
         log_extra("hits", [1])

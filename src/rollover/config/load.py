@@ -199,7 +199,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, sc
     try:
         return schema.model_validate(raw, context={"recorded": recorded})
     except ValidationError as e:
-        keyworded = set(data)
+        keyworded = set(_flat(data))  # a section given as a keyword: the keys in it, not the file's beside them
 
         def where(err: dict) -> str:  # with a file: the file, the overrides or the keywords the keys came from
             if path is None:
@@ -363,7 +363,8 @@ def _as_path(key: str, value: Any) -> Any:
         return value
     if not value or re.match(r"^[A-Za-z][\w+.-]*:", value):
         return value
-    return os.path.normpath(value)
+    path, sep, query = value.partition("?")  # a dataset directory's split: `dir?split=test`
+    return os.path.normpath(path) + sep + query
 
 
 def _same_lora(config: dict) -> dict:

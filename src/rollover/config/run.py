@@ -23,6 +23,9 @@ ANSWER_REWARDS = ("math", "numeric", "exact", "em", "countdown", "code")
 ANSWER_SCORED_ENVS = {"tools": "numeric", "interpreter": "numeric", "inline_tools": "em"}
 
 
+RELOAD_TO_CHANGE = ("mode", "partial_rollout", "algorithm")  # refused by assignment: see Config.__setattr__
+
+
 class Config(Section):
     run_dir: NonEmptyStr = "runs/default"
     """Where metrics, checkpoints and plots go."""
@@ -66,6 +69,14 @@ class Config(Section):
     selection: SelectionConfig = SelectionConfig()
     downsample: DownsampleConfig = DownsampleConfig()
     ray: RayConfig = RayConfig()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in RELOAD_TO_CHANGE:  # the default loss follows them, set when the config was loaded
+            raise AttributeError(
+                f"cfg.{name} is not assigned: the default algorithm.loss follows mode and partial_rollout "
+                f"(decoupled PPO for async and APRIL), and was set when the config was loaded; load it again with "
+                f"the new {name} (load_config(path, [\"{name}=...\"]) or load_config(..., {name}=...))")
+        super().__setattr__(name, value)
 
     @model_validator(mode="before")
     @classmethod

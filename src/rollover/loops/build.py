@@ -99,10 +99,8 @@ def _reward_runner(cfg: Config) -> RewardRunner:
         pool = RayRewardPool(functions, size=cfg.ray.reward_workers, timeout_s=cfg.reward.timeout_s,
                              gpus=cfg.ray.gpus_per_reward_worker,
                              cpus=cfg.ray.cpus_per_reward_worker)
-    runner = RewardRunner(functions, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error,
-                          workers=cfg.reward.workers, pool=pool)
-    runner.trainer_state = TrainerState(global_step=0, max_steps=cfg.steps)
-    return runner
+    return RewardRunner(functions, timeout_s=cfg.reward.timeout_s, on_error=cfg.reward.on_error,
+                        workers=cfg.reward.workers, pool=pool)
 
 
 def _close_quietly(*closes) -> None:
@@ -307,6 +305,7 @@ def _rest_of_inputs(cfg: Config, record: bool, tokenizer, rewards: RewardRunner)
     for caveat in [*loss_caveats(cfg), *cfg.unused_settings()] if record else ():  # (not for an evaluation)
         log.warning("%s", caveat)
     _steps_from_epochs(cfg, len(train_prompts))
+    rewards.trainer_state = TrainerState(global_step=0, max_steps=cfg.steps)  # (steps set from data.epochs too)
     return _Inputs(tokenizer=tokenizer, rewards=rewards, env_builder=env_builder, train_iter=train_iter,
                    eval_prompts=eval_prompts, prompt_ids=prompt_ids, sources=sources, media=media,
                    skipped=skipped + too_long)

@@ -74,7 +74,7 @@ _PANELS = (
         "reward",
         "Reward",
         "reward",
-        train=(r"^reward/mean$", r"^reward$", r"^critic/score/mean$", r"^rewards/.+/mean$", r"(^|/)accuracy$"),
+        train=(r"^reward/mean$", r"^reward$", r"^critic/score/mean$", r"^rewards/[^/]+/mean$", r"(^|/)accuracy$"),
         eval=(r"(^|/)acc[^/]*$", r"reward([/_]mean)?$", r"pass@", r"(^|/)(pass|maj)_at_k$"),  # (not eval/rewards/<fn>/errors)
     ),
     _Panel(

@@ -268,10 +268,11 @@ class _Logged:
 
     def __init__(self, n: int):
         self.n = n
-        self.numbers: dict[str, list] = {}
+        self.numbers: dict[str, list] = {}  # per sample
+        self.metrics: dict[str, list] = {}  # per batch: every value logged under the name
 
     def metric(self, name: str, value: float) -> None:
-        self.numbers[str(name)] = [value] * self.n
+        self.metrics.setdefault(str(name), []).append(value)
 
     def extra(self, column: str, values) -> None:
         values = list(values)
@@ -282,8 +283,11 @@ class _Logged:
     def folded(self, scores: object) -> object:
         """Each score as a dict with the logged numbers beside it (the function's own keys
         win). Scores the runner will refuse (a wrong count, an exception) pass unchanged."""
-        if not self.numbers or not isinstance(scores, list) or len(scores) != self.n:
+        if not (self.numbers or self.metrics) or not isinstance(scores, (list, tuple)) or len(scores) != self.n:
             return scores
+        for name, values in self.metrics.items():  # a name logged twice: its mean, as TRL's
+            kept = [float(v) for v in values if _finite_number(v)]
+            self.numbers[name] = [sum(kept) / len(kept) if kept else None] * self.n
         out = []
         for i, score in enumerate(scores):
             if isinstance(score, Exception):
@@ -299,7 +303,10 @@ def _finite_number(value: object) -> bool:
     NaN and containers are left out, not failed on (logging must not cost the sample its score)."""
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
         value = value.item()
-    return isinstance(value, numbers.Real) and math.isfinite(value)
+    try:
+        return isinstance(value, numbers.Real) and math.isfinite(value)
+    except OverflowError:  # an int past 1.8e308
+        return False
 
 
 def _listed(scores: object) -> object:
