@@ -11,6 +11,8 @@ with `Completion.resume()`, which carries the tokens generated so far.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -187,6 +189,20 @@ class Group:
     @property
     def rewards(self) -> list[float | None]:
         return [r.reward for r in self.rollouts]
+
+
+def finite_float(value: object) -> float | None:
+    """`value` as a finite float when it is a real number (a 0-d array or tensor too) that is
+    one; None for NaN, inf, an int past 1.8e308 (`float` raises on it), text or a container."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def split_reasoning(text: str, opened: bool = False) -> tuple[str, str]:

@@ -21,14 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import math
 import numbers
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Hashable, Literal, Protocol, Sequence
 
-from rollover.types import FinishReason, Prompt, Rollout
+from rollover.types import FinishReason, Prompt, Rollout, finite_float
 
 INSERTED_VERSION = -1  # versions_T of a token the environment (or the prompt) put there
 
@@ -290,13 +289,8 @@ def info_means(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     values: dict[str, list[float]] = {}
     for t in trajectories:
         for key, v in t.info.items():
-            if isinstance(v, numbers.Real):  # bools count (a rate); strings, lists, None do not
-                try:
-                    number = float(v)
-                except OverflowError:
-                    continue
-                if math.isfinite(number):
-                    values.setdefault(str(key), []).append(number)
+            if isinstance(v, numbers.Real) and (number := finite_float(v)) is not None:  # bools count (a rate)
+                values.setdefault(str(key), []).append(number)
     return {key: sum(values[key]) / len(values[key]) for key in sorted(values)}
 
 

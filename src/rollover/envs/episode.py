@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import functools
 import inspect
-import math
 import numbers
 import time
 import traceback
@@ -48,7 +47,7 @@ from rollover.data.media import Media
 from rollover.data.render import opens_reasoning
 from rollover.envs.render import ChatRenderer
 from rollover.rewards.builtins import numpy_bool
-from rollover.types import Request, SamplingParams, prefilled
+from rollover.types import Request, SamplingParams, finite_float, prefilled
 
 if TYPE_CHECKING:  # envs never import the engine at run time; the episode only calls agenerate
     from rollover.engine import Engine
@@ -513,7 +512,7 @@ def _not_step_result(value) -> str | None:
             isinstance(value.reward, numbers.Real) and not isinstance(value.reward, (int, float))):
         value.reward = float(value.reward)
     r = value.reward
-    if not (isinstance(r, (int, float)) and not isinstance(r, bool) and _fits_float(r)):
+    if not (isinstance(r, (int, float)) and not isinstance(r, bool) and finite_float(r) is not None):
         return f"step returned reward={r!r:.100}: a finite number is needed"
     if not _is_messages(value.messages):
         return (f"step returned messages={value.messages!r:.200}: a list of message dicts, each with a 'role' and a "
@@ -529,14 +528,6 @@ def _not_step_result(value) -> str | None:
         return (f"step returned continuation={value.continuation!r:.100} with messages={value.messages!r:.100}: "
                 "a continuation is a string, given instead of messages")
     return _not_stop(value.stop)
-
-
-def _fits_float(number: int | float) -> bool:
-    """Finite, and as a float (an int past 1.8e308 is not one: `math.isfinite` raises on it)."""
-    try:
-        return math.isfinite(number)
-    except OverflowError:
-        return False
 
 
 def episode_seed(seed: int | None, j: int) -> int | None:

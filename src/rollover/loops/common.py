@@ -177,11 +177,11 @@ class Run:
     def primary_reward(self) -> str:
         return "env" if self.env_builder is not None else self.rewards.rewards[0].name
 
-    # ------------------------------------------------------------ checkpoints
     def at_step(self, step: int) -> None:
-        """`step` optimizer steps done: what reward functions read as TRL's `trainer_state`."""
+        """`step` training steps done: what reward functions read as TRL's `trainer_state`."""
         self.rewards.trainer_state = TrainerState(global_step=step, max_steps=self.cfg.steps)
 
+    # ------------------------------------------------------------ checkpoints
     def state(self, extra: dict | None = None, *, rng: bool = False) -> dict:
         """What a checkpoint keeps besides the weights and the trainer's state: the run's data,
         prompt and selection state, `extra` (the loop's) and, with `rng`, the random generators'

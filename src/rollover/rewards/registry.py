@@ -47,17 +47,16 @@ from pathlib import Path
 from typing import Callable
 
 from rollover.rewards.builtins import BUILTINS
-from rollover.types import answer_of
+from rollover.types import answer_of, finite_float
 
 REASONING = ("keep", "drop")  # what a reward sees of a thinking model's reasoning
-LOGGERS = ("log_metric", "log_extra")  # TRL's logging callables, handed to a batched function that takes them
 
 
 @dataclass(frozen=True)
 class TrainerState:
-    """What a TRL reward function reads of TRL's `trainer_state`: `global_step`, the optimizer
+    """What a TRL reward function reads of TRL's `trainer_state`: `global_step`, the training
     steps done when the batch is scored (the version of the weights that generate from then
-    on), and `max_steps`, the run's `steps`."""
+    on; a step may make several optimizer updates), and `max_steps`, the run's `steps`."""
 
     global_step: int = 0
     max_steps: int = 0
@@ -286,27 +285,16 @@ class _Logged:
         if not (self.numbers or self.metrics) or not isinstance(scores, (list, tuple)) or len(scores) != self.n:
             return scores
         for name, values in self.metrics.items():  # a name logged twice: its mean, as TRL's
-            kept = [float(v) for v in values if _finite_number(v)]
+            kept = [x for x in map(finite_float, values) if x is not None]
             self.numbers[name] = [sum(kept) / len(kept) if kept else None] * self.n
         out = []
         for i, score in enumerate(scores):
             if isinstance(score, Exception):
                 out.append(score)
                 continue
-            logged = {k: float(v[i]) for k, v in self.numbers.items() if _finite_number(v[i])}
+            logged = {k: x for k, v in self.numbers.items() if (x := finite_float(v[i])) is not None}
             out.append({**logged, **score} if isinstance(score, dict) else {**logged, "score": score})
         return out
-
-
-def _finite_number(value: object) -> bool:
-    """A logged value kept as a number: a finite real (a 0-d array or tensor too); text, None,
-    NaN and containers are left out, not failed on (logging must not cost the sample its score)."""
-    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
-        value = value.item()
-    try:
-        return isinstance(value, numbers.Real) and math.isfinite(value)
-    except OverflowError:  # an int past 1.8e308
-        return False
 
 
 def _listed(scores: object) -> object:
